@@ -1,0 +1,21 @@
+// Elementwise helpers: fill (tests poison outputs with it) and a scaled copy (the smoke test of
+// the NVRTC path). Grid-stride loops, any length.
+
+template <typename T>
+__device__ void fill_impl(T* __restrict__ out, T value, u64 n) {
+    for (u64 i = global_thread(); i < n; i += grid_threads()) out[i] = value;
+}
+
+template <typename T>
+__device__ void scale_impl(const T* __restrict__ x, T* __restrict__ y, float alpha, u64 n) {
+    for (u64 i = global_thread(); i < n; i += grid_threads()) y[i] = from_float<T>(alpha * to_float(x[i]));
+}
+
+extern "C" __global__ void fill_f32(float* out, float v, u64 n) { fill_impl(out, v, n); }
+extern "C" __global__ void fill_f16(nnf_f16* out, nnf_f16 v, u64 n) { fill_impl(out, v, n); }
+extern "C" __global__ void fill_bf16(nnf_bf16* out, nnf_bf16 v, u64 n) { fill_impl(out, v, n); }
+extern "C" __global__ void fill_u32(u32* out, u32 v, u64 n) { fill_impl(out, v, n); }
+
+extern "C" __global__ void scale_f32(const float* x, float* y, float a, u64 n) { scale_impl(x, y, a, n); }
+extern "C" __global__ void scale_f16(const nnf_f16* x, nnf_f16* y, float a, u64 n) { scale_impl(x, y, a, n); }
+extern "C" __global__ void scale_bf16(const nnf_bf16* x, nnf_bf16* y, float a, u64 n) { scale_impl(x, y, a, n); }

@@ -1,0 +1,43 @@
+//! `nnfuse`: the command-line face of the library (info, plan, tune, ...).
+
+mod info;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "nnfuse",
+    version,
+    about = "Fast GPU paths for BatchNorm, batched GEMM and convolution"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Device, library versions and the effective configuration.
+    Info,
+}
+
+fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("NNFUSE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Info => info::run(),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("nnfuse: error: {e:#}");
+            std::process::ExitCode::from(2)
+        }
+    }
+}

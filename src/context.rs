@@ -1,0 +1,473 @@
+//! The [`Context`]: one device, one stream, the vendor-library handles, a growable workspace and
+//! the per-device cache of compiled kernels. Everything that touches the GPU goes through it.
+//!
+//! Threading: `Context` is `Send + Sync` and cheap to clone (an `Arc`). All work runs on the
+//! Context's one stream, in the order calls are made. cuDNN, cuBLAS and cuBLASLt allow several
+//! threads but not one handle used by two threads at once, so the handles and the workspace sit
+//! behind one mutex ([`Context::lock`]); since they all serve the same stream, one lock costs no
+//! parallelism that the stream would have given.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cudarc::cublas::{result as cublas_result, sys as cublas_sys};
+use cudarc::cublaslt::{result as lt_result, sys as lt_sys};
+use cudarc::cudnn::{result as cudnn_result, sys as cudnn_sys};
+use cudarc::driver::{sys as drv, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
+use once_cell::sync::Lazy;
+
+use crate::config::Config;
+use crate::error::{CallExt, Error, Result};
+use crate::kernels::{self, KernelFile};
+
+/// Names the library and says how to make it findable.
+fn missing(lib: &'static str, file: &str) -> Error {
+    let source = if lib == "cuda" {
+        "it comes with the NVIDIA driver: install the driver, or on a machine without a GPU \
+         expect GPU operations to be unavailable"
+    } else {
+        "install it (NVIDIA's pip wheels, e.g. nvidia-cudnn-cu13 / nvidia-cublas, or a CUDA \
+         toolkit) and put the folder holding it on LD_LIBRARY_PATH"
+    };
+    Error::LibraryMissing {
+        lib,
+        hint: format!("{file} was not found by the dynamic loader; {source}"),
+    }
+}
+
+/// Whether the CUDA driver library (`libcuda.so`) can be loaded.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the library.
+    unsafe { drv::is_culib_present() }
+}
+
+/// Whether cuDNN can be loaded.
+pub fn cudnn_present() -> bool {
+    // SAFETY: as above.
+    unsafe { cudnn_sys::is_culib_present() }
+}
+
+/// Whether cuBLAS can be loaded.
+pub fn cublas_present() -> bool {
+    // SAFETY: as above.
+    unsafe { cublas_sys::is_culib_present() }
+}
+
+/// Whether cuBLASLt can be loaded.
+pub fn cublaslt_present() -> bool {
+    // SAFETY: as above.
+    unsafe { lt_sys::is_culib_present() }
+}
+
+/// The CUDA driver's version as `(major, minor)`.
+pub fn driver_version() -> Result<(i32, i32)> {
+    if !driver_present() {
+        return Err(missing("cuda", "libcuda.so.1"));
+    }
+    let mut v = 0;
+    // SAFETY: valid out-pointer; cuDriverGetVersion needs no cuInit.
+    unsafe { drv::cuDriverGetVersion(&mut v) }
+        .result()
+        .call("cuDriverGetVersion")?;
+    Ok((v / 1000, (v % 1000) / 10))
+}
+
+/// cuDNN's version number (e.g. 91900 for 9.19.0), after checking that it can be loaded.
+pub fn cudnn_version() -> Result<usize> {
+    if !cudnn_present() {
+        return Err(missing("cudnn", "libcudnn.so.9"));
+    }
+    Ok(cudnn_result::get_version())
+}
+
+/// cuBLAS's version as `(major, minor, patch)`.
+pub fn cublas_version() -> Result<(i32, i32, i32)> {
+    if !cublas_present() {
+        return Err(missing("cublas", "libcublas.so.13"));
+    }
+    let get = |t| {
+        let mut v = 0;
+        // SAFETY: valid out-pointer; needs no handle.
+        unsafe { cublas_sys::cublasGetProperty(t, &mut v) }
+            .result()
+            .call("cublasGetProperty")
+            .map(|_| v)
+    };
+    use cublas_sys::libraryPropertyType as P;
+    Ok((
+        get(P::MAJOR_VERSION)?,
+        get(P::MINOR_VERSION)?,
+        get(P::PATCH_LEVEL)?,
+    ))
+}
+
+/// cuBLASLt's version number (e.g. 130100).
+pub fn cublaslt_version() -> Result<usize> {
+    if !cublaslt_present() {
+        return Err(missing("cublasLt", "libcublasLt.so.13"));
+    }
+    // SAFETY: no arguments.
+    Ok(unsafe { lt_sys::cublasLtGetVersion() })
+}
+
+/// Facts about the device a [`Context`] runs on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// Ordinal.
+    pub ordinal: usize,
+    /// Marketing name.
+    pub name: String,
+    /// Compute capability.
+    pub compute_capability: (i32, i32),
+    /// Streaming multiprocessors.
+    pub sm_count: i32,
+    /// Total memory in bytes.
+    pub total_memory: usize,
+    /// L2 cache in bytes.
+    pub l2_bytes: i32,
+    /// CUDA driver version.
+    pub driver: (i32, i32),
+}
+
+impl fmt::Display for DeviceInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "device {}: {} (sm_{}{}), {} SMs, {:.1} GiB, L2 {} MiB, driver CUDA {}.{}",
+            self.ordinal,
+            self.name,
+            self.compute_capability.0,
+            self.compute_capability.1,
+            self.sm_count,
+            self.total_memory as f64 / (1u64 << 30) as f64,
+            self.l2_bytes >> 20,
+            self.driver.0,
+            self.driver.1
+        )
+    }
+}
+
+/// A raw library handle that may move between threads while the mutex guards it.
+struct Handle<H>(H);
+// SAFETY: cuDNN/cuBLAS/cuBLASLt handles may be used from any thread, one at a time; the
+// Context's mutex guarantees one at a time.
+unsafe impl<H> Send for Handle<H> {}
+
+/// The state behind [`Context::lock`].
+#[derive(Default)]
+struct Shared {
+    cudnn: Option<Handle<cudnn_sys::cudnnHandle_t>>,
+    cublas: Option<Handle<cublas_sys::cublasHandle_t>>,
+    cublaslt: Option<Handle<lt_sys::cublasLtHandle_t>>,
+    workspace: Option<CudaSlice<u8>>,
+}
+
+struct Inner {
+    info: DeviceInfo,
+    cuda: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    config: Config,
+    shared: Mutex<Shared>,
+    functions: Mutex<HashMap<(&'static str, &'static str), CudaFunction>>,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Work may still be queued that uses the handles or the workspace.
+        let _ = self.stream.synchronize();
+        let shared = match self.shared.get_mut() {
+            Ok(s) => s,
+            Err(p) => p.into_inner(),
+        };
+        // SAFETY: each handle was created once and is destroyed once, here. Failures to destroy
+        // at teardown cannot be reported from Drop and only leak.
+        unsafe {
+            if let Some(h) = shared.cudnn.take() {
+                let _ = cudnn_result::destroy_handle(h.0);
+            }
+            if let Some(h) = shared.cublas.take() {
+                let _ = cublas_result::destroy_handle(h.0);
+            }
+            if let Some(h) = shared.cublaslt.take() {
+                let _ = lt_result::destroy_handle(h.0);
+            }
+        }
+    }
+}
+
+/// A device, its stream and everything nnfuse keeps per device. Clone it freely.
+#[derive(Clone)]
+pub struct Context {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for Context {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Context")
+            .field("device", &self.inner.info)
+            .field("config", &self.inner.config)
+            .finish()
+    }
+}
+
+/// Images compiled per (architecture, file), shared by every Context of the process so that a
+/// second Context on the same kind of device does not compile again.
+static IMAGES: Lazy<Mutex<HashMap<(String, &'static str), Arc<kernels::Image>>>> =
+    Lazy::new(|| Mutex::new(HashMap::new()));
+
+fn lock_poisoned<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic in another thread while holding the lock leaves plain data behind; go on.
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+impl Context {
+    /// Opens device `ordinal` with the configuration from the environment
+    /// ([`Config::from_env_once`]).
+    pub fn new(ordinal: usize) -> Result<Context> {
+        Self::with_config(ordinal, Config::from_env_once()?)
+    }
+
+    /// Opens device `ordinal` with an explicit configuration.
+    pub fn with_config(ordinal: usize, config: Config) -> Result<Context> {
+        if !driver_present() {
+            return Err(missing("cuda", "libcuda.so.1"));
+        }
+        let count = CudaContext::device_count()
+            .map_err(|e| Error::NoDevice(format!("cuInit/cuDeviceGetCount failed: {e:?}")))?;
+        if count <= 0 {
+            return Err(Error::NoDevice("the driver reports no CUDA device".into()));
+        }
+        if ordinal >= count as usize {
+            return Err(Error::invalid(
+                "ordinal",
+                format!("device {ordinal} requested, but only {count} device(s) exist"),
+            ));
+        }
+        let cuda = CudaContext::new(ordinal).call("cuDevicePrimaryCtxRetain")?;
+        let stream = cuda.new_stream().call("cuStreamCreate")?;
+        let attr = |a| cuda.attribute(a).call("cuDeviceGetAttribute");
+        use drv::CUdevice_attribute as A;
+        let info = DeviceInfo {
+            ordinal,
+            name: cuda.name().call("cuDeviceGetName")?,
+            compute_capability: cuda.compute_capability().call("cuDeviceGetAttribute")?,
+            sm_count: attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+            total_memory: cuda.total_mem().call("cuDeviceTotalMem")?,
+            l2_bytes: attr(A::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?,
+            driver: driver_version()?,
+        };
+        tracing::info!(%info, "nnfuse context opened");
+        Ok(Context {
+            inner: Arc::new(Inner {
+                info,
+                cuda,
+                stream,
+                config,
+                shared: Mutex::new(Shared::default()),
+                functions: Mutex::new(HashMap::new()),
+                modules: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    /// The device.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.inner.info
+    }
+
+    /// The configuration this Context decides with.
+    pub fn config(&self) -> &Config {
+        &self.inner.config
+    }
+
+    /// The CUDA context (for allocating buffers).
+    pub fn cuda(&self) -> &Arc<CudaContext> {
+        &self.inner.cuda
+    }
+
+    /// The stream every nnfuse operation of this Context runs on. Allocate buffers on it so that
+    /// no cross-stream synchronisation is needed.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.inner.stream
+    }
+
+    /// Waits for all work queued on the stream.
+    pub fn synchronize(&self) -> Result<()> {
+        self.inner.stream.synchronize().call("cuStreamSynchronize")
+    }
+
+    /// Takes the lock over the library handles and the workspace. Hold the guard across one
+    /// library call (and the launches that use the workspace), not longer.
+    pub fn lock(&self) -> Result<Locked<'_>> {
+        // Make the device current on this thread: cuDNN/cuBLAS calls use the current context.
+        self.inner.cuda.bind_to_thread().call("cuCtxSetCurrent")?;
+        Ok(Locked {
+            ctx: self,
+            shared: lock_poisoned(&self.inner.shared),
+        })
+    }
+
+    /// The kernel `name` from `file`, compiling and loading the file on first use (once per
+    /// architecture per process, once per Context for loading) and caching the function.
+    pub fn function(&self, file: &'static KernelFile, name: &'static str) -> Result<CudaFunction> {
+        if let Some(f) = lock_poisoned(&self.inner.functions).get(&(file.name, name)) {
+            return Ok(f.clone());
+        }
+        let module = self.module(file)?;
+        let f = module.load_function(name).map_err(|e| Error::Driver {
+            call: "cuModuleGetFunction",
+            status: format!("{e:?} (kernel {name} in {})", file.name),
+        })?;
+        lock_poisoned(&self.inner.functions).insert((file.name, name), f.clone());
+        Ok(f)
+    }
+
+    fn module(&self, file: &'static KernelFile) -> Result<Arc<CudaModule>> {
+        // Held across compile + load: two threads asking for the same file compile it once.
+        let mut modules = lock_poisoned(&self.inner.modules);
+        if let Some(m) = modules.get(file.name) {
+            return Ok(m.clone());
+        }
+        let arch = kernels::arch_for(self.inner.info.compute_capability);
+        let image = {
+            let mut images = lock_poisoned(&IMAGES);
+            match images.get(&(arch.clone(), file.name)) {
+                Some(i) => i.clone(),
+                None => {
+                    let t = std::time::Instant::now();
+                    let i = Arc::new(kernels::compile(file, &arch)?);
+                    tracing::info!(
+                        file = file.name,
+                        %arch,
+                        ms = t.elapsed().as_secs_f64() * 1e3,
+                        "NVRTC compiled kernel file"
+                    );
+                    images.insert((arch.clone(), file.name), i.clone());
+                    i
+                }
+            }
+        };
+        let ptx = cudarc::nvrtc::Ptx::from_binary(image.bytes().to_vec());
+        let module = self.inner.cuda.load_module(ptx).call("cuModuleLoadData")?;
+        modules.insert(file.name, module.clone());
+        Ok(module)
+    }
+}
+
+/// Exclusive access to the Context's library handles and workspace (see [`Context::lock`]).
+pub struct Locked<'a> {
+    ctx: &'a Context,
+    shared: MutexGuard<'a, Shared>,
+}
+
+impl Locked<'_> {
+    /// The cuDNN handle, created on first use, bound to the Context's stream. The first creation
+    /// also runs cuDNN's version check, so that two mixed cuDNN versions are an error.
+    pub fn cudnn(&mut self) -> Result<cudnn_sys::cudnnHandle_t> {
+        if let Some(h) = &self.shared.cudnn {
+            return Ok(h.0);
+        }
+        let version = cudnn_version()?;
+        cudnn_result::version_check().call("cudnnVersionCheck (sub-library versions differ)")?;
+        let h = cudnn_result::create_handle().call("cudnnCreate")?;
+        // SAFETY: fresh handle, live stream.
+        if let Err(e) = unsafe {
+            cudnn_result::set_stream(h, self.ctx.stream().cu_stream() as cudnn_sys::cudaStream_t)
+        }
+        .call("cudnnSetStream")
+        {
+            // SAFETY: destroy the handle we just made.
+            let _ = unsafe { cudnn_result::destroy_handle(h) };
+            return Err(e);
+        }
+        tracing::info!(version, "cuDNN handle created");
+        self.shared.cudnn = Some(Handle(h));
+        Ok(h)
+    }
+
+    /// The cuBLAS handle, created on first use, bound to the Context's stream.
+    pub fn cublas(&mut self) -> Result<cublas_sys::cublasHandle_t> {
+        if let Some(h) = &self.shared.cublas {
+            return Ok(h.0);
+        }
+        let version = cublas_version()?;
+        let h = cublas_result::create_handle().call("cublasCreate")?;
+        // SAFETY: fresh handle, live stream.
+        if let Err(e) = unsafe {
+            cublas_result::set_stream(h, self.ctx.stream().cu_stream() as cublas_sys::cudaStream_t)
+        }
+        .call("cublasSetStream")
+        {
+            // SAFETY: destroy the handle we just made.
+            let _ = unsafe { cublas_result::destroy_handle(h) };
+            return Err(e);
+        }
+        tracing::info!(?version, "cuBLAS handle created");
+        self.shared.cublas = Some(Handle(h));
+        Ok(h)
+    }
+
+    /// The cuBLASLt handle, created on first use (cuBLASLt takes the stream per call).
+    pub fn cublaslt(&mut self) -> Result<lt_sys::cublasLtHandle_t> {
+        if let Some(h) = &self.shared.cublaslt {
+            return Ok(h.0);
+        }
+        let version = cublaslt_version()?;
+        let h = lt_result::create_handle().call("cublasLtCreate")?;
+        tracing::info!(version, "cuBLASLt handle created");
+        self.shared.cublaslt = Some(Handle(h));
+        Ok(h)
+    }
+
+    /// A device workspace of at least `bytes` bytes (grown, never shrunk), as a raw pointer
+    /// valid while this guard lives and for work queued on the Context's stream meanwhile.
+    /// Returns 0 for a zero-byte request.
+    pub fn workspace(&mut self, bytes: usize) -> Result<drv::CUdeviceptr> {
+        if bytes == 0 {
+            return Ok(0);
+        }
+        let too_small = self
+            .shared
+            .workspace
+            .as_ref()
+            .is_none_or(|w| w.len() < bytes);
+        if too_small {
+            // Round up so that slowly growing requests do not reallocate every time.
+            let size = bytes.next_power_of_two().max(1 << 20);
+            // Dropping the old buffer frees it in stream order, after queued work that uses it.
+            self.shared.workspace = None;
+            // SAFETY: the workspace is scratch memory; nothing reads it before a writer does.
+            let buf = unsafe { self.ctx.stream().alloc::<u8>(size) }.call("cuMemAllocAsync")?;
+            tracing::debug!(bytes = size, "workspace grown");
+            self.shared.workspace = Some(buf);
+        }
+        match &self.shared.workspace {
+            Some(w) => {
+                let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(w, self.ctx.stream());
+                Ok(ptr)
+            }
+            None => Err(Error::NotSupported("workspace allocation vanished".into())),
+        }
+    }
+
+    /// The Context this guard belongs to.
+    pub fn context(&self) -> &Context {
+        self.ctx
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn context_is_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<Context>();
+    }
+}

@@ -1,0 +1,221 @@
+//! The one error type of the library.
+//!
+//! Every CUDA driver, NVRTC, cuDNN, cuBLAS and cuBLASLt status that is not success becomes an
+//! [`Error`] naming the call that returned it; every rejected user argument becomes
+//! [`Error::InvalidArgument`] naming the argument. Nothing in the library panics on user input.
+
+use std::fmt;
+
+/// Result alias used throughout nnfuse.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in nnfuse.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A caller's argument is wrong; nothing was launched.
+    #[error("invalid argument `{arg}`: {reason}")]
+    InvalidArgument {
+        /// The argument's name as the API spells it (e.g. `running_mean`, `shape[2]`).
+        arg: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// An environment variable (or config value) could not be parsed.
+    #[error("environment variable {var}={value:?}: {reason}")]
+    Config {
+        /// The variable's name.
+        var: String,
+        /// The value found.
+        value: String,
+        /// What would have been accepted.
+        reason: String,
+    },
+
+    /// A CUDA shared library could not be loaded.
+    #[error("the CUDA library `{lib}` could not be loaded: {hint}")]
+    LibraryMissing {
+        /// Short name (`cuda`, `nvrtc`, `cudnn`, `cublas`, `cublasLt`).
+        lib: &'static str,
+        /// How to make it findable.
+        hint: String,
+    },
+
+    /// No usable CUDA device.
+    #[error("no CUDA device: {0}")]
+    NoDevice(String),
+
+    /// A CUDA driver call failed.
+    #[error("CUDA driver call {call} failed: {status}")]
+    Driver {
+        /// The call's name.
+        call: &'static str,
+        /// The driver status, as cudarc prints it.
+        status: String,
+    },
+
+    /// NVRTC failed to compile one of nnfuse's kernels.
+    #[error("NVRTC failed to compile kernel file {file} for {arch}: {status}\n{log}")]
+    Nvrtc {
+        /// The `kernels/*.cu` file.
+        file: &'static str,
+        /// The target architecture (`sm_90`, `compute_80`, ...).
+        arch: String,
+        /// The NVRTC status.
+        status: String,
+        /// The compiler log.
+        log: String,
+    },
+
+    /// A cuDNN call failed.
+    #[error("cuDNN call {call} failed: {status}")]
+    Cudnn {
+        /// The call's name.
+        call: &'static str,
+        /// The cuDNN status.
+        status: CudnnStatus,
+    },
+
+    /// A cuBLAS or cuBLASLt call failed.
+    #[error("cuBLAS call {call} failed: {status}")]
+    Cublas {
+        /// The call's name.
+        call: &'static str,
+        /// The status, as cudarc prints it.
+        status: String,
+    },
+
+    /// The requested operation is not supported by this device, library version or
+    /// combination of arguments.
+    #[error("not supported: {0}")]
+    NotSupported(String),
+
+    /// File input/output (tuning cache).
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A cuDNN status, kept as the raw enum so callers can tell `NOT_SUPPORTED` from a real failure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudnnStatus(pub cudarc::cudnn::sys::cudnnStatus_t);
+
+impl CudnnStatus {
+    /// Whether this is `CUDNN_STATUS_NOT_SUPPORTED` (3000) or one of its sub-codes (3xxx).
+    pub fn is_not_supported(self) -> bool {
+        let code = self.0 as u32;
+        (3000..4000).contains(&code)
+    }
+}
+
+impl fmt::Display for CudnnStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?} ({})", self.0, self.0 as u32)
+    }
+}
+
+impl Error {
+    /// Shorthand for [`Error::InvalidArgument`].
+    pub fn invalid(arg: impl Into<String>, reason: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            arg: arg.into(),
+            reason: reason.into(),
+        }
+    }
+
+    /// Whether this is a cuDNN `NOT_SUPPORTED` status (the caller may fall back).
+    pub fn is_cudnn_not_supported(&self) -> bool {
+        matches!(self, Error::Cudnn { status, .. } if status.is_not_supported())
+    }
+
+    /// The name of the offending argument, for [`Error::InvalidArgument`].
+    pub fn argument(&self) -> Option<&str> {
+        match self {
+            Error::InvalidArgument { arg, .. } => Some(arg),
+            _ => None,
+        }
+    }
+}
+
+/// Maps a status-returning result to [`Error`] naming the call.
+pub(crate) trait CallExt<T> {
+    /// Attach the call's name.
+    fn call(self, call: &'static str) -> Result<T>;
+}
+
+impl<T> CallExt<T> for std::result::Result<T, cudarc::driver::DriverError> {
+    fn call(self, call: &'static str) -> Result<T> {
+        self.map_err(|e| Error::Driver {
+            call,
+            status: format!("{e:?}"),
+        })
+    }
+}
+
+impl<T> CallExt<T> for std::result::Result<T, cudarc::cudnn::result::CudnnError> {
+    fn call(self, call: &'static str) -> Result<T> {
+        self.map_err(|e| Error::Cudnn {
+            call,
+            status: CudnnStatus(e.0),
+        })
+    }
+}
+
+impl<T> CallExt<T> for std::result::Result<T, cudarc::cublas::result::CublasError> {
+    fn call(self, call: &'static str) -> Result<T> {
+        self.map_err(|e| Error::Cublas {
+            call,
+            status: format!("{e:?}"),
+        })
+    }
+}
+
+impl<T> CallExt<T> for std::result::Result<T, cudarc::cublaslt::result::CublasError> {
+    fn call(self, call: &'static str) -> Result<T> {
+        self.map_err(|e| Error::Cublas {
+            call,
+            status: format!("{e:?}"),
+        })
+    }
+}
+
+/// Checks a raw cuDNN status.
+#[allow(dead_code)] // used by the BatchNorm module
+pub(crate) fn cudnn_check(
+    status: cudarc::cudnn::sys::cudnnStatus_t,
+    call: &'static str,
+) -> Result<()> {
+    status.result().call(call)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cudarc::cudnn::sys::cudnnStatus_t;
+
+    #[test]
+    fn not_supported_is_recognised() {
+        let e = cudnn_check(cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED, "cudnnX").unwrap_err();
+        assert!(e.is_cudnn_not_supported());
+        assert!(e.to_string().contains("cudnnX"));
+        let e = cudnn_check(cudnnStatus_t::CUDNN_STATUS_BAD_PARAM, "cudnnY").unwrap_err();
+        assert!(!e.is_cudnn_not_supported());
+        assert!(cudnn_check(cudnnStatus_t::CUDNN_STATUS_SUCCESS, "cudnnZ").is_ok());
+    }
+
+    #[test]
+    fn invalid_names_the_argument() {
+        let e = Error::invalid("gamma", "length 3, expected 4");
+        assert_eq!(e.argument(), Some("gamma"));
+        assert_eq!(
+            e.to_string(),
+            "invalid argument `gamma`: length 3, expected 4"
+        );
+    }
+}

@@ -1,0 +1,34 @@
+//! # nnfuse
+//!
+//! The fast GPU paths for the layers that dominate convolutional networks — BatchNorm
+//! (+ReLU, +Add+ReLU), batched GEMM and convolution — on cuDNN and cuBLAS, with nnfuse's own
+//! CUDA kernels where the vendor libraries cannot fuse or cannot run. For authors of
+//! deep-learning frameworks in Rust.
+//!
+//! Every choice nnfuse makes is a pure, inspectable decision (plans, `tracing` events) and
+//! overridable through [`Config`] or environment variables (see `docs/CONFIG.md`).
+//!
+//! CUDA libraries are loaded at run time: the crate builds without CUDA, and a missing library
+//! is an [`Error::LibraryMissing`], not a crash.
+//!
+//! ```no_run
+//! # fn main() -> nnfuse::Result<()> {
+//! let ctx = nnfuse::Context::new(0)?;
+//! println!("{}", ctx.info());
+//! # Ok(()) }
+//! ```
+#![warn(missing_docs)]
+
+pub mod config;
+pub mod context;
+pub mod dtype;
+pub mod error;
+pub mod kernels;
+pub mod layout;
+pub mod util;
+
+pub use config::{BnModePolicy, Config};
+pub use context::{Context, DeviceInfo};
+pub use dtype::{DType, Element};
+pub use error::{Error, Result};
+pub use layout::{infer_channel_layout, ChannelLayout, TensorFormat};

@@ -1,0 +1,80 @@
+//! Shared helpers for the integration tests: a GPU Context, random data, comparisons.
+#![allow(dead_code)]
+
+use nnfuse::{Config, Context, Element};
+
+/// Opens device 0 with `config`. GPU tests are `#[ignore]`d, so they only run when asked
+/// (`--include-ignored`, as `.gpu/run` does): a missing GPU then is a failure, loudly.
+pub fn gpu_with(config: Config) -> Context {
+    Context::with_config(0, config).unwrap_or_else(|e| panic!("GPU test needs a CUDA device: {e}"))
+}
+
+/// Opens device 0 with the default configuration (ignoring the environment, so that tests are
+/// reproducible whatever variables the runner has set).
+pub fn gpu() -> Context {
+    gpu_with(Config::default())
+}
+
+/// SplitMix64: small, deterministic per seed, good enough for test data.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
+    }
+    /// A seed that differs between runs (fresh inputs every time), printed for reproduction.
+    pub fn fresh(tag: &str) -> Self {
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1);
+        eprintln!("[{tag}] seed = {t}");
+        Rng::new(t)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [lo, hi).
+    pub fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * ((self.next_u64() >> 11) as f64 / (1u64 << 53) as f64)
+    }
+    /// `n` values uniform in [lo, hi), rounded to `T`.
+    pub fn vec<T: Element>(&mut self, n: usize, lo: f64, hi: f64) -> Vec<T> {
+        (0..n).map(|_| T::from_f64(self.uniform(lo, hi))).collect()
+    }
+}
+
+/// Widens to f64.
+pub fn f64s<T: Element>(v: &[T]) -> Vec<f64> {
+    v.iter().map(|x| x.to_f64()).collect()
+}
+
+/// ‖got − want‖₂ / ‖want‖₂ (with a floor so an all-zero reference compares absolutely).
+/// NaN anywhere gives NaN (which fails every `<=` check).
+pub fn rel_l2(got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len(), "length mismatch");
+    let mut num = 0.0;
+    let mut den = 0.0;
+    for (g, w) in got.iter().zip(want) {
+        num += (g - w) * (g - w);
+        den += w * w;
+    }
+    (num / den.max(1e-30)).sqrt()
+}
+
+/// Panics with context when `rel_l2(got, want) > tol` or the result has a NaN/inf.
+pub fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
+    let e = rel_l2(got, want);
+    let bad = got.iter().position(|v| !v.is_finite());
+    assert!(
+        bad.is_none() && e <= tol,
+        "{what}: relative L2 error {e:.3e} > {tol:.1e} (first non-finite at {bad:?}); \
+         first values got {:?} want {:?}",
+        &got[..got.len().min(4)],
+        &want[..want.len().min(4)]
+    );
+}
