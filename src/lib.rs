@@ -19,12 +19,14 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod batchnorm;
 pub mod config;
 pub mod context;
 pub mod dtype;
 pub mod error;
 pub mod kernels;
 pub mod layout;
+pub mod reference;
 pub mod util;
 
 pub use config::{BnModePolicy, Config};
