@@ -214,8 +214,8 @@ impl fmt::Debug for Context {
 
 /// Images compiled per (architecture, file), shared by every Context of the process so that a
 /// second Context on the same kind of device does not compile again.
-static IMAGES: Lazy<Mutex<HashMap<(String, &'static str), Arc<kernels::Image>>>> =
-    Lazy::new(|| Mutex::new(HashMap::new()));
+type ImageCache = HashMap<(String, &'static str), Arc<kernels::Image>>;
+static IMAGES: Lazy<Mutex<ImageCache>> = Lazy::new(|| Mutex::new(HashMap::new()));
 
 fn lock_poisoned<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic in another thread while holding the lock leaves plain data behind; go on.

@@ -27,6 +27,7 @@ pub mod error;
 pub mod kernels;
 pub mod layout;
 pub mod reference;
+pub mod timing;
 pub mod util;
 
 pub use config::{BnModePolicy, Config};
