@@ -6,4 +6,5 @@
 //! [`activation`] (bit `i` of word `w` is element `32*w + i`, tail bits zero).
 
 pub mod activation;
+pub mod batchnorm;
 pub mod gemm;
