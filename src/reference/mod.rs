@@ -7,4 +7,5 @@
 
 pub mod activation;
 pub mod batchnorm;
+pub mod conv;
 pub mod gemm;

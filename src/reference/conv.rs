@@ -1,0 +1,820 @@
+//! Direct 2-D convolution and its im2col + GEMM formulation, in f64.
+//!
+//! **Operation**: cross-correlation, as cuDNN's `CUDNN_CROSS_CORRELATION` and PyTorch's
+//! `conv2d` (the filter is not flipped), no bias, groups = 1:
+//! `y[b, k, oy, ox] = Σ_{c, r, s} x[b, c, oy*sh + r*dh - ph, ox*sw + s*dw - pw] * w[k, c, r, s]`,
+//! where taps outside the input read zero (padding). Tuples are `(height, width)`:
+//! `stride = (sh, sw)`, `pad = (ph, pw)` (added on both sides), `dilation = (dh, dw)`.
+//! Output size: `oh = (h + 2*ph - dh*(kh-1) - 1) / sh + 1`, likewise `ow`.
+//!
+//! **Layouts** (row-major):
+//!
+//! | format | x | w | y |
+//! |---|---|---|---|
+//! | [`TensorFormat::Nchw`] | `[n][c_in][h][w]` | `[c_out][c_in][kh][kw]` (KCRS) | `[n][c_out][oh][ow]` |
+//! | [`TensorFormat::Nhwc`] | `[n][h][w][c_in]` | `[c_out][kh][kw][c_in]` (KRSC, cuDNN's NHWC filter) | `[n][oh][ow][c_out]` |
+//!
+//! **im2col** ([`im2col`], [`im2col_gemm_problem`]): with `P = oh*ow` output pixels and
+//! `K = c_in*kh*kw` filter taps, each image has a `P x K` patch matrix (entry `(p, q)` = the
+//! input value under tap `q` of output pixel `p`, 0 in the padding). The tap index `q` runs in
+//! the filter's own memory order, so the filter is a `[c_out][K]` row-major matrix as stored:
+//! - NCHW: `q = (c*kh + r)*kw + s`; the columns are stored `[n][K][P]` row-major (image `b` at
+//!   `b*K*P`): per image the column-major `P x K` matrix with leading dimension `P`
+//!   (Caffe's layout). Then `y = cols * filterᵀ` is the column-major `P x c_out` matrix with
+//!   leading dimension `P`, which is `[c_out][P]` row-major — exactly y's NCHW layout.
+//! - NHWC: `q = (r*kw + s)*c_in + c`; the columns are stored `[n][P][K]` row-major: per image
+//!   the column-major `K x P` matrix with leading dimension `K` (each pixel's patch contiguous).
+//!   Then `y = filter * cols` is the column-major `c_out x P` matrix with leading dimension
+//!   `c_out`, which is `[P][c_out]` row-major — exactly y's NHWC layout.
+
+use super::gemm::{gemm_strided_batched, GemmProblem};
+use crate::error::{Error, Result};
+use crate::layout::TensorFormat;
+
+/// One 2-D convolution problem (see the module docs for the layouts and the formula).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Conv2d {
+    /// Batch size.
+    pub n: usize,
+    /// Input channels.
+    pub c_in: usize,
+    /// Input height.
+    pub h: usize,
+    /// Input width.
+    pub w: usize,
+    /// Output channels (filters).
+    pub c_out: usize,
+    /// Filter height.
+    pub kh: usize,
+    /// Filter width.
+    pub kw: usize,
+    /// `(vertical, horizontal)` stride.
+    pub stride: (usize, usize),
+    /// `(vertical, horizontal)` zero padding, added on both sides.
+    pub pad: (usize, usize),
+    /// `(vertical, horizontal)` dilation (1 = dense filter).
+    pub dilation: (usize, usize),
+    /// Memory format of x, w and y.
+    pub format: TensorFormat,
+}
+
+/// Output extent along one spatial axis, or an error naming `k_name`, `stride` or `dilation`.
+fn out_extent(
+    input: usize,
+    k: usize,
+    stride: usize,
+    pad: usize,
+    dilation: usize,
+    k_name: &str,
+    in_name: &str,
+) -> Result<usize> {
+    let overflow = || Error::invalid(k_name, "the padded or dilated extent overflows usize");
+    let padded = pad
+        .checked_mul(2)
+        .and_then(|p| p.checked_add(input))
+        .ok_or_else(overflow)?;
+    let extent = (k - 1)
+        .checked_mul(dilation)
+        .and_then(|e| e.checked_add(1))
+        .ok_or_else(overflow)?;
+    if extent > padded {
+        return Err(Error::invalid(
+            k_name,
+            format!(
+                "the dilated filter extent {extent} exceeds the padded input {in_name} {padded}: \
+                 the output would be empty"
+            ),
+        ));
+    }
+    Ok((padded - extent) / stride + 1)
+}
+
+/// `Some(product)` or `None` on overflow.
+fn product(dims: &[usize]) -> Option<usize> {
+    dims.iter().try_fold(1usize, |p, &d| p.checked_mul(d))
+}
+
+impl Conv2d {
+    /// Validates every parameter and returns the output size `(oh, ow)`.
+    ///
+    /// Errors (as [`Error::InvalidArgument`], naming the field): a zero `n`, `c_in`, `h`, `w`,
+    /// `c_out`, `kh` or `kw`; a zero component of `stride` or `dilation`; a dilated filter
+    /// larger than the padded input (named `kh` or `kw`: the output would be empty).
+    pub fn out_hw(&self) -> Result<(usize, usize)> {
+        for (name, v) in [
+            ("n", self.n),
+            ("c_in", self.c_in),
+            ("h", self.h),
+            ("w", self.w),
+            ("c_out", self.c_out),
+            ("kh", self.kh),
+            ("kw", self.kw),
+        ] {
+            if v == 0 {
+                return Err(Error::invalid(name, "is 0"));
+            }
+        }
+        if self.stride.0 == 0 || self.stride.1 == 0 {
+            return Err(Error::invalid(
+                "stride",
+                format!("{:?} has a zero component", self.stride),
+            ));
+        }
+        if self.dilation.0 == 0 || self.dilation.1 == 0 {
+            return Err(Error::invalid(
+                "dilation",
+                format!("{:?} has a zero component", self.dilation),
+            ));
+        }
+        let oh = out_extent(
+            self.h,
+            self.kh,
+            self.stride.0,
+            self.pad.0,
+            self.dilation.0,
+            "kh",
+            "height",
+        )?;
+        let ow = out_extent(
+            self.w,
+            self.kw,
+            self.stride.1,
+            self.pad.1,
+            self.dilation.1,
+            "kw",
+            "width",
+        )?;
+        Ok((oh, ow))
+    }
+
+    /// Elements of x (`n * c_in * h * w`); `usize::MAX` if that overflows.
+    pub fn x_len(&self) -> usize {
+        product(&[self.n, self.c_in, self.h, self.w]).unwrap_or(usize::MAX)
+    }
+
+    /// Elements of the filter (`c_out * c_in * kh * kw`); `usize::MAX` if that overflows.
+    pub fn w_len(&self) -> usize {
+        product(&[self.c_out, self.c_in, self.kh, self.kw]).unwrap_or(usize::MAX)
+    }
+
+    /// Elements of y (`n * c_out * oh * ow`), validating the problem as [`Conv2d::out_hw`].
+    pub fn y_len(&self) -> Result<usize> {
+        let (oh, ow) = self.out_hw()?;
+        product(&[self.n, self.c_out, oh, ow])
+            .ok_or_else(|| Error::invalid("n", "the output element count overflows usize"))
+    }
+
+    /// Offset of `x[b, c, iy, ix]` in this problem's format.
+    fn x_at(&self, b: usize, c: usize, iy: usize, ix: usize) -> usize {
+        match self.format {
+            TensorFormat::Nchw => ((b * self.c_in + c) * self.h + iy) * self.w + ix,
+            TensorFormat::Nhwc => ((b * self.h + iy) * self.w + ix) * self.c_in + c,
+        }
+    }
+
+    /// Offset of `w[k, c, r, s]` in this problem's format (KCRS or KRSC).
+    fn w_at(&self, k: usize, c: usize, r: usize, s: usize) -> usize {
+        match self.format {
+            TensorFormat::Nchw => ((k * self.c_in + c) * self.kh + r) * self.kw + s,
+            TensorFormat::Nhwc => ((k * self.kh + r) * self.kw + s) * self.c_in + c,
+        }
+    }
+
+    /// Offset of `y[b, k, oy, ox]` for an output of `(oh, ow)`.
+    fn y_at(&self, (oh, ow): (usize, usize), b: usize, k: usize, oy: usize, ox: usize) -> usize {
+        match self.format {
+            TensorFormat::Nchw => ((b * self.c_out + k) * oh + oy) * ow + ox,
+            TensorFormat::Nhwc => ((b * oh + oy) * ow + ox) * self.c_out + k,
+        }
+    }
+
+    /// Input coordinates under tap `(r, s)` of output pixel `(oy, ox)`, `None` in the padding.
+    fn tap(&self, oy: usize, ox: usize, r: usize, s: usize) -> Option<(usize, usize)> {
+        let iy = (oy * self.stride.0 + r * self.dilation.0).checked_sub(self.pad.0)?;
+        let ix = (ox * self.stride.1 + s * self.dilation.1).checked_sub(self.pad.1)?;
+        (iy < self.h && ix < self.w).then_some((iy, ix))
+    }
+
+    /// Validates the problem and the lengths of x and w; returns `(oh, ow)`.
+    fn check(&self, x: &[f64], w: Option<&[f64]>) -> Result<(usize, usize)> {
+        let hw = self.out_hw()?;
+        self.y_len()?;
+        if x.len() != self.x_len() {
+            return Err(Error::invalid(
+                "x",
+                format!("length {}, expected n*c_in*h*w = {}", x.len(), self.x_len()),
+            ));
+        }
+        if let Some(w) = w {
+            if w.len() != self.w_len() {
+                return Err(Error::invalid(
+                    "w",
+                    format!(
+                        "length {}, expected c_out*c_in*kh*kw = {}",
+                        w.len(),
+                        self.w_len()
+                    ),
+                ));
+            }
+        }
+        Ok(hw)
+    }
+}
+
+/// Direct convolution: y in `p.format`'s layout (see the module docs).
+///
+/// Every output sums its taps in the order `c`, `r`, `s` in both formats, so an NCHW problem
+/// and its NHWC permutation give bitwise-identical (permuted) results.
+///
+/// Errors: as [`Conv2d::out_hw`], and `x` / `w` (named) when a length differs from the
+/// problem's.
+pub fn conv2d(p: &Conv2d, x: &[f64], w: &[f64]) -> Result<Vec<f64>> {
+    let (oh, ow) = p.check(x, Some(w))?;
+    let mut y = vec![0.0; p.y_len()?];
+    for b in 0..p.n {
+        for k in 0..p.c_out {
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let mut acc = 0.0;
+                    for c in 0..p.c_in {
+                        for r in 0..p.kh {
+                            for s in 0..p.kw {
+                                if let Some((iy, ix)) = p.tap(oy, ox, r, s) {
+                                    acc += x[p.x_at(b, c, iy, ix)] * w[p.w_at(k, c, r, s)];
+                                }
+                            }
+                        }
+                    }
+                    y[p.y_at((oh, ow), b, k, oy, ox)] = acc;
+                }
+            }
+        }
+    }
+    Ok(y)
+}
+
+/// The patch ("column") matrices of every image, `n * P * K` elements, in the layout of the
+/// module docs: NCHW `[n][K][P]`, NHWC `[n][P][K]` row-major, with padding taps 0.
+///
+/// Errors: as [`Conv2d::out_hw`], and `x` when its length differs from the problem's.
+pub fn im2col(p: &Conv2d, x: &[f64]) -> Result<Vec<f64>> {
+    let (oh, ow) = p.check(x, None)?;
+    let big = || Error::invalid("n", "the column matrix's element count overflows usize");
+    let taps = product(&[p.c_in, p.kh, p.kw]).ok_or_else(big)?;
+    let pixels = oh * ow;
+    let mut cols = vec![0.0; product(&[p.n, pixels, taps]).ok_or_else(big)?];
+    for b in 0..p.n {
+        let base = b * pixels * taps;
+        for c in 0..p.c_in {
+            for r in 0..p.kh {
+                for s in 0..p.kw {
+                    for oy in 0..oh {
+                        for ox in 0..ow {
+                            let pix = oy * ow + ox;
+                            let at = match p.format {
+                                TensorFormat::Nchw => {
+                                    base + ((c * p.kh + r) * p.kw + s) * pixels + pix
+                                }
+                                TensorFormat::Nhwc => {
+                                    base + pix * taps + (r * p.kw + s) * p.c_in + c
+                                }
+                            };
+                            if let Some((iy, ix)) = p.tap(oy, ox, r, s) {
+                                cols[at] = x[p.x_at(b, c, iy, ix)];
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(cols)
+}
+
+/// The strided batched GEMM (one matrix per image) that turns [`im2col`]'s columns and the
+/// filter into y, in the module docs' layout; alpha 1, beta 0, packed leading dimensions.
+///
+/// With `P = oh*ow`, `K = c_in*kh*kw`:
+/// - NCHW: **A = columns**, **B = filter**: `m = P`, `n = c_out`, `k = K`, no transposes,
+///   `lda = P`, `ldb = K`, `ldc = P`; strides `P*K`, **0** (one filter for every image),
+///   `P*c_out`.
+/// - NHWC: **A = filter**, **B = columns**: `m = c_out`, `n = P`, `k = K`, `trans_a` (the
+///   filter is stored `K x c_out` column-major), `lda = K`, `ldb = K`, `ldc = c_out`; strides
+///   **0**, `P*K`, `P*c_out`.
+///
+/// `batch = n`; C is y.
+///
+/// Errors: as [`Conv2d::out_hw`].
+pub fn im2col_gemm_problem(p: &Conv2d) -> Result<GemmProblem> {
+    let (oh, ow) = p.out_hw()?;
+    let big = || Error::invalid("n", "the GEMM's sizes overflow usize");
+    let pixels = product(&[oh, ow]).ok_or_else(big)?;
+    let taps = product(&[p.c_in, p.kh, p.kw]).ok_or_else(big)?;
+    let cols_stride = product(&[pixels, taps]).ok_or_else(big)?;
+    let y_stride = product(&[pixels, p.c_out]).ok_or_else(big)?;
+    let mut g = match p.format {
+        TensorFormat::Nchw => GemmProblem {
+            lda: pixels,
+            ldb: taps,
+            ldc: pixels,
+            stride_a: cols_stride,
+            stride_b: 0,
+            ..GemmProblem::packed(p.n, pixels, p.c_out, taps)
+        },
+        TensorFormat::Nhwc => GemmProblem {
+            trans_a: true,
+            lda: taps,
+            ldb: taps,
+            ldc: p.c_out,
+            stride_a: 0,
+            stride_b: cols_stride,
+            ..GemmProblem::packed(p.n, p.c_out, pixels, taps)
+        },
+    };
+    g.stride_c = y_stride;
+    Ok(g)
+}
+
+/// Convolution as [`im2col`] followed by [`gemm_strided_batched`] with
+/// [`im2col_gemm_problem`]; equal to [`conv2d`] up to rounding (the NHWC GEMM sums the taps in
+/// `r`, `s`, `c` order).
+///
+/// Errors: as [`conv2d`].
+pub fn conv2d_via_gemm(p: &Conv2d, x: &[f64], w: &[f64]) -> Result<Vec<f64>> {
+    p.check(x, Some(w))?;
+    let cols = im2col(p, x)?;
+    let g = im2col_gemm_problem(p)?;
+    let mut y = vec![0.0; p.y_len()?];
+    match p.format {
+        TensorFormat::Nchw => gemm_strided_batched(&g, &cols, w, &mut y),
+        TensorFormat::Nhwc => gemm_strided_batched(&g, w, &cols, &mut y),
+    }
+    Ok(y)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use TensorFormat::{Nchw, Nhwc};
+
+    /// `n = 1`, `c_in = c_out = 1`, stride 1, pad 0, dilation 1.
+    fn single(h: usize, w: usize, kh: usize, kw: usize, format: TensorFormat) -> Conv2d {
+        Conv2d {
+            n: 1,
+            c_in: 1,
+            h,
+            w,
+            c_out: 1,
+            kh,
+            kw,
+            stride: (1, 1),
+            pad: (0, 0),
+            dilation: (1, 1),
+            format,
+        }
+    }
+
+    const X3: [f64; 9] = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0];
+
+    fn both(p: &Conv2d, x: &[f64], w: &[f64]) -> Vec<f64> {
+        let y = conv2d(p, x, w).unwrap();
+        assert_eq!(conv2d_via_gemm(p, x, w).unwrap(), y, "via GEMM differs");
+        y
+    }
+
+    #[test]
+    fn three_by_three_two_by_two_hand_computed() {
+        // x = [1 2 3; 4 5 6; 7 8 9], w = [1 2; 3 4], no flip (cross-correlation):
+        //   y00 = 1*1 + 2*2 + 4*3 + 5*4 = 37    y01 = 2*1 + 3*2 + 5*3 + 6*4 = 47
+        //   y10 = 4*1 + 5*2 + 7*3 + 8*4 = 67    y11 = 5*1 + 6*2 + 8*3 + 9*4 = 77
+        // (a flipped convolution would give y00 = 1*4 + 2*3 + 4*2 + 5*1 = 23).
+        for f in [Nchw, Nhwc] {
+            let p = single(3, 3, 2, 2, f);
+            assert_eq!(p.out_hw().unwrap(), (2, 2));
+            assert_eq!(
+                both(&p, &X3, &[1.0, 2.0, 3.0, 4.0]),
+                vec![37.0, 47.0, 67.0, 77.0]
+            );
+        }
+    }
+
+    #[test]
+    fn padding_stride_dilation_hand_computed() {
+        let ones = [1.0; 9];
+        for f in [Nchw, Nhwc] {
+            // 3x3 ones filter, pad 1: each output is the sum of the 3x3 neighbourhood in x.
+            //   y00 = 1+2+4+5 = 12, y01 = 1+2+3+4+5+6 = 21, y02 = 2+3+5+6 = 16,
+            //   y10 = 1+2+4+5+7+8 = 27, y11 = 45, y12 = 2+3+5+6+8+9 = 33,
+            //   y20 = 4+5+7+8 = 24, y21 = 4+5+6+7+8+9 = 39, y22 = 5+6+8+9 = 28.
+            let p = Conv2d {
+                pad: (1, 1),
+                ..single(3, 3, 3, 3, f)
+            };
+            assert_eq!(p.out_hw().unwrap(), (3, 3));
+            assert_eq!(
+                both(&p, &X3, &ones),
+                vec![12.0, 21.0, 16.0, 27.0, 45.0, 33.0, 24.0, 39.0, 28.0]
+            );
+            // Stride 2: oh = (3 + 2 - 3)/2 + 1 = 2, the corners y00, y02, y20, y22.
+            let p = Conv2d {
+                stride: (2, 2),
+                ..p
+            };
+            assert_eq!(p.out_hw().unwrap(), (2, 2));
+            assert_eq!(both(&p, &X3, &ones), vec![12.0, 16.0, 24.0, 28.0]);
+            // Stride (2, 1): rows 0 and 2 of the stride-1 output.
+            let p = Conv2d {
+                stride: (2, 1),
+                ..p
+            };
+            assert_eq!(
+                both(&p, &X3, &ones),
+                vec![12.0, 21.0, 16.0, 24.0, 39.0, 28.0]
+            );
+            // Dilation 2, 2x2 filter [1 2; 3 4]: extent 3, oh = (3 - 2 - 1) + 1 = 1; taps
+            // x00, x02, x20, x22: 1*1 + 3*2 + 7*3 + 9*4 = 64.
+            let p = Conv2d {
+                dilation: (2, 2),
+                ..single(3, 3, 2, 2, f)
+            };
+            assert_eq!(p.out_hw().unwrap(), (1, 1));
+            assert_eq!(both(&p, &X3, &[1.0, 2.0, 3.0, 4.0]), vec![64.0]);
+            // Pad 2 with a 1x1 filter of 2: a 7x7 output whose border is padding (0).
+            let p = Conv2d {
+                pad: (2, 2),
+                ..single(3, 3, 1, 1, f)
+            };
+            assert_eq!(p.out_hw().unwrap(), (7, 7));
+            let y = both(&p, &X3, &[2.0]);
+            for oy in 0..7 {
+                for ox in 0..7 {
+                    let inside = (2..5).contains(&oy) && (2..5).contains(&ox);
+                    let want = if inside {
+                        2.0 * X3[(oy - 2) * 3 + ox - 2]
+                    } else {
+                        0.0
+                    };
+                    assert_eq!(y[oy * 7 + ox], want);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn asymmetric_hand_computed() {
+        for f in [Nchw, Nhwc] {
+            // Pad (1, 0) with a 1x1 filter [1]: oh = 3 + 2 = 5, ow = 3; rows 0 and 4 are
+            // padding, rows 1..=3 are x.
+            let p = Conv2d {
+                pad: (1, 0),
+                ..single(3, 3, 1, 1, f)
+            };
+            assert_eq!(p.out_hw().unwrap(), (5, 3));
+            let mut want = vec![0.0; 3];
+            want.extend_from_slice(&X3);
+            want.extend_from_slice(&[0.0; 3]);
+            assert_eq!(both(&p, &X3, &[1.0]), want);
+            // Dilation (1, 2), filter [1 2; 3 4]: extents (2, 3), output 2x1;
+            //   y0 = x00*1 + x02*2 + x10*3 + x12*4 = 1 + 6 + 12 + 24 = 43
+            //   y1 = x10*1 + x12*2 + x20*3 + x22*4 = 4 + 12 + 21 + 36 = 73
+            let p = Conv2d {
+                dilation: (1, 2),
+                ..single(3, 3, 2, 2, f)
+            };
+            assert_eq!(p.out_hw().unwrap(), (2, 1));
+            assert_eq!(both(&p, &X3, &[1.0, 2.0, 3.0, 4.0]), vec![43.0, 73.0]);
+            // Stride (1, 2), 2x2 filter [1 2; 3 4], on a 2x3 input [1 2 3; 4 5 6]: output
+            // 1x1 (ow = (3 - 2)/2 + 1 = 1): 1 + 4 + 12 + 20 = 37.
+            let p = Conv2d {
+                stride: (1, 2),
+                ..single(2, 3, 2, 2, f)
+            };
+            assert_eq!(p.out_hw().unwrap(), (1, 1));
+            assert_eq!(both(&p, &X3[..6], &[1.0, 2.0, 3.0, 4.0]), vec![37.0]);
+        }
+    }
+
+    #[test]
+    fn two_filters_layouts_hand_computed() {
+        // Filter 0 = [1 2; 3 4] (y = 37, 47, 67, 77 as above); filter 1 = [-1 0; 0 1]:
+        // y = x[oy+1][ox+1] - x[oy][ox] = 4 everywhere. With one input channel KCRS = KRSC.
+        let w = [1.0, 2.0, 3.0, 4.0, -1.0, 0.0, 0.0, 1.0];
+        let p = Conv2d {
+            c_out: 2,
+            ..single(3, 3, 2, 2, Nchw)
+        };
+        assert_eq!(
+            both(&p, &X3, &w),
+            vec![37.0, 47.0, 67.0, 77.0, 4.0, 4.0, 4.0, 4.0]
+        );
+        let p = Conv2d { format: Nhwc, ..p };
+        assert_eq!(
+            both(&p, &X3, &w),
+            vec![37.0, 4.0, 47.0, 4.0, 67.0, 4.0, 77.0, 4.0]
+        );
+    }
+
+    #[test]
+    fn im2col_layout_hand_computed() {
+        // Two channels: x0 = [1 .. 9], x1 = 10 * x0; 2x2 filter, stride 1, pad 0: P = 4, K = 8.
+        let x1: Vec<f64> = X3.iter().map(|v| 10.0 * v).collect();
+        // NCHW: [K][P], K = (c, r, s). Patch of pixel (oy, ox) under tap (r, s) is
+        // x[oy + r][ox + s]; pixels run (0,0), (0,1), (1,0), (1,1).
+        let x_nchw: Vec<f64> = X3.iter().chain(&x1).copied().collect();
+        let p = Conv2d {
+            c_in: 2,
+            ..single(3, 3, 2, 2, Nchw)
+        };
+        #[rustfmt::skip]
+        let want = vec![
+            1.0, 2.0, 4.0, 5.0,       // c0 r0 s0
+            2.0, 3.0, 5.0, 6.0,       // c0 r0 s1
+            4.0, 5.0, 7.0, 8.0,       // c0 r1 s0
+            5.0, 6.0, 8.0, 9.0,       // c0 r1 s1
+            10.0, 20.0, 40.0, 50.0,   // c1 r0 s0
+            20.0, 30.0, 50.0, 60.0,   // c1 r0 s1
+            40.0, 50.0, 70.0, 80.0,   // c1 r1 s0
+            50.0, 60.0, 80.0, 90.0,   // c1 r1 s1
+        ];
+        assert_eq!(im2col(&p, &x_nchw).unwrap(), want);
+        // NHWC: [P][K], K = (r, s, c); x interleaves the channels.
+        let x_nhwc: Vec<f64> = X3.iter().flat_map(|v| [*v, 10.0 * v]).collect();
+        let p = Conv2d { format: Nhwc, ..p };
+        #[rustfmt::skip]
+        let want = vec![
+            1.0, 10.0, 2.0, 20.0, 4.0, 40.0, 5.0, 50.0,   // pixel (0,0)
+            2.0, 20.0, 3.0, 30.0, 5.0, 50.0, 6.0, 60.0,   // pixel (0,1)
+            4.0, 40.0, 5.0, 50.0, 7.0, 70.0, 8.0, 80.0,   // pixel (1,0)
+            5.0, 50.0, 6.0, 60.0, 8.0, 80.0, 9.0, 90.0,   // pixel (1,1)
+        ];
+        assert_eq!(im2col(&p, &x_nhwc).unwrap(), want);
+        // Padding taps are zero: 1x1 input, 3x3 filter, pad 1 → one pixel, only the centre
+        // tap (r = s = 1) reads x.
+        let p = Conv2d {
+            pad: (1, 1),
+            ..single(1, 1, 3, 3, Nchw)
+        };
+        assert_eq!(
+            im2col(&p, &[7.0]).unwrap(),
+            vec![0.0, 0.0, 0.0, 0.0, 7.0, 0.0, 0.0, 0.0, 0.0]
+        );
+    }
+
+    #[test]
+    fn gemm_problem_description() {
+        let p = Conv2d {
+            n: 3,
+            c_in: 5,
+            h: 8,
+            w: 6,
+            c_out: 7,
+            kh: 3,
+            kw: 3,
+            stride: (1, 1),
+            pad: (1, 1),
+            dilation: (1, 1),
+            format: Nchw,
+        };
+        // P = 8*6 = 48, K = 5*9 = 45.
+        let g = im2col_gemm_problem(&p).unwrap();
+        assert_eq!(
+            (g.trans_a, g.trans_b, g.m, g.n, g.k, g.lda, g.ldb, g.ldc),
+            (false, false, 48, 7, 45, 48, 45, 48)
+        );
+        assert_eq!(
+            (g.stride_a, g.stride_b, g.stride_c, g.batch),
+            (48 * 45, 0, 48 * 7, 3)
+        );
+        assert_eq!((g.alpha, g.beta), (1.0, 0.0));
+        let g = im2col_gemm_problem(&Conv2d { format: Nhwc, ..p }).unwrap();
+        assert_eq!(
+            (g.trans_a, g.trans_b, g.m, g.n, g.k, g.lda, g.ldb, g.ldc),
+            (true, false, 7, 48, 45, 45, 45, 7)
+        );
+        assert_eq!(
+            (g.stride_a, g.stride_b, g.stride_c, g.batch),
+            (0, 48 * 45, 48 * 7, 3)
+        );
+    }
+
+    /// Deterministic values in [-1, 1) (xorshift64*).
+    fn values(seed: u64, n: usize) -> Vec<f64> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s >> 12;
+                s ^= s << 25;
+                s ^= s >> 27;
+                let v = s.wrapping_mul(0x2545_F491_4F6C_DD1D);
+                (v >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// NCHW → NHWC for x-like (`[n][c][h][w]` → `[n][h][w][c]`) and, with `n = c_out`, for
+    /// filters (KCRS → KRSC).
+    fn to_nhwc(v: &[f64], n: usize, c: usize, h: usize, w: usize) -> Vec<f64> {
+        let mut out = vec![0.0; v.len()];
+        for b in 0..n {
+            for ch in 0..c {
+                for y in 0..h {
+                    for x in 0..w {
+                        out[((b * h + y) * w + x) * c + ch] = v[((b * c + ch) * h + y) * w + x];
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The module docs' formula, written independently of `Conv2d::tap` and the index helpers
+    /// (signed coordinates, bounds test on each tap), for NCHW.
+    fn textbook_nchw(p: &Conv2d, x: &[f64], w: &[f64]) -> Vec<f64> {
+        let (oh, ow) = p.out_hw().unwrap();
+        let mut y = Vec::new();
+        for b in 0..p.n {
+            for k in 0..p.c_out {
+                for oy in 0..oh as i64 {
+                    for ox in 0..ow as i64 {
+                        let mut acc = 0.0;
+                        for c in 0..p.c_in {
+                            for r in 0..p.kh as i64 {
+                                for s in 0..p.kw as i64 {
+                                    let iy = oy * p.stride.0 as i64 + r * p.dilation.0 as i64
+                                        - p.pad.0 as i64;
+                                    let ix = ox * p.stride.1 as i64 + s * p.dilation.1 as i64
+                                        - p.pad.1 as i64;
+                                    if iy < 0 || ix < 0 || iy >= p.h as i64 || ix >= p.w as i64 {
+                                        continue;
+                                    }
+                                    let xi = (b * p.c_in + c) * p.h * p.w
+                                        + iy as usize * p.w
+                                        + ix as usize;
+                                    let wi = (k * p.c_in + c) * p.kh * p.kw
+                                        + r as usize * p.kw
+                                        + s as usize;
+                                    acc += x[xi] * w[wi];
+                                }
+                            }
+                        }
+                        y.push(acc);
+                    }
+                }
+            }
+        }
+        y
+    }
+
+    /// The references against each other, over strides, paddings, dilations, filter shapes
+    /// and channel counts that are not powers of two: direct == im2col + GEMM in both formats,
+    /// and NCHW == NHWC after permuting inputs, filters and outputs (bitwise for the direct
+    /// convolution, which sums in the same order in both formats).
+    #[test]
+    fn direct_equals_gemm_and_formats_agree() {
+        let mut ran = 0;
+        let mut rejected = 0;
+        let mut seed = 1;
+        for (c_in, c_out) in [(3, 5), (1, 7), (6, 1)] {
+            for (kh, kw) in [(1, 1), (3, 3), (5, 3)] {
+                for stride in [(1, 1), (2, 2), (1, 2), (2, 1)] {
+                    for pad in [(0, 0), (1, 1), (2, 2), (0, 2), (1, 0)] {
+                        for dilation in [(1, 1), (2, 2), (1, 2)] {
+                            let p = Conv2d {
+                                n: 2,
+                                c_in,
+                                h: 7,
+                                w: 6,
+                                c_out,
+                                kh,
+                                kw,
+                                stride,
+                                pad,
+                                dilation,
+                                format: Nchw,
+                            };
+                            let (oh, ow) = match p.out_hw() {
+                                Ok(hw) => hw,
+                                Err(e) => {
+                                    // Only a filter larger than the padded input is refused.
+                                    let arg = e.argument();
+                                    assert!(arg == Some("kh") || arg == Some("kw"), "{e}");
+                                    assert!(
+                                        dilation.0 * (kh - 1) + 1 > 7 + 2 * pad.0
+                                            || dilation.1 * (kw - 1) + 1 > 6 + 2 * pad.1
+                                    );
+                                    rejected += 1;
+                                    continue;
+                                }
+                            };
+                            seed += 1;
+                            let x = values(seed, p.x_len());
+                            let w = values(seed + 1000, p.w_len());
+                            let y = conv2d(&p, &x, &w).unwrap();
+                            assert_eq!(y, textbook_nchw(&p, &x, &w), "{p:?}");
+                            let yg = conv2d_via_gemm(&p, &x, &w).unwrap();
+                            for (a, b) in y.iter().zip(&yg) {
+                                assert!((a - b).abs() <= 1e-12, "{p:?}: {a} vs {b}");
+                            }
+                            let q = Conv2d { format: Nhwc, ..p };
+                            let xl = to_nhwc(&x, p.n, c_in, p.h, p.w);
+                            let wl = to_nhwc(&w, c_out, c_in, kh, kw);
+                            let yl = conv2d(&q, &xl, &wl).unwrap();
+                            assert_eq!(yl, to_nhwc(&y, p.n, c_out, oh, ow), "{q:?}");
+                            let ylg = conv2d_via_gemm(&q, &xl, &wl).unwrap();
+                            for (a, b) in yl.iter().zip(&ylg) {
+                                assert!((a - b).abs() <= 1e-12, "{q:?}: {a} vs {b}");
+                            }
+                            ran += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert!(ran > 400 && rejected > 0, "ran {ran}, rejected {rejected}");
+    }
+
+    #[test]
+    fn errors_name_the_argument() {
+        let p = single(3, 3, 2, 2, Nchw);
+        let arg = |q: Conv2d| q.out_hw().unwrap_err().argument().map(str::to_owned);
+        assert_eq!(
+            arg(Conv2d {
+                stride: (0, 1),
+                ..p
+            })
+            .as_deref(),
+            Some("stride")
+        );
+        assert_eq!(
+            arg(Conv2d {
+                stride: (1, 0),
+                ..p
+            })
+            .as_deref(),
+            Some("stride")
+        );
+        assert_eq!(
+            arg(Conv2d {
+                dilation: (1, 0),
+                ..p
+            })
+            .as_deref(),
+            Some("dilation")
+        );
+        assert_eq!(arg(Conv2d { kh: 4, ..p }).as_deref(), Some("kh"));
+        assert_eq!(
+            arg(Conv2d {
+                kw: 2,
+                dilation: (1, 3),
+                ..p
+            })
+            .as_deref(),
+            Some("kw")
+        );
+        // ... but padding makes room: 3 + 2*1 >= 4.
+        assert_eq!(
+            Conv2d {
+                kh: 4,
+                pad: (1, 0),
+                ..p
+            }
+            .out_hw()
+            .unwrap(),
+            (2, 2)
+        );
+        for (name, q) in [
+            ("n", Conv2d { n: 0, ..p }),
+            ("c_in", Conv2d { c_in: 0, ..p }),
+            ("h", Conv2d { h: 0, ..p }),
+            ("w", Conv2d { w: 0, ..p }),
+            ("c_out", Conv2d { c_out: 0, ..p }),
+            ("kh", Conv2d { kh: 0, ..p }),
+            ("kw", Conv2d { kw: 0, ..p }),
+        ] {
+            assert_eq!(arg(q).as_deref(), Some(name));
+        }
+        assert_eq!(
+            arg(Conv2d {
+                pad: (usize::MAX, 0),
+                ..p
+            })
+            .as_deref(),
+            Some("kh")
+        );
+        let e = conv2d(&p, &X3[..8], &[1.0; 4]).unwrap_err();
+        assert_eq!(e.argument(), Some("x"));
+        let e = conv2d(&p, &X3, &[1.0; 5]).unwrap_err();
+        assert_eq!(e.argument(), Some("w"));
+        let e = conv2d_via_gemm(&p, &X3, &[1.0; 3]).unwrap_err();
+        assert_eq!(e.argument(), Some("w"));
+        assert_eq!(im2col(&p, &[]).unwrap_err().argument(), Some("x"));
+        assert_eq!(
+            im2col_gemm_problem(&Conv2d { kh: 9, ..p })
+                .unwrap_err()
+                .argument(),
+            Some("kh")
+        );
+        assert_eq!(p.y_len().unwrap(), 4);
+        assert_eq!((p.x_len(), p.w_len()), (9, 4));
+    }
+}
