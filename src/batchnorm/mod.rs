@@ -1,6 +1,6 @@
 //! BatchNorm (+ReLU, +Add+ReLU): one dispatcher in the manner of OneFlow's normalization kernels.
 //!
-//! - [`plan`]: the pure decision (mode, layout, path, reasons), tested without a GPU.
+//! - [`plan()`]: the pure decision (mode, layout, path, reasons), tested without a GPU.
 
 pub mod plan;
 
