@@ -1,6 +1,7 @@
 //! `nnfuse`: the command-line face of the library (info, plan, tune, ...).
 
 mod info;
+mod plan;
 
 use clap::{Parser, Subcommand};
 
@@ -19,6 +20,8 @@ struct Cli {
 enum Command {
     /// Device, library versions and the effective configuration.
     Info,
+    /// The BatchNorm plan for a shape (mode, layout, path) and every reason; needs no GPU.
+    Plan(plan::PlanArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -32,6 +35,7 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Info => info::run(),
+        Command::Plan(args) => plan::run(args),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,289 @@
+//! `nnfuse plan`: the BatchNorm plan for a shape, with every reason — on any machine.
+//!
+//! The NHWC flag, the mode policy and the fusion switch come from the same environment
+//! variables as the library ([`Config::from_env`]); `--nhwc`, `--policy` and `--no-fusion`
+//! override them. No GPU is touched: the cuDNN version is `--cudnn-version`, else the installed
+//! cuDNN's when the library can be loaded, else the newest supported one (said "assumed").
+
+use std::process::ExitCode;
+
+use clap::Args;
+use serde_json::json;
+
+use nnfuse::batchnorm::{plan, Fuse, Phase, PlanRequest, ASSUMED_CUDNN_VERSION};
+use nnfuse::config::{
+    parse_bool, ENV_BN_MODE_POLICY, ENV_DISABLE_CUDNN_FUSION, ENV_ENABLE_NHWC,
+    ENV_ONEFLOW_ENABLE_NHWC,
+};
+use nnfuse::{BnModePolicy, Config, DType, Error};
+
+/// Arguments of `nnfuse plan`.
+#[derive(Args, Debug)]
+pub struct PlanArgs {
+    /// Tensor shape, row-major: dims separated by commas or `x` (16,32,112,112 or 16x32x112x112).
+    #[arg(long)]
+    shape: String,
+    /// Channel axis; negative counts from the end (-1: the last dim).
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
+    axis: i64,
+    /// Activation type: f32, f16, bf16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Activation after BatchNorm: none, relu, add-relu.
+    #[arg(long, default_value = "none")]
+    fuse: String,
+    /// Plan the inference forward (running statistics) instead of training.
+    #[arg(long)]
+    inference: bool,
+    /// Print exactly one JSON object on stdout.
+    #[arg(long)]
+    json: bool,
+    /// Mode policy: oneflow, auto, fast (overrides NNFUSE_BN_MODE_POLICY).
+    #[arg(long, value_name = "POLICY")]
+    policy: Option<String>,
+    /// NHWC flag: true or false (overrides NNFUSE_ENABLE_NHWC / ONEFLOW_ENABLE_NHWC).
+    #[arg(long, value_name = "BOOL")]
+    nhwc: Option<String>,
+    /// Never plan cuDNN's fused path (as NNFUSE_DISABLE_CUDNN_FUSION=1).
+    #[arg(long)]
+    no_fusion: bool,
+    /// cuDNN version to plan for: 91900 or 9.19.0 (default: the installed one, else 91900).
+    #[arg(long, value_name = "VERSION")]
+    cudnn_version: Option<String>,
+}
+
+/// Where a setting came from.
+fn source(flag: bool, flag_name: &str, env: &[&str]) -> String {
+    if flag {
+        return flag_name.to_string();
+    }
+    env.iter()
+        .find(|v| std::env::var(v).is_ok_and(|s| !s.trim().is_empty()))
+        .map_or_else(|| "default".to_string(), |v| v.to_string())
+}
+
+/// Parses `16,32,112,112`, `16x32x112x112`, `(16, 32, 112, 112)` or `[16,32]`.
+fn parse_shape(s: &str) -> nnfuse::Result<Vec<usize>> {
+    let inner = s
+        .trim()
+        .trim_start_matches(['(', '['])
+        .trim_end_matches([')', ']'])
+        .trim();
+    if inner.is_empty() {
+        return Err(Error::invalid(
+            "shape",
+            "is empty: give the dims separated by commas, e.g. --shape 16,32,112,112",
+        ));
+    }
+    inner
+        .split([',', 'x'])
+        .enumerate()
+        .map(|(i, d)| {
+            d.trim().parse::<usize>().map_err(|_| {
+                Error::invalid(
+                    format!("shape[{i}]"),
+                    format!(
+                        "{:?} in --shape {s:?} is not a non-negative integer",
+                        d.trim()
+                    ),
+                )
+            })
+        })
+        .collect()
+}
+
+/// A negative axis counts from the end, as in PyTorch; out of range is left to the plan, which
+/// names `axis`.
+fn resolve_axis(axis: i64, rank: usize) -> nnfuse::Result<usize> {
+    let resolved = if axis < 0 { rank as i64 + axis } else { axis };
+    usize::try_from(resolved).map_err(|_| {
+        Error::invalid(
+            "axis",
+            format!("{axis} is out of range for a shape of rank {rank}"),
+        )
+    })
+}
+
+/// Parses `91900` or `9.19.0` (cuDNN numbers versions major*1000 + minor*100 + patch before 9,
+/// major*10000 + minor*100 + patch from 9 on).
+fn parse_cudnn_version(s: &str) -> nnfuse::Result<usize> {
+    let bad = || {
+        Error::invalid(
+            "--cudnn-version",
+            format!("{s:?} is not a cuDNN version such as 91900 or 9.19.0"),
+        )
+    };
+    let s = s.trim();
+    let parts: Vec<&str> = s.split('.').collect();
+    match parts.as_slice() {
+        [n] => n.parse().map_err(|_| bad()),
+        [major, minor, patch] => {
+            let [major, minor, patch] = [major, minor, patch].map(|p| p.parse::<usize>().ok());
+            match (major, minor, patch) {
+                (Some(a), Some(b), Some(c)) if b < 100 && c < 100 && (a >= 9 || b < 10) => {
+                    Ok(if a >= 9 {
+                        a * 10_000 + b * 100 + c
+                    } else {
+                        a * 1000 + b * 100 + c
+                    })
+                }
+                _ => Err(bad()),
+            }
+        }
+        _ => Err(bad()),
+    }
+}
+
+/// `9.19.0` for 91900, `7.4.1` for 7401.
+fn version_string(v: usize) -> String {
+    if v >= 90_000 {
+        format!("{}.{}.{}", v / 10_000, (v / 100) % 100, v % 100)
+    } else {
+        format!("{}.{}.{}", v / 1000, (v / 100) % 10, v % 100)
+    }
+}
+
+/// The cuDNN version to plan for, and where it came from.
+fn cudnn_version(given: Option<&str>) -> nnfuse::Result<(usize, &'static str)> {
+    if let Some(s) = given {
+        return Ok((parse_cudnn_version(s)?, "given"));
+    }
+    if nnfuse::context::cudnn_present() {
+        if let Ok(v) = nnfuse::context::cudnn_version() {
+            return Ok((v, "installed"));
+        }
+    }
+    Ok((ASSUMED_CUDNN_VERSION, "assumed"))
+}
+
+/// Prints the plan (text or JSON); invalid input is an error (exit 2, message on stderr).
+pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
+    let mut config = Config::from_env()?;
+    if let Some(p) = &args.policy {
+        config.bn_mode_policy = p.parse::<BnModePolicy>().map_err(|_| {
+            Error::invalid(
+                "--policy",
+                format!("{p:?} is not one of oneflow, auto, fast"),
+            )
+        })?;
+    }
+    if let Some(v) = &args.nhwc {
+        config.enable_nhwc = parse_bool("--nhwc", v).map_err(|_| {
+            Error::invalid(
+                "--nhwc",
+                format!("{v:?} is not a boolean (true/false, 1/0, yes/no, on/off)"),
+            )
+        })?;
+    }
+    if args.no_fusion {
+        config.disable_cudnn_fusion = true;
+    }
+    let shape = parse_shape(&args.shape)?;
+    let axis = resolve_axis(args.axis, shape.len())?;
+    let dtype: DType = args.dtype.parse()?;
+    let fuse: Fuse = args.fuse.parse()?;
+    let phase = if args.inference {
+        Phase::Inference
+    } else {
+        Phase::Training
+    };
+    let (version, version_source) = cudnn_version(args.cudnn_version.as_deref())?;
+    let p = plan(&PlanRequest {
+        shape: &shape,
+        axis,
+        dtype,
+        fuse,
+        phase,
+        config: &config,
+        cudnn_version: version,
+    })?;
+
+    let sources = json!({
+        "policy": source(args.policy.is_some(), "--policy", &[ENV_BN_MODE_POLICY]),
+        "enable_nhwc": source(args.nhwc.is_some(), "--nhwc", &[ENV_ENABLE_NHWC, ENV_ONEFLOW_ENABLE_NHWC]),
+        "disable_cudnn_fusion": source(args.no_fusion, "--no-fusion", &[ENV_DISABLE_CUDNN_FUSION]),
+        "cudnn_version": version_source,
+    });
+    if args.json {
+        let mut j = p.to_json();
+        if let Some(obj) = j.as_object_mut() {
+            obj.insert("shape".into(), json!(shape));
+            obj.insert("axis".into(), json!(axis));
+            obj.insert(
+                "disable_cudnn_fusion".into(),
+                json!(config.disable_cudnn_fusion),
+            );
+            obj.insert("sources".into(), sources);
+        }
+        println!("{}", serde_json::to_string(&j)?);
+    } else {
+        let why = match version_source {
+            "given" => "given by --cudnn-version",
+            "installed" => "the installed cuDNN",
+            _ => "assumed: no cuDNN found here, so the newest supported",
+        };
+        println!("shape {shape:?}, axis {axis}");
+        println!("cuDNN {} ({version}), {why}", version_string(version));
+        println!(
+            "config: policy {} ({}), NHWC flag {} ({}), cuDNN fusion {} ({})",
+            config.bn_mode_policy,
+            sources["policy"].as_str().unwrap_or_default(),
+            if config.enable_nhwc { "on" } else { "off" },
+            sources["enable_nhwc"].as_str().unwrap_or_default(),
+            if config.disable_cudnn_fusion {
+                "disabled"
+            } else {
+                "allowed"
+            },
+            sources["disable_cudnn_fusion"].as_str().unwrap_or_default(),
+        );
+        println!("{p}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_parse() {
+        assert_eq!(parse_shape("16,32,112,112").unwrap(), [16, 32, 112, 112]);
+        assert_eq!(parse_shape("16x32x112x112").unwrap(), [16, 32, 112, 112]);
+        assert_eq!(parse_shape(" (2, 3) ").unwrap(), [2, 3]);
+        assert_eq!(parse_shape("[7]").unwrap(), [7]);
+        assert_eq!(parse_shape("2,x").unwrap_err().argument(), Some("shape[1]"));
+        assert_eq!(
+            parse_shape("2,-1").unwrap_err().argument(),
+            Some("shape[1]")
+        );
+        assert_eq!(parse_shape("").unwrap_err().argument(), Some("shape"));
+        assert_eq!(
+            parse_shape("2,,3").unwrap_err().argument(),
+            Some("shape[1]")
+        );
+    }
+
+    #[test]
+    fn negative_axes_count_from_the_end() {
+        assert_eq!(resolve_axis(-1, 4).unwrap(), 3);
+        assert_eq!(resolve_axis(-4, 4).unwrap(), 0);
+        assert_eq!(resolve_axis(1, 4).unwrap(), 1);
+        assert_eq!(resolve_axis(-5, 4).unwrap_err().argument(), Some("axis"));
+    }
+
+    #[test]
+    fn versions_parse_both_numberings() {
+        assert_eq!(parse_cudnn_version("91900").unwrap(), 91900);
+        assert_eq!(parse_cudnn_version("9.19.0").unwrap(), 91900);
+        assert_eq!(parse_cudnn_version("7.4.1").unwrap(), 7401);
+        assert_eq!(parse_cudnn_version("8.9.7").unwrap(), 8907);
+        assert_eq!(version_string(91900), "9.19.0");
+        assert_eq!(version_string(7401), "7.4.1");
+        assert_eq!(version_string(8907), "8.9.7");
+        for bad in ["9.19", "nine", "7.14.1", "9.1.100", ""] {
+            let e = parse_cudnn_version(bad).unwrap_err();
+            assert_eq!(e.argument(), Some("--cudnn-version"), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,306 @@
+//! `nnfuse plan` as a user runs it: the built binary, its JSON, its exit codes, and the
+//! environment variables it shares with the library. Needs no GPU.
+
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+/// Runs `nnfuse plan ARGS` with nnfuse's variables cleared, then `env` set.
+fn nnfuse_plan(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_nnfuse"));
+    cmd.arg("plan").args(args);
+    for var in nnfuse::config::ALL_VARS {
+        cmd.env_remove(var);
+    }
+    cmd.env_remove("NNFUSE_LOG");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("the nnfuse binary runs")
+}
+
+/// Runs with `--json` (and a fixed cuDNN version) and parses stdout as exactly one JSON object.
+fn json(args: &[&str], env: &[(&str, &str)]) -> Value {
+    let mut all = args.to_vec();
+    all.extend(["--json", "--cudnn-version", "91900"]);
+    let out = nnfuse_plan(&all, env);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "nnfuse plan {all:?} failed: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("stdout is not one JSON value ({e}):\n{stdout}"));
+    assert!(v.is_object(), "{v}");
+    v
+}
+
+fn codes(v: &Value) -> Vec<&str> {
+    v["refusals"]
+        .as_array()
+        .expect("refusals is a list")
+        .iter()
+        .map(|c| c.as_str().expect("codes are strings"))
+        .collect()
+}
+
+/// Exit code 2, a message on stderr that names `what`, nothing on stdout.
+fn fails_naming(out: &Output, what: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "stderr: {stderr}");
+    assert!(stderr.contains(what), "stderr should name {what}: {stderr}");
+    assert!(
+        out.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+#[test]
+fn channels_last_f16_add_relu_is_fused() {
+    let v = json(
+        &[
+            "--shape",
+            "64,56,56,256",
+            "--axis",
+            "3",
+            "--dtype",
+            "f16",
+            "--fuse",
+            "add-relu",
+        ],
+        &[],
+    );
+    assert_eq!(v["path"], "cudnn_fused");
+    assert_eq!(v["mode"], "spatial_persistent");
+    assert_eq!(v["format"], "nhwc");
+    assert_eq!((v["n"].as_i64(), v["c"].as_i64()), (Some(64), Some(256)));
+    assert_eq!((v["h"].as_i64(), v["w"].as_i64()), (Some(3136), Some(1)));
+    assert_eq!(v["api"], "ex");
+    assert_eq!(v["fuse"], "add_relu");
+    assert_eq!(v["phase"], "training");
+    assert_eq!(v["dtype"], "f16");
+    assert_eq!(v["policy"], "auto");
+    assert_eq!(v["cudnn_version"], 91900);
+    assert_eq!(v["shape"], serde_json::json!([64, 56, 56, 256]));
+    assert_eq!(v["axis"], 3);
+    assert!(codes(&v).is_empty());
+    let reasons = v["reasons"].as_array().expect("reasons is a list");
+    assert!(reasons.iter().all(Value::is_string));
+    assert!(reasons.iter().any(|r| r
+        .as_str()
+        .is_some_and(|r| r.contains("departs from OneFlow"))));
+}
+
+#[test]
+fn channels_first_default_policy_falls_back() {
+    let v = json(
+        &[
+            "--shape",
+            "16,32,112,112",
+            "--axis",
+            "1",
+            "--dtype",
+            "f16",
+            "--fuse",
+            "add-relu",
+        ],
+        &[],
+    );
+    assert_eq!(v["path"], "fallback");
+    assert_eq!(v["mode"], "spatial");
+    assert_eq!(v["format"], "nchw");
+    assert_eq!(v["api"], "legacy");
+    assert_eq!(codes(&v), ["not_nhwc", "not_persistent"]);
+    assert_eq!((v["n"].as_i64(), v["h"].as_i64()), (Some(16), Some(12544)));
+}
+
+#[test]
+fn two_d_under_oneflow_is_per_activation() {
+    let v = json(
+        &[
+            "--shape",
+            "65536,256",
+            "--policy",
+            "oneflow",
+            "--fuse",
+            "relu",
+        ],
+        &[],
+    );
+    assert_eq!(v["mode"], "per_activation");
+    assert_eq!(v["policy"], "oneflow");
+    assert_eq!(v["path"], "fallback");
+    assert_eq!(codes(&v), ["not_persistent"]);
+    // The default policy departs from OneFlow there.
+    assert_eq!(
+        json(&["--shape", "65536,256"], &[])["mode"],
+        "spatial_persistent"
+    );
+}
+
+#[test]
+fn environment_sets_policy_and_nhwc_flags_override() {
+    let two_d = ["--shape", "65536,256"];
+    let env_fast = [("NNFUSE_BN_MODE_POLICY", "fast")];
+    let env_oneflow = [("NNFUSE_BN_MODE_POLICY", "oneflow")];
+    assert_eq!(json(&two_d, &env_oneflow)["mode"], "per_activation");
+    let v = json(&two_d, &env_fast);
+    assert_eq!(v["mode"], "spatial_persistent");
+    assert_eq!(v["policy"], "fast");
+    assert_eq!(v["sources"]["policy"], "NNFUSE_BN_MODE_POLICY");
+    // The flag wins over the variable.
+    let v = json(&["--shape", "65536,256", "--policy", "oneflow"], &env_fast);
+    assert_eq!(v["mode"], "per_activation");
+    assert_eq!(v["sources"]["policy"], "--policy");
+
+    // OneFlow's NHWC flag turns channels-first training persistent.
+    let cf = ["--shape", "16,32,112,112"];
+    assert_eq!(json(&cf, &[])["mode"], "spatial");
+    let v = json(&cf, &[("ONEFLOW_ENABLE_NHWC", "1")]);
+    assert_eq!(v["mode"], "spatial_persistent");
+    assert_eq!(v["enable_nhwc"], true);
+    assert_eq!(v["sources"]["enable_nhwc"], "ONEFLOW_ENABLE_NHWC");
+    assert_eq!(
+        json(&cf, &[("NNFUSE_ENABLE_NHWC", "yes")])["mode"],
+        "spatial_persistent"
+    );
+    let v = json(
+        &["--shape", "16,32,112,112", "--nhwc", "false"],
+        &[("ONEFLOW_ENABLE_NHWC", "1")],
+    );
+    assert_eq!(v["mode"], "spatial");
+    assert_eq!(v["enable_nhwc"], false);
+
+    // The fusion switch, from the variable and from the flag.
+    let cl = ["--shape", "64,56,56,256", "--axis", "3", "--fuse", "relu"];
+    assert_eq!(json(&cl, &[])["path"], "cudnn_fused");
+    let v = json(&cl, &[("NNFUSE_DISABLE_CUDNN_FUSION", "1")]);
+    assert_eq!(v["path"], "fallback");
+    assert_eq!(codes(&v), ["disabled_by_config"]);
+    let mut flagged = cl.to_vec();
+    flagged.push("--no-fusion");
+    assert_eq!(codes(&json(&flagged, &[])), ["disabled_by_config"]);
+}
+
+#[test]
+fn inference_and_old_cudnn() {
+    let v = json(
+        &[
+            "--shape",
+            "64,56,56,256",
+            "--axis",
+            "-1",
+            "--fuse",
+            "relu",
+            "--inference",
+        ],
+        &[],
+    );
+    assert_eq!(v["phase"], "inference");
+    assert_eq!(v["api"], "legacy");
+    assert_eq!(v["mode"], "spatial");
+    assert_eq!(codes(&v), ["inference", "not_persistent"]);
+    // json() pins 91900; an old cuDNN (dotted form) is passed on its own.
+    let out = nnfuse_plan(
+        &[
+            "--shape",
+            "64,56,56,256",
+            "--axis",
+            "3",
+            "--fuse",
+            "relu",
+            "--json",
+            "--cudnn-version",
+            "7.4.0",
+        ],
+        &[],
+    );
+    assert!(out.status.success());
+    let v: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(v["cudnn_version"], 7400);
+    assert_eq!(codes(&v), ["cudnn_too_old"]);
+    assert_eq!(v["sources"]["cudnn_version"], "given");
+}
+
+#[test]
+fn text_output_says_what_was_assumed() {
+    let out = nnfuse_plan(
+        &[
+            "--shape",
+            "16,32,112,112",
+            "--dtype",
+            "f16",
+            "--fuse",
+            "add-relu",
+            "--cudnn-version",
+            "91900",
+        ],
+        &[],
+    );
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    for needle in [
+        "cuDNN 9.19.0 (91900), given by --cudnn-version",
+        "mode   : CUDNN_BATCHNORM_SPATIAL",
+        "path   : fallback",
+        "not fused: cuDNN fuses BN+activation only for NHWC",
+    ] {
+        assert!(text.contains(needle), "missing {needle:?} in:\n{text}");
+    }
+    // Without --cudnn-version the version is the installed cuDNN's, or assumed (and said so).
+    let out = nnfuse_plan(&["--shape", "16,32,112,112"], &[]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("assumed: no cuDNN found here") || text.contains("the installed cuDNN"),
+        "{text}"
+    );
+}
+
+#[test]
+fn bad_input_exits_2_naming_the_argument() {
+    fails_naming(&nnfuse_plan(&["--shape", "2,0,3"], &[]), "shape[1]");
+    fails_naming(&nnfuse_plan(&["--shape", "2,x3"], &[]), "shape[1]");
+    fails_naming(&nnfuse_plan(&["--shape", ""], &[]), "shape");
+    fails_naming(
+        &nnfuse_plan(&["--shape", "2,3", "--axis", "2"], &[]),
+        "axis",
+    );
+    fails_naming(
+        &nnfuse_plan(&["--shape", "2,3", "--axis", "-3"], &[]),
+        "axis",
+    );
+    fails_naming(
+        &nnfuse_plan(&["--shape", "2,3", "--dtype", "f64"], &[]),
+        "dtype",
+    );
+    fails_naming(
+        &nnfuse_plan(&["--shape", "2,3", "--fuse", "gelu"], &[]),
+        "fuse",
+    );
+    fails_naming(
+        &nnfuse_plan(&["--shape", "2,3", "--policy", "quick"], &[]),
+        "--policy",
+    );
+    fails_naming(
+        &nnfuse_plan(&["--shape", "2,3", "--nhwc", "maybe"], &[]),
+        "--nhwc",
+    );
+    fails_naming(
+        &nnfuse_plan(&["--shape", "2,3", "--cudnn-version", "nine"], &[]),
+        "--cudnn-version",
+    );
+    fails_naming(&nnfuse_plan(&["--shape", "65536,65536"], &[]), "shape");
+    for var in [
+        "NNFUSE_BN_MODE_POLICY",
+        "NNFUSE_ENABLE_NHWC",
+        "ONEFLOW_ENABLE_NHWC",
+        "NNFUSE_DISABLE_CUDNN_FUSION",
+    ] {
+        let out = nnfuse_plan(&["--shape", "2,3", "--json"], &[(var, "sometimes")]);
+        fails_naming(&out, var);
+    }
+    // A missing --shape is clap's usage error, also exit 2.
+    fails_naming(&nnfuse_plan(&[], &[]), "--shape");
+}
