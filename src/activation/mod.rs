@@ -459,7 +459,7 @@ pub mod baseline {
     use super::*;
 
     /// The naive forward: one thread reads eight consecutive elements and writes one byte of
-    /// mask (same layout and results as [`relu_mask_fwd`](super::relu_mask_fwd)). `y` may be
+    /// mask (same layout and results as [`relu_mask_fwd`]). `y` may be
     /// exactly `x`.
     pub fn relu_mask_fwd_naive8<T, X, Y, M>(
         ctx: &Context,
