@@ -37,9 +37,13 @@ macro_rules! kernel_file {
 /// Elementwise helpers: fill (poisoning outputs in tests), scaled copy.
 pub const UTIL: KernelFile = kernel_file!("util.cu");
 
+/// Bitmask ReLU / Add+ReLU forward and backward (warp-vote masks, 16-byte vector paths), and
+/// the two baselines the benchmark compares them with.
+pub const BITMASK: KernelFile = kernel_file!("bitmask.cu");
+
 /// Every kernel file the crate embeds; CI compiles each for every architecture in
 /// [`CI_ARCHS`].
-pub const ALL: &[KernelFile] = &[UTIL];
+pub const ALL: &[KernelFile] = &[UTIL, BITMASK];
 
 /// Architectures CI compiles every kernel for (A100, H100).
 pub const CI_ARCHS: &[&str] = &["sm_80", "sm_90"];

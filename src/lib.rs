@@ -19,6 +19,7 @@
 //! ```
 #![warn(missing_docs)]
 
+pub mod activation;
 pub mod batchnorm;
 pub mod config;
 pub mod context;

@@ -1,0 +1,416 @@
+// Bitmask ReLU / Add+ReLU, forward and backward, for f32, f16 (nnf_f16) and bf16 (nnf_bf16).
+//
+// Mask layout (the contract of src/reference/activation.rs): u32 words; bit i of word w is
+// element 32*w + i; ceil(n/32) words; bits past n are zero. Every kernel here writes or reads
+// exactly that layout, whatever path it takes.
+//
+// NaN (as PyTorch): relu(NaN) = NaN and its mask bit is 0 (NaN > 0 is false). relu(-0) = +0.
+// Add+ReLU computes x + z in f32 and rounds the result once to the element type.
+//
+// Two paths, chosen per launch inside the kernel from the pointers (the launcher mirrors the
+// rule for its launch arithmetic and its log):
+//  * vector: every data pointer is 16-byte aligned. Element 0 then starts a 16-byte vector, so
+//    vectors, mask words (32 elements) and warp chunks (32 vectors) share one grid of element
+//    indices. Lane l of a warp takes vector l of a chunk of 32 consecutive vectors (512 coalesced
+//    bytes per load instruction), N = 16/sizeof(T) elements; the chunk's 32*N elements are
+//    exactly N mask words. The forward votes once per vector element j (__ballot_sync: bit l =
+//    lane l's element j) and interleaves the N ballots bitwise so that lane w < N holds mask word
+//    w; lanes 0..N-1 then store N consecutive words (one coalesced 16/32-byte store). The
+//    backward has lane l read the one word that holds its N bits. Each warp handles VEC_UNROLL
+//    consecutive chunks per iteration (all loads issued before any store), grid-stride over
+//    chunks. The elements after the last whole chunk (fewer than 32*N, starting on a word
+//    boundary) go through the scalar tile code in the grid's last warp.
+//  * scalar: any alignment (e.g. a view starting at an odd element). A warp takes tiles of
+//    SCALAR_WORDS words: lane l reads element 32*k + l of the tile for every k (coalesced), one
+//    ballot per k is exactly mask word k, and lane k stores word k.
+//
+// In place: y may be the same memory as x (and/or z), dx the same as dy (and/or dz the same as
+// dy): every element is read before it is written and by the thread that writes it, and no
+// thread reads an element another thread writes. Partial overlap is not supported (the Rust
+// launchers reject it), nor may the mask overlap the data. Hence no __restrict__ on data
+// pointers: the compiler must keep each load ahead of the store it feeds, which the code
+// orders explicitly.
+//
+// Every kernel needs whole warps (blockDim.x a multiple of 32: ballots use the full mask) and is
+// launched with THREADS threads a block; loop bounds depend only on the warp index, so every
+// ballot and shuffle runs with all 32 lanes converged. Indices are 64-bit.
+
+#define NNF_FULL_WARP 0xffffffffu
+
+// Keep these three in sync with src/activation/plan.rs (a CPU test compares them).
+constexpr int THREADS = 256;      // threads per block of every launch
+constexpr int VEC_UNROLL = 2;     // 32-vector chunks per warp iteration in the vector paths
+constexpr int SCALAR_WORDS = 8;   // mask words (32 elements each) per warp tile in the scalar paths
+
+// --- element access ------------------------------------------------------------------------
+
+__device__ __forceinline__ bool aligned16(const void* p) { return (((u64)p) & 15u) == 0; }
+
+// relu keeps the value where it is positive or NaN (i.e. unless v <= 0); the mask bit is v > 0.
+__device__ __forceinline__ bool relu_keeps(float v) { return !(v <= 0.0f); }
+
+template <typename T> __device__ __forceinline__ u32 to_bits(T v) { return v.bits; }
+template <> __device__ __forceinline__ u32 to_bits<float>(float v) { return __float_as_uint(v); }
+
+template <typename T> __device__ __forceinline__ T from_bits(u32 b) {
+    T t;
+    t.bits = (unsigned short)b;
+    return t;
+}
+template <> __device__ __forceinline__ float from_bits<float>(u32 b) { return __uint_as_float(b); }
+
+// A 16-byte vector of T held as four 32-bit words; element j of N = 16/sizeof(T).
+template <typename T> __device__ __forceinline__ u32 elem_bits(const u32 (&w)[4], int j) {
+    if constexpr (sizeof(T) == 4) {
+        return w[j];
+    } else {
+        return (w[j >> 1] >> ((j & 1) * 16)) & 0xffffu;
+    }
+}
+template <typename T> __device__ __forceinline__ void set_elem_bits(u32 (&w)[4], int j, u32 b) {
+    if constexpr (sizeof(T) == 4) {
+        w[j] = b;
+    } else {
+        const int s = (j & 1) * 16;
+        w[j >> 1] = (w[j >> 1] & ~(0xffffu << s)) | (b << s);
+    }
+}
+template <typename T> __device__ __forceinline__ float elem_float(const u32 (&w)[4], int j) {
+    return to_float(from_bits<T>(elem_bits<T>(w, j)));
+}
+
+__device__ __forceinline__ void unpack(uint4 v, u32 (&w)[4]) {
+    w[0] = v.x;
+    w[1] = v.y;
+    w[2] = v.z;
+    w[3] = v.w;
+}
+__device__ __forceinline__ uint4 pack(const u32 (&w)[4]) { return make_uint4(w[0], w[1], w[2], w[3]); }
+
+// --- the warp-vote transpose ---------------------------------------------------------------
+
+// Spreads the low 32/N bits of x so that bit k lands at bit N*k.
+template <int N> __device__ __forceinline__ u32 spread(u32 x);
+template <> __device__ __forceinline__ u32 spread<4>(u32 x) {
+    x &= 0xffu;
+    x = (x | (x << 12)) & 0x000F000Fu;
+    x = (x | (x << 6)) & 0x03030303u;
+    x = (x | (x << 3)) & 0x11111111u;
+    return x;
+}
+template <> __device__ __forceinline__ u32 spread<8>(u32 x) {
+    x &= 0xfu;
+    // bit k -> k + 7k = 8k; the four partial products never overlap, so no carries.
+    return (x * 0x00204081u) & 0x01010101u;
+}
+
+// `bits`: bit j = predicate of this lane's element j, i.e. element lane*N + j of a 32*N-element
+// chunk. Returns, in lane w < N, mask word w of the chunk (bit i = element 32*w + i): that word
+// holds elements of lanes w*L .. w*L+L-1 (L = 32/N lanes, N bits each), so its bit N*k + j is
+// bit w*L + k of ballot j. Must be called by all 32 lanes.
+template <int N> __device__ __forceinline__ u32 chunk_word(u32 bits, int lane) {
+    constexpr int L = 32 / N;
+    const int shift = (lane & (N - 1)) * L;
+    u32 word = 0;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        const u32 b = __ballot_sync(NNF_FULL_WARP, (bits >> j) & 1u);
+        word |= spread<N>(b >> shift) << j;
+    }
+    return word;
+}
+
+// --- forward -------------------------------------------------------------------------------
+
+// Elements [base, min(base + 32*K, n)) with base a multiple of 32: lane l takes element
+// base + 32*k + l, so ballot k is mask word base/32 + k. All loads are issued first.
+template <typename T, bool ADD, int K>
+__device__ __forceinline__ void fwd_tile(const T* x, const T* z, T* y, u32* mask, u64 base, u64 n,
+                                         int lane) {
+    T xs[K], zs[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const u64 i = base + 32u * (u64)k + lane;
+        xs[k] = T{};
+        zs[k] = T{};
+        if (i < n) {
+            xs[k] = x[i];
+            if (ADD) zs[k] = z[i];
+        }
+    }
+    u32 mine = 0;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const u64 i = base + 32u * (u64)k + lane;
+        const bool in = i < n;
+        const float v = ADD ? to_float(xs[k]) + to_float(zs[k]) : to_float(xs[k]);
+        const u32 word = __ballot_sync(NNF_FULL_WARP, in && v > 0.0f);
+        if (lane == k) mine = word;
+        if (in) y[i] = relu_keeps(v) ? (ADD ? from_float<T>(v) : xs[k]) : T{};
+    }
+    if (mask != nullptr) {
+        const u64 w = base / 32 + lane;
+        if (lane < K && w < (n + 31) / 32) mask[w] = mine;
+    }
+}
+
+template <typename T, bool ADD>
+__device__ __forceinline__ void fwd_vector(const T* x, const T* z, T* y, u32* mask, u64 n) {
+    constexpr int N = 16 / sizeof(T);
+    constexpr u64 CHUNK = 32 * N;
+    const int lane = threadIdx.x & 31;
+    const u64 warp = global_thread() >> 5;
+    const u64 nwarps = grid_threads() >> 5;
+    const u64 nchunks = n / CHUNK;
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    const uint4* zv = reinterpret_cast<const uint4*>(z);
+    uint4* yv = reinterpret_cast<uint4*>(y);
+    for (u64 c0 = warp * VEC_UNROLL; c0 < nchunks; c0 += nwarps * VEC_UNROLL) {
+        uint4 a[VEC_UNROLL], b[VEC_UNROLL];
+#pragma unroll
+        for (int u = 0; u < VEC_UNROLL; ++u) {
+            const u64 c = c0 + u;
+            a[u] = make_uint4(0, 0, 0, 0);
+            b[u] = make_uint4(0, 0, 0, 0);
+            if (c < nchunks) {
+                a[u] = xv[c * 32 + lane];
+                if (ADD) b[u] = zv[c * 32 + lane];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < VEC_UNROLL; ++u) {
+            const u64 c = c0 + u;
+            if (c < nchunks) {  // the same for the whole warp
+                u32 w[4], wz[4];
+                unpack(a[u], w);
+                unpack(b[u], wz);
+                u32 bits = 0;
+#pragma unroll
+                for (int j = 0; j < N; ++j) {
+                    const float v =
+                        ADD ? elem_float<T>(w, j) + elem_float<T>(wz, j) : elem_float<T>(w, j);
+                    bits |= (u32)(v > 0.0f) << j;
+                    const u32 kept = ADD ? to_bits(from_float<T>(v)) : elem_bits<T>(w, j);
+                    set_elem_bits<T>(w, j, relu_keeps(v) ? kept : 0u);
+                }
+                yv[c * 32 + lane] = pack(w);
+                if (mask != nullptr) {
+                    const u32 word = chunk_word<N>(bits, lane);
+                    if (lane < N) mask[c * N + lane] = word;
+                }
+            }
+        }
+    }
+    const u64 done = nchunks * CHUNK;
+    if (done < n && warp == nwarps - 1) fwd_tile<T, ADD, N>(x, z, y, mask, done, n, lane);
+}
+
+template <typename T, bool ADD>
+__device__ __forceinline__ void fwd_scalar(const T* x, const T* z, T* y, u32* mask, u64 n) {
+    constexpr u64 TILE = 32 * SCALAR_WORDS;
+    const int lane = threadIdx.x & 31;
+    const u64 tiles = (n + TILE - 1) / TILE;
+    for (u64 t = global_thread() >> 5; t < tiles; t += grid_threads() >> 5)
+        fwd_tile<T, ADD, SCALAR_WORDS>(x, z, y, mask, t * TILE, n, lane);
+}
+
+template <typename T, bool ADD>
+__device__ __forceinline__ void fwd(const T* x, const T* z, T* y, u32* mask, u64 n) {
+    if (aligned16(x) && aligned16(y) && (!ADD || aligned16(z)))
+        fwd_vector<T, ADD>(x, z, y, mask, n);
+    else
+        fwd_scalar<T, ADD>(x, z, y, mask, n);
+}
+
+// --- backward ------------------------------------------------------------------------------
+
+template <typename T, int K>
+__device__ __forceinline__ void bwd_tile(const T* dy, const u32* mask, T* dx, T* dz, u64 base,
+                                         u64 n, int lane) {
+    T g[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const u64 i = base + 32u * (u64)k + lane;
+        g[k] = i < n ? dy[i] : T{};
+    }
+    const u64 w = base / 32 + lane;
+    const u32 m = (lane < K && w < (n + 31) / 32) ? mask[w] : 0u;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const u64 i = base + 32u * (u64)k + lane;
+        const u32 word = __shfl_sync(NNF_FULL_WARP, m, k);
+        if (i < n) {
+            const T out = ((word >> lane) & 1u) ? g[k] : T{};
+            dx[i] = out;
+            if (dz != nullptr) dz[i] = out;
+        }
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void bwd_vector(const T* dy, const u32* mask, T* dx, T* dz, u64 n) {
+    constexpr int N = 16 / sizeof(T);
+    constexpr u64 CHUNK = 32 * N;
+    constexpr int L = 32 / N;  // lanes sharing one mask word
+    const int lane = threadIdx.x & 31;
+    const u64 warp = global_thread() >> 5;
+    const u64 nwarps = grid_threads() >> 5;
+    const u64 nchunks = n / CHUNK;
+    const uint4* gv = reinterpret_cast<const uint4*>(dy);
+    uint4* xv = reinterpret_cast<uint4*>(dx);
+    uint4* zv = reinterpret_cast<uint4*>(dz);
+    for (u64 c0 = warp * VEC_UNROLL; c0 < nchunks; c0 += nwarps * VEC_UNROLL) {
+        uint4 g[VEC_UNROLL];
+        u32 m[VEC_UNROLL];
+#pragma unroll
+        for (int u = 0; u < VEC_UNROLL; ++u) {
+            const u64 c = c0 + u;
+            g[u] = make_uint4(0, 0, 0, 0);
+            m[u] = 0;
+            if (c < nchunks) {
+                g[u] = gv[c * 32 + lane];
+                // This lane's N elements are c*CHUNK + lane*N + j: word c*N + lane/L.
+                m[u] = mask[c * N + lane / L];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < VEC_UNROLL; ++u) {
+            const u64 c = c0 + u;
+            if (c < nchunks) {
+                u32 w[4];
+                unpack(g[u], w);
+                const u32 bits = m[u] >> ((lane * N) & 31);
+#pragma unroll
+                for (int j = 0; j < N; ++j)
+                    if (!((bits >> j) & 1u)) set_elem_bits<T>(w, j, 0u);
+                const uint4 out = pack(w);
+                xv[c * 32 + lane] = out;
+                if (dz != nullptr) zv[c * 32 + lane] = out;
+            }
+        }
+    }
+    const u64 done = nchunks * CHUNK;
+    if (done < n && warp == nwarps - 1) bwd_tile<T, N>(dy, mask, dx, dz, done, n, lane);
+}
+
+template <typename T>
+__device__ __forceinline__ void bwd_scalar(const T* dy, const u32* mask, T* dx, T* dz, u64 n) {
+    constexpr u64 TILE = 32 * SCALAR_WORDS;
+    const int lane = threadIdx.x & 31;
+    const u64 tiles = (n + TILE - 1) / TILE;
+    for (u64 t = global_thread() >> 5; t < tiles; t += grid_threads() >> 5)
+        bwd_tile<T, SCALAR_WORDS>(dy, mask, dx, dz, t * TILE, n, lane);
+}
+
+template <typename T>
+__device__ __forceinline__ void bwd(const T* dy, const u32* mask, T* dx, T* dz, u64 n) {
+    if (aligned16(dy) && aligned16(dx) && aligned16(dz))  // a null dz counts as aligned
+        bwd_vector<T>(dy, mask, dx, dz, n);
+    else
+        bwd_scalar<T>(dy, mask, dx, dz, n);
+}
+
+// --- benchmark baselines -------------------------------------------------------------------
+
+// The y-based backward (dx = dy where y > 0) that the mask replaces: reads y instead of 1 bit.
+// Same structure as bwd_vector, so that the benchmark compares bytes moved, not code quality.
+template <typename T>
+__device__ __forceinline__ void bwd_from_y(const T* dy, const T* y, T* dx, u64 n) {
+    constexpr int N = 16 / sizeof(T);
+    constexpr u64 CHUNK = 32 * N;
+    const int lane = threadIdx.x & 31;
+    const u64 warp = global_thread() >> 5;
+    const u64 nwarps = grid_threads() >> 5;
+    u64 done = 0;
+    if (aligned16(dy) && aligned16(y) && aligned16(dx)) {
+        const u64 nchunks = n / CHUNK;
+        const uint4* gv = reinterpret_cast<const uint4*>(dy);
+        const uint4* yv = reinterpret_cast<const uint4*>(y);
+        uint4* xv = reinterpret_cast<uint4*>(dx);
+        for (u64 c0 = warp * VEC_UNROLL; c0 < nchunks; c0 += nwarps * VEC_UNROLL) {
+            uint4 g[VEC_UNROLL], h[VEC_UNROLL];
+#pragma unroll
+            for (int u = 0; u < VEC_UNROLL; ++u) {
+                const u64 c = c0 + u;
+                g[u] = make_uint4(0, 0, 0, 0);
+                h[u] = make_uint4(0, 0, 0, 0);
+                if (c < nchunks) {
+                    g[u] = gv[c * 32 + lane];
+                    h[u] = yv[c * 32 + lane];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < VEC_UNROLL; ++u) {
+                const u64 c = c0 + u;
+                if (c < nchunks) {
+                    u32 w[4], wy[4];
+                    unpack(g[u], w);
+                    unpack(h[u], wy);
+#pragma unroll
+                    for (int j = 0; j < N; ++j)
+                        if (!(elem_float<T>(wy, j) > 0.0f)) set_elem_bits<T>(w, j, 0u);
+                    xv[c * 32 + lane] = pack(w);
+                }
+            }
+        }
+        done = nchunks * CHUNK;
+        if (warp != nwarps - 1) return;  // the rest (< CHUNK elements) is the last warp's
+        for (u64 i = done + lane; i < n; i += 32) dx[i] = to_float(y[i]) > 0.0f ? dy[i] : T{};
+        return;
+    }
+    for (u64 i = global_thread(); i < n; i += grid_threads())
+        dx[i] = to_float(y[i]) > 0.0f ? dy[i] : T{};
+}
+
+// The naive mask scheme: one thread reads eight consecutive elements (scalar loads, strided
+// across the warp) and writes one byte of mask. Same layout: byte t of the little-endian word
+// array is bits 8t..8t+7 of word t/4. Every byte of the ceil(n/32) words is written, so the tail
+// bits are zero.
+template <typename T>
+__device__ __forceinline__ void fwd_naive8(const T* x, T* y, u32* mask, u64 n) {
+    unsigned char* m8 = reinterpret_cast<unsigned char*>(mask);
+    const u64 nbytes = ((n + 31) / 32) * 4;
+    for (u64 t = global_thread(); t < nbytes; t += grid_threads()) {
+        u32 byte = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const u64 i = t * 8 + j;
+            if (i < n) {
+                const T v = x[i];
+                const float f = to_float(v);
+                byte |= (u32)(f > 0.0f) << j;
+                y[i] = relu_keeps(f) ? v : T{};
+            }
+        }
+        m8[t] = (unsigned char)byte;
+    }
+}
+
+// --- entry points --------------------------------------------------------------------------
+// mask may be null in the forwards (no mask written); dz may be null in the backward.
+
+#define NNF_BITMASK_KERNELS(T, S)                                                                 \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                         \
+        relu_mask_fwd_##S(const T* x, T* y, u32* mask, u64 n) {                                   \
+        fwd<T, false>(x, nullptr, y, mask, n);                                                    \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                         \
+        add_relu_mask_fwd_##S(const T* x, const T* z, T* y, u32* mask, u64 n) {                   \
+        fwd<T, true>(x, z, y, mask, n);                                                           \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                         \
+        relu_mask_bwd_##S(const T* dy, const u32* mask, T* dx, T* dz, u64 n) {                    \
+        bwd<T>(dy, mask, dx, dz, n);                                                              \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                         \
+        relu_bwd_from_y_##S(const T* dy, const T* y, T* dx, u64 n) {                              \
+        bwd_from_y<T>(dy, y, dx, n);                                                              \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                         \
+        relu_mask_fwd_naive8_##S(const T* x, T* y, u32* mask, u64 n) {                            \
+        fwd_naive8<T>(x, y, mask, n);                                                             \
+    }
+
+NNF_BITMASK_KERNELS(float, f32)
+NNF_BITMASK_KERNELS(nnf_f16, f16)
+NNF_BITMASK_KERNELS(nnf_bf16, bf16)

@@ -1,0 +1,554 @@
+//! Bitmask ReLU and Add+ReLU: forwards that also write one bit per element (`x > 0`), and
+//! backwards that read `dy` and that bit instead of `dy` and `y` — nnfuse's own kernels
+//! (`kernels/bitmask.cu`), used where cuDNN cannot fuse the activation into BatchNorm.
+//!
+//! # Mask layout
+//! `u32` words; bit `i` of word `w` is element `32*w + i`; [`mask_words`]`(n)` = `ceil(n/32)`
+//! words; bits past `n` are zero. The same layout as [`crate::reference::activation`], for every
+//! data type and every path. A mask buffer may be longer than `mask_words(n)`: only the first
+//! `mask_words(n)` words are touched.
+//!
+//! # Semantics
+//! * `y = max(x, 0)`, bit = `x > 0`. NaN propagates (`relu(NaN) = NaN`) with bit 0, so its
+//!   gradient is 0 (as PyTorch); `relu(-0.0) = +0.0`.
+//! * Add+ReLU computes `x + z` in f32, rounds once to the element type, then as above.
+//! * Backward: `dx = dy` where the bit is set, else `+0`; the dual backward writes the same
+//!   values to `dz` as well (the gradient of Add+ReLU's addend).
+//! * All results are exact (no arithmetic besides Add+ReLU's one rounded addition).
+//!
+//! # Aliasing and in place
+//! The `*_inplace` functions overwrite their first buffer. The other functions also accept an
+//! output that is *exactly* the same memory as an input (same start, same length — possible
+//! only through raw device pointers, e.g. cudarc's `upgrade_device_ptr`): `y` may be `x` (and, for
+//! Add+ReLU, `z`); `dx` and `dz` may be `dy`. Partial overlap of an output with anything, any
+//! overlap between the mask and the data, and `dx` overlapping `dz` are rejected with
+//! [`Error::InvalidArgument`](crate::Error::InvalidArgument) naming the argument; two inputs may
+//! overlap freely. Only the bytes a call touches count.
+//!
+//! # Performance
+//! When every data pointer is 16-byte aligned the kernels use 16-byte loads and stores and warp
+//! votes (`__ballot_sync`) that produce whole mask words per warp; otherwise (a view starting
+//! at an odd element, say) they take a scalar path that is correct for any alignment but
+//! slower. [`plan`] holds the rule and the grid arithmetic; every launch logs its decision as a
+//! `tracing` debug event.
+//!
+//! ```no_run
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use nnfuse::activation::{self, mask_words};
+//! let ctx = nnfuse::Context::new(0)?;
+//! let s = ctx.stream();
+//! let x = s.clone_htod(&[1.0f32, -2.0, 3.0])?;
+//! let mut y = s.alloc_zeros::<f32>(3)?;
+//! let mut mask = s.alloc_zeros::<u32>(mask_words(3))?;
+//! activation::relu_mask_fwd(&ctx, &x, &mut y, Some(&mut mask))?;
+//! // Inference: no mask wanted.
+//! activation::relu_mask_fwd(&ctx, &x, &mut y, None::<&mut activation::NoMask>)?;
+//! # Ok(()) }
+//! ```
+
+pub mod plan;
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
+use once_cell::sync::Lazy;
+
+use crate::context::Context;
+use crate::dtype::{DType, Element};
+use crate::error::{CallExt, Result};
+use crate::kernels;
+use plan::{choose_path, plan_launch, validate, Operand, Path, Scheme};
+
+pub use crate::reference::activation::mask_words;
+
+/// A type to name in `None::<&mut NoMask>` when a forward should write no mask (inference).
+pub type NoMask = CudaSlice<u32>;
+
+/// The kernels of `kernels/bitmask.cu`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kernel {
+    ReluFwd,
+    AddReluFwd,
+    Bwd,
+    BwdFromY,
+    Naive8,
+}
+
+impl Kernel {
+    fn name(self, dt: DType) -> &'static str {
+        use DType::*;
+        use Kernel::*;
+        match (self, dt) {
+            (ReluFwd, F32) => "relu_mask_fwd_f32",
+            (ReluFwd, F16) => "relu_mask_fwd_f16",
+            (ReluFwd, BF16) => "relu_mask_fwd_bf16",
+            (AddReluFwd, F32) => "add_relu_mask_fwd_f32",
+            (AddReluFwd, F16) => "add_relu_mask_fwd_f16",
+            (AddReluFwd, BF16) => "add_relu_mask_fwd_bf16",
+            (Bwd, F32) => "relu_mask_bwd_f32",
+            (Bwd, F16) => "relu_mask_bwd_f16",
+            (Bwd, BF16) => "relu_mask_bwd_bf16",
+            (BwdFromY, F32) => "relu_bwd_from_y_f32",
+            (BwdFromY, F16) => "relu_bwd_from_y_f16",
+            (BwdFromY, BF16) => "relu_bwd_from_y_bf16",
+            (Naive8, F32) => "relu_mask_fwd_naive8_f32",
+            (Naive8, F16) => "relu_mask_fwd_naive8_f16",
+            (Naive8, BF16) => "relu_mask_fwd_naive8_bf16",
+        }
+    }
+
+    /// The call name carried by a launch error.
+    fn launch_call(self) -> &'static str {
+        match self {
+            Kernel::ReluFwd => "cuLaunchKernel(relu_mask_fwd)",
+            Kernel::AddReluFwd => "cuLaunchKernel(add_relu_mask_fwd)",
+            Kernel::Bwd => "cuLaunchKernel(relu_mask_bwd)",
+            Kernel::BwdFromY => "cuLaunchKernel(relu_bwd_from_y)",
+            Kernel::Naive8 => "cuLaunchKernel(relu_mask_fwd_naive8)",
+        }
+    }
+
+    fn scheme(self) -> Scheme {
+        match self {
+            Kernel::Naive8 => Scheme::Naive8,
+            _ => Scheme::Warp,
+        }
+    }
+}
+
+/// Resident blocks per SM for each kernel, per device (the occupancy does not change for the
+/// life of the process).
+static OCCUPANCY: Lazy<Mutex<HashMap<(usize, &'static str), u32>>> =
+    Lazy::new(|| Mutex::new(HashMap::new()));
+
+fn blocks_per_sm(ctx: &Context, f: &CudaFunction, name: &'static str) -> Result<u32> {
+    let key = (ctx.info().ordinal, name);
+    let cached = match OCCUPANCY.lock() {
+        Ok(g) => g.get(&key).copied(),
+        Err(p) => p.into_inner().get(&key).copied(),
+    };
+    if let Some(v) = cached {
+        return Ok(v);
+    }
+    ctx.cuda().bind_to_thread().call("cuCtxSetCurrent")?;
+    let v = f
+        .occupancy_max_active_blocks_per_multiprocessor(plan::THREADS, 0, None)
+        .call("cuOccupancyMaxActiveBlocksPerMultiprocessor")?
+        .max(1);
+    match OCCUPANCY.lock() {
+        Ok(mut g) => g.insert(key, v),
+        Err(p) => p.into_inner().insert(key, v),
+    };
+    Ok(v)
+}
+
+/// Launches `kernel` over `n > 0` elements with the device pointers `args` (in the kernel's
+/// parameter order, `n` appended). `path_ptrs` are the data pointers whose alignment decides the
+/// path (the kernel applies the same rule itself).
+fn launch(
+    ctx: &Context,
+    kernel: Kernel,
+    dt: DType,
+    n: usize,
+    args: &[u64],
+    path_ptrs: &[u64],
+) -> Result<()> {
+    let name = kernel.name(dt);
+    let f = ctx.function(&kernels::BITMASK, name)?;
+    let per_sm = blocks_per_sm(ctx, &f, name)?;
+    let path = match kernel.scheme() {
+        Scheme::Naive8 => Path::Scalar,
+        Scheme::Warp => choose_path(path_ptrs),
+    };
+    let sm_count = u32::try_from(ctx.info().sm_count.max(1)).unwrap_or(1);
+    let lp = plan_launch(
+        kernel.scheme(),
+        path,
+        n as u64,
+        dt.size() as u64,
+        sm_count,
+        per_sm,
+    );
+    tracing::debug!(
+        kernel = name,
+        n,
+        path = lp.path.name(),
+        blocks = lp.blocks,
+        threads = lp.threads,
+        blocks_per_sm = per_sm,
+        "bitmask kernel launch"
+    );
+    let n64 = n as u64;
+    let stream = ctx.stream();
+    let mut b = stream.launch_builder(&f);
+    for p in args {
+        b.arg(p);
+    }
+    b.arg(&n64);
+    // SAFETY: `args` + `n` match the kernel's parameters (device pointers then u64 n, see
+    // kernels/bitmask.cu), the caller validated that every data buffer holds n elements and
+    // every mask at least mask_words(n) words, that optional pointers are null only where the
+    // kernel allows it, and that no two buffers overlap in a way the kernel does not support.
+    unsafe { b.launch(lp.config()) }.call(kernel.launch_call())?;
+    Ok(())
+}
+
+fn size<T: Element>() -> usize {
+    T::DTYPE.size()
+}
+
+/// `y = max(x, 0)` and, when `mask` is given, its bit of `x > 0` for every element.
+///
+/// `y` may be exactly the same memory as `x` (see the module docs; [`relu_mask_fwd_inplace`] is
+/// the safe way to do that). `mask` needs at least [`mask_words`]`(x.len())` words; pass
+/// `None::<&mut NoMask>` for no mask (inference).
+pub fn relu_mask_fwd<T, X, Y, M>(
+    ctx: &Context,
+    x: &X,
+    y: &mut Y,
+    mask: Option<&mut M>,
+) -> Result<()>
+where
+    T: Element,
+    X: DevicePtr<T>,
+    Y: DevicePtrMut<T>,
+    M: DevicePtrMut<u32>,
+{
+    let (xl, yl) = (x.len(), y.len());
+    let stream = ctx.stream();
+    let (xp, _x) = x.device_ptr(stream);
+    let (yp, _y) = y.device_ptr_mut(stream);
+    let mut ops = vec![
+        Operand::data("x", xp, xl, size::<T>(), false),
+        Operand::data("y", yp, yl, size::<T>(), true),
+    ];
+    let (mp, _m) = match mask {
+        Some(m) => {
+            let ml = m.len();
+            let (p, s) = m.device_ptr_mut(stream);
+            ops.push(Operand::mask("mask", p, ml, true));
+            (p, Some(s))
+        }
+        None => (0, None),
+    };
+    let n = validate(&ops, &[("x", "y")])?;
+    if n == 0 {
+        return Ok(());
+    }
+    launch(ctx, Kernel::ReluFwd, T::DTYPE, n, &[xp, yp, mp], &[xp, yp])
+}
+
+/// [`relu_mask_fwd`] in place: `xy = max(xy, 0)`.
+pub fn relu_mask_fwd_inplace<T, Y, M>(ctx: &Context, xy: &mut Y, mask: Option<&mut M>) -> Result<()>
+where
+    T: Element,
+    Y: DevicePtrMut<T>,
+    M: DevicePtrMut<u32>,
+{
+    let l = xy.len();
+    let stream = ctx.stream();
+    let (p, _xy) = xy.device_ptr_mut(stream);
+    let mut ops = vec![Operand::data("xy", p, l, size::<T>(), true)];
+    let (mp, _m) = match mask {
+        Some(m) => {
+            let ml = m.len();
+            let (mp, s) = m.device_ptr_mut(stream);
+            ops.push(Operand::mask("mask", mp, ml, true));
+            (mp, Some(s))
+        }
+        None => (0, None),
+    };
+    let n = validate(&ops, &[])?;
+    if n == 0 {
+        return Ok(());
+    }
+    launch(ctx, Kernel::ReluFwd, T::DTYPE, n, &[p, p, mp], &[p])
+}
+
+/// `y = max(x + z, 0)` (the sum in f32, rounded once) and, when `mask` is given, its bit of
+/// `x + z > 0` for every element.
+///
+/// `y` may be exactly the same memory as `x` or `z` (see the module docs;
+/// [`add_relu_mask_fwd_inplace`] is the safe way); `x` and `z` may overlap each other freely.
+pub fn add_relu_mask_fwd<T, X, Z, Y, M>(
+    ctx: &Context,
+    x: &X,
+    z: &Z,
+    y: &mut Y,
+    mask: Option<&mut M>,
+) -> Result<()>
+where
+    T: Element,
+    X: DevicePtr<T>,
+    Z: DevicePtr<T>,
+    Y: DevicePtrMut<T>,
+    M: DevicePtrMut<u32>,
+{
+    let (xl, zl, yl) = (x.len(), z.len(), y.len());
+    let stream = ctx.stream();
+    let (xp, _x) = x.device_ptr(stream);
+    let (zp, _z) = z.device_ptr(stream);
+    let (yp, _y) = y.device_ptr_mut(stream);
+    let mut ops = vec![
+        Operand::data("x", xp, xl, size::<T>(), false),
+        Operand::data("z", zp, zl, size::<T>(), false),
+        Operand::data("y", yp, yl, size::<T>(), true),
+    ];
+    let (mp, _m) = match mask {
+        Some(m) => {
+            let ml = m.len();
+            let (p, s) = m.device_ptr_mut(stream);
+            ops.push(Operand::mask("mask", p, ml, true));
+            (p, Some(s))
+        }
+        None => (0, None),
+    };
+    let n = validate(&ops, &[("x", "y"), ("z", "y")])?;
+    if n == 0 {
+        return Ok(());
+    }
+    launch(
+        ctx,
+        Kernel::AddReluFwd,
+        T::DTYPE,
+        n,
+        &[xp, zp, yp, mp],
+        &[xp, zp, yp],
+    )
+}
+
+/// [`add_relu_mask_fwd`] in place: `xy = max(xy + z, 0)`. `z` may be `xy` itself only as exactly
+/// the same memory.
+pub fn add_relu_mask_fwd_inplace<T, Y, Z, M>(
+    ctx: &Context,
+    xy: &mut Y,
+    z: &Z,
+    mask: Option<&mut M>,
+) -> Result<()>
+where
+    T: Element,
+    Y: DevicePtrMut<T>,
+    Z: DevicePtr<T>,
+    M: DevicePtrMut<u32>,
+{
+    let (l, zl) = (xy.len(), z.len());
+    let stream = ctx.stream();
+    let (zp, _z) = z.device_ptr(stream);
+    let (p, _xy) = xy.device_ptr_mut(stream);
+    let mut ops = vec![
+        Operand::data("xy", p, l, size::<T>(), true),
+        Operand::data("z", zp, zl, size::<T>(), false),
+    ];
+    let (mp, _m) = match mask {
+        Some(m) => {
+            let ml = m.len();
+            let (mp, s) = m.device_ptr_mut(stream);
+            ops.push(Operand::mask("mask", mp, ml, true));
+            (mp, Some(s))
+        }
+        None => (0, None),
+    };
+    let n = validate(&ops, &[("xy", "z")])?;
+    if n == 0 {
+        return Ok(());
+    }
+    launch(
+        ctx,
+        Kernel::AddReluFwd,
+        T::DTYPE,
+        n,
+        &[p, zp, p, mp],
+        &[p, zp],
+    )
+}
+
+/// `dx = dy` where the mask bit is set, else 0. `dx` may be exactly the same memory as `dy`
+/// ([`relu_mask_bwd_inplace`] is the safe way).
+pub fn relu_mask_bwd<T, G, M, DX>(ctx: &Context, dy: &G, mask: &M, dx: &mut DX) -> Result<()>
+where
+    T: Element,
+    G: DevicePtr<T>,
+    M: DevicePtr<u32>,
+    DX: DevicePtrMut<T>,
+{
+    let (gl, ml, xl) = (dy.len(), mask.len(), dx.len());
+    let stream = ctx.stream();
+    let (gp, _g) = dy.device_ptr(stream);
+    let (mp, _m) = mask.device_ptr(stream);
+    let (xp, _dx) = dx.device_ptr_mut(stream);
+    let ops = [
+        Operand::data("dy", gp, gl, size::<T>(), false),
+        Operand::data("dx", xp, xl, size::<T>(), true),
+        Operand::mask("mask", mp, ml, false),
+    ];
+    let n = validate(&ops, &[("dy", "dx")])?;
+    if n == 0 {
+        return Ok(());
+    }
+    launch(ctx, Kernel::Bwd, T::DTYPE, n, &[gp, mp, xp, 0], &[gp, xp])
+}
+
+/// The backward of Add+ReLU: writes the same gradient to `dx` and to `dz` (the addend's). Either
+/// may be exactly the same memory as `dy`; `dx` and `dz` must not overlap.
+pub fn relu_mask_bwd_dual<T, G, M, DX, DZ>(
+    ctx: &Context,
+    dy: &G,
+    mask: &M,
+    dx: &mut DX,
+    dz: &mut DZ,
+) -> Result<()>
+where
+    T: Element,
+    G: DevicePtr<T>,
+    M: DevicePtr<u32>,
+    DX: DevicePtrMut<T>,
+    DZ: DevicePtrMut<T>,
+{
+    let (gl, ml, xl, zl) = (dy.len(), mask.len(), dx.len(), dz.len());
+    let stream = ctx.stream();
+    let (gp, _g) = dy.device_ptr(stream);
+    let (mp, _m) = mask.device_ptr(stream);
+    let (xp, _dx) = dx.device_ptr_mut(stream);
+    let (zp, _dz) = dz.device_ptr_mut(stream);
+    let ops = [
+        Operand::data("dy", gp, gl, size::<T>(), false),
+        Operand::data("dx", xp, xl, size::<T>(), true),
+        Operand::data("dz", zp, zl, size::<T>(), true),
+        Operand::mask("mask", mp, ml, false),
+    ];
+    let n = validate(&ops, &[("dy", "dx"), ("dy", "dz")])?;
+    if n == 0 {
+        return Ok(());
+    }
+    launch(
+        ctx,
+        Kernel::Bwd,
+        T::DTYPE,
+        n,
+        &[gp, mp, xp, zp],
+        &[gp, xp, zp],
+    )
+}
+
+/// [`relu_mask_bwd`] in place: `g = dy` on entry, `dx` on return.
+pub fn relu_mask_bwd_inplace<T, G, M>(ctx: &Context, g: &mut G, mask: &M) -> Result<()>
+where
+    T: Element,
+    G: DevicePtrMut<T>,
+    M: DevicePtr<u32>,
+{
+    let (gl, ml) = (g.len(), mask.len());
+    let stream = ctx.stream();
+    let (mp, _m) = mask.device_ptr(stream);
+    let (gp, _g) = g.device_ptr_mut(stream);
+    let ops = [
+        Operand::data("g", gp, gl, size::<T>(), true),
+        Operand::mask("mask", mp, ml, false),
+    ];
+    let n = validate(&ops, &[])?;
+    if n == 0 {
+        return Ok(());
+    }
+    launch(ctx, Kernel::Bwd, T::DTYPE, n, &[gp, mp, gp, 0], &[gp])
+}
+
+/// The schemes the bitmask kernels replace, kept for the benchmark (`benches/activation.rs`).
+/// Same validation and results as the real kernels.
+pub mod baseline {
+    use super::*;
+
+    /// The naive forward: one thread reads eight consecutive elements and writes one byte of
+    /// mask (same layout and results as [`relu_mask_fwd`]). `y` may be
+    /// exactly `x`.
+    pub fn relu_mask_fwd_naive8<T, X, Y, M>(
+        ctx: &Context,
+        x: &X,
+        y: &mut Y,
+        mask: &mut M,
+    ) -> Result<()>
+    where
+        T: Element,
+        X: DevicePtr<T>,
+        Y: DevicePtrMut<T>,
+        M: DevicePtrMut<u32>,
+    {
+        let (xl, yl, ml) = (x.len(), y.len(), mask.len());
+        let stream = ctx.stream();
+        let (xp, _x) = x.device_ptr(stream);
+        let (yp, _y) = y.device_ptr_mut(stream);
+        let (mp, _m) = mask.device_ptr_mut(stream);
+        let ops = [
+            Operand::data("x", xp, xl, size::<T>(), false),
+            Operand::data("y", yp, yl, size::<T>(), true),
+            Operand::mask("mask", mp, ml, true),
+        ];
+        let n = validate(&ops, &[("x", "y")])?;
+        if n == 0 {
+            return Ok(());
+        }
+        launch(ctx, Kernel::Naive8, T::DTYPE, n, &[xp, yp, mp], &[])
+    }
+
+    /// The y-based backward: `dx = dy` where `y > 0`, else 0 (reads `y` instead of the mask).
+    /// `dx` may be exactly `dy` or `y`.
+    pub fn relu_bwd_from_y<T, G, Y, DX>(ctx: &Context, dy: &G, y: &Y, dx: &mut DX) -> Result<()>
+    where
+        T: Element,
+        G: DevicePtr<T>,
+        Y: DevicePtr<T>,
+        DX: DevicePtrMut<T>,
+    {
+        let (gl, yl, xl) = (dy.len(), y.len(), dx.len());
+        let stream = ctx.stream();
+        let (gp, _g) = dy.device_ptr(stream);
+        let (yp, _y) = y.device_ptr(stream);
+        let (xp, _dx) = dx.device_ptr_mut(stream);
+        let ops = [
+            Operand::data("dy", gp, gl, size::<T>(), false),
+            Operand::data("y", yp, yl, size::<T>(), false),
+            Operand::data("dx", xp, xl, size::<T>(), true),
+        ];
+        let n = validate(&ops, &[("dy", "dx"), ("y", "dx")])?;
+        if n == 0 {
+            return Ok(());
+        }
+        launch(
+            ctx,
+            Kernel::BwdFromY,
+            T::DTYPE,
+            n,
+            &[gp, yp, xp],
+            &[gp, yp, xp],
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kernel_name_exists_in_the_source() {
+        let src = kernels::BITMASK.source;
+        for k in [
+            Kernel::ReluFwd,
+            Kernel::AddReluFwd,
+            Kernel::Bwd,
+            Kernel::BwdFromY,
+            Kernel::Naive8,
+        ] {
+            for dt in DType::ALL {
+                let name = k.name(dt);
+                assert!(name.ends_with(dt.name()), "{name}");
+                // The macro pastes the suffix: look for the base name followed by `_##S(`.
+                let base = name.trim_end_matches(dt.name());
+                assert!(
+                    src.contains(&format!("{base}##S(")),
+                    "{name} not in bitmask.cu"
+                );
+                assert!(k.launch_call().contains(base.trim_end_matches('_')));
+            }
+        }
+    }
+}
