@@ -7,8 +7,10 @@
 //! behind one mutex ([`Context::lock`]); since they all serve the same stream, one lock costs no
 //! parallelism that the stream would have given.
 
+use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::fmt;
+use std::hash::Hash;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::cublas::{result as cublas_result, sys as cublas_sys};
@@ -171,6 +173,9 @@ struct Inner {
     shared: Mutex<Shared>,
     functions: Mutex<HashMap<(&'static str, &'static str), CudaFunction>>,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    /// Per-Context caches of derived objects (BatchNorm plans + descriptors, ...), one map per
+    /// key type.
+    memo: Mutex<HashMap<TypeId, Box<dyn Any + Send + Sync>>>,
 }
 
 impl Drop for Inner {
@@ -271,8 +276,27 @@ impl Context {
                 shared: Mutex::new(Shared::default()),
                 functions: Mutex::new(HashMap::new()),
                 modules: Mutex::new(HashMap::new()),
+                memo: Mutex::new(HashMap::new()),
             }),
         })
+    }
+
+    /// A Context on the same device and the same stream (so no synchronisation is needed
+    /// between the two) that decides with `config`: its own handles, caches and plans. Use it to
+    /// run one operation under another policy, e.g. to compare the fused and fallback paths.
+    pub fn with_config_override(&self, config: Config) -> Context {
+        Context {
+            inner: Arc::new(Inner {
+                info: self.inner.info.clone(),
+                cuda: self.inner.cuda.clone(),
+                stream: self.inner.stream.clone(),
+                config,
+                shared: Mutex::new(Shared::default()),
+                functions: Mutex::new(HashMap::new()),
+                modules: Mutex::new(HashMap::new()),
+                memo: Mutex::new(HashMap::new()),
+            }),
+        }
     }
 
     /// The device.
@@ -325,6 +349,29 @@ impl Context {
         })?;
         lock_poisoned(&self.inner.functions).insert((file.name, name), f.clone());
         Ok(f)
+    }
+
+    /// The value cached under `key`, made by `make` on first use. One lock for all types, held
+    /// while `make` runs (so two threads never make the same value twice); `make` must not call
+    /// `memo` again.
+    pub(crate) fn memo<K, V>(&self, key: K, make: impl FnOnce() -> Result<Arc<V>>) -> Result<Arc<V>>
+    where
+        K: Hash + Eq + Send + Sync + 'static,
+        V: Send + Sync + 'static,
+    {
+        let mut all = lock_poisoned(&self.inner.memo);
+        let entry = all
+            .entry(TypeId::of::<HashMap<K, Arc<V>>>())
+            .or_insert_with(|| Box::new(HashMap::<K, Arc<V>>::new()));
+        let Some(map) = entry.downcast_mut::<HashMap<K, Arc<V>>>() else {
+            return Err(Error::NotSupported("memo cache type mismatch".into()));
+        };
+        if let Some(v) = map.get(&key) {
+            return Ok(v.clone());
+        }
+        let v = make()?;
+        map.insert(key, v.clone());
+        Ok(v)
     }
 
     fn module(&self, file: &'static KernelFile) -> Result<Arc<CudaModule>> {

@@ -30,6 +30,7 @@ pub mod layout;
 pub mod reference;
 pub mod timing;
 pub mod util;
+pub mod validate;
 
 pub use config::{BnModePolicy, Config};
 pub use context::{Context, DeviceInfo};

@@ -1,11 +1,26 @@
 //! BatchNorm (+ReLU, +Add+ReLU): one dispatcher in the manner of OneFlow's normalization kernels.
 //!
-//! - [`plan()`]: the pure decision (mode, layout, path, reasons), tested without a GPU.
+//! - [`plan()`]: the pure decision (mode, layout, path, reasons), tested without a GPU;
+//! - `descriptor`: owned cuDNN descriptors (x/y, derived parameters, ReLU);
+//! - `cudnn_calls`: thin wrappers of cuDNN's BatchNorm entry points;
+//! - [`BatchNorm`]: the dispatcher that follows the plan — cuDNN's fused BN+ReLU /
+//!   BN+Add+ReLU where cuDNN allows it, otherwise cuDNN BN followed by nnfuse's bitmask kernels;
+//! - [`BnSaved`]: the state a forward hands to its backward;
+//! - [`probe`]: asks the installed cuDNN whether it runs a fused combination.
 
+mod args;
+mod cudnn_calls;
+mod descriptor;
+mod ops;
 pub mod plan;
+pub mod probe;
+mod state;
 
+pub use args::{BackwardArgs, InferenceArgs, TrainArgs};
+pub use ops::BatchNorm;
 pub use plan::{
     fused_dtype_supported, fused_refusals, infer_api, infer_mode, infer_path, oneflow_mode, plan,
     BnApi, BnMode, BnPath, BnPlan, Fuse, FusedRefusal, Phase, PlanRequest, ASSUMED_CUDNN_VERSION,
     CUDNN_EX_API_MIN_VERSION, DEPARTS_FROM_ONEFLOW,
 };
+pub use state::BnSaved;
