@@ -1,0 +1,868 @@
+//! The BatchNorm dispatcher: one object per (shape, axis, type, fusion), holding its plans and
+//! cuDNN descriptors (cached by the Context), and the three operations — training forward,
+//! backward, inference forward — that follow the plan's path.
+
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceSlice};
+
+use crate::activation;
+use crate::batchnorm::args::{BackwardArgs, InferenceArgs, TrainArgs};
+use crate::batchnorm::cudnn_calls::{self as calls, BwdPtrs, ExSizes, FwdPtrs, Ops};
+use crate::batchnorm::descriptor::{ParamDesc, ReluDesc, TensorDesc};
+use crate::batchnorm::plan::{plan, BnApi, BnPath, BnPlan, Fuse, Phase, PlanRequest};
+use crate::batchnorm::state::BnSaved;
+use crate::context::{cudnn_version, Context};
+use crate::dtype::{DType, Element};
+use crate::error::{CallExt, Error, Result};
+use crate::validate::{expect_device, expect_len, expect_outputs_disjoint, BufInfo};
+
+/// Everything derived once per (shape, axis, dtype, fusion) on one Context.
+#[derive(Debug)]
+struct Core {
+    id: u64,
+    fuse: Fuse,
+    train: BnPlan,
+    infer: BnPlan,
+    x_desc: TensorDesc,
+    train_param: ParamDesc,
+    infer_param: ParamDesc,
+    relu: Option<ReluDesc>,
+    /// Ex-API sizes for the fused ops (fused plans only).
+    fused_sizes: Option<ExSizes>,
+    /// Ex-API sizes for plain BN (plans whose BN runs through the Ex API, and fused plans, which
+    /// fall back to it).
+    bn_sizes: Option<ExSizes>,
+    /// Set once cuDNN refused the fused path at run time: later calls go straight to fallback.
+    fused_refused: AtomicBool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct CoreKey {
+    shape: Vec<usize>,
+    axis: usize,
+    dtype: DType,
+    fuse: Fuse,
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+impl Core {
+    fn new(ctx: &Context, key: &CoreKey) -> Result<Core> {
+        let cudnn_version = cudnn_version()?;
+        let req = |phase| PlanRequest {
+            shape: &key.shape,
+            axis: key.axis,
+            dtype: key.dtype,
+            fuse: key.fuse,
+            phase,
+            config: ctx.config(),
+            cudnn_version,
+        };
+        let train = plan(&req(Phase::Training))?;
+        let infer = plan(&req(Phase::Inference))?;
+        let x_desc = TensorDesc::activation(&train.layout, key.dtype)?;
+        let train_param = ParamDesc::derive(&x_desc, train.mode)?;
+        let infer_param = ParamDesc::derive(&x_desc, infer.mode)?;
+        let relu = if train.path == BnPath::CudnnFused {
+            Some(ReluDesc::new()?)
+        } else {
+            None
+        };
+        let mut core = Core {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            fuse: key.fuse,
+            train,
+            infer,
+            x_desc,
+            train_param,
+            infer_param,
+            relu,
+            fused_sizes: None,
+            bn_sizes: None,
+            fused_refused: AtomicBool::new(false),
+        };
+        if core.train.api == BnApi::Ex || core.train.path == BnPath::CudnnFused {
+            let mut guard = ctx.lock()?;
+            let h = guard.cudnn()?;
+            let mode = core.train.mode;
+            // SAFETY: valid handle and descriptors.
+            core.bn_sizes = Some(unsafe {
+                calls::ex_sizes(h, mode, Ops::Bn, &core.x_desc, &core.train_param.desc, None)
+            }?);
+            if core.train.path == BnPath::CudnnFused {
+                let ops = fused_ops(core.fuse);
+                // SAFETY: as above.
+                let sizes = unsafe {
+                    calls::ex_sizes(
+                        h,
+                        mode,
+                        ops,
+                        &core.x_desc,
+                        &core.train_param.desc,
+                        core.relu.as_ref(),
+                    )
+                };
+                match sizes {
+                    Ok(s) => core.fused_sizes = Some(s),
+                    Err(e) if e.is_cudnn_not_supported() => {
+                        tracing::warn!(
+                            shape = ?key.shape, axis = key.axis, dtype = %key.dtype,
+                            fuse = ?key.fuse, error = %e,
+                            "cuDNN refused the fused path's size query; using the fallback path"
+                        );
+                        core.fused_refused.store(true, Ordering::Relaxed);
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        tracing::info!(
+            shape = ?key.shape, axis = key.axis, dtype = %key.dtype, fuse = ?key.fuse,
+            mode = ?core.train.mode, path = ?core.train.path, api = ?core.train.api,
+            layout = %core.train.layout, reasons = ?core.train.reasons,
+            "BatchNorm planned"
+        );
+        Ok(core)
+    }
+
+    /// The path a training forward takes now.
+    fn train_path(&self) -> BnPath {
+        if self.train.path == BnPath::CudnnFused && self.fused_refused.load(Ordering::Relaxed) {
+            BnPath::Fallback
+        } else {
+            self.train.path
+        }
+    }
+}
+
+fn fused_ops(fuse: Fuse) -> Ops {
+    match fuse {
+        Fuse::None => Ops::Bn,
+        Fuse::Relu => Ops::BnRelu,
+        Fuse::AddRelu => Ops::BnAddRelu,
+    }
+}
+
+fn info<T, S: DeviceSlice<T>>(name: &'static str, s: &S, ptr: u64) -> BufInfo {
+    BufInfo {
+        name,
+        ptr,
+        len: s.len(),
+        elem: std::mem::size_of::<T>(),
+        ordinal: s.stream().context().ordinal(),
+    }
+}
+
+/// Parameter-shaped arguments hold `c` elements (as cuDNN's derived descriptor says), the
+/// activation-shaped ones `numel`.
+fn expected_len(name: &str, numel: usize, c: usize) -> usize {
+    const PARAMS: [&str; 6] = [
+        "gamma",
+        "beta",
+        "running_mean",
+        "running_var",
+        "dgamma",
+        "dbeta",
+    ];
+    if PARAMS.contains(&name) {
+        c
+    } else {
+        numel
+    }
+}
+
+/// `eps` finite and > 0 (cuDNN's `CUDNN_BN_MIN_EPSILON` is 0 since cuDNN 8; 0 itself divides
+/// by zero on a constant channel); `momentum` finite in `[0, 1]`.
+pub(crate) fn check_scalars(eps: f64, momentum: Option<f64>) -> Result<()> {
+    if !(eps.is_finite() && eps > 0.0) {
+        return Err(Error::invalid(
+            "eps",
+            format!("{eps} must be finite and > 0 (cuDNN's minimum epsilon is 0, exclusive here)"),
+        ));
+    }
+    if let Some(m) = momentum {
+        if !(m.is_finite() && (0.0..=1.0).contains(&m)) {
+            return Err(Error::invalid(
+                "momentum",
+                format!("{m} must lie in [0, 1] (weight of the new batch statistics)"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The addend is given exactly when the fusion is Add+ReLU.
+pub(crate) fn check_addend(fuse: Fuse, given: bool, name: &'static str) -> Result<()> {
+    match (fuse == Fuse::AddRelu, given) {
+        (true, false) => Err(Error::invalid(name, "is required by Fuse::AddRelu")),
+        (false, true) => Err(Error::invalid(
+            name,
+            format!("is given, but the fusion is {fuse:?}, not AddRelu"),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// BatchNorm (+ReLU, +Add+ReLU) over one shape and channel axis, for activations of type `T`.
+///
+/// ```no_run
+/// # fn main() -> nnfuse::Result<()> {
+/// use nnfuse::batchnorm::{BatchNorm, Fuse, TrainArgs};
+/// let ctx = nnfuse::Context::new(0)?;
+/// let shape = [8, 14, 14, 64]; // channels-last, channel axis 3
+/// let bn = BatchNorm::<half::f16>::new(&ctx, &shape, 3, Fuse::Relu)?;
+/// println!("{}", bn.plan());
+/// let s = ctx.stream();
+/// let n: usize = shape.iter().product();
+/// let x = s.clone_htod(&vec![half::f16::from_f32(0.5); n]).unwrap();
+/// let mut y = s.alloc_zeros::<half::f16>(n).unwrap();
+/// let (g, b) = (s.clone_htod(&[1.0f32; 64]).unwrap(), s.alloc_zeros::<f32>(64).unwrap());
+/// let (mut rm, mut rv) = (s.alloc_zeros::<f32>(64).unwrap(), s.clone_htod(&[1.0f32; 64]).unwrap());
+/// let saved = bn.forward_train(TrainArgs {
+///     x: x.as_view(), addend: None, gamma: g.as_view(), beta: b.as_view(),
+///     running_mean: rm.as_view_mut(), running_var: rv.as_view_mut(),
+///     y: y.as_view_mut(), momentum: 0.1, eps: 1e-5,
+/// })?;
+/// println!("took the {:?} path", saved.path());
+/// # Ok(()) }
+/// ```
+pub struct BatchNorm<T: Element> {
+    ctx: Context,
+    core: Arc<Core>,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T: Element> std::fmt::Debug for BatchNorm<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchNorm")
+            .field("plan", &self.core.train)
+            .finish()
+    }
+}
+
+impl<T: Element> BatchNorm<T> {
+    /// Plans BatchNorm for `shape` with channels on `axis` (any rank, any axis). Plans and
+    /// descriptors are cached by the Context: a repeated shape costs a hash lookup.
+    pub fn new(ctx: &Context, shape: &[usize], axis: usize, fuse: Fuse) -> Result<Self> {
+        let key = CoreKey {
+            shape: shape.to_vec(),
+            axis,
+            dtype: T::DTYPE,
+            fuse,
+        };
+        let core = ctx.memo(key.clone(), || Core::new(ctx, &key).map(Arc::new))?;
+        Ok(BatchNorm {
+            ctx: ctx.clone(),
+            core,
+            _t: PhantomData,
+        })
+    }
+
+    /// The training plan (mode, layout, path and why).
+    pub fn plan(&self) -> &BnPlan {
+        &self.core.train
+    }
+
+    /// The inference plan.
+    pub fn inference_plan(&self) -> &BnPlan {
+        &self.core.infer
+    }
+
+    /// The path the next training forward will take (the plan's, unless cuDNN refused the fused
+    /// path at run time).
+    pub fn training_path(&self) -> BnPath {
+        self.core.train_path()
+    }
+
+    fn numel(&self) -> usize {
+        self.core.train.layout.numel()
+    }
+
+    /// Training forward. Returns the state that [`BatchNorm::backward`] needs.
+    pub fn forward_train(&self, mut a: TrainArgs<'_, T>) -> Result<BnSaved> {
+        let core = &*self.core;
+        let ctx = &self.ctx;
+        let stream = ctx.stream();
+        check_scalars(a.eps, Some(a.momentum))?;
+        check_addend(core.fuse, a.addend.is_some(), "addend")?;
+        if core.train.layout.per_channel() < 2 {
+            // The unbiased running variance divides by M - 1; PyTorch refuses this too.
+            return Err(Error::invalid(
+                "shape",
+                "training needs more than one value per channel (n*h*w = 1)",
+            ));
+        }
+        let numel = self.numel();
+        let c = core.train_param.len;
+        let path = core.train_path();
+
+        // SAFETY: statistics are written by cuDNN before anything reads them.
+        let mut mean = unsafe { stream.alloc::<f32>(c) }.call("cuMemAllocAsync")?;
+        let mut inv_var = unsafe { stream.alloc::<f32>(c) }.call("cuMemAllocAsync")?;
+
+        let ran_fused = {
+            let (x, _g1) = a.x.device_ptr(stream);
+            let z = a.addend.as_ref().map(|v| v.device_ptr(stream));
+            let (gamma, _g3) = a.gamma.device_ptr(stream);
+            let (beta, _g4) = a.beta.device_ptr(stream);
+            let ordinal = ctx.info().ordinal;
+            let xi = info::<T, _>("x", &a.x, x);
+            let zi = z
+                .as_ref()
+                .zip(a.addend.as_ref())
+                .map(|((p, _), v)| info::<T, _>("addend", v, *p));
+            let gi = info::<f32, _>("gamma", &a.gamma, gamma);
+            let bi = info::<f32, _>("beta", &a.beta, beta);
+            let (yl, rml, rvl) = (a.y.len(), a.running_mean.len(), a.running_var.len());
+            let (yo, rmo, rvo) = (
+                a.y.stream().context().ordinal(),
+                a.running_mean.stream().context().ordinal(),
+                a.running_var.stream().context().ordinal(),
+            );
+            let (y, _g5) = a.y.device_ptr_mut(stream);
+            let (rm, _g6) = a.running_mean.device_ptr_mut(stream);
+            let (rv, _g7) = a.running_var.device_ptr_mut(stream);
+            let mk = |name, ptr, len, elem, ordinal| BufInfo {
+                name,
+                ptr,
+                len,
+                elem,
+                ordinal,
+            };
+            let yi = mk("y", y, yl, T::DTYPE.size(), yo);
+            let rmi = mk("running_mean", rm, rml, 4, rmo);
+            let rvi = mk("running_var", rv, rvl, 4, rvo);
+            let mut inputs = vec![xi, gi, bi];
+            inputs.extend(zi);
+            for b in inputs.iter().chain([&yi, &rmi, &rvi]) {
+                expect_device(b, ordinal)?;
+            }
+            expect_len(&xi, numel, "the shape's element count")?;
+            expect_len(&yi, numel, "the shape's element count")?;
+            if let Some(zi) = &zi {
+                expect_len(zi, numel, "the shape's element count")?;
+            }
+            for p in [&gi, &bi, &rmi, &rvi] {
+                expect_len(p, c, "cuDNN's derived parameter descriptor")?;
+            }
+            expect_outputs_disjoint(&[yi, rmi, rvi], &inputs)?;
+
+            let (mp, _g8) = mean.device_ptr_mut(stream);
+            let (ip, _g9) = inv_var.device_ptr_mut(stream);
+            let ptrs = FwdPtrs {
+                x,
+                z: z.as_ref().map_or(0, |(p, _)| *p),
+                y,
+                gamma,
+                beta,
+                running_mean: rm,
+                running_var: rv,
+                saved_mean: mp,
+                saved_inv_var: ip,
+            };
+            self.run_forward(path, &ptrs, a.momentum, a.eps)?
+        };
+
+        let x_ptr = {
+            let (p, _g) = a.x.device_ptr(stream);
+            p
+        };
+        let (path, reserve, mask) = match ran_fused {
+            Ran::Fused(reserve) => (BnPath::CudnnFused, reserve, None),
+            Ran::Plain(reserve) => (BnPath::Plain, reserve, None),
+            Ran::BnOnlyForFallback(reserve) => {
+                // SAFETY: the kernel writes every mask word (tail bits zero) before any read.
+                let mut mask = unsafe { stream.alloc::<u32>(activation::mask_words(numel)) }
+                    .call("cuMemAllocAsync")?;
+                match &a.addend {
+                    Some(z) => {
+                        activation::add_relu_mask_fwd_inplace(ctx, &mut a.y, z, Some(&mut mask))?
+                    }
+                    None => activation::relu_mask_fwd_inplace(ctx, &mut a.y, Some(&mut mask))?,
+                }
+                (BnPath::Fallback, reserve, Some(mask))
+            }
+        };
+        Ok(BnSaved {
+            owner: core.id,
+            path,
+            eps: a.eps,
+            x_ptr,
+            mean,
+            inv_var,
+            reserve,
+            mask,
+        })
+    }
+
+    /// Runs the BN part of the forward: fused (retrying as fallback when cuDNN refuses) or plain
+    /// BN through the plan's API.
+    fn run_forward(&self, path: BnPath, p: &FwdPtrs, momentum: f64, eps: f64) -> Result<Ran> {
+        let core = &*self.core;
+        let ctx = &self.ctx;
+        let mode = core.train.mode;
+        if path == BnPath::CudnnFused {
+            let sizes = core.fused_sizes.unwrap_or_default();
+            let reserve = if sizes.reserve > 0 {
+                // SAFETY: cuDNN writes the reserve in the forward before the backward reads it.
+                Some(unsafe { ctx.stream().alloc::<u8>(sizes.reserve) }.call("cuMemAllocAsync")?)
+            } else {
+                None
+            };
+            let result = {
+                let rp = reserve.as_ref().map(|r| r.device_ptr(ctx.stream()));
+                let rptr = rp.as_ref().map_or(0, |(p, _)| *p);
+                let mut guard = ctx.lock()?;
+                let h = guard.cudnn()?;
+                let ws = guard.workspace(sizes.forward_workspace)?;
+                // SAFETY: pointers validated against the descriptors by the caller; workspace
+                // and reserve sized by cuDNN's queries.
+                unsafe {
+                    calls::forward_training_ex(
+                        h,
+                        mode,
+                        fused_ops(core.fuse),
+                        &core.x_desc,
+                        &core.train_param.desc,
+                        core.relu.as_ref(),
+                        p,
+                        momentum,
+                        eps,
+                        (ws, sizes.forward_workspace),
+                        (rptr, sizes.reserve),
+                    )
+                }
+            };
+            match result {
+                Ok(()) => {
+                    tracing::debug!(path = "cudnn_fused", "BatchNorm forward");
+                    return Ok(Ran::Fused(reserve));
+                }
+                Err(e) if e.is_cudnn_not_supported() => {
+                    core.fused_refused.store(true, Ordering::Relaxed);
+                    tracing::warn!(
+                        layout = %core.train.layout, dtype = %core.train.dtype, fuse = ?core.fuse,
+                        error = %e,
+                        "cuDNN refused the fused BatchNorm forward; this shape uses the fallback path from now on"
+                    );
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        // Plain BN (also the first half of the fallback).
+        let api = if core.train.path == BnPath::CudnnFused {
+            BnApi::Ex
+        } else {
+            core.train.api
+        };
+        let mut bn_reserve = None;
+        {
+            let mut guard = ctx.lock()?;
+            let h = guard.cudnn()?;
+            match api {
+                BnApi::Ex => {
+                    let sizes = core.bn_sizes.unwrap_or_default();
+                    let ws = guard.workspace(sizes.forward_workspace)?;
+                    if sizes.reserve > 0 {
+                        // SAFETY: written by this forward, read by the matching backward.
+                        let r = unsafe { ctx.stream().alloc::<u8>(sizes.reserve) }
+                            .call("cuMemAllocAsync")?;
+                        bn_reserve = Some(r);
+                    }
+                    let rp = bn_reserve.as_ref().map(|r| r.device_ptr(ctx.stream()));
+                    let rptr = rp.as_ref().map_or(0, |(p, _)| *p);
+                    // SAFETY: as above.
+                    unsafe {
+                        calls::forward_training_ex(
+                            h,
+                            core.train.mode,
+                            Ops::Bn,
+                            &core.x_desc,
+                            &core.train_param.desc,
+                            None,
+                            p,
+                            momentum,
+                            eps,
+                            (ws, sizes.forward_workspace),
+                            (rptr, sizes.reserve),
+                        )
+                    }?
+                }
+                BnApi::Legacy => {
+                    // SAFETY: as above.
+                    unsafe {
+                        calls::forward_training(
+                            h,
+                            core.train.mode,
+                            &core.x_desc,
+                            &core.train_param.desc,
+                            p,
+                            momentum,
+                            eps,
+                        )
+                    }?
+                }
+            }
+        }
+        tracing::debug!(?api, fuse = ?core.fuse, "BatchNorm forward (cuDNN BN)");
+        Ok(if core.fuse == Fuse::None {
+            Ran::Plain(bn_reserve)
+        } else {
+            Ran::BnOnlyForFallback(bn_reserve)
+        })
+    }
+
+    /// Training backward: writes `dx`, `dgamma`, `dbeta` and, for Add+ReLU, `d_addend`.
+    pub fn backward(&self, mut a: BackwardArgs<'_, T>) -> Result<()> {
+        let core = &*self.core;
+        let ctx = &self.ctx;
+        let stream = ctx.stream();
+        let saved = a.saved;
+        if saved.owner != core.id {
+            return Err(Error::invalid(
+                "saved",
+                "comes from the forward of a different BatchNorm (shape, axis, type, fusion or \
+                 Context differ)",
+            ));
+        }
+        check_addend(core.fuse, a.d_addend.is_some(), "d_addend")?;
+        let numel = self.numel();
+        let c = core.train_param.len;
+        let ordinal = ctx.info().ordinal;
+
+        // Validate every buffer before any launch.
+        {
+            let (x, _g1) = a.x.device_ptr(stream);
+            if x != saved.x_ptr {
+                return Err(Error::invalid(
+                    "x",
+                    "is not the buffer the forward that produced `saved` read",
+                ));
+            }
+            let (y, _g2) = a.y.device_ptr(stream);
+            let (dy, _g3) = a.dy.device_ptr(stream);
+            let (g, _g4) = a.gamma.device_ptr(stream);
+            let (b, _g5) = a.beta.device_ptr(stream);
+            let inputs = [
+                info::<T, _>("x", &a.x, x),
+                info::<T, _>("y", &a.y, y),
+                info::<T, _>("dy", &a.dy, dy),
+                info::<f32, _>("gamma", &a.gamma, g),
+                info::<f32, _>("beta", &a.beta, b),
+            ];
+            let (dxl, dxo) = (a.dx.len(), a.dx.stream().context().ordinal());
+            let (dgl, dgo) = (a.dgamma.len(), a.dgamma.stream().context().ordinal());
+            let (dbl, dbo) = (a.dbeta.len(), a.dbeta.stream().context().ordinal());
+            let dz_meta = a
+                .d_addend
+                .as_ref()
+                .map(|v| (v.len(), v.stream().context().ordinal()));
+            let (dx, _g6) = a.dx.device_ptr_mut(stream);
+            let (dg, _g7) = a.dgamma.device_ptr_mut(stream);
+            let (db, _g8) = a.dbeta.device_ptr_mut(stream);
+            let dz = a.d_addend.as_mut().map(|v| v.device_ptr_mut(stream));
+            let mut outputs = vec![
+                BufInfo {
+                    name: "dx",
+                    ptr: dx,
+                    len: dxl,
+                    elem: T::DTYPE.size(),
+                    ordinal: dxo,
+                },
+                BufInfo {
+                    name: "dgamma",
+                    ptr: dg,
+                    len: dgl,
+                    elem: 4,
+                    ordinal: dgo,
+                },
+                BufInfo {
+                    name: "dbeta",
+                    ptr: db,
+                    len: dbl,
+                    elem: 4,
+                    ordinal: dbo,
+                },
+            ];
+            if let (Some((p, _)), Some((len, ord))) = (&dz, dz_meta) {
+                outputs.push(BufInfo {
+                    name: "d_addend",
+                    ptr: *p,
+                    len,
+                    elem: T::DTYPE.size(),
+                    ordinal: ord,
+                });
+            }
+            for buf in inputs.iter().chain(&outputs) {
+                expect_device(buf, ordinal)?;
+                expect_len(buf, expected_len(buf.name, numel, c), "the plan's shape")?;
+            }
+            expect_outputs_disjoint(&outputs, &inputs)?;
+        }
+
+        let reserve = saved.reserve.as_ref();
+        match (saved.path, &saved.mask) {
+            (BnPath::CudnnFused, _) => self.run_backward(&mut a, BnPath::CudnnFused, None, reserve),
+            (BnPath::Plain, _) => self.run_backward(&mut a, BnPath::Plain, None, reserve),
+            (BnPath::Fallback, Some(mask)) => {
+                if let Some(dz) = a.d_addend.as_mut() {
+                    // d_addend = dy ⊙ mask is also the gradient that enters BN.
+                    activation::relu_mask_bwd(ctx, &a.dy, mask, dz)?;
+                    self.run_backward(&mut a, BnPath::Fallback, None, reserve)
+                } else {
+                    // SAFETY: fully written by the mask backward before BN reads it.
+                    let mut dpre = unsafe { stream.alloc::<T>(numel) }.call("cuMemAllocAsync")?;
+                    activation::relu_mask_bwd(ctx, &a.dy, mask, &mut dpre)?;
+                    self.run_backward(&mut a, BnPath::Fallback, Some(&dpre), reserve)
+                }
+            }
+            (BnPath::Fallback, _) => Err(Error::invalid(
+                "saved",
+                "is a fallback-path state without its bitmask (corrupted state)",
+            )),
+        }
+    }
+
+    /// The cuDNN half of the backward. For the fallback the BN input gradient is `dpre` (ReLU)
+    /// or `d_addend` (Add+ReLU, already masked).
+    fn run_backward(
+        &self,
+        a: &mut BackwardArgs<'_, T>,
+        path: BnPath,
+        dpre: Option<&CudaSlice<T>>,
+        reserve: Option<&CudaSlice<u8>>,
+    ) -> Result<()> {
+        let core = &*self.core;
+        let ctx = &self.ctx;
+        let stream = ctx.stream();
+        let saved = a.saved;
+        let (x, _g1) = a.x.device_ptr(stream);
+        let (y, _g2) = a.y.device_ptr(stream);
+        let (dy_user, _g3) = a.dy.device_ptr(stream);
+        let (gamma, _g4) = a.gamma.device_ptr(stream);
+        let (beta, _g5) = a.beta.device_ptr(stream);
+        let (dx, _g6) = a.dx.device_ptr_mut(stream);
+        let (dgamma, _g7) = a.dgamma.device_ptr_mut(stream);
+        let (dbeta, _g8) = a.dbeta.device_ptr_mut(stream);
+        let dz = a.d_addend.as_mut().map(|v| v.device_ptr_mut(stream));
+        let dz_ptr = dz.as_ref().map_or(0, |(p, _)| *p);
+        let dp = dpre.map(|d| d.device_ptr(stream));
+        let (sm, _g9) = saved.mean.device_ptr(stream);
+        let (si, _g10) = saved.inv_var.device_ptr(stream);
+        let rp = reserve.map(|r| r.device_ptr(stream));
+        // The gradient entering BN: the user's dy (plain, fused), the masked copy (fallback).
+        let dy = match (path, &dp) {
+            (BnPath::Fallback, Some((p, _))) => *p,
+            (BnPath::Fallback, None) => dz_ptr,
+            _ => dy_user,
+        };
+        let ptrs = BwdPtrs {
+            x,
+            y,
+            dy,
+            dz: dz_ptr,
+            dx,
+            gamma,
+            beta,
+            dgamma,
+            dbeta,
+            saved_mean: sm,
+            saved_inv_var: si,
+        };
+        let mut guard = ctx.lock()?;
+        let h = guard.cudnn()?;
+        let mode = core.train.mode;
+        let api = if core.train.path == BnPath::CudnnFused {
+            BnApi::Ex
+        } else {
+            core.train.api
+        };
+        if path == BnPath::CudnnFused {
+            let sizes = core.fused_sizes.unwrap_or_default();
+            let ws = guard.workspace(sizes.backward_workspace)?;
+            let rptr = rp.as_ref().map_or(0, |(p, _)| *p);
+            let rlen = reserve.map_or(0, |r| r.len());
+            // SAFETY: validated buffers, cuDNN-sized workspace, the forward's reserve.
+            unsafe {
+                calls::backward_ex(
+                    h,
+                    mode,
+                    fused_ops(core.fuse),
+                    &core.x_desc,
+                    &core.train_param.desc,
+                    core.relu.as_ref(),
+                    &ptrs,
+                    saved.eps,
+                    (ws, sizes.backward_workspace),
+                    (rptr, rlen),
+                )
+            }?;
+        } else if api == BnApi::Ex {
+            let sizes = core.bn_sizes.unwrap_or_default();
+            let ws = guard.workspace(sizes.backward_workspace)?;
+            let rptr = rp.as_ref().map_or(0, |(p, _)| *p);
+            let rlen = reserve.map_or(0, |r| r.len());
+            // SAFETY: as above.
+            unsafe {
+                calls::backward_ex(
+                    h,
+                    mode,
+                    Ops::Bn,
+                    &core.x_desc,
+                    &core.train_param.desc,
+                    None,
+                    &ptrs,
+                    saved.eps,
+                    (ws, sizes.backward_workspace),
+                    (rptr, rlen),
+                )
+            }?;
+        } else {
+            // SAFETY: as above.
+            unsafe {
+                calls::backward(
+                    h,
+                    mode,
+                    &core.x_desc,
+                    &core.train_param.desc,
+                    &ptrs,
+                    saved.eps,
+                )
+            }?;
+        }
+        tracing::debug!(?path, ?api, "BatchNorm backward");
+        Ok(())
+    }
+
+    /// Inference forward with the running statistics, then the activation (no mask: there is
+    /// no backward).
+    pub fn forward_inference(&self, mut a: InferenceArgs<'_, T>) -> Result<()> {
+        let core = &*self.core;
+        let ctx = &self.ctx;
+        let stream = ctx.stream();
+        check_scalars(a.eps, None)?;
+        check_addend(core.fuse, a.addend.is_some(), "addend")?;
+        let numel = self.numel();
+        let c = core.infer_param.len;
+        let ordinal = ctx.info().ordinal;
+        {
+            let (x, _g1) = a.x.device_ptr(stream);
+            let z = a.addend.as_ref().map(|v| v.device_ptr(stream));
+            let (g, _g3) = a.gamma.device_ptr(stream);
+            let (b, _g4) = a.beta.device_ptr(stream);
+            let (m, _g5) = a.running_mean.device_ptr(stream);
+            let (v, _g6) = a.running_var.device_ptr(stream);
+            let mut inputs = vec![
+                info::<T, _>("x", &a.x, x),
+                info::<f32, _>("gamma", &a.gamma, g),
+                info::<f32, _>("beta", &a.beta, b),
+                info::<f32, _>("running_mean", &a.running_mean, m),
+                info::<f32, _>("running_var", &a.running_var, v),
+            ];
+            if let (Some((zp, _)), Some(zv)) = (&z, &a.addend) {
+                inputs.push(info::<T, _>("addend", zv, *zp));
+            }
+            let (yl, yo) = (a.y.len(), a.y.stream().context().ordinal());
+            let (y, _g7) = a.y.device_ptr_mut(stream);
+            let yi = BufInfo {
+                name: "y",
+                ptr: y,
+                len: yl,
+                elem: T::DTYPE.size(),
+                ordinal: yo,
+            };
+            for buf in inputs.iter().chain([&yi]) {
+                expect_device(buf, ordinal)?;
+                expect_len(buf, expected_len(buf.name, numel, c), "the plan's shape")?;
+            }
+            expect_outputs_disjoint(&[yi], &inputs)?;
+            let mut guard = ctx.lock()?;
+            let h = guard.cudnn()?;
+            // SAFETY: validated above.
+            unsafe {
+                calls::forward_inference(
+                    h,
+                    core.infer.mode,
+                    &core.x_desc,
+                    &core.infer_param.desc,
+                    x,
+                    y,
+                    g,
+                    b,
+                    m,
+                    v,
+                    a.eps,
+                )
+            }?;
+        }
+        match (core.fuse, &a.addend) {
+            (Fuse::None, _) => {}
+            (Fuse::Relu, _) => {
+                activation::relu_mask_fwd_inplace(ctx, &mut a.y, None::<&mut CudaSlice<u32>>)?
+            }
+            (Fuse::AddRelu, Some(z)) => activation::add_relu_mask_fwd_inplace(
+                ctx,
+                &mut a.y,
+                z,
+                None::<&mut CudaSlice<u32>>,
+            )?,
+            (Fuse::AddRelu, None) => return Err(Error::invalid("addend", "is required")),
+        }
+        tracing::debug!(mode = ?core.infer.mode, fuse = ?core.fuse, "BatchNorm inference");
+        Ok(())
+    }
+}
+
+/// What the forward's cuDNN half did, with the reserve space cuDNN asked to keep.
+enum Ran {
+    /// cuDNN's fused op ran.
+    Fused(Option<CudaSlice<u8>>),
+    /// Plain BN, no activation asked for.
+    Plain(Option<CudaSlice<u8>>),
+    /// Plain BN; the activation and mask are still to do.
+    BnOnlyForFallback(Option<CudaSlice<u8>>),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scalars_are_checked() {
+        assert!(check_scalars(1e-5, Some(0.1)).is_ok());
+        assert!(check_scalars(1e-12, Some(1.0)).is_ok());
+        for eps in [0.0, -1e-5, f64::NAN, f64::INFINITY] {
+            assert_eq!(
+                check_scalars(eps, None).unwrap_err().argument(),
+                Some("eps")
+            );
+        }
+        for m in [-0.1, 1.5, f64::NAN] {
+            assert_eq!(
+                check_scalars(1e-5, Some(m)).unwrap_err().argument(),
+                Some("momentum")
+            );
+        }
+    }
+
+    #[test]
+    fn addend_matches_fusion() {
+        assert!(check_addend(Fuse::AddRelu, true, "addend").is_ok());
+        assert!(check_addend(Fuse::Relu, false, "addend").is_ok());
+        assert_eq!(
+            check_addend(Fuse::AddRelu, false, "addend")
+                .unwrap_err()
+                .argument(),
+            Some("addend")
+        );
+        assert_eq!(
+            check_addend(Fuse::None, true, "d_addend")
+                .unwrap_err()
+                .argument(),
+            Some("d_addend")
+        );
+    }
+}

@@ -1,0 +1,55 @@
+//! What a training forward hands to its backward. Only the matching backward accepts it: the
+//! state records which BatchNorm made it, from which `x`, and by which path.
+
+use cudarc::driver::CudaSlice;
+
+use crate::batchnorm::plan::BnPath;
+
+/// State saved by [`crate::batchnorm::BatchNorm::forward_train`] for the backward.
+#[derive(Debug)]
+pub struct BnSaved {
+    pub(crate) owner: u64,
+    pub(crate) path: BnPath,
+    pub(crate) eps: f64,
+    pub(crate) x_ptr: u64,
+    pub(crate) mean: CudaSlice<f32>,
+    pub(crate) inv_var: CudaSlice<f32>,
+    /// cuDNN's opaque reserve space, when the Ex forward asked for one.
+    pub(crate) reserve: Option<CudaSlice<u8>>,
+    /// nnfuse's bitmask of the positive pre-activations (fallback path).
+    pub(crate) mask: Option<CudaSlice<u32>>,
+}
+
+impl BnSaved {
+    /// The path the forward actually took (a fused plan that cuDNN refused at run time shows
+    /// `Fallback` here).
+    pub fn path(&self) -> BnPath {
+        self.path
+    }
+
+    /// Batch mean per channel.
+    pub fn saved_mean(&self) -> &CudaSlice<f32> {
+        &self.mean
+    }
+
+    /// `1 / sqrt(var + eps)` per channel (biased batch variance).
+    pub fn saved_inv_std(&self) -> &CudaSlice<f32> {
+        &self.inv_var
+    }
+
+    /// The bitmask of the fallback path (`None` on other paths). Layout as
+    /// [`crate::reference::activation`].
+    pub fn mask(&self) -> Option<&CudaSlice<u32>> {
+        self.mask.as_ref()
+    }
+
+    /// Bytes of cuDNN reserve space this state holds.
+    pub fn reserve_bytes(&self) -> usize {
+        self.reserve.as_ref().map_or(0, |r| r.len())
+    }
+
+    /// The epsilon the forward used (the backward reuses it).
+    pub fn eps(&self) -> f64 {
+        self.eps
+    }
+}
