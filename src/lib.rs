@@ -25,6 +25,7 @@ pub mod config;
 pub mod context;
 pub mod dtype;
 pub mod error;
+pub mod gemm;
 pub mod kernels;
 pub mod layout;
 pub mod reference;

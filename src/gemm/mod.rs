@@ -1,0 +1,412 @@
+//! Strided batched GEMM with a real algorithm search and a persistent tuning cache.
+//!
+//! [`strided_batched`] computes `C[b] = alpha * op(A[b]) * op(B[b]) + beta * C[b]` for
+//! `b in 0..batch`, column-major as cuBLAS and [`crate::reference::gemm`] (see [`Problem`]), for
+//! f32, f16 and bf16 data (A, B and C of one type) with f32 accumulation ([`Compute::F32`]:
+//! plain `CUBLAS_COMPUTE_32F`, never TF32, so f32 results match an f64 reference to about 1e-6
+//! relative) or, for f16 data, f16 accumulation ([`Compute::F16`]).
+//!
+//! ```no_run
+//! # fn main() -> nnfuse::Result<()> {
+//! use nnfuse::gemm::{self, Problem};
+//! let ctx = nnfuse::Context::new(0)?;
+//! let (batch, m, n, k) = (16, 1024, 1024, 1024);
+//! let s = ctx.stream();
+//! let a = s.alloc_zeros::<half::f16>(batch * m * k).unwrap();
+//! let b = s.alloc_zeros::<half::f16>(batch * k * n).unwrap();
+//! let mut c = s.alloc_zeros::<half::f16>(batch * m * n).unwrap();
+//! gemm::strided_batched(&ctx, &Problem::packed(batch, m, n, k), &a, &b, &mut c)?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Validation
+//! Every argument is checked before anything reaches the GPU, and errors name it: the compute
+//! type against the data type, the `int`/`long long` limits of the cuBLAS API, leading
+//! dimensions (at least the stored rows), `k >= 1` when C is not empty (`m`, `n` or `batch` of 0
+//! is a no-op), each buffer long enough for the last element of the last batch (naming the
+//! buffer when one matrix does not fit, the stride when the batches run past its end), C's
+//! stride (0 with `batch > 1`, or matrices of two batches sharing an element, is a write race),
+//! element alignment of the pointers, and C's extent not overlapping A's or B's. A stride of 0
+//! for A or B broadcasts.
+//!
+//! # Algorithm search
+//! On sm_80+ cuBLAS ignores its `cublasGemmAlgo_t` argument (all values give bitwise identical
+//! results on the H100), so the search chooses between genuinely different kernels from
+//! cuBLASLt: per problem key ([`Key`]: device, data and compute types, transposes, m, n, k,
+//! batch, leading dimensions, strides, operand alignment, whether beta is 0) it takes up to 16
+//! candidates of `cublasLtMatmulAlgoGetHeuristic` plus the cuBLAS default (and, on GPUs older
+//! than sm_80 only, the explicit `CUBLAS_GEMM_ALGO*` values), rejects those that
+//! `cublasLtMatmulAlgoCheck` refuses or whose result differs from the default's, times the rest
+//! with CUDA events on scratch copies, and keeps the fastest (see [`search`] and the
+//! `search` module's documentation for the budget and rules). The choice is a concrete
+//! algorithm ([`Algo`]: the `cublasLtMatmulAlgo_t` bytes, or a `cublasGemmAlgo_t`), never a
+//! heuristic rank. The first call for a key pays the search (typically well under 200 ms; the
+//! process's first search also compiles two small kernels with NVRTC); later calls cost one
+//! hash lookup. Do not make the first call of a shape inside CUDA graph capture (the search
+//! synchronises): tune ahead with [`search`] or `nnfuse tune`, or turn the search off.
+//!
+//! With [`crate::Config::gemm_search`] off (`NNFUSE_GEMM_SEARCH=0`) every call runs
+//! `cublasGemmStridedBatchedEx` with `CUBLAS_GEMM_DEFAULT` and nothing is searched or cached.
+//!
+//! # Tuning cache
+//! Choices live in memory for the life of the process (shared by every Context on the same
+//! device ordinal). When [`crate::Config::tuning_cache`] (`NNFUSE_TUNING_CACHE`) names a file,
+//! it is read at the first cache miss and rewritten atomically after each search; see [`cache`]
+//! for the format and for what is ignored. Entries read from the file are checked
+//! (`cublasLtMatmulAlgoCheck` and the algorithm's alignment needs) before their first use.
+
+pub mod cache;
+mod cublas;
+mod lt;
+mod names;
+mod problem;
+mod search;
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use cudarc::cublaslt::sys as lt_sys;
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+use once_cell::sync::Lazy;
+
+pub use cache::{Algo, Choice, CublasAlgo, DeviceTag, LtAlgo, LtConfig, Origin};
+pub use lt::WORKSPACE_BYTES;
+pub use problem::{
+    c_batches_overlap, check_pointers, tolerance, Alignment, Compute, Key, Problem, Spans,
+    Validated, MAX_ALIGNMENT,
+};
+pub use search::{
+    fill_uniform, Candidate, Outcome, SearchProgress, SearchReport, BUDGET_MS, KEEP_DEFAULT_MARGIN,
+    KERNELS, MAX_LT_CANDIDATES,
+};
+
+use crate::context::{cublas_version, cublaslt_version, Context};
+use crate::dtype::{DType, Element};
+use crate::error::{Error, Result};
+use lt::Ptrs;
+
+fn ordinal(ctx: &Context) -> u32 {
+    ctx.info().ordinal as u32
+}
+
+/// The device and library versions a tuning result of `ctx` is valid for (computed once per
+/// device ordinal).
+pub fn device_tag(ctx: &Context) -> Result<DeviceTag> {
+    static TAGS: Lazy<Mutex<HashMap<u32, DeviceTag>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+    let ord = ordinal(ctx);
+    let mut tags = match TAGS.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    };
+    if let Some(t) = tags.get(&ord) {
+        return Ok(t.clone());
+    }
+    let tag = DeviceTag {
+        name: ctx.info().name.clone(),
+        compute_capability: ctx.info().compute_capability,
+        cublas: cublas_version()?,
+        cublaslt: cublaslt_version()?,
+    };
+    tags.insert(ord, tag.clone());
+    Ok(tag)
+}
+
+/// Checks the problem and the buffers; `None` for an empty problem. Returns the spans and the
+/// device pointers (with their stream-ordering guards, to be held across the launch).
+macro_rules! operands {
+    ($ctx:expr, $p:expr, $t:ty, $a:expr, $b:expr, $c:expr, $c_ptr:ident) => {{
+        match $p.check_buffers(<$t as Element>::DTYPE, $a.len(), $b.len(), $c.len())? {
+            Validated::Empty => None,
+            Validated::Spans(spans) => {
+                let stream = $ctx.stream();
+                let (pa, ga) = $a.device_ptr(stream);
+                let (pb, gb) = $b.device_ptr(stream);
+                let (pc, gc) = $c.$c_ptr(stream);
+                check_pointers(&spans, <$t as Element>::DTYPE.size(), pa, pb, pc)?;
+                Some((
+                    spans,
+                    Ptrs {
+                        a: pa,
+                        b: pb,
+                        c: pc,
+                    },
+                    (ga, gb, gc),
+                ))
+            }
+        }
+    }};
+}
+
+/// Runs `algo` for a checked problem on the Context's stream. With `check = Some(alignment)`, a
+/// cuBLASLt algorithm is first checked against the problem (`cublasLtMatmulAlgoCheck`, its
+/// workspace and its alignment needs) and a cuBLAS one against the known values.
+fn execute(
+    ctx: &Context,
+    p: &Problem,
+    dtype: DType,
+    algo: &Algo,
+    ptrs: Ptrs,
+    check: Option<Alignment>,
+) -> Result<()> {
+    match algo {
+        Algo::Cublas(a) => {
+            if !a.is_known() {
+                return Err(Error::invalid(
+                    "algo",
+                    format!("{} is not a cublasGemmAlgo_t value nnfuse passes", a.0),
+                ));
+            }
+            let mut g = ctx.lock()?;
+            let h = g.cublas()?;
+            // SAFETY: the problem was checked and the pointers hold its extents; the handle is
+            // bound to the Context's stream, where the operands are used.
+            unsafe { cublas::gemm(h, p, dtype, *a, ptrs) }
+        }
+        Algo::Lt(a) => {
+            let plan = lt::Plan::new(p, dtype)?;
+            let mut g = ctx.lock()?;
+            let h = g.cublaslt()?;
+            if let Some(align) = check {
+                verify_lt(&plan, h, a, align)?;
+            }
+            let ws = g.workspace(WORKSPACE_BYTES)?;
+            let stream = ctx.stream().cu_stream() as lt_sys::cudaStream_t;
+            // SAFETY: as above; the algorithm passed the checks (now, or before it was cached
+            // for this key); the workspace holds WORKSPACE_BYTES while the guard lives.
+            unsafe { plan.matmul(h, a, &lt::Scalars::of(p), ptrs, ws, WORKSPACE_BYTES, stream) }
+        }
+    }
+}
+
+fn verify_lt(
+    plan: &lt::Plan,
+    h: lt_sys::cublasLtHandle_t,
+    a: &LtAlgo,
+    align: Alignment,
+) -> Result<()> {
+    let ws = plan.check(h, a)?;
+    if ws > WORKSPACE_BYTES {
+        return Err(Error::NotSupported(format!(
+            "the cuBLASLt algorithm needs {ws} bytes of workspace, more than {WORKSPACE_BYTES}"
+        )));
+    }
+    lt::check_alignment(a, align)
+}
+
+/// Checks a choice that came from the file before its first use.
+fn verify(ctx: &Context, p: &Problem, dtype: DType, key: &Key, c: &Choice) -> Result<()> {
+    match &c.algo {
+        Algo::Cublas(a) if a.is_known() => Ok(()),
+        Algo::Cublas(a) => Err(Error::NotSupported(format!(
+            "unknown cublasGemmAlgo_t {}",
+            a.0
+        ))),
+        Algo::Lt(a) => {
+            let plan = lt::Plan::new(p, dtype)?;
+            let mut g = ctx.lock()?;
+            let h = g.cublaslt()?;
+            verify_lt(&plan, h, a, key.align)
+        }
+    }
+}
+
+fn save(ctx: &Context, path: &std::path::Path) -> Result<()> {
+    let tag = device_tag(ctx)?;
+    cache::save_file(path, &tag, &cache::entries(ordinal(ctx)))
+}
+
+fn search_and_store(
+    ctx: &Context,
+    p: &Problem,
+    dtype: DType,
+    key: Key,
+    spans: Spans,
+    progress: &mut dyn FnMut(SearchProgress<'_>),
+) -> Result<SearchReport> {
+    let report = search::run(ctx, p, dtype, key, spans, progress)?;
+    cache::insert(key, report.choice, true);
+    if let Some(path) = &ctx.config().tuning_cache {
+        match save(ctx, path) {
+            Ok(()) => tracing::debug!(path = %path.display(), "GEMM tuning cache written"),
+            Err(e) => tracing::warn!(
+                path = %path.display(),
+                error = %e,
+                "GEMM tuning cache could not be written; the result stays in memory"
+            ),
+        }
+    }
+    Ok(report)
+}
+
+/// The choice for `key`: from memory, else from the tuning-cache file (checked), else by a
+/// search; a failed search falls back to the cuBLAS default (remembered, with a warning).
+fn choose(ctx: &Context, p: &Problem, dtype: DType, key: &Key, spans: Spans) -> Choice {
+    let mut slot = cache::lookup_slot(key);
+    if slot.is_none() {
+        if let Some(path) = &ctx.config().tuning_cache {
+            match device_tag(ctx) {
+                Ok(tag) => cache::ensure_loaded(path, key.device, &tag),
+                Err(e) => tracing::warn!(
+                    path = %path.display(),
+                    error = %e,
+                    "GEMM tuning cache not read: the library versions are unknown"
+                ),
+            }
+            slot = cache::lookup_slot(key);
+        }
+    }
+    match slot {
+        Some((c, true)) => return c,
+        Some((c, false)) => match verify(ctx, p, dtype, key, &c) {
+            Ok(()) => {
+                cache::mark_verified(key);
+                return c;
+            }
+            Err(e) => {
+                tracing::warn!(
+                    problem = %key,
+                    error = %e,
+                    "GEMM tuning-cache entry rejected; searching again"
+                );
+                cache::remove(key);
+            }
+        },
+        None => {}
+    }
+    match search_and_store(ctx, p, dtype, *key, spans, &mut |_| {}) {
+        Ok(report) => report.choice,
+        Err(e) => {
+            tracing::warn!(
+                problem = %key,
+                error = %e,
+                "GEMM algorithm search failed; this problem uses the cuBLAS default"
+            );
+            let c = Choice::fallback();
+            cache::insert(*key, c, true);
+            c
+        }
+    }
+}
+
+/// Strided batched GEMM on the Context's stream (see the module documentation): validates every
+/// argument, then runs the tuned algorithm for the problem's key (searching on its first use,
+/// unless [`crate::Config::gemm_search`] is off, in which case it runs the cuBLAS default).
+///
+/// If a tuned algorithm fails to launch, the key falls back to the cuBLAS default (with a
+/// warning) and the call is retried with it.
+pub fn strided_batched<T, A, B, C>(
+    ctx: &Context,
+    p: &Problem,
+    a: &A,
+    b: &B,
+    c: &mut C,
+) -> Result<()>
+where
+    T: Element,
+    A: DevicePtr<T>,
+    B: DevicePtr<T>,
+    C: DevicePtrMut<T>,
+{
+    let dtype = T::DTYPE;
+    let Some((spans, ptrs, _guards)) = operands!(ctx, p, T, a, b, c, device_ptr_mut) else {
+        return Ok(());
+    };
+    if !ctx.config().gemm_search {
+        return execute(ctx, p, dtype, &Algo::CUBLAS_DEFAULT, ptrs, None);
+    }
+    let align = Alignment::of(p, dtype.size(), ptrs.a, ptrs.b, ptrs.c);
+    let key = Key::from_checked(ordinal(ctx), p, dtype, align);
+    let choice = choose(ctx, p, dtype, &key, spans);
+    match execute(ctx, p, dtype, &choice.algo, ptrs, None) {
+        Err(e) if choice.algo != Algo::CUBLAS_DEFAULT => {
+            tracing::warn!(
+                problem = %key,
+                algo = %choice.label(),
+                error = %e,
+                "tuned GEMM algorithm failed to launch; this problem uses the cuBLAS default"
+            );
+            cache::insert(key, Choice::fallback(), true);
+            execute(ctx, p, dtype, &Algo::CUBLAS_DEFAULT, ptrs, None)
+        }
+        r => r,
+    }
+}
+
+/// Runs one given algorithm (benchmarks, experiments), after the same validation as
+/// [`strided_batched`]; a cuBLASLt algorithm is also checked against the problem and the
+/// operands' alignment. No search, no cache.
+pub fn strided_batched_with<T, A, B, C>(
+    ctx: &Context,
+    p: &Problem,
+    a: &A,
+    b: &B,
+    c: &mut C,
+    algo: &Algo,
+) -> Result<()>
+where
+    T: Element,
+    A: DevicePtr<T>,
+    B: DevicePtr<T>,
+    C: DevicePtrMut<T>,
+{
+    let dtype = T::DTYPE;
+    let Some((_spans, ptrs, _guards)) = operands!(ctx, p, T, a, b, c, device_ptr_mut) else {
+        return Ok(());
+    };
+    let align = Alignment::of(p, dtype.size(), ptrs.a, ptrs.b, ptrs.c);
+    execute(ctx, p, dtype, algo, ptrs, Some(align))
+}
+
+/// The key [`strided_batched`] would use for these operands (checks them first).
+pub fn key_for<T, A, B, C>(ctx: &Context, p: &Problem, a: &A, b: &B, c: &C) -> Result<Key>
+where
+    T: Element,
+    A: DevicePtr<T>,
+    B: DevicePtr<T>,
+    C: DevicePtr<T>,
+{
+    let dtype = T::DTYPE;
+    let Some((_spans, ptrs, _guards)) = operands!(ctx, p, T, a, b, c, device_ptr) else {
+        return Err(Error::invalid(
+            "m",
+            "the problem is empty (m, n or batch is 0): it has no key",
+        ));
+    };
+    let align = Alignment::of(p, dtype.size(), ptrs.a, ptrs.b, ptrs.c);
+    Ok(Key::from_checked(ordinal(ctx), p, dtype, align))
+}
+
+/// The in-memory choice for `key`, if any: the cost of a cached lookup.
+pub fn lookup(key: &Key) -> Option<Choice> {
+    cache::lookup(key)
+}
+
+/// Searches `p` for data of type `dtype` and operands aligned as `align` (use
+/// [`Alignment::MAX`] for fresh allocations), on scratch buffers of its own; stores the winner
+/// in memory and, when configured, in the tuning-cache file; reports every candidate. Searches
+/// even when [`crate::Config::gemm_search`] is off or the key is cached.
+pub fn search(ctx: &Context, p: &Problem, dtype: DType, align: Alignment) -> Result<SearchReport> {
+    search_with(ctx, p, dtype, align, &mut |_| {})
+}
+
+/// [`search`] with a progress callback (called before each candidate and at the end).
+pub fn search_with(
+    ctx: &Context,
+    p: &Problem,
+    dtype: DType,
+    align: Alignment,
+    progress: &mut dyn FnMut(SearchProgress<'_>),
+) -> Result<SearchReport> {
+    let spans = match p.check(dtype)? {
+        Validated::Empty => {
+            return Err(Error::invalid(
+                "m",
+                "the problem is empty (m, n or batch is 0): there is nothing to search",
+            ))
+        }
+        Validated::Spans(s) => s,
+    };
+    align.check(dtype.size())?;
+    let key = Key::from_checked(ordinal(ctx), p, dtype, align);
+    search_and_store(ctx, p, dtype, key, spans, progress)
+}
