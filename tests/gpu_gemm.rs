@@ -1,0 +1,496 @@
+//! GPU tests of `nnfuse::gemm`: every case runs on fresh random inputs (seed printed) and is
+//! compared element by element with the f64 reference (`nnfuse::reference::gemm`); C is
+//! poisoned with NaN when beta == 0, and elements of C's buffer that no matrix covers must come
+//! back untouched. Tolerances are `nnfuse::gemm::tolerance`: relative L2 1e-5 for f32 (k <= 4096),
+//! 1e-2 for f16/bf16, `max(1e-2, 1e-3 sqrt(k))` for f16 compute.
+//!
+//! Ignored without a GPU; `.gpu/run` runs them (`cargo test --test gpu_gemm -- --include-ignored`).
+
+mod common;
+
+use std::collections::HashSet;
+
+use common::*;
+use half::{bf16, f16};
+use nnfuse::gemm::{
+    self, Algo, Alignment, Compute, CublasAlgo, Origin, Outcome, Problem, Validated,
+};
+use nnfuse::{reference, util, Config, Context, DType, Element};
+
+/// The sizes of the issue, combined so that the f64 reference stays fast in debug builds.
+const SHAPES: [(usize, usize, usize); 10] = [
+    (1, 1, 1),
+    (7, 7, 7),
+    (64, 64, 64),
+    (127, 64, 7),
+    (7, 127, 513),
+    (513, 7, 64),
+    (1, 513, 127),
+    (513, 1, 1),
+    (64, 127, 127),
+    (127, 127, 64),
+];
+
+const TRANSPOSES: [(bool, bool); 4] = [(false, false), (true, false), (false, true), (true, true)];
+
+/// Tests that look at or reset the process-wide tuning cache run one at a time.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn spans(p: &Problem, dt: DType) -> gemm::Spans {
+    match p.check(dt).unwrap() {
+        Validated::Spans(s) => s,
+        Validated::Empty => panic!("empty problem"),
+    }
+}
+
+/// Random inputs for `p`: A, B and the initial C (None: beta == 0, C poisoned with NaN).
+struct Inputs<T> {
+    a: Vec<T>,
+    b: Vec<T>,
+    c: Option<Vec<T>>,
+    c_len: usize,
+}
+
+fn inputs<T: Element>(p: &Problem, rng: &mut Rng, extra: usize) -> Inputs<T> {
+    let s = spans(p, T::DTYPE);
+    Inputs {
+        a: rng.vec(s.a + extra, -1.0, 1.0),
+        b: rng.vec(s.b + extra, -1.0, 1.0),
+        c: (p.beta != 0.0).then(|| rng.vec(s.c + extra, -1.0, 1.0)),
+        c_len: s.c + extra,
+    }
+}
+
+/// Runs `p` on the device (operands start `off` elements into their buffers) and returns C.
+fn run_on<T: Element>(ctx: &Context, p: &Problem, x: &Inputs<T>, off: usize) -> Vec<T> {
+    let s = ctx.stream();
+    let a = s.clone_htod(&x.a).unwrap();
+    let b = s.clone_htod(&x.b).unwrap();
+    let mut c = match &x.c {
+        Some(c0) => s.clone_htod(c0).unwrap(),
+        None => {
+            let mut c = s.alloc_zeros::<T>(x.c_len).unwrap();
+            util::fill(ctx, &mut c, T::from_f64(f64::NAN)).unwrap();
+            c
+        }
+    };
+    {
+        let av = a.slice(off..);
+        let bv = b.slice(off..);
+        let mut cv = c.slice_mut(off..);
+        gemm::strided_batched(ctx, p, &av, &bv, &mut cv).unwrap();
+    }
+    s.clone_dtoh(&c).unwrap()
+}
+
+/// Offsets (from the operand's start) of every element of C's matrices.
+fn written(p: &Problem) -> Vec<usize> {
+    let mut v = Vec::with_capacity(p.batch * p.m * p.n);
+    for bt in 0..p.batch {
+        for j in 0..p.n {
+            for i in 0..p.m {
+                v.push(bt * p.stride_c + i + j * p.ldc);
+            }
+        }
+    }
+    v
+}
+
+/// Checks the device result against the f64 reference, and that the rest of C is untouched.
+fn check<T: Element>(what: &str, p: &Problem, x: &Inputs<T>, off: usize, got: &[T]) {
+    let a = f64s(&x.a[off..]);
+    let b = f64s(&x.b[off..]);
+    let mut want = match &x.c {
+        Some(c0) => f64s(&c0[off..]),
+        None => vec![f64::NAN; x.c_len - off],
+    };
+    reference::gemm::gemm_strided_batched(&p.to_reference(), &a, &b, &mut want);
+    let idx = written(p);
+    let g: Vec<f64> = idx.iter().map(|&i| got[off + i].to_f64()).collect();
+    let w: Vec<f64> = idx.iter().map(|&i| want[i]).collect();
+    let tol = gemm::tolerance(T::DTYPE, p.compute, p.k);
+    assert_close(what, &g, &w, tol);
+    let set: HashSet<usize> = idx.into_iter().map(|i| i + off).collect();
+    for (i, v) in got.iter().enumerate() {
+        if set.contains(&i) {
+            continue;
+        }
+        let before = x.c.as_ref().map(|c| c[i].to_f64());
+        match before {
+            Some(b) => assert!(
+                v.to_f64() == b || (b.is_nan() && v.to_f64().is_nan()),
+                "{what}: element {i} outside C's matrices changed"
+            ),
+            None => assert!(
+                v.to_f64().is_nan(),
+                "{what}: element {i} outside C's matrices was written"
+            ),
+        }
+    }
+}
+
+fn case<T: Element>(ctx: &Context, p: &Problem, rng: &mut Rng, off: usize, what: &str) {
+    let x = inputs::<T>(p, rng, off);
+    let got = run_on(ctx, p, &x, off);
+    check(what, p, &x, off, &got);
+}
+
+fn for_each_type(mut f: impl FnMut(DType)) {
+    for dt in DType::ALL {
+        f(dt);
+    }
+}
+
+fn case_dyn(ctx: &Context, dt: DType, p: &Problem, rng: &mut Rng, off: usize, what: &str) {
+    match dt {
+        DType::F32 => case::<f32>(ctx, p, rng, off, what),
+        DType::F16 => case::<f16>(ctx, p, rng, off, what),
+        DType::BF16 => case::<bf16>(ctx, p, rng, off, what),
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn odd_sizes_every_type_and_transpose_tuned() {
+    let ctx = gpu();
+    let mut rng = Rng::fresh("gemm odd sizes");
+    for_each_type(|dt| {
+        for (m, n, k) in SHAPES {
+            for (ta, tb) in TRANSPOSES {
+                let p = Problem::packed_trans(2, m, n, k, ta, tb);
+                let what = format!("{dt} {m}x{n}x{k} trans ({ta}, {tb})");
+                case_dyn(&ctx, dt, &p, &mut rng, 0, &what);
+            }
+        }
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn odd_sizes_with_search_off() {
+    let ctx = gpu_with(Config::default().with_gemm_search(false));
+    let mut rng = Rng::fresh("gemm search off");
+    for_each_type(|dt| {
+        for (m, n, k) in SHAPES {
+            let (ta, tb) = TRANSPOSES[(m + n + k) % 4];
+            let p = Problem::packed_trans(3, m, n, k, ta, tb);
+            case_dyn(
+                &ctx,
+                dt,
+                &p,
+                &mut rng,
+                0,
+                &format!("{dt} {m}x{n}x{k} default"),
+            );
+        }
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn padded_leading_dims_odd_strides_alpha_beta() {
+    let ctx = gpu();
+    let mut rng = Rng::fresh("gemm padded");
+    for_each_type(|dt| {
+        for (m, n, k) in [(7, 127, 64), (64, 64, 64), (127, 7, 513)] {
+            for (ta, tb) in TRANSPOSES {
+                let mut p = Problem::packed_trans(3, m, n, k, ta, tb).with_scalars(0.75, -1.5);
+                p.lda += 3;
+                p.ldb += 5;
+                p.ldc += 1;
+                let (ra, ca) = p.a_dims();
+                let (rb, cb) = p.b_dims();
+                // Odd strides: every batch after the first starts misaligned.
+                p.stride_a = (ca - 1) * p.lda + ra + 7;
+                p.stride_b = (cb - 1) * p.ldb + rb + 3;
+                p.stride_c = (n - 1) * p.ldc + m + 1;
+                let what = format!("{dt} padded {m}x{n}x{k} trans ({ta}, {tb})");
+                case_dyn(&ctx, dt, &p, &mut rng, 0, &what);
+            }
+        }
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn broadcast_with_stride_zero() {
+    let ctx = gpu();
+    let mut rng = Rng::fresh("gemm broadcast");
+    for_each_type(|dt| {
+        for (m, n, k) in [(64, 127, 7), (127, 64, 513)] {
+            let base = Problem::packed(4, m, n, k);
+            for (sa, sb) in [(0, base.stride_b), (base.stride_a, 0), (0, 0)] {
+                let p = Problem {
+                    stride_a: sa,
+                    stride_b: sb,
+                    ..base
+                }
+                .with_scalars(1.25, 0.5);
+                let what = format!("{dt} broadcast {m}x{n}x{k} strides ({sa}, {sb})");
+                case_dyn(&ctx, dt, &p, &mut rng, 0, &what);
+            }
+        }
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn f16_compute() {
+    let ctx = gpu();
+    let mut rng = Rng::fresh("gemm f16 compute");
+    for (m, n, k) in [(64, 64, 64), (127, 7, 513), (7, 127, 127), (513, 64, 7)] {
+        for (ta, tb) in TRANSPOSES {
+            for beta in [0.0, 0.5] {
+                let p = Problem::packed_trans(2, m, n, k, ta, tb)
+                    .with_compute(Compute::F16)
+                    .with_scalars(0.5, beta);
+                let what = format!("f16 compute {m}x{n}x{k} ({ta}, {tb}) beta {beta}");
+                case::<f16>(&ctx, &p, &mut rng, 0, &what);
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn misaligned_operands() {
+    // Views one element into their buffers: 2-byte (f16/bf16) or 4-byte (f32) alignment, which
+    // rules out cuBLASLt kernels that need 16 bytes; results must still be right.
+    let ctx = gpu();
+    let mut rng = Rng::fresh("gemm misaligned");
+    for_each_type(|dt| {
+        for (m, n, k) in [(64, 64, 64), (127, 64, 7)] {
+            let p = Problem::packed(3, m, n, k).with_scalars(1.0, 1.0);
+            case_dyn(
+                &ctx,
+                dt,
+                &p,
+                &mut rng,
+                1,
+                &format!("{dt} misaligned {m}x{n}x{k}"),
+            );
+        }
+    });
+}
+
+/// The same inputs through the tuned path and the cuBLAS default agree within tolerance, for a
+/// shape with many cuBLASLt candidates.
+fn tuned_vs_default<T: Element>(tuned: &Context, plain: &Context, p: &Problem, rng: &mut Rng) {
+    let x = inputs::<T>(p, rng, 0);
+    let g1 = f64s(&run_on(tuned, p, &x, 0));
+    let g2 = f64s(&run_on(plain, p, &x, 0));
+    let idx = written(p);
+    let a: Vec<f64> = idx.iter().map(|&i| g1[i]).collect();
+    let b: Vec<f64> = idx.iter().map(|&i| g2[i]).collect();
+    let tol = gemm::tolerance(T::DTYPE, p.compute, p.k);
+    assert_close(&format!("{} tuned vs default", T::DTYPE), &a, &b, tol);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tuned_equals_default() {
+    let tuned = gpu();
+    let plain = gpu_with(Config::default().with_gemm_search(false));
+    let mut rng = Rng::fresh("gemm tuned vs default");
+    let p = Problem::packed(8, 512, 384, 1024).with_scalars(1.0, 0.5);
+    tuned_vs_default::<f32>(&tuned, &plain, &p, &mut rng);
+    tuned_vs_default::<f16>(&tuned, &plain, &p, &mut rng);
+    tuned_vs_default::<bf16>(&tuned, &plain, &p, &mut rng);
+    let h = Problem::packed_trans(4, 256, 256, 2048, true, false).with_compute(Compute::F16);
+    tuned_vs_default::<f16>(&tuned, &plain, &h, &mut rng);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn search_report_and_every_candidate_is_correct() {
+    let _serial = serial();
+    let ctx = gpu();
+    let mut rng = Rng::fresh("gemm search report");
+    let p = Problem::packed(16, 1024, 1024, 1024);
+    // First search of the process may compile the search kernels: warm up on a small shape.
+    gemm::search(
+        &ctx,
+        &Problem::packed(1, 64, 64, 64),
+        DType::F16,
+        Alignment::MAX,
+    )
+    .unwrap();
+    let r = gemm::search(&ctx, &p, DType::F16, Alignment::MAX).unwrap();
+    println!(
+        "search {:.1} ms, {} candidates, samples {:?}, winner #{} {}",
+        r.wall_ms,
+        r.candidates.len(),
+        r.samples,
+        r.winner,
+        r.choice.label()
+    );
+    for (i, c) in r.candidates.iter().enumerate() {
+        println!("  {i:2} {:<70} {:?}", c.label(), c.median_ms());
+    }
+    assert_eq!(r.candidates[0].algo, Algo::CUBLAS_DEFAULT);
+    let d = r.default_ms().unwrap();
+    let w = r.winner_ms().unwrap();
+    assert!(w <= d, "winner {w} ms slower than the default {d} ms");
+    let cc = ctx.info().compute_capability;
+    if cc.0 >= 8 {
+        assert!(!r.explicit_cublas);
+        let lt = r
+            .candidates
+            .iter()
+            .filter(|c| matches!(c.algo, Algo::Lt(_)))
+            .count();
+        assert!(lt >= 2, "only {lt} cuBLASLt candidates: {:?}", r.lt_note);
+        assert!(r
+            .candidates
+            .iter()
+            .all(|c| !matches!(c.algo, Algo::Cublas(a) if a != CublasAlgo::DEFAULT)));
+    }
+    // The 200 ms target is measured by benches/gemm.rs on an idle GPU; other tests may share
+    // the GPU here, so this only catches a runaway search.
+    assert!(r.wall_ms < 2000.0, "search took {:.0} ms", r.wall_ms);
+    // The stored choice is what the report says, and what the next call finds.
+    let key = gemm::Key::new(ctx.info().ordinal as u32, &p, DType::F16, Alignment::MAX).unwrap();
+    let cached = gemm::lookup(&key).unwrap();
+    assert_eq!(cached.algo, r.choice.algo);
+    assert_eq!(cached.origin, Origin::Searched);
+
+    // Every timed candidate, run through strided_batched_with, matches the f64 reference on a
+    // smaller batch of the same shape... and the explicit cuBLAS algorithms run too.
+    let q = Problem::packed(2, 1024, 1024, 1024);
+    let x = inputs::<f16>(&q, &mut rng, 0);
+    let s = ctx.stream();
+    let a = s.clone_htod(&x.a).unwrap();
+    let b = s.clone_htod(&x.b).unwrap();
+    let mut algos: Vec<Algo> = r
+        .candidates
+        .iter()
+        .filter(|c| matches!(c.outcome, Outcome::Timed { .. }))
+        .map(|c| c.algo)
+        .collect();
+    for i in [0, 5, 23] {
+        algos.push(Algo::Cublas(CublasAlgo::algo(i).unwrap()));
+    }
+    algos.push(Algo::Cublas(CublasAlgo::DEFAULT_TENSOR_OP));
+    for algo in algos {
+        let mut c = s.alloc_zeros::<f16>(x.c_len).unwrap();
+        util::fill(&ctx, &mut c, f16::NAN).unwrap();
+        match gemm::strided_batched_with(&ctx, &q, &a, &b, &mut c, &algo) {
+            Ok(()) => {
+                let got = s.clone_dtoh(&c).unwrap();
+                check(&format!("{algo:?}"), &q, &x, 0, &got);
+            }
+            // A cuBLASLt algorithm chosen for batch 16 may not accept batch 2: then it says so.
+            // Explicit cuBLAS algorithms may be unsupported on GPUs older than sm_80.
+            Err(e) => assert!(matches!(algo, Algo::Lt(_)) || cc.0 < 8, "{algo:?}: {e}"),
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn search_off_runs_the_default_and_caches_nothing() {
+    let _serial = serial();
+    let ctx = gpu_with(Config::default().with_gemm_search(false));
+    let mut rng = Rng::fresh("gemm search off cache");
+    let p = Problem::packed(3, 33, 65, 17); // a shape no other test uses
+    let x = inputs::<f32>(&p, &mut rng, 0);
+    let got = run_on(&ctx, &p, &x, 0);
+    check("search off", &p, &x, 0, &got);
+    let key = gemm::Key::new(ctx.info().ordinal as u32, &p, DType::F32, Alignment::MAX).unwrap();
+    assert!(gemm::lookup(&key).is_none());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tuning_cache_file_is_written_and_reused() {
+    let _serial = serial();
+    let dir = std::env::temp_dir().join(format!("nnfuse-gpu-gemm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("tuning.json");
+    let _ = std::fs::remove_file(&file);
+    let cfg = Config::default().with_tuning_cache(Some(file.clone()));
+    let mut rng = Rng::fresh("gemm cache file");
+    let p = Problem::packed(5, 96, 80, 112); // a shape no other test uses
+    let key = gemm::Key::new(0, &p, DType::BF16, Alignment::MAX).unwrap();
+    {
+        let ctx = gpu_with(cfg.clone());
+        case::<bf16>(&ctx, &p, &mut rng, 0, "cache file, first process");
+        assert_eq!(gemm::lookup(&key).unwrap().origin, Origin::Searched);
+    }
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(text.contains("\"m\": 96"), "{text}");
+    let tag = gemm::device_tag(&gpu()).unwrap();
+    let loaded = gemm::cache::load_file(&file, &tag, 0);
+    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+    assert!(loaded.entries.iter().any(|(k, _)| *k == key));
+
+    // "A later process": forget the memory, open a new Context on the same file.
+    gemm::cache::clear();
+    {
+        let ctx = gpu_with(cfg.clone());
+        case::<bf16>(&ctx, &p, &mut rng, 0, "cache file, second process");
+        assert_eq!(gemm::lookup(&key).unwrap().origin, Origin::File);
+    }
+
+    // A corrupted file is ignored (warned), the problem searched again, the file replaced.
+    std::fs::write(&file, "{ this is not json").unwrap();
+    gemm::cache::clear();
+    {
+        let ctx = gpu_with(cfg);
+        case::<bf16>(&ctx, &p, &mut rng, 0, "cache file, corrupted");
+        assert_eq!(gemm::lookup(&key).unwrap().origin, Origin::Searched);
+    }
+    assert!(!gemm::cache::load_file(&file, &tag, 0).entries.is_empty());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bad_arguments_never_reach_the_gpu() {
+    let ctx = gpu();
+    let s = ctx.stream();
+    let p = Problem::packed(4, 16, 16, 16);
+    let a = s.alloc_zeros::<f32>(4 * 256).unwrap();
+    let short = s.alloc_zeros::<f32>(3 * 256).unwrap();
+    let mut c = s.alloc_zeros::<f32>(4 * 256).unwrap();
+    util::fill(&ctx, &mut c, 7.0).unwrap();
+    let e = gemm::strided_batched(&ctx, &p, &short, &a, &mut c).unwrap_err();
+    assert_eq!(e.argument(), Some("stride_a"), "{e}");
+    let e = gemm::strided_batched(&ctx, &p, &a, &a.slice(..100), &mut c).unwrap_err();
+    assert_eq!(e.argument(), Some("b"), "{e}");
+    let bad = Problem { stride_c: 8, ..p };
+    let e = gemm::strided_batched(&ctx, &bad, &a, &a, &mut c).unwrap_err();
+    assert_eq!(e.argument(), Some("stride_c"), "{e}");
+    let h = Problem {
+        compute: Compute::F16,
+        ..p
+    };
+    let e = gemm::strided_batched(&ctx, &h, &a, &a, &mut c).unwrap_err();
+    assert_eq!(e.argument(), Some("compute"), "{e}");
+    // Nothing was written.
+    assert!(s.clone_dtoh(&c).unwrap().iter().all(|&v| v == 7.0));
+    // Empty problems are no-ops.
+    gemm::strided_batched(&ctx, &Problem::packed(0, 16, 16, 16), &a, &a, &mut c).unwrap();
+    assert!(s.clone_dtoh(&c).unwrap().iter().all(|&v| v == 7.0));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn many_threads_share_the_cache() {
+    let ctx = gpu();
+    std::thread::scope(|sc| {
+        for t in 0..4u64 {
+            let ctx = ctx.clone();
+            sc.spawn(move || {
+                let mut rng = Rng::new(t + 1);
+                for i in 0..3 {
+                    let p = Problem::packed(2, 48 + 16 * i, 40, 72);
+                    case::<f16>(&ctx, &p, &mut rng, 0, &format!("thread {t} shape {i}"));
+                }
+            });
+        }
+    });
+}
