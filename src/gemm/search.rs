@@ -10,7 +10,9 @@
 //! the default has the same ones); the ones that agree are timed with CUDA events
 //! ([`crate::timing::time_gpu`]): a few launches per sample for kernels under 20 µs, and as many
 //! samples as fit a budget of about 120 ms of GPU time for the whole search (at least one per
-//! candidate). The fastest median wins, except that the cuBLAS default is kept unless a
+//! candidate). Each launch does what a call of [`super::strided_batched`] does for that
+//! algorithm (cuBLASLt descriptors included), so that when the host is the bottleneck (tiny
+//! GEMMs) its cost is measured too. The fastest median wins, except that the cuBLAS default is kept unless a
 //! candidate beats it by more than [`KEEP_DEFAULT_MARGIN`].
 
 use std::time::Instant;
@@ -384,11 +386,17 @@ fn typed<T: Element>(
         match algo {
             // SAFETY: checked problem; scratch extents hold it; handle bound to ctx's stream.
             Algo::Cublas(a) => unsafe { cublas::gemm(blas, p, dtype, *a, ptrs) },
+            // A fresh plan per launch, as the hot path does, so that the host cost of the
+            // descriptors is in the measurement when the GPU outruns the host (tiny GEMMs).
             Algo::Lt(a) => match &lt_state {
-                // SAFETY: as above; `a` passed Plan::check with workspace <= WORKSPACE_BYTES.
-                Some((h, plan)) => unsafe {
-                    plan.matmul(*h, a, &scalars, ptrs, workspace, WORKSPACE_BYTES, lt_stream)
-                },
+                Some((h, _)) => {
+                    let plan = lt::Plan::new(p, dtype)?;
+                    // SAFETY: as above; `a` passed Plan::check for this problem with workspace
+                    // <= WORKSPACE_BYTES.
+                    unsafe {
+                        plan.matmul(*h, a, &scalars, ptrs, workspace, WORKSPACE_BYTES, lt_stream)
+                    }
+                }
                 None => Err(Error::NotSupported("cuBLASLt is unavailable".into())),
             },
         }

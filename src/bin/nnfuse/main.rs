@@ -2,6 +2,7 @@
 
 mod info;
 mod plan;
+mod tune;
 
 use clap::{Parser, Subcommand};
 
@@ -22,6 +23,8 @@ enum Command {
     Info,
     /// The BatchNorm plan for a shape (mode, layout, path) and every reason; needs no GPU.
     Plan(plan::PlanArgs),
+    /// Search the fastest GEMM algorithm for one problem and store it in the tuning cache.
+    Tune(tune::TuneArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -36,6 +39,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Info => info::run(),
         Command::Plan(args) => plan::run(args),
+        Command::Tune(args) => tune::run(args),
     };
     match result {
         Ok(code) => code,
