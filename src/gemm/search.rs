@@ -286,6 +286,8 @@ fn typed<T: Element>(
     progress: &mut dyn FnMut(SearchProgress<'_>),
 ) -> Result<SearchReport> {
     let start = Instant::now();
+    // Raw driver calls below (memset) need the device current on this thread.
+    ctx.cuda().bind_to_thread().call("cuCtxSetCurrent")?;
     let dtype = T::DTYPE;
     let align: Alignment = key.align;
     let tol = tolerance(dtype, p.compute, p.k);
