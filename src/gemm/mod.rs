@@ -26,7 +26,8 @@
 //! is a no-op), each buffer long enough for the last element of the last batch (naming the
 //! buffer when one matrix does not fit, the stride when the batches run past its end), C's
 //! stride (0 with `batch > 1`, or matrices of two batches sharing an element, is a write race),
-//! element alignment of the pointers, and C's extent not overlapping A's or B's. A stride of 0
+//! every buffer on the Context's device, element alignment of the pointers, and C's extent not
+//! overlapping A's or B's. A stride of 0
 //! for A or B broadcasts.
 //!
 //! # Algorithm search
@@ -83,6 +84,7 @@ pub use search::{
 use crate::context::{cublas_version, cublaslt_version, Context};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
+use crate::validate::{expect_device, BufInfo};
 use lt::Ptrs;
 
 fn ordinal(ctx: &Context) -> u32 {
@@ -111,13 +113,29 @@ pub fn device_tag(ctx: &Context) -> Result<DeviceTag> {
     Ok(tag)
 }
 
-/// Checks the problem and the buffers; `None` for an empty problem. Returns the spans and the
+/// Checks the problem and the buffers (lengths, device, alignment, aliasing); `None` for an
+/// empty problem. Returns the spans and the
 /// device pointers (with their stream-ordering guards, to be held across the launch).
 macro_rules! operands {
     ($ctx:expr, $p:expr, $t:ty, $a:expr, $b:expr, $c:expr, $c_ptr:ident) => {{
         match $p.check_buffers(<$t as Element>::DTYPE, $a.len(), $b.len(), $c.len())? {
             Validated::Empty => None,
             Validated::Spans(spans) => {
+                let ordinal = $ctx.info().ordinal;
+                for (name, len, dev) in [
+                    ("a", $a.len(), $a.stream().context().ordinal()),
+                    ("b", $b.len(), $b.stream().context().ordinal()),
+                    ("c", $c.len(), $c.stream().context().ordinal()),
+                ] {
+                    let info = BufInfo {
+                        name,
+                        ptr: 0,
+                        len,
+                        elem: <$t as Element>::DTYPE.size(),
+                        ordinal: dev,
+                    };
+                    expect_device(&info, ordinal)?;
+                }
                 let stream = $ctx.stream();
                 let (pa, ga) = $a.device_ptr(stream);
                 let (pb, gb) = $b.device_ptr(stream);
