@@ -399,7 +399,15 @@ fn search_off_runs_the_default_and_caches_nothing() {
     let x = inputs::<f32>(&p, &mut rng, 0);
     let got = run_on(&ctx, &p, &x, 0);
     check("search off", &p, &x, 0, &got);
-    let key = gemm::Key::new(ctx.info().ordinal as u32, &p, DType::F32, Alignment::MAX).unwrap();
+    // The key these operands have (4-byte aligned batches: 33 * 17 * 4 bytes apart).
+    let s = ctx.stream();
+    let (a, b, c) = (
+        s.clone_htod(&x.a).unwrap(),
+        s.clone_htod(&x.b).unwrap(),
+        s.alloc_zeros::<f32>(x.c_len).unwrap(),
+    );
+    let key = gemm::key_for(&ctx, &p, &a, &b, &c).unwrap();
+    assert_eq!(key.align.a, 4);
     assert!(gemm::lookup(&key).is_none());
 }
 
