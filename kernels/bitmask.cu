@@ -49,6 +49,26 @@ __device__ __forceinline__ bool aligned16(const void* p) { return (((u64)p) & 15
 // relu keeps the value where it is positive or NaN (i.e. unless v <= 0); the mask bit is v > 0.
 __device__ __forceinline__ bool relu_keeps(float v) { return !(v <= 0.0f); }
 
+// The same two predicates decided on an element's raw bits, for values that are only loaded
+// and stored (ReLU, the y-based backward). Integer tests, no float conversion: cheaper, and
+// immune to a miscompilation seen with NVRTC 13.0 for sm_90, where a bf16 widened by a shift
+// and compared as f32 came out NaN whenever the other bf16 of its 32-bit word was NaN.
+template <typename T> struct FloatBits;
+template <> struct FloatBits<float> { static constexpr u32 SIGN = 0x80000000u, INF = 0x7f800000u; };
+template <> struct FloatBits<nnf_f16> { static constexpr u32 SIGN = 0x8000u, INF = 0x7c00u; };
+template <> struct FloatBits<nnf_bf16> { static constexpr u32 SIGN = 0x8000u, INF = 0x7f80u; };
+
+// v > 0: sign clear, not zero, not NaN (+inf counts).
+template <typename T> __device__ __forceinline__ bool bits_gt0(u32 b) {
+    const u32 mag = b & (FloatBits<T>::SIGN - 1u);
+    return !(b & FloatBits<T>::SIGN) && mag != 0u && mag <= FloatBits<T>::INF;
+}
+// !(v <= 0): positive or NaN, i.e. not (±0 or negative non-NaN).
+template <typename T> __device__ __forceinline__ bool bits_keeps(u32 b) {
+    const u32 mag = b & (FloatBits<T>::SIGN - 1u);
+    return mag > FloatBits<T>::INF || (!(b & FloatBits<T>::SIGN) && mag != 0u);
+}
+
 template <typename T> __device__ __forceinline__ u32 to_bits(T v) { return v.bits; }
 template <> __device__ __forceinline__ u32 to_bits<float>(float v) { return __float_as_uint(v); }
 
@@ -143,10 +163,20 @@ __device__ __forceinline__ void fwd_tile(const T* x, const T* z, T* y, u32* mask
     for (int k = 0; k < K; ++k) {
         const u64 i = base + 32u * (u64)k + lane;
         const bool in = i < n;
-        const float v = ADD ? to_float(xs[k]) + to_float(zs[k]) : to_float(xs[k]);
-        const u32 word = __ballot_sync(NNF_FULL_WARP, in && v > 0.0f);
+        bool pos, keep;
+        float v = 0.0f;
+        if constexpr (ADD) {
+            v = to_float(xs[k]) + to_float(zs[k]);
+            pos = v > 0.0f;
+            keep = relu_keeps(v);
+        } else {
+            const u32 b = to_bits(xs[k]);
+            pos = bits_gt0<T>(b);
+            keep = bits_keeps<T>(b);
+        }
+        const u32 word = __ballot_sync(NNF_FULL_WARP, in && pos);
         if (lane == k) mine = word;
-        if (in) y[i] = relu_keeps(v) ? (ADD ? from_float<T>(v) : xs[k]) : T{};
+        if (in) y[i] = keep ? (ADD ? from_float<T>(v) : xs[k]) : T{};
     }
     if (mask != nullptr) {
         const u64 w = base / 32 + lane;
@@ -187,11 +217,15 @@ __device__ __forceinline__ void fwd_vector(const T* x, const T* z, T* y, u32* ma
                 u32 bits = 0;
 #pragma unroll
                 for (int j = 0; j < N; ++j) {
-                    const float v =
-                        ADD ? elem_float<T>(w, j) + elem_float<T>(wz, j) : elem_float<T>(w, j);
-                    bits |= (u32)(v > 0.0f) << j;
-                    const u32 kept = ADD ? to_bits(from_float<T>(v)) : elem_bits<T>(w, j);
-                    set_elem_bits<T>(w, j, relu_keeps(v) ? kept : 0u);
+                    if constexpr (ADD) {
+                        const float v = elem_float<T>(w, j) + elem_float<T>(wz, j);
+                        bits |= (u32)(v > 0.0f) << j;
+                        set_elem_bits<T>(w, j, relu_keeps(v) ? to_bits(from_float<T>(v)) : 0u);
+                    } else {
+                        const u32 b = elem_bits<T>(w, j);
+                        bits |= (u32)bits_gt0<T>(b) << j;
+                        set_elem_bits<T>(w, j, bits_keeps<T>(b) ? b : 0u);
+                    }
                 }
                 yv[c * 32 + lane] = pack(w);
                 if (mask != nullptr) {
@@ -348,18 +382,18 @@ __device__ __forceinline__ void bwd_from_y(const T* dy, const T* y, T* dx, u64 n
                     unpack(h[u], wy);
 #pragma unroll
                     for (int j = 0; j < N; ++j)
-                        if (!(elem_float<T>(wy, j) > 0.0f)) set_elem_bits<T>(w, j, 0u);
+                        if (!bits_gt0<T>(elem_bits<T>(wy, j))) set_elem_bits<T>(w, j, 0u);
                     xv[c * 32 + lane] = pack(w);
                 }
             }
         }
         done = nchunks * CHUNK;
         if (warp != nwarps - 1) return;  // the rest (< CHUNK elements) is the last warp's
-        for (u64 i = done + lane; i < n; i += 32) dx[i] = to_float(y[i]) > 0.0f ? dy[i] : T{};
+        for (u64 i = done + lane; i < n; i += 32) dx[i] = bits_gt0<T>(to_bits(y[i])) ? dy[i] : T{};
         return;
     }
     for (u64 i = global_thread(); i < n; i += grid_threads())
-        dx[i] = to_float(y[i]) > 0.0f ? dy[i] : T{};
+        dx[i] = bits_gt0<T>(to_bits(y[i])) ? dy[i] : T{};
 }
 
 // The naive mask scheme: one thread reads eight consecutive elements (scalar loads, strided
@@ -377,9 +411,9 @@ __device__ __forceinline__ void fwd_naive8(const T* x, T* y, u32* mask, u64 n) {
             const u64 i = t * 8 + j;
             if (i < n) {
                 const T v = x[i];
-                const float f = to_float(v);
-                byte |= (u32)(f > 0.0f) << j;
-                y[i] = relu_keeps(f) ? v : T{};
+                const u32 b = to_bits(v);
+                byte |= (u32)bits_gt0<T>(b) << j;
+                y[i] = bits_keeps<T>(b) ? v : T{};
             }
         }
         m8[t] = (unsigned char)byte;

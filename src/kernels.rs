@@ -41,9 +41,11 @@ pub const UTIL: KernelFile = kernel_file!("util.cu");
 /// the two baselines the benchmark compares them with.
 pub const BITMASK: KernelFile = kernel_file!("bitmask.cu");
 
-/// Every kernel file the crate embeds; CI compiles each for every architecture in
-/// [`CI_ARCHS`].
-pub const ALL: &[KernelFile] = &[UTIL, BITMASK];
+/// The GEMM search: pseudo-random operands and the device-side comparison of candidates.
+pub const GEMM_SEARCH: KernelFile = kernel_file!("gemm_search.cu");
+
+/// Every kernel file the crate embeds (see [`CI_ARCHS`]).
+pub const ALL: &[KernelFile] = &[UTIL, BITMASK, GEMM_SEARCH];
 
 /// Architectures CI compiles every kernel for (A100, H100).
 pub const CI_ARCHS: &[&str] = &["sm_80", "sm_90"];

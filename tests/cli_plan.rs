@@ -5,9 +5,26 @@ use std::process::{Command, Output};
 
 use serde_json::Value;
 
+/// The nnfuse binary: cargo's build path, or, where the tests were built on another machine and
+/// staged (`gpu-stage --bins`), the staged copy.
+fn binary() -> std::path::PathBuf {
+    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_nnfuse"));
+    if built.exists() {
+        return built;
+    }
+    let staged = std::path::PathBuf::from(".gpu/bin/exe/nnfuse.bin.nnfuse");
+    assert!(
+        staged.exists(),
+        "the nnfuse binary is neither at {} nor staged at {} (gpu-stage --bins)",
+        built.display(),
+        staged.display()
+    );
+    staged
+}
+
 /// Runs `nnfuse plan ARGS` with nnfuse's variables cleared, then `env` set.
 fn nnfuse_plan(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_nnfuse"));
+    let mut cmd = Command::new(binary());
     cmd.arg("plan").args(args);
     for var in nnfuse::config::ALL_VARS {
         cmd.env_remove(var);

@@ -204,6 +204,49 @@ fn check_against_reference<T: Element>(
     assert_close(&w("y (inference)"), &out.y_inference, &yi, tol);
 }
 
+/// Two paths on identical inputs agree: y within tolerance; the ReLU masks (y > 0) agree except
+/// at a few kinks, where the pre-activation is within rounding of zero (cuDNN's fused op adds
+/// the addend before rounding to T, the fallback after, so an element an ulp from zero may land
+/// on either side); dx agrees within tolerance away from those kinks.
+fn compare_paths(what: &str, tol: f64, a: &Outputs, b: &Outputs) {
+    assert_close(&format!("{what}: y fused vs fallback"), &a.y, &b.y, tol);
+    let n = a.y.len();
+    let rms = (a.y.iter().map(|v| v * v).sum::<f64>() / n as f64).sqrt();
+    let flips: Vec<usize> = (0..n)
+        .filter(|&i| (a.y[i] > 0.0) != (b.y[i] > 0.0))
+        .collect();
+    assert!(
+        flips.len() <= 1 + n / 1000,
+        "{what}: the paths' ReLU masks differ at {} of {n} elements",
+        flips.len()
+    );
+    for &i in &flips {
+        let kink = a.y[i].abs().max(b.y[i].abs());
+        assert!(
+            kink <= 4.0 * tol * rms,
+            "{what}: masks differ at element {i} where y = {} / {} is not near zero",
+            a.y[i],
+            b.y[i]
+        );
+    }
+    let away = |v: &[f64]| -> Vec<f64> {
+        v.iter()
+            .enumerate()
+            .filter(|(i, _)| !flips.contains(i))
+            .map(|(_, x)| *x)
+            .collect()
+    };
+    assert_close(
+        &format!(
+            "{what}: dx fused vs fallback (away from {} kinks)",
+            flips.len()
+        ),
+        &away(&a.dx),
+        &away(&b.dx),
+        tol,
+    );
+}
+
 /// Shapes of the grid: 2-D to 5-D, channels first and last, axis other than 1, C % 4 != 0,
 /// N = 1, H = W = 1.
 const SHAPES: &[(&[usize], usize)] = &[
@@ -254,9 +297,7 @@ fn grid_for<T: Element>(tag: &str) {
                     &inp,
                     &b,
                 );
-                let tol = T::DTYPE.tolerance();
-                assert_close(&format!("{what}: y fused vs fallback"), &a.y, &b.y, tol);
-                assert_close(&format!("{what}: dx fused vs fallback"), &a.dx, &b.dx, tol);
+                compare_paths(&what, T::DTYPE.tolerance(), &a, &b);
             }
             println!("ok {what}: path {:?}", a.path);
         }

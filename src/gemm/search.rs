@@ -28,20 +28,11 @@ use super::problem::{tolerance, Alignment, Key, Problem, Spans, MAX_ALIGNMENT};
 use crate::context::Context;
 use crate::dtype::{DType, Element};
 use crate::error::{CallExt, Error, Result};
-use crate::kernels::KernelFile;
 use crate::timing::{time_gpu, Timing, TimingOptions};
 use crate::util::grid_stride_config;
 
-/// The search's kernels (`src/gemm/search.cu` behind the common prelude), NVRTC-compiled at
-/// first use like every `kernels/*.cu` file.
-pub const KERNELS: KernelFile = KernelFile {
-    name: "gemm_search.cu",
-    source: concat!(
-        include_str!("../../kernels/prelude.cuh"),
-        "\n#line 1 \"gemm_search.cu\"\n",
-        include_str!("search.cu")
-    ),
-};
+/// The search's kernels (`kernels/gemm_search.cu`), NVRTC-compiled at first use.
+pub use crate::kernels::GEMM_SEARCH as KERNELS;
 
 /// Most cuBLASLt heuristic candidates a search asks for.
 pub const MAX_LT_CANDIDATES: usize = 16;
