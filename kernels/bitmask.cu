@@ -109,34 +109,18 @@ __device__ __forceinline__ uint4 pack(const u32 (&w)[4]) { return make_uint4(w[0
 
 // --- the warp-vote transpose ---------------------------------------------------------------
 
-// Spreads the low 32/N bits of x so that bit k lands at bit N*k.
-template <int N> __device__ __forceinline__ u32 spread(u32 x);
-template <> __device__ __forceinline__ u32 spread<4>(u32 x) {
-    x &= 0xffu;
-    x = (x | (x << 12)) & 0x000F000Fu;
-    x = (x | (x << 6)) & 0x03030303u;
-    x = (x | (x << 3)) & 0x11111111u;
-    return x;
-}
-template <> __device__ __forceinline__ u32 spread<8>(u32 x) {
-    x &= 0xfu;
-    // bit k -> k + 7k = 8k; the four partial products never overlap, so no carries.
-    return (x * 0x00204081u) & 0x01010101u;
-}
-
 // `bits`: bit j = predicate of this lane's element j, i.e. element lane*N + j of a 32*N-element
-// chunk. Returns, in lane w < N, mask word w of the chunk (bit i = element 32*w + i): that word
-// holds elements of lanes w*L .. w*L+L-1 (L = 32/N lanes, N bits each), so its bit N*k + j is
-// bit w*L + k of ballot j. Must be called by all 32 lanes.
-template <int N> __device__ __forceinline__ u32 chunk_word(u32 bits, int lane) {
+// chunk. Mask word w of the chunk (bit i = element 32*w + i) holds the N bits of each of the
+// L = 32/N lanes w*L .. w*L+L-1, lane w*L + k at bit N*k. Each lane shifts its bits into place
+// and the L lanes of a group OR-reduce with log2(L) xor-shuffles; every lane of group w ends
+// with word w. (Two shuffles for 16-bit types, three for f32: cheaper than N ballots.) Must be
+// called by all 32 lanes.
+template <int N> __device__ __forceinline__ u32 chunk_word(u32 bits) {
     constexpr int L = 32 / N;
-    const int shift = (lane & (N - 1)) * L;
-    u32 word = 0;
+    const int lane = threadIdx.x & 31;
+    u32 word = bits << (N * (lane & (L - 1)));
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-        const u32 b = __ballot_sync(NNF_FULL_WARP, (bits >> j) & 1u);
-        word |= spread<N>(b >> shift) << j;
-    }
+    for (int d = 1; d < L; d <<= 1) word |= __shfl_xor_sync(NNF_FULL_WARP, word, d);
     return word;
 }
 
@@ -229,8 +213,9 @@ __device__ __forceinline__ void fwd_vector(const T* x, const T* z, T* y, u32* ma
                 }
                 yv[c * 32 + lane] = pack(w);
                 if (mask != nullptr) {
-                    const u32 word = chunk_word<N>(bits, lane);
-                    if (lane < N) mask[c * N + lane] = word;
+                    // The first lane of each group of 32/N stores its group's word.
+                    const u32 word = chunk_word<N>(bits);
+                    if ((lane & (32 / N - 1)) == 0) mask[c * N + lane / (32 / N)] = word;
                 }
             }
         }
