@@ -39,7 +39,7 @@
 
 // Keep these three in sync with src/activation/plan.rs (a CPU test compares them).
 constexpr int THREADS = 256;      // threads per block of every launch
-constexpr int VEC_UNROLL = 2;     // 32-vector chunks per warp iteration in the vector paths
+constexpr int VEC_UNROLL = 4;     // 32-vector chunks per warp iteration in the vector paths
 constexpr int SCALAR_WORDS = 8;   // mask words (32 elements each) per warp tile in the scalar paths
 
 // --- element access ------------------------------------------------------------------------
@@ -67,6 +67,30 @@ template <typename T> __device__ __forceinline__ bool bits_gt0(u32 b) {
 template <typename T> __device__ __forceinline__ bool bits_keeps(u32 b) {
     const u32 mag = b & (FloatBits<T>::SIGN - 1u);
     return mag > FloatBits<T>::INF || (!(b & FloatBits<T>::SIGN) && mag != 0u);
+}
+
+// Both 16-bit elements of a 32-bit word at once (SWAR), for f16 and bf16. Each sum below stays
+// under 0x10000 per half, so no carry crosses into the other half.
+//  - `keep_mask2`: 0xFFFF in each half whose element relu keeps (NaN, or positive non-zero);
+//  - `gt0_bits2`: bit 0 = low element > 0, bit 1 = high element > 0.
+template <typename T> __device__ __forceinline__ u32 swar_keep_bits(u32 w, u32& gt0_hi) {
+    constexpr u32 INF = FloatBits<T>::INF;
+    const u32 mag = w & 0x7fff7fffu;
+    const u32 nonneg = ~w & 0x80008000u;
+    const u32 nonzero = (mag + 0x7fff7fffu) & 0x80008000u;               // mag >= 1
+    const u32 nan = (mag + ((0x7fffu - INF) * 0x10001u)) & 0x80008000u;  // mag > INF
+    gt0_hi = nonneg & nonzero & ~nan;  // bit 15 / 31: element > 0
+    return nan | (nonneg & nonzero);   // bit 15 / 31: element kept
+}
+template <typename T> __device__ __forceinline__ u32 keep_mask2(u32 w, u32& gt0_bits2) {
+    u32 g;
+    const u32 k = swar_keep_bits<T>(w, g);
+    gt0_bits2 = ((g >> 15) & 1u) | ((g >> 30) & 2u);
+    return (k >> 15) * 0xffffu;  // bits 0 and 16 of (k >> 15) -> 0x0000FFFF / 0xFFFF0000
+}
+// The 16-bit halves of a word selected by two mask bits (bit 0: low, bit 1: high).
+__device__ __forceinline__ u32 half_select2(u32 two_bits) {
+    return ((two_bits & 1u) * 0xffffu) | (((two_bits >> 1) & 1u) * 0xffff0000u);
 }
 
 template <typename T> __device__ __forceinline__ u32 to_bits(T v) { return v.bits; }
@@ -199,6 +223,14 @@ __device__ __forceinline__ void fwd_vector(const T* x, const T* z, T* y, u32* ma
                 unpack(a[u], w);
                 unpack(b[u], wz);
                 u32 bits = 0;
+                if constexpr (!ADD && sizeof(T) == 2) {
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        u32 two;
+                        w[q] &= keep_mask2<T>(w[q], two);
+                        bits |= two << (2 * q);
+                    }
+                } else
 #pragma unroll
                 for (int j = 0; j < N; ++j) {
                     if constexpr (ADD) {
@@ -299,9 +331,14 @@ __device__ __forceinline__ void bwd_vector(const T* dy, const u32* mask, T* dx, 
                 u32 w[4];
                 unpack(g[u], w);
                 const u32 bits = m[u] >> ((lane * N) & 31);
+                if constexpr (sizeof(T) == 2) {
 #pragma unroll
-                for (int j = 0; j < N; ++j)
-                    if (!((bits >> j) & 1u)) set_elem_bits<T>(w, j, 0u);
+                    for (int q = 0; q < 4; ++q) w[q] &= half_select2(bits >> (2 * q));
+                } else {
+#pragma unroll
+                    for (int j = 0; j < N; ++j)
+                        if (!((bits >> j) & 1u)) set_elem_bits<T>(w, j, 0u);
+                }
                 const uint4 out = pack(w);
                 xv[c * 32 + lane] = out;
                 if (dz != nullptr) zv[c * 32 + lane] = out;

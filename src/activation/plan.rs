@@ -11,7 +11,7 @@ pub use crate::reference::activation::mask_words;
 /// Threads per block of every bitmask launch (`THREADS` in `kernels/bitmask.cu`).
 pub const THREADS: u32 = 256;
 /// 32-vector chunks a warp handles per iteration in the vector paths (`VEC_UNROLL`).
-pub const VEC_UNROLL: u64 = 2;
+pub const VEC_UNROLL: u64 = 4;
 /// Mask words (32 elements each) a warp handles per iteration in the scalar paths
 /// (`SCALAR_WORDS`).
 pub const SCALAR_WORDS: u64 = 8;
@@ -318,15 +318,18 @@ mod tests {
     fn warps_needed_counts() {
         use Path::*;
         use Scheme::*;
-        // Vector f32: 128-element chunks, 2 per warp; the leftover rides on the last warp.
+        // Vector f32: 128-element chunks, VEC_UNROLL per warp; the leftover rides on the last
+        // warp. f16: 256-element chunks.
+        let per_warp = |chunk: u64| chunk * VEC_UNROLL;
         assert_eq!(warps_needed(Warp, Vector, 0, 4), 1);
         assert_eq!(warps_needed(Warp, Vector, 1, 4), 1);
         assert_eq!(warps_needed(Warp, Vector, 127, 4), 1);
-        assert_eq!(warps_needed(Warp, Vector, 256, 4), 1);
-        assert_eq!(warps_needed(Warp, Vector, 257, 4), 1);
-        assert_eq!(warps_needed(Warp, Vector, 384, 4), 2);
-        assert_eq!(warps_needed(Warp, Vector, 512, 2), 1);
-        assert_eq!(warps_needed(Warp, Vector, 768, 2), 2);
+        assert_eq!(warps_needed(Warp, Vector, per_warp(128), 4), 1);
+        assert_eq!(warps_needed(Warp, Vector, per_warp(128) + 1, 4), 1);
+        assert_eq!(warps_needed(Warp, Vector, per_warp(128) + 128, 4), 2);
+        assert_eq!(warps_needed(Warp, Vector, per_warp(256), 2), 1);
+        assert_eq!(warps_needed(Warp, Vector, per_warp(256) + 256, 2), 2);
+        assert_eq!(warps_needed(Warp, Vector, 3 * per_warp(256), 2), 3);
         // Scalar: 256-element tiles.
         assert_eq!(warps_needed(Warp, Scalar, 1, 2), 1);
         assert_eq!(warps_needed(Warp, Scalar, 256, 4), 1);
@@ -345,10 +348,11 @@ mod tests {
         assert_eq!(p.blocks, 132 * 8);
         assert_eq!(p.threads, THREADS);
         assert_eq!(p.path, Path::Vector);
-        // Small: only the blocks that have work.
-        let p = plan_launch(Scheme::Warp, Path::Vector, 4097, 4, 132, 8);
-        assert_eq!(p.blocks, 2); // 32 chunks -> 16 warps -> 2 blocks of 8 warps
-        let p = plan_launch(Scheme::Warp, Path::Vector, 128 * 2 * 8 * 3, 4, 132, 8);
+        // Small: only the blocks that have work (8 warps a block).
+        let warp_elems = 128 * VEC_UNROLL; // f32
+        let p = plan_launch(Scheme::Warp, Path::Vector, 8 * warp_elems + 1, 4, 132, 8);
+        assert_eq!(p.blocks, 1); // 8 warps' chunks, the leftover element on the last warp
+        let p = plan_launch(Scheme::Warp, Path::Vector, 8 * warp_elems * 3, 4, 132, 8);
         assert_eq!(p.blocks, 3);
         let p = plan_launch(Scheme::Warp, Path::Scalar, 1, 4, 132, 8);
         assert_eq!(p.blocks, 1);
