@@ -232,7 +232,7 @@ pub struct Paired {
     pub median: f64,
     /// 10th percentile of the ratios (nearest rank).
     pub p10: f64,
-    /// 90th percentile of the ratios (nearest rank; the largest of up to 5 rounds).
+    /// 90th percentile of the ratios (nearest rank; the largest of up to 6 rounds, the second largest of 7 to 16).
     pub p90: f64,
     /// Rounds in which the variant was faster than the baseline.
     pub faster_rounds: usize,
@@ -507,6 +507,13 @@ mod tests {
         let skip = Paired::of(&[1.0, f64::NAN, 2.0], &[2.0, 1.0, 1.0]).unwrap();
         assert_eq!(skip.rounds, 2);
         assert!(Paired::of(&[], &[]).is_none());
+        // The 90th percentile is the largest ratio up to 6 rounds, the second largest from 7.
+        let six = Paired::of(&[1.0; 6], &[0.9, 0.9, 0.9, 0.9, 0.9, 1.1]).unwrap();
+        assert_eq!(six.p90, 1.1);
+        let seven = Paired::of(&[1.0; 7], &[0.9, 0.9, 0.9, 0.9, 0.9, 0.95, 1.1]).unwrap();
+        assert_eq!(seven.p90, 0.95);
+        let sixteen = Paired::of(&[1.0; 16], &[[0.9; 15].as_slice(), &[1.1]].concat()).unwrap();
+        assert_eq!(sixteen.p90, 0.9);
         assert!(Paired::of(&[0.0], &[1.0]).is_none());
     }
 

@@ -38,13 +38,20 @@
 //! candidates of `cublasLtMatmulAlgoGetHeuristic` plus the cuBLAS default (and, on GPUs older
 //! than sm_80 only, the explicit `CUBLAS_GEMM_ALGO*` values), rejects those that
 //! `cublasLtMatmulAlgoCheck` refuses or whose result differs from the default's, times the rest
-//! with CUDA events on scratch copies, and keeps the fastest (see [`search`] and the
-//! `search` module's documentation for the budget and rules). The choice is a concrete
-//! algorithm ([`Algo`]: the `cublasLtMatmulAlgo_t` bytes, or a `cublasGemmAlgo_t`), never a
-//! heuristic rank. The first call for a key pays the search (typically well under 200 ms; the
-//! process's first search also compiles two small kernels with NVRTC); later calls cost one
-//! hash lookup. Do not make the first call of a shape inside CUDA graph capture (the search
+//! against each other with CUDA events on scratch copies (interleaved round-robin, bursts of
+//! back-to-back launches), and keeps the cuBLAS default unless a candidate beats it by more than
+//! [`KEEP_DEFAULT_MARGIN`] consistently ([`beats_default`]; the `search` module's documentation
+//! has the budget and the rules). The choice is a concrete algorithm ([`Algo`]: the
+//! `cublasLtMatmulAlgo_t` bytes, or a `cublasGemmAlgo_t`), never a heuristic rank. The first
+//! call for a key pays the search (about 10-120 ms on an H100; the process's first search also
+//! pays a one-off setup, NVRTC compile of two small kernels and handle creation, reported apart
+//! as [`SearchReport::setup_ms`]); later calls cost one hash lookup, and a cuBLASLt choice keeps
+//! its descriptors (built once per key), so a call is the validation, the lookup and one
+//! `cublasLtMatmul`. Do not make the first call of a shape inside CUDA graph capture (the search
 //! synchronises): tune ahead with [`search`] or `nnfuse tune`, or turn the search off.
+//!
+//! To run one given algorithm many times (benchmarks, experiments), [`Prepared`] checks it and
+//! builds its descriptors once; [`strided_batched_with`] does both on every call.
 //!
 //! With [`crate::Config::gemm_search`] off (`NNFUSE_GEMM_SEARCH=0`) every call runs
 //! `cublasGemmStridedBatchedEx` with `CUBLAS_GEMM_DEFAULT` and nothing is searched or cached.

@@ -28,7 +28,7 @@
 //! 5. **Decide** ([`beats_default`]): the cuBLAS default is kept unless a candidate's per-round
 //!    time ratio to the default has a median of at most `1 - KEEP_DEFAULT_MARGIN` (2 % faster)
 //!    **and** a 90th percentile below 1 (faster in about nine rounds out of ten, in every round
-//!    when there are five or fewer). Among the candidates that pass, the lowest median ratio
+//!    when there are six or fewer). Among the candidates that pass, the lowest median ratio
 //!    wins. The ratios pair samples taken milliseconds apart, so clock and thermal drift cancel;
 //!    the margin keeps an equal kernel from replacing the default on noise.
 //!
@@ -85,10 +85,10 @@ pub const fn search_timing() -> InterleavedOptions {
 }
 
 /// The decision rule: whether a candidate whose per-round time ratios to the cuBLAS default are
-/// `vs_default` (below 1: faster) may replace the default. It must be faster by more than the
+/// `vs_default` (below 1: faster) may replace the default. It must be faster by at least the
 /// margin in the median round (`median <= 1 - KEEP_DEFAULT_MARGIN`) and faster in nearly every
-/// round (`p90 < 1`: with the nearest-rank percentile that is every round up to 5 rounds, all but
-/// one up to 15). Noise (a few percent between samples on an H100) then never trades the default
+/// round (`p90 < 1`: with the nearest-rank percentile that is every round up to 6 rounds, all but
+/// one up to 16). Noise (a few percent between samples on an H100) then never trades the default
 /// for an equal kernel, and a kernel that is only faster while the clocks are high does not win.
 pub fn beats_default(vs_default: &Paired) -> bool {
     vs_default.rounds > 0 && vs_default.median <= 1.0 - KEEP_DEFAULT_MARGIN && vs_default.p90 < 1.0

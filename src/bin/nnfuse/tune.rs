@@ -152,7 +152,7 @@ pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
     }
     println!(
         "rule: the cuBLAS default is kept unless a candidate is at least {:.0}% faster in the \
-         median round and faster in ~90% of rounds (all rounds up to 5)",
+         median round and faster in ~90% of rounds (all rounds up to 6)",
         gemm::KEEP_DEFAULT_MARGIN * 100.0
     );
     let speedup = match r.candidates.get(r.winner).and_then(|c| c.vs_default()) {
