@@ -1,5 +1,15 @@
-//! GPU timing with CUDA events on the Context's stream: warm-up, then one event pair per
-//! iteration, median of many. Used by the GEMM search and by every benchmark (never by tests).
+//! GPU timing with CUDA events on the Context's stream. Used by the GEMM search and by every
+//! benchmark (never by tests).
+//!
+//! - [`time_gpu`]: one piece of work, warm-up, then one event pair per iteration, median of many.
+//! - [`time_interleaved`]: several variants of one piece of work *against each other*: each
+//!   sample is a burst of back-to-back launches of one variant between two events (enough
+//!   launches that the sample covers [`InterleavedOptions::min_sample_ms`] of GPU time), and the
+//!   variants take turns round-robin (round 1 of every variant, then round 2 of every variant,
+//!   ...), so that clock and thermal drift, which on an H100 moves a 3 ms GEMM by 5-10 % within
+//!   seconds, hits every variant alike. Because round `r` of two variants ran within
+//!   milliseconds of each other, the per-round ratio of their times ([`Paired`]) cancels the
+//!   drift that their medians alone would still carry.
 
 use std::fmt;
 
@@ -35,12 +45,11 @@ impl Timing {
             return None;
         }
         s.sort_by(|a, b| a.total_cmp(b));
-        let at = |q: f64| s[((s.len() - 1) as f64 * q).round() as usize];
         Some(Timing {
-            median_ms: at(0.5),
+            median_ms: quantile(&s, 0.5),
             min_ms: s[0],
-            p10_ms: at(0.1),
-            p90_ms: at(0.9),
+            p10_ms: quantile(&s, 0.1),
+            p90_ms: quantile(&s, 0.9),
             iters: s.len(),
         })
     }
@@ -136,6 +145,308 @@ pub fn time_gpu(
     }))
 }
 
+/// How [`time_interleaved`] measures.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct InterleavedOptions {
+    /// Untimed rounds first, one launch of every variant each (module loading, clocks, caches).
+    pub warmup_rounds: usize,
+    /// Least GPU time (ms) one sample should cover: a variant whose launch takes `t` ms runs
+    /// `ceil(min_sample_ms / t)` times back to back per sample (at most
+    /// [`InterleavedOptions::max_burst`]), so that event resolution and the gap before the first
+    /// launch do not matter; a long GEMM runs once per sample.
+    pub min_sample_ms: f64,
+    /// Most launches in one sample.
+    pub max_burst: usize,
+    /// Fewest timed rounds.
+    pub min_rounds: usize,
+    /// Most timed rounds.
+    pub max_rounds: usize,
+    /// GPU time (ms) all timed rounds together aim at (within `min_rounds..=max_rounds`).
+    pub budget_ms: f64,
+}
+
+impl Default for InterleavedOptions {
+    fn default() -> Self {
+        InterleavedOptions {
+            warmup_rounds: 1,
+            min_sample_ms: 0.2,
+            max_burst: 512,
+            min_rounds: 10,
+            max_rounds: 100,
+            budget_ms: 500.0,
+        }
+    }
+}
+
+/// Launches per sample for a variant whose launch takes `estimate_ms`: enough to cover
+/// `min_sample_ms`, between 1 and `max_burst` (1 when the estimate is unusable).
+pub fn burst_len(estimate_ms: f64, min_sample_ms: f64, max_burst: usize) -> usize {
+    let max_burst = max_burst.max(1);
+    let usable = |x: f64| x.is_finite() && x > 0.0;
+    if !usable(estimate_ms) || !usable(min_sample_ms) {
+        return 1;
+    }
+    let n = (min_sample_ms / estimate_ms).ceil();
+    if n >= max_burst as f64 {
+        max_burst
+    } else {
+        (n as usize).max(1)
+    }
+}
+
+/// Timed rounds for variants whose samples take `sample_ms` each (burst x estimate): as many as
+/// fit `budget_ms`, within `min_rounds..=max_rounds` (`max_rounds` is raised to `min_rounds`).
+pub fn rounds_for(
+    sample_ms: &[f64],
+    min_rounds: usize,
+    max_rounds: usize,
+    budget_ms: f64,
+) -> usize {
+    let max_rounds = max_rounds.max(min_rounds);
+    let per_round: f64 = sample_ms
+        .iter()
+        .filter(|t| t.is_finite() && **t > 0.0)
+        .sum();
+    let usable = |x: f64| x.is_finite() && x > 0.0;
+    if !usable(per_round) || !usable(budget_ms) {
+        return min_rounds;
+    }
+    let fit = (budget_ms / per_round).floor();
+    if fit >= max_rounds as f64 {
+        max_rounds
+    } else {
+        (fit as usize).clamp(min_rounds, max_rounds)
+    }
+}
+
+/// Nearest-rank quantile `q` of sorted, non-empty `s`.
+fn quantile(s: &[f64], q: f64) -> f64 {
+    s[((s.len() - 1) as f64 * q).round() as usize]
+}
+
+/// How one variant compares with a baseline round by round: statistics of
+/// `variant time / baseline time` over the rounds both ran (below 1: the variant was faster).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Paired {
+    /// Median ratio.
+    pub median: f64,
+    /// 10th percentile of the ratios (nearest rank).
+    pub p10: f64,
+    /// 90th percentile of the ratios (nearest rank; the largest of up to 6 rounds, the second largest of 7 to 16).
+    pub p90: f64,
+    /// Rounds in which the variant was faster than the baseline.
+    pub faster_rounds: usize,
+    /// Rounds compared.
+    pub rounds: usize,
+}
+
+impl Paired {
+    /// From per-round times of the baseline and the variant (pairs with a non-finite or
+    /// non-positive time are skipped). `None` when no pair is usable.
+    pub fn of(baseline: &[f64], variant: &[f64]) -> Option<Paired> {
+        let mut r: Vec<f64> = baseline
+            .iter()
+            .zip(variant)
+            .filter(|(b, v)| b.is_finite() && v.is_finite() && **b > 0.0 && **v > 0.0)
+            .map(|(b, v)| v / b)
+            .collect();
+        if r.is_empty() {
+            return None;
+        }
+        r.sort_by(|a, b| a.total_cmp(b));
+        Some(Paired {
+            median: quantile(&r, 0.5),
+            p10: quantile(&r, 0.1),
+            p90: quantile(&r, 0.9),
+            faster_rounds: r.iter().filter(|x| **x < 1.0).count(),
+            rounds: r.len(),
+        })
+    }
+}
+
+impl fmt::Display for Paired {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:.3}x time (p10 {:.3}, p90 {:.3}; faster in {}/{} rounds)",
+            self.median, self.p10, self.p90, self.faster_rounds, self.rounds
+        )
+    }
+}
+
+/// What [`time_interleaved`] measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Interleaved {
+    /// Per variant, the time per launch (ms) of each timed round, in round order; empty for a
+    /// variant that failed.
+    pub samples: Vec<Vec<f64>>,
+    /// Per variant, launches per sample.
+    pub bursts: Vec<usize>,
+    /// Per variant, why it stopped being timed (its first error), if it did.
+    pub errors: Vec<Option<String>>,
+    /// Timed rounds.
+    pub rounds: usize,
+}
+
+impl Interleaved {
+    /// Statistics of variant `v`'s per-launch times; `None` if it failed.
+    pub fn timing(&self, v: usize) -> Option<Timing> {
+        self.samples
+            .get(v)
+            .and_then(|s| Timing::from_samples(s.clone()))
+    }
+
+    /// Variant `v` against variant `base`, round by round; `None` if either failed.
+    pub fn paired(&self, base: usize, v: usize) -> Option<Paired> {
+        Paired::of(self.samples.get(base)?, self.samples.get(v)?)
+    }
+}
+
+/// Times `n` variants of a piece of work against each other on the Context's stream (see the
+/// module documentation): `f(variant, i)` queues one launch of `variant` on `ctx.stream()`, `i`
+/// counting that variant's launches from 0 (to rotate buffers, `i % copies`).
+///
+/// Steps: `warmup_rounds` untimed rounds; an estimate round (one launch per variant, each between
+/// two events, queued behind a first untimed launch so that the GPU is busy when the first event
+/// is reached); then the timed rounds, every one of them queued before anything is waited for.
+/// When every variant runs once per sample, the estimate round is kept as the first timed
+/// round (long GEMMs then cost no extra launch). A variant whose `f` fails is dropped (its error
+/// is reported, its samples are discarded); the others go on. Errors of the events themselves
+/// are returned.
+pub fn time_interleaved(
+    ctx: &Context,
+    opts: InterleavedOptions,
+    n: usize,
+    mut f: impl FnMut(usize, usize) -> Result<()>,
+) -> Result<Interleaved> {
+    let stream = ctx.stream();
+    let mut launches = vec![0usize; n];
+    let mut errors: Vec<Option<String>> = vec![None; n];
+    // Runs `count` launches of `v`; false (and the error kept) if one fails.
+    let mut run = |v: usize, count: usize, errors: &mut Vec<Option<String>>| -> bool {
+        if errors[v].is_some() {
+            return false;
+        }
+        for _ in 0..count {
+            if let Err(e) = f(v, launches[v]) {
+                errors[v] = Some(e.to_string());
+                return false;
+            }
+            launches[v] += 1;
+        }
+        true
+    };
+    let new_event = || {
+        ctx.cuda()
+            .new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT))
+            .call("cuEventCreate")
+    };
+    for _ in 0..opts.warmup_rounds {
+        for v in 0..n {
+            run(v, 1, &mut errors);
+        }
+    }
+    if opts.warmup_rounds == 0 && n > 0 {
+        // Keeps the GPU busy while the estimate round is queued.
+        run(0, 1, &mut errors);
+    }
+
+    // Estimate round: one launch per variant, events in between.
+    let mut est_events = Vec::with_capacity(n + 1);
+    let first = new_event()?;
+    first.record(stream).call("cuEventRecord")?;
+    est_events.push(first);
+    let mut est_ok = vec![false; n];
+    for (v, ok) in est_ok.iter_mut().enumerate() {
+        *ok = run(v, 1, &mut errors);
+        let e = new_event()?;
+        e.record(stream).call("cuEventRecord")?;
+        est_events.push(e);
+    }
+    if let Some(last) = est_events.last() {
+        last.synchronize().call("cuEventSynchronize")?;
+    }
+    let mut estimate = vec![f64::NAN; n];
+    for v in 0..n {
+        if est_ok[v] && errors[v].is_none() {
+            estimate[v] = est_events[v]
+                .elapsed_ms(&est_events[v + 1])
+                .call("cuEventElapsedTime")? as f64;
+        }
+    }
+    let alive = |errors: &Vec<Option<String>>, v: usize| errors[v].is_none();
+    let bursts: Vec<usize> = estimate
+        .iter()
+        .map(|&t| burst_len(t, opts.min_sample_ms, opts.max_burst))
+        .collect();
+    let sample_ms: Vec<f64> = (0..n)
+        .filter(|&v| alive(&errors, v))
+        .map(|v| estimate[v] * bursts[v] as f64)
+        .collect();
+    let rounds = rounds_for(
+        &sample_ms,
+        opts.min_rounds.max(1),
+        opts.max_rounds,
+        opts.budget_ms,
+    );
+    let mut samples: Vec<Vec<f64>> = vec![Vec::with_capacity(rounds); n];
+    let keep_estimate = (0..n).all(|v| !alive(&errors, v) || bursts[v] == 1);
+    if keep_estimate {
+        for v in 0..n {
+            if alive(&errors, v) {
+                samples[v].push(estimate[v]);
+            }
+        }
+    }
+    let remaining = if keep_estimate { rounds - 1 } else { rounds };
+
+    // Timed rounds: a chain of events, one between consecutive samples; all queued, then read.
+    if remaining > 0 {
+        if let Some(v0) = (0..n).find(|&v| alive(&errors, v) && bursts[v] > 1) {
+            // Short launches: one untimed burst first, so that the host is ahead of the GPU
+            // when the first timed sample starts.
+            run(v0, bursts[v0], &mut errors);
+        }
+        let mut events = Vec::with_capacity(remaining * n + 1);
+        let mut spans: Vec<(usize, usize)> = Vec::with_capacity(remaining * n); // (variant, event)
+        let e = new_event()?;
+        e.record(stream).call("cuEventRecord")?;
+        events.push(e);
+        for _ in 0..remaining {
+            for (v, &burst) in bursts.iter().enumerate() {
+                if !alive(&errors, v) {
+                    continue;
+                }
+                run(v, burst, &mut errors);
+                let e = new_event()?;
+                e.record(stream).call("cuEventRecord")?;
+                events.push(e);
+                spans.push((v, events.len() - 2));
+            }
+        }
+        if let Some(last) = events.last() {
+            last.synchronize().call("cuEventSynchronize")?;
+        }
+        for (v, i) in spans {
+            let ms = events[i]
+                .elapsed_ms(&events[i + 1])
+                .call("cuEventElapsedTime")? as f64;
+            samples[v].push(ms / bursts[v] as f64);
+        }
+    }
+    for v in 0..n {
+        if errors[v].is_some() {
+            samples[v].clear();
+        }
+    }
+    Ok(Interleaved {
+        samples,
+        bursts,
+        errors,
+        rounds,
+    })
+}
+
 /// Measures the device-to-device copy bandwidth in bytes per second, counting bytes read plus
 /// bytes written, with a copy of `bytes` bytes (use ≥ 1 GiB on large GPUs).
 pub fn copy_bandwidth(ctx: &Context, bytes: usize) -> Result<f64> {
@@ -158,6 +469,53 @@ pub fn copy_bandwidth(ctx: &Context, bytes: usize) -> Result<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bursts_cover_the_minimum_sample() {
+        assert_eq!(burst_len(0.012, 0.2, 512), 17);
+        assert_eq!(burst_len(3.0, 0.2, 512), 1);
+        assert_eq!(burst_len(0.2, 0.2, 512), 1);
+        assert_eq!(burst_len(1e-6, 0.2, 512), 512);
+        assert_eq!(burst_len(f64::NAN, 0.2, 512), 1);
+        assert_eq!(burst_len(0.0, 0.2, 512), 1);
+        assert_eq!(burst_len(0.01, 0.2, 0), 1);
+    }
+
+    #[test]
+    fn rounds_fit_the_budget() {
+        // 9 samples of 3 ms = 27 ms a round: 80 ms fits 2, raised to the minimum of 3.
+        assert_eq!(rounds_for(&[3.0; 9], 3, 11, 80.0), 3);
+        // 1 ms a round: 80 fit, capped at 11.
+        assert_eq!(rounds_for(&[0.1; 10], 3, 11, 80.0), 11);
+        assert_eq!(rounds_for(&[2.0, 2.0], 3, 11, 20.0), 5);
+        assert_eq!(rounds_for(&[], 3, 11, 20.0), 3);
+        assert_eq!(rounds_for(&[f64::NAN], 4, 11, 20.0), 4);
+        assert_eq!(rounds_for(&[1.0], 5, 2, 100.0), 5);
+    }
+
+    #[test]
+    fn paired_ratios_cancel_common_drift() {
+        // The baseline drifts from 1.0 to 1.5 ms; the variant is 3 % faster in every round.
+        let base = [1.0, 1.1, 1.2, 1.3, 1.4, 1.5];
+        let var: Vec<f64> = base.iter().map(|b| b * 0.97).collect();
+        let p = Paired::of(&base, &var).unwrap();
+        assert!((p.median - 0.97).abs() < 1e-12);
+        assert!((p.p90 - 0.97).abs() < 1e-12);
+        assert_eq!(p.faster_rounds, 6);
+        assert_eq!(p.rounds, 6);
+        // Pairs with an unusable time are skipped.
+        let skip = Paired::of(&[1.0, f64::NAN, 2.0], &[2.0, 1.0, 1.0]).unwrap();
+        assert_eq!(skip.rounds, 2);
+        assert!(Paired::of(&[], &[]).is_none());
+        // The 90th percentile is the largest ratio up to 6 rounds, the second largest from 7.
+        let six = Paired::of(&[1.0; 6], &[0.9, 0.9, 0.9, 0.9, 0.9, 1.1]).unwrap();
+        assert_eq!(six.p90, 1.1);
+        let seven = Paired::of(&[1.0; 7], &[0.9, 0.9, 0.9, 0.9, 0.9, 0.95, 1.1]).unwrap();
+        assert_eq!(seven.p90, 0.95);
+        let sixteen = Paired::of(&[1.0; 16], &[[0.9; 15].as_slice(), &[1.1]].concat()).unwrap();
+        assert_eq!(sixteen.p90, 0.9);
+        assert!(Paired::of(&[0.0], &[1.0]).is_none());
+    }
 
     #[test]
     fn statistics_of_samples() {

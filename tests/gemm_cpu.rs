@@ -646,3 +646,51 @@ fn search_kernels_compile() {
         assert!(image.bytes().len() > 100);
     }
 }
+
+// ------------------------------------------------------------------------------------------
+// The search's timing plan and decision rule (pure)
+
+#[test]
+fn search_timing_plan_fits_the_budget() {
+    use nnfuse::timing::{burst_len, rounds_for};
+    let o = nnfuse::gemm::search_timing();
+    // The checking run is the warm-up; long GEMMs get the minimum number of rounds.
+    assert_eq!(o.warmup_rounds, 0);
+    assert!(o.min_rounds >= 3 && o.min_rounds <= o.max_rounds);
+    // 16 x 4096^3 f16 on an H100: ~3 ms a GEMM, 9 candidates: one launch a sample, 3 rounds,
+    // ~81 ms of timed GPU work (the estimate round counts as the first).
+    let t = 3.0;
+    let b = burst_len(t, o.min_sample_ms, o.max_burst);
+    assert_eq!(b, 1);
+    let rounds = rounds_for(&[t * b as f64; 9], o.min_rounds, o.max_rounds, o.budget_ms);
+    assert_eq!(rounds, 3);
+    assert!(rounds as f64 * 9.0 * t < 100.0);
+    // 16 x 512^3: ~12 µs a GEMM: bursts of >= 0.1 ms, every round under ~1 ms, capped rounds.
+    let t = 0.012;
+    let b = burst_len(t, o.min_sample_ms, o.max_burst);
+    assert_eq!(b, 9);
+    let rounds = rounds_for(&[t * b as f64; 9], o.min_rounds, o.max_rounds, o.budget_ms);
+    assert_eq!(rounds, o.max_rounds);
+}
+
+#[test]
+fn default_is_replaced_only_by_a_consistent_win() {
+    use nnfuse::gemm::{beats_default, KEEP_DEFAULT_MARGIN};
+    use nnfuse::timing::Paired;
+    let vs = |ratios: &[f64]| {
+        Paired::of(
+            &vec![2.0; ratios.len()],
+            &ratios.iter().map(|r| 2.0 * r).collect::<Vec<_>>(),
+        )
+        .unwrap()
+    };
+    assert!(beats_default(&vs(&[0.95, 0.96, 0.94])));
+    assert!(!beats_default(&vs(&[1.0 - KEEP_DEFAULT_MARGIN / 2.0; 5])));
+    assert!(!beats_default(&vs(&[0.9, 0.9, 1.05])));
+    // The drift of bench-run5 (the same kernel measured 2987 and 3286 µs a few seconds apart)
+    // cancels in per-round ratios: two equal kernels never beat each other.
+    let base = [2987.0, 3100.0, 3286.0];
+    let same = Paired::of(&base, &base).unwrap();
+    assert_eq!(same.median, 1.0);
+    assert!(!beats_default(&same));
+}

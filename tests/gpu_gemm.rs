@@ -303,6 +303,31 @@ fn tuned_equals_default() {
     tuned_vs_default::<f16>(&tuned, &plain, &h, &mut rng);
 }
 
+/// The f64 reference of single elements `(batch, i, j)` of C (beta == 0): a dot product each,
+/// so that large problems are checked in milliseconds.
+fn reference_at(p: &Problem, a: &[f64], b: &[f64], at: &[(usize, usize, usize)]) -> Vec<f64> {
+    at.iter()
+        .map(|&(bt, i, j)| {
+            let (oa, ob) = (bt * p.stride_a, bt * p.stride_b);
+            let mut acc = 0.0;
+            for l in 0..p.k {
+                let av = if p.trans_a {
+                    a[oa + l + i * p.lda]
+                } else {
+                    a[oa + i + l * p.lda]
+                };
+                let bv = if p.trans_b {
+                    b[ob + j + l * p.ldb]
+                } else {
+                    b[ob + l + j * p.ldb]
+                };
+                acc += av * bv;
+            }
+            p.alpha as f64 * acc
+        })
+        .collect()
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn search_report_and_every_candidate_is_correct() {
@@ -310,30 +335,40 @@ fn search_report_and_every_candidate_is_correct() {
     let ctx = gpu();
     let mut rng = Rng::fresh("gemm search report");
     let p = Problem::packed(16, 1024, 1024, 1024);
-    // First search of the process may compile the search kernels: warm up on a small shape.
-    gemm::search(
-        &ctx,
-        &Problem::packed(1, 64, 64, 64),
-        DType::F16,
-        Alignment::MAX,
-    )
-    .unwrap();
     let r = gemm::search(&ctx, &p, DType::F16, Alignment::MAX).unwrap();
     println!(
-        "search {:.1} ms, {} candidates, samples {:?}, winner #{} {}",
+        "search {:.1} ms ({:?}), setup {:.1} ms, {} candidates, {} rounds, winner #{} {}",
         r.wall_ms,
+        r.phases,
+        r.setup_ms,
         r.candidates.len(),
-        r.samples,
+        r.rounds,
         r.winner,
         r.choice.label()
     );
     for (i, c) in r.candidates.iter().enumerate() {
-        println!("  {i:2} {:<70} {:?}", c.label(), c.median_ms());
+        println!(
+            "  {i:2} {:<70} {:?} {:?}",
+            c.label(),
+            c.median_ms(),
+            c.vs_default().map(|v| v.median)
+        );
     }
     assert_eq!(r.candidates[0].algo, Algo::CUBLAS_DEFAULT);
-    let d = r.default_ms().unwrap();
-    let w = r.winner_ms().unwrap();
-    assert!(w <= d, "winner {w} ms slower than the default {d} ms");
+    assert!(r.rounds >= gemm::MIN_ROUNDS && r.rounds <= gemm::MAX_ROUNDS);
+    for c in &r.candidates {
+        if let Outcome::Timed { timing, burst, .. } = &c.outcome {
+            // Every timed candidate has one sample per round (interleaved).
+            assert_eq!(timing.iters, r.rounds, "{}", c.label());
+            assert!(*burst >= 1);
+        }
+    }
+    // The winner is the default, or a candidate that passed the rule against it.
+    if r.winner != 0 {
+        let v = r.candidates[r.winner].vs_default().unwrap();
+        assert!(gemm::beats_default(&v), "winner {v:?}");
+        assert!(r.winner_ms().unwrap() < r.default_ms().unwrap());
+    }
     let cc = ctx.info().compute_capability;
     if cc.0 >= 8 {
         assert!(!r.explicit_cublas);
@@ -357,16 +392,42 @@ fn search_report_and_every_candidate_is_correct() {
     assert_eq!(cached.algo, r.choice.algo);
     assert_eq!(cached.origin, Origin::Searched);
 
-    // Every timed candidate, run through strided_batched_with, matches the f64 reference on a
-    // smaller batch of the same shape... and the explicit cuBLAS algorithms run too.
-    let q = Problem::packed(2, 1024, 1024, 1024);
-    let x = inputs::<f16>(&q, &mut rng, 0);
+    // Every timed candidate (and the explicit cuBLAS algorithms), prepared once and run on the
+    // searched shape, gives the cuBLAS default's result within tolerance (whole C), and the
+    // default matches the f64 reference on 2048 sampled elements.
+    let x = inputs::<f16>(&p, &mut rng, 0);
     let s = ctx.stream();
     let a = s.clone_htod(&x.a).unwrap();
     let b = s.clone_htod(&x.b).unwrap();
+    let run = |algo: &Algo| -> Vec<f64> {
+        let prepared = gemm::Prepared::new(&ctx, &p, DType::F16, algo, Alignment::MAX).unwrap();
+        let mut c = s.alloc_zeros::<f16>(x.c_len).unwrap();
+        util::fill(&ctx, &mut c, f16::NAN).unwrap();
+        prepared.run(&ctx, &a, &b, &mut c).unwrap();
+        f64s(&s.clone_dtoh(&c).unwrap())
+    };
+    let want = run(&Algo::CUBLAS_DEFAULT);
+    let at: Vec<(usize, usize, usize)> = (0..2048)
+        .map(|_| {
+            let pick = |n: usize, rng: &mut Rng| (rng.next_u64() % n as u64) as usize;
+            (
+                pick(p.batch, &mut rng),
+                pick(p.m, &mut rng),
+                pick(p.n, &mut rng),
+            )
+        })
+        .collect();
+    let exact = reference_at(&p, &f64s(&x.a), &f64s(&x.b), &at);
+    let got: Vec<f64> = at
+        .iter()
+        .map(|&(bt, i, j)| want[bt * p.stride_c + i + j * p.ldc])
+        .collect();
+    let tol = gemm::tolerance(DType::F16, p.compute, p.k);
+    assert_close("cuBLAS default vs f64 reference", &got, &exact, tol);
     let mut algos: Vec<Algo> = r
         .candidates
         .iter()
+        .skip(1)
         .filter(|c| matches!(c.outcome, Outcome::Timed { .. }))
         .map(|c| c.algo)
         .collect();
@@ -374,18 +435,26 @@ fn search_report_and_every_candidate_is_correct() {
         algos.push(Algo::Cublas(CublasAlgo::algo(i).unwrap()));
     }
     algos.push(Algo::Cublas(CublasAlgo::DEFAULT_TENSOR_OP));
-    for algo in algos {
-        let mut c = s.alloc_zeros::<f16>(x.c_len).unwrap();
-        util::fill(&ctx, &mut c, f16::NAN).unwrap();
-        match gemm::strided_batched_with(&ctx, &q, &a, &b, &mut c, &algo) {
-            Ok(()) => {
-                let got = s.clone_dtoh(&c).unwrap();
-                check(&format!("{algo:?}"), &q, &x, 0, &got);
-            }
-            // A cuBLASLt algorithm chosen for batch 16 may not accept batch 2: then it says so.
-            // Explicit cuBLAS algorithms may be unsupported on GPUs older than sm_80.
-            Err(e) => assert!(matches!(algo, Algo::Lt(_)) || cc.0 < 8, "{algo:?}: {e}"),
+    for algo in &algos {
+        let got = run(algo);
+        assert_close(&format!("{algo:?} vs the default"), &got, &want, tol);
+    }
+
+    // A prepared cuBLASLt algorithm refuses operands less aligned than it needs (a view one
+    // element in: 2-byte alignment), with an error rather than a launch; and the wrong dtype.
+    if let Some(lt) = algos.iter().find(|a| matches!(a, Algo::Lt(_))) {
+        let prepared = gemm::Prepared::new(&ctx, &p, DType::F16, lt, Alignment::MAX).unwrap();
+        let big = s.alloc_zeros::<f16>(x.c_len + 1).unwrap();
+        let mut c = s.alloc_zeros::<f16>(x.c_len + 1).unwrap();
+        let mut cv = c.slice_mut(1..);
+        match prepared.run(&ctx, &big.slice(1..), &b, &mut cv) {
+            Ok(()) => {} // an algorithm that needs only 2 bytes
+            Err(e) => assert!(e.to_string().contains("alignment"), "{e}"),
         }
+        let a32 = s.alloc_zeros::<f32>(x.c_len).unwrap();
+        let mut c32 = s.alloc_zeros::<f32>(x.c_len).unwrap();
+        let e = prepared.run(&ctx, &a32, &a32, &mut c32).unwrap_err();
+        assert_eq!(e.argument(), Some("a"), "{e}");
     }
 }
 

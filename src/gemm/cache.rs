@@ -39,11 +39,12 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use once_cell::sync::Lazy;
 use serde::{Deserialize, Serialize};
 
+use super::lt::Plan;
 use super::names;
 use super::problem::{Alignment, Compute, Key};
 use crate::dtype::DType;
@@ -319,12 +320,19 @@ impl Hasher for FxHasher {
 
 type FxMap<K, V> = HashMap<K, V, BuildHasherDefault<FxHasher>>;
 
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct Slot {
     choice: Choice,
     /// Whether it may run without a check (false for entries read from a file).
     verified: bool,
+    /// The cuBLASLt descriptors of the key's problem, built once (by the search, the check of a
+    /// file entry, or the first call), so that a call of a cached cuBLASLt choice only extracts
+    /// pointers and launches. `None` for cuBLAS choices and until first built.
+    plan: Option<Arc<Plan>>,
 }
+
+/// What the hot path needs from a slot: the choice, whether it was checked, its cuBLASLt plan.
+pub(crate) type SlotView = (Choice, bool, Option<Arc<Plan>>);
 
 #[derive(Default)]
 struct State {
@@ -344,26 +352,52 @@ fn state() -> MutexGuard<'static, State> {
     }
 }
 
-/// The cached choice for `key`, if any (verified or not). This is the whole cost of a cached
-/// lookup: one uncontended mutex and one hash of a few integers.
+/// The cached choice for `key`, if any (verified or not). This is the cost of a cached lookup:
+/// one uncontended mutex and one hash of a few integers (the hot path also clones the `Arc` of
+/// the cached cuBLASLt plan: one more atomic increment).
 pub fn lookup(key: &Key) -> Option<Choice> {
     state().choices.get(key).map(|s| s.choice)
 }
 
-/// `(choice, verified)` for `key`.
-pub(crate) fn lookup_slot(key: &Key) -> Option<(Choice, bool)> {
-    state().choices.get(key).map(|s| (s.choice, s.verified))
+/// `(choice, verified, plan)` for `key` (the plan's `Arc` is cloned: one atomic increment).
+pub(crate) fn lookup_slot(key: &Key) -> Option<SlotView> {
+    state()
+        .choices
+        .get(key)
+        .map(|s| (s.choice, s.verified, s.plan.clone()))
 }
 
-/// Stores a choice (replacing any other for the key).
-pub(crate) fn insert(key: Key, choice: Choice, verified: bool) {
-    state().choices.insert(key, Slot { choice, verified });
+/// Stores a choice (replacing any other for the key), with its cuBLASLt plan if built.
+pub(crate) fn insert(key: Key, choice: Choice, verified: bool, plan: Option<Arc<Plan>>) {
+    state().choices.insert(
+        key,
+        Slot {
+            choice,
+            verified,
+            plan,
+        },
+    );
 }
 
-/// Marks a choice as checked.
-pub(crate) fn mark_verified(key: &Key) {
+/// Marks a choice as checked and keeps the plan its check built, if the slot still holds the
+/// same algorithm.
+pub(crate) fn mark_verified(key: &Key, algo: &Algo, plan: Option<Arc<Plan>>) {
     if let Some(s) = state().choices.get_mut(key) {
-        s.verified = true;
+        if s.choice.algo == *algo {
+            s.verified = true;
+            if s.plan.is_none() {
+                s.plan = plan;
+            }
+        }
+    }
+}
+
+/// Keeps a plan built on first use, if the slot still holds the same algorithm and has none.
+pub(crate) fn set_plan(key: &Key, algo: &Algo, plan: Arc<Plan>) {
+    if let Some(s) = state().choices.get_mut(key) {
+        if s.choice.algo == *algo && s.plan.is_none() {
+            s.plan = Some(plan);
+        }
     }
 }
 
@@ -410,6 +444,7 @@ pub(crate) fn ensure_loaded(path: &Path, ordinal: u32, tag: &DeviceTag) {
             e.insert(Slot {
                 choice: c,
                 verified: false,
+                plan: None,
             });
             added += 1;
         }

@@ -157,12 +157,26 @@ fn zeroed_result() -> sys::cublasLtMatmulHeuristicResult_t {
 }
 
 /// The descriptors of one problem: a matmul descriptor and the layouts of A, B and C (= D).
+/// They depend only on the problem's [`super::Key`] (types, transposes, m, n, k, leading
+/// dimensions, batch and strides; alpha and beta are passed per call), so one plan serves every
+/// candidate of a search and every later call of a cached cuBLASLt choice.
 pub(crate) struct Plan {
     desc: MatmulDesc,
     a: Layout,
     b: Layout,
     c: Layout,
 }
+
+// SAFETY: a Plan owns four cuBLASLt descriptors: opaque host-memory objects, not bound to a
+// thread, a device, a handle or a stream. `Plan::new` is the only code that writes them (the
+// `*SetAttribute` calls, before the Plan exists as a value); afterwards every method takes
+// `&self` and only passes them as read-only inputs to `cublasLtMatmulAlgoGetHeuristic`,
+// `cublasLtMatmulAlgoCheck` and `cublasLtMatmul`, and `Drop` destroys them once with exclusive
+// access (the cache shares plans through `Arc`, so a plan outlives every call that uses it).
+// Moving a Plan to another thread, and several threads reading it at once, are therefore sound.
+unsafe impl Send for Plan {}
+// SAFETY: see the `Send` impl: after construction the descriptors are only read.
+unsafe impl Sync for Plan {}
 
 impl Plan {
     /// Describes a problem that passed [`Problem::check`].
@@ -406,10 +420,10 @@ pub(crate) fn min_alignment(algo: &LtAlgo) -> [u64; 4] {
     })
 }
 
-/// Whether operands aligned as `align` satisfy `algo`'s alignment needs; the error says which.
-pub(crate) fn check_alignment(algo: &LtAlgo, align: Alignment) -> Result<()> {
-    let need = min_alignment(algo);
-    let have = [align.a, align.b, align.c, align.c];
+/// Whether operands aligned as `have` satisfy alignment needs `need` (bytes for A, B, C, D, as
+/// [`min_alignment`] returns them); the error says which operand falls short.
+pub(crate) fn alignment_suffices(need: [u64; 4], have: Alignment) -> Result<()> {
+    let have = [have.a, have.b, have.c, have.c];
     for (i, name) in ["a", "b", "c", "c (as D)"].iter().enumerate() {
         if need[i] > have[i] as u64 {
             return Err(Error::NotSupported(format!(
@@ -419,6 +433,11 @@ pub(crate) fn check_alignment(algo: &LtAlgo, align: Alignment) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Whether operands aligned as `align` satisfy `algo`'s alignment needs; the error says which.
+pub(crate) fn check_alignment(algo: &LtAlgo, align: Alignment) -> Result<()> {
+    alignment_suffices(min_alignment(algo), align)
 }
 
 /// The readable attributes of an algorithm (host-only calls into cuBLASLt).
@@ -437,4 +456,24 @@ pub(crate) fn config_of(algo: &LtAlgo) -> Result<LtConfig> {
         inner_shape: get(A::CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID).unwrap_or(0) as u32,
         cluster_shape: get(A::CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID).unwrap_or(0) as u32,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alignment_needs() {
+        let have = Alignment {
+            a: 16,
+            b: 2,
+            c: 256,
+        };
+        assert!(alignment_suffices([16, 2, 256, 256], have).is_ok());
+        assert!(alignment_suffices([0; 4], have).is_ok());
+        let e = alignment_suffices([16, 16, 16, 16], have).unwrap_err();
+        assert!(e.to_string().contains("of b"), "{e}");
+        let e = alignment_suffices([16, 2, 16, 512], have).unwrap_err();
+        assert!(e.to_string().contains("c (as D)"), "{e}");
+    }
 }

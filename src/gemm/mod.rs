@@ -38,13 +38,20 @@
 //! candidates of `cublasLtMatmulAlgoGetHeuristic` plus the cuBLAS default (and, on GPUs older
 //! than sm_80 only, the explicit `CUBLAS_GEMM_ALGO*` values), rejects those that
 //! `cublasLtMatmulAlgoCheck` refuses or whose result differs from the default's, times the rest
-//! with CUDA events on scratch copies, and keeps the fastest (see [`search`] and the
-//! `search` module's documentation for the budget and rules). The choice is a concrete
-//! algorithm ([`Algo`]: the `cublasLtMatmulAlgo_t` bytes, or a `cublasGemmAlgo_t`), never a
-//! heuristic rank. The first call for a key pays the search (typically well under 200 ms; the
-//! process's first search also compiles two small kernels with NVRTC); later calls cost one
-//! hash lookup. Do not make the first call of a shape inside CUDA graph capture (the search
+//! against each other with CUDA events on scratch copies (interleaved round-robin, bursts of
+//! back-to-back launches), and keeps the cuBLAS default unless a candidate beats it by more than
+//! [`KEEP_DEFAULT_MARGIN`] consistently ([`beats_default`]; the `search` module's documentation
+//! has the budget and the rules). The choice is a concrete algorithm ([`Algo`]: the
+//! `cublasLtMatmulAlgo_t` bytes, or a `cublasGemmAlgo_t`), never a heuristic rank. The first
+//! call for a key pays the search (about 10-120 ms on an H100; the process's first search also
+//! pays a one-off setup, NVRTC compile of two small kernels and handle creation, reported apart
+//! as [`SearchReport::setup_ms`]); later calls cost one hash lookup, and a cuBLASLt choice keeps
+//! its descriptors (built once per key), so a call is the validation, the lookup and one
+//! `cublasLtMatmul`. Do not make the first call of a shape inside CUDA graph capture (the search
 //! synchronises): tune ahead with [`search`] or `nnfuse tune`, or turn the search off.
+//!
+//! To run one given algorithm many times (benchmarks, experiments), [`Prepared`] checks it and
+//! builds its descriptors once; [`strided_batched_with`] does both on every call.
 //!
 //! With [`crate::Config::gemm_search`] off (`NNFUSE_GEMM_SEARCH=0`) every call runs
 //! `cublasGemmStridedBatchedEx` with `CUBLAS_GEMM_DEFAULT` and nothing is searched or cached.
@@ -64,7 +71,8 @@ mod problem;
 mod search;
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::fmt;
+use std::sync::{Arc, Mutex};
 
 use cudarc::cublaslt::sys as lt_sys;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
@@ -77,8 +85,9 @@ pub use problem::{
     Validated, MAX_ALIGNMENT,
 };
 pub use search::{
-    fill_uniform, Candidate, Outcome, SearchProgress, SearchReport, BUDGET_MS, KEEP_DEFAULT_MARGIN,
-    KERNELS, MAX_LT_CANDIDATES,
+    beats_default, fill_uniform, search_timing, Candidate, Outcome, SearchPhases, SearchProgress,
+    SearchReport, BUDGET_MS, KEEP_DEFAULT_MARGIN, KERNELS, MAX_LT_CANDIDATES, MAX_ROUNDS,
+    MIN_ROUNDS, MIN_SAMPLE_MS,
 };
 
 use crate::context::{cublas_version, cublaslt_version, Context};
@@ -155,44 +164,49 @@ macro_rules! operands {
     }};
 }
 
-/// Runs `algo` for a checked problem on the Context's stream. With `check = Some(alignment)`, a
-/// cuBLASLt algorithm is first checked against the problem (`cublasLtMatmulAlgoCheck`, its
-/// workspace and its alignment needs) and a cuBLAS one against the known values.
-fn execute(
+/// Queues `cublasGemmStridedBatchedEx` with `algo` for a checked problem.
+fn run_cublas(
     ctx: &Context,
     p: &Problem,
     dtype: DType,
-    algo: &Algo,
+    algo: CublasAlgo,
     ptrs: Ptrs,
-    check: Option<Alignment>,
 ) -> Result<()> {
-    match algo {
-        Algo::Cublas(a) => {
-            if !a.is_known() {
-                return Err(Error::invalid(
-                    "algo",
-                    format!("{} is not a cublasGemmAlgo_t value nnfuse passes", a.0),
-                ));
-            }
-            let mut g = ctx.lock()?;
-            let h = g.cublas()?;
-            // SAFETY: the problem was checked and the pointers hold its extents; the handle is
-            // bound to the Context's stream, where the operands are used.
-            unsafe { cublas::gemm(h, p, dtype, *a, ptrs) }
-        }
-        Algo::Lt(a) => {
-            let plan = lt::Plan::new(p, dtype)?;
-            let mut g = ctx.lock()?;
-            let h = g.cublaslt()?;
-            if let Some(align) = check {
-                verify_lt(&plan, h, a, align)?;
-            }
-            let ws = g.workspace(WORKSPACE_BYTES)?;
-            let stream = ctx.stream().cu_stream() as lt_sys::cudaStream_t;
-            // SAFETY: as above; the algorithm passed the checks (now, or before it was cached
-            // for this key); the workspace holds WORKSPACE_BYTES while the guard lives.
-            unsafe { plan.matmul(h, a, &lt::Scalars::of(p), ptrs, ws, WORKSPACE_BYTES, stream) }
-        }
+    if !algo.is_known() {
+        return Err(Error::invalid(
+            "algo",
+            format!("{} is not a cublasGemmAlgo_t value nnfuse passes", algo.0),
+        ));
+    }
+    let mut g = ctx.lock()?;
+    let h = g.cublas()?;
+    // SAFETY: the problem was checked and the pointers hold its extents; the handle is bound to
+    // the Context's stream, where the operands are used.
+    unsafe { cublas::gemm(h, p, dtype, algo, ptrs) }
+}
+
+/// Queues one `cublasLtMatmul` with prepared descriptors: the whole cost of a cached cuBLASLt
+/// choice (lock, handle, workspace pointer, one call).
+fn run_lt(ctx: &Context, p: &Problem, plan: &lt::Plan, algo: &LtAlgo, ptrs: Ptrs) -> Result<()> {
+    let mut g = ctx.lock()?;
+    let h = g.cublaslt()?;
+    let ws = g.workspace(WORKSPACE_BYTES)?;
+    let stream = ctx.stream().cu_stream() as lt_sys::cudaStream_t;
+    // SAFETY: the problem was checked and the pointers hold its extents; `plan` describes this
+    // problem (it depends only on its key); the algorithm passed `cublasLtMatmulAlgoCheck` for
+    // it with at most WORKSPACE_BYTES of workspace and suits the operands' alignment (checked
+    // when it was searched, prepared, or read from the file and verified); the workspace holds
+    // WORKSPACE_BYTES while the guard lives.
+    unsafe {
+        plan.matmul(
+            h,
+            algo,
+            &lt::Scalars::of(p),
+            ptrs,
+            ws,
+            WORKSPACE_BYTES,
+            stream,
+        )
     }
 }
 
@@ -211,20 +225,37 @@ fn verify_lt(
     lt::check_alignment(a, align)
 }
 
-/// Checks a choice that came from the file before its first use.
-fn verify(ctx: &Context, p: &Problem, dtype: DType, key: &Key, c: &Choice) -> Result<()> {
+/// Builds the descriptors of `p` and checks `a` against them and `align`.
+fn plan_checked(
+    ctx: &Context,
+    p: &Problem,
+    dtype: DType,
+    a: &LtAlgo,
+    align: Alignment,
+) -> Result<Arc<lt::Plan>> {
+    let plan = lt::Plan::new(p, dtype)?;
+    let mut g = ctx.lock()?;
+    let h = g.cublaslt()?;
+    verify_lt(&plan, h, a, align)?;
+    Ok(Arc::new(plan))
+}
+
+/// Checks a choice that came from the file before its first use; returns the descriptors the
+/// check built (cuBLASLt), to be cached with it.
+fn verify(
+    ctx: &Context,
+    p: &Problem,
+    dtype: DType,
+    key: &Key,
+    c: &Choice,
+) -> Result<Option<Arc<lt::Plan>>> {
     match &c.algo {
-        Algo::Cublas(a) if a.is_known() => Ok(()),
+        Algo::Cublas(a) if a.is_known() => Ok(None),
         Algo::Cublas(a) => Err(Error::NotSupported(format!(
             "unknown cublasGemmAlgo_t {}",
             a.0
         ))),
-        Algo::Lt(a) => {
-            let plan = lt::Plan::new(p, dtype)?;
-            let mut g = ctx.lock()?;
-            let h = g.cublaslt()?;
-            verify_lt(&plan, h, a, key.align)
-        }
+        Algo::Lt(a) => plan_checked(ctx, p, dtype, a, key.align).map(Some),
     }
 }
 
@@ -240,9 +271,9 @@ fn search_and_store(
     key: Key,
     spans: Spans,
     progress: &mut dyn FnMut(SearchProgress<'_>),
-) -> Result<SearchReport> {
-    let report = search::run(ctx, p, dtype, key, spans, progress)?;
-    cache::insert(key, report.choice, true);
+) -> Result<(SearchReport, Option<Arc<lt::Plan>>)> {
+    let (report, plan) = search::run(ctx, p, dtype, key, spans, progress)?;
+    cache::insert(key, report.choice, true, plan.clone());
     if let Some(path) = &ctx.config().tuning_cache {
         match save(ctx, path) {
             Ok(()) => tracing::debug!(path = %path.display(), "GEMM tuning cache written"),
@@ -253,12 +284,19 @@ fn search_and_store(
             ),
         }
     }
-    Ok(report)
+    Ok((report, plan))
 }
 
-/// The choice for `key`: from memory, else from the tuning-cache file (checked), else by a
-/// search; a failed search falls back to the cuBLAS default (remembered, with a warning).
-fn choose(ctx: &Context, p: &Problem, dtype: DType, key: &Key, spans: Spans) -> Choice {
+/// The choice for `key` and its cached cuBLASLt descriptors: from memory, else from the
+/// tuning-cache file (checked), else by a search; a failed search falls back to the cuBLAS
+/// default (remembered, with a warning).
+fn choose(
+    ctx: &Context,
+    p: &Problem,
+    dtype: DType,
+    key: &Key,
+    spans: Spans,
+) -> (Choice, Option<Arc<lt::Plan>>) {
     let mut slot = cache::lookup_slot(key);
     if slot.is_none() {
         if let Some(path) = &ctx.config().tuning_cache {
@@ -274,11 +312,12 @@ fn choose(ctx: &Context, p: &Problem, dtype: DType, key: &Key, spans: Spans) -> 
         }
     }
     match slot {
-        Some((c, true)) => return c,
-        Some((c, false)) => match verify(ctx, p, dtype, key, &c) {
-            Ok(()) => {
-                cache::mark_verified(key);
-                return c;
+        Some((c, true, plan)) => return (c, plan),
+        Some((c, false, _)) => match verify(ctx, p, dtype, key, &c) {
+            Ok(plan) => {
+                tracing::debug!(problem = %key, algo = %c.label(), "GEMM tuning-cache entry checked");
+                cache::mark_verified(key, &c.algo, plan.clone());
+                return (c, plan);
             }
             Err(e) => {
                 tracing::warn!(
@@ -292,7 +331,7 @@ fn choose(ctx: &Context, p: &Problem, dtype: DType, key: &Key, spans: Spans) -> 
         None => {}
     }
     match search_and_store(ctx, p, dtype, *key, spans, &mut |_| {}) {
-        Ok(report) => report.choice,
+        Ok((report, plan)) => (report.choice, plan),
         Err(e) => {
             tracing::warn!(
                 problem = %key,
@@ -300,15 +339,17 @@ fn choose(ctx: &Context, p: &Problem, dtype: DType, key: &Key, spans: Spans) -> 
                 "GEMM algorithm search failed; this problem uses the cuBLAS default"
             );
             let c = Choice::fallback();
-            cache::insert(*key, c, true);
-            c
+            cache::insert(*key, c, true, None);
+            (c, None)
         }
     }
 }
 
 /// Strided batched GEMM on the Context's stream (see the module documentation): validates every
 /// argument, then runs the tuned algorithm for the problem's key (searching on its first use,
-/// unless [`crate::Config::gemm_search`] is off, in which case it runs the cuBLAS default).
+/// unless [`crate::Config::gemm_search`] is off, in which case it runs the cuBLAS default). A
+/// cached cuBLASLt choice reuses descriptors built once per key: the call is the validation, one
+/// cache lookup and one `cublasLtMatmul`.
 ///
 /// If a tuned algorithm fails to launch, the key falls back to the cuBLAS default (with a
 /// warning) and the call is retried with it.
@@ -330,12 +371,26 @@ where
         return Ok(());
     };
     if !ctx.config().gemm_search {
-        return execute(ctx, p, dtype, &Algo::CUBLAS_DEFAULT, ptrs, None);
+        return run_cublas(ctx, p, dtype, CublasAlgo::DEFAULT, ptrs);
     }
     let align = Alignment::of(p, dtype.size(), ptrs.a, ptrs.b, ptrs.c);
     let key = Key::from_checked(ordinal(ctx), p, dtype, align);
-    let choice = choose(ctx, p, dtype, &key, spans);
-    match execute(ctx, p, dtype, &choice.algo, ptrs, None) {
+    let (choice, plan) = choose(ctx, p, dtype, &key, spans);
+    let result = match (&choice.algo, plan) {
+        (Algo::Cublas(x), _) => run_cublas(ctx, p, dtype, *x, ptrs),
+        (Algo::Lt(x), Some(plan)) => run_lt(ctx, p, &plan, x, ptrs),
+        (Algo::Lt(x), None) => {
+            // A verified cuBLASLt choice without descriptors (not expected: the search and the
+            // file check keep theirs): build them once and keep them.
+            tracing::debug!(problem = %key, "building cuBLASLt descriptors for a cached choice");
+            lt::Plan::new(p, dtype).and_then(|plan| {
+                let plan = Arc::new(plan);
+                cache::set_plan(&key, &choice.algo, plan.clone());
+                run_lt(ctx, p, &plan, x, ptrs)
+            })
+        }
+    };
+    match result {
         Err(e) if choice.algo != Algo::CUBLAS_DEFAULT => {
             tracing::warn!(
                 problem = %key,
@@ -343,16 +398,150 @@ where
                 error = %e,
                 "tuned GEMM algorithm failed to launch; this problem uses the cuBLAS default"
             );
-            cache::insert(key, Choice::fallback(), true);
-            execute(ctx, p, dtype, &Algo::CUBLAS_DEFAULT, ptrs, None)
+            cache::insert(key, Choice::fallback(), true, None);
+            run_cublas(ctx, p, dtype, CublasAlgo::DEFAULT, ptrs)
         }
         r => r,
     }
 }
 
+/// One algorithm made ready for one problem, for benchmarks and experiments: checked once
+/// (`cublasLtMatmulAlgoCheck`, workspace, alignment) and, for cuBLASLt, with its descriptors
+/// built once, so that [`Prepared::run`] costs what a call of a cached choice of
+/// [`strided_batched`] costs: the same validation, then one library call. No search, no cache.
+///
+/// ```no_run
+/// # fn main() -> nnfuse::Result<()> {
+/// use nnfuse::gemm::{self, Algo, Alignment, Prepared, Problem};
+/// let ctx = nnfuse::Context::new(0)?;
+/// let p = Problem::packed(16, 512, 512, 512);
+/// let s = ctx.stream();
+/// let a = s.alloc_zeros::<half::f16>(16 * 512 * 512).unwrap();
+/// let b = s.alloc_zeros::<half::f16>(16 * 512 * 512).unwrap();
+/// let mut c = s.alloc_zeros::<half::f16>(16 * 512 * 512).unwrap();
+/// let run = Prepared::new(&ctx, &p, nnfuse::DType::F16, &Algo::CUBLAS_DEFAULT, Alignment::MAX)?;
+/// run.run(&ctx, &a, &b, &mut c)?;
+/// # Ok(()) }
+/// ```
+pub struct Prepared {
+    device: u32,
+    problem: Problem,
+    dtype: DType,
+    algo: Algo,
+    plan: Option<Arc<lt::Plan>>,
+    /// Bytes of alignment the cuBLASLt algorithm needs for A, B, C, D (0 for cuBLAS).
+    need: [u64; 4],
+}
+
+impl fmt::Debug for Prepared {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Prepared")
+            .field("device", &self.device)
+            .field("problem", &self.problem)
+            .field("dtype", &self.dtype)
+            .field("algo", &self.algo)
+            .field("need", &self.need)
+            .finish()
+    }
+}
+
+impl Prepared {
+    /// Checks `p` for `dtype` data, and `algo` for it with operands aligned as `align` (use
+    /// [`Alignment::MAX`] for fresh allocations, or [`key_for`]'s); builds the cuBLASLt
+    /// descriptors. Errors say why the algorithm cannot run this problem.
+    pub fn new(
+        ctx: &Context,
+        p: &Problem,
+        dtype: DType,
+        algo: &Algo,
+        align: Alignment,
+    ) -> Result<Prepared> {
+        let validated = p.check(dtype)?;
+        align.check(dtype.size())?;
+        let mut prepared = Prepared {
+            device: ordinal(ctx),
+            problem: *p,
+            dtype,
+            algo: *algo,
+            plan: None,
+            need: [0; 4],
+        };
+        match algo {
+            Algo::Cublas(a) if !a.is_known() => Err(Error::invalid(
+                "algo",
+                format!("{} is not a cublasGemmAlgo_t value nnfuse passes", a.0),
+            )),
+            Algo::Cublas(_) => Ok(prepared),
+            Algo::Lt(_) if validated == Validated::Empty => Ok(prepared), // run is a no-op
+            Algo::Lt(a) => {
+                prepared.plan = Some(plan_checked(ctx, p, dtype, a, align)?);
+                prepared.need = lt::min_alignment(a);
+                Ok(prepared)
+            }
+        }
+    }
+
+    /// The algorithm.
+    pub fn algo(&self) -> &Algo {
+        &self.algo
+    }
+
+    /// The problem (with the alpha and beta every run uses).
+    pub fn problem(&self) -> &Problem {
+        &self.problem
+    }
+
+    /// Validates the operands as [`strided_batched`] does (and that they have the data type and
+    /// the alignment this was prepared for), then queues the algorithm on the Context's stream.
+    pub fn run<T, A, B, C>(&self, ctx: &Context, a: &A, b: &B, c: &mut C) -> Result<()>
+    where
+        T: Element,
+        A: DevicePtr<T>,
+        B: DevicePtr<T>,
+        C: DevicePtrMut<T>,
+    {
+        if T::DTYPE != self.dtype {
+            return Err(Error::invalid(
+                "a",
+                format!(
+                    "holds {} data; this algorithm was prepared for {}",
+                    T::DTYPE,
+                    self.dtype
+                ),
+            ));
+        }
+        if ordinal(ctx) != self.device {
+            return Err(Error::invalid(
+                "ctx",
+                format!(
+                    "is device {}; this algorithm was prepared on device {}",
+                    ordinal(ctx),
+                    self.device
+                ),
+            ));
+        }
+        let p = &self.problem;
+        let Some((_spans, ptrs, _guards)) = operands!(ctx, p, T, a, b, c, device_ptr_mut) else {
+            return Ok(());
+        };
+        match (&self.algo, &self.plan) {
+            (Algo::Cublas(x), _) => run_cublas(ctx, p, self.dtype, *x, ptrs),
+            (Algo::Lt(x), Some(plan)) => {
+                let have = Alignment::of(p, self.dtype.size(), ptrs.a, ptrs.b, ptrs.c);
+                lt::alignment_suffices(self.need, have)?;
+                run_lt(ctx, p, plan, x, ptrs)
+            }
+            (Algo::Lt(_), None) => Err(Error::NotSupported(
+                "the cuBLASLt algorithm was prepared for an empty problem".into(),
+            )),
+        }
+    }
+}
+
 /// Runs one given algorithm (benchmarks, experiments), after the same validation as
 /// [`strided_batched`]; a cuBLASLt algorithm is also checked against the problem and the
-/// operands' alignment. No search, no cache.
+/// operands' alignment, with descriptors built for this call. No search, no cache. To run an
+/// algorithm many times (benchmarks), use [`Prepared`], which checks and builds once.
 pub fn strided_batched_with<T, A, B, C>(
     ctx: &Context,
     p: &Problem,
@@ -371,8 +560,14 @@ where
     let Some((_spans, ptrs, _guards)) = operands!(ctx, p, T, a, b, c, device_ptr_mut) else {
         return Ok(());
     };
-    let align = Alignment::of(p, dtype.size(), ptrs.a, ptrs.b, ptrs.c);
-    execute(ctx, p, dtype, algo, ptrs, Some(align))
+    match algo {
+        Algo::Cublas(x) => run_cublas(ctx, p, dtype, *x, ptrs),
+        Algo::Lt(x) => {
+            let align = Alignment::of(p, dtype.size(), ptrs.a, ptrs.b, ptrs.c);
+            let plan = plan_checked(ctx, p, dtype, x, align)?;
+            run_lt(ctx, p, &plan, x, ptrs)
+        }
+    }
 }
 
 /// The key [`strided_batched`] would use for these operands (checks them first).
@@ -426,5 +621,5 @@ pub fn search_with(
     };
     align.check(dtype.size())?;
     let key = Key::from_checked(ordinal(ctx), p, dtype, align);
-    search_and_store(ctx, p, dtype, key, spans, progress)
+    search_and_store(ctx, p, dtype, key, spans, progress).map(|(report, _)| report)
 }

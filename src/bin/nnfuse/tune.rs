@@ -84,16 +84,18 @@ pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
     let r = result?;
 
     let tflops = |ms: f64| p.flops() / (ms * 1e-3) / 1e12;
-    let default_ms = r.default_ms();
     println!("nnfuse tune: {} on {tag}", r.key);
     println!(
-        "searched {} candidates in {:.1} ms ({} samples x {} GEMMs each; results compared with \
-         the cuBLAS default at relative L2 {:.1e}){}",
+        "search: {:.1} ms (prepare {:.1}, check {:.1}, timing {:.1}); one-off setup before it: \
+         {:.1} ms (NVRTC compile of the search kernels, cuBLAS/cuBLASLt handles, workspace)",
+        r.wall_ms, r.phases.prepare_ms, r.phases.check_ms, r.phases.timing_ms, r.setup_ms
+    );
+    println!(
+        "{} candidates; results compared with the cuBLAS default at relative L2 {:.1e}; timed \
+         interleaved (round-robin) over {} rounds{}",
         r.candidates.len(),
-        r.wall_ms,
-        r.samples.0,
-        r.samples.1,
         r.tolerance,
+        r.rounds,
         if r.explicit_cublas {
             "; explicit cublasGemmAlgo_t values searched (pre-sm_80 GPU)"
         } else {
@@ -104,21 +106,32 @@ pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
         println!("cuBLASLt: {note}");
     }
     println!(
-        "{:>3}  {:<78} {:>11} {:>9} {:>9}  status",
-        "#", "candidate", "median us", "TFLOP/s", "vs dflt"
+        "{:>3}  {:<78} {:>11} {:>9} {:>9} {:>15} {:>6}  status",
+        "#", "candidate", "median us", "TFLOP/s", "vs dflt", "p10-p90 vs dflt", "GEMMs"
     );
     for (i, c) in r.candidates.iter().enumerate() {
         let mark = if i == r.winner { "*" } else { " " };
         match &c.outcome {
-            Outcome::Timed { timing, rel_diff } => {
+            Outcome::Timed {
+                timing,
+                rel_diff,
+                burst,
+                vs_default,
+            } => {
                 let ms = timing.median_ms;
-                let vs = default_ms.map_or(f64::NAN, |d| d / ms);
+                // Speed-ups from the per-round time ratios (drift-free), > 1: faster.
+                let (vs, lo, hi) = vs_default.map_or((f64::NAN, f64::NAN, f64::NAN), |v| {
+                    (1.0 / v.median, 1.0 / v.p90, 1.0 / v.p10)
+                });
                 println!(
-                    "{mark}{i:>2}  {:<78} {:>11.2} {:>9.1} {:>8.3}x  ok (p10 {:.2} p90 {:.2} us, diff {:.1e})",
+                    "{mark}{i:>2}  {:<78} {:>11.2} {:>9.1} {:>8.3}x {:>7.3}-{:<7.3} {:>6}  ok (p10 {:.2} p90 {:.2} us, diff {:.1e})",
                     c.label(),
                     ms * 1e3,
                     tflops(ms),
                     vs,
+                    lo,
+                    hi,
+                    burst,
                     timing.p10_ms * 1e3,
                     timing.p90_ms * 1e3,
                     rel_diff
@@ -126,8 +139,10 @@ pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
             }
             Outcome::Rejected(why) => {
                 println!(
-                    "{mark}{i:>2}  {:<78} {:>11} {:>9} {:>9}  rejected: {why}",
+                    "{mark}{i:>2}  {:<78} {:>11} {:>9} {:>9} {:>15} {:>6}  rejected: {why}",
                     c.label(),
+                    "-",
+                    "-",
                     "-",
                     "-",
                     "-"
@@ -135,9 +150,14 @@ pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
             }
         }
     }
-    let speedup = match (default_ms, r.winner_ms()) {
-        (Some(d), Some(w)) => format!("{:.3}x the cuBLAS default", d / w),
-        _ => "speed unknown".into(),
+    println!(
+        "rule: the cuBLAS default is kept unless a candidate is at least {:.0}% faster in the \
+         median round and faster in ~90% of rounds (all rounds up to 6)",
+        gemm::KEEP_DEFAULT_MARGIN * 100.0
+    );
+    let speedup = match r.candidates.get(r.winner).and_then(|c| c.vs_default()) {
+        Some(v) if r.winner != 0 => format!("{:.3}x the cuBLAS default", 1.0 / v.median),
+        _ => "the cuBLAS default itself".into(),
     };
     println!("winner: #{} {} ({speedup})", r.winner, r.choice.label());
     match &config.tuning_cache {
