@@ -100,11 +100,9 @@ fn product_i32(dims: &[usize], what: &str) -> Result<i32> {
     })
 }
 
-/// Validates `shape` and `axis` and infers the 4-D layout by OneFlow's rule.
-///
-/// Errors (as [`Error::InvalidArgument`]): empty shape, `axis >= rank`, a zero extent, or an
-/// element count that does not fit in `i32`.
-pub fn infer_channel_layout(shape: &[usize], axis: usize) -> Result<ChannelLayout> {
+/// Checks that `shape` is non-empty, `axis < shape.len()` and no extent is zero; errors name
+/// `shape`, `axis` or `shape[i]`. Shared by every API that takes `(shape, axis)`.
+pub fn check_shape_axis(shape: &[usize], axis: usize) -> Result<()> {
     if shape.is_empty() {
         return Err(Error::invalid("shape", "is empty (rank 0)"));
     }
@@ -120,6 +118,15 @@ pub fn infer_channel_layout(shape: &[usize], axis: usize) -> Result<ChannelLayou
             "is 0: zero-size tensors are not supported",
         ));
     }
+    Ok(())
+}
+
+/// Validates `shape` and `axis` and infers the 4-D layout by OneFlow's rule.
+///
+/// Errors (as [`Error::InvalidArgument`]): empty shape, `axis >= rank`, a zero extent, or an
+/// element count that does not fit in `i32`.
+pub fn infer_channel_layout(shape: &[usize], axis: usize) -> Result<ChannelLayout> {
+    check_shape_axis(shape, axis)?;
     // Also bounds every partial product below.
     product_i32(shape, "the element count")?;
 

@@ -60,6 +60,24 @@ use crate::error::{CallExt, Result};
 use crate::kernels;
 use plan::{choose_path, plan_launch, validate, Operand, Path, Scheme};
 
+/// The optional output mask of a forward: its pointer (0 for none, which the kernels read as
+/// "write no mask") and the guard that orders it on the stream; registers it for validation.
+fn optional_mask<'a, M: DevicePtrMut<u32>>(
+    mask: Option<&'a mut M>,
+    stream: &'a cudarc::driver::CudaStream,
+    ops: &mut Vec<Operand>,
+) -> (u64, Option<cudarc::driver::SyncOnDrop<'a>>) {
+    match mask {
+        Some(m) => {
+            let len = m.len();
+            let (p, guard) = m.device_ptr_mut(stream);
+            ops.push(Operand::mask("mask", p, len, true));
+            (p, Some(guard))
+        }
+        None => (0, None),
+    }
+}
+
 pub use crate::reference::activation::mask_words;
 
 /// A type to name in `None::<&mut NoMask>` when a forward should write no mask (inference).
@@ -223,15 +241,7 @@ where
         Operand::data("x", xp, xl, size::<T>(), false),
         Operand::data("y", yp, yl, size::<T>(), true),
     ];
-    let (mp, _m) = match mask {
-        Some(m) => {
-            let ml = m.len();
-            let (p, s) = m.device_ptr_mut(stream);
-            ops.push(Operand::mask("mask", p, ml, true));
-            (p, Some(s))
-        }
-        None => (0, None),
-    };
+    let (mp, _m) = optional_mask(mask, stream, &mut ops);
     let n = validate(&ops, &[("x", "y")])?;
     if n == 0 {
         return Ok(());
@@ -250,15 +260,7 @@ where
     let stream = ctx.stream();
     let (p, _xy) = xy.device_ptr_mut(stream);
     let mut ops = vec![Operand::data("xy", p, l, size::<T>(), true)];
-    let (mp, _m) = match mask {
-        Some(m) => {
-            let ml = m.len();
-            let (mp, s) = m.device_ptr_mut(stream);
-            ops.push(Operand::mask("mask", mp, ml, true));
-            (mp, Some(s))
-        }
-        None => (0, None),
-    };
+    let (mp, _m) = optional_mask(mask, stream, &mut ops);
     let n = validate(&ops, &[])?;
     if n == 0 {
         return Ok(());
@@ -295,15 +297,7 @@ where
         Operand::data("z", zp, zl, size::<T>(), false),
         Operand::data("y", yp, yl, size::<T>(), true),
     ];
-    let (mp, _m) = match mask {
-        Some(m) => {
-            let ml = m.len();
-            let (p, s) = m.device_ptr_mut(stream);
-            ops.push(Operand::mask("mask", p, ml, true));
-            (p, Some(s))
-        }
-        None => (0, None),
-    };
+    let (mp, _m) = optional_mask(mask, stream, &mut ops);
     let n = validate(&ops, &[("x", "y"), ("z", "y")])?;
     if n == 0 {
         return Ok(());
@@ -340,15 +334,7 @@ where
         Operand::data("xy", p, l, size::<T>(), true),
         Operand::data("z", zp, zl, size::<T>(), false),
     ];
-    let (mp, _m) = match mask {
-        Some(m) => {
-            let ml = m.len();
-            let (mp, s) = m.device_ptr_mut(stream);
-            ops.push(Operand::mask("mask", mp, ml, true));
-            (mp, Some(s))
-        }
-        None => (0, None),
-    };
+    let (mp, _m) = optional_mask(mask, stream, &mut ops);
     let n = validate(&ops, &[("xy", "z")])?;
     if n == 0 {
         return Ok(());

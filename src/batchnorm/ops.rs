@@ -209,7 +209,7 @@ pub(crate) fn check_addend(fuse: Fuse, given: bool, name: &'static str) -> Resul
 /// BatchNorm (+ReLU, +Add+ReLU) over one shape and channel axis, for activations of type `T`.
 ///
 /// ```no_run
-/// # fn main() -> nnfuse::Result<()> {
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use nnfuse::batchnorm::{BatchNorm, Fuse, TrainArgs};
 /// let ctx = nnfuse::Context::new(0)?;
 /// let shape = [8, 14, 14, 64]; // channels-last, channel axis 3
@@ -217,10 +217,10 @@ pub(crate) fn check_addend(fuse: Fuse, given: bool, name: &'static str) -> Resul
 /// println!("{}", bn.plan());
 /// let s = ctx.stream();
 /// let n: usize = shape.iter().product();
-/// let x = s.clone_htod(&vec![half::f16::from_f32(0.5); n]).unwrap();
-/// let mut y = s.alloc_zeros::<half::f16>(n).unwrap();
-/// let (g, b) = (s.clone_htod(&[1.0f32; 64]).unwrap(), s.alloc_zeros::<f32>(64).unwrap());
-/// let (mut rm, mut rv) = (s.alloc_zeros::<f32>(64).unwrap(), s.clone_htod(&[1.0f32; 64]).unwrap());
+/// let x = s.clone_htod(&vec![half::f16::from_f32(0.5); n])?;
+/// let mut y = s.alloc_zeros::<half::f16>(n)?;
+/// let (g, b) = (s.clone_htod(&[1.0f32; 64])?, s.alloc_zeros::<f32>(64)?);
+/// let (mut rm, mut rv) = (s.alloc_zeros::<f32>(64)?, s.clone_htod(&[1.0f32; 64])?);
 /// let saved = bn.forward_train(TrainArgs {
 ///     x: x.as_view(), addend: None, gamma: g.as_view(), beta: b.as_view(),
 ///     running_mean: rm.as_view_mut(), running_var: rv.as_view_mut(),
@@ -680,8 +680,14 @@ impl<T: Element> BatchNorm<T> {
         } else {
             core.train.api
         };
-        if path == BnPath::CudnnFused {
-            let sizes = core.fused_sizes.unwrap_or_default();
+        if path == BnPath::CudnnFused || api == BnApi::Ex {
+            // The fused ops, or plain BN through the Ex API (with the forward's reserve, if any).
+            let (ops, relu, sizes) = if path == BnPath::CudnnFused {
+                (fused_ops(core.fuse), core.relu.as_ref(), core.fused_sizes)
+            } else {
+                (Ops::Bn, None, core.bn_sizes)
+            };
+            let sizes = sizes.unwrap_or_default();
             let ws = guard.workspace(sizes.backward_workspace)?;
             let rptr = rp.as_ref().map_or(0, |(p, _)| *p);
             let rlen = reserve.map_or(0, |r| r.len());
@@ -690,30 +696,10 @@ impl<T: Element> BatchNorm<T> {
                 calls::backward_ex(
                     h,
                     mode,
-                    fused_ops(core.fuse),
+                    ops,
                     &core.x_desc,
                     &core.train_param.desc,
-                    core.relu.as_ref(),
-                    &ptrs,
-                    saved.eps,
-                    (ws, sizes.backward_workspace),
-                    (rptr, rlen),
-                )
-            }?;
-        } else if api == BnApi::Ex {
-            let sizes = core.bn_sizes.unwrap_or_default();
-            let ws = guard.workspace(sizes.backward_workspace)?;
-            let rptr = rp.as_ref().map_or(0, |(p, _)| *p);
-            let rlen = reserve.map_or(0, |r| r.len());
-            // SAFETY: as above.
-            unsafe {
-                calls::backward_ex(
-                    h,
-                    mode,
-                    Ops::Bn,
-                    &core.x_desc,
-                    &core.train_param.desc,
-                    None,
+                    relu,
                     &ptrs,
                     saved.eps,
                     (ws, sizes.backward_workspace),

@@ -55,21 +55,7 @@ impl BnShape {
     /// `axis`), a zero extent (named `shape[i]`, as [`crate::layout::infer_channel_layout`]
     /// does), or an element count that overflows `usize` (named `shape`).
     pub fn new(shape: &[usize], axis: usize) -> Result<BnShape> {
-        if shape.is_empty() {
-            return Err(Error::invalid("shape", "is empty (rank 0)"));
-        }
-        if axis >= shape.len() {
-            return Err(Error::invalid(
-                "axis",
-                format!("{axis} is out of range for a shape of rank {}", shape.len()),
-            ));
-        }
-        if let Some(i) = shape.iter().position(|&d| d == 0) {
-            return Err(Error::invalid(
-                format!("shape[{i}]"),
-                "is 0: zero-size tensors are not supported",
-            ));
-        }
+        crate::layout::check_shape_axis(shape, axis)?;
         let product = |dims: &[usize]| -> Result<usize> {
             dims.iter().try_fold(1usize, |p, &d| {
                 p.checked_mul(d)
