@@ -38,3 +38,8 @@ pub use context::{Context, DeviceInfo};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use layout::{infer_channel_layout, ChannelLayout, TensorFormat};
+
+/// The README's examples, compiled by `cargo test` so that they stay true.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
