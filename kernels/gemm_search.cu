@@ -1,5 +1,6 @@
-// Kernels of the GEMM search: deterministic pseudo-random inputs, and the comparison of a
-// candidate's result with the cuBLAS default's (sums in double, one atomic per block).
+// Kernels of the GEMM search: deterministic pseudo-random inputs, the comparison of a candidate's
+// result with the cuBLAS default's, and statistics of the default's result (sums in double, one
+// atomic per block and sum).
 
 // SplitMix64 of (index, seed) -> uniform in [-1, 1) with 24 random bits.
 __device__ __forceinline__ float nnf_uniform(u64 i, u64 seed) {
@@ -55,6 +56,56 @@ __device__ void diff_impl(const T* __restrict__ got, const T* __restrict__ want,
     }
 }
 
+// Statistics of a GEMM result R over C's matrix elements only (batch x n columns of m elements,
+// leading dimension ld, batch stride `stride`; the gaps between them are never read), which the
+// search reads before it trusts the caller's data for its comparisons:
+//   acc[0] += sum R^2 over finite R,
+//   acc[1] += number of non-finite R,
+//   acc[2] += number of finite, nonzero R,
+//   acc[3] += sum (R - beta * C0)^2 over finite R: the product's part alpha * op(A) op(B), with
+//             C0 the old C at the same offsets (when c0 is null, C0 is taken as 0).
+// Blocks take columns in turn (grid-stride over batch * n columns), threads the rows of a column.
+// Block size must be 256.
+template <typename T>
+__device__ void stats_impl(const T* __restrict__ r, const T* __restrict__ c0, float beta, u64 m, u64 n,
+                           u64 ld, u64 stride, u64 batch, double* acc) {
+    double v[4] = {0.0, 0.0, 0.0, 0.0};
+    const u64 cols = batch * n;
+    for (u64 col = blockIdx.x; col < cols; col += gridDim.x) {
+        const u64 b = col / n;
+        const u64 j = col - b * n;
+        const u64 base = b * stride + j * ld;
+        for (u64 i = threadIdx.x; i < m; i += blockDim.x) {
+            const float x = to_float(r[base + i]);
+            if (!nnf_isfinite(x)) {
+                v[1] += 1.0;
+                continue;
+            }
+            const double dx = (double)x;
+            v[0] += dx * dx;
+            if (x != 0.0f) v[2] += 1.0;
+            const double p = c0 ? dx - (double)beta * (double)to_float(c0[base + i]) : dx;
+            v[3] += p * p;
+        }
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+        for (int q = 0; q < 4; ++q) v[q] += __shfl_down_sync(0xffffffffu, v[q], off);
+    }
+    __shared__ double s[4][8];
+    const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (lane == 0) {
+        for (int q = 0; q < 4; ++q) s[q][warp] = v[q];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int q = 0; q < 4; ++q) {
+            double t = 0.0;
+            for (unsigned w = 0; w < blockDim.x / 32; ++w) t += s[q][w];
+            atomicAdd(&acc[q], t);
+        }
+    }
+}
+
 extern "C" __global__ void gemm_uniform_f32(float* out, u64 n, u64 seed) { uniform_impl(out, n, seed); }
 extern "C" __global__ void gemm_uniform_f16(nnf_f16* out, u64 n, u64 seed) { uniform_impl(out, n, seed); }
 extern "C" __global__ void gemm_uniform_bf16(nnf_bf16* out, u64 n, u64 seed) { uniform_impl(out, n, seed); }
@@ -62,3 +113,7 @@ extern "C" __global__ void gemm_uniform_bf16(nnf_bf16* out, u64 n, u64 seed) { u
 extern "C" __global__ void gemm_diff_f32(const float* g, const float* w, u64 n, double* acc) { diff_impl(g, w, n, acc); }
 extern "C" __global__ void gemm_diff_f16(const nnf_f16* g, const nnf_f16* w, u64 n, double* acc) { diff_impl(g, w, n, acc); }
 extern "C" __global__ void gemm_diff_bf16(const nnf_bf16* g, const nnf_bf16* w, u64 n, double* acc) { diff_impl(g, w, n, acc); }
+
+extern "C" __global__ void gemm_stats_f32(const float* r, const float* c0, float beta, u64 m, u64 n, u64 ld, u64 stride, u64 batch, double* acc) { stats_impl(r, c0, beta, m, n, ld, stride, batch, acc); }
+extern "C" __global__ void gemm_stats_f16(const nnf_f16* r, const nnf_f16* c0, float beta, u64 m, u64 n, u64 ld, u64 stride, u64 batch, double* acc) { stats_impl(r, c0, beta, m, n, ld, stride, batch, acc); }
+extern "C" __global__ void gemm_stats_bf16(const nnf_bf16* r, const nnf_bf16* c0, float beta, u64 m, u64 n, u64 ld, u64 stride, u64 batch, double* acc) { stats_impl(r, c0, beta, m, n, ld, stride, batch, acc); }

@@ -643,7 +643,19 @@ fn search_kernels_compile() {
     {
         let image = nnfuse::kernels::compile(&nnfuse::gemm::KERNELS, arch)
             .unwrap_or_else(|e| panic!("gemm search kernels for {arch}: {e}"));
-        assert!(image.bytes().len() > 100);
+        let bytes = image.bytes();
+        assert!(bytes.len() > 100);
+        // Every entry point the search loads (names are in the PTX text and the CUBIN's
+        // symbol table alike).
+        for kind in ["uniform", "diff", "stats"] {
+            for dt in ["f32", "f16", "bf16"] {
+                let name = format!("gemm_{kind}_{dt}");
+                assert!(
+                    bytes.windows(name.len()).any(|w| w == name.as_bytes()),
+                    "{name} missing from the {arch} image"
+                );
+            }
+        }
     }
 }
 
@@ -693,4 +705,89 @@ fn default_is_replaced_only_by_a_consistent_win() {
     let same = Paired::of(&base, &base).unwrap();
     assert_eq!(same.median, 1.0);
     assert!(!beats_default(&same));
+}
+
+// ------------------------------------------------------------------------------------------
+// When the search may check candidates on the caller's data (pure)
+
+#[test]
+fn caller_data_rule() {
+    use nnfuse::gemm::{
+        caller_data_unsuitable, ResultStats, Unsuitable, MIN_NONZERO_FRACTION, MIN_PRODUCT_SHARE,
+    };
+    let ok = ResultStats {
+        elements: 1000.0,
+        sum_sq: 400.0,
+        non_finite: 0.0,
+        nonzero: 1000.0,
+        product_sq: 400.0,
+    };
+    assert_eq!(caller_data_unsuitable(&ok), None);
+    // Any non-finite element (NaN or Inf in the inputs, overflow): scratch operands.
+    let nan = ResultStats {
+        non_finite: 3.0,
+        ..ok
+    };
+    assert_eq!(
+        caller_data_unsuitable(&nan),
+        Some(Unsuitable::NonFinite { count: 3 })
+    );
+    // Mostly zeros: at least half the elements must be nonzero; all zeros never passes.
+    let half = ResultStats {
+        nonzero: MIN_NONZERO_FRACTION * 1000.0,
+        ..ok
+    };
+    assert_eq!(caller_data_unsuitable(&half), None);
+    let sparse = ResultStats {
+        nonzero: 499.0,
+        ..ok
+    };
+    assert_eq!(
+        caller_data_unsuitable(&sparse),
+        Some(Unsuitable::MostlyZero {
+            nonzero: 499,
+            elements: 1000
+        })
+    );
+    let zeros = ResultStats {
+        sum_sq: 0.0,
+        nonzero: 0.0,
+        product_sq: 0.0,
+        ..ok
+    };
+    assert!(matches!(
+        caller_data_unsuitable(&zeros),
+        Some(Unsuitable::MostlyZero { nonzero: 0, .. })
+    ));
+    // beta * C must not dominate: the product at least half the result's norm.
+    let at_share = ResultStats {
+        product_sq: 400.0 * MIN_PRODUCT_SHARE * MIN_PRODUCT_SHARE,
+        ..ok
+    };
+    assert_eq!(caller_data_unsuitable(&at_share), None);
+    let dominated = ResultStats {
+        product_sq: 400.0 * 0.01,
+        ..ok
+    };
+    match caller_data_unsuitable(&dominated) {
+        Some(Unsuitable::ProductNegligible { share }) => assert!((share - 0.1).abs() < 1e-12),
+        other => panic!("{other:?}"),
+    }
+    // Sums that were not read back (NaN) never pass, and every reason reads well.
+    let missing = ResultStats::from_sums(&[1.0, 0.0], 10.0);
+    assert!(caller_data_unsuitable(&missing).is_some());
+    let all_nan = ResultStats::from_sums(&[], 10.0);
+    assert!(caller_data_unsuitable(&all_nan).is_some());
+    assert_eq!(
+        ResultStats::from_sums(&[400.0, 0.0, 1000.0, 400.0], 1000.0),
+        ok
+    );
+    for why in [
+        caller_data_unsuitable(&nan),
+        caller_data_unsuitable(&sparse),
+        caller_data_unsuitable(&dominated),
+    ] {
+        let text = why.unwrap().to_string();
+        assert!(text.contains("result"), "{text}");
+    }
 }

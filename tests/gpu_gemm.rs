@@ -571,3 +571,310 @@ fn many_threads_share_the_cache() {
         }
     });
 }
+
+// ------------------------------------------------------------------------------------------
+// The search on the caller's operands, its fallback to scratch operands, and the scratch kept
+// between searches.
+
+/// Bit patterns, so that "unchanged" includes NaNs and signed zeros.
+fn bits<T: Element>(v: &[T]) -> Vec<u64> {
+    v.iter().map(|x| x.to_f64().to_bits()).collect()
+}
+
+/// A shape with gaps in C (ldc > m) and padded A and B, for `search_on` checks.
+fn padded(batch: usize, m: usize, n: usize, k: usize, beta: f32) -> Problem {
+    let mut p = Problem::packed(batch, m, n, k).with_scalars(1.5, beta);
+    p.lda += 2;
+    p.ldb += 1;
+    p.ldc += 3;
+    p.stride_a = p.lda * k + 5;
+    p.stride_b = p.ldb * n;
+    p.stride_c = p.ldc * n + 7;
+    p
+}
+
+/// `search_on` on the caller's buffers: A and B are never written; with beta != 0 C is left as
+/// it was, with beta == 0 C's matrices hold the default's result and its gaps are untouched; the
+/// tuned call that follows computes the right result on the same buffers.
+fn caller_buffers_case<T: Element>(ctx: &Context, p: &Problem, rng: &mut Rng, what: &str) {
+    let x = inputs::<T>(p, rng, 0);
+    let s = ctx.stream();
+    let a = s.clone_htod(&x.a).unwrap();
+    let b = s.clone_htod(&x.b).unwrap();
+    let c0: Vec<T> = match &x.c {
+        Some(c) => c.clone(),
+        None => vec![T::from_f64(f64::NAN); x.c_len],
+    };
+    let mut c = s.clone_htod(&c0).unwrap();
+    let r = gemm::search_on(ctx, p, &a, &b, &mut c).unwrap();
+    assert_eq!(r.operands, gemm::SearchOperands::Caller, "{what}");
+    let elem = T::DTYPE.size();
+    let c_bytes = x.c_len * elem;
+    // Scratch: one C (beta == 0) or two, never A or B.
+    let want_scratch = if p.beta == 0.0 { c_bytes } else { 2 * c_bytes };
+    assert!(
+        r.scratch_bytes >= want_scratch && r.scratch_bytes < want_scratch + 2048,
+        "{what}: {} bytes of scratch for C of {c_bytes} bytes",
+        r.scratch_bytes
+    );
+    assert!(r.allocated_bytes == 0 || r.allocated_bytes >= r.scratch_bytes);
+    assert!(gemm::search_scratch_bytes(ctx).unwrap() >= r.scratch_bytes);
+    println!(
+        "{what}: search {:.1} ms ({:?}), winner {}",
+        r.wall_ms,
+        r.phases,
+        r.choice.label()
+    );
+    assert_eq!(
+        bits(&s.clone_dtoh(&a).unwrap()),
+        bits(&x.a),
+        "{what}: A changed"
+    );
+    assert_eq!(
+        bits(&s.clone_dtoh(&b).unwrap()),
+        bits(&x.b),
+        "{what}: B changed"
+    );
+    let after = s.clone_dtoh(&c).unwrap();
+    if p.beta != 0.0 {
+        assert_eq!(bits(&after), bits(&c0), "{what}: C changed (beta != 0)");
+    } else {
+        // The default's result in the matrices, the gaps untouched (still NaN).
+        check(&format!("{what}: C after the search"), p, &x, 0, &after);
+    }
+    // The call with the stored choice, on the same buffers: the right result.
+    let mut c = s.clone_htod(&c0).unwrap();
+    gemm::strided_batched(ctx, p, &a, &b, &mut c).unwrap();
+    check(
+        &format!("{what}: tuned call"),
+        p,
+        &x,
+        0,
+        &s.clone_dtoh(&c).unwrap(),
+    );
+    assert_eq!(
+        bits(&s.clone_dtoh(&a).unwrap()),
+        bits(&x.a),
+        "{what}: A changed"
+    );
+    assert_eq!(
+        bits(&s.clone_dtoh(&b).unwrap()),
+        bits(&x.b),
+        "{what}: B changed"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn search_on_caller_buffers_leaves_inputs_alone() {
+    let ctx = gpu();
+    let mut rng = Rng::fresh("gemm search on caller buffers");
+    for beta in [0.0, 0.5] {
+        let p = Problem::packed(4, 256, 192, 128).with_scalars(1.0, beta);
+        caller_buffers_case::<f16>(&ctx, &p, &mut rng, &format!("f16 packed beta {beta}"));
+        let p = padded(3, 127, 65, 96, beta);
+        caller_buffers_case::<bf16>(&ctx, &p, &mut rng, &format!("bf16 padded beta {beta}"));
+        caller_buffers_case::<f32>(&ctx, &p, &mut rng, &format!("f32 padded beta {beta}"));
+    }
+    // The first strided_batched call of a key (a shape no other test uses) searches on the
+    // caller's buffers too: A and B come back bit for bit, C right, gaps untouched.
+    let _serial = serial(); // no cache clearing meanwhile
+    for beta in [0.0, 1.0] {
+        let p = padded(2, 129, 67, 33, beta);
+        let x = inputs::<f16>(&p, &mut rng, 0);
+        let s = ctx.stream();
+        let a = s.clone_htod(&x.a).unwrap();
+        let b = s.clone_htod(&x.b).unwrap();
+        let mut c = match &x.c {
+            Some(c0) => s.clone_htod(c0).unwrap(),
+            None => s.clone_htod(&vec![f16::NAN; x.c_len]).unwrap(),
+        };
+        let key = gemm::key_for(&ctx, &p, &a, &b, &c).unwrap();
+        assert!(gemm::lookup(&key).is_none(), "another test uses {key}");
+        gemm::strided_batched(&ctx, &p, &a, &b, &mut c).unwrap();
+        assert_eq!(gemm::lookup(&key).unwrap().origin, Origin::Searched);
+        let what = format!("first call, beta {beta}");
+        check(&what, &p, &x, 0, &s.clone_dtoh(&c).unwrap());
+        assert_eq!(
+            bits(&s.clone_dtoh(&a).unwrap()),
+            bits(&x.a),
+            "{what}: A changed"
+        );
+        assert_eq!(
+            bits(&s.clone_dtoh(&b).unwrap()),
+            bits(&x.b),
+            "{what}: B changed"
+        );
+    }
+}
+
+/// NaN-aware comparison: the same elements are NaN in both, the rest within `tol`.
+fn assert_same_nans_else_close(what: &str, got: &[f64], want: &[f64], tol: f64) -> usize {
+    assert_eq!(got.len(), want.len());
+    let mut nans = 0;
+    let (mut g, mut w) = (Vec::new(), Vec::new());
+    for (i, (&x, &y)) in got.iter().zip(want).enumerate() {
+        assert_eq!(
+            x.is_nan(),
+            y.is_nan(),
+            "{what}: element {i}: got {x}, want {y}"
+        );
+        if x.is_nan() {
+            nans += 1;
+        } else {
+            g.push(x);
+            w.push(y);
+        }
+    }
+    assert_close(what, &g, &w, tol);
+    nans
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn unsuitable_caller_data_falls_back_to_scratch_operands() {
+    let ctx = gpu();
+    let plain = gpu_with(Config::default().with_gemm_search(false));
+    let mut rng = Rng::fresh("gemm search fallback");
+    let s = ctx.stream();
+    let p = Problem::packed(3, 96, 80, 64);
+    let tol = gemm::tolerance(DType::F16, p.compute, p.k);
+    let sp = spans(&p, DType::F16);
+    let full_scratch = (sp.a + sp.b + 2 * sp.c) * 2;
+
+    // A NaN in A (batch 1, row 5, column 7): row 5 of C[1] is NaN whatever the algorithm.
+    let mut x = inputs::<f16>(&p, &mut rng, 0);
+    x.a[p.stride_a + 5 + 7 * p.lda] = f16::NAN;
+    let a = s.clone_htod(&x.a).unwrap();
+    let b = s.clone_htod(&x.b).unwrap();
+    let mut c = s.alloc_zeros::<f16>(x.c_len).unwrap();
+    let r = gemm::search_on(&ctx, &p, &a, &b, &mut c).unwrap();
+    println!("NaN in A: {}; winner {}", r.operands, r.choice.label());
+    assert_eq!(
+        r.operands,
+        gemm::SearchOperands::Fallback(gemm::Unsuitable::NonFinite { count: p.n as u64 })
+    );
+    assert!(
+        r.scratch_bytes >= full_scratch,
+        "{} < {full_scratch}",
+        r.scratch_bytes
+    );
+    // Every candidate was checked on the scratch operands (none rejected for NaN mismatches).
+    for cand in &r.candidates {
+        if let Outcome::Rejected(why) = &cand.outcome {
+            assert!(!why.contains("non-finite"), "{}: {why}", cand.label());
+        }
+    }
+    assert_eq!(bits(&s.clone_dtoh(&a).unwrap()), bits(&x.a), "A changed");
+    assert_eq!(bits(&s.clone_dtoh(&b).unwrap()), bits(&x.b), "B changed");
+    // The tuned call on the NaN data: NaN where the cuBLAS default (and the f64 reference) put
+    // it, the rest right.
+    let mut tuned = s.alloc_zeros::<f16>(x.c_len).unwrap();
+    gemm::strided_batched(&ctx, &p, &a, &b, &mut tuned).unwrap();
+    let mut dflt = s.alloc_zeros::<f16>(x.c_len).unwrap();
+    gemm::strided_batched(&plain, &p, &a, &b, &mut dflt).unwrap();
+    let tuned = f64s(&s.clone_dtoh(&tuned).unwrap());
+    let dflt = f64s(&s.clone_dtoh(&dflt).unwrap());
+    let nans = assert_same_nans_else_close("NaN input: tuned vs default", &tuned, &dflt, tol);
+    assert_eq!(nans, p.n);
+    let mut want = vec![0.0; x.c_len];
+    reference::gemm::gemm_strided_batched(&p.to_reference(), &f64s(&x.a), &f64s(&x.b), &mut want);
+    assert_same_nans_else_close("NaN input: tuned vs f64 reference", &tuned, &want, tol);
+
+    // All-zero operands (buffers fresh from alloc_zeros): mostly zero.
+    let z = s.alloc_zeros::<f16>(x.a.len()).unwrap();
+    let mut c = s.alloc_zeros::<f16>(x.c_len).unwrap();
+    let r = gemm::search_on(&ctx, &p, &z, &b, &mut c).unwrap();
+    println!("zero A: {}", r.operands);
+    assert!(
+        matches!(
+            r.operands,
+            gemm::SearchOperands::Fallback(gemm::Unsuitable::MostlyZero { nonzero: 0, .. })
+        ),
+        "{:?}",
+        r.operands
+    );
+
+    // beta * C dominates (tiny A and B, C of order 1): the product's share is negligible.
+    let q = p.with_scalars(1.0, 1.0);
+    let y = Inputs::<f16> {
+        a: rng.vec(x.a.len(), -0.01, 0.01),
+        b: rng.vec(x.b.len(), -0.01, 0.01),
+        c: Some(rng.vec(x.c_len, -1.0, 1.0)),
+        c_len: x.c_len,
+    };
+    let a = s.clone_htod(&y.a).unwrap();
+    let b = s.clone_htod(&y.b).unwrap();
+    let c0 = y.c.clone().unwrap();
+    let mut c = s.clone_htod(&c0).unwrap();
+    let r = gemm::search_on(&ctx, &q, &a, &b, &mut c).unwrap();
+    println!("beta C dominates: {}", r.operands);
+    assert!(
+        matches!(
+            r.operands,
+            gemm::SearchOperands::Fallback(gemm::Unsuitable::ProductNegligible { share })
+                if share < gemm::MIN_PRODUCT_SHARE
+        ),
+        "{:?}",
+        r.operands
+    );
+    assert_eq!(
+        bits(&s.clone_dtoh(&c).unwrap()),
+        bits(&c0),
+        "C changed (beta != 0)"
+    );
+    let mut c = s.clone_htod(&c0).unwrap();
+    gemm::strided_batched(&ctx, &q, &a, &b, &mut c).unwrap();
+    check(
+        "beta C dominates: tuned call",
+        &q,
+        &y,
+        0,
+        &s.clone_dtoh(&c).unwrap(),
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn search_scratch_is_kept_between_searches() {
+    let ctx = gpu(); // a Context of its own: its scratch starts empty
+    assert_eq!(gemm::search_scratch_bytes(&ctx).unwrap(), 0);
+    let big = Problem::packed(4, 512, 512, 256);
+    let small = Problem::packed(2, 128, 96, 64);
+    let r1 = gemm::search(&ctx, &big, DType::F16, Alignment::MAX).unwrap();
+    assert_eq!(r1.operands, gemm::SearchOperands::Scratch);
+    let sp = spans(&big, DType::F16);
+    assert!(r1.scratch_bytes >= (sp.a + sp.b + 2 * sp.c) * 2);
+    assert!(r1.allocated_bytes >= r1.scratch_bytes);
+    let held = gemm::search_scratch_bytes(&ctx).unwrap();
+    assert_eq!(held, r1.allocated_bytes);
+    println!(
+        "first search: {:?}, allocated {}",
+        r1.phases, r1.allocated_bytes
+    );
+    // Smaller, other types, other alignments, the same again: no allocation.
+    for (p, dt, align) in [
+        (small, DType::F16, Alignment::MAX),
+        (small, DType::F32, Alignment { a: 4, b: 8, c: 16 }),
+        (big, DType::BF16, Alignment::MAX),
+        (big, DType::F16, Alignment::MAX),
+    ] {
+        let r = gemm::search(&ctx, &p, dt, align).unwrap();
+        assert_eq!(r.allocated_bytes, 0, "{dt} {p:?}");
+        assert!(r.phases.alloc_ms < 5.0, "{:?}", r.phases);
+        assert!(r.default_ms().is_some());
+    }
+    assert_eq!(gemm::search_scratch_bytes(&ctx).unwrap(), held);
+    // The caller's operands in between (their C regions overwrite part of the scratch), then
+    // scratch operands again (patterns written again where they were overwritten).
+    let mut rng = Rng::fresh("gemm scratch reuse");
+    caller_buffers_case::<f16>(&ctx, &small.with_scalars(1.0, 0.25), &mut rng, "between");
+    let r = gemm::search(&ctx, &big, DType::F16, Alignment::MAX).unwrap();
+    assert_eq!(r.allocated_bytes, 0);
+    assert_eq!(r.operands, gemm::SearchOperands::Scratch);
+    // Released: the next search allocates again.
+    assert_eq!(gemm::release_search_scratch(&ctx).unwrap(), held);
+    assert_eq!(gemm::search_scratch_bytes(&ctx).unwrap(), 0);
+    let r = gemm::search(&ctx, &small, DType::F16, Alignment::MAX).unwrap();
+    assert!(r.allocated_bytes > 0);
+}

@@ -38,10 +38,20 @@
 //! candidates of `cublasLtMatmulAlgoGetHeuristic` plus the cuBLAS default (and, on GPUs older
 //! than sm_80 only, the explicit `CUBLAS_GEMM_ALGO*` values), rejects those that
 //! `cublasLtMatmulAlgoCheck` refuses or whose result differs from the default's, times the rest
-//! against each other with CUDA events on scratch copies (interleaved round-robin, bursts of
-//! back-to-back launches), and keeps the cuBLAS default unless a candidate beats it by more than
+//! against each other with CUDA events (interleaved round-robin, bursts of back-to-back
+//! launches), and keeps the cuBLAS default unless a candidate beats it by more than
 //! [`KEEP_DEFAULT_MARGIN`] consistently ([`beats_default`]; the `search` module's documentation
-//! has the budget and the rules). The choice is a concrete algorithm ([`Algo`]: the
+//! has the budget and the rules).
+//!
+//! The first call of a key searches on the caller's own operands: A and B are only read; C is
+//! written only where the call writes it anyway (with beta == 0 the default's result goes there
+//! first, then the tuned call's), and the candidates write a scratch C (scratch copies of C when
+//! beta != 0). If the caller's data cannot tell right from wrong — the default's result has NaN
+//! or Inf (from NaN/Inf inputs or overflow), is mostly zeros, or is dominated by `beta * C` —
+//! the search uses pseudo-random scratch operands instead ([`caller_data_unsuitable`],
+//! [`SearchOperands`]), as [`search`] and `nnfuse tune` always do. Scratch memory is one
+//! grow-only allocation per Context, kept between searches ([`search_scratch_bytes`]; free it
+//! with [`release_search_scratch`]). The choice is a concrete algorithm ([`Algo`]: the
 //! `cublasLtMatmulAlgo_t` bytes, or a `cublasGemmAlgo_t`), never a heuristic rank. The first
 //! call for a key pays the search (about 10-120 ms on an H100; the process's first search also
 //! pays a one-off setup, NVRTC compile of two small kernels and handle creation, reported apart
@@ -68,6 +78,7 @@ mod cublas;
 mod lt;
 mod names;
 mod problem;
+mod scratch;
 mod search;
 
 use std::collections::HashMap;
@@ -84,10 +95,12 @@ pub use problem::{
     c_batches_overlap, check_pointers, tolerance, Alignment, Compute, Key, Problem, Spans,
     Validated, MAX_ALIGNMENT,
 };
+pub use scratch::{held_bytes as search_scratch_bytes, release as release_search_scratch};
 pub use search::{
-    beats_default, fill_uniform, search_timing, Candidate, Outcome, SearchPhases, SearchProgress,
-    SearchReport, BUDGET_MS, KEEP_DEFAULT_MARGIN, KERNELS, MAX_LT_CANDIDATES, MAX_ROUNDS,
-    MIN_ROUNDS, MIN_SAMPLE_MS,
+    beats_default, caller_data_unsuitable, fill_uniform, search_timing, Candidate, Outcome,
+    ResultStats, SearchOperands, SearchPhases, SearchProgress, SearchReport, Unsuitable, BUDGET_MS,
+    KEEP_DEFAULT_MARGIN, KERNELS, MAX_LT_CANDIDATES, MAX_ROUNDS, MIN_NONZERO_FRACTION,
+    MIN_PRODUCT_SHARE, MIN_ROUNDS, MIN_SAMPLE_MS,
 };
 
 use crate::context::{cublas_version, cublaslt_version, Context};
@@ -270,9 +283,10 @@ fn search_and_store(
     dtype: DType,
     key: Key,
     spans: Spans,
+    caller: Option<Ptrs>,
     progress: &mut dyn FnMut(SearchProgress<'_>),
 ) -> Result<(SearchReport, Option<Arc<lt::Plan>>)> {
-    let (report, plan) = search::run(ctx, p, dtype, key, spans, progress)?;
+    let (report, plan) = search::run(ctx, p, dtype, key, spans, caller, progress)?;
     cache::insert(key, report.choice, true, plan.clone());
     if let Some(path) = &ctx.config().tuning_cache {
         match save(ctx, path) {
@@ -288,14 +302,15 @@ fn search_and_store(
 }
 
 /// The choice for `key` and its cached cuBLASLt descriptors: from memory, else from the
-/// tuning-cache file (checked), else by a search; a failed search falls back to the cuBLAS
-/// default (remembered, with a warning).
+/// tuning-cache file (checked), else by a search on the caller's operands `ptrs`; a failed
+/// search falls back to the cuBLAS default (remembered, with a warning).
 fn choose(
     ctx: &Context,
     p: &Problem,
     dtype: DType,
     key: &Key,
     spans: Spans,
+    ptrs: Ptrs,
 ) -> (Choice, Option<Arc<lt::Plan>>) {
     let mut slot = cache::lookup_slot(key);
     if slot.is_none() {
@@ -330,7 +345,7 @@ fn choose(
         },
         None => {}
     }
-    match search_and_store(ctx, p, dtype, *key, spans, &mut |_| {}) {
+    match search_and_store(ctx, p, dtype, *key, spans, Some(ptrs), &mut |_| {}) {
         Ok((report, plan)) => (report.choice, plan),
         Err(e) => {
             tracing::warn!(
@@ -375,7 +390,7 @@ where
     }
     let align = Alignment::of(p, dtype.size(), ptrs.a, ptrs.b, ptrs.c);
     let key = Key::from_checked(ordinal(ctx), p, dtype, align);
-    let (choice, plan) = choose(ctx, p, dtype, &key, spans);
+    let (choice, plan) = choose(ctx, p, dtype, &key, spans, ptrs);
     let result = match (&choice.algo, plan) {
         (Algo::Cublas(x), _) => run_cublas(ctx, p, dtype, *x, ptrs),
         (Algo::Lt(x), Some(plan)) => run_lt(ctx, p, &plan, x, ptrs),
@@ -595,7 +610,8 @@ pub fn lookup(key: &Key) -> Option<Choice> {
 }
 
 /// Searches `p` for data of type `dtype` and operands aligned as `align` (use
-/// [`Alignment::MAX`] for fresh allocations), on scratch buffers of its own; stores the winner
+/// [`Alignment::MAX`] for fresh allocations), on pseudo-random operands in the Context's
+/// scratch (kept for later searches: see [`release_search_scratch`]); stores the winner
 /// in memory and, when configured, in the tuning-cache file; reports every candidate. Searches
 /// even when [`crate::Config::gemm_search`] is off or the key is cached.
 pub fn search(ctx: &Context, p: &Problem, dtype: DType, align: Alignment) -> Result<SearchReport> {
@@ -621,5 +637,36 @@ pub fn search_with(
     };
     align.check(dtype.size())?;
     let key = Key::from_checked(ordinal(ctx), p, dtype, align);
-    search_and_store(ctx, p, dtype, key, spans, progress).map(|(report, _)| report)
+    search_and_store(ctx, p, dtype, key, spans, None, progress).map(|(report, _)| report)
+}
+
+/// Searches `p` on the caller's operands, exactly as the first [`strided_batched`] call of
+/// their key does (see the module documentation), and stores the winner like
+/// [`search`]; reports every candidate. A and B are only read. When beta is 0, C receives the
+/// cuBLAS default's result (the search's reference; a later call overwrites it); otherwise C is
+/// left unchanged. Searches even when [`crate::Config::gemm_search`] is off or the key is
+/// cached.
+pub fn search_on<T, A, B, C>(
+    ctx: &Context,
+    p: &Problem,
+    a: &A,
+    b: &B,
+    c: &mut C,
+) -> Result<SearchReport>
+where
+    T: Element,
+    A: DevicePtr<T>,
+    B: DevicePtr<T>,
+    C: DevicePtrMut<T>,
+{
+    let dtype = T::DTYPE;
+    let Some((spans, ptrs, _guards)) = operands!(ctx, p, T, a, b, c, device_ptr_mut) else {
+        return Err(Error::invalid(
+            "m",
+            "the problem is empty (m, n or batch is 0): there is nothing to search",
+        ));
+    };
+    let align = Alignment::of(p, dtype.size(), ptrs.a, ptrs.b, ptrs.c);
+    let key = Key::from_checked(ordinal(ctx), p, dtype, align);
+    search_and_store(ctx, p, dtype, key, spans, Some(ptrs), &mut |_| {}).map(|(report, _)| report)
 }

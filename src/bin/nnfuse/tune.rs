@@ -1,5 +1,6 @@
 //! `nnfuse tune --gemm b,m,n,k --dtype f16 [--trans-a] [--trans-b] [--compute f32|f16]`: runs
-//! the GEMM algorithm search for one packed problem (on the search's own pseudo-random inputs),
+//! the GEMM algorithm search for one packed problem (on the search's own pseudo-random inputs,
+//! in scratch memory that this one search allocates),
 //! prints every candidate's time and TFLOP/s and the winner, and stores the result in the tuning
 //! cache (the file named by `NNFUSE_TUNING_CACHE`, when set).
 
@@ -85,10 +86,32 @@ pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
 
     let tflops = |ms: f64| p.flops() / (ms * 1e-3) / 1e12;
     println!("nnfuse tune: {} on {tag}", r.key);
+    let ph = &r.phases;
     println!(
-        "search: {:.1} ms (prepare {:.1}, check {:.1}, timing {:.1}); one-off setup before it: \
-         {:.1} ms (NVRTC compile of the search kernels, cuBLAS/cuBLASLt handles, workspace)",
-        r.wall_ms, r.phases.prepare_ms, r.phases.check_ms, r.phases.timing_ms, r.setup_ms
+        "search: {:.1} ms (prepare {:.1} [candidates {:.1}, scratch allocation {:.1}], check \
+         {:.1}, timing {:.1}); one-off setup before it: {:.1} ms (NVRTC compile of the search \
+         kernels, cuBLAS/cuBLASLt handles, workspace)",
+        r.wall_ms,
+        ph.prepare_ms,
+        ph.candidates_ms,
+        ph.alloc_ms,
+        ph.check_ms,
+        ph.timing_ms,
+        r.setup_ms
+    );
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    println!(
+        "operands: {}; {:.1} MiB of scratch ({})",
+        r.operands,
+        mib(r.scratch_bytes),
+        if r.allocated_bytes > 0 {
+            format!(
+                "allocated {:.1} MiB: the process's first search of this size",
+                mib(r.allocated_bytes)
+            )
+        } else {
+            "reused".into()
+        }
     );
     println!(
         "{} candidates; results compared with the cuBLAS default at relative L2 {:.1e}; timed \
