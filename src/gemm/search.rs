@@ -5,7 +5,9 @@
 //! # Steps
 //! 1. **Setup** (one-off, reported apart as [`SearchReport::setup_ms`]): the search's kernels
 //!    (NVRTC-compiled at the process's first search), the cuBLAS and cuBLASLt handles and the
-//!    cuBLASLt workspace of the Context (created at their first use).
+//!    cuBLASLt workspace of the Context (created at their first use), and a heuristic query for
+//!    a tiny problem of the same kind, the handle's first for that kind (one-off library costs:
+//!    [`SearchReport::setup_first_query_ms`]).
 //! 2. **Prepare**: cuBLASLt's descriptors for the problem are built **once**
 //!    ([`super::lt::Plan`]) and shared by every cuBLASLt candidate of the heuristic query; each
 //!    candidate is checked with `cublasLtMatmulAlgoCheck`, its workspace and its alignment
@@ -72,13 +74,15 @@
 //! For a 3 ms GEMM (16 x 4096^3 f16 on an H100) with 9 candidates this is 1 reference run, 8
 //! checking runs and 3 rounds of 9 single launches: about 36 launches, ~110 ms of GPU time.
 
+use std::collections::HashSet;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use cudarc::cublaslt::sys as lt_sys;
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtrMut, PushKernelArg};
 use half::{bf16, f16};
+use once_cell::sync::Lazy;
 
 use super::cache::{Algo, Choice, LtConfig, Origin};
 use super::cublas;
@@ -391,8 +395,14 @@ pub struct SearchReport {
     pub wall_ms: f64,
     /// Host wall time (ms) of the one-off setup this search paid before starting: NVRTC compile
     /// and module load of the search kernels, cuBLAS/cuBLASLt handle creation, workspace
-    /// allocation. Near 0 once a search has run on the Context.
+    /// allocation, and cuBLASLt's first heuristic query (`setup_first_query_ms`). Near 0 once a
+    /// search has run on the Context.
     pub setup_ms: f64,
+    /// Part of `setup_ms`: a heuristic query for a tiny problem of the same kind (types,
+    /// transposes), the first of the Context's cuBLASLt handle for that kind, made before the
+    /// search so that one-off library costs it pays are not counted as the search's (0 when an
+    /// earlier search made it).
+    pub setup_first_query_ms: f64,
     /// Where `wall_ms` went.
     pub phases: SearchPhases,
     /// Which operands the candidates were checked and timed on.
@@ -806,6 +816,35 @@ fn init_c(
     }
 }
 
+/// The first heuristic query of a cuBLASLt handle for a kind of problem (data and compute type,
+/// transposes) may pay one-off costs of the library (lazy initialisation) that no later search
+/// pays again. A query for a tiny problem of the same kind, once per handle and kind, moves that
+/// cost into the setup, where it is reported on its own ([`SearchReport::setup_first_query_ms`],
+/// part of [`SearchReport::setup_ms`]); it costs microseconds when there is nothing to pay.
+/// Returns its time (ms; 0 when the handle already had one).
+fn first_query(h: lt_sys::cublasLtHandle_t, p: &Problem, dtype: DType) -> f64 {
+    type Kind = (usize, DType, super::Compute, bool, bool);
+    static DONE: Lazy<Mutex<HashSet<Kind>>> = Lazy::new(|| Mutex::new(HashSet::new()));
+    let kind = (h as usize, dtype, p.compute, p.trans_a, p.trans_b);
+    let mut done = match DONE.lock() {
+        Ok(g) => g,
+        Err(e) => e.into_inner(),
+    };
+    if done.contains(&kind) {
+        return 0.0;
+    }
+    let t = Instant::now();
+    let tiny = Problem::packed_trans(1, 64, 64, 64, p.trans_a, p.trans_b).with_compute(p.compute);
+    // Its result does not matter (the real query follows); an error shows there too.
+    if let Ok(plan) = lt::Plan::new(&tiny, dtype) {
+        let _ = plan.heuristics(h, Alignment::MAX, WORKSPACE_BYTES, 1);
+    }
+    done.insert(kind);
+    let ms = ms_since(t);
+    tracing::debug!(ms, %dtype, "cuBLASLt first heuristic query of this handle and problem kind");
+    ms
+}
+
 fn typed<T: Element>(
     ctx: &Context,
     p: &Problem,
@@ -841,6 +880,7 @@ fn typed<T: Element>(
     } else {
         0
     };
+    let setup_first_query_ms = lt_handle.map_or(0.0, |h| first_query(h, p, dtype));
     let setup_ms = ms_since(t_setup);
 
     // 2. Prepare: the candidates (heuristic query, descriptors, checks), then the operands.
@@ -1180,6 +1220,7 @@ fn typed<T: Element>(
         winner_vs_default = best_ratio,
         fastest_median = fastest.map_or_else(String::new, |(i, _)| candidates[i].label()),
         search_ms = wall_ms,
+        setup_first_query_ms,
         prepare_ms,
         candidates_ms,
         alloc_ms,
@@ -1211,6 +1252,7 @@ fn typed<T: Element>(
             rounds: res.rounds,
             wall_ms,
             setup_ms,
+            setup_first_query_ms,
             phases: SearchPhases {
                 prepare_ms,
                 candidates_ms,

@@ -90,14 +90,15 @@ pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
     println!(
         "search: {:.1} ms (prepare {:.1} [candidates {:.1}, scratch allocation {:.1}], check \
          {:.1}, timing {:.1}); one-off setup before it: {:.1} ms (NVRTC compile of the search \
-         kernels, cuBLAS/cuBLASLt handles, workspace)",
+         kernels, cuBLAS/cuBLASLt handles, workspace; cuBLASLt's first heuristic query {:.1} ms)",
         r.wall_ms,
         ph.prepare_ms,
         ph.candidates_ms,
         ph.alloc_ms,
         ph.check_ms,
         ph.timing_ms,
-        r.setup_ms
+        r.setup_ms,
+        r.setup_first_query_ms
     );
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
     println!(
