@@ -390,8 +390,9 @@ pub struct SearchReport {
     pub tolerance: f64,
     /// Timed rounds (every timed candidate has one sample per round).
     pub rounds: usize,
-    /// Host wall time of the search itself (ms): everything from scratch allocation to the
-    /// decision, what the "under 200 ms per shape" target measures. One-off setup excluded.
+    /// Host wall time of the search itself (ms): everything from the heuristic query to the
+    /// decision (scratch allocation included), what the "under 200 ms per shape" target
+    /// measures. One-off setup excluded.
     pub wall_ms: f64,
     /// Host wall time (ms) of the one-off setup this search paid before starting: NVRTC compile
     /// and module load of the search kernels, cuBLAS/cuBLASLt handle creation, workspace
