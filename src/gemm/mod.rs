@@ -659,6 +659,24 @@ where
     B: DevicePtr<T>,
     C: DevicePtrMut<T>,
 {
+    search_on_with(ctx, p, a, b, c, &mut |_| {})
+}
+
+/// [`search_on`] with a progress callback (called before each candidate and at the end).
+pub fn search_on_with<T, A, B, C>(
+    ctx: &Context,
+    p: &Problem,
+    a: &A,
+    b: &B,
+    c: &mut C,
+    progress: &mut dyn FnMut(SearchProgress<'_>),
+) -> Result<SearchReport>
+where
+    T: Element,
+    A: DevicePtr<T>,
+    B: DevicePtr<T>,
+    C: DevicePtrMut<T>,
+{
     let dtype = T::DTYPE;
     let Some((spans, ptrs, _guards)) = operands!(ctx, p, T, a, b, c, device_ptr_mut) else {
         return Err(Error::invalid(
@@ -668,5 +686,5 @@ where
     };
     let align = Alignment::of(p, dtype.size(), ptrs.a, ptrs.b, ptrs.c);
     let key = Key::from_checked(ordinal(ctx), p, dtype, align);
-    search_and_store(ctx, p, dtype, key, spans, Some(ptrs), &mut |_| {}).map(|(report, _)| report)
+    search_and_store(ctx, p, dtype, key, spans, Some(ptrs), progress).map(|(report, _)| report)
 }

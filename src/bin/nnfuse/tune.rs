@@ -1,17 +1,25 @@
-//! `nnfuse tune --gemm b,m,n,k --dtype f16 [--trans-a] [--trans-b] [--compute f32|f16]`: runs
-//! the GEMM algorithm search for one packed problem (on the search's own pseudo-random inputs,
-//! in scratch memory that this one search allocates),
-//! prints every candidate's time and TFLOP/s and the winner, and stores the result in the tuning
-//! cache (the file named by `NNFUSE_TUNING_CACHE`, when set).
+//! `nnfuse tune --gemm b,m,n,k --dtype f16 [--trans-a] [--trans-b] [--compute f32|f16]
+//! [--own-buffers]`: runs the GEMM algorithm search for one packed problem, prints every
+//! candidate's time and TFLOP/s and the winner, and stores the result in the tuning cache (the
+//! file named by `NNFUSE_TUNING_CACHE`, when set).
+//!
+//! By default the search runs on its own pseudo-random operands, in scratch memory that this one
+//! search allocates (A, B and two C's), as `gemm::search` does. With `--own-buffers`, nnfuse tune
+//! first allocates A, B and C as an application would (A and B pseudo-random, C zero, or
+//! pseudo-random when beta != 0), reports that apart, and searches on them as the first
+//! `gemm::strided_batched` call of the shape does (`gemm::search_on`: scratch for C only).
 
 use std::process::ExitCode;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _};
 use clap::Args;
+use half::{bf16, f16};
 use indicatif::{ProgressBar, ProgressStyle};
-use nnfuse::gemm::{self, Alignment, Compute, Outcome, Problem, SearchProgress};
-use nnfuse::{Config, Context, DType};
+use nnfuse::gemm::{
+    self, Alignment, Compute, Outcome, Problem, SearchProgress, SearchReport, Validated,
+};
+use nnfuse::{Config, Context, DType, Element};
 
 /// Arguments of `nnfuse tune`.
 #[derive(Args, Debug)]
@@ -40,6 +48,41 @@ pub struct TuneArgs {
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     device: usize,
+    /// Search on operand buffers allocated (and filled) first, as an application's first call
+    /// does, instead of on the search's own scratch operands.
+    #[arg(long)]
+    own_buffers: bool,
+}
+
+/// Allocates and fills A, B and C for `p` (reported apart: an application has them already),
+/// then searches on them. Returns the report and the milliseconds the buffers took.
+fn search_on_own_buffers<T: Element>(
+    ctx: &Context,
+    p: &Problem,
+    progress: &mut dyn FnMut(SearchProgress<'_>),
+) -> anyhow::Result<(SearchReport, f64)> {
+    let spans = match p.check(T::DTYPE)? {
+        Validated::Spans(s) => s,
+        Validated::Empty => bail!("the problem is empty (m, n or batch is 0)"),
+    };
+    let t = Instant::now();
+    let s = ctx.stream();
+    let alloc = |n: usize| {
+        s.alloc_zeros::<T>(n)
+            .map_err(|e| anyhow::anyhow!("allocating {n} elements: {e:?}"))
+    };
+    let mut a = alloc(spans.a)?;
+    let mut b = alloc(spans.b)?;
+    let mut c = alloc(spans.c)?;
+    gemm::fill_uniform(ctx, &mut a, 1)?;
+    gemm::fill_uniform(ctx, &mut b, 2)?;
+    if p.beta != 0.0 {
+        gemm::fill_uniform(ctx, &mut c, 3)?;
+    }
+    ctx.synchronize()?;
+    let buffers_ms = t.elapsed().as_secs_f64() * 1e3;
+    let r = gemm::search_on_with(ctx, p, &a, &b, &mut c, progress)?;
+    Ok((r, buffers_ms))
 }
 
 fn parse_shape(s: &str) -> anyhow::Result<[usize; 4]> {
@@ -80,9 +123,20 @@ pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
         bar.set_position(s.done as u64);
         bar.set_message(s.label.to_string());
     };
-    let result = gemm::search_with(&ctx, &p, dtype, Alignment::MAX, &mut on_progress);
+    let result = if args.own_buffers {
+        match dtype {
+            DType::F32 => search_on_own_buffers::<f32>(&ctx, &p, &mut on_progress),
+            DType::F16 => search_on_own_buffers::<f16>(&ctx, &p, &mut on_progress),
+            DType::BF16 => search_on_own_buffers::<bf16>(&ctx, &p, &mut on_progress),
+        }
+        .map(|(r, ms)| (r, Some(ms)))
+    } else {
+        gemm::search_with(&ctx, &p, dtype, Alignment::MAX, &mut on_progress)
+            .map(|r| (r, None))
+            .map_err(Into::into)
+    };
     bar.finish_and_clear();
-    let r = result?;
+    let (r, buffers_ms) = result?;
 
     let tflops = |ms: f64| p.flops() / (ms * 1e-3) / 1e12;
     println!("nnfuse tune: {} on {tag}", r.key);
@@ -101,6 +155,16 @@ pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
         r.setup_first_query_ms
     );
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    if let Some(ms) = buffers_ms {
+        println!(
+            "--own-buffers: A, B and C ({:.1} MiB) allocated and filled by nnfuse tune in {ms:.1} \
+             ms before the search (not part of it: an application has its buffers already)",
+            mib(p.check(dtype).ok().map_or(0, |v| match v {
+                Validated::Spans(s) => (s.a + s.b + s.c) * dtype.size(),
+                Validated::Empty => 0,
+            }))
+        );
+    }
     println!(
         "operands: {}; {:.1} MiB of scratch ({})",
         r.operands,
