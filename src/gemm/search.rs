@@ -57,7 +57,7 @@
 //!   are cuBLASLt's own kernels for this exact problem description; what the check guards
 //!   against is numerical difference (reduced precision, split-K reductions), which any generic
 //!   data shows.
-//! - **Pseudo-random scratch** (no caller buffers: [`super::search`], `nnfuse tune`; or the
+//! - **Pseudo-random scratch** (no caller buffers: [`super::search`], plain `nnfuse tune`; or the
 //!   fallback): A, B and two C's (the default's reference result and the candidates' output),
 //!   each placed at the key's alignment; A and B hold deterministic pseudo-random values in
 //!   [-1, 1) (written only when the scratch does not already hold the same pattern at the same
