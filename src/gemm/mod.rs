@@ -7,14 +7,14 @@
 //! relative) or, for f16 data, f16 accumulation ([`Compute::F16`]).
 //!
 //! ```no_run
-//! # fn main() -> nnfuse::Result<()> {
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! use nnfuse::gemm::{self, Problem};
 //! let ctx = nnfuse::Context::new(0)?;
 //! let (batch, m, n, k) = (16, 1024, 1024, 1024);
 //! let s = ctx.stream();
-//! let a = s.alloc_zeros::<half::f16>(batch * m * k).unwrap();
-//! let b = s.alloc_zeros::<half::f16>(batch * k * n).unwrap();
-//! let mut c = s.alloc_zeros::<half::f16>(batch * m * n).unwrap();
+//! let a = s.alloc_zeros::<half::f16>(batch * m * k)?;
+//! let b = s.alloc_zeros::<half::f16>(batch * k * n)?;
+//! let mut c = s.alloc_zeros::<half::f16>(batch * m * n)?;
 //! gemm::strided_batched(&ctx, &Problem::packed(batch, m, n, k), &a, &b, &mut c)?;
 //! # Ok(()) }
 //! ```
@@ -426,14 +426,14 @@ where
 /// [`strided_batched`] costs: the same validation, then one library call. No search, no cache.
 ///
 /// ```no_run
-/// # fn main() -> nnfuse::Result<()> {
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use nnfuse::gemm::{self, Algo, Alignment, Prepared, Problem};
 /// let ctx = nnfuse::Context::new(0)?;
 /// let p = Problem::packed(16, 512, 512, 512);
 /// let s = ctx.stream();
-/// let a = s.alloc_zeros::<half::f16>(16 * 512 * 512).unwrap();
-/// let b = s.alloc_zeros::<half::f16>(16 * 512 * 512).unwrap();
-/// let mut c = s.alloc_zeros::<half::f16>(16 * 512 * 512).unwrap();
+/// let a = s.alloc_zeros::<half::f16>(16 * 512 * 512)?;
+/// let b = s.alloc_zeros::<half::f16>(16 * 512 * 512)?;
+/// let mut c = s.alloc_zeros::<half::f16>(16 * 512 * 512)?;
 /// let run = Prepared::new(&ctx, &p, nnfuse::DType::F16, &Algo::CUBLAS_DEFAULT, Alignment::MAX)?;
 /// run.run(&ctx, &a, &b, &mut c)?;
 /// # Ok(()) }
