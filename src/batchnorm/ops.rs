@@ -303,7 +303,7 @@ impl<T: Element> BatchNorm<T> {
         let mut mean = unsafe { stream.alloc::<f32>(c) }.call("cuMemAllocAsync")?;
         let mut inv_var = unsafe { stream.alloc::<f32>(c) }.call("cuMemAllocAsync")?;
 
-        let ran_fused = {
+        let (ran_fused, x_ptr) = {
             let (x, _g1) = a.x.device_ptr(stream);
             let z = a.addend.as_ref().map(|v| v.device_ptr(stream));
             let (gamma, _g3) = a.gamma.device_ptr(stream);
@@ -363,13 +363,9 @@ impl<T: Element> BatchNorm<T> {
                 saved_mean: mp,
                 saved_inv_var: ip,
             };
-            self.run_forward(path, &ptrs, a.momentum, a.eps)?
+            (self.run_forward(path, &ptrs, a.momentum, a.eps)?, x)
         };
 
-        let x_ptr = {
-            let (p, _g) = a.x.device_ptr(stream);
-            p
-        };
         let (path, reserve, mask) = match ran_fused {
             Ran::Fused(reserve) => (BnPath::CudnnFused, reserve, None),
             Ran::Plain(reserve) => (BnPath::Plain, reserve, None),
