@@ -6,7 +6,14 @@
 //! | `NNFUSE_BN_MODE_POLICY` | `oneflow`, `auto`, `fast` | `auto` | how the cuDNN BatchNorm mode is chosen (see [`BnModePolicy`]) |
 //! | `NNFUSE_DISABLE_CUDNN_FUSION` | boolean | false | never use cuDNN's fused BN+ReLU / BN+Add+ReLU |
 //! | `NNFUSE_GEMM_SEARCH` | boolean | true | time GEMM algorithm candidates; off = cuBLAS default |
-//! | `NNFUSE_TUNING_CACHE` | a file path | unset | where GEMM search results persist |
+//! | `NNFUSE_TUNING_CACHE` | a file path | unset | where GEMM and convolution search results persist |
+//! | `NNFUSE_KERNEL_CACHE` | a directory | beside the tuning cache | where NVRTC-compiled kernel images persist |
+//! | `NNFUSE_PLAN_CACHE_CAPACITY` | integer >= 1 | 4096 | most entries of each plan/choice cache (LRU) |
+//! | `NNFUSE_BN_IMPL` | `auto`, `cudnn`, `own` | `auto` | which BatchNorm implementation runs (see [`BnImpl`]) |
+//! | `NNFUSE_CONV_ALGO` | `auto`, `cudnn`, `im2col`, `winograd`, `winograd_f2x3`, `winograd_f4x3`, `direct` | `auto` | how convolutions are computed (see [`ConvAlgoPolicy`]) |
+//! | `NNFUSE_WINOGRAD_GEMM` | `auto`, `seed`, `tensor_core`, `direct` | `auto` | how Winograd's batched multiply runs (see [`WinogradGemmPolicy`]) |
+//! | `NNFUSE_CONV_WORKSPACE_MB` | integer >= 1 | 256 | cap on the scratch memory of nnfuse's own convolution paths |
+//! | `NNFUSE_DETERMINISTIC` | boolean | false | only deterministic algorithms (cuDNN convolution backward) |
 //!
 //! Booleans parse like OneFlow's `ParseBooleanFromEnv`: `1/0`, `true/false`, `yes/no`, `on/off`
 //! (any case, surrounding blanks ignored); an empty value counts as unset; anything else is
@@ -68,6 +75,172 @@ impl FromStr for BnModePolicy {
     }
 }
 
+/// Parses one of `names` (case-insensitive, `-` read as `_`) into the matching value.
+fn parse_choice<T: Copy>(var: &str, s: &str, table: &[(&str, T)]) -> Result<T> {
+    let v = s.trim().to_ascii_lowercase().replace('-', "_");
+    table
+        .iter()
+        .find(|(n, _)| *n == v)
+        .map(|(_, t)| *t)
+        .ok_or_else(|| Error::Config {
+            var: var.into(),
+            value: s.into(),
+            reason: format!(
+                "expected one of {}",
+                table.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+            ),
+        })
+}
+
+/// Which BatchNorm implementation runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum BnImpl {
+    /// The plan chooses per shape between cuDNN and nnfuse's own kernels (by measurement).
+    #[default]
+    Auto,
+    /// Always cuDNN (fused where allowed, else cuDNN BN plus the bitmask kernels).
+    Cudnn,
+    /// Always nnfuse's own BatchNorm kernels (no cuDNN needed).
+    Own,
+}
+
+impl BnImpl {
+    const TABLE: [(&'static str, BnImpl); 3] = [
+        ("auto", BnImpl::Auto),
+        ("cudnn", BnImpl::Cudnn),
+        ("own", BnImpl::Own),
+    ];
+
+    /// The spelling used by the environment variable and the CLI.
+    pub const fn name(self) -> &'static str {
+        match self {
+            BnImpl::Auto => "auto",
+            BnImpl::Cudnn => "cudnn",
+            BnImpl::Own => "own",
+        }
+    }
+}
+
+impl fmt::Display for BnImpl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for BnImpl {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        parse_choice(ENV_BN_IMPL, s, &Self::TABLE)
+    }
+}
+
+/// How a convolution is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum ConvAlgoPolicy {
+    /// Measure the eligible paths on a problem's first call and keep the fastest that passed its
+    /// numerical check (cuDNN unless clearly beaten).
+    #[default]
+    Auto,
+    /// cuDNN's convolution (algorithm from cuDNN's own search).
+    Cudnn,
+    /// nnfuse's im2col kernel followed by a strided batched GEMM.
+    Im2col,
+    /// Winograd (3x3, stride 1, dilation 1, NHWC), the tile size measured.
+    Winograd,
+    /// Winograd F(2x2, 3x3).
+    WinogradF2x3,
+    /// Winograd F(4x4, 3x3).
+    WinogradF4x3,
+    /// nnfuse's direct convolution kernel (any shape; slow on large layers).
+    Direct,
+}
+
+impl ConvAlgoPolicy {
+    const TABLE: [(&'static str, ConvAlgoPolicy); 7] = [
+        ("auto", ConvAlgoPolicy::Auto),
+        ("cudnn", ConvAlgoPolicy::Cudnn),
+        ("im2col", ConvAlgoPolicy::Im2col),
+        ("winograd", ConvAlgoPolicy::Winograd),
+        ("winograd_f2x3", ConvAlgoPolicy::WinogradF2x3),
+        ("winograd_f4x3", ConvAlgoPolicy::WinogradF4x3),
+        ("direct", ConvAlgoPolicy::Direct),
+    ];
+
+    /// The spelling used by the environment variable and the CLI.
+    pub const fn name(self) -> &'static str {
+        match self {
+            ConvAlgoPolicy::Auto => "auto",
+            ConvAlgoPolicy::Cudnn => "cudnn",
+            ConvAlgoPolicy::Im2col => "im2col",
+            ConvAlgoPolicy::Winograd => "winograd",
+            ConvAlgoPolicy::WinogradF2x3 => "winograd_f2x3",
+            ConvAlgoPolicy::WinogradF4x3 => "winograd_f4x3",
+            ConvAlgoPolicy::Direct => "direct",
+        }
+    }
+}
+
+impl fmt::Display for ConvAlgoPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for ConvAlgoPolicy {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        parse_choice(ENV_CONV_ALGO, s, &Self::TABLE)
+    }
+}
+
+/// How Winograd's batched multiply (one GEMM per transform position) runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum WinogradGemmPolicy {
+    /// Measured per problem: the tensor-core GEMM (nnfuse's strided batched GEMM) or nnfuse's
+    /// Direct batched multiply, whichever is faster.
+    #[default]
+    Auto,
+    /// The seed's rule as written: tensor cores when (tiles, C_in, C_out) are divisible by
+    /// (16, 16, 16), (8, 16, 32) or (32, 16, 8), otherwise the Direct batched multiply.
+    Seed,
+    /// Always the tensor-core GEMM.
+    TensorCore,
+    /// Always the Direct batched multiply.
+    Direct,
+}
+
+impl WinogradGemmPolicy {
+    const TABLE: [(&'static str, WinogradGemmPolicy); 4] = [
+        ("auto", WinogradGemmPolicy::Auto),
+        ("seed", WinogradGemmPolicy::Seed),
+        ("tensor_core", WinogradGemmPolicy::TensorCore),
+        ("direct", WinogradGemmPolicy::Direct),
+    ];
+
+    /// The spelling used by the environment variable and the CLI.
+    pub const fn name(self) -> &'static str {
+        match self {
+            WinogradGemmPolicy::Auto => "auto",
+            WinogradGemmPolicy::Seed => "seed",
+            WinogradGemmPolicy::TensorCore => "tensor_core",
+            WinogradGemmPolicy::Direct => "direct",
+        }
+    }
+}
+
+impl fmt::Display for WinogradGemmPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for WinogradGemmPolicy {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        parse_choice(ENV_WINOGRAD_GEMM, s, &Self::TABLE)
+    }
+}
+
 /// `NNFUSE_ENABLE_NHWC`.
 pub const ENV_ENABLE_NHWC: &str = "NNFUSE_ENABLE_NHWC";
 /// OneFlow's name for the same flag, honoured as an alias.
@@ -81,14 +254,41 @@ pub const ENV_GEMM_SEARCH: &str = "NNFUSE_GEMM_SEARCH";
 /// `NNFUSE_TUNING_CACHE`.
 pub const ENV_TUNING_CACHE: &str = "NNFUSE_TUNING_CACHE";
 
+/// `NNFUSE_KERNEL_CACHE`.
+pub const ENV_KERNEL_CACHE: &str = "NNFUSE_KERNEL_CACHE";
+/// `NNFUSE_PLAN_CACHE_CAPACITY`.
+pub const ENV_PLAN_CACHE_CAPACITY: &str = "NNFUSE_PLAN_CACHE_CAPACITY";
+/// `NNFUSE_BN_IMPL`.
+pub const ENV_BN_IMPL: &str = "NNFUSE_BN_IMPL";
+/// `NNFUSE_CONV_ALGO`.
+pub const ENV_CONV_ALGO: &str = "NNFUSE_CONV_ALGO";
+/// `NNFUSE_WINOGRAD_GEMM`.
+pub const ENV_WINOGRAD_GEMM: &str = "NNFUSE_WINOGRAD_GEMM";
+/// `NNFUSE_CONV_WORKSPACE_MB`.
+pub const ENV_CONV_WORKSPACE_MB: &str = "NNFUSE_CONV_WORKSPACE_MB";
+/// `NNFUSE_DETERMINISTIC`.
+pub const ENV_DETERMINISTIC: &str = "NNFUSE_DETERMINISTIC";
+
+/// Default of [`Config::plan_cache_capacity`].
+pub const DEFAULT_PLAN_CACHE_CAPACITY: usize = 4096;
+/// Default of [`Config::conv_workspace_mb`].
+pub const DEFAULT_CONV_WORKSPACE_MB: usize = 256;
+
 /// Every variable nnfuse reads.
-pub const ALL_VARS: [&str; 6] = [
+pub const ALL_VARS: [&str; 13] = [
     ENV_ENABLE_NHWC,
     ENV_ONEFLOW_ENABLE_NHWC,
     ENV_BN_MODE_POLICY,
     ENV_DISABLE_CUDNN_FUSION,
     ENV_GEMM_SEARCH,
     ENV_TUNING_CACHE,
+    ENV_KERNEL_CACHE,
+    ENV_PLAN_CACHE_CAPACITY,
+    ENV_BN_IMPL,
+    ENV_CONV_ALGO,
+    ENV_WINOGRAD_GEMM,
+    ENV_CONV_WORKSPACE_MB,
+    ENV_DETERMINISTIC,
 ];
 
 /// The settings one [`crate::Context`] works with.
@@ -102,8 +302,25 @@ pub struct Config {
     pub disable_cudnn_fusion: bool,
     /// Search GEMM algorithms (true) or take the cuBLAS default (false).
     pub gemm_search: bool,
-    /// File in which GEMM search results persist between processes.
+    /// File in which GEMM and convolution search results persist between processes.
     pub tuning_cache: Option<PathBuf>,
+    /// Directory in which NVRTC-compiled kernel images persist between processes (`None`: a
+    /// `kernels` folder beside [`Config::tuning_cache`] when that is set, else no disk cache).
+    pub kernel_cache: Option<PathBuf>,
+    /// Most entries each plan or choice cache keeps (least recently used evicted first).
+    pub plan_cache_capacity: usize,
+    /// Which BatchNorm implementation runs.
+    pub bn_impl: BnImpl,
+    /// How convolutions are computed.
+    pub conv_algo: ConvAlgoPolicy,
+    /// How Winograd's batched multiply runs.
+    pub winograd_gemm: WinogradGemmPolicy,
+    /// Cap, in MiB, on the scratch memory of nnfuse's own convolution paths (im2col columns,
+    /// Winograd's transformed tensors): the batch is processed in chunks that fit.
+    pub conv_workspace_mb: usize,
+    /// Only deterministic algorithms (cuDNN's convolution backward may otherwise pick
+    /// algorithms that use atomics).
+    pub deterministic: bool,
 }
 
 impl Default for Config {
@@ -115,7 +332,26 @@ impl Default for Config {
             disable_cudnn_fusion: false,
             gemm_search: true,
             tuning_cache: None,
+            kernel_cache: None,
+            plan_cache_capacity: DEFAULT_PLAN_CACHE_CAPACITY,
+            bn_impl: BnImpl::Auto,
+            conv_algo: ConvAlgoPolicy::Auto,
+            winograd_gemm: WinogradGemmPolicy::Auto,
+            conv_workspace_mb: DEFAULT_CONV_WORKSPACE_MB,
+            deterministic: false,
         }
+    }
+}
+
+/// Parses an integer >= 1; `var` names the variable in the error.
+pub fn parse_count(var: &str, value: &str) -> Result<usize> {
+    match value.trim().parse::<usize>() {
+        Ok(v) if v >= 1 => Ok(v),
+        _ => Err(Error::Config {
+            var: var.into(),
+            value: value.into(),
+            reason: "expected an integer >= 1".into(),
+        }),
     }
 }
 
@@ -185,6 +421,27 @@ impl Config {
         if let Some(v) = get(ENV_TUNING_CACHE) {
             c.tuning_cache = Some(PathBuf::from(v.trim()));
         }
+        if let Some(v) = get(ENV_KERNEL_CACHE) {
+            c.kernel_cache = Some(PathBuf::from(v.trim()));
+        }
+        if let Some(v) = get(ENV_PLAN_CACHE_CAPACITY) {
+            c.plan_cache_capacity = parse_count(ENV_PLAN_CACHE_CAPACITY, &v)?;
+        }
+        if let Some(v) = get(ENV_BN_IMPL) {
+            c.bn_impl = v.parse()?;
+        }
+        if let Some(v) = get(ENV_CONV_ALGO) {
+            c.conv_algo = v.parse()?;
+        }
+        if let Some(v) = get(ENV_WINOGRAD_GEMM) {
+            c.winograd_gemm = v.parse()?;
+        }
+        if let Some(v) = get(ENV_CONV_WORKSPACE_MB) {
+            c.conv_workspace_mb = parse_count(ENV_CONV_WORKSPACE_MB, &v)?;
+        }
+        if let Some(v) = get(ENV_DETERMINISTIC) {
+            c.deterministic = parse_bool(ENV_DETERMINISTIC, &v)?;
+        }
         Ok(c)
     }
 
@@ -217,6 +474,53 @@ impl Config {
         self.tuning_cache = path;
         self
     }
+
+    /// Sets [`Config::kernel_cache`].
+    pub fn with_kernel_cache(mut self, dir: Option<PathBuf>) -> Self {
+        self.kernel_cache = dir;
+        self
+    }
+
+    /// Sets [`Config::plan_cache_capacity`] (at least 1).
+    pub fn with_plan_cache_capacity(mut self, entries: usize) -> Self {
+        self.plan_cache_capacity = entries.max(1);
+        self
+    }
+
+    /// Sets [`Config::bn_impl`].
+    pub fn with_bn_impl(mut self, i: BnImpl) -> Self {
+        self.bn_impl = i;
+        self
+    }
+
+    /// Sets [`Config::conv_algo`].
+    pub fn with_conv_algo(mut self, p: ConvAlgoPolicy) -> Self {
+        self.conv_algo = p;
+        self
+    }
+
+    /// Sets [`Config::winograd_gemm`].
+    pub fn with_winograd_gemm(mut self, p: WinogradGemmPolicy) -> Self {
+        self.winograd_gemm = p;
+        self
+    }
+
+    /// Sets [`Config::conv_workspace_mb`] (at least 1).
+    pub fn with_conv_workspace_mb(mut self, mib: usize) -> Self {
+        self.conv_workspace_mb = mib.max(1);
+        self
+    }
+
+    /// Sets [`Config::deterministic`].
+    pub fn with_deterministic(mut self, on: bool) -> Self {
+        self.deterministic = on;
+        self
+    }
+
+    /// [`Config::conv_workspace_mb`] in bytes.
+    pub fn conv_workspace_bytes(&self) -> usize {
+        self.conv_workspace_mb.max(1).saturating_mul(1 << 20)
+    }
 }
 
 impl fmt::Display for Config {
@@ -226,9 +530,22 @@ impl fmt::Display for Config {
         writeln!(f, "disable_cudnn_fusion = {}", self.disable_cudnn_fusion)?;
         writeln!(f, "gemm_search          = {}", self.gemm_search)?;
         match &self.tuning_cache {
-            Some(p) => write!(f, "tuning_cache         = {}", p.display()),
-            None => write!(f, "tuning_cache         = (none)"),
+            Some(p) => writeln!(f, "tuning_cache         = {}", p.display())?,
+            None => writeln!(f, "tuning_cache         = (none)")?,
         }
+        match &self.kernel_cache {
+            Some(p) => writeln!(f, "kernel_cache         = {}", p.display())?,
+            None => writeln!(
+                f,
+                "kernel_cache         = (beside the tuning cache, if any)"
+            )?,
+        }
+        writeln!(f, "plan_cache_capacity  = {}", self.plan_cache_capacity)?;
+        writeln!(f, "bn_impl              = {}", self.bn_impl)?;
+        writeln!(f, "conv_algo            = {}", self.conv_algo)?;
+        writeln!(f, "winograd_gemm        = {}", self.winograd_gemm)?;
+        writeln!(f, "conv_workspace_mb    = {}", self.conv_workspace_mb)?;
+        write!(f, "deterministic        = {}", self.deterministic)
     }
 }
 
@@ -294,6 +611,53 @@ mod tests {
         assert!(e.to_string().contains(ENV_BN_MODE_POLICY));
         let e = cfg(&[(ENV_GEMM_SEARCH, "sometimes")]).unwrap_err();
         assert!(e.to_string().contains(ENV_GEMM_SEARCH));
+    }
+
+    #[test]
+    fn new_variables_are_read_and_checked() {
+        let c = cfg(&[
+            (ENV_KERNEL_CACHE, "/tmp/k"),
+            (ENV_PLAN_CACHE_CAPACITY, "17"),
+            (ENV_BN_IMPL, "Own"),
+            (ENV_CONV_ALGO, "winograd-f4x3"),
+            (ENV_WINOGRAD_GEMM, "seed"),
+            (ENV_CONV_WORKSPACE_MB, " 64 "),
+            (ENV_DETERMINISTIC, "yes"),
+        ])
+        .unwrap();
+        assert_eq!(c.kernel_cache, Some(PathBuf::from("/tmp/k")));
+        assert_eq!(c.plan_cache_capacity, 17);
+        assert_eq!(c.bn_impl, BnImpl::Own);
+        assert_eq!(c.conv_algo, ConvAlgoPolicy::WinogradF4x3);
+        assert_eq!(c.winograd_gemm, WinogradGemmPolicy::Seed);
+        assert_eq!(c.conv_workspace_mb, 64);
+        assert_eq!(c.conv_workspace_bytes(), 64 << 20);
+        assert!(c.deterministic);
+        for (var, bad) in [
+            (ENV_PLAN_CACHE_CAPACITY, "0"),
+            (ENV_PLAN_CACHE_CAPACITY, "-3"),
+            (ENV_CONV_WORKSPACE_MB, "lots"),
+            (ENV_BN_IMPL, "cudnn9"),
+            (ENV_CONV_ALGO, "fft"),
+            (ENV_WINOGRAD_GEMM, "wgmma"),
+            (ENV_DETERMINISTIC, "perhaps"),
+        ] {
+            let e = cfg(&[(var, bad)]).unwrap_err();
+            assert!(e.to_string().contains(var), "{e}");
+        }
+        for p in ConvAlgoPolicy::TABLE {
+            assert_eq!(p.0.parse::<ConvAlgoPolicy>().unwrap(), p.1);
+            assert_eq!(p.1.name(), p.0);
+        }
+        for p in WinogradGemmPolicy::TABLE {
+            assert_eq!(p.0.parse::<WinogradGemmPolicy>().unwrap(), p.1);
+            assert_eq!(p.1.name(), p.0);
+        }
+        for p in BnImpl::TABLE {
+            assert_eq!(p.0.parse::<BnImpl>().unwrap(), p.1);
+            assert_eq!(p.1.name(), p.0);
+        }
+        assert_eq!(ALL_VARS.len(), 13);
     }
 
     #[test]

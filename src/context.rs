@@ -176,6 +176,8 @@ struct Inner {
     /// Per-Context caches of derived objects (BatchNorm plans + descriptors, ...), one map per
     /// key type.
     memo: Mutex<HashMap<TypeId, Box<dyn Any + Send + Sync>>>,
+    /// Scratch memory of nnfuse's own multi-kernel paths (see [`Context::scratch`]).
+    scratch: Mutex<Option<CudaSlice<u8>>>,
 }
 
 impl Drop for Inner {
@@ -277,6 +279,7 @@ impl Context {
                 functions: Mutex::new(HashMap::new()),
                 modules: Mutex::new(HashMap::new()),
                 memo: Mutex::new(HashMap::new()),
+                scratch: Mutex::new(None),
             }),
         })
     }
@@ -295,6 +298,7 @@ impl Context {
                 functions: Mutex::new(HashMap::new()),
                 modules: Mutex::new(HashMap::new()),
                 memo: Mutex::new(HashMap::new()),
+                scratch: Mutex::new(None),
             }),
         }
     }
@@ -374,6 +378,54 @@ impl Context {
         Ok(v)
     }
 
+    /// Exclusive use of the Context's scratch arena of at least `bytes` bytes (grown, never
+    /// shrunk unless [`Context::release_scratch`]): the intermediate tensors of nnfuse's own
+    /// multi-kernel paths (convolution columns, Winograd's transformed tensors). It is separate
+    /// from the library workspace of [`Locked::workspace`], which a GEMM or cuDNN call inside such
+    /// a path uses meanwhile.
+    ///
+    /// Lock order: take the scratch before [`Context::lock`], never the other way round. Hold the
+    /// guard while queuing the work that uses the memory; stream order keeps later users behind
+    /// it.
+    #[allow(dead_code)] // used by the convolution paths
+    pub(crate) fn scratch(&self, bytes: usize) -> Result<Scratch<'_>> {
+        let mut guard = lock_poisoned(&self.inner.scratch);
+        let too_small = guard.as_ref().is_none_or(|w| w.len() < bytes);
+        if too_small && bytes > 0 {
+            self.inner.cuda.bind_to_thread().call("cuCtxSetCurrent")?;
+            // Round up so that slowly growing requests do not reallocate every time.
+            let size = bytes.next_power_of_two().max(1 << 20);
+            // Dropping the old buffer frees it in stream order, after queued work that uses it.
+            *guard = None;
+            // SAFETY: scratch memory; every user writes before it reads.
+            let buf = unsafe { self.inner.stream.alloc::<u8>(size) }.call("cuMemAllocAsync")?;
+            tracing::debug!(bytes = size, "scratch arena grown");
+            *guard = Some(buf);
+        }
+        let ptr = match guard.as_ref() {
+            Some(w) => cudarc::driver::DevicePtr::device_ptr(w, &self.inner.stream).0,
+            None => 0,
+        };
+        Ok(Scratch {
+            _guard: guard,
+            ptr,
+            bytes,
+        })
+    }
+
+    /// Bytes the scratch arena holds now.
+    pub fn scratch_bytes(&self) -> usize {
+        lock_poisoned(&self.inner.scratch)
+            .as_ref()
+            .map_or(0, |b| b.len())
+    }
+
+    /// Frees the scratch arena (in stream order, after the work queued so far); the next path
+    /// that needs it allocates again.
+    pub fn release_scratch(&self) {
+        *lock_poisoned(&self.inner.scratch) = None;
+    }
+
     fn module(&self, file: &'static KernelFile) -> Result<Arc<CudaModule>> {
         // Held across compile + load: two threads asking for the same file compile it once.
         let mut modules = lock_poisoned(&self.inner.modules);
@@ -403,6 +455,28 @@ impl Context {
         let module = self.inner.cuda.load_module(ptx).call("cuModuleLoadData")?;
         modules.insert(file.name, module.clone());
         Ok(module)
+    }
+}
+
+/// Exclusive use of the Context's scratch arena (see [`Context::scratch`]).
+#[allow(dead_code)] // used by the convolution paths
+pub(crate) struct Scratch<'a> {
+    _guard: MutexGuard<'a, Option<CudaSlice<u8>>>,
+    ptr: drv::CUdeviceptr,
+    bytes: usize,
+}
+
+impl Scratch<'_> {
+    /// Device address of the first byte (0 when 0 bytes were asked for).
+    #[allow(dead_code)] // used by the convolution paths
+    pub(crate) fn ptr(&self) -> drv::CUdeviceptr {
+        self.ptr
+    }
+
+    /// Bytes asked for (the arena may hold more).
+    #[allow(dead_code)] // used by the convolution paths
+    pub(crate) fn len(&self) -> usize {
+        self.bytes
     }
 }
 

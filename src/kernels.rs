@@ -44,8 +44,32 @@ pub const BITMASK: KernelFile = kernel_file!("bitmask.cu");
 /// The GEMM search: pseudo-random operands and the device-side comparison of candidates.
 pub const GEMM_SEARCH: KernelFile = kernel_file!("gemm_search.cu");
 
+/// Convolution: im2col (NCHW Caffe layout, NHWC patch-contiguous layout) and col2im (gather).
+pub const IM2COL: KernelFile = kernel_file!("im2col.cu");
+
+/// Convolution: the direct kernel (any shape, f32 accumulation).
+pub const CONV_DIRECT: KernelFile = kernel_file!("conv_direct.cu");
+
+/// Convolution: Winograd F(2x2,3x3) and F(4x4,3x3) input, filter and output transforms (NHWC).
+pub const WINOGRAD: KernelFile = kernel_file!("winograd.cu");
+
+/// Convolution: the Direct batched multiply of Winograd's transform positions.
+pub const WINOGRAD_GEMM: KernelFile = kernel_file!("winograd_gemm.cu");
+
+/// BatchNorm: nnfuse's own statistics, apply and backward kernels.
+pub const BATCHNORM: KernelFile = kernel_file!("batchnorm.cu");
+
 /// Every kernel file the crate embeds (see [`CI_ARCHS`]).
-pub const ALL: &[KernelFile] = &[UTIL, BITMASK, GEMM_SEARCH];
+pub const ALL: &[KernelFile] = &[
+    UTIL,
+    BITMASK,
+    GEMM_SEARCH,
+    IM2COL,
+    CONV_DIRECT,
+    WINOGRAD,
+    WINOGRAD_GEMM,
+    BATCHNORM,
+];
 
 /// Architectures CI compiles every kernel for (A100, H100).
 pub const CI_ARCHS: &[&str] = &["sm_80", "sm_90"];

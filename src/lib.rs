@@ -23,17 +23,22 @@ pub mod activation;
 pub mod batchnorm;
 pub mod config;
 pub mod context;
+pub mod conv;
 pub mod dtype;
 pub mod error;
 pub mod gemm;
 pub mod kernels;
 pub mod layout;
+pub mod lru;
 pub mod reference;
 pub mod timing;
 pub mod util;
 pub mod validate;
 
-pub use config::{BnModePolicy, Config};
+#[cfg(test)]
+mod testutil;
+
+pub use config::{BnImpl, BnModePolicy, Config, ConvAlgoPolicy, WinogradGemmPolicy};
 pub use context::{Context, DeviceInfo};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};

@@ -411,7 +411,7 @@ fn policies_and_env_flags_choose_the_mode_and_agree() {
     }
 }
 
-/// The support matrix of cuDNN's fused BatchNorm recorded in docs/ARCHITECTURE.md (measured on
+/// The support matrix of cuDNN's fused BatchNorm recorded in docs/CUDNN-FACTS.md and docs/ARCHITECTURE.md (measured on
 /// cuDNN 9.14 and 9.19). A new cuDNN that changes it fails here, so the plan's rules get
 /// revisited.
 #[test]

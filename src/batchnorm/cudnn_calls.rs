@@ -59,7 +59,7 @@ pub(crate) struct ExSizes {
 }
 
 /// Queries the Ex workspace and reserve sizes for `ops`. (Not a support test: cuDNN answers
-/// some unsupported combinations here and refuses them only in the forward — GPU-FACTS.)
+/// some unsupported combinations here and refuses them only in the forward — docs/CUDNN-FACTS.md.)
 pub(crate) unsafe fn ex_sizes(
     h: cudnn::cudnnHandle_t,
     mode: BnMode,

@@ -2,7 +2,7 @@
 //! cuDNN mode, the 4-D layout, the cuDNN API entry and the path — with the reason for every
 //! choice. Pure: no GPU calls; runs and is tested on the CPU.
 //!
-//! The rules (measurements: `GPU-FACTS.md`, H100, cuDNN 9.14 and 9.19):
+//! The rules (measurements: `docs/CUDNN-FACTS.md`, H100, cuDNN 9.14 and 9.19):
 //! - **Layout**: OneFlow's inference ([`infer_channel_layout`]).
 //! - **Mode** ([`infer_mode`]), by [`BnModePolicy`]:
 //!   - `oneflow`: OneFlow's rule ([`oneflow_mode`]): rank 2 → `PER_ACTIVATION`; NHWC flag →
@@ -36,7 +36,7 @@ use crate::layout::{infer_channel_layout, ChannelLayout, TensorFormat};
 pub const CUDNN_EX_API_MIN_VERSION: usize = 7401;
 
 /// The cuDNN version assumed where none is given or found (`nnfuse plan` on a machine without
-/// cuDNN): 9.19.0, the newest one measured (`GPU-FACTS.md`).
+/// cuDNN): 9.19.0, the newest one measured (`docs/CUDNN-FACTS.md`).
 pub const ASSUMED_CUDNN_VERSION: usize = 91900;
 
 /// The activation fused after BatchNorm.
@@ -278,18 +278,18 @@ impl fmt::Display for FusedRefusal {
             ),
             FusedRefusal::NotNhwc => f.write_str(
                 "cuDNN fuses BN+activation only for NHWC and this input infers NCHW (NCHW \
-                 BN+ReLU / BN+Add+ReLU returns NOT_SUPPORTED in every mode; GPU-FACTS)",
+                 BN+ReLU / BN+Add+ReLU returns NOT_SUPPORTED in every mode; docs/CUDNN-FACTS.md)",
             ),
             FusedRefusal::NotPersistent(mode) => write!(
                 f,
                 "cuDNN's fused BN+activation needs CUDNN_BATCHNORM_SPATIAL_PERSISTENT and the \
-                 mode is {} (NHWC SPATIAL returns NOT_SUPPORTED from the forward; GPU-FACTS)",
+                 mode is {} (NHWC SPATIAL returns NOT_SUPPORTED from the forward; docs/CUDNN-FACTS.md)",
                 mode.cudnn_name()
             ),
             FusedRefusal::ChannelsNotMultipleOf4(c) => write!(
                 f,
                 "cuDNN's fused BN+Add+ReLU needs C % 4 == 0 and C = {c} (at C = 30 its \
-                 workspace query returns NOT_SUPPORTED, while BN+ReLU works; GPU-FACTS)"
+                 workspace query returns NOT_SUPPORTED, while BN+ReLU works; docs/CUDNN-FACTS.md)"
             ),
             FusedRefusal::DTypeUnsupported(d) => write!(
                 f,
@@ -384,7 +384,7 @@ fn per_activation_is_per_channel(layout: &ChannelLayout) -> bool {
     layout.h == 1 && layout.w == 1
 }
 
-/// Whether cuDNN's fused BN+activation takes `dtype` activations. GPU-FACTS: f32 and f16 work,
+/// Whether cuDNN's fused BN+activation takes `dtype` activations. docs/CUDNN-FACTS.md: f32 and f16 work,
 /// and bf16 support equals f16's in every combination — so none of today's types is refused.
 /// Kept as a function of the type so that a future type gets a decision of its own.
 pub fn fused_dtype_supported(dtype: DType) -> bool {
@@ -444,7 +444,7 @@ pub fn infer_mode(layout: &ChannelLayout, phase: Phase, config: &Config) -> (BnM
                 (
                     Spatial,
                     "OneFlow's rule: the NHWC flag is not set. CUDNN_BATCHNORM_SPATIAL_PERSISTENT \
-                     would be 2–7x faster on channels-first input (GPU-FACTS) but carries \
+                     would be 2–7x faster on channels-first input (docs/CUDNN-FACTS.md) but carries \
                      cuDNN's accuracy caveat (f32 statistics ~1e-6 relative instead of 6e-8): \
                      opt in with NNFUSE_ENABLE_NHWC=1 or NNFUSE_BN_MODE_POLICY=fast"
                         .into(),
@@ -483,21 +483,21 @@ fn departure(layout: &ChannelLayout, phase: Phase, oneflow: BnMode, mode: BnMode
         )
     } else if oneflow == BnMode::PerActivation {
         "for (N, C) input PER_ACTIVATION took 7.0 ms forward at 65536x256 f32 against 95 µs for \
-         SPATIAL_PERSISTENT through the Ex API on the H100 (GPU-FACTS), and PyTorch's own 2-D \
+         SPATIAL_PERSISTENT through the Ex API on the H100 (docs/CUDNN-FACTS.md), and PyTorch's own 2-D \
          kernels match the persistent path; with one position per channel both modes compute \
          the same statistics"
             .to_string()
     } else if mode == BnMode::SpatialPersistent && phase == Phase::Inference {
         "cuDNN accepts SPATIAL_PERSISTENT for inference and runs the same kernel as SPATIAL \
-         (GPU-FACTS)"
+         (docs/CUDNN-FACTS.md)"
             .to_string()
     } else if mode == BnMode::SpatialPersistent && layout.format == TensorFormat::Nhwc {
         "SPATIAL on NHWC takes 1.6–7.9 ms forward where the persistent Ex path takes 0.1–0.2 ms \
-         on the H100 (GPU-FACTS); PyTorch does the same for channels-last training"
+         on the H100 (docs/CUDNN-FACTS.md); PyTorch does the same for channels-last training"
             .to_string()
     } else if mode == BnMode::SpatialPersistent {
         "SPATIAL_PERSISTENT is 2–7x faster than SPATIAL for channels-first training on the H100 \
-         (GPU-FACTS), at the price of cuDNN's accuracy caveat (f32 statistics ~1e-6 relative \
+         (docs/CUDNN-FACTS.md), at the price of cuDNN's accuracy caveat (f32 statistics ~1e-6 relative \
          instead of 6e-8)"
             .to_string()
     } else {
@@ -514,7 +514,7 @@ fn departure(layout: &ChannelLayout, phase: Phase, oneflow: BnMode, mode: BnMode
 ///
 /// Training in `SPATIAL_PERSISTENT` (which the fused path always is) → Ex: through the legacy
 /// API cuDNN picks slower kernels for that mode (NHWC 0.48–6.3 ms against 0.1–0.2 ms; 2-D
-/// 65536x256 f32 499 µs against 95 µs; GPU-FACTS). Any other training mode, inference, and
+/// 65536x256 f32 499 µs against 95 µs; docs/CUDNN-FACTS.md). Any other training mode, inference, and
 /// cuDNN older than 7.4.1 → legacy.
 pub fn infer_api(mode: BnMode, phase: Phase, cudnn_version: usize) -> (BnApi, String) {
     match phase {
@@ -544,7 +544,7 @@ pub fn infer_api(mode: BnMode, phase: Phase, cudnn_version: usize) -> (BnApi, St
             BnApi::Ex,
             "api: Ex cudnnBatchNormalizationForwardTrainingEx / BackwardEx with cuDNN's \
              workspace: through the legacy API SPATIAL_PERSISTENT gets slower kernels (NHWC \
-             0.48–6.3 ms against 0.1–0.2 ms, 2-D 65536x256 f32 499 µs against 95 µs; GPU-FACTS)"
+             0.48–6.3 ms against 0.1–0.2 ms, 2-D 65536x256 f32 499 µs against 95 µs; docs/CUDNN-FACTS.md)"
                 .into(),
         ),
     }

@@ -1,7 +1,7 @@
 //! Asks the installed cuDNN whether it runs a fused BatchNorm combination, by running it once on
 //! scratch buffers. Size queries are not a support test (cuDNN answers them for combinations its
 //! forward then refuses), so the probe goes as far as the forward. For `nnfuse` diagnostics and
-//! the GPU test that re-checks the support matrix recorded in `docs/ARCHITECTURE.md`.
+//! the GPU test that re-checks the support matrix recorded in `docs/CUDNN-FACTS.md`.
 
 use cudarc::driver::DevicePtrMut;
 

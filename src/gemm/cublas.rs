@@ -2,7 +2,7 @@
 //!
 //! The `cublasGemmAlgo_t` argument only selects kernels on GPUs older than sm_80; on sm_80+ the
 //! cuBLAS documentation says it is ignored, and on the H100 all 43 values give bitwise identical
-//! results and times (`GPU-FACTS.md`). nnfuse therefore passes `CUBLAS_GEMM_DEFAULT` there and
+//! results and times (`docs/CUDNN-FACTS.md`). nnfuse therefore passes `CUBLAS_GEMM_DEFAULT` there and
 //! only searches the explicit values on older GPUs.
 
 use std::ffi::c_void;

@@ -385,6 +385,36 @@ where
     let Some((spans, ptrs, _guards)) = operands!(ctx, p, T, a, b, c, device_ptr_mut) else {
         return Ok(());
     };
+    run_checked(ctx, p, dtype, spans, ptrs)
+}
+
+/// [`strided_batched`] on raw device pointers, for nnfuse's own multi-step paths (convolution)
+/// whose operands live in scratch memory: the problem and the pointers are checked (extents,
+/// element alignment, C not overlapping A or B), then the tuned algorithm runs as in
+/// [`strided_batched`].
+///
+/// # Safety
+/// `a`, `b` and `c` are device addresses on the Context's device that hold the problem's
+/// extents of `dtype` elements, and stay valid until the queued work completes.
+#[allow(dead_code)] // used by the convolution paths
+pub(crate) unsafe fn strided_batched_raw(
+    ctx: &Context,
+    p: &Problem,
+    dtype: DType,
+    a: u64,
+    b: u64,
+    c: u64,
+) -> Result<()> {
+    let spans = match p.check(dtype)? {
+        Validated::Empty => return Ok(()),
+        Validated::Spans(s) => s,
+    };
+    check_pointers(&spans, dtype.size(), a, b, c)?;
+    run_checked(ctx, p, dtype, spans, Ptrs { a, b, c })
+}
+
+/// The body of [`strided_batched`] once the operands are checked.
+fn run_checked(ctx: &Context, p: &Problem, dtype: DType, spans: Spans, ptrs: Ptrs) -> Result<()> {
     if !ctx.config().gemm_search {
         return run_cublas(ctx, p, dtype, CublasAlgo::DEFAULT, ptrs);
     }
