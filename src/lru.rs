@@ -5,7 +5,10 @@
 //! Values are usually `Arc`s: evicting an entry drops the cache's reference only, so a plan that
 //! a caller still holds stays valid and is freed when the caller lets go.
 //!
-//! Pure data structure, no GPU; `get` and `insert` are `O(log n)`.
+//! Pure data structure, no GPU. A hit (`get`) is one hash lookup and a counter update: the use
+//! order is repaired lazily, when an eviction finds that the oldest recorded use of an entry is
+//! stale, so that the hot path of every cached plan lookup stays in the tens of nanoseconds.
+//! `insert` is `O(log n)` amortised.
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
@@ -14,8 +17,10 @@ use std::hash::Hash;
 /// recently (a `get` hit counts as a use).
 #[derive(Debug, Clone)]
 pub struct Lru<K, V> {
+    /// Value and the tick of its latest use.
     map: HashMap<K, (V, u64)>,
-    /// Use tick → key, oldest first.
+    /// Tick → key, oldest first: one entry per key, at a tick <= its latest use (stale after a
+    /// `get`, repaired when the entry reaches the front).
     order: BTreeMap<u64, K>,
     tick: u64,
     capacity: usize,
@@ -41,13 +46,11 @@ impl<K: Clone + Hash + Eq, V> Lru<K, V> {
 
     /// The value under `key`, marking it as the most recently used.
     pub fn get(&mut self, key: &K) -> Option<&V> {
-        let t = self.next_tick();
-        let (_, used) = self.map.get_mut(key)?;
-        let old = std::mem::replace(used, t);
-        if let Some(k) = self.order.remove(&old) {
-            self.order.insert(t, k);
-        }
-        self.map.get(key).map(|(v, _)| v)
+        self.tick += 1;
+        let t = self.tick;
+        let (v, used) = self.map.get_mut(key)?;
+        *used = t;
+        Some(v)
     }
 
     /// The value under `key` without marking it used.
@@ -70,10 +73,9 @@ impl<K: Clone + Hash + Eq, V> Lru<K, V> {
     pub fn insert(&mut self, key: K, value: V) -> Vec<(K, V)> {
         let t = self.next_tick();
         if let Some((v, used)) = self.map.get_mut(&key) {
+            // Its order entry stays where it is (a tick <= t): repaired lazily like a `get`.
             *v = value;
-            let old = std::mem::replace(used, t);
-            self.order.remove(&old);
-            self.order.insert(t, key);
+            *used = t;
             return Vec::new();
         }
         self.order.insert(t, key.clone());
@@ -83,21 +85,41 @@ impl<K: Clone + Hash + Eq, V> Lru<K, V> {
 
     /// Removes `key`, returning its value.
     pub fn remove(&mut self, key: &K) -> Option<V> {
-        let (v, t) = self.map.remove(key)?;
-        self.order.remove(&t);
+        let (v, _) = self.map.remove(key)?;
+        // Its order entry sits at some tick <= its latest use; find it by key (rare operation).
+        if let Some(t) = self.order.iter().find(|(_, k)| *k == key).map(|(t, _)| *t) {
+            self.order.remove(&t);
+        }
         Some(v)
+    }
+
+    /// Pops the least recently used entry, repairing stale order entries on the way.
+    fn pop_oldest(&mut self) -> Option<(K, V)> {
+        loop {
+            let (t, k) = self.order.pop_first()?;
+            match self.map.get(&k) {
+                Some((_, used)) if *used == t => {
+                    let (v, _) = self.map.remove(&k)?;
+                    return Some((k, v));
+                }
+                // Used since this entry was recorded: move it to its latest use and go on.
+                Some((_, used)) => {
+                    let used = *used;
+                    self.order.insert(used, k);
+                }
+                None => {}
+            }
+        }
     }
 
     fn shrink_to(&mut self, cap: usize) -> Vec<(K, V)> {
         let mut out = Vec::new();
         while self.map.len() > cap {
-            let Some((_, k)) = self.order.pop_first() else {
+            let Some(kv) = self.pop_oldest() else {
                 break;
             };
-            if let Some((v, _)) = self.map.remove(&k) {
-                self.evictions += 1;
-                out.push((k, v));
-            }
+            self.evictions += 1;
+            out.push(kv);
         }
         out
     }
@@ -136,9 +158,9 @@ impl<K: Clone + Hash + Eq, V> Lru<K, V> {
 
     /// Every entry, least recently used first (not a use).
     pub fn iter(&self) -> impl Iterator<Item = (&K, &V)> {
-        self.order
-            .values()
-            .filter_map(|k| self.map.get_key_value(k).map(|(k, (v, _))| (k, v)))
+        let mut all: Vec<_> = self.map.iter().map(|(k, (v, t))| (*t, k, v)).collect();
+        all.sort_unstable_by_key(|(t, _, _)| *t);
+        all.into_iter().map(|(_, k, v)| (k, v))
     }
 }
 
@@ -188,6 +210,53 @@ mod tests {
         assert_eq!(keys, vec![8, 9, 0]);
     }
 
+    /// Against a naive model (a Vec in use order) under random inserts, gets and removes.
+    #[test]
+    fn matches_a_naive_model() {
+        let mut l = Lru::new(5);
+        let mut model: Vec<(u64, u64)> = Vec::new(); // least recent first
+        let mut x = 99u64;
+        for step in 0..20_000u64 {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let k = (x >> 33) % 11;
+            match (x >> 17) % 4 {
+                0 | 1 => {
+                    let evicted = l.insert(k, step);
+                    let mut want = Vec::new();
+                    if let Some(i) = model.iter().position(|(mk, _)| *mk == k) {
+                        model.remove(i);
+                    }
+                    model.push((k, step));
+                    while model.len() > 5 {
+                        want.push(model.remove(0));
+                    }
+                    assert_eq!(evicted, want, "step {step}");
+                }
+                2 => {
+                    let got = l.get(&k).copied();
+                    let want = model.iter().position(|(mk, _)| *mk == k).map(|i| {
+                        let e = model.remove(i);
+                        model.push(e);
+                        e.1
+                    });
+                    assert_eq!(got, want, "step {step}");
+                }
+                _ => {
+                    let got = l.remove(&k);
+                    let want = model
+                        .iter()
+                        .position(|(mk, _)| *mk == k)
+                        .map(|i| model.remove(i).1);
+                    assert_eq!(got, want, "step {step}");
+                }
+            }
+            let order: Vec<_> = l.iter().map(|(k, v)| (*k, *v)).collect();
+            assert_eq!(order, model, "step {step}");
+        }
+    }
+
     #[test]
     fn order_and_map_stay_consistent_under_churn() {
         let mut l = Lru::new(7);
@@ -210,6 +279,7 @@ mod tests {
             }
             assert!(l.len() <= 7);
             assert_eq!(l.iter().count(), l.len());
+            assert_eq!(l.order.len(), l.map.len(), "one order entry per key");
         }
     }
 }
