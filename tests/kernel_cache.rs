@@ -204,8 +204,12 @@ fn every_kernel_file_round_trips_through_the_cache() {
     }
     let dir = fresh_dir("all");
     for file in kernels::ALL {
+        let t = std::time::Instant::now();
         let (a, o1) = kernels::load_or_compile(file, "sm_90", Some(&dir)).unwrap();
+        let compile_ms = t.elapsed().as_secs_f64() * 1e3;
+        let t = std::time::Instant::now();
         let (b, o2) = kernels::load_or_compile(file, "sm_90", Some(&dir)).unwrap();
+        let read_ms = t.elapsed().as_secs_f64() * 1e3;
         assert_eq!(
             (o1, o2),
             (ImageOrigin::Compiled, ImageOrigin::Disk),
@@ -213,6 +217,12 @@ fn every_kernel_file_round_trips_through_the_cache() {
             file.name
         );
         assert_eq!(a.bytes(), b.bytes(), "{}", file.name);
+        // Reported, not asserted (timing belongs in benches/startup.rs).
+        eprintln!(
+            "{:<18} sm_90: compile + write {compile_ms:7.1} ms, read {read_ms:5.2} ms, {} bytes",
+            file.name,
+            a.bytes().len()
+        );
     }
     assert_eq!(listing(&dir).len(), kernels::ALL.len());
     std::fs::remove_dir_all(&dir).unwrap();
