@@ -1,5 +1,6 @@
-//! The [`Context`]: one device, one stream, the vendor-library handles, a growable workspace and
-//! the per-device cache of compiled kernels. Everything that touches the GPU goes through it.
+//! The [`Context`]: one device, one stream, the vendor-library handles, a growable workspace,
+//! the per-device cache of compiled kernels (backed by the disk cache of [`crate::kernels`]) and
+//! the bounded per-Context cache of plans. Everything that touches the GPU goes through it.
 //!
 //! Threading: `Context` is `Send + Sync` and cheap to clone (an `Arc`). All work runs on the
 //! Context's one stream, in the order calls are made. cuDNN, cuBLAS and cuBLASLt allow several
@@ -174,8 +175,8 @@ struct Inner {
     shared: Mutex<Shared>,
     functions: Mutex<HashMap<(&'static str, &'static str), CudaFunction>>,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
-    /// Per-Context caches of derived objects (BatchNorm plans + descriptors, ...), one map per
-    /// key type.
+    /// Per-Context caches of derived objects (BatchNorm plans + descriptors, ...), one bounded
+    /// LRU per key type (see [`Context::memo`]).
     memo: Mutex<HashMap<TypeId, Box<dyn MemoTable>>>,
     /// Scratch memory of nnfuse's own multi-kernel paths (see [`Context::scratch`]).
     scratch: Mutex<Option<CudaSlice<u8>>>,
