@@ -304,8 +304,9 @@ pub struct Config {
     pub gemm_search: bool,
     /// File in which GEMM and convolution search results persist between processes.
     pub tuning_cache: Option<PathBuf>,
-    /// Directory in which NVRTC-compiled kernel images persist between processes (`None`: a
-    /// `kernels` folder beside [`Config::tuning_cache`] when that is set, else no disk cache).
+    /// Directory in which NVRTC-compiled kernel images persist between processes (`None`: an
+    /// `nnfuse-kernels` folder beside [`Config::tuning_cache`] when that is set, else no disk
+    /// cache; see [`crate::kernels::disk_cache_dir`]).
     pub kernel_cache: Option<PathBuf>,
     /// Most entries each plan or choice cache keeps (least recently used evicted first).
     pub plan_cache_capacity: usize,

@@ -1,5 +1,6 @@
-//! The [`Context`]: one device, one stream, the vendor-library handles, a growable workspace and
-//! the per-device cache of compiled kernels. Everything that touches the GPU goes through it.
+//! The [`Context`]: one device, one stream, the vendor-library handles, a growable workspace,
+//! the per-device cache of compiled kernels (backed by the disk cache of [`crate::kernels`]) and
+//! the bounded per-Context cache of plans. Everything that touches the GPU goes through it.
 //!
 //! Threading: `Context` is `Send + Sync` and cheap to clone (an `Arc`). All work runs on the
 //! Context's one stream, in the order calls are made. cuDNN, cuBLAS and cuBLASLt allow several
@@ -11,7 +12,7 @@ use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::fmt;
 use std::hash::Hash;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use cudarc::cublas::{result as cublas_result, sys as cublas_sys};
 use cudarc::cublaslt::{result as lt_result, sys as lt_sys};
@@ -22,6 +23,7 @@ use once_cell::sync::Lazy;
 use crate::config::Config;
 use crate::error::{CallExt, Error, Result};
 use crate::kernels::{self, KernelFile};
+use crate::lru::Lru;
 
 /// Names the library and says how to make it findable.
 fn missing(lib: &'static str, file: &str) -> Error {
@@ -173,9 +175,9 @@ struct Inner {
     shared: Mutex<Shared>,
     functions: Mutex<HashMap<(&'static str, &'static str), CudaFunction>>,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
-    /// Per-Context caches of derived objects (BatchNorm plans + descriptors, ...), one map per
-    /// key type.
-    memo: Mutex<HashMap<TypeId, Box<dyn Any + Send + Sync>>>,
+    /// Per-Context caches of derived objects (BatchNorm plans + descriptors, ...), one bounded
+    /// LRU per key type (see [`Context::memo`]).
+    memo: Mutex<HashMap<TypeId, Box<dyn MemoTable>>>,
     /// Scratch memory of nnfuse's own multi-kernel paths (see [`Context::scratch`]).
     scratch: Mutex<Option<CudaSlice<u8>>>,
 }
@@ -229,6 +231,101 @@ fn lock_poisoned<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     match m.lock() {
         Ok(g) => g,
         Err(p) => p.into_inner(),
+    }
+}
+
+/// What a Context's plan caches hold ([`Context::plan_cache_stats`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PlanCacheStats {
+    /// Entries cached now, over every kind.
+    pub entries: usize,
+    /// Most entries kept per kind ([`Config::plan_cache_capacity`]).
+    pub capacity: usize,
+    /// Kinds of cached objects (one LRU each).
+    pub kinds: usize,
+    /// Entries evicted (least recently used first) since the Context was made.
+    pub evictions: u64,
+    /// Evicted values that a caller still holds: they stay valid, and a lookup of their key
+    /// returns them again instead of making a second one.
+    pub held_elsewhere: usize,
+}
+
+/// One kind's cache inside the memo, seen without its types (statistics, downcast).
+trait MemoTable: Send + Sync {
+    fn as_any_mut(&mut self) -> &mut dyn Any;
+    fn len(&self) -> usize;
+    fn evictions(&self) -> u64;
+    fn held_elsewhere(&self) -> usize;
+}
+
+/// The memo of one key type: an LRU of the values, plus weak references to evicted values that
+/// callers still hold (so that a key never has two live values at once). The weak list is
+/// pruned of dead entries whenever it has doubled since the last pruning, so it stays
+/// proportional to what callers hold.
+struct MemoMap<K, V> {
+    lru: Lru<K, Arc<V>>,
+    evicted: HashMap<K, Weak<V>>,
+    prune_at: usize,
+}
+
+impl<K: Clone + Hash + Eq, V> MemoMap<K, V> {
+    fn new(capacity: usize) -> Self {
+        MemoMap {
+            lru: Lru::new(capacity),
+            evicted: HashMap::new(),
+            prune_at: capacity.max(64),
+        }
+    }
+
+    /// The value of `key`: cached, or still held by a caller since its eviction, or made now.
+    /// Entries evicted to make room are moved to `dropped` (for the caller to drop unlocked).
+    fn get_or_make(
+        &mut self,
+        key: K,
+        make: impl FnOnce() -> Result<Arc<V>>,
+        dropped: &mut Vec<(K, Arc<V>)>,
+    ) -> Result<Arc<V>> {
+        if let Some(v) = self.lru.get(&key) {
+            return Ok(v.clone());
+        }
+        let v = match self.evicted.remove(&key).and_then(|w| w.upgrade()) {
+            Some(v) => v,
+            None => make()?,
+        };
+        for (k, old) in self.lru.insert(key, v.clone()) {
+            // Someone else holds it: remember it weakly so a lookup revives the same value.
+            if Arc::strong_count(&old) > 1 {
+                self.evicted.insert(k.clone(), Arc::downgrade(&old));
+            }
+            dropped.push((k, old));
+        }
+        if self.evicted.len() > self.prune_at {
+            self.evicted.retain(|_, w| w.strong_count() > 0);
+            self.prune_at = (2 * self.evicted.len()).max(self.lru.capacity()).max(64);
+        }
+        Ok(v)
+    }
+}
+
+impl<K, V> MemoTable for MemoMap<K, V>
+where
+    K: Clone + Hash + Eq + Send + Sync + 'static,
+    V: Send + Sync + 'static,
+{
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+    fn len(&self) -> usize {
+        self.lru.len()
+    }
+    fn evictions(&self) -> u64 {
+        self.lru.evictions()
+    }
+    fn held_elsewhere(&self) -> usize {
+        self.evicted
+            .values()
+            .filter(|w| w.strong_count() > 0)
+            .count()
     }
 }
 
@@ -358,24 +455,63 @@ impl Context {
     /// The value cached under `key`, made by `make` on first use. One lock for all types, held
     /// while `make` runs (so two threads never make the same value twice); `make` must not call
     /// `memo` again.
+    ///
+    /// Each key type has its own LRU of [`Config::plan_cache_capacity`] entries. Evicting drops
+    /// only the cache's `Arc`: a caller that still holds the value keeps using it, and while it
+    /// does, a lookup of the same key gets that same value back (never a second one), so that
+    /// identity-carrying values (a BatchNorm plan and the states its forward hands out) stay
+    /// consistent.
     pub(crate) fn memo<K, V>(&self, key: K, make: impl FnOnce() -> Result<Arc<V>>) -> Result<Arc<V>>
     where
-        K: Hash + Eq + Send + Sync + 'static,
+        K: Clone + Hash + Eq + Send + Sync + 'static,
         V: Send + Sync + 'static,
     {
-        let mut all = lock_poisoned(&self.inner.memo);
-        let entry = all
-            .entry(TypeId::of::<HashMap<K, Arc<V>>>())
-            .or_insert_with(|| Box::new(HashMap::<K, Arc<V>>::new()));
-        let Some(map) = entry.downcast_mut::<HashMap<K, Arc<V>>>() else {
-            return Err(Error::NotSupported("memo cache type mismatch".into()));
+        // Values evicted here are dropped after the lock is released (a value's Drop may be
+        // slow, e.g. cuDNN descriptor destruction).
+        let mut evicted: Vec<(K, Arc<V>)> = Vec::new();
+        let result = {
+            let mut all = lock_poisoned(&self.inner.memo);
+            let capacity = self.inner.config.plan_cache_capacity;
+            let table = all
+                .entry(TypeId::of::<MemoMap<K, V>>())
+                .or_insert_with(|| Box::new(MemoMap::<K, V>::new(capacity)));
+            let Some(map) = table.as_any_mut().downcast_mut::<MemoMap<K, V>>() else {
+                return Err(Error::NotSupported("memo cache type mismatch".into()));
+            };
+            map.get_or_make(key, make, &mut evicted)
         };
-        if let Some(v) = map.get(&key) {
-            return Ok(v.clone());
+        if !evicted.is_empty() {
+            tracing::debug!(
+                evicted = evicted.len(),
+                kind = std::any::type_name::<V>(),
+                "plan cache full: least recently used entries evicted"
+            );
         }
-        let v = make()?;
-        map.insert(key, v.clone());
-        Ok(v)
+        drop(evicted);
+        result
+    }
+
+    /// Entries in this Context's plan caches now (BatchNorm plans and descriptors, convolution
+    /// plans, the GEMM search's scratch, ...), over every kind: at most
+    /// [`Config::plan_cache_capacity`] per kind.
+    pub fn cached_plans(&self) -> usize {
+        self.plan_cache_stats().entries
+    }
+
+    /// What this Context's plan caches hold and have evicted (diagnostics).
+    pub fn plan_cache_stats(&self) -> PlanCacheStats {
+        let all = lock_poisoned(&self.inner.memo);
+        let mut s = PlanCacheStats {
+            capacity: self.inner.config.plan_cache_capacity,
+            kinds: all.len(),
+            ..PlanCacheStats::default()
+        };
+        for t in all.values() {
+            s.entries += t.len();
+            s.evictions += t.evictions();
+            s.held_elsewhere += t.held_elsewhere();
+        }
+        s
     }
 
     /// Exclusive use of the Context's scratch arena of at least `bytes` bytes (grown, never
@@ -438,14 +574,19 @@ impl Context {
             match images.get(&(arch.clone(), file.name)) {
                 Some(i) => i.clone(),
                 None => {
+                    // The disk cache (if configured) spares the NVRTC compile across processes;
+                    // it never fails the call (a bad cache file is recompiled with a warning).
+                    let dir = kernels::disk_cache_dir(&self.inner.config);
                     let t = std::time::Instant::now();
-                    let i = Arc::new(kernels::compile(file, &arch)?);
+                    let (image, origin) = kernels::load_or_compile(file, &arch, dir.as_deref())?;
                     tracing::info!(
                         file = file.name,
                         %arch,
+                        ?origin,
                         ms = t.elapsed().as_secs_f64() * 1e3,
-                        "NVRTC compiled kernel file"
+                        "kernel image ready"
                     );
+                    let i = Arc::new(image);
                     images.insert((arch.clone(), file.name), i.clone());
                     i
                 }
@@ -590,5 +731,71 @@ mod tests {
     fn context_is_send_and_sync() {
         fn check<T: Send + Sync>() {}
         check::<Context>();
+    }
+
+    /// Counts live values, so that "memory returns" is checked exactly.
+    struct Counted(Arc<std::sync::atomic::AtomicUsize>);
+    impl Drop for Counted {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn memo_is_bounded_and_keeps_held_values_unique() {
+        use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+        let live = Arc::new(AtomicUsize::new(0));
+        let make = |made: &mut usize| {
+            *made += 1;
+            live.fetch_add(1, SeqCst);
+            Ok(Arc::new(Counted(live.clone())))
+        };
+        let mut m = MemoMap::<u32, Counted>::new(64);
+        let mut made = 0;
+        let mut dropped = Vec::new();
+        let held = m.get_or_make(7, || make(&mut made), &mut dropped).unwrap();
+        for k in 100..20_100 {
+            m.get_or_make(k, || make(&mut made), &mut dropped).unwrap();
+            dropped.clear();
+            assert!(m.len() <= 64);
+        }
+        assert_eq!(m.len(), 64);
+        assert_eq!(m.evictions(), 20_001 - 64);
+        // Everything evicted was freed except the value a caller holds.
+        assert_eq!(live.load(SeqCst), 64 + 1);
+        assert_eq!(m.held_elsewhere(), 1);
+        // Its key comes back as the same value, not a second one.
+        let again = m.get_or_make(7, || make(&mut made), &mut dropped).unwrap();
+        assert!(Arc::ptr_eq(&held, &again));
+        assert_eq!(made, 20_001);
+        dropped.clear();
+        drop((held, again));
+        // A key whose value nobody holds any more is made afresh.
+        for k in 200_000..200_100 {
+            m.get_or_make(k, || make(&mut made), &mut dropped).unwrap();
+        }
+        dropped.clear();
+        assert_eq!(live.load(SeqCst), 64);
+        m.get_or_make(7, || make(&mut made), &mut dropped).unwrap();
+        assert_eq!(made, 20_001 + 100 + 1);
+        // The weak list was pruned: it holds no more than what callers could hold.
+        assert!(m.evicted.len() <= 2 * 64 + 1, "{}", m.evicted.len());
+    }
+
+    #[test]
+    fn memo_errors_cache_nothing() {
+        let mut m = MemoMap::<u32, u32>::new(4);
+        let mut dropped = Vec::new();
+        let e = m.get_or_make(1, || Err(Error::invalid("shape", "bad")), &mut dropped);
+        assert_eq!(e.unwrap_err().argument(), Some("shape"));
+        assert_eq!(m.len(), 0);
+        assert_eq!(
+            *m.get_or_make(1, || Ok(Arc::new(5)), &mut dropped).unwrap(),
+            5
+        );
+        assert_eq!(
+            *m.get_or_make(1, || Ok(Arc::new(6)), &mut dropped).unwrap(),
+            5
+        );
     }
 }

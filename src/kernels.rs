@@ -1,11 +1,35 @@
 //! nnfuse's own CUDA sources (`kernels/*.cu`), embedded in the crate and compiled at run time
-//! with NVRTC for the device's architecture. This module only compiles; loading the result into
-//! a device and caching it is [`crate::Context`]'s job.
+//! with NVRTC for the device's architecture, and the disk cache of the compiled images. This
+//! module compiles and reads/writes image files; loading an image into a device and caching it
+//! in memory is [`crate::Context`]'s job.
+//!
+//! # Disk cache
+//! NVRTC takes a few hundred milliseconds per file, paid by every fresh process at its first use
+//! of the file (the first GEMM search compiles `gemm_search.cu`, for instance). With a cache
+//! directory ([`disk_cache_dir`]: [`Config::kernel_cache`], else an `nnfuse-kernels` folder
+//! beside [`Config::tuning_cache`], else none) the images are kept on disk and a later process
+//! reads them instead ([`load_or_compile`]).
+//!
+//! - One file per image, named by its key ([`ImageKey`]): the kernel file, the architecture,
+//!   NVRTC's version and a hash of the embedded source, the compile options and the format
+//!   version. A new nnfuse version or NVRTC version therefore never reads an old image; old
+//!   files are simply no longer used (delete the folder at any time).
+//! - Each file starts with a one-line text header repeating the key, the payload's length and
+//!   its checksum; a file whose header, length or checksum does not match (truncated, corrupt,
+//!   foreign) is ignored with a `tracing` warning and replaced by a fresh compile.
+//! - Writes are atomic (a temporary file in the same folder, then a rename), so concurrent
+//!   processes never read half a file. Any failure to read or write the cache is a warning,
+//!   never an error: the compile result is used either way.
 
 use std::ffi::{c_char, CStr, CString};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 
+use crate::config::Config;
 use crate::error::{Error, Result};
 
 /// One embedded `.cu` file.
@@ -158,8 +182,31 @@ fn log_of(prog: &Program) -> String {
     }
 }
 
+/// The NVRTC options of every compile (part of the disk cache's key).
+pub fn compile_options(arch: &str) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".to_string(),
+        // Exact division/sqrt (no fast math): these kernels are memory-bound, precision is free.
+        "--prec-div=true".to_string(),
+        "--prec-sqrt=true".to_string(),
+        "-default-device".to_string(),
+    ]
+}
+
 /// Compiles `file` for `arch` (`sm_XY` → CUBIN, `compute_XY` → PTX). Errors carry NVRTC's log.
+/// Always compiles; [`load_or_compile`] consults the disk cache first.
 pub fn compile(file: &KernelFile, arch: &str) -> Result<Image> {
+    let t = Instant::now();
+    let r = compile_uncounted(file, arch);
+    if r.is_ok() {
+        STATS.compiled.fetch_add(1, Ordering::Relaxed);
+        STATS.compile_ns.fetch_add(nanos(t), Ordering::Relaxed);
+    }
+    r
+}
+
+fn compile_uncounted(file: &KernelFile, arch: &str) -> Result<Image> {
     if !nvrtc_present() {
         return Err(missing_nvrtc());
     }
@@ -176,14 +223,7 @@ pub fn compile(file: &KernelFile, arch: &str) -> Result<Image> {
         nvrtc::create_program(&src, Some(&name))
             .map_err(|e| fail(format!("{e:?}"), String::new()))?,
     );
-    let opts = [
-        format!("--gpu-architecture={arch}"),
-        "--std=c++17".to_string(),
-        // Exact division/sqrt (no fast math): these kernels are memory-bound, precision is free.
-        "--prec-div=true".to_string(),
-        "--prec-sqrt=true".to_string(),
-        "-default-device".to_string(),
-    ];
+    let opts = compile_options(arch);
     // SAFETY: valid program; options are plain strings.
     if let Err(e) = unsafe { nvrtc::compile_program(prog.0, &opts) } {
         return Err(fail(format!("{e:?}"), log_of(&prog)));
@@ -215,6 +255,334 @@ pub fn compile(file: &KernelFile, arch: &str) -> Result<Image> {
     Ok(image)
 }
 
+// ---------------------------------------------------------------------------------------------
+// Disk cache of compiled images.
+
+/// Format version of the image files (part of every key: a change makes old files unused).
+pub const DISK_FORMAT_VERSION: u32 = 1;
+
+/// First word of every image file.
+const MAGIC: &str = "nnfuse-kernel-image";
+
+/// The folder beside the tuning cache that holds images when [`Config::kernel_cache`] is unset.
+pub const DEFAULT_CACHE_FOLDER: &str = "nnfuse-kernels";
+
+/// Where compiled images persist for `config`: [`Config::kernel_cache`]; else an
+/// [`DEFAULT_CACHE_FOLDER`] folder beside [`Config::tuning_cache`] (in the same folder as the
+/// file); else `None` (no disk cache).
+pub fn disk_cache_dir(config: &Config) -> Option<PathBuf> {
+    if let Some(d) = &config.kernel_cache {
+        return Some(d.clone());
+    }
+    let tuning = config.tuning_cache.as_ref()?;
+    let parent = match tuning.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    Some(parent.join(DEFAULT_CACHE_FOLDER))
+}
+
+/// Where an image came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ImageOrigin {
+    /// Compiled by NVRTC in this call (no disk cache, no file yet, or an unusable file).
+    Compiled,
+    /// Read from the disk cache.
+    Disk,
+}
+
+/// FNV-1a, 64 bits: stable across Rust versions and platforms (unlike `DefaultHasher`), which a
+/// key written to disk needs; the inputs are nnfuse's own sources, so no adversary picks them.
+#[derive(Clone, Copy)]
+struct Fnv(u64);
+
+impl Fnv {
+    fn new() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+    fn bytes(mut self, b: &[u8]) -> Self {
+        for &x in b {
+            self.0 = (self.0 ^ x as u64).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        self
+    }
+    /// A field followed by a separator byte that cannot occur in it, so that fields cannot run
+    /// into each other ("ab" + "c" differs from "a" + "bc").
+    fn field(self, b: &[u8]) -> Self {
+        self.bytes(&(b.len() as u64).to_le_bytes()).bytes(b)
+    }
+}
+
+fn fnv(b: &[u8]) -> u64 {
+    Fnv::new().bytes(b).0
+}
+
+/// What identifies one compiled image in the disk cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageKey {
+    /// The kernel file (`util.cu`).
+    pub file: &'static str,
+    /// The target (`sm_90`, `compute_90`).
+    pub arch: String,
+    /// NVRTC's version.
+    pub nvrtc: (i32, i32),
+    /// Hash of the file name, the embedded source (prelude included), the compile options, the
+    /// NVRTC version, the architecture and [`DISK_FORMAT_VERSION`].
+    pub hash: u64,
+}
+
+impl ImageKey {
+    /// The key of `file` compiled for `arch` by NVRTC `nvrtc`.
+    pub fn with_version(file: &KernelFile, arch: &str, nvrtc: (i32, i32)) -> ImageKey {
+        let mut h = Fnv::new()
+            .field(&DISK_FORMAT_VERSION.to_le_bytes())
+            .field(&nvrtc.0.to_le_bytes())
+            .field(&nvrtc.1.to_le_bytes())
+            .field(arch.as_bytes())
+            .field(file.name.as_bytes())
+            .field(file.source.as_bytes());
+        for o in compile_options(arch) {
+            h = h.field(o.as_bytes());
+        }
+        ImageKey {
+            file: file.name,
+            arch: arch.to_string(),
+            nvrtc,
+            hash: h.0,
+        }
+    }
+
+    /// The key of `file` for `arch` with the loaded NVRTC's version.
+    pub fn new(file: &KernelFile, arch: &str) -> Result<ImageKey> {
+        Ok(Self::with_version(file, arch, nvrtc_version()?))
+    }
+
+    fn kind(&self) -> &'static str {
+        if self.arch.starts_with("sm_") {
+            "cubin"
+        } else {
+            "ptx"
+        }
+    }
+
+    /// The image's file name in the cache folder: `util.sm_90.nvrtc13.0.<16 hex digits>.cubin`.
+    pub fn file_name(&self) -> String {
+        let stem = self.file.strip_suffix(".cu").unwrap_or(self.file);
+        format!(
+            "{stem}.{}.nvrtc{}.{}.{:016x}.{}",
+            self.arch,
+            self.nvrtc.0,
+            self.nvrtc.1,
+            self.hash,
+            self.kind()
+        )
+    }
+
+    /// The header line without the payload's length and checksum.
+    fn header_prefix(&self) -> String {
+        format!(
+            "{MAGIC} {DISK_FORMAT_VERSION} file={} arch={} nvrtc={}.{} kind={} key={:016x}",
+            self.file,
+            self.arch,
+            self.nvrtc.0,
+            self.nvrtc.1,
+            self.kind(),
+            self.hash
+        )
+    }
+
+    /// The whole file for `payload`: header line, then the image bytes.
+    fn encode(&self, payload: &[u8]) -> Vec<u8> {
+        let header = format!(
+            "{} bytes={} fnv={:016x}\n",
+            self.header_prefix(),
+            payload.len(),
+            fnv(payload)
+        );
+        let mut out = Vec::with_capacity(header.len() + payload.len());
+        out.extend_from_slice(header.as_bytes());
+        out.extend_from_slice(payload);
+        out
+    }
+
+    /// The image in `bytes` (a whole file), or why it cannot be used.
+    pub fn decode(&self, bytes: &[u8]) -> std::result::Result<Image, String> {
+        let nl = bytes
+            .iter()
+            .take(1024)
+            .position(|&b| b == b'\n')
+            .ok_or("no header line")?;
+        let header = std::str::from_utf8(&bytes[..nl]).map_err(|_| "header is not text")?;
+        let payload = &bytes[nl + 1..];
+        let prefix = self.header_prefix();
+        let rest = header
+            .strip_prefix(prefix.as_str())
+            .ok_or_else(|| format!("header {header:?} does not describe {prefix:?}"))?;
+        let want = format!(" bytes={} fnv={:016x}", payload.len(), fnv(payload));
+        if rest != want {
+            return Err(format!(
+                "payload does not match its header (header says{rest}, file holds{want})"
+            ));
+        }
+        match self.kind() {
+            "cubin" if !payload.starts_with(b"\x7fELF") => {
+                Err("payload is not an ELF image".into())
+            }
+            "cubin" => Ok(Image::Cubin(payload.to_vec())),
+            _ => Ok(Image::Ptx(payload.to_vec())),
+        }
+    }
+}
+
+/// Process-wide counters of compiles and disk-cache use ([`stats`]).
+struct Counters {
+    compiled: AtomicU64,
+    compile_ns: AtomicU64,
+    disk_hits: AtomicU64,
+    disk_read_ns: AtomicU64,
+    disk_rejected: AtomicU64,
+    disk_writes: AtomicU64,
+    disk_write_failures: AtomicU64,
+}
+
+static STATS: Counters = Counters {
+    compiled: AtomicU64::new(0),
+    compile_ns: AtomicU64::new(0),
+    disk_hits: AtomicU64::new(0),
+    disk_read_ns: AtomicU64::new(0),
+    disk_rejected: AtomicU64::new(0),
+    disk_writes: AtomicU64::new(0),
+    disk_write_failures: AtomicU64::new(0),
+};
+
+fn nanos(t: Instant) -> u64 {
+    u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// What this process compiled and read from the disk cache so far.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct KernelCacheStats {
+    /// Files NVRTC compiled.
+    pub compiled: u64,
+    /// Milliseconds spent in those compiles.
+    pub compile_ms: f64,
+    /// Images read from the disk cache.
+    pub disk_hits: u64,
+    /// Milliseconds spent reading (and checking) them.
+    pub disk_read_ms: f64,
+    /// Cache files ignored as unusable (corrupt, truncated, foreign, unreadable).
+    pub disk_rejected: u64,
+    /// Images written to the disk cache.
+    pub disk_writes: u64,
+    /// Images that could not be written (a warning each).
+    pub disk_write_failures: u64,
+}
+
+/// The process's compile and disk-cache counters (for startup measurements and tests).
+pub fn stats() -> KernelCacheStats {
+    let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    KernelCacheStats {
+        compiled: g(&STATS.compiled),
+        compile_ms: g(&STATS.compile_ns) as f64 / 1e6,
+        disk_hits: g(&STATS.disk_hits),
+        disk_read_ms: g(&STATS.disk_read_ns) as f64 / 1e6,
+        disk_rejected: g(&STATS.disk_rejected),
+        disk_writes: g(&STATS.disk_writes),
+        disk_write_failures: g(&STATS.disk_write_failures),
+    }
+}
+
+/// Reads the image of `key` from `dir`: `Ok(None)` when there is no file, `Err(reason)` when
+/// there is one that cannot be used.
+pub fn read_cached(dir: &Path, key: &ImageKey) -> std::result::Result<Option<Image>, String> {
+    let path = dir.join(key.file_name());
+    match std::fs::read(&path) {
+        Ok(bytes) => key.decode(&bytes).map(Some),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(format!("cannot be read: {e}")),
+    }
+}
+
+/// Writes `image` for `key` into `dir` (created if missing), atomically: a temporary file in
+/// the same folder, flushed, then renamed over the final name. Returns the file's path.
+pub fn write_cached(dir: &Path, key: &ImageKey, image: &Image) -> std::io::Result<PathBuf> {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join(key.file_name());
+    let tmp = dir.join(format!(
+        ".{}.tmp.{}.{}",
+        key.file_name(),
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    ));
+    let bytes = key.encode(image.bytes());
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(&bytes)?;
+        f.sync_all()?;
+        drop(f);
+        std::fs::rename(&tmp, &path)
+    };
+    if let Err(e) = write() {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    Ok(path)
+}
+
+/// The image of `file` for `arch`: read from the disk cache in `dir` when it holds a usable one,
+/// else compiled (and then written there). Only a compile error is an error: every problem with
+/// the cache (unreadable or corrupt file, unwritable folder) is a `tracing` warning, and the
+/// compiled image is used.
+pub fn load_or_compile(
+    file: &KernelFile,
+    arch: &str,
+    dir: Option<&Path>,
+) -> Result<(Image, ImageOrigin)> {
+    let Some(dir) = dir else {
+        return Ok((compile(file, arch)?, ImageOrigin::Compiled));
+    };
+    let key = ImageKey::new(file, arch)?;
+    let t = Instant::now();
+    match read_cached(dir, &key) {
+        Ok(Some(image)) => {
+            STATS.disk_hits.fetch_add(1, Ordering::Relaxed);
+            STATS.disk_read_ns.fetch_add(nanos(t), Ordering::Relaxed);
+            tracing::debug!(
+                file = file.name,
+                arch,
+                dir = %dir.display(),
+                "kernel image read from the disk cache"
+            );
+            return Ok((image, ImageOrigin::Disk));
+        }
+        Ok(None) => {}
+        Err(reason) => {
+            STATS.disk_rejected.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                path = %dir.join(key.file_name()).display(),
+                "kernel cache file ignored ({reason}); compiling again and replacing it"
+            );
+        }
+    }
+    let image = compile(file, arch)?;
+    match write_cached(dir, &key, &image) {
+        Ok(path) => {
+            STATS.disk_writes.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(path = %path.display(), "kernel image written to the disk cache");
+        }
+        Err(e) => {
+            STATS.disk_write_failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                dir = %dir.display(),
+                error = %e,
+                "kernel image could not be written to the disk cache; the next process compiles it again"
+            );
+        }
+    }
+    Ok((image, ImageOrigin::Compiled))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -240,5 +608,93 @@ mod tests {
                 assert!(names.contains(&n.as_str()), "{n} is not in kernels::ALL");
             }
         }
+    }
+
+    static TINY: KernelFile = KernelFile {
+        name: "tiny.cu",
+        source: "extern \"C\" __global__ void k(float* x) { x[0] = 1.0f; }",
+    };
+
+    #[test]
+    fn image_keys_change_with_every_input() {
+        let base = ImageKey::with_version(&TINY, "sm_90", (13, 0));
+        assert_eq!(base, ImageKey::with_version(&TINY, "sm_90", (13, 0)));
+        static OTHER_SRC: KernelFile = KernelFile {
+            name: "tiny.cu",
+            source: "extern \"C\" __global__ void k(float* x) { x[0] = 2.0f; }",
+        };
+        static OTHER_NAME: KernelFile = KernelFile {
+            name: "tiny2.cu",
+            source: TINY.source,
+        };
+        let others = [
+            ImageKey::with_version(&TINY, "sm_80", (13, 0)),
+            ImageKey::with_version(&TINY, "sm_90", (13, 1)),
+            ImageKey::with_version(&TINY, "sm_90", (12, 9)),
+            ImageKey::with_version(&OTHER_SRC, "sm_90", (13, 0)),
+            ImageKey::with_version(&OTHER_NAME, "sm_90", (13, 0)),
+        ];
+        for o in &others {
+            assert_ne!(o.hash, base.hash, "{o:?}");
+            assert_ne!(o.file_name(), base.file_name(), "{o:?}");
+        }
+        assert!(base.file_name().starts_with("tiny.sm_90.nvrtc13.0."));
+        assert!(base.file_name().ends_with(".cubin"));
+        assert!(ImageKey::with_version(&TINY, "compute_90", (13, 0))
+            .file_name()
+            .ends_with(".ptx"));
+    }
+
+    #[test]
+    fn encoded_images_round_trip_and_damage_is_detected() {
+        let key = ImageKey::with_version(&TINY, "sm_90", (13, 0));
+        let payload: Vec<u8> = b"\x7fELF".iter().copied().chain(0..=255u8).collect();
+        let file = key.encode(&payload);
+        match key.decode(&file) {
+            Ok(Image::Cubin(b)) => assert_eq!(b, payload),
+            other => panic!("{other:?}"),
+        }
+        // Truncated, a flipped payload byte, an appended byte, another key's file, garbage.
+        let mut flipped = file.clone();
+        let last = flipped.len() - 1;
+        flipped[last] ^= 1;
+        let mut longer = file.clone();
+        longer.push(0);
+        let other = ImageKey::with_version(&TINY, "sm_80", (13, 0)).encode(&payload);
+        let not_elf = key.encode(b"PTX?");
+        for (what, bad) in [
+            ("truncated", &file[..file.len() - 3]),
+            ("flipped", &flipped[..]),
+            ("longer", &longer[..]),
+            ("other key", &other[..]),
+            ("no header", &payload[..]),
+            ("empty", &[][..]),
+            ("not ELF", &not_elf[..]),
+        ] {
+            assert!(key.decode(bad).is_err(), "{what} was accepted");
+        }
+        // PTX keeps its bytes as they are (NUL terminator included).
+        let pkey = ImageKey::with_version(&TINY, "compute_90", (13, 0));
+        match pkey.decode(&pkey.encode(b".version 8.0\0")) {
+            Ok(Image::Ptx(b)) => assert_eq!(b, b".version 8.0\0"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn cache_folder_follows_the_config() {
+        let c = Config::default();
+        assert_eq!(disk_cache_dir(&c), None);
+        let c = c.with_tuning_cache(Some(PathBuf::from("/var/cache/x/tuning.json")));
+        assert_eq!(
+            disk_cache_dir(&c),
+            Some(PathBuf::from("/var/cache/x/nnfuse-kernels"))
+        );
+        let c2 = c
+            .clone()
+            .with_tuning_cache(Some(PathBuf::from("tuning.json")));
+        assert_eq!(disk_cache_dir(&c2), Some(PathBuf::from("./nnfuse-kernels")));
+        let c = c.with_kernel_cache(Some(PathBuf::from("/k")));
+        assert_eq!(disk_cache_dir(&c), Some(PathBuf::from("/k")));
     }
 }

@@ -25,6 +25,9 @@
 //! [`Error::InvalidArgument`](crate::Error::InvalidArgument) naming the argument; two inputs may
 //! overlap freely. Only the bytes a call touches count.
 //!
+//! Every buffer must live on the Context's device; one from another device is rejected the same
+//! way before anything is launched.
+//!
 //! # Performance
 //! When every data pointer is 16-byte aligned the kernels use 16-byte loads and stores and warp
 //! votes (`__ballot_sync`) that produce whole mask words per warp; otherwise (a view starting
@@ -51,13 +54,16 @@ pub mod plan;
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DeviceSlice, PushKernelArg,
+};
 use once_cell::sync::Lazy;
 
 use crate::context::Context;
 use crate::dtype::{DType, Element};
 use crate::error::{CallExt, Result};
 use crate::kernels;
+use crate::validate::{expect_device, BufInfo};
 use plan::{choose_path, plan_launch, validate, Operand, Path, Scheme};
 
 /// The optional output mask of a forward: its pointer (0 for none, which the kernels read as
@@ -76,6 +82,30 @@ fn optional_mask<'a, M: DevicePtrMut<u32>>(
         }
         None => (0, None),
     }
+}
+
+/// The device ordinal a buffer lives on.
+fn dev<T, S: DeviceSlice<T>>(s: &S) -> Option<usize> {
+    Some(s.stream().context().ordinal())
+}
+
+/// Every operand lives on the Context's device: a pointer of another device must never reach a
+/// kernel (it faults, or silently reads another GPU's memory through a peer mapping). The error
+/// names the first operand that does not.
+fn on_device(ctx: &Context, operands: &[(&'static str, Option<usize>)]) -> Result<()> {
+    for &(name, ordinal) in operands {
+        if let Some(ordinal) = ordinal {
+            let info = BufInfo {
+                name,
+                ptr: 0,
+                len: 0,
+                elem: 1,
+                ordinal,
+            };
+            expect_device(&info, ctx.info().ordinal)?;
+        }
+    }
+    Ok(())
 }
 
 pub use crate::reference::activation::mask_words;
@@ -233,6 +263,11 @@ where
     Y: DevicePtrMut<T>,
     M: DevicePtrMut<u32>,
 {
+    let m = mask.as_ref().and_then(|m| dev::<u32, _>(*m));
+    on_device(
+        ctx,
+        &[("x", dev::<T, _>(x)), ("y", dev::<T, _>(y)), ("mask", m)],
+    )?;
     let (xl, yl) = (x.len(), y.len());
     let stream = ctx.stream();
     let (xp, _x) = x.device_ptr(stream);
@@ -256,6 +291,8 @@ where
     Y: DevicePtrMut<T>,
     M: DevicePtrMut<u32>,
 {
+    let m = mask.as_ref().and_then(|m| dev::<u32, _>(*m));
+    on_device(ctx, &[("xy", dev::<T, _>(xy)), ("mask", m)])?;
     let l = xy.len();
     let stream = ctx.stream();
     let (p, _xy) = xy.device_ptr_mut(stream);
@@ -287,6 +324,16 @@ where
     Y: DevicePtrMut<T>,
     M: DevicePtrMut<u32>,
 {
+    let m = mask.as_ref().and_then(|m| dev::<u32, _>(*m));
+    on_device(
+        ctx,
+        &[
+            ("x", dev::<T, _>(x)),
+            ("z", dev::<T, _>(z)),
+            ("y", dev::<T, _>(y)),
+            ("mask", m),
+        ],
+    )?;
     let (xl, zl, yl) = (x.len(), z.len(), y.len());
     let stream = ctx.stream();
     let (xp, _x) = x.device_ptr(stream);
@@ -326,6 +373,11 @@ where
     Z: DevicePtr<T>,
     M: DevicePtrMut<u32>,
 {
+    let m = mask.as_ref().and_then(|m| dev::<u32, _>(*m));
+    on_device(
+        ctx,
+        &[("xy", dev::<T, _>(xy)), ("z", dev::<T, _>(z)), ("mask", m)],
+    )?;
     let (l, zl) = (xy.len(), z.len());
     let stream = ctx.stream();
     let (zp, _z) = z.device_ptr(stream);
@@ -358,6 +410,14 @@ where
     M: DevicePtr<u32>,
     DX: DevicePtrMut<T>,
 {
+    on_device(
+        ctx,
+        &[
+            ("dy", dev::<T, _>(dy)),
+            ("mask", dev::<u32, _>(mask)),
+            ("dx", dev::<T, _>(dx)),
+        ],
+    )?;
     let (gl, ml, xl) = (dy.len(), mask.len(), dx.len());
     let stream = ctx.stream();
     let (gp, _g) = dy.device_ptr(stream);
@@ -391,6 +451,15 @@ where
     DX: DevicePtrMut<T>,
     DZ: DevicePtrMut<T>,
 {
+    on_device(
+        ctx,
+        &[
+            ("dy", dev::<T, _>(dy)),
+            ("mask", dev::<u32, _>(mask)),
+            ("dx", dev::<T, _>(dx)),
+            ("dz", dev::<T, _>(dz)),
+        ],
+    )?;
     let (gl, ml, xl, zl) = (dy.len(), mask.len(), dx.len(), dz.len());
     let stream = ctx.stream();
     let (gp, _g) = dy.device_ptr(stream);
@@ -424,6 +493,7 @@ where
     G: DevicePtrMut<T>,
     M: DevicePtr<u32>,
 {
+    on_device(ctx, &[("g", dev::<T, _>(g)), ("mask", dev::<u32, _>(mask))])?;
     let (gl, ml) = (g.len(), mask.len());
     let stream = ctx.stream();
     let (mp, _m) = mask.device_ptr(stream);
@@ -459,6 +529,14 @@ pub mod baseline {
         Y: DevicePtrMut<T>,
         M: DevicePtrMut<u32>,
     {
+        on_device(
+            ctx,
+            &[
+                ("x", dev::<T, _>(x)),
+                ("y", dev::<T, _>(y)),
+                ("mask", dev::<u32, _>(mask)),
+            ],
+        )?;
         let (xl, yl, ml) = (x.len(), y.len(), mask.len());
         let stream = ctx.stream();
         let (xp, _x) = x.device_ptr(stream);
@@ -485,6 +563,14 @@ pub mod baseline {
         Y: DevicePtr<T>,
         DX: DevicePtrMut<T>,
     {
+        on_device(
+            ctx,
+            &[
+                ("dy", dev::<T, _>(dy)),
+                ("y", dev::<T, _>(y)),
+                ("dx", dev::<T, _>(dx)),
+            ],
+        )?;
         let (gl, yl, xl) = (dy.len(), y.len(), dx.len());
         let stream = ctx.stream();
         let (gp, _g) = dy.device_ptr(stream);

@@ -334,14 +334,98 @@ struct Slot {
 /// What the hot path needs from a slot: the choice, whether it was checked, its cuBLASLt plan.
 pub(crate) type SlotView = (Choice, bool, Option<Arc<Plan>>);
 
-#[derive(Default)]
+/// The in-memory choices: a least-recently-used map of at most `capacity` entries, shaped for
+/// the hot path. A hit costs one FxHash lookup and a store of the use tick (~40 ns), where
+/// [`crate::lru::Lru`]'s ordered index costs ~10x that per hit; the price is paid on eviction
+/// instead, which scans for the oldest tick. Evictions only follow an insert past the capacity,
+/// i.e. a search (milliseconds), so the scan (microseconds at 4096 entries) never shows.
+struct Choices {
+    map: FxMap<Key, (Slot, u64)>,
+    tick: u64,
+    capacity: usize,
+    evictions: u64,
+}
+
+impl Choices {
+    fn new(capacity: usize) -> Self {
+        Choices {
+            map: FxMap::default(),
+            tick: 0,
+            capacity: capacity.max(1),
+            evictions: 0,
+        }
+    }
+
+    /// The slot of `key`, marked as the most recently used.
+    fn get(&mut self, key: &Key) -> Option<&Slot> {
+        self.tick += 1;
+        let (slot, used) = self.map.get_mut(key)?;
+        *used = self.tick;
+        Some(slot)
+    }
+
+    /// Mutable access without marking a use.
+    fn peek_mut(&mut self, key: &Key) -> Option<&mut Slot> {
+        self.map.get_mut(key).map(|(s, _)| s)
+    }
+
+    /// Inserts or replaces `key` as the most recently used; evicts the least recently used
+    /// entries beyond the capacity (never the one inserted) and returns how many.
+    fn insert(&mut self, key: Key, slot: Slot) -> usize {
+        self.tick += 1;
+        self.map.insert(key, (slot, self.tick));
+        self.shrink()
+    }
+
+    /// Inserts `key` only if it is absent and there is room (entries read from a file never
+    /// push out choices of this process). Returns whether it was inserted.
+    fn insert_if_room(&mut self, key: Key, slot: Slot) -> bool {
+        if self.map.len() >= self.capacity || self.map.contains_key(&key) {
+            return false;
+        }
+        self.tick += 1;
+        self.map.insert(key, (slot, self.tick));
+        true
+    }
+
+    fn shrink(&mut self) -> usize {
+        let mut n = 0;
+        while self.map.len() > self.capacity {
+            let Some(oldest) = self
+                .map
+                .iter()
+                .min_by_key(|(_, (_, t))| *t)
+                .map(|(k, _)| *k)
+            else {
+                break;
+            };
+            self.map.remove(&oldest);
+            self.evictions += 1;
+            n += 1;
+        }
+        n
+    }
+
+    /// Raises the capacity to `capacity` (never lowers it: the map is shared by every Context
+    /// of the process, and the largest capacity any of them asked for wins).
+    fn raise_capacity(&mut self, capacity: usize) {
+        self.capacity = self.capacity.max(capacity);
+    }
+}
+
 struct State {
-    choices: FxMap<Key, Slot>,
+    choices: Choices,
     /// Files already read, per device ordinal.
     loaded: HashSet<(PathBuf, u32)>,
 }
 
-static STATE: Lazy<Mutex<State>> = Lazy::new(|| Mutex::new(State::default()));
+static STATE: Lazy<Mutex<State>> = Lazy::new(|| {
+    Mutex::new(State {
+        // Contexts raise it to their `Config::plan_cache_capacity` when they store a choice.
+        choices: Choices::new(1),
+        loaded: HashSet::new(),
+    })
+});
 /// Serialises file writes within the process (other processes are handled by rename).
 static SAVE_LOCK: Lazy<Mutex<()>> = Lazy::new(|| Mutex::new(()));
 
@@ -367,22 +451,41 @@ pub(crate) fn lookup_slot(key: &Key) -> Option<SlotView> {
         .map(|s| (s.choice, s.verified, s.plan.clone()))
 }
 
-/// Stores a choice (replacing any other for the key), with its cuBLASLt plan if built.
-pub(crate) fn insert(key: Key, choice: Choice, verified: bool, plan: Option<Arc<Plan>>) {
-    state().choices.insert(
-        key,
-        Slot {
-            choice,
-            verified,
-            plan,
-        },
-    );
+/// Stores a choice (replacing any other for the key), with its cuBLASLt plan if built. The map
+/// keeps at most `capacity` choices (the largest [`crate::Config::plan_cache_capacity`] of the
+/// Contexts that stored one), evicting the least recently used; an evicted choice is searched
+/// again (or read from the tuning file) at its key's next call.
+pub(crate) fn insert(
+    key: Key,
+    choice: Choice,
+    verified: bool,
+    plan: Option<Arc<Plan>>,
+    capacity: usize,
+) {
+    let evicted = {
+        let mut s = state();
+        s.choices.raise_capacity(capacity);
+        s.choices.insert(
+            key,
+            Slot {
+                choice,
+                verified,
+                plan,
+            },
+        )
+    };
+    if evicted > 0 {
+        tracing::debug!(
+            evicted,
+            "GEMM choice cache full: least recently used choices evicted"
+        );
+    }
 }
 
 /// Marks a choice as checked and keeps the plan its check built, if the slot still holds the
 /// same algorithm.
 pub(crate) fn mark_verified(key: &Key, algo: &Algo, plan: Option<Arc<Plan>>) {
-    if let Some(s) = state().choices.get_mut(key) {
+    if let Some(s) = state().choices.peek_mut(key) {
         if s.choice.algo == *algo {
             s.verified = true;
             if s.plan.is_none() {
@@ -394,7 +497,7 @@ pub(crate) fn mark_verified(key: &Key, algo: &Algo, plan: Option<Arc<Plan>>) {
 
 /// Keeps a plan built on first use, if the slot still holds the same algorithm and has none.
 pub(crate) fn set_plan(key: &Key, algo: &Algo, plan: Arc<Plan>) {
-    if let Some(s) = state().choices.get_mut(key) {
+    if let Some(s) = state().choices.peek_mut(key) {
         if s.choice.algo == *algo && s.plan.is_none() {
             s.plan = Some(plan);
         }
@@ -403,32 +506,56 @@ pub(crate) fn set_plan(key: &Key, algo: &Algo, plan: Arc<Plan>) {
 
 /// Forgets one choice.
 pub(crate) fn remove(key: &Key) {
-    state().choices.remove(key);
+    state().choices.map.remove(key);
 }
 
 /// Forgets every in-memory choice and which files were read (files are untouched), so that the
 /// next call searches again or re-reads its file. For tests and benchmarks.
 pub fn clear() {
     let mut s = state();
-    s.choices.clear();
+    s.choices.map.clear();
     s.loaded.clear();
+}
+
+/// What the in-memory choice map holds ([`memory_stats`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Choices in memory now (every device).
+    pub entries: usize,
+    /// Most choices kept: the largest [`crate::Config::plan_cache_capacity`] of the Contexts
+    /// that stored one (1 before any did).
+    pub capacity: usize,
+    /// Choices evicted (least recently used first) since the process started.
+    pub evictions: u64,
+}
+
+/// The size, bound and evictions of the process's in-memory choice map.
+pub fn memory_stats() -> MemoryStats {
+    let s = state();
+    MemoryStats {
+        entries: s.choices.map.len(),
+        capacity: s.choices.capacity,
+        evictions: s.choices.evictions,
+    }
 }
 
 /// Every searched or file-loaded choice for device `ordinal` (what a save writes).
 pub fn entries(ordinal: u32) -> Vec<(Key, Choice)> {
     let mut v: Vec<(Key, Choice)> = state()
         .choices
+        .map
         .iter()
-        .filter(|(k, s)| k.device == ordinal && s.choice.origin != Origin::Fallback)
-        .map(|(k, s)| (*k, s.choice))
+        .filter(|(k, (s, _))| k.device == ordinal && s.choice.origin != Origin::Fallback)
+        .map(|(k, (s, _))| (*k, s.choice))
         .collect();
     v.sort_by_key(|e| e.0);
     v
 }
 
 /// Reads `path` into memory once per process and device (later calls return at once). Entries
-/// already in memory win over the file's.
-pub(crate) fn ensure_loaded(path: &Path, ordinal: u32, tag: &DeviceTag) {
+/// already in memory win over the file's, and the file's fill only the room left under the
+/// capacity (the rest stay in the file; a call of their key searches again).
+pub(crate) fn ensure_loaded(path: &Path, ordinal: u32, tag: &DeviceTag, capacity: usize) {
     {
         let s = state();
         if s.loaded.contains(&(path.to_path_buf(), ordinal)) {
@@ -438,14 +565,15 @@ pub(crate) fn ensure_loaded(path: &Path, ordinal: u32, tag: &DeviceTag) {
     let loaded = load_file(path, tag, ordinal);
     let mut s = state();
     s.loaded.insert((path.to_path_buf(), ordinal));
+    s.choices.raise_capacity(capacity);
     let mut added = 0;
     for (k, c) in loaded.entries {
-        if let std::collections::hash_map::Entry::Vacant(e) = s.choices.entry(k) {
-            e.insert(Slot {
-                choice: c,
-                verified: false,
-                plan: None,
-            });
+        let slot = Slot {
+            choice: c,
+            verified: false,
+            plan: None,
+        };
+        if s.choices.insert_if_room(k, slot) {
             added += 1;
         }
     }
@@ -865,5 +993,55 @@ mod tests {
         let h = |k: &Key| b.hash_one(k);
         assert_ne!(h(&k1), h(&k2));
         assert_eq!(h(&k1), h(&k1.clone()));
+    }
+
+    fn slot() -> Slot {
+        Slot {
+            choice: Choice::fallback(),
+            verified: true,
+            plan: None,
+        }
+    }
+
+    fn key(i: usize) -> Key {
+        Key::new(
+            0,
+            &Problem::packed(1, 8 + i, 8, 8),
+            DType::F32,
+            Alignment::MAX,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn choice_map_is_a_bounded_lru() {
+        let mut c = Choices::new(64);
+        for i in 0..20_000 {
+            c.insert(key(i), slot());
+            // Key 0 is used between inserts: it must survive every eviction.
+            assert!(c.get(&key(0)).is_some(), "key 0 evicted at insert {i}");
+            assert!(c.map.len() <= 64);
+        }
+        assert_eq!(c.map.len(), 64);
+        assert_eq!(c.evictions, 20_000 - 64);
+        // The survivors: key 0 and the 63 newest.
+        for i in (20_000 - 63)..20_000 {
+            assert!(c.get(&key(i)).is_some(), "key {i}");
+        }
+        assert!(c.get(&key(1)).is_none());
+        // Raising never lowers; file entries only fill free room and never replace.
+        c.raise_capacity(8);
+        assert_eq!(c.capacity, 64);
+        assert!(!c.insert_if_room(key(1), slot()));
+        c.raise_capacity(65);
+        assert!(
+            !c.insert_if_room(key(0), slot()),
+            "present keys are not replaced"
+        );
+        assert!(c.insert_if_room(key(1), slot()));
+        assert!(!c.insert_if_room(key(2), slot()));
+        assert_eq!(c.map.len(), 65);
+        // Replacing a key evicts nothing.
+        assert_eq!(c.insert(key(1), slot()), 0);
     }
 }

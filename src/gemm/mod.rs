@@ -68,7 +68,9 @@
 //!
 //! # Tuning cache
 //! Choices live in memory for the life of the process (shared by every Context on the same
-//! device ordinal). When [`crate::Config::tuning_cache`] (`NNFUSE_TUNING_CACHE`) names a file,
+//! device ordinal), at most [`crate::Config::plan_cache_capacity`] of them (the largest any
+//! Context asked for; least recently used evicted first, searched again at their next call;
+//! [`cache::memory_stats`]). When [`crate::Config::tuning_cache`] (`NNFUSE_TUNING_CACHE`) names a file,
 //! it is read at the first cache miss and rewritten atomically after each search; see [`cache`]
 //! for the format and for what is ignored. Entries read from the file are checked
 //! (`cublasLtMatmulAlgoCheck` and the algorithm's alignment needs) before their first use.
@@ -111,6 +113,11 @@ use lt::Ptrs;
 
 fn ordinal(ctx: &Context) -> u32 {
     ctx.info().ordinal as u32
+}
+
+/// The bound the Context asks of the process's choice map.
+fn capacity(ctx: &Context) -> usize {
+    ctx.config().plan_cache_capacity
 }
 
 /// The device and library versions a tuning result of `ctx` is valid for (computed once per
@@ -287,7 +294,7 @@ fn search_and_store(
     progress: &mut dyn FnMut(SearchProgress<'_>),
 ) -> Result<(SearchReport, Option<Arc<lt::Plan>>)> {
     let (report, plan) = search::run(ctx, p, dtype, key, spans, caller, progress)?;
-    cache::insert(key, report.choice, true, plan.clone());
+    cache::insert(key, report.choice, true, plan.clone(), capacity(ctx));
     if let Some(path) = &ctx.config().tuning_cache {
         match save(ctx, path) {
             Ok(()) => tracing::debug!(path = %path.display(), "GEMM tuning cache written"),
@@ -316,7 +323,7 @@ fn choose(
     if slot.is_none() {
         if let Some(path) = &ctx.config().tuning_cache {
             match device_tag(ctx) {
-                Ok(tag) => cache::ensure_loaded(path, key.device, &tag),
+                Ok(tag) => cache::ensure_loaded(path, key.device, &tag, capacity(ctx)),
                 Err(e) => tracing::warn!(
                     path = %path.display(),
                     error = %e,
@@ -354,7 +361,7 @@ fn choose(
                 "GEMM algorithm search failed; this problem uses the cuBLAS default"
             );
             let c = Choice::fallback();
-            cache::insert(*key, c, true, None);
+            cache::insert(*key, c, true, None, capacity(ctx));
             (c, None)
         }
     }
@@ -443,7 +450,7 @@ fn run_checked(ctx: &Context, p: &Problem, dtype: DType, spans: Spans, ptrs: Ptr
                 error = %e,
                 "tuned GEMM algorithm failed to launch; this problem uses the cuBLAS default"
             );
-            cache::insert(key, Choice::fallback(), true, None);
+            cache::insert(key, Choice::fallback(), true, None, capacity(ctx));
             run_cublas(ctx, p, dtype, CublasAlgo::DEFAULT, ptrs)
         }
         r => r,

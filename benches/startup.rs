@@ -1,0 +1,391 @@
+//! First-call cost in a fresh process (issue 11: the first GEMM call of a process took 934 ms on
+//! the H100): `Context::new`, then the first `gemm::strided_batched` of a 16 x 1024³ f16 problem,
+//! each scenario in fresh child processes (this executable, re-run with `NNFUSE_STARTUP_CHILD`),
+//! median of a few runs:
+//!
+//! - `cold`: empty kernel disk cache and tuning file (the first run ever): NVRTC compiles the
+//!   search's kernels, the search runs, both caches are written.
+//! - `warm-kernels`: the kernel images come from the disk cache, no tuning file: the search
+//!   still runs, NVRTC does not.
+//! - `warm-both`: kernel images and the tuning file from disk: no compile, no search (the
+//!   file's choice is checked with `cublasLtMatmulAlgoCheck` before its first use).
+//! - `no-search`: `gemm_search` off: the cuBLAS default, the floor of library start-up.
+//!
+//! For `cold` and `warm-kernels` a second kind of child runs `gemm::search_on` instead (the same
+//! path as the first call) to report where the time goes: one-off setup (NVRTC or disk read of
+//! the search kernels, module load, cuBLAS/cuBLASLt handles, workspace, cuBLASLt's first
+//! heuristic query) and the search's phases. The floor printed beside each row is the GEMM's
+//! own time (the second call, measured in the same child); the target is a warm first call of at
+//! most 300 ms. Prints a table, then JSON lines.
+//!
+//! `cargo bench --bench startup` (on a GPU; about 30 s). `NNFUSE_STARTUP_RUNS=n` sets the runs
+//! per scenario (default 3).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::time::Instant;
+
+use half::f16;
+use nnfuse::gemm::{self, Problem};
+use nnfuse::{kernels, Config, Context};
+use serde::{Deserialize, Serialize};
+
+const CHILD_ENV: &str = "NNFUSE_STARTUP_CHILD";
+const MARK: &str = "NNFUSE_STARTUP_JSON ";
+const SHAPE: (usize, usize, usize, usize) = (16, 1024, 1024, 1024);
+const TARGET_MS: f64 = 300.0;
+
+/// What a child does.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Spec {
+    scenario: String,
+    /// `call`: the first `strided_batched`; `search`: the first `search_on`.
+    kind: String,
+    kernel_cache: Option<PathBuf>,
+    tuning_cache: Option<PathBuf>,
+    gemm_search: bool,
+}
+
+/// What a child measured (ms).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct Measured {
+    scenario: String,
+    kind: String,
+    context_ms: f64,
+    first_ms: f64,
+    second_ms: f64,
+    nvrtc_compiled: u64,
+    nvrtc_compile_ms: f64,
+    disk_hits: u64,
+    disk_read_ms: f64,
+    /// `search` children only.
+    setup_ms: f64,
+    setup_first_query_ms: f64,
+    search_wall_ms: f64,
+    prepare_ms: f64,
+    candidates_ms: f64,
+    alloc_ms: f64,
+    check_ms: f64,
+    timing_ms: f64,
+    /// Spawn to exit, seen by the parent.
+    process_ms: f64,
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+fn child(spec: &Spec) -> nnfuse::Result<Measured> {
+    let config = Config::default()
+        .with_kernel_cache(spec.kernel_cache.clone())
+        .with_tuning_cache(spec.tuning_cache.clone())
+        .with_gemm_search(spec.gemm_search);
+    let t = Instant::now();
+    let ctx = Context::with_config(0, config)?;
+    let context_ms = ms(t);
+    let (batch, m, n, k) = SHAPE;
+    let p = Problem::packed(batch, m, n, k);
+    // Operands from the host (no nnfuse kernel may run before the measured call).
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut rand = |len: usize| -> Vec<f16> {
+        (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                f16::from_f32((x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
+            })
+            .collect()
+    };
+    let s = ctx.stream();
+    let err = |e: cudarc::driver::DriverError| nnfuse::Error::Driver {
+        call: "startup bench allocation",
+        status: format!("{e:?}"),
+    };
+    let a = s.clone_htod(&rand(batch * m * k)).map_err(err)?;
+    let b = s.clone_htod(&rand(batch * k * n)).map_err(err)?;
+    let mut c = s.alloc_zeros::<f16>(batch * m * n).map_err(err)?;
+    ctx.synchronize()?;
+
+    let mut out = Measured {
+        scenario: spec.scenario.clone(),
+        kind: spec.kind.clone(),
+        context_ms,
+        ..Measured::default()
+    };
+    let t = Instant::now();
+    if spec.kind == "search" {
+        let r = gemm::search_on(&ctx, &p, &a, &b, &mut c)?;
+        ctx.synchronize()?;
+        out.first_ms = ms(t);
+        out.setup_ms = r.setup_ms;
+        out.setup_first_query_ms = r.setup_first_query_ms;
+        out.search_wall_ms = r.wall_ms;
+        out.prepare_ms = r.phases.prepare_ms;
+        out.candidates_ms = r.phases.candidates_ms;
+        out.alloc_ms = r.phases.alloc_ms;
+        out.check_ms = r.phases.check_ms;
+        out.timing_ms = r.phases.timing_ms;
+    } else {
+        gemm::strided_batched(&ctx, &p, &a, &b, &mut c)?;
+        ctx.synchronize()?;
+        out.first_ms = ms(t);
+    }
+    let t = Instant::now();
+    gemm::strided_batched(&ctx, &p, &a, &b, &mut c)?;
+    ctx.synchronize()?;
+    out.second_ms = ms(t);
+    let k = kernels::stats();
+    out.nvrtc_compiled = k.compiled;
+    out.nvrtc_compile_ms = k.compile_ms;
+    out.disk_hits = k.disk_hits;
+    out.disk_read_ms = k.disk_read_ms;
+    Ok(out)
+}
+
+fn spawn(spec: &Spec) -> Result<Measured, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let json = serde_json::to_string(spec).map_err(|e| e.to_string())?;
+    let t = Instant::now();
+    let out = Command::new(exe)
+        .env(CHILD_ENV, json)
+        .output()
+        .map_err(|e| format!("spawn: {e}"))?;
+    let process_ms = ms(t);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix(MARK))
+        .ok_or_else(|| {
+            format!(
+                "child {} / {} exited {:?} without a result:\n{stdout}\n{}",
+                spec.scenario,
+                spec.kind,
+                out.status.code(),
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })?;
+    let mut m: Measured = serde_json::from_str(line).map_err(|e| e.to_string())?;
+    m.process_ms = process_ms;
+    Ok(m)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        f64::NAN
+    } else {
+        v[v.len() / 2]
+    }
+}
+
+/// Medians of every field over the runs of one scenario and kind.
+fn summarise(runs: &[Measured]) -> Measured {
+    let med = |f: fn(&Measured) -> f64| median(runs.iter().map(f).collect());
+    let first = runs.first().cloned().unwrap_or_default();
+    Measured {
+        context_ms: med(|m| m.context_ms),
+        first_ms: med(|m| m.first_ms),
+        second_ms: med(|m| m.second_ms),
+        nvrtc_compile_ms: med(|m| m.nvrtc_compile_ms),
+        disk_read_ms: med(|m| m.disk_read_ms),
+        setup_ms: med(|m| m.setup_ms),
+        setup_first_query_ms: med(|m| m.setup_first_query_ms),
+        search_wall_ms: med(|m| m.search_wall_ms),
+        prepare_ms: med(|m| m.prepare_ms),
+        candidates_ms: med(|m| m.candidates_ms),
+        alloc_ms: med(|m| m.alloc_ms),
+        check_ms: med(|m| m.check_ms),
+        timing_ms: med(|m| m.timing_ms),
+        process_ms: med(|m| m.process_ms),
+        ..first
+    }
+}
+
+fn fresh(root: &Path, name: &str) -> PathBuf {
+    let d = root.join(name);
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn parent() -> Result<(), String> {
+    if !nnfuse::context::driver_present() {
+        println!("startup bench: no CUDA driver on this machine; nothing to measure");
+        return Ok(());
+    }
+    let runs: usize = std::env::var("NNFUSE_STARTUP_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3)
+        .max(1);
+    let root = std::env::temp_dir().join(format!("nnfuse-startup-{}", std::process::id()));
+    std::fs::create_dir_all(&root).map_err(|e| e.to_string())?;
+    let spec = |scenario: &str, kind: &str, k: Option<&Path>, t: Option<&Path>, search| Spec {
+        scenario: scenario.into(),
+        kind: kind.into(),
+        kernel_cache: k.map(Path::to_path_buf),
+        tuning_cache: t.map(Path::to_path_buf),
+        gemm_search: search,
+    };
+    let mut all: Vec<Measured> = Vec::new();
+    for r in 0..runs {
+        // The first run ever: both caches empty; it fills them.
+        let kdir = fresh(&root, &format!("kernels-{r}"));
+        let tfile = root.join(format!("tuning-{r}.json"));
+        let _ = std::fs::remove_file(&tfile);
+        all.push(spawn(&spec(
+            "cold",
+            "call",
+            Some(&kdir),
+            Some(&tfile),
+            true,
+        ))?);
+        all.push(spawn(&spec(
+            "warm-kernels",
+            "call",
+            Some(&kdir),
+            None,
+            true,
+        ))?);
+        all.push(spawn(&spec(
+            "warm-both",
+            "call",
+            Some(&kdir),
+            Some(&tfile),
+            true,
+        ))?);
+        all.push(spawn(&spec("no-search", "call", None, None, false))?);
+        // Where the time goes (search_on takes the first call's path).
+        let kdir2 = fresh(&root, &format!("kernels-search-{r}"));
+        all.push(spawn(&spec("cold", "search", Some(&kdir2), None, true))?);
+        all.push(spawn(&spec(
+            "warm-kernels",
+            "search",
+            Some(&kdir2),
+            None,
+            true,
+        ))?);
+        eprintln!("startup bench: run {} of {runs} done", r + 1);
+    }
+    let _ = std::fs::remove_dir_all(&root);
+
+    let (batch, m, n, k) = SHAPE;
+    println!(
+        "\n## First GEMM call in a fresh process ({batch} x {m}x{n}x{k} f16, median of {runs} \
+         runs; ms)\n"
+    );
+    println!(
+        "| scenario | Context::new | first call | NVRTC compile | kernel disk read | floor: \
+         the GEMM (2nd call) | first / floor | vs cold | process | target ≤ {TARGET_MS:.0} |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+    let pick = |sc: &str, kind: &str| -> Vec<Measured> {
+        all.iter()
+            .filter(|x| x.scenario == sc && x.kind == kind)
+            .cloned()
+            .collect()
+    };
+    let cold = summarise(&pick("cold", "call"));
+    let mut summaries = Vec::new();
+    for sc in ["cold", "warm-kernels", "warm-both", "no-search"] {
+        let s = summarise(&pick(sc, "call"));
+        println!(
+            "| {sc} | {:.1} | {:.1} | {:.1} ({} files) | {:.2} ({} files) | {:.3} | {:.0}x | \
+             {:.2} | {:.0} | {} |",
+            s.context_ms,
+            s.first_ms,
+            s.nvrtc_compile_ms,
+            s.nvrtc_compiled,
+            s.disk_read_ms,
+            s.disk_hits,
+            s.second_ms,
+            s.first_ms / s.second_ms,
+            s.first_ms / cold.first_ms,
+            s.process_ms,
+            if s.first_ms <= TARGET_MS {
+                "met"
+            } else {
+                "missed"
+            }
+        );
+        summaries.push(s);
+    }
+    println!("\n### Where the first call's time goes (`gemm::search_on`, same path)\n");
+    println!(
+        "| scenario | total | setup | of which NVRTC | of which disk read | of which 1st \
+         heuristic query | search | prepare | candidates | alloc | check | timing |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for sc in ["cold", "warm-kernels"] {
+        let s = summarise(&pick(sc, "search"));
+        println!(
+            "| {sc} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | \
+             {:.1} | {:.1} |",
+            s.first_ms,
+            s.setup_ms,
+            s.nvrtc_compile_ms,
+            s.disk_read_ms,
+            s.setup_first_query_ms,
+            s.search_wall_ms,
+            s.prepare_ms,
+            s.candidates_ms,
+            s.alloc_ms,
+            s.check_ms,
+            s.timing_ms
+        );
+        summaries.push(s);
+    }
+    println!(
+        "\nsetup = search kernels (NVRTC or disk) + module load + cuBLAS/cuBLASLt handles + \
+         workspace + first heuristic query; the rest of `total` is the search itself and the \
+         tuned call."
+    );
+    println!();
+    let rows = summaries
+        .iter()
+        .map(|s| (s, "median"))
+        .chain(all.iter().map(|s| (s, "run")));
+    for (s, row) in rows {
+        let mut v = serde_json::to_value(s).map_err(|e| e.to_string())?;
+        v["bench"] = "startup".into();
+        v["row"] = row.into();
+        v["target_ms"] = TARGET_MS.into();
+        println!("{v}");
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    if let Ok(json) = std::env::var(CHILD_ENV) {
+        let spec: Spec = match serde_json::from_str(&json) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("bad {CHILD_ENV}: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        return match child(&spec) {
+            Ok(m) => match serde_json::to_string(&m) {
+                Ok(line) => {
+                    println!("{MARK}{line}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("{e}");
+                    ExitCode::FAILURE
+                }
+            },
+            Err(e) => {
+                eprintln!("startup child {} / {}: {e}", spec.scenario, spec.kind);
+                ExitCode::FAILURE
+            }
+        };
+    }
+    match parent() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("startup bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
