@@ -956,10 +956,10 @@ pub fn plan(req: &ConvPlanRequest) -> Result<ConvPlan> {
     let get = |p: ConvPath| &paths[ConvPath::ALL.iter().position(|&q| q == p).unwrap_or(0)];
 
     let mut reasons = vec![format!(
-        "{} of a {} problem: x {}x{}x{}x{}, {} filters {}x{}, stride {:?}, pad {:?}, dilation \
+        "{} of an {} problem: x {}x{}x{}x{}, {} filters {}x{}, stride {:?}, pad {:?}, dilation \
          {:?} -> output {}x{}; {} data, f32 accumulation; {:.3} GFLOP",
         req.direction.describe(),
-        s.format,
+        s.format.name().to_uppercase(),
         s.n,
         s.c_in,
         s.h,
@@ -1057,7 +1057,8 @@ pub fn plan(req: &ConvPlanRequest) -> Result<ConvPlan> {
              candidates on the caller's inputs (each checked against a reference, timed \
              interleaved) and keeps the incumbent {} unless a candidate is clearly faster \
              (>= 2% in the median round, faster in ~90% of rounds); Winograd is refused where \
-             its error exceeds twice the incumbent's (docs/CONV.md)",
+             its error exceeds twice cuDNN's (without cuDNN: the first other candidate's), \
+             with a floor per data type (docs/CONV.md)",
             candidates.len(),
             first
         ),

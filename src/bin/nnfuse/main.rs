@@ -2,6 +2,7 @@
 
 mod info;
 mod plan;
+mod plan_conv;
 mod tune;
 
 use clap::{Parser, Subcommand};
@@ -21,7 +22,8 @@ struct Cli {
 enum Command {
     /// Device, library versions and the effective configuration.
     Info,
-    /// The BatchNorm plan for a shape (mode, layout, path) and every reason; needs no GPU.
+    /// The BatchNorm plan for a shape (mode, layout, path), or with --conv the convolution plan
+    /// (path, candidates, eligibility of every path), and every reason; needs no GPU.
     Plan(plan::PlanArgs),
     /// Search the fastest GEMM algorithm for one problem and store it in the tuning cache.
     Tune(tune::TuneArgs),
