@@ -24,7 +24,7 @@ enum Command {
     Info,
     /// The BatchNorm plan for a shape (mode, layout, path), or with --conv the convolution plan
     /// (path, candidates, eligibility of every path), and every reason; needs no GPU.
-    Plan(plan::PlanArgs),
+    Plan(Box<plan::PlanArgs>),
     /// Search the fastest GEMM algorithm for one problem and store it in the tuning cache.
     Tune(tune::TuneArgs),
 }
@@ -40,7 +40,7 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Info => info::run(),
-        Command::Plan(args) => plan::run(args),
+        Command::Plan(args) => plan::run(*args),
         Command::Tune(args) => tune::run(args),
     };
     match result {
