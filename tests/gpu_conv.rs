@@ -9,6 +9,7 @@
 //! (its size next to cuDNN's is what `winograd_error_against_cudnn` prints and `auto` judges).
 
 mod common;
+mod conv_ref;
 
 use std::sync::Mutex;
 
@@ -22,7 +23,8 @@ use nnfuse::conv::{
 use nnfuse::reference::conv::conv2d;
 use nnfuse::{Context, DType, Element, Error, TensorFormat};
 
-use common::{f64s, gpu, gpu_with, rel_l2, Rng};
+use common::{f64s, gpu, gpu_with, Rng};
+use conv_ref::{compare, describe};
 
 /// Tests that clear the process-wide choice cache run one at a time.
 static CACHE_LOCK: Mutex<()> = Mutex::new(());
@@ -49,42 +51,6 @@ fn tolerance(path: ConvPath, dtype: DType) -> f64 {
     } else {
         dtype.tolerance()
     }
-}
-
-/// Compares with context: the relative L2 error, the worst element (index, got, want) and the
-/// first non-finite one.
-fn compare(what: &str, got: &[f64], want: &[f64], tol: f64) -> Result<f64, String> {
-    let e = rel_l2(got, want);
-    let bad = got.iter().position(|v| !v.is_finite());
-    if bad.is_none() && e <= tol {
-        return Ok(e);
-    }
-    let (wi, wd) = got
-        .iter()
-        .zip(want)
-        .map(|(g, w)| (g - w).abs())
-        .enumerate()
-        .fold((0, 0.0f64), |acc, (i, d)| {
-            if d > acc.1 || d.is_nan() {
-                (i, d)
-            } else {
-                acc
-            }
-        });
-    Err(format!(
-        "{what}: relative L2 error {e:.3e} > {tol:.1e}; first non-finite at {bad:?}; worst \
-         element {wi}: got {} want {} (|diff| {wd:.3e}); {} elements",
-        got[wi],
-        want[wi],
-        got.len()
-    ))
-}
-
-fn describe(s: &ConvShape) -> String {
-    format!(
-        "{} n{} c{} {}x{} -> k{} {}x{} s{:?} p{:?} d{:?}",
-        s.format, s.n, s.c_in, s.h, s.w, s.c_out, s.kh, s.kw, s.stride, s.pad, s.dilation
-    )
 }
 
 /// Every route a test forces for `d`: each eligible path, Winograd with both engines, cuDNN
@@ -192,21 +158,7 @@ fn design() -> Vec<(ConvShape, DType)> {
 
 /// f64 references of many problems on every core.
 fn references(problems: &[(ConvShape, Vec<f64>, Vec<f64>)]) -> Vec<Vec<f64>> {
-    let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
-    let mut out: Vec<Vec<f64>> = vec![Vec::new(); problems.len()];
-    std::thread::scope(|sc| {
-        for (chunk_out, chunk_in) in out
-            .chunks_mut(problems.len().div_ceil(threads).max(1))
-            .zip(problems.chunks(problems.len().div_ceil(threads).max(1)))
-        {
-            sc.spawn(move || {
-                for (o, (s, x, w)) in chunk_out.iter_mut().zip(chunk_in) {
-                    *o = conv2d(s, x, w).expect("reference");
-                }
-            });
-        }
-    });
-    out
+    conv_ref::par_map(problems, |(s, x, w)| conv2d(s, x, w).expect("reference"))
 }
 
 /// Runs every route of one problem; returns the failures (empty = all passed) and each
@@ -940,7 +892,11 @@ fn the_design_covers_the_grid() {
         })
         .map(|(_, dt)| *dt)
         .collect::<std::collections::BTreeSet<_>>();
-    assert_eq!(winograd.len(), 3, "Winograd-eligible problems in every dtype");
+    assert_eq!(
+        winograd.len(),
+        3,
+        "Winograd-eligible problems in every dtype"
+    );
     for (s, dt) in d.iter().take(12) {
         eprintln!("{} {dt}", describe(s));
     }
