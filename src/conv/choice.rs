@@ -1085,6 +1085,8 @@ fn uniform(ctx: &Context, dtype: DType, out: u64, n: usize, seed: u64) -> Result
 }
 
 fn poison(ctx: &Context, ptr: u64, bytes: usize) -> Result<()> {
+    // A raw driver call: the Context must be current on this thread.
+    ctx.cuda().bind_to_thread().call("cuCtxSetCurrent")?;
     // 0xFF bytes are NaN in f32, f16 and bf16 alike.
     // SAFETY: `ptr` holds `bytes` bytes allocated on this stream.
     unsafe { cudarc::driver::result::memset_d8_async(ptr, 0xFF, bytes, ctx.stream().cu_stream()) }

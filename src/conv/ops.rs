@@ -541,7 +541,10 @@ impl<T: Element> Conv2d<T> {
                 if self.acceptable(plan, &c.route) {
                     match self.exec_of(c.route) {
                         Ok(exec) => {
-                            if c.origin != ChoiceOrigin::File {
+                            // Another Context's measurement (a file entry and a fallback say
+                            // where they came from themselves).
+                            if matches!(c.origin, ChoiceOrigin::Measured | ChoiceOrigin::CudnnFind)
+                            {
                                 c.origin = ChoiceOrigin::Memory;
                             }
                             tracing::debug!(problem = ?self.core.shape, direction = %d,
@@ -840,6 +843,9 @@ impl<T: Element> Conv2d<T> {
         let mut c = ConvChoice::planned(fb_exec.route, ChoiceOrigin::Fallback);
         c.notes
             .push(format!("{} failed at run time: {err}", e.route));
+        // Other Contexts of the process take the fallback too (never written to the file).
+        let key = ChoiceKey::of(self.ctx.info().ordinal as u32, plan, core.search);
+        choice::insert(key, c.clone(), self.ctx.config().plan_cache_capacity);
         *lock(&core.state[dir_index(d)]) = Some(Decided {
             exec: fb_exec,
             choice: c,
