@@ -83,6 +83,10 @@ pub const WINOGRAD_GEMM: KernelFile = kernel_file!("winograd_gemm.cu");
 /// BatchNorm: nnfuse's own statistics, apply and backward kernels.
 pub const BATCHNORM: KernelFile = kernel_file!("batchnorm.cu");
 
+/// Convolution: the dispatcher's numerical check (candidate against reference, reference
+/// statistics, widening to f32).
+pub const CONV_CHECK: KernelFile = kernel_file!("conv_check.cu");
+
 /// Every kernel file the crate embeds (see [`CI_ARCHS`]).
 pub const ALL: &[KernelFile] = &[
     UTIL,
@@ -93,6 +97,7 @@ pub const ALL: &[KernelFile] = &[
     WINOGRAD,
     WINOGRAD_GEMM,
     BATCHNORM,
+    CONV_CHECK,
 ];
 
 /// Architectures CI compiles every kernel for (A100, H100).

@@ -5,9 +5,20 @@
 //! documentation gives the operation, the output size and the layouts: NCHW with a KCRS filter,
 //! NHWC with a KRSC filter).
 //!
+//! The user's entry is [`Conv2d`]: planned once per (problem, element type) and cached by the
+//! Context, with `forward`, `backward_data` and `backward_filter`; [`plan()`] is the pure
+//! decision behind it (also `nnfuse plan --conv`). `docs/CONV.md` describes the rules, the
+//! measurement of `auto` and the tuning-cache format.
+//!
 //! Files and what they may touch:
+//! - [`plan`](mod@plan): the pure decision — every path's eligibility, the policy, the
+//!   candidates `auto` measures, Winograd's engine, reasons;
 //! - [`sizes`]: pure arithmetic — eligibility of each path, intermediate sizes, batch chunks
 //!   under the workspace cap, the seed's tensor-core rule;
+//! - [`cudnn`]: owned cuDNN descriptors and thin wrappers of its convolution calls;
+//! - `choice`: the first call's measurement, the choice caches and the tuning-cache file;
+//! - `route`: runs one route (the one place a route becomes a path call);
+//! - `ops`: [`Conv2d`], validation and dispatch;
 //! - `im2col` / `direct`: launchers of `kernels/im2col.cu` and `kernels/conv_direct.cu`;
 //! - `winograd` / `winograd_gemm`: launchers of `kernels/winograd.cu` (transforms) and
 //!   `kernels/winograd_gemm.cu` (the Direct batched multiply).
@@ -15,14 +26,32 @@
 //! The path functions take device addresses that the dispatcher has already checked (lengths,
 //! device, aliasing, overflow); they are `unsafe` for that reason and never seen by users.
 
+pub mod cudnn;
+pub mod plan;
 pub mod sizes;
 
+mod choice;
 mod direct;
 mod im2col;
+mod ops;
+mod route;
 mod winograd;
 mod winograd_gemm;
 
 pub use crate::reference::conv::Conv2d as ConvShape;
+pub use choice::{
+    cached_len as cached_choices, check_tolerance, clear as clear_choices, cudnn_search,
+    entry_from_json, entry_to_json, lookup as lookup_choice, measure_timing, set_cudnn_search,
+    winograd_error_floor, AutoReport, CandidateReport, ChoiceKey, ChoiceOrigin, ConvChoice,
+    ConvDeviceTag, CudnnSearch, Outcome, PolicyKey, SearchKey, ShapeKey, WinogradKey,
+    ENV_CONV_CUDNN_SEARCH, MAX_CUDNN_CANDIDATES, MIN_NONZERO_FRACTION, WINOGRAD_ERROR_FACTOR,
+};
+pub use cudnn::{CudnnAlgo, CudnnMath, CudnnPerf};
+pub use ops::{simulate_missing_cudnn, Conv2d, Epilogue, FilterLayout, PreparedFilter};
+pub use plan::{
+    plan, ConvPath, ConvPlan, ConvPlanRequest, Direction, DirectionPlans, EngineDecision, PathInfo,
+    Route, WinogradInfo, DIRECT_CANDIDATE_MAX_FLOPS,
+};
 pub use sizes::{WinogradEngine, WinogradTile};
 
 /// Device addresses of a forward convolution's operands (checked by the dispatcher).

@@ -599,6 +599,10 @@ struct FileDoc {
     format: String,
     version: u32,
     sections: Vec<serde_json::Value>,
+    /// Other members (the convolution choices' `"conv"`): kept as they are when GEMM entries
+    /// are written.
+    #[serde(flatten)]
+    rest: serde_json::Map<String, serde_json::Value>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -869,10 +873,7 @@ pub fn load_file(path: &Path, tag: &DeviceTag, ordinal: u32) -> Loaded {
 /// ones win). Written atomically: a temporary file in the same folder, flushed, then renamed
 /// over `path`.
 pub fn save_file(path: &Path, tag: &DeviceTag, entries: &[(Key, Choice)]) -> Result<()> {
-    let _guard = match SAVE_LOCK.lock() {
-        Ok(g) => g,
-        Err(p) => p.into_inner(),
-    };
+    let _guard = file_lock();
     let io = |source: std::io::Error| Error::Io {
         path: path.display().to_string(),
         source,
@@ -880,8 +881,10 @@ pub fn save_file(path: &Path, tag: &DeviceTag, entries: &[(Key, Choice)]) -> Res
     // What the file holds now (another process may have added entries).
     let mut sections: Vec<serde_json::Value> = Vec::new();
     let mut mine: Vec<(Key, serde_json::Value)> = Vec::new();
+    let mut rest = serde_json::Map::new();
     if let Ok(text) = std::fs::read_to_string(path) {
         if let Ok(doc) = parse_doc(&text) {
+            rest = doc.rest;
             for s in doc.sections {
                 match serde_json::from_value::<SectionDoc>(s.clone()) {
                     Ok(sec) if sec.device == *tag => {
@@ -919,10 +922,33 @@ pub fn save_file(path: &Path, tag: &DeviceTag, entries: &[(Key, Choice)]) -> Res
         format: FILE_FORMAT.into(),
         version: FILE_VERSION,
         sections,
+        rest,
     };
     let mut text = serde_json::to_string_pretty(&doc).map_err(|e| io(std::io::Error::other(e)))?;
     text.push('\n');
+    write_unlocked(path, &text)
+}
 
+/// The process-wide lock around every read-merge-write of the tuning-cache file (GEMM and
+/// convolution choices share the file; other processes are handled by the atomic rename).
+pub(crate) fn file_lock() -> std::sync::MutexGuard<'static, ()> {
+    match SAVE_LOCK.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+/// Writes `text` to `path` atomically (a temporary file in the same folder, flushed, renamed
+/// over `path`). Call it holding [`file_lock`].
+pub(crate) fn write_atomic(path: &Path, text: &str) -> Result<()> {
+    write_unlocked(path, text)
+}
+
+fn write_unlocked(path: &Path, text: &str) -> Result<()> {
+    let io = |source: std::io::Error| Error::Io {
+        path: path.display().to_string(),
+        source,
+    };
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
@@ -980,6 +1006,33 @@ mod tests {
         );
         assert!(CublasAlgo::algo(24).is_none());
         assert!(!CublasAlgo(999).is_known());
+    }
+
+    #[test]
+    fn gemm_save_keeps_other_members() {
+        // The convolution choices live under "conv" in the same file: a GEMM save keeps them.
+        let dir = std::env::temp_dir().join(format!("nnfuse-gemm-rest-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("t.json");
+        let conv = serde_json::json!({ "version": 1, "sections": [ { "x": 1 } ] });
+        let start = serde_json::json!({
+            "format": FILE_FORMAT, "version": FILE_VERSION, "sections": [], "conv": conv,
+        });
+        std::fs::write(&path, start.to_string()).unwrap();
+        let tag = DeviceTag {
+            name: "T".into(),
+            compute_capability: (9, 0),
+            cublas: (13, 1, 0),
+            cublaslt: 130100,
+        };
+        let key = Key::new(0, &Problem::packed(2, 8, 8, 8), DType::F16, Alignment::MAX).unwrap();
+        save_file(&path, &tag, &[(key, Choice::fallback())]).unwrap();
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(doc["conv"], conv);
+        assert_eq!(doc["sections"].as_array().unwrap().len(), 1);
+        assert_eq!(load_file(&path, &tag, 0).entries.len(), 1);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -2,6 +2,7 @@
 
 mod info;
 mod plan;
+mod plan_conv;
 mod tune;
 
 use clap::{Parser, Subcommand};
@@ -21,8 +22,9 @@ struct Cli {
 enum Command {
     /// Device, library versions and the effective configuration.
     Info,
-    /// The BatchNorm plan for a shape (mode, layout, path) and every reason; needs no GPU.
-    Plan(plan::PlanArgs),
+    /// The BatchNorm plan for a shape (mode, layout, path), or with --conv the convolution plan
+    /// (path, candidates, eligibility of every path), and every reason; needs no GPU.
+    Plan(Box<plan::PlanArgs>),
     /// Search the fastest GEMM algorithm for one problem and store it in the tuning cache.
     Tune(tune::TuneArgs),
 }
@@ -38,7 +40,7 @@ fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Info => info::run(),
-        Command::Plan(args) => plan::run(args),
+        Command::Plan(args) => plan::run(*args),
         Command::Tune(args) => tune::run(args),
     };
     match result {

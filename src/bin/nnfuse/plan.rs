@@ -21,8 +21,8 @@ use nnfuse::{BnModePolicy, Config, DType, Error};
 #[derive(Args, Debug)]
 pub struct PlanArgs {
     /// Tensor shape, row-major: dims separated by commas or `x` (16,32,112,112 or 16x32x112x112).
-    #[arg(long)]
-    shape: String,
+    #[arg(long, required_unless_present = "conv")]
+    shape: Option<String>,
     /// Channel axis; negative counts from the end (-1: the last dim).
     #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
     axis: i64,
@@ -38,7 +38,8 @@ pub struct PlanArgs {
     /// Print exactly one JSON object on stdout.
     #[arg(long)]
     json: bool,
-    /// Mode policy: oneflow, auto, fast (overrides NNFUSE_BN_MODE_POLICY).
+    /// Mode policy: oneflow, auto, fast (overrides NNFUSE_BN_MODE_POLICY); with --conv the
+    /// convolution policy (see below).
     #[arg(long, value_name = "POLICY")]
     policy: Option<String>,
     /// NHWC flag: true or false (overrides NNFUSE_ENABLE_NHWC / ONEFLOW_ENABLE_NHWC).
@@ -50,6 +51,9 @@ pub struct PlanArgs {
     /// cuDNN version to plan for: 91900 or 9.19.0 (default: the installed one, else 91900).
     #[arg(long, value_name = "VERSION")]
     cudnn_version: Option<String>,
+    /// The convolution plan's arguments (`--conv` and the flags that go with it).
+    #[command(flatten)]
+    conv: crate::plan_conv::ConvArgs,
 }
 
 /// Where a setting came from.
@@ -158,6 +162,10 @@ fn cudnn_version(given: Option<&str>) -> nnfuse::Result<(usize, &'static str)> {
 
 /// Prints the plan (text or JSON); invalid input is an error (exit 2, message on stderr).
 pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
+    if let Some(conv) = &args.conv.conv {
+        let policy = args.policy.as_deref();
+        return crate::plan_conv::run(&args.conv, conv, &args.dtype, policy, args.json);
+    }
     let mut config = Config::from_env()?;
     if let Some(p) = &args.policy {
         config.bn_mode_policy = p.parse::<BnModePolicy>().map_err(|_| {
@@ -178,7 +186,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
     if args.no_fusion {
         config.disable_cudnn_fusion = true;
     }
-    let shape = parse_shape(&args.shape)?;
+    let shape = parse_shape(args.shape.as_deref().unwrap_or_default())?;
     let axis = resolve_axis(args.axis, shape.len())?;
     let dtype: DType = args.dtype.parse()?;
     let fuse: Fuse = args.fuse.parse()?;

@@ -1,0 +1,1497 @@
+//! How a measured convolution decides, and where the decision is kept.
+//!
+//! # The first call of a problem (`auto`, or any policy with several variants)
+//! [`measure`] runs every concrete route (cuDNN's algorithms, im2col + GEMM, Winograd per tile
+//! and engine, direct) on the caller's inputs into scratch outputs:
+//! 1. **Reference**: the forward's is nnfuse's direct kernel with an f32 output (not rounded to
+//!    the data type); the gradients' (and the forward's when the direct kernel cannot run) is
+//!    the incumbent's own result, widened to f32. If the reference on the caller's data is not
+//!    finite everywhere or mostly zero (fewer than [`MIN_NONZERO_FRACTION`] nonzero), it cannot
+//!    tell right from wrong, and pseudo-random inputs in `[-1, 1)` are used instead (said in the
+//!    report).
+//! 2. **Check**: each route runs once into a NaN-poisoned output and is compared with the
+//!    reference on the device (relative L2 error, every element). It fails when any element is
+//!    not finite or the error exceeds [`check_tolerance`]. A Winograd route is also refused when
+//!    its error exceeds `max(2 x baseline, winograd_error_floor(dtype))`
+//!    ([`WINOGRAD_ERROR_FACTOR`], [`winograd_error_floor`]), the baseline being cuDNN's error
+//!    (its first passing algorithm), else the first passing non-Winograd route's. This run is
+//!    every route's warm-up (and pays a GEMM path's first-call GEMM search).
+//! 3. **Time** ([`measure_timing`]): the routes that passed take turns
+//!    ([`crate::timing::time_interleaved`]), and the incumbent — the first route that passed:
+//!    cuDNN's first algorithm, or without cuDNN the first candidate — is kept unless another is
+//!    clearly faster by the GEMM search's rule ([`crate::gemm::beats_default`]: at least 2 %
+//!    in the median round and faster in ~90 % of rounds). A route that failed its check is never
+//!    chosen.
+//!
+//! # Where decisions live
+//! Each `Conv2d` keeps its decision per direction (the hot path). Decisions that cost something
+//! (a measurement, cuDNN's Find) are also kept per process in a bounded LRU map
+//! ([`crate::lru::Lru`], [`crate::Config::plan_cache_capacity`] entries), keyed by device,
+//! direction, problem, dtype and every setting that changes the candidates ([`ChoiceKey`]), so
+//! that another Context does not measure again; and, when [`crate::Config::tuning_cache`] is
+//! set, in the tuning-cache file, under its `"conv"` member (the GEMM choices' file; each writer
+//! keeps the other's part). Entries read back from the file are **trusted with the path's own
+//! validation**: the route must be eligible in the problem's plan (else the entry is ignored and
+//! the problem measured again), and a route that fails at run time falls back (cuDNN, else the
+//! direct kernel / im2col + GEMM) with a warning, remembered.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Instant;
+
+use cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
+use once_cell::sync::Lazy;
+use serde_json::{json, Map, Value};
+
+use super::cudnn::{CudnnAlgo, CudnnConv, CudnnMath, CudnnPtrs};
+use super::plan::{ConvPath, ConvPlan, Direction, Route};
+use super::route::{self, Exec};
+use super::{direct, ConvShape, WinogradEngine};
+use crate::config::{ConvAlgoPolicy, WinogradGemmPolicy};
+use crate::context::Context;
+use crate::dtype::DType;
+use crate::error::{CallExt, Error, Result};
+use crate::kernels;
+use crate::layout::TensorFormat;
+use crate::lru::Lru;
+use crate::timing::{time_interleaved, InterleavedOptions, Paired};
+
+// ---------------------------------------------------------------------------------------------
+// cuDNN's algorithm search mode.
+
+/// How cuDNN's algorithm is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum CudnnSearch {
+    /// cuDNN's heuristic list (`cudnnGetConvolution*Algorithm_v7`): its first
+    /// [`MAX_CUDNN_CANDIDATES`] usable algorithms are timed by nnfuse, interleaved with the other
+    /// routes (cheap to ask; the timing is shared with `auto`'s).
+    #[default]
+    Heuristic,
+    /// cuDNN's Find (`cudnnFindConvolution*AlgorithmEx`): cuDNN runs and times every algorithm
+    /// that fits the workspace (on the caller's inputs, into a scratch output) and its fastest
+    /// usable one is the cuDNN candidate.
+    Find,
+}
+
+impl CudnnSearch {
+    /// `heuristic` or `find`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            CudnnSearch::Heuristic => "heuristic",
+            CudnnSearch::Find => "find",
+        }
+    }
+
+    /// Parses [`CudnnSearch::name`] (any case).
+    pub fn parse(s: &str) -> Option<CudnnSearch> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "heuristic" | "heuristics" | "get" => Some(CudnnSearch::Heuristic),
+            "find" => Some(CudnnSearch::Find),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for CudnnSearch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// `NNFUSE_CONV_CUDNN_SEARCH`: `heuristic` (default) or `find`, read once per process.
+pub const ENV_CONV_CUDNN_SEARCH: &str = "NNFUSE_CONV_CUDNN_SEARCH";
+
+/// Most of cuDNN's heuristic algorithms timed in [`CudnnSearch::Heuristic`] mode.
+pub const MAX_CUDNN_CANDIDATES: usize = 5;
+
+static SEARCH: AtomicU8 = AtomicU8::new(0); // 0 unset, 1 heuristic, 2 find
+
+/// The process's cuDNN search mode: [`set_cudnn_search`]'s, else `NNFUSE_CONV_CUDNN_SEARCH`'s
+/// (read at the first call; an unknown value is warned about and ignored), else heuristic.
+pub fn cudnn_search() -> CudnnSearch {
+    match SEARCH.load(Ordering::Relaxed) {
+        1 => CudnnSearch::Heuristic,
+        2 => CudnnSearch::Find,
+        _ => {
+            let mode = match std::env::var(ENV_CONV_CUDNN_SEARCH) {
+                Ok(v) if !v.trim().is_empty() => CudnnSearch::parse(&v).unwrap_or_else(|| {
+                    tracing::warn!(
+                        value = %v,
+                        "{ENV_CONV_CUDNN_SEARCH} is not heuristic or find; using heuristic"
+                    );
+                    CudnnSearch::Heuristic
+                }),
+                _ => CudnnSearch::Heuristic,
+            };
+            let _ = SEARCH.compare_exchange(0, code(mode), Ordering::Relaxed, Ordering::Relaxed);
+            mode
+        }
+    }
+}
+
+const fn code(m: CudnnSearch) -> u8 {
+    match m {
+        CudnnSearch::Heuristic => 1,
+        CudnnSearch::Find => 2,
+    }
+}
+
+/// Sets the process's cuDNN search mode for convolutions planned from now on (a `Conv2d`
+/// already made keeps its mode).
+pub fn set_cudnn_search(mode: CudnnSearch) {
+    SEARCH.store(code(mode), Ordering::Relaxed);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Thresholds of the check.
+
+/// Least fraction of nonzero reference elements for the caller's data to check candidates.
+pub const MIN_NONZERO_FRACTION: f64 = 0.5;
+
+/// A Winograd route is refused when its error exceeds this many times the baseline's.
+pub const WINOGRAD_ERROR_FACTOR: f64 = 2.0;
+
+/// The error below which Winograd is never refused, per data type: about half a unit in the
+/// last place of a value of magnitude 1 for the halves (f16 `2^-11 ≈ 4.9e-4`, bf16
+/// `2^-8 ≈ 3.9e-3`), where the output's own rounding dominates; `1e-6` for f32, so that f32 is
+/// not refused for 1e-7 against cuDNN's 3e-8.
+pub const fn winograd_error_floor(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-6,
+        DType::F16 => 4.9e-4,
+        DType::BF16 => 3.9e-3,
+    }
+}
+
+/// Relative L2 error against the reference above which a route is wrong, not merely less
+/// accurate: f32 `1e-4`, f16 `1e-2`, bf16 `2e-2` (a wrong kernel is off by O(1)).
+pub const fn check_tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-4,
+        DType::F16 => 1e-2,
+        DType::BF16 => 2e-2,
+    }
+}
+
+/// How the measurement times its routes: no warm-up rounds (the check run was each route's),
+/// samples of at least 0.1 ms, 3 to 11 rounds within 60 ms of GPU time.
+pub const fn measure_timing() -> InterleavedOptions {
+    InterleavedOptions {
+        warmup_rounds: 0,
+        min_sample_ms: 0.1,
+        max_burst: 64,
+        min_rounds: 3,
+        max_rounds: 11,
+        budget_ms: 60.0,
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Choices and reports.
+
+/// Where a decision came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ChoiceOrigin {
+    /// The plan had one route (and cuDNN's heuristic one algorithm): nothing to measure.
+    Planned,
+    /// cuDNN's Find picked the algorithm of the only route.
+    CudnnFind,
+    /// Measured on this process's first call (docs/CONV.md, "The first call").
+    Measured,
+    /// Read from the in-memory cache (another Context measured it).
+    Memory,
+    /// Read from the tuning-cache file.
+    File,
+    /// The chosen route failed at run time; this is the fallback.
+    Fallback,
+}
+
+impl ChoiceOrigin {
+    /// `planned`, `cudnn_find`, `measured`, `memory`, `file`, `fallback`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            ChoiceOrigin::Planned => "planned",
+            ChoiceOrigin::CudnnFind => "cudnn_find",
+            ChoiceOrigin::Measured => "measured",
+            ChoiceOrigin::Memory => "memory",
+            ChoiceOrigin::File => "file",
+            ChoiceOrigin::Fallback => "fallback",
+        }
+    }
+}
+
+/// The decision for one direction of one problem.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConvChoice {
+    /// What runs.
+    pub route: Route,
+    /// Where the decision came from.
+    pub origin: ChoiceOrigin,
+    /// The winner's median time when measured (µs; NaN otherwise).
+    pub median_us: f64,
+    /// The incumbent's median time in the same measurement (µs; NaN otherwise).
+    pub incumbent_us: f64,
+    /// Routes measured (0 when nothing was).
+    pub candidates: u32,
+    /// Notes: cuDNN algorithms excluded (workspace, math, determinism), fallbacks.
+    pub notes: Vec<String>,
+}
+
+impl ConvChoice {
+    /// A decision without measurement.
+    pub fn planned(route: Route, origin: ChoiceOrigin) -> ConvChoice {
+        ConvChoice {
+            route,
+            origin,
+            median_us: f64::NAN,
+            incumbent_us: f64::NAN,
+            candidates: 0,
+            notes: Vec::new(),
+        }
+    }
+}
+
+impl fmt::Display for ConvChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({})", self.route, self.origin.name())?;
+        if self.median_us.is_finite() {
+            write!(
+                f,
+                ", {:.1} us against the incumbent's {:.1} us among {} routes",
+                self.median_us, self.incumbent_us, self.candidates
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// How one route fared in a measurement.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// Checked and timed.
+    Passed,
+    /// Failed to run or to match the reference.
+    Failed(String),
+    /// Correct, but Winograd's error exceeded the allowance.
+    Refused(String),
+}
+
+/// One route of a measurement.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CandidateReport {
+    /// The route.
+    pub route: Route,
+    /// Its relative L2 error against the reference (None: did not run).
+    pub rel_l2: Option<f64>,
+    /// How it fared.
+    pub outcome: Outcome,
+    /// Its median time per run (ms), when timed.
+    pub median_ms: Option<f64>,
+    /// Its per-round time ratio to the incumbent, when timed (not for the incumbent itself).
+    pub vs_incumbent: Option<Paired>,
+}
+
+/// Everything one measurement did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AutoReport {
+    /// The direction measured.
+    pub direction: Direction,
+    /// Every route, in measuring order.
+    pub candidates: Vec<CandidateReport>,
+    /// Index of the incumbent (first route that passed).
+    pub incumbent: usize,
+    /// Index of the winner.
+    pub winner: usize,
+    /// What the reference was (`direct_f32` or the label of the route whose result it was).
+    pub reference: String,
+    /// `caller` or `random` (and why).
+    pub operands: String,
+    /// The baseline error Winograd is held to (cuDNN's, else the first passing non-Winograd).
+    pub baseline_error: Option<f64>,
+    /// The Winograd allowance: `max(2 x baseline, floor)`.
+    pub winograd_allowance: f64,
+    /// Timed rounds.
+    pub rounds: usize,
+    /// Host wall time of the whole measurement (ms), buffers and cuDNN queries included.
+    pub wall_ms: f64,
+    /// Of which: reference and check runs, with the first-call costs (GEMM searches,
+    /// kernel loads) of the routes.
+    pub check_ms: f64,
+    /// Of which: the interleaved timing.
+    pub timing_ms: f64,
+}
+
+impl fmt::Display for AutoReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "{} measured in {:.1} ms (check {:.1}, timing {:.1}, {} rounds); reference {}, {} \
+             operands; Winograd allowance {:.2e} (baseline {})",
+            self.direction,
+            self.wall_ms,
+            self.check_ms,
+            self.timing_ms,
+            self.rounds,
+            self.reference,
+            self.operands,
+            self.winograd_allowance,
+            self.baseline_error
+                .map_or_else(|| "none".to_string(), |e| format!("{e:.2e}"))
+        )?;
+        for (i, c) in self.candidates.iter().enumerate() {
+            let mark = if i == self.winner {
+                "*"
+            } else if i == self.incumbent {
+                "i"
+            } else {
+                " "
+            };
+            write!(f, " {mark} {:<40}", c.route.label())?;
+            match c.rel_l2 {
+                Some(e) => write!(f, " err {e:.2e}")?,
+                None => write!(f, " err   -     ")?,
+            }
+            if let Some(t) = c.median_ms {
+                write!(f, " {:>9.1} us", t * 1e3)?;
+            }
+            if let Some(p) = &c.vs_incumbent {
+                write!(f, " {:.3}x", p.median)?;
+            }
+            match &c.outcome {
+                Outcome::Passed => writeln!(f)?,
+                Outcome::Failed(why) => writeln!(f, " FAILED: {why}")?,
+                Outcome::Refused(why) => writeln!(f, " refused: {why}")?,
+            }
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The process-wide cache.
+
+/// What a measured decision depends on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ChoiceKey {
+    /// Device ordinal.
+    pub device: u32,
+    /// Direction.
+    pub direction: Direction,
+    /// The problem.
+    pub shape: ShapeKey,
+    /// Data type.
+    pub dtype: DType,
+    /// Convolution policy.
+    pub policy: PolicyKey,
+    /// Winograd engine policy.
+    pub winograd_gemm: WinogradKey,
+    /// Deterministic algorithms only.
+    pub deterministic: bool,
+    /// Workspace cap in MiB.
+    pub workspace_mb: usize,
+    /// cuDNN search mode.
+    pub cudnn_search: SearchKey,
+}
+
+/// [`ConvShape`] as an ordered key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ShapeKey(pub [usize; 13], pub bool);
+
+impl ShapeKey {
+    /// The key of `s`.
+    pub fn of(s: &ConvShape) -> ShapeKey {
+        ShapeKey(
+            [
+                s.n,
+                s.c_in,
+                s.h,
+                s.w,
+                s.c_out,
+                s.kh,
+                s.kw,
+                s.stride.0,
+                s.stride.1,
+                s.pad.0,
+                s.pad.1,
+                s.dilation.0,
+                s.dilation.1,
+            ],
+            s.format == TensorFormat::Nhwc,
+        )
+    }
+
+    /// The shape back.
+    pub fn shape(&self) -> ConvShape {
+        let v = &self.0;
+        ConvShape {
+            n: v[0],
+            c_in: v[1],
+            h: v[2],
+            w: v[3],
+            c_out: v[4],
+            kh: v[5],
+            kw: v[6],
+            stride: (v[7], v[8]),
+            pad: (v[9], v[10]),
+            dilation: (v[11], v[12]),
+            format: if self.1 {
+                TensorFormat::Nhwc
+            } else {
+                TensorFormat::Nchw
+            },
+        }
+    }
+}
+
+/// [`ConvAlgoPolicy`] as an ordered key (its name).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PolicyKey(pub &'static str);
+/// [`WinogradGemmPolicy`] as an ordered key (its name).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WinogradKey(pub &'static str);
+/// [`CudnnSearch`] as an ordered key (its name).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SearchKey(pub &'static str);
+
+impl ChoiceKey {
+    /// The key of a plan under a search mode on a device.
+    pub fn of(device: u32, plan: &ConvPlan, search: CudnnSearch) -> ChoiceKey {
+        ChoiceKey {
+            device,
+            direction: plan.direction,
+            shape: ShapeKey::of(&plan.shape),
+            dtype: plan.dtype,
+            policy: PolicyKey(plan.policy.name()),
+            winograd_gemm: WinogradKey(plan.winograd_gemm.name()),
+            deterministic: plan.deterministic,
+            workspace_mb: plan.workspace_cap_bytes >> 20,
+            cudnn_search: SearchKey(search.name()),
+        }
+    }
+}
+
+struct Cache {
+    lru: Lru<ChoiceKey, ConvChoice>,
+    loaded: HashSet<(PathBuf, u32)>,
+}
+
+static CACHE: Lazy<Mutex<Cache>> = Lazy::new(|| {
+    Mutex::new(Cache {
+        lru: Lru::new(crate::config::DEFAULT_PLAN_CACHE_CAPACITY),
+        loaded: HashSet::new(),
+    })
+});
+
+fn cache() -> MutexGuard<'static, Cache> {
+    match CACHE.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+/// The cached decision for `key`, if any (a use for the LRU order).
+pub fn lookup(key: &ChoiceKey) -> Option<ConvChoice> {
+    cache().lru.get(key).cloned()
+}
+
+/// Stores a decision, keeping at most `capacity` entries (least recently used evicted).
+pub(crate) fn insert(key: ChoiceKey, choice: ConvChoice, capacity: usize) {
+    let mut c = cache();
+    if c.lru.capacity() != capacity.max(1) {
+        c.lru.set_capacity(capacity);
+    }
+    c.lru.insert(key, choice);
+}
+
+/// Entries in the process-wide cache now.
+pub fn cached_len() -> usize {
+    cache().lru.len()
+}
+
+/// Forgets every process-wide decision and which files were read (files are untouched); each
+/// `Conv2d` still keeps its own. For tests and benchmarks.
+pub fn clear() {
+    let mut c = cache();
+    c.lru.clear();
+    c.loaded.clear();
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tuning-cache file's "conv" member.
+
+/// The device and library versions a convolution decision is valid for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConvDeviceTag {
+    /// Device name.
+    pub name: String,
+    /// Compute capability.
+    pub compute_capability: (i32, i32),
+    /// cuDNN version (0 when absent).
+    pub cudnn: usize,
+    /// cuBLAS version (the GEMM paths' library).
+    pub cublas: (i32, i32, i32),
+}
+
+impl ConvDeviceTag {
+    fn to_json(&self) -> Value {
+        json!({
+            "name": self.name,
+            "compute_capability": [self.compute_capability.0, self.compute_capability.1],
+            "cudnn": self.cudnn,
+            "cublas": [self.cublas.0, self.cublas.1, self.cublas.2],
+        })
+    }
+
+    fn from_json(v: &Value) -> Option<ConvDeviceTag> {
+        let cc = v.get("compute_capability")?.as_array()?;
+        let cb = v.get("cublas")?.as_array()?;
+        let i = |x: &Value| x.as_i64().and_then(|v| i32::try_from(v).ok());
+        Some(ConvDeviceTag {
+            name: v.get("name")?.as_str()?.to_string(),
+            compute_capability: (i(cc.first()?)?, i(cc.get(1)?)?),
+            cudnn: usize::try_from(v.get("cudnn")?.as_u64()?).ok()?,
+            cublas: (i(cb.first()?)?, i(cb.get(1)?)?, i(cb.get(2)?)?),
+        })
+    }
+}
+
+impl fmt::Display for ConvDeviceTag {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} (sm_{}{}), cuDNN {}, cuBLAS {}.{}.{}",
+            self.name,
+            self.compute_capability.0,
+            self.compute_capability.1,
+            self.cudnn,
+            self.cublas.0,
+            self.cublas.1,
+            self.cublas.2
+        )
+    }
+}
+
+/// The tag of `ctx`'s device (computed once per ordinal).
+pub fn device_tag(ctx: &Context) -> Result<ConvDeviceTag> {
+    static TAGS: Lazy<Mutex<HashMap<usize, ConvDeviceTag>>> =
+        Lazy::new(|| Mutex::new(HashMap::new()));
+    let ord = ctx.info().ordinal;
+    let mut tags = match TAGS.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    };
+    if let Some(t) = tags.get(&ord) {
+        return Ok(t.clone());
+    }
+    let cudnn = if crate::context::cudnn_present() {
+        crate::context::cudnn_version().unwrap_or(0)
+    } else {
+        0
+    };
+    let tag = ConvDeviceTag {
+        name: ctx.info().name.clone(),
+        compute_capability: ctx.info().compute_capability,
+        cudnn,
+        cublas: crate::context::cublas_version()?,
+    };
+    tags.insert(ord, tag.clone());
+    Ok(tag)
+}
+
+fn policy_from_name(s: &str) -> Option<&'static str> {
+    s.parse::<ConvAlgoPolicy>().ok().map(ConvAlgoPolicy::name)
+}
+
+fn winograd_from_name(s: &str) -> Option<&'static str> {
+    s.parse::<WinogradGemmPolicy>()
+        .ok()
+        .map(WinogradGemmPolicy::name)
+}
+
+fn engine_from_name(s: &str) -> Option<WinogradEngine> {
+    match s {
+        "tensor_core" => Some(WinogradEngine::TensorCore),
+        "direct" => Some(WinogradEngine::Direct),
+        _ => None,
+    }
+}
+
+/// One cache entry as JSON (the file's format; see docs/CONV.md).
+pub fn entry_to_json(key: &ChoiceKey, c: &ConvChoice) -> Value {
+    let s = key.shape.shape();
+    let finite = |v: f64| v.is_finite().then_some(v);
+    json!({
+        "key": {
+            "direction": key.direction.name(),
+            "dtype": key.dtype.name(),
+            "format": s.format.name(),
+            "n": s.n, "c_in": s.c_in, "h": s.h, "w": s.w, "c_out": s.c_out,
+            "kh": s.kh, "kw": s.kw,
+            "stride": [s.stride.0, s.stride.1],
+            "pad": [s.pad.0, s.pad.1],
+            "dilation": [s.dilation.0, s.dilation.1],
+            "policy": key.policy.0,
+            "winograd_gemm": key.winograd_gemm.0,
+            "deterministic": key.deterministic,
+            "workspace_mb": key.workspace_mb,
+            "cudnn_search": key.cudnn_search.0,
+        },
+        "choice": {
+            "path": c.route.path.name(),
+            "engine": c.route.engine.map(|e| e.name()),
+            "cudnn_algo": c.route.cudnn_algo.map(|a| a.name()),
+            "cudnn_math": c.route.cudnn_algo.map(|a| a.math.name()),
+            "origin": c.origin.name(),
+        },
+        "median_us": finite(c.median_us),
+        "incumbent_us": finite(c.incumbent_us),
+        "candidates": c.candidates,
+    })
+}
+
+/// Parses [`entry_to_json`]'s format for device `ordinal`; why not, when it does not parse or
+/// describes an impossible route.
+pub fn entry_from_json(
+    v: &Value,
+    ordinal: u32,
+) -> std::result::Result<(ChoiceKey, ConvChoice), String> {
+    let k = v.get("key").ok_or("no key")?;
+    let c = v.get("choice").ok_or("no choice")?;
+    let str_of = |o: &Value, f: &str| -> std::result::Result<String, String> {
+        o.get(f)
+            .and_then(Value::as_str)
+            .map(String::from)
+            .ok_or_else(|| format!("{f} is missing or not a string"))
+    };
+    let num = |f: &str| -> std::result::Result<usize, String> {
+        k.get(f)
+            .and_then(Value::as_u64)
+            .and_then(|v| usize::try_from(v).ok())
+            .ok_or_else(|| format!("{f} is missing or not an integer"))
+    };
+    let pair = |f: &str| -> std::result::Result<(usize, usize), String> {
+        let a = k
+            .get(f)
+            .and_then(Value::as_array)
+            .ok_or_else(|| format!("{f} is not a pair"))?;
+        let g = |i: usize| a.get(i).and_then(Value::as_u64).map(|v| v as usize);
+        match (a.len(), g(0), g(1)) {
+            (2, Some(x), Some(y)) => Ok((x, y)),
+            _ => Err(format!("{f} is not a pair of integers")),
+        }
+    };
+    let direction: Direction = str_of(k, "direction")?
+        .parse()
+        .map_err(|e: Error| e.to_string())?;
+    let dtype: DType = str_of(k, "dtype")?
+        .parse()
+        .map_err(|e: Error| e.to_string())?;
+    let format = match str_of(k, "format")?.as_str() {
+        "nchw" => TensorFormat::Nchw,
+        "nhwc" => TensorFormat::Nhwc,
+        f => return Err(format!("format {f:?}")),
+    };
+    let shape = ConvShape {
+        n: num("n")?,
+        c_in: num("c_in")?,
+        h: num("h")?,
+        w: num("w")?,
+        c_out: num("c_out")?,
+        kh: num("kh")?,
+        kw: num("kw")?,
+        stride: pair("stride")?,
+        pad: pair("pad")?,
+        dilation: pair("dilation")?,
+        format,
+    };
+    shape.out_hw().map_err(|e| e.to_string())?;
+    let policy = policy_from_name(&str_of(k, "policy")?).ok_or("unknown policy")?;
+    let winograd_gemm =
+        winograd_from_name(&str_of(k, "winograd_gemm")?).ok_or("unknown winograd_gemm")?;
+    let search = CudnnSearch::parse(&str_of(k, "cudnn_search")?).ok_or("unknown cudnn_search")?;
+    let deterministic = k
+        .get("deterministic")
+        .and_then(Value::as_bool)
+        .ok_or("deterministic is not a boolean")?;
+    let key = ChoiceKey {
+        device: ordinal,
+        direction,
+        shape: ShapeKey::of(&shape),
+        dtype,
+        policy: PolicyKey(policy),
+        winograd_gemm: WinogradKey(winograd_gemm),
+        deterministic,
+        workspace_mb: num("workspace_mb")?,
+        cudnn_search: SearchKey(search.name()),
+    };
+    let path: ConvPath = str_of(c, "path")?
+        .parse()
+        .map_err(|e: Error| e.to_string())?;
+    let engine = match c.get("engine") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            v.as_str()
+                .and_then(engine_from_name)
+                .ok_or("unknown engine")?,
+        ),
+    };
+    let present = |f: &str| c.get(f).filter(|v| !v.is_null());
+    let cudnn_algo = match (present("cudnn_algo"), present("cudnn_math")) {
+        (None, None) => None,
+        (Some(a), Some(m)) => {
+            let math = m
+                .as_str()
+                .and_then(CudnnMath::from_name)
+                .ok_or("unknown cudnn_math")?;
+            Some(
+                a.as_str()
+                    .and_then(|n| CudnnAlgo::from_name(direction, n, math))
+                    .ok_or("unknown cudnn_algo")?,
+            )
+        }
+        _ => return Err("cudnn_algo and cudnn_math go together".into()),
+    };
+    // The route must be well formed for its path.
+    match path {
+        ConvPath::Cudnn if cudnn_algo.is_none() || engine.is_some() => {
+            return Err("a cuDNN choice names its algorithm and no engine".into())
+        }
+        ConvPath::WinogradF2x3 | ConvPath::WinogradF4x3
+            if engine.is_none() || cudnn_algo.is_some() =>
+        {
+            return Err("a Winograd choice names its engine and no cuDNN algorithm".into())
+        }
+        ConvPath::Im2colGemm | ConvPath::Direct if engine.is_some() || cudnn_algo.is_some() => {
+            return Err(format!("a {path} choice names no engine or algorithm"))
+        }
+        _ => {}
+    }
+    let f = |name: &str| v.get(name).and_then(Value::as_f64).unwrap_or(f64::NAN);
+    let choice = ConvChoice {
+        route: Route {
+            path,
+            engine,
+            cudnn_algo,
+        },
+        origin: ChoiceOrigin::File,
+        median_us: f("median_us"),
+        incumbent_us: f("incumbent_us"),
+        candidates: v
+            .get("candidates")
+            .and_then(Value::as_u64)
+            .map_or(0, |c| c.min(u32::MAX as u64) as u32),
+        notes: Vec::new(),
+    };
+    Ok((key, choice))
+}
+
+/// The `"conv"` member's entries for `tag` in the file at `path` (warnings for what was
+/// ignored). Never fails: a missing file is empty; an unreadable or corrupt one is ignored.
+pub fn load_file(
+    path: &Path,
+    tag: &ConvDeviceTag,
+    ordinal: u32,
+) -> (Vec<(ChoiceKey, ConvChoice)>, Vec<String>) {
+    let mut warnings = Vec::new();
+    let mut out = Vec::new();
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return (out, warnings),
+        Err(e) => {
+            warnings.push(format!("cannot be read: {e}"));
+            return (out, warnings);
+        }
+    };
+    let doc: Value = match serde_json::from_str(&text) {
+        Ok(v) => v,
+        Err(e) => {
+            warnings.push(format!("not valid JSON: {e}"));
+            return (out, warnings);
+        }
+    };
+    let Some(sections) = doc
+        .get("conv")
+        .and_then(|c| c.get("sections"))
+        .and_then(Value::as_array)
+    else {
+        return (out, warnings);
+    };
+    for sec in sections {
+        let Some(t) = sec.get("device").and_then(ConvDeviceTag::from_json) else {
+            warnings.push("a conv section has no readable device".into());
+            continue;
+        };
+        if t != *tag {
+            continue;
+        }
+        for (i, e) in sec
+            .get("entries")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .enumerate()
+        {
+            match entry_from_json(e, ordinal) {
+                Ok(kc) => out.push(kc),
+                Err(why) => warnings.push(format!("conv entry {i} ignored: {why}")),
+            }
+        }
+    }
+    (out, warnings)
+}
+
+/// Reads the file into the process-wide cache once per (file, device): entries already in
+/// memory win.
+pub(crate) fn ensure_loaded(path: &Path, ordinal: u32, tag: &ConvDeviceTag, capacity: usize) {
+    if cache().loaded.contains(&(path.to_path_buf(), ordinal)) {
+        return;
+    }
+    let (entries, warnings) = load_file(path, tag, ordinal);
+    for w in &warnings {
+        tracing::warn!(path = %path.display(), "convolution tuning cache: {w}");
+    }
+    let mut c = cache();
+    c.loaded.insert((path.to_path_buf(), ordinal));
+    if c.lru.capacity() != capacity.max(1) {
+        c.lru.set_capacity(capacity);
+    }
+    let mut added = 0;
+    for (k, v) in entries {
+        if !c.lru.contains(&k) {
+            c.lru.insert(k, v);
+            added += 1;
+        }
+    }
+    if added > 0 {
+        tracing::info!(path = %path.display(), entries = added, "convolution tuning cache read");
+    }
+}
+
+/// Whether an entry is worth writing to the file (it cost something to find).
+fn persistent(o: ChoiceOrigin) -> bool {
+    matches!(
+        o,
+        ChoiceOrigin::Measured
+            | ChoiceOrigin::CudnnFind
+            | ChoiceOrigin::File
+            | ChoiceOrigin::Memory
+    )
+}
+
+/// Merges the process's entries for `tag` (device `ordinal`) into the file's `"conv"` member:
+/// other devices' sections and this device's entries for other keys are kept, the GEMM part of
+/// the file is untouched; written atomically under the file lock the GEMM writer shares.
+pub fn save_file(path: &Path, tag: &ConvDeviceTag, ordinal: u32) -> Result<()> {
+    let mine: Vec<(ChoiceKey, ConvChoice)> = cache()
+        .lru
+        .iter()
+        .filter(|(k, c)| k.device == ordinal && persistent(c.origin))
+        .map(|(k, c)| (*k, c.clone()))
+        .collect();
+    let _guard = crate::gemm::cache::file_lock();
+    let mut doc = match std::fs::read_to_string(path) {
+        Ok(text) => match serde_json::from_str::<Value>(&text) {
+            Ok(v)
+                if v.get("format").and_then(Value::as_str)
+                    == Some(crate::gemm::cache::FILE_FORMAT) =>
+            {
+                v
+            }
+            _ => {
+                tracing::warn!(
+                    path = %path.display(),
+                    "tuning cache is not an nnfuse tuning file; it is replaced"
+                );
+                Value::Null
+            }
+        },
+        Err(_) => Value::Null,
+    };
+    if !doc.is_object() {
+        doc = json!({
+            "format": crate::gemm::cache::FILE_FORMAT,
+            "version": crate::gemm::cache::FILE_VERSION,
+            "sections": [],
+        });
+    }
+    let conv = doc
+        .get("conv")
+        .cloned()
+        .filter(Value::is_object)
+        .unwrap_or_else(|| json!({ "version": 1, "sections": [] }));
+    let mut sections: Vec<Value> = Vec::new();
+    let mut merged: std::collections::BTreeMap<ChoiceKey, Value> = Default::default();
+    for sec in conv
+        .get("sections")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        match sec.get("device").and_then(ConvDeviceTag::from_json) {
+            Some(t) if t == *tag => {
+                for e in sec
+                    .get("entries")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                {
+                    if let Ok((k, _)) = entry_from_json(e, 0) {
+                        merged.insert(k, e.clone());
+                    }
+                }
+            }
+            Some(_) => sections.push(sec.clone()),
+            None => {} // unreadable sections are dropped
+        }
+    }
+    for (k, c) in &mine {
+        let k0 = ChoiceKey { device: 0, ..*k };
+        merged.insert(k0, entry_to_json(&k0, c));
+    }
+    sections.push(json!({
+        "device": tag.to_json(),
+        "entries": merged.into_values().collect::<Vec<_>>(),
+    }));
+    let mut conv_obj = Map::new();
+    conv_obj.insert("version".into(), json!(1));
+    conv_obj.insert("sections".into(), Value::Array(sections));
+    if let Some(obj) = doc.as_object_mut() {
+        obj.insert("conv".into(), Value::Object(conv_obj));
+    }
+    let mut text = serde_json::to_string_pretty(&doc).map_err(|e| Error::Io {
+        path: path.display().to_string(),
+        source: std::io::Error::other(e),
+    })?;
+    text.push('\n');
+    crate::gemm::cache::write_atomic(path, &text)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The measurement.
+
+/// What [`measure`] works on.
+pub(crate) struct MeasureInput<'a> {
+    pub ctx: &'a Context,
+    pub shape: &'a ConvShape,
+    pub dtype: DType,
+    pub direction: Direction,
+    pub cudnn: Option<&'a CudnnConv>,
+    /// Concrete routes in measuring order (the first is the incumbent).
+    pub execs: &'a [Exec],
+    /// The caller's operands by cuDNN's roles; the output role's address is never used.
+    pub operands: CudnnPtrs,
+    /// Element counts of the x, w and y roles.
+    pub lens: [usize; 3],
+}
+
+/// Which role (0 = x, 1 = w, 2 = y) is the output of `d`.
+pub(crate) const fn output_role(d: Direction) -> usize {
+    match d {
+        Direction::Forward => 2,
+        Direction::BackwardData => 0,
+        Direction::BackwardFilter => 1,
+    }
+}
+
+fn with_role(mut p: CudnnPtrs, role: usize, ptr: u64) -> CudnnPtrs {
+    match role {
+        0 => p.x = ptr,
+        1 => p.w = ptr,
+        _ => p.y = ptr,
+    }
+    p
+}
+
+fn raw_ptr(s: &CudaSlice<u8>, ctx: &Context) -> u64 {
+    s.device_ptr(ctx.stream()).0
+}
+
+fn alloc_bytes(ctx: &Context, bytes: usize) -> Result<CudaSlice<u8>> {
+    // SAFETY: scratch; every user writes before it reads.
+    unsafe { ctx.stream().alloc::<u8>(bytes.max(256)) }.call("cuMemAllocAsync")
+}
+
+const fn diff_kernel(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "conv_check_diff_f32",
+        DType::F16 => "conv_check_diff_f16",
+        DType::BF16 => "conv_check_diff_bf16",
+    }
+}
+
+const fn widen_kernel(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "conv_check_widen_f32",
+        DType::F16 => "conv_check_widen_f16",
+        DType::BF16 => "conv_check_widen_bf16",
+    }
+}
+
+const fn uniform_kernel(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "gemm_uniform_f32",
+        DType::F16 => "gemm_uniform_f16",
+        DType::BF16 => "gemm_uniform_bf16",
+    }
+}
+
+/// Launches `name(a, b, n, c)`-style kernels of `conv_check.cu` on raw addresses.
+fn launch3(
+    ctx: &Context,
+    name: &'static str,
+    a: u64,
+    b: u64,
+    n: usize,
+    c: Option<u64>,
+) -> Result<()> {
+    let f = ctx.function(&kernels::CONV_CHECK, name)?;
+    let cfg = crate::util::grid_stride_config(ctx, n, 256);
+    let stream = ctx.stream();
+    let n64 = n as u64;
+    let mut l = stream.launch_builder(&f);
+    l.arg(&a).arg(&b).arg(&n64);
+    if let Some(c) = &c {
+        l.arg(c);
+    }
+    // SAFETY: the conv_check kernels take (in, in-or-out, u64 n[, double* acc]) with n elements
+    // behind each pointer; the callers pass buffers of those extents.
+    unsafe { l.launch(cfg) }.call("cuLaunchKernel(conv_check)")?;
+    Ok(())
+}
+
+fn stats(ctx: &Context, r: u64, n: usize, acc: u64) -> Result<()> {
+    let f = ctx.function(&kernels::CONV_CHECK, "conv_check_stats")?;
+    let cfg = crate::util::grid_stride_config(ctx, n, 256);
+    let n64 = n as u64;
+    let mut l = ctx.stream().launch_builder(&f);
+    l.arg(&r).arg(&n64).arg(&acc);
+    // SAFETY: conv_check_stats(const float*, u64, double*): n floats, 3 doubles.
+    unsafe { l.launch(cfg) }.call("cuLaunchKernel(conv_check_stats)")?;
+    Ok(())
+}
+
+fn uniform(ctx: &Context, dtype: DType, out: u64, n: usize, seed: u64) -> Result<()> {
+    let f = ctx.function(&kernels::GEMM_SEARCH, uniform_kernel(dtype))?;
+    let cfg = crate::util::grid_stride_config(ctx, n, 256);
+    let n64 = n as u64;
+    let mut l = ctx.stream().launch_builder(&f);
+    l.arg(&out).arg(&n64).arg(&seed);
+    // SAFETY: gemm_uniform_<t>(T*, u64 n, u64 seed) with n elements behind `out`.
+    unsafe { l.launch(cfg) }.call("cuLaunchKernel(gemm_uniform)")?;
+    Ok(())
+}
+
+fn poison(ctx: &Context, ptr: u64, bytes: usize) -> Result<()> {
+    // A raw driver call: the Context must be current on this thread.
+    ctx.cuda().bind_to_thread().call("cuCtxSetCurrent")?;
+    // 0xFF bytes are NaN in f32, f16 and bf16 alike.
+    // SAFETY: `ptr` holds `bytes` bytes allocated on this stream.
+    unsafe { cudarc::driver::result::memset_d8_async(ptr, 0xFF, bytes, ctx.stream().cu_stream()) }
+        .call("cuMemsetD8Async")
+}
+
+fn read_acc(ctx: &Context, acc: &CudaSlice<f64>) -> Result<Vec<f64>> {
+    ctx.stream().clone_dtoh(acc).call("cuMemcpyDtoH")
+}
+
+/// Measures `inp.execs` (see the module documentation) and returns the index of the winner
+/// with the report. Errors: only when nothing could be checked at all (no reference); routes
+/// that fail are reported, not errors.
+pub(crate) fn measure(inp: &MeasureInput<'_>) -> Result<(usize, AutoReport)> {
+    let t0 = Instant::now();
+    let ctx = inp.ctx;
+    let dtype = inp.dtype;
+    let d = inp.direction;
+    let out_role = output_role(d);
+    let out_len = inp.lens[out_role];
+    let n = inp.execs.len();
+    let elem = dtype.size();
+
+    let out_buf = alloc_bytes(ctx, out_len * elem)?;
+    let ref_buf = alloc_bytes(ctx, out_len * 4)?;
+    let acc = ctx
+        .stream()
+        .alloc_zeros::<f64>(3 * (n + 2))
+        .call("cuMemAllocAsync")?;
+    let out = raw_ptr(&out_buf, ctx);
+    let refp = raw_ptr(&ref_buf, ctx);
+    let accp = raw_ptr_f64(&acc, ctx);
+    let acc_at = |i: usize| accp + (3 * i * std::mem::size_of::<f64>()) as u64;
+
+    let target = route::Target {
+        ctx,
+        shape: inp.shape,
+        dtype,
+        cudnn: inp.cudnn,
+    };
+    let run = |e: Exec, p: CudnnPtrs| -> Result<()> {
+        // SAFETY: the caller's inputs were validated by the dispatcher (extents, device); the
+        // output is this measurement's own buffer of the output's extent.
+        unsafe { route::run(&target, d, e, with_role(p, out_role, out), false) }
+    };
+
+    // The reference on the given operands, into ref_buf; returns its description.
+    let reference = |p: CudnnPtrs| -> Result<String> {
+        if d == Direction::Forward {
+            // SAFETY: as `run`; ref_buf holds out_len f32.
+            match unsafe { direct::forward_f32_out(ctx, inp.shape, dtype, p.x, p.w, refp) } {
+                Ok(()) => return Ok("direct_f32".into()),
+                Err(e) => tracing::debug!(error = %e, "direct f32 reference unavailable"),
+            }
+        }
+        let mut last = None;
+        for e in inp.execs {
+            match run(*e, p) {
+                Ok(()) => {
+                    launch3(ctx, widen_kernel(dtype), out, refp, out_len, None)?;
+                    return Ok(e.route.label());
+                }
+                Err(err) => last = Some(err),
+            }
+        }
+        Err(last.unwrap_or_else(|| Error::NotSupported("no route to measure".into())))
+    };
+
+    let mut operands = inp.operands;
+    let mut ref_name = reference(operands)?;
+    stats(ctx, refp, out_len, acc_at(0))?;
+    let a = read_acc(ctx, &acc)?;
+    let (nonfinite, nonzero) = (a[0], a[1]);
+    let mut operands_note = "caller".to_string();
+    let mut _random: Vec<CudaSlice<u8>> = Vec::new();
+    if nonfinite > 0.0 || nonzero < MIN_NONZERO_FRACTION * out_len as f64 {
+        let why = if nonfinite > 0.0 {
+            format!("the reference on the caller's data has {nonfinite} non-finite elements")
+        } else {
+            format!(
+                "only {nonzero} of the reference's {out_len} elements are nonzero on the \
+                 caller's data"
+            )
+        };
+        tracing::info!(%why, "convolution measurement uses pseudo-random inputs");
+        let inputs: Vec<usize> = (0..3).filter(|&r| r != out_role).collect();
+        for (i, &r) in inputs.iter().enumerate() {
+            let buf = alloc_bytes(ctx, inp.lens[r] * elem)?;
+            let ptr = raw_ptr(&buf, ctx);
+            uniform(ctx, dtype, ptr, inp.lens[r], 0x5EED_C0DE + i as u64)?;
+            operands = with_role(operands, r, ptr);
+            _random.push(buf);
+        }
+        ref_name = reference(operands)?;
+        operands_note = format!("random ({why})");
+    }
+
+    // Check every route.
+    let mut failed: Vec<Option<String>> = vec![None; n];
+    for (i, e) in inp.execs.iter().enumerate() {
+        poison(ctx, out, out_len * elem)?;
+        match run(*e, operands) {
+            Ok(()) => launch3(
+                ctx,
+                diff_kernel(dtype),
+                out,
+                refp,
+                out_len,
+                Some(acc_at(i + 2)),
+            )?,
+            Err(err) => failed[i] = Some(err.to_string()),
+        }
+    }
+    let a = read_acc(ctx, &acc)?;
+    let check_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let tol = check_tolerance(dtype);
+    let mut reports: Vec<CandidateReport> = Vec::with_capacity(n);
+    for (i, e) in inp.execs.iter().enumerate() {
+        let (num, den, bad) = (a[3 * (i + 2)], a[3 * (i + 2) + 1], a[3 * (i + 2) + 2]);
+        let (rel, outcome) = match &failed[i] {
+            Some(why) => (None, Outcome::Failed(why.clone())),
+            None => {
+                let rel = (num / den.max(1e-300)).sqrt();
+                let outcome = if bad > 0.0 {
+                    Outcome::Failed(format!("{bad} elements are NaN or Inf"))
+                } else if rel.is_nan() || rel > tol {
+                    Outcome::Failed(format!(
+                        "relative L2 error {rel:.2e} against the reference exceeds {tol:.0e}"
+                    ))
+                } else {
+                    Outcome::Passed
+                };
+                (Some(rel), outcome)
+            }
+        };
+        reports.push(CandidateReport {
+            route: e.route,
+            rel_l2: rel,
+            outcome,
+            median_ms: None,
+            vs_incumbent: None,
+        });
+    }
+    // Winograd's allowance.
+    let passed = |r: &CandidateReport| r.outcome == Outcome::Passed;
+    let is_winograd = |r: &CandidateReport| r.route.path.winograd_tile().is_some();
+    let baseline = reports
+        .iter()
+        .find(|r| passed(r) && r.route.path == ConvPath::Cudnn)
+        .or_else(|| reports.iter().find(|r| passed(r) && !is_winograd(r)))
+        .and_then(|r| r.rel_l2);
+    let allowance =
+        (WINOGRAD_ERROR_FACTOR * baseline.unwrap_or(0.0)).max(winograd_error_floor(dtype));
+    if baseline.is_some() {
+        for r in reports.iter_mut() {
+            if passed(r) && is_winograd(r) {
+                if let Some(e) = r.rel_l2 {
+                    if e > allowance {
+                        r.outcome = Outcome::Refused(format!(
+                            "error {e:.2e} exceeds {WINOGRAD_ERROR_FACTOR}x the baseline's \
+                             {:.2e} (allowance {allowance:.2e})",
+                            baseline.unwrap_or(0.0)
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    let alive: Vec<usize> = (0..n).filter(|&i| passed(&reports[i])).collect();
+    let Some(&incumbent) = alive.first() else {
+        return Err(Error::NotSupported(format!(
+            "no route passed the numerical check:\n{}",
+            AutoReport {
+                direction: d,
+                candidates: reports,
+                incumbent: 0,
+                winner: 0,
+                reference: ref_name,
+                operands: operands_note,
+                baseline_error: baseline,
+                winograd_allowance: allowance,
+                rounds: 0,
+                wall_ms: t0.elapsed().as_secs_f64() * 1e3,
+                check_ms,
+                timing_ms: 0.0,
+            }
+        )));
+    };
+
+    // Time the survivors against each other.
+    let t1 = Instant::now();
+    let mut winner = incumbent;
+    let mut rounds = 0;
+    if alive.len() > 1 {
+        let res = time_interleaved(ctx, measure_timing(), alive.len(), |v, _| {
+            run(inp.execs[alive[v]], operands)
+        })?;
+        rounds = res.rounds;
+        let mut best: Option<(usize, f64)> = None;
+        for (v, &i) in alive.iter().enumerate() {
+            let r = &mut reports[i];
+            r.median_ms = res.timing(v).map(|t| t.median_ms);
+            if let Some(err) = &res.errors[v] {
+                r.outcome = Outcome::Failed(format!("failed while timed: {err}"));
+                continue;
+            }
+            if v == 0 {
+                continue;
+            }
+            r.vs_incumbent = res.paired(0, v);
+            if let Some(p) = &r.vs_incumbent {
+                if crate::gemm::beats_default(p) && best.is_none_or(|(_, m)| p.median < m) {
+                    best = Some((i, p.median));
+                }
+            }
+        }
+        if reports[incumbent].outcome != Outcome::Passed {
+            // The incumbent failed while timed: the fastest survivor by median.
+            best = alive
+                .iter()
+                .filter(|&&i| reports[i].outcome == Outcome::Passed)
+                .filter_map(|&i| reports[i].median_ms.map(|m| (i, m)))
+                .min_by(|a, b| a.1.total_cmp(&b.1));
+        }
+        if let Some((i, _)) = best {
+            winner = i;
+        } else if reports[incumbent].outcome != Outcome::Passed {
+            return Err(Error::NotSupported(
+                "every route failed while being timed".into(),
+            ));
+        }
+    }
+    let report = AutoReport {
+        direction: d,
+        candidates: reports,
+        incumbent,
+        winner,
+        reference: ref_name,
+        operands: operands_note,
+        baseline_error: baseline,
+        winograd_allowance: allowance,
+        rounds,
+        wall_ms: t0.elapsed().as_secs_f64() * 1e3,
+        check_ms,
+        timing_ms: t1.elapsed().as_secs_f64() * 1e3,
+    };
+    Ok((winner, report))
+}
+
+fn raw_ptr_f64(s: &CudaSlice<f64>, ctx: &Context) -> u64 {
+    s.device_ptr(ctx.stream()).0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key() -> ChoiceKey {
+        let s = ConvShape {
+            n: 3,
+            c_in: 30,
+            h: 31,
+            w: 14,
+            c_out: 129,
+            kh: 3,
+            kw: 3,
+            stride: (1, 2),
+            pad: (2, 1),
+            dilation: (1, 1),
+            format: TensorFormat::Nhwc,
+        };
+        ChoiceKey {
+            device: 0,
+            direction: Direction::BackwardData,
+            shape: ShapeKey::of(&s),
+            dtype: DType::BF16,
+            policy: PolicyKey("auto"),
+            winograd_gemm: WinogradKey("seed"),
+            deterministic: true,
+            workspace_mb: 64,
+            cudnn_search: SearchKey("find"),
+        }
+    }
+
+    #[test]
+    fn entries_round_trip() {
+        let k = key();
+        assert_eq!(k.shape.shape().pad, (2, 1));
+        for route in [
+            Route::path(ConvPath::Im2colGemm),
+            Route::winograd(super::super::WinogradTile::F4x3, WinogradEngine::Direct),
+            Route::cudnn(CudnnAlgo {
+                direction: Direction::BackwardData,
+                id: 1,
+                math: CudnnMath::TensorOp,
+            }),
+        ] {
+            let c = ConvChoice {
+                route,
+                origin: ChoiceOrigin::Measured,
+                median_us: 12.5,
+                incumbent_us: f64::NAN,
+                candidates: 4,
+                notes: vec![],
+            };
+            let v = entry_to_json(&k, &c);
+            let (k2, c2) = entry_from_json(&v, 0).unwrap();
+            assert_eq!(k2, k);
+            assert_eq!(c2.route, route);
+            assert_eq!(c2.origin, ChoiceOrigin::File);
+            assert_eq!(c2.median_us, 12.5);
+            assert!(c2.incumbent_us.is_nan());
+            assert_eq!(c2.candidates, 4);
+            // Device ordinals are the loader's.
+            assert_eq!(entry_from_json(&v, 3).unwrap().0.device, 3);
+        }
+    }
+
+    #[test]
+    fn malformed_entries_say_why() {
+        let k = key();
+        let good = entry_to_json(
+            &k,
+            &ConvChoice::planned(Route::path(ConvPath::Direct), ChoiceOrigin::Measured),
+        );
+        let mut bad = good.clone();
+        bad["choice"]["engine"] = json!("tensor_core");
+        assert!(entry_from_json(&bad, 0)
+            .unwrap_err()
+            .contains("names no engine"));
+        let mut bad = good.clone();
+        bad["choice"]["path"] = json!("winograd_f4x3");
+        assert!(entry_from_json(&bad, 0).unwrap_err().contains("Winograd"));
+        let mut bad = good.clone();
+        bad["key"]["stride"] = json!([0, 1]);
+        assert!(entry_from_json(&bad, 0).unwrap_err().contains("stride"));
+        let mut bad = good.clone();
+        bad["key"]["policy"] = json!("fft");
+        assert!(entry_from_json(&bad, 0).unwrap_err().contains("policy"));
+        let mut bad = good.clone();
+        bad["choice"]["path"] = json!("cudnn");
+        assert!(entry_from_json(&bad, 0).unwrap_err().contains("cuDNN"));
+        let mut bad = good;
+        bad["choice"]["cudnn_algo"] = json!("ALGO_0");
+        assert!(entry_from_json(&bad, 0).unwrap_err().contains("together"));
+    }
+
+    #[test]
+    fn file_round_trip_keeps_other_parts() {
+        let dir = std::env::temp_dir().join(format!("nnfuse-conv-cache-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tuning.json");
+        // A GEMM part and a foreign device's conv section that must survive.
+        let other = ConvDeviceTag {
+            name: "Other GPU".into(),
+            compute_capability: (8, 0),
+            cudnn: 90000,
+            cublas: (12, 0, 0),
+        };
+        let start = json!({
+            "format": crate::gemm::cache::FILE_FORMAT,
+            "version": crate::gemm::cache::FILE_VERSION,
+            "sections": [ { "device": "gemm stuff", "entries": [] } ],
+            "conv": { "version": 1, "sections": [ { "device": other.to_json(), "entries": [] } ] },
+        });
+        std::fs::write(&path, serde_json::to_string(&start).unwrap()).unwrap();
+        let tag = ConvDeviceTag {
+            name: "Test GPU".into(),
+            compute_capability: (9, 0),
+            cudnn: 91900,
+            cublas: (13, 1, 0),
+        };
+        let k = ChoiceKey {
+            device: 77,
+            ..key()
+        };
+        let c = ConvChoice {
+            route: Route::path(ConvPath::Im2colGemm),
+            origin: ChoiceOrigin::Measured,
+            median_us: 3.0,
+            incumbent_us: 4.0,
+            candidates: 2,
+            notes: vec![],
+        };
+        insert(k, c.clone(), 16);
+        save_file(&path, &tag, 77).unwrap();
+        let doc: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(doc["sections"][0]["device"], json!("gemm stuff"));
+        assert_eq!(doc["conv"]["sections"].as_array().unwrap().len(), 2);
+        let (entries, warnings) = load_file(&path, &tag, 5);
+        assert!(warnings.is_empty(), "{warnings:?}");
+        assert_eq!(entries.len(), 1);
+        assert_eq!(entries[0].0, ChoiceKey { device: 5, ..k });
+        assert_eq!(entries[0].1.route, c.route);
+        // Another device's tag sees nothing.
+        assert!(load_file(&path, &other, 0).0.is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn thresholds_are_ordered() {
+        for d in DType::ALL {
+            assert!(winograd_error_floor(d) < check_tolerance(d));
+        }
+        assert_eq!(CudnnSearch::parse("FIND"), Some(CudnnSearch::Find));
+        assert_eq!(CudnnSearch::parse("x"), None);
+    }
+}

@@ -1,0 +1,1311 @@
+//! The convolution plan: from (problem, data type, direction, [`Config`], whether cuDNN is
+//! loaded) to the path that runs it, every path's eligibility with the reason when it is not
+//! eligible, the candidates that `auto` measures on the first call, Winograd's engine and the
+//! seed's tensor-core rule, scratch bytes and batch chunks — with a reason for every choice.
+//! Pure: no GPU calls; runs and is tested on the CPU (`tests/conv_plan.rs`, `nnfuse plan --conv`).
+//!
+//! # The rules
+//! - **Eligibility** ([`PathInfo`]), per direction:
+//!   - `cudnn`: cuDNN loads, and every dimension and every tensor's element count fits cuDNN's
+//!     `int` (its legacy descriptors take `int` sizes and strides).
+//!   - `im2col_gemm`: one image's column matrix fits the workspace cap
+//!     ([`Config::conv_workspace_mb`]; pointwise convolutions need no columns) and the GEMM's
+//!     sizes fit cuBLAS's `int`. Every direction.
+//!   - `winograd_f2x3` / `winograd_f4x3`: NHWC, 3x3, stride 1, dilation 1 (forward; the data
+//!     gradient also needs padding <= 2), one image's transformed tensors and the transformed
+//!     filter fit the cap. Not for the filter gradient (it takes im2col + GEMM or cuDNN).
+//!   - `direct`: any forward problem; no gradient kernel.
+//! - **Policy** ([`ConvAlgoPolicy`]): `auto` measures every eligible path on the first call
+//!   (the direct kernel only for problems under [`DIRECT_CANDIDATE_MAX_FLOPS`] or when nothing
+//!   else runs); a forced policy takes its path, or, where that path is not eligible, falls back
+//!   to cuDNN, else to the direct kernel (forward) or im2col + GEMM (gradients), and says why.
+//!   `winograd` measures both tile sizes.
+//! - **Winograd's engine** ([`WinogradGemmPolicy`]): `seed` follows the seed's tensor-core rule
+//!   ([`tensor_core_rule`]) on the batched multiply of the largest batch chunk; `tensor_core` and
+//!   `direct` force an engine; `auto` measures both (the rule's engine first).
+//! - **Candidates** are measured in order; the first is the incumbent that a later one must
+//!   clearly beat: cuDNN, then im2col + GEMM, Winograd F(4x4,3x3), F(2x2,3x3), direct.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde_json::{json, Value};
+
+use super::sizes::{
+    balanced_chunks, im2col_chunk, im2col_dims, is_pointwise, tensor_core_rule,
+    winograd_backward_data_eligible, winograd_chunk, winograd_dims, winograd_forward_eligible,
+};
+use super::{ConvShape, WinogradEngine, WinogradTile};
+use crate::config::{Config, ConvAlgoPolicy, WinogradGemmPolicy};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::layout::TensorFormat;
+
+/// Problems with at most this many FLOPs (`2·N·K·C·R·S·OH·OW`) include the direct kernel among
+/// `auto`'s candidates: it has no tensor cores and on large layers would only cost measurement
+/// time.
+pub const DIRECT_CANDIDATE_MAX_FLOPS: f64 = 1e9;
+
+/// `i32::MAX`: the largest size cuDNN's legacy descriptors and cuBLAS's GEMM dimensions take.
+pub const INT_MAX: usize = i32::MAX as usize;
+
+/// Which computation of a convolution layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Direction {
+    /// `y = conv(x, w)`.
+    Forward,
+    /// `dx` from `dy` and `w`.
+    BackwardData,
+    /// `dw` from `x` and `dy`.
+    BackwardFilter,
+}
+
+impl Direction {
+    /// The three directions.
+    pub const ALL: [Direction; 3] = [
+        Direction::Forward,
+        Direction::BackwardData,
+        Direction::BackwardFilter,
+    ];
+
+    /// `forward`, `backward_data`, `backward_filter`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Direction::Forward => "forward",
+            Direction::BackwardData => "backward_data",
+            Direction::BackwardFilter => "backward_filter",
+        }
+    }
+
+    /// The operation in words.
+    pub const fn describe(self) -> &'static str {
+        match self {
+            Direction::Forward => "forward convolution",
+            Direction::BackwardData => "data gradient",
+            Direction::BackwardFilter => "filter gradient",
+        }
+    }
+
+    const fn index(self) -> usize {
+        match self {
+            Direction::Forward => 0,
+            Direction::BackwardData => 1,
+            Direction::BackwardFilter => 2,
+        }
+    }
+}
+
+impl fmt::Display for Direction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Direction {
+    type Err = Error;
+    /// `forward`, `backward-data` / `backward_data` / `bwd-data`, `backward-filter` /
+    /// `backward_filter` / `bwd-filter` (any case).
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().replace('-', "_").as_str() {
+            "forward" | "fwd" => Ok(Direction::Forward),
+            "backward_data" | "bwd_data" | "data" => Ok(Direction::BackwardData),
+            "backward_filter" | "bwd_filter" | "filter" => Ok(Direction::BackwardFilter),
+            _ => Err(Error::invalid(
+                "direction",
+                format!("{s:?} is not one of forward, backward-data, backward-filter"),
+            )),
+        }
+    }
+}
+
+/// How a convolution is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ConvPath {
+    /// cuDNN (`cudnnConvolutionForward` / `BackwardData` / `BackwardFilter`).
+    Cudnn,
+    /// nnfuse's im2col (col2im for the data gradient) and a strided batched GEMM.
+    Im2colGemm,
+    /// Winograd F(2x2, 3x3) through one batched multiply.
+    WinogradF2x3,
+    /// Winograd F(4x4, 3x3) through one batched multiply.
+    WinogradF4x3,
+    /// nnfuse's direct convolution kernel (forward only).
+    Direct,
+}
+
+impl ConvPath {
+    /// Every path, in the order plans list them.
+    pub const ALL: [ConvPath; 5] = [
+        ConvPath::Cudnn,
+        ConvPath::Im2colGemm,
+        ConvPath::WinogradF2x3,
+        ConvPath::WinogradF4x3,
+        ConvPath::Direct,
+    ];
+
+    /// `cudnn`, `im2col_gemm`, `winograd_f2x3`, `winograd_f4x3`, `direct`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            ConvPath::Cudnn => "cudnn",
+            ConvPath::Im2colGemm => "im2col_gemm",
+            ConvPath::WinogradF2x3 => "winograd_f2x3",
+            ConvPath::WinogradF4x3 => "winograd_f4x3",
+            ConvPath::Direct => "direct",
+        }
+    }
+
+    /// The Winograd tile of a Winograd path.
+    pub const fn winograd_tile(self) -> Option<WinogradTile> {
+        match self {
+            ConvPath::WinogradF2x3 => Some(WinogradTile::F2x3),
+            ConvPath::WinogradF4x3 => Some(WinogradTile::F4x3),
+            _ => None,
+        }
+    }
+
+    /// The path of a Winograd tile.
+    pub const fn winograd(tile: WinogradTile) -> ConvPath {
+        match tile {
+            WinogradTile::F2x3 => ConvPath::WinogradF2x3,
+            WinogradTile::F4x3 => ConvPath::WinogradF4x3,
+        }
+    }
+
+    /// Whether nnfuse's own kernels run it (no cuDNN needed).
+    pub const fn is_own(self) -> bool {
+        !matches!(self, ConvPath::Cudnn)
+    }
+}
+
+impl fmt::Display for ConvPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for ConvPath {
+    type Err = Error;
+    /// The names of [`ConvPath::name`], `-` read as `_`, plus `im2col` and `winograd_f2` /
+    /// `winograd_f4`.
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().replace('-', "_").as_str() {
+            "cudnn" => Ok(ConvPath::Cudnn),
+            "im2col" | "im2col_gemm" => Ok(ConvPath::Im2colGemm),
+            "winograd_f2x3" | "winograd_f2" => Ok(ConvPath::WinogradF2x3),
+            "winograd_f4x3" | "winograd_f4" => Ok(ConvPath::WinogradF4x3),
+            "direct" => Ok(ConvPath::Direct),
+            _ => Err(Error::invalid(
+                "path",
+                format!(
+                    "{s:?} is not one of cudnn, im2col_gemm, winograd_f2x3, winograd_f4x3, direct"
+                ),
+            )),
+        }
+    }
+}
+
+/// One concrete way to run a convolution: a path, Winograd's engine for a Winograd path, and
+/// cuDNN's algorithm for the cuDNN path (`None` in a plan: cuDNN's choice is made on the GPU at
+/// the first call).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Route {
+    /// The path.
+    pub path: ConvPath,
+    /// Winograd's batched-multiply engine (Winograd paths only).
+    pub engine: Option<WinogradEngine>,
+    /// cuDNN's algorithm (cuDNN path only; `None`: the one cuDNN's search picks).
+    pub cudnn_algo: Option<super::cudnn::CudnnAlgo>,
+}
+
+impl Route {
+    /// A route of `path` with no engine or algorithm fixed.
+    pub const fn path(path: ConvPath) -> Route {
+        Route {
+            path,
+            engine: None,
+            cudnn_algo: None,
+        }
+    }
+
+    /// A Winograd route.
+    pub const fn winograd(tile: WinogradTile, engine: WinogradEngine) -> Route {
+        Route {
+            path: ConvPath::winograd(tile),
+            engine: Some(engine),
+            cudnn_algo: None,
+        }
+    }
+
+    /// A cuDNN route with one algorithm.
+    pub const fn cudnn(algo: super::cudnn::CudnnAlgo) -> Route {
+        Route {
+            path: ConvPath::Cudnn,
+            engine: None,
+            cudnn_algo: Some(algo),
+        }
+    }
+
+    /// `cudnn:IMPLICIT_PRECOMP_GEMM/tensor_op`, `winograd_f4x3/tensor_core`, `im2col_gemm`.
+    pub fn label(&self) -> String {
+        match (self.engine, self.cudnn_algo) {
+            (Some(e), _) => format!("{}/{}", self.path, e.name()),
+            (None, Some(a)) => format!("{}:{}", self.path, a.label()),
+            (None, None) => self.path.name().to_string(),
+        }
+    }
+}
+
+impl fmt::Display for Route {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.label())
+    }
+}
+
+/// How Winograd's engine was decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EngineDecision {
+    /// The seed's tensor-core rule (`winograd_gemm = seed`).
+    SeedRule,
+    /// Forced by `winograd_gemm = tensor_core | direct`.
+    Forced,
+    /// Measured at the first call (`winograd_gemm = auto`); both engines are candidates.
+    Measured,
+}
+
+impl EngineDecision {
+    /// `seed_rule`, `forced`, `measured`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            EngineDecision::SeedRule => "seed_rule",
+            EngineDecision::Forced => "forced",
+            EngineDecision::Measured => "measured",
+        }
+    }
+}
+
+/// Winograd's batched multiply for one tile size.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WinogradInfo {
+    /// The tile size.
+    pub tile: WinogradTile,
+    /// Rows of each position's product: the tiles of the largest batch chunk.
+    pub tiles: usize,
+    /// Inner dimension (input channels of the equivalent forward convolution).
+    pub c_in: usize,
+    /// Columns (output channels of the equivalent forward convolution).
+    pub c_out: usize,
+    /// The first triple of the seed's rule that divides `(tiles, c_in, c_out)`.
+    pub seed_rule: Option<(usize, usize, usize)>,
+    /// The rule's engine: tensor cores when a triple divides, else Direct.
+    pub seed_engine: WinogradEngine,
+    /// The engines the route(s) of this tile use (two when measured, the rule's first).
+    pub engines: Vec<WinogradEngine>,
+    /// How the engine was decided.
+    pub decided_by: EngineDecision,
+}
+
+/// One path's eligibility and sizes for the problem.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PathInfo {
+    /// The path.
+    pub path: ConvPath,
+    /// Whether it can run this problem.
+    pub eligible: bool,
+    /// Why not, when it cannot.
+    pub why_not: Option<String>,
+    /// Bytes of the Context's scratch arena it uses (im2col: the column matrices of one chunk;
+    /// Winograd: the transformed filter plus one chunk's transformed input and product). cuDNN's
+    /// workspace is chosen with its algorithm at the first call (at most the cap); 0 here.
+    pub scratch_bytes: usize,
+    /// Images per chunk (the batch is split so that the scratch fits the cap).
+    pub chunk: Option<usize>,
+    /// Number of chunks (balanced: sizes differ by at most one).
+    pub chunks: usize,
+    /// Winograd's batched multiply (Winograd paths that are eligible).
+    pub winograd: Option<WinogradInfo>,
+}
+
+/// What to plan.
+#[derive(Debug, Clone, Copy)]
+pub struct ConvPlanRequest<'a> {
+    /// The problem (layouts in [`crate::reference::conv`]).
+    pub shape: ConvShape,
+    /// Element type of x, w and y (f32 accumulation everywhere).
+    pub dtype: DType,
+    /// Which computation.
+    pub direction: Direction,
+    /// Policies, workspace cap, determinism.
+    pub config: &'a Config,
+    /// Whether cuDNN can be loaded ([`crate::context::cudnn_present`]).
+    pub cudnn_present: bool,
+}
+
+/// The decision for one (problem, dtype, direction) under one configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConvPlan {
+    /// The problem.
+    pub shape: ConvShape,
+    /// Output size `(oh, ow)`.
+    pub out_hw: (usize, usize),
+    /// Element type.
+    pub dtype: DType,
+    /// Which computation.
+    pub direction: Direction,
+    /// The path that runs: the planned one, or, when [`ConvPlan::measured`], the incumbent
+    /// (first candidate) until the first call's measurement decides.
+    pub path: ConvPath,
+    /// Winograd's engine of [`ConvPlan::path`] (the incumbent's, when measured).
+    pub engine: Option<WinogradEngine>,
+    /// Whether the first call measures [`ConvPlan::candidates`] against each other.
+    pub measured: bool,
+    /// What the first call measures, in order (the first is the incumbent); one entry when
+    /// nothing is measured. A cuDNN entry stands for cuDNN's algorithms (chosen on the GPU).
+    pub candidates: Vec<Route>,
+    /// Every path's eligibility, in [`ConvPath::ALL`] order.
+    pub paths: Vec<PathInfo>,
+    /// Why the policy's path could not be taken, when the plan fell back.
+    pub fallback: Option<String>,
+    /// False when no path can run the problem (a gradient without cuDNN whose columns exceed
+    /// the cap): the operation then returns [`Error::NotSupported`] with the reasons.
+    pub runnable: bool,
+    /// Direct-convolution FLOPs, `2·N·K·C·R·S·OH·OW` (the same for every direction).
+    pub flops: f64,
+    /// The convolution policy the plan was made under.
+    pub policy: ConvAlgoPolicy,
+    /// Winograd's engine policy.
+    pub winograd_gemm: WinogradGemmPolicy,
+    /// Only deterministic algorithms.
+    pub deterministic: bool,
+    /// The workspace cap in bytes ([`Config::conv_workspace_bytes`]).
+    pub workspace_cap_bytes: usize,
+    /// Whether cuDNN was taken to be present.
+    pub cudnn_present: bool,
+    /// Every reason, in words.
+    pub reasons: Vec<String>,
+}
+
+impl ConvPlan {
+    /// The eligibility of `path`.
+    pub fn info(&self, path: ConvPath) -> &PathInfo {
+        // `paths` always holds every path in ALL order (built by `plan`).
+        &self.paths[ConvPath::ALL.iter().position(|&p| p == path).unwrap_or(0)]
+    }
+
+    /// Whether `path` can run the problem.
+    pub fn eligible(&self, path: ConvPath) -> bool {
+        self.info(path).eligible
+    }
+
+    /// The route the plan starts with (the incumbent when measured).
+    pub fn route(&self) -> Route {
+        self.candidates
+            .first()
+            .copied()
+            .unwrap_or(Route::path(self.path))
+    }
+
+    /// Bytes of scratch the planned path uses (see [`PathInfo::scratch_bytes`]).
+    pub fn scratch_bytes(&self) -> usize {
+        self.info(self.path).scratch_bytes
+    }
+
+    /// The route to take when the chosen one fails at run time: cuDNN if eligible, else the
+    /// direct kernel (forward) or im2col + GEMM (gradients); `None` when that is the failing
+    /// path itself or not eligible.
+    pub fn fallback_route(&self, failed: ConvPath) -> Option<Route> {
+        let own = own_fallback(self.direction);
+        [ConvPath::Cudnn, own]
+            .into_iter()
+            .find(|&p| p != failed && self.eligible(p))
+            .map(Route::path)
+    }
+
+    /// The plan as one JSON object (the fields of this struct; `nnfuse plan --conv --json`).
+    pub fn to_json(&self) -> Value {
+        let s = &self.shape;
+        let paths: Vec<Value> = self
+            .paths
+            .iter()
+            .map(|p| {
+                let mut v = json!({
+                    "path": p.path.name(),
+                    "eligible": p.eligible,
+                    "why_not": p.why_not,
+                    "scratch_bytes": p.scratch_bytes,
+                    "chunk": p.chunk,
+                    "chunks": p.chunks,
+                });
+                if let (Some(w), Some(obj)) = (&p.winograd, v.as_object_mut()) {
+                    obj.insert(
+                        "winograd".into(),
+                        json!({
+                            "tile": w.tile.name(),
+                            "tiles": w.tiles,
+                            "c_in": w.c_in,
+                            "c_out": w.c_out,
+                            "seed_rule": w.seed_rule.map(|(a, b, c)| vec![a, b, c]),
+                            "seed_engine": w.seed_engine.name(),
+                            "engines": w.engines.iter().map(|e| e.name()).collect::<Vec<_>>(),
+                            "decided_by": w.decided_by.name(),
+                        }),
+                    );
+                }
+                v
+            })
+            .collect();
+        json!({
+            "direction": self.direction.name(),
+            "dtype": self.dtype.name(),
+            "format": s.format.name(),
+            "n": s.n, "c_in": s.c_in, "h": s.h, "w": s.w, "c_out": s.c_out,
+            "kh": s.kh, "kw": s.kw,
+            "stride": [s.stride.0, s.stride.1],
+            "pad": [s.pad.0, s.pad.1],
+            "dilation": [s.dilation.0, s.dilation.1],
+            "out_hw": [self.out_hw.0, self.out_hw.1],
+            "path": self.path.name(),
+            "engine": self.engine.map(|e| e.name()),
+            "measured": self.measured,
+            "candidates": self.candidates.iter().map(Route::label).collect::<Vec<_>>(),
+            "paths": paths,
+            "fallback": self.fallback,
+            "runnable": self.runnable,
+            "flops": self.flops,
+            "scratch_bytes": self.scratch_bytes(),
+            "policy": self.policy.name(),
+            "winograd_gemm": self.winograd_gemm.name(),
+            "deterministic": self.deterministic,
+            "workspace_cap_bytes": self.workspace_cap_bytes,
+            "cudnn_present": self.cudnn_present,
+            "reasons": self.reasons,
+        })
+    }
+}
+
+impl fmt::Display for ConvPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = &self.shape;
+        writeln!(
+            f,
+            "conv {}: {} {}x{}x{}x{} -> {} filters {}x{}, stride {:?}, pad {:?}, dilation {:?}, \
+             output {}x{}, {}",
+            self.direction,
+            s.format,
+            s.n,
+            s.c_in,
+            s.h,
+            s.w,
+            s.c_out,
+            s.kh,
+            s.kw,
+            s.stride,
+            s.pad,
+            s.dilation,
+            self.out_hw.0,
+            self.out_hw.1,
+            self.dtype
+        )?;
+        match (self.measured, self.engine) {
+            (true, _) => writeln!(
+                f,
+                "path: measured at the first call among {} candidates (incumbent {})",
+                self.candidates.len(),
+                self.route()
+            )?,
+            (false, Some(e)) => writeln!(f, "path: {} ({} engine)", self.path, e.name())?,
+            (false, None) => writeln!(f, "path: {}", self.path)?,
+        }
+        if !self.runnable {
+            writeln!(f, "NOT RUNNABLE: no path can compute this problem here")?;
+        }
+        writeln!(
+            f,
+            "candidates: {}",
+            self.candidates
+                .iter()
+                .map(Route::label)
+                .collect::<Vec<_>>()
+                .join(", ")
+        )?;
+        writeln!(
+            f,
+            "policy {} | winograd_gemm {} | deterministic {} | workspace cap {} MiB | cuDNN {}",
+            self.policy,
+            self.winograd_gemm,
+            self.deterministic,
+            self.workspace_cap_bytes >> 20,
+            if self.cudnn_present {
+                "present"
+            } else {
+                "absent"
+            }
+        )?;
+        writeln!(f, "paths:")?;
+        for p in &self.paths {
+            match &p.why_not {
+                None => {
+                    write!(
+                        f,
+                        "  {:<14} eligible, scratch {} B",
+                        p.path.name(),
+                        p.scratch_bytes
+                    )?;
+                    if let Some(c) = p.chunk {
+                        write!(f, ", {} chunk(s) of <= {c} image(s)", p.chunks)?;
+                    }
+                    if let Some(w) = &p.winograd {
+                        write!(
+                            f,
+                            ", batched multiply {}x{}x{} per position, seed rule {}",
+                            w.tiles,
+                            w.c_in,
+                            w.c_out,
+                            match w.seed_rule {
+                                Some((a, b, c)) => format!("({a},{b},{c}) -> tensor_core"),
+                                None => "none -> direct".into(),
+                            }
+                        )?;
+                    }
+                    writeln!(f)?;
+                }
+                Some(why) => writeln!(f, "  {:<14} not eligible: {why}", p.path.name())?,
+            }
+        }
+        writeln!(f, "reasons:")?;
+        for r in &self.reasons {
+            writeln!(f, "  - {r}")?;
+        }
+        Ok(())
+    }
+}
+
+/// The own-kernel path a failed or ineligible choice falls back to when cuDNN cannot: the
+/// direct kernel for the forward, im2col + GEMM for gradients (the direct kernel has none).
+pub const fn own_fallback(direction: Direction) -> ConvPath {
+    match direction {
+        Direction::Forward => ConvPath::Direct,
+        _ => ConvPath::Im2colGemm,
+    }
+}
+
+fn mib(bytes: usize) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+}
+
+fn checked(dims: &[usize], what: &str) -> Result<usize> {
+    dims.iter()
+        .try_fold(1usize, |p, &d| p.checked_mul(d))
+        .ok_or_else(|| Error::invalid("shape", format!("{what} overflows usize")))
+}
+
+/// Validates the problem: every [`ConvShape::out_hw`] rule (zero dims, zero stride or
+/// dilation, a filter larger than the padded input) and every element and byte count of x, w
+/// and y fitting `usize`. Returns `(oh, ow)`.
+pub fn check_shape(s: &ConvShape, dtype: DType) -> Result<(usize, usize)> {
+    let (oh, ow) = s.out_hw()?;
+    for (dims, what) in [
+        (vec![s.n, s.c_in, s.h, s.w], "n*c_in*h*w (x's elements)"),
+        (
+            vec![s.c_out, s.c_in, s.kh, s.kw],
+            "c_out*c_in*kh*kw (w's elements)",
+        ),
+        (vec![s.n, s.c_out, oh, ow], "n*c_out*oh*ow (y's elements)"),
+    ] {
+        let elems = checked(&dims, what)?;
+        elems.checked_mul(dtype.size()).ok_or_else(|| {
+            Error::invalid("shape", format!("the byte count of {what} overflows"))
+        })?;
+    }
+    Ok((oh, ow))
+}
+
+/// Why cuDNN's `int` sizes cannot describe the problem, if they cannot.
+pub fn cudnn_int_limits(s: &ConvShape, (oh, ow): (usize, usize)) -> Option<String> {
+    let mut over = Vec::new();
+    for (name, v) in [
+        ("n", s.n),
+        ("c_in", s.c_in),
+        ("h", s.h),
+        ("w", s.w),
+        ("c_out", s.c_out),
+        ("kh", s.kh),
+        ("kw", s.kw),
+        ("stride", s.stride.0.max(s.stride.1)),
+        ("pad", s.pad.0.max(s.pad.1)),
+        ("dilation", s.dilation.0.max(s.dilation.1)),
+    ] {
+        if v > INT_MAX {
+            over.push(format!("{name} = {v}"));
+        }
+    }
+    // Element counts (they bound every stride of the packed descriptors).
+    let count = |d: &[usize]| d.iter().try_fold(1usize, |p, &x| p.checked_mul(x));
+    for (name, dims) in [
+        ("x", [s.n, s.c_in, s.h, s.w]),
+        ("w", [s.c_out, s.c_in, s.kh, s.kw]),
+        ("y", [s.n, s.c_out, oh, ow]),
+    ] {
+        match count(&dims) {
+            Some(c) if c <= INT_MAX => {}
+            Some(c) => over.push(format!("{name} has {c} elements")),
+            None => over.push(format!("{name}'s element count overflows")),
+        }
+    }
+    if over.is_empty() {
+        None
+    } else {
+        Some(format!(
+            "cuDNN's descriptors take int sizes and strides (at most {INT_MAX}): {}",
+            over.join(", ")
+        ))
+    }
+}
+
+/// The forward convolution that Winograd computes for `direction`: the problem itself for the
+/// forward; for the data gradient, dy convolved with the filter rotated by 180 degrees and its
+/// channel axes swapped, padded by `2 - pad` (an input of `oh x ow x c_out`, an output of
+/// `h x w x c_in`). Only meaningful for a shape that passes the Winograd eligibility.
+pub fn winograd_equivalent(s: &ConvShape, direction: Direction) -> Option<ConvShape> {
+    match direction {
+        Direction::Forward => Some(*s),
+        Direction::BackwardData => {
+            let (oh, ow) = s.out_hw().ok()?;
+            Some(ConvShape {
+                n: s.n,
+                c_in: s.c_out,
+                h: oh,
+                w: ow,
+                c_out: s.c_in,
+                kh: 3,
+                kw: 3,
+                stride: (1, 1),
+                pad: (2usize.checked_sub(s.pad.0)?, 2usize.checked_sub(s.pad.1)?),
+                dilation: (1, 1),
+                format: s.format,
+            })
+        }
+        Direction::BackwardFilter => None,
+    }
+}
+
+fn info_ineligible(path: ConvPath, why: String) -> PathInfo {
+    PathInfo {
+        path,
+        eligible: false,
+        why_not: Some(why),
+        scratch_bytes: 0,
+        chunk: None,
+        chunks: 0,
+        winograd: None,
+    }
+}
+
+fn cudnn_info(req: &ConvPlanRequest, out_hw: (usize, usize)) -> PathInfo {
+    if !req.cudnn_present {
+        return info_ineligible(
+            ConvPath::Cudnn,
+            "cuDNN cannot be loaded (libcudnn.so.9 not found): nnfuse's own paths run instead"
+                .into(),
+        );
+    }
+    if let Some(why) = cudnn_int_limits(&req.shape, out_hw) {
+        return info_ineligible(ConvPath::Cudnn, why);
+    }
+    PathInfo {
+        path: ConvPath::Cudnn,
+        eligible: true,
+        why_not: None,
+        scratch_bytes: 0,
+        chunk: None,
+        chunks: 1,
+        winograd: None,
+    }
+}
+
+fn im2col_info(req: &ConvPlanRequest) -> Result<PathInfo> {
+    let s = &req.shape;
+    let elem = req.dtype.size();
+    let cap = req.config.conv_workspace_bytes();
+    let d = im2col_dims(s)?;
+    let big: Vec<String> = [
+        ("output pixels per image (oh*ow)", d.pixels),
+        ("filter taps (c_in*kh*kw)", d.taps),
+        ("c_out", s.c_out),
+    ]
+    .iter()
+    .filter(|(_, v)| *v > INT_MAX)
+    .map(|(n, v)| format!("{n} = {v}"))
+    .collect();
+    if !big.is_empty() {
+        return Ok(info_ineligible(
+            ConvPath::Im2colGemm,
+            format!(
+                "cuBLAS takes int GEMM dimensions (at most {INT_MAX}): {}",
+                big.join(", ")
+            ),
+        ));
+    }
+    let Some(chunk) = im2col_chunk(s, elem, cap)? else {
+        let per_image = d.per_image.saturating_mul(elem);
+        return Ok(info_ineligible(
+            ConvPath::Im2colGemm,
+            format!(
+                "one image's column matrix ({} x {} = {}) exceeds the workspace cap of {} \
+                 (NNFUSE_CONV_WORKSPACE_MB / Config::conv_workspace_mb)",
+                d.pixels,
+                d.taps,
+                mib(per_image),
+                mib(cap)
+            ),
+        ));
+    };
+    let scratch = if is_pointwise(s) {
+        0
+    } else {
+        chunk.saturating_mul(d.per_image).saturating_mul(elem)
+    };
+    Ok(PathInfo {
+        path: ConvPath::Im2colGemm,
+        eligible: true,
+        why_not: None,
+        scratch_bytes: scratch,
+        chunk: Some(chunk),
+        chunks: balanced_chunks(s.n, chunk).len(),
+        winograd: None,
+    })
+}
+
+/// The engines a Winograd route takes under `policy`, the rule's result and how decided.
+fn engines(
+    policy: WinogradGemmPolicy,
+    seed_engine: WinogradEngine,
+) -> (Vec<WinogradEngine>, EngineDecision) {
+    let other = match seed_engine {
+        WinogradEngine::TensorCore => WinogradEngine::Direct,
+        WinogradEngine::Direct => WinogradEngine::TensorCore,
+    };
+    match policy {
+        WinogradGemmPolicy::Seed => (vec![seed_engine], EngineDecision::SeedRule),
+        WinogradGemmPolicy::TensorCore => {
+            (vec![WinogradEngine::TensorCore], EngineDecision::Forced)
+        }
+        WinogradGemmPolicy::Direct => (vec![WinogradEngine::Direct], EngineDecision::Forced),
+        WinogradGemmPolicy::Auto => (vec![seed_engine, other], EngineDecision::Measured),
+    }
+}
+
+fn winograd_info(req: &ConvPlanRequest, tile: WinogradTile) -> Result<PathInfo> {
+    let path = ConvPath::winograd(tile);
+    let s = &req.shape;
+    let eligible = match req.direction {
+        Direction::Forward => winograd_forward_eligible(s),
+        Direction::BackwardData => winograd_backward_data_eligible(s),
+        Direction::BackwardFilter => Err("nnfuse's Winograd computes the forward and the data \
+                                          gradient only; the filter gradient takes im2col + \
+                                          GEMM or cuDNN"
+            .to_string()),
+    };
+    if let Err(why) = eligible {
+        return Ok(info_ineligible(path, why));
+    }
+    let Some(eq) = winograd_equivalent(s, req.direction) else {
+        return Ok(info_ineligible(
+            path,
+            "no equivalent forward convolution".into(),
+        ));
+    };
+    let elem = req.dtype.size();
+    let cap = req.config.conv_workspace_bytes();
+    let d = winograd_dims(&eq, tile)?;
+    let Some(chunk) = winograd_chunk(&eq, tile, elem, cap)? else {
+        let need =
+            d.v.saturating_add(d.u_per_image)
+                .saturating_add(d.m_per_image)
+                .saturating_mul(elem);
+        return Ok(info_ineligible(
+            path,
+            format!(
+                "the transformed filter and one image's transformed input and product ({}) \
+                 exceed the workspace cap of {} (NNFUSE_CONV_WORKSPACE_MB)",
+                mib(need),
+                mib(cap)
+            ),
+        ));
+    };
+    let tiles = chunk.saturating_mul(d.tiles_per_image);
+    let big: Vec<String> = [("tiles", tiles), ("c_in", eq.c_in), ("c_out", eq.c_out)]
+        .iter()
+        .filter(|(_, v)| *v > INT_MAX)
+        .map(|(n, v)| format!("{n} = {v}"))
+        .collect();
+    if !big.is_empty() {
+        return Ok(info_ineligible(
+            path,
+            format!(
+                "the batched multiply's sizes exceed int (at most {INT_MAX}): {}",
+                big.join(", ")
+            ),
+        ));
+    }
+    let seed_rule = tensor_core_rule(tiles, eq.c_in, eq.c_out);
+    let seed_engine = if seed_rule.is_some() {
+        WinogradEngine::TensorCore
+    } else {
+        WinogradEngine::Direct
+    };
+    let (engines, decided_by) = engines(req.config.winograd_gemm, seed_engine);
+    let scratch =
+        d.v.saturating_add(chunk.saturating_mul(d.u_per_image.saturating_add(d.m_per_image)))
+            .saturating_mul(elem);
+    Ok(PathInfo {
+        path,
+        eligible: true,
+        why_not: None,
+        scratch_bytes: scratch,
+        chunk: Some(chunk),
+        chunks: balanced_chunks(s.n, chunk).len(),
+        winograd: Some(WinogradInfo {
+            tile,
+            tiles,
+            c_in: eq.c_in,
+            c_out: eq.c_out,
+            seed_rule,
+            seed_engine,
+            engines,
+            decided_by,
+        }),
+    })
+}
+
+fn direct_info(req: &ConvPlanRequest) -> PathInfo {
+    if req.direction != Direction::Forward {
+        return info_ineligible(
+            ConvPath::Direct,
+            format!(
+                "nnfuse's direct kernel computes the forward only, not the {}",
+                req.direction.describe()
+            ),
+        );
+    }
+    PathInfo {
+        path: ConvPath::Direct,
+        eligible: true,
+        why_not: None,
+        scratch_bytes: 0,
+        chunk: None,
+        chunks: 1,
+        winograd: None,
+    }
+}
+
+/// The routes of one eligible path (a Winograd path has one per engine).
+fn routes_of(info: &PathInfo) -> Vec<Route> {
+    match &info.winograd {
+        Some(w) => w
+            .engines
+            .iter()
+            .map(|&e| Route::winograd(w.tile, e))
+            .collect(),
+        None => vec![Route::path(info.path)],
+    }
+}
+
+/// What the policy asks for, as paths in measuring order.
+fn policy_paths(policy: ConvAlgoPolicy) -> &'static [ConvPath] {
+    match policy {
+        ConvAlgoPolicy::Auto => &[
+            ConvPath::Cudnn,
+            ConvPath::Im2colGemm,
+            ConvPath::WinogradF4x3,
+            ConvPath::WinogradF2x3,
+            ConvPath::Direct,
+        ],
+        ConvAlgoPolicy::Cudnn => &[ConvPath::Cudnn],
+        ConvAlgoPolicy::Im2col => &[ConvPath::Im2colGemm],
+        ConvAlgoPolicy::Winograd => &[ConvPath::WinogradF4x3, ConvPath::WinogradF2x3],
+        ConvAlgoPolicy::WinogradF2x3 => &[ConvPath::WinogradF2x3],
+        ConvAlgoPolicy::WinogradF4x3 => &[ConvPath::WinogradF4x3],
+        ConvAlgoPolicy::Direct => &[ConvPath::Direct],
+    }
+}
+
+/// Plans one convolution (see the module documentation for the rules).
+///
+/// Errors: an invalid problem, as [`check_shape`] (naming the field: `n`, `c_in`, ..., `kh`,
+/// `stride`, `dilation`, or `shape` for an overflowing product).
+pub fn plan(req: &ConvPlanRequest) -> Result<ConvPlan> {
+    let s = &req.shape;
+    let out_hw = check_shape(s, req.dtype)?;
+    let (oh, ow) = out_hw;
+    let flops = 2.0
+        * [s.n, s.c_out, s.c_in, s.kh, s.kw, oh, ow]
+            .iter()
+            .map(|&v| v as f64)
+            .product::<f64>();
+    let cfg = req.config;
+    let mut paths = Vec::with_capacity(ConvPath::ALL.len());
+    for p in ConvPath::ALL {
+        paths.push(match p {
+            ConvPath::Cudnn => cudnn_info(req, out_hw),
+            ConvPath::Im2colGemm => im2col_info(req)?,
+            ConvPath::WinogradF2x3 => winograd_info(req, WinogradTile::F2x3)?,
+            ConvPath::WinogradF4x3 => winograd_info(req, WinogradTile::F4x3)?,
+            ConvPath::Direct => direct_info(req),
+        });
+    }
+    let get = |p: ConvPath| &paths[ConvPath::ALL.iter().position(|&q| q == p).unwrap_or(0)];
+
+    let mut reasons = vec![format!(
+        "{} of an {} problem: x {}x{}x{}x{}, {} filters {}x{}, stride {:?}, pad {:?}, dilation \
+         {:?} -> output {}x{}; {} data, f32 accumulation; {:.3} GFLOP",
+        req.direction.describe(),
+        s.format.name().to_uppercase(),
+        s.n,
+        s.c_in,
+        s.h,
+        s.w,
+        s.c_out,
+        s.kh,
+        s.kw,
+        s.stride,
+        s.pad,
+        s.dilation,
+        oh,
+        ow,
+        req.dtype,
+        flops / 1e9
+    )];
+
+    // The policy's paths that can run, expanded into routes.
+    let wanted = policy_paths(cfg.conv_algo);
+    let mut candidates: Vec<Route> = Vec::new();
+    let mut skipped_direct = false;
+    for &p in wanted {
+        let info = get(p);
+        if !info.eligible {
+            continue;
+        }
+        if cfg.conv_algo == ConvAlgoPolicy::Auto
+            && p == ConvPath::Direct
+            && flops > DIRECT_CANDIDATE_MAX_FLOPS
+        {
+            skipped_direct = true;
+            continue;
+        }
+        candidates.extend(routes_of(info));
+    }
+    if candidates.is_empty() && skipped_direct {
+        // Nothing else runs: the direct kernel, however slow.
+        candidates.extend(routes_of(get(ConvPath::Direct)));
+        skipped_direct = false;
+        reasons.push(
+            "auto: no other path can run this problem, so the direct kernel runs despite its \
+             size"
+                .into(),
+        );
+    }
+
+    let mut fallback = None;
+    let mut runnable = true;
+    if candidates.is_empty() {
+        // A forced policy on an ineligible problem (auto always has a candidate unless nothing
+        // runs at all).
+        let why: Vec<String> = wanted
+            .iter()
+            .filter_map(|&p| get(p).why_not.as_ref().map(|w| format!("{p}: {w}")))
+            .collect();
+        let own = own_fallback(req.direction);
+        let to = [ConvPath::Cudnn, own]
+            .into_iter()
+            .find(|&p| get(p).eligible);
+        let msg = match to {
+            Some(p) => format!(
+                "policy {} cannot run this problem ({}); falling back to {p} (cuDNN when it \
+                 can, else {own})",
+                cfg.conv_algo,
+                why.join("; ")
+            ),
+            None => {
+                runnable = false;
+                format!(
+                    "policy {} cannot run this problem ({}), and neither can the fallbacks \
+                     (cudnn: {}; {own}: {})",
+                    cfg.conv_algo,
+                    why.join("; "),
+                    get(ConvPath::Cudnn).why_not.clone().unwrap_or_default(),
+                    get(own).why_not.clone().unwrap_or_default()
+                )
+            }
+        };
+        reasons.push(msg.clone());
+        fallback = Some(msg);
+        match to {
+            Some(p) => candidates.extend(routes_of(get(p))),
+            None => candidates.push(Route::path(own)),
+        }
+    }
+
+    let measured = candidates.len() > 1;
+    let first = candidates[0];
+    let path = first.path;
+    let engine = first.engine;
+
+    // Policy and choice.
+    let policy_line = match cfg.conv_algo {
+        ConvAlgoPolicy::Auto if measured => format!(
+            "policy auto (NNFUSE_CONV_ALGO / Config::conv_algo): the first call measures {} \
+             candidates on the caller's inputs (each checked against a reference, timed \
+             interleaved) and keeps the incumbent {} unless a candidate is clearly faster \
+             (>= 2% in the median round, faster in ~90% of rounds); Winograd is refused where \
+             its error exceeds twice cuDNN's (without cuDNN: the first other candidate's), \
+             with a floor per data type (docs/CONV.md)",
+            candidates.len(),
+            first
+        ),
+        ConvAlgoPolicy::Auto => {
+            format!("policy auto: {path} is the only eligible candidate, nothing to measure")
+        }
+        p if fallback.is_none() && measured => format!(
+            "policy {p}: forced; the first call measures its {} variants",
+            candidates.len()
+        ),
+        p if fallback.is_none() => format!("policy {p}: forced"),
+        p => format!("policy {p}: not honoured (see the fallback)"),
+    };
+    reasons.push(policy_line);
+    if skipped_direct {
+        reasons.push(format!(
+            "direct: eligible but not measured by auto: {:.2} GFLOP exceeds {:.1} GFLOP \
+             (DIRECT_CANDIDATE_MAX_FLOPS), and its kernel has no tensor cores",
+            flops / 1e9,
+            DIRECT_CANDIDATE_MAX_FLOPS / 1e9
+        ));
+    }
+    for p in &paths {
+        if let Some(why) = &p.why_not {
+            if wanted.contains(&p.path) {
+                reasons.push(format!("{}: not eligible: {why}", p.path));
+            }
+        }
+    }
+    for p in &paths {
+        if !candidates.iter().any(|r| r.path == p.path) {
+            continue;
+        }
+        match p.path {
+            ConvPath::Cudnn => {
+                reasons.push(format!(
+                    "cudnn: the algorithm is cuDNN's, chosen at the first call (heuristic \
+                     candidates timed interleaved, or cuDNN's Find with \
+                     NNFUSE_CONV_CUDNN_SEARCH=find), with a workspace of at most the cap ({}); \
+                     f32 runs with CUDNN_FMA_MATH (true fp32, no TF32), f16/bf16 with \
+                     tensor-op math; f32 compute type",
+                    mib(cfg.conv_workspace_bytes())
+                ));
+                if req.direction != Direction::Forward {
+                    reasons.push(if cfg.deterministic {
+                        "deterministic (NNFUSE_DETERMINISTIC / Config::deterministic): only \
+                         cuDNN's deterministic algorithms are candidates; the first call \
+                         reports whether that excluded the fastest one"
+                            .into()
+                    } else {
+                        "not deterministic: cuDNN may pick an algorithm that accumulates with \
+                         atomics (set NNFUSE_DETERMINISTIC=1 to exclude those)"
+                            .into()
+                    });
+                }
+            }
+            ConvPath::Im2colGemm => {
+                let what = match req.direction {
+                    Direction::Forward if is_pointwise(s) => {
+                        "pointwise (1x1, stride 1, no padding): x already is the column \
+                         matrix, one strided batched GEMM"
+                            .to_string()
+                    }
+                    Direction::Forward => "im2col, then one strided batched GEMM per chunk".into(),
+                    Direction::BackwardData => {
+                        "GEMM of the filter with dy into column matrices, then col2im (a \
+                         gather: deterministic, no atomics)"
+                            .into()
+                    }
+                    Direction::BackwardFilter => {
+                        "GEMM of dy with the column matrices per chunk, accumulated in f32".into()
+                    }
+                };
+                reasons.push(format!(
+                    "im2col_gemm: {what}; scratch {} in {} chunk(s) of <= {} image(s) under the \
+                     cap of {}",
+                    mib(p.scratch_bytes),
+                    p.chunks,
+                    p.chunk.unwrap_or(s.n),
+                    mib(cfg.conv_workspace_bytes())
+                ));
+            }
+            ConvPath::WinogradF2x3 | ConvPath::WinogradF4x3 => {
+                if let Some(w) = &p.winograd {
+                    let rule = match w.seed_rule {
+                        Some((a, b, c)) => format!(
+                            "({}, {}, {}) is divisible by ({a}, {b}, {c}): tensor cores",
+                            w.tiles, w.c_in, w.c_out
+                        ),
+                        None => format!(
+                            "({}, {}, {}) is divisible by none of (16,16,16), (8,16,32), \
+                             (32,16,8): the Direct batched multiply",
+                            w.tiles, w.c_in, w.c_out
+                        ),
+                    };
+                    let how = match w.decided_by {
+                        EngineDecision::SeedRule => {
+                            format!("winograd_gemm seed: the rule decides ({rule})")
+                        }
+                        EngineDecision::Forced => format!(
+                            "winograd_gemm {}: forced {} (the seed's rule would say: {rule})",
+                            cfg.winograd_gemm,
+                            w.engines[0].name()
+                        ),
+                        EngineDecision::Measured => format!(
+                            "winograd_gemm auto: both engines are measured, the rule's first \
+                             ({rule})"
+                        ),
+                    };
+                    let of = if req.direction == Direction::BackwardData {
+                        " (the data gradient as a forward 3x3 convolution of dy with the \
+                         rotated, channel-swapped filter, padding 2 - pad)"
+                    } else {
+                        ""
+                    };
+                    reasons.push(format!(
+                        "{}{of}: {} transform positions, one batched multiply of {} x {} by \
+                         {} x {} per position; {how}; scratch {} in {} chunk(s)",
+                        p.path,
+                        w.tile.positions(),
+                        w.tiles,
+                        w.c_in,
+                        w.c_in,
+                        w.c_out,
+                        mib(p.scratch_bytes),
+                        p.chunks
+                    ));
+                }
+            }
+            ConvPath::Direct => reasons.push(
+                "direct: nnfuse's direct kernel, any shape, f32 accumulation, no workspace".into(),
+            ),
+        }
+    }
+    if !req.cudnn_present {
+        reasons.push(
+            "cuDNN is absent: everything runs on nnfuse's own paths (im2col + GEMM, Winograd, \
+             direct)"
+                .into(),
+        );
+    }
+
+    Ok(ConvPlan {
+        shape: *s,
+        out_hw,
+        dtype: req.dtype,
+        direction: req.direction,
+        path,
+        engine,
+        measured,
+        candidates,
+        paths,
+        fallback,
+        runnable,
+        flops,
+        policy: cfg.conv_algo,
+        winograd_gemm: cfg.winograd_gemm,
+        deterministic: cfg.deterministic,
+        workspace_cap_bytes: cfg.conv_workspace_bytes(),
+        cudnn_present: req.cudnn_present,
+        reasons,
+    })
+}
+
+/// Plans of all three directions (indexable by [`Direction`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct DirectionPlans(pub [ConvPlan; 3]);
+
+impl DirectionPlans {
+    /// Plans every direction of `shape`.
+    pub fn new(
+        shape: ConvShape,
+        dtype: DType,
+        config: &Config,
+        cudnn_present: bool,
+    ) -> Result<Self> {
+        let p = |direction| {
+            plan(&ConvPlanRequest {
+                shape,
+                dtype,
+                direction,
+                config,
+                cudnn_present,
+            })
+        };
+        Ok(DirectionPlans([
+            p(Direction::Forward)?,
+            p(Direction::BackwardData)?,
+            p(Direction::BackwardFilter)?,
+        ]))
+    }
+
+    /// The plan of `d`.
+    pub fn get(&self, d: Direction) -> &ConvPlan {
+        &self.0[d.index()]
+    }
+}
+
+/// Whether `format` is one nnfuse's Winograd runs (NHWC).
+pub fn winograd_format(format: TensorFormat) -> bool {
+    format == TensorFormat::Nhwc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(n: usize, c: usize, h: usize, k: usize, r: usize, fmt: TensorFormat) -> ConvShape {
+        ConvShape {
+            n,
+            c_in: c,
+            h,
+            w: h,
+            c_out: k,
+            kh: r,
+            kw: r,
+            stride: (1, 1),
+            pad: (r / 2, r / 2),
+            dilation: (1, 1),
+            format: fmt,
+        }
+    }
+
+    #[test]
+    fn backward_data_equivalent_has_input_size_output() {
+        let mut s = shape(2, 5, 9, 7, 3, TensorFormat::Nhwc);
+        for pad in [(0, 0), (1, 1), (2, 0), (0, 2)] {
+            s.pad = pad;
+            let (oh, ow) = s.out_hw().unwrap();
+            let eq = winograd_equivalent(&s, Direction::BackwardData).unwrap();
+            assert_eq!((eq.h, eq.w, eq.c_in, eq.c_out), (oh, ow, 7, 5));
+            assert_eq!(eq.out_hw().unwrap(), (s.h, s.w), "{pad:?}");
+        }
+        s.pad = (3, 1);
+        assert!(winograd_equivalent(&s, Direction::BackwardData).is_none());
+        assert!(winograd_equivalent(&s, Direction::BackwardFilter).is_none());
+    }
+
+    #[test]
+    fn int_limits_name_what_is_too_big() {
+        let mut s = shape(1, 3, 5, 8, 3, TensorFormat::Nchw);
+        assert!(cudnn_int_limits(&s, s.out_hw().unwrap()).is_none());
+        s.n = 1 << 31;
+        let why = cudnn_int_limits(&s, s.out_hw().unwrap()).unwrap();
+        assert!(
+            why.contains("n = 2147483648") && why.contains("x has"),
+            "{why}"
+        );
+    }
+}

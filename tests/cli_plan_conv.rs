@@ -1,0 +1,287 @@
+//! `nnfuse plan --conv` as a user runs it: the built binary, its JSON, its help, its exit codes
+//! and the environment variables it shares with the library. Needs no GPU.
+
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+/// The nnfuse binary: cargo's build path, or, where the tests were built on another machine and
+/// staged (`gpu-stage --bins`), the staged copy.
+fn binary() -> std::path::PathBuf {
+    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_nnfuse"));
+    if built.exists() {
+        return built;
+    }
+    let staged = std::path::PathBuf::from(".gpu/bin/exe/nnfuse.bin.nnfuse");
+    assert!(
+        staged.exists(),
+        "the nnfuse binary is neither at {} nor staged at {} (gpu-stage --bins)",
+        built.display(),
+        staged.display()
+    );
+    staged
+}
+
+/// Runs `nnfuse plan ARGS` with nnfuse's variables cleared, then `env` set.
+fn nnfuse_plan(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(binary());
+    cmd.arg("plan").args(args);
+    for var in nnfuse::config::ALL_VARS {
+        cmd.env_remove(var);
+    }
+    cmd.env_remove("NNFUSE_LOG");
+    cmd.env_remove(nnfuse::conv::ENV_CONV_CUDNN_SEARCH);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("the nnfuse binary runs")
+}
+
+/// Runs with `--json --cudnn present` and parses stdout as exactly one JSON object.
+fn json(args: &[&str], env: &[(&str, &str)]) -> Value {
+    let mut all = args.to_vec();
+    all.push("--json");
+    if !args.contains(&"--cudnn") {
+        all.extend(["--cudnn", "present"]);
+    }
+    let out = nnfuse_plan(&all, env);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "nnfuse plan {all:?} failed: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("stdout is not one JSON value ({e}):\n{stdout}"));
+    assert!(v.is_object(), "{v}");
+    v
+}
+
+fn labels(v: &Value) -> Vec<String> {
+    v["candidates"]
+        .as_array()
+        .expect("candidates is a list")
+        .iter()
+        .map(|c| c.as_str().expect("labels are strings").to_string())
+        .collect()
+}
+
+/// Exit code 2, a message on stderr that names `what`, nothing on stdout.
+fn fails_naming(out: &Output, what: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "stderr: {stderr}");
+    assert!(stderr.contains(what), "stderr should name {what}: {stderr}");
+    assert!(
+        out.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+const RESNET: &[&str] = &[
+    "--conv",
+    "32,64,56,56,64,3,3",
+    "--pad",
+    "1,1",
+    "--format",
+    "nhwc",
+    "--dtype",
+    "f16",
+];
+
+#[test]
+fn the_issue_example_plans_auto_with_every_candidate() {
+    let v = json(RESNET, &[]);
+    assert_eq!(v["path"], "cudnn");
+    assert_eq!(v["measured"], true);
+    assert_eq!(v["direction"], "forward");
+    assert_eq!(v["dtype"], "f16");
+    assert_eq!(v["format"], "nhwc");
+    assert_eq!(v["out_hw"], serde_json::json!([56, 56]));
+    assert_eq!(
+        labels(&v),
+        [
+            "cudnn",
+            "im2col_gemm",
+            "winograd_f4x3/tensor_core",
+            "winograd_f4x3/direct",
+            "winograd_f2x3/tensor_core",
+            "winograd_f2x3/direct"
+        ]
+    );
+    assert_eq!(v["sources"]["policy"], "default");
+    assert_eq!(v["sources"]["cudnn_present"], "--cudnn");
+    assert_eq!(v["cudnn_search"], "heuristic");
+    assert_eq!(
+        v["paths"][3]["winograd"]["seed_rule"],
+        serde_json::json!([16, 16, 16])
+    );
+    // Text output says the same.
+    let out = nnfuse_plan(&[RESNET, &["--cudnn", "present"]].concat(), &[]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(
+        text.contains("measured at the first call among 6 candidates"),
+        "{text}"
+    );
+    assert!(
+        text.contains("seed rule (16,16,16) -> tensor_core"),
+        "{text}"
+    );
+}
+
+#[test]
+fn flags_and_environment_steer_the_plan() {
+    // Without cuDNN the first own candidate leads.
+    let v = json(&[RESNET, &["--cudnn", "absent"]].concat(), &[]);
+    assert_eq!(v["path"], "im2col_gemm");
+    assert_eq!(v["cudnn_present"], false);
+    // The policy from the environment, then from the flag.
+    let v = json(RESNET, &[("NNFUSE_CONV_ALGO", "winograd_f2x3")]);
+    assert_eq!(v["path"], "winograd_f2x3");
+    assert_eq!(v["sources"]["policy"], "NNFUSE_CONV_ALGO");
+    let v = json(
+        &[RESNET, &["--policy", "im2col"]].concat(),
+        &[("NNFUSE_CONV_ALGO", "winograd_f2x3")],
+    );
+    assert_eq!(
+        (v["path"].as_str(), v["measured"].as_bool()),
+        (Some("im2col_gemm"), Some(false))
+    );
+    assert_eq!(v["sources"]["policy"], "--policy");
+    // Engine policy and the seed's rule: C = 30 fails it.
+    let v = json(
+        &[
+            "--conv",
+            "3,30,14,14,64,3,3",
+            "--pad",
+            "1",
+            "--format",
+            "nhwc",
+            "--dtype",
+            "f16",
+            "--policy",
+            "winograd_f4x3",
+            "--winograd-gemm",
+            "seed",
+        ],
+        &[],
+    );
+    assert_eq!(v["engine"], "direct");
+    assert_eq!(v["paths"][3]["winograd"]["decided_by"], "seed_rule");
+    // Directions.
+    let v = json(&[RESNET, &["--direction", "backward-filter"]].concat(), &[]);
+    assert_eq!(labels(&v), ["cudnn", "im2col_gemm"]);
+    let v = json(
+        &[
+            RESNET,
+            &["--direction", "backward-data", "--deterministic", "true"],
+        ]
+        .concat(),
+        &[],
+    );
+    assert_eq!(v["deterministic"], true);
+    assert!(labels(&v).iter().any(|l| l.starts_with("winograd_f4x3")));
+    // Workspace cap from the flag.
+    let v = json(&[RESNET, &["--workspace-mb", "1"]].concat(), &[]);
+    assert_eq!(v["workspace_cap_bytes"], 1 << 20);
+    assert_eq!(v["paths"][1]["eligible"], false);
+    // 7x7 stride 2 pad 3 NCHW: no Winograd.
+    let v = json(
+        &[
+            "--conv",
+            "32,3,224,224,64,7,7",
+            "--stride",
+            "2",
+            "--pad",
+            "3",
+        ],
+        &[],
+    );
+    assert_eq!(v["out_hw"], serde_json::json!([112, 112]));
+    assert_eq!(labels(&v), ["cudnn", "im2col_gemm"]);
+}
+
+#[test]
+fn help_documents_the_convolution_flags() {
+    let out = Command::new(binary())
+        .args(["plan", "--help"])
+        .output()
+        .expect("runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    for flag in [
+        "--conv <N,C,H,W,K,R,S>",
+        "--stride",
+        "--pad",
+        "--dilation",
+        "--format",
+        "--direction",
+        "--winograd-gemm",
+        "--deterministic",
+        "--workspace-mb",
+        "--cudnn <present|absent>",
+        "winograd_f4x3",
+    ] {
+        assert!(text.contains(flag), "--help lacks {flag}:\n{text}");
+    }
+}
+
+#[test]
+fn bad_input_exits_2_naming_it() {
+    let base = ["--conv", "1,3,5,5,8,3,3"];
+    for (extra, what) in [
+        (&["--format", "chwn"][..], "--format"),
+        (&["--policy", "fft"][..], "--policy"),
+        (&["--direction", "sideways"][..], "--direction"),
+        (&["--winograd-gemm", "wgmma"][..], "--winograd-gemm"),
+        (&["--stride", "1,2,3"][..], "--stride"),
+        (&["--pad=-1"][..], "--pad"),
+        (&["--deterministic", "maybe"][..], "--deterministic"),
+        (&["--workspace-mb", "0"][..], "--workspace-mb"),
+        (&["--cudnn", "sometimes"][..], "--cudnn"),
+        (&["--dtype", "f64"][..], "dtype"),
+        (&["--stride", "0"][..], "stride"),
+        (&["--dilation", "0,1"][..], "dilation"),
+    ] {
+        let out = nnfuse_plan(&[&base[..], extra].concat(), &[]);
+        fails_naming(&out, what);
+    }
+    fails_naming(&nnfuse_plan(&["--conv", "1,3,5"], &[]), "--conv");
+    fails_naming(&nnfuse_plan(&["--conv", "1,3,5,5,q,3,3"], &[]), "--conv[4]");
+    // A filter larger than the padded input names kh; a zero dim names it.
+    fails_naming(&nnfuse_plan(&["--conv", "1,3,2,9,8,5,1"], &[]), "kh");
+    fails_naming(&nnfuse_plan(&["--conv", "1,0,5,5,8,3,3"], &[]), "c_in");
+    // A bad environment value names the variable.
+    fails_naming(
+        &nnfuse_plan(&base, &[("NNFUSE_CONV_ALGO", "fft")]),
+        "NNFUSE_CONV_ALGO",
+    );
+    // BatchNorm-only flags conflict with --conv (clap's usage error, also exit 2).
+    let out = nnfuse_plan(&["--conv", "1,3,5,5,8,3,3", "--shape", "1,2"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--shape"));
+}
+
+#[test]
+fn batchnorm_plans_still_work_beside_conv() {
+    let out = nnfuse_plan(
+        &[
+            "--shape",
+            "8,32,14,14",
+            "--json",
+            "--cudnn-version",
+            "91900",
+        ],
+        &[],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v.get("mode").is_some());
+    // Neither --shape nor --conv: a usage error.
+    assert_eq!(nnfuse_plan(&[], &[]).status.code(), Some(2));
+}

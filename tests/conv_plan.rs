@@ -1,0 +1,701 @@
+//! The convolution plan on the CPU: every reason reachable, every policy and direction, with and
+//! without cuDNN, over a grid of problems; invariants that hold for every plan; the seed's
+//! tensor-core rule as the plan shows it. No GPU.
+
+use nnfuse::config::{Config, ConvAlgoPolicy, WinogradGemmPolicy};
+use nnfuse::conv::{
+    plan, ConvPath, ConvPlan, ConvPlanRequest, ConvShape, Direction, EngineDecision,
+    WinogradEngine, WinogradTile, DIRECT_CANDIDATE_MAX_FLOPS,
+};
+use nnfuse::{DType, TensorFormat};
+
+fn shape(n: usize, c: usize, h: usize, k: usize, r: usize, fmt: TensorFormat) -> ConvShape {
+    ConvShape {
+        n,
+        c_in: c,
+        h,
+        w: h,
+        c_out: k,
+        kh: r,
+        kw: r,
+        stride: (1, 1),
+        pad: (r / 2, r / 2),
+        dilation: (1, 1),
+        format: fmt,
+    }
+}
+
+fn plan_of(
+    s: ConvShape,
+    dtype: DType,
+    direction: Direction,
+    config: &Config,
+    cudnn_present: bool,
+) -> ConvPlan {
+    plan(&ConvPlanRequest {
+        shape: s,
+        dtype,
+        direction,
+        config,
+        cudnn_present,
+    })
+    .unwrap_or_else(|e| panic!("{s:?} {direction}: {e}"))
+}
+
+fn has_reason(p: &ConvPlan, needle: &str) -> bool {
+    p.reasons.iter().any(|r| r.contains(needle))
+}
+
+fn why(p: &ConvPlan, path: ConvPath) -> String {
+    p.info(path).why_not.clone().unwrap_or_default()
+}
+
+const NHWC: TensorFormat = TensorFormat::Nhwc;
+const NCHW: TensorFormat = TensorFormat::Nchw;
+
+#[test]
+fn resnet_3x3_f16_nhwc_auto_measures_everything_eligible() {
+    let s = shape(32, 64, 56, 64, 3, NHWC);
+    let p = plan_of(s, DType::F16, Direction::Forward, &Config::default(), true);
+    assert!(p.runnable && p.measured && p.fallback.is_none());
+    assert_eq!(p.path, ConvPath::Cudnn, "cuDNN is the incumbent");
+    let labels: Vec<String> = p.candidates.iter().map(|r| r.label()).collect();
+    assert_eq!(
+        labels,
+        [
+            "cudnn",
+            "im2col_gemm",
+            "winograd_f4x3/tensor_core",
+            "winograd_f4x3/direct",
+            "winograd_f2x3/tensor_core",
+            "winograd_f2x3/direct",
+        ],
+        "the direct kernel is not measured at {:.1} GFLOP",
+        p.flops / 1e9
+    );
+    assert!(p.flops > DIRECT_CANDIDATE_MAX_FLOPS);
+    assert!(p.eligible(ConvPath::Direct));
+    assert!(has_reason(&p, "not measured by auto"));
+    // F(4x4): 14x14 tiles per image, all 32 images in one chunk: 6272 tiles, (16,16,16).
+    let w = p.info(ConvPath::WinogradF4x3).winograd.clone().unwrap();
+    assert_eq!((w.tiles, w.c_in, w.c_out), (32 * 196, 64, 64));
+    assert_eq!(w.seed_rule, Some((16, 16, 16)));
+    assert_eq!(w.decided_by, EngineDecision::Measured);
+    assert_eq!(
+        w.engines,
+        [WinogradEngine::TensorCore, WinogradEngine::Direct]
+    );
+    // Scratch of F(4x4): transformed filter + 32 images' transformed input and product.
+    let want = 2 * (36 * 64 * 64 + 32 * 36 * 196 * (64 + 64));
+    assert_eq!(p.info(ConvPath::WinogradF4x3).scratch_bytes, want);
+    let json = p.to_json();
+    assert_eq!(json["path"], "cudnn");
+    assert_eq!(json["candidates"].as_array().unwrap().len(), 6);
+    assert_eq!(json["paths"][3]["winograd"]["seed_rule"][0], 16);
+    let text = p.to_string();
+    assert!(
+        text.contains("measured at the first call among 6 candidates"),
+        "{text}"
+    );
+}
+
+#[test]
+fn seed_rule_decides_the_engine_under_seed() {
+    let cfg = Config::default().with_winograd_gemm(WinogradGemmPolicy::Seed);
+    // C = 30 is divisible by no 16: Direct for both tiles.
+    let s = shape(3, 30, 14, 64, 3, NHWC);
+    let p = plan_of(s, DType::F16, Direction::Forward, &cfg, true);
+    for path in [ConvPath::WinogradF2x3, ConvPath::WinogradF4x3] {
+        let w = p.info(path).winograd.clone().unwrap();
+        assert_eq!(w.seed_rule, None);
+        assert_eq!(w.engines, [WinogradEngine::Direct]);
+        assert_eq!(w.decided_by, EngineDecision::SeedRule);
+    }
+    assert!(has_reason(&p, "divisible by none of"));
+    // 8 tiles, C_in 16, C_out 32: the (8, 16, 32) triple. F(4x4) on 8x8 output: 2x2 tiles per
+    // image, two images.
+    let s = shape(2, 16, 8, 32, 3, NHWC);
+    let p = plan_of(s, DType::F16, Direction::Forward, &cfg, true);
+    let w = p.info(ConvPath::WinogradF4x3).winograd.clone().unwrap();
+    assert_eq!((w.tiles, w.seed_rule), (8, Some((8, 16, 32))));
+    assert_eq!(w.engines, [WinogradEngine::TensorCore]);
+    // Forced engines say what the rule would have said.
+    for (pol, e) in [
+        (WinogradGemmPolicy::TensorCore, WinogradEngine::TensorCore),
+        (WinogradGemmPolicy::Direct, WinogradEngine::Direct),
+    ] {
+        let cfg = Config::default().with_winograd_gemm(pol);
+        let p = plan_of(s, DType::F16, Direction::Forward, &cfg, true);
+        let w = p.info(ConvPath::WinogradF4x3).winograd.clone().unwrap();
+        assert_eq!(
+            (w.engines.clone(), w.decided_by),
+            (vec![e], EngineDecision::Forced)
+        );
+        assert!(has_reason(&p, "the seed's rule would say"));
+    }
+}
+
+#[test]
+fn every_ineligibility_reason_is_reachable() {
+    let cfg = Config::default();
+    // cuDNN absent.
+    let p = plan_of(
+        shape(1, 3, 5, 8, 3, NHWC),
+        DType::F32,
+        Direction::Forward,
+        &cfg,
+        false,
+    );
+    assert!(why(&p, ConvPath::Cudnn).contains("cannot be loaded"));
+    assert!(has_reason(&p, "cuDNN is absent"));
+    assert_eq!(
+        p.path,
+        ConvPath::Im2colGemm,
+        "without cuDNN the first candidate leads"
+    );
+    // cuDNN's int limits.
+    let mut s = shape(1, 1, 5, 1, 1, NCHW);
+    s.n = 1 << 31;
+    let p = plan_of(s, DType::F16, Direction::Forward, &cfg, true);
+    assert!(
+        why(&p, ConvPath::Cudnn).contains("int sizes"),
+        "{}",
+        why(&p, ConvPath::Cudnn)
+    );
+    // im2col: the column matrix of one image over the cap.
+    let small = Config::default().with_conv_workspace_mb(1);
+    let big = shape(1, 512, 56, 512, 3, NCHW);
+    let p = plan_of(big, DType::F16, Direction::Forward, &small, true);
+    assert!(why(&p, ConvPath::Im2colGemm).contains("exceeds the workspace cap"));
+    // im2col: GEMM dimensions over int (pointwise, 50000x50000 pixels).
+    let mut huge = shape(1, 1, 50_000, 1, 1, NCHW);
+    huge.pad = (0, 0);
+    let p = plan_of(huge, DType::F16, Direction::Forward, &cfg, true);
+    assert!(why(&p, ConvPath::Im2colGemm).contains("int GEMM dimensions"));
+    // Winograd: format, filter size, stride, dilation; the data gradient's padding; the filter
+    // gradient; the cap.
+    let p = plan_of(
+        shape(1, 3, 9, 8, 3, NCHW),
+        DType::F16,
+        Direction::Forward,
+        &cfg,
+        true,
+    );
+    assert!(why(&p, ConvPath::WinogradF4x3).contains("NCHW"));
+    let p = plan_of(
+        shape(1, 3, 9, 8, 5, NHWC),
+        DType::F16,
+        Direction::Forward,
+        &cfg,
+        true,
+    );
+    assert!(why(&p, ConvPath::WinogradF2x3).contains("5x5"));
+    let mut s = shape(1, 3, 9, 8, 3, NHWC);
+    s.stride = (2, 2);
+    s.dilation = (1, 2);
+    let p = plan_of(s, DType::F16, Direction::Forward, &cfg, true);
+    let w = why(&p, ConvPath::WinogradF4x3);
+    assert!(w.contains("stride") && w.contains("dilation"), "{w}");
+    let mut s = shape(1, 3, 9, 8, 3, NHWC);
+    s.pad = (3, 1);
+    let p = plan_of(s, DType::F16, Direction::BackwardData, &cfg, true);
+    assert!(why(&p, ConvPath::WinogradF4x3).contains("padding"));
+    assert!(plan_of(s, DType::F16, Direction::Forward, &cfg, true).eligible(ConvPath::WinogradF4x3));
+    let p = plan_of(
+        shape(1, 3, 9, 8, 3, NHWC),
+        DType::F16,
+        Direction::BackwardFilter,
+        &cfg,
+        true,
+    );
+    assert!(why(&p, ConvPath::WinogradF2x3).contains("filter gradient"));
+    let p = plan_of(
+        shape(1, 512, 56, 512, 3, NHWC),
+        DType::F32,
+        Direction::Forward,
+        &small,
+        true,
+    );
+    assert!(why(&p, ConvPath::WinogradF4x3).contains("exceed the workspace cap"));
+    // The direct kernel has no gradients.
+    let p = plan_of(
+        shape(1, 3, 9, 8, 3, NHWC),
+        DType::F16,
+        Direction::BackwardData,
+        &cfg,
+        true,
+    );
+    assert!(why(&p, ConvPath::Direct).contains("forward only"));
+}
+
+#[test]
+fn forced_policies_fall_back_and_say_why() {
+    // Winograd on NCHW: cuDNN when present, else the direct kernel (forward) / im2col
+    // (gradients).
+    let s = shape(2, 8, 9, 8, 3, NCHW);
+    for policy in [
+        ConvAlgoPolicy::Winograd,
+        ConvAlgoPolicy::WinogradF2x3,
+        ConvAlgoPolicy::WinogradF4x3,
+    ] {
+        let cfg = Config::default().with_conv_algo(policy);
+        let p = plan_of(s, DType::F16, Direction::Forward, &cfg, true);
+        assert_eq!(p.path, ConvPath::Cudnn);
+        let fb = p.fallback.clone().unwrap();
+        assert!(
+            fb.contains("falling back to cudnn") && fb.contains("NCHW"),
+            "{fb}"
+        );
+        let p = plan_of(s, DType::F16, Direction::Forward, &cfg, false);
+        assert_eq!(p.path, ConvPath::Direct);
+        let p = plan_of(s, DType::F16, Direction::BackwardData, &cfg, false);
+        assert_eq!(p.path, ConvPath::Im2colGemm);
+    }
+    // cuDNN forced but absent.
+    let cfg = Config::default().with_conv_algo(ConvAlgoPolicy::Cudnn);
+    let p = plan_of(s, DType::F32, Direction::Forward, &cfg, false);
+    assert_eq!(p.path, ConvPath::Direct);
+    assert!(p.fallback.unwrap().contains("cannot be loaded"));
+    // Direct forced for a gradient.
+    let cfg = Config::default().with_conv_algo(ConvAlgoPolicy::Direct);
+    let p = plan_of(s, DType::F32, Direction::BackwardFilter, &cfg, true);
+    assert_eq!(p.path, ConvPath::Cudnn);
+    assert!(p.fallback.is_some());
+    // Forced and eligible: no fallback, one path (two engines under winograd_gemm auto).
+    let cfg = Config::default().with_conv_algo(ConvAlgoPolicy::WinogradF2x3);
+    let p = plan_of(
+        shape(2, 8, 9, 8, 3, NHWC),
+        DType::F16,
+        Direction::Forward,
+        &cfg,
+        true,
+    );
+    assert!(p.fallback.is_none() && p.measured);
+    assert!(p
+        .candidates
+        .iter()
+        .all(|r| r.path == ConvPath::WinogradF2x3));
+    let cfg = cfg.with_winograd_gemm(WinogradGemmPolicy::Seed);
+    let p = plan_of(
+        shape(2, 8, 9, 8, 3, NHWC),
+        DType::F16,
+        Direction::Forward,
+        &cfg,
+        true,
+    );
+    assert!(!p.measured && p.candidates.len() == 1);
+    assert_eq!(
+        p.engine,
+        Some(WinogradEngine::Direct),
+        "C = 8 fails the rule"
+    );
+}
+
+#[test]
+fn auto_runs_the_direct_kernel_when_nothing_else_can() {
+    // No cuDNN, NCHW (no Winograd), im2col over a 1 MiB cap, large: only the direct kernel.
+    let cfg = Config::default().with_conv_workspace_mb(1);
+    let s = shape(8, 512, 56, 512, 3, NCHW);
+    let p = plan_of(s, DType::F16, Direction::Forward, &cfg, false);
+    assert!(p.flops > DIRECT_CANDIDATE_MAX_FLOPS);
+    assert_eq!(p.candidates.len(), 1);
+    assert_eq!(p.path, ConvPath::Direct);
+    assert!(has_reason(&p, "despite its size"));
+    // The same gradient has nothing at all: not runnable, and it says why.
+    let p = plan_of(s, DType::F16, Direction::BackwardData, &cfg, false);
+    assert!(!p.runnable);
+    assert!(p.to_string().contains("NOT RUNNABLE"));
+    assert!(p.fallback.unwrap().contains("neither can the fallbacks"));
+    // Small problems measure the direct kernel too.
+    let s = shape(1, 3, 7, 8, 3, NCHW);
+    let p = plan_of(s, DType::F32, Direction::Forward, &Config::default(), true);
+    assert_eq!(
+        p.candidates.iter().map(|r| r.path).collect::<Vec<_>>(),
+        [ConvPath::Cudnn, ConvPath::Im2colGemm, ConvPath::Direct]
+    );
+}
+
+#[test]
+fn backward_plans() {
+    let cfg = Config::default();
+    let s = shape(32, 128, 28, 64, 3, NHWC);
+    // Data gradient: Winograd on the swapped problem (C_in' = 64 = c_out, C_out' = 128).
+    let p = plan_of(s, DType::BF16, Direction::BackwardData, &cfg, true);
+    let w = p.info(ConvPath::WinogradF4x3).winograd.clone().unwrap();
+    assert_eq!((w.c_in, w.c_out), (64, 128));
+    assert!(has_reason(&p, "rotated, channel-swapped filter"));
+    assert!(has_reason(&p, "col2im"));
+    assert!(has_reason(&p, "not deterministic"));
+    assert!(!p.eligible(ConvPath::Direct));
+    // Filter gradient: cuDNN and im2col only.
+    let p = plan_of(s, DType::BF16, Direction::BackwardFilter, &cfg, true);
+    assert_eq!(
+        p.candidates.iter().map(|r| r.path).collect::<Vec<_>>(),
+        [ConvPath::Cudnn, ConvPath::Im2colGemm]
+    );
+    assert!(has_reason(&p, "accumulated in f32"));
+    let det = Config::default().with_deterministic(true);
+    let p = plan_of(s, DType::BF16, Direction::BackwardFilter, &det, true);
+    assert!(p.deterministic && has_reason(&p, "only cuDNN's deterministic algorithms"));
+    // Without cuDNN the filter gradient is im2col alone: nothing to measure.
+    let p = plan_of(s, DType::BF16, Direction::BackwardFilter, &cfg, false);
+    assert_eq!((p.path, p.measured), (ConvPath::Im2colGemm, false));
+}
+
+#[test]
+fn pointwise_needs_no_columns() {
+    let mut s = shape(64, 256, 56, 64, 1, NHWC);
+    s.pad = (0, 0);
+    let p = plan_of(s, DType::F16, Direction::Forward, &Config::default(), true);
+    let i = p.info(ConvPath::Im2colGemm);
+    assert_eq!((i.scratch_bytes, i.chunk, i.chunks), (0, Some(64), 1));
+    assert!(has_reason(&p, "pointwise"));
+    // Stride 2 (the downsampling 1x1) needs columns.
+    s.stride = (2, 2);
+    let p = plan_of(s, DType::F16, Direction::Forward, &Config::default(), true);
+    assert!(p.info(ConvPath::Im2colGemm).scratch_bytes > 0);
+}
+
+#[test]
+fn invalid_problems_name_the_field() {
+    let cfg = Config::default();
+    let base = shape(1, 3, 5, 8, 3, NHWC);
+    let cases: Vec<(ConvShape, &str)> = vec![
+        (ConvShape { n: 0, ..base }, "n"),
+        (ConvShape { c_in: 0, ..base }, "c_in"),
+        (ConvShape { h: 0, ..base }, "h"),
+        (ConvShape { w: 0, ..base }, "w"),
+        (ConvShape { c_out: 0, ..base }, "c_out"),
+        (ConvShape { kh: 0, ..base }, "kh"),
+        (ConvShape { kw: 0, ..base }, "kw"),
+        (
+            ConvShape {
+                stride: (0, 1),
+                ..base
+            },
+            "stride",
+        ),
+        (
+            ConvShape {
+                dilation: (1, 0),
+                ..base
+            },
+            "dilation",
+        ),
+        (
+            ConvShape {
+                kh: 9,
+                pad: (0, 1),
+                ..base
+            },
+            "kh",
+        ),
+        (
+            ConvShape {
+                n: usize::MAX / 2,
+                c_in: 1 << 20,
+                ..base
+            },
+            "shape",
+        ),
+    ];
+    for (s, name) in cases {
+        let e = plan(&ConvPlanRequest {
+            shape: s,
+            dtype: DType::F32,
+            direction: Direction::Forward,
+            config: &cfg,
+            cudnn_present: true,
+        })
+        .unwrap_err();
+        assert_eq!(e.argument(), Some(name), "{s:?}: {e}");
+    }
+}
+
+/// Every policy x engine policy x direction x cuDNN presence x dtype over a covering grid of
+/// problems: the invariants every plan keeps.
+#[test]
+fn invariants_over_a_grid() {
+    let policies = [
+        ConvAlgoPolicy::Auto,
+        ConvAlgoPolicy::Cudnn,
+        ConvAlgoPolicy::Im2col,
+        ConvAlgoPolicy::Winograd,
+        ConvAlgoPolicy::WinogradF2x3,
+        ConvAlgoPolicy::WinogradF4x3,
+        ConvAlgoPolicy::Direct,
+    ];
+    let engines = [
+        WinogradGemmPolicy::Auto,
+        WinogradGemmPolicy::Seed,
+        WinogradGemmPolicy::TensorCore,
+        WinogradGemmPolicy::Direct,
+    ];
+    let mut shapes = Vec::new();
+    for (i, &(n, c, h, k)) in [
+        (1, 1, 1, 1),
+        (3, 3, 5, 8),
+        (32, 30, 7, 129),
+        (1, 64, 14, 64),
+        (3, 129, 31, 30),
+        (1, 8, 56, 3),
+    ]
+    .iter()
+    .enumerate()
+    {
+        for (r, stride, pad, dil) in [
+            (1, (1, 1), (0, 0), (1, 1)),
+            (3, (1, 1), (1, 1), (1, 1)),
+            (3, (2, 2), (1, 0), (1, 1)),
+            (3, (1, 1), (2, 2), (2, 2)),
+            (5, (1, 1), (2, 2), (1, 1)),
+            (7, (2, 2), (3, 3), (1, 1)),
+            (3, (1, 1), (0, 2), (1, 1)),
+        ] {
+            let fmt = if (i + r) % 2 == 0 { NHWC } else { NCHW };
+            let s = ConvShape {
+                n,
+                c_in: c,
+                h,
+                w: h + i % 2,
+                c_out: k,
+                kh: r,
+                kw: r,
+                stride,
+                pad,
+                dilation: dil,
+                format: fmt,
+            };
+            if s.out_hw().is_ok() {
+                shapes.push(s);
+                shapes.push(ConvShape {
+                    format: if fmt == NHWC { NCHW } else { NHWC },
+                    ..s
+                });
+            }
+        }
+    }
+    assert!(shapes.len() > 40);
+    let mut plans = 0;
+    for s in &shapes {
+        for &policy in &policies {
+            for (e_i, &engine) in engines.iter().enumerate() {
+                let cfg = Config::default()
+                    .with_conv_algo(policy)
+                    .with_winograd_gemm(engine)
+                    .with_deterministic(e_i % 2 == 1)
+                    .with_conv_workspace_mb(if e_i == 3 { 1 } else { 256 });
+                for direction in Direction::ALL {
+                    for present in [true, false] {
+                        let dtype = DType::ALL[(plans / 7) % 3];
+                        let p = plan_of(*s, dtype, direction, &cfg, present);
+                        check_invariants(&p, present);
+                        plans += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(plans > 5000, "{plans}");
+}
+
+fn check_invariants(p: &ConvPlan, present: bool) {
+    let ctx = format!(
+        "{:?} {} {} {}",
+        p.shape, p.direction, p.policy, p.winograd_gemm
+    );
+    assert_eq!(p.paths.len(), 5, "{ctx}");
+    assert!(!p.candidates.is_empty(), "{ctx}");
+    assert_eq!(p.candidates[0].path, p.path, "{ctx}");
+    assert_eq!(p.candidates[0].engine, p.engine, "{ctx}");
+    assert_eq!(p.measured, p.candidates.len() > 1, "{ctx}");
+    if p.runnable {
+        for r in &p.candidates {
+            assert!(p.eligible(r.path), "{ctx}: candidate {r} not eligible");
+            assert_eq!(
+                r.engine.is_some(),
+                r.path.winograd_tile().is_some(),
+                "{ctx}"
+            );
+            assert!(r.cudnn_algo.is_none(), "{ctx}");
+        }
+    } else {
+        assert!(p.fallback.is_some() && !p.eligible(p.path), "{ctx}");
+    }
+    // Eligibility facts.
+    assert_eq!(
+        p.eligible(ConvPath::Cudnn),
+        present && p.info(ConvPath::Cudnn).why_not.is_none(),
+        "{ctx}"
+    );
+    if !present {
+        assert!(!p.eligible(ConvPath::Cudnn), "{ctx}");
+    }
+    if p.direction != Direction::Forward {
+        assert!(!p.eligible(ConvPath::Direct), "{ctx}");
+    } else {
+        assert!(p.eligible(ConvPath::Direct), "{ctx}");
+    }
+    for t in WinogradTile::ALL {
+        let info = p.info(ConvPath::winograd(t));
+        let shape_ok = p.shape.format == TensorFormat::Nhwc
+            && (p.shape.kh, p.shape.kw) == (3, 3)
+            && p.shape.stride == (1, 1)
+            && p.shape.dilation == (1, 1)
+            && match p.direction {
+                Direction::Forward => true,
+                Direction::BackwardData => p.shape.pad.0 <= 2 && p.shape.pad.1 <= 2,
+                Direction::BackwardFilter => false,
+            };
+        if !shape_ok {
+            assert!(!info.eligible, "{ctx}: {t:?}");
+        }
+        if info.eligible {
+            let w = info.winograd.as_ref().unwrap();
+            assert!(info.scratch_bytes <= p.workspace_cap_bytes, "{ctx}");
+            let other = match w.seed_engine {
+                WinogradEngine::TensorCore => WinogradEngine::Direct,
+                WinogradEngine::Direct => WinogradEngine::TensorCore,
+            };
+            let want = match p.winograd_gemm {
+                WinogradGemmPolicy::Auto => vec![w.seed_engine, other],
+                WinogradGemmPolicy::Seed => vec![w.seed_engine],
+                WinogradGemmPolicy::TensorCore => vec![WinogradEngine::TensorCore],
+                WinogradGemmPolicy::Direct => vec![WinogradEngine::Direct],
+            };
+            assert_eq!(w.engines, want, "{ctx}");
+            assert_eq!(
+                w.seed_engine == WinogradEngine::TensorCore,
+                w.seed_rule.is_some(),
+                "{ctx}"
+            );
+        }
+    }
+    let im = p.info(ConvPath::Im2colGemm);
+    if im.eligible {
+        assert!(im.scratch_bytes <= p.workspace_cap_bytes, "{ctx}");
+        assert!(im.chunks >= 1 && im.chunk.unwrap() >= 1, "{ctx}");
+    }
+    // The policy's own paths are taken when they can run.
+    let own: &[ConvPath] = match p.policy {
+        ConvAlgoPolicy::Auto => &[],
+        ConvAlgoPolicy::Cudnn => &[ConvPath::Cudnn],
+        ConvAlgoPolicy::Im2col => &[ConvPath::Im2colGemm],
+        ConvAlgoPolicy::Winograd => &[ConvPath::WinogradF4x3, ConvPath::WinogradF2x3],
+        ConvAlgoPolicy::WinogradF2x3 => &[ConvPath::WinogradF2x3],
+        ConvAlgoPolicy::WinogradF4x3 => &[ConvPath::WinogradF4x3],
+        ConvAlgoPolicy::Direct => &[ConvPath::Direct],
+    };
+    if !own.is_empty() {
+        if own.iter().any(|&q| p.eligible(q)) {
+            assert!(p.fallback.is_none(), "{ctx}");
+            assert!(p.candidates.iter().all(|r| own.contains(&r.path)), "{ctx}");
+        } else {
+            assert!(p.fallback.is_some(), "{ctx}");
+            let expect = if p.eligible(ConvPath::Cudnn) {
+                ConvPath::Cudnn
+            } else if p.direction == Direction::Forward {
+                ConvPath::Direct
+            } else {
+                ConvPath::Im2colGemm
+            };
+            assert_eq!(p.path, expect, "{ctx}");
+        }
+    } else if p.runnable {
+        // auto: cuDNN leads when it can run.
+        if p.eligible(ConvPath::Cudnn) {
+            assert_eq!(p.path, ConvPath::Cudnn, "{ctx}");
+        }
+        for q in [
+            ConvPath::Im2colGemm,
+            ConvPath::WinogradF2x3,
+            ConvPath::WinogradF4x3,
+        ] {
+            if p.eligible(q) {
+                assert!(
+                    p.candidates.iter().any(|r| r.path == q),
+                    "{ctx}: {q} missing"
+                );
+            }
+        }
+    }
+    // Text and JSON carry the decision.
+    let j = p.to_json();
+    for key in [
+        "direction",
+        "dtype",
+        "path",
+        "engine",
+        "measured",
+        "candidates",
+        "paths",
+        "fallback",
+        "runnable",
+        "reasons",
+        "policy",
+        "winograd_gemm",
+        "deterministic",
+        "workspace_cap_bytes",
+        "cudnn_present",
+        "scratch_bytes",
+        "flops",
+    ] {
+        assert!(j.get(key).is_some(), "{ctx}: JSON lacks {key}");
+    }
+    assert_eq!(j["path"], p.path.name());
+    assert!(p.to_string().contains(p.path.name()), "{ctx}");
+    assert!(!p.reasons.is_empty());
+    // Plans cite only files of this repository.
+    for r in &p.reasons {
+        assert!(!r.contains("../"), "{ctx}: {r}");
+    }
+}
+
+#[test]
+fn fallback_route_prefers_cudnn_then_own() {
+    let s = shape(2, 8, 9, 8, 3, NHWC);
+    let p = plan_of(s, DType::F16, Direction::Forward, &Config::default(), true);
+    assert_eq!(
+        p.fallback_route(ConvPath::WinogradF4x3).unwrap().path,
+        ConvPath::Cudnn
+    );
+    assert_eq!(
+        p.fallback_route(ConvPath::Cudnn).unwrap().path,
+        ConvPath::Direct
+    );
+    let p = plan_of(
+        s,
+        DType::F16,
+        Direction::BackwardData,
+        &Config::default(),
+        false,
+    );
+    assert_eq!(
+        p.fallback_route(ConvPath::WinogradF2x3).unwrap().path,
+        ConvPath::Im2colGemm
+    );
+    assert!(p.fallback_route(ConvPath::Im2colGemm).is_none());
+}
+
+#[test]
+fn names_parse_back() {
+    for p in ConvPath::ALL {
+        assert_eq!(p.name().parse::<ConvPath>().unwrap(), p);
+    }
+    for d in Direction::ALL {
+        assert_eq!(d.name().parse::<Direction>().unwrap(), d);
+    }
+    assert_eq!(
+        "backward-data".parse::<Direction>().unwrap(),
+        Direction::BackwardData
+    );
+    assert_eq!("im2col".parse::<ConvPath>().unwrap(), ConvPath::Im2colGemm);
+    assert_eq!(
+        "fft".parse::<ConvPath>().unwrap_err().argument(),
+        Some("path")
+    );
+    assert_eq!(
+        "up".parse::<Direction>().unwrap_err().argument(),
+        Some("direction")
+    );
+}

@@ -1,0 +1,517 @@
+//! The convolution gradients on the GPU: every path (forced) against f64 references on a
+//! covering design (odd sizes, stride 2, dilation 2, asymmetric padding, C = 1/3/30/..., every
+//! data type, both formats), the filter gradient's `accumulate`, path against path, the adjoint
+//! identity on the GPU's own results, `auto` for both gradients, and deterministic mode.
+//!
+//! The f64 references are `tests/conv_ref` (written from the definition and checked here on the
+//! CPU by the adjoint identity and finite differences). Tolerances as `tests/gpu_conv.rs`:
+//! f32 1e-5, halves 1e-2; Winograd routes `nnfuse::conv::check_tolerance`.
+
+mod common;
+mod conv_ref;
+
+use cudarc::driver::CudaSlice;
+use half::{bf16, f16};
+use nnfuse::config::Config;
+use nnfuse::conv::{
+    check_tolerance, cudnn::usable, Conv2d, ConvPath, ConvShape, Direction, Outcome, Route,
+    WinogradEngine,
+};
+use nnfuse::reference::conv::conv2d;
+use nnfuse::{Context, DType, Element, TensorFormat};
+
+use common::{f64s, gpu, gpu_with, Rng};
+use conv_ref::{backward_data, backward_filter, compare, describe, dot, par_map};
+
+fn upload<T: Element>(ctx: &Context, v: &[T]) -> CudaSlice<T> {
+    ctx.stream().clone_htod(v).expect("upload")
+}
+
+fn download<T: Element>(ctx: &Context, b: &CudaSlice<T>) -> Vec<T> {
+    ctx.stream().clone_dtoh(b).expect("download")
+}
+
+fn poisoned<T: Element>(ctx: &Context, n: usize) -> CudaSlice<T> {
+    let mut b = ctx.stream().alloc_zeros::<T>(n).expect("alloc");
+    nnfuse::util::fill(ctx, &mut b, T::from_f64(f64::NAN)).expect("fill");
+    b
+}
+
+fn tolerance(path: ConvPath, dtype: DType) -> f64 {
+    if path.winograd_tile().is_some() {
+        check_tolerance(dtype)
+    } else {
+        dtype.tolerance()
+    }
+}
+
+fn round(dt: DType, v: f64) -> f64 {
+    match dt {
+        DType::F32 => v as f32 as f64,
+        DType::F16 => f16::from_f64(v).to_f64(),
+        DType::BF16 => bf16::from_f64(v).to_f64(),
+    }
+}
+
+/// Deterministic values in [-1, 1) for the CPU checks.
+fn values(seed: u64, n: usize) -> Vec<f64> {
+    let mut r = Rng::new(seed);
+    (0..n).map(|_| r.uniform(-1.0, 1.0)).collect()
+}
+
+fn small(format: TensorFormat) -> Vec<ConvShape> {
+    let mut out = Vec::new();
+    for (kh, kw, stride, pad, dilation) in [
+        (3, 3, (1, 1), (1, 1), (1, 1)),
+        (3, 2, (2, 1), (0, 1), (1, 2)),
+        (1, 1, (2, 2), (0, 0), (1, 1)),
+        (5, 3, (1, 2), (2, 0), (1, 1)),
+        (3, 3, (1, 1), (2, 1), (2, 1)),
+    ] {
+        out.push(ConvShape {
+            n: 2,
+            c_in: 3,
+            h: 7,
+            w: 6,
+            c_out: 4,
+            kh,
+            kw,
+            stride,
+            pad,
+            dilation,
+            format,
+        });
+    }
+    out
+}
+
+/// The references satisfy the adjoint identity and match finite differences of the forward
+/// (which is linear, so central differences are exact up to rounding). CPU only.
+#[test]
+fn references_are_adjoints_of_the_forward() {
+    let mut seed = 1;
+    for f in [TensorFormat::Nchw, TensorFormat::Nhwc] {
+        for p in small(f) {
+            seed += 3;
+            let x = values(seed, p.x_len());
+            let w = values(seed + 1, p.w_len());
+            let dy = values(seed + 2, p.y_len().unwrap());
+            let y = conv2d(&p, &x, &w).unwrap();
+            let dx = backward_data(&p, &dy, &w);
+            let dw = backward_filter(&p, &x, &dy);
+            let a = dot(&y, &dy);
+            assert!(
+                (a - dot(&x, &dx)).abs() <= 1e-10 * a.abs().max(1.0),
+                "{p:?}"
+            );
+            assert!(
+                (a - dot(&w, &dw)).abs() <= 1e-10 * a.abs().max(1.0),
+                "{p:?}"
+            );
+            // Finite differences: d<conv(x, w), dy>/dx_i = dx_i, likewise for w.
+            for i in [0, x.len() / 2, x.len() - 1] {
+                let mut xp = x.clone();
+                xp[i] += 0.5;
+                let mut xm = x.clone();
+                xm[i] -= 0.5;
+                let fd = dot(&conv2d(&p, &xp, &w).unwrap(), &dy)
+                    - dot(&conv2d(&p, &xm, &w).unwrap(), &dy);
+                assert!(
+                    (fd - dx[i]).abs() <= 1e-9,
+                    "{p:?} dx[{i}]: {fd} vs {}",
+                    dx[i]
+                );
+            }
+            for i in [0, w.len() / 3, w.len() - 1] {
+                let mut wp = w.clone();
+                wp[i] += 0.5;
+                let mut wm = w.clone();
+                wm[i] -= 0.5;
+                let fd = dot(&conv2d(&p, &x, &wp).unwrap(), &dy)
+                    - dot(&conv2d(&p, &x, &wm).unwrap(), &dy);
+                assert!(
+                    (fd - dw[i]).abs() <= 1e-9,
+                    "{p:?} dw[{i}]: {fd} vs {}",
+                    dw[i]
+                );
+            }
+        }
+    }
+}
+
+/// The gradient design: eight configurations (3x3 pad 1, 3x3 stride 2, 3x3 dilation 2 pad 2,
+/// 5x5 pad 2, 1x1, 1x1 stride 2, 7x7/2 pad 3, an asymmetric 3x3 pad (2, 1)) times four problems
+/// with odd sizes and C in {1, 3, 30, 64, 129}, rotating data type and format.
+fn design() -> Vec<(ConvShape, DType)> {
+    const NS: [usize; 4] = [1, 3, 2, 5];
+    const CS: [usize; 5] = [1, 3, 30, 64, 129];
+    const HW: [usize; 5] = [5, 7, 13, 31, 14];
+    const BUDGET: usize = 20_000_000;
+    #[allow(clippy::type_complexity)]
+    let configs: [(
+        (usize, usize),
+        (usize, usize),
+        (usize, usize),
+        (usize, usize),
+    ); 8] = [
+        ((3, 3), (1, 1), (1, 1), (1, 1)),
+        ((3, 3), (2, 2), (1, 1), (1, 1)),
+        ((3, 3), (1, 1), (2, 2), (2, 2)),
+        ((5, 5), (1, 1), (2, 2), (1, 1)),
+        ((1, 1), (1, 1), (0, 0), (1, 1)),
+        ((1, 1), (2, 2), (0, 0), (1, 1)),
+        ((7, 7), (2, 2), (3, 3), (1, 1)),
+        ((3, 3), (1, 1), (2, 1), (1, 1)),
+    ];
+    let mut out = Vec::new();
+    for (k, &(kernel, stride, pad, dilation)) in configs.iter().enumerate() {
+        for i in 0..4 {
+            let mut s = ConvShape {
+                n: NS[(i + k) % 4],
+                c_in: CS[(i + k) % 5],
+                h: HW[(2 * i + k) % 5],
+                w: HW[(3 * i + 2 * k + 1) % 5],
+                c_out: CS[(3 * i + k + 2) % 5],
+                kh: kernel.0,
+                kw: kernel.1,
+                stride,
+                pad,
+                dilation,
+                format: if (i + k) % 2 == 0 {
+                    TensorFormat::Nhwc
+                } else {
+                    TensorFormat::Nchw
+                },
+            };
+            let macs = |s: &ConvShape| {
+                let (oh, ow) = s.out_hw().expect("valid");
+                s.n * s.c_in * s.c_out * s.kh * s.kw * oh * ow
+            };
+            while macs(&s) > BUDGET {
+                if s.n > 1 {
+                    s.n -= 1;
+                } else if s.c_in >= s.c_out {
+                    s.c_in = s.c_in.div_ceil(2);
+                } else {
+                    s.c_out = s.c_out.div_ceil(2);
+                }
+            }
+            out.push((s, DType::ALL[(i + 2 * k) % 3]));
+        }
+    }
+    out
+}
+
+/// Routes of `d` the test forces (see `tests/gpu_conv.rs`).
+fn routes<T: Element>(conv: &Conv2d<T>, ctx: &Context, d: Direction) -> Vec<Route> {
+    let plan = conv.plan_for(d);
+    let mut out = Vec::new();
+    for p in ConvPath::ALL {
+        if !plan.eligible(p) {
+            continue;
+        }
+        match p {
+            ConvPath::Cudnn => {
+                out.push(Route::path(p));
+                let list = conv.cudnn_heuristics(d).expect("cuDNN heuristics");
+                let (ok, _, _) =
+                    usable(&list, T::DTYPE, ctx.config().conv_workspace_bytes(), false);
+                out.extend(ok.iter().map(|q| Route::cudnn(q.algo)));
+            }
+            ConvPath::WinogradF2x3 | ConvPath::WinogradF4x3 => {
+                let tile = p.winograd_tile().expect("a Winograd path");
+                for e in [WinogradEngine::TensorCore, WinogradEngine::Direct] {
+                    out.push(Route::winograd(tile, e));
+                }
+            }
+            _ => out.push(Route::path(p)),
+        }
+    }
+    out
+}
+
+struct Problem {
+    s: ConvShape,
+    dt: DType,
+    x: Vec<f64>,
+    w: Vec<f64>,
+    dy: Vec<f64>,
+    /// The starting dw for `accumulate`.
+    dw0: Vec<f64>,
+}
+
+#[derive(Clone, Default)]
+struct Refs {
+    dx: Vec<f64>,
+    dw: Vec<f64>,
+}
+
+fn run_problem<T: Element>(ctx: &Context, p: &Problem, r: &Refs) -> (Vec<String>, usize) {
+    let s = &p.s;
+    let cast = |v: &[f64]| -> Vec<T> { v.iter().map(|&a| T::from_f64(a)).collect() };
+    let (xd, wd, dyd) = (
+        upload(ctx, &cast(&p.x)),
+        upload(ctx, &cast(&p.w)),
+        upload(ctx, &cast(&p.dy)),
+    );
+    let conv = Conv2d::<T>::new(ctx, s).expect("plan");
+    let mut failures = Vec::new();
+    let mut runs = 0;
+    let tag = format!("{} {}", describe(s), T::DTYPE);
+    // Data gradient.
+    let mut dxs: Vec<(Route, Vec<f64>)> = Vec::new();
+    for route in routes(&conv, ctx, Direction::BackwardData) {
+        let mut dx = poisoned::<T>(ctx, s.x_len());
+        let what = format!("{tag} dx via {route}");
+        match conv.backward_data_with(route, &dyd, &wd, &mut dx) {
+            Ok(()) => {
+                let got = f64s(&download(ctx, &dx));
+                if let Err(m) = compare(&what, &got, &r.dx, tolerance(route.path, T::DTYPE)) {
+                    failures.push(m);
+                }
+                dxs.push((route, got));
+                runs += 1;
+            }
+            Err(e) => failures.push(format!("{what}: the forced route failed: {e}")),
+        }
+    }
+    // Filter gradient, overwritten and accumulated.
+    let mut dws: Vec<(Route, Vec<f64>)> = Vec::new();
+    for route in routes(&conv, ctx, Direction::BackwardFilter) {
+        let mut dw = poisoned::<T>(ctx, s.w_len());
+        let what = format!("{tag} dw via {route}");
+        match conv.backward_filter_with(route, &xd, &dyd, &mut dw, false) {
+            Ok(()) => {
+                let got = f64s(&download(ctx, &dw));
+                if let Err(m) = compare(&what, &got, &r.dw, tolerance(route.path, T::DTYPE)) {
+                    failures.push(m);
+                }
+                dws.push((route, got));
+                runs += 1;
+            }
+            Err(e) => failures.push(format!("{what}: the forced route failed: {e}")),
+        }
+        let dw0: Vec<T> = cast(&p.dw0);
+        let mut dw = upload(ctx, &dw0);
+        let what = format!("{tag} dw += via {route}");
+        match conv.backward_filter_with(route, &xd, &dyd, &mut dw, true) {
+            Ok(()) => {
+                // The starting dw as the GPU saw it (rounded to T).
+                let want: Vec<f64> = f64s(&dw0).iter().zip(&r.dw).map(|(a, b)| a + b).collect();
+                let got = f64s(&download(ctx, &dw));
+                if let Err(m) = compare(&what, &got, &want, tolerance(route.path, T::DTYPE)) {
+                    failures.push(m);
+                }
+                runs += 1;
+            }
+            Err(e) => failures.push(format!("{what}: the forced route failed: {e}")),
+        }
+    }
+    // Path against path.
+    for list in [&dxs, &dws] {
+        for i in 0..list.len() {
+            for j in i + 1..list.len() {
+                let (ra, a) = &list[i];
+                let (rb, b) = &list[j];
+                let tol = tolerance(ra.path, T::DTYPE) + tolerance(rb.path, T::DTYPE);
+                if let Err(m) = compare(&format!("{tag}: {ra} against {rb}"), a, b, tol) {
+                    failures.push(m);
+                }
+            }
+        }
+    }
+    // The adjoint identity on the GPU's own results: <y, dy> = <x, dx> = <w, dw>, relative to
+    // |y| |dy| (the inner products themselves may cancel).
+    let mut y = poisoned::<T>(ctx, s.y_len().expect("valid"));
+    match conv.forward(&xd, &wd, &mut y) {
+        Ok(()) => {
+            let yg = f64s(&download(ctx, &y));
+            let (xr, wr, dyr) = (f64s(&cast(&p.x)), f64s(&cast(&p.w)), f64s(&cast(&p.dy)));
+            let scale = dot(&yg, &yg).sqrt() * dot(&dyr, &dyr).sqrt();
+            let a = dot(&yg, &dyr);
+            let tol = 3.0 * check_tolerance(T::DTYPE);
+            for (name, v) in dxs
+                .iter()
+                .map(|(r, dx)| (format!("<x, dx via {r}>"), dot(&xr, dx)))
+                .chain(
+                    dws.iter()
+                        .map(|(r, dw)| (format!("<w, dw via {r}>"), dot(&wr, dw))),
+                )
+            {
+                let diff = (a - v).abs();
+                if diff.is_nan() || diff > tol * scale {
+                    failures.push(format!(
+                        "{tag}: adjoint identity: <y, dy> = {a:.6e}, {name} = {v:.6e}, \
+                         difference {:.3e} > {tol:.1e} x |y||dy| = {:.3e}",
+                        (a - v).abs(),
+                        tol * scale
+                    ));
+                }
+            }
+        }
+        Err(e) => failures.push(format!("{tag}: forward for the adjoint check failed: {e}")),
+    }
+    (failures, runs)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn every_gradient_path_matches_the_f64_references() {
+    let ctx = gpu();
+    let mut rng = Rng::fresh("conv backward grid");
+    let problems: Vec<Problem> = design()
+        .into_iter()
+        .map(|(s, dt)| {
+            let mut v = |n: usize| -> Vec<f64> {
+                (0..n).map(|_| round(dt, rng.uniform(-1.0, 1.0))).collect()
+            };
+            let x = v(s.x_len());
+            let w = v(s.w_len());
+            let dy = v(s.y_len().expect("valid"));
+            let dw0 = v(s.w_len());
+            Problem {
+                s,
+                dt,
+                x,
+                w,
+                dy,
+                dw0,
+            }
+        })
+        .collect();
+    let t = std::time::Instant::now();
+    let refs: Vec<Refs> = par_map(&problems, |p| Refs {
+        dx: backward_data(&p.s, &p.dy, &p.w),
+        dw: backward_filter(&p.s, &p.x, &p.dy),
+    });
+    eprintln!(
+        "{} problems, f64 references in {:.1} s",
+        problems.len(),
+        t.elapsed().as_secs_f64()
+    );
+    let mut failures = Vec::new();
+    let mut runs = 0;
+    for (p, r) in problems.iter().zip(&refs) {
+        let (f, n) = match p.dt {
+            DType::F32 => run_problem::<f32>(&ctx, p, r),
+            DType::F16 => run_problem::<f16>(&ctx, p, r),
+            DType::BF16 => run_problem::<bf16>(&ctx, p, r),
+        };
+        failures.extend(f);
+        runs += n;
+    }
+    eprintln!("{runs} gradient route runs");
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+/// `auto` for both gradients: a route that passed its check, correct results; in deterministic
+/// mode the cuDNN choice is a deterministic algorithm and two runs agree bit for bit.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn auto_gradients_and_determinism() {
+    let mut rng = Rng::fresh("conv backward auto");
+    for deterministic in [false, true] {
+        let ctx = gpu_with(Config::default().with_deterministic(deterministic));
+        for s in [
+            ConvShape {
+                n: 4,
+                c_in: 64,
+                h: 14,
+                w: 14,
+                c_out: 64,
+                kh: 3,
+                kw: 3,
+                stride: (1, 1),
+                pad: (1, 1),
+                dilation: (1, 1),
+                format: TensorFormat::Nhwc,
+            },
+            ConvShape {
+                n: 3,
+                c_in: 30,
+                h: 15,
+                w: 13,
+                c_out: 24,
+                kh: 3,
+                kw: 3,
+                stride: (2, 2),
+                pad: (1, 1),
+                dilation: (1, 1),
+                format: TensorFormat::Nchw,
+            },
+        ] {
+            auto_once::<f16>(&ctx, &s, &mut rng, deterministic);
+            auto_once::<f32>(&ctx, &s, &mut rng, deterministic);
+        }
+    }
+}
+
+fn auto_once<T: Element>(ctx: &Context, s: &ConvShape, rng: &mut Rng, deterministic: bool) {
+    let xs: Vec<T> = rng.vec(s.x_len(), -1.0, 1.0);
+    let ws: Vec<T> = rng.vec(s.w_len(), -1.0, 1.0);
+    let dys: Vec<T> = rng.vec(s.y_len().expect("valid"), -1.0, 1.0);
+    let (x, w, dy) = (f64s(&xs), f64s(&ws), f64s(&dys));
+    let want_dx = backward_data(s, &dy, &w);
+    let want_dw = backward_filter(s, &x, &dy);
+    let (xd, wd, dyd) = (upload(ctx, &xs), upload(ctx, &ws), upload(ctx, &dys));
+    let conv = Conv2d::<T>::new(ctx, s).expect("plan");
+    let tag = format!("{} {} det={deterministic}", describe(s), T::DTYPE);
+    let mut dx = poisoned::<T>(ctx, s.x_len());
+    conv.backward_data(&dyd, &wd, &mut dx)
+        .expect("auto backward data");
+    let mut dw = poisoned::<T>(ctx, s.w_len());
+    conv.backward_filter(&xd, &dyd, &mut dw, false)
+        .expect("auto backward filter");
+    for (d, got, want) in [
+        (Direction::BackwardData, f64s(&download(ctx, &dx)), &want_dx),
+        (
+            Direction::BackwardFilter,
+            f64s(&download(ctx, &dw)),
+            &want_dw,
+        ),
+    ] {
+        let c = conv.choice(d).expect("decided");
+        let what = format!("{tag} {d} auto -> {c}");
+        compare(&what, &got, want, tolerance(c.route.path, T::DTYPE))
+            .unwrap_or_else(|m| panic!("{m}"));
+        eprintln!("{what}");
+        if let Some(rep) = conv.report(d) {
+            eprintln!("{rep}");
+            assert_eq!(rep.candidates[rep.winner].outcome, Outcome::Passed, "{rep}");
+        }
+        if deterministic {
+            if let Some(a) = c.route.cudnn_algo {
+                let list = conv.cudnn_heuristics(d).expect("heuristics");
+                let entry = list
+                    .iter()
+                    .find(|p| p.algo == a)
+                    .expect("the chosen algorithm is listed");
+                assert!(entry.deterministic, "{what}: {a} is not deterministic");
+            }
+        }
+    }
+    if deterministic {
+        // Bit-for-bit repeatable.
+        let mut dw2 = poisoned::<T>(ctx, s.w_len());
+        conv.backward_filter(&xd, &dyd, &mut dw2, false)
+            .expect("again");
+        let mut dx2 = poisoned::<T>(ctx, s.x_len());
+        conv.backward_data(&dyd, &wd, &mut dx2).expect("again");
+        let bits = |v: Vec<T>| v.iter().map(|t| t.to_f64().to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(download(ctx, &dw)),
+            bits(download(ctx, &dw2)),
+            "{tag}: dw differs run to run"
+        );
+        assert_eq!(
+            bits(download(ctx, &dx)),
+            bits(download(ctx, &dx2)),
+            "{tag}: dx differs run to run"
+        );
+    }
+}
