@@ -24,6 +24,7 @@ mod winograd_gemm;
 
 pub use crate::reference::conv::Conv2d as ConvShape;
 pub use sizes::{WinogradEngine, WinogradTile};
+pub use winograd::stages as winograd_stages;
 
 /// Device addresses of a forward convolution's operands (checked by the dispatcher).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
