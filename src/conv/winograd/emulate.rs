@@ -5,6 +5,9 @@
 //! error in the design shows on a machine without a GPU (a transcription error between this file
 //! and the CUDA source does not: the GPU tests cover that).
 
+// The loops mirror the kernels' index loops on purpose.
+#![allow(clippy::needless_range_loop)]
+
 use super::launch::{self, row_groups, transform_blocks, Stage, THREADS};
 use crate::conv::sizes::winograd_dims;
 use crate::conv::{ConvShape, WinogradTile};
