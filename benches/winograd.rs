@@ -9,7 +9,8 @@
 //! path as the dispatcher runs it (`winograd_stages::forward`: filter transform included,
 //! chunked under the workspace cap) for each engine, in direct-convolution TFLOP/s
 //! (2·N·K·C·9·OH·OW, the number every convolution path is compared by), with the ratios F(4x4) /
-//! F(2x2) and Direct / tensor core. Stage timings rotate among enough buffer sets that each
+//! F(2x2) and Direct / tensor core, and the tensor-core path again with workspace-cap chunks
+//! instead of the default L2-resident ones (`Chunking`). Stage timings rotate among enough buffer sets that each
 //! iteration's data has left the 50 MiB L2 (cold); the whole path rotates x and y only, so its
 //! U and M are as warm as they are in use. The comparison with cuDNN and im2col + GEMM on the
 //! same layers is `benches/conv.rs`'s.
@@ -165,6 +166,8 @@ struct Total {
     tc_us: f64,
     direct_us: f64,
     stages_tc_us: f64,
+    /// Tensor-core path with workspace-cap chunks.
+    cap_us: f64,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -337,6 +340,32 @@ fn bench_layer<T: Element>(
                 ),
             );
         }
+        // The same path with one chunk as large as the workspace cap allows (U and M
+        // round-trip through DRAM): what the L2-resident chunking saves.
+        let t_cap = time_gpu(ctx, o, |i| {
+            let k = i % copies;
+            wg::forward_chunked(
+                ctx,
+                s,
+                tile,
+                WinogradEngine::TensorCore,
+                &x[k],
+                &w,
+                &mut y[k],
+                wg::Chunking::WorkspaceCap,
+            )
+        })?;
+        push(
+            "forward tensor_core, cap chunks",
+            t_cap,
+            floor(sb.input + sb.filter + sb.multiply + sb.output),
+            format!("{:.2} GFLOP (direct conv)", flops / 1e9),
+            format!(
+                "{:.0} TFLOP/s effective; L2-resident/cap {:.2}x",
+                flops / (t_cap.median_ms * 1e-3) / 1e12,
+                path[0] / t_cap.median_us()
+            ),
+        );
         totals.push(Total {
             dtype: dt,
             layer: name.to_string(),
@@ -346,6 +375,7 @@ fn bench_layer<T: Element>(
             tc_us: path[0],
             direct_us: path[1],
             stages_tc_us,
+            cap_us: t_cap.median_us(),
         });
         if with_variants {
             for &vw in wg::vector_widths(dt) {
@@ -536,8 +566,8 @@ fn main() -> Result<()> {
     );
 
     println!("\n### Totals: the whole Winograd forward per tile and engine\n");
-    println!("| dtype | layer | N | tile | tensor core µs | TFLOP/s | Direct µs | Direct/TC | sum of cold stages (TC) µs | F4/F2 (TC) |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("| dtype | layer | N | tile | tensor core µs | TFLOP/s | Direct µs | Direct/TC | cap chunks µs | sum of cold stages (TC) µs | F4/F2 (TC) |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for t in &totals {
         let f2 = totals
             .iter()
@@ -549,7 +579,7 @@ fn main() -> Result<()> {
             })
             .map(|o| o.tc_us);
         println!(
-            "| {} | {} | {} | {} | {:.1} | {:.0} | {:.1} | {:.2}x | {:.1} | {} |",
+            "| {} | {} | {} | {} | {:.1} | {:.0} | {:.1} | {:.2}x | {:.1} | {:.1} | {} |",
             t.dtype,
             t.layer,
             t.n,
@@ -558,6 +588,7 @@ fn main() -> Result<()> {
             t.flops / (t.tc_us * 1e-6) / 1e12,
             t.direct_us,
             t.direct_us / t.tc_us,
+            t.cap_us,
             t.stages_tc_us,
             match (t.tile, f2) {
                 (WinogradTile::F4x3, Some(f2)) => format!("{:.2}x", t.tc_us / f2),
@@ -644,6 +675,7 @@ fn main() -> Result<()> {
                 "bench": "winograd", "part": "total", "dtype": t.dtype.name(), "layer": t.layer,
                 "n": t.n, "tile": t.tile.name(), "tensor_core_us": t.tc_us,
                 "direct_us": t.direct_us, "stages_tensor_core_us": t.stages_tc_us,
+                "cap_chunks_us": t.cap_us,
                 "tflops_tensor_core": t.flops / (t.tc_us * 1e-6) / 1e12,
             })
         );

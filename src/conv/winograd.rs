@@ -29,6 +29,7 @@ use crate::dtype::DType;
 use crate::error::{CallExt, Error, Result};
 use crate::gemm::{Compute, Problem};
 use crate::kernels;
+pub use launch::Chunking;
 use launch::Stage;
 
 /// Where the batched multiply's transformed filter comes from.
@@ -309,6 +310,13 @@ pub(crate) unsafe fn multiply(
     }
 }
 
+/// The path's chunking: L2-resident chunks on this device's L2 (see [`Chunking`]).
+pub(crate) fn default_chunking(ctx: &Context) -> Chunking {
+    Chunking::L2Resident {
+        l2_bytes: ctx.info().l2_bytes.max(0) as usize,
+    }
+}
+
 /// Runs the whole path on `s` (a Winograd problem): x → y with the filter from `filter`.
 ///
 /// # Safety
@@ -324,12 +332,14 @@ unsafe fn run(
     x: u64,
     y: u64,
     filter: Filter,
+    chunking: Option<Chunking>,
 ) -> Result<()> {
     winograd_forward_eligible(s).map_err(not_eligible)?;
     let elem = dtype.size();
     let cap = ctx.config().conv_workspace_bytes();
     let with_v = matches!(filter, Filter::Raw { .. });
-    let plan = launch::chunk_plan(s, tile, elem, cap, with_v)?;
+    let chunking = chunking.unwrap_or_else(|| default_chunking(ctx));
+    let plan = launch::chunk_plan(s, tile, elem, cap, with_v, chunking)?;
     let (oh, ow) = s.out_hw()?;
     let WinogradDims {
         tiles_per_image, ..
@@ -341,6 +351,7 @@ unsafe fn run(
         n = s.n,
         chunk = plan.chunk,
         chunks = plan.chunks.len(),
+        l2_limited = plan.l2_limited,
         scratch_bytes = plan.layout.bytes,
         cap,
         prepared = !with_v,
@@ -414,7 +425,41 @@ pub(crate) unsafe fn forward(
         rotated: false,
     };
     // SAFETY: the caller's contract.
-    unsafe { run(ctx, s, dtype, tile, engine, p.x, p.y, filter) }
+    unsafe { run(ctx, s, dtype, tile, engine, p.x, p.y, filter, None) }
+}
+
+/// [`forward`] with an explicit [`Chunking`] (benchmarks compare the strategies).
+///
+/// # Safety
+/// As [`forward`].
+pub(crate) unsafe fn forward_chunked(
+    ctx: &Context,
+    s: &ConvShape,
+    dtype: DType,
+    tile: WinogradTile,
+    engine: WinogradEngine,
+    p: FwdPtrs,
+    chunking: Chunking,
+) -> Result<()> {
+    aligned("w", p.w, dtype)?;
+    let filter = Filter::Raw {
+        w: p.w,
+        rotated: false,
+    };
+    // SAFETY: the caller's contract.
+    unsafe {
+        run(
+            ctx,
+            s,
+            dtype,
+            tile,
+            engine,
+            p.x,
+            p.y,
+            filter,
+            Some(chunking),
+        )
+    }
 }
 
 /// Writes the transformed filter G g Gᵀ (`winograd_dims(s, tile).v` elements of `dtype`) to `v`.
@@ -450,7 +495,19 @@ pub(crate) unsafe fn forward_prepared(
 ) -> Result<()> {
     aligned("w", p.w, dtype)?;
     // SAFETY: the caller's contract.
-    unsafe { run(ctx, s, dtype, tile, engine, p.x, p.y, Filter::Prepared(p.w)) }
+    unsafe {
+        run(
+            ctx,
+            s,
+            dtype,
+            tile,
+            engine,
+            p.x,
+            p.y,
+            Filter::Prepared(p.w),
+            None,
+        )
+    }
 }
 
 /// The forward problem whose output is `s`'s data gradient (see
@@ -482,7 +539,7 @@ pub(crate) unsafe fn backward_data(
     };
     // SAFETY: dy has q's input extent (s's output), dx q's output extent (s's input); the
     // caller's contract covers the rest.
-    unsafe { run(ctx, &q, dtype, tile, engine, p.dy, p.dx, filter) }
+    unsafe { run(ctx, &q, dtype, tile, engine, p.dy, p.dx, filter, None) }
 }
 
 /// Writes the data gradient's transformed filter (rotated by 180 degrees, channels swapped;
@@ -531,6 +588,7 @@ pub(crate) unsafe fn backward_data_prepared(
             p.dy,
             p.dx,
             Filter::Prepared(p.w),
+            None,
         )
     }
 }

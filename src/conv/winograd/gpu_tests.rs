@@ -418,6 +418,7 @@ fn forward_chunks_under_a_tiny_workspace_cap() {
                 dt.size(),
                 ctx.config().conv_workspace_bytes(),
                 true,
+                default_chunking(&ctx),
             )
             .unwrap();
             assert!(plan.chunks.len() > 2, "{dt} {tile:?}: {:?}", plan.chunks);
@@ -663,4 +664,67 @@ fn refuses_what_winograd_cannot_run() {
         launch::transform_kernel(Stage::Input, DType::F16, WinogradTile::F4x3, 8),
         Some("winograd_input_f4x3_f16_v8")
     );
+}
+
+/// L2-resident chunks (the default) against one chunk as large as the cap allows, on a layer
+/// the L2 rule splits: the Direct multiply computes each element the same way whatever the
+/// chunk, so the results are bitwise equal; the tensor-core GEMM may pick another kernel for
+/// another chunk width, so it is compared within the type's rounding.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn l2_resident_chunks_equal_one_chunk() {
+    let ctx = gpu();
+    let mut rng = Rng::fresh("l2_resident_chunks_equal_one_chunk");
+    let s = shape(32, 64, 64, 56, 56, (1, 1));
+    let x = up::<f16>(&ctx, &exact(&mut rng, s.x_len()));
+    let w = up::<f16>(&ctx, &exact(&mut rng, s.w_len()));
+    let st = ctx.stream();
+    for tile in WinogradTile::ALL {
+        let plan = launch::chunk_plan(
+            &s,
+            tile,
+            2,
+            ctx.config().conv_workspace_bytes(),
+            true,
+            default_chunking(&ctx),
+        )
+        .unwrap();
+        assert!(
+            plan.l2_limited && plan.chunks.len() > 1,
+            "{:?}",
+            plan.chunks
+        );
+        for engine in ENGINES {
+            let mut out = Vec::new();
+            for chunking in [default_chunking(&ctx), Chunking::WorkspaceCap] {
+                let mut y = poisoned::<f16>(&ctx, s.y_len().unwrap());
+                {
+                    let (px, _a) = x.device_ptr(st);
+                    let (pw, _b) = w.device_ptr(st);
+                    let (py, _c) = y.device_ptr_mut(st);
+                    let p = FwdPtrs {
+                        x: px,
+                        w: pw,
+                        y: py,
+                    };
+                    // SAFETY: every buffer holds its extent; y is distinct.
+                    unsafe { forward_chunked(&ctx, &s, DType::F16, tile, engine, p, chunking) }
+                        .unwrap();
+                }
+                out.push(down(&ctx, &y, s.y_len().unwrap()));
+            }
+            assert!(out[0].iter().all(|v| v.is_finite()), "{tile:?} {engine:?}");
+            let diff = rel_l2(&out[0], &out[1]);
+            eprintln!(
+                "{} {}: chunks {:?}, L2-resident vs one chunk: relative difference {diff:.2e}",
+                tile.name(),
+                engine.name(),
+                plan.chunks
+            );
+            match engine {
+                WinogradEngine::Direct => assert_eq!(diff, 0.0, "{tile:?}: Direct differs"),
+                WinogradEngine::TensorCore => assert!(diff < 2e-3, "{tile:?}: {diff}"),
+            }
+        }
+    }
 }

@@ -277,6 +277,30 @@ pub(crate) fn scratch_layout(
     })
 }
 
+/// How a Winograd run splits its batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Chunking {
+    /// Chunks as large as the convolution workspace cap allows.
+    WorkspaceCap,
+    /// Chunks whose transformed input and product together take at most [`L2_SHARE`] of the
+    /// L2 (of this many bytes), but at least [`MIN_CHUNK_TILES`] tiles, and never more than the
+    /// workspace cap allows: the product stage then reads U, and the output stage M, from the L2,
+    /// and the next chunk overwrites the same scratch lines there, so U and M mostly never reach
+    /// DRAM. The default of the path.
+    L2Resident {
+        /// The device's L2 in bytes.
+        l2_bytes: usize,
+    },
+}
+
+/// Share of the L2 one chunk's U and M may take under [`Chunking::L2Resident`] (the rest holds
+/// the chunk's x, y and the filter).
+pub const L2_SHARE: f64 = 0.5;
+
+/// Fewest tiles per chunk [`Chunking::L2Resident`] goes down to: the batched GEMM of a narrower
+/// chunk loses more to its shape than the L2 saves.
+pub const MIN_CHUNK_TILES: usize = 1024;
+
 /// Everything a chunked Winograd run needs: sizes, the images per chunk and the chunk sizes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct ChunkPlan {
@@ -288,17 +312,21 @@ pub(crate) struct ChunkPlan {
     pub chunks: Vec<usize>,
     /// The scratch layout for the largest chunk.
     pub layout: ScratchLayout,
+    /// Whether the L2 rule (not the workspace cap) set the chunk size.
+    pub l2_limited: bool,
 }
 
 /// Splits the batch of `s` into chunks whose transformed filter (`with_v`), transformed input
 /// and product fit in `cap_bytes` (the region alignment may add up to `2 * REGION_ALIGN`
-/// bytes); an error when one image does not fit.
+/// bytes), and, with [`Chunking::L2Resident`], whose U and M fit the L2 share; an error when
+/// one image does not fit the cap.
 pub(crate) fn chunk_plan(
     s: &ConvShape,
     tile: WinogradTile,
     elem: usize,
     cap_bytes: usize,
     with_v: bool,
+    chunking: Chunking,
 ) -> Result<ChunkPlan> {
     let dims = winograd_dims(s, tile)?;
     // The prepared path keeps V out of the scratch: count it only when it is in there.
@@ -307,7 +335,7 @@ pub(crate) fn chunk_plan(
     } else {
         cap_bytes.saturating_add(dims.v.saturating_mul(elem))
     };
-    let Some(max_chunk) = crate::conv::sizes::winograd_chunk(s, tile, elem, cap)? else {
+    let Some(cap_chunk) = crate::conv::sizes::winograd_chunk(s, tile, elem, cap)? else {
         return Err(Error::NotSupported(format!(
             "Winograd {}: the transformed tensors of one image ({} + {} elements, plus the \
              {}-element transformed filter) exceed the convolution workspace cap of {} bytes \
@@ -319,6 +347,17 @@ pub(crate) fn chunk_plan(
             cap_bytes
         )));
     };
+    let mut max_chunk = cap_chunk;
+    if let Chunking::L2Resident { l2_bytes } = chunking {
+        let per_image = dims
+            .u_per_image
+            .saturating_add(dims.m_per_image)
+            .saturating_mul(elem)
+            .max(1);
+        let fit = ((l2_bytes as f64 * L2_SHARE) as usize) / per_image;
+        let least = MIN_CHUNK_TILES.div_ceil(dims.tiles_per_image.max(1));
+        max_chunk = max_chunk.min(fit.max(least).max(1));
+    }
     let chunks = crate::conv::sizes::balanced_chunks(s.n, max_chunk);
     let chunk = chunks.iter().copied().max().unwrap_or(1);
     let layout = scratch_layout(&dims, elem, chunk, with_v)?;
@@ -327,6 +366,7 @@ pub(crate) fn chunk_plan(
         chunk,
         chunks,
         layout,
+        l2_limited: max_chunk < cap_chunk.min(s.n),
     })
 }
 
@@ -492,21 +532,77 @@ mod tests {
         let d = winograd_dims(&s, WinogradTile::F4x3).unwrap();
         // One image: 2 x 36 x 196 x 64 x 2 bytes = 1.8 MB of U and M.
         let cap = 8 << 20;
-        let p = chunk_plan(&s, WinogradTile::F4x3, 2, cap, true).unwrap();
+        let p = chunk_plan(&s, WinogradTile::F4x3, 2, cap, true, Chunking::WorkspaceCap).unwrap();
         assert!(p.layout.bytes <= cap + 2 * REGION_ALIGN);
         assert_eq!(p.chunks.iter().sum::<usize>(), 32);
         assert!(p.chunks.len() > 1);
         // Without V in the scratch, as many or more images per chunk.
-        let q = chunk_plan(&s, WinogradTile::F4x3, 2, cap, false).unwrap();
+        let q = chunk_plan(
+            &s,
+            WinogradTile::F4x3,
+            2,
+            cap,
+            false,
+            Chunking::WorkspaceCap,
+        )
+        .unwrap();
         assert!(q.chunk >= p.chunk);
         assert!(q.layout.bytes <= cap + 2 * REGION_ALIGN);
         // One image too big: NotSupported, saying why.
-        let e = chunk_plan(&s, WinogradTile::F4x3, 2, 1000, true).unwrap_err();
+        let e = chunk_plan(
+            &s,
+            WinogradTile::F4x3,
+            2,
+            1000,
+            true,
+            Chunking::WorkspaceCap,
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("workspace cap"), "{e}");
         assert!(d.u_per_image > 0);
         // Large cap: one chunk.
-        let p = chunk_plan(&s, WinogradTile::F2x3, 2, 1 << 32, true).unwrap();
+        let p = chunk_plan(
+            &s,
+            WinogradTile::F2x3,
+            2,
+            1 << 32,
+            true,
+            Chunking::WorkspaceCap,
+        )
+        .unwrap();
         assert_eq!(p.chunks, vec![32]);
+    }
+
+    #[test]
+    fn l2_resident_chunks_fit_half_the_l2() {
+        let l2 = Chunking::L2Resident { l2_bytes: 50 << 20 };
+        // 64@56², N=32, F(4x4) f16: 1.8 MB of U + M per image, 25 MiB -> 14 images a chunk.
+        let s = shape(32, 64, 56, 64);
+        let p = chunk_plan(&s, WinogradTile::F4x3, 2, 256 << 20, true, l2).unwrap();
+        assert!(p.l2_limited);
+        let d = p.dims;
+        assert!(
+            p.chunk * (d.u_per_image + d.m_per_image) * 2 <= 25 << 20,
+            "{:?}",
+            p.chunks
+        );
+        assert_eq!(p.chunks, vec![11, 11, 10]);
+        // Small layers stay one chunk: 512@7², N=32.
+        let s = shape(32, 512, 7, 512);
+        let p = chunk_plan(&s, WinogradTile::F4x3, 2, 256 << 20, true, l2).unwrap();
+        assert_eq!((p.chunks.clone(), p.l2_limited), (vec![32], false));
+        // Never below MIN_CHUNK_TILES tiles: 64@112², F(2x2) has 3136 tiles an image.
+        let s = shape(8, 256, 112, 256);
+        let p = chunk_plan(&s, WinogradTile::F2x3, 2, 1 << 40, true, l2).unwrap();
+        assert_eq!(p.chunk, 1);
+        let s = shape(64, 64, 14, 64);
+        let p = chunk_plan(&s, WinogradTile::F4x3, 4, 1 << 40, true, l2).unwrap();
+        assert!(p.chunk * p.dims.tiles_per_image >= MIN_CHUNK_TILES);
+        // The workspace cap still wins when smaller.
+        let s = shape(32, 64, 56, 64);
+        let p = chunk_plan(&s, WinogradTile::F4x3, 2, 4 << 20, true, l2).unwrap();
+        assert!(!p.l2_limited);
+        assert!(p.layout.bytes <= (4 << 20) + 2 * REGION_ALIGN);
     }
 
     #[test]

@@ -38,7 +38,7 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
-pub use super::launch::{stage_bytes, StageBytes};
+pub use super::launch::{stage_bytes, Chunking, StageBytes, L2_SHARE, MIN_CHUNK_TILES};
 use super::launch::{transform_kernel, vec_widths, Stage};
 use crate::context::Context;
 use crate::conv::sizes::{
@@ -322,6 +322,58 @@ where
     };
     // SAFETY: lengths, device and disjointness checked above.
     unsafe { super::forward(ctx, s, T::DTYPE, tile, engine, p) }
+}
+
+/// [`forward`] with an explicit batch-splitting strategy (the path's default is
+/// [`Chunking::L2Resident`] on the Context's device), for comparing strategies.
+#[allow(clippy::too_many_arguments)] // forward's arguments plus the strategy
+pub fn forward_chunked<T, X, W, Y>(
+    ctx: &Context,
+    s: &ConvShape,
+    tile: WinogradTile,
+    engine: WinogradEngine,
+    x: &X,
+    w: &W,
+    y: &mut Y,
+    chunking: Chunking,
+) -> Result<()>
+where
+    T: Element,
+    X: DevicePtr<T>,
+    W: DevicePtr<T>,
+    Y: DevicePtrMut<T>,
+{
+    eligible(s, tile)?;
+    let stream = ctx.stream();
+    let ixm = meta(x);
+    let (px, _gx) = x.device_ptr(stream);
+    let ix = info::<T>("x", ixm, px);
+    let iwm = meta(w);
+    let (pw, _gw) = w.device_ptr(stream);
+    let iw = info::<T>("w", iwm, pw);
+    let iym = meta(y);
+    let (py, _gy) = y.device_ptr_mut(stream);
+    let iy = info::<T>("y", iym, py);
+    check_bufs(
+        ctx,
+        &[(iy, s.y_len()?, "n * oh * ow * c_out")],
+        &[
+            (ix, s.x_len(), "n * h * w * c_in"),
+            (iw, s.w_len(), "c_out * 3 * 3 * c_in"),
+        ],
+    )?;
+    let p = FwdPtrs {
+        x: px,
+        w: pw,
+        y: py,
+    };
+    // SAFETY: lengths, device and disjointness checked above.
+    unsafe { super::forward_chunked(ctx, s, T::DTYPE, tile, engine, p, chunking) }
+}
+
+/// The chunking the path uses on this Context by default.
+pub fn default_chunking(ctx: &Context) -> Chunking {
+    super::default_chunking(ctx)
 }
 
 /// The Winograd data gradient as the dispatcher runs it: dy (NHWC, `s`'s output), w (KRSC) →
