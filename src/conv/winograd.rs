@@ -123,6 +123,7 @@ pub(crate) unsafe fn input_transform(
         launch::arg_u32(d.tiles_h, "tiles_h")?,
         launch::arg_u32(d.tiles_w, "tiles_w")?,
     ];
+    launch::arg_u32(d.tiles_per_image, "tiles per image")?;
     let tiles64 = tiles as u64;
     let f = ctx.function(&kernels::WINOGRAD, name)?;
     tracing::debug!(
@@ -192,6 +193,7 @@ pub(crate) unsafe fn output_transform(
         launch::arg_u32(d.tiles_h, "tiles_h")?,
         launch::arg_u32(d.tiles_w, "tiles_w")?,
     ];
+    launch::arg_u32(d.tiles_per_image, "tiles per image")?;
     // The kernel adds up to m - 1 to tile origins in u32.
     launch::arg_u32(oh.max(ow) + tile.m(), "oh")?;
     let tiles64 = tiles as u64;

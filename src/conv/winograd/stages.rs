@@ -371,6 +371,40 @@ where
     unsafe { super::forward_chunked(ctx, s, T::DTYPE, tile, engine, p, chunking) }
 }
 
+/// How the path splits a batch: what [`plan_chunks`] answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkSummary {
+    /// Images of each chunk, in order (sizes differ by at most one).
+    pub chunks: Vec<usize>,
+    /// Scratch bytes the path takes (the transformed filter unless prepared, and the largest
+    /// chunk's transformed input and product, each region 256-byte aligned).
+    pub scratch_bytes: usize,
+    /// Whether the L2 rule, not the workspace cap, set the chunk size.
+    pub l2_limited: bool,
+}
+
+/// The chunks and scratch bytes of a Winograd run of `s` (pure; for plans and reports):
+/// `cap_bytes` is the convolution workspace cap ([`crate::Config::conv_workspace_bytes`]),
+/// `prepared` whether the transformed filter comes from the caller (then it is not in the
+/// scratch). Errors: an ineligible shape, or one image that does not fit the cap
+/// ([`Error::NotSupported`], saying so).
+pub fn plan_chunks(
+    s: &ConvShape,
+    tile: WinogradTile,
+    dtype: DType,
+    cap_bytes: usize,
+    chunking: Chunking,
+    prepared: bool,
+) -> Result<ChunkSummary> {
+    eligible(s, tile)?;
+    let p = super::launch::chunk_plan(s, tile, dtype.size(), cap_bytes, !prepared, chunking)?;
+    Ok(ChunkSummary {
+        chunks: p.chunks,
+        scratch_bytes: p.layout.bytes,
+        l2_limited: p.l2_limited,
+    })
+}
+
 /// The chunking the path uses on this Context by default.
 pub fn default_chunking(ctx: &Context) -> Chunking {
     super::default_chunking(ctx)
