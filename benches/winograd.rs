@@ -28,6 +28,8 @@
 //! `cargo bench --bench winograd` on a GPU; `NNFUSE_BENCH_QUICK=1` runs batch 32 and f16 only.
 //! About a minute on an H100.
 
+use std::time::Instant;
+
 use anyhow::{Context as _, Result};
 use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
@@ -47,12 +49,12 @@ const FP32_PEAK: f64 = 67e12;
 /// Bytes after which the L2 (50 MiB) no longer holds an earlier iteration's data.
 const L2_ROTATE: usize = 120 << 20;
 
-fn opts(quick_ms: f64) -> TimingOptions {
+fn opts(budget_ms: f64) -> TimingOptions {
     TimingOptions {
         warmup: 3,
         max_iters: 100,
         min_iters: 10,
-        budget_ms: quick_ms,
+        budget_ms,
     }
 }
 
@@ -168,6 +170,8 @@ struct Total {
     stages_tc_us: f64,
     /// Tensor-core path with workspace-cap chunks.
     cap_us: f64,
+    /// Host time of queuing one tensor-core forward.
+    host_us: f64,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -340,6 +344,25 @@ fn bench_layer<T: Element>(
                 ),
             );
         }
+        // Host time of queuing one tensor-core forward (validation, chunk plan, launches, GEMM
+        // lookup): when it exceeds the GPU time the path is launch-bound.
+        ctx.synchronize()?;
+        let calls = 30;
+        let t0 = Instant::now();
+        for i in 0..calls {
+            let k = i % copies;
+            wg::forward(
+                ctx,
+                s,
+                tile,
+                WinogradEngine::TensorCore,
+                &x[k],
+                &w,
+                &mut y[k],
+            )?;
+        }
+        let host_us = t0.elapsed().as_secs_f64() * 1e6 / calls as f64;
+        ctx.synchronize()?;
         // The same path with one chunk as large as the workspace cap allows (U and M
         // round-trip through DRAM): what the L2-resident chunking saves.
         let t_cap = time_gpu(ctx, o, |i| {
@@ -376,6 +399,7 @@ fn bench_layer<T: Element>(
             direct_us: path[1],
             stages_tc_us,
             cap_us: t_cap.median_us(),
+            host_us,
         });
         if with_variants {
             for &vw in wg::vector_widths(dt) {
@@ -566,8 +590,8 @@ fn main() -> Result<()> {
     );
 
     println!("\n### Totals: the whole Winograd forward per tile and engine\n");
-    println!("| dtype | layer | N | tile | tensor core µs | TFLOP/s | Direct µs | Direct/TC | cap chunks µs | sum of cold stages (TC) µs | F4/F2 (TC) |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| dtype | layer | N | tile | tensor core µs | TFLOP/s | Direct µs | Direct/TC | cap chunks µs | sum of cold stages (TC) µs | host µs/call | F4/F2 (TC) |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for t in &totals {
         let f2 = totals
             .iter()
@@ -579,7 +603,7 @@ fn main() -> Result<()> {
             })
             .map(|o| o.tc_us);
         println!(
-            "| {} | {} | {} | {} | {:.1} | {:.0} | {:.1} | {:.2}x | {:.1} | {:.1} | {} |",
+            "| {} | {} | {} | {} | {:.1} | {:.0} | {:.1} | {:.2}x | {:.1} | {:.1} | {:.1} | {} |",
             t.dtype,
             t.layer,
             t.n,
@@ -590,6 +614,7 @@ fn main() -> Result<()> {
             t.direct_us / t.tc_us,
             t.cap_us,
             t.stages_tc_us,
+            t.host_us,
             match (t.tile, f2) {
                 (WinogradTile::F4x3, Some(f2)) => format!("{:.2}x", t.tc_us / f2),
                 _ => "-".into(),
@@ -675,7 +700,7 @@ fn main() -> Result<()> {
                 "bench": "winograd", "part": "total", "dtype": t.dtype.name(), "layer": t.layer,
                 "n": t.n, "tile": t.tile.name(), "tensor_core_us": t.tc_us,
                 "direct_us": t.direct_us, "stages_tensor_core_us": t.stages_tc_us,
-                "cap_chunks_us": t.cap_us,
+                "cap_chunks_us": t.cap_us, "host_us_per_call": t.host_us,
                 "tflops_tensor_core": t.flops / (t.tc_us * 1e-6) / 1e12,
             })
         );

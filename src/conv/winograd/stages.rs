@@ -487,3 +487,58 @@ where
     // and C overlaps neither A nor B.
     unsafe { crate::conv::winograd_gemm::batched_direct(ctx, p, T::DTYPE, pa, pb, pc) }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::TensorFormat;
+
+    #[test]
+    fn plan_chunks_reports_what_the_path_will_do() {
+        let s = ConvShape {
+            n: 32,
+            c_in: 64,
+            h: 56,
+            w: 56,
+            c_out: 64,
+            kh: 3,
+            kw: 3,
+            stride: (1, 1),
+            pad: (1, 1),
+            dilation: (1, 1),
+            format: TensorFormat::Nhwc,
+        };
+        let l2 = Chunking::L2Resident { l2_bytes: 50 << 20 };
+        let p = plan_chunks(&s, WinogradTile::F4x3, DType::F16, 256 << 20, l2, false).unwrap();
+        assert_eq!(p.chunks, vec![11, 11, 10]);
+        assert!(p.l2_limited);
+        let q = plan_chunks(
+            &s,
+            WinogradTile::F4x3,
+            DType::F16,
+            256 << 20,
+            Chunking::WorkspaceCap,
+            false,
+        )
+        .unwrap();
+        assert_eq!((q.chunks, q.l2_limited), (vec![32], false));
+        assert!(q.scratch_bytes > p.scratch_bytes);
+        // A prepared filter is not in the scratch.
+        let r = plan_chunks(
+            &s,
+            WinogradTile::F4x3,
+            DType::F16,
+            256 << 20,
+            Chunking::WorkspaceCap,
+            true,
+        )
+        .unwrap();
+        assert!(r.scratch_bytes < q.scratch_bytes);
+        let mut bad = s;
+        bad.stride = (2, 2);
+        let e = plan_chunks(&bad, WinogradTile::F4x3, DType::F16, 1 << 30, l2, false).unwrap_err();
+        assert_eq!(e.argument(), Some("shape"));
+        let e = plan_chunks(&s, WinogradTile::F4x3, DType::F16, 1 << 10, l2, false).unwrap_err();
+        assert!(e.to_string().contains("workspace cap"), "{e}");
+    }
+}
