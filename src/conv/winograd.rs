@@ -10,8 +10,8 @@
 //! transformed filter `V`, unless the caller prepared it) fit under
 //! [`crate::Config::conv_workspace_bytes`], all in the Context's scratch arena
 //! ([`Context::scratch`]). Per chunk: input transform (x → U), batched multiply (V, U → M),
-//! output transform (M → y); chunks differ by at most one image, so the batched GEMM has at most
-//! two shapes (two tuning keys).
+//! output transform (M → y); every chunk's batched GEMM has the shape of the largest chunk (the
+//! extra columns of a smaller one are never read), so one run has one GEMM shape: one tuning key.
 //!
 //! Accuracy: every stage rounds its output to the data type once, so F(4x4, 3x3) in 16-bit types
 //! loses about an order of magnitude more than a direct convolution
@@ -381,23 +381,20 @@ unsafe fn run(
     let m = base + plan.layout.m as u64;
     let x_image = (s.h * s.w * s.c_in * elem) as u64;
     let y_image = (oh * ow * s.c_out * elem) as u64;
+    // Every chunk multiplies as many tiles as the largest (the first): the tiles past a smaller
+    // chunk's own hold the previous chunk's data, and their product columns are never read
+    // (each column of M depends only on its own column of U). So the batched GEMM has one shape
+    // per run: one tuning key, one search, one kernel.
+    let gemm_tiles = plan.chunk * tiles_per_image;
+    debug_assert_eq!(plan.chunks.first().copied(), Some(plan.chunk));
     let mut first = 0u64;
     for &images in &plan.chunks {
         let (xc, yc) = (x + first * x_image, y + first * y_image);
-        // SAFETY: the chunk's images lie inside x and y; U and M hold `chunk >= images` images.
+        // SAFETY: the chunk's images lie inside x and y; U and M hold `chunk >= images` images,
+        // and the first chunk (the largest) writes all of U before any multiply reads it.
         unsafe {
             input_transform(ctx, s, dtype, tile, xc, u, images, None)?;
-            multiply(
-                ctx,
-                s,
-                dtype,
-                tile,
-                engine,
-                v,
-                u,
-                m,
-                images * tiles_per_image,
-            )?;
+            multiply(ctx, s, dtype, tile, engine, v, u, m, gemm_tiles)?;
             output_transform(ctx, s, dtype, tile, m, yc, images, None)?;
         }
         first += images as u64;

@@ -308,7 +308,7 @@ pub(crate) struct ChunkPlan {
     pub dims: WinogradDims,
     /// Images per chunk (the largest chunk).
     pub chunk: usize,
-    /// Sizes of the chunks in order (differing by at most one: at most two GEMM shapes).
+    /// Sizes of the chunks in order (differing by at most one, the largest first).
     pub chunks: Vec<usize>,
     /// The scratch layout for the largest chunk.
     pub layout: ScratchLayout,
