@@ -406,9 +406,30 @@ __device__ __forceinline__ void filter_transform(const T* __restrict__ w, T* __r
 }
 
 // ---- entry points ---------------------------------------------------------------------------
-// winograd_input_<tile>_<dtype>_v<V>: V channels per thread (row groups per src/conv/winograd/
-// launch.rs's table: TRANSFORM_VARIANTS); winograd_output_... likewise; winograd_filter_<tile>_
-// <dtype> and winograd_filter_rot_<tile>_<dtype>.
+// winograd_input_<tile>_<dtype>_v<V> and winograd_output_<tile>_<dtype>_v<V>: V channels per
+// thread, RG rows per thread (the table in src/conv/winograd/launch.rs: row_groups); and
+// winograd_filter_<tile>_<dtype>, winograd_filter_rot_<tile>_<dtype>.
+//
+// Compiling every kernel takes NVRTC tens of seconds (the unrolled transforms are large), so the
+// launcher compiles this file once per (stage, type, tile, width) it actually uses, with
+// NNF_WG_STAGE (1 input, 2 output, 3 filter), NNF_WG_DT (1 f32, 2 f16, 3 bf16), NNF_WG_TILE (2,
+// 4) and NNF_WG_VEC defined; undefined (0) selects everything (CI compiles the whole file).
+
+#ifndef NNF_WG_STAGE
+#define NNF_WG_STAGE 0
+#endif
+#ifndef NNF_WG_DT
+#define NNF_WG_DT 0
+#endif
+#ifndef NNF_WG_TILE
+#define NNF_WG_TILE 0
+#endif
+#ifndef NNF_WG_VEC
+#define NNF_WG_VEC 0
+#endif
+#define NNF_WG_PICK(stage, dt, tile, vec)                                                          \
+    ((NNF_WG_STAGE == 0 || NNF_WG_STAGE == (stage)) && (NNF_WG_DT == 0 || NNF_WG_DT == (dt)) &&   \
+     (NNF_WG_TILE == 0 || NNF_WG_TILE == (tile)) && (NNF_WG_VEC == 0 || NNF_WG_VEC == (vec)))
 
 #define NNF_WG_INPUT(TILE, M, T, S, V, RG)                                                        \
     extern "C" __global__ void __launch_bounds__(WG_THREADS) winograd_input_##TILE##_##S##_v##V(  \
@@ -433,36 +454,119 @@ __device__ __forceinline__ void filter_transform(const T* __restrict__ w, T* __r
         filter_transform<T, M, true>(w, v, kout, cin);                                            \
     }
 
-// Row groups (RG) keep tmp[RG][alpha][V] at most 72 floats. Keep in sync with
-// src/conv/winograd/launch.rs.
-// f32: V = 4 (16 bytes), 1.
+// Row groups (RG) keep tmp[RG][alpha][V] at most 72 floats. f32: V = 4 (16 bytes), 1; 16-bit
+// types: V = 8 (16 bytes), 2 (4 bytes), 1.
+#if NNF_WG_PICK(1, 1, 2, 4)
 NNF_WG_INPUT(f2x3, 2, float, f32, 4, 2)
+#endif
+#if NNF_WG_PICK(1, 1, 2, 1)
 NNF_WG_INPUT(f2x3, 2, float, f32, 1, 4)
-NNF_WG_INPUT(f4x3, 4, float, f32, 4, 2)
-NNF_WG_INPUT(f4x3, 4, float, f32, 1, 6)
+#endif
+#if NNF_WG_PICK(2, 1, 2, 4)
 NNF_WG_OUTPUT(f2x3, 2, float, f32, 4, 2)
+#endif
+#if NNF_WG_PICK(2, 1, 2, 1)
 NNF_WG_OUTPUT(f2x3, 2, float, f32, 1, 2)
-NNF_WG_OUTPUT(f4x3, 4, float, f32, 4, 2)
-NNF_WG_OUTPUT(f4x3, 4, float, f32, 1, 4)
+#endif
+#if NNF_WG_PICK(3, 1, 2, 0)
 NNF_WG_FILTER(f2x3, 2, float, f32)
+#endif
+#if NNF_WG_PICK(1, 1, 4, 4)
+NNF_WG_INPUT(f4x3, 4, float, f32, 4, 2)
+#endif
+#if NNF_WG_PICK(1, 1, 4, 1)
+NNF_WG_INPUT(f4x3, 4, float, f32, 1, 6)
+#endif
+#if NNF_WG_PICK(2, 1, 4, 4)
+NNF_WG_OUTPUT(f4x3, 4, float, f32, 4, 2)
+#endif
+#if NNF_WG_PICK(2, 1, 4, 1)
+NNF_WG_OUTPUT(f4x3, 4, float, f32, 1, 4)
+#endif
+#if NNF_WG_PICK(3, 1, 4, 0)
 NNF_WG_FILTER(f4x3, 4, float, f32)
-
-// 16-bit types: V = 8 (16 bytes), 2 (4 bytes), 1.
-#define NNF_WG_HALF(T, S)                                                                         \
-    NNF_WG_INPUT(f2x3, 2, T, S, 8, 2)                                                             \
-    NNF_WG_INPUT(f2x3, 2, T, S, 2, 4)                                                             \
-    NNF_WG_INPUT(f2x3, 2, T, S, 1, 4)                                                             \
-    NNF_WG_INPUT(f4x3, 4, T, S, 8, 1)                                                             \
-    NNF_WG_INPUT(f4x3, 4, T, S, 2, 6)                                                             \
-    NNF_WG_INPUT(f4x3, 4, T, S, 1, 6)                                                             \
-    NNF_WG_OUTPUT(f2x3, 2, T, S, 8, 1)                                                            \
-    NNF_WG_OUTPUT(f2x3, 2, T, S, 2, 2)                                                            \
-    NNF_WG_OUTPUT(f2x3, 2, T, S, 1, 2)                                                            \
-    NNF_WG_OUTPUT(f4x3, 4, T, S, 8, 1)                                                            \
-    NNF_WG_OUTPUT(f4x3, 4, T, S, 2, 4)                                                            \
-    NNF_WG_OUTPUT(f4x3, 4, T, S, 1, 4)                                                            \
-    NNF_WG_FILTER(f2x3, 2, T, S)                                                                  \
-    NNF_WG_FILTER(f4x3, 4, T, S)
-
-NNF_WG_HALF(nnf_f16, f16)
-NNF_WG_HALF(nnf_bf16, bf16)
+#endif
+#if NNF_WG_PICK(1, 2, 2, 8)
+NNF_WG_INPUT(f2x3, 2, nnf_f16, f16, 8, 2)
+#endif
+#if NNF_WG_PICK(1, 2, 2, 2)
+NNF_WG_INPUT(f2x3, 2, nnf_f16, f16, 2, 4)
+#endif
+#if NNF_WG_PICK(1, 2, 2, 1)
+NNF_WG_INPUT(f2x3, 2, nnf_f16, f16, 1, 4)
+#endif
+#if NNF_WG_PICK(2, 2, 2, 8)
+NNF_WG_OUTPUT(f2x3, 2, nnf_f16, f16, 8, 1)
+#endif
+#if NNF_WG_PICK(2, 2, 2, 2)
+NNF_WG_OUTPUT(f2x3, 2, nnf_f16, f16, 2, 2)
+#endif
+#if NNF_WG_PICK(2, 2, 2, 1)
+NNF_WG_OUTPUT(f2x3, 2, nnf_f16, f16, 1, 2)
+#endif
+#if NNF_WG_PICK(3, 2, 2, 0)
+NNF_WG_FILTER(f2x3, 2, nnf_f16, f16)
+#endif
+#if NNF_WG_PICK(1, 2, 4, 8)
+NNF_WG_INPUT(f4x3, 4, nnf_f16, f16, 8, 1)
+#endif
+#if NNF_WG_PICK(1, 2, 4, 2)
+NNF_WG_INPUT(f4x3, 4, nnf_f16, f16, 2, 6)
+#endif
+#if NNF_WG_PICK(1, 2, 4, 1)
+NNF_WG_INPUT(f4x3, 4, nnf_f16, f16, 1, 6)
+#endif
+#if NNF_WG_PICK(2, 2, 4, 8)
+NNF_WG_OUTPUT(f4x3, 4, nnf_f16, f16, 8, 1)
+#endif
+#if NNF_WG_PICK(2, 2, 4, 2)
+NNF_WG_OUTPUT(f4x3, 4, nnf_f16, f16, 2, 4)
+#endif
+#if NNF_WG_PICK(2, 2, 4, 1)
+NNF_WG_OUTPUT(f4x3, 4, nnf_f16, f16, 1, 4)
+#endif
+#if NNF_WG_PICK(3, 2, 4, 0)
+NNF_WG_FILTER(f4x3, 4, nnf_f16, f16)
+#endif
+#if NNF_WG_PICK(1, 3, 2, 8)
+NNF_WG_INPUT(f2x3, 2, nnf_bf16, bf16, 8, 2)
+#endif
+#if NNF_WG_PICK(1, 3, 2, 2)
+NNF_WG_INPUT(f2x3, 2, nnf_bf16, bf16, 2, 4)
+#endif
+#if NNF_WG_PICK(1, 3, 2, 1)
+NNF_WG_INPUT(f2x3, 2, nnf_bf16, bf16, 1, 4)
+#endif
+#if NNF_WG_PICK(2, 3, 2, 8)
+NNF_WG_OUTPUT(f2x3, 2, nnf_bf16, bf16, 8, 1)
+#endif
+#if NNF_WG_PICK(2, 3, 2, 2)
+NNF_WG_OUTPUT(f2x3, 2, nnf_bf16, bf16, 2, 2)
+#endif
+#if NNF_WG_PICK(2, 3, 2, 1)
+NNF_WG_OUTPUT(f2x3, 2, nnf_bf16, bf16, 1, 2)
+#endif
+#if NNF_WG_PICK(3, 3, 2, 0)
+NNF_WG_FILTER(f2x3, 2, nnf_bf16, bf16)
+#endif
+#if NNF_WG_PICK(1, 3, 4, 8)
+NNF_WG_INPUT(f4x3, 4, nnf_bf16, bf16, 8, 1)
+#endif
+#if NNF_WG_PICK(1, 3, 4, 2)
+NNF_WG_INPUT(f4x3, 4, nnf_bf16, bf16, 2, 6)
+#endif
+#if NNF_WG_PICK(1, 3, 4, 1)
+NNF_WG_INPUT(f4x3, 4, nnf_bf16, bf16, 1, 6)
+#endif
+#if NNF_WG_PICK(2, 3, 4, 8)
+NNF_WG_OUTPUT(f4x3, 4, nnf_bf16, bf16, 8, 1)
+#endif
+#if NNF_WG_PICK(2, 3, 4, 2)
+NNF_WG_OUTPUT(f4x3, 4, nnf_bf16, bf16, 2, 4)
+#endif
+#if NNF_WG_PICK(2, 3, 4, 1)
+NNF_WG_OUTPUT(f4x3, 4, nnf_bf16, bf16, 1, 4)
+#endif
+#if NNF_WG_PICK(3, 3, 4, 0)
+NNF_WG_FILTER(f4x3, 4, nnf_bf16, bf16)
+#endif

@@ -141,6 +141,12 @@ __device__ __forceinline__ void direct_gemm(const T* __restrict__ A, const T* __
     }
 }
 
+// The launcher compiles this file once per type it uses, with NNF_DG_DT (1 f32, 2 f16, 3 bf16)
+// defined; undefined (0) selects every type.
+#ifndef NNF_DG_DT
+#define NNF_DG_DT 0
+#endif
+
 #define NNF_DG_KERNEL(T, S, TA, TB, NAME)                                                         \
     extern "C" __global__ void __launch_bounds__(DG_THREADS) winograd_gemm_direct_##NAME##_##S(   \
         const T* a, const T* b, T* c, u32 m, u32 n, u32 k, u64 lda, u64 ldb, u64 ldc, u64 sa,     \
@@ -155,6 +161,12 @@ __device__ __forceinline__ void direct_gemm(const T* __restrict__ A, const T* __
     NNF_DG_KERNEL(T, S, true, false, tn)                                                          \
     NNF_DG_KERNEL(T, S, true, true, tt)
 
+#if NNF_DG_DT == 0 || NNF_DG_DT == 1
 NNF_DG_TYPE(float, f32)
+#endif
+#if NNF_DG_DT == 0 || NNF_DG_DT == 2
 NNF_DG_TYPE(nnf_f16, f16)
+#endif
+#if NNF_DG_DT == 0 || NNF_DG_DT == 3
 NNF_DG_TYPE(nnf_bf16, bf16)
+#endif

@@ -28,7 +28,6 @@ use crate::context::Context;
 use crate::dtype::DType;
 use crate::error::{CallExt, Error, Result};
 use crate::gemm::{Compute, Problem};
-use crate::kernels;
 pub use launch::Chunking;
 use launch::Stage;
 
@@ -125,7 +124,9 @@ pub(crate) unsafe fn input_transform(
     ];
     launch::arg_u32(d.tiles_per_image, "tiles per image")?;
     let tiles64 = tiles as u64;
-    let f = ctx.function(&kernels::WINOGRAD, name)?;
+    let unit = launch::transform_unit(Stage::Input, dtype, tile, vec)
+        .ok_or_else(|| Error::NotSupported(format!("no compilation unit holds {name}")))?;
+    let f = ctx.function(unit, name)?;
     tracing::debug!(
         kernel = name,
         images,
@@ -197,7 +198,9 @@ pub(crate) unsafe fn output_transform(
     // The kernel adds up to m - 1 to tile origins in u32.
     launch::arg_u32(oh.max(ow) + tile.m(), "oh")?;
     let tiles64 = tiles as u64;
-    let f = ctx.function(&kernels::WINOGRAD, name)?;
+    let unit = launch::transform_unit(Stage::Output, dtype, tile, vec)
+        .ok_or_else(|| Error::NotSupported(format!("no compilation unit holds {name}")))?;
+    let f = ctx.function(unit, name)?;
     tracing::debug!(
         kernel = name,
         images,
@@ -246,7 +249,7 @@ unsafe fn filter_transform(
         launch::arg_u32(cin, "c_in")?,
     );
     let name = launch::filter_kernel(dtype, tile, rotated);
-    let f = ctx.function(&kernels::WINOGRAD, name)?;
+    let f = ctx.function(launch::filter_unit(dtype, tile), name)?;
     tracing::debug!(kernel = name, kout, cin, ?grid, "Winograd filter transform");
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&w).arg(&v).arg(&k32).arg(&c32);

@@ -12,12 +12,11 @@
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use super::winograd::launch::{direct_grid, direct_kernel, DIRECT_THREADS};
+use super::winograd::launch::{direct_grid, direct_kernel, direct_unit, DIRECT_THREADS};
 use crate::context::Context;
 use crate::dtype::DType;
 use crate::error::{CallExt, Result};
 use crate::gemm::{check_pointers, Problem, Validated};
-use crate::kernels;
 
 /// Runs `p` (column-major, as [`crate::gemm::strided_batched`]; alpha/beta honoured) with the
 /// Direct kernel.
@@ -40,7 +39,7 @@ pub(crate) unsafe fn batched_direct(
     check_pointers(&spans, dtype.size(), a, b, c)?;
     let ((gx, gy), mblocks) = direct_grid(p.m, p.n, p.batch)?;
     let name = direct_kernel(dtype, p.trans_a, p.trans_b);
-    let f = ctx.function(&kernels::WINOGRAD_GEMM, name)?;
+    let f = ctx.function(direct_unit(dtype), name)?;
     tracing::debug!(
         kernel = name,
         m = p.m,

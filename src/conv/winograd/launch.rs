@@ -7,6 +7,7 @@ use crate::conv::sizes::{winograd_dims, WinogradDims, WinogradTile};
 use crate::conv::ConvShape;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::kernels::KernelFile;
 
 /// Threads per block of every transform kernel (`WG_THREADS`).
 pub(crate) const THREADS: u32 = 256;
@@ -167,6 +168,345 @@ pub(crate) fn direct_kernel(dtype: DType, trans_a: bool, trans_b: bool) -> &'sta
         (BF16, true, false) => "winograd_gemm_direct_tn_bf16",
         (BF16, true, true) => "winograd_gemm_direct_tt_bf16",
     }
+}
+
+/// One compilation unit of `kernels/winograd.cu` (or `kernels/winograd_gemm.cu`): the file with
+/// the selection macros defined, so that NVRTC compiles only the kernels of one stage, type, tile
+/// and width (the whole file takes NVRTC tens of seconds; one unit a second or two). The
+/// Context compiles and caches each unit on first use, by its name.
+macro_rules! wg_unit {
+    ($label:literal, $stage:literal, $dt:literal, $tile:literal, $vec:literal) => {
+        KernelFile {
+            name: concat!("winograd.cu[", $label, "]"),
+            source: concat!(
+                include_str!("../../../kernels/prelude.cuh"),
+                "\n#define NNF_WG_STAGE ",
+                $stage,
+                "\n#define NNF_WG_DT ",
+                $dt,
+                "\n#define NNF_WG_TILE ",
+                $tile,
+                "\n#define NNF_WG_VEC ",
+                $vec,
+                "\n#line 1 \"winograd.cu\"\n",
+                include_str!("../../../kernels/winograd.cu")
+            ),
+        }
+    };
+}
+
+macro_rules! dg_unit {
+    ($label:literal, $dt:literal) => {
+        KernelFile {
+            name: concat!("winograd_gemm.cu[", $label, "]"),
+            source: concat!(
+                include_str!("../../../kernels/prelude.cuh"),
+                "\n#define NNF_DG_DT ",
+                $dt,
+                "\n#line 1 \"winograd_gemm.cu\"\n",
+                include_str!("../../../kernels/winograd_gemm.cu")
+            ),
+        }
+    };
+}
+
+/// The compilation units of the transforms, `(stage, dtype, tile, vec)` → unit.
+static TRANSFORM_UNITS: [(Stage, DType, WinogradTile, usize, KernelFile); 32] = [
+    (
+        Stage::Input,
+        DType::F32,
+        WinogradTile::F2x3,
+        4,
+        wg_unit!("input,f32,f2x3,v4", 1, 1, 2, 4),
+    ),
+    (
+        Stage::Input,
+        DType::F32,
+        WinogradTile::F2x3,
+        1,
+        wg_unit!("input,f32,f2x3,v1", 1, 1, 2, 1),
+    ),
+    (
+        Stage::Output,
+        DType::F32,
+        WinogradTile::F2x3,
+        4,
+        wg_unit!("output,f32,f2x3,v4", 2, 1, 2, 4),
+    ),
+    (
+        Stage::Output,
+        DType::F32,
+        WinogradTile::F2x3,
+        1,
+        wg_unit!("output,f32,f2x3,v1", 2, 1, 2, 1),
+    ),
+    (
+        Stage::Input,
+        DType::F32,
+        WinogradTile::F4x3,
+        4,
+        wg_unit!("input,f32,f4x3,v4", 1, 1, 4, 4),
+    ),
+    (
+        Stage::Input,
+        DType::F32,
+        WinogradTile::F4x3,
+        1,
+        wg_unit!("input,f32,f4x3,v1", 1, 1, 4, 1),
+    ),
+    (
+        Stage::Output,
+        DType::F32,
+        WinogradTile::F4x3,
+        4,
+        wg_unit!("output,f32,f4x3,v4", 2, 1, 4, 4),
+    ),
+    (
+        Stage::Output,
+        DType::F32,
+        WinogradTile::F4x3,
+        1,
+        wg_unit!("output,f32,f4x3,v1", 2, 1, 4, 1),
+    ),
+    (
+        Stage::Input,
+        DType::F16,
+        WinogradTile::F2x3,
+        8,
+        wg_unit!("input,f16,f2x3,v8", 1, 2, 2, 8),
+    ),
+    (
+        Stage::Input,
+        DType::F16,
+        WinogradTile::F2x3,
+        2,
+        wg_unit!("input,f16,f2x3,v2", 1, 2, 2, 2),
+    ),
+    (
+        Stage::Input,
+        DType::F16,
+        WinogradTile::F2x3,
+        1,
+        wg_unit!("input,f16,f2x3,v1", 1, 2, 2, 1),
+    ),
+    (
+        Stage::Output,
+        DType::F16,
+        WinogradTile::F2x3,
+        8,
+        wg_unit!("output,f16,f2x3,v8", 2, 2, 2, 8),
+    ),
+    (
+        Stage::Output,
+        DType::F16,
+        WinogradTile::F2x3,
+        2,
+        wg_unit!("output,f16,f2x3,v2", 2, 2, 2, 2),
+    ),
+    (
+        Stage::Output,
+        DType::F16,
+        WinogradTile::F2x3,
+        1,
+        wg_unit!("output,f16,f2x3,v1", 2, 2, 2, 1),
+    ),
+    (
+        Stage::Input,
+        DType::F16,
+        WinogradTile::F4x3,
+        8,
+        wg_unit!("input,f16,f4x3,v8", 1, 2, 4, 8),
+    ),
+    (
+        Stage::Input,
+        DType::F16,
+        WinogradTile::F4x3,
+        2,
+        wg_unit!("input,f16,f4x3,v2", 1, 2, 4, 2),
+    ),
+    (
+        Stage::Input,
+        DType::F16,
+        WinogradTile::F4x3,
+        1,
+        wg_unit!("input,f16,f4x3,v1", 1, 2, 4, 1),
+    ),
+    (
+        Stage::Output,
+        DType::F16,
+        WinogradTile::F4x3,
+        8,
+        wg_unit!("output,f16,f4x3,v8", 2, 2, 4, 8),
+    ),
+    (
+        Stage::Output,
+        DType::F16,
+        WinogradTile::F4x3,
+        2,
+        wg_unit!("output,f16,f4x3,v2", 2, 2, 4, 2),
+    ),
+    (
+        Stage::Output,
+        DType::F16,
+        WinogradTile::F4x3,
+        1,
+        wg_unit!("output,f16,f4x3,v1", 2, 2, 4, 1),
+    ),
+    (
+        Stage::Input,
+        DType::BF16,
+        WinogradTile::F2x3,
+        8,
+        wg_unit!("input,bf16,f2x3,v8", 1, 3, 2, 8),
+    ),
+    (
+        Stage::Input,
+        DType::BF16,
+        WinogradTile::F2x3,
+        2,
+        wg_unit!("input,bf16,f2x3,v2", 1, 3, 2, 2),
+    ),
+    (
+        Stage::Input,
+        DType::BF16,
+        WinogradTile::F2x3,
+        1,
+        wg_unit!("input,bf16,f2x3,v1", 1, 3, 2, 1),
+    ),
+    (
+        Stage::Output,
+        DType::BF16,
+        WinogradTile::F2x3,
+        8,
+        wg_unit!("output,bf16,f2x3,v8", 2, 3, 2, 8),
+    ),
+    (
+        Stage::Output,
+        DType::BF16,
+        WinogradTile::F2x3,
+        2,
+        wg_unit!("output,bf16,f2x3,v2", 2, 3, 2, 2),
+    ),
+    (
+        Stage::Output,
+        DType::BF16,
+        WinogradTile::F2x3,
+        1,
+        wg_unit!("output,bf16,f2x3,v1", 2, 3, 2, 1),
+    ),
+    (
+        Stage::Input,
+        DType::BF16,
+        WinogradTile::F4x3,
+        8,
+        wg_unit!("input,bf16,f4x3,v8", 1, 3, 4, 8),
+    ),
+    (
+        Stage::Input,
+        DType::BF16,
+        WinogradTile::F4x3,
+        2,
+        wg_unit!("input,bf16,f4x3,v2", 1, 3, 4, 2),
+    ),
+    (
+        Stage::Input,
+        DType::BF16,
+        WinogradTile::F4x3,
+        1,
+        wg_unit!("input,bf16,f4x3,v1", 1, 3, 4, 1),
+    ),
+    (
+        Stage::Output,
+        DType::BF16,
+        WinogradTile::F4x3,
+        8,
+        wg_unit!("output,bf16,f4x3,v8", 2, 3, 4, 8),
+    ),
+    (
+        Stage::Output,
+        DType::BF16,
+        WinogradTile::F4x3,
+        2,
+        wg_unit!("output,bf16,f4x3,v2", 2, 3, 4, 2),
+    ),
+    (
+        Stage::Output,
+        DType::BF16,
+        WinogradTile::F4x3,
+        1,
+        wg_unit!("output,bf16,f4x3,v1", 2, 3, 4, 1),
+    ),
+];
+
+/// The compilation units of the filter transforms (both variants), `(dtype, tile)` → unit.
+static FILTER_UNITS: [(DType, WinogradTile, KernelFile); 6] = [
+    (
+        DType::F32,
+        WinogradTile::F2x3,
+        wg_unit!("filter,f32,f2x3", 3, 1, 2, 0),
+    ),
+    (
+        DType::F32,
+        WinogradTile::F4x3,
+        wg_unit!("filter,f32,f4x3", 3, 1, 4, 0),
+    ),
+    (
+        DType::F16,
+        WinogradTile::F2x3,
+        wg_unit!("filter,f16,f2x3", 3, 2, 2, 0),
+    ),
+    (
+        DType::F16,
+        WinogradTile::F4x3,
+        wg_unit!("filter,f16,f4x3", 3, 2, 4, 0),
+    ),
+    (
+        DType::BF16,
+        WinogradTile::F2x3,
+        wg_unit!("filter,bf16,f2x3", 3, 3, 2, 0),
+    ),
+    (
+        DType::BF16,
+        WinogradTile::F4x3,
+        wg_unit!("filter,bf16,f4x3", 3, 3, 4, 0),
+    ),
+];
+
+/// The compilation units of the Direct batched multiply, one per type.
+static DIRECT_UNITS: [(DType, KernelFile); 3] = [
+    (DType::F32, dg_unit!("f32", 1)),
+    (DType::F16, dg_unit!("f16", 2)),
+    (DType::BF16, dg_unit!("bf16", 3)),
+];
+
+/// The compilation unit holding [`transform_kernel`]'s kernel.
+pub(crate) fn transform_unit(
+    stage: Stage,
+    dtype: DType,
+    tile: WinogradTile,
+    vec: usize,
+) -> Option<&'static KernelFile> {
+    TRANSFORM_UNITS
+        .iter()
+        .find(|u| u.0 == stage && u.1 == dtype && u.2 == tile && u.3 == vec)
+        .map(|u| &u.4)
+}
+
+/// The compilation unit holding [`filter_kernel`]'s kernels.
+pub(crate) fn filter_unit(dtype: DType, tile: WinogradTile) -> &'static KernelFile {
+    // Every (dtype, tile) has an entry (tested); the first is a harmless fallback.
+    FILTER_UNITS
+        .iter()
+        .find(|u| u.0 == dtype && u.1 == tile)
+        .map_or(&FILTER_UNITS[0].2, |u| &u.2)
+}
+
+/// The compilation unit holding [`direct_kernel`]'s kernels.
+pub(crate) fn direct_unit(dtype: DType) -> &'static KernelFile {
+    DIRECT_UNITS
+        .iter()
+        .find(|u| u.0 == dtype)
+        .map_or(&DIRECT_UNITS[0].1, |u| &u.1)
 }
 
 fn too_big(what: &str) -> Error {
@@ -475,8 +815,75 @@ mod tests {
             assert_eq!(row_groups(stage, tile, v), rg, "{line}");
             seen += 1;
         }
-        // f32: 2 widths, halves (one macro for both types): 3 widths; 2 tiles, 2 stages.
-        assert_eq!(seen, 2 * 2 * 2 + 3 * 2 * 2);
+        // f32: 2 widths, f16 and bf16: 3 widths each; 2 tiles, 2 stages.
+        assert_eq!(seen, 2 * 2 * 2 + 2 * 3 * 2 * 2);
+    }
+
+    #[test]
+    fn every_kernel_has_its_compilation_unit() {
+        for dtype in DType::ALL {
+            for tile in WinogradTile::ALL {
+                for &v in vec_widths(dtype) {
+                    for stage in [Stage::Input, Stage::Output] {
+                        let unit = transform_unit(stage, dtype, tile, v).unwrap();
+                        assert!(
+                            unit.name.contains(dtype.name()) && unit.name.contains(tile.name())
+                        );
+                        assert!(unit.source.contains("#define NNF_WG_VEC"));
+                    }
+                }
+                let f = filter_unit(dtype, tile);
+                assert!(
+                    f.name.contains(dtype.name()) && f.name.contains(tile.name()),
+                    "{}",
+                    f.name
+                );
+            }
+            assert!(direct_unit(dtype).name.contains(dtype.name()));
+        }
+        let mut names: Vec<&str> = TRANSFORM_UNITS.iter().map(|u| u.4.name).collect();
+        names.extend(FILTER_UNITS.iter().map(|u| u.2.name));
+        names.extend(DIRECT_UNITS.iter().map(|u| u.1.name));
+        let n = names.len();
+        names.sort();
+        names.dedup();
+        assert_eq!(
+            names.len(),
+            n,
+            "unit names must be unique (the module cache keys on them)"
+        );
+    }
+
+    /// A unit compiles exactly its own kernels (needs NVRTC; skipped without it).
+    #[test]
+    fn a_unit_compiles_only_its_kernels() {
+        if !crate::kernels::nvrtc_present() {
+            eprintln!("skipping: NVRTC not found");
+            return;
+        }
+        let unit = transform_unit(Stage::Output, DType::BF16, WinogradTile::F2x3, 2).unwrap();
+        let ptx = match crate::kernels::compile(unit, "compute_80").unwrap() {
+            crate::kernels::Image::Ptx(b) | crate::kernels::Image::Cubin(b) => {
+                String::from_utf8_lossy(&b).into_owned()
+            }
+        };
+        let entries: Vec<&str> = ptx
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix(".visible .entry "))
+            .collect();
+        assert_eq!(entries.len(), 1, "{entries:?}");
+        assert!(
+            entries[0].starts_with("winograd_output_f2x3_bf16_v2("),
+            "{entries:?}"
+        );
+        let unit = direct_unit(DType::F16);
+        let ptx = match crate::kernels::compile(unit, "compute_80").unwrap() {
+            crate::kernels::Image::Ptx(b) | crate::kernels::Image::Cubin(b) => {
+                String::from_utf8_lossy(&b).into_owned()
+            }
+        };
+        assert_eq!(ptx.matches(".visible .entry").count(), 4);
+        assert!(ptx.contains("winograd_gemm_direct_tn_f16"));
     }
 
     #[test]
