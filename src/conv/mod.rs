@@ -53,6 +53,7 @@ pub use plan::{
     Route, WinogradInfo, DIRECT_CANDIDATE_MAX_FLOPS,
 };
 pub use sizes::{WinogradEngine, WinogradTile};
+pub use winograd::stages as winograd_stages;
 
 /// Device addresses of a forward convolution's operands (checked by the dispatcher).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

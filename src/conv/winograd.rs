@@ -4,13 +4,408 @@
 //! tensor-core GEMM or the Direct batched multiply), and the inverse transform Aᵀ M A writes y.
 //! F(2x2, 3x3) and F(4x4, 3x3). The data gradient reuses the forward with the filter rotated by
 //! 180 degrees and its channel axes swapped.
+//!
+//! The algorithm, its layouts and its f64 reference are in [`crate::reference::winograd`]. The
+//! batch is processed in chunks of images whose transformed input `U` and product `M` (and the
+//! transformed filter `V`, unless the caller prepared it) fit under
+//! [`crate::Config::conv_workspace_bytes`], all in the Context's scratch arena
+//! ([`Context::scratch`]). Per chunk: input transform (x → U), batched multiply (V, U → M),
+//! output transform (M → y); every chunk's batched GEMM has the shape of the largest chunk (the
+//! extra columns of a smaller one are never read), so one run has one GEMM shape: one tuning key.
+//!
+//! Accuracy: every stage rounds its output to the data type once, so F(4x4, 3x3) in 16-bit types
+//! loses about an order of magnitude more than a direct convolution
+//! ([`crate::reference::winograd::error_bound`] has the numbers).
 
-#![allow(dead_code, unused_variables)] // skeleton: filled in by the Winograd work
+pub(crate) mod launch;
+pub mod stages;
 
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+use super::sizes::{winograd_backward_data_eligible, winograd_forward_eligible, WinogradDims};
 use super::{BwdDataPtrs, ConvShape, FwdPtrs, WinogradEngine, WinogradTile};
 use crate::context::Context;
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::{CallExt, Error, Result};
+use crate::gemm::{Compute, Problem};
+pub use launch::Chunking;
+use launch::Stage;
+
+/// Where the batched multiply's transformed filter comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Filter {
+    /// Transform this KRSC filter into the scratch first (`rotated`: the data gradient's
+    /// rotated, channel-swapped transform of the original problem's filter).
+    Raw { w: u64, rotated: bool },
+    /// Already transformed (`V[pos][c_in][c_out]` of the problem being run).
+    Prepared(u64),
+}
+
+fn not_eligible(why: String) -> Error {
+    Error::invalid("shape", format!("not a Winograd convolution: {why}"))
+}
+
+fn aligned(name: &'static str, ptr: u64, dtype: DType) -> Result<()> {
+    if ptr == 0 {
+        return Err(Error::invalid(name, "null device pointer"));
+    }
+    if ptr % dtype.size() as u64 != 0 {
+        return Err(Error::invalid(
+            name,
+            format!("device pointer {ptr:#x} is not aligned to its element size"),
+        ));
+    }
+    Ok(())
+}
+
+fn cfg(blocks: (u32, u32), threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks.0, blocks.1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Queues the input transform of `images` images of `s` starting at `x` into `u`
+/// (`U[pos][t][c_in]` for those images' tiles). `vec`: channels per thread, `None` for the
+/// widest that `c_in` and the pointers allow. Returns the width used.
+///
+/// # Safety
+/// `x` holds `images * h * w * c_in` elements and `u` `images * u_per_image` elements of `dtype`
+/// on `ctx`'s device, disjoint.
+#[allow(clippy::too_many_arguments)] // a launcher: the problem, its operands, its options
+pub(crate) unsafe fn input_transform(
+    ctx: &Context,
+    s: &ConvShape,
+    dtype: DType,
+    tile: WinogradTile,
+    x: u64,
+    u: u64,
+    images: usize,
+    vec: Option<usize>,
+) -> Result<usize> {
+    let d = super::sizes::winograd_dims(s, tile)?;
+    aligned("x", x, dtype)?;
+    aligned("u", u, dtype)?;
+    let vec = vec.unwrap_or_else(|| launch::choose_vec(dtype, s.c_in, &[x, u]));
+    let name = launch::transform_kernel(Stage::Input, dtype, tile, vec)
+        .filter(|_| s.c_in % vec == 0)
+        .ok_or_else(|| Error::invalid("vec", format!("no {vec}-channel input kernel here")))?;
+    if (x | u) % (vec * dtype.size()) as u64 != 0 {
+        return Err(Error::invalid(
+            "vec",
+            format!("{vec} channels per thread need x and u aligned to that many elements"),
+        ));
+    }
+    let tiles = images
+        .checked_mul(d.tiles_per_image)
+        .ok_or_else(|| Error::invalid("n", "tiles overflow"))?;
+    if tiles == 0 {
+        return Ok(vec);
+    }
+    // The kernel forms tile origins and tap coordinates as i32.
+    for extent in [s.h + 2 * s.pad.0, s.w + 2 * s.pad.1] {
+        if extent > (i32::MAX as usize) / 2 {
+            return Err(Error::invalid(
+                "shape",
+                "the padded image exceeds the kernels' limits",
+            ));
+        }
+    }
+    let blocks = launch::transform_blocks(Stage::Input, tile, vec, tiles, s.c_in)?;
+    let args = [
+        launch::arg_u32(s.h, "h")?,
+        launch::arg_u32(s.w, "w")?,
+        launch::arg_u32(s.c_in, "c_in")?,
+        launch::arg_u32(s.pad.0, "pad")?,
+        launch::arg_u32(s.pad.1, "pad")?,
+        launch::arg_u32(d.tiles_h, "tiles_h")?,
+        launch::arg_u32(d.tiles_w, "tiles_w")?,
+    ];
+    launch::arg_u32(d.tiles_per_image, "tiles per image")?;
+    let tiles64 = tiles as u64;
+    let unit = launch::transform_unit(Stage::Input, dtype, tile, vec)
+        .ok_or_else(|| Error::NotSupported(format!("no compilation unit holds {name}")))?;
+    let f = ctx.function(unit, name)?;
+    tracing::debug!(
+        kernel = name,
+        images,
+        tiles,
+        vec,
+        blocks,
+        "Winograd input transform"
+    );
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(&x).arg(&u);
+    for a in &args {
+        b.arg(a);
+    }
+    b.arg(&tiles64);
+    // SAFETY: the arguments match winograd_input_* (x, u, h, w, c, pad_h, pad_w, tiles_h,
+    // tiles_w, tiles); the caller guarantees the extents; c_in % vec == 0 and both pointers are
+    // aligned to vec elements (checked above).
+    unsafe { b.launch(cfg((blocks, 1), launch::THREADS)) }
+        .call("cuLaunchKernel(winograd_input)")?;
+    Ok(vec)
+}
+
+/// Queues the output transform of `images` images' tiles from `m` (`M[pos][t][c_out]`) into y
+/// starting at `y`, clipped at the image edge. `vec` as [`input_transform`]. Returns the width.
+///
+/// # Safety
+/// `m` holds `images * m_per_image` and `y` `images * oh * ow * c_out` elements of `dtype` on
+/// `ctx`'s device, disjoint.
+#[allow(clippy::too_many_arguments)] // a launcher: the problem, its operands, its options
+pub(crate) unsafe fn output_transform(
+    ctx: &Context,
+    s: &ConvShape,
+    dtype: DType,
+    tile: WinogradTile,
+    m: u64,
+    y: u64,
+    images: usize,
+    vec: Option<usize>,
+) -> Result<usize> {
+    let d = super::sizes::winograd_dims(s, tile)?;
+    let (oh, ow) = s.out_hw()?;
+    aligned("m", m, dtype)?;
+    aligned("y", y, dtype)?;
+    let vec = vec.unwrap_or_else(|| launch::choose_vec(dtype, s.c_out, &[m, y]));
+    let name = launch::transform_kernel(Stage::Output, dtype, tile, vec)
+        .filter(|_| s.c_out % vec == 0)
+        .ok_or_else(|| Error::invalid("vec", format!("no {vec}-channel output kernel here")))?;
+    if (m | y) % (vec * dtype.size()) as u64 != 0 {
+        return Err(Error::invalid(
+            "vec",
+            format!("{vec} channels per thread need m and y aligned to that many elements"),
+        ));
+    }
+    let tiles = images
+        .checked_mul(d.tiles_per_image)
+        .ok_or_else(|| Error::invalid("n", "tiles overflow"))?;
+    if tiles == 0 {
+        return Ok(vec);
+    }
+    let blocks = launch::transform_blocks(Stage::Output, tile, vec, tiles, s.c_out)?;
+    let args = [
+        launch::arg_u32(oh, "oh")?,
+        launch::arg_u32(ow, "ow")?,
+        launch::arg_u32(s.c_out, "c_out")?,
+        launch::arg_u32(d.tiles_h, "tiles_h")?,
+        launch::arg_u32(d.tiles_w, "tiles_w")?,
+    ];
+    launch::arg_u32(d.tiles_per_image, "tiles per image")?;
+    // The kernel adds up to m - 1 to tile origins in u32.
+    launch::arg_u32(oh.max(ow) + tile.m(), "oh")?;
+    let tiles64 = tiles as u64;
+    let unit = launch::transform_unit(Stage::Output, dtype, tile, vec)
+        .ok_or_else(|| Error::NotSupported(format!("no compilation unit holds {name}")))?;
+    let f = ctx.function(unit, name)?;
+    tracing::debug!(
+        kernel = name,
+        images,
+        tiles,
+        vec,
+        blocks,
+        "Winograd output transform"
+    );
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(&m).arg(&y);
+    for a in &args {
+        b.arg(a);
+    }
+    b.arg(&tiles64);
+    // SAFETY: the arguments match winograd_output_* (m, y, oh, ow, k, tiles_h, tiles_w, tiles);
+    // the caller guarantees the extents; c_out % vec == 0 and both pointers are aligned to vec
+    // elements (checked above).
+    unsafe { b.launch(cfg((blocks, 1), launch::THREADS)) }
+        .call("cuLaunchKernel(winograd_output)")?;
+    Ok(vec)
+}
+
+/// Queues the filter transform of the KRSC filter `w` (`kout x 3 x 3 x cin`) into `v`:
+/// `V[pos][cin][kout]`, or with `rotated` `V'[pos][kout][cin]` of the filter rotated by 180
+/// degrees (the data gradient's).
+///
+/// # Safety
+/// `w` holds `kout * 9 * cin` and `v` `positions * kout * cin` elements of `dtype` on `ctx`'s
+/// device, disjoint.
+#[allow(clippy::too_many_arguments)] // a launcher: the problem, its operands, its options
+unsafe fn filter_transform(
+    ctx: &Context,
+    dtype: DType,
+    tile: WinogradTile,
+    w: u64,
+    v: u64,
+    kout: usize,
+    cin: usize,
+    rotated: bool,
+) -> Result<()> {
+    aligned("w", w, dtype)?;
+    aligned("v", v, dtype)?;
+    let grid = launch::filter_grid(cin, kout)?;
+    let (k32, c32) = (
+        launch::arg_u32(kout, "c_out")?,
+        launch::arg_u32(cin, "c_in")?,
+    );
+    let name = launch::filter_kernel(dtype, tile, rotated);
+    let f = ctx.function(launch::filter_unit(dtype, tile), name)?;
+    tracing::debug!(kernel = name, kout, cin, ?grid, "Winograd filter transform");
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(&w).arg(&v).arg(&k32).arg(&c32);
+    // SAFETY: the arguments match winograd_filter_* (w, v, kout, cin); the caller guarantees the
+    // extents; the kernel's 38 KB of shared memory are static.
+    unsafe { b.launch(cfg(grid, launch::THREADS)) }.call("cuLaunchKernel(winograd_filter)")?;
+    Ok(())
+}
+
+/// The batched multiply of one chunk of `tiles` tiles: `M_pos = U_pos · V_pos` for every
+/// position, as the column-major GEMM of [`crate::reference::winograd::batched_gemm_problem`].
+///
+/// # Safety
+/// `v`, `u`, `m` hold the transformed filter, input and product of `tiles` tiles of `s` on
+/// `ctx`'s device; `m` disjoint from `u` and `v`.
+#[allow(clippy::too_many_arguments)] // a launcher: the problem, its operands, its options
+pub(crate) unsafe fn multiply(
+    ctx: &Context,
+    s: &ConvShape,
+    dtype: DType,
+    tile: WinogradTile,
+    engine: WinogradEngine,
+    v: u64,
+    u: u64,
+    m: u64,
+    tiles: usize,
+) -> Result<()> {
+    let big = || Error::invalid("n", "the batched multiply's strides overflow");
+    let p = Problem {
+        trans_a: false,
+        trans_b: false,
+        m: s.c_out,
+        n: tiles,
+        k: s.c_in,
+        lda: s.c_out,
+        ldb: s.c_in,
+        ldc: s.c_out,
+        stride_a: s.c_in.checked_mul(s.c_out).ok_or_else(big)?,
+        stride_b: tiles.checked_mul(s.c_in).ok_or_else(big)?,
+        stride_c: tiles.checked_mul(s.c_out).ok_or_else(big)?,
+        batch: tile.positions(),
+        alpha: 1.0,
+        beta: 0.0,
+        compute: Compute::F32,
+    };
+    tracing::debug!(
+        engine = engine.name(),
+        m = p.m,
+        n = p.n,
+        k = p.k,
+        batch = p.batch,
+        "Winograd batched multiply"
+    );
+    match engine {
+        // SAFETY: as this function's contract.
+        WinogradEngine::TensorCore => unsafe {
+            crate::gemm::strided_batched_raw(ctx, &p, dtype, v, u, m)
+        },
+        // SAFETY: as this function's contract.
+        WinogradEngine::Direct => unsafe {
+            super::winograd_gemm::batched_direct(ctx, &p, dtype, v, u, m)
+        },
+    }
+}
+
+/// The path's chunking: L2-resident chunks on this device's L2 (see [`Chunking`]).
+pub(crate) fn default_chunking(ctx: &Context) -> Chunking {
+    Chunking::L2Resident {
+        l2_bytes: ctx.info().l2_bytes.max(0) as usize,
+    }
+}
+
+/// Runs the whole path on `s` (a Winograd problem): x → y with the filter from `filter`.
+///
+/// # Safety
+/// `x` holds `s.x_len()` and `y` `s.y_len()` elements of `dtype`, the filter its extent, all on
+/// `ctx`'s device, `y` disjoint from the others.
+#[allow(clippy::too_many_arguments)] // a launcher: the problem, its operands, its options
+unsafe fn run(
+    ctx: &Context,
+    s: &ConvShape,
+    dtype: DType,
+    tile: WinogradTile,
+    engine: WinogradEngine,
+    x: u64,
+    y: u64,
+    filter: Filter,
+    chunking: Option<Chunking>,
+) -> Result<()> {
+    winograd_forward_eligible(s).map_err(not_eligible)?;
+    let elem = dtype.size();
+    let cap = ctx.config().conv_workspace_bytes();
+    let with_v = matches!(filter, Filter::Raw { .. });
+    let chunking = chunking.unwrap_or_else(|| default_chunking(ctx));
+    let plan = launch::chunk_plan(s, tile, elem, cap, with_v, chunking)?;
+    let (oh, ow) = s.out_hw()?;
+    let WinogradDims {
+        tiles_per_image, ..
+    } = plan.dims;
+    tracing::debug!(
+        tile = tile.name(),
+        engine = engine.name(),
+        dtype = dtype.name(),
+        n = s.n,
+        chunk = plan.chunk,
+        chunks = plan.chunks.len(),
+        l2_limited = plan.l2_limited,
+        scratch_bytes = plan.layout.bytes,
+        cap,
+        prepared = !with_v,
+        "Winograd convolution"
+    );
+    let scratch = ctx.scratch(plan.layout.bytes)?;
+    let base = scratch.ptr();
+    let v = match filter {
+        Filter::Raw { w, rotated } => {
+            let v = base + plan.layout.v as u64;
+            // The data gradient's filter is the original problem's: kout = this problem's c_in.
+            let (kout, cin) = if rotated {
+                (s.c_in, s.c_out)
+            } else {
+                (s.c_out, s.c_in)
+            };
+            // SAFETY: w holds kout*9*cin elements (the caller's filter), v the scratch's V
+            // region (plan.dims.v elements).
+            unsafe { filter_transform(ctx, dtype, tile, w, v, kout, cin, rotated)? };
+            v
+        }
+        Filter::Prepared(v) => v,
+    };
+    let u = base + plan.layout.u as u64;
+    let m = base + plan.layout.m as u64;
+    let x_image = (s.h * s.w * s.c_in * elem) as u64;
+    let y_image = (oh * ow * s.c_out * elem) as u64;
+    // Every chunk multiplies as many tiles as the largest (the first): the tiles past a smaller
+    // chunk's own hold the previous chunk's data, and their product columns are never read
+    // (each column of M depends only on its own column of U). So the batched GEMM has one shape
+    // per run: one tuning key, one search, one kernel.
+    let gemm_tiles = plan.chunk * tiles_per_image;
+    debug_assert_eq!(plan.chunks.first().copied(), Some(plan.chunk));
+    let mut first = 0u64;
+    for &images in &plan.chunks {
+        let (xc, yc) = (x + first * x_image, y + first * y_image);
+        // SAFETY: the chunk's images lie inside x and y; U and M hold `chunk >= images` images,
+        // and the first chunk (the largest) writes all of U before any multiply reads it.
+        unsafe {
+            input_transform(ctx, s, dtype, tile, xc, u, images, None)?;
+            multiply(ctx, s, dtype, tile, engine, v, u, m, gemm_tiles)?;
+            output_transform(ctx, s, dtype, tile, m, yc, images, None)?;
+        }
+        first += images as u64;
+    }
+    // The scratch guard is held until every launch that uses it is queued.
+    drop(scratch);
+    Ok(())
+}
 
 /// Forward convolution: transforms the filter, then runs [`forward_prepared`].
 ///
@@ -26,9 +421,47 @@ pub(crate) unsafe fn forward(
     engine: WinogradEngine,
     p: FwdPtrs,
 ) -> Result<()> {
-    Err(Error::NotSupported(
-        "Winograd forward: not implemented yet".into(),
-    ))
+    aligned("w", p.w, dtype)?;
+    let filter = Filter::Raw {
+        w: p.w,
+        rotated: false,
+    };
+    // SAFETY: the caller's contract.
+    unsafe { run(ctx, s, dtype, tile, engine, p.x, p.y, filter, None) }
+}
+
+/// [`forward`] with an explicit [`Chunking`] (benchmarks compare the strategies).
+///
+/// # Safety
+/// As [`forward`].
+pub(crate) unsafe fn forward_chunked(
+    ctx: &Context,
+    s: &ConvShape,
+    dtype: DType,
+    tile: WinogradTile,
+    engine: WinogradEngine,
+    p: FwdPtrs,
+    chunking: Chunking,
+) -> Result<()> {
+    aligned("w", p.w, dtype)?;
+    let filter = Filter::Raw {
+        w: p.w,
+        rotated: false,
+    };
+    // SAFETY: the caller's contract.
+    unsafe {
+        run(
+            ctx,
+            s,
+            dtype,
+            tile,
+            engine,
+            p.x,
+            p.y,
+            filter,
+            Some(chunking),
+        )
+    }
 }
 
 /// Writes the transformed filter G g Gᵀ (`winograd_dims(s, tile).v` elements of `dtype`) to `v`.
@@ -43,9 +476,9 @@ pub(crate) unsafe fn transform_filter(
     w: u64,
     v: u64,
 ) -> Result<()> {
-    Err(Error::NotSupported(
-        "Winograd filter transform: not implemented yet".into(),
-    ))
+    winograd_forward_eligible(s).map_err(not_eligible)?;
+    // SAFETY: the caller's contract.
+    unsafe { filter_transform(ctx, dtype, tile, w, v, s.c_out, s.c_in, false) }
 }
 
 /// Forward convolution with a filter already transformed by [`transform_filter`]: `p.w` is the
@@ -53,6 +486,7 @@ pub(crate) unsafe fn transform_filter(
 ///
 /// # Safety
 /// As [`forward`], with `p.w` holding the transformed filter.
+#[allow(dead_code)] // for the dispatcher's prepared filters
 pub(crate) unsafe fn forward_prepared(
     ctx: &Context,
     s: &ConvShape,
@@ -61,9 +495,28 @@ pub(crate) unsafe fn forward_prepared(
     engine: WinogradEngine,
     p: FwdPtrs,
 ) -> Result<()> {
-    Err(Error::NotSupported(
-        "Winograd forward: not implemented yet".into(),
-    ))
+    aligned("w", p.w, dtype)?;
+    // SAFETY: the caller's contract.
+    unsafe {
+        run(
+            ctx,
+            s,
+            dtype,
+            tile,
+            engine,
+            p.x,
+            p.y,
+            Filter::Prepared(p.w),
+            None,
+        )
+    }
+}
+
+/// The forward problem whose output is `s`'s data gradient (see
+/// [`crate::reference::winograd::backward_data_problem`]).
+fn backward_problem(s: &ConvShape) -> Result<ConvShape> {
+    winograd_backward_data_eligible(s).map_err(not_eligible)?;
+    crate::reference::winograd::backward_data_problem(s)
 }
 
 /// Data gradient as a forward Winograd convolution of dy with the rotated, channel-swapped
@@ -80,7 +533,69 @@ pub(crate) unsafe fn backward_data(
     engine: WinogradEngine,
     p: BwdDataPtrs,
 ) -> Result<()> {
-    Err(Error::NotSupported(
-        "Winograd backward data: not implemented yet".into(),
-    ))
+    let q = backward_problem(s)?;
+    aligned("w", p.w, dtype)?;
+    let filter = Filter::Raw {
+        w: p.w,
+        rotated: true,
+    };
+    // SAFETY: dy has q's input extent (s's output), dx q's output extent (s's input); the
+    // caller's contract covers the rest.
+    unsafe { run(ctx, &q, dtype, tile, engine, p.dy, p.dx, filter, None) }
 }
+
+/// Writes the data gradient's transformed filter (rotated by 180 degrees, channels swapped;
+/// `winograd_dims(s, tile).v` elements of `dtype`) to `v`, for [`backward_data_prepared`].
+///
+/// # Safety
+/// `w` holds `s.w_len()` elements, `v` the transformed filter's, on `ctx`'s device.
+#[allow(dead_code)] // for the dispatcher's prepared filters
+pub(crate) unsafe fn transform_filter_backward_data(
+    ctx: &Context,
+    s: &ConvShape,
+    dtype: DType,
+    tile: WinogradTile,
+    w: u64,
+    v: u64,
+) -> Result<()> {
+    backward_problem(s)?;
+    // SAFETY: the caller's contract.
+    unsafe { filter_transform(ctx, dtype, tile, w, v, s.c_out, s.c_in, true) }
+}
+
+/// [`backward_data`] with the filter already transformed by [`transform_filter_backward_data`]
+/// (`p.w`).
+///
+/// # Safety
+/// As [`backward_data`], with `p.w` holding the transformed filter.
+#[allow(dead_code)] // for the dispatcher's prepared filters
+pub(crate) unsafe fn backward_data_prepared(
+    ctx: &Context,
+    s: &ConvShape,
+    dtype: DType,
+    tile: WinogradTile,
+    engine: WinogradEngine,
+    p: BwdDataPtrs,
+) -> Result<()> {
+    let q = backward_problem(s)?;
+    aligned("w", p.w, dtype)?;
+    // SAFETY: as backward_data.
+    unsafe {
+        run(
+            ctx,
+            &q,
+            dtype,
+            tile,
+            engine,
+            p.dy,
+            p.dx,
+            Filter::Prepared(p.w),
+            None,
+        )
+    }
+}
+
+#[cfg(test)]
+mod emulate;
+#[cfg(test)]
+mod gpu_tests;

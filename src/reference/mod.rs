@@ -9,3 +9,4 @@ pub mod activation;
 pub mod batchnorm;
 pub mod conv;
 pub mod gemm;
+pub mod winograd;

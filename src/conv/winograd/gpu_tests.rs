@@ -1,0 +1,734 @@
+//! GPU tests of the Winograd path: each kernel against the f64 reference's intermediate, the
+//! forward and the data gradient against the f64 convolution on a sampled grid of shapes (both
+//! tiles, both engines, three types), chunking under a tiny workspace cap, prepared filters, and
+//! the refusals. Inputs are fresh random multiples of 1/256 in [-1, 1] (never 0): exact in f32,
+//! f16 and bf16, so one f64 reference serves every type and every error is the path's own.
+
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use half::{bf16, f16};
+
+use super::launch::{self, vec_widths, Stage};
+use super::*;
+use crate::conv::sizes::winograd_dims;
+use crate::layout::TensorFormat;
+use crate::reference::conv::conv2d;
+use crate::reference::winograd as rw;
+use crate::testutil::{gpu, gpu_with, rel_l2, Rng};
+use crate::{Config, Element};
+
+const ENGINES: [WinogradEngine; 2] = [WinogradEngine::TensorCore, WinogradEngine::Direct];
+
+fn exact(rng: &mut Rng, n: usize) -> Vec<f64> {
+    (0..n)
+        .map(|_| {
+            let v = (rng.uniform(-1.0, 1.0) * 256.0).round() / 256.0;
+            if v == 0.0 {
+                1.0 / 256.0
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+fn up<T: Element>(ctx: &Context, v: &[f64]) -> CudaSlice<T> {
+    let h: Vec<T> = v.iter().map(|x| T::from_f64(*x)).collect();
+    ctx.stream().clone_htod(&h).unwrap()
+}
+
+/// A device buffer of `n` NaNs (an unwritten element shows).
+fn poisoned<T: Element>(ctx: &Context, n: usize) -> CudaSlice<T> {
+    let mut b = ctx.stream().alloc_zeros::<T>(n.max(1)).unwrap();
+    crate::util::fill(ctx, &mut b, T::from_f64(f64::NAN)).unwrap();
+    b
+}
+
+fn down<T: Element>(ctx: &Context, b: &CudaSlice<T>, n: usize) -> Vec<f64> {
+    let h = ctx.stream().clone_dtoh(b).unwrap();
+    h[..n].iter().map(|v| v.to_f64()).collect()
+}
+
+fn shape(
+    n: usize,
+    c_in: usize,
+    c_out: usize,
+    h: usize,
+    w: usize,
+    pad: (usize, usize),
+) -> ConvShape {
+    ConvShape {
+        n,
+        c_in,
+        h,
+        w,
+        c_out,
+        kh: 3,
+        kw: 3,
+        stride: (1, 1),
+        pad,
+        dilation: (1, 1),
+        format: TensorFormat::Nhwc,
+    }
+}
+
+/// Relative L2 error of `got` against `want`; panics naming the case and the worst element
+/// (described by `at`) when an element is not finite or the error exceeds `tol`.
+fn compare(case: &str, got: &[f64], want: &[f64], tol: f64, at: impl Fn(usize) -> String) -> f64 {
+    assert_eq!(got.len(), want.len(), "{case}: length");
+    if let Some(e) = got.iter().position(|g| !g.is_finite()) {
+        panic!(
+            "{case}: element {e} ({}) is {} (want {}): not written or overflowed",
+            at(e),
+            got[e],
+            want[e]
+        );
+    }
+    let err = rel_l2(got, want);
+    if err > tol || err.is_nan() {
+        let (worst, _) = got
+            .iter()
+            .zip(want)
+            .map(|(g, w)| (g - w).abs())
+            .enumerate()
+            .fold((0, -1.0), |a, (i, d)| if d > a.1 { (i, d) } else { a });
+        panic!(
+            "{case}: relative L2 error {err:.3e} > {tol:.1e}; worst element {worst} ({}): got {} \
+             want {}",
+            at(worst),
+            got[worst],
+            want[worst]
+        );
+    }
+    err
+}
+
+/// Tolerance of one stage (f32 arithmetic, output rounded once to the type).
+fn stage_tol(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-6,
+        DType::F16 => 1e-3,
+        DType::BF16 => 8e-3,
+    }
+}
+
+/// The f64 convolution, images split over threads.
+fn conv_ref(p: &ConvShape, x: &[f64], w: &[f64]) -> Vec<f64> {
+    let threads = std::thread::available_parallelism()
+        .map_or(4, |n| n.get())
+        .min(p.n);
+    let per = p.n.div_ceil(threads.max(1));
+    let x_img = p.h * p.w * p.c_in;
+    let parts: Vec<Vec<f64>> = std::thread::scope(|sc| {
+        let handles: Vec<_> = (0..p.n)
+            .step_by(per)
+            .map(|b0| {
+                let nb = per.min(p.n - b0);
+                let q = ConvShape { n: nb, ..*p };
+                let xs = &x[b0 * x_img..(b0 + nb) * x_img];
+                sc.spawn(move || conv2d(&q, xs, w).unwrap())
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    parts.concat()
+}
+
+/// `(pos, tile, channel)` of element `e` of U or M.
+fn ptc(tiles: usize, c: usize) -> impl Fn(usize) -> String {
+    move |e| {
+        format!(
+            "pos {}, tile {}, channel {}",
+            e / (tiles * c),
+            (e / c) % tiles,
+            e % c
+        )
+    }
+}
+
+/// `(image, y, x, channel)` of element `e` of an NHWC tensor.
+fn bhwc(h: usize, w: usize, c: usize) -> impl Fn(usize) -> String {
+    move |e| {
+        format!(
+            "image {}, y {}, x {}, channel {}",
+            e / (h * w * c),
+            (e / (w * c)) % h,
+            (e / c) % w,
+            e % c
+        )
+    }
+}
+
+fn transforms_on<T: Element>(ctx: &Context, rng: &mut Rng, s: &ConvShape) {
+    let dt = T::DTYPE;
+    let (oh, ow) = s.out_hw().unwrap();
+    let x = exact(rng, s.x_len());
+    let w = exact(rng, s.w_len());
+    let dx = up::<T>(ctx, &x);
+    let dw = up::<T>(ctx, &w);
+    let st = ctx.stream();
+    for tile in WinogradTile::ALL {
+        let d = winograd_dims(s, tile).unwrap();
+        let tiles = s.n * d.tiles_per_image;
+        // Input transform, every width the channel count allows.
+        let want_u = rw::transform_input(s, tile, &x).unwrap();
+        for &v in vec_widths(dt).iter().filter(|&&v| s.c_in % v == 0) {
+            let mut du = poisoned::<T>(ctx, want_u.len());
+            {
+                let (px, _g) = dx.device_ptr(st);
+                let (pu, _h) = du.device_ptr_mut(st);
+                // SAFETY: x and u hold the whole batch's extents.
+                let used = unsafe { input_transform(ctx, s, dt, tile, px, pu, s.n, Some(v)) };
+                assert_eq!(used.unwrap(), v);
+            }
+            let case = format!("input transform {dt} {} v{v} {s:?}", tile.name());
+            let got = down(ctx, &du, want_u.len());
+            compare(&case, &got, &want_u, stage_tol(dt), ptc(tiles, s.c_in));
+        }
+        // Filter transform and its rotated variant.
+        for rotated in [false, true] {
+            if rotated && winograd_backward_data_eligible(s).is_err() {
+                continue;
+            }
+            let want_v = if rotated {
+                rw::transform_filter_rotated(s, tile, &w).unwrap()
+            } else {
+                rw::transform_filter(s, tile, &w).unwrap()
+            };
+            let mut dv = poisoned::<T>(ctx, want_v.len());
+            {
+                let (pw, _g) = dw.device_ptr(st);
+                let (pv, _h) = dv.device_ptr_mut(st);
+                // SAFETY: w and v hold the filter's and the transformed filter's extents.
+                unsafe {
+                    if rotated {
+                        transform_filter_backward_data(ctx, s, dt, tile, pw, pv).unwrap();
+                    } else {
+                        transform_filter(ctx, s, dt, tile, pw, pv).unwrap();
+                    }
+                }
+            }
+            let case = format!(
+                "filter transform{} {dt} {} {s:?}",
+                if rotated { " (rotated)" } else { "" },
+                tile.name()
+            );
+            let got = down(ctx, &dv, want_v.len());
+            let (rows, cols) = if rotated {
+                (s.c_out, s.c_in)
+            } else {
+                (s.c_in, s.c_out)
+            };
+            compare(&case, &got, &want_v, stage_tol(dt), move |e| {
+                format!(
+                    "pos {}, row {}, col {}",
+                    e / (rows * cols),
+                    (e / cols) % rows,
+                    e % cols
+                )
+            });
+        }
+        // Output transform from a random product.
+        let mprod = exact(rng, s.n * d.m_per_image);
+        let dm = up::<T>(ctx, &mprod);
+        let want_y = rw::transform_output(s, tile, &mprod).unwrap();
+        for &v in vec_widths(dt).iter().filter(|&&v| s.c_out % v == 0) {
+            let mut dy = poisoned::<T>(ctx, want_y.len());
+            {
+                let (pm, _g) = dm.device_ptr(st);
+                let (py, _h) = dy.device_ptr_mut(st);
+                // SAFETY: m and y hold the whole batch's extents.
+                let used = unsafe { output_transform(ctx, s, dt, tile, pm, py, s.n, Some(v)) };
+                assert_eq!(used.unwrap(), v);
+            }
+            let case = format!("output transform {dt} {} v{v} {s:?}", tile.name());
+            let got = down(ctx, &dy, want_y.len());
+            compare(&case, &got, &want_y, stage_tol(dt), bhwc(oh, ow, s.c_out));
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn transforms_match_the_reference() {
+    let ctx = gpu();
+    let mut rng = Rng::fresh("transforms_match_the_reference");
+    // Channel counts that take every vector width (1, 2 / 4, 8), filters beyond one 32x32
+    // block, images that are not multiples of the tile, paddings 0/1/2 and per-axis.
+    let shapes = [
+        shape(2, 3, 5, 5, 7, (1, 1)),
+        shape(1, 8, 8, 6, 6, (0, 0)),
+        shape(3, 16, 33, 7, 5, (2, 1)),
+        shape(1, 1, 1, 1, 1, (1, 1)),
+        shape(2, 24, 6, 9, 9, (0, 2)),
+        shape(1, 6, 40, 4, 4, (1, 1)),
+        shape(1, 36, 2, 11, 3, (1, 0)),
+    ];
+    for s in &shapes {
+        transforms_on::<f32>(&ctx, &mut rng, s);
+        transforms_on::<f16>(&ctx, &mut rng, s);
+        transforms_on::<bf16>(&ctx, &mut rng, s);
+    }
+}
+
+/// Runs the forward (or, with `prepared`, transform_filter + forward_prepared) and returns y.
+fn run_forward<T: Element>(
+    ctx: &Context,
+    s: &ConvShape,
+    tile: WinogradTile,
+    engine: WinogradEngine,
+    x: &CudaSlice<T>,
+    w: &CudaSlice<T>,
+    prepared: bool,
+) -> Vec<f64> {
+    let st = ctx.stream();
+    let ylen = s.y_len().unwrap();
+    let mut y = poisoned::<T>(ctx, ylen);
+    let d = winograd_dims(s, tile).unwrap();
+    let mut v = st.alloc_zeros::<T>(d.v).unwrap();
+    {
+        let (px, _a) = x.device_ptr(st);
+        let (pw, _b) = w.device_ptr(st);
+        let (py, _c) = y.device_ptr_mut(st);
+        let (pv, _d) = v.device_ptr_mut(st);
+        // SAFETY: every buffer holds its extent; y is distinct.
+        unsafe {
+            if prepared {
+                transform_filter(ctx, s, T::DTYPE, tile, pw, pv).unwrap();
+                let p = FwdPtrs {
+                    x: px,
+                    w: pv,
+                    y: py,
+                };
+                forward_prepared(ctx, s, T::DTYPE, tile, engine, p).unwrap();
+            } else {
+                let p = FwdPtrs {
+                    x: px,
+                    w: pw,
+                    y: py,
+                };
+                forward(ctx, s, T::DTYPE, tile, engine, p).unwrap();
+            }
+        }
+    }
+    down(ctx, &y, ylen)
+}
+
+/// Errors of one shape for one type: (tile, engine, relative L2 error).
+fn forward_case<T: Element>(
+    ctx: &Context,
+    s: &ConvShape,
+    x: &[f64],
+    w: &[f64],
+    want: &[f64],
+    errs: &mut Vec<(DType, WinogradTile, WinogradEngine, f64)>,
+) {
+    let (dx, dw) = (up::<T>(ctx, x), up::<T>(ctx, w));
+    let (oh, ow) = s.out_hw().unwrap();
+    for tile in WinogradTile::ALL {
+        for engine in ENGINES {
+            let got = run_forward(ctx, s, tile, engine, &dx, &dw, false);
+            let case = format!(
+                "forward {} {} {} {s:?}",
+                T::DTYPE,
+                tile.name(),
+                engine.name()
+            );
+            let bound = rw::error_bound(T::DTYPE, tile);
+            let err = compare(&case, &got, want, bound, bhwc(oh, ow, s.c_out));
+            errs.push((T::DTYPE, tile, engine, err));
+        }
+    }
+}
+
+fn print_errors(what: &str, errs: &[(DType, WinogradTile, WinogradEngine, f64)]) {
+    eprintln!("{what}: largest relative L2 error against f64 (bound in brackets)");
+    for dt in DType::ALL {
+        for tile in WinogradTile::ALL {
+            for engine in ENGINES {
+                let e = errs
+                    .iter()
+                    .filter(|r| r.0 == dt && r.1 == tile && r.2 == engine)
+                    .map(|r| r.3)
+                    .fold(0.0f64, f64::max);
+                let n = errs
+                    .iter()
+                    .filter(|r| r.0 == dt && r.1 == tile && r.2 == engine)
+                    .count();
+                eprintln!(
+                    "  {dt:>4} {} {:>11}: {e:.2e} ({:.0e}) over {n} shapes",
+                    tile.name(),
+                    engine.name(),
+                    rw::error_bound(dt, tile)
+                );
+            }
+        }
+    }
+}
+
+/// A covering sample of the grid: H, W in {1, 5, 7, 14, 31, 56}, C in {1, 3, 8, 30, 64, 129},
+/// N in {1, 3, 32}, padding 0/1/2 and different per axis.
+fn forward_shapes() -> Vec<ConvShape> {
+    vec![
+        shape(1, 1, 1, 1, 1, (1, 1)),
+        shape(3, 3, 8, 5, 7, (1, 1)),
+        shape(1, 8, 3, 7, 5, (0, 0)),
+        shape(1, 30, 30, 14, 14, (1, 1)),
+        shape(3, 64, 64, 14, 14, (1, 1)),
+        shape(1, 129, 8, 7, 7, (2, 2)),
+        shape(1, 8, 129, 7, 14, (0, 1)),
+        shape(1, 64, 30, 31, 31, (1, 0)),
+        shape(1, 3, 64, 56, 56, (1, 1)),
+        shape(32, 8, 8, 5, 5, (2, 1)),
+        shape(1, 64, 64, 56, 31, (1, 2)),
+        shape(3, 1, 129, 31, 7, (2, 0)),
+    ]
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn forward_matches_the_f64_convolution() {
+    let ctx = gpu();
+    let mut rng = Rng::fresh("forward_matches_the_f64_convolution");
+    let mut errs = Vec::new();
+    for s in forward_shapes() {
+        let x = exact(&mut rng, s.x_len());
+        let w = exact(&mut rng, s.w_len());
+        let want = conv_ref(&s, &x, &w);
+        forward_case::<f32>(&ctx, &s, &x, &w, &want, &mut errs);
+        forward_case::<f16>(&ctx, &s, &x, &w, &want, &mut errs);
+        forward_case::<bf16>(&ctx, &s, &x, &w, &want, &mut errs);
+    }
+    print_errors("forward", &errs);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn forward_chunks_under_a_tiny_workspace_cap() {
+    let ctx = gpu_with(Config::default().with_conv_workspace_mb(1));
+    let mut rng = Rng::fresh("forward_chunks_under_a_tiny_workspace_cap");
+    let s = shape(32, 30, 30, 14, 14, (1, 1));
+    let x = exact(&mut rng, s.x_len());
+    let w = exact(&mut rng, s.w_len());
+    let want = conv_ref(&s, &x, &w);
+    for dt in DType::ALL {
+        for tile in WinogradTile::ALL {
+            let plan = launch::chunk_plan(
+                &s,
+                tile,
+                dt.size(),
+                ctx.config().conv_workspace_bytes(),
+                true,
+                default_chunking(&ctx),
+            )
+            .unwrap();
+            assert!(plan.chunks.len() > 2, "{dt} {tile:?}: {:?}", plan.chunks);
+            assert!(plan.layout.bytes <= (1 << 20) + 2 * launch::REGION_ALIGN);
+            eprintln!("{dt} {}: chunks {:?}", tile.name(), plan.chunks);
+        }
+    }
+    let mut errs = Vec::new();
+    forward_case::<f32>(&ctx, &s, &x, &w, &want, &mut errs);
+    forward_case::<f16>(&ctx, &s, &x, &w, &want, &mut errs);
+    forward_case::<bf16>(&ctx, &s, &x, &w, &want, &mut errs);
+    print_errors("forward, 1 MiB workspace cap", &errs);
+    // One image larger than the cap: refused, nothing written.
+    let big = shape(1, 256, 256, 56, 56, (1, 1));
+    let (bx, bw) = (
+        up::<f16>(&ctx, &vec![1.0; big.x_len()]),
+        up::<f16>(&ctx, &vec![1.0; big.w_len()]),
+    );
+    let mut by = poisoned::<f16>(&ctx, big.y_len().unwrap());
+    let st = ctx.stream();
+    let (px, _a) = bx.device_ptr(st);
+    let (pw, _b) = bw.device_ptr(st);
+    let (py, _c) = by.device_ptr_mut(st);
+    let p = FwdPtrs {
+        x: px,
+        w: pw,
+        y: py,
+    };
+    // SAFETY: valid buffers; the call is refused before any launch.
+    let e = unsafe {
+        forward(
+            &ctx,
+            &big,
+            DType::F16,
+            WinogradTile::F4x3,
+            WinogradEngine::TensorCore,
+            p,
+        )
+    }
+    .unwrap_err();
+    assert!(e.to_string().contains("workspace cap"), "{e}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn prepared_filter_gives_the_same_result() {
+    let ctx = gpu();
+    let mut rng = Rng::fresh("prepared_filter_gives_the_same_result");
+    for s in [
+        shape(2, 64, 32, 14, 14, (1, 1)),
+        shape(1, 30, 3, 9, 7, (0, 2)),
+    ] {
+        let x = up::<f16>(&ctx, &exact(&mut rng, s.x_len()));
+        let w = up::<f16>(&ctx, &exact(&mut rng, s.w_len()));
+        for tile in WinogradTile::ALL {
+            for engine in ENGINES {
+                let a = run_forward(&ctx, &s, tile, engine, &x, &w, false);
+                let b = run_forward(&ctx, &s, tile, engine, &x, &w, true);
+                // Same kernels and the same GEMM key: the same bits with Direct; cuBLAS is
+                // deterministic for one algorithm too, but allow its rounding if it is not.
+                let same = a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits());
+                let diff = rel_l2(&b, &a);
+                eprintln!(
+                    "{} {} {s:?}: prepared vs unprepared: bitwise {same}, relative {diff:.1e}",
+                    tile.name(),
+                    engine.name()
+                );
+                match engine {
+                    WinogradEngine::Direct => assert!(same, "{tile:?}: prepared differs ({diff})"),
+                    WinogradEngine::TensorCore => assert!(diff < 1e-3, "{tile:?}: {diff}"),
+                }
+            }
+        }
+    }
+}
+
+fn backward_case<T: Element>(
+    ctx: &Context,
+    s: &ConvShape,
+    dy: &[f64],
+    w: &[f64],
+    want: &[f64],
+    errs: &mut Vec<(DType, WinogradTile, WinogradEngine, f64)>,
+) {
+    let st = ctx.stream();
+    let (ddy, dw) = (up::<T>(ctx, dy), up::<T>(ctx, w));
+    for tile in WinogradTile::ALL {
+        for engine in ENGINES {
+            for prepared in [false, true] {
+                let mut dx = poisoned::<T>(ctx, s.x_len());
+                let mut v = st
+                    .alloc_zeros::<T>(winograd_dims(s, tile).unwrap().v)
+                    .unwrap();
+                {
+                    let (pg, _a) = ddy.device_ptr(st);
+                    let (pw, _b) = dw.device_ptr(st);
+                    let (px, _c) = dx.device_ptr_mut(st);
+                    let (pv, _d) = v.device_ptr_mut(st);
+                    // SAFETY: every buffer holds its extent; dx is distinct.
+                    unsafe {
+                        if prepared {
+                            transform_filter_backward_data(ctx, s, T::DTYPE, tile, pw, pv).unwrap();
+                            let p = BwdDataPtrs {
+                                dy: pg,
+                                w: pv,
+                                dx: px,
+                            };
+                            backward_data_prepared(ctx, s, T::DTYPE, tile, engine, p).unwrap();
+                        } else {
+                            let p = BwdDataPtrs {
+                                dy: pg,
+                                w: pw,
+                                dx: px,
+                            };
+                            backward_data(ctx, s, T::DTYPE, tile, engine, p).unwrap();
+                        }
+                    }
+                }
+                let got = down(ctx, &dx, s.x_len());
+                let case = format!(
+                    "backward data{} {} {} {} {s:?}",
+                    if prepared { " (prepared)" } else { "" },
+                    T::DTYPE,
+                    tile.name(),
+                    engine.name()
+                );
+                let bound = rw::error_bound(T::DTYPE, tile);
+                let err = compare(&case, &got, want, bound, bhwc(s.h, s.w, s.c_in));
+                if !prepared {
+                    errs.push((T::DTYPE, tile, engine, err));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn backward_data_matches_the_adjoint() {
+    let ctx = gpu();
+    let mut rng = Rng::fresh("backward_data_matches_the_adjoint");
+    let mut errs = Vec::new();
+    for s in [
+        shape(2, 3, 8, 5, 7, (1, 1)),
+        shape(1, 30, 30, 14, 14, (0, 0)),
+        shape(1, 64, 129, 7, 7, (2, 2)),
+        shape(3, 8, 3, 31, 5, (2, 0)),
+        shape(1, 129, 64, 14, 14, (1, 2)),
+        shape(1, 1, 1, 1, 1, (1, 1)),
+    ] {
+        let (oh, ow) = s.out_hw().unwrap();
+        let dy = exact(&mut rng, s.n * oh * ow * s.c_out);
+        let w = exact(&mut rng, s.w_len());
+        // The adjoint written from the definition (independent of the rotation trick).
+        let want = rw::conv2d_backward_data_adjoint(&s, &dy, &w).unwrap();
+        backward_case::<f32>(&ctx, &s, &dy, &w, &want, &mut errs);
+        backward_case::<f16>(&ctx, &s, &dy, &w, &want, &mut errs);
+        backward_case::<bf16>(&ctx, &s, &dy, &w, &want, &mut errs);
+    }
+    print_errors("backward data", &errs);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn refuses_what_winograd_cannot_run() {
+    let ctx = gpu();
+    let st = ctx.stream();
+    let buf = st.alloc_zeros::<f32>(1 << 16).unwrap();
+    let (p0, _g) = buf.device_ptr(st);
+    let p = FwdPtrs {
+        x: p0,
+        w: p0 + 4 * 8192,
+        y: p0 + 4 * 16384,
+    };
+    let mut s = shape(1, 4, 8, 8, 4, (1, 1));
+    s.stride = (2, 2);
+    // SAFETY: refused before any launch.
+    let e = unsafe {
+        forward(
+            &ctx,
+            &s,
+            DType::F32,
+            WinogradTile::F2x3,
+            WinogradEngine::Direct,
+            p,
+        )
+    }
+    .unwrap_err();
+    assert_eq!(e.argument(), Some("shape"), "{e}");
+    assert!(e.to_string().contains("stride"), "{e}");
+    let s = shape(1, 4, 8, 8, 4, (3, 1));
+    let q = BwdDataPtrs {
+        dy: p0,
+        w: p0 + 4 * 8192,
+        dx: p0 + 4 * 16384,
+    };
+    // SAFETY: refused before any launch.
+    let e = unsafe {
+        backward_data(
+            &ctx,
+            &s,
+            DType::F32,
+            WinogradTile::F2x3,
+            WinogradEngine::Direct,
+            q,
+        )
+    }
+    .unwrap_err();
+    assert!(e.to_string().contains("padding"), "{e}");
+    // A forced width the channels do not allow.
+    let s = shape(1, 6, 4, 8, 8, (1, 1));
+    // SAFETY: refused before any launch.
+    let e = unsafe {
+        input_transform(
+            &ctx,
+            &s,
+            DType::F16,
+            WinogradTile::F4x3,
+            p0,
+            p0 + 8192,
+            1,
+            Some(8),
+        )
+    }
+    .unwrap_err();
+    assert_eq!(e.argument(), Some("vec"));
+    // A misaligned pointer for 16-byte accesses.
+    let s = shape(1, 8, 4, 8, 8, (1, 1));
+    // SAFETY: refused before any launch.
+    let e = unsafe {
+        input_transform(
+            &ctx,
+            &s,
+            DType::F16,
+            WinogradTile::F4x3,
+            p0 + 2,
+            p0 + 8192,
+            1,
+            Some(8),
+        )
+    }
+    .unwrap_err();
+    assert_eq!(e.argument(), Some("vec"));
+    // The widest width is chosen from the channels and the alignment.
+    assert_eq!(launch::choose_vec(DType::F16, 8, &[p0 + 2, p0]), 1);
+    assert_eq!(
+        launch::transform_kernel(Stage::Input, DType::F16, WinogradTile::F4x3, 8),
+        Some("winograd_input_f4x3_f16_v8")
+    );
+}
+
+/// L2-resident chunks (the default) against one chunk as large as the cap allows, on a layer
+/// the L2 rule splits: the Direct multiply computes each element the same way whatever the
+/// chunk, so the results are bitwise equal; the tensor-core GEMM may pick another kernel for
+/// another chunk width, so it is compared within the type's rounding.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn l2_resident_chunks_equal_one_chunk() {
+    let ctx = gpu();
+    let mut rng = Rng::fresh("l2_resident_chunks_equal_one_chunk");
+    let s = shape(32, 64, 64, 56, 56, (1, 1));
+    let x = up::<f16>(&ctx, &exact(&mut rng, s.x_len()));
+    let w = up::<f16>(&ctx, &exact(&mut rng, s.w_len()));
+    let st = ctx.stream();
+    for tile in WinogradTile::ALL {
+        let plan = launch::chunk_plan(
+            &s,
+            tile,
+            2,
+            ctx.config().conv_workspace_bytes(),
+            true,
+            default_chunking(&ctx),
+        )
+        .unwrap();
+        assert!(
+            plan.l2_limited && plan.chunks.len() > 1,
+            "{:?}",
+            plan.chunks
+        );
+        for engine in ENGINES {
+            let mut out = Vec::new();
+            for chunking in [default_chunking(&ctx), Chunking::WorkspaceCap] {
+                let mut y = poisoned::<f16>(&ctx, s.y_len().unwrap());
+                {
+                    let (px, _a) = x.device_ptr(st);
+                    let (pw, _b) = w.device_ptr(st);
+                    let (py, _c) = y.device_ptr_mut(st);
+                    let p = FwdPtrs {
+                        x: px,
+                        w: pw,
+                        y: py,
+                    };
+                    // SAFETY: every buffer holds its extent; y is distinct.
+                    unsafe { forward_chunked(&ctx, &s, DType::F16, tile, engine, p, chunking) }
+                        .unwrap();
+                }
+                out.push(down(&ctx, &y, s.y_len().unwrap()));
+            }
+            assert!(out[0].iter().all(|v| v.is_finite()), "{tile:?} {engine:?}");
+            let diff = rel_l2(&out[0], &out[1]);
+            eprintln!(
+                "{} {}: chunks {:?}, L2-resident vs one chunk: relative difference {diff:.2e}",
+                tile.name(),
+                engine.name(),
+                plan.chunks
+            );
+            match engine {
+                WinogradEngine::Direct => assert_eq!(diff, 0.0, "{tile:?}: Direct differs"),
+                WinogradEngine::TensorCore => assert!(diff < 2e-3, "{tile:?}: {diff}"),
+            }
+        }
+    }
+}

@@ -1,0 +1,544 @@
+//! Each stage of nnfuse's Winograd convolution on its own, validated and safe: the input, filter
+//! and output transforms, the batched multiply by either engine, the whole path, and the Direct
+//! batched multiply on any GEMM problem. For benchmarks (`benches/winograd.rs` times every stage
+//! against its memory or FLOP floor and compares the two engines), and for callers who want the
+//! transformed tensors themselves. Framework code should call the convolution dispatcher instead.
+//!
+//! Shapes are [`ConvShape`]s that pass [`crate::conv::sizes::winograd_forward_eligible`] (NHWC,
+//! 3x3, stride 1, dilation 1); the stage functions work on the whole batch at once (no chunking:
+//! the caller allocates `U` and `M` for all images, sized by [`crate::conv::sizes::winograd_dims`]:
+//! `n * u_per_image`, `n * m_per_image`, `v`). Layouts are those of
+//! [`crate::reference::winograd`], whose functions are the f64 reference of each stage.
+//! [`forward`] and [`backward_data`] run the path exactly as the dispatcher does (chunked under
+//! [`crate::Config::conv_workspace_bytes`], intermediates in the Context's scratch).
+//!
+//! ```no_run
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use nnfuse::conv::{sizes, winograd_stages as wg, ConvShape, WinogradEngine, WinogradTile};
+//! use nnfuse::TensorFormat;
+//! let ctx = nnfuse::Context::new(0)?;
+//! let s = ConvShape { n: 32, c_in: 64, h: 56, w: 56, c_out: 64, kh: 3, kw: 3, stride: (1, 1),
+//!                     pad: (1, 1), dilation: (1, 1), format: TensorFormat::Nhwc };
+//! let st = ctx.stream();
+//! let x = st.alloc_zeros::<half::f16>(s.x_len())?;
+//! let w = st.alloc_zeros::<half::f16>(s.w_len())?;
+//! let mut y = st.alloc_zeros::<half::f16>(s.y_len()?)?;
+//! wg::forward(&ctx, &s, WinogradTile::F4x3, WinogradEngine::TensorCore, &x, &w, &mut y)?;
+//! // Or stage by stage:
+//! let d = sizes::winograd_dims(&s, WinogradTile::F4x3)?;
+//! let mut v = st.alloc_zeros::<half::f16>(d.v)?;
+//! let mut u = st.alloc_zeros::<half::f16>(s.n * d.u_per_image)?;
+//! let mut m = st.alloc_zeros::<half::f16>(s.n * d.m_per_image)?;
+//! wg::filter_transform(&ctx, &s, WinogradTile::F4x3, &w, &mut v)?;
+//! wg::input_transform(&ctx, &s, WinogradTile::F4x3, &x, &mut u, None)?;
+//! wg::batched_multiply(&ctx, &s, WinogradTile::F4x3, WinogradEngine::Direct, &v, &u, &mut m)?;
+//! wg::output_transform(&ctx, &s, WinogradTile::F4x3, &m, &mut y, None)?;
+//! # Ok(()) }
+//! ```
+
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+
+pub use super::launch::{stage_bytes, Chunking, StageBytes, L2_SHARE, MIN_CHUNK_TILES};
+use super::launch::{transform_kernel, vec_widths, Stage};
+use crate::context::Context;
+use crate::conv::sizes::{
+    winograd_backward_data_eligible, winograd_dims, winograd_forward_eligible, WinogradDims,
+};
+use crate::conv::{BwdDataPtrs, ConvShape, FwdPtrs, WinogradEngine, WinogradTile};
+use crate::dtype::{DType, Element};
+use crate::error::{Error, Result};
+use crate::gemm::{check_pointers, Problem, Validated};
+use crate::validate::{expect_device, expect_len, expect_outputs_disjoint, BufInfo};
+
+/// Channels per thread the transform kernels of `dtype` exist for, widest first (16-byte
+/// accesses first). The default is the widest that divides the channel count and the pointers'
+/// alignment allows.
+pub fn vector_widths(dtype: DType) -> &'static [usize] {
+    vec_widths(dtype)
+}
+
+/// The transform kernel a width runs (for reports), `None` if there is none.
+pub fn transform_kernel_name(
+    dtype: DType,
+    tile: WinogradTile,
+    output: bool,
+    vec: usize,
+) -> Option<&'static str> {
+    let stage = if output { Stage::Output } else { Stage::Input };
+    transform_kernel(stage, dtype, tile, vec)
+}
+
+fn eligible(s: &ConvShape, tile: WinogradTile) -> Result<WinogradDims> {
+    winograd_forward_eligible(s)
+        .map_err(|why| Error::invalid("shape", format!("not a Winograd convolution: {why}")))?;
+    winograd_dims(s, tile)
+}
+
+/// Length and device of a buffer (taken before its pointer, which may borrow it mutably).
+fn meta<T, B: cudarc::driver::DeviceSlice<T>>(buf: &B) -> (usize, usize) {
+    (buf.len(), buf.stream().context().ordinal())
+}
+
+fn info<T: Element>(name: &'static str, (len, ordinal): (usize, usize), ptr: u64) -> BufInfo {
+    BufInfo {
+        name,
+        ptr,
+        len,
+        elem: T::DTYPE.size(),
+        ordinal,
+    }
+}
+
+/// Lengths (`want`, with what they mean), devices, and outputs disjoint from the inputs.
+fn check_bufs(
+    ctx: &Context,
+    outputs: &[(BufInfo, usize, &str)],
+    inputs: &[(BufInfo, usize, &str)],
+) -> Result<()> {
+    for (b, want, what) in inputs.iter().chain(outputs) {
+        expect_len(b, *want, what)?;
+        expect_device(b, ctx.info().ordinal)?;
+    }
+    let o: Vec<BufInfo> = outputs.iter().map(|t| t.0).collect();
+    let i: Vec<BufInfo> = inputs.iter().map(|t| t.0).collect();
+    expect_outputs_disjoint(&o, &i)
+}
+
+fn n_times(n: usize, per: usize) -> Result<usize> {
+    n.checked_mul(per)
+        .ok_or_else(|| Error::invalid("n", "the batch's transformed tensors overflow usize"))
+}
+
+/// The input transform of the whole batch: `U[pos][t][c_in]` (`n * u_per_image` elements) from
+/// x (NHWC, `s.x_len()` elements), zero padding fused. `vec`: channels per thread (one of
+/// [`vector_widths`] dividing `c_in`), `None` for the default. Returns the width used.
+pub fn input_transform<T, X, U>(
+    ctx: &Context,
+    s: &ConvShape,
+    tile: WinogradTile,
+    x: &X,
+    u: &mut U,
+    vec: Option<usize>,
+) -> Result<usize>
+where
+    T: Element,
+    X: DevicePtr<T>,
+    U: DevicePtrMut<T>,
+{
+    let d = eligible(s, tile)?;
+    let stream = ctx.stream();
+    let ixm = meta(x);
+    let (px, _gx) = x.device_ptr(stream);
+    let ix = info::<T>("x", ixm, px);
+    let ium = meta(u);
+    let (pu, _gu) = u.device_ptr_mut(stream);
+    let iu = info::<T>("u", ium, pu);
+    check_bufs(
+        ctx,
+        &[(iu, n_times(s.n, d.u_per_image)?, "n * u_per_image")],
+        &[(ix, s.x_len(), "n * h * w * c_in")],
+    )?;
+    // SAFETY: lengths, device and disjointness checked above.
+    unsafe { super::input_transform(ctx, s, T::DTYPE, tile, px, pu, s.n, vec) }
+}
+
+/// The output transform of the whole batch: y (NHWC, `s.y_len()` elements) from the product
+/// `M[pos][t][c_out]` (`n * m_per_image` elements), clipped at the image edge. `vec` as
+/// [`input_transform`]. Returns the width used.
+pub fn output_transform<T, M, Y>(
+    ctx: &Context,
+    s: &ConvShape,
+    tile: WinogradTile,
+    m: &M,
+    y: &mut Y,
+    vec: Option<usize>,
+) -> Result<usize>
+where
+    T: Element,
+    M: DevicePtr<T>,
+    Y: DevicePtrMut<T>,
+{
+    let d = eligible(s, tile)?;
+    let stream = ctx.stream();
+    let imm = meta(m);
+    let (pm, _gm) = m.device_ptr(stream);
+    let im = info::<T>("m", imm, pm);
+    let iym = meta(y);
+    let (py, _gy) = y.device_ptr_mut(stream);
+    let iy = info::<T>("y", iym, py);
+    check_bufs(
+        ctx,
+        &[(iy, s.y_len()?, "n * oh * ow * c_out")],
+        &[(im, n_times(s.n, d.m_per_image)?, "n * m_per_image")],
+    )?;
+    // SAFETY: lengths, device and disjointness checked above.
+    unsafe { super::output_transform(ctx, s, T::DTYPE, tile, pm, py, s.n, vec) }
+}
+
+/// The filter transform: `V[pos][c_in][c_out]` (`v` elements of
+/// [`crate::conv::sizes::winograd_dims`]) from the KRSC filter (`s.w_len()` elements).
+pub fn filter_transform<T, W, V>(
+    ctx: &Context,
+    s: &ConvShape,
+    tile: WinogradTile,
+    w: &W,
+    v: &mut V,
+) -> Result<()>
+where
+    T: Element,
+    W: DevicePtr<T>,
+    V: DevicePtrMut<T>,
+{
+    let d = eligible(s, tile)?;
+    let stream = ctx.stream();
+    let iwm = meta(w);
+    let (pw, _gw) = w.device_ptr(stream);
+    let iw = info::<T>("w", iwm, pw);
+    let ivm = meta(v);
+    let (pv, _gv) = v.device_ptr_mut(stream);
+    let iv = info::<T>("v", ivm, pv);
+    check_bufs(
+        ctx,
+        &[(iv, d.v, "positions * c_in * c_out")],
+        &[(iw, s.w_len(), "c_out * 3 * 3 * c_in")],
+    )?;
+    // SAFETY: lengths, device and disjointness checked above.
+    unsafe { super::transform_filter(ctx, s, T::DTYPE, tile, pw, pv) }
+}
+
+/// The data gradient's filter transform: `V'[pos][c_out][c_in]` of the filter rotated by 180
+/// degrees with its channel axes swapped (`v` elements), from `s`'s KRSC filter.
+pub fn filter_transform_backward_data<T, W, V>(
+    ctx: &Context,
+    s: &ConvShape,
+    tile: WinogradTile,
+    w: &W,
+    v: &mut V,
+) -> Result<()>
+where
+    T: Element,
+    W: DevicePtr<T>,
+    V: DevicePtrMut<T>,
+{
+    let d = eligible(s, tile)?;
+    winograd_backward_data_eligible(s).map_err(|why| Error::invalid("shape", why))?;
+    let stream = ctx.stream();
+    let iwm = meta(w);
+    let (pw, _gw) = w.device_ptr(stream);
+    let iw = info::<T>("w", iwm, pw);
+    let ivm = meta(v);
+    let (pv, _gv) = v.device_ptr_mut(stream);
+    let iv = info::<T>("v", ivm, pv);
+    check_bufs(
+        ctx,
+        &[(iv, d.v, "positions * c_in * c_out")],
+        &[(iw, s.w_len(), "c_out * 3 * 3 * c_in")],
+    )?;
+    // SAFETY: lengths, device and disjointness checked above.
+    unsafe { super::transform_filter_backward_data(ctx, s, T::DTYPE, tile, pw, pv) }
+}
+
+/// The batched multiply of the whole batch by `engine`: `M_pos = U_pos · V_pos` for every
+/// position (`n * tiles_per_image` tiles).
+pub fn batched_multiply<T, V, U, M>(
+    ctx: &Context,
+    s: &ConvShape,
+    tile: WinogradTile,
+    engine: WinogradEngine,
+    v: &V,
+    u: &U,
+    m: &mut M,
+) -> Result<()>
+where
+    T: Element,
+    V: DevicePtr<T>,
+    U: DevicePtr<T>,
+    M: DevicePtrMut<T>,
+{
+    let d = eligible(s, tile)?;
+    let stream = ctx.stream();
+    let ivm = meta(v);
+    let (pv, _gv) = v.device_ptr(stream);
+    let iv = info::<T>("v", ivm, pv);
+    let ium = meta(u);
+    let (pu, _gu) = u.device_ptr(stream);
+    let iu = info::<T>("u", ium, pu);
+    let imm = meta(m);
+    let (pm, _gm) = m.device_ptr_mut(stream);
+    let im = info::<T>("m", imm, pm);
+    check_bufs(
+        ctx,
+        &[(im, n_times(s.n, d.m_per_image)?, "n * m_per_image")],
+        &[
+            (iv, d.v, "positions * c_in * c_out"),
+            (iu, n_times(s.n, d.u_per_image)?, "n * u_per_image"),
+        ],
+    )?;
+    let tiles = n_times(s.n, d.tiles_per_image)?;
+    // SAFETY: lengths, device and disjointness checked above.
+    unsafe { super::multiply(ctx, s, T::DTYPE, tile, engine, pv, pu, pm, tiles) }
+}
+
+/// The whole Winograd forward convolution as the dispatcher runs it: x (NHWC), w (KRSC) → y,
+/// chunked under the Context's convolution workspace cap.
+pub fn forward<T, X, W, Y>(
+    ctx: &Context,
+    s: &ConvShape,
+    tile: WinogradTile,
+    engine: WinogradEngine,
+    x: &X,
+    w: &W,
+    y: &mut Y,
+) -> Result<()>
+where
+    T: Element,
+    X: DevicePtr<T>,
+    W: DevicePtr<T>,
+    Y: DevicePtrMut<T>,
+{
+    eligible(s, tile)?;
+    let stream = ctx.stream();
+    let ixm = meta(x);
+    let (px, _gx) = x.device_ptr(stream);
+    let ix = info::<T>("x", ixm, px);
+    let iwm = meta(w);
+    let (pw, _gw) = w.device_ptr(stream);
+    let iw = info::<T>("w", iwm, pw);
+    let iym = meta(y);
+    let (py, _gy) = y.device_ptr_mut(stream);
+    let iy = info::<T>("y", iym, py);
+    check_bufs(
+        ctx,
+        &[(iy, s.y_len()?, "n * oh * ow * c_out")],
+        &[
+            (ix, s.x_len(), "n * h * w * c_in"),
+            (iw, s.w_len(), "c_out * 3 * 3 * c_in"),
+        ],
+    )?;
+    let p = FwdPtrs {
+        x: px,
+        w: pw,
+        y: py,
+    };
+    // SAFETY: lengths, device and disjointness checked above.
+    unsafe { super::forward(ctx, s, T::DTYPE, tile, engine, p) }
+}
+
+/// [`forward`] with an explicit batch-splitting strategy (the path's default is
+/// [`Chunking::L2Resident`] on the Context's device), for comparing strategies.
+#[allow(clippy::too_many_arguments)] // forward's arguments plus the strategy
+pub fn forward_chunked<T, X, W, Y>(
+    ctx: &Context,
+    s: &ConvShape,
+    tile: WinogradTile,
+    engine: WinogradEngine,
+    x: &X,
+    w: &W,
+    y: &mut Y,
+    chunking: Chunking,
+) -> Result<()>
+where
+    T: Element,
+    X: DevicePtr<T>,
+    W: DevicePtr<T>,
+    Y: DevicePtrMut<T>,
+{
+    eligible(s, tile)?;
+    let stream = ctx.stream();
+    let ixm = meta(x);
+    let (px, _gx) = x.device_ptr(stream);
+    let ix = info::<T>("x", ixm, px);
+    let iwm = meta(w);
+    let (pw, _gw) = w.device_ptr(stream);
+    let iw = info::<T>("w", iwm, pw);
+    let iym = meta(y);
+    let (py, _gy) = y.device_ptr_mut(stream);
+    let iy = info::<T>("y", iym, py);
+    check_bufs(
+        ctx,
+        &[(iy, s.y_len()?, "n * oh * ow * c_out")],
+        &[
+            (ix, s.x_len(), "n * h * w * c_in"),
+            (iw, s.w_len(), "c_out * 3 * 3 * c_in"),
+        ],
+    )?;
+    let p = FwdPtrs {
+        x: px,
+        w: pw,
+        y: py,
+    };
+    // SAFETY: lengths, device and disjointness checked above.
+    unsafe { super::forward_chunked(ctx, s, T::DTYPE, tile, engine, p, chunking) }
+}
+
+/// How the path splits a batch: what [`plan_chunks`] answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkSummary {
+    /// Images of each chunk, in order (sizes differ by at most one).
+    pub chunks: Vec<usize>,
+    /// Scratch bytes the path takes (the transformed filter unless prepared, and the largest
+    /// chunk's transformed input and product, each region 256-byte aligned).
+    pub scratch_bytes: usize,
+    /// Whether the L2 rule, not the workspace cap, set the chunk size.
+    pub l2_limited: bool,
+}
+
+/// The chunks and scratch bytes of a Winograd run of `s` (pure; for plans and reports):
+/// `cap_bytes` is the convolution workspace cap ([`crate::Config::conv_workspace_bytes`]),
+/// `prepared` whether the transformed filter comes from the caller (then it is not in the
+/// scratch). Errors: an ineligible shape, or one image that does not fit the cap
+/// ([`Error::NotSupported`], saying so).
+pub fn plan_chunks(
+    s: &ConvShape,
+    tile: WinogradTile,
+    dtype: DType,
+    cap_bytes: usize,
+    chunking: Chunking,
+    prepared: bool,
+) -> Result<ChunkSummary> {
+    eligible(s, tile)?;
+    let p = super::launch::chunk_plan(s, tile, dtype.size(), cap_bytes, !prepared, chunking)?;
+    Ok(ChunkSummary {
+        chunks: p.chunks,
+        scratch_bytes: p.layout.bytes,
+        l2_limited: p.l2_limited,
+    })
+}
+
+/// The chunking the path uses on this Context by default.
+pub fn default_chunking(ctx: &Context) -> Chunking {
+    super::default_chunking(ctx)
+}
+
+/// The Winograd data gradient as the dispatcher runs it: dy (NHWC, `s`'s output), w (KRSC) →
+/// dx (`s`'s input). Needs padding at most 2 per axis.
+pub fn backward_data<T, G, W, DX>(
+    ctx: &Context,
+    s: &ConvShape,
+    tile: WinogradTile,
+    engine: WinogradEngine,
+    dy: &G,
+    w: &W,
+    dx: &mut DX,
+) -> Result<()>
+where
+    T: Element,
+    G: DevicePtr<T>,
+    W: DevicePtr<T>,
+    DX: DevicePtrMut<T>,
+{
+    eligible(s, tile)?;
+    winograd_backward_data_eligible(s).map_err(|why| Error::invalid("shape", why))?;
+    let stream = ctx.stream();
+    let igm = meta(dy);
+    let (pg, _gg) = dy.device_ptr(stream);
+    let ig = info::<T>("dy", igm, pg);
+    let iwm = meta(w);
+    let (pw, _gw) = w.device_ptr(stream);
+    let iw = info::<T>("w", iwm, pw);
+    let ixm = meta(dx);
+    let (px, _gx) = dx.device_ptr_mut(stream);
+    let ix = info::<T>("dx", ixm, px);
+    check_bufs(
+        ctx,
+        &[(ix, s.x_len(), "n * h * w * c_in")],
+        &[
+            (ig, s.y_len()?, "n * oh * ow * c_out"),
+            (iw, s.w_len(), "c_out * 3 * 3 * c_in"),
+        ],
+    )?;
+    let p = BwdDataPtrs {
+        dy: pg,
+        w: pw,
+        dx: px,
+    };
+    // SAFETY: lengths, device and disjointness checked above.
+    unsafe { super::backward_data(ctx, s, T::DTYPE, tile, engine, p) }
+}
+
+/// The Direct batched multiply on any strided batched GEMM problem (column-major, transposes,
+/// alpha/beta, as [`crate::gemm::strided_batched`], validated the same way), for comparing the
+/// two engines on the same problem.
+pub fn direct_gemm<T, A, B, C>(ctx: &Context, p: &Problem, a: &A, b: &B, c: &mut C) -> Result<()>
+where
+    T: Element,
+    A: DevicePtr<T>,
+    B: DevicePtr<T>,
+    C: DevicePtrMut<T>,
+{
+    let spans = match p.check_buffers(T::DTYPE, a.len(), b.len(), c.len())? {
+        Validated::Empty => return Ok(()),
+        Validated::Spans(s) => s,
+    };
+    let stream = ctx.stream();
+    let (ma, mb, mc) = (meta(a), meta(b), meta(c));
+    let (pa, _ga) = a.device_ptr(stream);
+    let (pb, _gb) = b.device_ptr(stream);
+    let (pc, _gc) = c.device_ptr_mut(stream);
+    for i in [
+        info::<T>("a", ma, pa),
+        info::<T>("b", mb, pb),
+        info::<T>("c", mc, pc),
+    ] {
+        expect_device(&i, ctx.info().ordinal)?;
+    }
+    check_pointers(&spans, T::DTYPE.size(), pa, pb, pc)?;
+    // SAFETY: the problem fits the buffers (check_buffers), they live on the Context's device
+    // and C overlaps neither A nor B.
+    unsafe { crate::conv::winograd_gemm::batched_direct(ctx, p, T::DTYPE, pa, pb, pc) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::TensorFormat;
+
+    #[test]
+    fn plan_chunks_reports_what_the_path_will_do() {
+        let s = ConvShape {
+            n: 32,
+            c_in: 64,
+            h: 56,
+            w: 56,
+            c_out: 64,
+            kh: 3,
+            kw: 3,
+            stride: (1, 1),
+            pad: (1, 1),
+            dilation: (1, 1),
+            format: TensorFormat::Nhwc,
+        };
+        let l2 = Chunking::L2Resident { l2_bytes: 50 << 20 };
+        let p = plan_chunks(&s, WinogradTile::F4x3, DType::F16, 256 << 20, l2, false).unwrap();
+        assert_eq!(p.chunks, vec![11, 11, 10]);
+        assert!(p.l2_limited);
+        let q = plan_chunks(
+            &s,
+            WinogradTile::F4x3,
+            DType::F16,
+            256 << 20,
+            Chunking::WorkspaceCap,
+            false,
+        )
+        .unwrap();
+        assert_eq!((q.chunks, q.l2_limited), (vec![32], false));
+        assert!(q.scratch_bytes > p.scratch_bytes);
+        // A prepared filter is not in the scratch.
+        let r = plan_chunks(
+            &s,
+            WinogradTile::F4x3,
+            DType::F16,
+            256 << 20,
+            Chunking::WorkspaceCap,
+            true,
+        )
+        .unwrap();
+        assert!(r.scratch_bytes < q.scratch_bytes);
+        let mut bad = s;
+        bad.stride = (2, 2);
+        let e = plan_chunks(&bad, WinogradTile::F4x3, DType::F16, 1 << 30, l2, false).unwrap_err();
+        assert_eq!(e.argument(), Some("shape"));
+        let e = plan_chunks(&s, WinogradTile::F4x3, DType::F16, 1 << 10, l2, false).unwrap_err();
+        assert!(e.to_string().contains("workspace cap"), "{e}");
+    }
+}
