@@ -18,7 +18,7 @@
 pub mod sizes;
 
 mod direct;
-mod im2col;
+pub mod im2col;
 mod winograd;
 mod winograd_gemm;
 
