@@ -35,6 +35,8 @@
 //! # Ok(()) }
 //! ```
 
+#[cfg(test)]
+pub(crate) mod gpu_tests;
 pub(crate) mod launch;
 pub(crate) mod steps;
 
