@@ -54,7 +54,7 @@ impl FastDiv {
 }
 
 /// The geometry argument of every im2col/col2im kernel, field for field as `ColGeom` in
-/// `kernels/im2col.cu` (208 bytes; `static_assert`ed there, tested here). "Units" are elements,
+/// `kernels/im2col.cu` (200 bytes; `static_assert`ed there, tested here). "Units" are elements,
 /// or for the NHWC unit kernels groups of `unit` channels copied at once.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -65,7 +65,8 @@ pub(crate) struct ColGeom {
     pub col_img: u64,
     /// NCHW: units between consecutive taps `q` of the columns.
     pub col_row: u64,
-    /// Work items per image.
+    /// Work items (threads) per image: NCHW im2col `c_in * P`, col2im x's units per image;
+    /// unused by NHWC im2col (one warp per pixel).
     pub count: u32,
     /// Input channels (NHWC unit kernels: units per pixel of x).
     pub c_in: u32,
@@ -85,6 +86,14 @@ pub(crate) struct ColGeom {
     pub pixels: u32,
     /// `K = c_in * kh * kw` (NHWC unit kernels: units per pixel of the columns).
     pub taps: u32,
+    /// `kh * kw`.
+    pub khkw: u32,
+    /// `kw * c_in` (units): one filter row of an NHWC patch.
+    pub kwc: u32,
+    /// `w * c_in` (units): one NHWC input row.
+    pub wc: u32,
+    /// Padding to the kernel's layout.
+    pub unused: u32,
     /// Vertical stride.
     pub sh: i32,
     /// Horizontal stride.
@@ -99,16 +108,12 @@ pub(crate) struct ColGeom {
     pub dw: i32,
     /// By `ow`.
     pub d_ow: FastDiv,
-    /// By `kw`.
-    pub d_kw: FastDiv,
-    /// By `kh * kw`.
-    pub d_khkw: FastDiv,
     /// By `c_in` (units).
     pub d_cin: FastDiv,
     /// By `pixels`.
     pub d_pixels: FastDiv,
-    /// By `taps` (units).
-    pub d_taps: FastDiv,
+    /// By `kwc`.
+    pub d_kwc: FastDiv,
     /// By `w`.
     pub d_w: FastDiv,
     /// By `h * w`.
@@ -189,7 +194,8 @@ pub(crate) fn geometry(s: &ConvShape, layout: ColLayout, unit: usize) -> Result<
         &[pixels, taps],
     )?;
     small_product("an image's input (c_in*h*w)", &[s.c_in, s.h, s.w])?;
-    // Coordinates: iy + ph <= h + 2*ph - 1 (likewise x) must fit an int.
+    // Coordinates: iy + ph <= h + 2*ph - 1 (likewise x) must fit an int, and for NHWC so must
+    // the fused input-row offset ix*c_in + s*c_in + c.
     let padded_h = s.h.saturating_add(s.pad.0.saturating_mul(2));
     let padded_w = s.w.saturating_add(s.pad.1.saturating_mul(2));
     small("h + 2*pad.0", padded_h)?;
@@ -198,6 +204,12 @@ pub(crate) fn geometry(s: &ConvShape, layout: ColLayout, unit: usize) -> Result<
         TensorFormat::Nchw => (s.c_in, taps),
         TensorFormat::Nhwc => (s.c_in / unit, taps / unit),
     };
+    small(
+        "(w + 2*pad.1 + kw*dilation.1)*c_in",
+        padded_w
+            .saturating_add(s.kw.saturating_mul(s.dilation.1))
+            .saturating_mul(c_in_u),
+    )?;
     let x_img = s.c_in * s.h * s.w
         / if s.format == TensorFormat::Nhwc {
             unit
@@ -223,6 +235,10 @@ pub(crate) fn geometry(s: &ConvShape, layout: ColLayout, unit: usize) -> Result<
         ow: u(ow),
         pixels: u(pixels),
         taps: u(taps_u),
+        khkw: u(s.kh * s.kw),
+        kwc: u(s.kw * c_in_u),
+        wc: u(s.w * c_in_u),
+        unused: 0,
         sh: small_i("stride.0", s.stride.0)?,
         sw: small_i("stride.1", s.stride.1)?,
         ph: small_i("pad.0", s.pad.0)?,
@@ -230,11 +246,9 @@ pub(crate) fn geometry(s: &ConvShape, layout: ColLayout, unit: usize) -> Result<
         dh: small_i("dilation.0", s.dilation.0)?,
         dw: small_i("dilation.1", s.dilation.1)?,
         d_ow: FastDiv::new(u(ow)),
-        d_kw: FastDiv::new(u(s.kw)),
-        d_khkw: FastDiv::new(u(s.kh * s.kw)),
         d_cin: FastDiv::new(u(c_in_u)),
         d_pixels: FastDiv::new(u(pixels)),
-        d_taps: FastDiv::new(u(taps_u)),
+        d_kwc: FastDiv::new(u(s.kw * c_in_u)),
         d_w: FastDiv::new(u(s.w)),
         d_hw: FastDiv::new(u(s.h * s.w)),
         d_sh: FastDiv::new(u(s.stride.0)),
@@ -268,12 +282,12 @@ impl Launch {
     }
 }
 
-fn grid_for(count: u32, images: usize) -> Result<((u32, u32), u32)> {
+/// `(gridDim.x, gridDim.y)` for `blocks` blocks per image, and the image count as the kernels
+/// take it.
+fn grid_for(blocks: u32, images: usize) -> Result<((u32, u32), u32)> {
     let images = u32::try_from(images)
         .map_err(|_| Error::NotSupported(format!("im2col kernels: {images} images in a chunk")))?;
-    let per_block = THREADS * EPT;
-    let x = count.div_ceil(per_block).max(1);
-    Ok(((x, images.clamp(1, MAX_GRID_Y)), images))
+    Ok(((blocks.max(1), images.clamp(1, MAX_GRID_Y)), images))
 }
 
 /// Bytes of the NHWC copy unit: the largest of 16, 8, 4 and the element size that divides a
@@ -309,7 +323,15 @@ pub(crate) fn im2col(
     let unit_bytes = copy_unit_bytes(s.format, s.c_in, elem, &[x_addr, cols_addr]);
     let unit = unit_bytes / elem;
     let mut geom = geometry(s, layout, unit)?;
-    geom.count = geom.pixels * geom.taps; // checked in geometry()
+    // NCHW: a thread per (c, pixel); NHWC: a warp per pixel. Both counts were checked in
+    // geometry() (c_in*P <= c_in*kh*kw*P).
+    let blocks = match s.format {
+        TensorFormat::Nchw => {
+            geom.count = geom.c_in * geom.pixels;
+            geom.count.div_ceil(THREADS)
+        }
+        TensorFormat::Nhwc => geom.pixels.div_ceil(THREADS / 32),
+    };
     let kernel = match (s.format, unit_bytes) {
         (TensorFormat::Nchw, 2) => "im2col_nchw_b2",
         (TensorFormat::Nchw, 4) => "im2col_nchw_b4",
@@ -324,7 +346,7 @@ pub(crate) fn im2col(
             )))
         }
     };
-    let (grid, images) = grid_for(geom.count, images)?;
+    let (grid, images) = grid_for(blocks, images)?;
     Ok(Launch {
         kernel,
         grid,
@@ -356,6 +378,7 @@ pub(crate) fn col2im(
     let layout = ColLayout::standard(oh * ow, s.c_in * s.kh * s.kw);
     let mut geom = geometry(s, layout, unit)?;
     geom.count = geom.c_in * geom.h * geom.w; // c_in*h*w (in units) was checked in geometry()
+    let blocks = geom.count.div_ceil(THREADS * EPT);
     let kernel = match (s.format, vector, dtype) {
         (TensorFormat::Nchw, _, DType::F32) => "col2im_nchw_f32",
         (TensorFormat::Nchw, _, DType::F16) => "col2im_nchw_f16",
@@ -367,7 +390,7 @@ pub(crate) fn col2im(
         (TensorFormat::Nhwc, true, DType::F16) => "col2im_nhwc_vec_f16",
         (TensorFormat::Nhwc, true, DType::BF16) => "col2im_nhwc_vec_bf16",
     };
-    let (grid, images) = grid_for(geom.count, images)?;
+    let (grid, images) = grid_for(blocks, images)?;
     Ok(Launch {
         kernel,
         grid,
@@ -420,61 +443,124 @@ pub(crate) mod emulate {
     pub(crate) fn im2col(l: &Launch, x: &[f64], cols: &mut [f64]) {
         let g = &l.geom;
         let u = l.unit;
-        let nchw = l.kernel.starts_with("im2col_nchw");
+        let mut copy = |cols_at: u64, x_at: Option<u64>| {
+            for k in 0..u {
+                cols[cols_at as usize * u + k] = match x_at {
+                    Some(i) => x[i as usize * u + k],
+                    None => 0.0,
+                };
+            }
+        };
         for by in 0..l.grid.1 {
             for bx in 0..l.grid.0 {
                 for t in 0..THREADS {
-                    let first = bx * (THREADS * EPT) + t;
-                    let mut b = by;
-                    while b < l.images {
-                        let xb = b as usize * g.x_img as usize;
-                        let cb = b as usize * g.col_img as usize;
-                        for j in 0..EPT {
-                            let e = first + j * THREADS;
-                            if e >= g.count {
-                                continue;
-                            }
-                            let (src, dst) = if nchw {
-                                let q = g.d_pixels.div(e);
-                                let p = e - q * g.pixels;
-                                let c = g.d_khkw.div(q);
-                                let rs = q - c * g.d_khkw.d;
-                                let r = g.d_kw.div(rs);
-                                let s = rs - r * g.kw;
-                                let oy = g.d_ow.div(p);
-                                let ox = p - oy * g.ow;
-                                let iy = oy as i32 * g.sh + r as i32 * g.dh - g.ph;
-                                let ix = ox as i32 * g.sw + s as i32 * g.dw - g.pw;
-                                let inside = (iy as u32) < g.h && (ix as u32) < g.w;
-                                let src = inside.then(|| {
-                                    (c as u64 * g.h as u64 + iy as u64) * g.w as u64 + ix as u64
-                                });
-                                (src, q as u64 * g.col_row + p as u64)
-                            } else {
-                                let p = g.d_taps.div(e);
-                                let q = e - p * g.taps;
-                                let tap = g.d_cin.div(q);
-                                let c = q - tap * g.c_in;
-                                let r = g.d_kw.div(tap);
-                                let s = tap - r * g.kw;
-                                let oy = g.d_ow.div(p);
-                                let ox = p - oy * g.ow;
-                                let iy = oy as i32 * g.sh + r as i32 * g.dh - g.ph;
-                                let ix = ox as i32 * g.sw + s as i32 * g.dw - g.pw;
-                                let inside = (iy as u32) < g.h && (ix as u32) < g.w;
-                                let src = inside.then(|| {
-                                    (iy as u64 * g.w as u64 + ix as u64) * g.c_in as u64 + c as u64
-                                });
-                                (src, e as u64)
-                            };
-                            for k in 0..u {
-                                cols[cb * u + dst as usize * u + k] = match src {
-                                    Some(i) => x[xb * u + i as usize * u + k],
-                                    None => 0.0,
-                                };
-                            }
+                    if l.kernel.starts_with("im2col_nchw") {
+                        let e = bx * THREADS + t;
+                        if e >= g.count {
+                            continue;
                         }
-                        b += l.grid.1;
+                        let c = g.d_pixels.div(e);
+                        let p = e - c * g.pixels;
+                        let oy = g.d_ow.div(p);
+                        let ox = p - oy * g.ow;
+                        let iy0 = oy as i32 * g.sh - g.ph;
+                        let ix0 = ox as i32 * g.sw - g.pw;
+                        let mut b = by;
+                        while b < l.images {
+                            let plane = u64::from(b) * g.x_img + u64::from(c * g.h * g.w);
+                            let mut dst = u64::from(b) * g.col_img
+                                + u64::from(c * g.khkw) * g.col_row
+                                + u64::from(p);
+                            let (mut iy, mut ix, mut s) = (iy0, ix0, 0u32);
+                            // tap_value + the odometer of the kernel, one tap.
+                            let tap = |iy: &mut i32, ix: &mut i32, s: &mut u32| {
+                                let inside = (*iy as u32) < g.h && (*ix as u32) < g.w;
+                                let at = (*iy as u32).wrapping_mul(g.w).wrapping_add(*ix as u32);
+                                let v = inside.then(|| plane + u64::from(at));
+                                *ix += g.dw;
+                                *s += 1;
+                                if *s == g.kw {
+                                    *s = 0;
+                                    *ix = ix0;
+                                    *iy += g.dh;
+                                }
+                                v
+                            };
+                            let mut t = 0;
+                            while t + EPT <= g.khkw {
+                                let v: Vec<_> =
+                                    (0..EPT).map(|_| tap(&mut iy, &mut ix, &mut s)).collect();
+                                for vj in v {
+                                    copy(dst, vj);
+                                    dst += g.col_row;
+                                }
+                                t += EPT;
+                            }
+                            while t < g.khkw {
+                                let v = tap(&mut iy, &mut ix, &mut s);
+                                copy(dst, v);
+                                dst += g.col_row;
+                                t += 1;
+                            }
+                            b += l.grid.1;
+                        }
+                    } else {
+                        let lane = t & 31;
+                        let first = bx * (THREADS / 32) + (t >> 5);
+                        let mut b = by;
+                        while b < l.images {
+                            let xb = u64::from(b) * g.x_img;
+                            let cb = u64::from(b) * g.col_img;
+                            let mut p = first;
+                            while p < g.pixels {
+                                let oy = g.d_ow.div(p);
+                                let ox = p - oy * g.ow;
+                                let iy0 = oy as i32 * g.sh - g.ph;
+                                let ix0 = ox as i32 * g.sw - g.pw;
+                                let row = cb + u64::from(p) * u64::from(g.taps);
+                                let mut q0 = 0;
+                                while q0 < g.taps {
+                                    for j in 0..EPT {
+                                        let q_in = q0 + j * 32 + lane;
+                                        // The kernel loads at the clamped item and stores only in range.
+                                        let q = q_in.min(g.taps - 1);
+                                        let r = g.d_kwc.div(q);
+                                        let jj = q - r * g.kwc;
+                                        let iy = iy0 + r as i32 * g.dh;
+                                        let mut src = None;
+                                        if (iy as u32) < g.h {
+                                            if g.dw == 1 {
+                                                let xc = ix0 * g.c_in as i32 + jj as i32;
+                                                if (xc as u32) < g.wc {
+                                                    src = Some(
+                                                        xb + iy as u64 * u64::from(g.wc)
+                                                            + xc as u64,
+                                                    );
+                                                }
+                                            } else {
+                                                let s = g.d_cin.div(jj);
+                                                let c = jj - s * g.c_in;
+                                                let ix = ix0 + s as i32 * g.dw;
+                                                if (ix as u32) < g.w {
+                                                    src = Some(
+                                                        xb + (iy as u64 * u64::from(g.w)
+                                                            + ix as u64)
+                                                            * u64::from(g.c_in)
+                                                            + u64::from(c),
+                                                    );
+                                                }
+                                            }
+                                        }
+                                        if q_in < g.taps {
+                                            copy(row + u64::from(q), src);
+                                        }
+                                    }
+                                    q0 += 32 * EPT;
+                                }
+                                p += l.grid.0 * (THREADS / 32);
+                            }
+                            b += l.grid.1;
+                        }
                     }
                 }
             }
@@ -482,6 +568,9 @@ pub(crate) mod emulate {
     }
 
     fn out_of(t: i32, stride: i32, ds: FastDiv, out: u32) -> Option<u32> {
+        if stride == 1 {
+            return ((t as u32) < out).then_some(t as u32);
+        }
         let o = ds.div(t as u32);
         (o.wrapping_mul(stride as u32) as i32 == t && o < out).then_some(o)
     }
@@ -607,16 +696,16 @@ mod tests {
 
     #[test]
     fn col_geom_matches_the_kernel_layout() {
-        // kernels/im2col.cu: static_assert(sizeof(ColGeom) == 208); field order as declared.
+        // kernels/im2col.cu: static_assert(sizeof(ColGeom) == 200); field order as declared.
         assert_eq!(std::mem::size_of::<FastDiv>(), 12);
-        assert_eq!(std::mem::size_of::<ColGeom>(), 208);
+        assert_eq!(std::mem::size_of::<ColGeom>(), 200);
         assert_eq!(std::mem::align_of::<ColGeom>(), 8);
         let g = ColGeom::default();
         let base = &g as *const ColGeom as usize;
         assert_eq!(&g.count as *const u32 as usize - base, 24);
-        assert_eq!(&g.sh as *const i32 as usize - base, 64);
-        assert_eq!(&g.d_ow as *const FastDiv as usize - base, 88);
-        assert_eq!(&g.d_sw as *const FastDiv as usize - base, 196);
+        assert_eq!(&g.sh as *const i32 as usize - base, 80);
+        assert_eq!(&g.d_ow as *const FastDiv as usize - base, 104);
+        assert_eq!(&g.d_sw as *const FastDiv as usize - base, 188);
     }
 
     #[test]
@@ -679,10 +768,21 @@ mod tests {
         let s = shape(Nchw, 70_000, 64, 56, 56);
         let l = im2col(&s, ColLayout::standard(3136, 576), 4, 70_000, 0, 0).unwrap();
         assert_eq!(l.kernel, "im2col_nchw_b4");
-        assert_eq!(l.geom.count, 3136 * 576);
-        assert_eq!(l.grid.0, (3136 * 576u32).div_ceil(THREADS * EPT));
+        assert_eq!(l.geom.count, 64 * 3136, "a thread per (channel, pixel)");
+        assert_eq!(l.grid.0, (64 * 3136u32).div_ceil(THREADS));
         assert_eq!(l.grid.1, MAX_GRID_Y, "images beyond 65535 are strided over");
         assert_eq!(l.images, 70_000);
+        let l = im2col(
+            &shape(Nhwc, 3, 64, 56, 56),
+            ColLayout::standard(3136, 576),
+            2,
+            3,
+            0,
+            0,
+        )
+        .unwrap();
+        assert_eq!((l.kernel, l.unit, l.geom.taps), ("im2col_nhwc_b16", 8, 72));
+        assert_eq!(l.grid, (3136 / 8, 3), "a warp per pixel");
         let l = col2im(&shape(Nhwc, 3, 64, 7, 7), DType::F16, 3, 0, 0).unwrap();
         assert_eq!((l.kernel, l.unit), ("col2im_nhwc_vec_f16", 8));
         assert_eq!(l.geom.count, 7 * 7 * 8);
