@@ -7,8 +7,9 @@
 //! im2col path launches), timed with CUDA events (median), rotating among enough buffer sets
 //! that each set has left the 50 MiB L2 before it comes round again.
 //!
-//! Bytes: im2col writes the columns and must read every input element some tap uses (counted
-//! once); col2im reads the columns and writes the whole input gradient. Floor = bytes / copy
+//! Bytes: im2col writes the columns and must read the input's 32-byte sectors that hold an element
+//! some tap uses (each once: a strided layer reads whole sectors of which it uses part); col2im
+//! reads the columns and writes the whole input gradient. Floor = bytes / copy
 //! bandwidth (read + write, `nnfuse::timing::copy_bandwidth`); "% of copy" = floor / time, the
 //! figure the im2col target (≥ 80%) refers to. Prints a markdown table, then one JSON object per
 //! line (`{"bench":"conv_kernels",...}`).
@@ -55,8 +56,8 @@ fn opts() -> TimingOptions {
     }
 }
 
-/// Input indices along one axis that some tap of some output reads.
-fn used(extent: usize, k: usize, stride: usize, pad: usize, dil: usize, out: usize) -> usize {
+/// Which input indices along one axis some tap of some output reads.
+fn used(extent: usize, k: usize, stride: usize, pad: usize, dil: usize, out: usize) -> Vec<bool> {
     let mut hit = vec![false; extent];
     for o in 0..out {
         for t in 0..k {
@@ -67,7 +68,38 @@ fn used(extent: usize, k: usize, stride: usize, pad: usize, dil: usize, out: usi
             }
         }
     }
-    hit.iter().filter(|&&h| h).count()
+    hit
+}
+
+/// Bytes of the input that im2col must bring from memory: the 32-byte sectors holding an element
+/// some tap reads, each once (a strided layer reads whole sectors of which it uses part).
+fn read_bytes(s: &ConvShape, es: usize) -> Result<usize> {
+    let (oh, ow) = s.out_hw()?;
+    let rows = used(s.h, s.kh, s.stride.0, s.pad.0, s.dilation.0, oh);
+    let cols = used(s.w, s.kw, s.stride.1, s.pad.1, s.dilation.1, ow);
+    let mut sectors = std::collections::BTreeSet::new();
+    // One NCHW plane or one NHWC image; the others repeat it (sector-aligned or not, the count
+    // per plane differs by at most one sector at its ends).
+    for (iy, _) in rows.iter().enumerate().filter(|(_, &u)| u) {
+        for (ix, _) in cols.iter().enumerate().filter(|(_, &u)| u) {
+            let (first, len) = match s.format {
+                TensorFormat::Nchw => ((iy * s.w + ix) * es, es),
+                TensorFormat::Nhwc => ((iy * s.w + ix) * s.c_in * es, s.c_in * es),
+            };
+            for sector in first / 32..(first + len).div_ceil(32) {
+                sectors.insert(sector);
+            }
+        }
+    }
+    let per = (sectors.len() * 32).min(match s.format {
+        TensorFormat::Nchw => s.h * s.w * es,
+        TensorFormat::Nhwc => s.h * s.w * s.c_in * es,
+    });
+    Ok(per
+        * match s.format {
+            TensorFormat::Nchw => s.n * s.c_in,
+            TensorFormat::Nhwc => s.n,
+        })
 }
 
 /// The copy unit the kernel takes (the rule of `src/conv/im2col/launch.rs`: NHWC groups a tap's
@@ -99,14 +131,9 @@ fn bench_layer<T: Element>(
 ) -> Result<()> {
     let dt = T::DTYPE;
     let es = dt.size();
-    let (oh, ow) = s.out_hw()?;
     let n_cols = im2col::columns_len(s)?;
     let (x_bytes, cols_bytes) = (s.x_len() * es, n_cols * es);
-    let read = s.n
-        * s.c_in
-        * used(s.h, s.kh, s.stride.0, s.pad.0, s.dilation.0, oh)
-        * used(s.w, s.kw, s.stride.1, s.pad.1, s.dilation.1, ow)
-        * es;
+    let read = read_bytes(s, es)?;
     let l2 = ctx.info().l2_bytes.max(1) as usize;
     let copies = (2 * l2).div_ceil(x_bytes + cols_bytes) + 1;
     let stream = ctx.stream();
@@ -213,7 +240,7 @@ fn main() -> Result<()> {
     println!();
     println!(
         "im2col / col2im on {}, batch 32 — copy bandwidth {:.0} GB/s (read + write). Bytes = \
-         columns + input (im2col: the input elements some tap reads); floor = bytes / copy \
+         columns + input (im2col: the input sectors some tap reads); floor = bytes / copy \
          bandwidth; target: im2col ≥ 80% of copy.",
         ctx.info().name,
         copy_bw / 1e9

@@ -17,8 +17,8 @@
 //! accumulation in f32). Intermediates are stored in the data type: the data gradient's column
 //! matrices, and in the filter gradient each chunk's partial sum (rounded to f16/bf16 once per
 //! chunk before the f32 accumulation across chunks; f32 data and single-chunk problems
-//! accumulate inside the GEMM). Layouts and formulations: [`crate::reference::conv`] and the
-//! plan module's documentation (`src/conv/im2col/steps.rs`).
+//! accumulate inside the GEMM). Layouts and formulations: [`crate::reference::conv`],
+//! `docs/CONV-IM2COL.md` and the plan module (`src/conv/im2col/steps.rs`).
 //!
 //! ```no_run
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
