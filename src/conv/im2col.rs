@@ -123,6 +123,7 @@ unsafe fn execute(ctx: &Context, dtype: DType, plan: &Plan, ops: Operands) -> Re
             } => {
                 let (s, d) = (addr(*src)?, addr(*dst)?);
                 let l = launch::im2col(shape, *layout, elem, *images, s, d)?;
+                tracing::trace!(kernel = l.kernel, grid = ?l.grid, images = l.images, "im2col step");
                 // SAFETY: the plan sized the scratch for these columns; x holds the chunk.
                 unsafe { launch_cols(ctx, &l, s, d)? };
             }
@@ -134,6 +135,7 @@ unsafe fn execute(ctx: &Context, dtype: DType, plan: &Plan, ops: Operands) -> Re
             } => {
                 let (s, d) = (addr(*src)?, addr(*dst)?);
                 let l = launch::col2im(shape, dtype, *images, s, d)?;
+                tracing::trace!(kernel = l.kernel, grid = ?l.grid, images = l.images, "col2im step");
                 // SAFETY: as above, for the columns and dx.
                 unsafe { launch_cols(ctx, &l, s, d)? };
             }

@@ -204,12 +204,13 @@ pub(crate) fn geometry(s: &ConvShape, layout: ColLayout, unit: usize) -> Result<
         TensorFormat::Nchw => (s.c_in, taps),
         TensorFormat::Nhwc => (s.c_in / unit, taps / unit),
     };
-    small(
-        "(w + 2*pad.1 + kw*dilation.1)*c_in",
-        padded_w
-            .saturating_add(s.kw.saturating_mul(s.dilation.1))
-            .saturating_mul(c_in_u),
-    )?;
+    if s.format == TensorFormat::Nhwc {
+        let reach = padded_w.saturating_add(s.kw.saturating_mul(s.dilation.1));
+        small(
+            "(w + 2*pad.1 + kw*dilation.1)*c_in",
+            reach.saturating_mul(c_in_u),
+        )?;
+    }
     let x_img = s.c_in * s.h * s.w
         / if s.format == TensorFormat::Nhwc {
             unit
