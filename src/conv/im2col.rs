@@ -1,47 +1,249 @@
-//! The im2col + GEMM path: nnfuse's im2col kernel (`kernels/im2col.cu`) writes the column
-//! matrices of a chunk of images into the Context's scratch arena, then one strided batched GEMM
-//! per chunk multiplies them with the filter (layouts and GEMM in [`crate::reference::conv`]).
-//! Pointwise convolutions skip im2col. Backward: col2im (gather, deterministic) for the data
-//! gradient, chunked GEMMs accumulated in f32 for the filter gradient.
+//! The im2col + GEMM convolution path, and nnfuse's im2col / col2im kernels
+//! (`kernels/im2col.cu`) as safe functions.
+//!
+//! The forward writes the column matrices of a chunk of images into the Context's scratch arena
+//! and multiplies them with the filter in one strided batched GEMM per chunk
+//! ([`crate::gemm`], with its algorithm search); the data gradient multiplies the filter with dy
+//! into column matrices and gathers them back with col2im (each input element sums its own taps
+//! in a fixed order: deterministic, no atomics); the filter gradient multiplies dy with the
+//! columns, chunk by chunk, accumulating across chunks in f32. Pointwise convolutions (1x1,
+//! stride 1, no padding) skip im2col: x already is the column matrix.
+//!
+//! The batch is processed in chunks so that the column matrices never exceed
+//! [`crate::Config::conv_workspace_bytes`] (`NNFUSE_CONV_WORKSPACE_MB`, default 256 MiB); a
+//! problem whose single image needs more is refused with [`Error::NotSupported`] naming the cap.
+//!
+//! **Precision**: products accumulate in f32 (cuBLAS's f32 compute; col2im and the chunk
+//! accumulation in f32). Intermediates are stored in the data type: the data gradient's column
+//! matrices, and in the filter gradient each chunk's partial sum (rounded to f16/bf16 once per
+//! chunk before the f32 accumulation across chunks; f32 data and single-chunk problems
+//! accumulate inside the GEMM). Layouts and formulations: [`crate::reference::conv`],
+//! `docs/CONV-IM2COL.md` and the plan module (`src/conv/im2col/steps.rs`).
+//!
+//! ```no_run
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use nnfuse::conv::{im2col, ConvShape};
+//! use nnfuse::TensorFormat;
+//! let ctx = nnfuse::Context::new(0)?;
+//! let s = ConvShape {
+//!     n: 2, c_in: 64, h: 56, w: 56, c_out: 64, kh: 3, kw: 3,
+//!     stride: (1, 1), pad: (1, 1), dilation: (1, 1), format: TensorFormat::Nhwc,
+//! };
+//! let x = ctx.stream().alloc_zeros::<half::f16>(s.x_len())?;
+//! let mut cols = ctx.stream().alloc_zeros::<half::f16>(im2col::columns_len(&s)?)?;
+//! im2col::im2col(&ctx, &s, &x, &mut cols)?; // [n][P][K]: each pixel's patch contiguous
+//! # Ok(()) }
+//! ```
 
-#![allow(dead_code, unused_variables)] // skeleton: filled in by the im2col work
+#[cfg(test)]
+pub(crate) mod gpu_tests;
+pub(crate) mod launch;
+pub(crate) mod steps;
+
+use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
 
 use super::{BwdDataPtrs, BwdFilterPtrs, ConvShape, FwdPtrs};
 use crate::context::Context;
-use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::dtype::{DType, Element};
+use crate::error::{CallExt, Error, Result};
+use crate::kernels;
+use crate::validate::{expect_device, expect_disjoint, BufInfo};
+use steps::{At, Buf, Plan, Step};
+
+/// Device addresses of the operands a plan may name (0 for those it does not use).
+#[derive(Debug, Clone, Copy, Default)]
+struct Operands {
+    x: u64,
+    w: u64,
+    y: u64,
+    dy: u64,
+    dx: u64,
+    dw: u64,
+}
+
+/// Launches one im2col/col2im kernel.
+///
+/// # Safety
+/// `src` and `dst` hold what `l` reads and writes (the launch was planned for them).
+unsafe fn launch_cols(ctx: &Context, l: &launch::Launch, src: u64, dst: u64) -> Result<()> {
+    let f = ctx.function(&kernels::IM2COL, l.kernel)?;
+    let stream = ctx.stream();
+    let mut b = stream.launch_builder(&f);
+    b.arg(&src).arg(&dst).arg(&l.geom).arg(&l.images);
+    // SAFETY: (const E*, E*, ColGeom, u32) is every im2col/col2im kernel's signature; ColGeom is
+    // laid out as the kernel's; the caller guarantees the extents.
+    unsafe { b.launch(l.config()) }.call("cuLaunchKernel(im2col.cu)")?;
+    Ok(())
+}
+
+/// Runs `plan` on the Context's stream.
+///
+/// # Safety
+/// The operands hold the extents the plan's steps address (those of the problem the plan was
+/// made for), in `dtype`; outputs are disjoint from inputs.
+unsafe fn execute(ctx: &Context, dtype: DType, plan: &Plan, ops: Operands) -> Result<()> {
+    // Lock order: the scratch before Context::lock (taken inside the GEMM).
+    let scratch = if plan.scratch.bytes > 0 {
+        Some(ctx.scratch(plan.scratch.bytes)?)
+    } else {
+        None
+    };
+    let base = scratch.as_ref().map_or(0, |s| s.ptr());
+    let addr = |a: At| -> Result<u64> {
+        let start = match a.buf {
+            Buf::X => ops.x,
+            Buf::W => ops.w,
+            Buf::Y => ops.y,
+            Buf::Dy => ops.dy,
+            Buf::Dx => ops.dx,
+            Buf::Dw => ops.dw,
+            Buf::Cols | Buf::DyT | Buf::Partial | Buf::Acc => plan
+                .scratch
+                .region(a.buf)
+                .map_or(0, |(off, _)| base + off as u64),
+        };
+        if start == 0 {
+            return Err(Error::NotSupported(format!(
+                "im2col path: a step addresses {:?}, which this call did not provide",
+                a.buf
+            )));
+        }
+        let size = if a.buf.is_f32() { 4 } else { dtype.size() };
+        Ok(start + (a.offset * size) as u64)
+    };
+    let elem = dtype.size();
+    for step in &plan.steps {
+        match step {
+            Step::Im2col {
+                src,
+                dst,
+                shape,
+                layout,
+                images,
+            } => {
+                let (s, d) = (addr(*src)?, addr(*dst)?);
+                let l = launch::im2col(shape, *layout, elem, *images, s, d)?;
+                tracing::trace!(kernel = l.kernel, grid = ?l.grid, images = l.images, "im2col step");
+                // SAFETY: the plan sized the scratch for these columns; x holds the chunk.
+                unsafe { launch_cols(ctx, &l, s, d)? };
+            }
+            Step::Col2im {
+                src,
+                dst,
+                shape,
+                images,
+            } => {
+                let (s, d) = (addr(*src)?, addr(*dst)?);
+                let l = launch::col2im(shape, dtype, *images, s, d)?;
+                tracing::trace!(kernel = l.kernel, grid = ?l.grid, images = l.images, "col2im step");
+                // SAFETY: as above, for the columns and dx.
+                unsafe { launch_cols(ctx, &l, s, d)? };
+            }
+            Step::Gemm { problem, a, b, c } => {
+                // SAFETY: the plan's problems address only the operands' extents (checked on the
+                // CPU by the plan tests) and never write an input.
+                unsafe {
+                    crate::gemm::strided_batched_raw(
+                        ctx,
+                        problem,
+                        dtype,
+                        addr(*a)?,
+                        addr(*b)?,
+                        addr(*c)?,
+                    )?
+                };
+            }
+            Step::Accumulate {
+                part,
+                acc,
+                out,
+                len,
+                mode,
+            } => {
+                let f = ctx.function(&kernels::IM2COL, launch::accumulate_kernel(dtype))?;
+                let cfg = crate::util::grid_stride_config(ctx, *len, launch::THREADS);
+                let (p, a, o) = (addr(*part)?, addr(*acc)?, addr(*out)?);
+                let (n, bits) = (*len as u64, mode.bits());
+                let mut b = ctx.stream().launch_builder(&f);
+                b.arg(&p).arg(&a).arg(&o).arg(&n).arg(&bits);
+                // SAFETY: conv_accumulate_<t>(const T*, float*, T*, u64, u32); each buffer holds
+                // `len` elements.
+                unsafe { b.launch(cfg) }.call("cuLaunchKernel(conv_accumulate)")?;
+            }
+        }
+    }
+    drop(scratch);
+    Ok(())
+}
+
+fn log(what: &str, s: &ConvShape, dtype: DType, plan: &Plan) {
+    tracing::debug!(
+        op = what,
+        shape = ?s,
+        %dtype,
+        chunks = plan.chunks.len(),
+        chunk = plan.chunks.first().copied().unwrap_or(0),
+        pointwise = plan.pointwise,
+        scratch_bytes = plan.scratch.bytes,
+        steps = plan.steps.len(),
+        "im2col + GEMM convolution"
+    );
+}
 
 /// Forward convolution by im2col + GEMM, chunked under the Context's workspace cap.
+///
+/// Takes the Context's scratch arena (the caller must not hold it).
 ///
 /// # Safety
 /// `p` holds device addresses on `ctx`'s device with the shape's extents of `dtype` elements, `y`
 /// disjoint from `x` and `w`, all valid until the queued work completes.
+#[allow(dead_code)] // called by the convolution dispatcher
 pub(crate) unsafe fn forward(ctx: &Context, s: &ConvShape, dtype: DType, p: FwdPtrs) -> Result<()> {
-    Err(Error::NotSupported(
-        "im2col forward: not implemented yet".into(),
-    ))
+    let plan = steps::forward(s, dtype, ctx.config().conv_workspace_bytes())?;
+    log("forward", s, dtype, &plan);
+    let ops = Operands {
+        x: p.x,
+        w: p.w,
+        y: p.y,
+        ..Operands::default()
+    };
+    // SAFETY: the caller's guarantee covers the plan's operands.
+    unsafe { execute(ctx, dtype, &plan, ops) }
 }
 
 /// Data gradient: GEMM of the filter with dy into column matrices, then col2im (gather).
 ///
+/// Takes the Context's scratch arena (the caller must not hold it).
+///
 /// # Safety
 /// As [`forward`], for `p`'s operands.
+#[allow(dead_code)] // called by the convolution dispatcher
 pub(crate) unsafe fn backward_data(
     ctx: &Context,
     s: &ConvShape,
     dtype: DType,
     p: BwdDataPtrs,
 ) -> Result<()> {
-    Err(Error::NotSupported(
-        "im2col backward data: not implemented yet".into(),
-    ))
+    let plan = steps::backward_data(s, dtype, ctx.config().conv_workspace_bytes())?;
+    log("backward_data", s, dtype, &plan);
+    let ops = Operands {
+        dy: p.dy,
+        w: p.w,
+        dx: p.dx,
+        ..Operands::default()
+    };
+    // SAFETY: the caller's guarantee covers the plan's operands.
+    unsafe { execute(ctx, dtype, &plan, ops) }
 }
 
 /// Filter gradient: GEMM of dy with the column matrices, chunked, accumulated in f32; written to
 /// `dw` (or added to it with `accumulate`).
 ///
+/// Takes the Context's scratch arena (the caller must not hold it).
+///
 /// # Safety
 /// As [`forward`], for `p`'s operands.
+#[allow(dead_code)] // called by the convolution dispatcher
 pub(crate) unsafe fn backward_filter(
     ctx: &Context,
     s: &ConvShape,
@@ -49,7 +251,118 @@ pub(crate) unsafe fn backward_filter(
     p: BwdFilterPtrs,
     accumulate: bool,
 ) -> Result<()> {
-    Err(Error::NotSupported(
-        "im2col backward filter: not implemented yet".into(),
-    ))
+    let plan = steps::backward_filter(s, dtype, ctx.config().conv_workspace_bytes(), accumulate)?;
+    log("backward_filter", s, dtype, &plan);
+    let ops = Operands {
+        x: p.x,
+        dy: p.dy,
+        dw: p.dw,
+        ..Operands::default()
+    };
+    // SAFETY: the caller's guarantee covers the plan's operands.
+    unsafe { execute(ctx, dtype, &plan, ops) }
+}
+
+/// Elements of the column matrices of every image of `s` (`n * oh*ow * c_in*kh*kw`), in the
+/// layout of [`crate::reference::conv::im2col`].
+///
+/// Errors: an invalid shape or an overflow (as [`crate::Error::InvalidArgument`]).
+pub fn columns_len(s: &ConvShape) -> Result<usize> {
+    let d = super::sizes::im2col_dims(s)?;
+    d.per_image
+        .checked_mul(s.n)
+        .ok_or_else(|| Error::invalid("n", "the column matrices' element count overflows usize"))
+}
+
+fn buf_info<T: Element>(name: &'static str, ptr: u64, len: usize, ordinal: usize) -> BufInfo {
+    BufInfo {
+        name,
+        ptr,
+        len,
+        elem: T::DTYPE.size(),
+        ordinal,
+    }
+}
+
+/// Checks both buffers (lengths, device, overlap) and returns the geometry's element counts.
+fn check_pair(ctx: &Context, s: &ConvShape, x: &BufInfo, cols: &BufInfo) -> Result<()> {
+    let want_cols = columns_len(s)?;
+    let want_x = s.x_len();
+    for (b, want, what) in [
+        (x, want_x, "n*c_in*h*w"),
+        (cols, want_cols, "n*oh*ow*c_in*kh*kw"),
+    ] {
+        if b.len != want {
+            return Err(Error::invalid(
+                b.name,
+                format!("length {}, expected {what} = {want}", b.len),
+            ));
+        }
+        expect_device(b, ctx.info().ordinal)?;
+    }
+    Ok(())
+}
+
+/// The column matrices of every image of `s` (nnfuse's im2col kernel): `cols` receives exactly
+/// [`crate::reference::conv::im2col`]'s layout — NCHW `[n][K][P]` (Caffe's), NHWC `[n][P][K]`
+/// (each pixel's patch contiguous) — with zeros in the padding. A pure copy: bitwise equal to the
+/// reference on the same data.
+///
+/// Errors (nothing is launched): an invalid shape, a buffer length that differs from the
+/// problem's (`x`: `n*c_in*h*w`, `cols`: [`columns_len`]), a buffer on another device, `cols`
+/// overlapping `x` (all [`crate::Error::InvalidArgument`] naming the argument); a problem
+/// beyond the kernels' 32-bit per-image indices ([`crate::Error::NotSupported`]).
+pub fn im2col<T, X, C>(ctx: &Context, s: &ConvShape, x: &X, cols: &mut C) -> Result<()>
+where
+    T: Element,
+    X: DevicePtr<T>,
+    C: DevicePtrMut<T>,
+{
+    let (xl, cl) = (x.len(), cols.len());
+    let (xd, cd) = (
+        x.stream().context().ordinal(),
+        cols.stream().context().ordinal(),
+    );
+    let stream = ctx.stream();
+    let (xp, _gx) = x.device_ptr(stream);
+    let (cp, _gc) = cols.device_ptr_mut(stream);
+    let xi = buf_info::<T>("x", xp, xl, xd);
+    let ci = buf_info::<T>("cols", cp, cl, cd);
+    check_pair(ctx, s, &xi, &ci)?;
+    expect_disjoint(&ci, &xi)?;
+    let (oh, ow) = s.out_hw()?;
+    let layout = launch::ColLayout::standard(oh * ow, s.c_in * s.kh * s.kw);
+    let l = launch::im2col(s, layout, T::DTYPE.size(), s.n, xp, cp)?;
+    tracing::debug!(kernel = l.kernel, shape = ?s, grid = ?l.grid, "im2col");
+    // SAFETY: both buffers were checked to hold the problem's extents and not to overlap.
+    unsafe { launch_cols(ctx, &l, xp, cp) }
+}
+
+/// The adjoint of [`im2col`] (nnfuse's col2im kernel, a gather): every element of `x` becomes
+/// the sum, in f32 and in a fixed tap order, of the entries of `cols` that read it
+/// ([`crate::reference::conv::col2im`]), rounded once to `T`. Deterministic: no atomics.
+///
+/// Errors: as [`im2col`] (`x` is the output here and must not overlap `cols`).
+pub fn col2im<T, C, X>(ctx: &Context, s: &ConvShape, cols: &C, x: &mut X) -> Result<()>
+where
+    T: Element,
+    C: DevicePtr<T>,
+    X: DevicePtrMut<T>,
+{
+    let (xl, cl) = (x.len(), cols.len());
+    let (xd, cd) = (
+        x.stream().context().ordinal(),
+        cols.stream().context().ordinal(),
+    );
+    let stream = ctx.stream();
+    let (cp, _gc) = cols.device_ptr(stream);
+    let (xp, _gx) = x.device_ptr_mut(stream);
+    let xi = buf_info::<T>("x", xp, xl, xd);
+    let ci = buf_info::<T>("cols", cp, cl, cd);
+    check_pair(ctx, s, &xi, &ci)?;
+    expect_disjoint(&xi, &ci)?;
+    let l = launch::col2im(s, T::DTYPE, s.n, cp, xp)?;
+    tracing::debug!(kernel = l.kernel, shape = ?s, grid = ?l.grid, "col2im");
+    // SAFETY: both buffers were checked to hold the problem's extents and not to overlap.
+    unsafe { launch_cols(ctx, &l, cp, xp) }
 }

@@ -32,7 +32,7 @@ pub mod sizes;
 
 mod choice;
 mod direct;
-mod im2col;
+pub mod im2col;
 mod ops;
 mod route;
 mod winograd;

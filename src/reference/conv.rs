@@ -26,6 +26,12 @@
 //!   the column-major `K x P` matrix with leading dimension `K` (each pixel's patch contiguous).
 //!   Then `y = filter * cols` is the column-major `c_out x P` matrix with leading dimension
 //!   `c_out`, which is `[P][c_out]` row-major — exactly y's NHWC layout.
+//!
+//! **Gradients** of `L = ⟨y, dy⟩` (the training backward): [`conv2d_backward_data`] gives
+//! `dx = ∂L/∂x` in x's layout and [`conv2d_backward_filter`] gives `dw = ∂L/∂w` in the filter's
+//! layout, for every stride, padding and dilation; [`col2im`] is the adjoint of [`im2col`] (each
+//! input element sums the column entries that read it), so that im2col + GEMM's data gradient
+//! is a GEMM into column matrices followed by [`col2im`].
 
 use super::gemm::{gemm_strided_batched, GemmProblem};
 use crate::error::{Error, Result};
@@ -352,6 +358,187 @@ pub fn conv2d_via_gemm(p: &Conv2d, x: &[f64], w: &[f64]) -> Result<Vec<f64>> {
     Ok(y)
 }
 
+/// Output index along one axis whose tap `k` reads input index `i`, if any:
+/// `o * stride + k * dilation - pad == i` with `0 <= o < out`.
+fn out_index(
+    i: usize,
+    k: usize,
+    stride: usize,
+    pad: usize,
+    dilation: usize,
+    out: usize,
+) -> Option<usize> {
+    let t = (i + pad).checked_sub(k * dilation)?;
+    (t % stride == 0 && t / stride < out).then_some(t / stride)
+}
+
+impl Conv2d {
+    /// Validates the problem, `dy`'s length (named `dy_name`) and, when given, the filter's;
+    /// returns `(oh, ow)` and x's element count (checked for overflow).
+    fn check_grad(
+        &self,
+        dy: &[f64],
+        dy_name: &str,
+        w: Option<&[f64]>,
+    ) -> Result<((usize, usize), usize)> {
+        let hw = self.out_hw()?;
+        let y_len = self.y_len()?;
+        let x_len = product(&[self.n, self.c_in, self.h, self.w])
+            .ok_or_else(|| Error::invalid("n", "the input element count overflows usize"))?;
+        if dy.len() != y_len {
+            return Err(Error::invalid(
+                dy_name,
+                format!("length {}, expected n*c_out*oh*ow = {y_len}", dy.len()),
+            ));
+        }
+        if let Some(w) = w {
+            if w.len() != self.w_len() {
+                return Err(Error::invalid(
+                    "w",
+                    format!(
+                        "length {}, expected c_out*c_in*kh*kw = {}",
+                        w.len(),
+                        self.w_len()
+                    ),
+                ));
+            }
+        }
+        Ok((hw, x_len))
+    }
+}
+
+/// The data gradient of [`conv2d`]: `dx = ∂⟨conv2d(x, w), dy⟩ / ∂x`, in `p.format`'s layout
+/// (x's shape), for any stride, padding and dilation:
+/// `dx[b, c, iy, ix] = Σ_{k, r, s} dy[b, k, oy, ox] * w[k, c, r, s]` over the taps with
+/// `oy*sh + r*dh - ph = iy` and `ox*sw + s*dw - pw = ix` (inside the output).
+///
+/// Computed by gather (each input element sums its own taps, in the order `k`, `r`, `s` in both
+/// formats), independently of [`conv2d`]'s loops, so that the adjoint identity
+/// `⟨conv2d(x, w), dy⟩ = ⟨x, conv2d_backward_data(dy, w)⟩` checks one against the other.
+///
+/// Errors: as [`Conv2d::out_hw`]; `dy` or `w` (named) when a length differs from the
+/// problem's; `n` when x's element count overflows.
+pub fn conv2d_backward_data(p: &Conv2d, dy: &[f64], w: &[f64]) -> Result<Vec<f64>> {
+    let ((oh, ow), x_len) = p.check_grad(dy, "dy", Some(w))?;
+    let mut dx = vec![0.0; x_len];
+    for b in 0..p.n {
+        for c in 0..p.c_in {
+            for iy in 0..p.h {
+                for ix in 0..p.w {
+                    let mut acc = 0.0;
+                    for k in 0..p.c_out {
+                        for r in 0..p.kh {
+                            let Some(oy) = out_index(iy, r, p.stride.0, p.pad.0, p.dilation.0, oh)
+                            else {
+                                continue;
+                            };
+                            for s in 0..p.kw {
+                                if let Some(ox) =
+                                    out_index(ix, s, p.stride.1, p.pad.1, p.dilation.1, ow)
+                                {
+                                    acc +=
+                                        dy[p.y_at((oh, ow), b, k, oy, ox)] * w[p.w_at(k, c, r, s)];
+                                }
+                            }
+                        }
+                    }
+                    dx[p.x_at(b, c, iy, ix)] = acc;
+                }
+            }
+        }
+    }
+    Ok(dx)
+}
+
+/// The filter gradient of [`conv2d`]: `dw = ∂⟨conv2d(x, w), dy⟩ / ∂w`, in `p.format`'s filter
+/// layout (KCRS or KRSC): `dw[k, c, r, s] = Σ_{b, oy, ox} dy[b, k, oy, ox] * x[b, c, iy, ix]`
+/// over the taps that fall inside the input. Sums in the order `b`, `oy`, `ox` in both formats.
+///
+/// Errors: as [`Conv2d::out_hw`]; `x` or `dy` (named) when a length differs from the problem's.
+pub fn conv2d_backward_filter(p: &Conv2d, x: &[f64], dy: &[f64]) -> Result<Vec<f64>> {
+    let ((oh, ow), x_len) = p.check_grad(dy, "dy", None)?;
+    if x.len() != x_len {
+        return Err(Error::invalid(
+            "x",
+            format!("length {}, expected n*c_in*h*w = {x_len}", x.len()),
+        ));
+    }
+    let mut dw = vec![0.0; p.w_len()];
+    for k in 0..p.c_out {
+        for c in 0..p.c_in {
+            for r in 0..p.kh {
+                for s in 0..p.kw {
+                    let mut acc = 0.0;
+                    for b in 0..p.n {
+                        for oy in 0..oh {
+                            for ox in 0..ow {
+                                if let Some((iy, ix)) = p.tap(oy, ox, r, s) {
+                                    acc += dy[p.y_at((oh, ow), b, k, oy, ox)]
+                                        * x[p.x_at(b, c, iy, ix)];
+                                }
+                            }
+                        }
+                    }
+                    dw[p.w_at(k, c, r, s)] = acc;
+                }
+            }
+        }
+    }
+    Ok(dw)
+}
+
+/// The adjoint of [`im2col`]: every input element (x's layout) is the sum of the column
+/// entries that read it (padding taps read nothing). `cols` is laid out as [`im2col`]'s result
+/// (`[n][K][P]` for NCHW, `[n][P][K]` for NHWC); `⟨im2col(x), cols⟩ = ⟨x, col2im(cols)⟩`.
+///
+/// Errors: as [`Conv2d::out_hw`], and `cols` when its length is not `n * P * K`.
+pub fn col2im(p: &Conv2d, cols: &[f64]) -> Result<Vec<f64>> {
+    let (oh, ow) = p.out_hw()?;
+    let big = || Error::invalid("n", "the column matrix's element count overflows usize");
+    let taps = product(&[p.c_in, p.kh, p.kw]).ok_or_else(big)?;
+    let pixels = oh * ow;
+    let want = product(&[p.n, pixels, taps]).ok_or_else(big)?;
+    if cols.len() != want {
+        return Err(Error::invalid(
+            "cols",
+            format!(
+                "length {}, expected n*oh*ow*c_in*kh*kw = {want}",
+                cols.len()
+            ),
+        ));
+    }
+    let x_len = product(&[p.n, p.c_in, p.h, p.w])
+        .ok_or_else(|| Error::invalid("n", "the input element count overflows usize"))?;
+    let mut x = vec![0.0; x_len];
+    for b in 0..p.n {
+        let base = b * pixels * taps;
+        for c in 0..p.c_in {
+            for r in 0..p.kh {
+                for s in 0..p.kw {
+                    for oy in 0..oh {
+                        for ox in 0..ow {
+                            let Some((iy, ix)) = p.tap(oy, ox, r, s) else {
+                                continue;
+                            };
+                            let pix = oy * ow + ox;
+                            let at = match p.format {
+                                TensorFormat::Nchw => {
+                                    base + ((c * p.kh + r) * p.kw + s) * pixels + pix
+                                }
+                                TensorFormat::Nhwc => {
+                                    base + pix * taps + (r * p.kw + s) * p.c_in + c
+                                }
+                            };
+                            x[p.x_at(b, c, iy, ix)] += cols[at];
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(x)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -598,7 +785,7 @@ mod tests {
     }
 
     /// Deterministic values in [-1, 1) (xorshift64*).
-    fn values(seed: u64, n: usize) -> Vec<f64> {
+    pub(super) fn values(seed: u64, n: usize) -> Vec<f64> {
         let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         (0..n)
             .map(|_| {
@@ -613,7 +800,7 @@ mod tests {
 
     /// NCHW → NHWC for x-like (`[n][c][h][w]` → `[n][h][w][c]`) and, with `n = c_out`, for
     /// filters (KCRS → KRSC).
-    fn to_nhwc(v: &[f64], n: usize, c: usize, h: usize, w: usize) -> Vec<f64> {
+    pub(super) fn to_nhwc(v: &[f64], n: usize, c: usize, h: usize, w: usize) -> Vec<f64> {
         let mut out = vec![0.0; v.len()];
         for b in 0..n {
             for ch in 0..c {
@@ -816,5 +1003,313 @@ mod tests {
         );
         assert_eq!(p.y_len().unwrap(), 4);
         assert_eq!((p.x_len(), p.w_len()), (9, 4));
+    }
+}
+
+#[cfg(test)]
+mod gradient_tests {
+    use super::tests::{to_nhwc, values};
+    use super::*;
+    use TensorFormat::{Nchw, Nhwc};
+
+    fn dot(a: &[f64], b: &[f64]) -> f64 {
+        assert_eq!(a.len(), b.len());
+        a.iter().zip(b).map(|(x, y)| x * y).sum()
+    }
+
+    /// Small pseudo-random integers (splitmix64).
+    struct Dice(u64);
+    impl Dice {
+        fn below(&mut self, n: usize) -> usize {
+            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            ((z ^ (z >> 31)) % n as u64) as usize
+        }
+        fn pick<T: Copy>(&mut self, v: &[T]) -> T {
+            v[self.below(v.len())]
+        }
+    }
+
+    /// A random valid problem: odd sizes, strides, dilations, asymmetric padding.
+    fn random_problem(d: &mut Dice, format: TensorFormat) -> Conv2d {
+        loop {
+            let p = Conv2d {
+                n: 1 + d.below(3),
+                c_in: d.pick(&[1, 2, 3, 5]),
+                h: 1 + d.below(9),
+                w: 1 + d.below(9),
+                c_out: d.pick(&[1, 2, 3, 4]),
+                kh: 1 + d.below(4),
+                kw: 1 + d.below(4),
+                stride: (1 + d.below(3), 1 + d.below(3)),
+                pad: (d.below(3), d.below(3)),
+                dilation: (1 + d.below(3), 1 + d.below(2)),
+                format,
+            };
+            if p.out_hw().is_ok() {
+                return p;
+            }
+        }
+    }
+
+    fn rel(a: f64, b: f64) -> f64 {
+        (a - b).abs() / a.abs().max(b.abs()).max(1e-300)
+    }
+
+    #[test]
+    fn one_hot_gradients_hand_computed() {
+        // x = [1 2 3; 4 5 6; 7 8 9], w = [1 2; 3 4], stride 1, no padding: y is 2x2.
+        for f in [Nchw, Nhwc] {
+            let p = Conv2d {
+                n: 1,
+                c_in: 1,
+                h: 3,
+                w: 3,
+                c_out: 1,
+                kh: 2,
+                kw: 2,
+                stride: (1, 1),
+                pad: (0, 0),
+                dilation: (1, 1),
+                format: f,
+            };
+            let x = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0];
+            let w = [1.0, 2.0, 3.0, 4.0];
+            // dy one-hot at output (1, 0): dx is w placed with its corner at input (1, 0);
+            // dw is the 2x2 patch of x under output (1, 0): [4 5; 7 8].
+            let dy = [0.0, 0.0, 1.0, 0.0];
+            assert_eq!(
+                conv2d_backward_data(&p, &dy, &w).unwrap(),
+                vec![0.0, 0.0, 0.0, 1.0, 2.0, 0.0, 3.0, 4.0, 0.0]
+            );
+            assert_eq!(
+                conv2d_backward_filter(&p, &x, &dy).unwrap(),
+                vec![4.0, 5.0, 7.0, 8.0]
+            );
+            // dy of ones: dx counts how many outputs each input feeds, weighted by w:
+            // corners see one tap, edges two, the centre all four.
+            assert_eq!(
+                conv2d_backward_data(&p, &[1.0; 4], &w).unwrap(),
+                vec![1.0, 3.0, 2.0, 4.0, 10.0, 6.0, 3.0, 7.0, 4.0]
+            );
+            // Stride 2, pad 1, dilation 2 on the same x, 2x2 filter: oh = (3+2-3)/2+1 = 2.
+            // Output (0, 0) taps inputs (-1,-1), (-1,1), (1,-1), (1,1): only (1,1) = 5 is
+            // inside, under tap (1, 1).
+            let q = Conv2d {
+                stride: (2, 2),
+                pad: (1, 1),
+                dilation: (2, 2),
+                ..p
+            };
+            assert_eq!(q.out_hw().unwrap(), (2, 2));
+            let dy = [1.0, 0.0, 0.0, 0.0];
+            assert_eq!(
+                conv2d_backward_filter(&q, &x, &dy).unwrap(),
+                vec![0.0, 0.0, 0.0, 5.0]
+            );
+            let mut want = vec![0.0; 9];
+            want[4] = 4.0; // w[1][1] lands on input (1, 1)
+            assert_eq!(conv2d_backward_data(&q, &dy, &w).unwrap(), want);
+        }
+    }
+
+    /// Central differences of `L = ⟨conv2d(x, w), dy⟩` in every element of x and w. L is
+    /// linear in each, so the difference quotient equals the gradient up to rounding.
+    #[test]
+    fn finite_differences_match_the_gradients() {
+        let mut d = Dice(7);
+        let mut checked = 0;
+        for round in 0..24 {
+            let format = if round % 2 == 0 { Nchw } else { Nhwc };
+            let p = random_problem(&mut d, format);
+            let seed = 100 + round as u64;
+            let x = values(seed, p.x_len());
+            let w = values(seed + 1, p.w_len());
+            let dy = values(seed + 2, p.y_len().unwrap());
+            let loss = |x: &[f64], w: &[f64]| dot(&conv2d(&p, x, w).unwrap(), &dy);
+            let dx = conv2d_backward_data(&p, &dy, &w).unwrap();
+            let dw = conv2d_backward_filter(&p, &x, &dy).unwrap();
+            let eps = 1e-3;
+            for i in 0..x.len() {
+                let (mut xp, mut xm) = (x.clone(), x.clone());
+                xp[i] += eps;
+                xm[i] -= eps;
+                let fd = (loss(&xp, &w) - loss(&xm, &w)) / (2.0 * eps);
+                assert!(
+                    (fd - dx[i]).abs() <= 1e-8,
+                    "{p:?} dx[{i}]: fd {fd} vs {}",
+                    dx[i]
+                );
+                checked += 1;
+            }
+            for i in 0..w.len() {
+                let (mut wp, mut wm) = (w.clone(), w.clone());
+                wp[i] += eps;
+                wm[i] -= eps;
+                let fd = (loss(&x, &wp) - loss(&x, &wm)) / (2.0 * eps);
+                assert!(
+                    (fd - dw[i]).abs() <= 1e-8,
+                    "{p:?} dw[{i}]: fd {fd} vs {}",
+                    dw[i]
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked > 500, "only {checked} derivatives checked");
+    }
+
+    /// `⟨conv(x, w), dy⟩ = ⟨x, backward_data(dy, w)⟩ = ⟨w, backward_filter(x, dy)⟩` and
+    /// `⟨im2col(x), c⟩ = ⟨x, col2im(c)⟩` on many random problems of both formats; and the
+    /// NCHW gradients equal the NHWC ones after permuting (bitwise: same summation orders).
+    #[test]
+    fn adjoint_identities_hold_on_random_problems() {
+        let mut d = Dice(42);
+        for round in 0..300u64 {
+            let p = random_problem(&mut d, Nchw);
+            let (oh, ow) = p.out_hw().unwrap();
+            let x = values(3 * round + 1, p.x_len());
+            let w = values(3 * round + 2, p.w_len());
+            let dy = values(3 * round + 3, p.y_len().unwrap());
+            let y = conv2d(&p, &x, &w).unwrap();
+            let dx = conv2d_backward_data(&p, &dy, &w).unwrap();
+            let dw = conv2d_backward_filter(&p, &x, &dy).unwrap();
+            let l = dot(&y, &dy);
+            assert!(
+                rel(l, dot(&x, &dx)) <= 1e-12,
+                "{p:?}: {l} vs {}",
+                dot(&x, &dx)
+            );
+            assert!(
+                rel(l, dot(&w, &dw)) <= 1e-12,
+                "{p:?}: {l} vs {}",
+                dot(&w, &dw)
+            );
+            let cols = im2col(&p, &x).unwrap();
+            let c = values(round + 9999, cols.len());
+            let xc = col2im(&p, &c).unwrap();
+            assert!(
+                rel(dot(&cols, &c), dot(&x, &xc)) <= 1e-12,
+                "{p:?}: im2col adjoint"
+            );
+
+            let q = Conv2d { format: Nhwc, ..p };
+            let xl = to_nhwc(&x, p.n, p.c_in, p.h, p.w);
+            let wl = to_nhwc(&w, p.c_out, p.c_in, p.kh, p.kw);
+            let dyl = to_nhwc(&dy, p.n, p.c_out, oh, ow);
+            assert_eq!(
+                conv2d_backward_data(&q, &dyl, &wl).unwrap(),
+                to_nhwc(&dx, p.n, p.c_in, p.h, p.w),
+                "{q:?}"
+            );
+            assert_eq!(
+                conv2d_backward_filter(&q, &xl, &dyl).unwrap(),
+                to_nhwc(&dw, p.c_out, p.c_in, p.kh, p.kw),
+                "{q:?}"
+            );
+            let colsl = im2col(&q, &xl).unwrap();
+            let cl = values(round + 7777, colsl.len());
+            let xcl = col2im(&q, &cl).unwrap();
+            assert!(rel(dot(&colsl, &cl), dot(&xl, &xcl)) <= 1e-12, "{q:?}");
+        }
+    }
+
+    /// The im2col formulation of the data gradient: column matrices from the filter and dy
+    /// (one product per image), then col2im, equal the gather reference.
+    #[test]
+    fn data_gradient_is_gemm_then_col2im() {
+        let mut d = Dice(5);
+        for round in 0..60u64 {
+            let format = if round % 2 == 0 { Nchw } else { Nhwc };
+            let p = random_problem(&mut d, format);
+            let (oh, ow) = p.out_hw().unwrap();
+            let (pixels, taps) = (oh * ow, p.c_in * p.kh * p.kw);
+            let w = values(round + 1, p.w_len());
+            let dy = values(round + 2, p.y_len().unwrap());
+            let mut cols = vec![0.0; p.n * pixels * taps];
+            for b in 0..p.n {
+                for q in 0..taps {
+                    for px in 0..pixels {
+                        let mut acc = 0.0;
+                        for k in 0..p.c_out {
+                            let dyv = match format {
+                                Nchw => dy[(b * p.c_out + k) * pixels + px],
+                                Nhwc => dy[(b * pixels + px) * p.c_out + k],
+                            };
+                            // The filter is a [c_out][K] matrix in both formats.
+                            acc += dyv * w[k * taps + q];
+                        }
+                        let at = match format {
+                            Nchw => (b * taps + q) * pixels + px,
+                            Nhwc => (b * pixels + px) * taps + q,
+                        };
+                        cols[at] = acc;
+                    }
+                }
+            }
+            let want = conv2d_backward_data(&p, &dy, &w).unwrap();
+            let got = col2im(&p, &cols).unwrap();
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!((g - w).abs() <= 1e-12, "{p:?} dx[{i}]: {g} vs {w}");
+            }
+        }
+    }
+
+    #[test]
+    fn gradient_errors_name_the_argument() {
+        let p = Conv2d {
+            n: 1,
+            c_in: 1,
+            h: 3,
+            w: 3,
+            c_out: 1,
+            kh: 2,
+            kw: 2,
+            stride: (1, 1),
+            pad: (0, 0),
+            dilation: (1, 1),
+            format: Nchw,
+        };
+        let arg = |r: Result<Vec<f64>>| r.unwrap_err().argument().map(str::to_owned);
+        assert_eq!(
+            arg(conv2d_backward_data(&p, &[0.0; 3], &[0.0; 4])).as_deref(),
+            Some("dy")
+        );
+        assert_eq!(
+            arg(conv2d_backward_data(&p, &[0.0; 4], &[0.0; 5])).as_deref(),
+            Some("w")
+        );
+        assert_eq!(
+            arg(conv2d_backward_filter(&p, &[0.0; 8], &[0.0; 4])).as_deref(),
+            Some("x")
+        );
+        assert_eq!(
+            arg(conv2d_backward_filter(&p, &[0.0; 9], &[0.0; 5])).as_deref(),
+            Some("dy")
+        );
+        assert_eq!(arg(col2im(&p, &[0.0; 15])).as_deref(), Some("cols"));
+        assert_eq!(
+            arg(conv2d_backward_data(
+                &Conv2d { kh: 4, ..p },
+                &[0.0; 4],
+                &[0.0; 4]
+            ))
+            .as_deref(),
+            Some("kh")
+        );
+        assert_eq!(
+            arg(conv2d_backward_filter(
+                &Conv2d {
+                    stride: (0, 1),
+                    ..p
+                },
+                &[0.0; 9],
+                &[0.0; 4]
+            ))
+            .as_deref(),
+            Some("stride")
+        );
+        assert_eq!(col2im(&p, &[1.0; 16]).unwrap().len(), 9);
     }
 }
