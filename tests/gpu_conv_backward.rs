@@ -5,7 +5,7 @@
 //!
 //! The f64 references are `tests/conv_ref` (written from the definition and checked here on the
 //! CPU by the adjoint identity and finite differences). Tolerances as `tests/gpu_conv.rs`:
-//! f32 1e-5, halves 1e-2; Winograd routes `nnfuse::conv::check_tolerance`.
+//! f32 1e-5, halves 1e-2; Winograd routes `nnfuse::reference::winograd::error_bound`.
 
 mod common;
 mod conv_ref;
@@ -38,10 +38,11 @@ fn poisoned<T: Element>(ctx: &Context, n: usize) -> CudaSlice<T> {
 }
 
 fn tolerance(path: ConvPath, dtype: DType) -> f64 {
-    if path.winograd_tile().is_some() {
-        check_tolerance(dtype)
-    } else {
-        dtype.tolerance()
+    // Winograd's own rounding (every stage rounds to the data type) is documented per tile and
+    // type: reference::winograd::error_bound (bf16 F(4x4) reaches ~3e-2, beyond 1e-2).
+    match path.winograd_tile() {
+        Some(tile) => nnfuse::reference::winograd::error_bound(dtype, tile).max(dtype.tolerance()),
+        None => dtype.tolerance(),
     }
 }
 

@@ -10,8 +10,8 @@
 //! transformed filter `V`, unless the caller prepared it) fit under
 //! [`crate::Config::conv_workspace_bytes`], all in the Context's scratch arena
 //! ([`Context::scratch`]). Per chunk: input transform (x → U), batched multiply (V, U → M),
-//! output transform (M → y); every chunk's batched GEMM has the shape of the largest chunk (the
-//! extra columns of a smaller one are never read), so one run has one GEMM shape: one tuning key.
+//! output transform (M → y); each chunk's batched GEMM covers that chunk's own tiles (chunks
+//! differ by at most one image, so a run has at most two GEMM shapes: two tuning keys).
 //!
 //! Accuracy: every stage rounds its output to the data type once, so F(4x4, 3x3) in 16-bit types
 //! loses about an order of magnitude more than a direct convolution
@@ -384,17 +384,15 @@ unsafe fn run(
     let m = base + plan.layout.m as u64;
     let x_image = (s.h * s.w * s.c_in * elem) as u64;
     let y_image = (oh * ow * s.c_out * elem) as u64;
-    // Every chunk multiplies as many tiles as the largest (the first): the tiles past a smaller
-    // chunk's own hold the previous chunk's data, and their product columns are never read
-    // (each column of M depends only on its own column of U). So the batched GEMM has one shape
-    // per run: one tuning key, one search, one kernel.
-    let gemm_tiles = plan.chunk * tiles_per_image;
+    // Each chunk multiplies its own tiles: the transforms lay U and M out with the chunk's own
+    // tile count as the stride between transform positions, so the GEMM must use the same.
+    // Balanced chunks differ by at most one image: at most two GEMM shapes (tuning keys) a run.
     debug_assert_eq!(plan.chunks.first().copied(), Some(plan.chunk));
     let mut first = 0u64;
     for &images in &plan.chunks {
         let (xc, yc) = (x + first * x_image, y + first * y_image);
-        // SAFETY: the chunk's images lie inside x and y; U and M hold `chunk >= images` images,
-        // and the first chunk (the largest) writes all of U before any multiply reads it.
+        let gemm_tiles = images * tiles_per_image;
+        // SAFETY: the chunk's images lie inside x and y; U and M hold `chunk >= images` images.
         unsafe {
             input_transform(ctx, s, dtype, tile, xc, u, images, None)?;
             multiply(ctx, s, dtype, tile, engine, v, u, m, gemm_tiles)?;
