@@ -1,5 +1,5 @@
 //! The bad-input table (issue 11): one row per bad call across BatchNorm, the bitmask
-//! activations and GEMM — wrong lengths, aliasing, zero and overflowing dims, bad scalars, a
+//! activations, GEMM and convolution — wrong lengths, aliasing, zero and overflowing dims, bad scalars, a
 //! `BnSaved` from another op, another Context or another x, buffers on another device — each
 //! asserting a typed `Error::InvalidArgument` that names the argument, and that **every** buffer
 //! (outputs, running statistics, inputs) is bitwise unchanged: nothing reached the GPU.
@@ -24,6 +24,7 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 use half::f16;
 use nnfuse::activation::{self, mask_words, NoMask};
 use nnfuse::batchnorm::{BackwardArgs, BatchNorm, BnSaved, Fuse, InferenceArgs, TrainArgs};
+use nnfuse::conv::{Conv2d, ConvShape, FilterLayout};
 use nnfuse::gemm::{self, Compute, Problem};
 use nnfuse::validate::{expect_device, BufInfo};
 use nnfuse::{Config, Context, Error};
@@ -36,6 +37,27 @@ const C: usize = 16;
 const A: usize = 1000;
 /// GEMM: 4 matrices of 16x16.
 const G: usize = 4 * 256;
+/// Convolution: NHWC 2x9x9x8 -> 16 filters 3x3, pad 1 (x, w and y elements).
+const CX: usize = 2 * 9 * 9 * 8;
+const CW: usize = 16 * 3 * 3 * 8;
+const CY: usize = 2 * 9 * 9 * 16;
+
+/// The convolution problem of the conv rows.
+fn conv_shape() -> ConvShape {
+    ConvShape {
+        n: 2,
+        c_in: 8,
+        h: 9,
+        w: 9,
+        c_out: 16,
+        kh: 3,
+        kw: 3,
+        stride: (1, 1),
+        pad: (1, 1),
+        dilation: (1, 1),
+        format: nnfuse::TensorFormat::Nhwc,
+    }
+}
 
 /// f32 poison of outputs: a quiet NaN with a payload no computation produces.
 const POISON: u32 = 0x7fc0_5a5a;
@@ -67,6 +89,14 @@ struct Aliases {
     gc_is_ga: ManuallyDrop<CudaSlice<f32>>,
     /// Over `gbig` from byte 2 (G): not aligned to f32.
     ga_misaligned: ManuallyDrop<CudaSlice<f32>>,
+    /// Over `cbig` from element 0 (CX): a valid conv input.
+    cx_in_big: ManuallyDrop<CudaSlice<f32>>,
+    /// Over `cbig` from element 1000 (CY): overlaps `cx_in_big`.
+    cy_over_x: ManuallyDrop<CudaSlice<f32>>,
+    /// Over `cdy` (CX elements): the data gradient's output on top of dy.
+    cdx_in_dy: ManuallyDrop<CudaSlice<f32>>,
+    /// Over `cx` (CW elements): the filter gradient's output on top of x.
+    cdw_in_x: ManuallyDrop<CudaSlice<f32>>,
 }
 
 /// Buffers on a second device, when there is one.
@@ -141,6 +171,20 @@ struct Fx {
     hc: CudaSlice<f16>,
     ga_other_ctx: CudaSlice<f32>,
     gb_other_ctx: CudaSlice<f32>,
+    // Convolution.
+    conv: Conv2d<f32>,
+    cx: CudaSlice<f32>,
+    cw: CudaSlice<f32>,
+    cy: CudaSlice<f32>,
+    cdy: CudaSlice<f32>,
+    cdx: CudaSlice<f32>,
+    cdw: CudaSlice<f32>,
+    cx_short: CudaSlice<f32>,
+    cw_short: CudaSlice<f32>,
+    cy_short: CudaSlice<f32>,
+    cdy_short: CudaSlice<f32>,
+    cdw_short: CudaSlice<f32>,
+    cbig: CudaSlice<f32>,
     al: Aliases,
     dev1: Option<Device1>,
 }
@@ -206,6 +250,9 @@ impl Fx {
         let rm = up(rng.vec::<f32>(C, -0.1, 0.1));
         let dg = poison(C);
         let adx = poison(A);
+        let cx = rand(rng, CX);
+        let cdy = rand(rng, CY);
+        let cbig = rand(rng, 1000 + CY);
         let al = Aliases {
             y_is_x: alias(&ctx, &x, 0, N),
             y_over_addend: alias(&ctx, &zz, 8 * 4, N),
@@ -219,6 +266,10 @@ impl Fx {
             adz_is_adx: alias(&ctx, &adx, 0, A),
             gc_is_ga: alias(&ctx, &ga, 0, G),
             ga_misaligned: alias(&ctx, &gbig, 2, G),
+            cx_in_big: alias(&ctx, &cbig, 0, CX),
+            cy_over_x: alias(&ctx, &cbig, 1000 * 4, CY),
+            cdx_in_dy: alias(&ctx, &cdy, 0, CX),
+            cdw_in_x: alias(&ctx, &cx, 0, CW),
         };
 
         let dev1 = match cudarc::driver::CudaContext::device_count() {
@@ -295,6 +346,19 @@ impl Fx {
             ha: hrand(rng, G),
             hb: hrand(rng, G),
             hc: s.clone_htod(&vec![f16::from_bits(0x7e5a); G]).unwrap(),
+            conv: Conv2d::<f32>::new(&ctx, &conv_shape()).unwrap(),
+            cx,
+            cw: rand(rng, CW),
+            cy: poison(CY),
+            cdy,
+            cdx: poison(CX),
+            cdw: poison(CW),
+            cx_short: rand(rng, CX - 1),
+            cw_short: rand(rng, CW - 1),
+            cy_short: poison(CY - 1),
+            cdy_short: rand(rng, CY - 1),
+            cdw_short: poison(CW - 1),
+            cbig,
             al,
             dev1,
             other,
@@ -369,6 +433,18 @@ impl Fx {
             ("ha", h(&self.ha)),
             ("hb", h(&self.hb)),
             ("hc", h(&self.hc)),
+            ("conv x", f(&self.cx)),
+            ("conv w", f(&self.cw)),
+            ("conv y", f(&self.cy)),
+            ("conv dy", f(&self.cdy)),
+            ("conv dx", f(&self.cdx)),
+            ("conv dw", f(&self.cdw)),
+            ("conv x_short", f(&self.cx_short)),
+            ("conv w_short", f(&self.cw_short)),
+            ("conv y_short", f(&self.cy_short)),
+            ("conv dy_short", f(&self.cdy_short)),
+            ("conv dw_short", f(&self.cdw_short)),
+            ("conv big", f(&self.cbig)),
         ];
         let os = self.other.stream();
         for (name, v) in [
@@ -834,10 +910,81 @@ fn table() -> Vec<Row> {
             gemm::strided_batched(&f.ctx, &gp(), &*f.al.ga_misaligned, &f.gb, &mut f.gc)
         }),
         // ---------------------------------------------------------------- convolution
-        // Rows for `conv::Conv2d` go here when it lands: wrong lengths of x / w / y, a filter
-        // of another layout, zero and overflowing dims (an output size of 0, padding larger
-        // than the kernel allows), stride or dilation of 0, y aliasing x or w, groups that do
-        // not divide the channels, and a workspace cap too small for any algorithm.
+        row("conv forward: x one element short", "x", |f| {
+            f.conv.forward(&f.cx_short, &f.cw, &mut f.cy)
+        }),
+        row("conv forward: w one element short", "w", |f| {
+            f.conv.forward(&f.cx, &f.cw_short, &mut f.cy)
+        }),
+        row("conv forward: y one element short", "y", |f| {
+            f.conv.forward(&f.cx, &f.cw, &mut f.cy_short)
+        }),
+        row("conv forward: y overlaps x", "y", |f| {
+            f.conv
+                .forward(&*f.al.cx_in_big, &f.cw, &mut *f.al.cy_over_x)
+        }),
+        row("conv backward_data: dy one element short", "dy", |f| {
+            f.conv.backward_data(&f.cdy_short, &f.cw, &mut f.cdx)
+        }),
+        row("conv backward_data: dx lies on dy", "dx", |f| {
+            f.conv.backward_data(&f.cdy, &f.cw, &mut *f.al.cdx_in_dy)
+        }),
+        row("conv backward_filter: dw one element short", "dw", |f| {
+            f.conv
+                .backward_filter(&f.cx, &f.cdy, &mut f.cdw_short, false)
+        }),
+        row("conv backward_filter: dw lies on x", "dw", |f| {
+            f.conv
+                .backward_filter(&f.cx, &f.cdy, &mut *f.al.cdw_in_x, true)
+        }),
+        row("conv plan: batch of 0", "n", |f| {
+            let s = ConvShape {
+                n: 0,
+                ..conv_shape()
+            };
+            Conv2d::<f32>::new(&f.ctx, &s).map(drop)
+        }),
+        row("conv plan: stride (0, 1)", "stride", |f| {
+            let s = ConvShape {
+                stride: (0, 1),
+                ..conv_shape()
+            };
+            Conv2d::<f32>::new(&f.ctx, &s).map(drop)
+        }),
+        row("conv plan: dilation (1, 0)", "dilation", |f| {
+            let s = ConvShape {
+                dilation: (1, 0),
+                ..conv_shape()
+            };
+            Conv2d::<f32>::new(&f.ctx, &s).map(drop)
+        }),
+        row(
+            "conv plan: 13x13 filter over a padded 11x11 input",
+            "kh",
+            |f| {
+                let s = ConvShape {
+                    kh: 13,
+                    kw: 13,
+                    ..conv_shape()
+                };
+                Conv2d::<f32>::new(&f.ctx, &s).map(drop)
+            },
+        ),
+        row("conv plan: element counts overflow", "shape", |f| {
+            let s = ConvShape {
+                n: usize::MAX / 64,
+                ..conv_shape()
+            };
+            Conv2d::<f32>::new(&f.ctx, &s).map(drop)
+        }),
+        row(
+            "conv plan: KCRS filter with NHWC data",
+            "filter_layout",
+            |f| {
+                Conv2d::<f32>::with_filter_layout(&f.ctx, &conv_shape(), FilterLayout::Kcrs)
+                    .map(drop)
+            },
+        ),
     ]
 }
 
@@ -917,6 +1064,15 @@ fn every_bad_call_is_named_and_changes_nothing() {
     activation::relu_mask_bwd_dual(&f.ctx, &f.ady, &f.amask, &mut f.adx, &mut f.adz)
         .expect("good dual backward");
     gemm_f32(&mut f, gp()).expect("good GEMM");
+    f.conv
+        .forward(&f.cx, &f.cw, &mut f.cy)
+        .expect("good conv forward");
+    f.conv
+        .backward_data(&f.cdy, &f.cw, &mut f.cdx)
+        .expect("good conv backward_data");
+    f.conv
+        .backward_filter(&f.cx, &f.cdy, &mut f.cdw, false)
+        .expect("good conv backward_filter");
     drop(saved);
 
     let mut rows = table();
