@@ -3,7 +3,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use crate::batchnorm::plan::BnPath;
+use crate::batchnorm::plan::{BnPath, OwnVariant};
 
 /// State saved by [`crate::batchnorm::BatchNorm::forward_train`] for the backward.
 #[derive(Debug)]
@@ -16,8 +16,10 @@ pub struct BnSaved {
     pub(crate) inv_var: CudaSlice<f32>,
     /// cuDNN's opaque reserve space, when the Ex forward asked for one.
     pub(crate) reserve: Option<CudaSlice<u8>>,
-    /// nnfuse's bitmask of the positive pre-activations (fallback path).
+    /// nnfuse's bitmask of the positive outputs (fallback and own paths with an activation).
     pub(crate) mask: Option<CudaSlice<u32>>,
+    /// Own path: the variant the forward ran.
+    pub(crate) own_variant: Option<OwnVariant>,
 }
 
 impl BnSaved {
@@ -37,10 +39,16 @@ impl BnSaved {
         &self.inv_var
     }
 
-    /// The bitmask of the fallback path (`None` on other paths). Layout as
-    /// [`crate::reference::activation`].
+    /// The bitmask of the fallback and own paths with an activation (`None` otherwise). Layout
+    /// as [`crate::reference::activation`].
     pub fn mask(&self) -> Option<&CudaSlice<u32>> {
         self.mask.as_ref()
+    }
+
+    /// On the own path, the variant the forward ran (persistent, or two-pass when the plan or the
+    /// device said so); `None` on cuDNN paths.
+    pub fn own_variant(&self) -> Option<OwnVariant> {
+        self.own_variant
     }
 
     /// Bytes of cuDNN reserve space this state holds.
