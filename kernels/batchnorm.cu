@@ -10,6 +10,10 @@
 // Inference         = bn_apply_fwd_* with the running statistics folded into scale and shift
 //                     while the block stages them.
 //
+// Every reduction shifts a channel's values by a pivot (its first element) and finishes the mean
+// as hi + lo (batchnorm_common.cuh), so y = ((x - hi) - lo) * scale + shift and the backward's
+// x - mean keep their precision under a large common offset.
+//
 // Statistics, channels-first: block (ch, p) of a 1-D grid of C*P blocks reduces vectors
 // [p*ipb, (p+1)*ipb) of channel ch, writes its partial, and the last of the channel's P blocks
 // to arrive (integer counter) combines the P partials in a fixed order and finishes the channel:
@@ -25,9 +29,9 @@
 // memory (staged by the block when C <= STAGE_MAX_C) or global memory. The channel of a vector
 // comes from fast divisions of its element index: `mode` says whether the vector lies in one run
 // of one channel (MODE_RUN: channels-first, hw % N == 0), spans N consecutive channels
-// (MODE_CONTIG: channels-last, C % N == 0), or may cross a boundary (MODE_GENERAL, element by
-// element). Scalar path (any alignment): lane l takes element 32k + l of a tile, one ballot per
-// mask word.
+// (MODE_CONTIG: channels-last, C % N == 0); otherwise (or with any pointer unaligned) the
+// element path: lane l takes element 32k + l of a tile, its channel from two fast divisions,
+// one ballot per mask word.
 
 template <typename T> constexpr int max_vec() { return 16 / (int)sizeof(T); }
 
@@ -56,6 +60,7 @@ struct StatsArgs {
     float* part;      // [3][C][P]: count, mean, M2
     u32* counters;    // channels-first: one per channel, zero between launches
     float* saved_mean;
+    float* saved_mean_lo;  // the mean's remainder: mean = saved_mean + saved_mean_lo
     float* saved_invstd;
     float* running_mean;
     float* running_var;
@@ -66,6 +71,11 @@ struct StatsArgs {
     float pad;
 };
 
+// A channel's pivot: its first element (o = 0, i = 0 channels-first; row 0 channels-last).
+template <typename T> __device__ __forceinline__ float pivot(const void* x, const Geom& g, u64 ch) {
+    return to_float(((const T*)x)[g.slabs == 0 ? ch * g.hw : ch]);
+}
+
 // Block (ch, p): this thread's Welford state over its vectors of [p*ipb, (p+1)*ipb), channel ch.
 template <typename T, int V> __device__ __forceinline__ Wf stats_cf(const StatsArgs& a) {
     const u64 P = a.g.parts;
@@ -73,8 +83,8 @@ template <typename T, int V> __device__ __forceinline__ Wf stats_cf(const StatsA
     const u64 k0 = p * a.g.ipb;
     const u64 k1 = min(k0 + a.g.ipb, a.g.runs * a.g.ipr.d);
     WfV<1> acc = wfv_zero<1>();
-    cf_stats_range<T, V, THREADS>((const T*)a.x, a.g.channels, a.g.hw, a.g.ipr, ch, k0, k1, acc,
-                                  nullptr);
+    cf_stats_range<T, V, THREADS>((const T*)a.x, a.g.channels, a.g.hw, a.g.ipr, ch, k0, k1,
+                                  pivot<T>(a.x, a.g, ch), acc, nullptr);
     Wf w;
     w.n = acc.n;
     w.m = acc.m[0];
@@ -83,6 +93,7 @@ template <typename T, int V> __device__ __forceinline__ Wf stats_cf(const StatsA
 }
 
 // Writes the block's partial; the channel's last block combines all P and finishes the channel.
+template <typename T>
 __device__ __forceinline__ void stats_cf_finish(const StatsArgs& a, const Wf& w, float* sh) {
     const u64 P = a.g.parts, C = a.g.channels;
     const u64 ch = blockIdx.x / P, p = blockIdx.x - ch * P;
@@ -94,9 +105,11 @@ __device__ __forceinline__ void stats_cf_finish(const StatsArgs& a, const Wf& w,
     }
     if (arrive_last(a.counters + ch, (u32)P)) {
         const Wf t = combine_wf<THREADS>(a.part, cp, ch * P, P, sh);
-        if (threadIdx.x == 0)
-            finish_stats(ch, t, a.eps, a.momentum, a.unbias, a.saved_mean, a.saved_invstd,
-                         a.running_mean, a.running_var);
+        if (threadIdx.x == 0) {
+            float hi, lo;
+            finish_stats(ch, t, pivot<T>(a.x, a.g, ch), a.eps, a.momentum, a.unbias, a.saved_mean,
+                         a.saved_mean_lo, a.saved_invstd, a.running_mean, a.running_var, hi, lo);
+        }
     }
 }
 
@@ -111,7 +124,12 @@ template <typename T, int V> __device__ __forceinline__ void stats_cl(const Stat
     const u64 r0 = p * a.g.ipb;
     const u64 r1 = min(r0 + a.g.ipb, a.g.rows);
     WfV<V> acc = wfv_zero<V>();
-    if (active) cl_stats_rows<T, V>((const T*)a.x, C, cv, r0 + ro, r1, rb, acc, nullptr, 0);
+    if (active) {
+        float shift[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) shift[j] = pivot<T>(a.x, a.g, cv * V + j);
+        cl_stats_rows<T, V>((const T*)a.x, C, cv, r0 + ro, r1, rb, shift, acc, nullptr, 0);
+    }
     cl_tree_wf<V, THREADS>(acc, ro, rb, cvs, active, red);
     if (active && ro == 0) {
         const u64 cp = C * P;
@@ -126,13 +144,15 @@ template <typename T, int V> __device__ __forceinline__ void stats_cl(const Stat
 }
 
 // One block per channel: combine the channel's P partials, finish the channel.
-extern "C" __global__ void __launch_bounds__(THREADS) bn_stats_finalize(StatsArgs a) {
+template <typename T> __device__ __forceinline__ void stats_finalize(const StatsArgs& a) {
     __shared__ float sh[96];
     const u64 P = a.g.parts, ch = blockIdx.x;
     const Wf t = combine_wf<THREADS>(a.part, (u64)a.g.channels * P, ch * P, P, sh);
-    if (threadIdx.x == 0)
-        finish_stats(ch, t, a.eps, a.momentum, a.unbias, a.saved_mean, a.saved_invstd,
-                     a.running_mean, a.running_var);
+    if (threadIdx.x == 0) {
+        float hi, lo;
+        finish_stats(ch, t, pivot<T>(a.x, a.g, ch), a.eps, a.momentum, a.unbias, a.saved_mean,
+                     a.saved_mean_lo, a.saved_invstd, a.running_mean, a.running_var, hi, lo);
+    }
 }
 
 // ===== backward reduction ====================================================================
@@ -143,11 +163,12 @@ struct ReduceArgs {
     const u32* mask;  // read when act != ACT_NONE
     void* dz;         // d_addend, written when act == ACT_ADD_RELU
     const float* saved_mean;
+    const float* saved_mean_lo;
     const float* saved_invstd;
     const float* gamma;
     float* part;  // [2][C][P]: Σdy', Σdy'(x - mean)
     u32* counters;
-    float* coef;  // [4][C], see finish_bwd
+    float* coef;  // [5][C], see finish_bwd
     float* dgamma;
     float* dbeta;
     Geom g;
@@ -166,8 +187,8 @@ __device__ __forceinline__ void reduce_cf(const ReduceArgs& a, float& s1, float&
     s1 = 0.0f;
     s2 = 0.0f;
     cf_reduce_range<T, V, THREADS>((const T*)a.x, (const T*)a.dy, a.mask, (T*)a.dz, (int)a.act,
-                                   a.g.channels, a.g.hw, a.g.ipr, ch, k0, k1, a.saved_mean[ch], s1,
-                                   s2, nullptr, nullptr);
+                                   a.g.channels, a.g.hw, a.g.ipr, ch, k0, k1, a.saved_mean[ch],
+                                   a.saved_mean_lo[ch], s1, s2, nullptr, nullptr);
 }
 
 __device__ __forceinline__ void reduce_cf_finish(const ReduceArgs& a, float s1, float s2, float* sh) {
@@ -182,8 +203,8 @@ __device__ __forceinline__ void reduce_cf_finish(const ReduceArgs& a, float s1, 
         float t1, t2;
         combine_sums<THREADS>(a.part, cp, ch * P, P, t1, t2, sh);
         if (threadIdx.x == 0)
-            finish_bwd(ch, C, t1, t2, a.inv_count, a.saved_mean, a.saved_invstd, a.gamma, a.dgamma,
-                       a.dbeta, a.coef);
+            finish_bwd(ch, C, t1, t2, a.inv_count, a.saved_mean, a.saved_mean_lo, a.saved_invstd,
+                       a.gamma, a.dgamma, a.dbeta, a.coef);
     }
 }
 
@@ -197,16 +218,17 @@ template <typename T, int V> __device__ __forceinline__ void reduce_cl(const Red
     const bool active = ro < rb && cv < C / V;
     const u64 r0 = p * a.g.ipb;
     const u64 r1 = min(r0 + a.g.ipb, a.g.rows);
-    float mean[V], s1[V], s2[V];
+    float mhi[V], mlo[V], s1[V], s2[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-        mean[j] = active ? a.saved_mean[cv * V + j] : 0.0f;
+        mhi[j] = active ? a.saved_mean[cv * V + j] : 0.0f;
+        mlo[j] = active ? a.saved_mean_lo[cv * V + j] : 0.0f;
         s1[j] = 0.0f;
         s2[j] = 0.0f;
     }
     if (active)
         cl_reduce_rows<T, V>((const T*)a.x, (const T*)a.dy, a.mask, (T*)a.dz, (int)a.act, C, cv,
-                             r0 + ro, r1, rb, mean, s1, s2, nullptr, nullptr, 0);
+                             r0 + ro, r1, rb, mhi, mlo, s1, s2, nullptr, nullptr, 0);
     cl_tree_sums<V, THREADS>(s1, s2, ro, rb, cvs, active, red);
     if (active && ro == 0) {
         const u64 cp = C * P;
@@ -225,8 +247,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) bn_bwd_finalize(ReduceArgs
     float t1, t2;
     combine_sums<THREADS>(a.part, C * P, ch * P, P, t1, t2, sh);
     if (threadIdx.x == 0)
-        finish_bwd(ch, C, t1, t2, a.inv_count, a.saved_mean, a.saved_invstd, a.gamma, a.dgamma,
-                   a.dbeta, a.coef);
+        finish_bwd(ch, C, t1, t2, a.inv_count, a.saved_mean, a.saved_mean_lo, a.saved_invstd,
+                   a.gamma, a.dgamma, a.dbeta, a.coef);
 }
 
 // ===== forward apply (training second pass, inference) =======================================
@@ -236,11 +258,12 @@ struct ApplyFwdArgs {
     const void* z;  // addend (ACT_ADD_RELU)
     void* y;
     u32* mask;  // null: no mask (inference)
-    const float* mean;   // saved mean (training) or running mean (inference)
-    const float* inv;    // saved inverse std (training) or running variance (inference, from_var)
+    const float* mean;     // saved mean (training) or running mean (inference)
+    const float* mean_lo;  // the saved mean's remainder (training); null (inference): 0
+    const float* inv;      // saved inverse std (training) or running variance (inference, from_var)
     const float* gamma;
     const float* beta;
-    const float* coef;   // [3][C] mean, scale, shift made by bn_fold when not staged
+    const float* coef;     // [4][C] mean hi, mean lo, scale, shift made by bn_fold when not staged
     u64 n;
     FastDiv inner;  // elements per run (channels-first) or 1 (channels-last)
     FastDiv chans;  // C
@@ -251,7 +274,7 @@ struct ApplyFwdArgs {
 };
 
 struct Coef3 {
-    float m, s, b;  // y = (x - m) * s + b
+    float m, lo, s, b;  // y = ((x - m) - lo) * s + b
 };
 
 // The coefficients of channel c from the raw per-channel inputs (one place computes them: the
@@ -259,6 +282,7 @@ struct Coef3 {
 __device__ __forceinline__ Coef3 fwd_coef_make(const ApplyFwdArgs& a, u64 c) {
     Coef3 k;
     k.m = a.mean[c];
+    k.lo = a.mean_lo != nullptr ? a.mean_lo[c] : 0.0f;
     const float v = a.inv[c];
     const float is = a.from_var ? 1.0f / sqrtf(v + a.eps) : v;
     k.s = a.gamma[c] * is;
@@ -266,12 +290,13 @@ __device__ __forceinline__ Coef3 fwd_coef_make(const ApplyFwdArgs& a, u64 c) {
     return k;
 }
 
-// The coefficients of channel c from `src` (shared memory or a bn_fold buffer): [3][C].
+// The coefficients of channel c from `src` (shared memory or a bn_fold buffer): [4][C].
 __device__ __forceinline__ Coef3 fwd_coef(const float* src, u64 C, u64 c) {
     Coef3 k;
     k.m = src[c];
-    k.s = src[C + c];
-    k.b = src[2 * C + c];
+    k.lo = src[C + c];
+    k.s = src[2 * C + c];
+    k.b = src[3 * C + c];
     return k;
 }
 
@@ -280,12 +305,13 @@ __device__ __forceinline__ void fwd_fold(const ApplyFwdArgs& a, float* dst, u64 
     for (u64 c = c0; c < C; c += step) {
         const Coef3 k = fwd_coef_make(a, c);
         dst[c] = k.m;
-        dst[C + c] = k.s;
-        dst[2 * C + c] = k.b;
+        dst[C + c] = k.lo;
+        dst[2 * C + c] = k.s;
+        dst[3 * C + c] = k.b;
     }
 }
 
-// Writes the [3][C] coefficients to a.coef, for apply launches that cannot stage them.
+// Writes the [4][C] coefficients to a.coef, for apply launches that cannot stage them.
 extern "C" __global__ void __launch_bounds__(THREADS) bn_fold(ApplyFwdArgs a) {
     fwd_fold(a, const_cast<float*>(a.coef), global_thread(), grid_threads());
 }
@@ -296,10 +322,10 @@ __device__ __forceinline__ u64 channel_of(const FastDiv& inner, const FastDiv& c
     return q - fdiv(chans, q) * chans.d;
 }
 
-// One output element: the affine transform (x - mean) * scale + shift in f32, the addend, ReLU,
-// one rounding to T. Returns the output's bits.
+// One output element: the affine transform ((x - hi) - lo) * scale + shift in f32, the addend,
+// ReLU, one rounding to T. Returns the output's bits.
 template <typename T, int ACT> __device__ __forceinline__ u32 fwd_elem(float xv, float zv, const Coef3& k) {
-    float v = fmaf(xv - k.m, k.s, k.b);
+    float v = fmaf((xv - k.m) - k.lo, k.s, k.b);
     if constexpr (ACT == ACT_ADD_RELU) v += zv;
     if constexpr (ACT != ACT_NONE) v = (v <= 0.0f) ? 0.0f : v;  // NaN stays NaN; -0 becomes +0
     return to_bits(from_float<T>(v));
@@ -438,7 +464,7 @@ struct ApplyBwdArgs {
     const void* dy;
     const u32* mask;  // null: dy' = dy (no activation)
     void* dx;
-    const float* coef;  // [4][C]: mean, A, B, D (finish_bwd)
+    const float* coef;  // [5][C]: mean hi, mean lo, A, B, D (finish_bwd)
     u64 n;
     FastDiv inner;
     FastDiv chans;
@@ -447,7 +473,7 @@ struct ApplyBwdArgs {
 };
 
 struct Coef4 {
-    float m, a, b, d;  // dx = a * (dy' - (b + (x - m) * d))
+    float m, lo, a, b, d;  // dx = a * (dy' - (b + ((x - m) - lo) * d))
 };
 
 __device__ __forceinline__ Coef4 bwd_coef(const ApplyBwdArgs& a, const float* sm, u64 c) {
@@ -455,14 +481,15 @@ __device__ __forceinline__ Coef4 bwd_coef(const ApplyBwdArgs& a, const float* sm
     const float* src = a.staged ? sm : a.coef;
     Coef4 k;
     k.m = src[c];
-    k.a = src[C + c];
-    k.b = src[2 * C + c];
-    k.d = src[3 * C + c];
+    k.lo = src[C + c];
+    k.a = src[2 * C + c];
+    k.b = src[3 * C + c];
+    k.d = src[4 * C + c];
     return k;
 }
 
 __device__ __forceinline__ float bwd_elem(float xv, float g, const Coef4& k) {
-    return k.a * (g - fmaf(xv - k.m, k.d, k.b));
+    return k.a * (g - fmaf((xv - k.m) - k.lo, k.d, k.b));
 }
 
 template <typename T, int K>
@@ -557,7 +584,7 @@ template <typename T> __device__ __forceinline__ void apply_bwd(const ApplyBwdAr
     float* sm = reinterpret_cast<float*>(nnf_dyn_smem);
     if (a.staged) {
         const u64 C = a.chans.d;
-        for (u64 c = threadIdx.x; c < 4 * C; c += blockDim.x) sm[c] = a.coef[c];
+        for (u64 c = threadIdx.x; c < 5 * C; c += blockDim.x) sm[c] = a.coef[c];
         __syncthreads();
     }
     const bool vec = aligned16(a.x) && aligned16(a.dy) && aligned16(a.dx);
@@ -593,7 +620,7 @@ template <typename T> __device__ __forceinline__ void stats_cf_any(const StatsAr
     Wf w = wf_zero();
     NNF_VEC_DISPATCH(w = stats_cf, a)
     w = wf_block<THREADS>(w, sh);
-    stats_cf_finish(a, w, sh);
+    stats_cf_finish<T>(a, w, sh);
 }
 template <typename T> __device__ __forceinline__ void stats_cl_any(const StatsArgs& a) {
     __shared__ float red[THREADS * (1 + 2 * max_vec<T>())];
@@ -614,6 +641,9 @@ template <typename T> __device__ __forceinline__ void reduce_cl_any(const Reduce
 #define NNF_BN_KERNELS(T, S)                                                                      \
     extern "C" __global__ void __launch_bounds__(THREADS) bn_stats_cf_##S(StatsArgs a) {          \
         stats_cf_any<T>(a);                                                                       \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS) bn_stats_finalize_##S(StatsArgs a) {    \
+        stats_finalize<T>(a);                                                                     \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(THREADS) bn_stats_cl_##S(StatsArgs a) {          \
         stats_cl_any<T>(a);                                                                       \

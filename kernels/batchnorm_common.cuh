@@ -10,7 +10,10 @@
 //  * Statistics: Welford per thread (values merged in groups: a group's own mean and M2, then
 //    Chan's combination into the running state), then Chan's combination of the partial results
 //    in a fixed tree, so that the result does not depend on timing (no float atomics). Integer
-//    atomics only count arrivals.
+//    atomics only count arrivals. Every value is first shifted by a pivot of its channel (the
+//    channel's first element), so that a large common offset costs no precision; the channel's
+//    mean is finished in f64 as a pair hi + lo of floats (hi = the saved mean), and every
+//    consumer forms x - mean as (x - hi) - lo.
 //  * Mask layout (src/reference/activation.rs): u32 words, bit i of word w is element 32w + i,
 //    ceil(n/32) words, bits past n zero; bit = (the rounded output y > 0), so that the mask and y
 //    always agree. NaN: relu(NaN) = NaN with bit 0 (as PyTorch and kernels/bitmask.cu).
@@ -387,7 +390,7 @@ __device__ __forceinline__ void cursor_step(u64& o, u64& iv, u64 sq, u64 sr, u64
 template <typename T, int V, int NT>
 __device__ __forceinline__ void cf_stats_range(const T* __restrict__ x, u64 C, u64 hw,
                                                const FastDiv& iprd, u64 ch, u64 k0, u64 k1,
-                                               WfV<1>& acc, T* tile) {
+                                               float shift, WfV<1>& acc, T* tile) {
     u64 k = k0 + threadIdx.x;
     if (k >= k1) return;
     const u64 ipr = iprd.d;
@@ -409,7 +412,7 @@ __device__ __forceinline__ void cf_stats_range(const T* __restrict__ x, u64 C, u
 #pragma unroll
         for (int u = 0; u < RED_UNROLL; ++u)
 #pragma unroll
-            for (int j = 0; j < V; ++j) v[u * V + j] = bits_float<T>(elem_bits<T>(w[u], j));
+            for (int j = 0; j < V; ++j) v[u * V + j] = bits_float<T>(elem_bits<T>(w[u], j)) - shift;
         wfv_group<1, RED_UNROLL * V>(acc, v);
     }
     for (; k < k1; k += NT) {
@@ -418,7 +421,7 @@ __device__ __forceinline__ void cf_stats_range(const T* __restrict__ x, u64 C, u
         if (tile != nullptr) store_raw<T, V>(tile + (k - k0) * V, w);
         float v[V];
 #pragma unroll
-        for (int j = 0; j < V; ++j) v[j] = bits_float<T>(elem_bits<T>(w, j));
+        for (int j = 0; j < V; ++j) v[j] = bits_float<T>(elem_bits<T>(w, j)) - shift;
         wfv_group<1, V>(acc, v);
         cursor_step(o, iv, sq, sr, ipr);
     }
@@ -430,7 +433,8 @@ template <typename T, int V, int NT>
 __device__ __forceinline__ void cf_reduce_range(const T* __restrict__ x, const T* __restrict__ dy,
                                                 const u32* __restrict__ mask, T* dz, int act, u64 C,
                                                 u64 hw, const FastDiv& iprd, u64 ch, u64 k0, u64 k1,
-                                                float mean, float& s1, float& s2, T* xt, T* gt) {
+                                                float mhi, float mlo, float& s1, float& s2, T* xt,
+                                                T* gt) {
     u64 k = k0 + threadIdx.x;
     if (k >= k1) return;
     const u64 ipr = iprd.d;
@@ -459,7 +463,7 @@ __device__ __forceinline__ void cf_reduce_range(const T* __restrict__ x, const T
             for (int j = 0; j < V; ++j) {
                 const float g = bits_float<T>(elem_bits<T>(wg[u], j));
                 s1 += g;
-                s2 = fmaf(g, bits_float<T>(elem_bits<T>(wx[u], j)) - mean, s2);
+                s2 = fmaf(g, (bits_float<T>(elem_bits<T>(wx[u], j)) - mhi) - mlo, s2);
             }
         }
     }
@@ -478,7 +482,7 @@ __device__ __forceinline__ void cf_reduce_range(const T* __restrict__ x, const T
         for (int j = 0; j < V; ++j) {
             const float g = bits_float<T>(elem_bits<T>(wg, j));
             s1 += g;
-            s2 = fmaf(g, bits_float<T>(elem_bits<T>(wx, j)) - mean, s2);
+            s2 = fmaf(g, (bits_float<T>(elem_bits<T>(wx, j)) - mhi) - mlo, s2);
         }
         cursor_step(o, iv, sq, sr, ipr);
     }
@@ -491,7 +495,8 @@ __device__ __forceinline__ void cf_reduce_range(const T* __restrict__ x, const T
 
 template <typename T, int V>
 __device__ __forceinline__ void cl_stats_rows(const T* __restrict__ x, u64 C, u64 cv, u64 r, u64 r1,
-                                              u64 rb, WfV<V>& acc, T* tile, u64 tile_r0) {
+                                              u64 rb, const float (&shift)[V], WfV<V>& acc,
+                                              T* tile, u64 tile_r0) {
     for (; r + (u64)(RED_UNROLL - 1) * rb < r1; r += (u64)RED_UNROLL * rb) {
         u32 w[RED_UNROLL][4];
 #pragma unroll
@@ -505,7 +510,8 @@ __device__ __forceinline__ void cl_stats_rows(const T* __restrict__ x, u64 C, u6
 #pragma unroll
         for (int u = 0; u < RED_UNROLL; ++u)
 #pragma unroll
-            for (int j = 0; j < V; ++j) v[u * V + j] = bits_float<T>(elem_bits<T>(w[u], j));
+            for (int j = 0; j < V; ++j)
+                v[u * V + j] = bits_float<T>(elem_bits<T>(w[u], j)) - shift[j];
         wfv_group<V, RED_UNROLL>(acc, v);
     }
     for (; r < r1; r += rb) {
@@ -514,7 +520,7 @@ __device__ __forceinline__ void cl_stats_rows(const T* __restrict__ x, u64 C, u6
         if (tile != nullptr) store_raw<T, V>(tile + (r - tile_r0) * C + cv * V, w);
         float v[V];
 #pragma unroll
-        for (int j = 0; j < V; ++j) v[j] = bits_float<T>(elem_bits<T>(w, j));
+        for (int j = 0; j < V; ++j) v[j] = bits_float<T>(elem_bits<T>(w, j)) - shift[j];
         wfv_group<V, 1>(acc, v);
     }
 }
@@ -522,9 +528,9 @@ __device__ __forceinline__ void cl_stats_rows(const T* __restrict__ x, u64 C, u6
 template <typename T, int V>
 __device__ __forceinline__ void cl_reduce_rows(const T* __restrict__ x, const T* __restrict__ dy,
                                                const u32* __restrict__ mask, T* dz, int act, u64 C,
-                                               u64 cv, u64 r, u64 r1, u64 rb, const float (&mean)[V],
-                                               float (&s1)[V], float (&s2)[V], T* xt, T* gt,
-                                               u64 tile_r0) {
+                                               u64 cv, u64 r, u64 r1, u64 rb, const float (&mhi)[V],
+                                               const float (&mlo)[V], float (&s1)[V],
+                                               float (&s2)[V], T* xt, T* gt, u64 tile_r0) {
     for (; r + (u64)(RED_UNROLL - 1) * rb < r1; r += (u64)RED_UNROLL * rb) {
         u32 wx[RED_UNROLL][4], wg[RED_UNROLL][4], mb[RED_UNROLL];
 #pragma unroll
@@ -547,7 +553,7 @@ __device__ __forceinline__ void cl_reduce_rows(const T* __restrict__ x, const T*
             for (int j = 0; j < V; ++j) {
                 const float g = bits_float<T>(elem_bits<T>(wg[u], j));
                 s1[j] += g;
-                s2[j] = fmaf(g, bits_float<T>(elem_bits<T>(wx[u], j)) - mean[j], s2[j]);
+                s2[j] = fmaf(g, (bits_float<T>(elem_bits<T>(wx[u], j)) - mhi[j]) - mlo[j], s2[j]);
             }
         }
     }
@@ -566,7 +572,7 @@ __device__ __forceinline__ void cl_reduce_rows(const T* __restrict__ x, const T*
         for (int j = 0; j < V; ++j) {
             const float g = bits_float<T>(elem_bits<T>(wg, j));
             s1[j] += g;
-            s2[j] = fmaf(g, bits_float<T>(elem_bits<T>(wx, j)) - mean[j], s2[j]);
+            s2[j] = fmaf(g, (bits_float<T>(elem_bits<T>(wx, j)) - mhi[j]) - mlo[j], s2[j]);
         }
     }
 }
@@ -647,35 +653,45 @@ __device__ __forceinline__ void cl_tree_sums(float (&s1)[V], float (&s2)[V], u32
 
 // --- finishing a channel ---------------------------------------------------------------------
 
-// Saved mean and inverse std, running statistics (PyTorch's momentum convention, the unbiased
-// variance in running_var). One thread per channel.
-__device__ __forceinline__ float finish_stats(u64 ch, const Wf& t, float eps, float momentum,
-                                              float unbias, float* saved_mean, float* saved_invstd,
-                                              float* running_mean, float* running_var) {
-    const float var = t.m2 / t.n;  // biased; t.n = M > 1
+// The statistics of channel ch from its combined state `t` of values shifted by `shift`: the
+// mean as hi + lo (hi = the f32 mean, lo the rest, from an f64 sum), the saved mean (hi), its lo
+// part, the inverse std, the running statistics (PyTorch's momentum convention, the unbiased
+// variance in running_var). One thread per channel; returns the inverse std.
+__device__ __forceinline__ float finish_stats(u64 ch, const Wf& t, float shift, float eps,
+                                              float momentum, float unbias, float* saved_mean,
+                                              float* saved_mean_lo, float* saved_invstd,
+                                              float* running_mean, float* running_var, float& hi,
+                                              float& lo) {
+    const double mean = (double)shift + (double)t.m;
+    hi = (float)mean;
+    lo = (float)(mean - (double)hi);
+    const float var = t.m2 / t.n;  // biased (shift-invariant); t.n = M > 1
     const float inv = 1.0f / sqrtf(var + eps);
-    saved_mean[ch] = t.m;
+    saved_mean[ch] = hi;
+    saved_mean_lo[ch] = lo;
     saved_invstd[ch] = inv;
     const float rm = running_mean[ch], rv = running_var[ch];
-    running_mean[ch] = (1.0f - momentum) * rm + momentum * t.m;
+    running_mean[ch] = (1.0f - momentum) * rm + momentum * hi;
     running_var[ch] = (1.0f - momentum) * rv + momentum * (var * unbias);
     return inv;
 }
 
-// dbeta, dgamma and the coefficients of dx = A * (dy' - (B + (x - mean) * D)):
-// coef[0][ch] = mean, [1] A = gamma * inv_std, [2] B = Σdy'/M, [3] D = inv_std² Σdy'(x - mean)/M.
+// dbeta, dgamma and the coefficients of dx = A * (dy' - (B + ((x - hi) - lo) * D)):
+// coef[0][ch] = hi, [1] lo (the mean), [2] A = gamma * inv_std, [3] B = Σdy'/M,
+// [4] D = inv_std² Σdy'(x - mean)/M.
 __device__ __forceinline__ void finish_bwd(u64 ch, u64 C, float s1, float s2, float inv_count,
-                                           const float* saved_mean, const float* saved_invstd,
-                                           const float* gamma, float* dgamma, float* dbeta,
-                                           float* coef) {
+                                           const float* saved_mean, const float* saved_mean_lo,
+                                           const float* saved_invstd, const float* gamma,
+                                           float* dgamma, float* dbeta, float* coef) {
     const float inv = saved_invstd[ch];
     const float dg = s2 * inv;
     dbeta[ch] = s1;
     dgamma[ch] = dg;
     coef[ch] = saved_mean[ch];
-    coef[C + ch] = gamma[ch] * inv;
-    coef[2 * C + ch] = s1 * inv_count;
-    coef[3 * C + ch] = dg * inv * inv_count;
+    coef[C + ch] = saved_mean_lo[ch];
+    coef[2 * C + ch] = gamma[ch] * inv;
+    coef[3 * C + ch] = s1 * inv_count;
+    coef[4 * C + ch] = dg * inv * inv_count;
 }
 
 // --- arrival counting (integer atomics only) -------------------------------------------------

@@ -51,14 +51,15 @@ struct PersistArgs {
     void* dz;       // backward: d_addend (Add+ReLU)
     const float* gamma;
     const float* beta;
-    float* mean;    // forward: saved mean (written); backward: saved mean (read)
-    float* invstd;  // forward: saved inverse std (written); backward: read
+    float* mean;     // forward: saved mean (written); backward: saved mean (read)
+    float* mean_lo;  // the saved mean's remainder (as mean)
+    float* invstd;   // forward: saved inverse std (written); backward: read
     float* running_mean;
     float* running_var;
     float* dgamma;
     float* dbeta;
     float* part;    // [3][C][P] (forward) / [2][C][P] (backward)
-    float* coef;    // [2][C] forward: mean, scale; [4][C] backward (finish_bwd)
+    float* coef;    // [3][C] forward: mean hi, mean lo, scale; [5][C] backward (finish_bwd)
     u32* barrier;   // two zeroed counters
     PGeom geom;
     u32 act;
@@ -75,7 +76,7 @@ struct PersistArgs {
 // w, w + 16, ...; a chunk lies in one run and starts on a mask word boundary.
 template <typename T, int V>
 __device__ __forceinline__ void pfwd_cf_apply(const PersistArgs& a, const T* ut, u64 ch, u64 k0, u64 k1,
-                                              float m, float sc, float bb) {
+                                              float m, float lo, float sc, float bb) {
     const PGeom& g = a.geom;
     const u64 C = g.channels, ipr = g.ipr.d;
     const int lane = threadIdx.x & 31;
@@ -97,7 +98,7 @@ __device__ __forceinline__ void pfwd_cf_apply(const PersistArgs& a, const T* ut,
         u32 bits = 0;
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-            float v = fmaf(bits_float<T>(elem_bits<T>(w, j)) - m, sc, bb);
+            float v = fmaf((bits_float<T>(elem_bits<T>(w, j)) - m) - lo, sc, bb);
             if (a.act == ACT_ADD_RELU) v += bits_float<T>(elem_bits<T>(wz, j));
             if (a.act != ACT_NONE) v = (v <= 0.0f) ? 0.0f : v;
             const u32 ob = to_bits(from_float<T>(v));
@@ -118,14 +119,33 @@ template <typename T> constexpr int pmax_vec() { return 16 / (int)sizeof(T); }
 // The channels-first ranges with the persistent block size.
 template <typename T, int V>
 __device__ __forceinline__ void pstats_range(const T* x, u64 C, u64 hw, const FastDiv& iprd, u64 ch,
-                                             u64 k0, u64 k1, WfV<1>& acc, T* tile) {
-    cf_stats_range<T, V, PTHREADS>(x, C, hw, iprd, ch, k0, k1, acc, tile);
+                                             u64 k0, u64 k1, float shift, WfV<1>& acc, T* tile) {
+    cf_stats_range<T, V, PTHREADS>(x, C, hw, iprd, ch, k0, k1, shift, acc, tile);
 }
 template <typename T, int V>
 __device__ __forceinline__ void preduce_range(const T* x, const T* dy, const u32* mask, T* dz, int act,
                                               u64 C, u64 hw, const FastDiv& iprd, u64 ch, u64 k0,
-                                              u64 k1, float mean, float& s1, float& s2, T* xt, T* gt) {
-    cf_reduce_range<T, V, PTHREADS>(x, dy, mask, dz, act, C, hw, iprd, ch, k0, k1, mean, s1, s2, xt, gt);
+                                              u64 k1, float mhi, float mlo, float& s1, float& s2,
+                                              T* xt, T* gt) {
+    cf_reduce_range<T, V, PTHREADS>(x, dy, mask, dz, act, C, hw, iprd, ch, k0, k1, mhi, mlo, s1, s2,
+                                    xt, gt);
+}
+
+// A channel's pivot: its first element.
+template <typename T> __device__ __forceinline__ float ppivot(const PersistArgs& a, u64 ch) {
+    return to_float(((const T*)a.x)[a.geom.cvs == 0 ? ch * a.geom.hw : ch]);
+}
+
+// Phase 2 of the forward: finish channel ch (thread 0) and publish its coefficients.
+template <typename T> __device__ __forceinline__ void pfinish_channel(const PersistArgs& a, u64 ch,
+                                                                     const Wf& t) {
+    const u64 C = a.geom.channels;
+    float hi, lo;
+    const float inv = finish_stats(ch, t, ppivot<T>(a, ch), a.eps, a.momentum, a.unbias, a.mean,
+                                   a.mean_lo, a.invstd, a.running_mean, a.running_var, hi, lo);
+    a.coef[ch] = hi;
+    a.coef[C + ch] = lo;
+    a.coef[2 * C + ch] = a.gamma[ch] * inv;
 }
 
 // The vector width geom.vec (geom.ipr = hw / vec) is 16 bytes, 8 bytes or one element.
@@ -151,7 +171,8 @@ template <typename T> __device__ __forceinline__ void pfwd_cf(const PersistArgs&
         const u64 ch = u / P, p = u - ch * P;
         const u64 k0 = p * g.ipb, k1 = min(k0 + g.ipb, items);
         WfV<1> acc = wfv_zero<1>();
-        NNF_PVEC_DISPATCH(pstats_range, (const T*)a.x, C, g.hw, g.ipr, ch, k0, k1, acc,
+        const float shift = ppivot<T>(a, ch);
+        NNF_PVEC_DISPATCH(pstats_range, (const T*)a.x, C, g.hw, g.ipr, ch, k0, k1, shift, acc,
                           tile + (u64)s * g.unit_elems)
         Wf w;
         w.n = acc.n;
@@ -168,12 +189,7 @@ template <typename T> __device__ __forceinline__ void pfwd_cf(const PersistArgs&
     // 2. finish channels b, b + G, ...
     for (u64 ch = b; ch < C; ch += G) {
         const Wf t = combine_wf<PTHREADS>(a.part, cp, ch * P, P, sh);
-        if (threadIdx.x == 0) {
-            const float inv = finish_stats(ch, t, a.eps, a.momentum, a.unbias, a.mean, a.invstd,
-                                           a.running_mean, a.running_var);
-            a.coef[ch] = t.m;
-            a.coef[C + ch] = a.gamma[ch] * inv;
-        }
+        if (threadIdx.x == 0) pfinish_channel<T>(a, ch, t);
     }
     grid_sync(a.barrier, 2u * (u32)G);
     grid_exit(a.barrier);
@@ -183,8 +199,9 @@ template <typename T> __device__ __forceinline__ void pfwd_cf(const PersistArgs&
         if (u >= g.units) break;
         const u64 ch = u / P, p = u - ch * P;
         const u64 k0 = p * g.ipb, k1 = min(k0 + g.ipb, items);
-        const float m = __ldcg(a.coef + ch), sc = __ldcg(a.coef + C + ch), bb = a.beta[ch];
-        NNF_PVEC_DISPATCH(pfwd_cf_apply, a, tile + (u64)s * g.unit_elems, ch, k0, k1, m, sc, bb)
+        const float m = __ldcg(a.coef + ch), lo = __ldcg(a.coef + C + ch),
+                    sc = __ldcg(a.coef + 2 * C + ch), bb = a.beta[ch];
+        NNF_PVEC_DISPATCH(pfwd_cf_apply, a, tile + (u64)s * g.unit_elems, ch, k0, k1, m, lo, sc, bb)
     }
 }
 
@@ -203,7 +220,10 @@ template <typename T> __device__ __forceinline__ void pfwd_cl(const PersistArgs&
         if (u >= g.units) break;
         const u64 r0 = u * g.ipb, r1 = min(r0 + g.ipb, g.rows);
         WfV<V> acc = wfv_zero<V>();
-        cl_stats_rows<T, V>((const T*)a.x, C, cv, r0 + ro, r1, rb, acc,
+        float shift[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) shift[j] = ppivot<T>(a, (u64)cv * V + j);
+        cl_stats_rows<T, V>((const T*)a.x, C, cv, r0 + ro, r1, rb, shift, acc,
                             tile + (u64)s * g.unit_elems, r0);
         cl_tree_wf<V, PTHREADS>(acc, ro, rb, cvs, true, red);
         if (ro == 0) {
@@ -220,22 +240,18 @@ template <typename T> __device__ __forceinline__ void pfwd_cl(const PersistArgs&
     // 2. finish channels b, b + G, ...
     for (u64 ch = b; ch < C; ch += G) {
         const Wf t = combine_wf<PTHREADS>(a.part, cp, ch * P, P, red);
-        if (threadIdx.x == 0) {
-            const float inv = finish_stats(ch, t, a.eps, a.momentum, a.unbias, a.mean, a.invstd,
-                                           a.running_mean, a.running_var);
-            a.coef[ch] = t.m;
-            a.coef[C + ch] = a.gamma[ch] * inv;
-        }
+        if (threadIdx.x == 0) pfinish_channel<T>(a, ch, t);
     }
     grid_sync(a.barrier, 2u * (u32)G);
     grid_exit(a.barrier);
     // 3. y and the mask: thread (ro, cv) keeps its V channels' coefficients in registers.
-    float m[V], sc[V], bb[V];
+    float m[V], lo[V], sc[V], bb[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
         const u64 ch = (u64)cv * V + j;
         m[j] = __ldcg(a.coef + ch);
-        sc[j] = __ldcg(a.coef + C + ch);
+        lo[j] = __ldcg(a.coef + C + ch);
+        sc[j] = __ldcg(a.coef + 2 * C + ch);
         bb[j] = a.beta[ch];
     }
     const int lane = threadIdx.x & 31;
@@ -260,7 +276,7 @@ template <typename T> __device__ __forceinline__ void pfwd_cl(const PersistArgs&
                 if (a.act == ACT_ADD_RELU) load_raw<T, V>(z + e, wz);
 #pragma unroll
                 for (int j = 0; j < V; ++j) {
-                    float v = fmaf(bits_float<T>(elem_bits<T>(w, j)) - m[j], sc[j], bb[j]);
+                    float v = fmaf((bits_float<T>(elem_bits<T>(w, j)) - m[j]) - lo[j], sc[j], bb[j]);
                     if (a.act == ACT_ADD_RELU) v += bits_float<T>(elem_bits<T>(wz, j));
                     if (a.act != ACT_NONE) v = (v <= 0.0f) ? 0.0f : v;
                     const u32 ob = to_bits(from_float<T>(v));
@@ -283,7 +299,8 @@ template <typename T> __device__ __forceinline__ void pfwd_cl(const PersistArgs&
 // Phase 3 of the channels-first backward for one unit: the thread-strided vector walk of phase 1.
 template <typename T, int V>
 __device__ __forceinline__ void pbwd_cf_apply(const PersistArgs& a, const T* ux, const T* ug, u64 ch,
-                                              u64 k0, u64 k1, float m, float ka, float kb, float kd) {
+                                              u64 k0, u64 k1, float m, float lo, float ka, float kb,
+                                              float kd) {
     const PGeom& g = a.geom;
     const u64 C = g.channels, ipr = g.ipr.d;
     const u64 sq = fdiv(g.ipr, (u64)PTHREADS), sr = (u64)PTHREADS - sq * ipr;
@@ -299,7 +316,7 @@ __device__ __forceinline__ void pbwd_cf_apply(const PersistArgs& a, const T* ux,
         for (int j = 0; j < V; ++j) {
             const float xv = bits_float<T>(elem_bits<T>(wx, j));
             const float gv = bits_float<T>(elem_bits<T>(wg, j));
-            set_elem_bits<T>(w, j, to_bits(from_float<T>(ka * (gv - fmaf(xv - m, kd, kb)))));
+            set_elem_bits<T>(w, j, to_bits(from_float<T>(ka * (gv - fmaf((xv - m) - lo, kd, kb)))));
         }
         store_raw<T, V>(dx + ((o * C + ch) * g.hw + iv * V), w);
         cursor_step(o, iv, sq, sr, ipr);
@@ -322,8 +339,8 @@ template <typename T> __device__ __forceinline__ void pbwd_cf(const PersistArgs&
         const u64 k0 = p * g.ipb, k1 = min(k0 + g.ipb, items);
         float s1 = 0.0f, s2 = 0.0f;
         NNF_PVEC_DISPATCH(preduce_range, (const T*)a.x, (const T*)a.g, a.mask, (T*)a.dz,
-                          (int)a.act, C, g.hw, g.ipr, ch, k0, k1, a.mean[ch], s1, s2,
-                          xt + (u64)s * g.unit_elems, gt + (u64)s * g.unit_elems)
+                          (int)a.act, C, g.hw, g.ipr, ch, k0, k1, a.mean[ch], a.mean_lo[ch], s1,
+                          s2, xt + (u64)s * g.unit_elems, gt + (u64)s * g.unit_elems)
         sum2_block<PTHREADS>(s1, s2, sh);
         if (threadIdx.x == 0) {
             a.part[ch * P + p] = s1;
@@ -336,8 +353,8 @@ template <typename T> __device__ __forceinline__ void pbwd_cf(const PersistArgs&
         float t1, t2;
         combine_sums<PTHREADS>(a.part, cp, ch * P, P, t1, t2, sh);
         if (threadIdx.x == 0)
-            finish_bwd(ch, C, t1, t2, a.inv_count, a.mean, a.invstd, a.gamma, a.dgamma, a.dbeta,
-                       a.coef);
+            finish_bwd(ch, C, t1, t2, a.inv_count, a.mean, a.mean_lo, a.invstd, a.gamma, a.dgamma,
+                       a.dbeta, a.coef);
     }
     grid_sync(a.barrier, 2u * (u32)G);
     grid_exit(a.barrier);
@@ -347,10 +364,11 @@ template <typename T> __device__ __forceinline__ void pbwd_cf(const PersistArgs&
         if (u >= g.units) break;
         const u64 ch = u / P, p = u - ch * P;
         const u64 k0 = p * g.ipb, k1 = min(k0 + g.ipb, items);
-        const float m = __ldcg(a.coef + ch), ka = __ldcg(a.coef + C + ch),
-                    kb = __ldcg(a.coef + 2 * C + ch), kd = __ldcg(a.coef + 3 * C + ch);
+        const float m = __ldcg(a.coef + ch), lo = __ldcg(a.coef + C + ch),
+                    ka = __ldcg(a.coef + 2 * C + ch), kb = __ldcg(a.coef + 3 * C + ch),
+                    kd = __ldcg(a.coef + 4 * C + ch);
         NNF_PVEC_DISPATCH(pbwd_cf_apply, a, xt + (u64)s * g.unit_elems, gt + (u64)s * g.unit_elems,
-                          ch, k0, k1, m, ka, kb, kd)
+                          ch, k0, k1, m, lo, ka, kb, kd)
     }
 }
 
@@ -364,9 +382,12 @@ template <typename T> __device__ __forceinline__ void pbwd_cl(const PersistArgs&
     const u64 C = g.channels, P = g.parts, cp = C * P;
     const u32 cvs = g.cvs, rb = g.rb;
     const u32 ro = threadIdx.x / cvs, cv = threadIdx.x - ro * cvs;
-    float mean[V];
+    float mhi[V], mlo[V];
 #pragma unroll
-    for (int j = 0; j < V; ++j) mean[j] = a.mean[(u64)cv * V + j];
+    for (int j = 0; j < V; ++j) {
+        mhi[j] = a.mean[(u64)cv * V + j];
+        mlo[j] = a.mean_lo[(u64)cv * V + j];
+    }
     // 1. sums
     for (u32 s = 0; s < g.upb; ++s) {
         const u64 u = b + (u64)s * G;
@@ -379,7 +400,7 @@ template <typename T> __device__ __forceinline__ void pbwd_cl(const PersistArgs&
             s2[j] = 0.0f;
         }
         cl_reduce_rows<T, V>((const T*)a.x, (const T*)a.g, a.mask, (T*)a.dz, (int)a.act, C, cv,
-                             r0 + ro, r1, rb, mean, s1, s2, xt + (u64)s * g.unit_elems,
+                             r0 + ro, r1, rb, mhi, mlo, s1, s2, xt + (u64)s * g.unit_elems,
                              gt + (u64)s * g.unit_elems, r0);
         cl_tree_sums<V, PTHREADS>(s1, s2, ro, rb, cvs, true, red);
         if (ro == 0) {
@@ -397,20 +418,21 @@ template <typename T> __device__ __forceinline__ void pbwd_cl(const PersistArgs&
         float t1, t2;
         combine_sums<PTHREADS>(a.part, cp, ch * P, P, t1, t2, red);
         if (threadIdx.x == 0)
-            finish_bwd(ch, C, t1, t2, a.inv_count, a.mean, a.invstd, a.gamma, a.dgamma, a.dbeta,
-                       a.coef);
+            finish_bwd(ch, C, t1, t2, a.inv_count, a.mean, a.mean_lo, a.invstd, a.gamma, a.dgamma,
+                       a.dbeta, a.coef);
     }
     grid_sync(a.barrier, 2u * (u32)G);
     grid_exit(a.barrier);
     // 3. dx
-    float km[V], ka[V], kb[V], kd[V];
+    float km[V], kl[V], ka[V], kb[V], kd[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
         const u64 ch = (u64)cv * V + j;
         km[j] = __ldcg(a.coef + ch);
-        ka[j] = __ldcg(a.coef + C + ch);
-        kb[j] = __ldcg(a.coef + 2 * C + ch);
-        kd[j] = __ldcg(a.coef + 3 * C + ch);
+        kl[j] = __ldcg(a.coef + C + ch);
+        ka[j] = __ldcg(a.coef + 2 * C + ch);
+        kb[j] = __ldcg(a.coef + 3 * C + ch);
+        kd[j] = __ldcg(a.coef + 4 * C + ch);
     }
     T* dx = (T*)a.out;
     for (u32 s = 0; s < g.upb; ++s) {
@@ -428,7 +450,8 @@ template <typename T> __device__ __forceinline__ void pbwd_cl(const PersistArgs&
                 const float xv = bits_float<T>(elem_bits<T>(wx, j));
                 const float gv = bits_float<T>(elem_bits<T>(wg, j));
                 set_elem_bits<T>(w, j,
-                                 to_bits(from_float<T>(ka[j] * (gv - fmaf(xv - km[j], kd[j], kb[j])))));
+                                 to_bits(from_float<T>(
+                                     ka[j] * (gv - fmaf((xv - km[j]) - kl[j], kd[j], kb[j])))));
             }
             store_raw<T, V>(dx + r * C + (u64)cv * V, w);
         }

@@ -425,6 +425,12 @@ impl<T: Element> BatchNorm<T> {
         // SAFETY: statistics are written by cuDNN or the own kernels before anything reads them.
         let mut mean = unsafe { stream.alloc::<f32>(c) }.call("cuMemAllocAsync")?;
         let mut inv_var = unsafe { stream.alloc::<f32>(c) }.call("cuMemAllocAsync")?;
+        let mut mean_lo = if path.is_own() {
+            // SAFETY: written by the own statistics before anything reads it.
+            Some(unsafe { stream.alloc::<f32>(c) }.call("cuMemAllocAsync")?)
+        } else {
+            None
+        };
         let mut own_mask = if path.is_own() && core.fuse != Fuse::None {
             // SAFETY: the own forward writes every mask word (tail bits zero) before any read.
             Some(
@@ -492,6 +498,7 @@ impl<T: Element> BatchNorm<T> {
             let zp = z.as_ref().map_or(0, |(p, _)| *p);
             if path.is_own() {
                 let mk = own_mask.as_mut().map(|m| m.device_ptr_mut(stream));
+                let lo = mean_lo.as_mut().map(|m| m.device_ptr_mut(stream));
                 let bufs = FwdBufs {
                     x,
                     z: zp,
@@ -502,6 +509,7 @@ impl<T: Element> BatchNorm<T> {
                     running_mean: rm,
                     running_var: rv,
                     saved_mean: mp,
+                    saved_mean_lo: lo.as_ref().map_or(0, |(p, _)| *p),
                     saved_invstd: ip,
                 };
                 let want = core.train.own_forward.unwrap_or(OwnVariant::TwoPass);
@@ -552,6 +560,7 @@ impl<T: Element> BatchNorm<T> {
             eps: a.eps,
             x_ptr,
             mean,
+            mean_lo,
             inv_var,
             reserve,
             mask,
@@ -805,10 +814,17 @@ impl<T: Element> BatchNorm<T> {
             ));
         }
         let saved = a.saved;
+        let Some(mean_lo) = saved.mean_lo.as_ref() else {
+            return Err(Error::invalid(
+                "saved",
+                "is an own-path state without its mean remainder (corrupted state)",
+            ));
+        };
         let (x, _g1) = a.x.device_ptr(stream);
         let (dy, _g2) = a.dy.device_ptr(stream);
         let (gamma, _g3) = a.gamma.device_ptr(stream);
         let mp = mask.map(|m| m.device_ptr(stream));
+        let (lo, _g9) = mean_lo.device_ptr(stream);
         let (sm, _g4) = saved.mean.device_ptr(stream);
         let (si, _g5) = saved.inv_var.device_ptr(stream);
         let (dx, _g6) = a.dx.device_ptr_mut(stream);
@@ -823,6 +839,7 @@ impl<T: Element> BatchNorm<T> {
             dz: dz.as_ref().map_or(0, |(p, _)| *p),
             gamma,
             saved_mean: sm,
+            saved_mean_lo: lo,
             saved_invstd: si,
             dgamma,
             dbeta,

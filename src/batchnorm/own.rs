@@ -37,6 +37,7 @@ struct StatsArgs {
     part: u64,
     counters: u64,
     saved_mean: u64,
+    saved_mean_lo: u64,
     saved_invstd: u64,
     running_mean: u64,
     running_var: u64,
@@ -55,6 +56,7 @@ struct ReduceArgs {
     mask: u64,
     dz: u64,
     saved_mean: u64,
+    saved_mean_lo: u64,
     saved_invstd: u64,
     gamma: u64,
     part: u64,
@@ -75,6 +77,7 @@ struct ApplyFwdArgs {
     y: u64,
     mask: u64,
     mean: u64,
+    mean_lo: u64,
     inv: u64,
     gamma: u64,
     beta: u64,
@@ -114,6 +117,7 @@ struct PersistArgs {
     gamma: u64,
     beta: u64,
     mean: u64,
+    mean_lo: u64,
     invstd: u64,
     running_mean: u64,
     running_var: u64,
@@ -154,6 +158,7 @@ fn act(fuse: Fuse) -> u32 {
 enum K {
     StatsCf,
     StatsCl,
+    StatsFinalize,
     ReduceCf,
     ReduceCl,
     ApplyFwd(Fuse),
@@ -175,6 +180,9 @@ fn name(k: K, dt: DType) -> &'static str {
         (StatsCl, F32) => "bn_stats_cl_f32",
         (StatsCl, F16) => "bn_stats_cl_f16",
         (StatsCl, BF16) => "bn_stats_cl_bf16",
+        (StatsFinalize, F32) => "bn_stats_finalize_f32",
+        (StatsFinalize, F16) => "bn_stats_finalize_f16",
+        (StatsFinalize, BF16) => "bn_stats_finalize_bf16",
         (ReduceCf, F32) => "bn_bwd_reduce_cf_f32",
         (ReduceCf, F16) => "bn_bwd_reduce_cf_f16",
         (ReduceCf, BF16) => "bn_bwd_reduce_cf_bf16",
@@ -337,6 +345,8 @@ pub(crate) struct FwdBufs {
     pub running_mean: u64,
     pub running_var: u64,
     pub saved_mean: u64,
+    /// The mean's remainder (`mean = saved_mean + saved_mean_lo`), C floats the state keeps.
+    pub saved_mean_lo: u64,
     pub saved_invstd: u64,
 }
 
@@ -350,6 +360,7 @@ pub(crate) struct BwdBufs {
     pub dz: u64,
     pub gamma: u64,
     pub saved_mean: u64,
+    pub saved_mean_lo: u64,
     pub saved_invstd: u64,
     pub dgamma: u64,
     pub dbeta: u64,
@@ -427,7 +438,7 @@ pub(crate) fn forward_train(
     if want == OwnVariant::Persistent {
         let aligned = [b.x, b.z, b.y].iter().all(|p| p % 16 == 0);
         if let Some(p) = prepare_persistent(op, 1, aligned)? {
-            let (coef_at, total) = scratch_floats(op.c(), p.geom.parts.into(), 3, 2);
+            let (coef_at, total) = scratch_floats(op.c(), p.geom.parts.into(), 3, 3);
             let scratch = op.ctx.scratch(total as usize * 4)?;
             let ran = op.counters.with(op.ctx, op.counter_words(), |cnt| {
                 let args = PersistArgs {
@@ -438,6 +449,7 @@ pub(crate) fn forward_train(
                     gamma: b.gamma,
                     beta: b.beta,
                     mean: b.saved_mean,
+                    mean_lo: b.saved_mean_lo,
                     invstd: b.saved_invstd,
                     running_mean: b.running_mean,
                     running_var: b.running_var,
@@ -469,8 +481,8 @@ pub(crate) fn forward_train(
     let vec = vec_width(eb, &op.vector_lens(), &[b.x]);
     let g = reduce_geom(&op.shape, vec, wave(op.ctx, &stats_f, stats_name, 0)?);
     let mode = apply_mode(&op.shape, eb, &[b.x, b.y, b.z]);
-    let staged = staged_bytes(c, 3);
-    let (coef_at, total) = scratch_floats(c, g.parts.into(), 3, if staged > 0 { 0 } else { 3 });
+    let staged = staged_bytes(c, 4);
+    let (coef_at, total) = scratch_floats(c, g.parts.into(), 3, if staged > 0 { 0 } else { 4 });
     tracing::debug!(
         kernel = stats_name,
         blocks = g.blocks(),
@@ -487,6 +499,7 @@ pub(crate) fn forward_train(
             part: scratch.ptr(),
             counters: cnt,
             saved_mean: b.saved_mean,
+            saved_mean_lo: b.saved_mean_lo,
             saved_invstd: b.saved_invstd,
             running_mean: b.running_mean,
             running_var: b.running_var,
@@ -504,7 +517,7 @@ pub(crate) fn forward_train(
             "cuLaunchKernel(bn_stats)",
         )?;
         if !g.channels_first() {
-            let f = op.ctx.function(&kernels::BATCHNORM, "bn_stats_finalize")?;
+            let (f, _) = op.function(&kernels::BATCHNORM, K::StatsFinalize)?;
             launch(
                 op.ctx,
                 &f,
@@ -523,6 +536,7 @@ pub(crate) fn forward_train(
             y: b.y,
             mask: b.mask,
             mean: b.saved_mean,
+            mean_lo: b.saved_mean_lo,
             inv: b.saved_invstd,
             gamma: b.gamma,
             beta: b.beta,
@@ -538,8 +552,8 @@ pub(crate) fn forward_train(
 
 /// Inference forward: one elementwise pass with the running statistics.
 pub(crate) fn forward_inference(op: &Op<'_>, b: &InferBufs, eps: f64) -> Result<()> {
-    let staged = staged_bytes(op.c(), 3);
-    let coef_floats = if staged > 0 { 0 } else { 3 * op.c() };
+    let staged = staged_bytes(op.c(), 4);
+    let coef_floats = if staged > 0 { 0 } else { 4 * op.c() };
     let scratch = op.ctx.scratch(coef_floats as usize * 4)?;
     apply_forward(
         op,
@@ -549,6 +563,7 @@ pub(crate) fn forward_inference(op: &Op<'_>, b: &InferBufs, eps: f64) -> Result<
             y: b.y,
             mask: 0,
             mean: b.running_mean,
+            mean_lo: 0,
             inv: b.running_var,
             gamma: b.gamma,
             beta: b.beta,
@@ -616,7 +631,7 @@ pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant) -> Result<Own
     if want == OwnVariant::Persistent {
         let aligned = [b.x, b.dy, b.dx, b.dz].iter().all(|p| p % 16 == 0);
         if let Some(p) = prepare_persistent(op, 2, aligned)? {
-            let (coef_at, total) = scratch_floats(c, p.geom.parts.into(), 2, 4);
+            let (coef_at, total) = scratch_floats(c, p.geom.parts.into(), 2, 5);
             let scratch = op.ctx.scratch(total as usize * 4)?;
             let ran = op.counters.with(op.ctx, op.counter_words(), |cnt| {
                 let args = PersistArgs {
@@ -627,6 +642,7 @@ pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant) -> Result<Own
                     dz: b.dz,
                     gamma: b.gamma,
                     mean: b.saved_mean,
+                    mean_lo: b.saved_mean_lo,
                     invstd: b.saved_invstd,
                     dgamma: b.dgamma,
                     dbeta: b.dbeta,
@@ -654,9 +670,9 @@ pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant) -> Result<Own
     )?;
     let vec = vec_width(eb, &op.vector_lens(), &[b.x, b.dy, b.dz]);
     let g = reduce_geom(&op.shape, vec, wave(op.ctx, &rf, rname, 0)?);
-    let (coef_at, total) = scratch_floats(c, g.parts.into(), 2, 4);
+    let (coef_at, total) = scratch_floats(c, g.parts.into(), 2, 5);
     let mode = apply_mode(&op.shape, eb, &[b.x, b.dy, b.dx]);
-    let staged = staged_bytes(c, 4);
+    let staged = staged_bytes(c, 5);
     tracing::debug!(
         kernel = rname,
         blocks = g.blocks(),
@@ -675,6 +691,7 @@ pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant) -> Result<Own
             mask: b.mask,
             dz: b.dz,
             saved_mean: b.saved_mean,
+            saved_mean_lo: b.saved_mean_lo,
             saved_invstd: b.saved_invstd,
             gamma: b.gamma,
             part: scratch.ptr(),
@@ -890,6 +907,7 @@ mod tests {
                     "part",
                     "counters",
                     "saved_mean",
+                    "saved_mean_lo",
                     "saved_invstd",
                     "running_mean",
                     "running_var",
@@ -910,6 +928,7 @@ mod tests {
                     "mask",
                     "dz",
                     "saved_mean",
+                    "saved_mean_lo",
                     "saved_invstd",
                     "gamma",
                     "part",
@@ -927,8 +946,8 @@ mod tests {
                 bn,
                 "ApplyFwdArgs",
                 &[
-                    "x", "z", "y", "mask", "mean", "inv", "gamma", "beta", "coef", "n", "inner",
-                    "chans", "mode", "staged", "from_var", "eps",
+                    "x", "z", "y", "mask", "mean", "mean_lo", "inv", "gamma", "beta", "coef", "n",
+                    "inner", "chans", "mode", "staged", "from_var", "eps",
                 ],
                 std::mem::size_of::<ApplyFwdArgs>(),
             ),
@@ -972,6 +991,7 @@ mod tests {
                     "gamma",
                     "beta",
                     "mean",
+                    "mean_lo",
                     "invstd",
                     "running_mean",
                     "running_var",
@@ -998,12 +1018,12 @@ mod tests {
             let want = match name {
                 "FastDiv" => 24,
                 "Geom" => 80,
-                "StatsArgs" => 152,
-                "ReduceArgs" => 184,
-                "ApplyFwdArgs" => 144,
+                "StatsArgs" => 160,
+                "ReduceArgs" => 192,
+                "ApplyFwdArgs" => 152,
                 "ApplyBwdArgs" => 104,
                 "PGeom" => 96,
-                "PersistArgs" => 248,
+                "PersistArgs" => 256,
                 _ => unreachable!(),
             };
             assert_eq!(size, want, "size of {name}");
@@ -1016,6 +1036,7 @@ mod tests {
             for k in [
                 K::StatsCf,
                 K::StatsCl,
+                K::StatsFinalize,
                 K::ReduceCf,
                 K::ReduceCl,
                 K::ApplyFwd(Fuse::None),
@@ -1041,9 +1062,6 @@ mod tests {
                 assert!(crate::kernels::BATCHNORM_PERSISTENT.source.contains(stem));
             }
         }
-        assert!(crate::kernels::BATCHNORM
-            .source
-            .contains("bn_stats_finalize("));
         assert!(crate::kernels::BATCHNORM
             .source
             .contains("bn_bwd_finalize("));

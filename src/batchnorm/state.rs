@@ -13,6 +13,9 @@ pub struct BnSaved {
     pub(crate) eps: f64,
     pub(crate) x_ptr: u64,
     pub(crate) mean: CudaSlice<f32>,
+    /// Own path: the mean's remainder (`mean + mean_lo` is the mean to about 2^-48 relative),
+    /// so that the backward's `x - mean` keeps its precision under a large common offset.
+    pub(crate) mean_lo: Option<CudaSlice<f32>>,
     pub(crate) inv_var: CudaSlice<f32>,
     /// cuDNN's opaque reserve space, when the Ex forward asked for one.
     pub(crate) reserve: Option<CudaSlice<u8>>,
