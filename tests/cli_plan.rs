@@ -290,7 +290,7 @@ fn own_kernels_impl_variant_and_no_cudnn() {
     // Default (auto): channels-first training takes nnfuse's own kernels.
     let cf = [
         "--shape",
-        "16,32,112,112",
+        "32,32,112,112",
         "--dtype",
         "f16",
         "--fuse",
