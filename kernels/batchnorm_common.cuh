@@ -28,7 +28,7 @@ constexpr int PTHREADS = 512;      // block of the persistent kernels
 constexpr int RED_UNROLL = 4;      // vectors a thread loads before it reduces them
 constexpr int APPLY_UNROLL = 2;    // 32-vector chunks per warp iteration in the apply kernels
 constexpr int SCALAR_WORDS = 8;    // mask words per warp tile in the scalar apply path
-constexpr int STAGE_MAX_C = 4096;  // most channels whose coefficients an apply kernel stages
+constexpr int STAGE_MAX_C = 2048;  // most channels an apply kernel stages (<= 40 KB: no opt-in)
 
 // Activation (forward) / what the backward applies to dy.
 constexpr int ACT_NONE = 0;      // y = bn(x); dy' = dy

@@ -1,5 +1,5 @@
 //! nnfuse's own BatchNorm kernels on the GPU (issue 9): against the f64 reference over a grid of
-//! ranks, axes, layouts, channel counts (1, 3, 30, 64, 2048, 5000) and elements per channel (2 to
+//! ranks, axes, layouts, channel counts (1, 3, 30, 64, 2048, 2100, 5000) and elements per channel (2 to
 //! 10^7), every fusion and data type, both variants (two-pass and persistent, each forced),
 //! aligned and unaligned views; path against path (own vs cuDNN's fallback vs cuDNN's fused) on
 //! identical inputs; accuracy on hard inputs next to cuDNN SPATIAL's; NaN in, NaN out;
@@ -392,8 +392,8 @@ fn own_ctx() -> Context {
 }
 
 /// The grid: rank 2 to 5, channels first and last, axis 0 and in the middle, C = 1, 3, 12, 30,
-/// 64, 2048, 5000 (> the 4096 staged in shared memory), elements per channel from 2 up, runs
-/// and rows that are and are not whole vectors or mask words.
+/// 64, 2048 (the most staged in shared memory), 5000 (not staged), elements per channel from 2
+/// up, runs and rows that are and are not whole vectors or mask words.
 const SHAPES: &[(&[usize], usize)] = &[
     (&[256, 64], 1),        // 2-D
     (&[2, 3], 1),           // 2-D, two values per channel

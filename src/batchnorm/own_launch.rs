@@ -21,9 +21,10 @@ pub(crate) const RED_UNROLL: u64 = 4;
 pub(crate) const APPLY_UNROLL: u64 = 2;
 /// Mask words per warp tile of the element (scalar) apply path (`SCALAR_WORDS`).
 pub(crate) const SCALAR_WORDS: u64 = 8;
-/// Most channels whose coefficients an apply kernel stages in shared memory (`STAGE_MAX_C`);
-/// above it the forward apply reads coefficients that `bn_fold` wrote.
-pub(crate) const STAGE_MAX_C: u64 = 4096;
+/// Most channels whose coefficients an apply kernel stages in shared memory (`STAGE_MAX_C`):
+/// 5 floats a channel stay within the 48 KB a launch may ask for without opting in. Above it the
+/// forward apply reads coefficients that `bn_fold` wrote, the backward its coefficient buffer.
+pub(crate) const STAGE_MAX_C: u64 = 2048;
 /// Vectors per thread below which a channels-first reduction gets no more blocks.
 pub(crate) const MIN_VECTORS_PER_THREAD: u64 = 4;
 /// Rows per thread below which a channels-last reduction gets no more blocks (fewer rows, more
@@ -898,6 +899,7 @@ mod tests {
         // 8 warps a block, APPLY_UNROLL chunks a warp: f32 chunk 128 elements.
         assert_eq!(apply_blocks(ApplyMode::Contig, 128 * 2 * 8 * 3, 4, 1056), 3);
         assert_eq!(staged_bytes(256, 3), 3072);
+        assert!(staged_bytes(STAGE_MAX_C, 5) <= 48 * 1024);
         assert_eq!(staged_bytes(STAGE_MAX_C + 1, 3), 0);
     }
 
