@@ -460,7 +460,13 @@ pub(crate) fn persistent_geom(
             let upb = units.div_ceil(grid);
             let unit_elems = ipb * v;
             let smem = upb * tile_bytes(unit_elems, elem_bytes, tiles);
-            if smem > smem_limit || parts > u64::from(u32::MAX) || upb > u64::from(u32::MAX) {
+            // The kernels place slot s at s * unit_elems elements: every slot must start on a
+            // 16-byte boundary (ipb is a multiple of 32, so 32 * v elements of 2 or 4 bytes).
+            if smem > smem_limit
+                || parts > u64::from(u32::MAX)
+                || upb > u64::from(u32::MAX)
+                || (unit_elems * elem_bytes) % 16 != 0
+            {
                 return None;
             }
             Some((
@@ -500,7 +506,11 @@ pub(crate) fn persistent_geom(
             let upb = parts.div_ceil(grid);
             let unit_elems = ipb * c;
             let smem = upb * tile_bytes(unit_elems, elem_bytes, tiles);
-            if smem > smem_limit || parts > u64::from(u32::MAX) {
+            // Slots start on 16-byte boundaries: C is a multiple of the 16-byte vector.
+            if smem > smem_limit
+                || parts > u64::from(u32::MAX)
+                || (unit_elems * elem_bytes) % 16 != 0
+            {
                 return None;
             }
             Some((
@@ -1076,6 +1086,7 @@ mod tests {
                 }
                 let (g, smem) = r.unwrap_or_else(|| panic!("{shape:?} eb {eb}"));
                 assert!(smem >= u64::from(g.upb) * g.unit_elems * eb * 2, "{g:?}");
+                assert_eq!((g.unit_elems * eb) % 16, 0, "slot alignment {g:?}");
                 assert!(g.units <= grid * u64::from(g.upb), "{g:?}");
                 emulate_persistent(&shape, &g, grid);
             }
