@@ -328,7 +328,7 @@ template <typename T, int ACT> __device__ __forceinline__ u32 fwd_elem(float xv,
     float v = fmaf((xv - k.m) - k.lo, k.s, k.b);
     if constexpr (ACT == ACT_ADD_RELU) v += zv;
     if constexpr (ACT != ACT_NONE) v = (v <= 0.0f) ? 0.0f : v;  // NaN stays NaN; -0 becomes +0
-    return to_bits(from_float<T>(v));
+    return out_bits<T>(v);
 }
 
 // Elements [base, min(base + 32*K, n)), base a multiple of 32: lane l takes base + 32k + l, so
@@ -519,7 +519,7 @@ __device__ __noinline__ void bwd_tile(const ApplyBwdArgs& a, const float* sm, u6
             const bool keep = a.mask == nullptr || ((word >> lane) & 1u);
             const float g = keep ? to_float(gs[k]) : 0.0f;
             const Coef4 c = bwd_coef(a, sm, channel_of(a.inner, a.chans, i));
-            dx[i] = from_float<T>(bwd_elem(to_float(xs[k]), g, c));
+            dx[i] = from_bits<T>(out_bits<T>(bwd_elem(to_float(xs[k]), g, c)));
         }
     }
 }
@@ -570,7 +570,7 @@ __device__ __forceinline__ void bwd_vector(const ApplyBwdArgs& a, const float* s
                     if constexpr (MODE == MODE_CONTIG) k = bwd_coef(a, sm, ch + j);
                     const float g = ((ms[u] >> j) & 1u) ? bits_float<T>(elem_bits<T>(wg, j)) : 0.0f;
                     const float d = bwd_elem(bits_float<T>(elem_bits<T>(wx, j)), g, k);
-                    set_elem_bits<T>(w, j, to_bits(from_float<T>(d)));
+                    set_elem_bits<T>(w, j, out_bits<T>(d));
                 }
                 dv[c * 32 + lane] = make_uint4(w[0], w[1], w[2], w[3]);
             }

@@ -81,6 +81,21 @@ template <typename T> __device__ __forceinline__ float bits_float(u32 b) {
     return to_float(from_bits<T>(b));
 }
 
+// The bits of v rounded to T (nearest even): one conversion instruction for every type (the
+// bf16 one, cvt.rn.bf16.f32, exists from sm_80; NaN becomes a quiet NaN).
+template <typename T> __device__ __forceinline__ u32 out_bits(float v);
+template <> __device__ __forceinline__ u32 out_bits<float>(float v) { return __float_as_uint(v); }
+template <> __device__ __forceinline__ u32 out_bits<nnf_f16>(float v) {
+    unsigned short r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
+    return r;
+}
+template <> __device__ __forceinline__ u32 out_bits<nnf_bf16>(float v) {
+    unsigned short r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+    return r;
+}
+
 // A vector of V elements of T held in (up to) four 32-bit words; element j of the vector.
 template <typename T> __device__ __forceinline__ u32 elem_bits(const u32 (&w)[4], int j) {
     if constexpr (sizeof(T) == 4) {

@@ -101,7 +101,7 @@ __device__ __forceinline__ void pfwd_cf_apply(const PersistArgs& a, const T* ut,
             float v = fmaf((bits_float<T>(elem_bits<T>(w, j)) - m) - lo, sc, bb);
             if (a.act == ACT_ADD_RELU) v += bits_float<T>(elem_bits<T>(wz, j));
             if (a.act != ACT_NONE) v = (v <= 0.0f) ? 0.0f : v;
-            const u32 ob = to_bits(from_float<T>(v));
+            const u32 ob = out_bits<T>(v);
             bits |= (u32)bits_gt0<T>(ob) << j;
             set_elem_bits<T>(w, j, ob);
         }
@@ -279,7 +279,7 @@ template <typename T> __device__ __forceinline__ void pfwd_cl(const PersistArgs&
                     float v = fmaf((bits_float<T>(elem_bits<T>(w, j)) - m[j]) - lo[j], sc[j], bb[j]);
                     if (a.act == ACT_ADD_RELU) v += bits_float<T>(elem_bits<T>(wz, j));
                     if (a.act != ACT_NONE) v = (v <= 0.0f) ? 0.0f : v;
-                    const u32 ob = to_bits(from_float<T>(v));
+                    const u32 ob = out_bits<T>(v);
                     bits |= (u32)bits_gt0<T>(ob) << j;
                     set_elem_bits<T>(w, j, ob);
                 }
@@ -316,7 +316,7 @@ __device__ __forceinline__ void pbwd_cf_apply(const PersistArgs& a, const T* ux,
         for (int j = 0; j < V; ++j) {
             const float xv = bits_float<T>(elem_bits<T>(wx, j));
             const float gv = bits_float<T>(elem_bits<T>(wg, j));
-            set_elem_bits<T>(w, j, to_bits(from_float<T>(ka * (gv - fmaf((xv - m) - lo, kd, kb)))));
+            set_elem_bits<T>(w, j, out_bits<T>(ka * (gv - fmaf((xv - m) - lo, kd, kb))));
         }
         store_raw<T, V>(dx + ((o * C + ch) * g.hw + iv * V), w);
         cursor_step(o, iv, sq, sr, ipr);
@@ -449,9 +449,8 @@ template <typename T> __device__ __forceinline__ void pbwd_cl(const PersistArgs&
             for (int j = 0; j < V; ++j) {
                 const float xv = bits_float<T>(elem_bits<T>(wx, j));
                 const float gv = bits_float<T>(elem_bits<T>(wg, j));
-                set_elem_bits<T>(w, j,
-                                 to_bits(from_float<T>(
-                                     ka[j] * (gv - fmaf((xv - km[j]) - kl[j], kd[j], kb[j])))));
+                set_elem_bits<T>(
+                    w, j, out_bits<T>(ka[j] * (gv - fmaf((xv - km[j]) - kl[j], kd[j], kb[j]))));
             }
             store_raw<T, V>(dx + r * C + (u64)cv * V, w);
         }
