@@ -7,7 +7,8 @@
 //! Scratch: partial results and per-channel coefficients live in the Context's scratch arena
 //! ([`Context::scratch`]), held for the queuing of one operation. The channels-first reductions
 //! and the persistent kernels count arrivals in a small zeroed buffer per BatchNorm
-//! ([`Counters`]) that every launch leaves at zero again.
+//! ([`Counters`]) that every launch leaves at zero again; the same per-BatchNorm state remembers
+//! whether (and how) the persistent kernels fit the device.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
@@ -303,16 +304,22 @@ fn launch<A: DeviceRepr>(
 
 // ----- counters ---------------------------------------------------------------------------------
 
-/// Zeroed arrival counters of one BatchNorm: `C` per-channel counters (the channels-first
-/// reductions' last-block-done) then two for the persistent kernels' grid barrier. Every launch
-/// leaves them at zero; work on the Context's one stream never overlaps.
+/// The own kernels' device state of one BatchNorm: zeroed arrival counters — `C` per-channel
+/// counters (the channels-first reductions' last-block-done) then two for the persistent
+/// kernels' grid barrier; every launch leaves them at zero, and work on the Context's one stream
+/// never overlaps — and, per direction, the persistent launch that fits the device (decided on
+/// first use).
 #[derive(Debug, Default)]
-pub(crate) struct Counters(Mutex<Option<CudaSlice<u32>>>);
+pub(crate) struct Counters {
+    words: Mutex<Option<CudaSlice<u32>>>,
+    /// Index `tiles - 1`: `None` undecided, `Some(None)` does not fit, `Some(Some(fit))`.
+    persistent: Mutex<[Option<Option<Fit>>; 2]>,
+}
 
 impl Counters {
     /// Runs `f` with the counters' device address (at least `words` zeroed words).
     fn with<R>(&self, ctx: &Context, words: usize, f: impl FnOnce(u64) -> Result<R>) -> Result<R> {
-        let mut g = lock(&self.0);
+        let mut g = lock(&self.words);
         if g.as_ref().is_none_or(|b| b.len() < words) {
             ctx.cuda().bind_to_thread().call("cuCtxSetCurrent")?;
             *g = Some(
@@ -463,7 +470,7 @@ pub(crate) fn forward_train(
                     unbias: unbias as f32,
                     ..PersistArgs::default()
                 };
-                launch_persistent(op, &p, &args)
+                launch_persistent(op, &p, &args, 1)
             })?;
             if ran {
                 return Ok(OwnVariant::Persistent);
@@ -654,7 +661,7 @@ pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant) -> Result<Own
                     inv_count,
                     ..PersistArgs::default()
                 };
-                launch_persistent(op, &p, &args)
+                launch_persistent(op, &p, &args, 2)
             })?;
             if ran {
                 return Ok(OwnVariant::Persistent);
@@ -749,6 +756,14 @@ pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant) -> Result<Own
 
 // ----- the persistent variant ---------------------------------------------------------------------
 
+/// How a persistent kernel fits the device (the function's shared-memory attribute is set).
+#[derive(Debug, Clone, Copy)]
+struct Fit {
+    geom: PGeom,
+    smem: u32,
+    grid: u32,
+}
+
 /// A persistent launch that fits the device.
 struct Persistent {
     f: CudaFunction,
@@ -760,21 +775,12 @@ struct Persistent {
 
 /// The persistent kernel and its tiling when the device can run it co-resident; `None` (with a
 /// debug event saying why) sends the caller to the two-pass kernels. `tiles`: 1 forward, 2
-/// backward.
+/// backward. The fit is decided once per BatchNorm and direction; alignment per call.
 fn prepare_persistent(op: &Op<'_>, tiles: u64, aligned: bool) -> Result<Option<Persistent>> {
-    let why_not = |why: &str| {
-        tracing::debug!(
-            why,
-            "own BatchNorm: persistent variant not possible here; two-pass"
-        );
-    };
     if !aligned {
-        why_not("a data pointer is not 16-byte aligned");
-        return Ok(None);
-    }
-    let facts = device_facts(op.ctx)?;
-    if !facts.cooperative {
-        why_not("the device has no cooperative launch");
+        tracing::debug!(
+            "own BatchNorm: a data pointer is not 16-byte aligned; two-pass, not persistent"
+        );
         return Ok(None);
     }
     let first = matches!(op.shape.arr, Arrangement::First { .. });
@@ -784,6 +790,45 @@ fn prepare_persistent(op: &Op<'_>, tiles: u64, aligned: bool) -> Result<Option<P
         (_, true) => K::PersistBwdCf,
         (_, false) => K::PersistBwdCl,
     };
+    let slot = (tiles.clamp(1, 2) - 1) as usize;
+    let cached = lock(&op.counters.persistent)[slot];
+    let fit = match cached {
+        Some(fit) => fit,
+        None => {
+            let fit = fit_persistent(op, tiles, k)?;
+            lock(&op.counters.persistent)[slot] = Some(fit);
+            fit
+        }
+    };
+    match fit {
+        Some(fit) => {
+            let (f, name) = op.function(&kernels::BATCHNORM_PERSISTENT, k)?;
+            Ok(Some(Persistent {
+                f,
+                name,
+                geom: fit.geom,
+                smem: fit.smem,
+                grid: fit.grid,
+            }))
+        }
+        None => Ok(None),
+    }
+}
+
+/// Whether and how the persistent kernel `k` fits the device: cooperative launch, the
+/// shared-memory opt-in, one or two resident blocks of PTHREADS threads per SM.
+fn fit_persistent(op: &Op<'_>, tiles: u64, k: K) -> Result<Option<Fit>> {
+    let why_not = |why: &str| {
+        tracing::debug!(
+            why,
+            "own BatchNorm: persistent variant not possible here; two-pass"
+        );
+    };
+    let facts = device_facts(op.ctx)?;
+    if !facts.cooperative {
+        why_not("the device has no cooperative launch");
+        return Ok(None);
+    }
     let (f, fname) = op.function(&kernels::BATCHNORM_PERSISTENT, k)?;
     let static_smem = f.shared_size_bytes().call("cuFuncGetAttribute")?.max(0) as u32;
     let limit = facts.smem_optin.saturating_sub(static_smem);
@@ -816,11 +861,9 @@ fn prepare_persistent(op: &Op<'_>, tiles: u64, aligned: bool) -> Result<Option<P
                 upb = geom.upb,
                 parts = geom.parts,
                 vec = geom.vec,
-                "own BatchNorm persistent launch"
+                "own BatchNorm persistent launch fits"
             );
-            return Ok(Some(Persistent {
-                f,
-                name: fname,
+            return Ok(Some(Fit {
                 geom,
                 smem: smem as u32,
                 grid: grid as u32,
@@ -832,8 +875,8 @@ fn prepare_persistent(op: &Op<'_>, tiles: u64, aligned: bool) -> Result<Option<P
 }
 
 /// Launches cooperatively; `false` when the driver refuses the grid as too large (then the
-/// caller runs the two-pass kernels: nothing was written).
-fn launch_persistent(op: &Op<'_>, p: &Persistent, args: &PersistArgs) -> Result<bool> {
+/// caller runs the two-pass kernels: nothing was written, and later calls do not try again).
+fn launch_persistent(op: &Op<'_>, p: &Persistent, args: &PersistArgs, tiles: u64) -> Result<bool> {
     let mut b = op.ctx.stream().launch_builder(&p.f);
     b.arg(args);
     // SAFETY: as `launch`; the grid was sized from the occupancy query so that every block is
@@ -848,6 +891,7 @@ fn launch_persistent(op: &Op<'_>, p: &Persistent, args: &PersistArgs) -> Result<
                 grid = p.grid,
                 "cooperative launch refused as too large; two-pass kernels instead"
             );
+            lock(&op.counters.persistent)[(tiles.clamp(1, 2) - 1) as usize] = Some(None);
             Ok(false)
         }
         Err(e) => Err(e).call("cuLaunchCooperativeKernel(bn_persist)"),
