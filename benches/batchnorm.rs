@@ -1,21 +1,28 @@
-//! BatchNorm benchmark (issue 3): fused vs fallback vs plain baseline, forward and backward,
-//! on ResNet-50 shapes; the 2-D paths under each mode policy; NCHW mode comparison; dispatch
-//! overhead. CUDA events, warm-up, median of many, rotating buffers so that L2 (50 MiB on the
-//! H100) does not hold the working set. Prints markdown tables and JSON lines.
+//! BatchNorm benchmark (issues 3 and 9): cuDNN fused vs fallback vs plain baseline vs nnfuse's
+//! own kernels, forward and backward, on ResNet-50 shapes; the issue-9 table (own kernels vs
+//! the cuDNN path and PyTorch's times measured earlier); inference in every type and layout;
+//! the 2-D case; the own persistent variant against its two-pass variant; the 2-D paths under
+//! each mode policy; dispatch overhead. CUDA events, warm-up, median of many, rotating buffers
+//! so that L2 (50 MiB on the H100) does not hold the working set. Prints markdown tables and
+//! JSON lines.
 //!
 //! Floors: bytes the operation must move (each input read once, each output written once; the
 //! backward's activation state counted as the 1-bit mask) over the copy bandwidth measured in
-//! the same run.
+//! the same run. The own kernels' "% of copy" counts the bytes their variant moves (two-pass:
+//! x read twice forward, x and dy twice backward).
 
 use std::time::Instant;
 
 use anyhow::Result;
 use cudarc::driver::CudaSlice;
-use half::f16;
+use half::{bf16, f16};
 use nnfuse::activation;
-use nnfuse::batchnorm::{BackwardArgs, BatchNorm, BnPath, BnSaved, Fuse, TrainArgs};
+use nnfuse::batchnorm::{
+    BackwardArgs, BatchNorm, BnOptions, BnPath, BnSaved, Fuse, InferenceArgs, OwnVariant,
+    OwnVariantChoice, TrainArgs,
+};
 use nnfuse::timing::{copy_bandwidth, time_gpu, TimingOptions};
-use nnfuse::{BnModePolicy, Config, Context, Element};
+use nnfuse::{BnImpl, BnModePolicy, Config, Context, Element};
 
 const L2_BYTES: usize = 50 << 20;
 
@@ -97,6 +104,7 @@ const HEADER: &str = "| case | dir | path | median µs | TB/s (floor bytes) | fl
 fn bench_case<T: Element>(
     ctx: &Context,
     fallback: &Context,
+    own: &Context,
     shape: &[usize],
     axis: usize,
     fuse: Fuse,
@@ -325,6 +333,51 @@ fn bench_case<T: Element>(
         fwd_bytes + bwd_bytes,
         Some(base),
     );
+    // nnfuse's own kernels (variants by the plan).
+    let ob = BatchNorm::<T>::new(own, shape, axis, fuse)?;
+    let t_own = time_gpu(ctx, opts(), |i| {
+        forward(&ob, &mut bufs[i % copies], &mut p).map(drop)
+    })?;
+    let saved: Vec<BnSaved> = (0..copies)
+        .map(|k| forward(&ob, &mut bufs[k], &mut p))
+        .collect::<nnfuse::Result<_>>()?;
+    let t_own_b = time_gpu(ctx, opts(), |i| {
+        let k = i % copies;
+        backward(&ob, &mut bufs[k], &mut p, &saved[k])
+    })?;
+    let variants = format!(
+        "own ({}/{})",
+        saved[0].own_variant().map_or("-", OwnVariant::name),
+        ob.last_own_backward().map_or("-", OwnVariant::name)
+    );
+    drop(saved);
+    report.row(
+        &case,
+        "fwd",
+        &variants,
+        t_own.median_us(),
+        fwd_floor,
+        fwd_bytes,
+        Some(t_base.median_us()),
+    );
+    report.row(
+        &case,
+        "bwd",
+        &variants,
+        t_own_b.median_us(),
+        bwd_floor,
+        bwd_bytes,
+        Some(t_base_b.median_us()),
+    );
+    report.row(
+        &case,
+        "fwd+bwd",
+        &variants,
+        t_own.median_us() + t_own_b.median_us(),
+        fwd_floor + bwd_floor,
+        fwd_bytes + bwd_bytes,
+        Some(base),
+    );
     if !has_fused {
         println!("  ({case}: no fused path: {:?})", fused.plan().refusals);
     }
@@ -434,9 +487,540 @@ fn bench_plain<T: Element>(
     Ok(())
 }
 
+// ----- nnfuse's own kernels (issue 9) -----------------------------------------------------------
+
+/// PyTorch 2.11's times on the H100 for the issue's cases, measured earlier (issue 9's table,
+/// fwd / bwd µs; inference: one number), with the nnfuse-on-cuDNN times of the same table.
+struct Earlier {
+    pytorch: (f64, f64),
+    nnfuse_cudnn: (f64, f64),
+}
+
+fn setup<T: Element>(
+    ctx: &Context,
+    shape: &[usize],
+    axis: usize,
+) -> Result<(Vec<Bufs<T>>, Params)> {
+    let s = ctx.stream();
+    let n: usize = shape.iter().product();
+    let c = shape[axis];
+    let es = std::mem::size_of::<T>();
+    let copies = (2 * L2_BYTES).div_ceil(5 * n * es).clamp(1, 8);
+    let xs = random::<T>(n, 11, -2.0, 3.0);
+    let zs = random::<T>(n, 12, -1.0, 1.0);
+    let dys = random::<T>(n, 13, -1.0, 1.0);
+    let bufs = (0..copies)
+        .map(|_| -> Result<Bufs<T>> {
+            Ok(Bufs {
+                x: s.clone_htod(&xs)?,
+                z: s.clone_htod(&zs)?,
+                y: s.alloc_zeros(n)?,
+                dy: s.clone_htod(&dys)?,
+                dx: s.alloc_zeros(n)?,
+                dz: s.alloc_zeros(n)?,
+            })
+        })
+        .collect::<Result<_>>()?;
+    let p = Params {
+        g: s.clone_htod(&random::<f32>(c, 14, 0.5, 1.5))?,
+        b: s.clone_htod(&random::<f32>(c, 15, -0.5, 0.5))?,
+        rm: s.alloc_zeros(c)?,
+        rv: s.clone_htod(&vec![1.0f32; c])?,
+        dg: s.alloc_zeros(c)?,
+        db: s.alloc_zeros(c)?,
+    };
+    Ok((bufs, p))
+}
+
+/// Training forward and backward of `bn` (median µs each) on rotating buffers, with the own
+/// variants that ran.
+fn time_train<T: Element>(
+    timer: &Context,
+    bn: &BatchNorm<T>,
+    fuse: Fuse,
+    bufs: &mut [Bufs<T>],
+    p: &mut Params,
+) -> Result<(f64, f64, String)> {
+    let copies = bufs.len();
+    let add = fuse == Fuse::AddRelu;
+    let fwd = |b: &mut Bufs<T>, p: &mut Params| {
+        bn.forward_train(TrainArgs {
+            x: b.x.as_view(),
+            addend: add.then(|| b.z.as_view()),
+            gamma: p.g.as_view(),
+            beta: p.b.as_view(),
+            running_mean: p.rm.as_view_mut(),
+            running_var: p.rv.as_view_mut(),
+            y: b.y.as_view_mut(),
+            momentum: 0.1,
+            eps: 1e-5,
+        })
+    };
+    let tf = time_gpu(timer, opts(), |i| fwd(&mut bufs[i % copies], p).map(drop))?;
+    let saved: Vec<BnSaved> = (0..copies)
+        .map(|k| fwd(&mut bufs[k], p))
+        .collect::<nnfuse::Result<_>>()?;
+    let tb = time_gpu(timer, opts(), |i| {
+        let k = i % copies;
+        let b = &mut bufs[k];
+        bn.backward(BackwardArgs {
+            x: b.x.as_view(),
+            y: b.y.as_view(),
+            dy: b.dy.as_view(),
+            gamma: p.g.as_view(),
+            beta: p.b.as_view(),
+            saved: &saved[k],
+            dx: b.dx.as_view_mut(),
+            d_addend: add.then(|| b.dz.as_view_mut()),
+            dgamma: p.dg.as_view_mut(),
+            dbeta: p.db.as_view_mut(),
+        })
+    })?;
+    let how = match saved[0].own_variant() {
+        Some(v) => format!(
+            "own {}/{}",
+            v.name(),
+            bn.last_own_backward().map_or("-", OwnVariant::name)
+        ),
+        None => saved[0].path().name().to_string(),
+    };
+    Ok((tf.median_us(), tb.median_us(), how))
+}
+
+/// Bytes a training forward / backward must move at least (x and the addend read, y written,
+/// the mask written; x, dy and the mask read, dx and the addend's gradient written).
+fn floor_bytes(n: usize, es: usize, fuse: Fuse) -> (f64, f64) {
+    let add = fuse == Fuse::AddRelu;
+    let mask = if fuse == Fuse::None {
+        0.0
+    } else {
+        n as f64 / 8.0
+    };
+    let fwd = ((if add { 3 } else { 2 }) * n * es) as f64 + mask;
+    let bwd = ((if add { 4 } else { 3 }) * n * es) as f64 + mask;
+    (fwd, bwd)
+}
+
+/// The bytes the own variants move: two-pass reads x twice forward, x and dy (and the mask)
+/// twice backward; persistent moves the floor's bytes.
+fn own_bytes(
+    n: usize,
+    es: usize,
+    fuse: Fuse,
+    fwd_persistent: bool,
+    bwd_persistent: bool,
+) -> (f64, f64) {
+    let (f, b) = floor_bytes(n, es, fuse);
+    let mask = if fuse == Fuse::None {
+        0.0
+    } else {
+        n as f64 / 8.0
+    };
+    let x = (n * es) as f64;
+    (
+        if fwd_persistent { f } else { f + x },
+        if bwd_persistent {
+            b
+        } else {
+            b + 2.0 * x + mask
+        },
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn bench_own_training<T: Element>(
+    cudnn: &Context,
+    own: &Context,
+    shape: &[usize],
+    axis: usize,
+    fuse: Fuse,
+    label: &str,
+    earlier: Option<Earlier>,
+    bw: f64,
+    summary: &mut Vec<String>,
+) -> Result<()> {
+    let n: usize = shape.iter().product();
+    let es = std::mem::size_of::<T>();
+    let (mut bufs, mut p) = setup::<T>(cudnn, shape, axis)?;
+    let cbn = BatchNorm::<T>::new(cudnn, shape, axis, fuse)?;
+    let (cf, cb, cpath) = time_train(cudnn, &cbn, fuse, &mut bufs, &mut p)?;
+    let obn = BatchNorm::<T>::new(own, shape, axis, fuse)?;
+    let (of, ob, how) = time_train(cudnn, &obn, fuse, &mut bufs, &mut p)?;
+    let (ff, fb) = floor_bytes(n, es, fuse);
+    let floor_us = (ff + fb) / bw * 1e6;
+    let pf = how.contains("own persistent");
+    let pb = how.ends_with("/persistent");
+    let (bf, bb) = own_bytes(n, es, fuse, pf, pb);
+    let copy_pct_f = 100.0 * bf / (of * 1e-6) / bw;
+    let copy_pct_b = 100.0 * bb / (ob * 1e-6) / bw;
+    let own_total = of + ob;
+    let case = format!("{label} {shape:?} {}", fuse_name(fuse));
+    let (pt, nc) = match &earlier {
+        Some(e) => (
+            format!(
+                "{:.0} / {:.0} ({:.2}x)",
+                e.pytorch.0,
+                e.pytorch.1,
+                (e.pytorch.0 + e.pytorch.1) / own_total
+            ),
+            format!("{:.0} / {:.0}", e.nnfuse_cudnn.0, e.nnfuse_cudnn.1),
+        ),
+        None => ("-".into(), "-".into()),
+    };
+    let line = format!(
+        "| {case} | {how} | {of:.1} / {ob:.1} | {cpath} {cf:.1} / {cb:.1} | {:.2}x | {pt} | {nc} | {floor_us:.1} | {:.0}% | {copy_pct_f:.0}% / {copy_pct_b:.0}% |",
+        (cf + cb) / own_total,
+        100.0 * floor_us / own_total
+    );
+    println!("{line}");
+    println!(
+        "{{\"bench\":\"batchnorm\",\"section\":\"own_training\",\"case\":\"{case}\",\"own\":\"{how}\",\"own_fwd_us\":{of:.2},\"own_bwd_us\":{ob:.2},\"cudnn_path\":\"{cpath}\",\"cudnn_fwd_us\":{cf:.2},\"cudnn_bwd_us\":{cb:.2},\"floor_us\":{floor_us:.2},\"own_copy_pct_fwd\":{copy_pct_f:.1},\"own_copy_pct_bwd\":{copy_pct_b:.1},\"pytorch_fwd_us\":{},\"pytorch_bwd_us\":{}}}",
+        earlier.as_ref().map_or("null".into(), |e| e.pytorch.0.to_string()),
+        earlier.as_ref().map_or("null".into(), |e| e.pytorch.1.to_string()),
+    );
+    summary.push(line);
+    Ok(())
+}
+
+const OWN_TRAIN_HEADER: &str = "| case | own variants (fwd/bwd) | own fwd / bwd µs | cuDNN path fwd / bwd µs | own speed-up vs cuDNN | PyTorch fwd / bwd µs (issue 9, measured earlier) and own speed-up | nnfuse on cuDNN fwd / bwd µs (issue 9) | floor fwd+bwd µs | own % of floor | own % of copy, its bytes (fwd / bwd) |\n|---|---|---|---|---|---|---|---|---|---|";
+
+/// Inference: the own one-pass kernel against cuDNN's ForwardInference plus the activation
+/// kernel, effective bandwidth on the bytes moved (x, the addend, y).
+#[allow(clippy::too_many_arguments)]
+fn bench_own_inference<T: Element>(
+    cudnn: &Context,
+    own: &Context,
+    shape: &[usize],
+    axis: usize,
+    fuse: Fuse,
+    label: &str,
+    earlier: Option<f64>,
+    bw: f64,
+    summary: &mut Vec<String>,
+) -> Result<()> {
+    let n: usize = shape.iter().product();
+    let es = std::mem::size_of::<T>();
+    let (mut bufs, p) = setup::<T>(cudnn, shape, axis)?;
+    let copies = bufs.len();
+    let add = fuse == Fuse::AddRelu;
+    let mut time = |ctx: &Context| -> Result<f64> {
+        let bn = BatchNorm::<T>::new(ctx, shape, axis, fuse)?;
+        let t = time_gpu(cudnn, opts(), |i| {
+            let b = &mut bufs[i % copies];
+            bn.forward_inference(InferenceArgs {
+                x: b.x.as_view(),
+                addend: add.then(|| b.z.as_view()),
+                gamma: p.g.as_view(),
+                beta: p.b.as_view(),
+                running_mean: p.rm.as_view(),
+                running_var: p.rv.as_view(),
+                y: b.y.as_view_mut(),
+                eps: 1e-5,
+            })
+        })?;
+        Ok(t.median_us())
+    };
+    let tc = time(cudnn)?;
+    let to = time(own)?;
+    let bytes = ((if add { 3 } else { 2 }) * n * es) as f64;
+    let tbs = bytes / (to * 1e-6) / 1e12;
+    let case = format!("{label} {shape:?} {}", fuse_name(fuse));
+    let line = format!(
+        "| {case} | {to:.1} | {tbs:.2} TB/s ({:.0}% of copy) | {tc:.1} | {:.2}x | {} | {:.1} |",
+        100.0 * tbs * 1e12 / bw,
+        tc / to,
+        earlier.map_or("-".into(), |e| format!("{e:.0} ({:.2}x)", e / to)),
+        bytes / bw * 1e6
+    );
+    println!("{line}");
+    println!(
+        "{{\"bench\":\"batchnorm\",\"section\":\"own_inference\",\"case\":\"{case}\",\"own_us\":{to:.2},\"own_tbs\":{tbs:.3},\"cudnn_us\":{tc:.2},\"floor_us\":{:.2},\"pytorch_us\":{}}}",
+        bytes / bw * 1e6,
+        earlier.map_or("null".into(), |e| e.to_string())
+    );
+    summary.push(line);
+    Ok(())
+}
+
+const OWN_INFER_HEADER: &str = "| case | own µs | own effective bandwidth | cuDNN + activation µs | own speed-up | PyTorch µs (issue 9, measured earlier) and own speed-up | floor µs |\n|---|---|---|---|---|---|---|";
+
+/// The own persistent variant against the own two-pass variant (both forced) and the cuDNN
+/// path, on tensors that fit on chip.
+#[allow(clippy::too_many_arguments)]
+fn bench_variants<T: Element>(
+    cudnn: &Context,
+    own: &Context,
+    shape: &[usize],
+    axis: usize,
+    fuse: Fuse,
+    label: &str,
+    bw: f64,
+    summary: &mut Vec<String>,
+) -> Result<()> {
+    let n: usize = shape.iter().product();
+    let es = std::mem::size_of::<T>();
+    let (mut bufs, mut p) = setup::<T>(cudnn, shape, axis)?;
+    let cbn = BatchNorm::<T>::new(cudnn, shape, axis, fuse)?;
+    let (cf, cb, cpath) = time_train(cudnn, &cbn, fuse, &mut bufs, &mut p)?;
+    let with = |v| BnOptions { own_variant: v };
+    let two =
+        BatchNorm::<T>::with_options(own, shape, axis, fuse, with(OwnVariantChoice::TwoPass))?;
+    let (tf, tb, thow) = time_train(cudnn, &two, fuse, &mut bufs, &mut p)?;
+    let per =
+        BatchNorm::<T>::with_options(own, shape, axis, fuse, with(OwnVariantChoice::Persistent))?;
+    let (pf, pb, phow) = time_train(cudnn, &per, fuse, &mut bufs, &mut p)?;
+    let (ff, fb) = floor_bytes(n, es, fuse);
+    let case = format!("{label} {shape:?} {}", fuse_name(fuse));
+    let line = format!(
+        "| {case} | {thow} {tf:.1} / {tb:.1} | {phow} {pf:.1} / {pb:.1} | {:.2}x / {:.2}x | {cpath} {cf:.1} / {cb:.1} | {:.1} / {:.1} |",
+        tf / pf,
+        tb / pb,
+        ff / bw * 1e6,
+        fb / bw * 1e6
+    );
+    println!("{line}");
+    println!(
+        "{{\"bench\":\"batchnorm\",\"section\":\"own_variants\",\"case\":\"{case}\",\"two_pass\":\"{thow}\",\"two_pass_fwd_us\":{tf:.2},\"two_pass_bwd_us\":{tb:.2},\"persistent\":\"{phow}\",\"persistent_fwd_us\":{pf:.2},\"persistent_bwd_us\":{pb:.2},\"cudnn_fwd_us\":{cf:.2},\"cudnn_bwd_us\":{cb:.2}}}"
+    );
+    summary.push(line);
+    Ok(())
+}
+
+const OWN_VARIANTS_HEADER: &str = "| case | own two-pass fwd / bwd µs | own persistent fwd / bwd µs | persistent speed-up fwd / bwd | cuDNN path fwd / bwd µs | floor fwd / bwd µs |\n|---|---|---|---|---|---|";
+
+fn own_sections(ctx: &Context, own: &Context, bw: f64) -> Result<()> {
+    let mut train = Vec::new();
+    println!(
+        "\n## nnfuse's own kernels: the issue-9 cases (training, fwd + bwd)\n\n{OWN_TRAIN_HEADER}"
+    );
+    let e = |pf, pb, nf, nb| {
+        Some(Earlier {
+            pytorch: (pf, pb),
+            nnfuse_cudnn: (nf, nb),
+        })
+    };
+    bench_own_training::<f16>(
+        ctx,
+        own,
+        &[64, 64, 112, 112],
+        1,
+        Fuse::Relu,
+        "f16 NCHW",
+        e(679.0, 1271.0, 685.0, 1244.0),
+        bw,
+        &mut train,
+    )?;
+    bench_own_training::<f16>(
+        ctx,
+        own,
+        &[64, 64, 112, 112],
+        1,
+        Fuse::AddRelu,
+        "f16 NCHW",
+        None,
+        bw,
+        &mut train,
+    )?;
+    bench_own_training::<f32>(
+        ctx,
+        own,
+        &[16, 32, 112, 112],
+        1,
+        Fuse::Relu,
+        "f32 NCHW",
+        e(133.0, 329.0, 134.0, 321.0),
+        bw,
+        &mut train,
+    )?;
+    bench_own_training::<f32>(
+        ctx,
+        own,
+        &[16, 32, 112, 112],
+        1,
+        Fuse::AddRelu,
+        "f32 NCHW",
+        None,
+        bw,
+        &mut train,
+    )?;
+    bench_own_training::<f16>(
+        ctx,
+        own,
+        &[64, 112, 112, 64],
+        3,
+        Fuse::Relu,
+        "f16 NHWC",
+        e(184.0, 282.0, 118.0, 180.0),
+        bw,
+        &mut train,
+    )?;
+    bench_own_training::<f16>(
+        ctx,
+        own,
+        &[64, 56, 56, 256],
+        3,
+        Fuse::AddRelu,
+        "f16 NHWC",
+        e(308.0, 280.0, 199.0, 225.0),
+        bw,
+        &mut train,
+    )?;
+    bench_own_training::<f32>(
+        ctx,
+        own,
+        &[65536, 256],
+        1,
+        Fuse::None,
+        "f32 2-D",
+        None,
+        bw,
+        &mut train,
+    )?;
+    bench_own_training::<f32>(
+        ctx,
+        own,
+        &[65536, 256],
+        1,
+        Fuse::Relu,
+        "f32 2-D",
+        None,
+        bw,
+        &mut train,
+    )?;
+    bench_own_training::<f16>(
+        ctx,
+        own,
+        &[64, 1024, 14, 14],
+        1,
+        Fuse::Relu,
+        "f16 NCHW",
+        None,
+        bw,
+        &mut train,
+    )?;
+
+    let mut infer = Vec::new();
+    println!("\n## nnfuse's own kernels: inference 64x256x56x56, every type and layout\n\n{OWN_INFER_HEADER}");
+    macro_rules! infer_all {
+        ($t:ty, $name:literal) => {
+            for fuse in [Fuse::Relu, Fuse::AddRelu] {
+                let nchw_e = if $name == "f32" && fuse == Fuse::Relu {
+                    Some(311.0)
+                } else {
+                    None
+                };
+                let nhwc_e = if $name == "f16" && fuse == Fuse::AddRelu {
+                    Some(335.0)
+                } else {
+                    None
+                };
+                bench_own_inference::<$t>(
+                    ctx,
+                    own,
+                    &[64, 256, 56, 56],
+                    1,
+                    fuse,
+                    concat!($name, " NCHW"),
+                    nchw_e,
+                    bw,
+                    &mut infer,
+                )?;
+                bench_own_inference::<$t>(
+                    ctx,
+                    own,
+                    &[64, 56, 56, 256],
+                    3,
+                    fuse,
+                    concat!($name, " NHWC"),
+                    nhwc_e,
+                    bw,
+                    &mut infer,
+                )?;
+            }
+        };
+    }
+    infer_all!(f32, "f32");
+    infer_all!(f16, "f16");
+    infer_all!(bf16, "bf16");
+
+    let mut vars = Vec::new();
+    println!("\n## nnfuse's own kernels: persistent against two-pass (tensors that fit on chip)\n\n{OWN_VARIANTS_HEADER}");
+    bench_variants::<f16>(
+        ctx,
+        own,
+        &[16, 32, 112, 112],
+        1,
+        Fuse::Relu,
+        "f16 NCHW",
+        bw,
+        &mut vars,
+    )?;
+    bench_variants::<f32>(
+        ctx,
+        own,
+        &[8, 32, 56, 56],
+        1,
+        Fuse::Relu,
+        "f32 NCHW",
+        bw,
+        &mut vars,
+    )?;
+    bench_variants::<f16>(
+        ctx,
+        own,
+        &[16, 112, 112, 32],
+        3,
+        Fuse::Relu,
+        "f16 NHWC",
+        bw,
+        &mut vars,
+    )?;
+    bench_variants::<f16>(
+        ctx,
+        own,
+        &[16, 56, 56, 64],
+        3,
+        Fuse::AddRelu,
+        "f16 NHWC",
+        bw,
+        &mut vars,
+    )?;
+    bench_variants::<f32>(
+        ctx,
+        own,
+        &[16384, 256],
+        1,
+        Fuse::Relu,
+        "f32 2-D",
+        bw,
+        &mut vars,
+    )?;
+
+    println!("\n## Summary: own kernels (issue 9)\n\n{OWN_TRAIN_HEADER}");
+    for l in &train {
+        println!("{l}");
+    }
+    println!("\n{OWN_INFER_HEADER}");
+    for l in &infer {
+        println!("{l}");
+    }
+    println!("\n{OWN_VARIANTS_HEADER}");
+    for l in &vars {
+        println!("{l}");
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
-    let ctx = Context::with_config(0, Config::default())?;
-    let fallback = ctx.with_config_override(Config::default().with_cudnn_fusion_disabled(true));
+    // The cuDNN paths are pinned (bn_impl = cudnn); `own` runs nnfuse's own kernels on the
+    // same stream.
+    let ctx = Context::with_config(0, Config::default().with_bn_impl(BnImpl::Cudnn))?;
+    let fallback = ctx.with_config_override(
+        Config::default()
+            .with_bn_impl(BnImpl::Cudnn)
+            .with_cudnn_fusion_disabled(true),
+    );
+    let own = ctx.with_config_override(Config::default().with_bn_impl(BnImpl::Own));
     println!("# nnfuse BatchNorm benchmark\n{}", ctx.info());
     println!(
         "cuDNN {}",
@@ -461,6 +1045,7 @@ fn main() -> Result<()> {
             bench_case::<f16>(
                 &ctx,
                 &fallback,
+                &own,
                 &[n, h, w, c],
                 3,
                 fuse,
@@ -471,6 +1056,7 @@ fn main() -> Result<()> {
             bench_case::<f32>(
                 &ctx,
                 &fallback,
+                &own,
                 &[n, c, h, w],
                 1,
                 fuse,
@@ -487,7 +1073,11 @@ fn main() -> Result<()> {
         BnModePolicy::Auto,
         BnModePolicy::Fast,
     ] {
-        let pctx = ctx.with_config_override(Config::default().with_bn_mode_policy(policy));
+        let pctx = ctx.with_config_override(
+            Config::default()
+                .with_bn_mode_policy(policy)
+                .with_bn_impl(BnImpl::Cudnn),
+        );
         let tag = format!("policy={}", policy.name());
         for (rows, cols) in [(65536, 256), (4096, 1024)] {
             bench_plain::<f32>(
@@ -520,6 +1110,8 @@ fn main() -> Result<()> {
             }
         }
     }
+
+    own_sections(&ctx, &own, bw)?;
 
     // Host-side dispatch cost of a repeated shape: the plan and descriptors come from the
     // Context's cache.

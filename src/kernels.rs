@@ -56,6 +56,23 @@ macro_rules! kernel_file {
             ),
         }
     };
+    // A file that shares a header with other files: prelude, header, file.
+    ($file:literal, $header:literal) => {
+        KernelFile {
+            name: $file,
+            source: concat!(
+                include_str!("../kernels/prelude.cuh"),
+                "\n#line 1 \"",
+                $header,
+                "\"\n",
+                include_str!(concat!("../kernels/", $header)),
+                "\n#line 1 \"",
+                $file,
+                "\"\n",
+                include_str!(concat!("../kernels/", $file))
+            ),
+        }
+    };
 }
 
 /// Elementwise helpers: fill (poisoning outputs in tests), scaled copy.
@@ -80,8 +97,14 @@ pub const WINOGRAD: KernelFile = kernel_file!("winograd.cu");
 /// Convolution: the Direct batched multiply of Winograd's transform positions.
 pub const WINOGRAD_GEMM: KernelFile = kernel_file!("winograd_gemm.cu");
 
-/// BatchNorm: nnfuse's own statistics, apply and backward kernels.
-pub const BATCHNORM: KernelFile = kernel_file!("batchnorm.cu");
+/// BatchNorm: nnfuse's own two-pass training kernels (statistics, apply, backward reduction and
+/// apply) and the one-pass inference kernel, after `kernels/batchnorm_common.cuh`.
+pub const BATCHNORM: KernelFile = kernel_file!("batchnorm.cu", "batchnorm_common.cuh");
+
+/// BatchNorm: nnfuse's own single-pass persistent (cooperative) training kernels, after
+/// `kernels/batchnorm_common.cuh`.
+pub const BATCHNORM_PERSISTENT: KernelFile =
+    kernel_file!("batchnorm_persistent.cu", "batchnorm_common.cuh");
 
 /// Convolution: the dispatcher's numerical check (candidate against reference, reference
 /// statistics, widening to f32).
@@ -98,6 +121,7 @@ pub const ALL: &[KernelFile] = &[
     WINOGRAD_GEMM,
     BATCHNORM,
     CONV_CHECK,
+    BATCHNORM_PERSISTENT,
 ];
 
 /// Architectures CI compiles every kernel for (A100, H100).

@@ -1,12 +1,15 @@
-//! The BatchNorm plan on the CPU: the whole grid of policies, shapes, fusions, phases, data
-//! types, NHWC flag, fusion switch and cuDNN versions, spot checks with literal expectations,
-//! and properties over random shapes and configurations.
+//! The BatchNorm plan on the CPU: the whole grid of policies, implementations (with and without
+//! cuDNN), shapes, fusions, phases, data types, NHWC flag, fusion switch and cuDNN versions, spot
+//! checks with literal expectations, and properties over random shapes and configurations.
 
 use nnfuse::batchnorm::{
-    fused_dtype_supported, oneflow_mode, plan, BnApi, BnMode, BnPath, BnPlan, Fuse, FusedRefusal,
-    Phase, PlanRequest, DEPARTS_FROM_ONEFLOW,
+    fused_dtype_supported, oneflow_mode, plan, AutoCase, BnApi, BnMode, BnPath, BnPlan, Fuse,
+    FusedRefusal, OwnVariant, OwnVariantChoice, Phase, PlanRequest, DEPARTS_FROM_ONEFLOW,
+    OWN_FOR_CHANNELS_FIRST, OWN_FOR_CHANNELS_LAST_FUSED, OWN_FOR_CHANNELS_LAST_ON_CHIP,
+    OWN_FOR_CHANNELS_LAST_PLAIN, OWN_FOR_CHANNELS_LAST_UNFUSED, OWN_FOR_INFERENCE, OWN_FOR_TWO_D,
+    OWN_PERSISTENT_MAX_BYTES, PREFER_PERSISTENT,
 };
-use nnfuse::{BnModePolicy, Config, DType, TensorFormat};
+use nnfuse::{BnImpl, BnModePolicy, Config, DType, TensorFormat};
 use proptest::prelude::*;
 
 use BnMode::*;
@@ -174,6 +177,20 @@ fn make(
     config: &Config,
     cudnn_version: usize,
 ) -> BnPlan {
+    make_with(shape, axis, dtype, fuse, phase, config, cudnn_version, true)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn make_with(
+    shape: &[usize],
+    axis: usize,
+    dtype: DType,
+    fuse: Fuse,
+    phase: Phase,
+    config: &Config,
+    cudnn_version: usize,
+    cudnn_available: bool,
+) -> BnPlan {
     plan(&PlanRequest {
         shape,
         axis,
@@ -182,8 +199,77 @@ fn make(
         phase,
         config,
         cudnn_version,
+        cudnn_available,
+        own_variant: OwnVariantChoice::Auto,
     })
     .unwrap_or_else(|e| panic!("plan({shape:?}, axis {axis}) failed: {e}"))
+}
+
+/// The persistent kernels' structural rule as docs/BATCHNORM.md states it: channels-first runs
+/// of a multiple of 32 elements; channels-last rows of a power-of-two number (up to 512) of
+/// 16-byte vectors.
+fn persistent_structure(l: &nnfuse::ChannelLayout, dtype: DType) -> bool {
+    match l.format {
+        Nchw => (l.h * l.w) % 32 == 0,
+        Nhwc => {
+            let per_vec = 16 / dtype.size() as i32;
+            l.c % per_vec == 0 && (l.c / per_vec).count_ones() == 1 && l.c / per_vec <= 512
+        }
+    }
+}
+
+/// Whether `tiles` copies of the tensor (1: x; 2: x and dy) fit the persistent budget.
+fn fits(l: &nnfuse::ChannelLayout, dtype: DType, tiles: u64) -> bool {
+    l.numel() as u64 * dtype.size() as u64 * tiles <= OWN_PERSISTENT_MAX_BYTES
+}
+
+/// The implementation as the brief states it: no cuDNN or `own` → own; `cudnn` → cuDNN; the
+/// oneflow policy → cuDNN; auto → the table's row.
+#[allow(clippy::too_many_arguments)]
+fn expected_own(
+    l: &nnfuse::ChannelLayout,
+    policy: BnModePolicy,
+    bn_impl: BnImpl,
+    available: bool,
+    fuse: Fuse,
+    phase: Phase,
+    dtype: DType,
+    refusals: &[FusedRefusal],
+) -> bool {
+    if !available {
+        return true;
+    }
+    match bn_impl {
+        BnImpl::Own => true,
+        BnImpl::Cudnn => false,
+        BnImpl::Auto if policy == BnModePolicy::OneFlow => false,
+        BnImpl::Auto => {
+            if phase == Phase::Inference {
+                OWN_FOR_INFERENCE
+            } else if l.format == Nchw {
+                OWN_FOR_CHANNELS_FIRST
+            } else if l.h * l.w == 1 {
+                OWN_FOR_TWO_D
+            } else if persistent_structure(l, dtype) && fits(l, dtype, 2) {
+                OWN_FOR_CHANNELS_LAST_ON_CHIP
+            } else if fuse == Fuse::None {
+                OWN_FOR_CHANNELS_LAST_PLAIN
+            } else if refusals.is_empty() {
+                OWN_FOR_CHANNELS_LAST_FUSED
+            } else {
+                OWN_FOR_CHANNELS_LAST_UNFUSED
+            }
+        }
+    }
+}
+
+/// The own variant of one training direction under the auto choice.
+fn expected_variant(l: &nnfuse::ChannelLayout, dtype: DType, tiles: u64) -> OwnVariant {
+    if PREFER_PERSISTENT && persistent_structure(l, dtype) && fits(l, dtype, tiles) {
+        OwnVariant::Persistent
+    } else {
+        OwnVariant::TwoPass
+    }
 }
 
 /// The mode as the brief states it, case by case (not the implementation's code path).
@@ -208,10 +294,20 @@ fn expected_mode(
     }
 }
 
+/// (implementation setting, cuDNN loadable) pairs of the grid.
+const IMPLS: [(BnImpl, bool); 4] = [
+    (BnImpl::Auto, true),
+    (BnImpl::Cudnn, true),
+    (BnImpl::Own, true),
+    (BnImpl::Auto, false),
+];
+
 #[test]
 fn the_whole_grid() {
     let mut plans = 0usize;
     let mut fused = 0usize;
+    let mut own = 0usize;
+    let mut persistent = 0usize;
     for case in CASES {
         for policy in POLICIES {
             for nhwc in [false, true] {
@@ -220,21 +316,30 @@ fn the_whole_grid() {
                         for phase in Phase::ALL {
                             for dtype in DType::ALL {
                                 for version in VERSIONS {
-                                    let cfg = config(policy, nhwc, disabled);
-                                    let p = make(
-                                        case.shape, case.axis, dtype, fuse, phase, &cfg, version,
-                                    );
-                                    let ctx = format!(
-                                        "{} {:?} axis {}: {policy} nhwc={nhwc} disabled={disabled} \
-                                         {fuse} {phase} {dtype} cuDNN {version}\n{p}",
-                                        case.what, case.shape, case.axis
-                                    );
-                                    check_one(
-                                        case, policy, nhwc, disabled, fuse, phase, dtype, version,
-                                        &p, &ctx,
-                                    );
-                                    plans += 1;
-                                    fused += (p.path == BnPath::CudnnFused) as usize;
+                                    for (bn_impl, available) in IMPLS {
+                                        let cfg =
+                                            config(policy, nhwc, disabled).with_bn_impl(bn_impl);
+                                        let p = make_with(
+                                            case.shape, case.axis, dtype, fuse, phase, &cfg,
+                                            version, available,
+                                        );
+                                        let ctx = format!(
+                                            "{} {:?} axis {}: {policy} nhwc={nhwc} \
+                                             disabled={disabled} {fuse} {phase} {dtype} cuDNN \
+                                             {version} impl={bn_impl} cudnn={available}\n{p}",
+                                            case.what, case.shape, case.axis
+                                        );
+                                        check_one(
+                                            case, policy, nhwc, disabled, fuse, phase, dtype,
+                                            version, bn_impl, available, &p, &ctx,
+                                        );
+                                        plans += 1;
+                                        fused += (p.path == BnPath::CudnnFused) as usize;
+                                        own += (p.path == BnPath::Own) as usize;
+                                        persistent += (p.own_forward
+                                            == Some(OwnVariant::Persistent))
+                                            as usize;
+                                    }
                                 }
                             }
                         }
@@ -243,8 +348,12 @@ fn the_whole_grid() {
             }
         }
     }
-    assert_eq!(plans, CASES.len() * 3 * 2 * 2 * 3 * 2 * 3 * 3);
+    assert_eq!(plans, CASES.len() * 3 * 2 * 2 * 3 * 2 * 3 * 3 * IMPLS.len());
     assert!(fused > 0, "the grid must reach the fused path");
+    assert!(
+        own > 0 && persistent > 0,
+        "the grid must reach the own paths"
+    );
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -257,6 +366,8 @@ fn check_one(
     phase: Phase,
     dtype: DType,
     version: usize,
+    bn_impl: BnImpl,
+    available: bool,
     p: &BnPlan,
     ctx: &str,
 ) {
@@ -290,26 +401,59 @@ fn check_one(
         if fuse == Fuse::AddRelu && c % 4 != 0 {
             refusals.push(FusedRefusal::ChannelsNotMultipleOf4(c));
         }
-        if version < 7401 {
+        if !available {
+            refusals.push(FusedRefusal::CudnnMissing);
+        } else if version < 7401 {
             refusals.push(FusedRefusal::CudnnTooOld(version));
         }
     }
     assert_eq!(p.refusals, refusals, "refusals: {ctx}");
 
-    // Path.
-    let path = match (fuse, refusals.is_empty()) {
-        (Fuse::None, _) => BnPath::Plain,
-        (_, true) => BnPath::CudnnFused,
-        (_, false) => BnPath::Fallback,
+    // Implementation and path.
+    let own = expected_own(l, policy, bn_impl, available, fuse, phase, dtype, &refusals);
+    let path = match (own, fuse, refusals.is_empty()) {
+        (true, _, _) => BnPath::Own,
+        (false, Fuse::None, _) => BnPath::Plain,
+        (false, _, true) => BnPath::CudnnFused,
+        (false, _, false) => BnPath::Fallback,
     };
     assert_eq!(p.path, path, "path: {ctx}");
+    assert_eq!(
+        (p.bn_impl, p.cudnn_available),
+        (bn_impl, available),
+        "{ctx}"
+    );
+    if !own {
+        assert!(available, "{ctx}");
+        assert!(
+            !(policy == BnModePolicy::OneFlow && bn_impl == BnImpl::Auto) || path != BnPath::Own,
+            "{ctx}"
+        );
+    }
+
+    // Own variants: inference one elementwise pass; training persistent when the structure
+    // allows it and x (forward) / x and dy (backward) fit the budget.
+    let (fwd, bwd) = match (own, phase) {
+        (false, _) => (None, None),
+        (true, Phase::Inference) => (Some(OwnVariant::Elementwise), None),
+        (true, Phase::Training) => (
+            Some(expected_variant(l, dtype, 1)),
+            Some(expected_variant(l, dtype, 2)),
+        ),
+    };
+    assert_eq!(
+        (p.own_forward, p.own_backward),
+        (fwd, bwd),
+        "own variants: {ctx}"
+    );
 
     // API: Ex exactly for persistent training on a cuDNN that has it.
-    let api = if phase == Phase::Training && mode == SpatialPersistent && version >= 7401 {
-        BnApi::Ex
-    } else {
-        BnApi::Legacy
-    };
+    let api =
+        if available && phase == Phase::Training && mode == SpatialPersistent && version >= 7401 {
+            BnApi::Ex
+        } else {
+            BnApi::Legacy
+        };
     assert_eq!(p.api, api, "api: {ctx}");
     if p.path == BnPath::CudnnFused {
         assert_eq!(p.api, BnApi::Ex, "{ctx}");
@@ -371,15 +515,46 @@ fn check_one(
         1,
         "{ctx}"
     );
-    for r in &p.refusals {
-        let line = format!("not fused: {r}");
-        assert_eq!(
-            p.reasons.iter().filter(|x| **x == line).count(),
-            1,
-            "refusal line {r:?}: {ctx}"
+    let impl_lines: Vec<&String> = p
+        .reasons
+        .iter()
+        .filter(|r| r.starts_with("impl: "))
+        .collect();
+    assert_eq!(impl_lines.len(), 1, "{ctx}");
+    assert!(
+        impl_lines[0].starts_with(if own { "impl: own" } else { "impl: cuDNN" }),
+        "{ctx}"
+    );
+    if bn_impl == BnImpl::Auto && available && policy != BnModePolicy::OneFlow {
+        // auto's reason names its row and cites the measurements.
+        assert!(
+            impl_lines[0].contains("auto, case ") && impl_lines[0].contains("docs/PERFORMANCE.md"),
+            "{ctx}"
         );
     }
-    let expected_len = 4 + departures + p.refusals.len();
+    let own_lines = p.reasons.iter().filter(|r| r.starts_with("own ")).count();
+    if own {
+        assert_eq!(
+            own_lines,
+            if phase == Phase::Training { 2 } else { 1 },
+            "{ctx}"
+        );
+        assert!(
+            !p.reasons.iter().any(|r| r.starts_with("not fused: ")),
+            "{ctx}"
+        );
+    } else {
+        assert_eq!(own_lines, 0, "{ctx}");
+        for r in &p.refusals {
+            let line = format!("not fused: {r}");
+            assert_eq!(
+                p.reasons.iter().filter(|x| **x == line).count(),
+                1,
+                "refusal line {r:?}: {ctx}"
+            );
+        }
+    }
+    let expected_len = 5 + departures + if own { own_lines } else { p.refusals.len() };
     assert_eq!(p.reasons.len(), expected_len, "{ctx}");
 
     // JSON says the same.
@@ -412,12 +587,31 @@ fn check_one(
     let codes: Vec<&str> = refusals.iter().map(FusedRefusal::code).collect();
     assert_eq!(j["refusals"], serde_json::json!(codes), "{ctx}");
     assert_eq!(j["reasons"], serde_json::json!(p.reasons), "{ctx}");
+    assert_eq!(j["impl"], if own { "own" } else { "cudnn" }, "{ctx}");
+    assert_eq!(j["bn_impl"], bn_impl.name(), "{ctx}");
+    assert_eq!(j["cudnn_available"], available, "{ctx}");
+    assert_eq!(
+        j["own_forward"],
+        serde_json::json!(fwd.map(|v| v.name())),
+        "{ctx}"
+    );
+    assert_eq!(
+        j["own_backward"],
+        serde_json::json!(bwd.map(|v| v.name())),
+        "{ctx}"
+    );
 }
 
 // ---- spot checks with literal expectations ----
 
 fn spot(shape: &[usize], axis: usize, fuse: Fuse, phase: Phase, cfg: &Config) -> BnPlan {
     make(shape, axis, DType::F16, fuse, phase, cfg, 91900)
+}
+
+/// The default configuration with the cuDNN implementation forced (the spot checks of cuDNN's
+/// rules).
+fn cudnn() -> Config {
+    Config::default().with_bn_impl(BnImpl::Cudnn)
 }
 
 #[test]
@@ -445,13 +639,13 @@ fn channels_last_add_relu_is_fused() {
 }
 
 #[test]
-fn channels_first_default_falls_back_with_two_refusals() {
+fn channels_first_cudnn_falls_back_with_two_refusals() {
     let p = spot(
         &[16, 32, 112, 112],
         1,
         Fuse::AddRelu,
         Phase::Training,
-        &Config::default(),
+        &cudnn(),
     );
     assert_eq!(
         (p.mode, p.api, p.path),
@@ -471,7 +665,7 @@ fn channels_first_default_falls_back_with_two_refusals() {
 
 #[test]
 fn every_refusal_at_once_in_order() {
-    let cfg = Config::default().with_cudnn_fusion_disabled(true);
+    let cfg = cudnn().with_cudnn_fusion_disabled(true);
     let p = make(
         &[16, 30, 56, 56],
         1,
@@ -509,11 +703,23 @@ fn every_refusal_at_once_in_order() {
 
 #[test]
 fn relu_is_fused_at_c_30_add_relu_is_not() {
-    let cfg = Config::default();
+    let cfg = cudnn();
     let relu = spot(&[16, 56, 56, 30], 3, Fuse::Relu, Phase::Training, &cfg);
     assert_eq!(relu.path, BnPath::CudnnFused);
     let add = spot(&[16, 56, 56, 30], 3, Fuse::AddRelu, Phase::Training, &cfg);
     assert_eq!(add.path, BnPath::Fallback);
+    // Under auto, the same unfusable request takes the own kernels; the fusable one cuDNN.
+    let auto = Config::default();
+    let add_auto = spot(&[16, 56, 56, 30], 3, Fuse::AddRelu, Phase::Training, &auto);
+    assert_eq!(add_auto.path, BnPath::Own);
+    assert!(add_auto
+        .reasons
+        .iter()
+        .any(|r| r.contains("channels_last_unfused")));
+    assert_eq!(
+        spot(&[16, 56, 56, 30], 3, Fuse::Relu, Phase::Training, &auto).path,
+        BnPath::CudnnFused
+    );
     assert_eq!(add.refusals, vec![FusedRefusal::ChannelsNotMultipleOf4(30)]);
     assert!(add
         .reasons
@@ -556,6 +762,15 @@ fn two_d_under_each_policy() {
             assert!(dep.contains("7.0 ms") && dep.contains("95 µs"), "{dep}");
         }
         let p = spot(&[65536, 256], 1, Fuse::Relu, Phase::Training, &cfg);
+        assert_eq!((p.api, p.path), (BnApi::Ex, BnPath::Own));
+        assert!(p.reasons.iter().any(|r| r.contains("case two_d")), "{p}");
+        let p = spot(
+            &[65536, 256],
+            1,
+            Fuse::Relu,
+            Phase::Training,
+            &cfg.clone().with_bn_impl(BnImpl::Cudnn),
+        );
         assert_eq!((p.api, p.path), (BnApi::Ex, BnPath::CudnnFused));
     }
 }
@@ -586,6 +801,13 @@ fn rank_2_with_channel_on_axis_0_never_takes_per_activation() {
 
 #[test]
 fn unit_spatial_dims_infer_nhwc_and_auto_trains_persistent() {
+    let p = spot(&[64, 32, 1, 1], 1, Fuse::AddRelu, Phase::Training, &cudnn());
+    assert_eq!(p.layout.format, Nhwc);
+    assert_eq!(
+        (p.mode, p.api, p.path),
+        (SpatialPersistent, BnApi::Ex, BnPath::CudnnFused)
+    );
+    // Under auto, (N, C, 1, 1) is the 2-D row of the table.
     let p = spot(
         &[64, 32, 1, 1],
         1,
@@ -593,11 +815,8 @@ fn unit_spatial_dims_infer_nhwc_and_auto_trains_persistent() {
         Phase::Training,
         &Config::default(),
     );
-    assert_eq!(p.layout.format, Nhwc);
-    assert_eq!(
-        (p.mode, p.api, p.path),
-        (SpatialPersistent, BnApi::Ex, BnPath::CudnnFused)
-    );
+    assert_eq!(p.path, BnPath::Own);
+    assert!(p.reasons.iter().any(|r| r.contains("case two_d")), "{p}");
 }
 
 #[test]
@@ -607,7 +826,7 @@ fn channels_last_inference_follows_the_flag_under_auto() {
         3,
         Fuse::Relu,
         Phase::Inference,
-        &Config::default(),
+        &cudnn(),
     );
     assert_eq!(
         (off.mode, off.api, off.path),
@@ -619,10 +838,23 @@ fn channels_last_inference_follows_the_flag_under_auto() {
         3,
         Fuse::Relu,
         Phase::Inference,
-        &Config::default().with_nhwc(true),
+        &cudnn().with_nhwc(true),
     );
     assert_eq!((on.mode, on.api), (SpatialPersistent, BnApi::Legacy));
     assert_eq!(on.refusals, vec![FusedRefusal::Inference]);
+    // Under auto, inference is one pass of the own kernels (the mode is what cuDNN would use).
+    let own = spot(
+        &[64, 56, 56, 256],
+        3,
+        Fuse::Relu,
+        Phase::Inference,
+        &Config::default(),
+    );
+    assert_eq!((own.mode, own.path), (Spatial, BnPath::Own));
+    assert_eq!(
+        (own.own_forward, own.own_backward),
+        (Some(OwnVariant::Elementwise), None)
+    );
 }
 
 #[test]
@@ -632,7 +864,7 @@ fn nhwc_flag_and_fast_policy_on_channels_first() {
         1,
         Fuse::None,
         Phase::Training,
-        &Config::default().with_nhwc(true),
+        &cudnn().with_nhwc(true),
     );
     assert_eq!(
         (flag.mode, flag.api, flag.path),
@@ -657,7 +889,7 @@ fn nhwc_flag_and_fast_policy_on_channels_first() {
 
 #[test]
 fn cudnn_version_boundary() {
-    let cfg = Config::default();
+    let cfg = cudnn();
     let new = make(
         &[64, 56, 56, 256],
         3,
@@ -690,7 +922,7 @@ fn cudnn_version_boundary() {
 
 #[test]
 fn fusion_switch_refuses_alone() {
-    let cfg = Config::default().with_cudnn_fusion_disabled(true);
+    let cfg = cudnn().with_cudnn_fusion_disabled(true);
     let p = spot(&[64, 56, 56, 256], 3, Fuse::AddRelu, Phase::Training, &cfg);
     assert_eq!(p.refusals, vec![FusedRefusal::DisabledByConfig]);
     assert_eq!(
@@ -726,7 +958,7 @@ fn every_dtype_is_fused_today() {
             d,
             Fuse::AddRelu,
             Phase::Training,
-            &Config::default(),
+            &cudnn(),
             91900,
         );
         assert_eq!(p.path, BnPath::CudnnFused, "{d}");
@@ -761,6 +993,8 @@ fn invalid_shapes_name_the_argument() {
             phase: Phase::Training,
             config: &cfg,
             cudnn_version: 91900,
+            cudnn_available: true,
+            own_variant: OwnVariantChoice::Auto,
         })
         .unwrap_err()
     };
@@ -768,6 +1002,269 @@ fn invalid_shapes_name_the_argument() {
     assert_eq!(try_plan(&[2, 3], 2).argument(), Some("axis"));
     assert_eq!(try_plan(&[2, 0, 3], 1).argument(), Some("shape[1]"));
     assert_eq!(try_plan(&[1 << 16, 1 << 16], 1).argument(), Some("shape"));
+}
+
+// ---- nnfuse's own kernels ----
+
+#[test]
+fn channels_first_default_is_own() {
+    // f16 32x32x112x112: x is 25.7 MB (persistent forward), x and dy 51 MB (two-pass backward).
+    let p = spot(
+        &[32, 32, 112, 112],
+        1,
+        Fuse::AddRelu,
+        Phase::Training,
+        &Config::default(),
+    );
+    assert_eq!(p.path, BnPath::Own, "{p}");
+    assert_eq!(
+        (p.own_forward, p.own_backward),
+        (Some(OwnVariant::Persistent), Some(OwnVariant::TwoPass))
+    );
+    assert!(p.reasons.iter().any(|r| r.contains("case channels_first")
+        && r.contains("9–17%")
+        && r.contains("docs/PERFORMANCE.md")));
+    assert!(p.reasons.iter().any(
+        |r| r.starts_with("own backward: two-pass") && r.contains("exceed the on-chip budget")
+    ));
+    let j = p.to_json();
+    assert_eq!(
+        (&j["impl"], &j["own_forward"], &j["own_backward"]),
+        (
+            &serde_json::json!("own"),
+            &serde_json::json!("persistent"),
+            &serde_json::json!("two_pass")
+        )
+    );
+    // The issue's f16 64x64x112x112 (103 MB): two-pass both ways.
+    let big = spot(
+        &[64, 64, 112, 112],
+        1,
+        Fuse::Relu,
+        Phase::Training,
+        &Config::default(),
+    );
+    assert_eq!(
+        (big.path, big.own_forward, big.own_backward),
+        (
+            BnPath::Own,
+            Some(OwnVariant::TwoPass),
+            Some(OwnVariant::TwoPass)
+        )
+    );
+    // Runs of 196 elements are not whole mask words: never persistent.
+    let odd = spot(
+        &[2, 8, 14, 14],
+        1,
+        Fuse::Relu,
+        Phase::Training,
+        &Config::default(),
+    );
+    assert_eq!(odd.own_forward, Some(OwnVariant::TwoPass));
+    assert!(odd
+        .reasons
+        .iter()
+        .any(|r| r.contains("not a multiple of 32")));
+}
+
+#[test]
+fn without_cudnn_every_plan_is_own() {
+    let cfg = Config::default().with_bn_impl(BnImpl::Cudnn); // even when cuDNN is asked for
+    for (shape, axis) in [
+        (&[64usize, 56, 56, 256][..], 3usize),
+        (&[16, 32, 112, 112], 1),
+        (&[65536, 256], 1),
+        (&[6, 20], 0),
+    ] {
+        for fuse in Fuse::ALL {
+            for phase in Phase::ALL {
+                let p = make_with(shape, axis, DType::BF16, fuse, phase, &cfg, 91900, false);
+                assert_eq!(p.path, BnPath::Own, "{p}");
+                assert!(!p.cudnn_available);
+                assert!(p
+                    .reasons
+                    .iter()
+                    .any(|r| r.starts_with("impl: own — cuDNN cannot")));
+                assert!(p.reasons.iter().any(|r| r.starts_with("api: none")));
+                assert!(p.to_string().contains("cuDNN missing"), "{p}");
+                if fuse != Fuse::None {
+                    assert_eq!(p.refusals.last(), Some(&FusedRefusal::CudnnMissing));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn oneflow_policy_keeps_cudnn_unless_own_is_forced() {
+    let of = Config::default().with_bn_mode_policy(BnModePolicy::OneFlow);
+    for phase in Phase::ALL {
+        let p = spot(&[16, 32, 112, 112], 1, Fuse::Relu, phase, &of);
+        assert_eq!(p.path, BnPath::Fallback, "{p}");
+        assert!(p
+            .reasons
+            .iter()
+            .any(|r| r.contains("oneflow policy keeps OneFlow's choice")));
+        let p = spot(
+            &[16, 32, 112, 112],
+            1,
+            Fuse::Relu,
+            phase,
+            &of.clone().with_bn_impl(BnImpl::Own),
+        );
+        assert_eq!(p.path, BnPath::Own, "{p}");
+        // The mode is still OneFlow's (what cuDNN would run): no departure.
+        assert!(!p.departs_from_oneflow());
+    }
+}
+
+#[test]
+fn auto_table_reaches_every_row() {
+    let cfg = Config::default();
+    let case_of = |shape: &[usize], axis, fuse, phase, dtype, cfg: &Config| {
+        let p = make(shape, axis, dtype, fuse, phase, cfg, 91900);
+        let line = p
+            .reasons
+            .iter()
+            .find(|r| r.starts_with("impl: "))
+            .unwrap()
+            .clone();
+        (p.path, line)
+    };
+    type Row<'a> = (&'a [usize], usize, Fuse, Phase, DType, &'a Config, AutoCase);
+    let rows: [Row; 7] = [
+        (
+            &[64, 56, 56, 256],
+            3,
+            Fuse::Relu,
+            Phase::Inference,
+            DType::F16,
+            &cfg,
+            AutoCase::Inference,
+        ),
+        (
+            &[65536, 256],
+            1,
+            Fuse::Relu,
+            Phase::Training,
+            DType::F32,
+            &cfg,
+            AutoCase::TwoD,
+        ),
+        (
+            &[16, 32, 112, 112],
+            1,
+            Fuse::Relu,
+            Phase::Training,
+            DType::F32,
+            &cfg,
+            AutoCase::ChannelsFirst,
+        ),
+        (
+            &[8, 56, 56, 64],
+            3,
+            Fuse::Relu,
+            Phase::Training,
+            DType::F16,
+            &cfg,
+            AutoCase::ChannelsLastOnChip,
+        ),
+        (
+            &[64, 112, 112, 64],
+            3,
+            Fuse::Relu,
+            Phase::Training,
+            DType::F16,
+            &cfg,
+            AutoCase::ChannelsLastFused,
+        ),
+        (
+            &[64, 56, 56, 30],
+            3,
+            Fuse::AddRelu,
+            Phase::Training,
+            DType::F16,
+            &cfg,
+            AutoCase::ChannelsLastUnfused,
+        ),
+        (
+            &[64, 112, 112, 64],
+            3,
+            Fuse::None,
+            Phase::Training,
+            DType::F16,
+            &cfg,
+            AutoCase::ChannelsLastPlain,
+        ),
+    ];
+    for (shape, axis, fuse, phase, dtype, cfg, case) in rows {
+        let (path, line) = case_of(shape, axis, fuse, phase, dtype, cfg);
+        assert!(
+            line.contains(&format!("case {}:", case.name())),
+            "{shape:?}: {line}"
+        );
+        assert_eq!(path == BnPath::Own, case.prefers_own(), "{shape:?}: {line}");
+        assert!(line.contains("docs/PERFORMANCE.md"), "{line}");
+    }
+    // Every row's reason cites the measurements.
+    for case in AutoCase::ALL {
+        assert!(case.evidence().contains("docs/PERFORMANCE.md"), "{case:?}");
+    }
+}
+
+#[test]
+fn forced_variants() {
+    let cfg = Config::default().with_bn_impl(BnImpl::Own);
+    let with = |shape: &[usize], axis, choice| {
+        plan(&PlanRequest {
+            shape,
+            axis,
+            dtype: DType::F32,
+            fuse: Fuse::Relu,
+            phase: Phase::Training,
+            config: &cfg,
+            cudnn_version: 91900,
+            cudnn_available: true,
+            own_variant: choice,
+        })
+        .unwrap()
+    };
+    // 64x64x112x112 f32 is far over the budget: auto is two-pass; forced persistent is planned
+    // (the device decides at run time), forced two-pass is two-pass.
+    let big: &[usize] = &[64, 64, 112, 112];
+    let p = with(big, 1, OwnVariantChoice::Auto);
+    assert_eq!(p.own_forward, Some(OwnVariant::TwoPass));
+    let p = with(big, 1, OwnVariantChoice::Persistent);
+    assert_eq!(
+        (p.own_forward, p.own_backward),
+        (Some(OwnVariant::Persistent), Some(OwnVariant::Persistent))
+    );
+    assert!(p.reasons.iter().any(|r| r.contains("as asked")));
+    let small: &[usize] = &[2, 8, 32, 32];
+    let p = with(small, 1, OwnVariantChoice::TwoPass);
+    assert_eq!(
+        (p.own_forward, p.own_backward),
+        (Some(OwnVariant::TwoPass), Some(OwnVariant::TwoPass))
+    );
+    // Persistent asked for a shape whose structure refuses it: two-pass, with the reason.
+    let p = with(&[2, 8, 7, 7], 1, OwnVariantChoice::Persistent);
+    assert_eq!(p.own_forward, Some(OwnVariant::TwoPass));
+    assert!(p
+        .reasons
+        .iter()
+        .any(|r| r.contains("although persistent was asked for")));
+    assert_eq!(
+        "two-pass".parse::<OwnVariantChoice>().unwrap(),
+        OwnVariantChoice::TwoPass
+    );
+    assert_eq!(
+        "Persistent".parse::<OwnVariantChoice>().unwrap(),
+        OwnVariantChoice::Persistent
+    );
+    assert_eq!(
+        "fast".parse::<OwnVariantChoice>().unwrap_err().argument(),
+        Some("own_variant")
+    );
 }
 
 // ---- properties ----
@@ -801,14 +1298,20 @@ proptest! {
         let persistent = p.mode == SpatialPersistent;
         let training = p.phase == Phase::Training;
 
-        prop_assert_eq!(p.path == BnPath::CudnnFused, p.refusals.is_empty());
+        if p.path != BnPath::Own {
+            prop_assert_eq!(p.path == BnPath::CudnnFused, p.refusals.is_empty());
+        }
+        if policy == BnModePolicy::OneFlow {
+            prop_assert!(p.path != BnPath::Own, "oneflow keeps cuDNN");
+        }
+        prop_assert_eq!(p.own_forward.is_some(), p.path == BnPath::Own);
         if p.path == BnPath::CudnnFused {
             prop_assert!(p.layout.format == Nhwc && persistent && training && fuse != Fuse::None);
             prop_assert!(version >= 7401);
             prop_assert!(fuse != Fuse::AddRelu || p.layout.c % 4 == 0);
             prop_assert!(!disabled);
         }
-        prop_assert_eq!(p.path == BnPath::Plain, fuse == Fuse::None);
+        prop_assert_eq!(p.path == BnPath::Plain, fuse == Fuse::None && p.path != BnPath::Own);
         if policy == BnModePolicy::OneFlow {
             // OneFlow's rule, except where PER_ACTIVATION would not be BatchNorm (h > 1).
             let rule = oneflow_mode(shape.len(), nhwc);
@@ -833,7 +1336,8 @@ proptest! {
         prop_assert_eq!(departures, (p.mode != oneflow_mode(shape.len(), nhwc)) as usize);
         // Refusal codes are unique and in the documented order.
         let order = ["no_activation", "inference", "disabled_by_config", "not_nhwc", "not_persistent",
-                     "channels_not_multiple_of_4", "dtype_unsupported", "cudnn_too_old"];
+                     "channels_not_multiple_of_4", "dtype_unsupported", "cudnn_too_old",
+                     "cudnn_missing"];
         let idx: Vec<usize> = p.refusals.iter()
             .map(|r| order.iter().position(|c| *c == r.code()).unwrap_or(usize::MAX)).collect();
         prop_assert!(idx.windows(2).all(|w| w[0] < w[1]), "{:?}", p.refusals);

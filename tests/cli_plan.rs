@@ -122,6 +122,8 @@ fn channels_first_default_policy_falls_back() {
             "f16",
             "--fuse",
             "add-relu",
+            "--impl",
+            "cudnn",
         ],
         &[],
     );
@@ -193,7 +195,13 @@ fn environment_sets_policy_and_nhwc_flags_override() {
     // The fusion switch, from the variable and from the flag.
     let cl = ["--shape", "64,56,56,256", "--axis", "3", "--fuse", "relu"];
     assert_eq!(json(&cl, &[])["path"], "cudnn_fused");
-    let v = json(&cl, &[("NNFUSE_DISABLE_CUDNN_FUSION", "1")]);
+    let v = json(
+        &cl,
+        &[
+            ("NNFUSE_DISABLE_CUDNN_FUSION", "1"),
+            ("NNFUSE_BN_IMPL", "cudnn"),
+        ],
+    );
     assert_eq!(v["path"], "fallback");
     assert_eq!(codes(&v), ["disabled_by_config"]);
     let mut flagged = cl.to_vec();
@@ -253,6 +261,8 @@ fn text_output_says_what_was_assumed() {
             "add-relu",
             "--cudnn-version",
             "91900",
+            "--impl",
+            "cudnn",
         ],
         &[],
     );
@@ -272,6 +282,65 @@ fn text_output_says_what_was_assumed() {
     assert!(
         text.contains("assumed: no cuDNN found here") || text.contains("the installed cuDNN"),
         "{text}"
+    );
+}
+
+#[test]
+fn own_kernels_impl_variant_and_no_cudnn() {
+    // Default (auto): channels-first training takes nnfuse's own kernels.
+    let cf = [
+        "--shape",
+        "32,32,112,112",
+        "--dtype",
+        "f16",
+        "--fuse",
+        "relu",
+    ];
+    let v = json(&cf, &[]);
+    assert_eq!((&v["path"], &v["impl"]), (&"own".into(), &"own".into()));
+    assert_eq!(v["own_forward"], "persistent");
+    assert_eq!(v["own_backward"], "two_pass");
+    assert_eq!(v["sources"]["bn_impl"], "default");
+    // The variable and the flag (the flag wins).
+    let v = json(&cf, &[("NNFUSE_BN_IMPL", "cudnn")]);
+    assert_eq!(
+        (&v["path"], &v["impl"]),
+        (&"fallback".into(), &"cudnn".into())
+    );
+    assert_eq!(v["sources"]["bn_impl"], "NNFUSE_BN_IMPL");
+    let mut own = cf.to_vec();
+    own.extend(["--impl", "own", "--own-variant", "two-pass"]);
+    let v = json(&own, &[("NNFUSE_BN_IMPL", "cudnn")]);
+    assert_eq!(v["path"], "own");
+    assert_eq!(v["own_forward"], "two_pass");
+    assert_eq!(v["sources"]["bn_impl"], "--impl");
+    // Without cuDNN every plan is own, even channels-last training that cuDNN would fuse.
+    let out = nnfuse_plan(
+        &[
+            "--shape",
+            "64,56,56,256",
+            "--axis",
+            "3",
+            "--fuse",
+            "relu",
+            "--no-cudnn",
+            "--json",
+        ],
+        &[],
+    );
+    assert!(out.status.success());
+    let v: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(v["path"], "own");
+    assert_eq!(v["cudnn_available"], false);
+    assert_eq!(v["sources"]["cudnn_version"], "none (--no-cudnn)");
+    assert_eq!(codes(&v).last(), Some(&"cudnn_missing"));
+    fails_naming(
+        &nnfuse_plan(&["--shape", "2,3", "--impl", "vendor"], &[]),
+        "--impl",
+    );
+    fails_naming(
+        &nnfuse_plan(&["--shape", "2,3", "--own-variant", "fast"], &[]),
+        "--own-variant",
     );
 }
 

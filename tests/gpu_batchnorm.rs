@@ -1,5 +1,8 @@
 //! BatchNorm on the GPU against the f64 reference, path against path, policy against policy,
-//! and bad input. Ignored without a GPU; `.gpu/run` runs them.
+//! and bad input. The cuDNN paths are pinned with `NNFUSE_BN_IMPL=cudnn` (`Config::bn_impl`);
+//! the `forced_own` grids run the same grid with `bn_impl = own`, as a machine without cuDNN
+//! does (tests/gpu_batchnorm_own.rs tests the own kernels in depth). Ignored without a GPU;
+//! `.gpu/run` runs them.
 
 mod common;
 
@@ -12,7 +15,7 @@ use nnfuse::batchnorm::{
 };
 use nnfuse::reference::activation::relu_mask_fwd;
 use nnfuse::reference::batchnorm::{self as rb, Activation, ActivationBackward, BnShape};
-use nnfuse::{util, Config, Context, Element, TensorFormat};
+use nnfuse::{util, BnImpl, Config, Context, Element, TensorFormat};
 
 /// Host copies of one case's inputs (already rounded to T, so the reference sees what the GPU
 /// sees).
@@ -270,9 +273,24 @@ const SHAPES: &[(&[usize], usize)] = &[
     (&[6, 20], 0),          // axis 0 of a 2-D tensor
 ];
 
-fn grid_for<T: Element>(tag: &str) {
-    let fused = gpu();
-    let fallback = gpu_with(Config::default().with_cudnn_fusion_disabled(true));
+/// A Context that runs BatchNorm on cuDNN (fused where cuDNN allows it).
+fn cudnn_ctx() -> Context {
+    gpu_with(Config::default().with_bn_impl(BnImpl::Cudnn))
+}
+
+/// The grid on cuDNN (fused and forced fallback, compared), or with `own` on nnfuse's own
+/// kernels (as without cuDNN), compared with cuDNN's fallback.
+fn grid_for<T: Element>(tag: &str, own: bool) {
+    let fused = if own {
+        gpu_with(Config::default().with_bn_impl(BnImpl::Own))
+    } else {
+        cudnn_ctx()
+    };
+    let fallback = gpu_with(
+        Config::default()
+            .with_bn_impl(BnImpl::Cudnn)
+            .with_cudnn_fusion_disabled(true),
+    );
     let mut rng = Rng::fresh(tag);
     for &(shape, axis) in SHAPES {
         let n: usize = shape.iter().product();
@@ -281,6 +299,9 @@ fn grid_for<T: Element>(tag: &str) {
             let inp = inputs::<T>(&mut rng, n, c);
             let what = format!("{:?} {shape:?} axis {axis} {fuse:?}", T::DTYPE);
             let a = run_gpu(&fused, shape, axis, fuse, &inp);
+            if own {
+                assert_eq!(a.path, BnPath::Own, "{what}: bn_impl = own");
+            }
             check_against_reference(
                 &format!("{what} [{:?}]", a.path),
                 shape,
@@ -289,13 +310,14 @@ fn grid_for<T: Element>(tag: &str) {
                 &inp,
                 &a,
             );
-            if fuse != Fuse::None {
+            if fuse != Fuse::None || own {
                 let b = run_gpu(&fallback, shape, axis, fuse, &inp);
-                assert_eq!(
-                    b.path,
-                    BnPath::Fallback,
-                    "{what}: fusion disabled by config"
-                );
+                let want = if fuse == Fuse::None {
+                    BnPath::Plain
+                } else {
+                    BnPath::Fallback
+                };
+                assert_eq!(b.path, want, "{what}: fusion disabled by config");
                 check_against_reference(
                     &format!("{what} [forced fallback]"),
                     shape,
@@ -315,25 +337,43 @@ fn grid_for<T: Element>(tag: &str) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn grid_f32() {
-    grid_for::<f32>("bn f32");
+    grid_for::<f32>("bn f32", false);
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn grid_f16() {
-    grid_for::<f16>("bn f16");
+    grid_for::<f16>("bn f16", false);
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn grid_bf16() {
-    grid_for::<bf16>("bn bf16");
+    grid_for::<bf16>("bn bf16", false);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn grid_forced_own_f32() {
+    grid_for::<f32>("bn own f32", true);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn grid_forced_own_f16() {
+    grid_for::<f16>("bn own f16", true);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn grid_forced_own_bf16() {
+    grid_for::<bf16>("bn own bf16", true);
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn channels_last_f16_takes_the_fused_path() {
-    let ctx = gpu();
+    let ctx = cudnn_ctx();
     let mut rng = Rng::fresh("fused");
     for fuse in [Fuse::Relu, Fuse::AddRelu] {
         let shape = [8, 28, 28, 64];
@@ -457,7 +497,12 @@ fn cudnn_fused_support_matrix_is_as_recorded() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn bad_input_is_an_error_naming_the_argument_and_launches_nothing() {
-    let ctx = gpu();
+    for bn_impl in [BnImpl::Cudnn, BnImpl::Own] {
+        bad_input_with(gpu_with(Config::default().with_bn_impl(bn_impl)));
+    }
+}
+
+fn bad_input_with(ctx: Context) {
     let s = ctx.stream();
     let shape = [4, 8, 8, 16];
     let n: usize = shape.iter().product();

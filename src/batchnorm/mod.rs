@@ -3,8 +3,9 @@
 //! - [`plan()`]: the pure decision (mode, layout, path, reasons), tested without a GPU;
 //! - `descriptor`: owned cuDNN descriptors (x/y, derived parameters, ReLU);
 //! - `cudnn_calls`: thin wrappers of cuDNN's BatchNorm entry points;
-//! - [`BatchNorm`]: the dispatcher that follows the plan — cuDNN's fused BN+ReLU /
-//!   BN+Add+ReLU where cuDNN allows it, otherwise cuDNN BN followed by nnfuse's bitmask kernels;
+//! - [`BatchNorm`]: the dispatcher that follows the plan — nnfuse's own kernels (the only path
+//!   without cuDNN; see `docs/BATCHNORM.md`), cuDNN's fused BN+ReLU / BN+Add+ReLU where cuDNN
+//!   allows it, otherwise cuDNN BN followed by nnfuse's bitmask kernels;
 //! - [`BnSaved`]: the state a forward hands to its backward;
 //! - [`probe`]: asks the installed cuDNN whether it runs a fused combination.
 
@@ -12,15 +13,21 @@ mod args;
 mod cudnn_calls;
 mod descriptor;
 mod ops;
+mod own;
+mod own_launch;
 pub mod plan;
 pub mod probe;
 mod state;
 
-pub use args::{BackwardArgs, InferenceArgs, TrainArgs};
+pub use args::{BackwardArgs, BnOptions, InferenceArgs, TrainArgs};
 pub use ops::BatchNorm;
 pub use plan::{
-    fused_dtype_supported, fused_refusals, infer_api, infer_mode, infer_path, oneflow_mode, plan,
-    BnApi, BnMode, BnPath, BnPlan, Fuse, FusedRefusal, Phase, PlanRequest, ASSUMED_CUDNN_VERSION,
-    CUDNN_EX_API_MIN_VERSION, DEPARTS_FROM_ONEFLOW,
+    auto_case, choose_impl, fused_dtype_supported, fused_refusals, infer_api, infer_mode,
+    infer_path, oneflow_mode, own_variants, plan, AutoCase, BnApi, BnMode, BnPath, BnPlan, Fuse,
+    FusedRefusal, OwnVariant, OwnVariantChoice, Phase, PlanRequest, ASSUMED_CUDNN_VERSION,
+    CUDNN_EX_API_MIN_VERSION, DEPARTS_FROM_ONEFLOW, OWN_FOR_CHANNELS_FIRST,
+    OWN_FOR_CHANNELS_LAST_FUSED, OWN_FOR_CHANNELS_LAST_ON_CHIP, OWN_FOR_CHANNELS_LAST_PLAIN,
+    OWN_FOR_CHANNELS_LAST_UNFUSED, OWN_FOR_INFERENCE, OWN_FOR_TWO_D, OWN_PERSISTENT_MAX_BYTES,
+    PREFER_PERSISTENT,
 };
 pub use state::BnSaved;

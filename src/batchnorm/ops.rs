@@ -1,31 +1,51 @@
-//! The BatchNorm dispatcher: one object per (shape, axis, type, fusion), holding its plans and
-//! cuDNN descriptors (cached by the Context), and the three operations — training forward,
-//! backward, inference forward — that follow the plan's path.
+//! The BatchNorm dispatcher: one object per (shape, axis, type, fusion, options), holding its
+//! plans and cuDNN descriptors (cached by the Context), and the three operations — training
+//! forward, backward, inference forward — that follow the plan's path: nnfuse's own kernels
+//! ([`super::own`]) or cuDNN. Without cuDNN no descriptor is made and every plan is own.
 
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceSlice};
 
 use crate::activation;
-use crate::batchnorm::args::{BackwardArgs, InferenceArgs, TrainArgs};
+use crate::batchnorm::args::{BackwardArgs, BnOptions, InferenceArgs, TrainArgs};
 use crate::batchnorm::cudnn_calls::{self as calls, BwdPtrs, ExSizes, FwdPtrs, Ops};
 use crate::batchnorm::descriptor::{ParamDesc, ReluDesc, TensorDesc};
-use crate::batchnorm::plan::{plan, BnApi, BnPath, BnPlan, Fuse, Phase, PlanRequest};
+use crate::batchnorm::own::{self, BwdBufs, Counters, FwdBufs, InferBufs};
+use crate::batchnorm::own_launch::OwnShape;
+use crate::batchnorm::plan::{
+    plan, BnApi, BnPath, BnPlan, Fuse, OwnVariant, Phase, PlanRequest, ASSUMED_CUDNN_VERSION,
+};
 use crate::batchnorm::state::BnSaved;
-use crate::context::{cudnn_version, Context};
+use crate::context::{cudnn_present, cudnn_version, Context};
 use crate::dtype::{DType, Element};
 use crate::error::{CallExt, Error, Result};
 use crate::validate::{expect_device, expect_len, expect_outputs_disjoint, BufInfo};
 
-/// Everything derived once per (shape, axis, dtype, fusion) on one Context.
+/// Everything derived once per (shape, axis, dtype, fusion, options) on one Context.
 #[derive(Debug)]
 struct Core {
     id: u64,
     fuse: Fuse,
     train: BnPlan,
     infer: BnPlan,
+    /// cuDNN's descriptors and sizes, when cuDNN runs one of the phases.
+    cudnn: Option<CudnnParts>,
+    /// The tensor as the own kernels see it.
+    own_shape: OwnShape,
+    /// The own kernels' arrival counters.
+    counters: Counters,
+    /// The own variant the last backward ran (0 none, 1 two-pass, 2 persistent): diagnostics.
+    last_backward: AtomicU8,
+    /// Set once cuDNN refused the fused path at run time: later calls go straight to fallback.
+    fused_refused: AtomicBool,
+}
+
+/// The cuDNN half of a Core.
+#[derive(Debug)]
+struct CudnnParts {
     x_desc: TensorDesc,
     train_param: ParamDesc,
     infer_param: ParamDesc,
@@ -35,8 +55,6 @@ struct Core {
     /// Ex-API sizes for plain BN (plans whose BN runs through the Ex API, and fused plans, which
     /// fall back to it).
     bn_sizes: Option<ExSizes>,
-    /// Set once cuDNN refused the fused path at run time: later calls go straight to fallback.
-    fused_refused: AtomicBool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -45,13 +63,28 @@ struct CoreKey {
     axis: usize,
     dtype: DType,
     fuse: Fuse,
+    options: BnOptions,
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
+fn variant_code(v: Option<OwnVariant>) -> u8 {
+    match v {
+        None => 0,
+        Some(OwnVariant::TwoPass) => 1,
+        Some(OwnVariant::Persistent) => 2,
+        Some(OwnVariant::Elementwise) => 3,
+    }
+}
+
 impl Core {
     fn new(ctx: &Context, key: &CoreKey) -> Result<Core> {
-        let cudnn_version = cudnn_version()?;
+        let cudnn_available = cudnn_present();
+        let cudnn_version = if cudnn_available {
+            cudnn_version()?
+        } else {
+            ASSUMED_CUDNN_VERSION
+        };
         let req = |phase| PlanRequest {
             shape: &key.shape,
             axis: key.axis,
@@ -60,69 +93,38 @@ impl Core {
             phase,
             config: ctx.config(),
             cudnn_version,
+            cudnn_available,
+            own_variant: key.options.own_variant,
         };
         let train = plan(&req(Phase::Training))?;
         let infer = plan(&req(Phase::Inference))?;
-        let x_desc = TensorDesc::activation(&train.layout, key.dtype)?;
-        let train_param = ParamDesc::derive(&x_desc, train.mode)?;
-        let infer_param = ParamDesc::derive(&x_desc, infer.mode)?;
-        let relu = if train.path == BnPath::CudnnFused {
-            Some(ReluDesc::new()?)
+        let cudnn = if cudnn_available && !(train.path.is_own() && infer.path.is_own()) {
+            Some(CudnnParts::new(ctx, key, &train, &infer)?)
         } else {
             None
         };
-        let mut core = Core {
+        let core = Core {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             fuse: key.fuse,
+            own_shape: OwnShape::from_layout(&train.layout),
             train,
             infer,
-            x_desc,
-            train_param,
-            infer_param,
-            relu,
-            fused_sizes: None,
-            bn_sizes: None,
+            cudnn,
+            counters: Counters::default(),
+            last_backward: AtomicU8::new(0),
             fused_refused: AtomicBool::new(false),
         };
-        if core.train.api == BnApi::Ex || core.train.path == BnPath::CudnnFused {
-            let mut guard = ctx.lock()?;
-            let h = guard.cudnn()?;
-            let mode = core.train.mode;
-            // SAFETY: valid handle and descriptors.
-            core.bn_sizes = Some(unsafe {
-                calls::ex_sizes(h, mode, Ops::Bn, &core.x_desc, &core.train_param.desc, None)
-            }?);
-            if core.train.path == BnPath::CudnnFused {
-                let ops = fused_ops(core.fuse);
-                // SAFETY: as above.
-                let sizes = unsafe {
-                    calls::ex_sizes(
-                        h,
-                        mode,
-                        ops,
-                        &core.x_desc,
-                        &core.train_param.desc,
-                        core.relu.as_ref(),
-                    )
-                };
-                match sizes {
-                    Ok(s) => core.fused_sizes = Some(s),
-                    Err(e) if e.is_cudnn_not_supported() => {
-                        tracing::warn!(
-                            shape = ?key.shape, axis = key.axis, dtype = %key.dtype,
-                            fuse = ?key.fuse, error = %e,
-                            "cuDNN refused the fused path's size query; using the fallback path"
-                        );
-                        core.fused_refused.store(true, Ordering::Relaxed);
-                    }
-                    Err(e) => return Err(e),
-                }
+        if let Some(c) = &core.cudnn {
+            if core.train.path == BnPath::CudnnFused && c.fused_sizes.is_none() {
+                core.fused_refused.store(true, Ordering::Relaxed);
             }
         }
         tracing::info!(
             shape = ?key.shape, axis = key.axis, dtype = %key.dtype, fuse = ?key.fuse,
             mode = ?core.train.mode, path = ?core.train.path, api = ?core.train.api,
-            layout = %core.train.layout, reasons = ?core.train.reasons,
+            inference_path = ?core.infer.path, own_forward = ?core.train.own_forward,
+            own_backward = ?core.train.own_backward, layout = %core.train.layout,
+            reasons = ?core.train.reasons,
             "BatchNorm planned"
         );
         Ok(core)
@@ -135,6 +137,104 @@ impl Core {
         } else {
             self.train.path
         }
+    }
+
+    /// cuDNN's half; an internal error if a cuDNN path runs without it (cannot happen: the
+    /// descriptors are made whenever a plan takes cuDNN).
+    fn cudnn(&self) -> Result<&CudnnParts> {
+        self.cudnn.as_ref().ok_or_else(|| {
+            Error::NotSupported("internal: a cuDNN path without cuDNN descriptors".into())
+        })
+    }
+
+    /// Elements every parameter tensor holds for `phase`: C, or what cuDNN derived (C·H·W under
+    /// PER_ACTIVATION, which only keeps per-channel statistics when H·W = 1).
+    fn param_len(&self, phase: Phase) -> usize {
+        let (p, own) = match phase {
+            Phase::Training => (&self.train, self.train.path.is_own()),
+            Phase::Inference => (&self.infer, self.infer.path.is_own()),
+        };
+        match (&self.cudnn, own) {
+            (Some(c), false) => match phase {
+                Phase::Training => c.train_param.len,
+                Phase::Inference => c.infer_param.len,
+            },
+            _ => p.layout.c as usize,
+        }
+    }
+
+    fn own_op<'a>(&'a self, ctx: &'a Context, dtype: DType) -> own::Op<'a> {
+        own::Op {
+            ctx,
+            shape: self.own_shape,
+            dtype,
+            fuse: self.fuse,
+            counters: &self.counters,
+        }
+    }
+}
+
+impl CudnnParts {
+    fn new(ctx: &Context, key: &CoreKey, train: &BnPlan, infer: &BnPlan) -> Result<CudnnParts> {
+        let x_desc = TensorDesc::activation(&train.layout, key.dtype)?;
+        let train_param = ParamDesc::derive(&x_desc, train.mode)?;
+        let infer_param = ParamDesc::derive(&x_desc, infer.mode)?;
+        let relu = if train.path == BnPath::CudnnFused {
+            Some(ReluDesc::new()?)
+        } else {
+            None
+        };
+        let mut parts = CudnnParts {
+            x_desc,
+            train_param,
+            infer_param,
+            relu,
+            fused_sizes: None,
+            bn_sizes: None,
+        };
+        if train.api == BnApi::Ex || train.path == BnPath::CudnnFused {
+            let mut guard = ctx.lock()?;
+            let h = guard.cudnn()?;
+            let mode = train.mode;
+            // SAFETY: valid handle and descriptors.
+            parts.bn_sizes = Some(unsafe {
+                calls::ex_sizes(
+                    h,
+                    mode,
+                    Ops::Bn,
+                    &parts.x_desc,
+                    &parts.train_param.desc,
+                    None,
+                )
+            }?);
+            if train.path == BnPath::CudnnFused {
+                let ops = fused_ops(key.fuse);
+                // SAFETY: as above.
+                let sizes = unsafe {
+                    calls::ex_sizes(
+                        h,
+                        mode,
+                        ops,
+                        &parts.x_desc,
+                        &parts.train_param.desc,
+                        parts.relu.as_ref(),
+                    )
+                };
+                match sizes {
+                    Ok(s) => parts.fused_sizes = Some(s),
+                    Err(e) if e.is_cudnn_not_supported() => {
+                        // Core::new marks the fused path refused (fused_sizes stays None).
+                        tracing::warn!(
+                            shape = ?key.shape, axis = key.axis, dtype = %key.dtype,
+                            fuse = ?key.fuse, error = %e,
+                            "cuDNN refused the fused path's size query; using the fallback path"
+                        );
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Ok(parts)
     }
 }
 
@@ -247,11 +347,23 @@ impl<T: Element> BatchNorm<T> {
     /// Plans BatchNorm for `shape` with channels on `axis` (any rank, any axis). Plans and
     /// descriptors are cached by the Context: a repeated shape costs a hash lookup.
     pub fn new(ctx: &Context, shape: &[usize], axis: usize, fuse: Fuse) -> Result<Self> {
+        Self::with_options(ctx, shape, axis, fuse, BnOptions::default())
+    }
+
+    /// [`BatchNorm::new`] with options (the own kernels' variant, for comparisons).
+    pub fn with_options(
+        ctx: &Context,
+        shape: &[usize],
+        axis: usize,
+        fuse: Fuse,
+        options: BnOptions,
+    ) -> Result<Self> {
         let key = CoreKey {
             shape: shape.to_vec(),
             axis,
             dtype: T::DTYPE,
             fuse,
+            options,
         };
         let core = ctx.memo(key.clone(), || Core::new(ctx, &key).map(Arc::new))?;
         Ok(BatchNorm {
@@ -277,6 +389,17 @@ impl<T: Element> BatchNorm<T> {
         self.core.train_path()
     }
 
+    /// On the own path, the variant the last backward of this BatchNorm's plan ran (on this
+    /// Context, from any thread); `None` before the first own backward. Diagnostics for tests
+    /// and benchmarks; [`BnSaved::own_variant`] says the same of a forward.
+    pub fn last_own_backward(&self) -> Option<OwnVariant> {
+        match self.core.last_backward.load(Ordering::Relaxed) {
+            1 => Some(OwnVariant::TwoPass),
+            2 => Some(OwnVariant::Persistent),
+            _ => None,
+        }
+    }
+
     fn numel(&self) -> usize {
         self.core.train.layout.numel()
     }
@@ -296,12 +419,27 @@ impl<T: Element> BatchNorm<T> {
             ));
         }
         let numel = self.numel();
-        let c = core.train_param.len;
+        let c = core.param_len(Phase::Training);
         let path = core.train_path();
 
-        // SAFETY: statistics are written by cuDNN before anything reads them.
+        // SAFETY: statistics are written by cuDNN or the own kernels before anything reads them.
         let mut mean = unsafe { stream.alloc::<f32>(c) }.call("cuMemAllocAsync")?;
         let mut inv_var = unsafe { stream.alloc::<f32>(c) }.call("cuMemAllocAsync")?;
+        let mut mean_lo = if path.is_own() {
+            // SAFETY: written by the own statistics before anything reads it.
+            Some(unsafe { stream.alloc::<f32>(c) }.call("cuMemAllocAsync")?)
+        } else {
+            None
+        };
+        let mut own_mask = if path.is_own() && core.fuse != Fuse::None {
+            // SAFETY: the own forward writes every mask word (tail bits zero) before any read.
+            Some(
+                unsafe { stream.alloc::<u32>(activation::mask_words(numel)) }
+                    .call("cuMemAllocAsync")?,
+            )
+        } else {
+            None
+        };
 
         let (ran_fused, x_ptr) = {
             let (x, _g1) = a.x.device_ptr(stream);
@@ -345,28 +483,62 @@ impl<T: Element> BatchNorm<T> {
             if let Some(zi) = &zi {
                 expect_len(zi, numel, "the shape's element count")?;
             }
+            let what = if path.is_own() {
+                "the channel count"
+            } else {
+                "cuDNN's derived parameter descriptor"
+            };
             for p in [&gi, &bi, &rmi, &rvi] {
-                expect_len(p, c, "cuDNN's derived parameter descriptor")?;
+                expect_len(p, c, what)?;
             }
             expect_outputs_disjoint(&[yi, rmi, rvi], &inputs)?;
 
             let (mp, _g8) = mean.device_ptr_mut(stream);
             let (ip, _g9) = inv_var.device_ptr_mut(stream);
-            let ptrs = FwdPtrs {
-                x,
-                z: z.as_ref().map_or(0, |(p, _)| *p),
-                y,
-                gamma,
-                beta,
-                running_mean: rm,
-                running_var: rv,
-                saved_mean: mp,
-                saved_inv_var: ip,
-            };
-            (self.run_forward(path, &ptrs, a.momentum, a.eps)?, x)
+            let zp = z.as_ref().map_or(0, |(p, _)| *p);
+            if path.is_own() {
+                let mk = own_mask.as_mut().map(|m| m.device_ptr_mut(stream));
+                let lo = mean_lo.as_mut().map(|m| m.device_ptr_mut(stream));
+                let bufs = FwdBufs {
+                    x,
+                    z: zp,
+                    y,
+                    mask: mk.as_ref().map_or(0, |(p, _)| *p),
+                    gamma,
+                    beta,
+                    running_mean: rm,
+                    running_var: rv,
+                    saved_mean: mp,
+                    saved_mean_lo: lo.as_ref().map_or(0, |(p, _)| *p),
+                    saved_invstd: ip,
+                };
+                let want = core.train.own_forward.unwrap_or(OwnVariant::TwoPass);
+                let op = core.own_op(ctx, T::DTYPE);
+                let v = own::forward_train(&op, &bufs, want, a.momentum, a.eps)?;
+                tracing::debug!(path = "own", variant = %v, "BatchNorm forward");
+                (Ran::Own(v), x)
+            } else {
+                let ptrs = FwdPtrs {
+                    x,
+                    z: zp,
+                    y,
+                    gamma,
+                    beta,
+                    running_mean: rm,
+                    running_var: rv,
+                    saved_mean: mp,
+                    saved_inv_var: ip,
+                };
+                (self.run_forward(path, &ptrs, a.momentum, a.eps)?, x)
+            }
         };
 
+        let mut own_variant = None;
         let (path, reserve, mask) = match ran_fused {
+            Ran::Own(v) => {
+                own_variant = Some(v);
+                (BnPath::Own, None, own_mask)
+            }
             Ran::Fused(reserve) => (BnPath::CudnnFused, reserve, None),
             Ran::Plain(reserve) => (BnPath::Plain, reserve, None),
             Ran::BnOnlyForFallback(reserve) => {
@@ -388,9 +560,11 @@ impl<T: Element> BatchNorm<T> {
             eps: a.eps,
             x_ptr,
             mean,
+            mean_lo,
             inv_var,
             reserve,
             mask,
+            own_variant,
         })
     }
 
@@ -398,10 +572,11 @@ impl<T: Element> BatchNorm<T> {
     /// BN through the plan's API.
     fn run_forward(&self, path: BnPath, p: &FwdPtrs, momentum: f64, eps: f64) -> Result<Ran> {
         let core = &*self.core;
+        let cu = core.cudnn()?;
         let ctx = &self.ctx;
         let mode = core.train.mode;
         if path == BnPath::CudnnFused {
-            let sizes = core.fused_sizes.unwrap_or_default();
+            let sizes = cu.fused_sizes.unwrap_or_default();
             let reserve = if sizes.reserve > 0 {
                 // SAFETY: cuDNN writes the reserve in the forward before the backward reads it.
                 Some(unsafe { ctx.stream().alloc::<u8>(sizes.reserve) }.call("cuMemAllocAsync")?)
@@ -421,9 +596,9 @@ impl<T: Element> BatchNorm<T> {
                         h,
                         mode,
                         fused_ops(core.fuse),
-                        &core.x_desc,
-                        &core.train_param.desc,
-                        core.relu.as_ref(),
+                        &cu.x_desc,
+                        &cu.train_param.desc,
+                        cu.relu.as_ref(),
                         p,
                         momentum,
                         eps,
@@ -460,7 +635,7 @@ impl<T: Element> BatchNorm<T> {
             let h = guard.cudnn()?;
             match api {
                 BnApi::Ex => {
-                    let sizes = core.bn_sizes.unwrap_or_default();
+                    let sizes = cu.bn_sizes.unwrap_or_default();
                     let ws = guard.workspace(sizes.forward_workspace)?;
                     if sizes.reserve > 0 {
                         // SAFETY: written by this forward, read by the matching backward.
@@ -476,8 +651,8 @@ impl<T: Element> BatchNorm<T> {
                             h,
                             core.train.mode,
                             Ops::Bn,
-                            &core.x_desc,
-                            &core.train_param.desc,
+                            &cu.x_desc,
+                            &cu.train_param.desc,
                             None,
                             p,
                             momentum,
@@ -493,8 +668,8 @@ impl<T: Element> BatchNorm<T> {
                         calls::forward_training(
                             h,
                             core.train.mode,
-                            &core.x_desc,
-                            &core.train_param.desc,
+                            &cu.x_desc,
+                            &cu.train_param.desc,
                             p,
                             momentum,
                             eps,
@@ -526,7 +701,7 @@ impl<T: Element> BatchNorm<T> {
         }
         check_addend(core.fuse, a.d_addend.is_some(), "d_addend")?;
         let numel = self.numel();
-        let c = core.train_param.len;
+        let c = core.param_len(Phase::Training);
         let ordinal = ctx.info().ordinal;
 
         // Validate every buffer before any launch.
@@ -601,6 +776,7 @@ impl<T: Element> BatchNorm<T> {
 
         let reserve = saved.reserve.as_ref();
         match (saved.path, &saved.mask) {
+            (BnPath::Own, mask) => self.run_backward_own(&mut a, mask.as_ref()),
             (BnPath::CudnnFused, _) => self.run_backward(&mut a, BnPath::CudnnFused, None, reserve),
             (BnPath::Plain, _) => self.run_backward(&mut a, BnPath::Plain, None, reserve),
             (BnPath::Fallback, Some(mask)) => {
@@ -620,6 +796,60 @@ impl<T: Element> BatchNorm<T> {
                 "is a fallback-path state without its bitmask (corrupted state)",
             )),
         }
+    }
+
+    /// The own backward (the mask, if any, is the own forward's).
+    fn run_backward_own(
+        &self,
+        a: &mut BackwardArgs<'_, T>,
+        mask: Option<&CudaSlice<u32>>,
+    ) -> Result<()> {
+        let core = &*self.core;
+        let ctx = &self.ctx;
+        let stream = ctx.stream();
+        if core.fuse != Fuse::None && mask.is_none() {
+            return Err(Error::invalid(
+                "saved",
+                "is an own-path state of an activation without its bitmask (corrupted state)",
+            ));
+        }
+        let saved = a.saved;
+        let Some(mean_lo) = saved.mean_lo.as_ref() else {
+            return Err(Error::invalid(
+                "saved",
+                "is an own-path state without its mean remainder (corrupted state)",
+            ));
+        };
+        let (x, _g1) = a.x.device_ptr(stream);
+        let (dy, _g2) = a.dy.device_ptr(stream);
+        let (gamma, _g3) = a.gamma.device_ptr(stream);
+        let mp = mask.map(|m| m.device_ptr(stream));
+        let (lo, _g9) = mean_lo.device_ptr(stream);
+        let (sm, _g4) = saved.mean.device_ptr(stream);
+        let (si, _g5) = saved.inv_var.device_ptr(stream);
+        let (dx, _g6) = a.dx.device_ptr_mut(stream);
+        let (dgamma, _g7) = a.dgamma.device_ptr_mut(stream);
+        let (dbeta, _g8) = a.dbeta.device_ptr_mut(stream);
+        let dz = a.d_addend.as_mut().map(|v| v.device_ptr_mut(stream));
+        let bufs = BwdBufs {
+            x,
+            dy,
+            mask: mp.as_ref().map_or(0, |(p, _)| *p),
+            dx,
+            dz: dz.as_ref().map_or(0, |(p, _)| *p),
+            gamma,
+            saved_mean: sm,
+            saved_mean_lo: lo,
+            saved_invstd: si,
+            dgamma,
+            dbeta,
+        };
+        let want = core.train.own_backward.unwrap_or(OwnVariant::TwoPass);
+        let v = own::backward(&core.own_op(ctx, T::DTYPE), &bufs, want)?;
+        core.last_backward
+            .store(variant_code(Some(v)), Ordering::Relaxed);
+        tracing::debug!(path = "own", variant = %v, "BatchNorm backward");
+        Ok(())
     }
 
     /// The cuDNN half of the backward. For the fallback the BN input gradient is `dpre` (ReLU)
@@ -668,6 +898,7 @@ impl<T: Element> BatchNorm<T> {
             saved_mean: sm,
             saved_inv_var: si,
         };
+        let cu = core.cudnn()?;
         let mut guard = ctx.lock()?;
         let h = guard.cudnn()?;
         let mode = core.train.mode;
@@ -679,9 +910,9 @@ impl<T: Element> BatchNorm<T> {
         if path == BnPath::CudnnFused || api == BnApi::Ex {
             // The fused ops, or plain BN through the Ex API (with the forward's reserve, if any).
             let (ops, relu, sizes) = if path == BnPath::CudnnFused {
-                (fused_ops(core.fuse), core.relu.as_ref(), core.fused_sizes)
+                (fused_ops(core.fuse), cu.relu.as_ref(), cu.fused_sizes)
             } else {
-                (Ops::Bn, None, core.bn_sizes)
+                (Ops::Bn, None, cu.bn_sizes)
             };
             let sizes = sizes.unwrap_or_default();
             let ws = guard.workspace(sizes.backward_workspace)?;
@@ -693,8 +924,8 @@ impl<T: Element> BatchNorm<T> {
                     h,
                     mode,
                     ops,
-                    &core.x_desc,
-                    &core.train_param.desc,
+                    &cu.x_desc,
+                    &cu.train_param.desc,
                     relu,
                     &ptrs,
                     saved.eps,
@@ -705,14 +936,7 @@ impl<T: Element> BatchNorm<T> {
         } else {
             // SAFETY: as above.
             unsafe {
-                calls::backward(
-                    h,
-                    mode,
-                    &core.x_desc,
-                    &core.train_param.desc,
-                    &ptrs,
-                    saved.eps,
-                )
+                calls::backward(h, mode, &cu.x_desc, &cu.train_param.desc, &ptrs, saved.eps)
             }?;
         }
         tracing::debug!(?path, ?api, "BatchNorm backward");
@@ -728,7 +952,7 @@ impl<T: Element> BatchNorm<T> {
         check_scalars(a.eps, None)?;
         check_addend(core.fuse, a.addend.is_some(), "addend")?;
         let numel = self.numel();
-        let c = core.infer_param.len;
+        let c = core.param_len(Phase::Inference);
         let ordinal = ctx.info().ordinal;
         {
             let (x, _g1) = a.x.device_ptr(stream);
@@ -761,6 +985,21 @@ impl<T: Element> BatchNorm<T> {
                 expect_len(buf, expected_len(buf.name, numel, c), "the plan's shape")?;
             }
             expect_outputs_disjoint(&[yi], &inputs)?;
+            if core.infer.path.is_own() {
+                let bufs = InferBufs {
+                    x,
+                    z: z.as_ref().map_or(0, |(p, _)| *p),
+                    y,
+                    gamma: g,
+                    beta: b,
+                    running_mean: m,
+                    running_var: v,
+                };
+                own::forward_inference(&core.own_op(ctx, T::DTYPE), &bufs, a.eps)?;
+                tracing::debug!(path = "own", fuse = ?core.fuse, "BatchNorm inference");
+                return Ok(());
+            }
+            let cu = core.cudnn()?;
             let mut guard = ctx.lock()?;
             let h = guard.cudnn()?;
             // SAFETY: validated above.
@@ -768,8 +1007,8 @@ impl<T: Element> BatchNorm<T> {
                 calls::forward_inference(
                     h,
                     core.infer.mode,
-                    &core.x_desc,
-                    &core.infer_param.desc,
+                    &cu.x_desc,
+                    &cu.infer_param.desc,
                     x,
                     y,
                     g,
@@ -798,8 +1037,11 @@ impl<T: Element> BatchNorm<T> {
     }
 }
 
-/// What the forward's cuDNN half did, with the reserve space cuDNN asked to keep.
+/// What the forward's cuDNN half did, with the reserve space cuDNN asked to keep (or which own
+/// variant ran).
 enum Ran {
+    /// nnfuse's own kernels ran everything.
+    Own(OwnVariant),
     /// cuDNN's fused op ran.
     Fused(Option<CudaSlice<u8>>),
     /// Plain BN, no activation asked for.

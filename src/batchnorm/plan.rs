@@ -17,16 +17,26 @@
 //! - **API** ([`infer_api`]): training in `SPATIAL_PERSISTENT` → the Ex API (the legacy API
 //!   gets cuDNN's slow kernels for that mode); everything else, and every cuDNN older than
 //!   7.4.1, → the legacy API; inference → `cudnnBatchNormalizationForwardInference`.
-//! - **Path** ([`fused_refusals`], [`infer_path`]): no activation → plain; otherwise cuDNN's
-//!   fused BN+ReLU / BN+Add+ReLU when no refusal applies, else the fallback (cuDNN BN, then
-//!   nnfuse's bitmask kernels). Every refusal that applies is listed, in a fixed order.
+//! - **Implementation** ([`choose_impl`]): nnfuse's own kernels ([`BnPath::Own`]) or cuDNN.
+//!   Without cuDNN, or with `NNFUSE_BN_IMPL=own`, always own; `NNFUSE_BN_IMPL=cudnn`, or the
+//!   `oneflow` mode policy (OneFlow's choice, bit for bit), always cuDNN; `auto` decides per kind
+//!   of input by a table of measured preferences ([`AutoCase`], one constant per row).
+//! - **Path** ([`fused_refusals`], [`infer_path`]): own; or, with cuDNN: no activation → plain;
+//!   otherwise cuDNN's fused BN+ReLU / BN+Add+ReLU when no refusal applies, else the fallback
+//!   (cuDNN BN, then nnfuse's bitmask kernels). Every refusal that applies is listed, in a fixed
+//!   order.
+//! - **Own variant** ([`own_variants`]): training forward and backward each run persistent (one
+//!   cooperative kernel keeps the tensor on chip: x is read from memory once) when the shape
+//!   allows it and the bytes fit [`OWN_PERSISTENT_MAX_BYTES`], else two-pass (statistics or
+//!   sums, then the elementwise pass); inference is one elementwise pass.
 
 use std::fmt;
 use std::str::FromStr;
 
 use serde_json::{json, Value};
 
-use crate::config::{BnModePolicy, Config};
+use crate::batchnorm::own_launch::{persistent_structure, OwnShape};
+use crate::config::{BnImpl, BnModePolicy, Config};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::{infer_channel_layout, ChannelLayout, TensorFormat};
@@ -204,16 +214,25 @@ pub enum BnPath {
     Fallback,
     /// cuDNN BatchNorm alone (no activation asked for).
     Plain,
+    /// nnfuse's own BatchNorm kernels for everything: statistics, the affine transform, the
+    /// activation and its mask, the backward (`kernels/batchnorm*.cu`; no cuDNN needed).
+    Own,
 }
 
 impl BnPath {
-    /// `cudnn_fused` / `fallback` / `plain`.
+    /// `cudnn_fused` / `fallback` / `plain` / `own`.
     pub const fn name(self) -> &'static str {
         match self {
             BnPath::CudnnFused => "cudnn_fused",
             BnPath::Fallback => "fallback",
             BnPath::Plain => "plain",
+            BnPath::Own => "own",
         }
+    }
+
+    /// Whether this path runs on nnfuse's own kernels.
+    pub const fn is_own(self) -> bool {
+        matches!(self, BnPath::Own)
     }
 }
 
@@ -242,6 +261,8 @@ pub enum FusedRefusal {
     DTypeUnsupported(DType),
     /// cuDNN older than the Ex API (7.4.1).
     CudnnTooOld(usize),
+    /// cuDNN cannot be loaded.
+    CudnnMissing,
 }
 
 impl FusedRefusal {
@@ -256,6 +277,7 @@ impl FusedRefusal {
             FusedRefusal::ChannelsNotMultipleOf4(_) => "channels_not_multiple_of_4",
             FusedRefusal::DTypeUnsupported(_) => "dtype_unsupported",
             FusedRefusal::CudnnTooOld(_) => "cudnn_too_old",
+            FusedRefusal::CudnnMissing => "cudnn_missing",
         }
     }
 }
@@ -300,6 +322,77 @@ impl fmt::Display for FusedRefusal {
                 "cuDNN {v} is older than 7.4.1 ({CUDNN_EX_API_MIN_VERSION}), the first with \
                  cudnnBatchNormalizationForwardTrainingEx / BackwardEx"
             ),
+            FusedRefusal::CudnnMissing => f.write_str("cuDNN cannot be loaded on this machine"),
+        }
+    }
+}
+
+/// How nnfuse's own kernels run one phase (see `docs/BATCHNORM.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OwnVariant {
+    /// Training: a reduction kernel (statistics, or the backward's two sums with the mask read
+    /// inside), then the elementwise kernel (y and the mask, or dx): x is read twice.
+    TwoPass,
+    /// Training: one cooperative kernel that keeps its tiles of x (and dy') in shared memory
+    /// across two grid-wide barriers: x is read from memory once.
+    Persistent,
+    /// Inference: one elementwise pass with scale and shift folded from the running statistics.
+    Elementwise,
+}
+
+impl OwnVariant {
+    /// `two_pass` / `persistent` / `elementwise`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            OwnVariant::TwoPass => "two_pass",
+            OwnVariant::Persistent => "persistent",
+            OwnVariant::Elementwise => "elementwise",
+        }
+    }
+}
+
+impl fmt::Display for OwnVariant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Which variant of the own training kernels to plan ([`crate::batchnorm::BnOptions`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum OwnVariantChoice {
+    /// By the shape's structure and size ([`own_variants`]).
+    #[default]
+    Auto,
+    /// Always two-pass.
+    TwoPass,
+    /// Persistent wherever the shape's structure allows it (the device must still hold the
+    /// tensor at run time, else the two-pass kernels run).
+    Persistent,
+}
+
+impl OwnVariantChoice {
+    /// `auto` / `two_pass` / `persistent`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            OwnVariantChoice::Auto => "auto",
+            OwnVariantChoice::TwoPass => "two_pass",
+            OwnVariantChoice::Persistent => "persistent",
+        }
+    }
+}
+
+impl FromStr for OwnVariantChoice {
+    type Err = Error;
+    /// Accepts `auto`, `two-pass` / `two_pass`, `persistent` (any case).
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(OwnVariantChoice::Auto),
+            "two-pass" | "two_pass" | "twopass" => Ok(OwnVariantChoice::TwoPass),
+            "persistent" => Ok(OwnVariantChoice::Persistent),
+            _ => Err(Error::invalid(
+                "own_variant",
+                format!("{s:?} is not one of auto, two-pass, persistent"),
+            )),
         }
     }
 }
@@ -319,8 +412,13 @@ pub struct PlanRequest<'a> {
     pub phase: Phase,
     /// NHWC flag, mode policy, fusion switch.
     pub config: &'a Config,
-    /// cuDNN version number (e.g. 91900).
+    /// cuDNN version number (e.g. 91900); ignored when `cudnn_available` is false.
     pub cudnn_version: usize,
+    /// Whether cuDNN can be loaded ([`crate::context::cudnn_present`]); without it every plan
+    /// takes nnfuse's own kernels.
+    pub cudnn_available: bool,
+    /// The own training variant asked for (normally [`OwnVariantChoice::Auto`]).
+    pub own_variant: OwnVariantChoice,
 }
 
 /// The decision.
@@ -351,6 +449,14 @@ pub struct BnPlan {
     pub enable_nhwc: bool,
     /// The cuDNN version the plan was made for.
     pub cudnn_version: usize,
+    /// The implementation setting the plan was made under (from [`Config::bn_impl`]).
+    pub bn_impl: BnImpl,
+    /// Whether cuDNN was available to the plan.
+    pub cudnn_available: bool,
+    /// Own path: how the forward (training or inference) runs; `None` on cuDNN paths.
+    pub own_forward: Option<OwnVariant>,
+    /// Own path, training: how the backward runs; `None` otherwise.
+    pub own_backward: Option<OwnVariant>,
 }
 
 /// The wording that marks a reason as a departure from OneFlow's mode rule.
@@ -590,7 +696,320 @@ pub fn fused_refusals(
     refusals
 }
 
-/// The path: plain without activation; cuDNN fused when nothing refuses it; else fallback.
+/// The kinds of input on which `NNFUSE_BN_IMPL=auto` chooses between cuDNN and nnfuse's own
+/// kernels. Each has one constant holding the expected winner on the H100
+/// ([`AutoCase::prefers_own`]): flip the constant when a measurement says otherwise
+/// (`benches/batchnorm.rs`, `docs/PERFORMANCE.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AutoCase {
+    /// Inference (running statistics), any layout.
+    Inference,
+    /// Training on `(N, C)`-like input: one position per channel and sample.
+    TwoD,
+    /// Training on channels-first (NCHW-inferred) input.
+    ChannelsFirst,
+    /// Training on channels-last input whose backward fits the persistent kernels.
+    ChannelsLastOnChip,
+    /// Training on channels-last input where cuDNN's fused BN+activation applies.
+    ChannelsLastFused,
+    /// Training on channels-last input with an activation that cuDNN refuses to fuse.
+    ChannelsLastUnfused,
+    /// Plain BatchNorm (no activation) training on channels-last input.
+    ChannelsLastPlain,
+}
+
+/// `auto` takes the own kernels for inference.
+pub const OWN_FOR_INFERENCE: bool = true;
+/// `auto` takes the own kernels for `(N, C)` training.
+pub const OWN_FOR_TWO_D: bool = true;
+/// `auto` takes the own kernels for channels-first training.
+pub const OWN_FOR_CHANNELS_FIRST: bool = true;
+/// `auto` takes the own (persistent) kernels for channels-last training that fits on chip.
+pub const OWN_FOR_CHANNELS_LAST_ON_CHIP: bool = true;
+/// `auto` takes the own kernels for channels-last training that cuDNN fuses.
+pub const OWN_FOR_CHANNELS_LAST_FUSED: bool = false;
+/// `auto` takes the own kernels for channels-last training that cuDNN cannot fuse.
+pub const OWN_FOR_CHANNELS_LAST_UNFUSED: bool = true;
+/// `auto` takes the own kernels for channels-last plain BatchNorm training.
+pub const OWN_FOR_CHANNELS_LAST_PLAIN: bool = false;
+/// Under [`OwnVariantChoice::Auto`], the persistent variant is taken wherever it applies
+/// (expected faster: x is read once); `false` keeps the two-pass kernels everywhere.
+pub const PREFER_PERSISTENT: bool = true;
+/// Bytes the persistent variant may keep on chip (x forward; x and dy' backward): the H100's
+/// 132 SMs with about 209 KiB of their 227 KiB of shared memory each for the tiles (the rest
+/// covers the tiling's rounding and the kernels' static shared memory). The launcher still checks
+/// the device it runs on and takes the two-pass kernels when the tensor does not fit there.
+pub const OWN_PERSISTENT_MAX_BYTES: u64 = 27 << 20;
+
+impl AutoCase {
+    /// The training cases in the table's order, then inference.
+    pub const ALL: [AutoCase; 7] = [
+        AutoCase::Inference,
+        AutoCase::TwoD,
+        AutoCase::ChannelsFirst,
+        AutoCase::ChannelsLastOnChip,
+        AutoCase::ChannelsLastFused,
+        AutoCase::ChannelsLastUnfused,
+        AutoCase::ChannelsLastPlain,
+    ];
+
+    /// Whether `auto` takes nnfuse's own kernels for this case (the constant of its row).
+    pub const fn prefers_own(self) -> bool {
+        match self {
+            AutoCase::Inference => OWN_FOR_INFERENCE,
+            AutoCase::TwoD => OWN_FOR_TWO_D,
+            AutoCase::ChannelsFirst => OWN_FOR_CHANNELS_FIRST,
+            AutoCase::ChannelsLastOnChip => OWN_FOR_CHANNELS_LAST_ON_CHIP,
+            AutoCase::ChannelsLastFused => OWN_FOR_CHANNELS_LAST_FUSED,
+            AutoCase::ChannelsLastUnfused => OWN_FOR_CHANNELS_LAST_UNFUSED,
+            AutoCase::ChannelsLastPlain => OWN_FOR_CHANNELS_LAST_PLAIN,
+        }
+    }
+
+    /// Snake-case name (JSON, tests).
+    pub const fn name(self) -> &'static str {
+        match self {
+            AutoCase::Inference => "inference",
+            AutoCase::TwoD => "two_d",
+            AutoCase::ChannelsFirst => "channels_first",
+            AutoCase::ChannelsLastOnChip => "channels_last_on_chip",
+            AutoCase::ChannelsLastFused => "channels_last_fused",
+            AutoCase::ChannelsLastUnfused => "channels_last_unfused",
+            AutoCase::ChannelsLastPlain => "channels_last_plain",
+        }
+    }
+
+    /// The case and the measurement behind its row.
+    pub const fn evidence(self) -> &'static str {
+        match self {
+            AutoCase::Inference => {
+                "inference: the own kernel makes one pass (x, the addend, y) with scale and \
+                 shift folded from the running statistics, where cuDNN runs its BatchNorm and \
+                 then the activation as a second pass (cuDNN + ReLU 267–316 µs at 64x256x56x56, \
+                 1.2–1.3 TB/s of a 3.0 TB/s copy; docs/PERFORMANCE.md)"
+            }
+            AutoCase::TwoD => {
+                "(N, C) training: cuDNN's fastest path (Ex, SPATIAL_PERSISTENT) took 95 + 120 µs \
+                 at 65536x256 f32, 47–55% of the memory floor, where the own kernels stream \
+                 each pass at copy bandwidth (docs/PERFORMANCE.md)"
+            }
+            AutoCase::ChannelsFirst => {
+                "channels-first training: cuDNN's SPATIAL kernels run at 9–17% of the memory \
+                 floor (f32 16x32x112x112: 134 + 321 µs, as PyTorch) and SPATIAL_PERSISTENT \
+                 carries cuDNN's accuracy caveat; the own kernels stream each pass at copy \
+                 bandwidth with Welford statistics and read the ReLU mask inside the backward \
+                 reduction (docs/PERFORMANCE.md)"
+            }
+            AutoCase::ChannelsLastOnChip => {
+                "channels-last training small enough to stay on chip: the persistent kernels \
+                 read x (and dy) from memory once, where cuDNN's fused Ex path reached 33% of \
+                 the floor at f16 16x112x112x32 (31.6 + 34.3 µs; docs/PERFORMANCE.md)"
+            }
+            AutoCase::ChannelsLastFused => {
+                "channels-last training that cuDNN fuses: its semi-persistent NHWC kernels \
+                 (f16 64x112x112x64 BN+ReLU 118 + 180 µs; docs/PERFORMANCE.md) against the own \
+                 two-pass kernels, which read x twice"
+            }
+            AutoCase::ChannelsLastUnfused => {
+                "channels-last training that cuDNN cannot fuse: cuDNN BatchNorm plus the \
+                 bitmask pass moves one pass more than the own kernels (docs/PERFORMANCE.md)"
+            }
+            AutoCase::ChannelsLastPlain => {
+                "channels-last plain BatchNorm training: cuDNN's Ex SPATIAL_PERSISTENT NHWC \
+                 kernels against the own two-pass kernels, which read x twice \
+                 (docs/PERFORMANCE.md)"
+            }
+        }
+    }
+}
+
+/// Bytes the persistent kernels would keep on chip: x (forward), x and dy' (backward).
+fn on_chip_bytes(layout: &ChannelLayout, dtype: DType, tiles: u64) -> u64 {
+    layout.numel() as u64 * dtype.size() as u64 * tiles
+}
+
+/// Whether the persistent variant applies to one direction under [`OwnVariantChoice::Auto`]:
+/// the shape's structure allows it and the tiles fit [`OWN_PERSISTENT_MAX_BYTES`]. `Err` says why
+/// not.
+fn persistent_applies(
+    layout: &ChannelLayout,
+    dtype: DType,
+    tiles: u64,
+) -> std::result::Result<u64, String> {
+    persistent_structure(&OwnShape::from_layout(layout), dtype.size() as u64)?;
+    let bytes = on_chip_bytes(layout, dtype, tiles);
+    if bytes > OWN_PERSISTENT_MAX_BYTES {
+        return Err(format!(
+            "{:.1} MB of {} exceed the on-chip budget of {:.1} MB (OWN_PERSISTENT_MAX_BYTES: 132 \
+             SMs x ~209 KiB of shared memory on the H100)",
+            bytes as f64 / 1e6,
+            if tiles == 1 { "x" } else { "x and dy" },
+            OWN_PERSISTENT_MAX_BYTES as f64 / 1e6
+        ));
+    }
+    Ok(bytes)
+}
+
+/// The row of `auto`'s table that a request falls in.
+pub fn auto_case(
+    layout: &ChannelLayout,
+    phase: Phase,
+    fuse: Fuse,
+    dtype: DType,
+    refusals: &[FusedRefusal],
+) -> AutoCase {
+    if phase == Phase::Inference {
+        AutoCase::Inference
+    } else if layout.format == TensorFormat::Nchw {
+        AutoCase::ChannelsFirst
+    } else if layout.h * layout.w == 1 {
+        AutoCase::TwoD
+    } else if persistent_applies(layout, dtype, 2).is_ok() {
+        AutoCase::ChannelsLastOnChip
+    } else if fuse == Fuse::None {
+        AutoCase::ChannelsLastPlain
+    } else if refusals.is_empty() {
+        AutoCase::ChannelsLastFused
+    } else {
+        AutoCase::ChannelsLastUnfused
+    }
+}
+
+/// cuDNN or nnfuse's own kernels (`true`), with the reason. Order: no cuDNN → own;
+/// `NNFUSE_BN_IMPL=own` / `cudnn` → as forced; the `oneflow` policy → cuDNN (OneFlow's choice);
+/// otherwise `auto`'s table ([`AutoCase`]).
+pub fn choose_impl(
+    layout: &ChannelLayout,
+    phase: Phase,
+    fuse: Fuse,
+    dtype: DType,
+    refusals: &[FusedRefusal],
+    config: &Config,
+    cudnn_available: bool,
+) -> (bool, String) {
+    if !cudnn_available {
+        return (
+            true,
+            "impl: own — cuDNN cannot be loaded; nnfuse's own kernels run every shape".into(),
+        );
+    }
+    match config.bn_impl {
+        BnImpl::Own => (
+            true,
+            "impl: own — forced by NNFUSE_BN_IMPL=own / Config::bn_impl".into(),
+        ),
+        BnImpl::Cudnn => (
+            false,
+            "impl: cuDNN — forced by NNFUSE_BN_IMPL=cudnn / Config::bn_impl".into(),
+        ),
+        BnImpl::Auto if config.bn_mode_policy == BnModePolicy::OneFlow => (
+            false,
+            "impl: cuDNN — the oneflow policy keeps OneFlow's choice bit for bit \
+             (NNFUSE_BN_IMPL=own opts in to nnfuse's own kernels)"
+                .into(),
+        ),
+        BnImpl::Auto => {
+            let case = auto_case(layout, phase, fuse, dtype, refusals);
+            let own = case.prefers_own();
+            (
+                own,
+                format!(
+                    "impl: {} — auto, case {}: {}",
+                    if own { "own" } else { "cuDNN" },
+                    case.name(),
+                    case.evidence()
+                ),
+            )
+        }
+    }
+}
+
+/// The own variant of one training direction (`tiles`: 1 forward, 2 backward) with its reason.
+fn own_variant_for(
+    layout: &ChannelLayout,
+    dtype: DType,
+    tiles: u64,
+    choice: OwnVariantChoice,
+) -> (OwnVariant, String) {
+    let dir = if tiles == 1 { "forward" } else { "backward" };
+    let structure = persistent_structure(&OwnShape::from_layout(layout), dtype.size() as u64);
+    match choice {
+        OwnVariantChoice::TwoPass => (
+            OwnVariant::TwoPass,
+            format!("own {dir}: two-pass, as asked (BnOptions::own_variant)"),
+        ),
+        OwnVariantChoice::Persistent => match structure {
+            Ok(()) => (
+                OwnVariant::Persistent,
+                format!(
+                    "own {dir}: persistent, as asked (BnOptions::own_variant); the two-pass \
+                     kernels run instead if the device cannot hold {:.1} MB on chip",
+                    on_chip_bytes(layout, dtype, tiles) as f64 / 1e6
+                ),
+            ),
+            Err(why) => (
+                OwnVariant::TwoPass,
+                format!("own {dir}: two-pass, although persistent was asked for: {why}"),
+            ),
+        },
+        OwnVariantChoice::Auto if !PREFER_PERSISTENT => (
+            OwnVariant::TwoPass,
+            format!("own {dir}: two-pass (PREFER_PERSISTENT is off)"),
+        ),
+        OwnVariantChoice::Auto => match persistent_applies(layout, dtype, tiles) {
+            Ok(bytes) => (
+                OwnVariant::Persistent,
+                format!(
+                    "own {dir}: persistent — {:.1} MB of {} fit the on-chip budget \
+                     (OWN_PERSISTENT_MAX_BYTES): one cooperative kernel reads them from memory \
+                     once and keeps them in shared memory across two grid-wide barriers",
+                    bytes as f64 / 1e6,
+                    if tiles == 1 { "x" } else { "x and dy" }
+                ),
+            ),
+            Err(why) => (
+                OwnVariant::TwoPass,
+                format!(
+                    "own {dir}: two-pass ({} then the elementwise pass) — {why}",
+                    if tiles == 1 {
+                        "Welford statistics"
+                    } else {
+                        "the sums with the mask read inside"
+                    }
+                ),
+            ),
+        },
+    }
+}
+
+/// How the own kernels run a plan's phase: training forward and backward variants, or the one
+/// elementwise inference pass; with one reason per direction.
+pub fn own_variants(
+    layout: &ChannelLayout,
+    dtype: DType,
+    phase: Phase,
+    choice: OwnVariantChoice,
+) -> (OwnVariant, Option<OwnVariant>, Vec<String>) {
+    match phase {
+        Phase::Inference => (
+            OwnVariant::Elementwise,
+            None,
+            vec![
+                "own forward: elementwise — one pass, y = act((x - mean) * scale + shift [+ z]) \
+                  with scale and shift folded once per call from the running statistics"
+                    .into(),
+            ],
+        ),
+        Phase::Training => {
+            let (f, fr) = own_variant_for(layout, dtype, 1, choice);
+            let (b, br) = own_variant_for(layout, dtype, 2, choice);
+            (f, Some(b), vec![fr, br])
+        }
+    }
+}
+
+/// The cuDNN path: plain without activation; cuDNN fused when nothing refuses it; else fallback.
+/// (The own path is [`choose_impl`]'s decision.)
 pub fn infer_path(fuse: Fuse, refusals: &[FusedRefusal]) -> BnPath {
     if fuse == Fuse::None {
         BnPath::Plain
@@ -624,6 +1043,12 @@ fn layout_reason(shape: &[usize], axis: usize, layout: &ChannelLayout) -> String
 /// The path sentence.
 fn path_reason(path: BnPath, fuse: Fuse, refusals: usize) -> String {
     match path {
+        BnPath::Own => format!(
+            "path: own — nnfuse's own {} kernels (kernels/batchnorm*.cu): Welford statistics \
+             combined in a fixed order, the affine transform, activation and bitmask in one \
+             pass, the mask read inside the backward reduction",
+            fuse.describe()
+        ),
         BnPath::Plain => "path: plain — cuDNN BatchNorm alone (no activation asked for)".into(),
         BnPath::CudnnFused => format!(
             "path: cuDNN fused {} (cudnnBatchNormalizationForwardTrainingEx / BackwardEx with \
@@ -653,7 +1078,7 @@ fn path_reason(path: BnPath, fuse: Fuse, refusals: usize) -> String {
 pub fn plan(req: &PlanRequest<'_>) -> Result<BnPlan> {
     let layout = infer_channel_layout(req.shape, req.axis)?;
     let (mode, mode_reasons) = infer_mode(&layout, req.phase, req.config);
-    let refusals = fused_refusals(
+    let mut refusals = fused_refusals(
         &layout,
         mode,
         req.fuse,
@@ -662,15 +1087,50 @@ pub fn plan(req: &PlanRequest<'_>) -> Result<BnPlan> {
         req.config,
         req.cudnn_version,
     );
-    let path = infer_path(req.fuse, &refusals);
-    let (api, api_reason) = infer_api(mode, req.phase, req.cudnn_version);
+    if !req.cudnn_available && req.fuse != Fuse::None {
+        refusals.retain(|r| !matches!(r, FusedRefusal::CudnnTooOld(_)));
+        refusals.push(FusedRefusal::CudnnMissing);
+    }
+    let (own, impl_reason) = choose_impl(
+        &layout,
+        req.phase,
+        req.fuse,
+        req.dtype,
+        &refusals,
+        req.config,
+        req.cudnn_available,
+    );
+    let path = if own {
+        BnPath::Own
+    } else {
+        infer_path(req.fuse, &refusals)
+    };
+    let (api, api_reason) = if req.cudnn_available {
+        infer_api(mode, req.phase, req.cudnn_version)
+    } else {
+        (
+            BnApi::Legacy,
+            "api: none — cuDNN cannot be loaded (mode and api say what cuDNN would run)".into(),
+        )
+    };
+    let (own_forward, own_backward, own_reasons) = if own {
+        let (f, b, r) = own_variants(&layout, req.dtype, req.phase, req.own_variant);
+        (Some(f), b, r)
+    } else {
+        (None, None, Vec::new())
+    };
 
-    let mut reasons = Vec::with_capacity(4 + mode_reasons.len() + refusals.len());
+    let mut reasons = Vec::with_capacity(6 + mode_reasons.len() + refusals.len());
     reasons.push(layout_reason(req.shape, req.axis, &layout));
     reasons.extend(mode_reasons);
     reasons.push(api_reason);
+    reasons.push(impl_reason);
     reasons.push(path_reason(path, req.fuse, refusals.len()));
-    reasons.extend(refusals.iter().map(|r| format!("not fused: {r}")));
+    if own {
+        reasons.extend(own_reasons);
+    } else {
+        reasons.extend(refusals.iter().map(|r| format!("not fused: {r}")));
+    }
     Ok(BnPlan {
         layout,
         mode,
@@ -684,13 +1144,19 @@ pub fn plan(req: &PlanRequest<'_>) -> Result<BnPlan> {
         policy: req.config.bn_mode_policy,
         enable_nhwc: req.config.enable_nhwc,
         cudnn_version: req.cudnn_version,
+        bn_impl: req.config.bn_impl,
+        cudnn_available: req.cudnn_available,
+        own_forward,
+        own_backward,
     })
 }
 
 impl BnPlan {
     /// The plan as one JSON object: `mode`, `format`, `n`, `c`, `h`, `w`, `rank`, `path`,
     /// `api`, `fuse`, `phase`, `dtype`, `refusals` (short codes, see
-    /// [`FusedRefusal::code`]), `reasons`, `policy`, `enable_nhwc`, `cudnn_version`.
+    /// [`FusedRefusal::code`]), `reasons`, `policy`, `enable_nhwc`, `cudnn_version`, `impl`
+    /// (`own` | `cudnn`), `bn_impl` (the setting), `cudnn_available`, `own_forward` and
+    /// `own_backward` ([`OwnVariant::name`] or null).
     pub fn to_json(&self) -> Value {
         json!({
             "mode": self.mode.name(),
@@ -710,6 +1176,11 @@ impl BnPlan {
             "policy": self.policy.name(),
             "enable_nhwc": self.enable_nhwc,
             "cudnn_version": self.cudnn_version,
+            "impl": if self.path.is_own() { "own" } else { "cudnn" },
+            "bn_impl": self.bn_impl.name(),
+            "cudnn_available": self.cudnn_available,
+            "own_forward": self.own_forward.map(OwnVariant::name),
+            "own_backward": self.own_backward.map(OwnVariant::name),
         })
     }
 
@@ -723,18 +1194,29 @@ impl fmt::Display for BnPlan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "BatchNorm plan: {} {} {}, policy {}, NHWC flag {}, cuDNN {}",
+            "BatchNorm plan: {} {} {}, policy {}, impl {}, NHWC flag {}, cuDNN {}",
             self.phase,
             self.dtype,
             self.fuse.describe(),
             self.policy,
+            self.bn_impl,
             if self.enable_nhwc { "on" } else { "off" },
-            self.cudnn_version
+            if self.cudnn_available {
+                self.cudnn_version.to_string()
+            } else {
+                "missing".to_string()
+            }
         )?;
         writeln!(f, "  layout : {}", self.layout)?;
         writeln!(f, "  mode   : {}", self.mode.cudnn_name())?;
         writeln!(f, "  api    : {}", self.api)?;
         writeln!(f, "  path   : {}", self.path)?;
+        if let Some(fwd) = self.own_forward {
+            match self.own_backward {
+                Some(bwd) => writeln!(f, "  own    : forward {fwd}, backward {bwd}")?,
+                None => writeln!(f, "  own    : {fwd}")?,
+            }
+        }
         if !self.refusals.is_empty() {
             let codes: Vec<&str> = self.refusals.iter().map(FusedRefusal::code).collect();
             writeln!(f, "  refused: {}", codes.join(", "))?;
@@ -760,6 +1242,8 @@ mod tests {
             phase: Phase::Training,
             config,
             cudnn_version: ASSUMED_CUDNN_VERSION,
+            cudnn_available: true,
+            own_variant: OwnVariantChoice::Auto,
         }
     }
 
@@ -809,10 +1293,17 @@ mod tests {
     fn display_is_a_readable_summary() {
         let c = Config::default();
         let s = plan(&req(&[16, 32, 112, 112], 1, &c)).unwrap().to_string();
-        assert!(s.starts_with("BatchNorm plan: training f16 BN+Add+ReLU, policy auto"));
+        assert!(s.starts_with("BatchNorm plan: training f16 BN+Add+ReLU, policy auto, impl auto"));
         assert!(s.contains("mode   : CUDNN_BATCHNORM_SPATIAL\n"), "{s}");
-        assert!(s.contains("path   : fallback"), "{s}");
+        assert!(s.contains("path   : own"), "{s}");
+        assert!(
+            s.contains("own    : forward persistent, backward persistent"),
+            "{s}"
+        );
         assert!(s.contains("refused: not_nhwc, not_persistent"), "{s}");
+        let c = Config::default().with_bn_impl(BnImpl::Cudnn);
+        let s = plan(&req(&[16, 32, 112, 112], 1, &c)).unwrap().to_string();
+        assert!(s.contains("path   : fallback"), "{s}");
         assert!(s.contains("    - not fused: cuDNN fuses BN+activation only for NHWC"));
     }
 }

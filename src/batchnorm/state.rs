@@ -3,7 +3,7 @@
 
 use cudarc::driver::CudaSlice;
 
-use crate::batchnorm::plan::BnPath;
+use crate::batchnorm::plan::{BnPath, OwnVariant};
 
 /// State saved by [`crate::batchnorm::BatchNorm::forward_train`] for the backward.
 #[derive(Debug)]
@@ -13,11 +13,16 @@ pub struct BnSaved {
     pub(crate) eps: f64,
     pub(crate) x_ptr: u64,
     pub(crate) mean: CudaSlice<f32>,
+    /// Own path: the mean's remainder (`mean + mean_lo` is the mean to about 2^-48 relative),
+    /// so that the backward's `x - mean` keeps its precision under a large common offset.
+    pub(crate) mean_lo: Option<CudaSlice<f32>>,
     pub(crate) inv_var: CudaSlice<f32>,
     /// cuDNN's opaque reserve space, when the Ex forward asked for one.
     pub(crate) reserve: Option<CudaSlice<u8>>,
-    /// nnfuse's bitmask of the positive pre-activations (fallback path).
+    /// nnfuse's bitmask of the positive outputs (fallback and own paths with an activation).
     pub(crate) mask: Option<CudaSlice<u32>>,
+    /// Own path: the variant the forward ran.
+    pub(crate) own_variant: Option<OwnVariant>,
 }
 
 impl BnSaved {
@@ -37,10 +42,16 @@ impl BnSaved {
         &self.inv_var
     }
 
-    /// The bitmask of the fallback path (`None` on other paths). Layout as
-    /// [`crate::reference::activation`].
+    /// The bitmask of the fallback and own paths with an activation (`None` otherwise). Layout
+    /// as [`crate::reference::activation`].
     pub fn mask(&self) -> Option<&CudaSlice<u32>> {
         self.mask.as_ref()
+    }
+
+    /// On the own path, the variant the forward ran (persistent, or two-pass when the plan or the
+    /// device said so); `None` on cuDNN paths.
+    pub fn own_variant(&self) -> Option<OwnVariant> {
+        self.own_variant
     }
 
     /// Bytes of cuDNN reserve space this state holds.

@@ -2,8 +2,10 @@
 
 use std::process::ExitCode;
 
-use nnfuse::context::{cublas_version, cublaslt_version, cudnn_version, driver_version, Context};
-use nnfuse::{kernels, Config};
+use nnfuse::context::{
+    cublas_version, cublaslt_version, cudnn_present, cudnn_version, driver_version, Context,
+};
+use nnfuse::{kernels, BnImpl, Config};
 
 /// Prints one line per component; exits 1 when the device or a library is missing.
 pub fn run() -> anyhow::Result<ExitCode> {
@@ -38,6 +40,20 @@ pub fn run() -> anyhow::Result<ExitCode> {
         Err(e) => Err(nnfuse::Error::NotSupported(format!("configuration: {e}"))),
     };
     line("device", device);
+    // BatchNorm works without cuDNN (on nnfuse's own kernels): say which side runs.
+    let bn = match (&config, cudnn_present()) {
+        (_, false) => "nnfuse's own kernels for every shape (cuDNN not found)".to_string(),
+        (Ok(c), true) if c.bn_impl == BnImpl::Own => {
+            "nnfuse's own kernels for every shape (NNFUSE_BN_IMPL=own)".to_string()
+        }
+        (Ok(c), true) if c.bn_impl == BnImpl::Cudnn => {
+            "cuDNN for every shape (NNFUSE_BN_IMPL=cudnn)".to_string()
+        }
+        _ => "cuDNN and nnfuse's own kernels, chosen per shape (NNFUSE_BN_IMPL=auto; \
+              `nnfuse plan` shows the choice)"
+            .to_string(),
+    };
+    println!("{:<10} {bn}", "BatchNorm");
     match config {
         Ok(c) => println!("config:\n{}", indent(&c.to_string())),
         Err(e) => {

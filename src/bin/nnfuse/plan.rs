@@ -1,21 +1,23 @@
 //! `nnfuse plan`: the BatchNorm plan for a shape, with every reason — on any machine.
 //!
-//! The NHWC flag, the mode policy and the fusion switch come from the same environment
-//! variables as the library ([`Config::from_env`]); `--nhwc`, `--policy` and `--no-fusion`
-//! override them. No GPU is touched: the cuDNN version is `--cudnn-version`, else the installed
-//! cuDNN's when the library can be loaded, else the newest supported one (said "assumed").
+//! The NHWC flag, the mode policy, the fusion switch and the BatchNorm implementation come from
+//! the same environment variables as the library ([`Config::from_env`]); `--nhwc`, `--policy`,
+//! `--no-fusion` and `--impl` override them. No GPU is touched: the cuDNN version is
+//! `--cudnn-version`, else the installed cuDNN's when the library can be loaded, else the newest
+//! supported one (said "assumed"); `--no-cudnn` plans as on a machine without cuDNN (nnfuse's
+//! own kernels for every shape).
 
 use std::process::ExitCode;
 
 use clap::Args;
 use serde_json::json;
 
-use nnfuse::batchnorm::{plan, Fuse, Phase, PlanRequest, ASSUMED_CUDNN_VERSION};
+use nnfuse::batchnorm::{plan, Fuse, OwnVariantChoice, Phase, PlanRequest, ASSUMED_CUDNN_VERSION};
 use nnfuse::config::{
-    parse_bool, ENV_BN_MODE_POLICY, ENV_DISABLE_CUDNN_FUSION, ENV_ENABLE_NHWC,
+    parse_bool, ENV_BN_IMPL, ENV_BN_MODE_POLICY, ENV_DISABLE_CUDNN_FUSION, ENV_ENABLE_NHWC,
     ENV_ONEFLOW_ENABLE_NHWC,
 };
-use nnfuse::{BnModePolicy, Config, DType, Error};
+use nnfuse::{BnImpl, BnModePolicy, Config, DType, Error};
 
 /// Arguments of `nnfuse plan`.
 #[derive(Args, Debug)]
@@ -54,6 +56,15 @@ pub struct PlanArgs {
     /// The convolution plan's arguments (`--conv` and the flags that go with it).
     #[command(flatten)]
     conv: crate::plan_conv::ConvArgs,
+    /// BatchNorm implementation: auto, cudnn, own (overrides NNFUSE_BN_IMPL).
+    #[arg(long = "impl", value_name = "IMPL")]
+    bn_impl: Option<String>,
+    /// Variant of nnfuse's own training kernels: auto, two-pass, persistent.
+    #[arg(long, value_name = "VARIANT", default_value = "auto")]
+    own_variant: String,
+    /// Plan as on a machine without cuDNN (every shape on nnfuse's own kernels).
+    #[arg(long)]
+    no_cudnn: bool,
 }
 
 /// Where a setting came from.
@@ -148,9 +159,12 @@ fn version_string(v: usize) -> String {
 }
 
 /// The cuDNN version to plan for, and where it came from.
-fn cudnn_version(given: Option<&str>) -> nnfuse::Result<(usize, &'static str)> {
+fn cudnn_version(given: Option<&str>, no_cudnn: bool) -> nnfuse::Result<(usize, &'static str)> {
     if let Some(s) = given {
         return Ok((parse_cudnn_version(s)?, "given"));
+    }
+    if no_cudnn {
+        return Ok((ASSUMED_CUDNN_VERSION, "none (--no-cudnn)"));
     }
     if nnfuse::context::cudnn_present() {
         if let Ok(v) = nnfuse::context::cudnn_version() {
@@ -186,6 +200,20 @@ pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
     if args.no_fusion {
         config.disable_cudnn_fusion = true;
     }
+    if let Some(i) = &args.bn_impl {
+        config.bn_impl = i.parse::<BnImpl>().map_err(|_| {
+            Error::invalid("--impl", format!("{i:?} is not one of auto, cudnn, own"))
+        })?;
+    }
+    let own_variant: OwnVariantChoice = args.own_variant.parse().map_err(|_| {
+        Error::invalid(
+            "--own-variant",
+            format!(
+                "{:?} is not one of auto, two-pass, persistent",
+                args.own_variant
+            ),
+        )
+    })?;
     let shape = parse_shape(args.shape.as_deref().unwrap_or_default())?;
     let axis = resolve_axis(args.axis, shape.len())?;
     let dtype: DType = args.dtype.parse()?;
@@ -195,7 +223,9 @@ pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
     } else {
         Phase::Training
     };
-    let (version, version_source) = cudnn_version(args.cudnn_version.as_deref())?;
+    let (version, version_source) = cudnn_version(args.cudnn_version.as_deref(), args.no_cudnn)?;
+    let cudnn_available =
+        !args.no_cudnn && (args.cudnn_version.is_some() || nnfuse::context::cudnn_present());
     let p = plan(&PlanRequest {
         shape: &shape,
         axis,
@@ -204,12 +234,15 @@ pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
         phase,
         config: &config,
         cudnn_version: version,
+        cudnn_available,
+        own_variant,
     })?;
 
     let sources = json!({
         "policy": source(args.policy.is_some(), "--policy", &[ENV_BN_MODE_POLICY]),
         "enable_nhwc": source(args.nhwc.is_some(), "--nhwc", &[ENV_ENABLE_NHWC, ENV_ONEFLOW_ENABLE_NHWC]),
         "disable_cudnn_fusion": source(args.no_fusion, "--no-fusion", &[ENV_DISABLE_CUDNN_FUSION]),
+        "bn_impl": source(args.bn_impl.is_some(), "--impl", &[ENV_BN_IMPL]),
         "cudnn_version": version_source,
     });
     if args.json {
@@ -228,14 +261,17 @@ pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
         let why = match version_source {
             "given" => "given by --cudnn-version",
             "installed" => "the installed cuDNN",
+            "none (--no-cudnn)" => "planned without cuDNN (--no-cudnn)",
             _ => "assumed: no cuDNN found here, so the newest supported",
         };
         println!("shape {shape:?}, axis {axis}");
         println!("cuDNN {} ({version}), {why}", version_string(version));
         println!(
-            "config: policy {} ({}), NHWC flag {} ({}), cuDNN fusion {} ({})",
+            "config: policy {} ({}), impl {} ({}), NHWC flag {} ({}), cuDNN fusion {} ({})",
             config.bn_mode_policy,
             sources["policy"].as_str().unwrap_or_default(),
+            config.bn_impl,
+            sources["bn_impl"].as_str().unwrap_or_default(),
             if config.enable_nhwc { "on" } else { "off" },
             sources["enable_nhwc"].as_str().unwrap_or_default(),
             if config.disable_cudnn_fusion {

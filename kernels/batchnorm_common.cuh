@@ -1,0 +1,761 @@
+// Shared by kernels/batchnorm.cu and kernels/batchnorm_persistent.cu: src/kernels.rs embeds this
+// header after the prelude and before each of the two files.
+//
+// Conventions of every BatchNorm kernel:
+//  * Data (x, z, y, dy, dx, d_addend) is T = float, nnf_f16 or nnf_bf16; parameters, statistics
+//    and every accumulation are f32.
+//  * The tensor is viewed as channels-first (n runs of hw contiguous elements per channel:
+//    element (o, ch, i) at (o*C + ch)*hw + i) or channels-last (rows of C contiguous elements:
+//    element (r, ch) at r*C + ch), as src/batchnorm/own_launch.rs decides from the layout.
+//  * Statistics: Welford per thread (values merged in groups: a group's own mean and M2, then
+//    Chan's combination into the running state), then Chan's combination of the partial results
+//    in a fixed tree, so that the result does not depend on timing (no float atomics). Integer
+//    atomics only count arrivals. Every value is first shifted by a pivot of its channel (the
+//    channel's first element), so that a large common offset costs no precision; the channel's
+//    mean is finished in f64 as a pair hi + lo of floats (hi = the saved mean), and every
+//    consumer forms x - mean as (x - hi) - lo.
+//  * Mask layout (src/reference/activation.rs): u32 words, bit i of word w is element 32w + i,
+//    ceil(n/32) words, bits past n zero; bit = (the rounded output y > 0), so that the mask and y
+//    always agree. NaN: relu(NaN) = NaN with bit 0 (as PyTorch and kernels/bitmask.cu).
+//  * Indices are 64-bit; blocks are whole warps (ballots and shuffles use the full mask and are
+//    reached by all 32 lanes: loop bounds around them depend on the warp or block only).
+
+#define NNF_FULL_WARP 0xffffffffu
+
+// Keep these in sync with src/batchnorm/own_launch.rs (a CPU test compares them).
+constexpr int THREADS = 256;       // block of the two-pass and inference kernels
+constexpr int PTHREADS = 512;      // block of the persistent kernels
+constexpr int RED_UNROLL = 4;      // vectors a thread loads before it reduces them
+constexpr int APPLY_UNROLL = 2;    // 32-vector chunks per warp iteration in the apply kernels
+constexpr int SCALAR_WORDS = 8;    // mask words per warp tile in the scalar apply path
+constexpr int STAGE_MAX_C = 2048;  // most channels an apply kernel stages (<= 40 KB: no opt-in)
+
+// Activation (forward) / what the backward applies to dy.
+constexpr int ACT_NONE = 0;      // y = bn(x); dy' = dy
+constexpr int ACT_RELU = 1;      // y = relu(bn(x)); dy' = dy where the mask bit is set
+constexpr int ACT_ADD_RELU = 2;  // y = relu(bn(x) + z); dy' as ReLU, and d_addend = dy'
+
+extern __shared__ __align__(16) unsigned char nnf_dyn_smem[];
+
+// --- fast division (Granlund–Montgomery, 64-bit): the host computes magic and shift ----------
+
+struct FastDiv {
+    u64 d;       // divisor, >= 1
+    u64 magic;   // floor(2^64 * (2^l - d) / d) + 1 with l = ceil(log2 d); unused for d == 1
+    u32 shift;   // l - 1
+    u32 is_one;  // d == 1
+};
+
+// floor(n / d) for every 64-bit n (src/batchnorm/own_launch.rs emulates and tests this formula).
+__device__ __forceinline__ u64 fdiv(const FastDiv& f, u64 n) {
+    if (f.is_one) return n;
+    const u64 t = __umul64hi(n, f.magic);
+    return (t + ((n - t) >> 1)) >> f.shift;
+}
+
+// --- element access --------------------------------------------------------------------------
+
+template <typename T> struct FloatBits;
+template <> struct FloatBits<float> { static constexpr u32 SIGN = 0x80000000u, INF = 0x7f800000u; };
+template <> struct FloatBits<nnf_f16> { static constexpr u32 SIGN = 0x8000u, INF = 0x7c00u; };
+template <> struct FloatBits<nnf_bf16> { static constexpr u32 SIGN = 0x8000u, INF = 0x7f80u; };
+
+// v > 0 decided on the element's bits (sign clear, not zero, not NaN): an integer test, immune to
+// the NVRTC 13.0 / sm_90 miscompilation of 16-bit compares recorded in CHANGELOG.md.
+template <typename T> __device__ __forceinline__ bool bits_gt0(u32 b) {
+    const u32 mag = b & (FloatBits<T>::SIGN - 1u);
+    return !(b & FloatBits<T>::SIGN) && mag != 0u && mag <= FloatBits<T>::INF;
+}
+
+template <typename T> __device__ __forceinline__ u32 to_bits(T v) { return v.bits; }
+template <> __device__ __forceinline__ u32 to_bits<float>(float v) { return __float_as_uint(v); }
+
+template <typename T> __device__ __forceinline__ T from_bits(u32 b) {
+    T t;
+    t.bits = (unsigned short)b;
+    return t;
+}
+template <> __device__ __forceinline__ float from_bits<float>(u32 b) { return __uint_as_float(b); }
+
+template <typename T> __device__ __forceinline__ float bits_float(u32 b) {
+    return to_float(from_bits<T>(b));
+}
+
+// The bits of v rounded to T (nearest even): one conversion instruction for every type (the
+// bf16 one, cvt.rn.bf16.f32, exists from sm_80; NaN becomes a quiet NaN).
+template <typename T> __device__ __forceinline__ u32 out_bits(float v);
+template <> __device__ __forceinline__ u32 out_bits<float>(float v) { return __float_as_uint(v); }
+template <> __device__ __forceinline__ u32 out_bits<nnf_f16>(float v) {
+    unsigned short r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(v));
+    return r;
+}
+template <> __device__ __forceinline__ u32 out_bits<nnf_bf16>(float v) {
+    unsigned short r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+    return r;
+}
+
+// A vector of V elements of T held in (up to) four 32-bit words; element j of the vector.
+template <typename T> __device__ __forceinline__ u32 elem_bits(const u32 (&w)[4], int j) {
+    if constexpr (sizeof(T) == 4) {
+        return w[j];
+    } else {
+        return (w[j >> 1] >> ((j & 1) * 16)) & 0xffffu;
+    }
+}
+template <typename T> __device__ __forceinline__ void set_elem_bits(u32 (&w)[4], int j, u32 b) {
+    if constexpr (sizeof(T) == 4) {
+        w[j] = b;
+    } else {
+        const int s = (j & 1) * 16;
+        w[j >> 1] = (w[j >> 1] & ~(0xffffu << s)) | (b << s);
+    }
+}
+
+// Loads / stores V elements (V * sizeof(T) bytes: 2, 4, 8 or 16, aligned to that size) as raw
+// words; global or shared memory.
+template <typename T, int V> __device__ __forceinline__ void load_raw(const T* p, u32 (&w)[4]) {
+    constexpr int B = V * (int)sizeof(T);
+    static_assert(B == 2 || B == 4 || B == 8 || B == 16, "vector of 2, 4, 8 or 16 bytes");
+    if constexpr (B == 16) {
+        const uint4 r = *reinterpret_cast<const uint4*>(p);
+        w[0] = r.x;
+        w[1] = r.y;
+        w[2] = r.z;
+        w[3] = r.w;
+    } else if constexpr (B == 8) {
+        const uint2 r = *reinterpret_cast<const uint2*>(p);
+        w[0] = r.x;
+        w[1] = r.y;
+        w[2] = 0u;
+        w[3] = 0u;
+    } else if constexpr (B == 4) {
+        w[0] = *reinterpret_cast<const u32*>(p);
+        w[1] = 0u;
+        w[2] = 0u;
+        w[3] = 0u;
+    } else {
+        w[0] = *reinterpret_cast<const unsigned short*>(p);
+        w[1] = 0u;
+        w[2] = 0u;
+        w[3] = 0u;
+    }
+}
+template <typename T, int V> __device__ __forceinline__ void store_raw(T* p, const u32 (&w)[4]) {
+    constexpr int B = V * (int)sizeof(T);
+    static_assert(B == 2 || B == 4 || B == 8 || B == 16, "vector of 2, 4, 8 or 16 bytes");
+    if constexpr (B == 16) {
+        *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else if constexpr (B == 8) {
+        *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+    } else if constexpr (B == 4) {
+        *reinterpret_cast<u32*>(p) = w[0];
+    } else {
+        *reinterpret_cast<unsigned short*>(p) = (unsigned short)w[0];
+    }
+}
+
+// Zeroes the elements of a raw vector whose bit in `bits` (bit j = element j) is clear: dy' of
+// the masked backward (a zeroed element is +0, as the bitmask kernels write).
+template <typename T, int V> __device__ __forceinline__ void mask_raw(u32 (&w)[4], u32 bits) {
+#pragma unroll
+    for (int j = 0; j < V; ++j)
+        if (!((bits >> j) & 1u)) set_elem_bits<T>(w, j, 0u);
+}
+
+// The V mask bits of the V-element vector starting at element e (e a multiple of V, V | 32).
+template <int V> __device__ __forceinline__ u32 vec_bits(const u32* mask, u64 e) {
+    return (mask[e >> 5] >> (u32)(e & 31u)) & ((V == 32) ? 0xffffffffu : ((1u << V) - 1u));
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) { return (((u64)p) & 15u) == 0; }
+
+// --- the warp-vote transpose (as kernels/bitmask.cu) ------------------------------------------
+
+// `bits`: bit j = predicate of this lane's element j, element lane*N + j of a 32*N-element chunk.
+// Returns mask word w of the chunk (in every lane of lane group w = lane / (32/N)): the L = 32/N
+// lanes of a group shift their bits into place and OR-reduce with xor-shuffles. All 32 lanes call.
+template <int N> __device__ __forceinline__ u32 chunk_word(u32 bits) {
+    constexpr int L = 32 / N;
+    const int lane = threadIdx.x & 31;
+    u32 word = bits << (N * (lane & (L - 1)));
+#pragma unroll
+    for (int d = 1; d < L; d <<= 1) word |= __shfl_xor_sync(NNF_FULL_WARP, word, d);
+    return word;
+}
+
+// --- Welford / Chan --------------------------------------------------------------------------
+
+struct Wf {
+    float n, m, m2;  // count, mean, sum of squared deviations
+};
+
+__device__ __forceinline__ Wf wf_zero() {
+    Wf w;
+    w.n = 0.0f;
+    w.m = 0.0f;
+    w.m2 = 0.0f;
+    return w;
+}
+
+// Chan's combination of (nb, mb, m2b) into a. An empty side leaves the other unchanged.
+__device__ __forceinline__ void wf_merge(Wf& a, float nb, float mb, float m2b) {
+    if (nb == 0.0f) return;
+    if (a.n == 0.0f) {
+        a.n = nb;
+        a.m = mb;
+        a.m2 = m2b;
+        return;
+    }
+    const float n = a.n + nb;
+    const float r = nb / n;
+    const float d = mb - a.m;
+    a.m = fmaf(d, r, a.m);
+    a.m2 = a.m2 + m2b + d * d * a.n * r;
+    a.n = n;
+}
+
+// V channels that always see the same number of values (one count).
+template <int V> struct WfV {
+    float n;
+    float m[V];
+    float m2[V];
+};
+
+template <int V> __device__ __forceinline__ WfV<V> wfv_zero() {
+    WfV<V> a;
+    a.n = 0.0f;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        a.m[j] = 0.0f;
+        a.m2[j] = 0.0f;
+    }
+    return a;
+}
+
+// Merges K new values of each channel, v[k*V + j] = value k of channel j: the group's own mean
+// and M2 (two passes over registers), then Chan's combination: one division per group.
+template <int V, int K> __device__ __forceinline__ void wfv_group(WfV<V>& a, const float* v) {
+    float lm[V], q[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < K; ++k) s += v[k * V + j];
+        lm[j] = s * (1.0f / (float)K);  // K is a power of two: exact
+        float qq = 0.0f;
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const float d = v[k * V + j] - lm[j];
+            qq = fmaf(d, d, qq);
+        }
+        q[j] = qq;
+    }
+    if (a.n == 0.0f) {
+        a.n = (float)K;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            a.m[j] = lm[j];
+            a.m2[j] = q[j];
+        }
+        return;
+    }
+    const float n = a.n + (float)K;
+    const float r = (float)K / n;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        const float d = lm[j] - a.m[j];
+        a.m[j] = fmaf(d, r, a.m[j]);
+        a.m2[j] = a.m2[j] + q[j] + d * d * a.n * r;
+    }
+    a.n = n;
+}
+
+// Chan's combination of another V-channel state (count nb) into a.
+template <int V>
+__device__ __forceinline__ void wfv_merge(WfV<V>& a, float nb, const float* mb, const float* m2b) {
+    if (nb == 0.0f) return;
+    if (a.n == 0.0f) {
+        a.n = nb;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            a.m[j] = mb[j];
+            a.m2[j] = m2b[j];
+        }
+        return;
+    }
+    const float n = a.n + nb;
+    const float r = nb / n;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        const float d = mb[j] - a.m[j];
+        a.m[j] = fmaf(d, r, a.m[j]);
+        a.m2[j] = a.m2[j] + m2b[j] + d * d * a.n * r;
+    }
+    a.n = n;
+}
+
+__device__ __forceinline__ void wf_warp(Wf& a) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float nb = __shfl_xor_sync(NNF_FULL_WARP, a.n, o);
+        const float mb = __shfl_xor_sync(NNF_FULL_WARP, a.m, o);
+        const float qb = __shfl_xor_sync(NNF_FULL_WARP, a.m2, o);
+        wf_merge(a, nb, mb, qb);
+    }
+}
+
+// Block-wide combination in a fixed tree (lanes, then warps); the result is valid in thread 0.
+// `sh`: 96 floats of shared memory. Every thread of the block calls; ends synchronised.
+template <int NT> __device__ __forceinline__ Wf wf_block(Wf a, float* sh) {
+    static_assert(NT % 32 == 0 && NT <= 1024, "whole warps");
+    wf_warp(a);
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    if (lane == 0) {
+        sh[w] = a.n;
+        sh[32 + w] = a.m;
+        sh[64 + w] = a.m2;
+    }
+    __syncthreads();
+    Wf r = wf_zero();
+    if (w == 0) {
+        if (lane < NT / 32) {
+            r.n = sh[lane];
+            r.m = sh[32 + lane];
+            r.m2 = sh[64 + lane];
+        }
+        wf_warp(r);
+    }
+    __syncthreads();
+    return r;
+}
+
+// Sums of two values, block-wide in a fixed tree; valid in thread 0. `sh`: 64 floats.
+template <int NT> __device__ __forceinline__ void sum2_block(float& a, float& b, float* sh) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        a += __shfl_xor_sync(NNF_FULL_WARP, a, o);
+        b += __shfl_xor_sync(NNF_FULL_WARP, b, o);
+    }
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    if (lane == 0) {
+        sh[w] = a;
+        sh[32 + w] = b;
+    }
+    __syncthreads();
+    if (w == 0) {
+        a = lane < NT / 32 ? sh[lane] : 0.0f;
+        b = lane < NT / 32 ? sh[32 + lane] : 0.0f;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            a += __shfl_xor_sync(NNF_FULL_WARP, a, o);
+            b += __shfl_xor_sync(NNF_FULL_WARP, b, o);
+        }
+    }
+    __syncthreads();
+}
+
+// --- partial results -------------------------------------------------------------------------
+// Partials of channel ch, part p live at part[k*C*P + ch*P + p] for field k (statistics: count,
+// mean, M2; backward: Σdy', Σdy'(x - mean)): a channel's partials are contiguous, so the combine
+// reads them coalesced.
+
+// Combines the P Welford partials of one channel (base = ch*P) with the whole block: thread t
+// takes p = t, t + NT, ... in order, then the block tree. Valid in thread 0. The partials may have
+// been written by other blocks of this launch (read through L2, never a stale L1 line).
+template <int NT>
+__device__ __forceinline__ Wf combine_wf(const float* part, u64 cp, u64 base, u64 P, float* sh) {
+    Wf acc = wf_zero();
+    for (u64 q = threadIdx.x; q < P; q += NT)
+        wf_merge(acc, __ldcg(part + base + q), __ldcg(part + cp + base + q),
+                 __ldcg(part + 2 * cp + base + q));
+    return wf_block<NT>(acc, sh);
+}
+
+// The same for the backward's two sums.
+template <int NT>
+__device__ __forceinline__ void combine_sums(const float* part, u64 cp, u64 base, u64 P, float& s1,
+                                             float& s2, float* sh) {
+    s1 = 0.0f;
+    s2 = 0.0f;
+    for (u64 q = threadIdx.x; q < P; q += NT) {
+        s1 += __ldcg(part + base + q);
+        s2 += __ldcg(part + cp + base + q);
+    }
+    sum2_block<NT>(s1, s2, sh);
+}
+
+// --- channels-first traversal ----------------------------------------------------------------
+// A channel's vectors are numbered k = o*ipr + iv (run o, vector iv of the run, ipr = hw/V
+// vectors per run); vector k of channel ch starts at element (o*C + ch)*hw + iv*V. A thread
+// takes k = k0 + t, k0 + t + NT, ... and steps its (o, iv) cursor without dividing.
+
+__device__ __forceinline__ void cursor_step(u64& o, u64& iv, u64 sq, u64 sr, u64 ipr) {
+    iv += sr;
+    o += sq;
+    if (iv >= ipr) {
+        iv -= ipr;
+        ++o;
+    }
+}
+
+// Welford over vectors [k0, k1) of channel ch (thread-strided by NT). With `tile`, every vector
+// is also stored there at (k - k0)*V (the persistent kernels keep x on chip).
+template <typename T, int V, int NT>
+__device__ __forceinline__ void cf_stats_range(const T* __restrict__ x, u64 C, u64 hw,
+                                               const FastDiv& iprd, u64 ch, u64 k0, u64 k1,
+                                               float shift, WfV<1>& acc, T* tile) {
+    u64 k = k0 + threadIdx.x;
+    if (k >= k1) return;
+    const u64 ipr = iprd.d;
+    u64 o = fdiv(iprd, k), iv = k - o * ipr;
+    const u64 sq = fdiv(iprd, (u64)NT), sr = (u64)NT - sq * ipr;
+    for (; k + (u64)(RED_UNROLL - 1) * NT < k1; k += (u64)RED_UNROLL * NT) {
+        u32 w[RED_UNROLL][4];
+#pragma unroll
+        for (int u = 0; u < RED_UNROLL; ++u) {  // all loads first
+            load_raw<T, V>(x + ((o * C + ch) * hw + iv * V), w[u]);
+            cursor_step(o, iv, sq, sr, ipr);
+        }
+        if (tile != nullptr) {
+#pragma unroll
+            for (int u = 0; u < RED_UNROLL; ++u)
+                store_raw<T, V>(tile + (k - k0 + (u64)u * NT) * V, w[u]);
+        }
+        float v[RED_UNROLL * V];
+#pragma unroll
+        for (int u = 0; u < RED_UNROLL; ++u)
+#pragma unroll
+            for (int j = 0; j < V; ++j) v[u * V + j] = bits_float<T>(elem_bits<T>(w[u], j)) - shift;
+        wfv_group<1, RED_UNROLL * V>(acc, v);
+    }
+    for (; k < k1; k += NT) {
+        u32 w[4];
+        load_raw<T, V>(x + ((o * C + ch) * hw + iv * V), w);
+        if (tile != nullptr) store_raw<T, V>(tile + (k - k0) * V, w);
+        float v[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) v[j] = bits_float<T>(elem_bits<T>(w, j)) - shift;
+        wfv_group<1, V>(acc, v);
+        cursor_step(o, iv, sq, sr, ipr);
+    }
+}
+
+// Σdy' and Σdy'(x - mean) over vectors [k0, k1) of channel ch, with dy' = dy masked (act >= 1)
+// and written to dz (act == ACT_ADD_RELU). With tiles, x and dy' are also stored at (k - k0)*V.
+template <typename T, int V, int NT>
+__device__ __forceinline__ void cf_reduce_range(const T* __restrict__ x, const T* __restrict__ dy,
+                                                const u32* __restrict__ mask, T* dz, int act, u64 C,
+                                                u64 hw, const FastDiv& iprd, u64 ch, u64 k0, u64 k1,
+                                                float mhi, float mlo, float& s1, float& s2, T* xt,
+                                                T* gt) {
+    u64 k = k0 + threadIdx.x;
+    if (k >= k1) return;
+    const u64 ipr = iprd.d;
+    u64 o = fdiv(iprd, k), iv = k - o * ipr;
+    const u64 sq = fdiv(iprd, (u64)NT), sr = (u64)NT - sq * ipr;
+    for (; k + (u64)(RED_UNROLL - 1) * NT < k1; k += (u64)RED_UNROLL * NT) {
+        u32 wx[RED_UNROLL][4], wg[RED_UNROLL][4], mb[RED_UNROLL];
+        u64 e[RED_UNROLL];
+#pragma unroll
+        for (int u = 0; u < RED_UNROLL; ++u) {  // all loads first
+            e[u] = (o * C + ch) * hw + iv * V;
+            load_raw<T, V>(x + e[u], wx[u]);
+            load_raw<T, V>(dy + e[u], wg[u]);
+            mb[u] = act != ACT_NONE ? vec_bits<V>(mask, e[u]) : 0xffffffffu;
+            cursor_step(o, iv, sq, sr, ipr);
+        }
+#pragma unroll
+        for (int u = 0; u < RED_UNROLL; ++u) {
+            if (act != ACT_NONE) mask_raw<T, V>(wg[u], mb[u]);
+            if (act == ACT_ADD_RELU) store_raw<T, V>(dz + e[u], wg[u]);
+            if (xt != nullptr) {
+                store_raw<T, V>(xt + (k - k0 + (u64)u * NT) * V, wx[u]);
+                store_raw<T, V>(gt + (k - k0 + (u64)u * NT) * V, wg[u]);
+            }
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                const float g = bits_float<T>(elem_bits<T>(wg[u], j));
+                s1 += g;
+                s2 = fmaf(g, (bits_float<T>(elem_bits<T>(wx[u], j)) - mhi) - mlo, s2);
+            }
+        }
+    }
+    for (; k < k1; k += NT) {
+        const u64 e = (o * C + ch) * hw + iv * V;
+        u32 wx[4], wg[4];
+        load_raw<T, V>(x + e, wx);
+        load_raw<T, V>(dy + e, wg);
+        if (act != ACT_NONE) mask_raw<T, V>(wg, vec_bits<V>(mask, e));
+        if (act == ACT_ADD_RELU) store_raw<T, V>(dz + e, wg);
+        if (xt != nullptr) {
+            store_raw<T, V>(xt + (k - k0) * V, wx);
+            store_raw<T, V>(gt + (k - k0) * V, wg);
+        }
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const float g = bits_float<T>(elem_bits<T>(wg, j));
+            s1 += g;
+            s2 = fmaf(g, (bits_float<T>(elem_bits<T>(wx, j)) - mhi) - mlo, s2);
+        }
+        cursor_step(o, iv, sq, sr, ipr);
+    }
+}
+
+// --- channels-last traversal -----------------------------------------------------------------
+// Thread t of a block is (ro, cvl) = (t / cvs, t % cvs): channel vector cv = slab*cvs + cvl (its V
+// channels cv*V .. cv*V + V-1 never change) and rows r = r_begin + ro, + rb, ... (rb = rows per
+// block iteration). Consecutive threads read consecutive vectors of a row, then the next row.
+
+template <typename T, int V>
+__device__ __forceinline__ void cl_stats_rows(const T* __restrict__ x, u64 C, u64 cv, u64 r, u64 r1,
+                                              u64 rb, const float (&shift)[V], WfV<V>& acc,
+                                              T* tile, u64 tile_r0) {
+    for (; r + (u64)(RED_UNROLL - 1) * rb < r1; r += (u64)RED_UNROLL * rb) {
+        u32 w[RED_UNROLL][4];
+#pragma unroll
+        for (int u = 0; u < RED_UNROLL; ++u) load_raw<T, V>(x + (r + u * rb) * C + cv * V, w[u]);
+        if (tile != nullptr) {
+#pragma unroll
+            for (int u = 0; u < RED_UNROLL; ++u)
+                store_raw<T, V>(tile + (r + u * rb - tile_r0) * C + cv * V, w[u]);
+        }
+        float v[RED_UNROLL * V];
+#pragma unroll
+        for (int u = 0; u < RED_UNROLL; ++u)
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+                v[u * V + j] = bits_float<T>(elem_bits<T>(w[u], j)) - shift[j];
+        wfv_group<V, RED_UNROLL>(acc, v);
+    }
+    for (; r < r1; r += rb) {
+        u32 w[4];
+        load_raw<T, V>(x + r * C + cv * V, w);
+        if (tile != nullptr) store_raw<T, V>(tile + (r - tile_r0) * C + cv * V, w);
+        float v[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) v[j] = bits_float<T>(elem_bits<T>(w, j)) - shift[j];
+        wfv_group<V, 1>(acc, v);
+    }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void cl_reduce_rows(const T* __restrict__ x, const T* __restrict__ dy,
+                                               const u32* __restrict__ mask, T* dz, int act, u64 C,
+                                               u64 cv, u64 r, u64 r1, u64 rb, const float (&mhi)[V],
+                                               const float (&mlo)[V], float (&s1)[V],
+                                               float (&s2)[V], T* xt, T* gt, u64 tile_r0) {
+    for (; r + (u64)(RED_UNROLL - 1) * rb < r1; r += (u64)RED_UNROLL * rb) {
+        u32 wx[RED_UNROLL][4], wg[RED_UNROLL][4], mb[RED_UNROLL];
+#pragma unroll
+        for (int u = 0; u < RED_UNROLL; ++u) {
+            const u64 e = (r + u * rb) * C + cv * V;
+            load_raw<T, V>(x + e, wx[u]);
+            load_raw<T, V>(dy + e, wg[u]);
+            mb[u] = act != ACT_NONE ? vec_bits<V>(mask, e) : 0xffffffffu;
+        }
+#pragma unroll
+        for (int u = 0; u < RED_UNROLL; ++u) {
+            const u64 rr = r + u * rb;
+            if (act != ACT_NONE) mask_raw<T, V>(wg[u], mb[u]);
+            if (act == ACT_ADD_RELU) store_raw<T, V>(dz + rr * C + cv * V, wg[u]);
+            if (xt != nullptr) {
+                store_raw<T, V>(xt + (rr - tile_r0) * C + cv * V, wx[u]);
+                store_raw<T, V>(gt + (rr - tile_r0) * C + cv * V, wg[u]);
+            }
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                const float g = bits_float<T>(elem_bits<T>(wg[u], j));
+                s1[j] += g;
+                s2[j] = fmaf(g, (bits_float<T>(elem_bits<T>(wx[u], j)) - mhi[j]) - mlo[j], s2[j]);
+            }
+        }
+    }
+    for (; r < r1; r += rb) {
+        const u64 e = r * C + cv * V;
+        u32 wx[4], wg[4];
+        load_raw<T, V>(x + e, wx);
+        load_raw<T, V>(dy + e, wg);
+        if (act != ACT_NONE) mask_raw<T, V>(wg, vec_bits<V>(mask, e));
+        if (act == ACT_ADD_RELU) store_raw<T, V>(dz + e, wg);
+        if (xt != nullptr) {
+            store_raw<T, V>(xt + (r - tile_r0) * C + cv * V, wx);
+            store_raw<T, V>(gt + (r - tile_r0) * C + cv * V, wg);
+        }
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            const float g = bits_float<T>(elem_bits<T>(wg, j));
+            s1[j] += g;
+            s2[j] = fmaf(g, (bits_float<T>(elem_bits<T>(wx, j)) - mhi[j]) - mlo[j], s2[j]);
+        }
+    }
+}
+
+// The threads of a block that share a channel vector (same cvl, ro = 0 .. rb-1) combine their
+// states in a fixed tree over ro; the result ends in the thread with ro == 0. `red` holds
+// NT*(1 + 2V) floats. Every thread of the block calls (inactive ones contribute nothing).
+template <int V, int NT>
+__device__ __forceinline__ void cl_tree_wf(WfV<V>& acc, u32 ro, u32 rb, u32 cvs, bool active,
+                                           float* red) {
+    const u32 t = threadIdx.x;
+    float* rn = red;
+    float* rm = red + NT;
+    float* rq = red + NT + NT * V;
+    if (active) {
+        rn[t] = acc.n;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            rm[t * V + j] = acc.m[j];
+            rq[t * V + j] = acc.m2[j];
+        }
+    }
+    __syncthreads();
+    u32 h = 1;
+    while (h < rb) h <<= 1;
+    for (h >>= 1; h >= 1; h >>= 1) {  // pairs (ro, ro + h): a partner never writes in its step
+        if (active && ro < h && ro + h < rb) {
+            const u32 o = t + h * cvs;
+            float mb[V], qb[V];
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                mb[j] = rm[o * V + j];
+                qb[j] = rq[o * V + j];
+            }
+            wfv_merge<V>(acc, rn[o], mb, qb);
+            rn[t] = acc.n;
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                rm[t * V + j] = acc.m[j];
+                rq[t * V + j] = acc.m2[j];
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// The same for the backward's sums (NT*2V floats of `red`).
+template <int V, int NT>
+__device__ __forceinline__ void cl_tree_sums(float (&s1)[V], float (&s2)[V], u32 ro, u32 rb, u32 cvs,
+                                             bool active, float* red) {
+    const u32 t = threadIdx.x;
+    float* r1 = red;
+    float* r2 = red + NT * V;
+    if (active) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            r1[t * V + j] = s1[j];
+            r2[t * V + j] = s2[j];
+        }
+    }
+    __syncthreads();
+    u32 h = 1;
+    while (h < rb) h <<= 1;
+    for (h >>= 1; h >= 1; h >>= 1) {
+        if (active && ro < h && ro + h < rb) {
+            const u32 o = t + h * cvs;
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                s1[j] += r1[o * V + j];
+                s2[j] += r2[o * V + j];
+                r1[t * V + j] = s1[j];
+                r2[t * V + j] = s2[j];
+            }
+        }
+        __syncthreads();
+    }
+}
+
+// --- finishing a channel ---------------------------------------------------------------------
+
+// The statistics of channel ch from its combined state `t` of values shifted by `shift`: the
+// mean as hi + lo (hi = the f32 mean, lo the rest, from an f64 sum), the saved mean (hi), its lo
+// part, the inverse std, the running statistics (PyTorch's momentum convention, the unbiased
+// variance in running_var). One thread per channel; returns the inverse std.
+__device__ __forceinline__ float finish_stats(u64 ch, const Wf& t, float shift, float eps,
+                                              float momentum, float unbias, float* saved_mean,
+                                              float* saved_mean_lo, float* saved_invstd,
+                                              float* running_mean, float* running_var, float& hi,
+                                              float& lo) {
+    const double mean = (double)shift + (double)t.m;
+    hi = (float)mean;
+    lo = (float)(mean - (double)hi);
+    const float var = t.m2 / t.n;  // biased (shift-invariant); t.n = M > 1
+    const float inv = 1.0f / sqrtf(var + eps);
+    saved_mean[ch] = hi;
+    saved_mean_lo[ch] = lo;
+    saved_invstd[ch] = inv;
+    const float rm = running_mean[ch], rv = running_var[ch];
+    running_mean[ch] = (1.0f - momentum) * rm + momentum * hi;
+    running_var[ch] = (1.0f - momentum) * rv + momentum * (var * unbias);
+    return inv;
+}
+
+// dbeta, dgamma and the coefficients of dx = A * (dy' - (B + ((x - hi) - lo) * D)):
+// coef[0][ch] = hi, [1] lo (the mean), [2] A = gamma * inv_std, [3] B = Σdy'/M,
+// [4] D = inv_std² Σdy'(x - mean)/M.
+__device__ __forceinline__ void finish_bwd(u64 ch, u64 C, float s1, float s2, float inv_count,
+                                           const float* saved_mean, const float* saved_mean_lo,
+                                           const float* saved_invstd, const float* gamma,
+                                           float* dgamma, float* dbeta, float* coef) {
+    const float inv = saved_invstd[ch];
+    const float dg = s2 * inv;
+    dbeta[ch] = s1;
+    dgamma[ch] = dg;
+    coef[ch] = saved_mean[ch];
+    coef[C + ch] = saved_mean_lo[ch];
+    coef[2 * C + ch] = gamma[ch] * inv;
+    coef[3 * C + ch] = s1 * inv_count;
+    coef[4 * C + ch] = dg * inv * inv_count;
+}
+
+// --- arrival counting (integer atomics only) -------------------------------------------------
+
+// The last of `expected` blocks to arrive on `counter` returns true (in every thread) and finds
+// the others' partials visible; it resets the counter for the next launch. Thread 0 must have
+// written this block's partial before the call.
+__device__ __forceinline__ bool arrive_last(u32* counter, u32 expected) {
+    __shared__ u32 last;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const u32 prev = atomicAdd(counter, 1u);
+        last = prev == expected - 1u;
+        if (last) {
+            __threadfence();
+            atomicExch(counter, 0u);  // every block has arrived: nobody reads it again
+        }
+    }
+    __syncthreads();
+    return last != 0u;
+}
+
+__device__ __forceinline__ u32 ld_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Grid-wide barrier of a cooperative launch (all blocks co-resident, which
+// cuLaunchCooperativeKernel guarantees or refuses): bar[0] counts arrivals, monotonic within
+// the launch; the k-th barrier waits for k * gridDim.x arrivals.
+__device__ __forceinline__ void grid_sync(u32* bar, u32 target) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(bar, 1u);
+        while (ld_acquire(bar) < target) __nanosleep(40);
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// After the last grid_sync: the last block to get here has seen every block leave the barrier,
+// so it resets both counters (bar[0], bar[1]) to zero for the next launch.
+__device__ __forceinline__ void grid_exit(u32* bar) {
+    if (threadIdx.x == 0) {
+        if (atomicAdd(bar + 1, 1u) == gridDim.x - 1u) {
+            atomicExch(bar, 0u);
+            atomicExch(bar + 1, 0u);
+        }
+    }
+}

@@ -1,0 +1,1115 @@
+//! Launchers of nnfuse's own BatchNorm kernels (`kernels/batchnorm.cu`,
+//! `kernels/batchnorm_persistent.cu`). The dispatcher ([`super::ops`]) has validated every
+//! buffer (lengths, device, overlap) before it calls these functions with raw device pointers;
+//! here only the launch decisions happen (vector widths, grids, the persistent tiling, scratch),
+//! from the pure arithmetic of [`super::own_launch`], each logged as a `tracing` debug event.
+//!
+//! Scratch: partial results and per-channel coefficients live in the Context's scratch arena
+//! ([`Context::scratch`]), held for the queuing of one operation. The channels-first reductions
+//! and the persistent kernels count arrivals in a small zeroed buffer per BatchNorm
+//! ([`Counters`]) that every launch leaves at zero again; the same per-BatchNorm state remembers
+//! whether (and how) the persistent kernels fit the device.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
+
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute, CUresult};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, DevicePtrMut, DeviceRepr, DriverError, LaunchConfig, PushKernelArg,
+};
+use once_cell::sync::Lazy;
+
+use crate::batchnorm::own_launch::{
+    apply_blocks, apply_mode, config, persistent_geom, reduce_geom, scratch_floats, staged_bytes,
+    vec_width, Arrangement, FastDiv, Geom, OwnShape, PGeom, PTHREADS, THREADS,
+};
+use crate::batchnorm::plan::{Fuse, OwnVariant};
+use crate::context::Context;
+use crate::dtype::DType;
+use crate::error::{CallExt, Error, Result};
+use crate::kernels;
+
+// ----- kernel arguments (the C structs of kernels/batchnorm*.cu, field for field) -------------
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct StatsArgs {
+    x: u64,
+    part: u64,
+    counters: u64,
+    saved_mean: u64,
+    saved_mean_lo: u64,
+    saved_invstd: u64,
+    running_mean: u64,
+    running_var: u64,
+    g: Geom,
+    eps: f32,
+    momentum: f32,
+    unbias: f32,
+    pad: f32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct ReduceArgs {
+    x: u64,
+    dy: u64,
+    mask: u64,
+    dz: u64,
+    saved_mean: u64,
+    saved_mean_lo: u64,
+    saved_invstd: u64,
+    gamma: u64,
+    part: u64,
+    counters: u64,
+    coef: u64,
+    dgamma: u64,
+    dbeta: u64,
+    g: Geom,
+    inv_count: f32,
+    act: u32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct ApplyFwdArgs {
+    x: u64,
+    z: u64,
+    y: u64,
+    mask: u64,
+    mean: u64,
+    mean_lo: u64,
+    inv: u64,
+    gamma: u64,
+    beta: u64,
+    coef: u64,
+    n: u64,
+    inner: FastDiv,
+    chans: FastDiv,
+    mode: u32,
+    staged: u32,
+    from_var: u32,
+    eps: f32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct ApplyBwdArgs {
+    x: u64,
+    dy: u64,
+    mask: u64,
+    dx: u64,
+    coef: u64,
+    n: u64,
+    inner: FastDiv,
+    chans: FastDiv,
+    mode: u32,
+    staged: u32,
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct PersistArgs {
+    x: u64,
+    g: u64,
+    out: u64,
+    mask: u64,
+    dz: u64,
+    gamma: u64,
+    beta: u64,
+    mean: u64,
+    mean_lo: u64,
+    invstd: u64,
+    running_mean: u64,
+    running_var: u64,
+    dgamma: u64,
+    dbeta: u64,
+    part: u64,
+    coef: u64,
+    barrier: u64,
+    geom: PGeom,
+    act: u32,
+    eps: f32,
+    momentum: f32,
+    unbias: f32,
+    inv_count: f32,
+    pad: u32,
+}
+
+// SAFETY: plain old data whose C layout matches the kernels' structs (checked by the tests below
+// against the sizes and the field order in the CUDA source).
+unsafe impl DeviceRepr for StatsArgs {}
+unsafe impl DeviceRepr for ReduceArgs {}
+unsafe impl DeviceRepr for ApplyFwdArgs {}
+unsafe impl DeviceRepr for ApplyBwdArgs {}
+unsafe impl DeviceRepr for PersistArgs {}
+
+/// The activation code of the kernels (`ACT_*`).
+fn act(fuse: Fuse) -> u32 {
+    match fuse {
+        Fuse::None => 0,
+        Fuse::Relu => 1,
+        Fuse::AddRelu => 2,
+    }
+}
+
+// ----- kernel names ---------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum K {
+    StatsCf,
+    StatsCl,
+    StatsFinalize,
+    ReduceCf,
+    ReduceCl,
+    ApplyFwd(Fuse),
+    ApplyBwd,
+    PersistFwdCf,
+    PersistFwdCl,
+    PersistBwdCf,
+    PersistBwdCl,
+}
+
+/// The entry point of kernel `k` for `dt` (`kernels/batchnorm*.cu`).
+fn name(k: K, dt: DType) -> &'static str {
+    use DType::*;
+    use K::*;
+    match (k, dt) {
+        (StatsCf, F32) => "bn_stats_cf_f32",
+        (StatsCf, F16) => "bn_stats_cf_f16",
+        (StatsCf, BF16) => "bn_stats_cf_bf16",
+        (StatsCl, F32) => "bn_stats_cl_f32",
+        (StatsCl, F16) => "bn_stats_cl_f16",
+        (StatsCl, BF16) => "bn_stats_cl_bf16",
+        (StatsFinalize, F32) => "bn_stats_finalize_f32",
+        (StatsFinalize, F16) => "bn_stats_finalize_f16",
+        (StatsFinalize, BF16) => "bn_stats_finalize_bf16",
+        (ReduceCf, F32) => "bn_bwd_reduce_cf_f32",
+        (ReduceCf, F16) => "bn_bwd_reduce_cf_f16",
+        (ReduceCf, BF16) => "bn_bwd_reduce_cf_bf16",
+        (ReduceCl, F32) => "bn_bwd_reduce_cl_f32",
+        (ReduceCl, F16) => "bn_bwd_reduce_cl_f16",
+        (ReduceCl, BF16) => "bn_bwd_reduce_cl_bf16",
+        (ApplyFwd(Fuse::None), F32) => "bn_apply_fwd_none_f32",
+        (ApplyFwd(Fuse::None), F16) => "bn_apply_fwd_none_f16",
+        (ApplyFwd(Fuse::None), BF16) => "bn_apply_fwd_none_bf16",
+        (ApplyFwd(Fuse::Relu), F32) => "bn_apply_fwd_relu_f32",
+        (ApplyFwd(Fuse::Relu), F16) => "bn_apply_fwd_relu_f16",
+        (ApplyFwd(Fuse::Relu), BF16) => "bn_apply_fwd_relu_bf16",
+        (ApplyFwd(Fuse::AddRelu), F32) => "bn_apply_fwd_add_relu_f32",
+        (ApplyFwd(Fuse::AddRelu), F16) => "bn_apply_fwd_add_relu_f16",
+        (ApplyFwd(Fuse::AddRelu), BF16) => "bn_apply_fwd_add_relu_bf16",
+        (ApplyBwd, F32) => "bn_apply_bwd_f32",
+        (ApplyBwd, F16) => "bn_apply_bwd_f16",
+        (ApplyBwd, BF16) => "bn_apply_bwd_bf16",
+        (PersistFwdCf, F32) => "bn_persist_fwd_cf_f32",
+        (PersistFwdCf, F16) => "bn_persist_fwd_cf_f16",
+        (PersistFwdCf, BF16) => "bn_persist_fwd_cf_bf16",
+        (PersistFwdCl, F32) => "bn_persist_fwd_cl_f32",
+        (PersistFwdCl, F16) => "bn_persist_fwd_cl_f16",
+        (PersistFwdCl, BF16) => "bn_persist_fwd_cl_bf16",
+        (PersistBwdCf, F32) => "bn_persist_bwd_cf_f32",
+        (PersistBwdCf, F16) => "bn_persist_bwd_cf_f16",
+        (PersistBwdCf, BF16) => "bn_persist_bwd_cf_bf16",
+        (PersistBwdCl, F32) => "bn_persist_bwd_cl_f32",
+        (PersistBwdCl, F16) => "bn_persist_bwd_cl_f16",
+        (PersistBwdCl, BF16) => "bn_persist_bwd_cl_bf16",
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+// ----- device facts and occupancy (cached per device) ------------------------------------------
+
+#[derive(Debug, Clone, Copy)]
+struct DeviceFacts {
+    /// Largest dynamic + static shared memory one block may opt in to.
+    smem_optin: u32,
+    /// Shared memory of one SM.
+    smem_per_sm: u32,
+    /// Cooperative launches supported.
+    cooperative: bool,
+}
+
+/// (device ordinal, kernel, dynamic shared memory bytes).
+type OccupancyKey = (usize, &'static str, u32);
+
+static FACTS: Lazy<Mutex<HashMap<usize, DeviceFacts>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+static OCCUPANCY: Lazy<Mutex<HashMap<OccupancyKey, u32>>> =
+    Lazy::new(|| Mutex::new(HashMap::new()));
+
+fn device_facts(ctx: &Context) -> Result<DeviceFacts> {
+    let ordinal = ctx.info().ordinal;
+    if let Some(f) = lock(&FACTS).get(&ordinal) {
+        return Ok(*f);
+    }
+    let attr = |a| ctx.cuda().attribute(a).call("cuDeviceGetAttribute");
+    use CUdevice_attribute as A;
+    let f = DeviceFacts {
+        smem_optin: attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0) as u32,
+        smem_per_sm: attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?.max(0)
+            as u32,
+        cooperative: attr(A::CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH)? != 0,
+    };
+    lock(&FACTS).insert(ordinal, f);
+    Ok(f)
+}
+
+/// Resident blocks per SM of `f` at `threads` threads and `smem` bytes of dynamic shared memory.
+fn blocks_per_sm(
+    ctx: &Context,
+    f: &CudaFunction,
+    name: &'static str,
+    threads: u32,
+    smem: u32,
+) -> Result<u32> {
+    let key = (ctx.info().ordinal, name, smem);
+    if let Some(v) = lock(&OCCUPANCY).get(&key) {
+        return Ok(*v);
+    }
+    ctx.cuda().bind_to_thread().call("cuCtxSetCurrent")?;
+    let v = f
+        .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
+        .call("cuOccupancyMaxActiveBlocksPerMultiprocessor")?;
+    lock(&OCCUPANCY).insert(key, v);
+    Ok(v)
+}
+
+/// One wave of `f`'s blocks (SMs x resident blocks), at least 1.
+fn wave(ctx: &Context, f: &CudaFunction, name: &'static str, smem: u32) -> Result<u64> {
+    let per_sm = blocks_per_sm(ctx, f, name, THREADS, smem)?.max(1);
+    Ok(u64::from(ctx.info().sm_count.max(1) as u32) * u64::from(per_sm))
+}
+
+fn launch<A: DeviceRepr>(
+    ctx: &Context,
+    f: &CudaFunction,
+    args: &A,
+    cfg: LaunchConfig,
+    call: &'static str,
+) -> Result<()> {
+    let mut b = ctx.stream().launch_builder(f);
+    b.arg(args);
+    // SAFETY: `args` is the kernel's argument struct (layout checked by the tests), and every
+    // pointer in it was validated by the dispatcher against the plan's shape; scratch and
+    // counters are sized by own_launch for this launch.
+    unsafe { b.launch(cfg) }.call(call)?;
+    Ok(())
+}
+
+// ----- counters ---------------------------------------------------------------------------------
+
+/// The own kernels' device state of one BatchNorm: zeroed arrival counters — `C` per-channel
+/// counters (the channels-first reductions' last-block-done) then two for the persistent
+/// kernels' grid barrier; every launch leaves them at zero, and work on the Context's one stream
+/// never overlaps — and, per direction, the persistent launch that fits the device (decided on
+/// first use).
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    words: Mutex<Option<CudaSlice<u32>>>,
+    /// Index `tiles - 1`: `None` undecided, `Some(None)` does not fit, `Some(Some(fit))`.
+    persistent: Mutex<[Option<Option<Fit>>; 2]>,
+}
+
+impl Counters {
+    /// Runs `f` with the counters' device address (at least `words` zeroed words).
+    fn with<R>(&self, ctx: &Context, words: usize, f: impl FnOnce(u64) -> Result<R>) -> Result<R> {
+        let mut g = lock(&self.words);
+        if g.as_ref().is_none_or(|b| b.len() < words) {
+            ctx.cuda().bind_to_thread().call("cuCtxSetCurrent")?;
+            *g = Some(
+                ctx.stream()
+                    .alloc_zeros::<u32>(words.max(1))
+                    .call("cuMemAllocAsync")?,
+            );
+        }
+        match g.as_mut() {
+            Some(buf) => {
+                let (p, _sync) = buf.device_ptr_mut(ctx.stream());
+                f(p)
+            }
+            None => Err(Error::NotSupported("counter allocation vanished".into())),
+        }
+    }
+}
+
+// ----- the operations ---------------------------------------------------------------------------
+
+/// Device pointers of a training forward (0 for an absent addend or mask).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FwdBufs {
+    pub x: u64,
+    pub z: u64,
+    pub y: u64,
+    pub mask: u64,
+    pub gamma: u64,
+    pub beta: u64,
+    pub running_mean: u64,
+    pub running_var: u64,
+    pub saved_mean: u64,
+    /// The mean's remainder (`mean = saved_mean + saved_mean_lo`), C floats the state keeps.
+    pub saved_mean_lo: u64,
+    pub saved_invstd: u64,
+}
+
+/// Device pointers of a training backward (0 for an absent mask or d_addend).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BwdBufs {
+    pub x: u64,
+    pub dy: u64,
+    pub mask: u64,
+    pub dx: u64,
+    pub dz: u64,
+    pub gamma: u64,
+    pub saved_mean: u64,
+    pub saved_mean_lo: u64,
+    pub saved_invstd: u64,
+    pub dgamma: u64,
+    pub dbeta: u64,
+}
+
+/// Device pointers of an inference forward.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct InferBufs {
+    pub x: u64,
+    pub z: u64,
+    pub y: u64,
+    pub gamma: u64,
+    pub beta: u64,
+    pub running_mean: u64,
+    pub running_var: u64,
+}
+
+/// The tensor and the operation's fixed facts.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Op<'a> {
+    pub ctx: &'a Context,
+    pub shape: OwnShape,
+    pub dtype: DType,
+    pub fuse: Fuse,
+    pub counters: &'a Counters,
+}
+
+impl Op<'_> {
+    fn eb(&self) -> u64 {
+        self.dtype.size() as u64
+    }
+
+    fn c(&self) -> u64 {
+        self.shape.c
+    }
+
+    fn function(
+        &self,
+        file: &'static kernels::KernelFile,
+        k: K,
+    ) -> Result<(CudaFunction, &'static str)> {
+        let n = name(k, self.dtype);
+        Ok((self.ctx.function(file, n)?, n))
+    }
+
+    /// The lengths whose multiples a reduction's vector width must divide.
+    fn vector_lens(&self) -> [u64; 1] {
+        match self.shape.arr {
+            Arrangement::First { hw, .. } => [hw],
+            Arrangement::Last { .. } => [self.shape.c],
+        }
+    }
+
+    fn counter_words(&self) -> usize {
+        self.c() as usize + 2
+    }
+}
+
+/// Training forward: statistics, running statistics, saved mean and inverse std, y and (with an
+/// activation) the mask. Runs the persistent kernel when `want` says so and the device holds the
+/// tensor; returns the variant that ran.
+pub(crate) fn forward_train(
+    op: &Op<'_>,
+    b: &FwdBufs,
+    want: OwnVariant,
+    momentum: f64,
+    eps: f64,
+) -> Result<OwnVariant> {
+    let m = op.shape.per_channel();
+    let unbias = if m > 1 {
+        m as f64 / (m - 1) as f64
+    } else {
+        1.0
+    };
+    if want == OwnVariant::Persistent {
+        let aligned = [b.x, b.z, b.y].iter().all(|p| p % 16 == 0);
+        if let Some(p) = prepare_persistent(op, 1, aligned)? {
+            let (coef_at, total) = scratch_floats(op.c(), p.geom.parts.into(), 3, 3);
+            let scratch = op.ctx.scratch(total as usize * 4)?;
+            let ran = op.counters.with(op.ctx, op.counter_words(), |cnt| {
+                let args = PersistArgs {
+                    x: b.x,
+                    g: b.z,
+                    out: b.y,
+                    mask: b.mask,
+                    gamma: b.gamma,
+                    beta: b.beta,
+                    mean: b.saved_mean,
+                    mean_lo: b.saved_mean_lo,
+                    invstd: b.saved_invstd,
+                    running_mean: b.running_mean,
+                    running_var: b.running_var,
+                    part: scratch.ptr(),
+                    coef: scratch.ptr() + coef_at * 4,
+                    barrier: cnt + op.c() * 4,
+                    geom: p.geom,
+                    act: act(op.fuse),
+                    eps: eps as f32,
+                    momentum: momentum as f32,
+                    unbias: unbias as f32,
+                    ..PersistArgs::default()
+                };
+                launch_persistent(op, &p, &args, 1)
+            })?;
+            if ran {
+                return Ok(OwnVariant::Persistent);
+            }
+        }
+    }
+    // Two-pass: statistics, then the elementwise pass.
+    let eb = op.eb();
+    let c = op.c();
+    let first = matches!(op.shape.arr, Arrangement::First { .. });
+    let (stats_f, stats_name) = op.function(
+        &kernels::BATCHNORM,
+        if first { K::StatsCf } else { K::StatsCl },
+    )?;
+    let vec = vec_width(eb, &op.vector_lens(), &[b.x]);
+    let g = reduce_geom(&op.shape, vec, wave(op.ctx, &stats_f, stats_name, 0)?);
+    let mode = apply_mode(&op.shape, eb, &[b.x, b.y, b.z]);
+    let staged = staged_bytes(c, 4);
+    let (coef_at, total) = scratch_floats(c, g.parts.into(), 3, if staged > 0 { 0 } else { 4 });
+    tracing::debug!(
+        kernel = stats_name,
+        blocks = g.blocks(),
+        parts = g.parts,
+        vec = g.vec,
+        apply = mode.name(),
+        staged = staged > 0,
+        "own BatchNorm forward (two-pass)"
+    );
+    let scratch = op.ctx.scratch(total as usize * 4)?;
+    op.counters.with(op.ctx, op.counter_words(), |cnt| {
+        let args = StatsArgs {
+            x: b.x,
+            part: scratch.ptr(),
+            counters: cnt,
+            saved_mean: b.saved_mean,
+            saved_mean_lo: b.saved_mean_lo,
+            saved_invstd: b.saved_invstd,
+            running_mean: b.running_mean,
+            running_var: b.running_var,
+            g,
+            eps: eps as f32,
+            momentum: momentum as f32,
+            unbias: unbias as f32,
+            pad: 0.0,
+        };
+        launch(
+            op.ctx,
+            &stats_f,
+            &args,
+            config(g.blocks(), THREADS, 0),
+            "cuLaunchKernel(bn_stats)",
+        )?;
+        if !g.channels_first() {
+            let (f, _) = op.function(&kernels::BATCHNORM, K::StatsFinalize)?;
+            launch(
+                op.ctx,
+                &f,
+                &args,
+                config(c as u32, THREADS, 0),
+                "cuLaunchKernel(bn_stats_finalize)",
+            )?;
+        }
+        Ok(())
+    })?;
+    apply_forward(
+        op,
+        ApplyFwdArgs {
+            x: b.x,
+            z: b.z,
+            y: b.y,
+            mask: b.mask,
+            mean: b.saved_mean,
+            mean_lo: b.saved_mean_lo,
+            inv: b.saved_invstd,
+            gamma: b.gamma,
+            beta: b.beta,
+            coef: scratch.ptr() + coef_at * 4,
+            from_var: 0,
+            eps: eps as f32,
+            ..ApplyFwdArgs::default()
+        },
+        staged,
+    )?;
+    Ok(OwnVariant::TwoPass)
+}
+
+/// Inference forward: one elementwise pass with the running statistics.
+pub(crate) fn forward_inference(op: &Op<'_>, b: &InferBufs, eps: f64) -> Result<()> {
+    let staged = staged_bytes(op.c(), 4);
+    let coef_floats = if staged > 0 { 0 } else { 4 * op.c() };
+    let scratch = op.ctx.scratch(coef_floats as usize * 4)?;
+    apply_forward(
+        op,
+        ApplyFwdArgs {
+            x: b.x,
+            z: b.z,
+            y: b.y,
+            mask: 0,
+            mean: b.running_mean,
+            mean_lo: 0,
+            inv: b.running_var,
+            gamma: b.gamma,
+            beta: b.beta,
+            coef: scratch.ptr(),
+            from_var: 1,
+            eps: eps as f32,
+            ..ApplyFwdArgs::default()
+        },
+        staged,
+    )
+}
+
+/// The elementwise forward (`a` with its pointers, coefficients source and eps filled in).
+fn apply_forward(op: &Op<'_>, mut a: ApplyFwdArgs, staged: u32) -> Result<()> {
+    let eb = op.eb();
+    let c = op.c();
+    let n = op.shape.numel();
+    let ptrs: Vec<u64> = if op.fuse == Fuse::AddRelu {
+        vec![a.x, a.y, a.z]
+    } else {
+        vec![a.x, a.y]
+    };
+    let mode = apply_mode(&op.shape, eb, &ptrs);
+    a.n = n;
+    a.inner = FastDiv::new(op.shape.inner());
+    a.chans = FastDiv::new(c);
+    a.mode = mode as u32;
+    a.staged = u32::from(staged > 0);
+    if staged == 0 {
+        // Too many channels to stage: fold the coefficients once into the scratch buffer.
+        let f = op.ctx.function(&kernels::BATCHNORM, "bn_fold")?;
+        let blocks = c.div_ceil(u64::from(THREADS)).clamp(1, 65535) as u32;
+        launch(
+            op.ctx,
+            &f,
+            &a,
+            config(blocks, THREADS, 0),
+            "cuLaunchKernel(bn_fold)",
+        )?;
+    }
+    let (f, fname) = op.function(&kernels::BATCHNORM, K::ApplyFwd(op.fuse))?;
+    let blocks = apply_blocks(mode, n, eb, wave(op.ctx, &f, fname, staged)?);
+    tracing::debug!(
+        kernel = fname,
+        blocks,
+        mode = mode.name(),
+        staged = staged > 0,
+        mask = a.mask != 0,
+        "own BatchNorm apply"
+    );
+    launch(
+        op.ctx,
+        &f,
+        &a,
+        config(blocks, THREADS, staged),
+        "cuLaunchKernel(bn_apply_fwd)",
+    )
+}
+
+/// Training backward: dgamma, dbeta, dx and (Add+ReLU) d_addend. Returns the variant that ran.
+pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant) -> Result<OwnVariant> {
+    let c = op.c();
+    let m = op.shape.per_channel();
+    let inv_count = (1.0 / m as f64) as f32;
+    if want == OwnVariant::Persistent {
+        let aligned = [b.x, b.dy, b.dx, b.dz].iter().all(|p| p % 16 == 0);
+        if let Some(p) = prepare_persistent(op, 2, aligned)? {
+            let (coef_at, total) = scratch_floats(c, p.geom.parts.into(), 2, 5);
+            let scratch = op.ctx.scratch(total as usize * 4)?;
+            let ran = op.counters.with(op.ctx, op.counter_words(), |cnt| {
+                let args = PersistArgs {
+                    x: b.x,
+                    g: b.dy,
+                    out: b.dx,
+                    mask: b.mask,
+                    dz: b.dz,
+                    gamma: b.gamma,
+                    mean: b.saved_mean,
+                    mean_lo: b.saved_mean_lo,
+                    invstd: b.saved_invstd,
+                    dgamma: b.dgamma,
+                    dbeta: b.dbeta,
+                    part: scratch.ptr(),
+                    coef: scratch.ptr() + coef_at * 4,
+                    barrier: cnt + c * 4,
+                    geom: p.geom,
+                    act: act(op.fuse),
+                    inv_count,
+                    ..PersistArgs::default()
+                };
+                launch_persistent(op, &p, &args, 2)
+            })?;
+            if ran {
+                return Ok(OwnVariant::Persistent);
+            }
+        }
+    }
+    // Two-pass: the sums (mask read inside, d_addend written), then dx.
+    let eb = op.eb();
+    let first = matches!(op.shape.arr, Arrangement::First { .. });
+    let (rf, rname) = op.function(
+        &kernels::BATCHNORM,
+        if first { K::ReduceCf } else { K::ReduceCl },
+    )?;
+    let vec = vec_width(eb, &op.vector_lens(), &[b.x, b.dy, b.dz]);
+    let g = reduce_geom(&op.shape, vec, wave(op.ctx, &rf, rname, 0)?);
+    let (coef_at, total) = scratch_floats(c, g.parts.into(), 2, 5);
+    let mode = apply_mode(&op.shape, eb, &[b.x, b.dy, b.dx]);
+    let staged = staged_bytes(c, 5);
+    tracing::debug!(
+        kernel = rname,
+        blocks = g.blocks(),
+        parts = g.parts,
+        vec = g.vec,
+        apply = mode.name(),
+        staged = staged > 0,
+        "own BatchNorm backward (two-pass)"
+    );
+    let scratch = op.ctx.scratch(total as usize * 4)?;
+    let coef = scratch.ptr() + coef_at * 4;
+    op.counters.with(op.ctx, op.counter_words(), |cnt| {
+        let args = ReduceArgs {
+            x: b.x,
+            dy: b.dy,
+            mask: b.mask,
+            dz: b.dz,
+            saved_mean: b.saved_mean,
+            saved_mean_lo: b.saved_mean_lo,
+            saved_invstd: b.saved_invstd,
+            gamma: b.gamma,
+            part: scratch.ptr(),
+            counters: cnt,
+            coef,
+            dgamma: b.dgamma,
+            dbeta: b.dbeta,
+            g,
+            inv_count,
+            act: act(op.fuse),
+        };
+        launch(
+            op.ctx,
+            &rf,
+            &args,
+            config(g.blocks(), THREADS, 0),
+            "cuLaunchKernel(bn_bwd_reduce)",
+        )?;
+        if !g.channels_first() {
+            let f = op.ctx.function(&kernels::BATCHNORM, "bn_bwd_finalize")?;
+            launch(
+                op.ctx,
+                &f,
+                &args,
+                config(c as u32, THREADS, 0),
+                "cuLaunchKernel(bn_bwd_finalize)",
+            )?;
+        }
+        Ok(())
+    })?;
+    let (af, aname) = op.function(&kernels::BATCHNORM, K::ApplyBwd)?;
+    let n = op.shape.numel();
+    let blocks = apply_blocks(mode, n, eb, wave(op.ctx, &af, aname, staged)?);
+    let args = ApplyBwdArgs {
+        x: b.x,
+        dy: b.dy,
+        mask: b.mask,
+        dx: b.dx,
+        coef,
+        n,
+        inner: FastDiv::new(op.shape.inner()),
+        chans: FastDiv::new(c),
+        mode: mode as u32,
+        staged: u32::from(staged > 0),
+    };
+    launch(
+        op.ctx,
+        &af,
+        &args,
+        config(blocks, THREADS, staged),
+        "cuLaunchKernel(bn_apply_bwd)",
+    )?;
+    Ok(OwnVariant::TwoPass)
+}
+
+// ----- the persistent variant ---------------------------------------------------------------------
+
+/// How a persistent kernel fits the device (the function's shared-memory attribute is set).
+#[derive(Debug, Clone, Copy)]
+struct Fit {
+    geom: PGeom,
+    smem: u32,
+    grid: u32,
+}
+
+/// A persistent launch that fits the device.
+struct Persistent {
+    f: CudaFunction,
+    name: &'static str,
+    geom: PGeom,
+    smem: u32,
+    grid: u32,
+}
+
+/// The persistent kernel and its tiling when the device can run it co-resident; `None` (with a
+/// debug event saying why) sends the caller to the two-pass kernels. `tiles`: 1 forward, 2
+/// backward. The fit is decided once per BatchNorm and direction; alignment per call.
+fn prepare_persistent(op: &Op<'_>, tiles: u64, aligned: bool) -> Result<Option<Persistent>> {
+    if !aligned {
+        tracing::debug!(
+            "own BatchNorm: a data pointer is not 16-byte aligned; two-pass, not persistent"
+        );
+        return Ok(None);
+    }
+    let first = matches!(op.shape.arr, Arrangement::First { .. });
+    let k = match (tiles, first) {
+        (1, true) => K::PersistFwdCf,
+        (1, false) => K::PersistFwdCl,
+        (_, true) => K::PersistBwdCf,
+        (_, false) => K::PersistBwdCl,
+    };
+    let slot = (tiles.clamp(1, 2) - 1) as usize;
+    let cached = lock(&op.counters.persistent)[slot];
+    let fit = match cached {
+        Some(fit) => fit,
+        None => {
+            let fit = fit_persistent(op, tiles, k)?;
+            lock(&op.counters.persistent)[slot] = Some(fit);
+            fit
+        }
+    };
+    match fit {
+        Some(fit) => {
+            let (f, name) = op.function(&kernels::BATCHNORM_PERSISTENT, k)?;
+            Ok(Some(Persistent {
+                f,
+                name,
+                geom: fit.geom,
+                smem: fit.smem,
+                grid: fit.grid,
+            }))
+        }
+        None => Ok(None),
+    }
+}
+
+/// Whether and how the persistent kernel `k` fits the device: cooperative launch, the
+/// shared-memory opt-in, one or two resident blocks of PTHREADS threads per SM.
+fn fit_persistent(op: &Op<'_>, tiles: u64, k: K) -> Result<Option<Fit>> {
+    let why_not = |why: &str| {
+        tracing::debug!(
+            why,
+            "own BatchNorm: persistent variant not possible here; two-pass"
+        );
+    };
+    let facts = device_facts(op.ctx)?;
+    if !facts.cooperative {
+        why_not("the device has no cooperative launch");
+        return Ok(None);
+    }
+    let (f, fname) = op.function(&kernels::BATCHNORM_PERSISTENT, k)?;
+    let static_smem = f.shared_size_bytes().call("cuFuncGetAttribute")?.max(0) as u32;
+    let limit = facts.smem_optin.saturating_sub(static_smem);
+    f.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        limit as i32,
+    )
+    .call("cuFuncSetAttribute")?;
+    let sm = u64::from(op.ctx.info().sm_count.max(1) as u32);
+    for bps in [2u32, 1] {
+        // Per block: the opt-in limit, or an even share of the SM (1 KiB reserved per block).
+        let per_block = if bps == 1 {
+            u64::from(limit)
+        } else {
+            (u64::from(facts.smem_per_sm) / u64::from(bps))
+                .saturating_sub(u64::from(static_smem) + 1024)
+                .min(u64::from(limit))
+        };
+        let grid = sm * u64::from(bps);
+        let Some((geom, smem)) = persistent_geom(&op.shape, op.eb(), tiles, grid, per_block) else {
+            continue;
+        };
+        let occ = blocks_per_sm(op.ctx, &f, fname, PTHREADS, smem as u32)?;
+        if occ >= bps {
+            tracing::debug!(
+                kernel = fname,
+                grid,
+                smem,
+                units = geom.units,
+                upb = geom.upb,
+                parts = geom.parts,
+                vec = geom.vec,
+                "own BatchNorm persistent launch fits"
+            );
+            return Ok(Some(Fit {
+                geom,
+                smem: smem as u32,
+                grid: grid as u32,
+            }));
+        }
+    }
+    why_not("the tensor does not fit in the device's shared memory");
+    Ok(None)
+}
+
+/// Launches cooperatively; `false` when the driver refuses the grid as too large (then the
+/// caller runs the two-pass kernels: nothing was written, and later calls do not try again).
+fn launch_persistent(op: &Op<'_>, p: &Persistent, args: &PersistArgs, tiles: u64) -> Result<bool> {
+    let mut b = op.ctx.stream().launch_builder(&p.f);
+    b.arg(args);
+    // SAFETY: as `launch`; the grid was sized from the occupancy query so that every block is
+    // co-resident (the kernel's grid barrier needs it; the driver refuses the launch otherwise),
+    // and the dynamic shared memory is within the attribute set in prepare_persistent.
+    let r = unsafe { b.launch_cooperative(config(p.grid, PTHREADS, p.smem)) };
+    match r {
+        Ok(_) => Ok(true),
+        Err(DriverError(CUresult::CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE)) => {
+            tracing::warn!(
+                kernel = p.name,
+                grid = p.grid,
+                "cooperative launch refused as too large; two-pass kernels instead"
+            );
+            lock(&op.counters.persistent)[(tiles.clamp(1, 2) - 1) as usize] = Some(None);
+            Ok(false)
+        }
+        Err(e) => Err(e).call("cuLaunchCooperativeKernel(bn_persist)"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The field names of `struct NAME { ... };` in a CUDA source, in order.
+    fn cuda_fields(src: &str, name: &str) -> Vec<String> {
+        let start = src
+            .find(&format!("struct {name} {{"))
+            .unwrap_or_else(|| panic!("struct {name} not in the kernel source"));
+        let body = &src[start..];
+        let end = body.find("};").unwrap();
+        body[..end]
+            .lines()
+            .skip(1)
+            .filter_map(|l| {
+                let l = l.split("//").next().unwrap().trim();
+                let decl = l.strip_suffix(';')?;
+                // "const float* a, b" style is not used: one field per line.
+                decl.split_whitespace()
+                    .last()
+                    .map(|s| s.trim_start_matches('*').to_string())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn argument_structs_match_the_kernels() {
+        let bn = crate::kernels::BATCHNORM.source;
+        let pbn = crate::kernels::BATCHNORM_PERSISTENT.source;
+        let cases: [(&str, &str, &[&str], usize); 8] = [
+            (
+                bn,
+                "FastDiv",
+                &["d", "magic", "shift", "is_one"],
+                std::mem::size_of::<FastDiv>(),
+            ),
+            (
+                bn,
+                "Geom",
+                &[
+                    "ipr", "runs", "hw", "rows", "ipb", "channels", "parts", "vec", "slabs", "cvs",
+                    "rb",
+                ],
+                std::mem::size_of::<Geom>(),
+            ),
+            (
+                bn,
+                "StatsArgs",
+                &[
+                    "x",
+                    "part",
+                    "counters",
+                    "saved_mean",
+                    "saved_mean_lo",
+                    "saved_invstd",
+                    "running_mean",
+                    "running_var",
+                    "g",
+                    "eps",
+                    "momentum",
+                    "unbias",
+                    "pad",
+                ],
+                std::mem::size_of::<StatsArgs>(),
+            ),
+            (
+                bn,
+                "ReduceArgs",
+                &[
+                    "x",
+                    "dy",
+                    "mask",
+                    "dz",
+                    "saved_mean",
+                    "saved_mean_lo",
+                    "saved_invstd",
+                    "gamma",
+                    "part",
+                    "counters",
+                    "coef",
+                    "dgamma",
+                    "dbeta",
+                    "g",
+                    "inv_count",
+                    "act",
+                ],
+                std::mem::size_of::<ReduceArgs>(),
+            ),
+            (
+                bn,
+                "ApplyFwdArgs",
+                &[
+                    "x", "z", "y", "mask", "mean", "mean_lo", "inv", "gamma", "beta", "coef", "n",
+                    "inner", "chans", "mode", "staged", "from_var", "eps",
+                ],
+                std::mem::size_of::<ApplyFwdArgs>(),
+            ),
+            (
+                bn,
+                "ApplyBwdArgs",
+                &[
+                    "x", "dy", "mask", "dx", "coef", "n", "inner", "chans", "mode", "staged",
+                ],
+                std::mem::size_of::<ApplyBwdArgs>(),
+            ),
+            (
+                pbn,
+                "PGeom",
+                &[
+                    "ipr",
+                    "runs",
+                    "hw",
+                    "rows",
+                    "ipb",
+                    "units",
+                    "unit_elems",
+                    "channels",
+                    "parts",
+                    "upb",
+                    "cvs",
+                    "rb",
+                    "vec",
+                ],
+                std::mem::size_of::<PGeom>(),
+            ),
+            (
+                pbn,
+                "PersistArgs",
+                &[
+                    "x",
+                    "g",
+                    "out",
+                    "mask",
+                    "dz",
+                    "gamma",
+                    "beta",
+                    "mean",
+                    "mean_lo",
+                    "invstd",
+                    "running_mean",
+                    "running_var",
+                    "dgamma",
+                    "dbeta",
+                    "part",
+                    "coef",
+                    "barrier",
+                    "geom",
+                    "act",
+                    "eps",
+                    "momentum",
+                    "unbias",
+                    "inv_count",
+                    "pad",
+                ],
+                std::mem::size_of::<PersistArgs>(),
+            ),
+        ];
+        for (src, name, fields, size) in cases {
+            assert_eq!(cuda_fields(src, name), fields, "field order of {name}");
+            // Every field is 8 bytes (pointers, u64, nested 8-aligned structs) or 4 bytes in
+            // pairs, so the C size is the Rust size; pin the sizes.
+            let want = match name {
+                "FastDiv" => 24,
+                "Geom" => 80,
+                "StatsArgs" => 160,
+                "ReduceArgs" => 192,
+                "ApplyFwdArgs" => 152,
+                "ApplyBwdArgs" => 104,
+                "PGeom" => 96,
+                "PersistArgs" => 256,
+                _ => unreachable!(),
+            };
+            assert_eq!(size, want, "size of {name}");
+        }
+    }
+
+    #[test]
+    fn every_kernel_name_is_in_its_file() {
+        for dt in DType::ALL {
+            for k in [
+                K::StatsCf,
+                K::StatsCl,
+                K::StatsFinalize,
+                K::ReduceCf,
+                K::ReduceCl,
+                K::ApplyFwd(Fuse::None),
+                K::ApplyFwd(Fuse::Relu),
+                K::ApplyFwd(Fuse::AddRelu),
+                K::ApplyBwd,
+            ] {
+                let n = name(k, dt);
+                let stem = n.trim_end_matches(&format!("_{}", dt.name()));
+                assert!(
+                    crate::kernels::BATCHNORM.source.contains(stem),
+                    "{n} not in kernels/batchnorm.cu"
+                );
+            }
+            for k in [
+                K::PersistFwdCf,
+                K::PersistFwdCl,
+                K::PersistBwdCf,
+                K::PersistBwdCl,
+            ] {
+                let n = name(k, dt);
+                let stem = n.trim_end_matches(&format!("_{}", dt.name()));
+                assert!(crate::kernels::BATCHNORM_PERSISTENT.source.contains(stem));
+            }
+        }
+        assert!(crate::kernels::BATCHNORM
+            .source
+            .contains("bn_bwd_finalize("));
+        assert!(crate::kernels::BATCHNORM.source.contains("bn_fold("));
+        assert_eq!(act(Fuse::AddRelu), 2);
+    }
+}

@@ -1,0 +1,1130 @@
+//! The pure half of nnfuse's own BatchNorm kernels (`kernels/batchnorm*.cu`): how a tensor is
+//! traversed (channels-first runs or channels-last rows), vector widths, grid sizes, the tiling of
+//! the persistent variant, scratch sizes, and the kernels' argument structures. No GPU is needed
+//! to run or test any of it; the CPU tests below emulate the kernels' index arithmetic (with the
+//! same expressions, in the same order) and check that every element is visited exactly once,
+//! by the right channel, and that every mask word has exactly one writer.
+
+use cudarc::driver::{DeviceRepr, LaunchConfig};
+
+use crate::layout::{ChannelLayout, TensorFormat};
+
+/// Threads per block of the two-pass and inference kernels (`THREADS` in
+/// `kernels/batchnorm_common.cuh`).
+pub(crate) const THREADS: u32 = 256;
+/// Threads per block of the persistent kernels (`PTHREADS`).
+pub(crate) const PTHREADS: u32 = 512;
+/// Vectors a thread loads before it reduces them (`RED_UNROLL`; the tests' emulation).
+#[cfg(test)]
+pub(crate) const RED_UNROLL: u64 = 4;
+/// 32-vector chunks per warp iteration in the apply kernels (`APPLY_UNROLL`).
+pub(crate) const APPLY_UNROLL: u64 = 2;
+/// Mask words per warp tile of the element (scalar) apply path (`SCALAR_WORDS`).
+pub(crate) const SCALAR_WORDS: u64 = 8;
+/// Most channels whose coefficients an apply kernel stages in shared memory (`STAGE_MAX_C`):
+/// 5 floats a channel stay within the 48 KB a launch may ask for without opting in. Above it the
+/// forward apply reads coefficients that `bn_fold` wrote, the backward its coefficient buffer.
+pub(crate) const STAGE_MAX_C: u64 = 2048;
+/// Vectors per thread below which a channels-first reduction gets no more blocks.
+pub(crate) const MIN_VECTORS_PER_THREAD: u64 = 4;
+/// Rows per thread below which a channels-last reduction gets no more blocks (fewer rows, more
+/// partials: every block writes one partial per channel).
+pub(crate) const MIN_ROWS_PER_THREAD: u64 = 32;
+/// Bytes of one vector access.
+pub(crate) const VECTOR_BYTES: u64 = 16;
+
+/// `floor(n / d)` by multiplication (Granlund–Montgomery with the add-back step, exact for every
+/// 64-bit `n`), as the kernels' `fdiv` computes it. `#[repr(C)]`: passed to kernels by value.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct FastDiv {
+    /// The divisor (>= 1).
+    pub d: u64,
+    /// `floor(2^64 * (2^l - d) / d) + 1`, `l = ceil(log2 d)`; unused for `d == 1`.
+    pub magic: u64,
+    /// `l - 1`.
+    pub shift: u32,
+    /// `d == 1`.
+    pub is_one: u32,
+}
+
+// SAFETY: plain old data with the C layout of `struct FastDiv` in kernels/batchnorm_common.cuh.
+unsafe impl DeviceRepr for FastDiv {}
+
+impl FastDiv {
+    /// The divider for `d` (0 is treated as 1: no caller divides by 0).
+    pub(crate) fn new(d: u64) -> FastDiv {
+        if d <= 1 {
+            return FastDiv {
+                d: 1,
+                magic: 0,
+                shift: 0,
+                is_one: 1,
+            };
+        }
+        let l = 64 - (d - 1).leading_zeros(); // ceil(log2 d), 1..=64
+        let num = ((1u128 << l) - u128::from(d)) << 64;
+        let magic = (num / u128::from(d)) as u64 + 1; // < 2^64 because 2^(l-1) < d
+        FastDiv {
+            d,
+            magic,
+            shift: l - 1,
+            is_one: 0,
+        }
+    }
+
+    /// `floor(n / d)` exactly as the kernel computes it (the tests' emulation).
+    #[cfg(test)]
+    pub(crate) fn div(&self, n: u64) -> u64 {
+        if self.is_one != 0 {
+            return n;
+        }
+        let t = ((u128::from(n) * u128::from(self.magic)) >> 64) as u64;
+        (t + ((n - t) >> 1)) >> self.shift
+    }
+}
+
+/// How the kernels walk a tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Arrangement {
+    /// Channels-first (NCHW-inferred): each channel is `runs` runs of `hw` contiguous elements;
+    /// element `(o, ch, i)` at `(o*C + ch)*hw + i`.
+    First {
+        /// Runs per channel (`n`).
+        runs: u64,
+        /// Elements per run (`h*w`).
+        hw: u64,
+    },
+    /// Channels-last (NHWC-inferred): `rows` rows of `C` contiguous elements; element
+    /// `(r, ch)` at `r*C + ch`.
+    Last {
+        /// Rows (`n*h*w`).
+        rows: u64,
+    },
+}
+
+/// A BatchNorm tensor as the own kernels see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct OwnShape {
+    pub arr: Arrangement,
+    /// Channels.
+    pub c: u64,
+}
+
+impl OwnShape {
+    pub(crate) fn from_layout(l: &ChannelLayout) -> OwnShape {
+        let (n, c, h, w) = (l.n as u64, l.c as u64, l.h as u64, l.w as u64);
+        let arr = match l.format {
+            TensorFormat::Nchw => Arrangement::First { runs: n, hw: h * w },
+            TensorFormat::Nhwc => Arrangement::Last { rows: n * h * w },
+        };
+        OwnShape { arr, c }
+    }
+
+    /// Elements per channel (`M`).
+    pub(crate) fn per_channel(&self) -> u64 {
+        match self.arr {
+            Arrangement::First { runs, hw } => runs * hw,
+            Arrangement::Last { rows } => rows,
+        }
+    }
+
+    /// Elements.
+    pub(crate) fn numel(&self) -> u64 {
+        self.per_channel() * self.c
+    }
+
+    /// Elements per run (channels-first) or 1 (channels-last): the channel of element `e` is
+    /// `(e / inner) % C`.
+    pub(crate) fn inner(&self) -> u64 {
+        match self.arr {
+            Arrangement::First { hw, .. } => hw,
+            Arrangement::Last { .. } => 1,
+        }
+    }
+
+    /// The channel of element `e` (reference for the tests).
+    #[cfg(test)]
+    pub(crate) fn channel_of(&self, e: u64) -> u64 {
+        (e / self.inner()) % self.c
+    }
+}
+
+/// Elements per 16-byte vector.
+pub(crate) const fn max_vec(elem_bytes: u64) -> u64 {
+    VECTOR_BYTES / elem_bytes
+}
+
+/// The widest of a 16-byte vector, an 8-byte vector and one element (the widths the kernels
+/// instantiate) that divides every length in `lens` and to whose byte size every pointer is
+/// aligned. A null pointer (absent optional buffer) counts as aligned.
+pub(crate) fn vec_width(elem_bytes: u64, lens: &[u64], ptrs: &[u64]) -> u32 {
+    let max = max_vec(elem_bytes);
+    for v in [max, max / 2] {
+        if v >= 1
+            && lens.iter().all(|l| l % v == 0)
+            && ptrs.iter().all(|p| p % (v * elem_bytes) == 0)
+        {
+            return v as u32;
+        }
+    }
+    1
+}
+
+/// Geometry of a reduction (statistics or backward sums) — `struct Geom` in
+/// `kernels/batchnorm.cu`. `#[repr(C)]`, passed by value inside the argument structures.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct Geom {
+    /// Channels-first: vectors per run (`hw / vec`).
+    pub ipr: FastDiv,
+    /// Channels-first: runs per channel.
+    pub runs: u64,
+    /// Channels-first: elements per run.
+    pub hw: u64,
+    /// Channels-last: rows.
+    pub rows: u64,
+    /// Channels-first: vectors per part; channels-last: rows per part.
+    pub ipb: u64,
+    /// Channels.
+    pub channels: u32,
+    /// Parts per channel (first) or row parts (last): partials per channel.
+    pub parts: u32,
+    /// Elements per vector access.
+    pub vec: u32,
+    /// Channels-last: channel slabs.
+    pub slabs: u32,
+    /// Channels-last: channel vectors per slab.
+    pub cvs: u32,
+    /// Channels-last: rows per block iteration (`THREADS / cvs`).
+    pub rb: u32,
+}
+
+impl Geom {
+    /// Blocks of the reduction launch.
+    pub(crate) fn blocks(&self) -> u32 {
+        if self.slabs == 0 {
+            self.channels * self.parts // channels-first
+        } else {
+            self.slabs * self.parts
+        }
+    }
+
+    /// Whether this is the channels-first geometry (its last block finishes each channel; the
+    /// channels-last one needs the finalize launch).
+    pub(crate) fn channels_first(&self) -> bool {
+        self.slabs == 0
+    }
+}
+
+/// The reduction geometry for `shape` with vectors of `vec` elements, for a grid of about
+/// `wave` co-resident blocks (SMs x blocks per SM).
+pub(crate) fn reduce_geom(shape: &OwnShape, vec: u32, wave: u64) -> Geom {
+    let c = shape.c.max(1);
+    let v = u64::from(vec.max(1));
+    let wave = wave.max(1);
+    match shape.arr {
+        Arrangement::First { runs, hw } => {
+            let ipr = (hw / v).max(1);
+            let items = runs * ipr;
+            // One wave of equal blocks: parts per channel up to the wave, but every thread
+            // keeps at least MIN_VECTORS_PER_THREAD vectors.
+            let per_part_min = u64::from(THREADS) * MIN_VECTORS_PER_THREAD;
+            let parts_max = (items / per_part_min).max(1);
+            let parts = (wave / c).clamp(1, parts_max);
+            let ipb = items.div_ceil(parts).max(1);
+            let parts = items.div_ceil(ipb).max(1);
+            Geom {
+                ipr: FastDiv::new(ipr),
+                runs,
+                hw,
+                rows: 0,
+                ipb,
+                channels: c as u32,
+                parts: parts as u32,
+                vec,
+                slabs: 0,
+                cvs: 0,
+                rb: 0,
+            }
+        }
+        Arrangement::Last { rows } => {
+            let cv = (c / v).max(1);
+            let cvs = cv.min(u64::from(THREADS));
+            let rb = u64::from(THREADS) / cvs;
+            let slabs = cv.div_ceil(cvs);
+            let per_part_min = rb * MIN_ROWS_PER_THREAD;
+            let parts_max = (rows / per_part_min).max(1);
+            let parts = (wave / slabs).clamp(1, parts_max);
+            let ipb = rows.div_ceil(parts).max(1);
+            let parts = rows.div_ceil(ipb).max(1);
+            Geom {
+                ipr: FastDiv::new(1),
+                runs: 0,
+                hw: 0,
+                rows,
+                ipb,
+                channels: c as u32,
+                parts: parts as u32,
+                vec,
+                slabs: slabs as u32,
+                cvs: cvs as u32,
+                rb: rb as u32,
+            }
+        }
+    }
+}
+
+/// How the apply kernels find the channel of a vector (`mode` in `kernels/batchnorm.cu`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum ApplyMode {
+    /// 16-byte vectors, each inside one run of one channel (channels-first, `hw % N == 0`).
+    Run = 0,
+    /// 16-byte vectors of `N` consecutive channels (channels-last, `C % N == 0`).
+    Contig = 1,
+    /// One element per lane (scalar tiles): any alignment, any shape.
+    Element = 2,
+}
+
+impl ApplyMode {
+    pub(crate) const fn name(self) -> &'static str {
+        match self {
+            ApplyMode::Run => "vector (per-run channel)",
+            ApplyMode::Contig => "vector (consecutive channels)",
+            ApplyMode::Element => "element",
+        }
+    }
+}
+
+/// The apply kernels' mode: a vector mode when every data pointer is 16-byte aligned and the
+/// runs (channels-first) or rows (channels-last) hold whole vectors; else the element path. The
+/// kernel applies the same alignment test itself.
+pub(crate) fn apply_mode(shape: &OwnShape, elem_bytes: u64, data_ptrs: &[u64]) -> ApplyMode {
+    let n = max_vec(elem_bytes);
+    if !data_ptrs.iter().all(|p| p % VECTOR_BYTES == 0) {
+        return ApplyMode::Element;
+    }
+    match shape.arr {
+        Arrangement::First { hw, .. } if hw % n == 0 => ApplyMode::Run,
+        Arrangement::Last { .. } if shape.c % n == 0 => ApplyMode::Contig,
+        _ => ApplyMode::Element,
+    }
+}
+
+/// Warps with work in an apply launch.
+pub(crate) fn apply_warps(mode: ApplyMode, numel: u64, elem_bytes: u64) -> u64 {
+    match mode {
+        ApplyMode::Run | ApplyMode::Contig => {
+            let chunk = 32 * max_vec(elem_bytes);
+            (numel / chunk).div_ceil(APPLY_UNROLL).max(1)
+        }
+        ApplyMode::Element => numel.div_ceil(32 * SCALAR_WORDS).max(1),
+    }
+}
+
+/// Blocks of an apply launch: those with work, at most one wave.
+pub(crate) fn apply_blocks(mode: ApplyMode, numel: u64, elem_bytes: u64, wave: u64) -> u32 {
+    let blocks = apply_warps(mode, numel, elem_bytes).div_ceil(u64::from(THREADS / 32));
+    blocks.min(wave.max(1)).clamp(1, i32::MAX as u64) as u32
+}
+
+/// A 1-D launch configuration.
+pub(crate) fn config(blocks: u32, threads: u32, shared: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks.max(1), 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: shared,
+    }
+}
+
+/// Bytes of shared memory an apply kernel stages (0 when C is too large: then the forward reads
+/// `bn_fold`'s output and the backward its coefficient buffer from global memory).
+pub(crate) fn staged_bytes(c: u64, floats_per_channel: u64) -> u32 {
+    if c <= STAGE_MAX_C {
+        (c * floats_per_channel * 4) as u32
+    } else {
+        0
+    }
+}
+
+/// Geometry of a persistent launch — `struct PGeom` in `kernels/batchnorm_persistent.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct PGeom {
+    /// Channels-first: vectors per run.
+    pub ipr: FastDiv,
+    /// Channels-first: runs per channel.
+    pub runs: u64,
+    /// Channels-first: elements per run.
+    pub hw: u64,
+    /// Channels-last: rows.
+    pub rows: u64,
+    /// Channels-first: vectors per unit; channels-last: rows per unit.
+    pub ipb: u64,
+    /// Units (channels-first `C * parts`, channels-last `parts`).
+    pub units: u64,
+    /// Elements of one unit slot in shared memory.
+    pub unit_elems: u64,
+    /// Channels.
+    pub channels: u32,
+    /// Partials per channel.
+    pub parts: u32,
+    /// Unit slots per block.
+    pub upb: u32,
+    /// Channels-last: `C / vec`.
+    pub cvs: u32,
+    /// Channels-last: `PTHREADS / cvs`.
+    pub rb: u32,
+    /// Elements per vector.
+    pub vec: u32,
+}
+
+impl PGeom {
+    #[cfg(test)]
+    pub(crate) fn channels_first(&self) -> bool {
+        self.cvs == 0
+    }
+}
+
+/// Why the persistent kernels cannot take `shape` whatever its size (`Ok` when they can): a
+/// channels-first run must be a whole number of 32-element mask words (so that no mask word
+/// crosses a run), a channels-last row a power-of-two number of 16-byte vectors that divides the
+/// block (so that every block iteration covers whole words).
+pub(crate) fn persistent_structure(shape: &OwnShape, elem_bytes: u64) -> Result<(), String> {
+    match shape.arr {
+        Arrangement::First { hw, .. } => {
+            if hw % 32 != 0 {
+                return Err(format!(
+                    "channels-first runs of {hw} elements are not a multiple of 32 (mask words \
+                     would cross runs)"
+                ));
+            }
+        }
+        Arrangement::Last { .. } => {
+            let n = max_vec(elem_bytes);
+            let cv = shape.c / n;
+            if shape.c % n != 0 || !cv.is_power_of_two() || cv > u64::from(PTHREADS) {
+                return Err(format!(
+                    "channels-last rows of {} channels are not a power-of-two number of 16-byte \
+                     vectors up to {PTHREADS}",
+                    shape.c
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Shared-memory bytes of `elems` elements, rounded up to 16.
+fn tile_bytes(elems: u64, elem_bytes: u64, tiles: u64) -> u64 {
+    (elems * elem_bytes).div_ceil(16) * 16 * tiles
+}
+
+/// The persistent tiling of `shape` over `grid` blocks with at most `smem_limit` bytes of
+/// dynamic shared memory per block; `tiles` is 1 (forward: x) or 2 (backward: x and dy'). None
+/// when the structure does not allow it or the tensor does not fit. Returns the geometry and
+/// the dynamic shared memory per block. The unit size minimises the largest block's share
+/// (units per block times unit size), ties to fewer units.
+pub(crate) fn persistent_geom(
+    shape: &OwnShape,
+    elem_bytes: u64,
+    tiles: u64,
+    grid: u64,
+    smem_limit: u64,
+) -> Option<(PGeom, u64)> {
+    persistent_structure(shape, elem_bytes).ok()?;
+    let grid = grid.max(1);
+    let c = shape.c.max(1);
+    let max = max_vec(elem_bytes);
+    // (ipb granule, items, vector, units per "part", slot elements per ipb unit)
+    match shape.arr {
+        Arrangement::First { runs, hw } => {
+            let v = [max, max / 2, 1]
+                .into_iter()
+                .find(|&v| v >= 1 && hw % (32 * v) == 0)?;
+            let ipr = hw / v;
+            let items = runs * ipr; // a multiple of 32
+            let max_parts = (items / 32).clamp(1, 4 * grid);
+            let mut best: Option<(u64, u64, u64)> = None; // (cost, parts, ipb)
+            for p in 1..=max_parts {
+                let ipb = items.div_ceil(p).div_ceil(32) * 32;
+                let parts = items.div_ceil(ipb);
+                let upb = (c * parts).div_ceil(grid);
+                let cost = upb * ipb;
+                if best.is_none_or(|(bc, bp, _)| cost < bc || (cost == bc && parts < bp)) {
+                    best = Some((cost, parts, ipb));
+                }
+            }
+            let (_, parts, ipb) = best?;
+            let units = c * parts;
+            let upb = units.div_ceil(grid);
+            let unit_elems = ipb * v;
+            let smem = upb * tile_bytes(unit_elems, elem_bytes, tiles);
+            // The kernels place slot s at s * unit_elems elements: every slot must start on a
+            // 16-byte boundary (ipb is a multiple of 32, so 32 * v elements of 2 or 4 bytes).
+            if smem > smem_limit
+                || parts > u64::from(u32::MAX)
+                || upb > u64::from(u32::MAX)
+                || (unit_elems * elem_bytes) % 16 != 0
+            {
+                return None;
+            }
+            Some((
+                PGeom {
+                    ipr: FastDiv::new(ipr),
+                    runs,
+                    hw,
+                    rows: 0,
+                    ipb,
+                    units,
+                    unit_elems,
+                    channels: c as u32,
+                    parts: parts as u32,
+                    upb: upb as u32,
+                    cvs: 0,
+                    rb: 0,
+                    vec: v as u32,
+                },
+                smem,
+            ))
+        }
+        Arrangement::Last { rows } => {
+            let cvs = c / max;
+            let rb = u64::from(PTHREADS) / cvs;
+            let max_parts = rows.div_ceil(rb).clamp(1, 4 * grid);
+            let mut best: Option<(u64, u64, u64)> = None;
+            for p in 1..=max_parts {
+                let ipb = rows.div_ceil(p).div_ceil(rb) * rb;
+                let parts = rows.div_ceil(ipb);
+                let upb = parts.div_ceil(grid);
+                let cost = upb * ipb;
+                if best.is_none_or(|(bc, bp, _)| cost < bc || (cost == bc && parts < bp)) {
+                    best = Some((cost, parts, ipb));
+                }
+            }
+            let (_, parts, ipb) = best?;
+            let upb = parts.div_ceil(grid);
+            let unit_elems = ipb * c;
+            let smem = upb * tile_bytes(unit_elems, elem_bytes, tiles);
+            // Slots start on 16-byte boundaries: C is a multiple of the 16-byte vector.
+            if smem > smem_limit
+                || parts > u64::from(u32::MAX)
+                || (unit_elems * elem_bytes) % 16 != 0
+            {
+                return None;
+            }
+            Some((
+                PGeom {
+                    ipr: FastDiv::new(1),
+                    runs: 0,
+                    hw: 0,
+                    rows,
+                    ipb,
+                    units: parts,
+                    unit_elems,
+                    channels: c as u32,
+                    parts: parts as u32,
+                    upb: upb as u32,
+                    cvs: cvs as u32,
+                    rb: rb as u32,
+                    vec: max as u32,
+                },
+                smem,
+            ))
+        }
+    }
+}
+
+/// Floats of scratch a launch needs: partials (`fields` per channel and part) then `coef_fields`
+/// per channel of coefficients.
+pub(crate) fn scratch_floats(c: u64, parts: u64, fields: u64, coef_fields: u64) -> (u64, u64) {
+    let part = fields * c * parts;
+    // The coefficients start 16-byte aligned.
+    let coef_at = part.div_ceil(4) * 4;
+    (coef_at, coef_at + coef_fields * c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    /// Splitmix for the tests.
+    fn rng(seed: u64) -> impl FnMut() -> u64 {
+        let mut s = seed;
+        move || {
+            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        }
+    }
+
+    #[test]
+    fn constants_match_the_kernel_source() {
+        let src = crate::kernels::BATCHNORM.source;
+        for (name, v) in [
+            ("THREADS", u64::from(THREADS)),
+            ("PTHREADS", u64::from(PTHREADS)),
+            ("RED_UNROLL", RED_UNROLL),
+            ("APPLY_UNROLL", APPLY_UNROLL),
+            ("SCALAR_WORDS", SCALAR_WORDS),
+            ("STAGE_MAX_C", STAGE_MAX_C),
+        ] {
+            assert!(
+                src.contains(&format!("constexpr int {name} = {v};")),
+                "{name} = {v} not found in kernels/batchnorm_common.cuh"
+            );
+        }
+        assert_eq!(ApplyMode::Run as u32, 0);
+        assert!(src.contains("constexpr int MODE_RUN = 0;"));
+        assert!(src.contains("constexpr int MODE_CONTIG = 1;"));
+        assert!(src.contains("constexpr int MODE_ELEMENT = 2;"));
+    }
+
+    #[test]
+    fn struct_layouts_match_the_kernels() {
+        // The CUDA structs: FastDiv 24 B; Geom 80 B; PGeom 96 B (all fields 8- or 4-byte, no
+        // padding). Any change here must change kernels/batchnorm*.cu too.
+        assert_eq!(std::mem::size_of::<FastDiv>(), 24);
+        assert_eq!(std::mem::size_of::<Geom>(), 80);
+        assert_eq!(std::mem::size_of::<PGeom>(), 96);
+        assert_eq!(std::mem::align_of::<Geom>(), 8);
+    }
+
+    #[test]
+    fn fast_division_is_exact() {
+        let mut r = rng(7);
+        let mut divisors = vec![
+            1u64, 2, 3, 5, 7, 12, 31, 32, 33, 49, 196, 3136, 12544, 65535,
+        ];
+        divisors.extend([
+            1 << 31,
+            (1 << 31) + 1,
+            (1 << 32) - 1,
+            1 << 32,
+            (1 << 32) + 1,
+            (1 << 63) - 1,
+            1 << 63,
+            (1 << 63) + 1,
+            u64::MAX - 1,
+            u64::MAX,
+        ]);
+        for _ in 0..300 {
+            let bits = r() % 64;
+            divisors.push((r() >> bits).max(1));
+        }
+        for &d in &divisors {
+            let f = FastDiv::new(d);
+            let mut ns = vec![0, 1, d - 1, d, d.wrapping_add(1), u64::MAX, u64::MAX - 1];
+            ns.extend([d.wrapping_mul(3), d.wrapping_mul(12345), (1 << 56) - 1]);
+            for _ in 0..200 {
+                let bits = r() % 64;
+                ns.push(r() >> bits);
+            }
+            for n in ns {
+                assert_eq!(f.div(n), n / d, "{n} / {d}");
+            }
+        }
+        assert_eq!(FastDiv::new(0).div(17), 17); // treated as 1
+    }
+
+    #[test]
+    fn vector_widths() {
+        // f16: 16 B = 8 elements, 8 B = 4, else 1.
+        assert_eq!(vec_width(2, &[12544], &[0x1000]), 8);
+        assert_eq!(vec_width(2, &[196], &[0x1000]), 4);
+        assert_eq!(vec_width(2, &[98], &[0x1000]), 1);
+        assert_eq!(vec_width(2, &[12544], &[0x1008]), 4);
+        assert_eq!(vec_width(2, &[12544], &[0x1002]), 1);
+        assert_eq!(vec_width(4, &[12544, 256], &[0x1000, 0]), 4);
+        assert_eq!(vec_width(4, &[30], &[0x1000]), 2);
+        assert_eq!(vec_width(4, &[3], &[0x1000]), 1);
+        assert_eq!(vec_width(4, &[64], &[0x1000, 0x2008]), 2);
+    }
+
+    /// Every element of each channel, once, in the order the emulated kernel visits them, for
+    /// the channels-first reduction (cf_stats_range / cf_reduce_range, NT threads a block).
+    fn emulate_cf(shape: &OwnShape, g: &Geom, nt: u64) -> HashMap<u64, Vec<u64>> {
+        let Arrangement::First { runs, hw } = shape.arr else {
+            unreachable!()
+        };
+        let c = u64::from(g.channels);
+        let v = u64::from(g.vec);
+        let ipr = g.ipr.d;
+        let p_count = u64::from(g.parts);
+        let mut seen: HashMap<u64, Vec<u64>> = HashMap::new();
+        for block in 0..u64::from(g.blocks()) {
+            // const u64 ch = blockIdx.x / P, p = blockIdx.x - ch * P;
+            let ch = block / p_count;
+            let p = block - ch * p_count;
+            let k0 = p * g.ipb;
+            let k1 = (k0 + g.ipb).min(g.runs * ipr);
+            for t in 0..nt {
+                let mut k = k0 + t;
+                if k >= k1 {
+                    continue;
+                }
+                let mut o = g.ipr.div(k);
+                let mut iv = k - o * ipr;
+                let sq = g.ipr.div(nt);
+                let sr = nt - sq * ipr;
+                let step = |o: &mut u64, iv: &mut u64| {
+                    *iv += sr;
+                    *o += sq;
+                    if *iv >= ipr {
+                        *iv -= ipr;
+                        *o += 1;
+                    }
+                };
+                let mut visit = |o: u64, iv: u64| {
+                    let e = (o * c + ch) * hw + iv * v;
+                    for j in 0..v {
+                        seen.entry(ch).or_default().push(e + j);
+                    }
+                };
+                while k + (RED_UNROLL - 1) * nt < k1 {
+                    for _ in 0..RED_UNROLL {
+                        visit(o, iv);
+                        step(&mut o, &mut iv);
+                    }
+                    k += RED_UNROLL * nt;
+                }
+                while k < k1 {
+                    visit(o, iv);
+                    step(&mut o, &mut iv);
+                    k += nt;
+                }
+            }
+        }
+        assert_eq!(g.runs, runs);
+        seen
+    }
+
+    fn emulate_cl(shape: &OwnShape, g: &Geom) -> HashMap<u64, Vec<u64>> {
+        let Arrangement::Last { rows } = shape.arr else {
+            unreachable!()
+        };
+        let c = u64::from(g.channels);
+        let v = u64::from(g.vec);
+        let (cvs, rb, slabs) = (u64::from(g.cvs), u64::from(g.rb), u64::from(g.slabs));
+        let mut seen: HashMap<u64, Vec<u64>> = HashMap::new();
+        for block in 0..u64::from(g.blocks()) {
+            let s = block % slabs;
+            let p = block / slabs;
+            for t in 0..u64::from(THREADS) {
+                let ro = t / cvs;
+                let cvl = t - ro * cvs;
+                let cv = s * cvs + cvl;
+                let active = ro < rb && cv < c / v;
+                if !active {
+                    continue;
+                }
+                let r0 = p * g.ipb;
+                let r1 = (r0 + g.ipb).min(rows);
+                let mut r = r0 + ro;
+                while r < r1 {
+                    for j in 0..v {
+                        seen.entry(cv * v + j).or_default().push(r * c + cv * v + j);
+                    }
+                    r += rb;
+                }
+            }
+        }
+        seen
+    }
+
+    fn check_cover(shape: &OwnShape, seen: &HashMap<u64, Vec<u64>>, what: &str) {
+        let mut all = vec![0u32; shape.numel() as usize];
+        for (&ch, es) in seen {
+            for &e in es {
+                assert!(e < shape.numel(), "{what}: element {e} out of range");
+                assert_eq!(
+                    shape.channel_of(e),
+                    ch,
+                    "{what}: element {e} in channel {ch}"
+                );
+                all[e as usize] += 1;
+            }
+        }
+        if let Some(i) = all.iter().position(|&n| n != 1) {
+            panic!("{what}: element {i} visited {} times", all[i]);
+        }
+    }
+
+    fn shapes() -> Vec<OwnShape> {
+        let mut v = Vec::new();
+        for (runs, c, hw) in [
+            (1, 1, 2),
+            (2, 3, 5),
+            (4, 24, 196),
+            (3, 2, 12544),
+            (7, 5, 49),
+            (1, 1, 100_000),
+            (64, 2, 256),
+            (2, 33, 64),
+        ] {
+            v.push(OwnShape {
+                arr: Arrangement::First { runs, hw },
+                c,
+            });
+        }
+        for (rows, c) in [
+            (2, 1),
+            (10, 3),
+            (300, 30),
+            (1000, 64),
+            (37, 2048),
+            (5000, 256),
+            (3, 4096),
+            (9, 520),
+        ] {
+            v.push(OwnShape {
+                arr: Arrangement::Last { rows },
+                c,
+            });
+        }
+        v
+    }
+
+    #[test]
+    fn reductions_visit_every_element_once_in_its_channel() {
+        for shape in shapes() {
+            for eb in [2u64, 4] {
+                let lens: Vec<u64> = match shape.arr {
+                    Arrangement::First { hw, .. } => vec![hw],
+                    Arrangement::Last { .. } => vec![shape.c],
+                };
+                let v = vec_width(eb, &lens, &[0x1000]);
+                for wave in [1u64, 7, 132 * 8] {
+                    let g = reduce_geom(&shape, v, wave);
+                    let what = format!("{shape:?} eb {eb} wave {wave}: {g:?}");
+                    assert!(g.parts >= 1 && g.blocks() >= 1, "{what}");
+                    match shape.arr {
+                        Arrangement::First { .. } => {
+                            // Every part is non-empty.
+                            assert!(
+                                (u64::from(g.parts) - 1) * g.ipb < g.runs * g.ipr.d,
+                                "{what}"
+                            );
+                            check_cover(&shape, &emulate_cf(&shape, &g, u64::from(THREADS)), &what)
+                        }
+                        Arrangement::Last { rows } => {
+                            assert!((u64::from(g.parts) - 1) * g.ipb < rows, "{what}");
+                            assert!(u64::from(g.cvs) * u64::from(g.rb) <= u64::from(THREADS));
+                            check_cover(&shape, &emulate_cl(&shape, &g), &what)
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn reduction_grids_for_the_issue_shapes() {
+        let wave = 132 * 8;
+        // f32 16x32x112x112 channels-first: 32 channels x 33 parts = 1056 blocks, one wave.
+        let s = OwnShape {
+            arr: Arrangement::First {
+                runs: 16,
+                hw: 12544,
+            },
+            c: 32,
+        };
+        let g = reduce_geom(&s, 4, wave);
+        assert_eq!((g.parts, g.blocks()), (33, 1056));
+        // 2-D 65536x256 f32: 64 vectors a row, 4 rows a block iteration, 32 rows a thread.
+        let s = OwnShape {
+            arr: Arrangement::Last { rows: 65536 },
+            c: 256,
+        };
+        let g = reduce_geom(&s, 4, wave);
+        assert_eq!((g.cvs, g.rb, g.slabs), (64, 4, 1));
+        assert_eq!(g.parts, 512);
+        // C = 1, 10^7 elements: one channel over a wave of blocks.
+        let s = OwnShape {
+            arr: Arrangement::First {
+                runs: 10,
+                hw: 1_000_000,
+            },
+            c: 1,
+        };
+        assert_eq!(reduce_geom(&s, 4, wave).parts as u64, wave);
+    }
+
+    #[test]
+    fn apply_modes_and_channels() {
+        let first = |hw| OwnShape {
+            arr: Arrangement::First { runs: 3, hw },
+            c: 5,
+        };
+        let last = |c| OwnShape {
+            arr: Arrangement::Last { rows: 7 },
+            c,
+        };
+        assert_eq!(
+            apply_mode(&first(3136), 2, &[0x1000, 0x2000]),
+            ApplyMode::Run
+        );
+        assert_eq!(apply_mode(&first(196), 2, &[0x1000]), ApplyMode::Element);
+        assert_eq!(apply_mode(&first(196), 4, &[0x1000]), ApplyMode::Run);
+        assert_eq!(apply_mode(&first(3136), 2, &[0x1002]), ApplyMode::Element);
+        assert_eq!(apply_mode(&last(64), 2, &[0x1000]), ApplyMode::Contig);
+        assert_eq!(apply_mode(&last(30), 4, &[0x1000]), ApplyMode::Element);
+        // The vector modes' channel arithmetic (fwd_vector / bwd_vector) against the reference.
+        for (shape, eb) in [
+            (first(3136), 2),
+            (first(196), 4),
+            (last(64), 2),
+            (last(12), 4),
+        ] {
+            let mode = apply_mode(&shape, eb, &[0x1000]);
+            let n = max_vec(eb);
+            let inner = FastDiv::new(shape.inner());
+            let chans = FastDiv::new(shape.c);
+            let chunk = 32 * n;
+            for c in 0..shape.numel() / chunk {
+                for lane in 0..32 {
+                    let e = c * chunk + lane * n;
+                    let q = inner.div(e);
+                    let ch = q - chans.div(q) * shape.c;
+                    for j in 0..n {
+                        let want = shape.channel_of(e + j);
+                        let got = if mode == ApplyMode::Run { ch } else { ch + j };
+                        assert_eq!(got, want, "{shape:?} element {}", e + j);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn apply_grid() {
+        // 64x64x112x112 f16: one wave of blocks; small tensors only the blocks with work.
+        let n = 64 * 64 * 112 * 112;
+        assert_eq!(apply_blocks(ApplyMode::Run, n, 2, 1056), 1056);
+        assert_eq!(apply_blocks(ApplyMode::Run, 100, 2, 1056), 1);
+        assert_eq!(apply_blocks(ApplyMode::Element, 1, 4, 1056), 1);
+        // 8 warps a block, APPLY_UNROLL chunks a warp: f32 chunk 128 elements.
+        assert_eq!(apply_blocks(ApplyMode::Contig, 128 * 2 * 8 * 3, 4, 1056), 3);
+        assert_eq!(staged_bytes(256, 3), 3072);
+        assert!(staged_bytes(STAGE_MAX_C, 5) <= 48 * 1024);
+        assert_eq!(staged_bytes(STAGE_MAX_C + 1, 3), 0);
+    }
+
+    /// Emulates the persistent kernels' phases: every vector of the tensor belongs to exactly one
+    /// unit slot; phase 3's chunks (channels-first) or block iterations (channels-last) write
+    /// every mask word from exactly one lane, and the slot offsets stay inside the slot.
+    fn emulate_persistent(shape: &OwnShape, g: &PGeom, grid: u64) {
+        let c = u64::from(g.channels);
+        let v = u64::from(g.vec);
+        let numel = shape.numel();
+        let mut elems = vec![0u8; numel as usize];
+        let mut words = vec![0u8; numel.div_ceil(32) as usize];
+        let nw = u64::from(PTHREADS) / 32;
+        for b in 0..grid {
+            for s in 0..u64::from(g.upb) {
+                let u = b + s * grid;
+                if u >= g.units {
+                    break;
+                }
+                if g.channels_first() {
+                    let p_count = u64::from(g.parts);
+                    let ch = u / p_count;
+                    let p = u - ch * p_count;
+                    let items = g.runs * g.ipr.d;
+                    let k0 = p * g.ipb;
+                    let k1 = (k0 + g.ipb).min(items);
+                    assert_eq!((k1 - k0) % 32, 0);
+                    assert!((k1 - k0) * v <= g.unit_elems);
+                    let ipr = g.ipr.d;
+                    let step = nw * 32;
+                    let sq = g.ipr.div(step);
+                    let sr = step - sq * ipr;
+                    let nchunks = (k1 - k0) / 32;
+                    for warp in 0..nw {
+                        let mut q = warp;
+                        if q >= nchunks {
+                            continue;
+                        }
+                        let kq = k0 + 32 * q;
+                        let mut o = g.ipr.div(kq);
+                        let mut iv = kq - o * ipr;
+                        while q < nchunks {
+                            for lane in 0..32u64 {
+                                let e = (o * c + ch) * g.hw + (iv + lane) * v;
+                                assert!(iv + lane < ipr, "chunk crosses a run");
+                                let slot_off = (q * 32 + lane) * v;
+                                assert!(slot_off + v <= g.unit_elems);
+                                for j in 0..v {
+                                    assert_eq!(shape.channel_of(e + j), ch);
+                                    elems[(e + j) as usize] += 1;
+                                }
+                                if lane & (32 / v - 1) == 0 {
+                                    assert_eq!(e % 32, 0, "mask word writer off a boundary");
+                                    words[(e >> 5) as usize] += 1;
+                                }
+                            }
+                            iv += sr;
+                            o += sq;
+                            if iv >= ipr {
+                                iv -= ipr;
+                                o += 1;
+                            }
+                            q += nw;
+                        }
+                    }
+                } else {
+                    let (cvs, rb) = (u64::from(g.cvs), u64::from(g.rb));
+                    assert_eq!(cvs * rb, u64::from(PTHREADS));
+                    let r0 = u * g.ipb;
+                    let r1 = (r0 + g.ipb).min(g.rows);
+                    assert!((r1 - r0) * c <= g.unit_elems);
+                    let iters = (r1 - r0).div_ceil(rb);
+                    for it in 0..iters {
+                        for t in 0..u64::from(PTHREADS) {
+                            let ro = t / cvs;
+                            let cv = t - ro * cvs;
+                            let lane = t & 31;
+                            let r = r0 + it * rb + ro;
+                            if r >= r1 {
+                                continue;
+                            }
+                            let e = r * c + cv * v;
+                            for j in 0..v {
+                                assert_eq!(shape.channel_of(e + j), cv * v + j);
+                                elems[(e + j) as usize] += 1;
+                            }
+                            if lane & (32 / v - 1) == 0 {
+                                assert_eq!(e % 32, 0, "mask word writer off a boundary");
+                                words[(e >> 5) as usize] += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(elems.iter().all(|&n| n == 1), "{shape:?}: element coverage");
+        assert!(
+            words.iter().all(|&n| n == 1),
+            "{shape:?}: mask word writers"
+        );
+    }
+
+    #[test]
+    fn persistent_tiling_covers_every_element_and_word_once() {
+        let cases = [
+            (
+                OwnShape {
+                    arr: Arrangement::First {
+                        runs: 16,
+                        hw: 12544,
+                    },
+                    c: 32,
+                },
+                4,
+            ),
+            (
+                OwnShape {
+                    arr: Arrangement::First { runs: 4, hw: 3136 },
+                    c: 8,
+                },
+                2,
+            ),
+            (
+                OwnShape {
+                    arr: Arrangement::First { runs: 3, hw: 32 },
+                    c: 3,
+                },
+                2,
+            ),
+            (
+                OwnShape {
+                    arr: Arrangement::First { runs: 1, hw: 96 },
+                    c: 1,
+                },
+                4,
+            ),
+            (
+                OwnShape {
+                    arr: Arrangement::Last { rows: 1000 },
+                    c: 64,
+                },
+                2,
+            ),
+            (
+                OwnShape {
+                    arr: Arrangement::Last { rows: 333 },
+                    c: 256,
+                },
+                4,
+            ),
+            (
+                OwnShape {
+                    arr: Arrangement::Last { rows: 77 },
+                    c: 8,
+                },
+                2,
+            ),
+            (
+                OwnShape {
+                    arr: Arrangement::Last { rows: 5 },
+                    c: 2048,
+                },
+                4,
+            ),
+        ];
+        for (shape, eb) in cases {
+            for grid in [1u64, 3, 132] {
+                let r = persistent_geom(&shape, eb, 2, grid, u64::MAX);
+                if let Arrangement::Last { .. } = shape.arr {
+                    if shape.c / max_vec(eb) > u64::from(PTHREADS) {
+                        assert!(r.is_none(), "{shape:?}");
+                        continue;
+                    }
+                }
+                let (g, smem) = r.unwrap_or_else(|| panic!("{shape:?} eb {eb}"));
+                assert!(smem >= u64::from(g.upb) * g.unit_elems * eb * 2, "{g:?}");
+                assert_eq!((g.unit_elems * eb) % 16, 0, "slot alignment {g:?}");
+                assert!(g.units <= grid * u64::from(g.upb), "{g:?}");
+                emulate_persistent(&shape, &g, grid);
+            }
+        }
+    }
+
+    #[test]
+    fn persistent_structure_and_capacity() {
+        let s = |hw| OwnShape {
+            arr: Arrangement::First { runs: 16, hw },
+            c: 32,
+        };
+        assert!(persistent_structure(&s(12544), 4).is_ok());
+        assert!(persistent_structure(&s(196), 4).is_err());
+        let l = |c| OwnShape {
+            arr: Arrangement::Last { rows: 100 },
+            c,
+        };
+        assert!(persistent_structure(&l(64), 2).is_ok());
+        assert!(persistent_structure(&l(96), 2).is_err()); // 12 vectors
+        assert!(persistent_structure(&l(30), 2).is_err());
+        assert!(persistent_structure(&l(4096), 2).is_ok()); // 512 vectors: one row a block pass
+        assert!(persistent_structure(&l(8192), 2).is_err()); // 1024 vectors
+                                                             // f32 16x32x112x112 (25.7 MB) fits one H100 wave of 132 blocks at 227 KiB each for the
+                                                             // forward, not the backward.
+        let big = s(12544);
+        let fwd = persistent_geom(&big, 4, 1, 132, 232_448 - 1024);
+        assert!(fwd.is_some());
+        assert!(persistent_geom(&big, 4, 2, 132, 232_448 - 1024).is_none());
+        let (g, smem) = fwd.unwrap();
+        // The largest block's share is within 2% of an even split (units are whole mask words).
+        let even = (16 * 32 * 12544 * 4) as f64 / 132.0;
+        assert!((smem as f64) < even * 1.02, "{g:?} {smem}");
+    }
+
+    #[test]
+    fn scratch_layout() {
+        assert_eq!(scratch_floats(3, 5, 3, 2), (48, 54));
+        assert_eq!(scratch_floats(4, 4, 2, 4), (32, 48));
+    }
+}

@@ -1,0 +1,806 @@
+//! nnfuse's own BatchNorm kernels on the GPU (issue 9): against the f64 reference over a grid of
+//! ranks, axes, layouts, channel counts (1, 3, 30, 64, 2048, 2100, 5000) and elements per channel (2 to
+//! 10^7), every fusion and data type, both variants (two-pass and persistent, each forced),
+//! aligned and unaligned views; path against path (own vs cuDNN's fallback vs cuDNN's fused) on
+//! identical inputs; accuracy on hard inputs next to cuDNN SPATIAL's; NaN in, NaN out;
+//! determinism. Ignored without a GPU.
+//!
+//! Every failure names the case (shape, axis, dtype, fusion, variant, view offset), the output
+//! and its error; the seed of the random inputs is printed first.
+
+mod common;
+
+use common::*;
+use cudarc::driver::CudaSlice;
+use half::{bf16, f16};
+use nnfuse::batchnorm::{
+    BackwardArgs, BatchNorm, BnOptions, BnPath, Fuse, InferenceArgs, OwnVariant, OwnVariantChoice,
+    TrainArgs,
+};
+use nnfuse::reference::activation::relu_mask_fwd;
+use nnfuse::reference::batchnorm::{self as rb, Activation, ActivationBackward, BnShape};
+use nnfuse::{util, BnImpl, Config, Context, Element};
+
+const EPS: f64 = 1e-5;
+
+/// What a case's inputs look like.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Data {
+    /// x uniform in [-2, 3).
+    Uniform,
+    /// Per channel: mean in [50, 100), standard deviation in [0.5, 1].
+    Offset,
+    /// Positive values log-uniform over [1e-3, 1e3].
+    Wide,
+}
+
+/// Host copies of one case's inputs, already rounded to T.
+struct Inputs<T> {
+    x: Vec<T>,
+    z: Vec<T>,
+    dy: Vec<T>,
+    gamma: Vec<f32>,
+    beta: Vec<f32>,
+    rm: Vec<f32>,
+    rv: Vec<f32>,
+}
+
+fn inputs<T: Element>(rng: &mut Rng, sh: &BnShape, data: Data) -> Inputs<T> {
+    let n = sh.numel();
+    let c = sh.c;
+    let x = match data {
+        Data::Uniform => rng.vec(n, -2.0, 3.0),
+        Data::Offset => {
+            let params: Vec<(f64, f64)> = (0..c)
+                .map(|_| (rng.uniform(50.0, 100.0), rng.uniform(0.5, 1.0)))
+                .collect();
+            let mut x = vec![T::default(); n];
+            for o in 0..sh.outer {
+                for ch in 0..c {
+                    for i in 0..sh.inner {
+                        let (m, s) = params[ch];
+                        // Uniform with the channel's standard deviation.
+                        let u = rng.uniform(-1.0, 1.0) * s * 3f64.sqrt();
+                        x[sh.index(o, ch, i)] = T::from_f64(m + u);
+                    }
+                }
+            }
+            x
+        }
+        Data::Wide => (0..n)
+            .map(|_| T::from_f64(10f64.powf(rng.uniform(-3.0, 3.0))))
+            .collect(),
+    };
+    Inputs {
+        x,
+        z: rng.vec(n, -1.0, 1.0),
+        dy: rng.vec(n, -1.0, 1.0),
+        gamma: rng.vec(c, 0.5, 1.5),
+        beta: rng.vec(c, -0.5, 0.5),
+        rm: rng.vec(c, -0.1, 0.1),
+        rv: rng.vec(c, 0.5, 1.5),
+    }
+}
+
+/// Everything one GPU run produced, as f64.
+#[derive(Debug, Clone)]
+struct Outputs {
+    path: BnPath,
+    fwd_variant: Option<OwnVariant>,
+    bwd_variant: Option<OwnVariant>,
+    y: Vec<f64>,
+    rm: Vec<f64>,
+    rv: Vec<f64>,
+    saved_mean: Vec<f64>,
+    saved_inv_std: Vec<f64>,
+    mask: Option<Vec<u32>>,
+    dx: Vec<f64>,
+    dz: Option<Vec<f64>>,
+    dgamma: Vec<f64>,
+    dbeta: Vec<f64>,
+    y_inference: Vec<f64>,
+}
+
+impl Outputs {
+    /// Every output's bits, for the determinism check.
+    fn bits(&self) -> Vec<u64> {
+        let mut v: Vec<u64> = Vec::new();
+        for s in [
+            &self.y,
+            &self.rm,
+            &self.rv,
+            &self.saved_mean,
+            &self.saved_inv_std,
+            &self.dx,
+            &self.dgamma,
+            &self.dbeta,
+            &self.y_inference,
+        ] {
+            v.extend(s.iter().map(|x| x.to_bits()));
+        }
+        if let Some(d) = &self.dz {
+            v.extend(d.iter().map(|x| x.to_bits()));
+        }
+        if let Some(m) = &self.mask {
+            v.extend(m.iter().map(|&w| u64::from(w)));
+        }
+        v
+    }
+}
+
+/// One case: where it runs and how.
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    fuse: Fuse,
+    variant: OwnVariantChoice,
+    /// Elements every data buffer is offset by (a view at an odd element takes the element path
+    /// and never the persistent kernel).
+    offset: usize,
+    momentum: f64,
+}
+
+/// A device buffer holding `offset` poison elements, then `data`.
+fn upload<T: Element>(ctx: &Context, data: &[T], offset: usize) -> CudaSlice<T> {
+    let s = ctx.stream();
+    let mut host = vec![T::from_f64(f64::NAN); offset];
+    host.extend_from_slice(data);
+    s.clone_htod(&host).unwrap()
+}
+
+fn poisoned<T: Element>(ctx: &Context, len: usize) -> CudaSlice<T> {
+    let mut v: CudaSlice<T> = ctx.stream().alloc_zeros(len).unwrap();
+    util::fill(ctx, &mut v, T::from_f64(f64::NAN)).unwrap();
+    v
+}
+
+fn run_gpu<T: Element>(
+    ctx: &Context,
+    shape: &[usize],
+    axis: usize,
+    r: Run,
+    inp: &Inputs<T>,
+) -> Outputs {
+    let s = ctx.stream();
+    let n = inp.x.len();
+    let c = inp.gamma.len();
+    let off = r.offset;
+    let opts = BnOptions {
+        own_variant: r.variant,
+    };
+    let bn = BatchNorm::<T>::with_options(ctx, shape, axis, r.fuse, opts).unwrap();
+    let x = upload(ctx, &inp.x, off);
+    let z = upload(ctx, &inp.z, off);
+    let dy = upload(ctx, &inp.dy, off);
+    let g = s.clone_htod(&inp.gamma).unwrap();
+    let b = s.clone_htod(&inp.beta).unwrap();
+    let mut rm = s.clone_htod(&inp.rm).unwrap();
+    let mut rv = s.clone_htod(&inp.rv).unwrap();
+    let poison32 = |len| {
+        let mut v: CudaSlice<f32> = s.alloc_zeros(len).unwrap();
+        util::fill(ctx, &mut v, f32::NAN).unwrap();
+        v
+    };
+    let mut y = poisoned::<T>(ctx, n + off);
+    let add = r.fuse == Fuse::AddRelu;
+    let saved = bn
+        .forward_train(TrainArgs {
+            x: x.slice(off..),
+            addend: add.then(|| z.slice(off..)),
+            gamma: g.as_view(),
+            beta: b.as_view(),
+            running_mean: rm.as_view_mut(),
+            running_var: rv.as_view_mut(),
+            y: y.slice_mut(off..),
+            momentum: r.momentum,
+            eps: EPS,
+        })
+        .unwrap();
+    let (mut dx, mut dz) = (poisoned::<T>(ctx, n + off), poisoned::<T>(ctx, n + off));
+    let (mut dg, mut db) = (poison32(c), poison32(c));
+    bn.backward(BackwardArgs {
+        x: x.slice(off..),
+        y: y.slice(off..),
+        dy: dy.slice(off..),
+        gamma: g.as_view(),
+        beta: b.as_view(),
+        saved: &saved,
+        dx: dx.slice_mut(off..),
+        d_addend: add.then(|| dz.slice_mut(off..)),
+        dgamma: dg.as_view_mut(),
+        dbeta: db.as_view_mut(),
+    })
+    .unwrap();
+    let rm0 = s.clone_htod(&inp.rm).unwrap();
+    let rv0 = s.clone_htod(&inp.rv).unwrap();
+    let mut yi = poisoned::<T>(ctx, n + off);
+    bn.forward_inference(InferenceArgs {
+        x: x.slice(off..),
+        addend: add.then(|| z.slice(off..)),
+        gamma: g.as_view(),
+        beta: b.as_view(),
+        running_mean: rm0.as_view(),
+        running_var: rv0.as_view(),
+        y: yi.slice_mut(off..),
+        eps: EPS,
+    })
+    .unwrap();
+    let h = |v: &CudaSlice<T>| f64s(&s.clone_dtoh(v).unwrap()[off..]);
+    let h32 = |v: &CudaSlice<f32>| f64s(&s.clone_dtoh(v).unwrap());
+    Outputs {
+        path: saved.path(),
+        fwd_variant: saved.own_variant(),
+        bwd_variant: bn.last_own_backward(),
+        y: h(&y),
+        rm: h32(&rm),
+        rv: h32(&rv),
+        saved_mean: h32(saved.saved_mean()),
+        saved_inv_std: h32(saved.saved_inv_std()),
+        mask: saved.mask().map(|m| s.clone_dtoh(m).unwrap()),
+        dx: h(&dx),
+        dz: add.then(|| h(&dz)),
+        dgamma: h32(&dg),
+        dbeta: h32(&db),
+        y_inference: h(&yi),
+    }
+}
+
+/// The f64 reference of one case (forward with the given momentum, inference with the
+/// original running statistics).
+struct Reference {
+    fwd: rb::BnForward,
+    y_inference: Vec<f64>,
+}
+
+fn reference<T: Element>(sh: &BnShape, fuse: Fuse, inp: &Inputs<T>, momentum: f64) -> Reference {
+    let x = f64s(&inp.x);
+    let z = f64s(&inp.z);
+    let (g, b) = (f64s(&inp.gamma), f64s(&inp.beta));
+    let (rm, rv) = (f64s(&inp.rm), f64s(&inp.rv));
+    let act = match fuse {
+        Fuse::None => Activation::None,
+        Fuse::Relu => Activation::Relu,
+        Fuse::AddRelu => Activation::AddRelu(&z),
+    };
+    Reference {
+        fwd: rb::train_forward(sh, &x, &g, &b, &rm, &rv, momentum, EPS, act),
+        y_inference: rb::inference_forward(sh, &x, &g, &b, &rm, &rv, EPS, act),
+    }
+}
+
+/// Relative errors of one run against the reference (y, dx), returned for reports.
+#[derive(Debug, Clone, Copy)]
+struct Errors {
+    y: f64,
+    dx: f64,
+    mean: f64,
+    inv_std: f64,
+}
+
+/// Checks one own run against the reference: every output, the mask equal to (y > 0), the
+/// statistics to 2e-6 (they are f32 sums of exactly the inputs the reference sees).
+fn check<T: Element>(
+    what: &str,
+    sh: &BnShape,
+    fuse: Fuse,
+    inp: &Inputs<T>,
+    rf: &Reference,
+    out: &Outputs,
+) -> Errors {
+    let tol = T::DTYPE.tolerance();
+    let w = |s: &str| format!("{what}: {s}");
+    let f = &rf.fwd;
+    assert_eq!(out.path, BnPath::Own, "{what}: path");
+    assert_close(&w("y"), &out.y, &f.y, tol);
+    assert_close(&w("saved_mean"), &out.saved_mean, &f.saved_mean, 2e-6);
+    assert_close(
+        &w("saved_inv_std"),
+        &out.saved_inv_std,
+        &f.saved_inv_std,
+        2e-6,
+    );
+    assert_close(&w("running_mean"), &out.rm, &f.running_mean, 2e-6);
+    assert_close(&w("running_var"), &out.rv, &f.running_var, 2e-6);
+    let gpu_mask = relu_mask_fwd(&out.y).1;
+    match (&out.mask, fuse) {
+        (None, Fuse::None) => {}
+        (Some(m), Fuse::Relu | Fuse::AddRelu) => {
+            if let Some(i) = (0..gpu_mask.len()).find(|&i| m[i] != gpu_mask[i]) {
+                panic!(
+                    "{what}: mask word {i} is {:#010x}, (y > 0) gives {:#010x}",
+                    m[i], gpu_mask[i]
+                );
+            }
+        }
+        (m, _) => panic!("{what}: mask {:?} for {fuse:?}", m.as_ref().map(Vec::len)),
+    }
+    let act_bwd = match fuse {
+        Fuse::None => ActivationBackward::None,
+        Fuse::Relu => ActivationBackward::Relu { mask: &gpu_mask },
+        Fuse::AddRelu => ActivationBackward::AddRelu { mask: &gpu_mask },
+    };
+    let x = f64s(&inp.x);
+    let dy = f64s(&inp.dy);
+    let g = f64s(&inp.gamma);
+    let gr = rb::backward(sh, &x, &dy, &g, &f.saved_mean, &f.saved_inv_std, act_bwd);
+    assert_close(&w("dx"), &out.dx, &gr.dx, tol);
+    assert_close(&w("dgamma"), &out.dgamma, &gr.dgamma, tol.max(1e-5));
+    assert_close(&w("dbeta"), &out.dbeta, &gr.dbeta, tol.max(1e-5));
+    match (&out.dz, &gr.d_addend) {
+        (Some(dz), Some(want)) => assert_close(&w("d_addend"), dz, want, tol),
+        (None, None) => {}
+        _ => panic!("{what}: d_addend presence"),
+    }
+    assert_close(&w("y (inference)"), &out.y_inference, &rf.y_inference, tol);
+    Errors {
+        y: rel_l2(&out.y, &f.y),
+        dx: rel_l2(&out.dx, &gr.dx),
+        mean: rel_l2(&out.saved_mean, &f.saved_mean),
+        inv_std: rel_l2(&out.saved_inv_std, &f.saved_inv_std),
+    }
+}
+
+/// Two paths on identical inputs agree: y within tolerance; the ReLU masks (y > 0) agree except
+/// at a few kinks, where the pre-activation is within rounding of zero; dx within tolerance over
+/// the channels without a kink (a flip moves its channel's sums).
+fn compare_paths(what: &str, tol: f64, sh: &BnShape, a: &Outputs, b: &Outputs) {
+    assert_close(&format!("{what}: y"), &a.y, &b.y, tol);
+    let n = a.y.len();
+    let rms = (a.y.iter().map(|v| v * v).sum::<f64>() / n as f64).sqrt();
+    let flips: Vec<usize> = (0..n)
+        .filter(|&i| (a.y[i] > 0.0) != (b.y[i] > 0.0))
+        .collect();
+    let max_flips = 1 + (n as f64 * tol) as usize;
+    assert!(
+        flips.len() <= max_flips,
+        "{what}: the paths' ReLU masks differ at {} of {n} elements (at most {max_flips})",
+        flips.len()
+    );
+    for &i in &flips {
+        let kink = a.y[i].abs().max(b.y[i].abs());
+        assert!(
+            kink <= 4.0 * tol * rms,
+            "{what}: masks differ at element {i} where y = {} / {} is not near zero",
+            a.y[i],
+            b.y[i]
+        );
+    }
+    let channel = |i: usize| (i / sh.inner) % sh.c;
+    let flipped: Vec<usize> = flips.iter().map(|&i| channel(i)).collect();
+    let away = |v: &[f64]| -> Vec<f64> {
+        v.iter()
+            .enumerate()
+            .filter(|(i, _)| !flipped.contains(&channel(*i)))
+            .map(|(_, x)| *x)
+            .collect()
+    };
+    assert_close(
+        &format!("{what}: dx (away from {} kinks)", flips.len()),
+        &away(&a.dx),
+        &away(&b.dx),
+        tol,
+    );
+    assert_close(
+        &format!("{what}: saved_mean"),
+        &a.saved_mean,
+        &b.saved_mean,
+        1e-5,
+    );
+}
+
+fn own_ctx() -> Context {
+    gpu_with(Config::default().with_bn_impl(BnImpl::Own))
+}
+
+/// The grid: rank 2 to 5, channels first and last, axis 0 and in the middle, C = 1, 3, 12, 30,
+/// 64, 2048 (the most staged in shared memory), 5000 (not staged), elements per channel from 2
+/// up, runs and rows that are and are not whole vectors or mask words.
+const SHAPES: &[(&[usize], usize)] = &[
+    (&[256, 64], 1),        // 2-D
+    (&[2, 3], 1),           // 2-D, two values per channel
+    (&[3, 2048], 1),        // 2-D, C = 2048
+    (&[2, 5000], 1),        // 2-D, C = 5000: coefficients not staged
+    (&[6, 20], 0),          // axis 0 of a 2-D tensor (channels-first, one run)
+    (&[8, 12, 50], 1),      // 3-D channels-first, runs of 50
+    (&[4, 24, 14, 14], 1),  // runs of 196 (not whole 16-byte vectors in 16-bit types)
+    (&[2, 3, 32, 32], 1),   // C = 3, runs of 1024: persistent
+    (&[2, 1, 3, 3], 1),     // C = 1
+    (&[4, 64, 8, 8], 1),    // C = 64, runs of 64: persistent
+    (&[2, 2048, 2, 2], 1),  // C = 2048, runs of 4
+    (&[4, 14, 14, 32], 3),  // channels-last, C = 32: persistent
+    (&[4, 14, 14, 30], 3),  // channels-last, C = 30
+    (&[1, 8, 8, 32], 3),    // N = 1
+    (&[16, 32, 1, 1], 1),   // H = W = 1 (NHWC)
+    (&[2, 8, 4, 6, 5], 1),  // 5-D channels-first
+    (&[2, 4, 6, 5, 16], 4), // 5-D channels-last
+    (&[3, 5, 12, 7], 2),    // axis in the middle
+    (&[2, 8, 8, 64], 3),    // channels-last C = 64: persistent
+    (&[4, 32, 56, 56], 1),  // 401k elements, channels-first
+    (&[8, 28, 28, 64], 3),  // 401k elements, channels-last
+];
+
+fn grid<T: Element>(tag: &str) {
+    let own = own_ctx();
+    let cudnn = gpu_with(Config::default().with_bn_impl(BnImpl::Cudnn));
+    let fallback = gpu_with(
+        Config::default()
+            .with_bn_impl(BnImpl::Cudnn)
+            .with_cudnn_fusion_disabled(true),
+    );
+    let mut rng = Rng::fresh(tag);
+    let tol = T::DTYPE.tolerance();
+    let mut persistent_runs = 0;
+    for (k, &(shape, axis)) in SHAPES.iter().enumerate() {
+        let sh = BnShape::new(shape, axis).unwrap();
+        for fuse in Fuse::ALL {
+            let inp = inputs::<T>(&mut rng, &sh, Data::Uniform);
+            let rf = reference(&sh, fuse, &inp, 0.1);
+            let mut outs = Vec::new();
+            // Both variants aligned; every third case also as views at an odd element.
+            let offsets: &[usize] = if k % 3 == 0 { &[0, 1] } else { &[0] };
+            for &offset in offsets {
+                for variant in [OwnVariantChoice::TwoPass, OwnVariantChoice::Persistent] {
+                    let r = Run {
+                        fuse,
+                        variant,
+                        offset,
+                        momentum: 0.1,
+                    };
+                    let what = format!(
+                        "{:?} {shape:?} axis {axis} {fuse:?} {variant:?} offset {offset}",
+                        T::DTYPE
+                    );
+                    let out = run_gpu(&own, shape, axis, r, &inp);
+                    check(&what, &sh, fuse, &inp, &rf, &out);
+                    // The variant that ran: persistent wherever the plan says so, the tensor is
+                    // small and every pointer aligned (these all fit an H100).
+                    let bn = BatchNorm::<T>::with_options(
+                        &own,
+                        shape,
+                        axis,
+                        fuse,
+                        BnOptions {
+                            own_variant: variant,
+                        },
+                    )
+                    .unwrap();
+                    let planned = bn.plan().own_forward;
+                    let want = if planned == Some(OwnVariant::Persistent) && offset == 0 {
+                        OwnVariant::Persistent
+                    } else {
+                        OwnVariant::TwoPass
+                    };
+                    assert_eq!(
+                        (out.fwd_variant, out.bwd_variant),
+                        (Some(want), Some(want)),
+                        "{what}: variants that ran (plan: {planned:?}); NNFUSE_LOG=debug shows why"
+                    );
+                    persistent_runs += (want == OwnVariant::Persistent) as usize;
+                    outs.push(out);
+                }
+            }
+            // Own against itself across variants and views, then against cuDNN.
+            let what = format!("{:?} {shape:?} axis {axis} {fuse:?}", T::DTYPE);
+            for o in &outs[1..] {
+                compare_paths(&format!("{what} own variants"), tol, &sh, &outs[0], o);
+            }
+            let r = Run {
+                fuse,
+                variant: OwnVariantChoice::Auto,
+                offset: 0,
+                momentum: 0.1,
+            };
+            let cu = run_gpu(&cudnn, shape, axis, r, &inp);
+            compare_paths(
+                &format!("{what} own vs cuDNN {:?}", cu.path),
+                tol,
+                &sh,
+                &outs[0],
+                &cu,
+            );
+            if fuse != Fuse::None && cu.path == BnPath::CudnnFused {
+                let fb = run_gpu(&fallback, shape, axis, r, &inp);
+                assert_eq!(fb.path, BnPath::Fallback, "{what}");
+                compare_paths(
+                    &format!("{what} own vs cuDNN fallback"),
+                    tol,
+                    &sh,
+                    &outs[0],
+                    &fb,
+                );
+            }
+            println!("ok {what} (cuDNN path {:?})", cu.path);
+        }
+    }
+    assert!(
+        persistent_runs > 0,
+        "the grid never ran the persistent kernels"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn own_grid_f32() {
+    grid::<f32>("own f32");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn own_grid_f16() {
+    grid::<f16>("own f16");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn own_grid_bf16() {
+    grid::<bf16>("own bf16");
+}
+
+/// 10^7 elements per channel (channels-first and channels-last, C = 1), two-pass: many blocks
+/// per channel, every partial combined.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn ten_million_elements_per_channel() {
+    let own = own_ctx();
+    let mut rng = Rng::fresh("ten million");
+    for (shape, axis) in [
+        (&[10usize, 1, 1000, 1000][..], 1usize),
+        (&[10_000_000, 1], 1),
+    ] {
+        let sh = BnShape::new(shape, axis).unwrap();
+        let inp = inputs::<f32>(&mut rng, &sh, Data::Offset);
+        let t = std::time::Instant::now();
+        let rf = reference(&sh, Fuse::Relu, &inp, 0.1);
+        let r = Run {
+            fuse: Fuse::Relu,
+            variant: OwnVariantChoice::Auto,
+            offset: 0,
+            momentum: 0.1,
+        };
+        let out = run_gpu(&own, shape, axis, r, &inp);
+        let e = check(
+            &format!("f32 {shape:?} relu"),
+            &sh,
+            Fuse::Relu,
+            &inp,
+            &rf,
+            &out,
+        );
+        println!(
+            "ok f32 {shape:?}: variant {:?}, y {:.2e} dx {:.2e} mean {:.2e} inv_std {:.2e} \
+             ({:.1} s with the reference)",
+            out.fwd_variant,
+            e.y,
+            e.dx,
+            e.mean,
+            e.inv_std,
+            t.elapsed().as_secs_f64()
+        );
+    }
+}
+
+/// Per-channel maximum relative error.
+fn max_rel(got: &[f64], want: &[f64]) -> f64 {
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs() / w.abs().max(1e-300))
+        .fold(0.0, f64::max)
+}
+
+/// Inputs with a large common offset and inputs spanning 1e-3 to 1e3, f32: the own kernels'
+/// statistics within 1e-6 relative of f64 (saved mean; variance read from running_var with
+/// momentum 1), and y and dx no worse than cuDNN SPATIAL's on the same inputs. Both errors are
+/// printed (the issue's closing note reports them).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn accuracy_beats_cudnn_spatial_on_hard_inputs() {
+    let own = own_ctx();
+    let spatial = gpu_with(Config::default().with_bn_impl(BnImpl::Cudnn));
+    let mut rng = Rng::fresh("accuracy");
+    println!(
+        "| data | shape | variant | mean rel | var rel | y own | y cuDNN | dx own | dx cuDNN |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for data in [Data::Offset, Data::Wide] {
+        for (shape, axis) in [(&[8usize, 16, 56, 56][..], 1usize), (&[4, 8, 128, 128], 1)] {
+            let sh = BnShape::new(shape, axis).unwrap();
+            let inp = inputs::<f32>(&mut rng, &sh, data);
+            // momentum 1: running_var is the unbiased batch variance itself.
+            let rf = reference(&sh, Fuse::None, &inp, 1.0);
+            let r = Run {
+                fuse: Fuse::None,
+                variant: OwnVariantChoice::Auto,
+                offset: 0,
+                momentum: 1.0,
+            };
+            let cu = run_gpu(&spatial, shape, axis, r, &inp);
+            let bn = BatchNorm::<f32>::new(&spatial, shape, axis, Fuse::None).unwrap();
+            assert_eq!(bn.plan().mode, nnfuse::batchnorm::BnMode::Spatial);
+            let cu_e = (rel_l2(&cu.y, &rf.fwd.y), {
+                let x = f64s(&inp.x);
+                let gr = rb::backward(
+                    &sh,
+                    &x,
+                    &f64s(&inp.dy),
+                    &f64s(&inp.gamma),
+                    &rf.fwd.saved_mean,
+                    &rf.fwd.saved_inv_std,
+                    ActivationBackward::None,
+                );
+                rel_l2(&cu.dx, &gr.dx)
+            });
+            for variant in [OwnVariantChoice::TwoPass, OwnVariantChoice::Persistent] {
+                let out = run_gpu(&own, shape, axis, Run { variant, ..r }, &inp);
+                let what = format!("{data:?} f32 {shape:?} {variant:?}");
+                let e = check(&what, &sh, Fuse::None, &inp, &rf, &out);
+                let mean_rel = max_rel(&out.saved_mean, &rf.fwd.saved_mean);
+                let var_rel = max_rel(&out.rv, &rf.fwd.running_var);
+                println!(
+                    "| {data:?} | {shape:?} | {:?} | {mean_rel:.1e} | {var_rel:.1e} | {:.2e} | {:.2e} | {:.2e} | {:.2e} |",
+                    out.fwd_variant, e.y, cu_e.0, e.dx, cu_e.1
+                );
+                assert!(mean_rel <= 1e-6, "{what}: saved mean {mean_rel:.2e} > 1e-6");
+                assert!(var_rel <= 1e-6, "{what}: variance {var_rel:.2e} > 1e-6");
+                // No worse than cuDNN SPATIAL (10% and a rounding-level floor for noise).
+                assert!(
+                    e.y <= cu_e.0 * 1.1 + 2e-8,
+                    "{what}: y error {:.2e} above cuDNN SPATIAL's {:.2e}",
+                    e.y,
+                    cu_e.0
+                );
+                assert!(
+                    e.dx <= cu_e.1 * 1.1 + 2e-8,
+                    "{what}: dx error {:.2e} above cuDNN SPATIAL's {:.2e}",
+                    e.dx,
+                    cu_e.1
+                );
+            }
+        }
+    }
+}
+
+/// A NaN in x makes its channel NaN (training: statistics, y, dx, dgamma) and only its element
+/// (inference); everything else stays finite and right.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn nan_in_nan_out() {
+    let own = own_ctx();
+    let mut rng = Rng::fresh("nan");
+    for (shape, axis) in [
+        (&[2usize, 3, 8, 8][..], 1usize),
+        (&[2, 4, 4, 32], 3),
+        (&[5, 3, 7], 1),
+    ] {
+        for variant in [OwnVariantChoice::TwoPass, OwnVariantChoice::Persistent] {
+            let sh = BnShape::new(shape, axis).unwrap();
+            let mut inp = inputs::<f32>(&mut rng, &sh, Data::Uniform);
+            let bad = sh.index(sh.outer - 1, 1, sh.inner - 1);
+            inp.x[bad] = f32::NAN;
+            let r = Run {
+                fuse: Fuse::Relu,
+                variant,
+                offset: 0,
+                momentum: 0.1,
+            };
+            let out = run_gpu(&own, shape, axis, r, &inp);
+            let rf = reference(&sh, Fuse::Relu, &inp, 0.1);
+            let what = format!("{shape:?} {variant:?}");
+            let channel = |i: usize| (i / sh.inner) % sh.c;
+            for i in 0..sh.numel() {
+                if channel(i) == 1 {
+                    assert!(
+                        out.y[i].is_nan(),
+                        "{what}: y[{i}] = {} in the NaN channel",
+                        out.y[i]
+                    );
+                    assert!(out.dx[i].is_nan(), "{what}: dx[{i}] in the NaN channel");
+                } else {
+                    assert!(
+                        out.y[i].is_finite() && out.dx[i].is_finite(),
+                        "{what}: element {i}"
+                    );
+                }
+                let yi_nan = out.y_inference[i].is_nan();
+                assert_eq!(yi_nan, i == bad, "{what}: inference y[{i}] NaN = {yi_nan}");
+            }
+            assert!(
+                out.saved_mean[1].is_nan() && out.dgamma[1].is_nan(),
+                "{what}"
+            );
+            for ch in [0, 2] {
+                assert!(
+                    (out.saved_mean[ch] - rf.fwd.saved_mean[ch]).abs()
+                        <= 1e-6 * rf.fwd.saved_mean[ch].abs().max(1.0),
+                    "{what}: channel {ch} mean"
+                );
+                assert!(
+                    out.dgamma[ch].is_finite() && out.dbeta[ch].is_finite(),
+                    "{what}"
+                );
+            }
+            // The NaN channel's mask bits are all zero (NaN > 0 is false).
+            let m = out.mask.as_ref().unwrap();
+            for i in (0..sh.numel()).filter(|&i| channel(i) == 1) {
+                assert_eq!((m[i / 32] >> (i % 32)) & 1, 0, "{what}: mask bit {i}");
+            }
+        }
+    }
+}
+
+/// Two runs on the same inputs give the same bits (fixed-order combination, no float atomics),
+/// for both variants and both layouts, with many blocks per channel.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn deterministic() {
+    let own = own_ctx();
+    let mut rng = Rng::fresh("determinism");
+    for (shape, axis) in [
+        (&[16usize, 4, 64, 64][..], 1usize),
+        (&[64, 32, 32, 16], 3),
+        (&[65536, 8], 1),
+    ] {
+        let sh = BnShape::new(shape, axis).unwrap();
+        for fuse in [Fuse::Relu, Fuse::AddRelu] {
+            let inp = inputs::<f16>(&mut rng, &sh, Data::Uniform);
+            for variant in [OwnVariantChoice::TwoPass, OwnVariantChoice::Persistent] {
+                let r = Run {
+                    fuse,
+                    variant,
+                    offset: 0,
+                    momentum: 0.1,
+                };
+                let a = run_gpu(&own, shape, axis, r, &inp);
+                let b = run_gpu(&own, shape, axis, r, &inp);
+                let (ba, bb) = (a.bits(), b.bits());
+                if let Some(i) = (0..ba.len()).find(|&i| ba[i] != bb[i]) {
+                    panic!(
+                        "{shape:?} {fuse:?} {variant:?} ({:?}): two runs differ at output word {i}",
+                        a.fwd_variant
+                    );
+                }
+                println!("ok {shape:?} {fuse:?} {:?}: identical bits", a.fwd_variant);
+            }
+        }
+    }
+}
+
+/// The plan's auto choice runs and agrees with the reference on the shapes of the issue's
+/// table (reduced batch), under the default configuration (no forced implementation).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn default_configuration_on_the_issue_shapes() {
+    let ctx = gpu();
+    let mut rng = Rng::fresh("issue shapes");
+    for (shape, axis, fuse) in [
+        (&[4usize, 64, 112, 112][..], 1usize, Fuse::Relu),
+        (&[2, 32, 112, 112], 1, Fuse::AddRelu),
+        (&[4, 56, 56, 256], 3, Fuse::AddRelu),
+        (&[4096, 256], 1, Fuse::Relu),
+    ] {
+        let sh = BnShape::new(shape, axis).unwrap();
+        let inp = inputs::<f16>(&mut rng, &sh, Data::Uniform);
+        let rf = reference(&sh, fuse, &inp, 0.1);
+        let r = Run {
+            fuse,
+            variant: OwnVariantChoice::Auto,
+            offset: 0,
+            momentum: 0.1,
+        };
+        let out = run_gpu(&ctx, shape, axis, r, &inp);
+        let bn = BatchNorm::<f16>::new(&ctx, shape, axis, fuse).unwrap();
+        assert_eq!(out.path, bn.plan().path, "{shape:?}");
+        if out.path == BnPath::Own {
+            check(
+                &format!("f16 {shape:?} {fuse:?} (auto)"),
+                &sh,
+                fuse,
+                &inp,
+                &rf,
+                &out,
+            );
+        }
+        println!(
+            "ok f16 {shape:?} {fuse:?}: path {:?}, variants {:?} / {:?}",
+            out.path, out.fwd_variant, out.bwd_variant
+        );
+    }
+}
