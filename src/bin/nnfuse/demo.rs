@@ -251,19 +251,31 @@ fn on_gpu<T: Element>(ctx: &Context, report: &mut Report, json: bool) -> anyhow:
     let n = Variant::ALL.len() as u64;
     let total = n * (1 + u64::from(report.check_batch.is_some()) + report.steps as u64);
     let bar = progress(json, total);
+    let result = run_phases::<T>(ctx, report, &bar);
+    // Cleared on failure too, so that an error message is not drawn over.
+    bar.finish_and_clear();
+    let runs = result?;
+    report.runs = runs;
+    Ok(())
+}
+
+/// Warm-up, check, then (when the check passed) the timed steps; the runs of every variant.
+fn run_phases<T: Element>(
+    ctx: &Context,
+    report: &mut Report,
+    bar: &ProgressBar,
+) -> anyhow::Result<Vec<report::VariantRun>> {
     let mut session = gpu::Session::<T>::new(ctx, &report.def, report.seed)?;
-    let (mut runs, host_ms) = session.warm_up(&bar)?;
+    let (mut runs, host_ms) = session.warm_up(bar)?;
     if let Some(b) = report.check_batch {
-        let c = session.check(b, &bar)?;
+        let c = session.check(b, bar)?;
         if !c.passed() {
             report.status = Status::CheckFailed;
         }
         report.check = Some(c);
     }
     if report.status == Status::Ok {
-        report.head_start = Some(session.time(report.steps, host_ms, &mut runs, &bar)?);
+        report.head_start = Some(session.time(report.steps, host_ms, &mut runs, bar)?);
     }
-    bar.finish_and_clear();
-    report.runs = runs;
-    Ok(())
+    Ok(runs)
 }
