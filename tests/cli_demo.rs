@@ -320,3 +320,149 @@ fn help_documents_the_exit_statuses() {
         assert!(help.contains(flag), "{flag}: {help}");
     }
 }
+
+/// Runs `nnfuse demo ARGS --json` on the GPU (nnfuse's variables cleared) and returns the JSON;
+/// on a failure, prints every comparison that failed and the stderr.
+fn on_gpu(args: &[&str]) -> Value {
+    let mut cmd = Command::new(binary());
+    cmd.arg("demo").args(args).arg("--json");
+    for var in nnfuse::config::ALL_VARS {
+        cmd.env_remove(var);
+    }
+    cmd.env_remove("NNFUSE_LOG");
+    cmd.env_remove(nnfuse::conv::ENV_CONV_CUDNN_SEARCH);
+    let out = cmd.output().expect("the nnfuse binary runs");
+    let (stdout, stderr) = text(&out);
+    let v: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| {
+        panic!("{args:?}: stdout is not one JSON value ({e}); exit {:?}\nstdout:\n{stdout}\nstderr:\n{stderr}", out.status.code())
+    });
+    let mut failed = Vec::new();
+    if let Some(rows) = v["check"]["rows"].as_object() {
+        for (variant, rows) in rows {
+            for r in rows.as_array().into_iter().flatten() {
+                if r["ok"] != true {
+                    failed.push(format!(
+                        "{variant} {} {}: rel_l2 {} > {} worst {} first non-finite {}",
+                        r["op"],
+                        r["output"],
+                        r["rel_l2"],
+                        r["tolerance"],
+                        r["worst"],
+                        r["first_nonfinite"]
+                    ));
+                }
+            }
+        }
+    }
+    assert!(
+        out.status.code() == Some(0) && failed.is_empty(),
+        "{args:?}: exit {:?}, failed comparisons:\n{}\nstderr:\n{stderr}",
+        out.status.code(),
+        failed.join("\n")
+    );
+    v
+}
+
+/// Every variant's step is checked (every output of every operation) and timed, in the dtypes
+/// and formats the issue names.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn on_a_gpu_every_variant_is_checked_and_timed() {
+    for (dtype, format) in [
+        ("f16", "nhwc"),
+        ("bf16", "nhwc"),
+        ("f32", "nchw"),
+        ("f32", "nhwc"),
+    ] {
+        let what = format!("{dtype} {format}");
+        let v = on_gpu(&[
+            "--batch", "4", "--steps", "3", "--dtype", dtype, "--format", format,
+        ]);
+        assert_eq!(v["status"], "ok", "{what}");
+        assert_eq!(v["exit_code"], 0, "{what}");
+        assert_eq!(v["check"]["passed"], true, "{what}");
+        // 31 outputs per variant: 3 conv outputs, 3 BN x (y, running mean, running var),
+        // 3 BN x (dx, dgamma, dbeta), 3 data and 3 filter gradients, dx, 3 classifier results.
+        assert_eq!(v["check"]["comparisons"], 3 * 31, "{what}");
+        for variant in ["nnfuse", "cudnn_spatial", "cudnn_persistent"] {
+            let r = &v["runs"][variant];
+            assert_eq!(r["steps_timed"], 3, "{what} {variant}");
+            assert!(
+                r["first_step_ms"].as_f64().unwrap() > 0.0,
+                "{what} {variant}"
+            );
+            let ops = r["ops"].as_array().unwrap();
+            assert_eq!(ops.len(), OPS.len(), "{what} {variant}");
+            for (o, name) in ops.iter().zip(OPS) {
+                assert_eq!(o["op"], name);
+                let us = o["median_us"].as_f64().unwrap_or(f64::NAN);
+                assert!(us > 0.0 && us.is_finite(), "{what} {variant} {name}: {o}");
+                assert!(
+                    o["route"].as_str().is_some_and(|s| !s.is_empty()),
+                    "{what} {variant} {name}"
+                );
+            }
+            let step = r["step_median_us"].as_f64().unwrap();
+            let sum: f64 = ops.iter().map(|o| o["median_us"].as_f64().unwrap()).sum();
+            // The step is the operations back to back (medians of sums and sums of medians
+            // differ a little).
+            assert!(
+                (step - sum).abs() <= 0.25 * step,
+                "{what} {variant}: step {step} vs ops {sum}"
+            );
+        }
+        for variant in ["cudnn_spatial", "cudnn_persistent"] {
+            let s = &v["runs"][variant]["speedup_of_nnfuse"];
+            assert!(s["median"].as_f64().unwrap() > 0.0, "{what} {variant}: {s}");
+            assert_eq!(s["steps"], 3);
+        }
+        // The baselines run what they say.
+        let dec = |variant: &str, op: usize| {
+            v["runs"][variant]["ops"][op]["route"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        };
+        assert!(
+            dec("cudnn_spatial", 0).starts_with("cudnn"),
+            "{what}: {}",
+            dec("cudnn_spatial", 0)
+        );
+        assert_eq!(dec("cudnn_spatial", 1), "plain/spatial", "{what}");
+        assert_eq!(
+            dec("cudnn_persistent", 1),
+            "plain/spatial_persistent",
+            "{what}"
+        );
+        assert_eq!(dec("cudnn_spatial", 6), "cublas_default", "{what}");
+    }
+}
+
+/// The text a user reads: the check passed, every table, the speed-ups.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn on_a_gpu_the_text_report_is_complete() {
+    let out = Command::new(binary())
+        .args(["demo", "--batch", "4", "--steps", "2"])
+        .output()
+        .expect("runs");
+    let (stdout, stderr) = text(&out);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    for needle in [
+        "plans (nnfuse",
+        "first step at batch 4",
+        "decisions at batch 4",
+        "why (nnfuse):",
+        "check PASSED (93 comparisons)",
+        "timing: median of 2 steps at batch 4",
+        "speed-up over cuDNN SPATIAL (cudnn_spatial)",
+        "speed-up over cuDNN persistent (cudnn_persistent)",
+        "host time to queue one step",
+    ] {
+        assert!(stdout.contains(needle), "missing {needle:?}:\n{stdout}");
+    }
+}
