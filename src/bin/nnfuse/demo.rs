@@ -182,12 +182,13 @@ pub fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     } else {
         ASSUMED_CUDNN_VERSION
     };
+    let short = |v: usize| format!("{}.{}.{}", v / 10_000, (v / 100) % 100, v % 100);
     let plan_basis = if present {
-        format!("cuDNN {} found", cudnn_string(version))
+        format!("cuDNN {} found", short(version))
     } else {
         format!(
-            "cuDNN not found: convolutions planned without it, BatchNorm for cuDNN {} (assumed)",
-            cudnn_string(version)
+            "cuDNN not found: convolutions planned without it, BatchNorm for cuDNN {}, assumed",
+            short(version)
         )
     };
     let plans = Variant::ALL
