@@ -1,5 +1,5 @@
 //! Small device helpers built on `kernels/util.cu`: fill a buffer (tests poison outputs with
-//! it before a run, so that an unwritten element shows) and a scaled copy.
+//! it before a run, so that an unwritten element shows), a scaled copy and an in-place add.
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
@@ -7,6 +7,7 @@ use crate::context::Context;
 use crate::dtype::{DType, Element};
 use crate::error::{CallExt, Error, Result};
 use crate::kernels;
+use crate::validate::{expect_device, expect_disjoint, expect_len, BufInfo};
 
 /// A grid-stride launch over `n` items: 256 threads a block, at most 32 blocks per SM.
 pub(crate) fn grid_stride_config(ctx: &Context, n: usize, threads: u32) -> LaunchConfig {
@@ -27,6 +28,9 @@ fn name(base: &'static str, dt: DType) -> &'static str {
         ("scale", DType::F32) => "scale_f32",
         ("scale", DType::F16) => "scale_f16",
         ("scale", DType::BF16) => "scale_bf16",
+        ("add_assign", DType::F32) => "add_assign_f32",
+        ("add_assign", DType::F16) => "add_assign_f16",
+        ("add_assign", DType::BF16) => "add_assign_bf16",
         _ => "unknown",
     }
 }
@@ -95,4 +99,107 @@ pub fn scale<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(
     // SAFETY: scale_<t>(const T*, T*, float, u64) matches; both hold n elements.
     unsafe { b.launch(cfg) }.call("cuLaunchKernel(scale)")?;
     Ok(())
+}
+
+/// `y += x`, elementwise: the sum in f32, rounded once to the element type (e.g. the two
+/// gradients that reach a residual block's input). `x` and `y` must have the same length, live
+/// on the Context's device and not overlap; otherwise an [`Error::InvalidArgument`] naming the
+/// argument, and nothing is launched.
+///
+/// ```no_run
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let ctx = nnfuse::Context::new(0)?;
+/// let s = ctx.stream();
+/// let x = s.clone_htod(&[1.0f32, 2.0, 3.0])?;
+/// let mut y = s.clone_htod(&[0.5f32, 0.5, 0.5])?;
+/// nnfuse::util::add_assign(&ctx, &mut y, &x)?; // y = [1.5, 2.5, 3.5]
+/// # Ok(()) }
+/// ```
+pub fn add_assign<T: Element, D: DevicePtrMut<T>, S: DevicePtr<T>>(
+    ctx: &Context,
+    y: &mut D,
+    x: &S,
+) -> Result<()> {
+    let (yl, xl) = (y.len(), x.len());
+    let (yo, xo) = (
+        y.stream().context().ordinal(),
+        x.stream().context().ordinal(),
+    );
+    let ordinal = ctx.info().ordinal;
+    let info = |name, ptr, len, dev| BufInfo {
+        name,
+        ptr,
+        len,
+        elem: T::DTYPE.size(),
+        ordinal: dev,
+    };
+    // Devices first: taking a pointer of another device's buffer would make the stream wait on
+    // a foreign event.
+    expect_device(&info("y", 0, yl, yo), ordinal)?;
+    expect_device(&info("x", 0, xl, xo), ordinal)?;
+    expect_len(&info("x", 0, xl, xo), yl, "y's length")?;
+    if yl == 0 {
+        return Ok(());
+    }
+    let stream = ctx.stream();
+    let (xp, _sx) = x.device_ptr(stream);
+    let (yp, _sy) = y.device_ptr_mut(stream);
+    expect_disjoint(&info("y", yp, yl, yo), &info("x", xp, xl, xo))?;
+    let f = ctx.function(&kernels::UTIL, name("add_assign", T::DTYPE))?;
+    let cfg = grid_stride_config(ctx, yl, 256);
+    let n64 = yl as u64;
+    let mut b = stream.launch_builder(&f);
+    b.arg(&yp).arg(&xp).arg(&n64);
+    // SAFETY: add_assign_<t>(T* y, const T* x, u64 n) matches; both hold n elements and do not
+    // overlap (checked above).
+    unsafe { b.launch(cfg) }.call("cuLaunchKernel(add_assign)")?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::{f64s, gpu, Rng};
+    use half::{bf16, f16};
+
+    fn add_case<T: Element>(ctx: &Context, n: usize, rng: &mut Rng) {
+        let s = ctx.stream();
+        let x: Vec<T> = rng.vec(n, -4.0, 4.0);
+        let y0: Vec<T> = rng.vec(n, -4.0, 4.0);
+        let xd = s.clone_htod(&x).unwrap();
+        let mut yd = s.clone_htod(&y0).unwrap();
+        add_assign(ctx, &mut yd, &xd).unwrap();
+        let got = f64s(&s.clone_dtoh(&yd).unwrap());
+        // The kernel rounds the sum to f32, then to T: the same two IEEE roundings on the CPU
+        // must agree bit for bit.
+        for i in 0..n {
+            let sum = (y0[i].to_f64() as f32 + x[i].to_f64() as f32) as f64;
+            let want = T::from_f64(sum).to_f64();
+            assert_eq!(got[i], want, "{} n={n} element {i}", T::DTYPE);
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn add_assign_matches_the_rounded_f32_sum() {
+        let ctx = gpu();
+        let mut rng = Rng::fresh("add_assign");
+        for n in [1, 33, 4097, 1 << 20] {
+            add_case::<f32>(&ctx, n, &mut rng);
+            add_case::<f16>(&ctx, n, &mut rng);
+            add_case::<bf16>(&ctx, n, &mut rng);
+        }
+    }
+
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn add_assign_rejects_a_length_mismatch_and_leaves_y() {
+        let ctx = gpu();
+        let s = ctx.stream();
+        let x = s.clone_htod(&[1.0f32; 4]).unwrap();
+        let mut y = s.clone_htod(&[2.0f32; 5]).unwrap();
+        let e = add_assign(&ctx, &mut y, &x).unwrap_err();
+        assert_eq!(e.argument(), Some("x"), "{e}");
+        assert_eq!(s.clone_dtoh(&y).unwrap(), vec![2.0f32; 5]);
+    }
 }

@@ -1,5 +1,6 @@
-//! `nnfuse`: the command-line face of the library (info, plan, tune, ...).
+//! `nnfuse`: the command-line face of the library (info, plan, tune, demo).
 
+mod demo;
 mod info;
 mod plan;
 mod plan_conv;
@@ -27,6 +28,10 @@ enum Command {
     Plan(Box<plan::PlanArgs>),
     /// Search the fastest GEMM algorithm for one problem and store it in the tuning cache.
     Tune(tune::TuneArgs),
+    /// A ResNet-50 bottleneck block's training step through nnfuse, checked against f64 and
+    /// timed against plain cuDNN. Exit status: 0 checked and timed, 1 check failed, 2 error,
+    /// 3 no GPU (the plans are printed).
+    Demo(demo::DemoArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -42,6 +47,7 @@ fn main() -> std::process::ExitCode {
         Command::Info => info::run(),
         Command::Plan(args) => plan::run(*args),
         Command::Tune(args) => tune::run(args),
+        Command::Demo(args) => demo::run(args),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,282 @@
+//! `nnfuse demo`: the whole library at work in one command — a ResNet-50 bottleneck block's
+//! training step (convolutions forward and both gradients through `nnfuse::conv::Conv2d`,
+//! BatchNorm+ReLU and BatchNorm+Add+ReLU through `nnfuse::batchnorm::BatchNorm`, the block
+//! input's two gradients summed) plus ResNet-50's classifier GEMM, checked against f64 and timed
+//! against the same block composed from plain cuDNN calls. `docs/DEMO.md` describes what it
+//! runs, how to read its output and its exit statuses.
+//!
+//! Files: `block` (the block and its step as data, FLOPs, bytes, floors), `variants` (nnfuse
+//! and the plain-cuDNN compositions as configurations), `plans` (every layer's plan without a
+//! GPU), `reference` (f64 convolution gradients and GEMMs), `check` (the per-operation
+//! comparison), `report` (text and JSON) — all pure — and `gpu` (buffers, steps, timing).
+
+mod block;
+mod check;
+mod gpu;
+mod plans;
+mod reference;
+mod report;
+mod variants;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Args;
+use half::{bf16, f16};
+use indicatif::{ProgressBar, ProgressStyle};
+use nnfuse::batchnorm::ASSUMED_CUDNN_VERSION;
+use nnfuse::context::{
+    cublas_present, cublas_version, cublaslt_present, cublaslt_version, cudnn_present,
+    cudnn_version, driver_present,
+};
+use nnfuse::{kernels, Config, Context, DType, Element, Error, TensorFormat};
+
+use block::BlockDef;
+use plans::plan_block;
+use report::{Report, Status};
+use variants::Variant;
+
+/// Arguments of `nnfuse demo`.
+#[derive(Args, Debug)]
+pub struct DemoArgs {
+    /// Batch of the timed training steps.
+    #[arg(long, default_value_t = 32)]
+    batch: usize,
+    /// Element type of activations, filters and the GEMM: f16, bf16 or f32.
+    #[arg(long, default_value = "f16")]
+    dtype: String,
+    /// Memory format: nhwc (KRSC filters) or nchw (KCRS filters).
+    #[arg(long, default_value = "nhwc")]
+    format: String,
+    /// Timed training steps (after the untimed warm-up steps).
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
+    /// Batch of the correctness check against f64.
+    #[arg(long, default_value_t = 2)]
+    check_batch: usize,
+    /// Skip the correctness check.
+    #[arg(long)]
+    no_check: bool,
+    /// Print exactly one JSON object on stdout (no progress bar, no text).
+    #[arg(long)]
+    json: bool,
+    /// Print every plan in full (every path's eligibility and every reason).
+    #[arg(long)]
+    explain: bool,
+    /// Seed of the random inputs (default: from the clock, printed).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+}
+
+fn parse_format(s: &str) -> nnfuse::Result<TensorFormat> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "nhwc" => Ok(TensorFormat::Nhwc),
+        "nchw" => Ok(TensorFormat::Nchw),
+        _ => Err(Error::invalid(
+            "--format",
+            format!("{s:?} is not nhwc or nchw"),
+        )),
+    }
+}
+
+fn at_least_one(flag: &str, v: usize) -> nnfuse::Result<usize> {
+    if v == 0 {
+        return Err(Error::invalid(flag, "must be at least 1"));
+    }
+    Ok(v)
+}
+
+/// `9.19.0 (91900)`.
+fn cudnn_string(v: usize) -> String {
+    format!("{}.{}.{} ({v})", v / 10_000, (v / 100) % 100, v % 100)
+}
+
+/// What the machine has, one line each; the libraries' versions or "missing".
+fn environment(ctx: Option<&Context>) -> Vec<String> {
+    let mut lines = Vec::new();
+    if let Some(c) = ctx {
+        lines.push(c.info().to_string());
+    }
+    let v = |r: nnfuse::Result<String>| r.unwrap_or_else(|_| "missing".into());
+    lines.push(format!(
+        "libraries: cuDNN {}, cuBLAS {}, cuBLASLt {}, NVRTC {}",
+        v(cudnn_version().map(cudnn_string)),
+        v(cublas_version().map(|(a, b, c)| format!("{a}.{b}.{c}"))),
+        v(cublaslt_version().map(|x| x.to_string())),
+        v(kernels::nvrtc_version().map(|(a, b)| format!("{a}.{b}")))
+    ));
+    lines
+}
+
+/// The device's Context, or one line saying everything that is missing to run the demo.
+fn probe(device: usize, config: &Config) -> Result<Context, String> {
+    let mut missing = Vec::new();
+    let mut ctx = None;
+    if !driver_present() {
+        missing.push("the CUDA driver (libcuda.so.1 not found: no GPU driver here)".to_string());
+    } else {
+        match Context::with_config(device, config.clone()) {
+            Ok(c) => ctx = Some(c),
+            Err(e) => missing.push(format!("CUDA device {device} ({e})")),
+        }
+    }
+    for (present, what) in [
+        (cudnn_present(), "cuDNN (libcudnn.so.9)"),
+        (cublas_present(), "cuBLAS (libcublas.so.13)"),
+        (cublaslt_present(), "cuBLASLt (libcublasLt.so.13)"),
+        (kernels::nvrtc_present(), "NVRTC (libnvrtc.so.13)"),
+    ] {
+        if !present {
+            missing.push(what.to_string());
+        }
+    }
+    match ctx {
+        Some(c) if missing.is_empty() => Ok(c),
+        _ => Err(format!(
+            "nnfuse demo cannot run here: missing {}; the layers' plans need none and were \
+             printed (exit status 3)",
+            missing.join(", ")
+        )),
+    }
+}
+
+fn progress(json: bool, total: u64) -> ProgressBar {
+    if json {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(total);
+    if let Ok(style) =
+        ProgressStyle::with_template("{spinner} [{bar:30}] {pos}/{len} {elapsed} {wide_msg}")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.enable_steady_tick(Duration::from_millis(100));
+    bar
+}
+
+/// Runs the demo; the exit status is 0 (checked and timed), 1 (check failed), 3 (no GPU: plans
+/// printed); errors (invalid arguments, a failing library call) exit 2 from `main`.
+pub fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
+    let dtype: DType = args.dtype.parse().map_err(|_| {
+        Error::invalid(
+            "--dtype",
+            format!("{:?} is not one of f16, bf16, f32", args.dtype),
+        )
+    })?;
+    let format = parse_format(&args.format)?;
+    let batch = at_least_one("--batch", args.batch)?;
+    let steps = at_least_one("--steps", args.steps)?;
+    let check_batch = if args.no_check {
+        None
+    } else {
+        Some(at_least_one("--check-batch", args.check_batch)?)
+    };
+    let config = Config::from_env()?;
+    let def = BlockDef::resnet50(batch, dtype, format);
+    let present = cudnn_present();
+    let version = if present {
+        cudnn_version().unwrap_or(ASSUMED_CUDNN_VERSION)
+    } else {
+        ASSUMED_CUDNN_VERSION
+    };
+    let short = |v: usize| format!("{}.{}.{}", v / 10_000, (v / 100) % 100, v % 100);
+    let plan_basis = if present {
+        format!("cuDNN {} found", short(version))
+    } else {
+        format!(
+            "cuDNN not found: convolutions planned without it, BatchNorm for cuDNN {}, assumed",
+            short(version)
+        )
+    };
+    let plans = Variant::ALL
+        .iter()
+        .map(|&v| plan_block(&def, v, &config, present, version))
+        .collect::<nnfuse::Result<Vec<_>>>()?;
+    let seed = args.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
+    });
+    let probed = probe(args.device, &config);
+    let mut report = Report {
+        def,
+        check_batch,
+        steps,
+        seed,
+        config,
+        environment: environment(probed.as_ref().ok()),
+        plans,
+        plan_basis,
+        missing: None,
+        runs: Vec::new(),
+        check: None,
+        head_start: None,
+        status: Status::Ok,
+    };
+    let ctx = match probed {
+        Ok(c) => c,
+        Err(line) => {
+            report.missing = Some(line.clone());
+            report.status = Status::NoGpu;
+            if args.json {
+                println!("{}", serde_json::to_string(&report.to_json())?);
+                eprintln!("{line}");
+            } else {
+                print!("{}", report.to_text(args.explain));
+            }
+            return Ok(ExitCode::from(Status::NoGpu.code()));
+        }
+    };
+    if !args.json {
+        print!("{}", report.head_text(args.explain));
+    }
+    let result = match dtype {
+        DType::F32 => on_gpu::<f32>(&ctx, &mut report, args.json),
+        DType::F16 => on_gpu::<f16>(&ctx, &mut report, args.json),
+        DType::BF16 => on_gpu::<bf16>(&ctx, &mut report, args.json),
+    };
+    result?;
+    if args.json {
+        println!("{}", serde_json::to_string(&report.to_json())?);
+    } else {
+        print!("{}", report.results_text());
+    }
+    Ok(ExitCode::from(report.status.code()))
+}
+
+/// The GPU part: warm-up, check, timed steps; fills `report`.
+fn on_gpu<T: Element>(ctx: &Context, report: &mut Report, json: bool) -> anyhow::Result<()> {
+    let n = Variant::ALL.len() as u64;
+    let total = n * (1 + u64::from(report.check_batch.is_some()) + report.steps as u64);
+    let bar = progress(json, total);
+    let result = run_phases::<T>(ctx, report, &bar);
+    // Cleared on failure too, so that an error message is not drawn over.
+    bar.finish_and_clear();
+    let runs = result?;
+    report.runs = runs;
+    Ok(())
+}
+
+/// Warm-up, check, then (when the check passed) the timed steps; the runs of every variant.
+fn run_phases<T: Element>(
+    ctx: &Context,
+    report: &mut Report,
+    bar: &ProgressBar,
+) -> anyhow::Result<Vec<report::VariantRun>> {
+    let mut session = gpu::Session::<T>::new(ctx, &report.def, report.seed)?;
+    let (mut runs, host_ms) = session.warm_up(bar)?;
+    if let Some(b) = report.check_batch {
+        let c = session.check(b, bar)?;
+        if !c.passed() {
+            report.status = Status::CheckFailed;
+        }
+        report.check = Some(c);
+    }
+    if report.status == Status::Ok {
+        report.head_start = Some(session.time(report.steps, host_ms, &mut runs, bar)?);
+    }
+    Ok(runs)
+}

@@ -1,0 +1,846 @@
+//! The GPU half of `nnfuse demo`: the block's buffers, its layers under one variant, one
+//! training step through nnfuse's dispatchers (or the plain cuDNN compositions), the check run,
+//! and the timed steps with CUDA events.
+
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Context as _, Result};
+use cudarc::driver::{sys as drv, CudaEvent, CudaSlice};
+use nnfuse::activation;
+use nnfuse::batchnorm::{BackwardArgs, BatchNorm, BnSaved, Fuse, TrainArgs};
+use nnfuse::conv::{Conv2d, Direction, Route};
+use nnfuse::gemm::{self, Algo};
+use nnfuse::{util, Context, Element};
+
+use super::block::{direction_index, BlockDef, Op, EPS, MOMENTUM, STEP};
+use super::check::{
+    check_classifier, check_step, random_inputs, tolerance, StepInputs, StepOutputs,
+};
+use super::report::{CheckReport, Decision, StepTimes, VariantRun};
+use super::variants::Variant;
+
+/// `[f(0)?, f(1)?, f(2)?]`.
+fn three<X>(mut f: impl FnMut(usize) -> Result<X>) -> Result<[X; 3]> {
+    Ok([f(0)?, f(1)?, f(2)?])
+}
+
+fn zeros<T: Element>(ctx: &Context, n: usize) -> Result<CudaSlice<T>> {
+    Ok(ctx.stream().alloc_zeros::<T>(n)?)
+}
+
+/// Every tensor of one step at one batch (shared by the variants: each step overwrites what it
+/// writes before it reads it).
+pub struct Buffers<T: Element> {
+    /// The sizes.
+    pub def: BlockDef,
+    x: CudaSlice<T>,
+    w: [CudaSlice<T>; 3],
+    gamma: [CudaSlice<f32>; 3],
+    beta: [CudaSlice<f32>; 3],
+    rm: [CudaSlice<f32>; 3],
+    rv: [CudaSlice<f32>; 3],
+    a: [CudaSlice<T>; 3],
+    h: [CudaSlice<T>; 3],
+    dout: CudaSlice<T>,
+    dh: [CudaSlice<T>; 2],
+    da: [CudaSlice<T>; 3],
+    dx_conv: CudaSlice<T>,
+    dx: CudaSlice<T>,
+    dw: [CudaSlice<T>; 3],
+    dgamma: [CudaSlice<f32>; 3],
+    dbeta: [CudaSlice<f32>; 3],
+    /// The plain compositions' ReLU gradient before BatchNorm 1 and 2's backward.
+    relu_grad: CudaSlice<T>,
+    feat: CudaSlice<T>,
+    fc_w: CudaSlice<T>,
+    logits: CudaSlice<T>,
+    dlogits: CudaSlice<T>,
+    fc_dw: CudaSlice<T>,
+    dfeat: CudaSlice<T>,
+}
+
+impl<T: Element> Buffers<T> {
+    /// Allocates every tensor of `def` (zeros; fill or upload the inputs next).
+    pub fn new(ctx: &Context, def: &BlockDef) -> Result<Self> {
+        let act = |ch: usize| def.act_len(ch);
+        let bn_ch = |i: usize| def.bn_channels(i);
+        Ok(Buffers {
+            def: *def,
+            x: zeros(ctx, act(def.c))?,
+            w: three(|i| zeros(ctx, def.conv(i).w_len()))?,
+            gamma: three(|i| zeros(ctx, bn_ch(i)))?,
+            beta: three(|i| zeros(ctx, bn_ch(i)))?,
+            rm: three(|i| zeros(ctx, bn_ch(i)))?,
+            rv: three(|i| zeros(ctx, bn_ch(i)))?,
+            a: three(|i| zeros(ctx, act(bn_ch(i))))?,
+            h: three(|i| zeros(ctx, act(bn_ch(i))))?,
+            dout: zeros(ctx, act(def.c))?,
+            dh: [zeros(ctx, act(def.mid))?, zeros(ctx, act(def.mid))?],
+            da: three(|i| zeros(ctx, act(bn_ch(i))))?,
+            dx_conv: zeros(ctx, act(def.c))?,
+            dx: zeros(ctx, act(def.c))?,
+            dw: three(|i| zeros(ctx, def.conv(i).w_len()))?,
+            dgamma: three(|i| zeros(ctx, bn_ch(i)))?,
+            dbeta: three(|i| zeros(ctx, bn_ch(i)))?,
+            relu_grad: zeros(ctx, act(def.mid))?,
+            feat: zeros(ctx, def.n * def.fc_in)?,
+            fc_w: zeros(ctx, def.fc_out * def.fc_in)?,
+            logits: zeros(ctx, def.n * def.fc_out)?,
+            dlogits: zeros(ctx, def.n * def.fc_out)?,
+            fc_dw: zeros(ctx, def.fc_out * def.fc_in)?,
+            dfeat: zeros(ctx, def.n * def.fc_in)?,
+        })
+    }
+
+    /// Fills the inputs on the GPU with pseudo-random values in [-1, 1) (a function of `seed`;
+    /// `gemm::fill_uniform`), BatchNorm's scales and biases from the host, running statistics
+    /// 0 and 1. For the timed steps, whose inputs are too large to draw on the host quickly.
+    pub fn fill_random(&mut self, ctx: &Context, seed: u64) -> Result<()> {
+        let mut s = seed;
+        let mut next = || {
+            s = s.wrapping_add(1);
+            s
+        };
+        gemm::fill_uniform(ctx, &mut self.x, next())?;
+        for w in &mut self.w {
+            gemm::fill_uniform(ctx, w, next())?;
+        }
+        gemm::fill_uniform(ctx, &mut self.dout, next())?;
+        gemm::fill_uniform(ctx, &mut self.feat, next())?;
+        gemm::fill_uniform(ctx, &mut self.fc_w, next())?;
+        gemm::fill_uniform(ctx, &mut self.dlogits, next())?;
+        let stream = ctx.stream();
+        for i in 0..3 {
+            let c = self.def.bn_channels(i);
+            stream.memcpy_htod(&host_uniform(next(), c, 0.5, 1.5), &mut self.gamma[i])?;
+            stream.memcpy_htod(&host_uniform(next(), c, -0.5, 0.5), &mut self.beta[i])?;
+            util::fill(ctx, &mut self.rm[i], 0.0f32)?;
+            util::fill(ctx, &mut self.rv[i], 1.0f32)?;
+        }
+        Ok(())
+    }
+
+    /// Uploads `inp` (values already rounded to what the buffers hold), running statistics
+    /// included, and poisons every output with NaN so that an element a step does not write
+    /// shows in the check.
+    pub fn upload_and_poison(&mut self, ctx: &Context, inp: &StepInputs) -> Result<()> {
+        let s = ctx.stream();
+        s.memcpy_htod(&to_t::<T>(&inp.x), &mut self.x)?;
+        s.memcpy_htod(&to_t::<T>(&inp.dout), &mut self.dout)?;
+        s.memcpy_htod(&to_t::<T>(&inp.feat), &mut self.feat)?;
+        s.memcpy_htod(&to_t::<T>(&inp.fc_w), &mut self.fc_w)?;
+        s.memcpy_htod(&to_t::<T>(&inp.dlogits), &mut self.dlogits)?;
+        for i in 0..3 {
+            s.memcpy_htod(&to_t::<T>(&inp.w[i]), &mut self.w[i])?;
+            s.memcpy_htod(&to_f32(&inp.gamma[i]), &mut self.gamma[i])?;
+            s.memcpy_htod(&to_f32(&inp.beta[i]), &mut self.beta[i])?;
+            s.memcpy_htod(&to_f32(&inp.running_mean[i]), &mut self.rm[i])?;
+            s.memcpy_htod(&to_f32(&inp.running_var[i]), &mut self.rv[i])?;
+        }
+        self.poison(ctx)
+    }
+
+    /// NaN into every output of a step.
+    fn poison(&mut self, ctx: &Context) -> Result<()> {
+        let nan = T::from_f64(f64::NAN);
+        for b in self
+            .a
+            .iter_mut()
+            .chain(&mut self.h)
+            .chain(&mut self.dh)
+            .chain(&mut self.da)
+            .chain(&mut self.dw)
+            .chain([
+                &mut self.dx_conv,
+                &mut self.dx,
+                &mut self.relu_grad,
+                &mut self.logits,
+                &mut self.fc_dw,
+                &mut self.dfeat,
+            ])
+        {
+            util::fill(ctx, b, nan)?;
+        }
+        for b in self.dgamma.iter_mut().chain(&mut self.dbeta) {
+            util::fill(ctx, b, f32::NAN)?;
+        }
+        Ok(())
+    }
+
+    /// NaN into the classifier's outputs only.
+    pub fn poison_classifier(&mut self, ctx: &Context) -> Result<()> {
+        let nan = T::from_f64(f64::NAN);
+        for b in [&mut self.logits, &mut self.fc_dw, &mut self.dfeat] {
+            util::fill(ctx, b, nan)?;
+        }
+        Ok(())
+    }
+
+    /// Everything a step wrote, widened to f64 (waits for the stream).
+    pub fn download_outputs(&self, ctx: &Context) -> Result<StepOutputs> {
+        let t = |b: &CudaSlice<T>| -> Result<Vec<f64>> {
+            Ok(ctx
+                .stream()
+                .clone_dtoh(b)?
+                .iter()
+                .map(|v| v.to_f64())
+                .collect())
+        };
+        let f = |b: &CudaSlice<f32>| -> Result<Vec<f64>> {
+            Ok(ctx
+                .stream()
+                .clone_dtoh(b)?
+                .iter()
+                .map(|&v| v as f64)
+                .collect())
+        };
+        Ok(StepOutputs {
+            a: three(|i| t(&self.a[i]))?,
+            h: three(|i| t(&self.h[i]))?,
+            running_mean: three(|i| f(&self.rm[i]))?,
+            running_var: three(|i| f(&self.rv[i]))?,
+            da: three(|i| t(&self.da[i]))?,
+            dh: [t(&self.dh[0])?, t(&self.dh[1])?],
+            dx_conv: t(&self.dx_conv)?,
+            dx: t(&self.dx)?,
+            dw: three(|i| t(&self.dw[i]))?,
+            dgamma: three(|i| f(&self.dgamma[i]))?,
+            dbeta: three(|i| f(&self.dbeta[i]))?,
+            logits: t(&self.logits)?,
+            fc_dw: t(&self.fc_dw)?,
+            dfeat: t(&self.dfeat)?,
+        })
+    }
+
+    /// The classifier's outputs, widened (the other fields are left empty; waits for the
+    /// stream).
+    pub fn download_classifier_outputs(&self, ctx: &Context) -> Result<StepOutputs> {
+        let t = |b: &CudaSlice<T>| -> Result<Vec<f64>> {
+            Ok(ctx
+                .stream()
+                .clone_dtoh(b)?
+                .iter()
+                .map(|v| v.to_f64())
+                .collect())
+        };
+        Ok(StepOutputs {
+            logits: t(&self.logits)?,
+            fc_dw: t(&self.fc_dw)?,
+            dfeat: t(&self.dfeat)?,
+            ..Default::default()
+        })
+    }
+
+    /// The classifier's inputs, widened (the other fields are left empty).
+    pub fn download_classifier_inputs(&self, ctx: &Context) -> Result<StepInputs> {
+        let t = |b: &CudaSlice<T>| -> Result<Vec<f64>> {
+            Ok(ctx
+                .stream()
+                .clone_dtoh(b)?
+                .iter()
+                .map(|v| v.to_f64())
+                .collect())
+        };
+        Ok(StepInputs {
+            feat: t(&self.feat)?,
+            fc_w: t(&self.fc_w)?,
+            dlogits: t(&self.dlogits)?,
+            ..Default::default()
+        })
+    }
+}
+
+/// `n` values uniform in `[lo, hi)` (SplitMix64 of `seed`).
+fn host_uniform(seed: u64, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    let mut state = seed;
+    (0..n)
+        .map(|_| {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            lo + (hi - lo) * ((z >> 40) as f32 / (1u32 << 24) as f32)
+        })
+        .collect()
+}
+
+fn to_t<T: Element>(v: &[f64]) -> Vec<T> {
+    v.iter().map(|&x| T::from_f64(x)).collect()
+}
+
+fn to_f32(v: &[f64]) -> Vec<f32> {
+    v.iter().map(|&x| x as f32).collect()
+}
+
+/// The block's layers under one variant on one Context (which decides with the variant's
+/// configuration).
+pub struct Layers<T: Element> {
+    /// The variant.
+    pub variant: Variant,
+    /// Its Context.
+    pub ctx: Context,
+    /// The sizes.
+    pub def: BlockDef,
+    /// The three convolutions.
+    pub convs: [Conv2d<T>; 3],
+    /// The three BatchNorms (fused with their activation for nnfuse, plain for the others).
+    pub bns: [BatchNorm<T>; 3],
+    /// Routes forced on the convolutions (`[conv][direction]`): the check runs the routes the
+    /// timed batch decided; `None`: the dispatcher decides.
+    forced: [[Option<Route>; 3]; 3],
+}
+
+impl<T: Element> Layers<T> {
+    /// Plans the layers of `def` for `variant` on `ctx` (a Context with the variant's
+    /// configuration).
+    pub fn new(ctx: &Context, def: &BlockDef, variant: Variant) -> Result<Self> {
+        let convs = three(|i| Ok(Conv2d::<T>::new(ctx, &def.conv(i))?))?;
+        let bns = three(|i| {
+            let (shape, axis) = def.bn_shape(i);
+            Ok(BatchNorm::<T>::new(ctx, &shape, axis, variant.fuse(i))?)
+        })?;
+        Ok(Layers {
+            variant,
+            ctx: ctx.clone(),
+            def: *def,
+            convs,
+            bns,
+            forced: [[None; 3]; 3],
+        })
+    }
+
+    /// The routes the convolutions decided (after a first step), `[conv][direction]`.
+    pub fn decided_routes(&self) -> [[Option<Route>; 3]; 3] {
+        let mut r = [[None; 3]; 3];
+        for (i, c) in self.convs.iter().enumerate() {
+            for d in Direction::ALL {
+                r[i][direction_index(d)] = c.choice(d).map(|c| c.route);
+            }
+        }
+        r
+    }
+
+    /// Forces `routes` on the convolutions from now on.
+    pub fn force(&mut self, routes: [[Option<Route>; 3]; 3]) {
+        self.forced = routes;
+    }
+
+    /// The route convolution `i` runs for `d`: the forced one, else the decided one.
+    pub fn route(&self, i: usize, d: Direction) -> Option<Route> {
+        self.forced[i][direction_index(d)].or_else(|| self.convs[i].choice(d).map(|c| c.route))
+    }
+
+    fn conv_route(&self, op: Op) -> Option<Route> {
+        op.conv()
+            .and_then(|(i, d)| self.forced[i][direction_index(d)])
+    }
+}
+
+/// Runs one operation of the step. `saved` carries BatchNorm's forward state to its backward.
+fn run_op<T: Element>(
+    l: &Layers<T>,
+    b: &mut Buffers<T>,
+    op: Op,
+    saved: &mut [Option<BnSaved>; 3],
+) -> nnfuse::Result<()> {
+    let ctx = &l.ctx;
+    let forced = l.conv_route(op);
+    match op {
+        Op::ConvFwd(i) => {
+            let x = if i == 0 { &b.x } else { &b.h[i - 1] };
+            match forced {
+                Some(r) => l.convs[i].forward_with(r, x, &b.w[i], &mut b.a[i]),
+                None => l.convs[i].forward(x, &b.w[i], &mut b.a[i]),
+            }
+        }
+        Op::ConvDgrad(i) => {
+            let dx = if i == 0 {
+                &mut b.dx_conv
+            } else {
+                &mut b.dh[i - 1]
+            };
+            match forced {
+                Some(r) => l.convs[i].backward_data_with(r, &b.da[i], &b.w[i], dx),
+                None => l.convs[i].backward_data(&b.da[i], &b.w[i], dx),
+            }
+        }
+        Op::ConvWgrad(i) => {
+            let x = if i == 0 { &b.x } else { &b.h[i - 1] };
+            match forced {
+                Some(r) => l.convs[i].backward_filter_with(r, x, &b.da[i], &mut b.dw[i], false),
+                None => l.convs[i].backward_filter(x, &b.da[i], &mut b.dw[i], false),
+            }
+        }
+        Op::BnFwd(i) => {
+            let fused = l.variant.fuse(i);
+            let s = l.bns[i].forward_train(TrainArgs {
+                x: b.a[i].as_view(),
+                addend: (fused == Fuse::AddRelu).then(|| b.x.as_view()),
+                gamma: b.gamma[i].as_view(),
+                beta: b.beta[i].as_view(),
+                running_mean: b.rm[i].as_view_mut(),
+                running_var: b.rv[i].as_view_mut(),
+                y: b.h[i].as_view_mut(),
+                momentum: MOMENTUM,
+                eps: EPS,
+            })?;
+            if fused == Fuse::None {
+                // The plain composition: the shortcut's add, then the ReLU, each a kernel.
+                if BlockDef::bn_fuse(i) == Fuse::AddRelu {
+                    util::add_assign(ctx, &mut b.h[i], &b.x)?;
+                }
+                activation::relu_mask_fwd_inplace(ctx, &mut b.h[i], None::<&mut CudaSlice<u32>>)?;
+            }
+            saved[i] = Some(s);
+            Ok(())
+        }
+        Op::BnBwd(i) => {
+            let Some(s) = saved[i].take() else {
+                return Err(nnfuse::Error::invalid(
+                    "saved",
+                    format!("{} ran without its forward", op.name()),
+                ));
+            };
+            let last = i == 2;
+            let dy = if last { &b.dout } else { &b.dh[i] };
+            if l.variant.fuse(i) != Fuse::None {
+                l.bns[i].backward(BackwardArgs {
+                    x: b.a[i].as_view(),
+                    y: b.h[i].as_view(),
+                    dy: dy.as_view(),
+                    gamma: b.gamma[i].as_view(),
+                    beta: b.beta[i].as_view(),
+                    saved: &s,
+                    dx: b.da[i].as_view_mut(),
+                    d_addend: last.then(|| b.dx.as_view_mut()),
+                    dgamma: b.dgamma[i].as_view_mut(),
+                    dbeta: b.dbeta[i].as_view_mut(),
+                })
+            } else {
+                // ReLU's backward from y (into the shortcut's gradient for the last BN), then
+                // BatchNorm's.
+                let g = if last { &mut b.dx } else { &mut b.relu_grad };
+                activation::baseline::relu_bwd_from_y(ctx, dy, &b.h[i], g)?;
+                l.bns[i].backward(BackwardArgs {
+                    x: b.a[i].as_view(),
+                    y: b.h[i].as_view(),
+                    dy: g.as_view(),
+                    gamma: b.gamma[i].as_view(),
+                    beta: b.beta[i].as_view(),
+                    saved: &s,
+                    dx: b.da[i].as_view_mut(),
+                    d_addend: None,
+                    dgamma: b.dgamma[i].as_view_mut(),
+                    dbeta: b.dbeta[i].as_view_mut(),
+                })
+            }
+        }
+        Op::AddDx => util::add_assign(ctx, &mut b.dx, &b.dx_conv),
+        Op::FcFwd => {
+            gemm::strided_batched(ctx, &l.def.fc_problem(op), &b.fc_w, &b.feat, &mut b.logits)
+        }
+        Op::FcWgrad => gemm::strided_batched(
+            ctx,
+            &l.def.fc_problem(op),
+            &b.feat,
+            &b.dlogits,
+            &mut b.fc_dw,
+        ),
+        Op::FcDgrad => gemm::strided_batched(
+            ctx,
+            &l.def.fc_problem(op),
+            &b.fc_w,
+            &b.dlogits,
+            &mut b.dfeat,
+        ),
+    }
+}
+
+/// Queues one training step; `mark(op)` runs after each operation is queued.
+pub fn run_step<T: Element>(
+    l: &Layers<T>,
+    b: &mut Buffers<T>,
+    mark: &mut dyn FnMut(Op) -> Result<()>,
+) -> Result<()> {
+    if b.def != l.def {
+        bail!(
+            "the buffers are for batch {}, the layers for batch {}",
+            b.def.n,
+            l.def.n
+        );
+    }
+    let mut saved: [Option<BnSaved>; 3] = [None, None, None];
+    for op in STEP {
+        run_op(l, b, op, &mut saved)
+            .with_context(|| format!("{} ({})", op.name(), l.variant.name()))?;
+        mark(op)?;
+    }
+    Ok(())
+}
+
+/// Queues the classifier's three GEMMs alone.
+pub fn run_classifier<T: Element>(l: &Layers<T>, b: &mut Buffers<T>) -> Result<()> {
+    let mut saved: [Option<BnSaved>; 3] = [None, None, None];
+    for op in [Op::FcFwd, Op::FcWgrad, Op::FcDgrad] {
+        run_op(l, b, op, &mut saved)
+            .with_context(|| format!("{} ({})", op.name(), l.variant.name()))?;
+    }
+    Ok(())
+}
+
+/// Runs one untimed step and waits for it; returns its wall time in ms (a first step includes
+/// every first-call cost: `auto`'s measurements, GEMM searches, handles, NVRTC compiles).
+pub fn wall_step<T: Element>(l: &Layers<T>, b: &mut Buffers<T>) -> Result<f64> {
+    let t = Instant::now();
+    run_step(l, b, &mut |_| Ok(()))?;
+    l.ctx.synchronize()?;
+    Ok(t.elapsed().as_secs_f64() * 1e3)
+}
+
+/// Host time (ms) to queue one step, without waiting for the GPU.
+pub fn host_queue_ms<T: Element>(l: &Layers<T>, b: &mut Buffers<T>) -> Result<f64> {
+    l.ctx.synchronize()?;
+    let t = Instant::now();
+    run_step(l, b, &mut |_| Ok(()))?;
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    l.ctx.synchronize()?;
+    Ok(ms)
+}
+
+fn new_event(ctx: &Context) -> Result<CudaEvent> {
+    Ok(ctx
+        .cuda()
+        .new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT))?)
+}
+
+/// The GPU's head start: work queued before a timed step so that the host has queued the whole
+/// step before the GPU reaches it, and the events measure the operations back to back rather
+/// than the host's pace.
+pub struct HeadStart {
+    buf: CudaSlice<f32>,
+    /// Fills of `buf` per head start.
+    pub fills: usize,
+    /// GPU time of one fill (ms).
+    pub fill_ms: f64,
+}
+
+impl HeadStart {
+    /// A 256 MiB buffer, one fill timed, and enough fills to cover `host_ms` of queueing twice
+    /// over (plus 0.5 ms).
+    pub fn new(ctx: &Context, host_ms: f64) -> Result<HeadStart> {
+        let mut buf = zeros::<f32>(ctx, 64 << 20)?;
+        util::fill(ctx, &mut buf, 0.0)?;
+        let (a, b) = (new_event(ctx)?, new_event(ctx)?);
+        a.record(ctx.stream())?;
+        util::fill(ctx, &mut buf, 0.0)?;
+        b.record(ctx.stream())?;
+        b.synchronize()?;
+        let fill_ms = (a.elapsed_ms(&b)? as f64).max(1e-3);
+        let fills = ((2.0 * host_ms + 0.5) / fill_ms).ceil().clamp(1.0, 5000.0) as usize;
+        Ok(HeadStart {
+            buf,
+            fills,
+            fill_ms,
+        })
+    }
+
+    fn queue(&mut self, ctx: &Context) -> Result<()> {
+        for _ in 0..self.fills {
+            util::fill(ctx, &mut self.buf, 0.0)?;
+        }
+        Ok(())
+    }
+}
+
+/// One timed step: waits for the GPU, queues the head start, then the step with an event after
+/// every operation, and reads the events.
+pub fn timed_step<T: Element>(
+    l: &Layers<T>,
+    b: &mut Buffers<T>,
+    head: &mut HeadStart,
+) -> Result<StepTimes> {
+    let ctx = &l.ctx;
+    let stream = ctx.stream();
+    let events: Vec<CudaEvent> = (0..=STEP.len())
+        .map(|_| new_event(ctx))
+        .collect::<Result<_>>()?;
+    ctx.synchronize()?;
+    head.queue(ctx)?;
+    events[0].record(stream)?;
+    let t = Instant::now();
+    let mut k = 1;
+    run_step(l, b, &mut |_| {
+        let e = events
+            .get(k)
+            .ok_or_else(|| anyhow!("more operations than events"))?;
+        e.record(stream)?;
+        k += 1;
+        Ok(())
+    })?;
+    let host_ms = t.elapsed().as_secs_f64() * 1e3;
+    let last = &events[STEP.len()];
+    last.synchronize()?;
+    let mut ops_ms = Vec::with_capacity(STEP.len());
+    for i in 0..STEP.len() {
+        ops_ms.push(events[i].elapsed_ms(&events[i + 1])? as f64);
+    }
+    Ok(StepTimes {
+        ops_ms,
+        total_ms: events[0].elapsed_ms(last)? as f64,
+        host_ms,
+    })
+}
+
+/// The decisions of every operation of `l` (after a first step).
+pub fn decisions<T: Element>(l: &Layers<T>, b: &Buffers<T>) -> Vec<Decision> {
+    STEP.iter()
+        .map(|&op| {
+            let (route, detail) = decide_text(l, b, op);
+            Decision { op, route, detail }
+        })
+        .collect()
+}
+
+fn decide_text<T: Element>(l: &Layers<T>, b: &Buffers<T>, op: Op) -> (String, String) {
+    if let Some((i, d)) = op.conv() {
+        return match l.convs[i].choice(d) {
+            Some(c) => {
+                let mut detail = format!("{} ({})", c.origin.name(), c);
+                if let Some(r) = l.convs[i].report(d) {
+                    detail.push_str(&format!("; measured in {:.1} ms", r.wall_ms));
+                }
+                for n in &c.notes {
+                    detail.push_str(&format!("; {n}"));
+                }
+                (c.route.label(), detail)
+            }
+            None => ("(undecided)".into(), "no call has run yet".into()),
+        };
+    }
+    if let Some(i) = op.bn() {
+        let p = l.bns[i].plan();
+        let mode = format!("{}, {} API", p.mode.name(), p.api);
+        return if l.variant.fuse(i) == Fuse::None {
+            let act = match (op, BlockDef::bn_fuse(i)) {
+                (Op::BnFwd(_), Fuse::AddRelu) => "plain BN, then add and ReLU kernels",
+                (Op::BnFwd(_), _) => "plain BN, then a ReLU kernel",
+                (_, _) => "ReLU backward from y, then plain BN backward",
+            };
+            (
+                format!("plain/{}", p.mode.name()),
+                format!("{act} ({mode})"),
+            )
+        } else {
+            let path = l.bns[i].training_path();
+            let what = match path {
+                nnfuse::batchnorm::BnPath::CudnnFused => {
+                    format!("cuDNN's fused {}", BlockDef::bn_fuse(i).describe())
+                }
+                _ => format!(
+                    "cuDNN BN, then nnfuse's bitmask {} kernel (fusion refused: {})",
+                    if BlockDef::bn_fuse(i) == Fuse::AddRelu {
+                        "Add+ReLU"
+                    } else {
+                        "ReLU"
+                    },
+                    p.refusals
+                        .iter()
+                        .map(|r| r.code())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            };
+            (
+                format!("{path}/{}", p.mode.name()),
+                format!("{what} ({mode})"),
+            )
+        };
+    }
+    if op.is_fc() {
+        let p = l.def.fc_problem(op);
+        let (a, bb, c) = match op {
+            Op::FcFwd => (&b.fc_w, &b.feat, &b.logits),
+            Op::FcWgrad => (&b.feat, &b.dlogits, &b.fc_dw),
+            _ => (&b.fc_w, &b.dlogits, &b.dfeat),
+        };
+        if !l.ctx.config().gemm_search {
+            return (
+                "cublas_default".into(),
+                "cublasGemmStridedBatchedEx, CUBLAS_GEMM_DEFAULT (search off)".into(),
+            );
+        }
+        let choice = gemm::key_for(&l.ctx, &p, a, bb, c)
+            .ok()
+            .and_then(|k| gemm::lookup(&k));
+        return match choice {
+            Some(ch) => {
+                let short = match ch.algo {
+                    Algo::Lt(_) => "cublaslt_tuned",
+                    Algo::Cublas(_) => "cublas_default",
+                };
+                let mut detail = ch.label();
+                if ch.median_us.is_finite() {
+                    detail.push_str(&format!(
+                        "; searched: {:.1} us against the default's {:.1} us among {} candidates",
+                        ch.median_us, ch.default_us, ch.candidates
+                    ));
+                }
+                (short.into(), detail)
+            }
+            None => ("(unknown)".into(), "no tuned choice cached".into()),
+        };
+    }
+    (
+        "add_kernel".into(),
+        "nnfuse::util::add_assign (f32 sum, one rounding)".into(),
+    )
+}
+
+/// One demo run on the GPU: the timed batch's buffers and every variant's layers, kept across
+/// the warm-up, the check and the timed steps.
+pub struct Session<T: Element> {
+    ctx: Context,
+    def: BlockDef,
+    seed: u64,
+    big: Buffers<T>,
+    layers: Vec<Layers<T>>,
+}
+
+impl<T: Element> Session<T> {
+    /// Allocates and fills the timed batch's tensors and plans every variant's layers (each on
+    /// a Context that shares `ctx`'s device and stream and decides with the variant's
+    /// configuration).
+    pub fn new(ctx: &Context, def: &BlockDef, seed: u64) -> Result<Self> {
+        let mut big = Buffers::<T>::new(ctx, def)?;
+        big.fill_random(ctx, seed)?;
+        let mut layers = Vec::new();
+        for v in Variant::ALL {
+            let vctx = if v == Variant::Nnfuse {
+                ctx.clone()
+            } else {
+                ctx.with_config_override(v.config(ctx.config()))
+            };
+            layers.push(Layers::<T>::new(&vctx, def, v)?);
+        }
+        Ok(Session {
+            ctx: ctx.clone(),
+            def: *def,
+            seed,
+            big,
+            layers,
+        })
+    }
+
+    /// Every variant's first step (timed by the wall clock: every first-call cost), then two
+    /// more untimed steps each; returns the runs with their decisions, and the longest host
+    /// time to queue a step (ms).
+    pub fn warm_up(&mut self, bar: &indicatif::ProgressBar) -> Result<(Vec<VariantRun>, f64)> {
+        let mut runs = Vec::new();
+        for l in &self.layers {
+            bar.set_message(format!(
+                "first step, {} (auto measurements, GEMM searches)",
+                l.variant.title()
+            ));
+            let first_step_ms = wall_step(l, &mut self.big)?;
+            let mut conv_measure_ms = 0.0;
+            for c in &l.convs {
+                for d in Direction::ALL {
+                    conv_measure_ms += c.report(d).map_or(0.0, |r| r.wall_ms);
+                }
+            }
+            runs.push(VariantRun {
+                variant: l.variant,
+                first_step_ms,
+                conv_measure_ms,
+                decisions: decisions(l, &self.big),
+                times: Vec::new(),
+            });
+            bar.inc(1);
+        }
+        let mut host_ms: f64 = 0.0;
+        for l in &self.layers {
+            bar.set_message(format!("warm-up steps, {}", l.variant.title()));
+            for _ in 0..2 {
+                wall_step(l, &mut self.big)?;
+            }
+            host_ms = host_ms.max(host_queue_ms(l, &mut self.big)?);
+        }
+        Ok((runs, host_ms))
+    }
+
+    /// The check at `batch`: every variant's step on fresh random inputs with the convolution
+    /// routes the timed batch decided (forced), each output against f64; and the classifier's
+    /// GEMMs at the timed batch.
+    pub fn check(&mut self, batch: usize, bar: &indicatif::ProgressBar) -> Result<CheckReport> {
+        let ctx = self.ctx.clone();
+        let cdef = self.def.with_batch(batch);
+        let round = |v: f64| T::from_f64(v).to_f64();
+        let inp = random_inputs(&cdef, self.seed ^ 0x5EED_C0DE, &round);
+        let mut small = Buffers::<T>::new(&ctx, &cdef)?;
+        let fc_inp = self.big.download_classifier_inputs(&ctx)?;
+        let mut report = CheckReport {
+            batch,
+            rows: Vec::new(),
+            notes: Vec::new(),
+        };
+        for l in &self.layers {
+            bar.set_message(format!("check at batch {batch}, {}", l.variant.title()));
+            let mut cl = Layers::<T>::new(&l.ctx, &cdef, l.variant)?;
+            cl.force(l.decided_routes());
+            small.upload_and_poison(&ctx, &inp)?;
+            if let Err(e) = run_step(&cl, &mut small, &mut |_| Ok(())) {
+                // A route of the timed batch that this batch cannot take: check the dispatcher's
+                // own decisions here instead, and say so.
+                report.notes.push(format!(
+                    "{}: the timed batch's routes could not run at batch {batch} ({e:#}); this \
+                     batch's own decisions were checked",
+                    l.variant.title()
+                ));
+                cl.force([[None; 3]; 3]);
+                small.upload_and_poison(&ctx, &inp)?;
+                run_step(&cl, &mut small, &mut |_| Ok(()))?;
+            }
+            let out = small.download_outputs(&ctx)?;
+            let tol = |op: Op| tolerance(op, T::DTYPE, op.conv().and_then(|(i, d)| cl.route(i, d)));
+            let mut rows = check_step(&cdef, &inp, &out, &tol);
+            // The classifier at the timed batch (its GEMM algorithms are chosen per shape).
+            self.big.poison_classifier(&ctx)?;
+            run_classifier(l, &mut self.big)?;
+            let fc_out = self.big.download_classifier_outputs(&ctx)?;
+            rows.retain(|r| !r.op.is_fc());
+            rows.extend(check_classifier(&self.def, &fc_inp, &fc_out, &tol));
+            report.rows.push((l.variant, rows));
+            bar.inc(1);
+        }
+        Ok(report)
+    }
+
+    /// `steps` timed steps of every variant, interleaved (the order rotates every step); the
+    /// times go into `runs`. Returns the head start (fills, ms per fill).
+    pub fn time(
+        &mut self,
+        steps: usize,
+        host_ms: f64,
+        runs: &mut [VariantRun],
+        bar: &indicatif::ProgressBar,
+    ) -> Result<(usize, f64)> {
+        let mut head = HeadStart::new(&self.ctx, host_ms)?;
+        let n = self.layers.len();
+        for s in 0..steps {
+            bar.set_message(format!("timed step {}/{steps}", s + 1));
+            for k in 0..n {
+                let v = (s + k) % n;
+                let t = timed_step(&self.layers[v], &mut self.big, &mut head)?;
+                if let Some(r) = runs
+                    .iter_mut()
+                    .find(|r| r.variant == self.layers[v].variant)
+                {
+                    r.times.push(t);
+                }
+                bar.inc(1);
+            }
+        }
+        Ok((head.fills, head.fill_ms))
+    }
+}

@@ -1,0 +1,871 @@
+//! What `nnfuse demo` found, and how it is printed: text tables for people, one JSON object for
+//! machines. Pure: no GPU (the GPU half fills these structures).
+
+use nnfuse::timing::{Paired, Timing};
+use nnfuse::Config;
+use serde_json::{json, Value};
+
+use super::block::{direction_index, step_floor_us, step_flops, BlockDef, Op, STEP};
+use super::check::Row;
+use super::plans::{bn_line, conv_line, BlockPlans};
+use super::variants::Variant;
+
+/// The exit status of a demo run, as documented in `docs/DEMO.md`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    /// The check passed (or was skipped) and the steps were timed: 0.
+    Ok,
+    /// An output exceeded its tolerance: 1 (nothing timed).
+    CheckFailed,
+    /// No GPU, or a CUDA library missing: the plans were printed: 3.
+    NoGpu,
+}
+
+impl Status {
+    /// The process exit code.
+    pub const fn code(self) -> u8 {
+        match self {
+            Status::Ok => 0,
+            Status::CheckFailed => 1,
+            Status::NoGpu => 3,
+        }
+    }
+
+    /// `ok`, `check_failed`, `no_gpu`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Status::Ok => "ok",
+            Status::CheckFailed => "check_failed",
+            Status::NoGpu => "no_gpu",
+        }
+    }
+}
+
+/// What one timed step measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepTimes {
+    /// GPU time of each operation of [`STEP`] (ms, between consecutive events).
+    pub ops_ms: Vec<f64>,
+    /// GPU time of the whole step (ms, first to last event).
+    pub total_ms: f64,
+    /// Host time to queue the step (ms).
+    pub host_ms: f64,
+}
+
+/// What ran for one operation, once the first step decided.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    /// The operation.
+    pub op: Op,
+    /// The route or path, short (`cudnn:IMPLICIT_PRECOMP_GEMM/tensor_op`, `cudnn_fused/...`).
+    pub route: String,
+    /// How it was decided, and what else there is to know.
+    pub detail: String,
+}
+
+/// One variant's run on the GPU.
+#[derive(Debug, Clone)]
+pub struct VariantRun {
+    /// The variant.
+    pub variant: Variant,
+    /// Wall time of its first step (every first-call cost included), ms.
+    pub first_step_ms: f64,
+    /// Of which: the convolutions' `auto` measurements made by this run, ms.
+    pub conv_measure_ms: f64,
+    /// What each operation ran.
+    pub decisions: Vec<Decision>,
+    /// The timed steps (empty when nothing was timed).
+    pub times: Vec<StepTimes>,
+}
+
+/// The correctness check.
+#[derive(Debug, Clone)]
+pub struct CheckReport {
+    /// Its batch.
+    pub batch: usize,
+    /// Per variant: the block's step at `batch`, then the classifier at the timed batch.
+    pub rows: Vec<(Variant, Vec<Row>)>,
+    /// Remarks (a route that could not be forced, ...).
+    pub notes: Vec<String>,
+}
+
+impl CheckReport {
+    /// Whether every comparison passed.
+    pub fn passed(&self) -> bool {
+        self.rows.iter().all(|(_, r)| r.iter().all(Row::ok))
+    }
+
+    /// Comparisons made.
+    pub fn count(&self) -> usize {
+        self.rows.iter().map(|(_, r)| r.len()).sum()
+    }
+}
+
+/// Everything a run found.
+#[derive(Debug, Clone)]
+pub struct Report {
+    /// The block at the timed batch.
+    pub def: BlockDef,
+    /// The check's batch (None with `--no-check`).
+    pub check_batch: Option<usize>,
+    /// Timed steps asked for.
+    pub steps: usize,
+    /// Seed of the random inputs.
+    pub seed: u64,
+    /// The user's configuration (nnfuse's variant).
+    pub config: Config,
+    /// Device and libraries, one line each (`device 0: ...`, `cuDNN 9.19.0`).
+    pub environment: Vec<String>,
+    /// The plans of every variant.
+    pub plans: Vec<BlockPlans>,
+    /// What the plans assume about cuDNN (found or not, which version).
+    pub plan_basis: String,
+    /// Why the GPU part could not run (no-GPU mode).
+    pub missing: Option<String>,
+    /// The variants' runs.
+    pub runs: Vec<VariantRun>,
+    /// The check.
+    pub check: Option<CheckReport>,
+    /// Fills of the head start and the GPU time of one (ms).
+    pub head_start: Option<(usize, f64)>,
+    /// The outcome.
+    pub status: Status,
+}
+
+/// A text table: columns padded to their widest cell, `right[i]` right-aligns column `i`.
+pub fn table(header: &[&str], rows: &[Vec<String>], right: &[bool]) -> String {
+    let cols = header.len();
+    let mut width: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for r in rows {
+        for (i, c) in r.iter().enumerate().take(cols) {
+            width[i] = width[i].max(c.chars().count());
+        }
+    }
+    let line = |cells: Vec<&str>| -> String {
+        let mut s = String::from(" ");
+        for (i, c) in cells.iter().enumerate() {
+            let pad = width[i].saturating_sub(c.chars().count());
+            let last = i + 1 == cells.len();
+            if right.get(i).copied().unwrap_or(false) {
+                s.push_str(&" ".repeat(pad));
+                s.push_str(c);
+            } else {
+                s.push_str(c);
+                if !last {
+                    s.push_str(&" ".repeat(pad));
+                }
+            }
+            if !last {
+                s.push_str("  ");
+            }
+        }
+        s.trim_end().to_string() + "\n"
+    };
+    let mut out = line(header.to_vec());
+    for r in rows {
+        out.push_str(&line(r.iter().map(String::as_str).collect()));
+    }
+    out
+}
+
+fn us(ms: f64) -> String {
+    if ms.is_finite() {
+        format!("{:.1}", ms * 1e3)
+    } else {
+        "-".into()
+    }
+}
+
+fn sci(v: f64) -> String {
+    if v.is_nan() {
+        "NaN".into()
+    } else {
+        format!("{v:.1e}")
+    }
+}
+
+/// Median (and p10, p90) of operation `k`'s GPU time over the steps; `None` without steps.
+pub fn op_timing(times: &[StepTimes], k: usize) -> Option<Timing> {
+    Timing::from_samples(
+        times
+            .iter()
+            .filter_map(|t| t.ops_ms.get(k).copied())
+            .collect(),
+    )
+}
+
+/// The same for the whole step.
+pub fn step_timing(times: &[StepTimes]) -> Option<Timing> {
+    Timing::from_samples(times.iter().map(|t| t.total_ms).collect())
+}
+
+/// The same for the host's queueing time.
+pub fn host_timing(times: &[StepTimes]) -> Option<Timing> {
+    Timing::from_samples(times.iter().map(|t| t.host_ms).collect())
+}
+
+/// `other`'s step time over `nnfuse`'s, step by step (steps of one index ran back to back):
+/// above 1, nnfuse is faster.
+pub fn speedup(nnfuse: &[StepTimes], other: &[StepTimes]) -> Option<Paired> {
+    let a: Vec<f64> = nnfuse.iter().map(|t| t.total_ms).collect();
+    let b: Vec<f64> = other.iter().map(|t| t.total_ms).collect();
+    Paired::of(&a, &b)
+}
+
+impl Report {
+    fn run(&self, v: Variant) -> Option<&VariantRun> {
+        self.runs.iter().find(|r| r.variant == v)
+    }
+
+    fn plans(&self, v: Variant) -> Option<&BlockPlans> {
+        self.plans.iter().find(|p| p.variant == v)
+    }
+
+    /// The block in one line.
+    fn block_line(&self) -> String {
+        let d = &self.def;
+        format!(
+            "ResNet-50 bottleneck (identity shortcut) at {hw}x{hw}: 1x1 conv {c}->{m}, BN+ReLU, \
+             3x3 conv {m}->{m} pad 1, BN+ReLU, 1x1 conv {m}->{c}, BN + block input, ReLU; plus \
+             ResNet-50's classifier GEMM fc {fi}->{fo} (forward and both gradients, on its own \
+             random features: not connected to the block)",
+            hw = d.hw,
+            c = d.c,
+            m = d.mid,
+            fi = d.fc_in,
+            fo = d.fc_out
+        )
+    }
+
+    fn run_line(&self) -> String {
+        format!(
+            "batch {}{}, {}, {}, {} timed steps, seed {}",
+            self.def.n,
+            match self.check_batch {
+                Some(b) => format!(" (check at batch {b})"),
+                None => " (no check)".into(),
+            },
+            self.def.dtype,
+            self.def.format.name().to_ascii_uppercase(),
+            self.steps,
+            self.seed
+        )
+    }
+
+    fn config_line(&self) -> String {
+        let c = &self.config;
+        format!(
+            "config (nnfuse): conv {}, winograd_gemm {}, deterministic {}, conv workspace {} MiB, \
+             BN mode policy {}, NHWC flag {}, cuDNN fusion {}, GEMM search {}",
+            c.conv_algo,
+            c.winograd_gemm,
+            c.deterministic,
+            c.conv_workspace_mb,
+            c.bn_mode_policy,
+            if c.enable_nhwc { "on" } else { "off" },
+            if c.disable_cudnn_fusion {
+                "disabled"
+            } else {
+                "allowed"
+            },
+            if c.gemm_search { "on" } else { "off" }
+        )
+    }
+
+    /// The plans section (text).
+    pub fn plans_text(&self, explain: bool) -> String {
+        let mut s = String::new();
+        let Some(p) = self.plans(Variant::Nnfuse) else {
+            return s;
+        };
+        s.push_str(&format!(
+            "plans (nnfuse, before the first call; no GPU needed; {}):\n",
+            self.plan_basis
+        ));
+        let mut rows = Vec::new();
+        for op in STEP {
+            let line = if let Some((i, d)) = op.conv() {
+                let k = direction_index(d);
+                conv_line(&p.convs[i][k])
+            } else if let Some(i) = op.bn() {
+                if matches!(op, Op::BnBwd(_)) {
+                    continue;
+                }
+                bn_line(&p.bns[i])
+            } else if op.is_fc() {
+                if p.config.gemm_search {
+                    "cuBLASLt candidates searched at the first call (NNFUSE_GEMM_SEARCH on)".into()
+                } else {
+                    "cuBLAS default (NNFUSE_GEMM_SEARCH off)".into()
+                }
+            } else {
+                "nnfuse's add kernel (y += x)".into()
+            };
+            let name = match op {
+                Op::BnFwd(i) => format!("bn{} (fwd+bwd)", i + 1),
+                _ => op.name(),
+            };
+            rows.push(vec![name, op.describe(&self.def), line]);
+        }
+        s.push_str(&table(&["op", "what", "plan"], &rows, &[]));
+        for v in [Variant::CudnnSpatial, Variant::CudnnPersistent] {
+            if let Some(b) = self.plans(v) {
+                s.push_str(&format!(
+                    "baseline {}: {}\n  BatchNorm plans: {}\n",
+                    v.title(),
+                    v.describe(),
+                    bn_line(&b.bns[0])
+                ));
+            }
+        }
+        if explain {
+            for pl in &self.plans {
+                s.push_str(&format!("\nfull plans of {}:\n", pl.variant.title()));
+                for (i, c) in pl.convs.iter().enumerate() {
+                    for plan in c {
+                        s.push_str(&format!("[conv{}] {plan}", i + 1));
+                    }
+                }
+                for (i, b) in pl.bns.iter().enumerate() {
+                    s.push_str(&format!("[bn{}] {b}\n", i + 1));
+                }
+            }
+        }
+        s
+    }
+
+    /// The header (block, run, environment, configuration) and the plans: what is known
+    /// before the GPU runs anything.
+    pub fn head_text(&self, explain: bool) -> String {
+        let mut s = String::new();
+        s.push_str("nnfuse demo: a ResNet-50 bottleneck block's training step\n");
+        s.push_str(&format!("block: {}\n", self.block_line()));
+        s.push_str(&format!("run: {}\n", self.run_line()));
+        for e in &self.environment {
+            s.push_str(&format!("{e}\n"));
+        }
+        s.push_str(&self.config_line());
+        s.push_str("\n\n");
+        s.push_str(&self.plans_text(explain));
+        s
+    }
+
+    /// What the GPU run found: first-step costs, decisions, check, timing.
+    pub fn results_text(&self) -> String {
+        let mut s = self.first_step_text();
+        s.push_str(&self.decisions_text());
+        if let Some(c) = &self.check {
+            s.push_str(&check_text(c));
+        }
+        if self.status == Status::CheckFailed {
+            s.push_str("nothing was timed: the check failed (exit status 1)\n");
+        }
+        s.push_str(&self.timing_text());
+        s
+    }
+
+    /// The whole report as text: the head, then the missing line (no GPU) or the results.
+    pub fn to_text(&self, explain: bool) -> String {
+        let mut s = self.head_text(explain);
+        match &self.missing {
+            Some(m) => s.push_str(&format!("\n{m}\n")),
+            None => s.push_str(&self.results_text()),
+        }
+        s
+    }
+
+    fn first_step_text(&self) -> String {
+        let parts: Vec<String> = self
+            .runs
+            .iter()
+            .map(|r| {
+                let mut p = format!("{} {:.1} ms", r.variant.title(), r.first_step_ms);
+                if r.conv_measure_ms > 0.0 {
+                    p.push_str(&format!(" (conv measurements {:.1} ms)", r.conv_measure_ms));
+                }
+                p
+            })
+            .collect();
+        format!(
+            "\nfirst step at batch {} (not timed: auto's measurements, GEMM searches, handles, \
+             NVRTC compiles): {}\n",
+            self.def.n,
+            parts.join(", ")
+        )
+    }
+
+    fn decisions_text(&self) -> String {
+        let mut s = format!(
+            "\ndecisions at batch {} (what each operation runs):\n",
+            self.def.n
+        );
+        let titles: Vec<&str> = self.runs.iter().map(|r| r.variant.title()).collect();
+        let mut header = vec!["op"];
+        header.extend(&titles);
+        let rows: Vec<Vec<String>> = STEP
+            .iter()
+            .enumerate()
+            .map(|(k, op)| {
+                let mut row = vec![op.name()];
+                for r in &self.runs {
+                    row.push(r.decisions.get(k).map_or("-".into(), |d| d.route.clone()));
+                }
+                row
+            })
+            .collect();
+        s.push_str(&table(&header, &rows, &[]));
+        if let Some(r) = self.run(Variant::Nnfuse) {
+            s.push_str("why (nnfuse):\n");
+            for d in &r.decisions {
+                s.push_str(&format!("  {:<12} {}\n", d.op.name(), d.detail));
+            }
+        }
+        s
+    }
+
+    fn timing_text(&self) -> String {
+        let Some(nn) = self.run(Variant::Nnfuse).filter(|r| !r.times.is_empty()) else {
+            return String::new();
+        };
+        let mut s =
+            format!(
+            "\ntiming: median of {} steps at batch {}, GPU time between CUDA events; each step is \
+             queued behind a head start{} so that the host's pace does not count; floor = FLOPs \
+             over the H100's datasheet peak or bytes over 3.0 TB/s:\n",
+            nn.times.len(),
+            self.def.n,
+            self.head_start
+                .map_or(String::new(), |(n, ms)| format!(" ({n} fills, {:.2} ms)", n as f64 * ms))
+        );
+        let mut header = vec!["op", "what", "floor us"];
+        let titles: Vec<String> = self
+            .runs
+            .iter()
+            .map(|r| format!("{} us", r.variant.title()))
+            .collect();
+        header.extend(titles.iter().map(String::as_str));
+        header.push("nnfuse route");
+        let mut rows = Vec::new();
+        for (k, op) in STEP.iter().enumerate() {
+            let mut row = vec![
+                op.name(),
+                op.describe(&self.def),
+                us(op.floor_us(&self.def) * 1e-3),
+            ];
+            for r in &self.runs {
+                row.push(op_timing(&r.times, k).map_or("-".into(), |t| us(t.median_ms)));
+            }
+            row.push(
+                nn.decisions
+                    .get(k)
+                    .map_or(String::new(), |d| d.route.clone()),
+            );
+            rows.push(row);
+        }
+        let mut total = vec![
+            "step".to_string(),
+            "GPU, whole step".into(),
+            us(step_floor_us(&self.def) * 1e-3),
+        ];
+        for r in &self.runs {
+            let t = step_timing(&r.times).map_or(f64::NAN, |t| t.median_ms);
+            let mut cell = us(t);
+            if r.variant != Variant::Nnfuse {
+                if let Some(p) = speedup(&nn.times, &r.times) {
+                    cell.push_str(&format!(" ({:.2}x)", p.median));
+                }
+            }
+            total.push(cell);
+        }
+        rows.push(total);
+        let mut right = vec![false, false, true];
+        right.extend(self.runs.iter().map(|_| true));
+        s.push_str(&table(&header, &rows, &right));
+        if let Some(t) = step_timing(&nn.times) {
+            s.push_str(&format!(
+                "nnfuse: {:.2} ms per step (p10 {:.2}, p90 {:.2}), {:.0} TFLOP/s on the \
+                 convolutions and GEMMs ({:.1} GFLOP per step), {:.0}% of the floor's speed\n",
+                t.median_ms,
+                t.p10_ms,
+                t.p90_ms,
+                step_flops(&self.def) / (t.median_ms * 1e-3) / 1e12,
+                step_flops(&self.def) / 1e9,
+                100.0 * step_floor_us(&self.def) * 1e-3 / t.median_ms
+            ));
+        }
+        let hosts: Vec<String> = self
+            .runs
+            .iter()
+            .filter_map(|r| {
+                host_timing(&r.times)
+                    .map(|t| format!("{} {:.2} ms", r.variant.title(), t.median_ms))
+            })
+            .collect();
+        s.push_str(&format!(
+            "host time to queue one step (validation, dispatch, library calls): {}\n",
+            hosts.join(", ")
+        ));
+        for r in &self.runs {
+            if r.variant == Variant::Nnfuse {
+                continue;
+            }
+            if let Some(p) = speedup(&nn.times, &r.times) {
+                s.push_str(&format!(
+                    "speed-up over {} ({}): {:.2}x (per-step ratio, p10 {:.2}x, p90 {:.2}x, nnfuse \
+                     faster in {}/{} steps)\n",
+                    r.variant.title(),
+                    r.variant.name(),
+                    p.median,
+                    p.p10,
+                    p.p90,
+                    p.rounds - p.faster_rounds,
+                    p.rounds
+                ));
+            }
+        }
+        s
+    }
+
+    /// The whole report as one JSON object.
+    pub fn to_json(&self) -> Value {
+        let plans: serde_json::Map<String, Value> = self
+            .plans
+            .iter()
+            .map(|p| (p.variant.name().to_string(), p.to_json()))
+            .collect();
+        let runs: serde_json::Map<String, Value> = self
+            .runs
+            .iter()
+            .map(|r| (r.variant.name().to_string(), self.run_json(r)))
+            .collect();
+        let d = &self.def;
+        json!({
+            "command": "demo",
+            "status": self.status.name(),
+            "exit_code": self.status.code(),
+            "missing": self.missing,
+            "block": {
+                "describe": self.block_line(),
+                "batch": d.n,
+                "channels": d.c,
+                "mid_channels": d.mid,
+                "hw": d.hw,
+                "fc_in": d.fc_in,
+                "fc_out": d.fc_out,
+                "dtype": d.dtype.name(),
+                "format": d.format.name(),
+                "flops_per_step": step_flops(d),
+                "floor_us_per_step": step_floor_us(d),
+                "ops": STEP.iter().map(|op| json!({
+                    "op": op.name(),
+                    "what": op.describe(d),
+                    "flops": op.flops(d),
+                    "bytes": op.bytes(d),
+                    "floor_us": op.floor_us(d),
+                })).collect::<Vec<_>>(),
+            },
+            "check_batch": self.check_batch,
+            "steps": self.steps,
+            "seed": self.seed,
+            "environment": self.environment,
+            "variants": Variant::ALL.iter().map(|v| json!({
+                "name": v.name(), "title": v.title(), "describe": v.describe(),
+            })).collect::<Vec<_>>(),
+            "plans": Value::Object(plans),
+            "plan_basis": self.plan_basis,
+            "runs": Value::Object(runs),
+            "check": self.check.as_ref().map(check_json),
+            "head_start": self.head_start.map(|(n, ms)| json!({"fills": n, "fill_ms": ms})),
+        })
+    }
+
+    fn run_json(&self, r: &VariantRun) -> Value {
+        let ops: Vec<Value> = STEP
+            .iter()
+            .enumerate()
+            .map(|(k, op)| {
+                let t = op_timing(&r.times, k);
+                let dec = r.decisions.get(k);
+                json!({
+                    "op": op.name(),
+                    "route": dec.map(|d| d.route.clone()),
+                    "detail": dec.map(|d| d.detail.clone()),
+                    "median_us": t.map(|t| t.median_ms * 1e3),
+                    "p10_us": t.map(|t| t.p10_ms * 1e3),
+                    "p90_us": t.map(|t| t.p90_ms * 1e3),
+                    "floor_us": op.floor_us(&self.def),
+                })
+            })
+            .collect();
+        let step = step_timing(&r.times);
+        let nn = self.run(Variant::Nnfuse);
+        let sp = nn
+            .filter(|n| n.variant != r.variant)
+            .and_then(|n| speedup(&n.times, &r.times));
+        json!({
+            "first_step_ms": r.first_step_ms,
+            "conv_measure_ms": r.conv_measure_ms,
+            "ops": ops,
+            "step_median_us": step.map(|t| t.median_ms * 1e3),
+            "step_p10_us": step.map(|t| t.p10_ms * 1e3),
+            "step_p90_us": step.map(|t| t.p90_ms * 1e3),
+            "host_queue_median_us": host_timing(&r.times).map(|t| t.median_ms * 1e3),
+            "steps_timed": r.times.len(),
+            "speedup_of_nnfuse": sp.map(|p| json!({
+                "median": p.median, "p10": p.p10, "p90": p.p90,
+                "nnfuse_faster_steps": p.rounds - p.faster_rounds, "steps": p.rounds,
+            })),
+        })
+    }
+}
+
+/// The check as text: one row per quantity, one column per variant.
+pub fn check_text(c: &CheckReport) -> String {
+    let mut s = format!(
+        "\ncheck: every output against an f64 reference computed from that operation's own \
+         inputs, batch {} (the classifier at the timed batch), relative L2 error (tolerance: \
+         f32 1e-5, f16/bf16 1e-2; a Winograd route the dispatcher's own, f32 1e-4, bf16 2e-2):\n",
+        c.batch
+    );
+    let Some((_, first)) = c.rows.first() else {
+        return s;
+    };
+    let mut header = vec!["op", "output"];
+    let titles: Vec<&str> = c.rows.iter().map(|(v, _)| v.title()).collect();
+    header.extend(&titles);
+    header.push("tolerance");
+    let mut rows = Vec::new();
+    for (k, r) in first.iter().enumerate() {
+        let mut row = vec![r.op.name(), r.quantity.to_string()];
+        let mut tol = r.tol;
+        for (_, vr) in &c.rows {
+            match vr.get(k) {
+                Some(x) => {
+                    let mark = if x.ok() { "" } else { " FAIL" };
+                    row.push(format!("{}{mark}", sci(x.compared.rel_l2)));
+                    tol = tol.max(x.tol);
+                }
+                None => row.push("-".into()),
+            }
+        }
+        row.push(sci(tol));
+        rows.push(row);
+    }
+    let mut right = vec![false, false];
+    right.extend(c.rows.iter().map(|_| true));
+    right.push(true);
+    s.push_str(&table(&header, &rows, &right));
+    for n in &c.notes {
+        s.push_str(&format!("note: {n}\n"));
+    }
+    let failed: Vec<String> = c
+        .rows
+        .iter()
+        .flat_map(|(v, rows)| {
+            rows.iter().filter(|r| !r.ok()).map(move |r| {
+                let (i, got, want) = r.compared.worst;
+                format!(
+                    "{} {}: relative L2 {} > {} (worst element {i}: got {got} want {want}; first \
+                     non-finite {:?}; {} elements)",
+                    v.title(),
+                    r.label(),
+                    sci(r.compared.rel_l2),
+                    sci(r.tol),
+                    r.compared.first_nonfinite,
+                    r.compared.len
+                )
+            })
+        })
+        .collect();
+    if failed.is_empty() {
+        s.push_str(&format!("check PASSED ({} comparisons)\n", c.count()));
+    } else {
+        s.push_str(&format!(
+            "check FAILED ({} of {} comparisons):\n",
+            failed.len(),
+            c.count()
+        ));
+        for f in failed {
+            s.push_str(&format!("  {f}\n"));
+        }
+    }
+    s
+}
+
+fn check_json(c: &CheckReport) -> Value {
+    let per: serde_json::Map<String, Value> = c
+        .rows
+        .iter()
+        .map(|(v, rows)| {
+            let rows: Vec<Value> = rows
+                .iter()
+                .map(|r| {
+                    let (i, got, want) = r.compared.worst;
+                    json!({
+                        "op": r.op.name(),
+                        "output": r.quantity,
+                        "rel_l2": if r.compared.rel_l2.is_finite() { json!(r.compared.rel_l2) } else { Value::Null },
+                        "tolerance": r.tol,
+                        "ok": r.ok(),
+                        "elements": r.compared.len,
+                        "first_nonfinite": r.compared.first_nonfinite,
+                        "worst": {"index": i, "got": finite(got), "want": finite(want)},
+                    })
+                })
+                .collect();
+            (v.name().to_string(), Value::Array(rows))
+        })
+        .collect();
+    json!({
+        "batch": c.batch,
+        "passed": c.passed(),
+        "comparisons": c.count(),
+        "notes": c.notes,
+        "rows": Value::Object(per),
+    })
+}
+
+/// JSON has no NaN: non-finite numbers become null.
+fn finite(v: f64) -> Value {
+    if v.is_finite() {
+        json!(v)
+    } else {
+        Value::Null
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::demo::plans::plan_block;
+    use crate::demo::reference::compare;
+    use nnfuse::batchnorm::ASSUMED_CUDNN_VERSION;
+    use nnfuse::{DType, TensorFormat};
+
+    fn report(status: Status) -> Report {
+        let def = BlockDef::resnet50(32, DType::F16, TensorFormat::Nhwc);
+        let plans = Variant::ALL
+            .iter()
+            .map(|&v| plan_block(&def, v, &Config::default(), true, ASSUMED_CUDNN_VERSION).unwrap())
+            .collect();
+        Report {
+            def,
+            check_batch: Some(2),
+            steps: 3,
+            seed: 42,
+            config: Config::default(),
+            environment: vec!["device 0: test".into()],
+            plans,
+            plan_basis: "cuDNN 9.19.0 assumed".into(),
+            missing: None,
+            runs: Vec::new(),
+            check: None,
+            head_start: Some((10, 0.1)),
+            status,
+        }
+    }
+
+    fn times(total: f64) -> StepTimes {
+        StepTimes {
+            ops_ms: vec![total / STEP.len() as f64; STEP.len()],
+            total_ms: total,
+            host_ms: 0.3,
+        }
+    }
+
+    #[test]
+    fn tables_pad_columns() {
+        let t = table(
+            &["a", "bb"],
+            &[vec!["xxx".into(), "1".into()]],
+            &[false, true],
+        );
+        assert_eq!(t, " a    bb\n xxx   1\n");
+    }
+
+    #[test]
+    fn no_gpu_report_has_the_plans_and_the_missing_line() {
+        let mut r = report(Status::NoGpu);
+        r.missing = Some("nnfuse demo cannot run here: no CUDA driver".into());
+        let text = r.to_text(false);
+        assert!(text.contains("conv2.fwd"), "{text}");
+        assert!(text.contains("bn3 (fwd+bwd)"), "{text}");
+        assert!(text.trim_end().ends_with("no CUDA driver"), "{text}");
+        assert!(!text.contains("timing:"));
+        let j = r.to_json();
+        assert_eq!(j["status"], "no_gpu");
+        assert_eq!(j["exit_code"], 3);
+        assert_eq!(j["block"]["ops"].as_array().unwrap().len(), STEP.len());
+        assert!(j["plans"]["nnfuse"]["layers"]["conv1"]["forward"]["path"].is_string());
+        assert!(j["check"].is_null());
+        let full = r.to_text(true);
+        assert!(full.contains("full plans of cuDNN SPATIAL"), "{full}");
+    }
+
+    #[test]
+    fn timing_and_speedups_are_reported_per_variant() {
+        let mut r = report(Status::Ok);
+        for (v, t) in [
+            (Variant::Nnfuse, 1.0),
+            (Variant::CudnnSpatial, 4.0),
+            (Variant::CudnnPersistent, 2.0),
+        ] {
+            r.runs.push(VariantRun {
+                variant: v,
+                first_step_ms: 100.0,
+                conv_measure_ms: if v == Variant::Nnfuse { 50.0 } else { 0.0 },
+                decisions: STEP
+                    .iter()
+                    .map(|&op| Decision {
+                        op,
+                        route: format!("{}-route", v.name()),
+                        detail: "why".into(),
+                    })
+                    .collect(),
+                times: vec![times(t), times(t * 1.1), times(t * 0.9)],
+            });
+        }
+        let text = r.to_text(false);
+        assert!(text.contains("(4.00x)"), "{text}");
+        assert!(
+            text.contains("speed-up over cuDNN persistent (cudnn_persistent): 2.00x"),
+            "{text}"
+        );
+        assert!(text.contains("nnfuse-route"));
+        let j = r.to_json();
+        let sp = &j["runs"]["cudnn_spatial"]["speedup_of_nnfuse"];
+        assert!((sp["median"].as_f64().unwrap() - 4.0).abs() < 1e-12, "{sp}");
+        assert_eq!(
+            j["runs"]["nnfuse"]["ops"].as_array().unwrap().len(),
+            STEP.len()
+        );
+        assert!(j["runs"]["nnfuse"]["speedup_of_nnfuse"].is_null());
+        assert!((j["runs"]["nnfuse"]["step_median_us"].as_f64().unwrap() - 1000.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_failed_check_names_the_worst_element() {
+        let row = |ok: bool| Row {
+            op: Op::ConvWgrad(1),
+            quantity: "dw",
+            compared: compare(&[1.0, if ok { 2.0 } else { 2.5 }], &[1.0, 2.0]),
+            tol: 1e-2,
+        };
+        let c = CheckReport {
+            batch: 2,
+            rows: vec![
+                (Variant::Nnfuse, vec![row(false)]),
+                (Variant::CudnnSpatial, vec![row(true)]),
+            ],
+            notes: vec![],
+        };
+        assert!(!c.passed());
+        let t = check_text(&c);
+        assert!(t.contains("check FAILED (1 of 2 comparisons)"), "{t}");
+        assert!(t.contains("nnfuse conv2.wgrad dw"), "{t}");
+        assert!(t.contains("worst element 1: got 2.5 want 2"), "{t}");
+        let j = check_json(&c);
+        assert_eq!(j["passed"], false);
+        assert_eq!(j["rows"]["nnfuse"][0]["ok"], false);
+    }
+}

@@ -1,0 +1,157 @@
+//! The three ways the demo composes the block, as configurations: nnfuse as configured, and two
+//! compositions from plain cuDNN calls to compare with. Pure: no GPU.
+
+use nnfuse::batchnorm::Fuse;
+use nnfuse::{BnImpl, BnModePolicy, Config, ConvAlgoPolicy};
+
+use super::block::BlockDef;
+
+/// One composition of the block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Variant {
+    /// nnfuse's dispatchers under the user's configuration (environment variables): `auto`
+    /// convolutions, fused BatchNorm+activation where cuDNN allows it (else cuDNN BN plus the
+    /// bitmask kernels), the GEMM search.
+    Nnfuse,
+    /// The issue's baseline: plain cuDNN calls, no fusion, cuDNN `SPATIAL` BatchNorm —
+    /// OneFlow's rule without its NHWC flag (`NNFUSE_BN_MODE_POLICY=oneflow`).
+    CudnnSpatial,
+    /// The same plain composition with cuDNN's `SPATIAL_PERSISTENT` BatchNorm through the Ex API
+    /// (`NNFUSE_BN_MODE_POLICY=fast`): what is left of nnfuse's gain once the mode is right.
+    CudnnPersistent,
+}
+
+impl Variant {
+    /// Every variant, nnfuse first.
+    pub const ALL: [Variant; 3] = [
+        Variant::Nnfuse,
+        Variant::CudnnSpatial,
+        Variant::CudnnPersistent,
+    ];
+
+    /// `nnfuse`, `cudnn_spatial`, `cudnn_persistent` (JSON keys).
+    pub const fn name(self) -> &'static str {
+        match self {
+            Variant::Nnfuse => "nnfuse",
+            Variant::CudnnSpatial => "cudnn_spatial",
+            Variant::CudnnPersistent => "cudnn_persistent",
+        }
+    }
+
+    /// A column title.
+    pub const fn title(self) -> &'static str {
+        match self {
+            Variant::Nnfuse => "nnfuse",
+            Variant::CudnnSpatial => "cuDNN SPATIAL",
+            Variant::CudnnPersistent => "cuDNN persistent",
+        }
+    }
+
+    /// What it runs, in one sentence.
+    pub const fn describe(self) -> &'static str {
+        match self {
+            Variant::Nnfuse => {
+                "nnfuse's dispatchers as configured: conv auto (measured on the first call), \
+                 BatchNorm fused with its activation where cuDNN allows it (else cuDNN BN + \
+                 nnfuse's bitmask ReLU/Add+ReLU), GEMM algorithm search"
+            }
+            Variant::CudnnSpatial => {
+                "plain cuDNN, no fusion (the issue's baseline): conv cuDNN only (the fastest of \
+                 cuDNN's heuristic top 5, as NNFUSE_CONV_ALGO=cudnn), BatchNorm \
+                 CUDNN_BATCHNORM_SPATIAL (OneFlow's rule without its NHWC flag) alone, then a \
+                 separate ReLU kernel, for the last BN a separate add kernel then ReLU; backward \
+                 ReLU from y, then BN backward; GEMM cuBLAS default (no search)"
+            }
+            Variant::CudnnPersistent => {
+                "as cuDNN SPATIAL, but BatchNorm CUDNN_BATCHNORM_SPATIAL_PERSISTENT through the Ex \
+                 API (NNFUSE_BN_MODE_POLICY=fast): the plain composition with the right mode"
+            }
+        }
+    }
+
+    /// The configuration the variant's Context decides with, from the user's `base`.
+    pub fn config(self, base: &Config) -> Config {
+        let mut c = base.clone();
+        if self == Variant::Nnfuse {
+            return c;
+        }
+        c.conv_algo = ConvAlgoPolicy::Cudnn;
+        c.bn_impl = BnImpl::Cudnn;
+        c.disable_cudnn_fusion = true;
+        c.gemm_search = false;
+        c.enable_nhwc = false;
+        c.bn_mode_policy = if self == Variant::CudnnSpatial {
+            BnModePolicy::OneFlow
+        } else {
+            BnModePolicy::Fast
+        };
+        c
+    }
+
+    /// What BatchNorm `i` fuses: the block's activation for nnfuse; nothing for the plain
+    /// compositions, which run the activation as separate kernels.
+    pub fn fuse(self, i: usize) -> Fuse {
+        match self {
+            Variant::Nnfuse => BlockDef::bn_fuse(i),
+            _ => Fuse::None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nnfuse::batchnorm::{plan, BnMode, BnPath, Phase, PlanRequest, ASSUMED_CUDNN_VERSION};
+    use nnfuse::{DType, TensorFormat};
+
+    fn bn_plan(v: Variant, format: TensorFormat, i: usize) -> nnfuse::batchnorm::BnPlan {
+        let def = BlockDef::resnet50(32, DType::F16, format);
+        let (shape, axis) = def.bn_shape(i);
+        let config = v.config(&Config::default());
+        plan(&PlanRequest {
+            shape: &shape,
+            axis,
+            dtype: DType::F16,
+            fuse: v.fuse(i),
+            phase: Phase::Training,
+            config: &config,
+            cudnn_version: ASSUMED_CUDNN_VERSION,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn baselines_are_plain_cudnn_in_the_stated_modes() {
+        for format in [TensorFormat::Nhwc, TensorFormat::Nchw] {
+            for i in 0..3 {
+                let s = bn_plan(Variant::CudnnSpatial, format, i);
+                assert_eq!(
+                    (s.mode, s.path),
+                    (BnMode::Spatial, BnPath::Plain),
+                    "{format} {i}"
+                );
+                let p = bn_plan(Variant::CudnnPersistent, format, i);
+                assert_eq!(
+                    (p.mode, p.path),
+                    (BnMode::SpatialPersistent, BnPath::Plain),
+                    "{format} {i}"
+                );
+            }
+        }
+        // nnfuse on channels-last f16: persistent and fused (the issue's main case).
+        let n = bn_plan(Variant::Nnfuse, TensorFormat::Nhwc, 2);
+        assert_eq!(
+            (n.mode, n.path),
+            (BnMode::SpatialPersistent, BnPath::CudnnFused)
+        );
+        let c = Variant::CudnnSpatial.config(&Config::default());
+        assert_eq!(c.conv_algo, ConvAlgoPolicy::Cudnn);
+        assert!(!c.gemm_search && c.disable_cudnn_fusion);
+        let user = Config {
+            conv_workspace_mb: 64,
+            ..Config::default()
+        };
+        assert_eq!(Variant::CudnnPersistent.config(&user).conv_workspace_mb, 64);
+        assert_eq!(Variant::Nnfuse.config(&user), user);
+    }
+}

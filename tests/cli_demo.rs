@@ -1,0 +1,468 @@
+//! `nnfuse demo` where it cannot run: the built binary with no CUDA device visible (no driver on
+//! a CI machine; `CUDA_VISIBLE_DEVICES=""` hides the GPU where there is one) prints every
+//! layer's plan, says in one line what is missing, and exits 3 — in text and in JSON; bad
+//! arguments exit 2 naming them. Needs no GPU.
+
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+/// The nnfuse binary: cargo's build path, or, where the tests were built on another machine and
+/// staged (`gpu-stage --bins`), the staged copy.
+fn binary() -> std::path::PathBuf {
+    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_nnfuse"));
+    if built.exists() {
+        return built;
+    }
+    let staged = std::path::PathBuf::from(".gpu/bin/exe/nnfuse.bin.nnfuse");
+    assert!(
+        staged.exists(),
+        "the nnfuse binary is neither at {} nor staged at {} (gpu-stage --bins)",
+        built.display(),
+        staged.display()
+    );
+    staged
+}
+
+/// The operations of one step, in order (as `docs/DEMO.md` lists them).
+const OPS: [&str; 19] = [
+    "conv1.fwd",
+    "bn1.fwd",
+    "conv2.fwd",
+    "bn2.fwd",
+    "conv3.fwd",
+    "bn3.fwd",
+    "fc.fwd",
+    "fc.wgrad",
+    "fc.dgrad",
+    "bn3.bwd",
+    "conv3.dgrad",
+    "conv3.wgrad",
+    "bn2.bwd",
+    "conv2.dgrad",
+    "conv2.wgrad",
+    "bn1.bwd",
+    "conv1.dgrad",
+    "conv1.wgrad",
+    "dx.add",
+];
+
+/// Runs `nnfuse demo ARGS` with no GPU visible, nnfuse's variables cleared, then `env` set.
+fn demo(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(binary());
+    cmd.arg("demo").args(args);
+    for var in nnfuse::config::ALL_VARS {
+        cmd.env_remove(var);
+    }
+    cmd.env_remove("NNFUSE_LOG");
+    cmd.env_remove(nnfuse::conv::ENV_CONV_CUDNN_SEARCH);
+    cmd.env("CUDA_VISIBLE_DEVICES", "");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("the nnfuse binary runs")
+}
+
+fn text(out: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// Exit status 3, no panic; stdout parsed as exactly one JSON object.
+fn no_gpu_json(args: &[&str], env: &[(&str, &str)]) -> Value {
+    let mut all = args.to_vec();
+    all.push("--json");
+    let out = demo(&all, env);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let v: Value = serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("stdout is not one JSON value ({e}):\n{stdout}"));
+    assert!(v.is_object(), "{v}");
+    // The one line also goes to stderr, for people watching a JSON run.
+    let missing = v["missing"].as_str().expect("missing is a string");
+    assert!(stderr.contains(missing), "{stderr}");
+    v
+}
+
+/// Exit status 2, the argument named on stderr, nothing on stdout.
+fn fails_naming(args: &[&str], env: &[(&str, &str)], what: &str) {
+    let out = demo(args, env);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(2), "{args:?}: stderr {stderr}");
+    assert!(
+        stderr.contains(what),
+        "{args:?}: stderr should name {what}: {stderr}"
+    );
+    assert!(stdout.is_empty(), "{args:?}: {stdout}");
+}
+
+#[test]
+fn without_a_gpu_it_prints_every_plan_then_one_missing_line_and_exits_3() {
+    let out = demo(&[], &[]);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(stdout.starts_with("nnfuse demo: a ResNet-50 bottleneck block's training step\n"));
+    assert!(
+        stdout.contains("batch 32 (check at batch 2), f16, NHWC, 20 timed steps"),
+        "{stdout}"
+    );
+    for op in OPS {
+        let row = if op.starts_with("bn") && op.ends_with(".bwd") {
+            continue;
+        } else if let Some(bn) = op.strip_suffix(".fwd").filter(|o| o.starts_with("bn")) {
+            format!("{bn} (fwd+bwd)")
+        } else {
+            op.to_string()
+        };
+        assert!(
+            stdout.lines().any(|l| l.trim_start().starts_with(&row)),
+            "no plan line for {row}:\n{stdout}"
+        );
+    }
+    // BatchNorm plans need no cuDNN: channels-last f16 under the default policy is cuDNN's
+    // fused path in SPATIAL_PERSISTENT mode; the issue's baseline is SPATIAL.
+    assert!(stdout.contains("CUDNN_BATCHNORM_SPATIAL_PERSISTENT via the ex API, path cudnn_fused"));
+    assert!(stdout.contains("baseline cuDNN SPATIAL"), "{stdout}");
+    assert!(stdout.contains("CUDNN_BATCHNORM_SPATIAL via the legacy API, path plain"));
+    let last = stdout.trim_end().lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("nnfuse demo cannot run here: missing "),
+        "{last}"
+    );
+    assert!(last.ends_with("(exit status 3)"), "{last}");
+    assert!(!stdout.contains("timing:") && !stdout.contains("check PASSED"));
+}
+
+#[test]
+fn json_without_a_gpu_is_one_object_with_every_plan() {
+    let v = no_gpu_json(&[], &[]);
+    assert_eq!(v["command"], "demo");
+    assert_eq!(v["status"], "no_gpu");
+    assert_eq!(v["exit_code"], 3);
+    assert_eq!(v["block"]["batch"], 32);
+    assert_eq!(v["block"]["dtype"], "f16");
+    assert_eq!(v["block"]["format"], "nhwc");
+    assert_eq!(v["check_batch"], 2);
+    assert_eq!(v["steps"], 20);
+    let ops: Vec<&str> = v["block"]["ops"]
+        .as_array()
+        .expect("ops")
+        .iter()
+        .map(|o| o["op"].as_str().expect("op name"))
+        .collect();
+    assert_eq!(ops, OPS);
+    for o in v["block"]["ops"].as_array().unwrap() {
+        assert!(o["floor_us"].as_f64().unwrap() > 0.0, "{o}");
+    }
+    for variant in ["nnfuse", "cudnn_spatial", "cudnn_persistent"] {
+        let layers = &v["plans"][variant]["layers"];
+        for conv in ["conv1", "conv2", "conv3"] {
+            for dir in ["forward", "backward_data", "backward_filter"] {
+                let p = &layers[conv][dir];
+                assert_eq!(p["direction"], dir, "{variant} {conv}");
+                assert_eq!(p["runnable"], true, "{variant} {conv} {dir}: {p}");
+                assert!(p["path"].is_string());
+            }
+        }
+        for bn in ["bn1", "bn2", "bn3"] {
+            assert!(layers[bn]["mode"].is_string(), "{variant} {bn}");
+        }
+    }
+    assert_eq!(v["plans"]["nnfuse"]["layers"]["bn3"]["fuse"], "add_relu");
+    assert_eq!(v["plans"]["nnfuse"]["layers"]["bn3"]["path"], "cudnn_fused");
+    assert_eq!(
+        v["plans"]["cudnn_spatial"]["layers"]["bn3"]["mode"],
+        "spatial"
+    );
+    assert_eq!(
+        v["plans"]["cudnn_spatial"]["layers"]["bn3"]["path"],
+        "plain"
+    );
+    assert_eq!(
+        v["plans"]["cudnn_persistent"]["layers"]["bn1"]["mode"],
+        "spatial_persistent"
+    );
+    assert_eq!(v["plans"]["cudnn_spatial"]["conv_policy"], "cudnn");
+    assert_eq!(v["plans"]["cudnn_spatial"]["gemm_search"], false);
+    assert!(
+        v["runs"].as_object().is_some_and(|r| r.is_empty()),
+        "{}",
+        v["runs"]
+    );
+    assert!(v["check"].is_null());
+    assert!(v["missing"]
+        .as_str()
+        .unwrap()
+        .starts_with("nnfuse demo cannot run here"));
+}
+
+#[test]
+fn options_reach_the_plans() {
+    let v = no_gpu_json(
+        &[
+            "--dtype",
+            "f32",
+            "--format",
+            "nchw",
+            "--batch",
+            "8",
+            "--steps",
+            "5",
+            "--no-check",
+        ],
+        &[],
+    );
+    assert_eq!(v["block"]["dtype"], "f32");
+    assert_eq!(v["block"]["format"], "nchw");
+    assert_eq!(v["block"]["batch"], 8);
+    assert_eq!(v["steps"], 5);
+    assert!(v["check_batch"].is_null());
+    let bn = &v["plans"]["nnfuse"]["layers"]["bn1"];
+    // Channels-first: OneFlow's SPATIAL under the default policy, and no fusion (not NHWC).
+    assert_eq!(bn["format"], "nchw");
+    assert_eq!(bn["mode"], "spatial");
+    assert_eq!(bn["path"], "fallback");
+    assert_eq!(v["plans"]["nnfuse"]["layers"]["conv2"]["forward"]["n"], 8);
+    assert_eq!(
+        v["plans"]["nnfuse"]["layers"]["conv2"]["forward"]["dtype"],
+        "f32"
+    );
+    let v = no_gpu_json(&["--dtype", "bf16", "--check-batch", "3"], &[]);
+    assert_eq!(v["block"]["dtype"], "bf16");
+    assert_eq!(v["check_batch"], 3);
+}
+
+#[test]
+fn the_library_variables_steer_nnfuses_plans_but_not_the_baselines() {
+    let v = no_gpu_json(
+        &[],
+        &[
+            ("NNFUSE_CONV_ALGO", "im2col"),
+            ("NNFUSE_BN_MODE_POLICY", "oneflow"),
+            ("NNFUSE_CONV_WORKSPACE_MB", "64"),
+        ],
+    );
+    let nn = &v["plans"]["nnfuse"];
+    assert_eq!(nn["conv_policy"], "im2col");
+    assert_eq!(nn["layers"]["conv2"]["forward"]["path"], "im2col_gemm");
+    assert_eq!(
+        nn["layers"]["conv2"]["forward"]["workspace_cap_bytes"],
+        64 << 20
+    );
+    assert_eq!(nn["layers"]["bn2"]["mode"], "spatial");
+    let base = &v["plans"]["cudnn_persistent"];
+    assert_eq!(base["conv_policy"], "cudnn");
+    assert_eq!(base["layers"]["bn2"]["mode"], "spatial_persistent");
+    assert_eq!(
+        base["layers"]["conv2"]["forward"]["workspace_cap_bytes"],
+        64 << 20
+    );
+}
+
+#[test]
+fn explain_prints_every_plan_in_full() {
+    let out = demo(&["--explain"], &[]);
+    let (stdout, _) = text(&out);
+    assert_eq!(out.status.code(), Some(3));
+    for v in ["nnfuse", "cuDNN SPATIAL", "cuDNN persistent"] {
+        assert!(stdout.contains(&format!("full plans of {v}:")), "{stdout}");
+    }
+    assert!(stdout.contains("[conv2] conv backward_filter"), "{stdout}");
+    assert!(
+        stdout.contains("[bn3] BatchNorm plan: training"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn bad_arguments_exit_2_naming_them() {
+    fails_naming(&["--dtype", "f64"], &[], "--dtype");
+    fails_naming(&["--format", "chwn"], &[], "--format");
+    fails_naming(&["--batch", "0"], &[], "--batch");
+    fails_naming(&["--steps", "0"], &[], "--steps");
+    fails_naming(&["--check-batch", "0"], &[], "--check-batch");
+    fails_naming(&["--batch=-3"], &[], "--batch");
+    fails_naming(&[], &[("NNFUSE_CONV_ALGO", "fastest")], "NNFUSE_CONV_ALGO");
+}
+
+#[test]
+fn help_documents_the_exit_statuses() {
+    let out = Command::new(binary()).arg("--help").output().expect("runs");
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains("demo"), "{help}");
+    assert!(help.contains("3 no GPU"), "{help}");
+    let out = Command::new(binary())
+        .args(["demo", "--help"])
+        .output()
+        .expect("runs");
+    let help = String::from_utf8_lossy(&out.stdout);
+    for flag in [
+        "--batch",
+        "--dtype",
+        "--format",
+        "--steps",
+        "--check-batch",
+        "--json",
+        "--no-check",
+    ] {
+        assert!(help.contains(flag), "{flag}: {help}");
+    }
+}
+
+/// Runs `nnfuse demo ARGS --json` on the GPU (nnfuse's variables cleared) and returns the JSON;
+/// on a failure, prints every comparison that failed and the stderr.
+fn on_gpu(args: &[&str]) -> Value {
+    let mut cmd = Command::new(binary());
+    cmd.arg("demo").args(args).arg("--json");
+    for var in nnfuse::config::ALL_VARS {
+        cmd.env_remove(var);
+    }
+    cmd.env_remove("NNFUSE_LOG");
+    cmd.env_remove(nnfuse::conv::ENV_CONV_CUDNN_SEARCH);
+    let out = cmd.output().expect("the nnfuse binary runs");
+    let (stdout, stderr) = text(&out);
+    let v: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| {
+        panic!("{args:?}: stdout is not one JSON value ({e}); exit {:?}\nstdout:\n{stdout}\nstderr:\n{stderr}", out.status.code())
+    });
+    let mut failed = Vec::new();
+    if let Some(rows) = v["check"]["rows"].as_object() {
+        for (variant, rows) in rows {
+            for r in rows.as_array().into_iter().flatten() {
+                if r["ok"] != true {
+                    failed.push(format!(
+                        "{variant} {} {}: rel_l2 {} > {} worst {} first non-finite {}",
+                        r["op"],
+                        r["output"],
+                        r["rel_l2"],
+                        r["tolerance"],
+                        r["worst"],
+                        r["first_nonfinite"]
+                    ));
+                }
+            }
+        }
+    }
+    assert!(
+        out.status.code() == Some(0) && failed.is_empty(),
+        "{args:?}: exit {:?}, failed comparisons:\n{}\nstderr:\n{stderr}",
+        out.status.code(),
+        failed.join("\n")
+    );
+    v
+}
+
+/// Every variant's step is checked (every output of every operation) and timed, in the dtypes
+/// and formats the issue names.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn on_a_gpu_every_variant_is_checked_and_timed() {
+    for (dtype, format) in [
+        ("f16", "nhwc"),
+        ("bf16", "nhwc"),
+        ("f32", "nchw"),
+        ("f32", "nhwc"),
+    ] {
+        let what = format!("{dtype} {format}");
+        let v = on_gpu(&[
+            "--batch", "4", "--steps", "3", "--dtype", dtype, "--format", format,
+        ]);
+        assert_eq!(v["status"], "ok", "{what}");
+        assert_eq!(v["exit_code"], 0, "{what}");
+        assert_eq!(v["check"]["passed"], true, "{what}");
+        // 31 outputs per variant: 3 conv outputs, 3 BN x (y, running mean, running var),
+        // 3 BN x (dx, dgamma, dbeta), 3 data and 3 filter gradients, dx, 3 classifier results.
+        assert_eq!(v["check"]["comparisons"], 3 * 31, "{what}");
+        for variant in ["nnfuse", "cudnn_spatial", "cudnn_persistent"] {
+            let r = &v["runs"][variant];
+            assert_eq!(r["steps_timed"], 3, "{what} {variant}");
+            assert!(
+                r["first_step_ms"].as_f64().unwrap() > 0.0,
+                "{what} {variant}"
+            );
+            let ops = r["ops"].as_array().unwrap();
+            assert_eq!(ops.len(), OPS.len(), "{what} {variant}");
+            for (o, name) in ops.iter().zip(OPS) {
+                assert_eq!(o["op"], name);
+                let us = o["median_us"].as_f64().unwrap_or(f64::NAN);
+                assert!(us > 0.0 && us.is_finite(), "{what} {variant} {name}: {o}");
+                assert!(
+                    o["route"].as_str().is_some_and(|s| !s.is_empty()),
+                    "{what} {variant} {name}"
+                );
+            }
+            let step = r["step_median_us"].as_f64().unwrap();
+            let sum: f64 = ops.iter().map(|o| o["median_us"].as_f64().unwrap()).sum();
+            // The step is the operations back to back (medians of sums and sums of medians
+            // differ a little).
+            assert!(
+                (step - sum).abs() <= 0.25 * step,
+                "{what} {variant}: step {step} vs ops {sum}"
+            );
+        }
+        for variant in ["cudnn_spatial", "cudnn_persistent"] {
+            let s = &v["runs"][variant]["speedup_of_nnfuse"];
+            assert!(s["median"].as_f64().unwrap() > 0.0, "{what} {variant}: {s}");
+            assert_eq!(s["steps"], 3);
+        }
+        // The baselines run what they say.
+        let dec = |variant: &str, op: usize| {
+            v["runs"][variant]["ops"][op]["route"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        };
+        assert!(
+            dec("cudnn_spatial", 0).starts_with("cudnn"),
+            "{what}: {}",
+            dec("cudnn_spatial", 0)
+        );
+        assert_eq!(dec("cudnn_spatial", 1), "plain/spatial", "{what}");
+        assert_eq!(
+            dec("cudnn_persistent", 1),
+            "plain/spatial_persistent",
+            "{what}"
+        );
+        assert_eq!(dec("cudnn_spatial", 6), "cublas_default", "{what}");
+    }
+}
+
+/// The text a user reads: the check passed, every table, the speed-ups.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn on_a_gpu_the_text_report_is_complete() {
+    let out = Command::new(binary())
+        .args(["demo", "--batch", "4", "--steps", "2"])
+        .output()
+        .expect("runs");
+    let (stdout, stderr) = text(&out);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    for needle in [
+        "plans (nnfuse",
+        "first step at batch 4",
+        "decisions at batch 4",
+        "why (nnfuse):",
+        "check PASSED (93 comparisons)",
+        "timing: median of 2 steps at batch 4",
+        "speed-up over cuDNN SPATIAL (cudnn_spatial)",
+        "speed-up over cuDNN persistent (cudnn_persistent)",
+        "host time to queue one step",
+    ] {
+        assert!(stdout.contains(needle), "missing {needle:?}:\n{stdout}");
+    }
+}
