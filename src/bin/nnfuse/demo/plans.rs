@@ -61,6 +61,8 @@ pub fn plan_block(
             phase: Phase::Training,
             config: &config,
             cudnn_version,
+            cudnn_available: cudnn_present,
+            own_variant: batchnorm::OwnVariantChoice::Auto,
         })?);
     }
     Ok(BlockPlans {

@@ -116,6 +116,8 @@ mod tests {
             phase: Phase::Training,
             config: &config,
             cudnn_version: ASSUMED_CUDNN_VERSION,
+            cudnn_available: true,
+            own_variant: nnfuse::batchnorm::OwnVariantChoice::Auto,
         })
         .unwrap()
     }
