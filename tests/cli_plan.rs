@@ -1,26 +1,12 @@
 //! `nnfuse plan` as a user runs it: the built binary, its JSON, its exit codes, and the
 //! environment variables it shares with the library. Needs no GPU.
 
+mod common;
+
+use common::nnfuse_binary as binary;
 use std::process::{Command, Output};
 
 use serde_json::Value;
-
-/// The nnfuse binary: cargo's build path, or, where the tests were built on another machine and
-/// staged (`gpu-stage --bins`), the staged copy.
-fn binary() -> std::path::PathBuf {
-    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_nnfuse"));
-    if built.exists() {
-        return built;
-    }
-    let staged = std::path::PathBuf::from(".gpu/bin/exe/nnfuse.bin.nnfuse");
-    assert!(
-        staged.exists(),
-        "the nnfuse binary is neither at {} nor staged at {} (gpu-stage --bins)",
-        built.display(),
-        staged.display()
-    );
-    staged
-}
 
 /// Runs `nnfuse plan ARGS` with nnfuse's variables cleared, then `env` set.
 fn nnfuse_plan(args: &[&str], env: &[(&str, &str)]) -> Output {

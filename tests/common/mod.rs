@@ -78,3 +78,23 @@ pub fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
         &want[..want.len().min(4)]
     );
 }
+
+/// The `nnfuse` binary: cargo's build path, or, where the tests were built on another machine
+/// and staged (`scripts/gpu-stage --bins`), the staged copy in `.gpu/bin/exe/`.
+pub fn nnfuse_binary() -> std::path::PathBuf {
+    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_nnfuse"));
+    if built.exists() {
+        return built;
+    }
+    let staged = [".gpu/bin/exe/nnfuse", ".gpu/bin/exe/nnfuse.bin.nnfuse"]
+        .into_iter()
+        .map(std::path::PathBuf::from)
+        .find(|p| p.exists());
+    staged.unwrap_or_else(|| {
+        panic!(
+            "the nnfuse binary is neither at {} nor staged in .gpu/bin/exe/ (scripts/gpu-stage \
+             --bins)",
+            built.display()
+        )
+    })
+}

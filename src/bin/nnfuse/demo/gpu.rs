@@ -637,6 +637,11 @@ fn decide_text<T: Element>(l: &Layers<T>, b: &Buffers<T>, op: Op) -> (String, St
                 nnfuse::batchnorm::BnPath::CudnnFused => {
                     format!("cuDNN's fused {}", BlockDef::bn_fuse(i).describe())
                 }
+                nnfuse::batchnorm::BnPath::Own => format!(
+                    "nnfuse's own {} kernels (statistics, then normalisation, activation and \
+                     bitmask in one pass)",
+                    BlockDef::bn_fuse(i).describe()
+                ),
                 _ => format!(
                     "cuDNN BN, then nnfuse's bitmask {} kernel (fusion refused: {})",
                     if BlockDef::bn_fuse(i) == Fuse::AddRelu {
