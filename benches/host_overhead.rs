@@ -1,0 +1,209 @@
+//! Host overhead per call: how long the host takes to validate, dispatch and queue one call of
+//! each operation and route, on problems so small that the GPU keeps up with the host (so the
+//! wall time of many back-to-back calls is the host's). A framework's step is host-bound when
+//! these numbers exceed its kernels' GPU time.
+//!
+//! For each case: warm-up (first calls pay plans, searches, `auto`'s measurement, NVRTC), then
+//! rounds of `CALLS` calls timed on the host without synchronising inside a round; the median
+//! round gives µs per call. The GPU time of one call (CUDA events) is printed next to it: when
+//! it is close to the host time the case is GPU-bound and the host number is an upper bound.
+
+use std::time::Instant;
+
+use half::f16;
+use nnfuse::batchnorm::{BackwardArgs, BatchNorm, Fuse, TrainArgs};
+use nnfuse::conv::{Conv2d, ConvPath, ConvShape, Route, WinogradEngine, WinogradTile};
+use nnfuse::gemm::{self, Problem};
+use nnfuse::timing::{time_gpu, TimingOptions};
+use nnfuse::{BnImpl, Config, Context, TensorFormat};
+
+const CALLS: usize = 400;
+const ROUNDS: usize = 7;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Host µs per call of `f` (median over rounds) and the GPU µs of one call.
+fn measure(ctx: &Context, mut f: impl FnMut() -> nnfuse::Result<()>) -> nnfuse::Result<(f64, f64)> {
+    for _ in 0..20 {
+        f()?;
+    }
+    ctx.synchronize()?;
+    let mut rounds = Vec::new();
+    for _ in 0..ROUNDS {
+        let t = Instant::now();
+        for _ in 0..CALLS {
+            f()?;
+        }
+        rounds.push(t.elapsed().as_secs_f64() * 1e6 / CALLS as f64);
+        ctx.synchronize()?;
+    }
+    let gpu = time_gpu(
+        ctx,
+        TimingOptions {
+            warmup: 3,
+            max_iters: 50,
+            min_iters: 20,
+            budget_ms: 20.0,
+        },
+        |_| f(),
+    )?;
+    Ok((median(rounds), gpu.median_us()))
+}
+
+fn row(what: &str, r: nnfuse::Result<(f64, f64)>) {
+    match r {
+        Ok((host, gpu)) => {
+            println!("| {what} | {host:.1} | {gpu:.1} |");
+            println!(
+                "{{\"bench\":\"host_overhead\",\"case\":\"{what}\",\"host_us\":{host:.2},\"gpu_us\":{gpu:.2}}}"
+            );
+        }
+        Err(e) => println!("| {what} | error: {e} | - |"),
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    if !nnfuse::context::driver_present() {
+        println!("host_overhead: no CUDA driver; nothing measured");
+        return Ok(());
+    }
+    let ctx = Context::with_config(0, Config::default())?;
+    let s = ctx.stream().clone();
+    println!("# Host overhead per call ({CALLS} calls a round, median of {ROUNDS} rounds)\n");
+    println!("{}\n", ctx.info());
+    println!("| case | host µs per call | GPU µs per call |\n|---|---|---|");
+
+    // Elementwise baseline: one kernel launch through nnfuse.
+    let mut buf = s.alloc_zeros::<f16>(4096)?;
+    row(
+        "util::fill 4096 f16 (one launch)",
+        measure(&ctx, || {
+            nnfuse::util::fill(&ctx, &mut buf, f16::from_f32(1.0))
+        }),
+    );
+    let x = s.clone_htod(&vec![f16::from_f32(0.5); 4096])?;
+    let mut y = s.alloc_zeros::<f16>(4096)?;
+    let mut mask = s.alloc_zeros::<u32>(nnfuse::activation::mask_words(4096))?;
+    row(
+        "activation relu_mask_fwd 4096 f16",
+        measure(&ctx, || {
+            nnfuse::activation::relu_mask_fwd(&ctx, &x, &mut y, Some(&mut mask))
+        }),
+    );
+
+    // GEMM: a cached tuned choice.
+    let p = Problem::packed(1, 64, 64, 64);
+    let a = s.clone_htod(&vec![f16::from_f32(0.01); 64 * 64])?;
+    let b = s.clone_htod(&vec![f16::from_f32(0.02); 64 * 64])?;
+    let mut c = s.alloc_zeros::<f16>(64 * 64)?;
+    row(
+        "gemm 64x64x64 f16 (tuned, cached)",
+        measure(&ctx, || gemm::strided_batched(&ctx, &p, &a, &b, &mut c)),
+    );
+
+    // Convolution, every route on a tiny NHWC problem.
+    let shape = ConvShape {
+        n: 1,
+        c_in: 16,
+        h: 8,
+        w: 8,
+        c_out: 16,
+        kh: 3,
+        kw: 3,
+        stride: (1, 1),
+        pad: (1, 1),
+        dilation: (1, 1),
+        format: TensorFormat::Nhwc,
+    };
+    let conv = Conv2d::<f16>::new(&ctx, &shape)?;
+    let cx = s.clone_htod(&vec![f16::from_f32(0.1); shape.x_len()])?;
+    let cw = s.clone_htod(&vec![f16::from_f32(0.1); shape.w_len()])?;
+    let mut cy = s.alloc_zeros::<f16>(shape.y_len()?)?;
+    row(
+        "conv forward 1x16x8x8 3x3 f16 (auto, cached)",
+        measure(&ctx, || conv.forward(&cx, &cw, &mut cy)),
+    );
+    for (name, route) in [
+        ("cudnn", Route::path(ConvPath::Cudnn)),
+        ("im2col_gemm", Route::path(ConvPath::Im2colGemm)),
+        (
+            "winograd_f4x3/tensor_core",
+            Route::winograd(WinogradTile::F4x3, WinogradEngine::TensorCore),
+        ),
+        ("direct", Route::path(ConvPath::Direct)),
+    ] {
+        row(
+            &format!("conv forward, forced {name}"),
+            measure(&ctx, || conv.forward_with(route, &cx, &cw, &mut cy)),
+        );
+    }
+    let mut cdw = s.alloc_zeros::<f16>(shape.w_len())?;
+    row(
+        "conv backward_filter (auto, cached)",
+        measure(&ctx, || conv.backward_filter(&cx, &cy, &mut cdw, false)),
+    );
+
+    // BatchNorm training forward + backward, NHWC [2, 8, 8, 64] BN+ReLU, per implementation.
+    let bn_shape = [2usize, 8, 8, 64];
+    let n: usize = bn_shape.iter().product();
+    let bx = s.clone_htod(
+        &(0..n)
+            .map(|i| f16::from_f32((i % 7) as f32 * 0.3))
+            .collect::<Vec<_>>(),
+    )?;
+    let bdy = s.clone_htod(&vec![f16::from_f32(0.1); n])?;
+    let g = s.clone_htod(&[1.0f32; 64])?;
+    let bb = s.alloc_zeros::<f32>(64)?;
+    for (name, config) in [
+        (
+            "cuDNN (fused Ex)",
+            Config::default().with_bn_impl(BnImpl::Cudnn),
+        ),
+        ("own kernels", Config::default().with_bn_impl(BnImpl::Own)),
+        (
+            "cuDNN + bitmask fallback",
+            Config::default()
+                .with_bn_impl(BnImpl::Cudnn)
+                .with_cudnn_fusion_disabled(true),
+        ),
+    ] {
+        let c2 = ctx.with_config_override(config);
+        let bn = BatchNorm::<f16>::new(&c2, &bn_shape, 3, Fuse::Relu)?;
+        let mut by = s.alloc_zeros::<f16>(n)?;
+        let mut bdx = s.alloc_zeros::<f16>(n)?;
+        let (mut rm, mut rv) = (s.alloc_zeros::<f32>(64)?, s.clone_htod(&[1.0f32; 64])?);
+        let (mut dg, mut db) = (s.alloc_zeros::<f32>(64)?, s.alloc_zeros::<f32>(64)?);
+        row(
+            &format!("BN+ReLU train fwd+bwd 2x8x8x64 f16, {name}"),
+            measure(&c2, || {
+                let saved = bn.forward_train(TrainArgs {
+                    x: bx.as_view(),
+                    addend: None,
+                    gamma: g.as_view(),
+                    beta: bb.as_view(),
+                    running_mean: rm.as_view_mut(),
+                    running_var: rv.as_view_mut(),
+                    y: by.as_view_mut(),
+                    momentum: 0.1,
+                    eps: 1e-5,
+                })?;
+                bn.backward(BackwardArgs {
+                    x: bx.as_view(),
+                    y: by.as_view(),
+                    dy: bdy.as_view(),
+                    gamma: g.as_view(),
+                    beta: bb.as_view(),
+                    saved: &saved,
+                    dx: bdx.as_view_mut(),
+                    d_addend: None,
+                    dgamma: dg.as_view_mut(),
+                    dbeta: db.as_view_mut(),
+                })
+            }),
+        );
+    }
+    Ok(())
+}
