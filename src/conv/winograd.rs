@@ -68,7 +68,8 @@ fn cfg(blocks: (u32, u32), threads: u32) -> LaunchConfig {
 
 /// Queues the input transform of `images` images of `s` starting at `x` into `u`
 /// (`U[pos][t][c_in]` for those images' tiles). `vec`: channels per thread, `None` for the
-/// widest that `c_in` and the pointers allow. Returns the width used.
+/// measured preference ([`launch::preferred_widths`]) that `c_in` and the pointers allow.
+/// Returns the width used.
 ///
 /// # Safety
 /// `x` holds `images * h * w * c_in` elements and `u` `images * u_per_image` elements of `dtype`
@@ -87,7 +88,7 @@ pub(crate) unsafe fn input_transform(
     let d = super::sizes::winograd_dims(s, tile)?;
     aligned("x", x, dtype)?;
     aligned("u", u, dtype)?;
-    let vec = vec.unwrap_or_else(|| launch::choose_vec(dtype, s.c_in, &[x, u]));
+    let vec = vec.unwrap_or_else(|| launch::choose_vec(Stage::Input, tile, dtype, s.c_in, &[x, u]));
     let name = launch::transform_kernel(Stage::Input, dtype, tile, vec)
         .filter(|_| s.c_in % vec == 0)
         .ok_or_else(|| Error::invalid("vec", format!("no {vec}-channel input kernel here")))?;
@@ -170,7 +171,8 @@ pub(crate) unsafe fn output_transform(
     let (oh, ow) = s.out_hw()?;
     aligned("m", m, dtype)?;
     aligned("y", y, dtype)?;
-    let vec = vec.unwrap_or_else(|| launch::choose_vec(dtype, s.c_out, &[m, y]));
+    let vec =
+        vec.unwrap_or_else(|| launch::choose_vec(Stage::Output, tile, dtype, s.c_out, &[m, y]));
     let name = launch::transform_kernel(Stage::Output, dtype, tile, vec)
         .filter(|_| s.c_out % vec == 0)
         .ok_or_else(|| Error::invalid("vec", format!("no {vec}-channel output kernel here")))?;
@@ -243,7 +245,7 @@ unsafe fn filter_transform(
 ) -> Result<()> {
     aligned("w", w, dtype)?;
     aligned("v", v, dtype)?;
-    let grid = launch::filter_grid(cin, kout)?;
+    let grid = launch::filter_grid(cin, kout, tile, rotated)?;
     let (k32, c32) = (
         launch::arg_u32(kout, "c_out")?,
         launch::arg_u32(cin, "c_in")?,
@@ -253,9 +255,14 @@ unsafe fn filter_transform(
     tracing::debug!(kernel = name, kout, cin, ?grid, "Winograd filter transform");
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&w).arg(&v).arg(&k32).arg(&c32);
+    let cfg = LaunchConfig {
+        grid_dim: grid,
+        block_dim: (launch::THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
     // SAFETY: the arguments match winograd_filter_* (w, v, kout, cin); the caller guarantees the
-    // extents; the kernel's 38 KB of shared memory are static.
-    unsafe { b.launch(cfg(grid, launch::THREADS)) }.call("cuLaunchKernel(winograd_filter)")?;
+    // extents; the grid covers every (k, c) pair and every row (filter_grid).
+    unsafe { b.launch(cfg) }.call("cuLaunchKernel(winograd_filter)")?;
     Ok(())
 }
 
@@ -315,11 +322,14 @@ pub(crate) unsafe fn multiply(
     }
 }
 
-/// The path's chunking: L2-resident chunks on this device's L2 (see [`Chunking`]).
-pub(crate) fn default_chunking(ctx: &Context) -> Chunking {
-    Chunking::L2Resident {
-        l2_bytes: ctx.info().l2_bytes.max(0) as usize,
-    }
+/// The path's chunking: one chunk as large as the workspace cap allows. Measured on the H100
+/// (`benches/winograd.rs`, f16, batch 32): the L2-resident chunks were 1.15x (F(2x2)) and 1.22x
+/// (F(4x4)) slower at 56² and 1.20x / 1.22x slower at 28², and equal at 14² and 7² (where they
+/// are one chunk anyway): the batched GEMM of a wide chunk runs faster than the L2 saves, and
+/// each extra chunk costs three launches. So no shape gains from them; they stay selectable
+/// ([`forward_chunked`]) for other devices.
+pub(crate) fn default_chunking(_ctx: &Context) -> Chunking {
+    Chunking::WorkspaceCap
 }
 
 /// Runs the whole path on `s` (a Winograd problem): x → y with the filter from `filter`.

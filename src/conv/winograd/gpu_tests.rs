@@ -663,14 +663,23 @@ fn refuses_what_winograd_cannot_run() {
     .unwrap_err();
     assert_eq!(e.argument(), Some("vec"));
     // The widest width is chosen from the channels and the alignment.
-    assert_eq!(launch::choose_vec(DType::F16, 8, &[p0 + 2, p0]), 1);
+    assert_eq!(
+        launch::choose_vec(
+            Stage::Input,
+            WinogradTile::F2x3,
+            DType::F16,
+            8,
+            &[p0 + 2, p0]
+        ),
+        1
+    );
     assert_eq!(
         launch::transform_kernel(Stage::Input, DType::F16, WinogradTile::F4x3, 8),
         Some("winograd_input_f4x3_f16_v8")
     );
 }
 
-/// L2-resident chunks (the default) against one chunk as large as the cap allows, on a layer
+/// L2-resident chunks against one chunk as large as the cap allows (the default), on a layer
 /// the L2 rule splits: the Direct multiply computes each element the same way whatever the
 /// chunk, so the results are bitwise equal; the tensor-core GEMM may pick another kernel for
 /// another chunk width, so it is compared within the type's rounding.
@@ -683,16 +692,13 @@ fn l2_resident_chunks_equal_one_chunk() {
     let x = up::<f16>(&ctx, &exact(&mut rng, s.x_len()));
     let w = up::<f16>(&ctx, &exact(&mut rng, s.w_len()));
     let st = ctx.stream();
+    let l2 = Chunking::L2Resident {
+        l2_bytes: ctx.info().l2_bytes.max(0) as usize,
+    };
+    assert_eq!(default_chunking(&ctx), Chunking::WorkspaceCap);
     for tile in WinogradTile::ALL {
-        let plan = launch::chunk_plan(
-            &s,
-            tile,
-            2,
-            ctx.config().conv_workspace_bytes(),
-            true,
-            default_chunking(&ctx),
-        )
-        .unwrap();
+        let plan =
+            launch::chunk_plan(&s, tile, 2, ctx.config().conv_workspace_bytes(), true, l2).unwrap();
         assert!(
             plan.l2_limited && plan.chunks.len() > 1,
             "{:?}",
@@ -700,7 +706,7 @@ fn l2_resident_chunks_equal_one_chunk() {
         );
         for engine in ENGINES {
             let mut out = Vec::new();
-            for chunking in [default_chunking(&ctx), Chunking::WorkspaceCap] {
+            for chunking in [l2, Chunking::WorkspaceCap] {
                 let mut y = poisoned::<f16>(&ctx, s.y_len().unwrap());
                 {
                     let (px, _a) = x.device_ptr(st);

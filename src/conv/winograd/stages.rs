@@ -51,8 +51,9 @@ use crate::gemm::{check_pointers, Problem, Validated};
 use crate::validate::{expect_device, expect_len, expect_outputs_disjoint, BufInfo};
 
 /// Channels per thread the transform kernels of `dtype` exist for, widest first (16-byte
-/// accesses first). The default is the widest that divides the channel count and the pointers'
-/// alignment allows.
+/// accesses first). The default is not always the widest: each (stage, tile, type) has a
+/// measured order of preference, and the first width that divides the channel count and the
+/// pointers' alignment allows runs (`docs/WINOGRAD.md`, "Transform widths").
 pub fn vector_widths(dtype: DType) -> &'static [usize] {
     vec_widths(dtype)
 }
@@ -325,7 +326,7 @@ where
 }
 
 /// [`forward`] with an explicit batch-splitting strategy (the path's default is
-/// [`Chunking::L2Resident`] on the Context's device), for comparing strategies.
+/// [`Chunking::WorkspaceCap`]), for comparing strategies.
 #[allow(clippy::too_many_arguments)] // forward's arguments plus the strategy
 pub fn forward_chunked<T, X, W, Y>(
     ctx: &Context,
