@@ -17,6 +17,7 @@
 //! loses about an order of magnitude more than a direct convolution
 //! ([`crate::reference::winograd::error_bound`] has the numbers).
 
+pub(crate) mod fused;
 pub(crate) mod launch;
 pub mod stages;
 
@@ -319,6 +320,11 @@ pub(crate) unsafe fn multiply(
         WinogradEngine::Direct => unsafe {
             super::winograd_gemm::batched_direct(ctx, &p, dtype, v, u, m)
         },
+        WinogradEngine::Fused => Err(Error::invalid(
+            "engine",
+            "the fused engine has no separate batched multiply (its kernel transforms, \
+             multiplies and inverse-transforms at once)",
+        )),
     }
 }
 
@@ -350,6 +356,10 @@ unsafe fn run(
     chunking: Option<Chunking>,
 ) -> Result<()> {
     winograd_forward_eligible(s).map_err(not_eligible)?;
+    if engine == WinogradEngine::Fused {
+        // SAFETY: the caller's contract.
+        return unsafe { run_fused(ctx, s, dtype, tile, x, y, filter) };
+    }
     let elem = dtype.size();
     let cap = ctx.config().conv_workspace_bytes();
     let with_v = matches!(filter, Filter::Raw { .. });
@@ -413,6 +423,69 @@ unsafe fn run(
     // The scratch guard is held until every launch that uses it is queued.
     drop(scratch);
     Ok(())
+}
+
+/// [`run`] by the fused engine: the filter transform (unless prepared) into the scratch, then
+/// the fused kernel; no transformed input or product is stored, so nothing is chunked.
+///
+/// # Safety
+/// As [`run`].
+#[allow(clippy::too_many_arguments)] // a launcher: the problem, its operands, its options
+unsafe fn run_fused(
+    ctx: &Context,
+    s: &ConvShape,
+    dtype: DType,
+    tile: WinogradTile,
+    x: u64,
+    y: u64,
+    filter: Filter,
+) -> Result<()> {
+    // Refuse before the filter transform runs, so a refusal launches nothing.
+    fused::check(ctx, s, dtype, tile, x, y)?;
+    let dims = super::sizes::winograd_dims(s, tile)?;
+    let cap = ctx.config().conv_workspace_bytes();
+    tracing::debug!(
+        tile = tile.name(),
+        dtype = dtype.name(),
+        n = s.n,
+        prepared = matches!(filter, Filter::Prepared(_)),
+        "Winograd convolution, fused engine"
+    );
+    match filter {
+        Filter::Prepared(v) => {
+            // SAFETY: the caller's contract; v is the prepared transformed filter.
+            unsafe { fused::forward(ctx, s, dtype, tile, x, v, y) }
+        }
+        Filter::Raw { w, rotated } => {
+            let bytes = dims
+                .v
+                .checked_mul(dtype.size())
+                .ok_or_else(|| Error::invalid("shape", "the transformed filter overflows"))?;
+            if bytes > cap {
+                return Err(Error::NotSupported(format!(
+                    "Winograd {} fused: the transformed filter ({bytes} bytes) exceeds the \
+                     convolution workspace cap of {cap} bytes (NNFUSE_CONV_WORKSPACE_MB)",
+                    tile.name()
+                )));
+            }
+            let scratch = ctx.scratch(bytes.max(1))?;
+            let v = scratch.ptr();
+            let (kout, cin) = if rotated {
+                (s.c_in, s.c_out)
+            } else {
+                (s.c_out, s.c_in)
+            };
+            // SAFETY: w holds kout*9*cin elements (the caller's filter), v the scratch's
+            // dims.v elements; the fused kernel reads v after the transform on the same stream.
+            unsafe {
+                filter_transform(ctx, dtype, tile, w, v, kout, cin, rotated)?;
+                fused::forward(ctx, s, dtype, tile, x, v, y)?;
+            }
+            // The scratch guard is held until every launch that uses it is queued.
+            drop(scratch);
+            Ok(())
+        }
+    }
 }
 
 /// Forward convolution: transforms the filter, then runs [`forward_prepared`].
@@ -605,5 +678,7 @@ pub(crate) unsafe fn backward_data_prepared(
 
 #[cfg(test)]
 mod emulate;
+#[cfg(test)]
+mod emulate_fused;
 #[cfg(test)]
 mod gpu_tests;

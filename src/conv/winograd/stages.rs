@@ -240,7 +240,8 @@ where
 }
 
 /// The batched multiply of the whole batch by `engine`: `M_pos = U_pos · V_pos` for every
-/// position (`n * tiles_per_image` tiles).
+/// position (`n * tiles_per_image` tiles). [`WinogradEngine::Fused`] has no separate multiply
+/// (an `InvalidArgument` naming `engine`): its kernel is the whole forward ([`forward`]).
 pub fn batched_multiply<T, V, U, M>(
     ctx: &Context,
     s: &ConvShape,
@@ -281,7 +282,8 @@ where
 }
 
 /// The whole Winograd forward convolution as the dispatcher runs it: x (NHWC), w (KRSC) → y,
-/// chunked under the Context's convolution workspace cap.
+/// chunked under the Context's convolution workspace cap (the fused engine keeps only the
+/// transformed filter in the scratch and needs no chunks).
 pub fn forward<T, X, W, Y>(
     ctx: &Context,
     s: &ConvShape,
