@@ -567,7 +567,6 @@ pub(crate) unsafe fn transform_filter(
 ///
 /// # Safety
 /// As [`forward`], with `p.w` holding the transformed filter.
-#[allow(dead_code)] // for the dispatcher's prepared filters
 pub(crate) unsafe fn forward_prepared(
     ctx: &Context,
     s: &ConvShape,

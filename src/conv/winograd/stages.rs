@@ -374,6 +374,52 @@ where
     unsafe { super::forward_chunked(ctx, s, T::DTYPE, tile, engine, p, chunking) }
 }
 
+/// The Winograd forward with a filter already transformed by [`filter_transform`] (`v`,
+/// `V[pos][c_in][c_out]`): what `Conv2d::forward_prepared` runs on a Winograd route; with
+/// [`WinogradEngine::Fused`] it is the fused kernel alone.
+pub fn forward_prepared<T, X, V, Y>(
+    ctx: &Context,
+    s: &ConvShape,
+    tile: WinogradTile,
+    engine: WinogradEngine,
+    x: &X,
+    v: &V,
+    y: &mut Y,
+) -> Result<()>
+where
+    T: Element,
+    X: DevicePtr<T>,
+    V: DevicePtr<T>,
+    Y: DevicePtrMut<T>,
+{
+    let d = eligible(s, tile)?;
+    let stream = ctx.stream();
+    let ixm = meta(x);
+    let (px, _gx) = x.device_ptr(stream);
+    let ix = info::<T>("x", ixm, px);
+    let ivm = meta(v);
+    let (pv, _gv) = v.device_ptr(stream);
+    let iv = info::<T>("v", ivm, pv);
+    let iym = meta(y);
+    let (py, _gy) = y.device_ptr_mut(stream);
+    let iy = info::<T>("y", iym, py);
+    check_bufs(
+        ctx,
+        &[(iy, s.y_len()?, "n * oh * ow * c_out")],
+        &[
+            (ix, s.x_len(), "n * h * w * c_in"),
+            (iv, d.v, "positions * c_in * c_out"),
+        ],
+    )?;
+    let p = FwdPtrs {
+        x: px,
+        w: pv,
+        y: py,
+    };
+    // SAFETY: lengths, device and disjointness checked above.
+    unsafe { super::forward_prepared(ctx, s, T::DTYPE, tile, engine, p) }
+}
+
 /// How the path splits a batch: what [`plan_chunks`] answers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChunkSummary {
