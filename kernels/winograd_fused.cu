@@ -49,8 +49,8 @@
 //   Us  [P][2 (c / 8)][WF_TT][8]: element (pos, tile, c) at ((pos * 2 + c / 8) * WF_TT + tile) * 8
 //       + c % 8; every A-fragment register is one 4-byte load, conflict-free across the warp.
 //   Vs  2 x [P][16 channels][VROW]: element (pos, c, n) at (pos * 16 + c) * VROW + n, n the output
-//       channel within the block; VROW = TK + 8 (conflict-free B loads: rows 2t of a warp's loads
-//       fall on 4 different bank groups).
+//       channel within the block; VROW = TK + 8: rows stay 16-byte aligned for cp.async and
+//       ldmatrix, and the 8 rows of one ldmatrix phase fall on 8 disjoint groups of 4 banks.
 // Static: the block's tile table (image offset, tile origin), 16 bytes a tile.
 //
 // Compiled per (type, tile) unit: NNF_WF_DT (2 f16, 3 bf16) and NNF_WF_TILE (2, 4; 1 selects the
@@ -122,6 +122,7 @@ template <> __device__ __forceinline__ void wf_mma<nnf_bf16>(float (&d)[4], cons
 
 __device__ __forceinline__ u32 wf_pack(unsigned short lo, unsigned short hi) { return (u32)lo | ((u32)hi << 16); }
 
+
 // A fragment of rows r0..r0+15 (r0 = the warp's first row + g is passed as row) from a [2][tt][8]
 // layout (element (row, col) at ((col / 8) * tt + row) * 8 + col % 8), base = that layout's start.
 template <typename T>
@@ -133,13 +134,20 @@ __device__ __forceinline__ void wf_frag_a(const T* base, int tt, int row, int t,
     a[3] = w[(tt + row + 8) * 4 + t];  // (row g+8, cols 2t+8, 2t+9)
 }
 
-// B fragment of column n (= the warp's first column + g) from a [16][vrow] layout (element
-// (kk, n) at kk * vrow + n), base = that layout's start.
+// B fragment of the 8 columns n0 .. n0+7 from a [16][vrow] layout (element (kk, n) at
+// kk * vrow + n; rows 16-byte aligned), base = that layout's start, by ldmatrix.x2.trans
+// (PTX ISA, "ldmatrix"): lanes 0-7 give the addresses of the rows of matrix 0 (rows 0-7 of B,
+// -> b[0]) and lanes 8-15 those of matrix 1 (rows 8-15, -> b[1]); with .trans, lane l receives
+// of each 8x8 matrix the elements (row 2 (l % 4), column l / 4) and (row 2 (l % 4) + 1, column
+// l / 4), low half first: b[0] = (B[2t][g], B[2t+1][g]), b[1] = (B[2t+8][g], B[2t+9][g]), the
+// B fragment of the header. Two shared-memory wavefronts instead of four 2-byte loads each.
+// Lanes 16-31 give (unused) valid addresses too.
 template <typename T>
-__device__ __forceinline__ void wf_frag_b(const T* base, int vrow, int n, int t, u32 (&b)[2]) {
-    const T* col = base + n;
-    b[0] = wf_pack(col[(2 * t) * vrow].bits, col[(2 * t + 1) * vrow].bits);
-    b[1] = wf_pack(col[(2 * t + 8) * vrow].bits, col[(2 * t + 9) * vrow].bits);
+__device__ __forceinline__ void wf_frag_b(const T* base, int vrow, int n0, int lane, u32 (&b)[2]) {
+    const u32 addr = wf_smem_addr(base + (lane & 15) * vrow + n0);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(b[0]), "=r"(b[1])
+                 : "r"(addr));
 }
 
 // ---- the 1-D transforms (the matrices of src/reference/winograd.rs, factored) ----------------
@@ -320,7 +328,7 @@ __device__ __forceinline__ void winograd_fused(const T* __restrict__ x, const T*
 #pragma unroll
             for (int f = 0; f < NF; ++f) {
                 u32 b[2];
-                wf_frag_b<T>(vb + p * WF_KC * VROW, VROW, (wk * NF + f) * 8 + g, tq, b);
+                wf_frag_b<T>(vb + p * WF_KC * VROW, VROW, (wk * NF + f) * 8, lane, b);
                 wf_mma<T>(acc[p][f], a, b);
             }
         }
@@ -389,7 +397,7 @@ __device__ __forceinline__ void wf_mma_probe(const T* __restrict__ a, const T* _
     const int g = lane >> 2, t = lane & 3;
     u32 fa[4], fb[2];
     wf_frag_a<T>(as, 16, g, t, fa);
-    wf_frag_b<T>(bs, 16, g, t, fb);
+    wf_frag_b<T>(bs, 16, 0, lane, fb);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     wf_mma<T>(acc, fa, fb);
     d[g * 8 + 2 * t] = acc[0];

@@ -2,7 +2,8 @@
 //! statement: every block and thread of the grid [`fused::grid`] computes, the tile table, the
 //! staging of raw input and transformed filter (16-byte pieces, zero-filled outside the image
 //! and the channel ranges), the transform's thread mapping and factored 1-D transforms, the
-//! shared-memory layouts, the fragment loads of `wf_frag_a` / `wf_frag_b`, and the epilogue's
+//! shared-memory layouts, the fragment loads of `wf_frag_a` / `wf_frag_b` (`ldmatrix.trans`
+//! from the PTX ISA's definition, on the addresses the kernel forms), and the epilogue's
 //! output transform and stores. The MMA itself is emulated from the PTX ISA's documented
 //! fragment layouts of `mma.m16n8k16` (written out independently of the kernel's helpers), so a
 //! helper that loads a register with the wrong elements shows here, on a machine without a GPU.
@@ -116,13 +117,24 @@ fn frag_a(sm: &[f64], base: usize, tt: usize, row: usize, t: usize) -> [[f64; 2]
     ]
 }
 
-/// `wf_frag_b(base, vrow, n, t, b)`.
-fn frag_b(sm: &[f64], base: usize, vrow: usize, n: usize, t: usize) -> [[f64; 2]; 2] {
-    let col = base + n;
-    [
-        [sm[col + 2 * t * vrow], sm[col + (2 * t + 1) * vrow]],
-        [sm[col + (2 * t + 8) * vrow], sm[col + (2 * t + 9) * vrow]],
-    ]
+/// `wf_frag_b(base, vrow, n0, lane, b)` for the whole warp: each lane's address as the kernel
+/// forms it, then `ldmatrix.sync.aligned.m8n8.x2.trans.b16` as the PTX ISA defines it: lanes
+/// 0-7 address the 8 rows (8 consecutive halves each) of matrix 0, lanes 8-15 those of matrix 1;
+/// with .trans, lane l receives of matrix i the elements (row 2 (l % 4), column l / 4) and
+/// (row 2 (l % 4) + 1, column l / 4), low half first, as register i.
+fn frag_b(sm: &[f64], base: usize, vrow: usize, n0: usize) -> RegB {
+    let addr: Vec<usize> = (0..32).map(|lane| base + (lane & 15) * vrow + n0).collect();
+    let mut b: RegB = [[[0.0; 2]; 2]; 32];
+    for lane in 0..32 {
+        for (i, reg) in b[lane].iter_mut().enumerate() {
+            let row = |r: usize| addr[8 * i + r];
+            *reg = [
+                sm[row(2 * (lane % 4)) + lane / 4],
+                sm[row(2 * (lane % 4) + 1) + lane / 4],
+            ];
+        }
+    }
+    b
 }
 
 /// One launch of `winograd_fused<T, M>` over the whole batch: x (NHWC), V[pos][c][k] → y.
@@ -271,17 +283,9 @@ fn fused_kernel(s: &ConvShape, tile: WinogradTile, x: &[f64], v: &[f64], y: &mut
                             ra[lane] = frag_a(&us, pos * 2 * TT * 8, TT, wt * 16 + g, tq);
                         }
                         for f in 0..nf {
-                            let mut rb: RegB = [[[0.0; 2]; 2]; 32];
+                            let rb = frag_b(&vs, vb + pos * KC * vrow, vrow, (wk * nf + f) * 8);
                             let mut rc: RegC = [[0.0; 4]; 32];
                             for lane in 0..32 {
-                                let (g, tq) = (lane >> 2, lane & 3);
-                                rb[lane] = frag_b(
-                                    &vs,
-                                    vb + pos * KC * vrow,
-                                    vrow,
-                                    (wk * nf + f) * 8 + g,
-                                    tq,
-                                );
                                 rc[lane] = acc[warp * 32 + lane][pos * nf + f];
                             }
                             mma_spec(&ra, &rb, &mut rc);

@@ -419,13 +419,19 @@ mod tests {
                     assert!(distinct_banks(&w), "{tile:?} A");
                 }
             }
-            // B fragments: half (2t + r) * vrow + n0 + g, 2-byte loads.
-            for r in [0, 1, 8, 9] {
+            // B fragments: ldmatrix reads one 8x8 matrix per phase, rows r0..r0+7 of 16 bytes
+            // at stride vrow halves: the 8 rows must cover 32 different banks.
+            for r0 in [0, 8] {
                 for n0 in (0..c.tk).step_by(8) {
                     let w: Vec<usize> = (0..32)
-                        .map(|l| ((2 * (l % 4) + r) * c.vrow + n0 + l / 4) / 2)
+                        .map(|l| ((r0 + l / 4) * c.vrow + n0) / 2 + l % 4)
                         .collect();
-                    assert!(distinct_banks(&w), "{tile:?} B row {r} col {n0}");
+                    assert!(distinct_banks(&w), "{tile:?} B rows {r0}.. col {n0}");
+                    assert_eq!(
+                        ((r0 * c.vrow + n0) * 2) % 16,
+                        0,
+                        "ldmatrix rows 16-byte aligned"
+                    );
                 }
             }
             // Transform reads: tile w*4 + l/8, channel half*8 + l%8, tap fixed.
