@@ -3,7 +3,8 @@
 //! f32 NCHW, forward and both gradients. Per layer, type and direction, every variant is timed
 //! **interleaved** (`nnfuse::timing::time_interleaved`, drift cancels in per-round ratios):
 //! every usable cuDNN algorithm (cuDNN's heuristic list, workspace up to 1 GiB), nnfuse's own
-//! paths (im2col + GEMM, Winograd F(2x2)/F(4x4) with both engines, the direct kernel), and the
+//! paths (im2col + GEMM, Winograd F(2x2)/F(4x4) with every engine that can run the layer:
+//! tensor-core GEMM, Direct, and the fused kernel for f16/bf16; the direct kernel), and the
 //! `auto` dispatcher exactly as a user calls it. Reported: median time, TFLOP/s (direct-conv
 //! FLOPs `2·N·K·C·R·S·OH·OW`), the physical floor (FLOPs over the datasheet peak or bytes over
 //! the 3.0 TB/s copy bandwidth, whichever is larger), the ratio to cuDNN's best algorithm,
@@ -166,6 +167,12 @@ struct Summary {
     im2col_us: Option<f64>,
     f4_vs_im2col: Option<Paired>,
     f4_vs_cudnn: Option<Paired>,
+    /// F(4x4) by the fused engine (f16/bf16 layers it can run).
+    f4_fused_us: Option<f64>,
+    f4_fused_vs_im2col: Option<Paired>,
+    f4_fused_vs_cudnn: Option<Paired>,
+    /// F(2x2) by the fused engine.
+    f2_fused_us: Option<f64>,
     /// Per Winograd tile: (seed rule's engine, measured faster engine).
     engines: Vec<(WinogradTile, WinogradEngine, Option<WinogradEngine>)>,
 }
@@ -336,6 +343,17 @@ fn bench_config<T: Element>(
                         let r = Route::winograd(t, e);
                         variants.push((r.label(), "own", Some(r), ws));
                     }
+                    let fused_ok = plan
+                        .info(p)
+                        .winograd
+                        .as_ref()
+                        .is_some_and(|w| w.fused_why_not.is_none());
+                    if fused_ok {
+                        // Its scratch is the transformed filter only.
+                        let v = t.positions() * s.c_in * s.c_out * dt.size();
+                        let r = Route::winograd(t, WinogradEngine::Fused);
+                        variants.push((r.label(), "own", Some(r), v));
+                    }
                 }
                 None => variants.push((p.name().to_string(), "own", Some(Route::path(p)), ws)),
             }
@@ -397,6 +415,8 @@ fn bench_config<T: Element>(
             });
         }
         let f4 = find_idx("winograd_f4x3/tensor_core");
+        let f4_fused = find_idx("winograd_f4x3/fused");
+        let f2_fused = find_idx("winograd_f2x3/fused");
         let im = find_idx("im2col_gemm");
         let mut engines = Vec::new();
         for t in WinogradTile::ALL {
@@ -438,6 +458,16 @@ fn bench_config<T: Element>(
                 (Some((a, _, _)), Some(b)) => res.paired(*a, b),
                 _ => None,
             },
+            f4_fused_us: f4_fused.and_then(median),
+            f4_fused_vs_im2col: match (im, f4_fused) {
+                (Some(a), Some(b)) => res.paired(a, b),
+                _ => None,
+            },
+            f4_fused_vs_cudnn: match (best.as_ref(), f4_fused) {
+                (Some((a, _, _)), Some(b)) => res.paired(*a, b),
+                _ => None,
+            },
+            f2_fused_us: f2_fused.and_then(median),
             engines,
         });
         let last = sums.last().map(|s| (s.auto_us, s.cudnn_best.clone()));
@@ -556,11 +586,11 @@ fn main() -> std::process::ExitCode {
         );
     }
     println!("\n## Summary (auto and Winograd against cuDNN's best algorithm)\n");
-    println!("| layer | n | dtype | dir | cuDNN best | us | auto | us | auto/best | first call ms | Find first call ms (route) | F4 TC us | im2col us | F4/im2col | F4/cuDNN |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| layer | n | dtype | dir | cuDNN best | us | auto | us | auto/best | first call ms | Find first call ms (route) | F4 TC us | im2col us | F4/im2col | F4/cuDNN | F4 fused us | F4 fused/im2col | F4 fused/cuDNN | F2 fused us |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for s in &sums {
         println!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             s.layer,
             s.n,
             s.dtype,
@@ -579,6 +609,10 @@ fn main() -> std::process::ExitCode {
             fmt_us(s.im2col_us),
             fmt_ratio(&s.f4_vs_im2col),
             fmt_ratio(&s.f4_vs_cudnn),
+            fmt_us(s.f4_fused_us),
+            fmt_ratio(&s.f4_fused_vs_im2col),
+            fmt_ratio(&s.f4_fused_vs_cudnn),
+            fmt_us(s.f2_fused_us),
         );
     }
 
@@ -610,6 +644,19 @@ fn main() -> std::process::ExitCode {
         f4.len(),
         f4.iter().filter(|s| s.f4_vs_cudnn.is_some_and(|p| p.median <= 1.25)).count(),
         f4.iter().filter(|s| s.f4_vs_cudnn.is_some_and(|p| p.median < 1.0)).count(),
+    );
+    let fused: Vec<&Summary> = sums
+        .iter()
+        .filter(|s| {
+            s.dtype == DType::F16 && s.direction == Direction::Forward && s.f4_fused_us.is_some()
+        })
+        .collect();
+    println!(
+        "- the same by the fused engine: >= 1.5x faster than im2col on {} of {}; within 1.25x of cuDNN on {}; faster than cuDNN on {} (stretch).",
+        fused.iter().filter(|s| s.f4_fused_vs_im2col.is_some_and(|p| p.median <= 1.0 / 1.5)).count(),
+        fused.len(),
+        fused.iter().filter(|s| s.f4_fused_vs_cudnn.is_some_and(|p| p.median <= 1.25)).count(),
+        fused.iter().filter(|s| s.f4_fused_vs_cudnn.is_some_and(|p| p.median < 1.0)).count(),
     );
     let over = sums.iter().filter(|s| s.first_call_ms >= 300.0).count();
     let mut firsts: Vec<f64> = sums.iter().map(|s| s.first_call_ms).collect();
@@ -692,6 +739,10 @@ fn main() -> std::process::ExitCode {
                 "f4_tc_us": s.f4_tc_us, "im2col_us": s.im2col_us,
                 "f4_vs_im2col": s.f4_vs_im2col.map(|p| p.median),
                 "f4_vs_cudnn_best": s.f4_vs_cudnn.map(|p| p.median),
+                "f4_fused_us": s.f4_fused_us,
+                "f4_fused_vs_im2col": s.f4_fused_vs_im2col.map(|p| p.median),
+                "f4_fused_vs_cudnn_best": s.f4_fused_vs_cudnn.map(|p| p.median),
+                "f2_fused_us": s.f2_fused_us,
             })
         );
     }

@@ -9,11 +9,17 @@
 //! path as the dispatcher runs it (`winograd_stages::forward`: filter transform included,
 //! chunked under the workspace cap) for each engine, in direct-convolution TFLOP/s
 //! (2·N·K·C·9·OH·OW, the number every convolution path is compared by), with the ratios F(4x4) /
-//! F(2x2) and Direct / tensor core, and the tensor-core path again with workspace-cap chunks
-//! instead of the default L2-resident ones (`Chunking`). Stage timings rotate among enough buffer sets that each
-//! iteration's data has left the 50 MiB L2 (cold); the whole path rotates x and y only, so its
+//! F(2x2) and Direct / tensor core, and the tensor-core path again with L2-resident chunks
+//! instead of the default workspace-cap chunk (`Chunking`; measured slower, kept as the
+//! comparison). Stage timings rotate among enough buffer sets that each iteration's data has
+//! left the 50 MiB L2 (cold); the whole path rotates x and y only, so its
 //! U and M are as warm as they are in use. The comparison with cuDNN and im2col + GEMM on the
 //! same layers is `benches/conv.rs`'s.
+//!
+//! The fused engine (`WinogradEngine::Fused`, f16/bf16): the whole path (filter transform +
+//! fused kernel) and the fused kernel alone on a prepared filter, with its floor: the larger of
+//! x + V + y at the copy bandwidth and the Winograd-domain product's FLOPs (2·alpha²·T·C·K) at
+//! the tensor peak; the totals table compares it with the tensor-core path.
 //!
 //! Part 2, transform variants: each transform at every vector width the channels allow (16-,
 //! 4- and 2-byte accesses for 16-bit types), batch 32.
@@ -168,10 +174,15 @@ struct Total {
     tc_us: f64,
     direct_us: f64,
     stages_tc_us: f64,
-    /// Tensor-core path with workspace-cap chunks.
-    cap_us: f64,
+    /// Tensor-core path with L2-resident chunks.
+    l2_us: f64,
     /// Host time of queuing one tensor-core forward.
     host_us: f64,
+    /// The fused engine's whole path (filter transform included) and its kernel alone.
+    fused_us: Option<f64>,
+    fused_kernel_us: Option<f64>,
+    /// Host time of queuing one fused forward.
+    fused_host_us: Option<f64>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -363,9 +374,12 @@ fn bench_layer<T: Element>(
         }
         let host_us = t0.elapsed().as_secs_f64() * 1e6 / calls as f64;
         ctx.synchronize()?;
-        // The same path with one chunk as large as the workspace cap allows (U and M
-        // round-trip through DRAM): what the L2-resident chunking saves.
-        let t_cap = time_gpu(ctx, o, |i| {
+        // The same path with L2-resident chunks (U and M of a chunk within half the L2): the
+        // alternative the default (one workspace-cap chunk) was measured against.
+        let l2 = wg::Chunking::L2Resident {
+            l2_bytes: ctx.info().l2_bytes.max(0) as usize,
+        };
+        let t_l2 = time_gpu(ctx, o, |i| {
             let k = i % copies;
             wg::forward_chunked(
                 ctx,
@@ -375,20 +389,74 @@ fn bench_layer<T: Element>(
                 &x[k],
                 &w,
                 &mut y[k],
-                wg::Chunking::WorkspaceCap,
+                l2,
             )
         })?;
         push(
-            "forward tensor_core, cap chunks",
-            t_cap,
+            "forward tensor_core, L2-resident chunks",
+            t_l2,
             floor(sb.input + sb.filter + sb.multiply + sb.output),
             format!("{:.2} GFLOP (direct conv)", flops / 1e9),
             format!(
                 "{:.0} TFLOP/s effective; L2-resident/cap {:.2}x",
-                flops / (t_cap.median_ms * 1e-3) / 1e12,
-                path[0] / t_cap.median_us()
+                flops / (t_l2.median_ms * 1e-3) / 1e12,
+                t_l2.median_us() / path[0]
             ),
         );
+        // The fused engine: the whole path, and the kernel alone on the prepared filter.
+        let mut fused = (None, None, None);
+        if nnfuse::conv::sizes::fused_eligible(s, dt).is_ok() {
+            let t = time_gpu(ctx, o, |i| {
+                let k = i % copies;
+                wg::forward(ctx, s, tile, WinogradEngine::Fused, &x[k], &w, &mut y[k])
+            })?;
+            let v_bytes = d.v * e;
+            let xy = (s.x_len() + ylen) * e;
+            push(
+                "forward fused",
+                t,
+                (floor(xy + sb.filter + v_bytes)).max(mult_flops / TENSOR_PEAK * 1e6),
+                format!("{:.2} GFLOP (direct conv)", flops / 1e9),
+                format!(
+                    "{:.0} TFLOP/s effective; tensor_core/fused {:.2}x",
+                    flops / (t.median_ms * 1e-3) / 1e12,
+                    path[0] / t.median_us()
+                ),
+            );
+            let tk = time_gpu(ctx, o, |i| {
+                let k = i % copies;
+                wg::forward_prepared(ctx, s, tile, WinogradEngine::Fused, &x[k], &v[k], &mut y[k])
+            })?;
+            let kernel_floor = floor(xy + v_bytes).max(mult_flops / TENSOR_PEAK * 1e6);
+            push(
+                "fused kernel (prepared V)",
+                tk,
+                kernel_floor,
+                format!(
+                    "{:.2} GFLOP Winograd-domain, {:.1} MB",
+                    mult_flops / 1e9,
+                    (xy + v_bytes) as f64 / 1e6
+                ),
+                format!(
+                    "{:.0} TFLOP/s Winograd-domain; {}",
+                    mult_flops / (tk.median_ms * 1e-3) / 1e12,
+                    if floor(xy + v_bytes) >= mult_flops / TENSOR_PEAK * 1e6 {
+                        "floor: bytes"
+                    } else {
+                        "floor: FLOPs"
+                    }
+                ),
+            );
+            ctx.synchronize()?;
+            let t0 = Instant::now();
+            for i in 0..calls {
+                let k = i % copies;
+                wg::forward(ctx, s, tile, WinogradEngine::Fused, &x[k], &w, &mut y[k])?;
+            }
+            let fh = t0.elapsed().as_secs_f64() * 1e6 / calls as f64;
+            ctx.synchronize()?;
+            fused = (Some(t.median_us()), Some(tk.median_us()), Some(fh));
+        }
         totals.push(Total {
             dtype: dt,
             layer: name.to_string(),
@@ -398,8 +466,11 @@ fn bench_layer<T: Element>(
             tc_us: path[0],
             direct_us: path[1],
             stages_tc_us,
-            cap_us: t_cap.median_us(),
+            l2_us: t_l2.median_us(),
             host_us,
+            fused_us: fused.0,
+            fused_kernel_us: fused.1,
+            fused_host_us: fused.2,
         });
         if with_variants {
             for &vw in wg::vector_widths(dt) {
@@ -590,8 +661,8 @@ fn main() -> Result<()> {
     );
 
     println!("\n### Totals: the whole Winograd forward per tile and engine\n");
-    println!("| dtype | layer | N | tile | tensor core µs | TFLOP/s | Direct µs | Direct/TC | cap chunks µs | sum of cold stages (TC) µs | host µs/call | F4/F2 (TC) |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| dtype | layer | N | tile | tensor core µs | TFLOP/s | Direct µs | Direct/TC | L2 chunks µs | sum of cold stages (TC) µs | host µs/call | F4/F2 (TC) | fused µs | TFLOP/s | TC/fused | fused kernel µs | fused host µs/call |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for t in &totals {
         let f2 = totals
             .iter()
@@ -602,8 +673,9 @@ fn main() -> Result<()> {
                     && o.tile == WinogradTile::F2x3
             })
             .map(|o| o.tc_us);
+        let opt = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{v:.1}"));
         println!(
-            "| {} | {} | {} | {} | {:.1} | {:.0} | {:.1} | {:.2}x | {:.1} | {:.1} | {:.1} | {} |",
+            "| {} | {} | {} | {} | {:.1} | {:.0} | {:.1} | {:.2}x | {:.1} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} |",
             t.dtype,
             t.layer,
             t.n,
@@ -612,13 +684,20 @@ fn main() -> Result<()> {
             t.flops / (t.tc_us * 1e-6) / 1e12,
             t.direct_us,
             t.direct_us / t.tc_us,
-            t.cap_us,
+            t.l2_us,
             t.stages_tc_us,
             t.host_us,
             match (t.tile, f2) {
                 (WinogradTile::F4x3, Some(f2)) => format!("{:.2}x", t.tc_us / f2),
                 _ => "-".into(),
-            }
+            },
+            opt(t.fused_us),
+            t.fused_us
+                .map_or_else(|| "-".into(), |f| format!("{:.0}", t.flops / (f * 1e-6) / 1e12)),
+            t.fused_us
+                .map_or_else(|| "-".into(), |f| format!("{:.2}x", t.tc_us / f)),
+            opt(t.fused_kernel_us),
+            opt(t.fused_host_us),
         );
     }
 
@@ -689,6 +768,25 @@ fn main() -> Result<()> {
         .map(|t| format!("{} {} N={} {:.1} µs", t.dtype, t.layer, t.n, t.tc_us))
         .collect::<Vec<_>>();
     println!("F(4x4,3x3) tensor-core totals: {}", best.join("; "));
+    let fused = totals
+        .iter()
+        .filter_map(|t| {
+            t.fused_us.map(|f| {
+                format!(
+                    "{} {} {} N={} {f:.1} µs (kernel {:.1})",
+                    t.tile.name(),
+                    t.dtype,
+                    t.layer,
+                    t.n,
+                    t.fused_kernel_us.unwrap_or(f64::NAN)
+                )
+            })
+        })
+        .collect::<Vec<_>>();
+    println!(
+        "Fused totals (filter transform included): {}",
+        fused.join("; ")
+    );
 
     for r in rows.iter().chain(&variants) {
         json_row(r);
@@ -700,7 +798,9 @@ fn main() -> Result<()> {
                 "bench": "winograd", "part": "total", "dtype": t.dtype.name(), "layer": t.layer,
                 "n": t.n, "tile": t.tile.name(), "tensor_core_us": t.tc_us,
                 "direct_us": t.direct_us, "stages_tensor_core_us": t.stages_tc_us,
-                "cap_chunks_us": t.cap_us, "host_us_per_call": t.host_us,
+                "l2_chunks_us": t.l2_us, "host_us_per_call": t.host_us,
+                "fused_us": t.fused_us, "fused_kernel_us": t.fused_kernel_us,
+                "fused_host_us_per_call": t.fused_host_us,
                 "tflops_tensor_core": t.flops / (t.tc_us * 1e-6) / 1e12,
             })
         );

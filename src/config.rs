@@ -11,7 +11,7 @@
 //! | `NNFUSE_PLAN_CACHE_CAPACITY` | integer >= 1 | 4096 | most entries of each plan/choice cache (LRU) |
 //! | `NNFUSE_BN_IMPL` | `auto`, `cudnn`, `own` | `auto` | which BatchNorm implementation runs (see [`BnImpl`]) |
 //! | `NNFUSE_CONV_ALGO` | `auto`, `cudnn`, `im2col`, `winograd`, `winograd_f2x3`, `winograd_f4x3`, `direct` | `auto` | how convolutions are computed (see [`ConvAlgoPolicy`]) |
-//! | `NNFUSE_WINOGRAD_GEMM` | `auto`, `seed`, `tensor_core`, `direct` | `auto` | how Winograd's batched multiply runs (see [`WinogradGemmPolicy`]) |
+//! | `NNFUSE_WINOGRAD_GEMM` | `auto`, `seed`, `tensor_core`, `direct`, `fused` | `auto` | how Winograd's batched multiply runs (see [`WinogradGemmPolicy`]) |
 //! | `NNFUSE_CONV_WORKSPACE_MB` | integer >= 1 | 256 | cap on the scratch memory of nnfuse's own convolution paths |
 //! | `NNFUSE_DETERMINISTIC` | boolean | false | only deterministic algorithms (cuDNN convolution backward) |
 //!
@@ -196,8 +196,9 @@ impl FromStr for ConvAlgoPolicy {
 /// How Winograd's batched multiply (one GEMM per transform position) runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum WinogradGemmPolicy {
-    /// Measured per problem: the tensor-core GEMM (nnfuse's strided batched GEMM) or nnfuse's
-    /// Direct batched multiply, whichever is faster.
+    /// Measured per problem: the tensor-core GEMM (nnfuse's strided batched GEMM), nnfuse's
+    /// Direct batched multiply, and (f16/bf16, channels multiples of 8) the fused kernel,
+    /// whichever is fastest.
     #[default]
     Auto,
     /// The seed's rule as written: tensor cores when (tiles, C_in, C_out) are divisible by
@@ -207,14 +208,18 @@ pub enum WinogradGemmPolicy {
     TensorCore,
     /// Always the Direct batched multiply.
     Direct,
+    /// The fused kernel (transforms and tensor-core products in one kernel) where it can run
+    /// (f16/bf16, channel counts multiples of 8), else the seed's rule.
+    Fused,
 }
 
 impl WinogradGemmPolicy {
-    const TABLE: [(&'static str, WinogradGemmPolicy); 4] = [
+    const TABLE: [(&'static str, WinogradGemmPolicy); 5] = [
         ("auto", WinogradGemmPolicy::Auto),
         ("seed", WinogradGemmPolicy::Seed),
         ("tensor_core", WinogradGemmPolicy::TensorCore),
         ("direct", WinogradGemmPolicy::Direct),
+        ("fused", WinogradGemmPolicy::Fused),
     ];
 
     /// The spelling used by the environment variable and the CLI.
@@ -224,6 +229,7 @@ impl WinogradGemmPolicy {
             WinogradGemmPolicy::Seed => "seed",
             WinogradGemmPolicy::TensorCore => "tensor_core",
             WinogradGemmPolicy::Direct => "direct",
+            WinogradGemmPolicy::Fused => "fused",
         }
     }
 }

@@ -97,6 +97,10 @@ pub const WINOGRAD: KernelFile = kernel_file!("winograd.cu");
 /// Convolution: the Direct batched multiply of Winograd's transform positions.
 pub const WINOGRAD_GEMM: KernelFile = kernel_file!("winograd_gemm.cu");
 
+/// Convolution: the fused Winograd forward (input transform, tensor-core products, output
+/// transform in one kernel; f16/bf16, sm_80+).
+pub const WINOGRAD_FUSED: KernelFile = kernel_file!("winograd_fused.cu");
+
 /// BatchNorm: nnfuse's own two-pass training kernels (statistics, apply, backward reduction and
 /// apply) and the one-pass inference kernel, after `kernels/batchnorm_common.cuh`.
 pub const BATCHNORM: KernelFile = kernel_file!("batchnorm.cu", "batchnorm_common.cuh");
@@ -119,6 +123,7 @@ pub const ALL: &[KernelFile] = &[
     CONV_DIRECT,
     WINOGRAD,
     WINOGRAD_GEMM,
+    WINOGRAD_FUSED,
     BATCHNORM,
     CONV_CHECK,
     BATCHNORM_PERSISTENT,

@@ -91,8 +91,10 @@ fn the_issue_example_plans_auto_with_every_candidate() {
             "im2col_gemm",
             "winograd_f4x3/tensor_core",
             "winograd_f4x3/direct",
+            "winograd_f4x3/fused",
             "winograd_f2x3/tensor_core",
-            "winograd_f2x3/direct"
+            "winograd_f2x3/direct",
+            "winograd_f2x3/fused"
         ]
     );
     assert_eq!(v["sources"]["policy"], "default");
@@ -107,11 +109,11 @@ fn the_issue_example_plans_auto_with_every_candidate() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success());
     assert!(
-        text.contains("measured at the first call among 6 candidates"),
+        text.contains("measured at the first call among 8 candidates"),
         "{text}"
     );
     assert!(
-        text.contains("seed rule (16,16,16) -> tensor_core"),
+        text.contains("seed rule (16,16,16) -> tensor_core, fused engine: yes"),
         "{text}"
     );
 }

@@ -67,8 +67,10 @@ fn resnet_3x3_f16_nhwc_auto_measures_everything_eligible() {
             "im2col_gemm",
             "winograd_f4x3/tensor_core",
             "winograd_f4x3/direct",
+            "winograd_f4x3/fused",
             "winograd_f2x3/tensor_core",
             "winograd_f2x3/direct",
+            "winograd_f2x3/fused",
         ],
         "the direct kernel is not measured at {:.1} GFLOP",
         p.flops / 1e9
@@ -83,20 +85,79 @@ fn resnet_3x3_f16_nhwc_auto_measures_everything_eligible() {
     assert_eq!(w.decided_by, EngineDecision::Measured);
     assert_eq!(
         w.engines,
-        [WinogradEngine::TensorCore, WinogradEngine::Direct]
+        [
+            WinogradEngine::TensorCore,
+            WinogradEngine::Direct,
+            WinogradEngine::Fused
+        ]
     );
+    assert_eq!(w.fused_why_not, None);
+    assert!(has_reason(&p, "the fused engine can run it"));
     // Scratch of F(4x4): transformed filter + 32 images' transformed input and product.
     let want = 2 * (36 * 64 * 64 + 32 * 36 * 196 * (64 + 64));
     assert_eq!(p.info(ConvPath::WinogradF4x3).scratch_bytes, want);
     let json = p.to_json();
     assert_eq!(json["path"], "cudnn");
-    assert_eq!(json["candidates"].as_array().unwrap().len(), 6);
+    assert_eq!(json["candidates"].as_array().unwrap().len(), 8);
     assert_eq!(json["paths"][3]["winograd"]["seed_rule"][0], 16);
+    assert_eq!(json["paths"][3]["winograd"]["engines"][2], "fused");
+    assert!(json["paths"][3]["winograd"]["fused_why_not"].is_null());
     let text = p.to_string();
     assert!(
-        text.contains("measured at the first call among 6 candidates"),
+        text.contains("measured at the first call among 8 candidates"),
         "{text}"
     );
+    // f32 and channel counts not multiples of 8: no fused candidate, and the plan says why.
+    let p = plan_of(s, DType::F32, Direction::Forward, &Config::default(), true);
+    let w = p.info(ConvPath::WinogradF4x3).winograd.clone().unwrap();
+    assert_eq!(
+        w.engines,
+        [WinogradEngine::TensorCore, WinogradEngine::Direct]
+    );
+    assert!(w.fused_why_not.unwrap().contains("f16 and bf16"));
+    assert!(has_reason(&p, "the fused engine cannot"));
+    let p = plan_of(
+        shape(32, 30, 56, 64, 3, NHWC),
+        DType::BF16,
+        Direction::Forward,
+        &Config::default(),
+        true,
+    );
+    let w = p.info(ConvPath::WinogradF2x3).winograd.clone().unwrap();
+    assert!(!w.engines.contains(&WinogradEngine::Fused));
+    assert!(w.fused_why_not.unwrap().contains("c_in = 30"));
+}
+
+#[test]
+fn fused_policy_forces_the_fused_engine_where_it_runs() {
+    let cfg = Config::default().with_winograd_gemm(WinogradGemmPolicy::Fused);
+    let s = shape(32, 128, 28, 128, 3, NHWC);
+    for direction in [Direction::Forward, Direction::BackwardData] {
+        let p = plan_of(s, DType::BF16, direction, &cfg, true);
+        for path in [ConvPath::WinogradF2x3, ConvPath::WinogradF4x3] {
+            let w = p.info(path).winograd.clone().unwrap();
+            assert_eq!(
+                (w.engines, w.decided_by),
+                (vec![WinogradEngine::Fused], EngineDecision::Forced)
+            );
+        }
+        let labels: Vec<String> = p.candidates.iter().map(|r| r.label()).collect();
+        assert!(
+            labels.contains(&"winograd_f4x3/fused".to_string()),
+            "{labels:?}"
+        );
+    }
+    // Where it cannot run, the seed's rule decides, and the plan says why.
+    let p = plan_of(s, DType::F32, Direction::Forward, &cfg, true);
+    let w = p.info(ConvPath::WinogradF4x3).winograd.clone().unwrap();
+    assert_eq!(w.engines, [w.seed_engine]);
+    assert_eq!(w.decided_by, EngineDecision::SeedRule);
+    assert!(has_reason(
+        &p,
+        "winograd_gemm fused: the fused engine cannot"
+    ));
+    let text = p.to_string();
+    assert!(text.contains("winograd_gemm fused"), "{text}");
 }
 
 #[test]
@@ -261,7 +322,8 @@ fn forced_policies_fall_back_and_say_why() {
     let p = plan_of(s, DType::F32, Direction::BackwardFilter, &cfg, true);
     assert_eq!(p.path, ConvPath::Cudnn);
     assert!(p.fallback.is_some());
-    // Forced and eligible: no fallback, one path (two engines under winograd_gemm auto).
+    // Forced and eligible: no fallback, one path (its engines measured under winograd_gemm
+    // auto).
     let cfg = Config::default().with_conv_algo(ConvAlgoPolicy::WinogradF2x3);
     let p = plan_of(
         shape(2, 8, 9, 8, 3, NHWC),
@@ -430,6 +492,7 @@ fn invariants_over_a_grid() {
         WinogradGemmPolicy::Seed,
         WinogradGemmPolicy::TensorCore,
         WinogradGemmPolicy::Direct,
+        WinogradGemmPolicy::Fused,
     ];
     let mut shapes = Vec::new();
     for (i, &(n, c, h, k)) in [
@@ -439,6 +502,7 @@ fn invariants_over_a_grid() {
         (1, 64, 14, 64),
         (3, 129, 31, 30),
         (1, 8, 56, 3),
+        (2, 16, 9, 24),
     ]
     .iter()
     .enumerate()
@@ -556,12 +620,21 @@ fn check_invariants(p: &ConvPlan, present: bool) {
             let other = match w.seed_engine {
                 WinogradEngine::TensorCore => WinogradEngine::Direct,
                 WinogradEngine::Direct => WinogradEngine::TensorCore,
+                WinogradEngine::Fused => panic!("{ctx}: the seed's rule never says fused"),
             };
+            let fused_ok =
+                matches!(p.dtype, DType::F16 | DType::BF16) && w.c_in % 8 == 0 && w.c_out % 8 == 0;
+            assert_eq!(w.fused_why_not.is_none(), fused_ok, "{ctx}");
             let want = match p.winograd_gemm {
+                WinogradGemmPolicy::Auto if fused_ok => {
+                    vec![w.seed_engine, other, WinogradEngine::Fused]
+                }
                 WinogradGemmPolicy::Auto => vec![w.seed_engine, other],
                 WinogradGemmPolicy::Seed => vec![w.seed_engine],
                 WinogradGemmPolicy::TensorCore => vec![WinogradEngine::TensorCore],
                 WinogradGemmPolicy::Direct => vec![WinogradEngine::Direct],
+                WinogradGemmPolicy::Fused if fused_ok => vec![WinogradEngine::Fused],
+                WinogradGemmPolicy::Fused => vec![w.seed_engine],
             };
             assert_eq!(w.engines, want, "{ctx}");
             assert_eq!(

@@ -54,7 +54,8 @@ fn tolerance(path: ConvPath, dtype: DType) -> f64 {
     }
 }
 
-/// Every route a test forces for `d`: each eligible path, Winograd with both engines, cuDNN
+/// Every route a test forces for `d`: each eligible path, Winograd with every engine that can
+/// run it (the fused one for f16/bf16 with channel counts multiples of 8), cuDNN
 /// with its dispatcher's choice and each of its usable heuristic algorithms.
 fn routes<T: Element>(conv: &Conv2d<T>, ctx: &Context, d: Direction) -> Vec<Route> {
     let plan = conv.plan_for(d);
@@ -73,8 +74,15 @@ fn routes<T: Element>(conv: &Conv2d<T>, ctx: &Context, d: Direction) -> Vec<Rout
             }
             ConvPath::WinogradF2x3 | ConvPath::WinogradF4x3 => {
                 let tile = p.winograd_tile().expect("a Winograd path");
-                for e in [WinogradEngine::TensorCore, WinogradEngine::Direct] {
-                    out.push(Route::winograd(tile, e));
+                let fused_ok = plan
+                    .info(p)
+                    .winograd
+                    .as_ref()
+                    .is_some_and(|w| w.fused_why_not.is_none());
+                for e in WinogradEngine::ALL {
+                    if e != WinogradEngine::Fused || fused_ok {
+                        out.push(Route::winograd(tile, e));
+                    }
                 }
             }
             _ => out.push(Route::path(p)),
@@ -377,8 +385,17 @@ fn winograd_vs_cudnn<T: Element>(
         }
     };
     let layer = format!("{}x{}@{}x{} n{}", s.c_in, s.c_out, s.h, s.w, s.n);
+    let plan = conv.plan_for(Direction::Forward);
     for tile in WinogradTile::ALL {
-        for engine in [WinogradEngine::TensorCore, WinogradEngine::Direct] {
+        let fused_ok = plan
+            .info(ConvPath::winograd(tile))
+            .winograd
+            .as_ref()
+            .is_some_and(|w| w.fused_why_not.is_none());
+        for engine in WinogradEngine::ALL {
+            if engine == WinogradEngine::Fused && !fused_ok {
+                continue;
+            }
             let r = Route::winograd(tile, engine);
             match run(r) {
                 Ok(e) => {

@@ -221,8 +221,15 @@ fn routes<T: Element>(conv: &Conv2d<T>, ctx: &Context, d: Direction) -> Vec<Rout
             }
             ConvPath::WinogradF2x3 | ConvPath::WinogradF4x3 => {
                 let tile = p.winograd_tile().expect("a Winograd path");
-                for e in [WinogradEngine::TensorCore, WinogradEngine::Direct] {
-                    out.push(Route::winograd(tile, e));
+                let fused_ok = plan
+                    .info(p)
+                    .winograd
+                    .as_ref()
+                    .is_some_and(|w| w.fused_why_not.is_none());
+                for e in WinogradEngine::ALL {
+                    if e != WinogradEngine::Fused || fused_ok {
+                        out.push(Route::winograd(tile, e));
+                    }
                 }
             }
             _ => out.push(Route::path(p)),

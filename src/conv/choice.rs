@@ -612,11 +612,7 @@ fn winograd_from_name(s: &str) -> Option<&'static str> {
 }
 
 fn engine_from_name(s: &str) -> Option<WinogradEngine> {
-    match s {
-        "tensor_core" => Some(WinogradEngine::TensorCore),
-        "direct" => Some(WinogradEngine::Direct),
-        _ => None,
-    }
+    WinogradEngine::ALL.into_iter().find(|e| e.name() == s)
 }
 
 /// One cache entry as JSON (the file's format; see docs/CONV.md).
@@ -1378,6 +1374,7 @@ mod tests {
         for route in [
             Route::path(ConvPath::Im2colGemm),
             Route::winograd(super::super::WinogradTile::F4x3, WinogradEngine::Direct),
+            Route::winograd(super::super::WinogradTile::F2x3, WinogradEngine::Fused),
             Route::cudnn(CudnnAlgo {
                 direction: Direction::BackwardData,
                 id: 1,

@@ -22,7 +22,10 @@
 //!   `winograd` measures both tile sizes.
 //! - **Winograd's engine** ([`WinogradGemmPolicy`]): `seed` follows the seed's tensor-core rule
 //!   ([`tensor_core_rule`]) on the batched multiply of the largest batch chunk; `tensor_core` and
-//!   `direct` force an engine; `auto` measures both (the rule's engine first).
+//!   `direct` force an engine; `fused` forces the fused kernel where it can run
+//!   ([`fused_eligible`]: f16/bf16, channel counts multiples of 8), else follows the rule;
+//!   `auto` measures both batched-multiply engines (the rule's first) and then the fused one
+//!   where it can run.
 //! - **Candidates** are measured in order; the first is the incumbent that a later one must
 //!   clearly beat: cuDNN, then im2col + GEMM, Winograd F(4x4,3x3), F(2x2,3x3), direct.
 
@@ -32,7 +35,7 @@ use std::str::FromStr;
 use serde_json::{json, Value};
 
 use super::sizes::{
-    balanced_chunks, im2col_chunk, im2col_dims, is_pointwise, tensor_core_rule,
+    balanced_chunks, fused_eligible, im2col_chunk, im2col_dims, is_pointwise, tensor_core_rule,
     winograd_backward_data_eligible, winograd_chunk, winograd_dims, winograd_forward_eligible,
 };
 use super::{ConvShape, WinogradEngine, WinogradTile};
@@ -266,9 +269,10 @@ impl fmt::Display for Route {
 pub enum EngineDecision {
     /// The seed's tensor-core rule (`winograd_gemm = seed`).
     SeedRule,
-    /// Forced by `winograd_gemm = tensor_core | direct`.
+    /// Forced by `winograd_gemm = tensor_core | direct | fused`.
     Forced,
-    /// Measured at the first call (`winograd_gemm = auto`); both engines are candidates.
+    /// Measured at the first call (`winograd_gemm = auto`); every engine that can run is a
+    /// candidate.
     Measured,
 }
 
@@ -298,10 +302,14 @@ pub struct WinogradInfo {
     pub seed_rule: Option<(usize, usize, usize)>,
     /// The rule's engine: tensor cores when a triple divides, else Direct.
     pub seed_engine: WinogradEngine,
-    /// The engines the route(s) of this tile use (two when measured, the rule's first).
+    /// The engines the route(s) of this tile use (when measured: the rule's first, the other
+    /// batched-multiply engine, then the fused one where it can run).
     pub engines: Vec<WinogradEngine>,
     /// How the engine was decided.
     pub decided_by: EngineDecision,
+    /// Why the fused engine cannot run this problem (`None`: it can; see
+    /// [`fused_eligible`]).
+    pub fused_why_not: Option<String>,
 }
 
 /// One path's eligibility and sizes for the problem.
@@ -447,6 +455,7 @@ impl ConvPlan {
                             "seed_engine": w.seed_engine.name(),
                             "engines": w.engines.iter().map(|e| e.name()).collect::<Vec<_>>(),
                             "decided_by": w.decided_by.name(),
+                            "fused_why_not": w.fused_why_not,
                         }),
                     );
                 }
@@ -556,13 +565,18 @@ impl fmt::Display for ConvPlan {
                     if let Some(w) = &p.winograd {
                         write!(
                             f,
-                            ", batched multiply {}x{}x{} per position, seed rule {}",
+                            ", batched multiply {}x{}x{} per position, seed rule {}, fused \
+                             engine: {}",
                             w.tiles,
                             w.c_in,
                             w.c_out,
                             match w.seed_rule {
                                 Some((a, b, c)) => format!("({a},{b},{c}) -> tensor_core"),
                                 None => "none -> direct".into(),
+                            },
+                            match &w.fused_why_not {
+                                None => "yes".to_string(),
+                                Some(why) => format!("no ({why})"),
                             }
                         )?;
                     }
@@ -775,14 +789,17 @@ fn im2col_info(req: &ConvPlanRequest) -> Result<PathInfo> {
     })
 }
 
-/// The engines a Winograd route takes under `policy`, the rule's result and how decided.
+/// The engines a Winograd route takes under `policy`, the rule's result (tensor cores or
+/// Direct) and whether the fused engine can run, and how that was decided.
 fn engines(
     policy: WinogradGemmPolicy,
     seed_engine: WinogradEngine,
+    fused_ok: bool,
 ) -> (Vec<WinogradEngine>, EngineDecision) {
-    let other = match seed_engine {
-        WinogradEngine::TensorCore => WinogradEngine::Direct,
-        WinogradEngine::Direct => WinogradEngine::TensorCore,
+    let other = if seed_engine == WinogradEngine::TensorCore {
+        WinogradEngine::Direct
+    } else {
+        WinogradEngine::TensorCore
     };
     match policy {
         WinogradGemmPolicy::Seed => (vec![seed_engine], EngineDecision::SeedRule),
@@ -790,7 +807,17 @@ fn engines(
             (vec![WinogradEngine::TensorCore], EngineDecision::Forced)
         }
         WinogradGemmPolicy::Direct => (vec![WinogradEngine::Direct], EngineDecision::Forced),
-        WinogradGemmPolicy::Auto => (vec![seed_engine, other], EngineDecision::Measured),
+        WinogradGemmPolicy::Fused if fused_ok => {
+            (vec![WinogradEngine::Fused], EngineDecision::Forced)
+        }
+        WinogradGemmPolicy::Fused => (vec![seed_engine], EngineDecision::SeedRule),
+        WinogradGemmPolicy::Auto => {
+            let mut e = vec![seed_engine, other];
+            if fused_ok {
+                e.push(WinogradEngine::Fused);
+            }
+            (e, EngineDecision::Measured)
+        }
     }
 }
 
@@ -853,7 +880,12 @@ fn winograd_info(req: &ConvPlanRequest, tile: WinogradTile) -> Result<PathInfo> 
     } else {
         WinogradEngine::Direct
     };
-    let (engines, decided_by) = engines(req.config.winograd_gemm, seed_engine);
+    let fused_why_not = fused_eligible(&eq, req.dtype).err();
+    let (engines, decided_by) = engines(
+        req.config.winograd_gemm,
+        seed_engine,
+        fused_why_not.is_none(),
+    );
     let scratch =
         d.v.saturating_add(chunk.saturating_mul(d.u_per_image.saturating_add(d.m_per_image)))
             .saturating_mul(elem);
@@ -873,6 +905,7 @@ fn winograd_info(req: &ConvPlanRequest, tile: WinogradTile) -> Result<PathInfo> 
             seed_engine,
             engines,
             decided_by,
+            fused_why_not,
         }),
     })
 }
@@ -1154,18 +1187,32 @@ pub fn plan(req: &ConvPlanRequest) -> Result<ConvPlan> {
                             w.tiles, w.c_in, w.c_out
                         ),
                     };
-                    let how = match w.decided_by {
-                        EngineDecision::SeedRule => {
+                    let fused = match &w.fused_why_not {
+                        None => "the fused engine can run it (one kernel: input transform, \
+                                 tensor-core products, output transform; U and M stay on chip)"
+                            .to_string(),
+                        Some(why) => format!("the fused engine cannot: {why}"),
+                    };
+                    let how = match (w.decided_by, cfg.winograd_gemm) {
+                        (EngineDecision::SeedRule, WinogradGemmPolicy::Fused) => format!(
+                            "winograd_gemm fused: {fused}, so the seed's rule decides ({rule})"
+                        ),
+                        (EngineDecision::SeedRule, _) => {
                             format!("winograd_gemm seed: the rule decides ({rule})")
                         }
-                        EngineDecision::Forced => format!(
+                        (EngineDecision::Forced, _) => format!(
                             "winograd_gemm {}: forced {} (the seed's rule would say: {rule})",
                             cfg.winograd_gemm,
                             w.engines[0].name()
                         ),
-                        EngineDecision::Measured => format!(
-                            "winograd_gemm auto: both engines are measured, the rule's first \
-                             ({rule})"
+                        (EngineDecision::Measured, _) => format!(
+                            "winograd_gemm auto: the engines {} are measured, the rule's first \
+                             ({rule}); {fused}",
+                            w.engines
+                                .iter()
+                                .map(|e| e.name())
+                                .collect::<Vec<_>>()
+                                .join(", ")
                         ),
                     };
                     let of = if req.direction == Direction::BackwardData {

@@ -124,15 +124,62 @@ pub enum WinogradEngine {
     TensorCore,
     /// nnfuse's Direct batched multiply kernel (shared-memory tiles, no tensor cores).
     Direct,
+    /// One fused kernel (`kernels/winograd_fused.cu`): input transform, the per-position
+    /// products on tensor cores (`mma.sync`) and the output transform, with the transformed
+    /// input and the product kept on chip; only the filter transform runs apart. f16 and bf16,
+    /// channel counts multiples of 8, sm_80+ ([`fused_eligible`]).
+    Fused,
 }
 
 impl WinogradEngine {
-    /// `tensor_core` or `direct`.
+    /// Every engine, in the order plans list them.
+    pub const ALL: [WinogradEngine; 3] = [
+        WinogradEngine::TensorCore,
+        WinogradEngine::Direct,
+        WinogradEngine::Fused,
+    ];
+
+    /// `tensor_core`, `direct` or `fused`.
     pub const fn name(self) -> &'static str {
         match self {
             WinogradEngine::TensorCore => "tensor_core",
             WinogradEngine::Direct => "direct",
+            WinogradEngine::Fused => "fused",
         }
+    }
+}
+
+/// Channel counts of the fused engine are multiples of this: its kernel copies input and filter
+/// rows in 16-byte pieces (8 elements) that lie wholly inside or outside the channel range.
+pub const FUSED_CHANNEL_MULTIPLE: usize = 8;
+
+/// Why the fused Winograd engine cannot run the forward Winograd problem `s` (for the data
+/// gradient: its equivalent forward problem) in `dtype`, or `Ok(())`. Its products run on
+/// `mma.sync` with 16-bit operands, so f16 and bf16 only (f32 would need TF32, which nnfuse's
+/// f32 paths never use); input and output channel counts multiples of
+/// [`FUSED_CHANNEL_MULTIPLE`]. The device (sm_80+, enough shared memory) is checked at run time.
+pub fn fused_eligible(
+    s: &ConvShape,
+    dtype: crate::dtype::DType,
+) -> std::result::Result<(), String> {
+    let mut why = Vec::new();
+    if !matches!(dtype, crate::dtype::DType::F16 | crate::dtype::DType::BF16) {
+        why.push(format!(
+            "the fused engine multiplies on 16-bit tensor cores: f16 and bf16 only, not {dtype}"
+        ));
+    }
+    for (name, c) in [("c_in", s.c_in), ("c_out", s.c_out)] {
+        if c % FUSED_CHANNEL_MULTIPLE != 0 {
+            why.push(format!(
+                "{name} = {c} is not a multiple of {FUSED_CHANNEL_MULTIPLE} (the fused kernel \
+                 copies channels in 16-byte pieces)"
+            ));
+        }
+    }
+    if why.is_empty() {
+        Ok(())
+    } else {
+        Err(why.join("; "))
     }
 }
 
@@ -294,6 +341,25 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn fused_eligibility_names_type_and_channels() {
+        use crate::dtype::DType;
+        let s = shape(2, 64, 14, 24, 3);
+        assert!(fused_eligible(&s, DType::F16).is_ok());
+        assert!(fused_eligible(&s, DType::BF16).is_ok());
+        assert!(fused_eligible(&s, DType::F32)
+            .unwrap_err()
+            .contains("f16 and bf16"));
+        let why = fused_eligible(&shape(1, 30, 7, 12, 3), DType::F16).unwrap_err();
+        assert!(
+            why.contains("c_in = 30") && why.contains("c_out = 12"),
+            "{why}"
+        );
+        assert!(fused_eligible(&shape(1, 8, 1, 8, 3), DType::F16).is_ok());
+        assert_eq!(WinogradEngine::ALL.len(), 3);
+        assert_eq!(WinogradEngine::Fused.name(), "fused");
     }
 
     #[test]

@@ -17,6 +17,7 @@
 //! loses about an order of magnitude more than a direct convolution
 //! ([`crate::reference::winograd::error_bound`] has the numbers).
 
+pub(crate) mod fused;
 pub(crate) mod launch;
 pub mod stages;
 
@@ -68,7 +69,8 @@ fn cfg(blocks: (u32, u32), threads: u32) -> LaunchConfig {
 
 /// Queues the input transform of `images` images of `s` starting at `x` into `u`
 /// (`U[pos][t][c_in]` for those images' tiles). `vec`: channels per thread, `None` for the
-/// widest that `c_in` and the pointers allow. Returns the width used.
+/// measured preference ([`launch::preferred_widths`]) that `c_in` and the pointers allow.
+/// Returns the width used.
 ///
 /// # Safety
 /// `x` holds `images * h * w * c_in` elements and `u` `images * u_per_image` elements of `dtype`
@@ -87,7 +89,7 @@ pub(crate) unsafe fn input_transform(
     let d = super::sizes::winograd_dims(s, tile)?;
     aligned("x", x, dtype)?;
     aligned("u", u, dtype)?;
-    let vec = vec.unwrap_or_else(|| launch::choose_vec(dtype, s.c_in, &[x, u]));
+    let vec = vec.unwrap_or_else(|| launch::choose_vec(Stage::Input, tile, dtype, s.c_in, &[x, u]));
     let name = launch::transform_kernel(Stage::Input, dtype, tile, vec)
         .filter(|_| s.c_in % vec == 0)
         .ok_or_else(|| Error::invalid("vec", format!("no {vec}-channel input kernel here")))?;
@@ -170,7 +172,8 @@ pub(crate) unsafe fn output_transform(
     let (oh, ow) = s.out_hw()?;
     aligned("m", m, dtype)?;
     aligned("y", y, dtype)?;
-    let vec = vec.unwrap_or_else(|| launch::choose_vec(dtype, s.c_out, &[m, y]));
+    let vec =
+        vec.unwrap_or_else(|| launch::choose_vec(Stage::Output, tile, dtype, s.c_out, &[m, y]));
     let name = launch::transform_kernel(Stage::Output, dtype, tile, vec)
         .filter(|_| s.c_out % vec == 0)
         .ok_or_else(|| Error::invalid("vec", format!("no {vec}-channel output kernel here")))?;
@@ -243,7 +246,7 @@ unsafe fn filter_transform(
 ) -> Result<()> {
     aligned("w", w, dtype)?;
     aligned("v", v, dtype)?;
-    let grid = launch::filter_grid(cin, kout)?;
+    let grid = launch::filter_grid(cin, kout, tile, rotated)?;
     let (k32, c32) = (
         launch::arg_u32(kout, "c_out")?,
         launch::arg_u32(cin, "c_in")?,
@@ -253,9 +256,14 @@ unsafe fn filter_transform(
     tracing::debug!(kernel = name, kout, cin, ?grid, "Winograd filter transform");
     let mut b = ctx.stream().launch_builder(&f);
     b.arg(&w).arg(&v).arg(&k32).arg(&c32);
+    let cfg = LaunchConfig {
+        grid_dim: grid,
+        block_dim: (launch::THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
     // SAFETY: the arguments match winograd_filter_* (w, v, kout, cin); the caller guarantees the
-    // extents; the kernel's 38 KB of shared memory are static.
-    unsafe { b.launch(cfg(grid, launch::THREADS)) }.call("cuLaunchKernel(winograd_filter)")?;
+    // extents; the grid covers every (k, c) pair and every row (filter_grid).
+    unsafe { b.launch(cfg) }.call("cuLaunchKernel(winograd_filter)")?;
     Ok(())
 }
 
@@ -312,14 +320,22 @@ pub(crate) unsafe fn multiply(
         WinogradEngine::Direct => unsafe {
             super::winograd_gemm::batched_direct(ctx, &p, dtype, v, u, m)
         },
+        WinogradEngine::Fused => Err(Error::invalid(
+            "engine",
+            "the fused engine has no separate batched multiply (its kernel transforms, \
+             multiplies and inverse-transforms at once)",
+        )),
     }
 }
 
-/// The path's chunking: L2-resident chunks on this device's L2 (see [`Chunking`]).
-pub(crate) fn default_chunking(ctx: &Context) -> Chunking {
-    Chunking::L2Resident {
-        l2_bytes: ctx.info().l2_bytes.max(0) as usize,
-    }
+/// The path's chunking: one chunk as large as the workspace cap allows. Measured on the H100
+/// (`benches/winograd.rs`, f16, batch 32): the L2-resident chunks were 1.15x (F(2x2)) and 1.22x
+/// (F(4x4)) slower at 56² and 1.20x / 1.22x slower at 28², and equal at 14² and 7² (where they
+/// are one chunk anyway): the batched GEMM of a wide chunk runs faster than the L2 saves, and
+/// each extra chunk costs three launches. So no shape gains from them; they stay selectable
+/// ([`forward_chunked`]) for other devices.
+pub(crate) fn default_chunking(_ctx: &Context) -> Chunking {
+    Chunking::WorkspaceCap
 }
 
 /// Runs the whole path on `s` (a Winograd problem): x → y with the filter from `filter`.
@@ -340,6 +356,10 @@ unsafe fn run(
     chunking: Option<Chunking>,
 ) -> Result<()> {
     winograd_forward_eligible(s).map_err(not_eligible)?;
+    if engine == WinogradEngine::Fused {
+        // SAFETY: the caller's contract.
+        return unsafe { run_fused(ctx, s, dtype, tile, x, y, filter) };
+    }
     let elem = dtype.size();
     let cap = ctx.config().conv_workspace_bytes();
     let with_v = matches!(filter, Filter::Raw { .. });
@@ -403,6 +423,69 @@ unsafe fn run(
     // The scratch guard is held until every launch that uses it is queued.
     drop(scratch);
     Ok(())
+}
+
+/// [`run`] by the fused engine: the filter transform (unless prepared) into the scratch, then
+/// the fused kernel; no transformed input or product is stored, so nothing is chunked.
+///
+/// # Safety
+/// As [`run`].
+#[allow(clippy::too_many_arguments)] // a launcher: the problem, its operands, its options
+unsafe fn run_fused(
+    ctx: &Context,
+    s: &ConvShape,
+    dtype: DType,
+    tile: WinogradTile,
+    x: u64,
+    y: u64,
+    filter: Filter,
+) -> Result<()> {
+    // Refuse before the filter transform runs, so a refusal launches nothing.
+    fused::check(ctx, s, dtype, tile, x, y)?;
+    let dims = super::sizes::winograd_dims(s, tile)?;
+    let cap = ctx.config().conv_workspace_bytes();
+    tracing::debug!(
+        tile = tile.name(),
+        dtype = dtype.name(),
+        n = s.n,
+        prepared = matches!(filter, Filter::Prepared(_)),
+        "Winograd convolution, fused engine"
+    );
+    match filter {
+        Filter::Prepared(v) => {
+            // SAFETY: the caller's contract; v is the prepared transformed filter.
+            unsafe { fused::forward(ctx, s, dtype, tile, x, v, y) }
+        }
+        Filter::Raw { w, rotated } => {
+            let bytes = dims
+                .v
+                .checked_mul(dtype.size())
+                .ok_or_else(|| Error::invalid("shape", "the transformed filter overflows"))?;
+            if bytes > cap {
+                return Err(Error::NotSupported(format!(
+                    "Winograd {} fused: the transformed filter ({bytes} bytes) exceeds the \
+                     convolution workspace cap of {cap} bytes (NNFUSE_CONV_WORKSPACE_MB)",
+                    tile.name()
+                )));
+            }
+            let scratch = ctx.scratch(bytes.max(1))?;
+            let v = scratch.ptr();
+            let (kout, cin) = if rotated {
+                (s.c_in, s.c_out)
+            } else {
+                (s.c_out, s.c_in)
+            };
+            // SAFETY: w holds kout*9*cin elements (the caller's filter), v the scratch's
+            // dims.v elements; the fused kernel reads v after the transform on the same stream.
+            unsafe {
+                filter_transform(ctx, dtype, tile, w, v, kout, cin, rotated)?;
+                fused::forward(ctx, s, dtype, tile, x, v, y)?;
+            }
+            // The scratch guard is held until every launch that uses it is queued.
+            drop(scratch);
+            Ok(())
+        }
+    }
 }
 
 /// Forward convolution: transforms the filter, then runs [`forward_prepared`].
@@ -484,7 +567,6 @@ pub(crate) unsafe fn transform_filter(
 ///
 /// # Safety
 /// As [`forward`], with `p.w` holding the transformed filter.
-#[allow(dead_code)] // for the dispatcher's prepared filters
 pub(crate) unsafe fn forward_prepared(
     ctx: &Context,
     s: &ConvShape,
@@ -595,5 +677,7 @@ pub(crate) unsafe fn backward_data_prepared(
 
 #[cfg(test)]
 mod emulate;
+#[cfg(test)]
+mod emulate_fused;
 #[cfg(test)]
 mod gpu_tests;

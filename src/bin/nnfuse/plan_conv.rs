@@ -56,7 +56,7 @@ pub struct ConvArgs {
     /// Which computation: forward, backward-data, backward-filter.
     #[arg(long, default_value = "forward", help_heading = "Convolution (--conv)")]
     pub direction: String,
-    /// Winograd's batched multiply: auto, seed, tensor_core, direct (overrides
+    /// Winograd's batched multiply: auto, seed, tensor_core, direct, fused (overrides
     /// NNFUSE_WINOGRAD_GEMM). With --conv, --policy takes auto, cudnn, im2col, winograd,
     /// winograd_f2x3, winograd_f4x3, direct (overrides NNFUSE_CONV_ALGO).
     #[arg(long, value_name = "POLICY", help_heading = "Convolution (--conv)")]
@@ -184,7 +184,7 @@ fn request(
         config.winograd_gemm = p.parse::<WinogradGemmPolicy>().map_err(|_| {
             Error::invalid(
                 "--winograd-gemm",
-                format!("{p:?} is not one of auto, seed, tensor_core, direct"),
+                format!("{p:?} is not one of auto, seed, tensor_core, direct, fused"),
             )
         })?;
     }

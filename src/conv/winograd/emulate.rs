@@ -167,48 +167,44 @@ fn filter_kernel(tile: WinogradTile, kout: usize, cin: usize, rot: bool, w: &[f6
     let mt = mats(tile);
     let a = mt.alpha;
     let gm = |r: usize, c: usize| mt.g[r * 3 + c];
-    let (gx, gy) = launch::filter_grid(cin, kout).unwrap();
+    let (gx, gy, gz) = launch::filter_grid(cin, kout, tile, rot).unwrap();
     for bx in 0..gx {
         for by in 0..gy {
-            let (c0, k0) = (bx * 32, by * 32);
-            let mut sm = vec![[[0.0f64; 33]; 32]; 9];
-            // The load loop: every thread's share, in any order (no thread writes twice).
-            for e in 0..32 * 9 * 32u32 {
-                let kk = e / (9 * 32);
-                let rem = e - kk * (9 * 32);
-                let rs = rem / 32;
-                let cc = rem - rs * 32;
-                let mut val = 0.0;
-                if ((k0 + kk) as usize) < kout && ((c0 + cc) as usize) < cin {
-                    val = w[((k0 + kk) as usize * 9 + rs as usize) * cin + (c0 + cc) as usize];
-                }
-                sm[rs as usize][kk as usize][cc as usize] = val;
-            }
-            let pos_stride = kout * cin;
-            for e in 0..32 * 32u32 {
-                let kk = if rot { e / 32 } else { e % 32 };
-                let cc = if rot { e % 32 } else { e / 32 };
-                let (kg, cg) = ((k0 + kk) as usize, (c0 + cc) as usize);
-                if kg >= kout || cg >= cin {
-                    continue;
-                }
-                let mut g = [[0.0; 3]; 3];
-                for (r, gr) in g.iter_mut().enumerate() {
-                    for (q, gv) in gr.iter_mut().enumerate() {
-                        let rs = if rot { 8 - (r * 3 + q) } else { r * 3 + q };
-                        *gv = sm[rs][kk as usize][cc as usize];
+            for bz in 0..gz {
+                for tid in 0..THREADS {
+                    let fast = bx * 32 + (tid & 31);
+                    let slow = by * 8 + (tid >> 5);
+                    let (kg, cg) = if rot { (slow, fast) } else { (fast, slow) };
+                    let (kg, cg) = (kg as usize, cg as usize);
+                    if kg >= kout || cg >= cin {
+                        continue;
                     }
-                }
-                let out = if rot { kg * cin + cg } else { cg * kout + kg };
-                for i in 0..a {
-                    let tmp: Vec<f64> = (0..3)
-                        .map(|q| gm(i, 0) * g[0][q] + gm(i, 1) * g[1][q] + gm(i, 2) * g[2][q])
-                        .collect();
-                    for j in 0..a {
-                        let val = tmp[0] * gm(j, 0) + tmp[1] * gm(j, 1) + tmp[2] * gm(j, 2);
-                        let idx = out + (i * a + j) * pos_stride;
-                        assert!(v[idx].is_nan(), "filter element {idx} written twice");
-                        v[idx] = val;
+                    let rows = (a as u32).div_ceil(gz);
+                    let lo = bz * rows;
+                    let hi = (lo + rows).min(a as u32);
+                    let src = kg * 9 * cin + cg;
+                    let mut g = [[0.0; 3]; 3];
+                    for (r, gr) in g.iter_mut().enumerate() {
+                        for (q, gv) in gr.iter_mut().enumerate() {
+                            let rs = if rot { 8 - (r * 3 + q) } else { r * 3 + q };
+                            *gv = w[src + rs * cin];
+                        }
+                    }
+                    let pos_stride = kout * cin;
+                    let out = if rot { kg * cin + cg } else { cg * kout + kg };
+                    for i in 0..a {
+                        if (i as u32) < lo || (i as u32) >= hi {
+                            continue;
+                        }
+                        let tmp: Vec<f64> = (0..3)
+                            .map(|q| gm(i, 0) * g[0][q] + gm(i, 1) * g[1][q] + gm(i, 2) * g[2][q])
+                            .collect();
+                        for j in 0..a {
+                            let val = tmp[0] * gm(j, 0) + tmp[1] * gm(j, 1) + tmp[2] * gm(j, 2);
+                            let idx = out + (i * a + j) * pos_stride;
+                            assert!(v[idx].is_nan(), "filter element {idx} written twice");
+                            v[idx] = val;
+                        }
                     }
                 }
             }

@@ -1,10 +1,11 @@
 //! GPU tests of the Winograd path: each kernel against the f64 reference's intermediate, the
 //! forward and the data gradient against the f64 convolution on a sampled grid of shapes (both
-//! tiles, both engines, three types), chunking under a tiny workspace cap, prepared filters, and
-//! the refusals. Inputs are fresh random multiples of 1/256 in [-1, 1] (never 0): exact in f32,
+//! tiles, every engine that can run the case, three types), chunking under a tiny workspace cap,
+//! prepared filters, and the refusals. The fused engine has its own tests below (the MMA
+//! fragment layouts, a grid aimed at its blocking, its refusals). Inputs are fresh random multiples of 1/256 in [-1, 1] (never 0): exact in f32,
 //! f16 and bf16, so one f64 reference serves every type and every error is the path's own.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 use half::{bf16, f16};
 
 use super::launch::{self, vec_widths, Stage};
@@ -16,7 +17,18 @@ use crate::reference::winograd as rw;
 use crate::testutil::{gpu, gpu_with, rel_l2, Rng};
 use crate::{Config, Element};
 
+/// The two batched-multiply engines (chunked through the scratch).
 const ENGINES: [WinogradEngine; 2] = [WinogradEngine::TensorCore, WinogradEngine::Direct];
+
+/// The engines that can run `s` (a forward Winograd problem) in `dtype`: both batched-multiply
+/// engines, and the fused one where [`super::super::sizes::fused_eligible`] allows.
+fn engines_for(s: &ConvShape, dtype: DType) -> Vec<WinogradEngine> {
+    let mut e = ENGINES.to_vec();
+    if super::super::sizes::fused_eligible(s, dtype).is_ok() {
+        e.push(WinogradEngine::Fused);
+    }
+    e
+}
 
 fn exact(rng: &mut Rng, n: usize) -> Vec<f64> {
     (0..n)
@@ -325,7 +337,7 @@ fn forward_case<T: Element>(
     let (dx, dw) = (up::<T>(ctx, x), up::<T>(ctx, w));
     let (oh, ow) = s.out_hw().unwrap();
     for tile in WinogradTile::ALL {
-        for engine in ENGINES {
+        for engine in engines_for(s, T::DTYPE) {
             let got = run_forward(ctx, s, tile, engine, &dx, &dw, false);
             let case = format!(
                 "forward {} {} {} {s:?}",
@@ -344,7 +356,7 @@ fn print_errors(what: &str, errs: &[(DType, WinogradTile, WinogradEngine, f64)])
     eprintln!("{what}: largest relative L2 error against f64 (bound in brackets)");
     for dt in DType::ALL {
         for tile in WinogradTile::ALL {
-            for engine in ENGINES {
+            for engine in WinogradEngine::ALL {
                 let e = errs
                     .iter()
                     .filter(|r| r.0 == dt && r.1 == tile && r.2 == engine)
@@ -354,6 +366,9 @@ fn print_errors(what: &str, errs: &[(DType, WinogradTile, WinogradEngine, f64)])
                     .iter()
                     .filter(|r| r.0 == dt && r.1 == tile && r.2 == engine)
                     .count();
+                if n == 0 {
+                    continue;
+                }
                 eprintln!(
                     "  {dt:>4} {} {:>11}: {e:.2e} ({:.0e}) over {n} shapes",
                     tile.name(),
@@ -474,7 +489,7 @@ fn prepared_filter_gives_the_same_result() {
         let x = up::<f16>(&ctx, &exact(&mut rng, s.x_len()));
         let w = up::<f16>(&ctx, &exact(&mut rng, s.w_len()));
         for tile in WinogradTile::ALL {
-            for engine in ENGINES {
+            for engine in engines_for(&s, DType::F16) {
                 let a = run_forward(&ctx, &s, tile, engine, &x, &w, false);
                 let b = run_forward(&ctx, &s, tile, engine, &x, &w, true);
                 // Same kernels and the same GEMM key: the same bits with Direct; cuBLAS is
@@ -487,7 +502,10 @@ fn prepared_filter_gives_the_same_result() {
                     engine.name()
                 );
                 match engine {
-                    WinogradEngine::Direct => assert!(same, "{tile:?}: prepared differs ({diff})"),
+                    // The same kernels on the same V, no atomics: the same bits.
+                    WinogradEngine::Direct | WinogradEngine::Fused => {
+                        assert!(same, "{tile:?} {engine:?}: prepared differs ({diff})")
+                    }
                     WinogradEngine::TensorCore => assert!(diff < 1e-3, "{tile:?}: {diff}"),
                 }
             }
@@ -505,8 +523,9 @@ fn backward_case<T: Element>(
 ) {
     let st = ctx.stream();
     let (ddy, dw) = (up::<T>(ctx, dy), up::<T>(ctx, w));
+    let eq = crate::reference::winograd::backward_data_problem(s).unwrap();
     for tile in WinogradTile::ALL {
-        for engine in ENGINES {
+        for engine in engines_for(&eq, T::DTYPE) {
             for prepared in [false, true] {
                 let mut dx = poisoned::<T>(ctx, s.x_len());
                 let mut v = st
@@ -568,6 +587,9 @@ fn backward_data_matches_the_adjoint() {
         shape(3, 8, 3, 31, 5, (2, 0)),
         shape(1, 129, 64, 14, 14, (1, 2)),
         shape(1, 1, 1, 1, 1, (1, 1)),
+        // Channel counts the fused engine takes (multiples of 8), both ways round.
+        shape(2, 16, 24, 9, 11, (1, 1)),
+        shape(1, 40, 8, 14, 13, (2, 0)),
     ] {
         let (oh, ow) = s.out_hw().unwrap();
         let dy = exact(&mut rng, s.n * oh * ow * s.c_out);
@@ -663,14 +685,23 @@ fn refuses_what_winograd_cannot_run() {
     .unwrap_err();
     assert_eq!(e.argument(), Some("vec"));
     // The widest width is chosen from the channels and the alignment.
-    assert_eq!(launch::choose_vec(DType::F16, 8, &[p0 + 2, p0]), 1);
+    assert_eq!(
+        launch::choose_vec(
+            Stage::Input,
+            WinogradTile::F2x3,
+            DType::F16,
+            8,
+            &[p0 + 2, p0]
+        ),
+        1
+    );
     assert_eq!(
         launch::transform_kernel(Stage::Input, DType::F16, WinogradTile::F4x3, 8),
         Some("winograd_input_f4x3_f16_v8")
     );
 }
 
-/// L2-resident chunks (the default) against one chunk as large as the cap allows, on a layer
+/// L2-resident chunks against one chunk as large as the cap allows (the default), on a layer
 /// the L2 rule splits: the Direct multiply computes each element the same way whatever the
 /// chunk, so the results are bitwise equal; the tensor-core GEMM may pick another kernel for
 /// another chunk width, so it is compared within the type's rounding.
@@ -683,16 +714,13 @@ fn l2_resident_chunks_equal_one_chunk() {
     let x = up::<f16>(&ctx, &exact(&mut rng, s.x_len()));
     let w = up::<f16>(&ctx, &exact(&mut rng, s.w_len()));
     let st = ctx.stream();
+    let l2 = Chunking::L2Resident {
+        l2_bytes: ctx.info().l2_bytes.max(0) as usize,
+    };
+    assert_eq!(default_chunking(&ctx), Chunking::WorkspaceCap);
     for tile in WinogradTile::ALL {
-        let plan = launch::chunk_plan(
-            &s,
-            tile,
-            2,
-            ctx.config().conv_workspace_bytes(),
-            true,
-            default_chunking(&ctx),
-        )
-        .unwrap();
+        let plan =
+            launch::chunk_plan(&s, tile, 2, ctx.config().conv_workspace_bytes(), true, l2).unwrap();
         assert!(
             plan.l2_limited && plan.chunks.len() > 1,
             "{:?}",
@@ -700,7 +728,7 @@ fn l2_resident_chunks_equal_one_chunk() {
         );
         for engine in ENGINES {
             let mut out = Vec::new();
-            for chunking in [default_chunking(&ctx), Chunking::WorkspaceCap] {
+            for chunking in [l2, Chunking::WorkspaceCap] {
                 let mut y = poisoned::<f16>(&ctx, s.y_len().unwrap());
                 {
                     let (px, _a) = x.device_ptr(st);
@@ -728,7 +756,274 @@ fn l2_resident_chunks_equal_one_chunk() {
             match engine {
                 WinogradEngine::Direct => assert_eq!(diff, 0.0, "{tile:?}: Direct differs"),
                 WinogradEngine::TensorCore => assert!(diff < 2e-3, "{tile:?}: {diff}"),
+                WinogradEngine::Fused => unreachable!("not a chunked engine"),
             }
         }
     }
+}
+
+// ---- the fused engine -----------------------------------------------------------------------
+
+/// Runs the fused kernel's fragment-layout probe on A (16 x 16) and B (16 x 8), both row-major,
+/// and returns D = A · B (16 x 8, row-major) as the GPU computed it.
+fn probe<T: Element>(ctx: &Context, a: &[f64], b: &[f64]) -> Vec<f64> {
+    let st = ctx.stream();
+    let (da, db) = (up::<T>(ctx, a), up::<T>(ctx, b));
+    let mut dd = st.alloc_zeros::<f32>(16 * 8).unwrap();
+    crate::util::fill(ctx, &mut dd, f32::NAN).unwrap();
+    let name = fused::probe_kernel(T::DTYPE).unwrap();
+    let f = ctx
+        .function(fused::unit(T::DTYPE, None).unwrap(), name)
+        .unwrap();
+    {
+        let (pa, _a) = da.device_ptr(st);
+        let (pb, _b) = db.device_ptr(st);
+        let (pd, _d) = dd.device_ptr_mut(st);
+        let mut l = st.launch_builder(&f);
+        l.arg(&pa).arg(&pb).arg(&pd);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: a holds 256, b 128 and d 128 elements, as the probe reads and writes.
+        unsafe { l.launch(cfg) }.unwrap();
+    }
+    st.clone_dtoh(&dd)
+        .unwrap()
+        .iter()
+        .map(|&v| v as f64)
+        .collect()
+}
+
+fn matrix(m: &[f64], cols: usize) -> String {
+    m.chunks(cols)
+        .map(|r| {
+            r.iter()
+                .map(|v| format!("{v:7.3}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The fused kernel's fragment helpers (the same functions, the same shared layouts) on one
+/// `mma.sync.m16n8k16`, for both 16-bit types, against the exact product. Three inputs make a
+/// wrong layout readable from the output: A = I (then D must equal B), B = the first and the
+/// last eight rows of I (then D shows A's columns 0-7 and 8-15), and random values (exact in
+/// f32: multiples of 1/256, sums of 16 products).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_mma_fragments_match_the_ptx_layouts() {
+    let ctx = gpu();
+    let mut rng = Rng::fresh("fused_mma_fragments_match_the_ptx_layouts");
+    let eye_a: Vec<f64> = (0..256)
+        .map(|e| if e / 16 == e % 16 { 1.0 } else { 0.0 })
+        .collect();
+    let numbered_a: Vec<f64> = (0..256).map(|e| (e as f64 + 1.0) / 256.0).collect();
+    let numbered_b: Vec<f64> = (0..128).map(|e| (e as f64 + 1.0) / 128.0).collect();
+    let eye_b = |off: usize| -> Vec<f64> {
+        (0..128)
+            .map(|e| if e / 8 == e % 8 + off { 1.0 } else { 0.0 })
+            .collect()
+    };
+    let cases: Vec<(&str, Vec<f64>, Vec<f64>)> = vec![
+        ("A = I, B numbered: D must equal B", eye_a, numbered_b),
+        (
+            "A numbered, B = rows 0-7 of I: D must equal A's columns 0-7",
+            numbered_a.clone(),
+            eye_b(0),
+        ),
+        (
+            "A numbered, B = rows 8-15 of I: D must equal A's columns 8-15",
+            numbered_a,
+            eye_b(8),
+        ),
+        ("random", exact(&mut rng, 256), exact(&mut rng, 128)),
+    ];
+    for dt in [DType::F16, DType::BF16] {
+        for (what, a, b) in &cases {
+            let got = match dt {
+                DType::F16 => probe::<f16>(&ctx, a, b),
+                _ => probe::<bf16>(&ctx, a, b),
+            };
+            let mut want = vec![0.0; 128];
+            for r in 0..16 {
+                for n in 0..8 {
+                    want[r * 8 + n] = (0..16).map(|k| a[r * 16 + k] * b[k * 8 + n]).sum();
+                }
+            }
+            let bad: Vec<String> = (0..128)
+                .filter(|&e| got[e] != want[e])
+                .take(8)
+                .map(|e| format!("D[{}][{}] = {} want {}", e / 8, e % 8, got[e], want[e]))
+                .collect();
+            assert!(
+                bad.is_empty(),
+                "{dt} {what}: {}\ngot D:\n{}\nwant D:\n{}",
+                bad.join("; "),
+                matrix(&got, 8),
+                matrix(&want, 8)
+            );
+        }
+    }
+}
+
+/// Where element `e` of a fused forward's y (NHWC) comes from: tile, block, warp, lane,
+/// fragment and accumulator, so a failure points at the kernel's index arithmetic.
+fn fused_at(s: &ConvShape, tile: WinogradTile) -> impl Fn(usize) -> String {
+    let (oh, ow) = s.out_hw().unwrap();
+    let d = winograd_dims(s, tile).unwrap();
+    let c = fused::cfg(tile);
+    let (m, k) = (tile.m(), s.c_out);
+    move |e| {
+        let kk = e % k;
+        let ox = (e / k) % ow;
+        let oy = (e / (k * ow)) % oh;
+        let b = e / (k * ow * oh);
+        let (th, tw) = (oy / m, ox / m);
+        let t = (b * d.tiles_h + th) * d.tiles_w + tw;
+        let tl = t % fused::TILES_PER_BLOCK;
+        let kin = kk % c.tk;
+        let lane = (tl % 8) * 4 + (kin % 8) / 2;
+        format!(
+            "image {b}, y {oy}, x {ox}, channel {kk} = tile {t} (row {th}, col {tw}) output \
+             ({}, {}); block ({}, {}), warp (tiles {}, channels {}), lane {lane}, fragment {}, \
+             accumulator {}",
+            oy % m,
+            ox % m,
+            t / fused::TILES_PER_BLOCK,
+            kk / c.tk,
+            tl / 16,
+            kin / (8 * c.nf),
+            (kin % (8 * c.nf)) / 8,
+            2 * ((tl % 16) / 8) + kin % 2
+        )
+    }
+}
+
+/// The fused forward against the f64 convolution (and next to the tensor-core engine) on shapes
+/// aimed at its blocking: channel counts not multiples of 16 (a half-empty last chunk), output
+/// channels not multiples of a block's 32 (F(4x4)) or 64 (F(2x2)), tile counts not multiples of
+/// 32, images smaller than a tile, paddings 0/1/2 and per-axis, N in {1, 3, 32}; f16 and bf16,
+/// both tiles, unprepared and prepared.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_forward_matches_the_f64_convolution() {
+    let ctx = gpu();
+    let mut rng = Rng::fresh("fused_forward_matches_the_f64_convolution");
+    let shapes = [
+        shape(1, 8, 8, 1, 1, (1, 1)),
+        shape(3, 8, 24, 5, 7, (1, 1)),
+        shape(1, 24, 40, 7, 5, (0, 0)),
+        shape(2, 64, 64, 14, 14, (1, 1)),
+        shape(1, 136, 72, 9, 9, (2, 2)),
+        shape(1, 16, 8, 31, 31, (1, 0)),
+        shape(32, 16, 16, 7, 7, (1, 1)),
+        shape(1, 64, 64, 56, 56, (1, 1)),
+        shape(3, 32, 48, 14, 31, (2, 1)),
+        shape(2, 8, 128, 6, 10, (0, 2)),
+    ];
+    let mut errs = Vec::new();
+    for s in &shapes {
+        let x = exact(&mut rng, s.x_len());
+        let w = exact(&mut rng, s.w_len());
+        let want = conv_ref(s, &x, &w);
+        fused_case::<f16>(&ctx, s, &x, &w, &want, &mut errs);
+        fused_case::<bf16>(&ctx, s, &x, &w, &want, &mut errs);
+    }
+    print_errors("fused forward", &errs);
+}
+
+fn fused_case<T: Element>(
+    ctx: &Context,
+    s: &ConvShape,
+    x: &[f64],
+    w: &[f64],
+    want: &[f64],
+    errs: &mut Vec<(DType, WinogradTile, WinogradEngine, f64)>,
+) {
+    let (dx, dw) = (up::<T>(ctx, x), up::<T>(ctx, w));
+    for tile in WinogradTile::ALL {
+        let bound = rw::error_bound(T::DTYPE, tile);
+        let fused = run_forward(ctx, s, tile, WinogradEngine::Fused, &dx, &dw, false);
+        let case = format!("fused forward {} {} {s:?}", T::DTYPE, tile.name());
+        let err = compare(&case, &fused, want, bound, fused_at(s, tile));
+        errs.push((T::DTYPE, tile, WinogradEngine::Fused, err));
+        let prepared = run_forward(ctx, s, tile, WinogradEngine::Fused, &dx, &dw, true);
+        assert!(
+            prepared
+                .iter()
+                .zip(&fused)
+                .all(|(p, q)| p.to_bits() == q.to_bits()),
+            "{case}: prepared differs from unprepared"
+        );
+        let tc = run_forward(ctx, s, tile, WinogradEngine::TensorCore, &dx, &dw, false);
+        let tc_err = rel_l2(&tc, want);
+        eprintln!(
+            "{case}: fused {err:.2e}, tensor_core {tc_err:.2e}, fused vs tensor_core {:.2e}",
+            rel_l2(&fused, &tc)
+        );
+    }
+}
+
+/// What the fused engine cannot run is refused before any launch, naming the argument, and y
+/// stays as it was.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_refuses_what_it_cannot_run() {
+    let ctx = gpu();
+    let st = ctx.stream();
+    let run = |s: &ConvShape, dtype: DType, off: (u64, u64)| -> Error {
+        let n = (s.x_len() + s.w_len() + s.y_len().unwrap()) * 4 + 1024;
+        let buf = st.alloc_zeros::<u8>(n).unwrap();
+        let mut y = poisoned::<f32>(&ctx, s.y_len().unwrap());
+        let e = {
+            let (p0, _g) = buf.device_ptr(st);
+            let (py, _h) = y.device_ptr_mut(st);
+            let p = FwdPtrs {
+                x: p0 + off.0,
+                w: p0 + 512 + (s.x_len() * 4) as u64,
+                y: py + off.1,
+            };
+            // SAFETY: the buffers hold the extents; every call here is refused before a launch.
+            unsafe { forward(&ctx, s, dtype, WinogradTile::F4x3, WinogradEngine::Fused, p) }
+                .unwrap_err()
+        };
+        let after = st.clone_dtoh(&y).unwrap();
+        assert!(after.iter().all(|v| v.is_nan()), "{e}: y was written");
+        e
+    };
+    let ok = shape(1, 16, 16, 8, 8, (1, 1));
+    let e = run(&ok, DType::F32, (0, 0));
+    assert_eq!(e.argument(), Some("shape"), "{e}");
+    assert!(e.to_string().contains("f16 and bf16"), "{e}");
+    let e = run(&shape(1, 12, 16, 8, 8, (1, 1)), DType::F16, (0, 0));
+    assert!(e.to_string().contains("c_in = 12"), "{e}");
+    let e = run(&ok, DType::F16, (8, 0));
+    assert_eq!(e.argument(), Some("x"), "{e}");
+    let e = run(&ok, DType::BF16, (0, 2));
+    assert_eq!(e.argument(), Some("y"), "{e}");
+    // No separate multiply.
+    let e = {
+        let buf = st.alloc_zeros::<f16>(1 << 16).unwrap();
+        let (p0, _g) = buf.device_ptr(st);
+        // SAFETY: refused before any launch.
+        unsafe {
+            multiply(
+                &ctx,
+                &ok,
+                DType::F16,
+                WinogradTile::F4x3,
+                WinogradEngine::Fused,
+                p0,
+                p0 + 4096,
+                p0 + 8192,
+                4,
+            )
+        }
+        .unwrap_err()
+    };
+    assert_eq!(e.argument(), Some("engine"), "{e}");
 }

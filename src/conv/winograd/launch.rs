@@ -71,10 +71,42 @@ pub(crate) fn groups(stage: Stage, tile: WinogradTile, vec: usize) -> usize {
     rows / row_groups(stage, tile, vec)
 }
 
-/// The widest vector of [`vec_widths`] that divides `channels` and to whose byte size every
+/// The channel widths a transform takes by default, in order of preference: the first that
+/// divides the channel count and whose byte size every pointer is aligned to runs. Measured on
+/// the H100 (`benches/winograd.rs`, "Transform variants"; f16 NHWC, ResNet-50's 3x3 layers,
+/// batch 32; µs at 56² / 28² / 14² / 7²), not assumed:
+///
+/// - input F(2x2): 8 channels (16-byte accesses) fastest on every layer: 32.7 / 18.9 / 12.6 /
+///   9.0 against 35.2 / 20.5 / 13.9 / 9.8 (v2) and 37.4 / 21.3 / 13.3 / 9.7 (v1);
+/// - input F(4x4): 1 channel fastest on every layer: 27.3 / 16.8 / 12.0 / 8.7 against 39.0 /
+///   25.4 / 15.8 / 9.0 (v2) and 47.7 / 28.4 / 18.3 / 8.8 (v8). With 8 channels a thread computes
+///   one of the six rows and reads the four input rows it needs, so each input row is read ~3.7
+///   times (through the L2); with 2 channels the six-row intermediate takes 104 registers;
+/// - output F(4x4): 2 channels: 20.2 / 12.3 / 9.4 / 8.3 against 20.8 / 13.4 / 9.9 / 8.4 (v1) and
+///   22.0 / 14.3 / 10.1 / 8.5 (v8);
+/// - output F(2x2): all widths within 2 %; 2 channels fastest on three of the four layers.
+///
+/// bf16 moves the same bytes through the same kernels and takes f16's table; f32 is not
+/// measured and keeps the widest width first.
+pub(crate) fn preferred_widths(stage: Stage, tile: WinogradTile, dtype: DType) -> &'static [usize] {
+    match (dtype, stage, tile) {
+        (DType::F32, _, _) => &[4, 1],
+        (_, Stage::Input, WinogradTile::F2x3) => &[8, 2, 1],
+        (_, Stage::Input, WinogradTile::F4x3) => &[1],
+        (_, Stage::Output, _) => &[2, 1],
+    }
+}
+
+/// The first width of [`preferred_widths`] that divides `channels` and to whose byte size every
 /// pointer in `ptrs` is aligned (the scalar width always qualifies).
-pub(crate) fn choose_vec(dtype: DType, channels: usize, ptrs: &[u64]) -> usize {
-    vec_widths(dtype)
+pub(crate) fn choose_vec(
+    stage: Stage,
+    tile: WinogradTile,
+    dtype: DType,
+    channels: usize,
+    ptrs: &[u64],
+) -> usize {
+    preferred_widths(stage, tile, dtype)
         .iter()
         .copied()
         .find(|&v| {
@@ -548,15 +580,35 @@ pub(crate) fn transform_blocks(
         .ok_or_else(|| too_big("the grid"))
 }
 
-/// Grid of the filter transform: `(ceil(c_in / 32), ceil(c_out / 32))` blocks of 32 x 32
-/// channel pairs; `gridDim.y` is limited to 65535.
-pub(crate) fn filter_grid(c_in: usize, c_out: usize) -> Result<(u32, u32)> {
-    let x = c_in.div_ceil(32);
-    let y = c_out.div_ceil(32);
+/// Blocks a filter transform aims for before it splits the transformed rows over
+/// `blockIdx.z`: four per SM of an H100 (132 SMs), enough to hide the loads' latency.
+pub(crate) const FILTER_TARGET_BLOCKS: usize = 528;
+
+/// Grid of the filter transform (`filter_transform` in `kernels/winograd.cu`): 32 lanes along
+/// the channel the output is contiguous in (`c_out`, or `c_in` for the rotated layout), 8 warps
+/// along the other, and as many groups of the `alpha` rows as it takes to reach
+/// [`FILTER_TARGET_BLOCKS`] (each group `ceil(alpha / groups)` rows; no group empty).
+/// `gridDim.y` is limited to 65535.
+pub(crate) fn filter_grid(
+    c_in: usize,
+    c_out: usize,
+    tile: WinogradTile,
+    rotated: bool,
+) -> Result<(u32, u32, u32)> {
+    let (fast, slow) = if rotated {
+        (c_in, c_out)
+    } else {
+        (c_out, c_in)
+    };
+    let x = fast.div_ceil(32);
+    let y = slow.div_ceil(8);
     if y > 65_535 || x > i32::MAX as usize {
         return Err(too_big("the filter's channel count"));
     }
-    Ok((x as u32, y as u32))
+    let a = tile.alpha();
+    let want = FILTER_TARGET_BLOCKS.div_ceil((x * y).max(1)).clamp(1, a);
+    let rows = a.div_ceil(want);
+    Ok((x as u32, y as u32, a.div_ceil(rows) as u32))
 }
 
 /// Grid of the Direct batched multiply: `(mblocks * nblocks, min(batch, 65535))` and `mblocks`.
@@ -620,13 +672,15 @@ pub(crate) fn scratch_layout(
 /// How a Winograd run splits its batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Chunking {
-    /// Chunks as large as the convolution workspace cap allows.
+    /// Chunks as large as the convolution workspace cap allows (usually one): the default of
+    /// the path (see `default_chunking` in `src/conv/winograd.rs` for the measurement).
     WorkspaceCap,
     /// Chunks whose transformed input and product together take at most [`L2_SHARE`] of the
     /// L2 (of this many bytes), but at least [`MIN_CHUNK_TILES`] tiles, and never more than the
     /// workspace cap allows: the product stage then reads U, and the output stage M, from the L2,
     /// and the next chunk overwrites the same scratch lines there, so U and M mostly never reach
-    /// DRAM. The default of the path.
+    /// DRAM. Measured slower than one chunk on the H100 (1.15-1.22x at 56² and 28²), so not the
+    /// default; kept for comparison and for devices where the L2 matters more.
     L2Resident {
         /// The device's L2 in bytes.
         l2_bytes: usize,
@@ -887,15 +941,51 @@ mod tests {
     }
 
     #[test]
-    fn vector_width_follows_channels_and_alignment() {
-        assert_eq!(choose_vec(DType::F16, 64, &[0x1000, 0x2000]), 8);
-        assert_eq!(choose_vec(DType::F16, 64, &[0x1008, 0x2000]), 2);
-        assert_eq!(choose_vec(DType::F16, 30, &[0x1000]), 2);
-        assert_eq!(choose_vec(DType::F16, 129, &[0x1000]), 1);
-        assert_eq!(choose_vec(DType::BF16, 8, &[0x1002]), 1);
-        assert_eq!(choose_vec(DType::F32, 12, &[0x1000]), 4);
-        assert_eq!(choose_vec(DType::F32, 6, &[0x1000]), 1);
-        assert_eq!(choose_vec(DType::F32, 8, &[0x1004]), 1);
+    fn vector_width_follows_the_table_channels_and_alignment() {
+        use Stage::{Input, Output};
+        use WinogradTile::{F2x3, F4x3};
+        assert_eq!(
+            choose_vec(Input, F2x3, DType::F16, 64, &[0x1000, 0x2000]),
+            8
+        );
+        assert_eq!(
+            choose_vec(Input, F2x3, DType::F16, 64, &[0x1008, 0x2000]),
+            2
+        );
+        assert_eq!(choose_vec(Input, F2x3, DType::F16, 30, &[0x1000]), 2);
+        assert_eq!(choose_vec(Input, F2x3, DType::F16, 129, &[0x1000]), 1);
+        assert_eq!(choose_vec(Input, F2x3, DType::BF16, 8, &[0x1002]), 1);
+        // Measured: F(4x4)'s input transform is fastest one channel a thread, its output
+        // transform two.
+        assert_eq!(
+            choose_vec(Input, F4x3, DType::F16, 64, &[0x1000, 0x2000]),
+            1
+        );
+        assert_eq!(
+            choose_vec(Output, F4x3, DType::BF16, 64, &[0x1000, 0x2000]),
+            2
+        );
+        assert_eq!(
+            choose_vec(Output, F2x3, DType::F16, 64, &[0x1000, 0x2000]),
+            2
+        );
+        assert_eq!(choose_vec(Output, F4x3, DType::F16, 63, &[0x1000]), 1);
+        assert_eq!(choose_vec(Output, F4x3, DType::F16, 64, &[0x1002]), 1);
+        for stage in [Input, Output] {
+            for tile in WinogradTile::ALL {
+                assert_eq!(choose_vec(stage, tile, DType::F32, 12, &[0x1000]), 4);
+                assert_eq!(choose_vec(stage, tile, DType::F32, 6, &[0x1000]), 1);
+                assert_eq!(choose_vec(stage, tile, DType::F32, 8, &[0x1004]), 1);
+                // Every preferred width has a kernel, and the scalar width is always last.
+                for dtype in DType::ALL {
+                    let pref = preferred_widths(stage, tile, dtype);
+                    assert_eq!(pref.last(), Some(&1));
+                    for &v in pref {
+                        assert!(vec_widths(dtype).contains(&v), "{dtype} {tile:?} v{v}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]
@@ -910,8 +1000,35 @@ mod tests {
             1
         );
         assert!(transform_blocks(Stage::Input, WinogradTile::F4x3, 1, usize::MAX, 2).is_err());
-        assert_eq!(filter_grid(64, 65).unwrap(), (2, 3));
-        assert!(filter_grid(1, 32 * 65_536).is_err());
+        // 64x64, F(4x4): 2 x 8 blocks of pairs, the six rows one per group.
+        assert_eq!(
+            filter_grid(64, 64, WinogradTile::F4x3, false).unwrap(),
+            (2, 8, 6)
+        );
+        assert_eq!(
+            filter_grid(64, 65, WinogradTile::F2x3, true).unwrap(),
+            (2, 9, 4)
+        );
+        // 512x512: 1024 blocks, no split. 256x256: 256 blocks, 3 groups of 2 rows (F(4x4)).
+        assert_eq!(
+            filter_grid(512, 512, WinogradTile::F4x3, false).unwrap(),
+            (16, 64, 1)
+        );
+        assert_eq!(
+            filter_grid(256, 256, WinogradTile::F4x3, false).unwrap(),
+            (8, 32, 3)
+        );
+        // No empty group: 5 groups wanted of 6 rows would leave one empty; 3 of 2 rows run.
+        for c in 1..200 {
+            for tile in WinogradTile::ALL {
+                let (x, y, z) = filter_grid(c, 3 * c, tile, false).unwrap();
+                let rows = tile.alpha().div_ceil(z as usize);
+                assert!((z as usize - 1) * rows < tile.alpha(), "{c} {tile:?}");
+                assert!(z as usize * rows >= tile.alpha());
+                assert_eq!((x, y), ((3 * c).div_ceil(32) as u32, c.div_ceil(8) as u32));
+            }
+        }
+        assert!(filter_grid(1, 8 * 65_536, WinogradTile::F2x3, true).is_err());
         assert_eq!(direct_grid(64, 65, 36).unwrap(), ((2, 36), 1));
         assert_eq!(direct_grid(130, 1, 100_000).unwrap(), ((3, 65_535), 3));
         assert_eq!(arg_u32(5, "h").unwrap(), 5);

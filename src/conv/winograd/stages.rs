@@ -51,8 +51,9 @@ use crate::gemm::{check_pointers, Problem, Validated};
 use crate::validate::{expect_device, expect_len, expect_outputs_disjoint, BufInfo};
 
 /// Channels per thread the transform kernels of `dtype` exist for, widest first (16-byte
-/// accesses first). The default is the widest that divides the channel count and the pointers'
-/// alignment allows.
+/// accesses first). The default is not always the widest: each (stage, tile, type) has a
+/// measured order of preference, and the first width that divides the channel count and the
+/// pointers' alignment allows runs (`docs/WINOGRAD.md`, "Transform widths").
 pub fn vector_widths(dtype: DType) -> &'static [usize] {
     vec_widths(dtype)
 }
@@ -239,7 +240,8 @@ where
 }
 
 /// The batched multiply of the whole batch by `engine`: `M_pos = U_pos · V_pos` for every
-/// position (`n * tiles_per_image` tiles).
+/// position (`n * tiles_per_image` tiles). [`WinogradEngine::Fused`] has no separate multiply
+/// (an `InvalidArgument` naming `engine`): its kernel is the whole forward ([`forward`]).
 pub fn batched_multiply<T, V, U, M>(
     ctx: &Context,
     s: &ConvShape,
@@ -280,7 +282,8 @@ where
 }
 
 /// The whole Winograd forward convolution as the dispatcher runs it: x (NHWC), w (KRSC) → y,
-/// chunked under the Context's convolution workspace cap.
+/// chunked under the Context's convolution workspace cap (the fused engine keeps only the
+/// transformed filter in the scratch and needs no chunks).
 pub fn forward<T, X, W, Y>(
     ctx: &Context,
     s: &ConvShape,
@@ -325,7 +328,7 @@ where
 }
 
 /// [`forward`] with an explicit batch-splitting strategy (the path's default is
-/// [`Chunking::L2Resident`] on the Context's device), for comparing strategies.
+/// [`Chunking::WorkspaceCap`]), for comparing strategies.
 #[allow(clippy::too_many_arguments)] // forward's arguments plus the strategy
 pub fn forward_chunked<T, X, W, Y>(
     ctx: &Context,
@@ -369,6 +372,52 @@ where
     };
     // SAFETY: lengths, device and disjointness checked above.
     unsafe { super::forward_chunked(ctx, s, T::DTYPE, tile, engine, p, chunking) }
+}
+
+/// The Winograd forward with a filter already transformed by [`filter_transform`] (`v`,
+/// `V[pos][c_in][c_out]`): what `Conv2d::forward_prepared` runs on a Winograd route; with
+/// [`WinogradEngine::Fused`] it is the fused kernel alone.
+pub fn forward_prepared<T, X, V, Y>(
+    ctx: &Context,
+    s: &ConvShape,
+    tile: WinogradTile,
+    engine: WinogradEngine,
+    x: &X,
+    v: &V,
+    y: &mut Y,
+) -> Result<()>
+where
+    T: Element,
+    X: DevicePtr<T>,
+    V: DevicePtr<T>,
+    Y: DevicePtrMut<T>,
+{
+    let d = eligible(s, tile)?;
+    let stream = ctx.stream();
+    let ixm = meta(x);
+    let (px, _gx) = x.device_ptr(stream);
+    let ix = info::<T>("x", ixm, px);
+    let ivm = meta(v);
+    let (pv, _gv) = v.device_ptr(stream);
+    let iv = info::<T>("v", ivm, pv);
+    let iym = meta(y);
+    let (py, _gy) = y.device_ptr_mut(stream);
+    let iy = info::<T>("y", iym, py);
+    check_bufs(
+        ctx,
+        &[(iy, s.y_len()?, "n * oh * ow * c_out")],
+        &[
+            (ix, s.x_len(), "n * h * w * c_in"),
+            (iv, d.v, "positions * c_in * c_out"),
+        ],
+    )?;
+    let p = FwdPtrs {
+        x: px,
+        w: pv,
+        y: py,
+    };
+    // SAFETY: lengths, device and disjointness checked above.
+    unsafe { super::forward_prepared(ctx, s, T::DTYPE, tile, engine, p) }
 }
 
 /// How the path splits a batch: what [`plan_chunks`] answers.
