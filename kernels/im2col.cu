@@ -5,36 +5,51 @@
 //    The reference layout [n][K][P] is col_img = K*P, col_row = P; the filter gradient uses
 //    [K][chunk][P] (col_img = P, col_row = chunk*P) so that a chunk's images form one matrix.
 //  * NHWC columns: element (b, p, q) at b*col_img + p*K + q, q = (r*kw + s)*c_in + c: each
-//    pixel's patch is contiguous, and each tap's c_in run is contiguous in x and in the columns.
+//    pixel's patch is contiguous, an image's columns are one contiguous run of P*K elements,
+//    and with dilation 1 along the width the kw*c_in items of one filter row r are one
+//    contiguous run of the input row as well.
 //
-// im2col work mapping (the index math costs less than the memory time, so that the copy runs at
-// bandwidth):
-//  * NCHW, Caffe's scheme: one thread per (c, output pixel) of an image, looping over the kh*kw
-//    taps of its channel (EPT taps' loads before their stores). The channel/pixel decomposition
-//    is paid once per kh*kw items; for a fixed tap consecutive threads write consecutive pixels
-//    of one row (coalesced) and read consecutive input columns.
-//  * NHWC: one warp per output pixel (column row) at a time; its lanes cover the K items of the
-//    pixel's patch (contiguous in the columns: coalesced), EPT per lane in flight. An item q is
-//    (r, j) with j = s*c_in + c: with dilation 1 along the width, j is also the offset in the
-//    input row (the s and c of a filter row are one contiguous run in x), so one division per
-//    item suffices.
+// im2col only copies, so its kernels are typed by size. The work mappings keep the index math
+// far below the memory time (a flat one-thread-per-2-byte-element mapping with ~4 divisions
+// per element was issue-bound at 30% of copy bandwidth on the 7x7/2 stem):
+//  * NCHW (im2col_nchw_b2/b4), Caffe's scheme widened: a thread takes one output pixel of
+//    ITEMS consecutive channels (consecutive threads: consecutive pixels, so that loads and
+//    stores are coalesced) and walks the kh*kw taps for all of them at once, two taps per round:
+//    the tap offsets (r*dh, s*dw) are uniform across the grid and the channels share the
+//    pixel's bounds test, so the per-element work is the copy itself, and 2*ITEMS loads are in
+//    flight before their stores. gridDim.z splits the taps into groups of TGROUP (4), so that
+//    a thread makes at most two rounds and small layers still spread over several short waves
+//    of blocks (a whole-patch thread made 5 rounds for 3x3, so that the last, partial wave of
+//    a 512@7² layer cost as much as a full one).
+//  * NHWC with a copy unit of 8 or 16 bytes (im2col_nhwc_b8/b16: the tap's channel run is a
+//    whole number of units and both pointers are aligned; b2/b4 are the fallback), flat: a
+//    thread takes EPT units of the image's contiguous column matrix (2 of 16 bytes, else 4),
+//    THREADS apart, so that every load and store of a warp is contiguous; three magic-number
+//    divisions per unit (pixel, filter row, output row), done once before the image loop; the
+//    EPT loads are in flight before the stores. A block covers THREADS*EPT units and makes one
+//    round, so that small layers (512@7²: 56 blocks an image) spread over short blocks.
+//  * NHWC with 2- or 4-byte elements whose channel runs allow no wider unit (the c_in = 3
+//    stem) and dilation 1 along the width (im2col_nhwc_rows_b2/b4): a block takes TW
+//    consecutive output pixels of one output row, stages the kh input row segments they read
+//    (all channels, zeros in the padding) in shared memory, then writes its P*K output range
+//    (contiguous) in aligned 16-byte stores, each composed from at most two contiguous runs of
+//    the staged rows (kw*c_in >= 16/elem: the launcher's condition). One division pair per
+//    16 bytes written, no per-element bounds tests.
 // gridDim.y strides over the images of the chunk. Per-image indices are 32-bit (the launcher
 // keeps every per-image count below 2^31); image offsets are 64-bit. Divisions by the shape's
 // runtime extents use precomputed magic numbers (FastDiv; host side and CPU tests in
-// src/conv/im2col/launch.rs).
+// src/conv/im2col/launch.rs, which also emulates every kernel thread by thread).
+// Padding writes all-zero bits, +0.0 in every type.
 //
-// im2col only copies, so its kernels are typed by size: b2 (f16/bf16), b4 (f32), and for NHWC
-// b8/b16 copy units of several channels when c_in's run is a whole number of units and both
-// pointers are aligned to the unit (the launcher passes the geometry in units). Padding writes
-// all-zero bits, +0.0 in every type.
-//
-// col2im is a gather: each input element sums, in f32 and in the fixed tap order (r, s), the
-// column entries that read it, then rounds once: deterministic, no atomics. One thread per input
-// element (or 16-byte unit of NHWC channels).
+// col2im is a gather: each input element (or NHWC unit of 4/8/16 bytes of channels) sums, in
+// f32 and in the fixed tap order (r, s), the column entries that read it, then rounds once:
+// deterministic, no atomics. One work item per thread; a filter row's taps are read four at a
+// time (predicated loads, issued before their adds) so that a thread waits for memory once per
+// four taps, not once per tap.
 
 constexpr u32 THREADS = 256;  // threads per block (src/conv/im2col/launch.rs: THREADS)
-constexpr u32 WARPS = THREADS / 32;
-constexpr u32 EPT = 4;        // items per thread in flight (launch.rs: EPT)
+constexpr u32 ITEMS = 4;      // NCHW im2col: channels per thread (launch.rs: ITEMS)
+constexpr u32 SGROUP = 4;     // col2im: taps of a filter row loaded together
 
 // n / d for n < 2^31: (umulhi(n, mul) + n) >> shift, with shift = ceil(log2 d) and
 // mul = ceil(2^(32+shift) / d) - 2^32.
@@ -50,7 +65,8 @@ struct ColGeom {
     u64 x_img;    // units between images of x (the source of im2col, the output of col2im)
     u64 col_img;  // units between images of the columns
     u64 col_row;  // NCHW: units between consecutive taps q of the columns
-    u32 count;    // threads' work items per image (NHWC im2col: unused)
+    u32 count;    // work items per image (NCHW im2col: ceil(c_in/ITEMS)*P; NHWC flat im2col:
+                  // P*taps units; col2im: x's units per image; rows kernel: unused)
     u32 c_in;     // channels (NHWC unit kernels: units per pixel of x)
     u32 h, w;
     u32 kh, kw;
@@ -60,165 +76,280 @@ struct ColGeom {
     u32 khkw;     // kh*kw
     u32 kwc;      // kw*c_in: the units of one filter row (NHWC)
     u32 wc;       // w*c_in: the units of one input row (NHWC)
-    u32 unused;
+    u32 tw;       // rows kernel: output pixels per block
+    u32 tiles;    // rows kernel: blocks per output row, ceil(ow / tw)
+    u32 rowlen;   // rows kernel: staged elements per filter row, ((tw-1)*sw + kw) * c_in
+    u32 tgroup;   // NCHW im2col: taps per gridDim.z group (even)
     int sh, sw, ph, pw, dh, dw;
-    FastDiv d_ow, d_cin, d_pixels, d_kwc, d_w, d_hw, d_sh, d_sw;
+    FastDiv d_ow, d_cin, d_pixels, d_kwc, d_w, d_hw, d_sh, d_sw, d_taps, d_tiles, d_kw;
 };
-static_assert(sizeof(ColGeom) == 200, "ColGeom must match src/conv/im2col/launch.rs");
+static_assert(sizeof(ColGeom) == 248, "ColGeom must match src/conv/im2col/launch.rs");
 
 // --- im2col --------------------------------------------------------------------------------
 
 // The element under a tap, or zero bits in the padding. Branch-free (the address is clamped to
-// the plane's first element, which is always valid), so that the compiler keeps the address
-// arithmetic hoisted and the EPT loads independent.
+// the base, which is always valid), so that the compiler keeps the loads independent.
 template <typename E>
-__device__ __forceinline__ E tap_value(const E* plane, bool inside, u32 at) {
-    const E v = plane[inside ? at : 0u];
+__device__ __forceinline__ E tap_value(const E* base, bool inside, u32 at) {
+    const E v = base[inside ? at : 0u];
     return inside ? v : E{};
 }
 
 template <typename E>
 __device__ __forceinline__ void im2col_nchw(const E* __restrict__ x, E* __restrict__ cols,
                                             const ColGeom& g, u32 images) {
-    const u32 e = blockIdx.x * THREADS + threadIdx.x;  // (c, p) of an image
-    if (e >= g.count) return;
-    const u32 c = fdiv(e, g.d_pixels), p = e - c * g.pixels;
+    // Work item e = cg*P + p: pixel p of channels c0 .. c0 + ITEMS - 1, c0 = cg*ITEMS (those
+    // below c_in are live). The channels of a thread share the pixel's coordinates; their
+    // planes are h*w apart and their column rows kh*kw*col_row apart.
+    const u32 e = blockIdx.x * THREADS + threadIdx.x;
+    if (e >= g.count) return;  // no barrier below
+    const u32 cg = fdiv(e, g.d_pixels), p = e - cg * g.pixels;
     const u32 oy = fdiv(p, g.d_ow), ox = p - oy * g.ow;
     const int iy0 = (int)oy * g.sh - g.ph;
     const int ix0 = (int)ox * g.sw - g.pw;
+    const u32 c0 = cg * ITEMS;
+    const u32 live = min(g.c_in - c0, ITEMS);  // >= 1
+    const u32 plane_len = g.h * g.w;
+    const u64 chan_rows = (u64)g.khkw * g.col_row;
+    const u64 dst0 = (u64)c0 * chan_rows + p;
+    // This block's taps: [t0, t1), a group of g.tgroup (even) on gridDim.z.
+    const u32 t0 = blockIdx.z * g.tgroup, t1 = min(t0 + g.tgroup, g.khkw);
+    const u32 r0 = fdiv(t0, g.d_kw), s0 = t0 - r0 * g.kw;
     for (u32 b = blockIdx.y; b < images; b += gridDim.y) {
-        // The channel's plane; offsets inside an image are 32-bit.
-        const E* plane = x + (u64)b * g.x_img + c * g.h * g.w;
-        E* dst = cols + (u64)b * g.col_img + (u64)(c * g.khkw) * g.col_row + p;
-        int iy = iy0, ix = ix0;  // under tap t: (r, s) = (t / kw, t % kw)
-        u32 s = 0, t = 0;
-        for (; t + EPT <= g.khkw; t += EPT) {
-            E v[EPT];
+        const E* xb = x + (u64)b * g.x_img + c0 * plane_len;  // c0*h*w < c_in*h*w < 2^31
+        E* cb = cols + (u64)b * g.col_img + dst0;
+        // Tap t = r*kw + s: offsets (dy, dx) = (r*dh, s*dw), uniform across the block.
+        int dy = (int)r0 * g.dh, dx = (int)s0 * g.dw;
+        u32 s = s0;
+        for (u32 t = t0; t < t1; t += 2) {
+            const bool pair = t + 1 < t1;  // uniform
+            E v[2][ITEMS];
 #pragma unroll
-            for (u32 j = 0; j < EPT; ++j) {
-                const bool inside = (u32)iy < g.h && (u32)ix < g.w;
-                v[j] = tap_value(plane, inside, (u32)iy * g.w + (u32)ix);
-                ix += g.dw;
+            for (u32 u = 0; u < 2; ++u) {
+                const int iy = iy0 + dy, ix = ix0 + dx;
+                const bool inside = (u32)iy < g.h && (u32)ix < g.w && (u == 0 || pair);
+                const u32 at = (u32)iy * g.w + (u32)ix;
+#pragma unroll
+                for (u32 i = 0; i < ITEMS; ++i)
+                    v[u][i] = tap_value(xb + (i < live ? i * plane_len : 0u), inside && i < live, at);
+                dx += g.dw;
                 if (++s == g.kw) {
                     s = 0;
-                    ix = ix0;
-                    iy += g.dh;
+                    dx = 0;
+                    dy += g.dh;
                 }
             }
+            E* row = cb + (u64)t * g.col_row;
 #pragma unroll
-            for (u32 j = 0; j < EPT; ++j) {
-                *dst = v[j];  // tap t + j's row
-                dst += g.col_row;
-            }
-        }
-        for (; t < g.khkw; ++t) {
-            const bool inside = (u32)iy < g.h && (u32)ix < g.w;
-            *dst = tap_value(plane, inside, (u32)iy * g.w + (u32)ix);
-            dst += g.col_row;
-            ix += g.dw;
-            if (++s == g.kw) {
-                s = 0;
-                ix = ix0;
-                iy += g.dh;
+            for (u32 i = 0; i < ITEMS; ++i) {
+                if (i < live) {
+                    row[i * chan_rows] = v[0][i];
+                    if (pair) row[i * chan_rows + g.col_row] = v[1][i];
+                }
             }
         }
     }
 }
 
-template <typename E, bool DW1>
+// NHWC, flat over the image's column units (see the header).
+template <typename E, u32 EPT, bool DW1>
 __device__ __forceinline__ void im2col_nhwc(const E* __restrict__ x, E* __restrict__ cols,
                                             const ColGeom& g, u32 images) {
-    const u32 lane = threadIdx.x & 31;
-    const u32 first = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    const u32 first = blockIdx.x * (THREADS * EPT) + threadIdx.x;
+    if (first >= g.count) return;  // no barrier below
+    u32 src[EPT];  // the unit's offset in the image's input
+    bool inside[EPT], live[EPT];
+#pragma unroll
+    for (u32 j = 0; j < EPT; ++j) {
+        const u32 e0 = first + j * THREADS;
+        live[j] = e0 < g.count;
+        const u32 e = live[j] ? e0 : first;
+        const u32 p = fdiv(e, g.d_taps), q = e - p * g.taps;
+        const u32 oy = fdiv(p, g.d_ow), ox = p - oy * g.ow;
+        const u32 r = fdiv(q, g.d_kwc), jj = q - r * g.kwc;
+        const int iy = (int)oy * g.sh - g.ph + (int)r * g.dh;
+        const int ix0 = (int)ox * g.sw - g.pw;
+        if constexpr (DW1) {
+            // s and c fused: jj is the offset from input column ix0 within the input row.
+            const int xc = ix0 * (int)g.c_in + (int)jj;
+            inside[j] = (u32)iy < g.h && (u32)xc < g.wc;
+            src[j] = (u32)iy * g.wc + (u32)xc;
+        } else {
+            const u32 s = fdiv(jj, g.d_cin), c = jj - s * g.c_in;
+            const int ix = ix0 + (int)s * g.dw;
+            inside[j] = (u32)iy < g.h && (u32)ix < g.w;
+            src[j] = ((u32)iy * g.w + (u32)ix) * g.c_in + c;
+        }
+    }
     for (u32 b = blockIdx.y; b < images; b += gridDim.y) {
         const E* xb = x + (u64)b * g.x_img;
         E* cb = cols + (u64)b * g.col_img;
-        for (u32 p = first; p < g.pixels; p += gridDim.x * WARPS) {
-            const u32 oy = fdiv(p, g.d_ow), ox = p - oy * g.ow;
-            const int iy0 = (int)oy * g.sh - g.ph;
-            const int ix0 = (int)ox * g.sw - g.pw;
-            E* row = cb + (u64)p * g.taps;
-            for (u32 q0 = 0; q0 < g.taps; q0 += 32 * EPT) {
-                E v[EPT];
+        E v[EPT];
 #pragma unroll
-                for (u32 j = 0; j < EPT; ++j) {
-                    // Clamped into the row: loaded always, stored below only when in range.
-                    const u32 q = min(q0 + j * 32 + lane, g.taps - 1);
-                    const u32 r = fdiv(q, g.d_kwc), jj = q - r * g.kwc;
-                    const int iy = iy0 + (int)r * g.dh;
-                    if constexpr (DW1) {
-                        // s and c fused: jj is the offset from input column ix0 in the input row.
-                        const int xc = ix0 * (int)g.c_in + (int)jj;
-                        v[j] = tap_value(xb, (u32)iy < g.h && (u32)xc < g.wc,
-                                         (u32)iy * g.wc + (u32)xc);
-                    } else {
-                        const u32 s = fdiv(jj, g.d_cin), c = jj - s * g.c_in;
-                        const int ix = ix0 + (int)s * g.dw;
-                        v[j] = tap_value(xb, (u32)iy < g.h && (u32)ix < g.w,
-                                         ((u32)iy * g.w + (u32)ix) * g.c_in + c);
-                    }
+        for (u32 j = 0; j < EPT; ++j) v[j] = tap_value(xb, inside[j], src[j]);
+#pragma unroll
+        for (u32 j = 0; j < EPT; ++j)
+            if (live[j]) cb[first + j * THREADS] = v[j];
+    }
+}
+
+// 16 bytes of 2- or 4-byte elements as one vector store.
+__device__ __forceinline__ void store16(unsigned short* p, const unsigned short* v) {
+    *reinterpret_cast<uint4*>(p) =
+        make_uint4((u32)v[0] | ((u32)v[1] << 16), (u32)v[2] | ((u32)v[3] << 16),
+                   (u32)v[4] | ((u32)v[5] << 16), (u32)v[6] | ((u32)v[7] << 16));
+}
+__device__ __forceinline__ void store16(u32* p, const u32* v) {
+    *reinterpret_cast<uint4*>(p) = make_uint4(v[0], v[1], v[2], v[3]);
+}
+
+// Rows kernel: where output element i of the block (pixel pl = i / K of the block, tap
+// q = i % K = r*kwc + j) sits in the staged rows: r*rowlen + pl*sw*c_in + j.
+__device__ __forceinline__ u32 staged_at(u32 i, const ColGeom& g) {
+    const u32 pl = fdiv(i, g.d_taps), q = i - pl * g.taps;
+    const u32 r = fdiv(q, g.d_kwc), j = q - r * g.kwc;
+    return r * g.rowlen + pl * (u32)g.sw * g.c_in + j;
+}
+
+// NHWC rows kernel (see the header); E is the element (2 or 4 bytes); dilation 1 along the
+// width and kwc >= 16 / sizeof(E) (the launcher's conditions).
+template <typename E>
+__device__ __forceinline__ void im2col_nhwc_rows(const E* __restrict__ x, E* __restrict__ cols,
+                                                 const ColGeom& g, u32 images) {
+    constexpr u32 V = 16 / sizeof(E);  // elements per 16-byte store
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    E* tile = reinterpret_cast<E*>(smem_raw);  // [kh][rowlen]
+    const u32 oy = fdiv(blockIdx.x, g.d_tiles), ox0 = (blockIdx.x - oy * g.tiles) * g.tw;
+    const u32 npix = min(g.tw, g.ow - ox0);
+    const int iys = (int)oy * g.sh - g.ph;
+    // The staged segment's first element in the fused (column, channel) offset of a row.
+    const int xcs = ((int)ox0 * g.sw - g.pw) * (int)g.c_in;
+    const u32 len = npix * g.taps;                 // the block's output elements
+    const u32 start = (oy * g.ow + ox0) * g.taps;  // ... from here in the image's columns
+    const u32 step = (u32)g.sw * g.c_in;           // staged elements from a pixel to the next
+    for (u32 b = blockIdx.y; b < images; b += gridDim.y) {
+        const E* xb = x + (u64)b * g.x_img;
+        // Stage the kh row segments, 4 loads in flight per thread.
+        for (u32 r = 0; r < g.kh; ++r) {
+            const int iy = iys + (int)r * g.dh;
+            const bool row_in = (u32)iy < g.h;
+            const E* src = xb + (row_in ? (u32)iy * g.wc : 0u);
+            E* dst = tile + r * g.rowlen;
+            for (u32 k0 = threadIdx.x; k0 < g.rowlen; k0 += 4 * THREADS) {
+                E v[4];
+#pragma unroll
+                for (u32 u = 0; u < 4; ++u) {
+                    const u32 k = k0 + u * THREADS;
+                    const int xc = xcs + (int)k;
+                    v[u] = tap_value(src, row_in && k < g.rowlen && (u32)xc < g.wc, (u32)xc);
                 }
 #pragma unroll
-                for (u32 j = 0; j < EPT; ++j) {
-                    const u32 q = q0 + j * 32 + lane;
-                    if (q < g.taps) row[q] = v[j];
+                for (u32 u = 0; u < 4; ++u) {
+                    const u32 k = k0 + u * THREADS;
+                    if (k < g.rowlen) dst[k] = v[u];
                 }
             }
         }
+        __syncthreads();
+        // Write [start, start + len) of the image's columns: the unaligned head and tail element
+        // by element, the rest in aligned 16-byte stores.
+        E* out = cols + (u64)b * g.col_img + start;
+        const u32 mis = (u32)(reinterpret_cast<size_t>(out) / sizeof(E)) & (V - 1);
+        const u32 head = min((V - mis) & (V - 1), len);
+        const u32 chunks = (len - head) / V;
+        const u32 tail = head + chunks * V;
+        if (threadIdx.x < head) out[threadIdx.x] = tile[staged_at(threadIdx.x, g)];
+        if (tail + threadIdx.x < len) {  // len - tail < V <= THREADS
+            const u32 i = tail + threadIdx.x;
+            out[i] = tile[staged_at(i, g)];
+        }
+        for (u32 m = threadIdx.x; m < chunks; m += THREADS) {
+            const u32 i = head + m * V;
+            const u32 pl = fdiv(i, g.d_taps), q = i - pl * g.taps;
+            const u32 r = fdiv(q, g.d_kwc), j = q - r * g.kwc;
+            // Elements k < n1 continue the run of (pl, r) at a1; the rest start the next run,
+            // (pl, r + 1) or (pl + 1, 0), at a2 (kwc >= V: at most two runs). In u32 modular
+            // arithmetic b2 + k = a2 + (k - n1) for k >= n1.
+            const u32 a1 = r * g.rowlen + pl * step + j;
+            const u32 n1 = g.kwc - j;
+            const u32 a2 = r + 1 < g.kh ? a1 - j + g.rowlen : (pl + 1) * step;
+            const u32 b2 = a2 - n1;
+            E v[V];
+#pragma unroll
+            for (u32 k = 0; k < V; ++k) v[k] = tile[(k < n1 ? a1 : b2) + k];
+            store16(out + i, v);
+        }
+        __syncthreads();  // the next image restages the tile
     }
 }
 
 // --- col2im (gather) -----------------------------------------------------------------------
 
-// 16 bytes of T as floats (little-endian: element 2i is the low half of word i).
-template <typename T> struct Unit16;
-template <> struct Unit16<float> {
-    static constexpr int N = 4;
-    __device__ static void add(float* acc, const uint4& v) {
-        acc[0] += __uint_as_float(v.x);
-        acc[1] += __uint_as_float(v.y);
-        acc[2] += __uint_as_float(v.z);
-        acc[3] += __uint_as_float(v.w);
-    }
-    __device__ static uint4 pack(const float* a) {
-        return make_uint4(__float_as_uint(a[0]), __float_as_uint(a[1]), __float_as_uint(a[2]),
-                          __float_as_uint(a[3]));
-    }
+// One 32-bit word of T as floats (little-endian: element 2i is the low half of word i).
+template <typename T> struct Word;
+template <> struct Word<float> {
+    static constexpr u32 N = 1;
+    __device__ static void add(float* acc, u32 w) { acc[0] += __uint_as_float(w); }
+    __device__ static u32 pack(const float* a) { return __float_as_uint(a[0]); }
 };
-template <typename H> struct Unit16Half {
-    static constexpr int N = 8;
-    __device__ static float lo(u32 w) {
+template <typename H> struct WordHalf {
+    static constexpr u32 N = 2;
+    __device__ static float half(u32 bits) {
         H h;
-        h.bits = (unsigned short)(w & 0xffffu);
+        h.bits = (unsigned short)bits;
         return to_float(h);
     }
-    __device__ static float hi(u32 w) {
-        H h;
-        h.bits = (unsigned short)(w >> 16);
-        return to_float(h);
+    __device__ static void add(float* acc, u32 w) {
+        acc[0] += half(w & 0xffffu);
+        acc[1] += half(w >> 16);
     }
-    __device__ static void add(float* acc, const uint4& v) {
-        const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            acc[2 * i] += lo(w[i]);
-            acc[2 * i + 1] += hi(w[i]);
-        }
-    }
-    __device__ static uint4 pack(const float* a) {
-        u32 w[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            w[i] = (u32)from_float<H>(a[2 * i]).bits |
-                   ((u32)from_float<H>(a[2 * i + 1]).bits << 16);
-        return make_uint4(w[0], w[1], w[2], w[3]);
+    __device__ static u32 pack(const float* a) {
+        return (u32)from_float<H>(a[0]).bits | ((u32)from_float<H>(a[1]).bits << 16);
     }
 };
-template <> struct Unit16<nnf_f16> : Unit16Half<nnf_f16> {};
-template <> struct Unit16<nnf_bf16> : Unit16Half<nnf_bf16> {};
+template <> struct Word<nnf_f16> : WordHalf<nnf_f16> {};
+template <> struct Word<nnf_bf16> : WordHalf<nnf_bf16> {};
 
-// Output pixel index along one axis whose tap k reads input index i: o*stride + k*dil - pad = i.
-// Returns false when there is none (t not a multiple of the stride, or o past the output).
+// W 32-bit words (1, 2 or 4: a 4-, 8- or 16-byte unit) at unit index `at` of `base`.
+template <u32 W> struct Words {
+    u32 w[W];
+};
+template <u32 W> __device__ __forceinline__ Words<W> load_words(const void* base, u32 at) {
+    Words<W> r;
+    if constexpr (W == 4) {
+        const uint4 v = reinterpret_cast<const uint4*>(base)[at];
+        r.w[0] = v.x, r.w[1] = v.y, r.w[2] = v.z, r.w[3] = v.w;
+    } else if constexpr (W == 2) {
+        const uint2 v = reinterpret_cast<const uint2*>(base)[at];
+        r.w[0] = v.x, r.w[1] = v.y;
+    } else {
+        r.w[0] = reinterpret_cast<const u32*>(base)[at];
+    }
+    return r;
+}
+template <u32 W> __device__ __forceinline__ void store_words(void* base, u32 at, const Words<W>& r) {
+    if constexpr (W == 4) {
+        reinterpret_cast<uint4*>(base)[at] = make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
+    } else if constexpr (W == 2) {
+        reinterpret_cast<uint2*>(base)[at] = make_uint2(r.w[0], r.w[1]);
+    } else {
+        reinterpret_cast<u32*>(base)[at] = r.w[0];
+    }
+}
+
+// A work item's value as stored (Raw: one element of T for W = 0, else W words) and the number
+// of f32 sums it needs (N). NVRTC has no <type_traits>, hence the specialisation.
+template <typename T, u32 W> struct Acc {
+    static constexpr u32 N = W * Word<T>::N;
+    using Raw = Words<W>;
+};
+template <typename T> struct Acc<T, 0> {
+    static constexpr u32 N = 1;
+    using Raw = T;
+};
+
+// Output index along one axis whose tap reads input index i, t = i + pad - k*dil (>= 0 here):
+// o*stride = t. False when there is none (t not a multiple of the stride, or o past the output).
 __device__ __forceinline__ bool out_of(int t, int stride, const FastDiv& ds, u32 out, u32& o) {
     if (stride == 1) {  // uniform across the grid
         o = (u32)t;
@@ -228,79 +359,75 @@ __device__ __forceinline__ bool out_of(int t, int stride, const FastDiv& ds, u32
     return (int)(o * (u32)stride) == t && o < out;
 }
 
-template <typename T>
-__device__ __forceinline__ void col2im_nchw(const T* __restrict__ cols, T* __restrict__ x,
-                                            const ColGeom& g, u32 images) {
-    const u32 first = blockIdx.x * (THREADS * EPT) + threadIdx.x;
-    for (u32 b = blockIdx.y; b < images; b += gridDim.y) {
-        const T* cb = cols + (u64)b * g.col_img;
-        T* xb = x + (u64)b * g.x_img;
-        for (u32 j = 0; j < EPT; ++j) {
-            const u32 e = first + j * THREADS;
-            if (e >= g.count) break;
-            const u32 c = fdiv(e, g.d_hw), pix = e - c * g.d_hw.d;
-            const u32 iy = fdiv(pix, g.d_w), ix = pix - iy * g.w;
-            float acc = 0.0f;
-            for (u32 r = 0; r < g.kh; ++r) {
-                const int ty = (int)iy + g.ph - (int)r * g.dh;
-                if (ty < 0) break;  // ty only decreases with r
-                u32 oy;
-                if (!out_of(ty, g.sh, g.d_sh, g.oh, oy)) continue;
-                for (u32 s = 0; s < g.kw; ++s) {
-                    const int tx = (int)ix + g.pw - (int)s * g.dw;
-                    if (tx < 0) break;
-                    u32 ox;
-                    if (!out_of(tx, g.sw, g.d_sw, g.ow, ox)) continue;
-                    const u32 q = (c * g.kh + r) * g.kw + s;
-                    // The reference layout: col_row = P, and an image's columns are < 2^31.
-                    acc += to_float(cb[q * (u32)g.col_row + oy * g.ow + ox]);
-                }
-            }
-            xb[e] = from_float<T>(acc);
-        }
+// One item per thread. NCHW (NCHW = true): an element (c, iy, ix), columns at q*col_row + pixel
+// with q = (c*kh + r)*kw + s; NHWC: a unit (pixel, c) of W words (or an element, W = 0), columns
+// at pixel*taps + (r*kw + s)*c_in + c, in units.
+template <typename T, u32 W, bool NCHW>
+__device__ __forceinline__ void col2im(const T* __restrict__ cols, T* __restrict__ x,
+                                       const ColGeom& g, u32 images) {
+    constexpr u32 N = Acc<T, W>::N;
+    using Raw = typename Acc<T, W>::Raw;
+    const u32 e = blockIdx.x * THREADS + threadIdx.x;
+    if (e >= g.count) return;
+    u32 c, iy, ix;
+    if constexpr (NCHW) {
+        c = fdiv(e, g.d_hw);
+        const u32 pix = e - c * g.d_hw.d;
+        iy = fdiv(pix, g.d_w), ix = pix - iy * g.w;
+    } else {
+        const u32 pix = fdiv(e, g.d_cin);
+        c = e - pix * g.c_in;
+        iy = fdiv(pix, g.d_w), ix = pix - iy * g.w;
     }
-}
-
-// NHWC, one channel (scalar) or one 16-byte unit of channels (VEC) per work item.
-template <typename T, bool VEC>
-__device__ __forceinline__ void col2im_nhwc(const T* __restrict__ cols, T* __restrict__ x,
-                                            const ColGeom& g, u32 images) {
-    constexpr int N = VEC ? Unit16<T>::N : 1;
-    const u32 first = blockIdx.x * (THREADS * EPT) + threadIdx.x;
+    const Raw* cr = reinterpret_cast<const Raw*>(cols);
     for (u32 b = blockIdx.y; b < images; b += gridDim.y) {
-        const T* cb = cols + (u64)b * g.col_img * N;
-        T* xb = x + (u64)b * g.x_img * N;
-        for (u32 j = 0; j < EPT; ++j) {
-            const u32 e = first + j * THREADS;
-            if (e >= g.count) break;
-            const u32 pix = fdiv(e, g.d_cin), c = e - pix * g.c_in;
-            const u32 iy = fdiv(pix, g.d_w), ix = pix - iy * g.w;
-            float acc[N];
+        const Raw* cb = cr + (u64)b * g.col_img;
+        float acc[N];
 #pragma unroll
-            for (int i = 0; i < N; ++i) acc[i] = 0.0f;
-            for (u32 r = 0; r < g.kh; ++r) {
-                const int ty = (int)iy + g.ph - (int)r * g.dh;
-                if (ty < 0) break;
-                u32 oy;
-                if (!out_of(ty, g.sh, g.d_sh, g.oh, oy)) continue;
-                for (u32 s = 0; s < g.kw; ++s) {
+        for (u32 i = 0; i < N; ++i) acc[i] = 0.0f;
+        for (u32 r = 0; r < g.kh; ++r) {
+            const int ty = (int)iy + g.ph - (int)r * g.dh;
+            if (ty < 0) break;  // ty only decreases with r
+            u32 oy;
+            if (!out_of(ty, g.sh, g.d_sh, g.oh, oy)) continue;
+            for (u32 s0 = 0; s0 < g.kw; s0 += SGROUP) {
+                Raw v[SGROUP];
+                bool ok[SGROUP];
+#pragma unroll
+                for (u32 k = 0; k < SGROUP; ++k) {
+                    const u32 s = s0 + k;
                     const int tx = (int)ix + g.pw - (int)s * g.dw;
-                    if (tx < 0) break;
-                    u32 ox;
-                    if (!out_of(tx, g.sw, g.d_sw, g.ow, ox)) continue;
-                    const u32 at = (oy * g.ow + ox) * g.taps + (r * g.kw + s) * g.c_in + c;
-                    if constexpr (VEC) {
-                        Unit16<T>::add(acc, reinterpret_cast<const uint4*>(cb)[at]);
+                    u32 ox = 0;
+                    ok[k] = s < g.kw && tx >= 0 && out_of(tx, g.sw, g.d_sw, g.ow, ox);
+                    u32 at;
+                    if constexpr (NCHW) {
+                        // The reference layout: col_row = P; an image's columns are < 2^31.
+                        at = ((c * g.kh + r) * g.kw + s) * (u32)g.col_row + oy * g.ow + ox;
                     } else {
-                        acc[0] += to_float(cb[at]);
+                        at = (oy * g.ow + ox) * g.taps + (r * g.kw + s) * g.c_in + c;
+                    }
+                    if (ok[k]) v[k] = cb[at];
+                }
+#pragma unroll
+                for (u32 k = 0; k < SGROUP; ++k) {
+                    if (!ok[k]) continue;
+                    if constexpr (W == 0) {
+                        acc[0] += to_float(v[k]);
+                    } else {
+#pragma unroll
+                        for (u32 i = 0; i < W; ++i) Word<T>::add(acc + i * Word<T>::N, v[k].w[i]);
                     }
                 }
             }
-            if constexpr (VEC) {
-                reinterpret_cast<uint4*>(xb)[e] = Unit16<T>::pack(acc);
-            } else {
-                xb[e] = from_float<T>(acc[0]);
-            }
+        }
+        T* xb = x + (u64)b * g.x_img * (W == 0 ? 1 : W * 4 / sizeof(T));
+        if constexpr (W == 0) {
+            xb[e] = from_float<T>(acc[0]);
+        } else {
+            Words<W> out;
+#pragma unroll
+            for (u32 i = 0; i < W; ++i) out.w[i] = Word<T>::pack(acc + i * Word<T>::N);
+            store_words<W>(xb, e, out);
         }
     }
 }
@@ -327,19 +454,29 @@ __device__ __forceinline__ void accumulate(const T* __restrict__ part, float* __
 
 // --- entry points --------------------------------------------------------------------------
 
-#define NNF_IM2COL_UNIT(E, S)                                                                     \
+#define NNF_IM2COL_UNIT(E, EPT, S)                                                                \
     extern "C" __global__ void __launch_bounds__(THREADS)                                         \
         im2col_nhwc_##S(const E* x, E* cols, ColGeom g, u32 images) {                             \
         if (g.dw == 1)                                                                            \
-            im2col_nhwc<E, true>(x, cols, g, images);                                             \
+            im2col_nhwc<E, EPT, true>(x, cols, g, images);                                        \
         else                                                                                      \
-            im2col_nhwc<E, false>(x, cols, g, images);                                            \
+            im2col_nhwc<E, EPT, false>(x, cols, g, images);                                       \
     }
 
-NNF_IM2COL_UNIT(unsigned short, b2)
-NNF_IM2COL_UNIT(u32, b4)
-NNF_IM2COL_UNIT(uint2, b8)
-NNF_IM2COL_UNIT(uint4, b16)
+// Units per thread: 32 bytes in flight for 16- and 8-byte units (launch.rs: nhwc_ept).
+NNF_IM2COL_UNIT(unsigned short, 4, b2)
+NNF_IM2COL_UNIT(u32, 4, b4)
+NNF_IM2COL_UNIT(uint2, 4, b8)
+NNF_IM2COL_UNIT(uint4, 2, b16)
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    im2col_nhwc_rows_b2(const unsigned short* x, unsigned short* cols, ColGeom g, u32 images) {
+    im2col_nhwc_rows<unsigned short>(x, cols, g, images);
+}
+extern "C" __global__ void __launch_bounds__(THREADS)
+    im2col_nhwc_rows_b4(const u32* x, u32* cols, ColGeom g, u32 images) {
+    im2col_nhwc_rows<u32>(x, cols, g, images);
+}
 
 extern "C" __global__ void __launch_bounds__(THREADS)
     im2col_nchw_b2(const unsigned short* x, unsigned short* cols, ColGeom g, u32 images) {
@@ -350,19 +487,17 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     im2col_nchw<u32>(x, cols, g, images);
 }
 
+#define NNF_COL2IM_ENTRY(T, W, NCHW, NAME)                                                        \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                         \
+        NAME(const T* cols, T* x, ColGeom g, u32 images) {                                        \
+        col2im<T, W, NCHW>(cols, x, g, images);                                                   \
+    }
+
 #define NNF_COL2IM(T, S)                                                                          \
-    extern "C" __global__ void __launch_bounds__(THREADS)                                         \
-        col2im_nchw_##S(const T* cols, T* x, ColGeom g, u32 images) {                             \
-        col2im_nchw<T>(cols, x, g, images);                                                       \
-    }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(THREADS)                                         \
-        col2im_nhwc_##S(const T* cols, T* x, ColGeom g, u32 images) {                             \
-        col2im_nhwc<T, false>(cols, x, g, images);                                                \
-    }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(THREADS)                                         \
-        col2im_nhwc_vec_##S(const T* cols, T* x, ColGeom g, u32 images) {                         \
-        col2im_nhwc<T, true>(cols, x, g, images);                                                 \
-    }                                                                                             \
+    NNF_COL2IM_ENTRY(T, 0, true, col2im_nchw_##S)                                                 \
+    NNF_COL2IM_ENTRY(T, 0, false, col2im_nhwc_##S)                                                \
+    NNF_COL2IM_ENTRY(T, 2, false, col2im_nhwc_v8_##S)                                             \
+    NNF_COL2IM_ENTRY(T, 4, false, col2im_nhwc_v16_##S)                                            \
     extern "C" __global__ void __launch_bounds__(THREADS)                                         \
         conv_accumulate_##S(const T* part, float* acc, T* out, u64 len, u32 mode) {               \
         accumulate<T>(part, acc, out, len, mode);                                                 \
@@ -371,3 +506,6 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 NNF_COL2IM(float, f32)
 NNF_COL2IM(nnf_f16, f16)
 NNF_COL2IM(nnf_bf16, bf16)
+// 4-byte units: two channels of a 16-bit type (for f32 that is the scalar kernel).
+NNF_COL2IM_ENTRY(nnf_f16, 1, false, col2im_nhwc_v4_f16)
+NNF_COL2IM_ENTRY(nnf_bf16, 1, false, col2im_nhwc_v4_bf16)

@@ -1,7 +1,17 @@
 //! Launch arithmetic of `kernels/im2col.cu`: the kernels' geometry argument ([`ColGeom`], with
-//! magic-number divisors, [`FastDiv`]), the choice of kernel (copy unit, vector col2im) and the
-//! grid. Pure: no GPU. The tests emulate the kernels' index math on the CPU, thread by thread,
-//! and compare with [`crate::reference::conv`].
+//! magic-number divisors, [`FastDiv`]), the choice of kernel (work mapping and copy unit), the
+//! grid and the shared memory. Pure: no GPU. The tests emulate the kernels' index math on the
+//! CPU, thread by thread, and compare with [`crate::reference::conv`].
+//!
+//! Kernel choice for im2col (the work mappings are described in `kernels/im2col.cu`):
+//! - NCHW: `im2col_nchw_b2/b4` (a thread per pixel of [`ITEMS`] channels, taps in groups of
+//!   [`TGROUP`] on `gridDim.z`).
+//! - NHWC with an 8- or 16-byte copy unit ([`copy_unit_bytes`]): `im2col_nhwc_b8/b16`, flat
+//!   over the column units.
+//! - Other NHWC problems with dilation 1 along the width and filter rows of at least 16 bytes
+//!   (`kw*c_in*elem >= 16`) whose staged rows fit [`ROWS_SMEM_MAX`]: `im2col_nhwc_rows_b2/b4`
+//!   (shared-memory rows, 16-byte stores); the ResNet stem (c_in = 3) is one.
+//! - Everything else: `im2col_nhwc_b2/b4` (flat, element or 4-byte units).
 
 use cudarc::driver::{DeviceRepr, LaunchConfig};
 
@@ -12,13 +22,34 @@ use crate::layout::TensorFormat;
 
 /// Threads per block of every kernel in `kernels/im2col.cu` (`THREADS` there).
 pub(crate) const THREADS: u32 = 256;
-/// Work items per thread of the im2col and col2im kernels (`EPT` there).
-pub(crate) const EPT: u32 = 4;
-/// Largest `gridDim.y`; the kernels stride over further images.
+/// NCHW im2col: channels per thread (`ITEMS` there).
+pub(crate) const ITEMS: u32 = 4;
+/// NCHW im2col: taps per `gridDim.z` group (even; raised for filters of more than 262,140 taps
+/// so that `gridDim.z` stays within its limit).
+pub(crate) const TGROUP: u32 = 4;
+/// col2im: taps of a filter row loaded together (`SGROUP` there).
+#[cfg(test)]
+pub(crate) const SGROUP: u32 = 4;
+/// Largest `gridDim.y` and `gridDim.z`; the kernels stride over further images.
 pub(crate) const MAX_GRID_Y: u32 = 65_535;
 /// Per-image item counts, extents and index sums stay at or below this: the kernels index an
 /// image's items in 32 bits, [`FastDiv`] is exact below 2^31, and coordinates are `int`.
 pub(crate) const MAX_EXTENT: usize = i32::MAX as usize;
+/// Rows kernel: output bytes a block aims at (its pixels are `ceil(this / (K*elem))`, at most
+/// the output row), so that staging is amortised over enough stores.
+pub(crate) const ROWS_OUT_BYTES: usize = 32 * 1024;
+/// Rows kernel: most shared memory a block may stage (bytes; several blocks share an SM).
+pub(crate) const ROWS_SMEM_MAX: usize = 24 * 1024;
+
+/// NHWC flat im2col: units per thread for a copy unit of `unit_bytes` (32 bytes in flight for
+/// 16- and 8-byte units). Mirrors the `NNF_IM2COL_UNIT` instantiations in `kernels/im2col.cu`.
+pub(crate) fn nhwc_ept(unit_bytes: usize) -> u32 {
+    if unit_bytes == 16 {
+        2
+    } else {
+        4
+    }
+}
 
 /// `n / d` for `n < 2^31` as `(umulhi(n, mul) + n) >> shift` (Granlund–Montgomery's round-up
 /// method): `shift = ceil(log2 d)`, `mul = ceil(2^(32+shift) / d) - 2^32`. The kernels divide
@@ -54,7 +85,7 @@ impl FastDiv {
 }
 
 /// The geometry argument of every im2col/col2im kernel, field for field as `ColGeom` in
-/// `kernels/im2col.cu` (200 bytes; `static_assert`ed there, tested here). "Units" are elements,
+/// `kernels/im2col.cu` (248 bytes; `static_assert`ed there, tested here). "Units" are elements,
 /// or for the NHWC unit kernels groups of `unit` channels copied at once.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -65,8 +96,8 @@ pub(crate) struct ColGeom {
     pub col_img: u64,
     /// NCHW: units between consecutive taps `q` of the columns.
     pub col_row: u64,
-    /// Work items (threads) per image: NCHW im2col `c_in * P`, col2im x's units per image;
-    /// unused by NHWC im2col (one warp per pixel).
+    /// Work items per image: NCHW im2col `ceil(c_in / ITEMS) * P`, NHWC flat im2col `P * K`
+    /// units, col2im x's units per image; unused by the rows kernel.
     pub count: u32,
     /// Input channels (NHWC unit kernels: units per pixel of x).
     pub c_in: u32,
@@ -92,8 +123,14 @@ pub(crate) struct ColGeom {
     pub kwc: u32,
     /// `w * c_in` (units): one NHWC input row.
     pub wc: u32,
-    /// Padding to the kernel's layout.
-    pub unused: u32,
+    /// Rows kernel: output pixels per block.
+    pub tw: u32,
+    /// Rows kernel: blocks per output row, `ceil(ow / tw)`.
+    pub tiles: u32,
+    /// Rows kernel: staged elements per filter row, `((tw - 1) * sw + kw) * c_in`.
+    pub rowlen: u32,
+    /// NCHW im2col: taps per `gridDim.z` group (even).
+    pub tgroup: u32,
     /// Vertical stride.
     pub sh: i32,
     /// Horizontal stride.
@@ -122,6 +159,12 @@ pub(crate) struct ColGeom {
     pub d_sh: FastDiv,
     /// By the horizontal stride.
     pub d_sw: FastDiv,
+    /// By `taps`.
+    pub d_taps: FastDiv,
+    /// By `tiles`.
+    pub d_tiles: FastDiv,
+    /// By `kw`.
+    pub d_kw: FastDiv,
 }
 
 // SAFETY: plain `repr(C)` data of u64/u32/i32 fields, laid out as the kernels' `ColGeom`
@@ -177,7 +220,8 @@ fn small_product(what: &str, dims: &[usize]) -> Result<usize> {
 }
 
 /// The geometry of `s` with NHWC channels grouped in units of `unit` elements (1 for NCHW and
-/// the scalar kernels); `count` is left 0 for the caller to set.
+/// the scalar kernels); `count` and the rows kernel's fields are left 0 and `tgroup` at
+/// [`TGROUP`] for the caller to set.
 pub(crate) fn geometry(s: &ConvShape, layout: ColLayout, unit: usize) -> Result<ColGeom> {
     let (oh, ow) = s.out_hw()?;
     let unit = unit.max(1);
@@ -239,7 +283,10 @@ pub(crate) fn geometry(s: &ConvShape, layout: ColLayout, unit: usize) -> Result<
         khkw: u(s.kh * s.kw),
         kwc: u(s.kw * c_in_u),
         wc: u(s.w * c_in_u),
-        unused: 0,
+        tw: 0,
+        tiles: 0,
+        rowlen: 0,
+        tgroup: TGROUP,
         sh: small_i("stride.0", s.stride.0)?,
         sw: small_i("stride.1", s.stride.1)?,
         ph: small_i("pad.0", s.pad.0)?,
@@ -254,6 +301,9 @@ pub(crate) fn geometry(s: &ConvShape, layout: ColLayout, unit: usize) -> Result<
         d_hw: FastDiv::new(u(s.h * s.w)),
         d_sh: FastDiv::new(u(s.stride.0)),
         d_sw: FastDiv::new(u(s.stride.1)),
+        d_taps: FastDiv::new(u(taps_u)),
+        d_tiles: FastDiv::new(1),
+        d_kw: FastDiv::new(u(s.kw)),
     })
 }
 
@@ -262,23 +312,28 @@ pub(crate) fn geometry(s: &ConvShape, layout: ColLayout, unit: usize) -> Result<
 pub(crate) struct Launch {
     /// The kernel's name in `kernels/im2col.cu`.
     pub kernel: &'static str,
-    /// `(gridDim.x, gridDim.y)`; blocks of [`THREADS`].
-    pub grid: (u32, u32),
+    /// `(gridDim.x, gridDim.y, gridDim.z)`; blocks of [`THREADS`].
+    pub grid: (u32, u32, u32),
+    /// Dynamic shared memory per block (bytes).
+    pub smem: u32,
     /// The geometry argument.
     pub geom: ColGeom,
     /// Images of the chunk (the kernels' `images` argument).
     pub images: u32,
-    /// Elements each work item moves (the copy unit: 1, or channels per 16-byte unit).
+    /// Elements each work item moves (the copy unit: 1, or channels per 4/8/16-byte unit).
     pub unit: usize,
+    /// The destination address the launch was planned for (the rows kernel aligns its stores
+    /// to it; the CPU emulation needs it to do the same).
+    pub dst_addr: u64,
 }
 
 impl Launch {
     /// As cudarc's launch configuration.
     pub(crate) fn config(&self) -> LaunchConfig {
         LaunchConfig {
-            grid_dim: (self.grid.0, self.grid.1, 1),
+            grid_dim: self.grid,
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: self.smem,
         }
     }
 }
@@ -311,6 +366,45 @@ pub(crate) fn copy_unit_bytes(
         .unwrap_or(elem)
 }
 
+/// The rows kernel's tiling of `s` for `elem`-byte elements: `(tw, tiles, rowlen, smem bytes)`,
+/// or `None` when the kernel does not apply (NCHW, dilation along the width, filter rows under
+/// 16 bytes, or not even one pixel's rows fit [`ROWS_SMEM_MAX`]).
+pub(crate) fn rows_tiling(s: &ConvShape, elem: usize) -> Option<(u32, u32, u32, u32)> {
+    let (oh, ow) = s.out_hw().ok()?;
+    let taps = s.c_in.checked_mul(s.kh)?.checked_mul(s.kw)?;
+    if s.format != TensorFormat::Nhwc
+        || s.dilation.1 != 1
+        || s.kw.saturating_mul(s.c_in).saturating_mul(elem) < 16
+        || oh == 0
+        || ow == 0
+    {
+        return None;
+    }
+    // Staged elements per filter row for tw pixels: ((tw - 1) * sw + kw) * c_in.
+    let row_elems = |tw: usize| ((tw - 1) * s.stride.1 + s.kw) * s.c_in;
+    let per_row_budget = ROWS_SMEM_MAX / s.kh.saturating_mul(elem);
+    if s.kw * s.c_in > per_row_budget {
+        return None;
+    }
+    let by_out = ROWS_OUT_BYTES.div_ceil(taps * elem).clamp(1, ow);
+    let by_smem = (per_row_budget / s.c_in - s.kw) / s.stride.1 + 1; // row_elems(1) fits
+                                                                     // tiles * tw >= ow > (tiles - 1) * tw: every block has at least one pixel.
+    let tiles = ow.div_ceil(by_out.min(by_smem));
+    let tw = ow.div_ceil(tiles);
+    let rowlen = row_elems(tw);
+    let smem = s.kh * rowlen * elem;
+    // The last block's staged segment reaches up to (tiles*tw - 1)*sw - pw + kw input columns:
+    // its fused offsets (times c_in) must fit an int.
+    let reach = (tiles * tw)
+        .saturating_mul(s.stride.1)
+        .saturating_add(s.kw)
+        .saturating_mul(s.c_in);
+    if smem > ROWS_SMEM_MAX || reach > MAX_EXTENT {
+        return None;
+    }
+    Some((tw as u32, tiles as u32, rowlen as u32, smem as u32))
+}
+
 /// The im2col launch for `images` images of `s` (x at `x_addr`, columns at `cols_addr` in
 /// `layout`), for elements of `elem` bytes.
 pub(crate) fn im2col(
@@ -322,16 +416,53 @@ pub(crate) fn im2col(
     cols_addr: u64,
 ) -> Result<Launch> {
     let unit_bytes = copy_unit_bytes(s.format, s.c_in, elem, &[x_addr, cols_addr]);
+    let rows = if unit_bytes < 8 {
+        rows_tiling(s, elem)
+    } else {
+        None
+    };
+    if let Some((tw, tiles, rowlen, smem)) = rows {
+        let mut geom = geometry(s, layout, 1)?;
+        geom.tw = tw;
+        geom.tiles = tiles;
+        geom.rowlen = rowlen;
+        geom.d_tiles = FastDiv::new(tiles);
+        let kernel = match elem {
+            2 => "im2col_nhwc_rows_b2",
+            4 => "im2col_nhwc_rows_b4",
+            _ => {
+                return Err(Error::NotSupported(format!(
+                    "im2col kernels: no kernel for {elem}-byte elements"
+                )))
+            }
+        };
+        // oh * tiles <= oh * ow < 2^31 blocks.
+        let ((bx, by), images) = grid_for(geom.oh * tiles, images)?;
+        return Ok(Launch {
+            kernel,
+            grid: (bx, by, 1),
+            smem,
+            geom,
+            images,
+            unit: 1,
+            dst_addr: cols_addr,
+        });
+    }
     let unit = unit_bytes / elem;
     let mut geom = geometry(s, layout, unit)?;
-    // NCHW: a thread per (c, pixel); NHWC: a warp per pixel. Both counts were checked in
-    // geometry() (c_in*P <= c_in*kh*kw*P).
-    let blocks = match s.format {
+    // Both counts were checked in geometry(): ceil(c_in/ITEMS)*P <= c_in*kh*kw*P, and P*K.
+    let (blocks, z) = match s.format {
         TensorFormat::Nchw => {
-            geom.count = geom.c_in * geom.pixels;
-            geom.count.div_ceil(THREADS)
+            geom.count = geom.c_in.div_ceil(ITEMS) * geom.pixels;
+            // Even groups of taps, at most MAX_GRID_Y of them.
+            let tg = TGROUP.max(geom.khkw.div_ceil(MAX_GRID_Y).next_multiple_of(2));
+            geom.tgroup = tg;
+            (geom.count.div_ceil(THREADS), geom.khkw.div_ceil(tg))
         }
-        TensorFormat::Nhwc => geom.pixels.div_ceil(THREADS / 32),
+        TensorFormat::Nhwc => {
+            geom.count = geom.pixels * geom.taps;
+            (geom.count.div_ceil(THREADS * nhwc_ept(unit_bytes)), 1)
+        }
     };
     let kernel = match (s.format, unit_bytes) {
         (TensorFormat::Nchw, 2) => "im2col_nchw_b2",
@@ -347,20 +478,28 @@ pub(crate) fn im2col(
             )))
         }
     };
-    let (grid, images) = grid_for(blocks, images)?;
+    let ((bx, by), images) = grid_for(blocks, images)?;
     Ok(Launch {
         kernel,
-        grid,
+        grid: (bx, by, z),
+        smem: 0,
         geom,
         images,
         unit,
+        dst_addr: cols_addr,
     })
 }
 
-/// Whether col2im takes its 16-byte path: NHWC, a tap's channel run a whole number of 16-byte
-/// units, both addresses 16-byte aligned.
-pub(crate) fn col2im_vector(format: TensorFormat, c_in: usize, elem: usize, ptrs: &[u64]) -> bool {
-    format == TensorFormat::Nhwc && (c_in * elem) % 16 == 0 && ptrs.iter().all(|&p| p % 16 == 0)
+/// Bytes of col2im's NHWC work unit: the largest of 16, 8, 4 (above the element size) that
+/// divides a tap's channel run and both addresses, else the element (the scalar kernel). NCHW
+/// always sums single elements.
+pub(crate) fn col2im_unit_bytes(
+    format: TensorFormat,
+    c_in: usize,
+    elem: usize,
+    ptrs: &[u64],
+) -> usize {
+    copy_unit_bytes(format, c_in, elem, ptrs)
 }
 
 /// The col2im launch for `images` images of `s`: columns in the reference layout at
@@ -373,31 +512,38 @@ pub(crate) fn col2im(
     x_addr: u64,
 ) -> Result<Launch> {
     let elem = dtype.size();
-    let vector = col2im_vector(s.format, s.c_in, elem, &[cols_addr, x_addr]);
-    let unit = if vector { 16 / elem } else { 1 };
+    let unit_bytes = col2im_unit_bytes(s.format, s.c_in, elem, &[cols_addr, x_addr]);
+    let unit = unit_bytes / elem;
     let (oh, ow) = s.out_hw()?;
     let layout = ColLayout::standard(oh * ow, s.c_in * s.kh * s.kw);
     let mut geom = geometry(s, layout, unit)?;
     geom.count = geom.c_in * geom.h * geom.w; // c_in*h*w (in units) was checked in geometry()
-    let blocks = geom.count.div_ceil(THREADS * EPT);
-    let kernel = match (s.format, vector, dtype) {
+    let blocks = geom.count.div_ceil(THREADS);
+    let kernel = match (s.format, unit_bytes, dtype) {
         (TensorFormat::Nchw, _, DType::F32) => "col2im_nchw_f32",
         (TensorFormat::Nchw, _, DType::F16) => "col2im_nchw_f16",
         (TensorFormat::Nchw, _, DType::BF16) => "col2im_nchw_bf16",
-        (TensorFormat::Nhwc, false, DType::F32) => "col2im_nhwc_f32",
-        (TensorFormat::Nhwc, false, DType::F16) => "col2im_nhwc_f16",
-        (TensorFormat::Nhwc, false, DType::BF16) => "col2im_nhwc_bf16",
-        (TensorFormat::Nhwc, true, DType::F32) => "col2im_nhwc_vec_f32",
-        (TensorFormat::Nhwc, true, DType::F16) => "col2im_nhwc_vec_f16",
-        (TensorFormat::Nhwc, true, DType::BF16) => "col2im_nhwc_vec_bf16",
+        (TensorFormat::Nhwc, 16, DType::F32) => "col2im_nhwc_v16_f32",
+        (TensorFormat::Nhwc, 16, DType::F16) => "col2im_nhwc_v16_f16",
+        (TensorFormat::Nhwc, 16, DType::BF16) => "col2im_nhwc_v16_bf16",
+        (TensorFormat::Nhwc, 8, DType::F32) => "col2im_nhwc_v8_f32",
+        (TensorFormat::Nhwc, 8, DType::F16) => "col2im_nhwc_v8_f16",
+        (TensorFormat::Nhwc, 8, DType::BF16) => "col2im_nhwc_v8_bf16",
+        (TensorFormat::Nhwc, 4, DType::F16) => "col2im_nhwc_v4_f16",
+        (TensorFormat::Nhwc, 4, DType::BF16) => "col2im_nhwc_v4_bf16",
+        (TensorFormat::Nhwc, _, DType::F32) => "col2im_nhwc_f32",
+        (TensorFormat::Nhwc, _, DType::F16) => "col2im_nhwc_f16",
+        (TensorFormat::Nhwc, _, DType::BF16) => "col2im_nhwc_bf16",
     };
-    let (grid, images) = grid_for(blocks, images)?;
+    let ((bx, by), images) = grid_for(blocks, images)?;
     Ok(Launch {
         kernel,
-        grid,
+        grid: (bx, by, 1),
+        smem: 0,
         geom,
         images,
         unit,
+        dst_addr: x_addr,
     })
 }
 
@@ -419,150 +565,298 @@ pub(crate) const KERNELS: &[&str] = &[
     "im2col_nhwc_b4",
     "im2col_nhwc_b8",
     "im2col_nhwc_b16",
+    "im2col_nhwc_rows_b2",
+    "im2col_nhwc_rows_b4",
     "col2im_nchw_f32",
     "col2im_nchw_f16",
     "col2im_nchw_bf16",
     "col2im_nhwc_f32",
     "col2im_nhwc_f16",
     "col2im_nhwc_bf16",
-    "col2im_nhwc_vec_f32",
-    "col2im_nhwc_vec_f16",
-    "col2im_nhwc_vec_bf16",
+    "col2im_nhwc_v4_f16",
+    "col2im_nhwc_v4_bf16",
+    "col2im_nhwc_v8_f32",
+    "col2im_nhwc_v8_f16",
+    "col2im_nhwc_v8_bf16",
+    "col2im_nhwc_v16_f32",
+    "col2im_nhwc_v16_f16",
+    "col2im_nhwc_v16_bf16",
     "conv_accumulate_f32",
     "conv_accumulate_f16",
     "conv_accumulate_bf16",
 ];
 
 /// CPU emulations of the kernels, statement for statement, over the whole grid (every block,
-/// every thread, every work item), on f64 buffers indexed in elements.
+/// every thread, every work item), on f64 buffers indexed in elements. Every load a kernel
+/// issues is performed (also the clamped loads of padding taps), so that an out-of-bounds
+/// address panics here.
 #[cfg(test)]
 pub(crate) mod emulate {
     use super::*;
 
-    /// `im2col_nchw` / `im2col_nhwc` of `kernels/im2col.cu` (the kernel is chosen by the
-    /// launch's name; each work item moves `l.unit` elements).
+    /// `x[at]` (bounds-checked) when `inside`, else the padding's zero; the kernels' `tap_value`.
+    fn tap(x: &[f64], base: u64, inside: bool, at: u32) -> f64 {
+        let v = x[(base + u64::from(if inside { at } else { 0 })) as usize];
+        if inside {
+            v
+        } else {
+            0.0
+        }
+    }
+
+    /// The im2col kernels of `kernels/im2col.cu` (chosen by the launch's name); x and the
+    /// columns in elements, each unit index `i` standing for elements `i*u .. i*u + u`.
     pub(crate) fn im2col(l: &Launch, x: &[f64], cols: &mut [f64]) {
+        if l.kernel.starts_with("im2col_nchw") {
+            nchw(l, x, cols);
+        } else if l.kernel.starts_with("im2col_nhwc_rows") {
+            rows(l, x, cols);
+        } else {
+            nhwc(l, x, cols);
+        }
+    }
+
+    fn nchw(l: &Launch, x: &[f64], cols: &mut [f64]) {
         let g = &l.geom;
-        let u = l.unit;
-        let mut copy = |cols_at: u64, x_at: Option<u64>| {
-            for k in 0..u {
-                cols[cols_at as usize * u + k] = match x_at {
-                    Some(i) => x[i as usize * u + k],
-                    None => 0.0,
-                };
-            }
-        };
-        for by in 0..l.grid.1 {
-            for bx in 0..l.grid.0 {
-                for t in 0..THREADS {
-                    if l.kernel.starts_with("im2col_nchw") {
+        assert_eq!(l.unit, 1);
+        for bz in 0..l.grid.2 {
+            for by in 0..l.grid.1 {
+                for bx in 0..l.grid.0 {
+                    for t in 0..THREADS {
                         let e = bx * THREADS + t;
                         if e >= g.count {
                             continue;
                         }
-                        let c = g.d_pixels.div(e);
-                        let p = e - c * g.pixels;
+                        let cg = g.d_pixels.div(e);
+                        let p = e - cg * g.pixels;
                         let oy = g.d_ow.div(p);
                         let ox = p - oy * g.ow;
                         let iy0 = oy as i32 * g.sh - g.ph;
                         let ix0 = ox as i32 * g.sw - g.pw;
+                        let c0 = cg * ITEMS;
+                        let live = (g.c_in - c0).min(ITEMS);
+                        let plane_len = g.h * g.w;
+                        let chan_rows = u64::from(g.khkw) * g.col_row;
+                        let dst0 = u64::from(c0) * chan_rows + u64::from(p);
+                        let t0 = bz * g.tgroup;
+                        let t1 = (t0 + g.tgroup).min(g.khkw);
+                        let r0 = g.d_kw.div(t0);
+                        let s0 = t0 - r0 * g.kw;
                         let mut b = by;
                         while b < l.images {
-                            let plane = u64::from(b) * g.x_img + u64::from(c * g.h * g.w);
-                            let mut dst = u64::from(b) * g.col_img
-                                + u64::from(c * g.khkw) * g.col_row
-                                + u64::from(p);
-                            let (mut iy, mut ix, mut s) = (iy0, ix0, 0u32);
-                            // tap_value + the odometer of the kernel, one tap.
-                            let tap = |iy: &mut i32, ix: &mut i32, s: &mut u32| {
-                                let inside = (*iy as u32) < g.h && (*ix as u32) < g.w;
-                                let at = (*iy as u32).wrapping_mul(g.w).wrapping_add(*ix as u32);
-                                let v = inside.then(|| plane + u64::from(at));
-                                *ix += g.dw;
-                                *s += 1;
-                                if *s == g.kw {
-                                    *s = 0;
-                                    *ix = ix0;
-                                    *iy += g.dh;
-                                }
-                                v
-                            };
-                            let mut t = 0;
-                            while t + EPT <= g.khkw {
-                                let v: Vec<_> =
-                                    (0..EPT).map(|_| tap(&mut iy, &mut ix, &mut s)).collect();
-                                for vj in v {
-                                    copy(dst, vj);
-                                    dst += g.col_row;
-                                }
-                                t += EPT;
-                            }
-                            while t < g.khkw {
-                                let v = tap(&mut iy, &mut ix, &mut s);
-                                copy(dst, v);
-                                dst += g.col_row;
-                                t += 1;
-                            }
-                            b += l.grid.1;
-                        }
-                    } else {
-                        let lane = t & 31;
-                        let first = bx * (THREADS / 32) + (t >> 5);
-                        let mut b = by;
-                        while b < l.images {
-                            let xb = u64::from(b) * g.x_img;
-                            let cb = u64::from(b) * g.col_img;
-                            let mut p = first;
-                            while p < g.pixels {
-                                let oy = g.d_ow.div(p);
-                                let ox = p - oy * g.ow;
-                                let iy0 = oy as i32 * g.sh - g.ph;
-                                let ix0 = ox as i32 * g.sw - g.pw;
-                                let row = cb + u64::from(p) * u64::from(g.taps);
-                                let mut q0 = 0;
-                                while q0 < g.taps {
-                                    for j in 0..EPT {
-                                        let q_in = q0 + j * 32 + lane;
-                                        // The kernel loads at the clamped item and stores only in range.
-                                        let q = q_in.min(g.taps - 1);
-                                        let r = g.d_kwc.div(q);
-                                        let jj = q - r * g.kwc;
-                                        let iy = iy0 + r as i32 * g.dh;
-                                        let mut src = None;
-                                        if (iy as u32) < g.h {
-                                            if g.dw == 1 {
-                                                let xc = ix0 * g.c_in as i32 + jj as i32;
-                                                if (xc as u32) < g.wc {
-                                                    src = Some(
-                                                        xb + iy as u64 * u64::from(g.wc)
-                                                            + xc as u64,
-                                                    );
-                                                }
-                                            } else {
-                                                let s = g.d_cin.div(jj);
-                                                let c = jj - s * g.c_in;
-                                                let ix = ix0 + s as i32 * g.dw;
-                                                if (ix as u32) < g.w {
-                                                    src = Some(
-                                                        xb + (iy as u64 * u64::from(g.w)
-                                                            + ix as u64)
-                                                            * u64::from(g.c_in)
-                                                            + u64::from(c),
-                                                    );
-                                                }
-                                            }
-                                        }
-                                        if q_in < g.taps {
-                                            copy(row + u64::from(q), src);
-                                        }
+                            let xb = u64::from(b) * g.x_img + u64::from(c0 * plane_len);
+                            let cb = u64::from(b) * g.col_img + dst0;
+                            let (mut dy, mut dx, mut s) = (r0 as i32 * g.dh, s0 as i32 * g.dw, s0);
+                            let mut tap_t = t0;
+                            while tap_t < t1 {
+                                let pair = tap_t + 1 < t1;
+                                let mut v = [[0.0; ITEMS as usize]; 2];
+                                for (u, vu) in v.iter_mut().enumerate() {
+                                    let (iy, ix) = (iy0 + dy, ix0 + dx);
+                                    let inside =
+                                        (iy as u32) < g.h && (ix as u32) < g.w && (u == 0 || pair);
+                                    let at = (iy as u32).wrapping_mul(g.w).wrapping_add(ix as u32);
+                                    for (i, vi) in vu.iter_mut().enumerate() {
+                                        let i = i as u32;
+                                        let base = xb
+                                            + u64::from(if i < live { i * plane_len } else { 0 });
+                                        *vi = tap(x, base, inside && i < live, at);
                                     }
-                                    q0 += 32 * EPT;
+                                    dx += g.dw;
+                                    s += 1;
+                                    if s == g.kw {
+                                        s = 0;
+                                        dx = 0;
+                                        dy += g.dh;
+                                    }
                                 }
-                                p += l.grid.0 * (THREADS / 32);
+                                let row = cb + u64::from(tap_t) * g.col_row;
+                                for i in 0..live {
+                                    let at = row + u64::from(i) * chan_rows;
+                                    cols[at as usize] = v[0][i as usize];
+                                    if pair {
+                                        cols[(at + g.col_row) as usize] = v[1][i as usize];
+                                    }
+                                }
+                                tap_t += 2;
                             }
                             b += l.grid.1;
                         }
                     }
+                }
+            }
+        }
+    }
+
+    fn nhwc(l: &Launch, x: &[f64], cols: &mut [f64]) {
+        let g = &l.geom;
+        let u = l.unit;
+        // EPT as instantiated in the .cu file (b16: 2 units; b2, b4, b8: 4).
+        let ept = if l.kernel.ends_with("_b16") { 2 } else { 4 };
+        assert_eq!(l.grid.2, 1);
+        for by in 0..l.grid.1 {
+            for bx in 0..l.grid.0 {
+                for t in 0..THREADS {
+                    let first = bx * (THREADS * ept) + t;
+                    if first >= g.count {
+                        continue;
+                    }
+                    let mut src = vec![0u32; ept as usize];
+                    let mut inside = vec![false; ept as usize];
+                    let mut live = vec![false; ept as usize];
+                    for j in 0..ept as usize {
+                        let e0 = first + j as u32 * THREADS;
+                        live[j] = e0 < g.count;
+                        let e = if live[j] { e0 } else { first };
+                        let p = g.d_taps.div(e);
+                        let q = e - p * g.taps;
+                        let oy = g.d_ow.div(p);
+                        let ox = p - oy * g.ow;
+                        let r = g.d_kwc.div(q);
+                        let jj = q - r * g.kwc;
+                        let iy = oy as i32 * g.sh - g.ph + r as i32 * g.dh;
+                        let ix0 = ox as i32 * g.sw - g.pw;
+                        if g.dw == 1 {
+                            let xc = ix0 * g.c_in as i32 + jj as i32;
+                            inside[j] = (iy as u32) < g.h && (xc as u32) < g.wc;
+                            src[j] = (iy as u32).wrapping_mul(g.wc).wrapping_add(xc as u32);
+                        } else {
+                            let s = g.d_cin.div(jj);
+                            let c = jj - s * g.c_in;
+                            let ix = ix0 + s as i32 * g.dw;
+                            inside[j] = (iy as u32) < g.h && (ix as u32) < g.w;
+                            src[j] = (iy as u32)
+                                .wrapping_mul(g.w)
+                                .wrapping_add(ix as u32)
+                                .wrapping_mul(g.c_in)
+                                .wrapping_add(c);
+                        }
+                    }
+                    let mut b = by;
+                    while b < l.images {
+                        let xb = u64::from(b) * g.x_img;
+                        let cb = u64::from(b) * g.col_img;
+                        for j in 0..ept as usize {
+                            // One unit: u elements.
+                            let at = if inside[j] { src[j] } else { 0 };
+                            let vals: Vec<f64> = (0..u)
+                                .map(|k| {
+                                    let v = x[(xb + u64::from(at)) as usize * u + k];
+                                    if inside[j] {
+                                        v
+                                    } else {
+                                        0.0
+                                    }
+                                })
+                                .collect();
+                            if live[j] {
+                                let dst = (cb + u64::from(first + j as u32 * THREADS)) as usize;
+                                cols[dst * u..dst * u + u].copy_from_slice(&vals);
+                            }
+                        }
+                        b += l.grid.1;
+                    }
+                }
+            }
+        }
+    }
+
+    /// `staged_at` of the rows kernel.
+    fn staged_at(i: u32, g: &ColGeom) -> u32 {
+        let pl = g.d_taps.div(i);
+        let q = i - pl * g.taps;
+        let r = g.d_kwc.div(q);
+        let j = q - r * g.kwc;
+        r * g.rowlen + pl * g.sw as u32 * g.c_in + j
+    }
+
+    fn rows(l: &Launch, x: &[f64], cols: &mut [f64]) {
+        let g = &l.geom;
+        let elem: u64 = if l.kernel.ends_with("_b2") { 2 } else { 4 };
+        let v_len = (16 / elem) as u32;
+        assert_eq!((l.unit, l.grid.2), (1, 1));
+        assert_eq!(l.dst_addr % elem, 0, "columns not aligned to their element");
+        assert!(l.smem as usize >= (g.kh * g.rowlen) as usize * elem as usize);
+        for by in 0..l.grid.1 {
+            for bx in 0..l.grid.0 {
+                let oy = g.d_tiles.div(bx);
+                let ox0 = (bx - oy * g.tiles) * g.tw;
+                let npix = g.tw.min(g.ow - ox0);
+                let iys = oy as i32 * g.sh - g.ph;
+                let xcs = (ox0 as i32 * g.sw - g.pw) * g.c_in as i32;
+                let len = npix * g.taps;
+                let start = (oy * g.ow + ox0) * g.taps;
+                let step = g.sw as u32 * g.c_in;
+                let mut b = by;
+                while b < l.images {
+                    let xb = u64::from(b) * g.x_img;
+                    // None: never staged (reading it is a bug).
+                    let mut tile: Vec<Option<f64>> = vec![None; (g.kh * g.rowlen) as usize];
+                    for r in 0..g.kh {
+                        let iy = iys + r as i32 * g.dh;
+                        let row_in = (iy as u32) < g.h;
+                        let src = xb + u64::from(if row_in { iy as u32 * g.wc } else { 0 });
+                        for t in 0..THREADS {
+                            let mut k0 = t;
+                            while k0 < g.rowlen {
+                                for u in 0..4 {
+                                    let k = k0 + u * THREADS;
+                                    let xc = xcs + k as i32;
+                                    let ok = row_in && k < g.rowlen && (xc as u32) < g.wc;
+                                    let v = tap(x, src, ok, xc as u32);
+                                    if k < g.rowlen {
+                                        tile[(r * g.rowlen + k) as usize] = Some(v);
+                                    }
+                                }
+                                k0 += 4 * THREADS;
+                            }
+                        }
+                    }
+                    let out = u64::from(b) * g.col_img + u64::from(start);
+                    let mis = ((l.dst_addr / elem + out) % u64::from(v_len)) as u32;
+                    let head = ((v_len - mis) & (v_len - 1)).min(len);
+                    let chunks = (len - head) / v_len;
+                    let tail = head + chunks * v_len;
+                    let staged = |at: u32| -> f64 {
+                        tile[at as usize].unwrap_or_else(|| panic!("tile[{at}] read unstaged"))
+                    };
+                    for t in 0..THREADS {
+                        if t < head {
+                            cols[(out + u64::from(t)) as usize] = staged(staged_at(t, g));
+                        }
+                        if tail + t < len {
+                            let i = tail + t;
+                            cols[(out + u64::from(i)) as usize] = staged(staged_at(i, g));
+                        }
+                        let mut m = t;
+                        while m < chunks {
+                            let i = head + m * v_len;
+                            let pl = g.d_taps.div(i);
+                            let q = i - pl * g.taps;
+                            let r = g.d_kwc.div(q);
+                            let j = q - r * g.kwc;
+                            let a1 = r * g.rowlen + pl * step + j;
+                            let n1 = g.kwc - j;
+                            let a2 = if r + 1 < g.kh {
+                                a1 - j + g.rowlen
+                            } else {
+                                (pl + 1) * step
+                            };
+                            let b2 = a2.wrapping_sub(n1);
+                            let dst = out + u64::from(i);
+                            assert_eq!(
+                                (l.dst_addr + dst * elem) % 16,
+                                0,
+                                "16-byte store at a misaligned address"
+                            );
+                            for k in 0..v_len {
+                                let at = (if k < n1 { a1 } else { b2 }).wrapping_add(k);
+                                cols[(dst + u64::from(k)) as usize] = staged(at);
+                            }
+                            m += THREADS;
+                        }
+                    }
+                    b += l.grid.1;
                 }
             }
         }
@@ -576,68 +870,75 @@ pub(crate) mod emulate {
         (o.wrapping_mul(stride as u32) as i32 == t && o < out).then_some(o)
     }
 
-    /// `col2im_nchw` / `col2im_nhwc` / `col2im_nhwc_vec` of `kernels/im2col.cu`, summing in
-    /// f64 in the kernel's order.
+    /// The col2im kernels of `kernels/im2col.cu` (NCHW, NHWC scalar and 4/8/16-byte units),
+    /// summing in f64 in the kernel's order.
     pub(crate) fn col2im(l: &Launch, cols: &[f64], x: &mut [f64]) {
         let g = &l.geom;
         let u = l.unit;
         let nchw = l.kernel.starts_with("col2im_nchw");
+        assert_eq!(l.grid.2, 1);
         for by in 0..l.grid.1 {
             for bx in 0..l.grid.0 {
                 for t in 0..THREADS {
-                    let first = bx * (THREADS * EPT) + t;
+                    let e = bx * THREADS + t;
+                    if e >= g.count {
+                        continue;
+                    }
+                    let (c, iy, ix) = if nchw {
+                        let c = g.d_hw.div(e);
+                        let pix = e - c * g.d_hw.d;
+                        let iy = g.d_w.div(pix);
+                        (c, iy, pix - iy * g.w)
+                    } else {
+                        let pix = g.d_cin.div(e);
+                        let c = e - pix * g.c_in;
+                        let iy = g.d_w.div(pix);
+                        (c, iy, pix - iy * g.w)
+                    };
                     let mut b = by;
                     while b < l.images {
                         let cb = b as usize * g.col_img as usize * u;
                         let xb = b as usize * g.x_img as usize * u;
-                        for j in 0..EPT {
-                            let e = first + j * THREADS;
-                            if e >= g.count {
+                        let mut acc = vec![0.0; u];
+                        for r in 0..g.kh {
+                            let ty = iy as i32 + g.ph - r as i32 * g.dh;
+                            if ty < 0 {
                                 break;
                             }
-                            let (c, iy, ix) = if nchw {
-                                let c = g.d_hw.div(e);
-                                let pix = e - c * g.d_hw.d;
-                                let iy = g.d_w.div(pix);
-                                (c, iy, pix - iy * g.w)
-                            } else {
-                                let pix = g.d_cin.div(e);
-                                let c = e - pix * g.c_in;
-                                let iy = g.d_w.div(pix);
-                                (c, iy, pix - iy * g.w)
+                            let Some(oy) = out_of(ty, g.sh, g.d_sh, g.oh) else {
+                                continue;
                             };
-                            let mut acc = vec![0.0; u];
-                            for r in 0..g.kh {
-                                let ty = iy as i32 + g.ph - r as i32 * g.dh;
-                                if ty < 0 {
-                                    break;
-                                }
-                                let Some(oy) = out_of(ty, g.sh, g.d_sh, g.oh) else {
-                                    continue;
-                                };
-                                for s in 0..g.kw {
+                            let mut s0 = 0;
+                            while s0 < g.kw {
+                                let mut v: Vec<Option<usize>> = Vec::new();
+                                for k in 0..SGROUP {
+                                    let s = s0 + k;
                                     let tx = ix as i32 + g.pw - s as i32 * g.dw;
-                                    if tx < 0 {
-                                        break;
-                                    }
-                                    let Some(ox) = out_of(tx, g.sw, g.d_sw, g.ow) else {
-                                        continue;
-                                    };
-                                    let at = if nchw {
-                                        let q = (c * g.kh + r) * g.kw + s;
-                                        q as u64 * g.col_row + (oy * g.ow + ox) as u64
+                                    let ox = if s < g.kw && tx >= 0 {
+                                        out_of(tx, g.sw, g.d_sw, g.ow)
                                     } else {
-                                        (oy * g.ow + ox) as u64 * g.taps as u64
-                                            + ((r * g.kw + s) * g.c_in + c) as u64
+                                        None
                                     };
+                                    v.push(ox.map(|ox| {
+                                        let at = if nchw {
+                                            let q = (c * g.kh + r) * g.kw + s;
+                                            q * g.col_row as u32 + oy * g.ow + ox
+                                        } else {
+                                            (oy * g.ow + ox) * g.taps + (r * g.kw + s) * g.c_in + c
+                                        };
+                                        cb + at as usize * u
+                                    }));
+                                }
+                                for at in v.into_iter().flatten() {
                                     for (k, a) in acc.iter_mut().enumerate() {
-                                        *a += cols[cb + at as usize * u + k];
+                                        *a += cols[at + k];
                                     }
                                 }
+                                s0 += SGROUP;
                             }
-                            for (k, a) in acc.iter().enumerate() {
-                                x[xb + e as usize * u + k] = *a;
-                            }
+                        }
+                        for (k, a) in acc.iter().enumerate() {
+                            x[xb + e as usize * u + k] = *a;
                         }
                         b += l.grid.1;
                     }
@@ -697,16 +998,18 @@ mod tests {
 
     #[test]
     fn col_geom_matches_the_kernel_layout() {
-        // kernels/im2col.cu: static_assert(sizeof(ColGeom) == 200); field order as declared.
+        // kernels/im2col.cu: static_assert(sizeof(ColGeom) == 248); field order as declared.
         assert_eq!(std::mem::size_of::<FastDiv>(), 12);
-        assert_eq!(std::mem::size_of::<ColGeom>(), 200);
+        assert_eq!(std::mem::size_of::<ColGeom>(), 248);
         assert_eq!(std::mem::align_of::<ColGeom>(), 8);
         let g = ColGeom::default();
         let base = &g as *const ColGeom as usize;
         assert_eq!(&g.count as *const u32 as usize - base, 24);
-        assert_eq!(&g.sh as *const i32 as usize - base, 80);
-        assert_eq!(&g.d_ow as *const FastDiv as usize - base, 104);
-        assert_eq!(&g.d_sw as *const FastDiv as usize - base, 188);
+        assert_eq!(&g.tgroup as *const u32 as usize - base, 88);
+        assert_eq!(&g.sh as *const i32 as usize - base, 92);
+        assert_eq!(&g.d_ow as *const FastDiv as usize - base, 116);
+        assert_eq!(&g.d_sw as *const FastDiv as usize - base, 200);
+        assert_eq!(&g.d_kw as *const FastDiv as usize - base, 236);
     }
 
     #[test]
@@ -757,11 +1060,13 @@ mod tests {
         assert_eq!(copy_unit_bytes(Nhwc, 4, 4, &[0, 0]), 16);
         assert_eq!(copy_unit_bytes(Nhwc, 2, 4, &[0, 0]), 8);
         assert_eq!(copy_unit_bytes(Nhwc, 3, 4, &[0, 0]), 4);
-        assert!(col2im_vector(Nhwc, 8, 2, &[0, 16]));
-        assert!(!col2im_vector(Nhwc, 8, 2, &[0, 18]));
-        assert!(!col2im_vector(Nhwc, 6, 2, &[0, 16]));
-        assert!(!col2im_vector(Nchw, 64, 2, &[0, 0]));
-        assert!(col2im_vector(Nhwc, 4, 4, &[0, 0]));
+        assert_eq!(col2im_unit_bytes(Nhwc, 8, 2, &[0, 16]), 16);
+        assert_eq!(col2im_unit_bytes(Nhwc, 8, 2, &[0, 18]), 2);
+        assert_eq!(col2im_unit_bytes(Nhwc, 6, 2, &[0, 16]), 4);
+        assert_eq!(col2im_unit_bytes(Nhwc, 4, 2, &[0, 8]), 8);
+        assert_eq!(col2im_unit_bytes(Nchw, 64, 2, &[0, 0]), 2);
+        assert_eq!(col2im_unit_bytes(Nhwc, 4, 4, &[0, 0]), 16);
+        assert_eq!(col2im_unit_bytes(Nhwc, 3, 4, &[0, 0]), 4);
     }
 
     #[test]
@@ -769,10 +1074,17 @@ mod tests {
         let s = shape(Nchw, 70_000, 64, 56, 56);
         let l = im2col(&s, ColLayout::standard(3136, 576), 4, 70_000, 0, 0).unwrap();
         assert_eq!(l.kernel, "im2col_nchw_b4");
-        assert_eq!(l.geom.count, 64 * 3136, "a thread per (channel, pixel)");
-        assert_eq!(l.grid.0, (64 * 3136u32).div_ceil(THREADS));
+        assert_eq!(l.geom.count, 16 * 3136, "a thread per pixel of 4 channels");
+        assert_eq!(l.grid.0, (16 * 3136u32).div_ceil(THREADS));
         assert_eq!(l.grid.1, MAX_GRID_Y, "images beyond 65535 are strided over");
+        assert_eq!(l.grid.2, 3, "9 taps in groups of 4");
         assert_eq!(l.images, 70_000);
+        // A huge filter: groups grow so that gridDim.z stays within its limit.
+        let mut big = shape(Nchw, 1, 1, 600, 600);
+        (big.kh, big.kw, big.pad) = (600, 600, (0, 0));
+        let l = im2col(&big, ColLayout::standard(1, 360_000), 4, 1, 0, 0).unwrap();
+        assert!(l.grid.2 <= MAX_GRID_Y && l.geom.tgroup % 2 == 0, "{l:?}");
+        assert!(l.grid.2 * l.geom.tgroup >= 360_000);
         let l = im2col(
             &shape(Nhwc, 3, 64, 56, 56),
             ColLayout::standard(3136, 576),
@@ -783,14 +1095,133 @@ mod tests {
         )
         .unwrap();
         assert_eq!((l.kernel, l.unit, l.geom.taps), ("im2col_nhwc_b16", 8, 72));
-        assert_eq!(l.grid, (3136 / 8, 3), "a warp per pixel");
+        assert_eq!(l.geom.count, 3136 * 72);
+        assert_eq!(l.grid, ((3136 * 72u32).div_ceil(2 * THREADS), 3, 1));
+        // The stem: shared-memory rows, a whole output row (112 pixels) per block.
+        let mut stem = shape(Nhwc, 32, 3, 224, 224);
+        (stem.kh, stem.kw, stem.stride, stem.pad) = (7, 7, (2, 2), (3, 3));
+        let l = im2col(&stem, ColLayout::standard(12_544, 147), 2, 32, 0, 0).unwrap();
+        assert_eq!(l.kernel, "im2col_nhwc_rows_b2");
+        assert_eq!((l.geom.tw, l.geom.tiles, l.geom.rowlen), (112, 1, 229 * 3));
+        assert_eq!(l.smem, 7 * 229 * 3 * 2);
+        assert_eq!(l.grid, (112, 32, 1));
+        let l = im2col(&stem, ColLayout::standard(12_544, 147), 4, 32, 0, 0).unwrap();
+        assert_eq!(l.kernel, "im2col_nhwc_rows_b4");
+        assert_eq!(
+            (l.geom.tw, l.geom.tiles),
+            (56, 2),
+            "32 KiB of output a block"
+        );
         let l = col2im(&shape(Nhwc, 3, 64, 7, 7), DType::F16, 3, 0, 0).unwrap();
-        assert_eq!((l.kernel, l.unit), ("col2im_nhwc_vec_f16", 8));
+        assert_eq!((l.kernel, l.unit), ("col2im_nhwc_v16_f16", 8));
         assert_eq!(l.geom.count, 7 * 7 * 8);
         assert_eq!(l.geom.c_in, 8);
         assert_eq!(l.geom.taps, 9 * 8);
-        assert_eq!(l.grid, (1, 3));
+        assert_eq!(l.grid, (2, 3, 1), "an item per thread");
         assert_eq!(l.config().block_dim, (THREADS, 1, 1));
+        let l = col2im(&shape(Nhwc, 3, 6, 7, 7), DType::BF16, 3, 0, 0).unwrap();
+        assert_eq!((l.kernel, l.unit), ("col2im_nhwc_v4_bf16", 2));
+    }
+
+    /// The rows kernel's tiling: its shared memory within the budget, at least one pixel, and
+    /// `None` exactly where the kernel does not apply.
+    #[test]
+    fn rows_tiling_respects_its_conditions() {
+        let mut s = shape(Nhwc, 1, 3, 9, 240);
+        (s.kh, s.kw, s.stride, s.pad) = (7, 7, (2, 2), (3, 3));
+        let (tw, tiles, rowlen, smem) = rows_tiling(&s, 2).unwrap();
+        assert_eq!((tw, tiles), (60, 2), "ow = 120 split in two balanced tiles");
+        assert_eq!(rowlen, (59 * 2 + 7) * 3);
+        assert_eq!(smem, 7 * rowlen * 2);
+        // Limited by shared memory: 3 rows of (tw-1)*5 + 2 columns of 65 f32 channels.
+        let mut s = shape(Nhwc, 1, 65, 4, 60);
+        (s.kh, s.kw, s.stride, s.pad) = (3, 2, (1, 5), (1, 0));
+        let (tw, tiles, rowlen, smem) = rows_tiling(&s, 4).unwrap();
+        assert_eq!((tw, tiles, rowlen), (6, 2, (5 * 5 + 2) * 65));
+        assert!(smem as usize <= ROWS_SMEM_MAX);
+        // Not applicable: NCHW, dilation along the width, rows under 16 bytes, too big.
+        assert!(rows_tiling(&shape(Nchw, 1, 3, 9, 9), 2).is_none());
+        let mut d = shape(Nhwc, 1, 3, 9, 9);
+        d.dilation = (1, 2);
+        assert!(rows_tiling(&d, 2).is_none());
+        assert!(
+            rows_tiling(&shape(Nhwc, 1, 1, 9, 9), 4).is_none(),
+            "3 f32 a row"
+        );
+        assert!(
+            rows_tiling(&shape(Nhwc, 1, 2, 9, 9), 4).is_some(),
+            "6 f32 a row"
+        );
+        assert!(rows_tiling(&shape(Nhwc, 1, 1101, 3, 3), 4).is_none());
+        let l = im2col(
+            &shape(Nhwc, 1, 1101, 3, 3),
+            ColLayout::standard(9, 9909),
+            4,
+            1,
+            0,
+            0,
+        )
+        .unwrap();
+        assert_eq!(l.kernel, "im2col_nhwc_b4", "the flat fallback");
+        // Vector units of 8 bytes or more keep the flat kernel.
+        let l = im2col(
+            &shape(Nhwc, 1, 4, 9, 9),
+            ColLayout::standard(81, 36),
+            2,
+            1,
+            0,
+            0,
+        )
+        .unwrap();
+        assert_eq!(l.kernel, "im2col_nhwc_b8");
+        let l = im2col(
+            &shape(Nhwc, 1, 4, 9, 9),
+            ColLayout::standard(81, 36),
+            2,
+            1,
+            2,
+            0,
+        )
+        .unwrap();
+        assert_eq!(
+            l.kernel, "im2col_nhwc_rows_b2",
+            "misaligned x: no 8-byte units"
+        );
+    }
+
+    /// Over many widths, strides and channel counts: every block of the rows kernel has at
+    /// least one pixel, the blocks cover the output row, the staged rows fit the budget and
+    /// hold what the block's last pixel reads.
+    #[test]
+    fn rows_tiles_cover_the_output_row() {
+        let mut seen_split = false;
+        for c_in in [1usize, 3, 5, 17, 129, 700] {
+            for kw in [1usize, 2, 3, 7] {
+                for sw in [1usize, 2, 3] {
+                    for w in [1usize, 2, 7, 56, 113, 224, 1000, 4099] {
+                        let mut s = shape(Nhwc, 1, c_in, 3, w);
+                        (s.kw, s.stride, s.pad) = (kw, (1, sw), (1, kw / 2));
+                        let Ok((_, ow)) = s.out_hw() else { continue };
+                        for elem in [2usize, 4] {
+                            let Some((tw, tiles, rowlen, smem)) = rows_tiling(&s, elem) else {
+                                continue;
+                            };
+                            let (tw, tiles) = (tw as usize, tiles as usize);
+                            assert!(
+                                tw >= 1 && (tiles - 1) * tw < ow && tiles * tw >= ow,
+                                "{s:?}"
+                            );
+                            assert!(smem as usize <= ROWS_SMEM_MAX, "{s:?}");
+                            assert_eq!(smem as usize, s.kh * rowlen as usize * elem);
+                            // The block's last pixel reads up to (tw-1)*sw + kw - 1 columns on.
+                            assert!(((tw - 1) * sw + kw) * c_in <= rowlen as usize, "{s:?}");
+                            seen_split |= tiles > 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert!(seen_split);
     }
 
     #[test]
@@ -857,37 +1288,74 @@ mod tests {
                 }
             }
         }
+        // The rows kernel's cases (NHWC; NCHW too for coverage of the same shapes): a stem
+        // split into two tiles per output row, padding on either side only, a tiling limited
+        // by shared memory, odd channel counts, and a problem too big for it (flat fallback).
+        for format in [Nchw, Nhwc] {
+            for (c_in, (h, w), (kh, kw), stride, pad) in [
+                (3, (9, 240), (7, 7), (2, 2), (3, 3)),
+                (5, (6, 11), (3, 4), (1, 1), (0, 3)),
+                (5, (6, 11), (2, 5), (2, 1), (1, 0)),
+                (65, (4, 60), (3, 2), (1, 5), (1, 0)),
+                (7, (5, 30), (1, 3), (1, 2), (0, 1)),
+                (1101, (3, 3), (3, 3), (1, 1), (1, 1)),
+            ] {
+                v.push(ConvShape {
+                    n: 3,
+                    c_in,
+                    h,
+                    w,
+                    c_out: 2,
+                    kh,
+                    kw,
+                    stride,
+                    pad,
+                    dilation: (1, 1),
+                    format,
+                });
+            }
+        }
         v
     }
 
-    /// The emulated im2col kernel (every copy unit, every alignment case) reproduces the
-    /// reference's columns exactly, for a chunk of images starting past image 0 and with the
-    /// filter gradient's `[K][chunk][P]` NCHW layout; no element is left unwritten.
+    /// The emulated im2col kernels (every copy unit, every alignment case of x and of the
+    /// columns) reproduce the reference's columns exactly, for a chunk of images starting past
+    /// image 0 and with the filter gradient's `[K][chunk][P]` NCHW layout; no element is left
+    /// unwritten, no load leaves x.
     #[test]
     fn emulated_im2col_equals_the_reference() {
         let mut cases = 0;
+        let mut kernels = std::collections::BTreeSet::new();
         for s in problems() {
             let (oh, ow) = s.out_hw().unwrap();
             let (pixels, taps) = (oh * ow, s.c_in * s.kh * s.kw);
             let x = values(cases + 1, s.x_len());
             let want = r::im2col(&s, &x).unwrap();
             for elem in [2usize, 4] {
-                for x_addr in [0u64, 2, 4, 8] {
-                    if x_addr % elem as u64 != 0 {
+                for (x_addr, c_addr) in [(0u64, 0u64), (2, 0), (4, 4), (8, 8), (0, 2), (4, 12)] {
+                    if x_addr % elem as u64 != 0 || c_addr % elem as u64 != 0 {
                         continue;
                     }
                     // Images 1..3 of the batch (a chunk with an offset).
                     let (b0, nb) = (1, 2);
-                    let l =
-                        im2col(&s, ColLayout::standard(pixels, taps), elem, nb, x_addr, 0).unwrap();
+                    let l = im2col(
+                        &s,
+                        ColLayout::standard(pixels, taps),
+                        elem,
+                        nb,
+                        x_addr,
+                        c_addr,
+                    )
+                    .unwrap();
+                    kernels.insert(l.kernel);
                     let mut cols = vec![f64::NAN; nb * pixels * taps];
                     let x_img = s.c_in * s.h * s.w;
-                    emulate::im2col(&l, &x[b0 * x_img..], &mut cols);
+                    emulate::im2col(&l, &x[b0 * x_img..(b0 + nb) * x_img], &mut cols);
                     let part = &want[b0 * pixels * taps..(b0 + nb) * pixels * taps];
                     for (i, (g, w)) in cols.iter().zip(part).enumerate() {
                         assert!(
                             g == w,
-                            "{s:?} {} elem {elem} x@{x_addr}: col {i}: {g} vs {w}",
+                            "{s:?} {} elem {elem} x@{x_addr} cols@{c_addr}: col {i}: {g} vs {w}",
                             l.kernel
                         );
                     }
@@ -917,21 +1385,30 @@ mod tests {
                 }
             }
         }
-        assert!(cases > 150, "{cases}");
+        assert!(cases > 300, "{cases}");
+        let im2col_kernels: Vec<_> = KERNELS.iter().filter(|k| k.starts_with("im2col")).collect();
+        for k in im2col_kernels {
+            assert!(kernels.contains(k), "{k} never emulated: {kernels:?}");
+        }
     }
 
-    /// The emulated col2im kernel (scalar and 16-byte unit paths) equals the reference col2im.
+    /// The emulated col2im kernels (scalar, 4-, 8- and 16-byte units) equal the reference col2im.
     #[test]
     fn emulated_col2im_equals_the_reference() {
         let mut cases = 0;
+        let mut kernels = std::collections::BTreeSet::new();
         for s in problems() {
             let (oh, ow) = s.out_hw().unwrap();
             let (pixels, taps) = (oh * ow, s.c_in * s.kh * s.kw);
             let cols = values(cases + 77, s.n * pixels * taps);
             let want = r::col2im(&s, &cols).unwrap();
             for dtype in DType::ALL {
-                for addr in [0u64, 4] {
+                for addr in [0u64, 2, 4, 8] {
+                    if addr % dtype.size() as u64 != 0 {
+                        continue;
+                    }
                     let l = col2im(&s, dtype, s.n, 0, addr).unwrap();
+                    kernels.insert(l.kernel);
                     let mut x = vec![f64::NAN; s.x_len()];
                     emulate::col2im(&l, &cols, &mut x);
                     for (i, (g, w)) in x.iter().zip(&want).enumerate() {
@@ -945,6 +1422,9 @@ mod tests {
                 }
             }
         }
-        assert!(cases > 150, "{cases}");
+        assert!(cases > 300, "{cases}");
+        for k in KERNELS.iter().filter(|k| k.starts_with("col2im")) {
+            assert!(kernels.contains(k), "{k} never emulated: {kernels:?}");
+        }
     }
 }
