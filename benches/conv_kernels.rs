@@ -13,9 +13,9 @@
 //!   network's forward pass, rounds interleaved with a device copy of the same byte count
 //!   (`cuMemcpyDtoD` of half the bytes: what a plain copy of this size achieves, launch and
 //!   tail included);
-//! - **single launch**: one launch between two events (run 2's method): on a short kernel it
-//!   also counts the host's submission gap before the launch, a few µs (the 16 MB layers take
-//!   ~5 µs), so it understates small kernels.
+//! - **single launch**: one launch between two events (the first measurements' method): on a
+//!   short kernel it also counts the host's submission gap before the launch, a few µs (the
+//!   16 MB layers take ~5 µs), so it understates small kernels.
 //!
 //! Bytes: im2col writes the columns and must read the input's 32-byte sectors that hold an element
 //! some tap uses (each once: a strided layer reads whole sectors of which it uses part); col2im
@@ -300,7 +300,7 @@ fn main() -> Result<()> {
         "im2col / col2im on {}, batch 32 — copy bandwidth {:.0} GB/s (read + write). Bytes = \
          columns + input (im2col: the input sectors some tap reads); floor = bytes / copy \
          bandwidth; times are medians of back-to-back launches (single: one launch between two \
-         events, as in run 2); same-size copy: a device copy of the same bytes, back to back; \
+         events, as first measured); same-size copy: a device copy of the same bytes, back to back; \
          target: im2col ≥ 80% of copy.",
         ctx.info().name,
         copy_bw / 1e9
@@ -364,7 +364,7 @@ fn main() -> Result<()> {
     }
     if let Some((pct, r)) = worst(&|r| 100.0 * r.floor_us(copy_bw) / r.single.median_us()) {
         println!(
-            "im2col: lowest {pct:.0}% of copy bandwidth in single launches (run 2's measure; {} \
+            "im2col: lowest {pct:.0}% of copy bandwidth in single launches (the first measurements' method; {} \
              {} {:?})",
             r.layer, r.dtype, r.format
         );
