@@ -43,9 +43,10 @@
 //
 // col2im is a gather: each input element (or NHWC unit of 4/8/16 bytes of channels) sums, in
 // f32 and in the fixed tap order (r, s), the column entries that read it, then rounds once:
-// deterministic, no atomics. One work item per thread; a filter row's taps are read four at a
-// time (predicated loads, issued before their adds) so that a thread waits for memory once per
-// four taps, not once per tap.
+// deterministic, no atomics. One work item per thread; it visits only the taps whose offset is
+// a multiple of the stride (a quarter of them for a 2x2 stride), and a filter row's taps are
+// read four at a time (predicated loads, issued before their adds) so that a thread waits for
+// memory once per four taps, not once per tap.
 
 constexpr u32 THREADS = 256;  // threads per block (src/conv/im2col/launch.rs: THREADS)
 constexpr u32 ITEMS = 4;      // NCHW im2col: channels per thread (launch.rs: ITEMS)
@@ -80,10 +81,12 @@ struct ColGeom {
     u32 tiles;    // rows kernel: blocks per output row, ceil(ow / tw)
     u32 rowlen;   // rows kernel: staged elements per filter row, ((tw-1)*sw + kw) * c_in
     u32 tgroup;   // NCHW im2col: taps per gridDim.z group (even)
+    u32 rstep;    // col2im: sh / gcd(sh, dh), the step between filter rows that reach an input row
+    u32 sstep;    // col2im: sw / gcd(sw, dw), likewise along the width
     int sh, sw, ph, pw, dh, dw;
     FastDiv d_ow, d_cin, d_pixels, d_kwc, d_w, d_hw, d_sh, d_sw, d_taps, d_tiles, d_kw;
 };
-static_assert(sizeof(ColGeom) == 248, "ColGeom must match src/conv/im2col/launch.rs");
+static_assert(sizeof(ColGeom) == 256, "ColGeom must match src/conv/im2col/launch.rs");
 
 // --- im2col --------------------------------------------------------------------------------
 
@@ -348,15 +351,26 @@ template <typename T> struct Acc<T, 0> {
     using Raw = T;
 };
 
-// Output index along one axis whose tap reads input index i, t = i + pad - k*dil (>= 0 here):
-// o*stride = t. False when there is none (t not a multiple of the stride, or o past the output).
-__device__ __forceinline__ bool out_of(int t, int stride, const FastDiv& ds, u32 out, u32& o) {
-    if (stride == 1) {  // uniform across the grid
-        o = (u32)t;
-        return o < out;
+// Along one axis, tap k reads input index i from output o when t = i + pad - k*dil = o*stride
+// with 0 <= o < out. The k whose t is a multiple of the stride are first_tap(...) + m*step,
+// step = stride / gcd(stride, dil); t decreases as k grows.
+
+// The smallest k in [0, step) with t = ipad - k*dil >= 0 a multiple of the stride, or ~0u when
+// there is none (then no tap of the axis reads index i: larger k only lower t).
+__device__ __forceinline__ u32 first_tap(int ipad, int dil, int stride, const FastDiv& ds,
+                                         u32 step) {
+    if (stride == 1) return 0;  // uniform across the grid
+    for (u32 k = 0; k < step; ++k) {
+        const int t = ipad - (int)k * dil;
+        if (t < 0) break;
+        if ((int)(fdiv((u32)t, ds) * (u32)stride) == t) return k;
     }
-    o = fdiv((u32)t, ds);
-    return (int)(o * (u32)stride) == t && o < out;
+    return ~0u;
+}
+
+// o = t / stride for t >= 0 a multiple of the stride.
+__device__ __forceinline__ u32 exact_div(int t, int stride, const FastDiv& ds) {
+    return stride == 1 ? (u32)t : fdiv((u32)t, ds);
 }
 
 // One item per thread. NCHW (NCHW = true): an element (c, iy, ix), columns at q*col_row + pixel
@@ -379,26 +393,33 @@ __device__ __forceinline__ void col2im(const T* __restrict__ cols, T* __restrict
         c = e - pix * g.c_in;
         iy = fdiv(pix, g.d_w), ix = pix - iy * g.w;
     }
+    // Only taps whose offset is a multiple of the stride reach (iy, ix): rows r0, r0 + rstep, ...
+    // and columns s0, s0 + sstep, ... (all of them for stride 1), in increasing order as the
+    // reference sums them.
+    const int iyp = (int)iy + g.ph, ixp = (int)ix + g.pw;
+    const u32 r0 = first_tap(iyp, g.dh, g.sh, g.d_sh, g.rstep);
+    const u32 s0 = first_tap(ixp, g.dw, g.sw, g.d_sw, g.sstep);
+    const u32 ns = s0 < g.kw ? (g.kw - 1 - s0) / g.sstep + 1 : 0;  // candidate columns
     const Raw* cr = reinterpret_cast<const Raw*>(cols);
     for (u32 b = blockIdx.y; b < images; b += gridDim.y) {
         const Raw* cb = cr + (u64)b * g.col_img;
         float acc[N];
 #pragma unroll
         for (u32 i = 0; i < N; ++i) acc[i] = 0.0f;
-        for (u32 r = 0; r < g.kh; ++r) {
-            const int ty = (int)iy + g.ph - (int)r * g.dh;
+        for (u32 r = r0; r < g.kh; r += g.rstep) {
+            const int ty = iyp - (int)r * g.dh;
             if (ty < 0) break;  // ty only decreases with r
-            u32 oy;
-            if (!out_of(ty, g.sh, g.d_sh, g.oh, oy)) continue;
-            for (u32 s0 = 0; s0 < g.kw; s0 += SGROUP) {
+            const u32 oy = exact_div(ty, g.sh, g.d_sh);
+            if (oy >= g.oh) continue;
+            for (u32 m0 = 0; m0 < ns; m0 += SGROUP) {
                 Raw v[SGROUP];
                 bool ok[SGROUP];
 #pragma unroll
                 for (u32 k = 0; k < SGROUP; ++k) {
-                    const u32 s = s0 + k;
-                    const int tx = (int)ix + g.pw - (int)s * g.dw;
-                    u32 ox = 0;
-                    ok[k] = s < g.kw && tx >= 0 && out_of(tx, g.sw, g.d_sw, g.ow, ox);
+                    const u32 s = s0 + (m0 + k) * g.sstep;
+                    const int tx = ixp - (int)s * g.dw;
+                    const u32 ox = exact_div(max(tx, 0), g.sw, g.d_sw);
+                    ok[k] = m0 + k < ns && tx >= 0 && ox < g.ow;
                     u32 at;
                     if constexpr (NCHW) {
                         // The reference layout: col_row = P; an image's columns are < 2^31.
@@ -487,17 +508,20 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     im2col_nchw<u32>(x, cols, g, images);
 }
 
-#define NNF_COL2IM_ENTRY(T, W, NCHW, NAME)                                                        \
-    extern "C" __global__ void __launch_bounds__(THREADS)                                         \
+// col2im's minimum resident blocks per SM (a register cap): 8 for elements and 4-byte units
+// (their loads are small, so occupancy carries the bytes in flight), 6 for 8-byte units, 5 for
+// 16-byte units (80 KB in flight per SM; a tighter cap spills).
+#define NNF_COL2IM_ENTRY(T, W, NCHW, MINB, NAME)                                                  \
+    extern "C" __global__ void __launch_bounds__(THREADS, MINB)                                   \
         NAME(const T* cols, T* x, ColGeom g, u32 images) {                                        \
         col2im<T, W, NCHW>(cols, x, g, images);                                                   \
     }
 
 #define NNF_COL2IM(T, S)                                                                          \
-    NNF_COL2IM_ENTRY(T, 0, true, col2im_nchw_##S)                                                 \
-    NNF_COL2IM_ENTRY(T, 0, false, col2im_nhwc_##S)                                                \
-    NNF_COL2IM_ENTRY(T, 2, false, col2im_nhwc_v8_##S)                                             \
-    NNF_COL2IM_ENTRY(T, 4, false, col2im_nhwc_v16_##S)                                            \
+    NNF_COL2IM_ENTRY(T, 0, true, 8, col2im_nchw_##S)                                              \
+    NNF_COL2IM_ENTRY(T, 0, false, 8, col2im_nhwc_##S)                                             \
+    NNF_COL2IM_ENTRY(T, 2, false, 6, col2im_nhwc_v8_##S)                                          \
+    NNF_COL2IM_ENTRY(T, 4, false, 5, col2im_nhwc_v16_##S)                                         \
     extern "C" __global__ void __launch_bounds__(THREADS)                                         \
         conv_accumulate_##S(const T* part, float* acc, T* out, u64 len, u32 mode) {               \
         accumulate<T>(part, acc, out, len, mode);                                                 \
@@ -507,5 +531,5 @@ NNF_COL2IM(float, f32)
 NNF_COL2IM(nnf_f16, f16)
 NNF_COL2IM(nnf_bf16, bf16)
 // 4-byte units: two channels of a 16-bit type (for f32 that is the scalar kernel).
-NNF_COL2IM_ENTRY(nnf_f16, 1, false, col2im_nhwc_v4_f16)
-NNF_COL2IM_ENTRY(nnf_bf16, 1, false, col2im_nhwc_v4_bf16)
+NNF_COL2IM_ENTRY(nnf_f16, 1, false, 8, col2im_nhwc_v4_f16)
+NNF_COL2IM_ENTRY(nnf_bf16, 1, false, 8, col2im_nhwc_v4_bf16)

@@ -85,7 +85,7 @@ impl FastDiv {
 }
 
 /// The geometry argument of every im2col/col2im kernel, field for field as `ColGeom` in
-/// `kernels/im2col.cu` (248 bytes; `static_assert`ed there, tested here). "Units" are elements,
+/// `kernels/im2col.cu` (256 bytes; `static_assert`ed there, tested here). "Units" are elements,
 /// or for the NHWC unit kernels groups of `unit` channels copied at once.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -131,6 +131,10 @@ pub(crate) struct ColGeom {
     pub rowlen: u32,
     /// NCHW im2col: taps per `gridDim.z` group (even).
     pub tgroup: u32,
+    /// col2im: `sh / gcd(sh, dh)`, the step between the filter rows that reach an input row.
+    pub rstep: u32,
+    /// col2im: `sw / gcd(sw, dw)`, likewise along the width.
+    pub sstep: u32,
     /// Vertical stride.
     pub sh: i32,
     /// Horizontal stride.
@@ -219,6 +223,14 @@ fn small_product(what: &str, dims: &[usize]) -> Result<usize> {
     small(what, p).map(|v| v as usize)
 }
 
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
 /// The geometry of `s` with NHWC channels grouped in units of `unit` elements (1 for NCHW and
 /// the scalar kernels); `count` and the rows kernel's fields are left 0 and `tgroup` at
 /// [`TGROUP`] for the caller to set.
@@ -287,6 +299,8 @@ pub(crate) fn geometry(s: &ConvShape, layout: ColLayout, unit: usize) -> Result<
         tiles: 0,
         rowlen: 0,
         tgroup: TGROUP,
+        rstep: u(s.stride.0 / gcd(s.stride.0, s.dilation.0)),
+        sstep: u(s.stride.1 / gcd(s.stride.1, s.dilation.1)),
         sh: small_i("stride.0", s.stride.0)?,
         sw: small_i("stride.1", s.stride.1)?,
         ph: small_i("pad.0", s.pad.0)?,
@@ -862,12 +876,30 @@ pub(crate) mod emulate {
         }
     }
 
-    fn out_of(t: i32, stride: i32, ds: FastDiv, out: u32) -> Option<u32> {
+    /// `first_tap` of the kernel.
+    fn first_tap(ipad: i32, dil: i32, stride: i32, ds: FastDiv, step: u32) -> u32 {
         if stride == 1 {
-            return ((t as u32) < out).then_some(t as u32);
+            return 0;
         }
-        let o = ds.div(t as u32);
-        (o.wrapping_mul(stride as u32) as i32 == t && o < out).then_some(o)
+        for k in 0..step {
+            let t = ipad - k as i32 * dil;
+            if t < 0 {
+                break;
+            }
+            if ds.div(t as u32).wrapping_mul(stride as u32) as i32 == t {
+                return k;
+            }
+        }
+        u32::MAX
+    }
+
+    /// `exact_div` of the kernel.
+    fn exact_div(t: i32, stride: i32, ds: FastDiv) -> u32 {
+        if stride == 1 {
+            t as u32
+        } else {
+            ds.div(t as u32)
+        }
     }
 
     /// The col2im kernels of `kernels/im2col.cu` (NCHW, NHWC scalar and 4/8/16-byte units),
@@ -895,47 +927,56 @@ pub(crate) mod emulate {
                         let iy = g.d_w.div(pix);
                         (c, iy, pix - iy * g.w)
                     };
+                    let (iyp, ixp) = (iy as i32 + g.ph, ix as i32 + g.pw);
+                    let r0 = first_tap(iyp, g.dh, g.sh, g.d_sh, g.rstep);
+                    let s0 = first_tap(ixp, g.dw, g.sw, g.d_sw, g.sstep);
+                    let ns = if s0 < g.kw {
+                        (g.kw - 1 - s0) / g.sstep + 1
+                    } else {
+                        0
+                    };
                     let mut b = by;
                     while b < l.images {
                         let cb = b as usize * g.col_img as usize * u;
                         let xb = b as usize * g.x_img as usize * u;
                         let mut acc = vec![0.0; u];
-                        for r in 0..g.kh {
-                            let ty = iy as i32 + g.ph - r as i32 * g.dh;
+                        let mut r = r0;
+                        while r < g.kh {
+                            let ty = iyp - r as i32 * g.dh;
                             if ty < 0 {
                                 break;
                             }
-                            let Some(oy) = out_of(ty, g.sh, g.d_sh, g.oh) else {
-                                continue;
-                            };
-                            let mut s0 = 0;
-                            while s0 < g.kw {
-                                let mut v: Vec<Option<usize>> = Vec::new();
-                                for k in 0..SGROUP {
-                                    let s = s0 + k;
-                                    let tx = ix as i32 + g.pw - s as i32 * g.dw;
-                                    let ox = if s < g.kw && tx >= 0 {
-                                        out_of(tx, g.sw, g.d_sw, g.ow)
-                                    } else {
-                                        None
-                                    };
-                                    v.push(ox.map(|ox| {
-                                        let at = if nchw {
-                                            let q = (c * g.kh + r) * g.kw + s;
-                                            q * g.col_row as u32 + oy * g.ow + ox
-                                        } else {
-                                            (oy * g.ow + ox) * g.taps + (r * g.kw + s) * g.c_in + c
-                                        };
-                                        cb + at as usize * u
-                                    }));
-                                }
-                                for at in v.into_iter().flatten() {
-                                    for (k, a) in acc.iter_mut().enumerate() {
-                                        *a += cols[at + k];
+                            let oy = exact_div(ty, g.sh, g.d_sh);
+                            if oy < g.oh {
+                                let mut m0 = 0;
+                                while m0 < ns {
+                                    let mut v: Vec<Option<usize>> = Vec::new();
+                                    for k in 0..SGROUP {
+                                        let s = s0 + (m0 + k) * g.sstep;
+                                        let tx = ixp - s as i32 * g.dw;
+                                        let ox = exact_div(tx.max(0), g.sw, g.d_sw);
+                                        let ok = m0 + k < ns && tx >= 0 && ox < g.ow;
+                                        v.push(ok.then(|| {
+                                            let at = if nchw {
+                                                let q = (c * g.kh + r) * g.kw + s;
+                                                q * g.col_row as u32 + oy * g.ow + ox
+                                            } else {
+                                                (oy * g.ow + ox) * g.taps
+                                                    + (r * g.kw + s) * g.c_in
+                                                    + c
+                                            };
+                                            cb + at as usize * u
+                                        }));
                                     }
+                                    for at in v.into_iter().flatten() {
+                                        for (k, a) in acc.iter_mut().enumerate() {
+                                            *a += cols[at + k];
+                                        }
+                                    }
+                                    m0 += SGROUP;
                                 }
-                                s0 += SGROUP;
                             }
+                            r += g.rstep;
                         }
                         for (k, a) in acc.iter().enumerate() {
                             x[xb + e as usize * u + k] = *a;
@@ -998,18 +1039,19 @@ mod tests {
 
     #[test]
     fn col_geom_matches_the_kernel_layout() {
-        // kernels/im2col.cu: static_assert(sizeof(ColGeom) == 248); field order as declared.
+        // kernels/im2col.cu: static_assert(sizeof(ColGeom) == 256); field order as declared.
         assert_eq!(std::mem::size_of::<FastDiv>(), 12);
-        assert_eq!(std::mem::size_of::<ColGeom>(), 248);
+        assert_eq!(std::mem::size_of::<ColGeom>(), 256);
         assert_eq!(std::mem::align_of::<ColGeom>(), 8);
         let g = ColGeom::default();
         let base = &g as *const ColGeom as usize;
         assert_eq!(&g.count as *const u32 as usize - base, 24);
         assert_eq!(&g.tgroup as *const u32 as usize - base, 88);
-        assert_eq!(&g.sh as *const i32 as usize - base, 92);
-        assert_eq!(&g.d_ow as *const FastDiv as usize - base, 116);
-        assert_eq!(&g.d_sw as *const FastDiv as usize - base, 200);
-        assert_eq!(&g.d_kw as *const FastDiv as usize - base, 236);
+        assert_eq!(&g.sstep as *const u32 as usize - base, 96);
+        assert_eq!(&g.sh as *const i32 as usize - base, 100);
+        assert_eq!(&g.d_ow as *const FastDiv as usize - base, 124);
+        assert_eq!(&g.d_sw as *const FastDiv as usize - base, 208);
+        assert_eq!(&g.d_kw as *const FastDiv as usize - base, 244);
     }
 
     #[test]
@@ -1268,6 +1310,10 @@ mod tests {
                     (2, 3, (1, 3), (2, 0), (2, 1)),
                     (5, 5, (2, 2), (2, 2), (1, 1)),
                     (3, 3, (1, 1), (0, 0), (2, 2)),
+                    // Stride and dilation sharing a factor: only every other input index is
+                    // reached, by every tap of a residue class.
+                    (3, 3, (2, 2), (1, 2), (2, 2)),
+                    (3, 2, (4, 3), (5, 1), (6, 2)),
                 ] {
                     let s = ConvShape {
                         n: 3,
