@@ -293,8 +293,8 @@ pub fn columns_len(s: &ConvShape) -> Result<usize> {
 /// # Ok::<(), nnfuse::Error>(())
 /// ```
 pub fn kernel_names(s: &ConvShape, dtype: DType) -> Result<(&'static str, &'static str)> {
-    let (oh, ow) = s.out_hw()?;
-    let layout = launch::ColLayout::standard(oh * ow, s.c_in * s.kh * s.kw);
+    let d = super::sizes::im2col_dims(s)?;
+    let layout = launch::ColLayout::standard(d.pixels, d.taps);
     let a = launch::im2col(s, layout, dtype.size(), s.n, 0, 0)?;
     let b = launch::col2im(s, dtype, s.n, 0, 0)?;
     Ok((a.kernel, b.kernel))

@@ -400,9 +400,12 @@ pub(crate) fn rows_tiling(s: &ConvShape, elem: usize) -> Option<(u32, u32, u32, 
     if s.kw * s.c_in > per_row_budget {
         return None;
     }
-    let by_out = ROWS_OUT_BYTES.div_ceil(taps * elem).clamp(1, ow);
-    let by_smem = (per_row_budget / s.c_in - s.kw) / s.stride.1 + 1; // row_elems(1) fits
-                                                                     // tiles * tw >= ow > (tiles - 1) * tw: every block has at least one pixel.
+    let by_out = ROWS_OUT_BYTES
+        .div_ceil(taps.saturating_mul(elem))
+        .clamp(1, ow);
+    // The most pixels whose staged rows fit (row_elems(1) fits, checked above).
+    let by_smem = (per_row_budget / s.c_in - s.kw) / s.stride.1 + 1;
+    // tiles * tw >= ow > (tiles - 1) * tw: every block has at least one pixel.
     let tiles = ow.div_ceil(by_out.min(by_smem));
     let tw = ow.div_ceil(tiles);
     let rowlen = row_elems(tw);
