@@ -31,10 +31,12 @@
 //  * NHWC with 2- or 4-byte elements whose channel runs allow no wider unit (the c_in = 3
 //    stem) and dilation 1 along the width (im2col_nhwc_rows_b2/b4): a block takes TW
 //    consecutive output pixels of one output row, stages the kh input row segments they read
-//    (all channels, zeros in the padding) in shared memory, then writes its P*K output range
-//    (contiguous) in aligned 16-byte stores, each composed from at most two contiguous runs of
-//    the staged rows (kw*c_in >= 16/elem: the launcher's condition). One division pair per
-//    16 bytes written, no per-element bounds tests.
+//    (all channels, zeros in the padding) in shared memory in aligned 16-byte vectors (each
+//    tile row offset by its segment's alignment in x; element-wise only at the image's edges),
+//    then writes its P*K output range (contiguous) in aligned 16-byte stores, each composed
+//    from at most two contiguous runs of the staged rows (kw*c_in >= 16/elem: the launcher's
+//    condition). One division pair per 16 bytes staged or written, no per-element bounds tests
+//    away from the edges.
 // gridDim.y strides over the images of the chunk. Per-image indices are 32-bit (the launcher
 // keeps every per-image count below 2^31); image offsets are 64-bit. Divisions by the shape's
 // runtime extents use precomputed magic numbers (FastDiv; host side and CPU tests in
@@ -80,13 +82,15 @@ struct ColGeom {
     u32 tw;       // rows kernel: output pixels per block
     u32 tiles;    // rows kernel: blocks per output row, ceil(ow / tw)
     u32 rowlen;   // rows kernel: staged elements per filter row, ((tw-1)*sw + kw) * c_in
+    u32 rstride;  // rows kernel: tile row stride (elements), >= rowlen + 2V - 1, = dh*wc mod V
     u32 tgroup;   // NCHW im2col: taps per gridDim.z group (even)
     u32 rstep;    // col2im: sh / gcd(sh, dh), the step between filter rows that reach an input row
     u32 sstep;    // col2im: sw / gcd(sw, dw), likewise along the width
     int sh, sw, ph, pw, dh, dw;
     FastDiv d_ow, d_cin, d_pixels, d_kwc, d_w, d_hw, d_sh, d_sw, d_taps, d_tiles, d_kw;
+    FastDiv d_rowvec;  // rows kernel: by ceil((rowlen + V - 1) / V), the vectors staged a row
 };
-static_assert(sizeof(ColGeom) == 256, "ColGeom must match src/conv/im2col/launch.rs");
+static_assert(sizeof(ColGeom) == 272, "ColGeom must match src/conv/im2col/launch.rs");
 
 // --- im2col --------------------------------------------------------------------------------
 
@@ -196,22 +200,83 @@ __device__ __forceinline__ void im2col_nhwc(const E* __restrict__ x, E* __restri
     }
 }
 
-// 16 bytes of 2- or 4-byte elements as one vector store.
-__device__ __forceinline__ void store16(unsigned short* p, const unsigned short* v) {
-    *reinterpret_cast<uint4*>(p) =
-        make_uint4((u32)v[0] | ((u32)v[1] << 16), (u32)v[2] | ((u32)v[3] << 16),
-                   (u32)v[4] | ((u32)v[5] << 16), (u32)v[6] | ((u32)v[7] << 16));
-}
-__device__ __forceinline__ void store16(u32* p, const u32* v) {
-    *reinterpret_cast<uint4*>(p) = make_uint4(v[0], v[1], v[2], v[3]);
+// Rows kernel tile. Element k of filter row r's staged segment (input row iy = iys + r*dh, fused
+// offsets xcs + k) sits at tile[r*rstride + off + k], off = (x's image address in elements +
+// iys*wc + xcs) mod V. The launcher makes rstride = dh*wc (mod V), so every staged element keeps
+// its position within a 16-byte vector of x: staging copies aligned vectors. Consecutive rows
+// are at least 2V - 1 elements apart, so a row's vectors never touch another row's.
+__device__ __forceinline__ u32 staged_at(u32 i, u32 off, const ColGeom& g) {
+    const u32 pl = fdiv(i, g.d_taps), q = i - pl * g.taps;  // pixel of the block, tap
+    const u32 r = fdiv(q, g.d_kwc), j = q - r * g.kwc;
+    return r * g.rstride + off + pl * (u32)g.sw * g.c_in + j;
 }
 
-// Rows kernel: where output element i of the block (pixel pl = i / K of the block, tap
-// q = i % K = r*kwc + j) sits in the staged rows: r*rowlen + pl*sw*c_in + j.
-__device__ __forceinline__ u32 staged_at(u32 i, const ColGeom& g) {
-    const u32 pl = fdiv(i, g.d_taps), q = i - pl * g.taps;
-    const u32 r = fdiv(q, g.d_kwc), j = q - r * g.kwc;
-    return r * g.rowlen + pl * (u32)g.sw * g.c_in + j;
+// The 16-byte vector of x at fused offsets [xc0, xc0 + V) of input row iy (aligned by the
+// caller's choice of xc0), zeros outside the image: one vector load inside, element by element
+// at the image's edges.
+template <typename E>
+__device__ __forceinline__ uint4 stage_vector(const E* __restrict__ xb, bool row_in, int iy,
+                                              int xc0, const ColGeom& g) {
+    constexpr int V = 16 / sizeof(E);
+    const u32 row = row_in ? (u32)iy * g.wc : 0u;
+    if (row_in && xc0 >= 0 && xc0 + V <= (int)g.wc)
+        return *reinterpret_cast<const uint4*>(xb + row + (u32)xc0);
+    E e[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        const int xc = xc0 + j;
+        e[j] = tap_value(xb + row, row_in && (u32)xc < g.wc, (u32)xc);
+    }
+    if constexpr (sizeof(E) == 2) {
+        return make_uint4((u32)e[0] | ((u32)e[1] << 16), (u32)e[2] | ((u32)e[3] << 16),
+                          (u32)e[4] | ((u32)e[5] << 16), (u32)e[6] | ((u32)e[7] << 16));
+    } else {
+        return make_uint4(e[0], e[1], e[2], e[3]);
+    }
+}
+
+// Element K of a 16-byte chunk composed from two runs of the tile: the element at shared-window
+// byte address s1 + K*sizeof(E) when K < n1, else at s2 + K*sizeof(E). One compare and two
+// complementary predicated loads with K folded into their immediates (a select of the addresses
+// would be turned back into a select of indices, a multiply and an add per element). volatile:
+// the loads read what other threads staged, so they must stay after the __syncthreads() that
+// follows the staging and before the one that lets the next image restage.
+template <typename E> struct ChunkGather;
+template <> struct ChunkGather<unsigned short> {
+    // Zero-extended into a 32-bit register, so that two halves pack with one instruction.
+    template <u32 K> __device__ __forceinline__ static u32 at(u32 s1, u32 s2, u32 n1) {
+        u32 v;
+        asm volatile("{\n\t.reg .pred p;\n\tsetp.gt.u32 p, %3, %4;\n\t@p ld.shared.u16 %0, [%1+%5];"
+            "\n\t@!p ld.shared.u16 %0, [%2+%5];\n\t}"
+            : "=r"(v)
+            : "r"(s1), "r"(s2), "r"(n1), "n"(K), "n"(K * 2));
+        return v;
+    }
+};
+template <> struct ChunkGather<u32> {
+    template <u32 K> __device__ __forceinline__ static u32 at(u32 s1, u32 s2, u32 n1) {
+        u32 v;
+        asm volatile("{\n\t.reg .pred p;\n\tsetp.gt.u32 p, %3, %4;\n\t@p ld.shared.u32 %0, [%1+%5];"
+            "\n\t@!p ld.shared.u32 %0, [%2+%5];\n\t}"
+            : "=r"(v)
+            : "r"(s1), "r"(s2), "r"(n1), "n"(K), "n"(K * 4));
+        return v;
+    }
+};
+
+// The 16 bytes of a chunk (V = 8 halves or 4 words) as one vector.
+__device__ __forceinline__ uint4 gather16(unsigned short*, u32 s1, u32 s2, u32 n1) {
+    using G = ChunkGather<unsigned short>;
+    const auto w = [](u32 lo, u32 hi) { return lo | (hi << 16); };
+    return make_uint4(w(G::at<0>(s1, s2, n1), G::at<1>(s1, s2, n1)),
+                      w(G::at<2>(s1, s2, n1), G::at<3>(s1, s2, n1)),
+                      w(G::at<4>(s1, s2, n1), G::at<5>(s1, s2, n1)),
+                      w(G::at<6>(s1, s2, n1), G::at<7>(s1, s2, n1)));
+}
+__device__ __forceinline__ uint4 gather16(u32*, u32 s1, u32 s2, u32 n1) {
+    using G = ChunkGather<u32>;
+    return make_uint4(G::at<0>(s1, s2, n1), G::at<1>(s1, s2, n1), G::at<2>(s1, s2, n1),
+                      G::at<3>(s1, s2, n1));
 }
 
 // NHWC rows kernel (see the header); E is the element (2 or 4 bytes); dilation 1 along the
@@ -219,9 +284,10 @@ __device__ __forceinline__ u32 staged_at(u32 i, const ColGeom& g) {
 template <typename E>
 __device__ __forceinline__ void im2col_nhwc_rows(const E* __restrict__ x, E* __restrict__ cols,
                                                  const ColGeom& g, u32 images) {
-    constexpr u32 V = 16 / sizeof(E);  // elements per 16-byte store
+    constexpr u32 V = 16 / sizeof(E);  // elements per 16-byte vector
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    E* tile = reinterpret_cast<E*>(smem_raw);  // [kh][rowlen]
+    E* tile = reinterpret_cast<E*>(smem_raw);  // [kh][rstride]
+    const u32 tile_addr = (u32)__cvta_generic_to_shared(smem_raw);
     const u32 oy = fdiv(blockIdx.x, g.d_tiles), ox0 = (blockIdx.x - oy * g.tiles) * g.tw;
     const u32 npix = min(g.tw, g.ow - ox0);
     const int iys = (int)oy * g.sh - g.ph;
@@ -230,28 +296,32 @@ __device__ __forceinline__ void im2col_nhwc_rows(const E* __restrict__ x, E* __r
     const u32 len = npix * g.taps;                 // the block's output elements
     const u32 start = (oy * g.ow + ox0) * g.taps;  // ... from here in the image's columns
     const u32 step = (u32)g.sw * g.c_in;           // staged elements from a pixel to the next
+    // Vectors staged per row: enough for rowlen elements at any alignment (ceil((rowlen + V - 1)
+    // / V); d_rowvec divides by it).
+    const u32 rowvecs = g.d_rowvec.d, nvec = g.kh * rowvecs;
     for (u32 b = blockIdx.y; b < images; b += gridDim.y) {
         const E* xb = x + (u64)b * g.x_img;
-        // Stage the kh row segments, 4 loads in flight per thread.
-        for (u32 r = 0; r < g.kh; ++r) {
-            const int iy = iys + (int)r * g.dh;
-            const bool row_in = (u32)iy < g.h;
-            const E* src = xb + (row_in ? (u32)iy * g.wc : 0u);
-            E* dst = tile + r * g.rowlen;
-            for (u32 k0 = threadIdx.x; k0 < g.rowlen; k0 += 4 * THREADS) {
-                E v[4];
+        const u32 off =
+            ((u32)(reinterpret_cast<size_t>(xb) / sizeof(E)) + (u32)iys * g.wc + (u32)xcs) & (V - 1);
+        // Stage every vector of the tile, two per thread in flight. Vector vi of row r is tile
+        // vector (r*rstride + off) / V + vi; it holds segment elements vi*V - a .. + V, with
+        // a = (r*rstride + off) mod V (a few before or after the segment: unused).
+        for (u32 n0 = threadIdx.x; n0 < nvec; n0 += 2 * THREADS) {
+            uint4 v[2];
+            u32 at[2];
 #pragma unroll
-                for (u32 u = 0; u < 4; ++u) {
-                    const u32 k = k0 + u * THREADS;
-                    const int xc = xcs + (int)k;
-                    v[u] = tap_value(src, row_in && k < g.rowlen && (u32)xc < g.wc, (u32)xc);
-                }
-#pragma unroll
-                for (u32 u = 0; u < 4; ++u) {
-                    const u32 k = k0 + u * THREADS;
-                    if (k < g.rowlen) dst[k] = v[u];
-                }
+            for (u32 u = 0; u < 2; ++u) {
+                const u32 n = min(n0 + u * THREADS, nvec - 1);  // past the end: never stored
+                const u32 r = fdiv(n, g.d_rowvec), vi = n - r * rowvecs;
+                const int iy = iys + (int)r * g.dh;
+                const u32 first = r * g.rstride + off;
+                at[u] = first / V + vi;
+                v[u] = stage_vector(xb, (u32)iy < g.h, iy, xcs + (int)(vi * V - (first & (V - 1))),
+                                    g);
             }
+#pragma unroll
+            for (u32 u = 0; u < 2; ++u)
+                if (n0 + u * THREADS < nvec) reinterpret_cast<uint4*>(tile)[at[u]] = v[u];
         }
         __syncthreads();
         // Write [start, start + len) of the image's columns: the unaligned head and tail element
@@ -261,26 +331,27 @@ __device__ __forceinline__ void im2col_nhwc_rows(const E* __restrict__ x, E* __r
         const u32 head = min((V - mis) & (V - 1), len);
         const u32 chunks = (len - head) / V;
         const u32 tail = head + chunks * V;
-        if (threadIdx.x < head) out[threadIdx.x] = tile[staged_at(threadIdx.x, g)];
+        if (threadIdx.x < head) out[threadIdx.x] = tile[staged_at(threadIdx.x, off, g)];
         if (tail + threadIdx.x < len) {  // len - tail < V <= THREADS
             const u32 i = tail + threadIdx.x;
-            out[i] = tile[staged_at(i, g)];
+            out[i] = tile[staged_at(i, off, g)];
         }
+        // Not unrolled: one chunk's ~60 instructions hide no latency worth the registers.
+#pragma unroll 1
         for (u32 m = threadIdx.x; m < chunks; m += THREADS) {
             const u32 i = head + m * V;
             const u32 pl = fdiv(i, g.d_taps), q = i - pl * g.taps;
             const u32 r = fdiv(q, g.d_kwc), j = q - r * g.kwc;
             // Elements k < n1 continue the run of (pl, r) at a1; the rest start the next run,
-            // (pl, r + 1) or (pl + 1, 0), at a2 (kwc >= V: at most two runs). In u32 modular
-            // arithmetic b2 + k = a2 + (k - n1) for k >= n1.
-            const u32 a1 = r * g.rowlen + pl * step + j;
+            // (pl, r + 1) or (pl + 1, 0), at a2 (kwc >= V: at most two runs).
+            const u32 a1 = r * g.rstride + off + pl * step + j;
             const u32 n1 = g.kwc - j;
-            const u32 a2 = r + 1 < g.kh ? a1 - j + g.rowlen : (pl + 1) * step;
-            const u32 b2 = a2 - n1;
-            E v[V];
-#pragma unroll
-            for (u32 k = 0; k < V; ++k) v[k] = tile[(k < n1 ? a1 : b2) + k];
-            store16(out + i, v);
+            const u32 a2 = r + 1 < g.kh ? a1 - j + g.rstride : off + (pl + 1) * step;
+            // Shared-window byte addresses of the two runs (u32 modular: s2 + k*elem is element
+            // a2 + k - n1 for k >= n1).
+            const u32 s1 = tile_addr + a1 * (u32)sizeof(E);
+            const u32 s2 = tile_addr + (a2 - n1) * (u32)sizeof(E);
+            *reinterpret_cast<uint4*>(out + i) = gather16(out, s1, s2, n1);
         }
         __syncthreads();  // the next image restages the tile
     }

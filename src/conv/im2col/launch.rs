@@ -85,7 +85,7 @@ impl FastDiv {
 }
 
 /// The geometry argument of every im2col/col2im kernel, field for field as `ColGeom` in
-/// `kernels/im2col.cu` (256 bytes; `static_assert`ed there, tested here). "Units" are elements,
+/// `kernels/im2col.cu` (272 bytes; `static_assert`ed there, tested here). "Units" are elements,
 /// or for the NHWC unit kernels groups of `unit` channels copied at once.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -129,6 +129,8 @@ pub(crate) struct ColGeom {
     pub tiles: u32,
     /// Rows kernel: staged elements per filter row, `((tw - 1) * sw + kw) * c_in`.
     pub rowlen: u32,
+    /// Rows kernel: the tile's row stride in elements (see [`RowsTiling`]).
+    pub rstride: u32,
     /// NCHW im2col: taps per `gridDim.z` group (even).
     pub tgroup: u32,
     /// col2im: `sh / gcd(sh, dh)`, the step between the filter rows that reach an input row.
@@ -169,6 +171,8 @@ pub(crate) struct ColGeom {
     pub d_tiles: FastDiv,
     /// By `kw`.
     pub d_kw: FastDiv,
+    /// Rows kernel: by the 16-byte vectors staged per row, `ceil((rowlen + V - 1) / V)`.
+    pub d_rowvec: FastDiv,
 }
 
 // SAFETY: plain `repr(C)` data of u64/u32/i32 fields, laid out as the kernels' `ColGeom`
@@ -298,6 +302,7 @@ pub(crate) fn geometry(s: &ConvShape, layout: ColLayout, unit: usize) -> Result<
         tw: 0,
         tiles: 0,
         rowlen: 0,
+        rstride: 0,
         tgroup: TGROUP,
         rstep: u(s.stride.0 / gcd(s.stride.0, s.dilation.0)),
         sstep: u(s.stride.1 / gcd(s.stride.1, s.dilation.1)),
@@ -318,6 +323,7 @@ pub(crate) fn geometry(s: &ConvShape, layout: ColLayout, unit: usize) -> Result<
         d_taps: FastDiv::new(u(taps_u)),
         d_tiles: FastDiv::new(1),
         d_kw: FastDiv::new(u(s.kw)),
+        d_rowvec: FastDiv::new(1),
     })
 }
 
@@ -336,8 +342,11 @@ pub(crate) struct Launch {
     pub images: u32,
     /// Elements each work item moves (the copy unit: 1, or channels per 4/8/16-byte unit).
     pub unit: usize,
+    /// The source address the launch was planned for (the rows kernel aligns its staging to
+    /// it; the CPU emulation needs it to do the same).
+    pub src_addr: u64,
     /// The destination address the launch was planned for (the rows kernel aligns its stores
-    /// to it; the CPU emulation needs it to do the same).
+    /// to it).
     pub dst_addr: u64,
 }
 
@@ -380,13 +389,35 @@ pub(crate) fn copy_unit_bytes(
         .unwrap_or(elem)
 }
 
-/// The rows kernel's tiling of `s` for `elem`-byte elements: `(tw, tiles, rowlen, smem bytes)`,
-/// or `None` when the kernel does not apply (NCHW, dilation along the width, filter rows under
-/// 16 bytes, or not even one pixel's rows fit [`ROWS_SMEM_MAX`]).
-pub(crate) fn rows_tiling(s: &ConvShape, elem: usize) -> Option<(u32, u32, u32, u32)> {
+/// The rows kernel's tiling: `tw` output pixels per block (`tiles` blocks per output row), each
+/// block staging `kh` row segments of `rowlen` elements in a shared-memory tile whose rows are
+/// `rstride` elements apart: at least `rowlen + 2V - 1` (V = 16 / elem), so that a row's 16-byte
+/// vectors never touch the next row's, and congruent to `dh * w * c_in` modulo V, so that every
+/// staged element keeps its position within a 16-byte vector of x.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RowsTiling {
+    /// Output pixels per block.
+    pub tw: u32,
+    /// Blocks per output row.
+    pub tiles: u32,
+    /// Staged elements per row, `((tw - 1) * sw + kw) * c_in`.
+    pub rowlen: u32,
+    /// The tile's row stride (elements).
+    pub rstride: u32,
+    /// 16-byte vectors staged per row, `ceil((rowlen + V - 1) / V)`.
+    pub rowvecs: u32,
+    /// Shared memory per block (bytes): `ceil(kh * rstride / V)` vectors.
+    pub smem: u32,
+}
+
+/// The rows kernel's tiling of `s` for `elem`-byte elements, or `None` when the kernel does not
+/// apply (NCHW, dilation along the width, filter rows under 16 bytes, or not even one pixel's
+/// rows fit [`ROWS_SMEM_MAX`]).
+pub(crate) fn rows_tiling(s: &ConvShape, elem: usize) -> Option<RowsTiling> {
     let (oh, ow) = s.out_hw().ok()?;
     let taps = s.c_in.checked_mul(s.kh)?.checked_mul(s.kw)?;
     if s.format != TensorFormat::Nhwc
+        || !(elem == 2 || elem == 4)
         || s.dilation.1 != 1
         || s.kw.saturating_mul(s.c_in).saturating_mul(elem) < 16
         || oh == 0
@@ -394,9 +425,11 @@ pub(crate) fn rows_tiling(s: &ConvShape, elem: usize) -> Option<(u32, u32, u32, 
     {
         return None;
     }
+    let v = 16 / elem;
     // Staged elements per filter row for tw pixels: ((tw - 1) * sw + kw) * c_in.
     let row_elems = |tw: usize| ((tw - 1) * s.stride.1 + s.kw) * s.c_in;
-    let per_row_budget = ROWS_SMEM_MAX / s.kh.saturating_mul(elem);
+    // A tile row takes at most rowlen + 4V - 3 elements (the stride's rounding and congruence).
+    let per_row_budget = (ROWS_SMEM_MAX / s.kh.saturating_mul(elem)).saturating_sub(4 * v);
     if s.kw * s.c_in > per_row_budget {
         return None;
     }
@@ -409,7 +442,9 @@ pub(crate) fn rows_tiling(s: &ConvShape, elem: usize) -> Option<(u32, u32, u32, 
     let tiles = ow.div_ceil(by_out.min(by_smem));
     let tw = ow.div_ceil(tiles);
     let rowlen = row_elems(tw);
-    let smem = s.kh * rowlen * elem;
+    let wc_mod = ((s.dilation.0 % v) * ((s.w % v) * (s.c_in % v) % v)) % v; // dh*w*c_in mod V
+    let rstride = (rowlen + 2 * v - 1).next_multiple_of(v) + wc_mod;
+    let smem = s.kh.checked_mul(rstride)?.div_ceil(v) * 16;
     // The last block's staged segment reaches up to (tiles*tw - 1)*sw - pw + kw input columns:
     // its fused offsets (times c_in) must fit an int.
     let reach = (tiles * tw)
@@ -419,7 +454,15 @@ pub(crate) fn rows_tiling(s: &ConvShape, elem: usize) -> Option<(u32, u32, u32, 
     if smem > ROWS_SMEM_MAX || reach > MAX_EXTENT {
         return None;
     }
-    Some((tw as u32, tiles as u32, rowlen as u32, smem as u32))
+    let u = |x: usize| x as u32; // all below ROWS_SMEM_MAX or ow
+    Some(RowsTiling {
+        tw: u(tw),
+        tiles: u(tiles),
+        rowlen: u(rowlen),
+        rstride: u(rstride),
+        rowvecs: u((rowlen + v - 1).div_ceil(v)),
+        smem: u(smem),
+    })
 }
 
 /// The im2col launch for `images` images of `s` (x at `x_addr`, columns at `cols_addr` in
@@ -438,12 +481,14 @@ pub(crate) fn im2col(
     } else {
         None
     };
-    if let Some((tw, tiles, rowlen, smem)) = rows {
+    if let Some(t) = rows {
         let mut geom = geometry(s, layout, 1)?;
-        geom.tw = tw;
-        geom.tiles = tiles;
-        geom.rowlen = rowlen;
-        geom.d_tiles = FastDiv::new(tiles);
+        geom.tw = t.tw;
+        geom.tiles = t.tiles;
+        geom.rowlen = t.rowlen;
+        geom.rstride = t.rstride;
+        geom.d_tiles = FastDiv::new(t.tiles);
+        geom.d_rowvec = FastDiv::new(t.rowvecs);
         let kernel = match elem {
             2 => "im2col_nhwc_rows_b2",
             4 => "im2col_nhwc_rows_b4",
@@ -454,14 +499,15 @@ pub(crate) fn im2col(
             }
         };
         // oh * tiles <= oh * ow < 2^31 blocks.
-        let ((bx, by), images) = grid_for(geom.oh * tiles, images)?;
+        let ((bx, by), images) = grid_for(geom.oh * t.tiles, images)?;
         return Ok(Launch {
             kernel,
             grid: (bx, by, 1),
-            smem,
+            smem: t.smem,
             geom,
             images,
             unit: 1,
+            src_addr: x_addr,
             dst_addr: cols_addr,
         });
     }
@@ -503,6 +549,7 @@ pub(crate) fn im2col(
         geom,
         images,
         unit,
+        src_addr: x_addr,
         dst_addr: cols_addr,
     })
 }
@@ -560,6 +607,7 @@ pub(crate) fn col2im(
         geom,
         images,
         unit,
+        src_addr: cols_addr,
         dst_addr: x_addr,
     })
 }
@@ -779,12 +827,12 @@ pub(crate) mod emulate {
     }
 
     /// `staged_at` of the rows kernel.
-    fn staged_at(i: u32, g: &ColGeom) -> u32 {
+    fn staged_at(i: u32, off: u32, g: &ColGeom) -> u32 {
         let pl = g.d_taps.div(i);
         let q = i - pl * g.taps;
         let r = g.d_kwc.div(q);
         let j = q - r * g.kwc;
-        r * g.rowlen + pl * g.sw as u32 * g.c_in + j
+        r * g.rstride + off + pl * g.sw as u32 * g.c_in + j
     }
 
     fn rows(l: &Launch, x: &[f64], cols: &mut [f64]) {
@@ -793,7 +841,10 @@ pub(crate) mod emulate {
         let v_len = (16 / elem) as u32;
         assert_eq!((l.unit, l.grid.2), (1, 1));
         assert_eq!(l.dst_addr % elem, 0, "columns not aligned to their element");
-        assert!(l.smem as usize >= (g.kh * g.rowlen) as usize * elem as usize);
+        assert_eq!(l.src_addr % elem, 0, "x not aligned to its element");
+        let tile_len = l.smem as usize / elem as usize;
+        let rowvecs = g.d_rowvec.d;
+        let nvec = g.kh * rowvecs;
         for by in 0..l.grid.1 {
             for bx in 0..l.grid.0 {
                 let oy = g.d_tiles.div(bx);
@@ -807,26 +858,59 @@ pub(crate) mod emulate {
                 let mut b = by;
                 while b < l.images {
                     let xb = u64::from(b) * g.x_img;
-                    // None: never staged (reading it is a bug).
-                    let mut tile: Vec<Option<f64>> = vec![None; (g.kh * g.rowlen) as usize];
-                    for r in 0..g.kh {
-                        let iy = iys + r as i32 * g.dh;
-                        let row_in = (iy as u32) < g.h;
-                        let src = xb + u64::from(if row_in { iy as u32 * g.wc } else { 0 });
-                        for t in 0..THREADS {
-                            let mut k0 = t;
-                            while k0 < g.rowlen {
-                                for u in 0..4 {
-                                    let k = k0 + u * THREADS;
-                                    let xc = xcs + k as i32;
-                                    let ok = row_in && k < g.rowlen && (xc as u32) < g.wc;
-                                    let v = tap(x, src, ok, xc as u32);
-                                    if k < g.rowlen {
-                                        tile[(r * g.rowlen + k) as usize] = Some(v);
+                    let xb_elem = l.src_addr / elem + xb; // x's image address in elements
+                    let off = (xb_elem as u32)
+                        .wrapping_add((iys as u32).wrapping_mul(g.wc))
+                        .wrapping_add(xcs as u32)
+                        & (v_len - 1);
+                    // None: never staged (reading it is a bug); a vector staged twice is too.
+                    let mut tile: Vec<Option<f64>> = vec![None; tile_len];
+                    let mut staged = vec![false; tile_len / v_len as usize];
+                    for t in 0..THREADS {
+                        let mut n0 = t;
+                        while n0 < nvec {
+                            for u in 0..2 {
+                                let n_in = n0 + u * THREADS;
+                                let n = n_in.min(nvec - 1);
+                                let r = g.d_rowvec.div(n);
+                                let vi = n - r * rowvecs;
+                                let iy = iys + r as i32 * g.dh;
+                                let first = r * g.rstride + off;
+                                let at = first / v_len + vi;
+                                let xc0 = xcs
+                                    + vi.wrapping_mul(v_len).wrapping_sub(first & (v_len - 1))
+                                        as i32;
+                                let row_in = (iy as u32) < g.h;
+                                let row = if row_in { iy as u32 * g.wc } else { 0 };
+                                let whole = row_in && xc0 >= 0 && xc0 + v_len as i32 <= g.wc as i32;
+                                let vals: Vec<f64> = if whole {
+                                    let e0 = xb + u64::from(row) + xc0 as u64;
+                                    assert_eq!(
+                                        (l.src_addr / elem + e0) % u64::from(v_len),
+                                        0,
+                                        "16-byte load at a misaligned address"
+                                    );
+                                    (0..v_len)
+                                        .map(|k| x[(e0 + u64::from(k)) as usize])
+                                        .collect()
+                                } else {
+                                    (0..v_len as i32)
+                                        .map(|k| {
+                                            let xc = xc0 + k;
+                                            let ok = row_in && (xc as u32) < g.wc;
+                                            tap(x, xb + u64::from(row), ok, xc as u32)
+                                        })
+                                        .collect()
+                                };
+                                if n_in < nvec {
+                                    assert!(!staged[at as usize], "tile vector {at} staged twice");
+                                    staged[at as usize] = true;
+                                    for (k, v) in vals.into_iter().enumerate() {
+                                        tile[(at * v_len) as usize + k] = Some(v);
                                     }
                                 }
-                                k0 += 4 * THREADS;
                             }
+                            n0 += 2 * THREADS;
                         }
                     }
                     let out = u64::from(b) * g.col_img + u64::from(start);
@@ -834,16 +918,16 @@ pub(crate) mod emulate {
                     let head = ((v_len - mis) & (v_len - 1)).min(len);
                     let chunks = (len - head) / v_len;
                     let tail = head + chunks * v_len;
-                    let staged = |at: u32| -> f64 {
+                    let read = |at: u32| -> f64 {
                         tile[at as usize].unwrap_or_else(|| panic!("tile[{at}] read unstaged"))
                     };
                     for t in 0..THREADS {
                         if t < head {
-                            cols[(out + u64::from(t)) as usize] = staged(staged_at(t, g));
+                            cols[(out + u64::from(t)) as usize] = read(staged_at(t, off, g));
                         }
                         if tail + t < len {
                             let i = tail + t;
-                            cols[(out + u64::from(i)) as usize] = staged(staged_at(i, g));
+                            cols[(out + u64::from(i)) as usize] = read(staged_at(i, off, g));
                         }
                         let mut m = t;
                         while m < chunks {
@@ -852,14 +936,13 @@ pub(crate) mod emulate {
                             let q = i - pl * g.taps;
                             let r = g.d_kwc.div(q);
                             let j = q - r * g.kwc;
-                            let a1 = r * g.rowlen + pl * step + j;
+                            let a1 = r * g.rstride + off + pl * step + j;
                             let n1 = g.kwc - j;
                             let a2 = if r + 1 < g.kh {
-                                a1 - j + g.rowlen
+                                a1 - j + g.rstride
                             } else {
-                                (pl + 1) * step
+                                off + (pl + 1) * step
                             };
-                            let b2 = a2.wrapping_sub(n1);
                             let dst = out + u64::from(i);
                             assert_eq!(
                                 (l.dst_addr + dst * elem) % 16,
@@ -867,8 +950,9 @@ pub(crate) mod emulate {
                                 "16-byte store at a misaligned address"
                             );
                             for k in 0..v_len {
-                                let at = (if k < n1 { a1 } else { b2 }).wrapping_add(k);
-                                cols[(dst + u64::from(k)) as usize] = staged(at);
+                                // p1 = tile + a1, p2 = tile + a2 - n1.
+                                let at = if k < n1 { a1 + k } else { a2 + k - n1 };
+                                cols[(dst + u64::from(k)) as usize] = read(at);
                             }
                             m += THREADS;
                         }
@@ -1042,19 +1126,20 @@ mod tests {
 
     #[test]
     fn col_geom_matches_the_kernel_layout() {
-        // kernels/im2col.cu: static_assert(sizeof(ColGeom) == 256); field order as declared.
+        // kernels/im2col.cu: static_assert(sizeof(ColGeom) == 272); field order as declared.
         assert_eq!(std::mem::size_of::<FastDiv>(), 12);
-        assert_eq!(std::mem::size_of::<ColGeom>(), 256);
+        assert_eq!(std::mem::size_of::<ColGeom>(), 272);
         assert_eq!(std::mem::align_of::<ColGeom>(), 8);
         let g = ColGeom::default();
         let base = &g as *const ColGeom as usize;
         assert_eq!(&g.count as *const u32 as usize - base, 24);
-        assert_eq!(&g.tgroup as *const u32 as usize - base, 88);
-        assert_eq!(&g.sstep as *const u32 as usize - base, 96);
-        assert_eq!(&g.sh as *const i32 as usize - base, 100);
-        assert_eq!(&g.d_ow as *const FastDiv as usize - base, 124);
-        assert_eq!(&g.d_sw as *const FastDiv as usize - base, 208);
-        assert_eq!(&g.d_kw as *const FastDiv as usize - base, 244);
+        assert_eq!(&g.tgroup as *const u32 as usize - base, 92);
+        assert_eq!(&g.sstep as *const u32 as usize - base, 100);
+        assert_eq!(&g.sh as *const i32 as usize - base, 104);
+        assert_eq!(&g.d_ow as *const FastDiv as usize - base, 128);
+        assert_eq!(&g.d_sw as *const FastDiv as usize - base, 212);
+        assert_eq!(&g.d_kw as *const FastDiv as usize - base, 248);
+        assert_eq!(&g.d_rowvec as *const FastDiv as usize - base, 260);
     }
 
     #[test]
@@ -1148,7 +1233,9 @@ mod tests {
         let l = im2col(&stem, ColLayout::standard(12_544, 147), 2, 32, 0, 0).unwrap();
         assert_eq!(l.kernel, "im2col_nhwc_rows_b2");
         assert_eq!((l.geom.tw, l.geom.tiles, l.geom.rowlen), (112, 1, 229 * 3));
-        assert_eq!(l.smem, 7 * 229 * 3 * 2);
+        // Rows 704 elements apart (687 + 15 rounded up to 8; 224*3 = 0 mod 8), 7 of them.
+        assert_eq!((l.geom.rstride, l.geom.d_rowvec.d), (704, 87));
+        assert_eq!(l.smem, 7 * 704 * 2);
         assert_eq!(l.grid, (112, 32, 1));
         let l = im2col(&stem, ColLayout::standard(12_544, 147), 4, 32, 0, 0).unwrap();
         assert_eq!(l.kernel, "im2col_nhwc_rows_b4");
@@ -1174,16 +1261,25 @@ mod tests {
     fn rows_tiling_respects_its_conditions() {
         let mut s = shape(Nhwc, 1, 3, 9, 240);
         (s.kh, s.kw, s.stride, s.pad) = (7, 7, (2, 2), (3, 3));
-        let (tw, tiles, rowlen, smem) = rows_tiling(&s, 2).unwrap();
-        assert_eq!((tw, tiles), (60, 2), "ow = 120 split in two balanced tiles");
-        assert_eq!(rowlen, (59 * 2 + 7) * 3);
-        assert_eq!(smem, 7 * rowlen * 2);
+        let t = rows_tiling(&s, 2).unwrap();
+        assert_eq!(
+            (t.tw, t.tiles),
+            (60, 2),
+            "ow = 120 split in two balanced tiles"
+        );
+        assert_eq!(t.rowlen, (59 * 2 + 7) * 3);
+        assert_eq!((t.rstride, t.rowvecs, t.smem), (392, 48, 7 * 392 * 2));
+        // Rows whose x addresses step by a non-multiple of 16 bytes: the stride follows.
+        s.w = 241; // 723 elements a row, 3 mod 8
+        let t = rows_tiling(&s, 2).unwrap();
+        assert_eq!((t.rstride % 8, t.rstride >= t.rowlen + 15), (3, true));
+        assert_eq!(t.smem, (7 * t.rstride).div_ceil(8) * 16);
         // Limited by shared memory: 3 rows of (tw-1)*5 + 2 columns of 65 f32 channels.
         let mut s = shape(Nhwc, 1, 65, 4, 60);
         (s.kh, s.kw, s.stride, s.pad) = (3, 2, (1, 5), (1, 0));
-        let (tw, tiles, rowlen, smem) = rows_tiling(&s, 4).unwrap();
-        assert_eq!((tw, tiles, rowlen), (6, 2, (5 * 5 + 2) * 65));
-        assert!(smem as usize <= ROWS_SMEM_MAX);
+        let t = rows_tiling(&s, 4).unwrap();
+        assert_eq!((t.tw, t.tiles, t.rowlen), (6, 2, (5 * 5 + 2) * 65));
+        assert!(t.smem as usize <= ROWS_SMEM_MAX);
         // Not applicable: NCHW, dilation along the width, rows under 16 bytes, too big.
         assert!(rows_tiling(&shape(Nchw, 1, 3, 9, 9), 2).is_none());
         let mut d = shape(Nhwc, 1, 3, 9, 9);
@@ -1234,32 +1330,38 @@ mod tests {
         );
     }
 
-    /// Over many widths, strides and channel counts: every block of the rows kernel has at
-    /// least one pixel, the blocks cover the output row, the staged rows fit the budget and
-    /// hold what the block's last pixel reads.
+    /// Over many widths, strides, dilations and channel counts: every block of the rows kernel
+    /// has at least one pixel, the blocks cover the output row, the tile fits the budget, holds
+    /// what the block's last pixel reads, and its rows keep x's 16-byte alignment and never
+    /// share a vector.
     #[test]
     fn rows_tiles_cover_the_output_row() {
         let mut seen_split = false;
         for c_in in [1usize, 3, 5, 17, 129, 700] {
             for kw in [1usize, 2, 3, 7] {
-                for sw in [1usize, 2, 3] {
+                for (sw, dh) in [(1usize, 1usize), (2, 1), (3, 2), (1, 3)] {
                     for w in [1usize, 2, 7, 56, 113, 224, 1000, 4099] {
-                        let mut s = shape(Nhwc, 1, c_in, 3, w);
-                        (s.kw, s.stride, s.pad) = (kw, (1, sw), (1, kw / 2));
+                        let mut s = shape(Nhwc, 1, c_in, 9, w);
+                        (s.kw, s.stride, s.pad, s.dilation) = (kw, (1, sw), (1, kw / 2), (dh, 1));
                         let Ok((_, ow)) = s.out_hw() else { continue };
                         for elem in [2usize, 4] {
-                            let Some((tw, tiles, rowlen, smem)) = rows_tiling(&s, elem) else {
+                            let Some(t) = rows_tiling(&s, elem) else {
                                 continue;
                             };
-                            let (tw, tiles) = (tw as usize, tiles as usize);
+                            let v = 16 / elem;
+                            let (tw, tiles) = (t.tw as usize, t.tiles as usize);
+                            let (rowlen, rstride) = (t.rowlen as usize, t.rstride as usize);
                             assert!(
                                 tw >= 1 && (tiles - 1) * tw < ow && tiles * tw >= ow,
                                 "{s:?}"
                             );
-                            assert!(smem as usize <= ROWS_SMEM_MAX, "{s:?}");
-                            assert_eq!(smem as usize, s.kh * rowlen as usize * elem);
+                            assert!(t.smem as usize <= ROWS_SMEM_MAX, "{s:?}");
+                            assert_eq!(t.smem as usize, (s.kh * rstride).div_ceil(v) * 16);
                             // The block's last pixel reads up to (tw-1)*sw + kw - 1 columns on.
-                            assert!(((tw - 1) * sw + kw) * c_in <= rowlen as usize, "{s:?}");
+                            assert_eq!(((tw - 1) * sw + kw) * c_in, rowlen, "{s:?}");
+                            assert!(rstride >= rowlen + 2 * v - 1, "{s:?}");
+                            assert_eq!(rstride % v, dh * w * c_in % v, "{s:?}");
+                            assert_eq!(t.rowvecs as usize, (rowlen + v - 1).div_ceil(v));
                             seen_split |= tiles > 1;
                         }
                     }
