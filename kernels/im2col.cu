@@ -45,10 +45,11 @@
 //
 // col2im is a gather: each input element (or NHWC unit of 4/8/16 bytes of channels) sums, in
 // f32 and in the fixed tap order (r, s), the column entries that read it, then rounds once:
-// deterministic, no atomics. One work item per thread; it visits only the taps whose offset is
-// a multiple of the stride (a quarter of them for a 2x2 stride), and a filter row's taps are
-// read four at a time (predicated loads, issued before their adds) so that a thread waits for
-// memory once per four taps, not once per tap.
+// deterministic, no atomics. One work item per thread. The taps that reach an item are ranges
+// of two progressions (rows r0 + a*rstep, columns s0 + m*sstep: a quarter of the filter for a
+// 2x2 stride), found once per thread, and the column offset is linear in a and m, so a tap
+// costs an add, its load and its sum; a filter row's taps are read four at a time (predicated
+// loads issued before their adds) so that a thread waits for memory once per four taps.
 
 constexpr u32 THREADS = 256;  // threads per block (src/conv/im2col/launch.rs: THREADS)
 constexpr u32 ITEMS = 4;      // NCHW im2col: channels per thread (launch.rs: ITEMS)
@@ -86,11 +87,16 @@ struct ColGeom {
     u32 tgroup;   // NCHW im2col: taps per gridDim.z group (even)
     u32 rstep;    // col2im: sh / gcd(sh, dh), the step between filter rows that reach an input row
     u32 sstep;    // col2im: sw / gcd(sw, dw), likewise along the width
+    u32 flags;    // bit 0, NCHW im2col: every column offset within an image fits 32 bits
+    u32 unused;   // no implicit padding in the layout
     int sh, sw, ph, pw, dh, dw;
     FastDiv d_ow, d_cin, d_pixels, d_kwc, d_w, d_hw, d_sh, d_sw, d_taps, d_tiles, d_kw;
     FastDiv d_rowvec;  // rows kernel: by ceil((rowlen + V - 1) / V), the vectors staged a row
+    // col2im: by rstep, sstep, and by doy = dh / gcd(sh, dh), dox = dw / gcd(sw, dw), the output
+    // rows (columns) between consecutive taps of a progression.
+    FastDiv d_rstep, d_sstep, d_doy, d_dox;
 };
-static_assert(sizeof(ColGeom) == 272, "ColGeom must match src/conv/im2col/launch.rs");
+static_assert(sizeof(ColGeom) == 328, "ColGeom must match src/conv/im2col/launch.rs");
 
 // --- im2col --------------------------------------------------------------------------------
 
@@ -102,12 +108,24 @@ __device__ __forceinline__ E tap_value(const E* base, bool inside, u32 at) {
     return inside ? v : E{};
 }
 
-template <typename E>
+// p, hidden from the optimiser: it then keeps p in a register pair and addresses p[i] with
+// one wide multiply-add, instead of re-adding a 64-bit offset to the kernel argument for every
+// access (4 instructions). The pointer loses its known address space, so accesses through it
+// use __ldg / __stwb to stay global loads and stores.
+template <typename P> __device__ __forceinline__ P* opaque(P* p) {
+    asm("" : "+l"(p));
+    return p;
+}
+
+template <typename E, typename Off>
 __device__ __forceinline__ void im2col_nchw(const E* __restrict__ x, E* __restrict__ cols,
                                             const ColGeom& g, u32 images) {
     // Work item e = cg*P + p: pixel p of channels c0 .. c0 + ITEMS - 1, c0 = cg*ITEMS (those
-    // below c_in are live). The channels of a thread share the pixel's coordinates; their
-    // planes are h*w apart and their column rows kh*kw*col_row apart.
+    // below c_in are live). The channels of a thread share the pixel's coordinates, so one
+    // bounds test and one in-plane offset serve all of them; their planes are h*w apart and
+    // their column rows kh*kw*col_row apart. A dead channel (past c_in) reads channel c0's
+    // element and stores it to channel c0's place: the same value, so no test per store.
+    // Off: the type of column offsets within an image (u32 when the launcher found they fit).
     const u32 e = blockIdx.x * THREADS + threadIdx.x;
     if (e >= g.count) return;  // no barrier below
     const u32 cg = fdiv(e, g.d_pixels), p = e - cg * g.pixels;
@@ -117,43 +135,60 @@ __device__ __forceinline__ void im2col_nchw(const E* __restrict__ x, E* __restri
     const u32 c0 = cg * ITEMS;
     const u32 live = min(g.c_in - c0, ITEMS);  // >= 1
     const u32 plane_len = g.h * g.w;
-    const u64 chan_rows = (u64)g.khkw * g.col_row;
-    const u64 dst0 = (u64)c0 * chan_rows + p;
+    const Off col_row = (Off)g.col_row;
+    const Off chan_rows = (Off)g.khkw * col_row;
+    u32 plane_off[ITEMS];
+    Off chan_off[ITEMS];
+#pragma unroll
+    for (u32 i = 0; i < ITEMS; ++i) {
+        plane_off[i] = i < live ? i * plane_len : 0u;
+        chan_off[i] = i < live ? (Off)i * chan_rows : (Off)0;
+    }
     // This block's taps: [t0, t1), a group of g.tgroup (even) on gridDim.z.
     const u32 t0 = blockIdx.z * g.tgroup, t1 = min(t0 + g.tgroup, g.khkw);
     const u32 r0 = fdiv(t0, g.d_kw), s0 = t0 - r0 * g.kw;
     for (u32 b = blockIdx.y; b < images; b += gridDim.y) {
-        const E* xb = x + (u64)b * g.x_img + c0 * plane_len;  // c0*h*w < c_in*h*w < 2^31
-        E* cb = cols + (u64)b * g.col_img + dst0;
+        const E* xb = opaque(x + (u64)b * g.x_img + c0 * plane_len);  // c0*h*w < 2^31
+        // Column offset of channel c0's tap t0 at pixel p.
+        E* cb = opaque(cols + (u64)b * g.col_img);
+        Off row = (Off)c0 * chan_rows + (Off)t0 * col_row + (Off)p;
         // Tap t = r*kw + s: offsets (dy, dx) = (r*dh, s*dw), uniform across the block.
         int dy = (int)r0 * g.dh, dx = (int)s0 * g.dw;
         u32 s = s0;
-        for (u32 t = t0; t < t1; t += 2) {
-            const bool pair = t + 1 < t1;  // uniform
-            E v[2][ITEMS];
-#pragma unroll
-            for (u32 u = 0; u < 2; ++u) {
-                const int iy = iy0 + dy, ix = ix0 + dx;
-                const bool inside = (u32)iy < g.h && (u32)ix < g.w && (u == 0 || pair);
-                const u32 at = (u32)iy * g.w + (u32)ix;
-#pragma unroll
-                for (u32 i = 0; i < ITEMS; ++i)
-                    v[u][i] = tap_value(xb + (i < live ? i * plane_len : 0u), inside && i < live, at);
-                dx += g.dw;
-                if (++s == g.kw) {
-                    s = 0;
-                    dx = 0;
-                    dy += g.dh;
-                }
-            }
-            E* row = cb + (u64)t * g.col_row;
+        // One tap's ITEMS values, then the odometer to the next tap.
+        const auto load = [&](E* v) {
+            const int iy = iy0 + dy, ix = ix0 + dx;
+            const bool inside = (u32)iy < g.h && (u32)ix < g.w;
+            const u32 at = inside ? (u32)iy * g.w + (u32)ix : 0u;
 #pragma unroll
             for (u32 i = 0; i < ITEMS; ++i) {
-                if (i < live) {
-                    row[i * chan_rows] = v[0][i];
-                    if (pair) row[i * chan_rows + g.col_row] = v[1][i];
-                }
+                const E val = __ldg(xb + at + plane_off[i]);
+                v[i] = inside ? val : E{};
             }
+            dx += g.dw;
+            if (++s == g.kw) {
+                s = 0;
+                dx = 0;
+                dy += g.dh;
+            }
+        };
+        u32 t = t0;
+        for (; t + 2 <= t1; t += 2) {
+            E v0[ITEMS], v1[ITEMS];
+            load(v0);
+            load(v1);
+#pragma unroll
+            for (u32 i = 0; i < ITEMS; ++i) {
+                __stwb(cb + row + chan_off[i], v0[i]);
+                __stwb(cb + row + chan_off[i] + col_row, v1[i]);
+            }
+            row += 2 * col_row;
+        }
+        if (t < t1) {  // an odd group's last tap
+            E v0[ITEMS];
+            load(v0);
+#pragma unroll
+            for (u32 i = 0; i < ITEMS; ++i) __stwb(cb + row + chan_off[i], v0[i]);
         }
     }
 }
@@ -384,23 +419,10 @@ template <typename H> struct WordHalf {
 template <> struct Word<nnf_f16> : WordHalf<nnf_f16> {};
 template <> struct Word<nnf_bf16> : WordHalf<nnf_bf16> {};
 
-// W 32-bit words (1, 2 or 4: a 4-, 8- or 16-byte unit) at unit index `at` of `base`.
+// W 32-bit words (1, 2 or 4: a 4-, 8- or 16-byte unit); stored at unit index `at` of `base`.
 template <u32 W> struct Words {
     u32 w[W];
 };
-template <u32 W> __device__ __forceinline__ Words<W> load_words(const void* base, u32 at) {
-    Words<W> r;
-    if constexpr (W == 4) {
-        const uint4 v = reinterpret_cast<const uint4*>(base)[at];
-        r.w[0] = v.x, r.w[1] = v.y, r.w[2] = v.z, r.w[3] = v.w;
-    } else if constexpr (W == 2) {
-        const uint2 v = reinterpret_cast<const uint2*>(base)[at];
-        r.w[0] = v.x, r.w[1] = v.y;
-    } else {
-        r.w[0] = reinterpret_cast<const u32*>(base)[at];
-    }
-    return r;
-}
 template <u32 W> __device__ __forceinline__ void store_words(void* base, u32 at, const Words<W>& r) {
     if constexpr (W == 4) {
         reinterpret_cast<uint4*>(base)[at] = make_uint4(r.w[0], r.w[1], r.w[2], r.w[3]);
@@ -421,6 +443,31 @@ template <typename T> struct Acc<T, 0> {
     static constexpr u32 N = 1;
     using Raw = T;
 };
+
+// A work item's stored value through a pointer whose address space the optimiser no longer
+// knows (opaque): a global load, read-only path.
+__device__ __forceinline__ float ldg_raw(const float* p) { return __ldg(p); }
+__device__ __forceinline__ nnf_f16 ldg_raw(const nnf_f16* p) {
+    nnf_f16 h;
+    h.bits = __ldg(reinterpret_cast<const unsigned short*>(p));
+    return h;
+}
+__device__ __forceinline__ nnf_bf16 ldg_raw(const nnf_bf16* p) {
+    nnf_bf16 h;
+    h.bits = __ldg(reinterpret_cast<const unsigned short*>(p));
+    return h;
+}
+__device__ __forceinline__ Words<1> ldg_raw(const Words<1>* p) {
+    return Words<1>{{__ldg(reinterpret_cast<const u32*>(p))}};
+}
+__device__ __forceinline__ Words<2> ldg_raw(const Words<2>* p) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    return Words<2>{{v.x, v.y}};
+}
+__device__ __forceinline__ Words<4> ldg_raw(const Words<4>* p) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+    return Words<4>{{v.x, v.y, v.z, v.w}};
+}
 
 // Along one axis, tap k reads input index i from output o when t = i + pad - k*dil = o*stride
 // with 0 <= o < out. The k whose t is a multiple of the stride are first_tap(...) + m*step,
@@ -444,9 +491,34 @@ __device__ __forceinline__ u32 exact_div(int t, int stride, const FastDiv& ds) {
     return stride == 1 ? (u32)t : fdiv((u32)t, ds);
 }
 
+// The taps of one progression (rows or columns) that read input index i: k = k0 + n*kstep for
+// n in [lo, lo + count), reading output index o0 - n*dout; count = 0 when none does. k0 = first
+// tap, o0 = its output index; constraints: k < kext, o >= 0, o < out.
+struct TapRange {
+    u32 lo, count, k, o;  // the first valid tap k and its output index o
+};
+__device__ __forceinline__ TapRange tap_range(int ipad, int dil, int stride, const FastDiv& ds,
+                                              u32 kstep, const FastDiv& dk, const FastDiv& dout,
+                                              u32 kext, u32 out) {
+    TapRange t{0, 0, 0, 0};
+    const u32 k0 = first_tap(ipad, dil, stride, ds, kstep);
+    if (k0 >= kext) return t;
+    const u32 o0 = exact_div(ipad - (int)k0 * dil, stride, ds);
+    const u32 hi = min(fdiv(kext - 1 - k0, dk), fdiv(o0, dout));        // k < kext, o >= 0
+    const u32 lo = o0 >= out ? fdiv(o0 - out + dout.d, dout) : 0u;     // o < out
+    if (lo > hi) return t;
+    t.lo = lo;
+    t.count = hi - lo + 1;
+    t.k = k0 + lo * kstep;
+    t.o = o0 - lo * dout.d;
+    return t;
+}
+
 // One item per thread. NCHW (NCHW = true): an element (c, iy, ix), columns at q*col_row + pixel
 // with q = (c*kh + r)*kw + s; NHWC: a unit (pixel, c) of W words (or an element, W = 0), columns
-// at pixel*taps + (r*kw + s)*c_in + c, in units.
+// at pixel*taps + (r*kw + s)*c_in + c, in units. The taps that reach the item are the rows
+// r0 + a*rstep (a < na) times the columns s0 + m*sstep (m < nm), found once per thread; the
+// column offset is linear in a and in m, so each tap costs an add, its load and its sum.
 template <typename T, u32 W, bool NCHW>
 __device__ __forceinline__ void col2im(const T* __restrict__ cols, T* __restrict__ x,
                                        const ColGeom& g, u32 images) {
@@ -464,45 +536,40 @@ __device__ __forceinline__ void col2im(const T* __restrict__ cols, T* __restrict
         c = e - pix * g.c_in;
         iy = fdiv(pix, g.d_w), ix = pix - iy * g.w;
     }
-    // Only taps whose offset is a multiple of the stride reach (iy, ix): rows r0, r0 + rstep, ...
-    // and columns s0, s0 + sstep, ... (all of them for stride 1), in increasing order as the
-    // reference sums them.
-    const int iyp = (int)iy + g.ph, ixp = (int)ix + g.pw;
-    const u32 r0 = first_tap(iyp, g.dh, g.sh, g.d_sh, g.rstep);
-    const u32 s0 = first_tap(ixp, g.dw, g.sw, g.d_sw, g.sstep);
-    const u32 ns = s0 < g.kw ? (g.kw - 1 - s0) / g.sstep + 1 : 0;  // candidate columns
+    const TapRange rr = tap_range((int)iy + g.ph, g.dh, g.sh, g.d_sh, g.rstep, g.d_rstep, g.d_doy,
+                                  g.kh, g.oh);
+    const TapRange sr = tap_range((int)ix + g.pw, g.dw, g.sw, g.d_sw, g.sstep, g.d_sstep, g.d_dox,
+                                  g.kw, g.ow);
+    const u32 na = sr.count == 0 ? 0u : rr.count, nm = sr.count;
+    // The first tap's offset and the steps along a and m (u32 modular arithmetic: the steps
+    // may be negative; every offset actually used is a valid one).
+    u32 at0, da, dm;
+    if constexpr (NCHW) {
+        const u32 P = (u32)g.col_row;  // the reference layout
+        at0 = ((c * g.kh + rr.k) * g.kw + sr.k) * P + rr.o * g.ow + sr.o;
+        da = g.rstep * g.kw * P - g.d_doy.d * g.ow;
+        dm = g.sstep * P - g.d_dox.d;
+    } else {
+        at0 = (rr.o * g.ow + sr.o) * g.taps + (rr.k * g.kw + sr.k) * g.c_in + c;
+        da = g.rstep * g.kw * g.c_in - g.d_doy.d * g.ow * g.taps;
+        dm = g.sstep * g.c_in - g.d_dox.d * g.taps;
+    }
     const Raw* cr = reinterpret_cast<const Raw*>(cols);
     for (u32 b = blockIdx.y; b < images; b += gridDim.y) {
-        const Raw* cb = cr + (u64)b * g.col_img;
+        const Raw* cb = opaque(cr + (u64)b * g.col_img);
         float acc[N];
 #pragma unroll
         for (u32 i = 0; i < N; ++i) acc[i] = 0.0f;
-        for (u32 r = r0; r < g.kh; r += g.rstep) {
-            const int ty = iyp - (int)r * g.dh;
-            if (ty < 0) break;  // ty only decreases with r
-            const u32 oy = exact_div(ty, g.sh, g.d_sh);
-            if (oy >= g.oh) continue;
-            for (u32 m0 = 0; m0 < ns; m0 += SGROUP) {
+        u32 row = at0;
+        for (u32 a = 0; a < na; ++a, row += da) {
+            for (u32 m0 = 0; m0 < nm; m0 += SGROUP) {
                 Raw v[SGROUP];
-                bool ok[SGROUP];
+#pragma unroll
+                for (u32 k = 0; k < SGROUP; ++k)
+                    if (m0 + k < nm) v[k] = ldg_raw(cb + (row + (m0 + k) * dm));
 #pragma unroll
                 for (u32 k = 0; k < SGROUP; ++k) {
-                    const u32 s = s0 + (m0 + k) * g.sstep;
-                    const int tx = ixp - (int)s * g.dw;
-                    const u32 ox = exact_div(max(tx, 0), g.sw, g.d_sw);
-                    ok[k] = m0 + k < ns && tx >= 0 && ox < g.ow;
-                    u32 at;
-                    if constexpr (NCHW) {
-                        // The reference layout: col_row = P; an image's columns are < 2^31.
-                        at = ((c * g.kh + r) * g.kw + s) * (u32)g.col_row + oy * g.ow + ox;
-                    } else {
-                        at = (oy * g.ow + ox) * g.taps + (r * g.kw + s) * g.c_in + c;
-                    }
-                    if (ok[k]) v[k] = cb[at];
-                }
-#pragma unroll
-                for (u32 k = 0; k < SGROUP; ++k) {
-                    if (!ok[k]) continue;
+                    if (m0 + k >= nm) continue;
                     if constexpr (W == 0) {
                         acc[0] += to_float(v[k]);
                     } else {
@@ -570,14 +637,18 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     im2col_nhwc_rows<u32>(x, cols, g, images);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-    im2col_nchw_b2(const unsigned short* x, unsigned short* cols, ColGeom g, u32 images) {
-    im2col_nchw<unsigned short>(x, cols, g, images);
-}
-extern "C" __global__ void __launch_bounds__(THREADS)
-    im2col_nchw_b4(const u32* x, u32* cols, ColGeom g, u32 images) {
-    im2col_nchw<u32>(x, cols, g, images);
-}
+// NCHW: column offsets within an image in 32 bits when they fit (flag bit 0: launch.rs).
+#define NNF_IM2COL_NCHW(E, S)                                                                     \
+    extern "C" __global__ void __launch_bounds__(THREADS, 6)                                      \
+        im2col_nchw_##S(const E* x, E* cols, ColGeom g, u32 images) {                             \
+        if (g.flags & 1u)                                                                         \
+            im2col_nchw<E, u32>(x, cols, g, images);                                              \
+        else                                                                                      \
+            im2col_nchw<E, u64>(x, cols, g, images);                                              \
+    }
+
+NNF_IM2COL_NCHW(unsigned short, b2)
+NNF_IM2COL_NCHW(u32, b4)
 
 // col2im's minimum resident blocks per SM (a register cap): 8 for elements and 4-byte units
 // (their loads are small, so occupancy carries the bytes in flight), 6 for 8-byte units, 5 for

@@ -27,6 +27,8 @@ pub(crate) const ITEMS: u32 = 4;
 /// NCHW im2col: taps per `gridDim.z` group (even; raised for filters of more than 262,140 taps
 /// so that `gridDim.z` stays within its limit).
 pub(crate) const TGROUP: u32 = 4;
+/// [`ColGeom::flags`] bit: the NCHW im2col kernel's column offsets fit 32 bits.
+pub(crate) const NCHW_OFFSETS_32: u32 = 1;
 /// col2im: taps of a filter row loaded together (`SGROUP` there).
 #[cfg(test)]
 pub(crate) const SGROUP: u32 = 4;
@@ -85,7 +87,7 @@ impl FastDiv {
 }
 
 /// The geometry argument of every im2col/col2im kernel, field for field as `ColGeom` in
-/// `kernels/im2col.cu` (272 bytes; `static_assert`ed there, tested here). "Units" are elements,
+/// `kernels/im2col.cu` (328 bytes; `static_assert`ed there, tested here). "Units" are elements,
 /// or for the NHWC unit kernels groups of `unit` channels copied at once.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -137,6 +139,11 @@ pub(crate) struct ColGeom {
     pub rstep: u32,
     /// col2im: `sw / gcd(sw, dw)`, likewise along the width.
     pub sstep: u32,
+    /// Bit 0, NCHW im2col: every column offset within an image (up to `K * col_row + P`)
+    /// fits 32 bits, so that the kernel computes them in 32 bits.
+    pub flags: u32,
+    /// No implicit padding in the layout.
+    pub unused: u32,
     /// Vertical stride.
     pub sh: i32,
     /// Horizontal stride.
@@ -173,6 +180,15 @@ pub(crate) struct ColGeom {
     pub d_kw: FastDiv,
     /// Rows kernel: by the 16-byte vectors staged per row, `ceil((rowlen + V - 1) / V)`.
     pub d_rowvec: FastDiv,
+    /// col2im: by `rstep`.
+    pub d_rstep: FastDiv,
+    /// col2im: by `sstep`.
+    pub d_sstep: FastDiv,
+    /// col2im: by `doy = dh / gcd(sh, dh)`, the output rows between consecutive taps of a
+    /// row progression.
+    pub d_doy: FastDiv,
+    /// col2im: by `dox = dw / gcd(sw, dw)`, likewise along the width.
+    pub d_dox: FastDiv,
 }
 
 // SAFETY: plain `repr(C)` data of u64/u32/i32 fields, laid out as the kernels' `ColGeom`
@@ -282,6 +298,7 @@ pub(crate) fn geometry(s: &ConvShape, layout: ColLayout, unit: usize) -> Result<
         TensorFormat::Nhwc => (layout.img / unit, taps_u),
     };
     let u = |v: usize| v as u32; // each value below was checked above
+    let (gh, gw) = (gcd(s.stride.0, s.dilation.0), gcd(s.stride.1, s.dilation.1));
     Ok(ColGeom {
         x_img: x_img as u64,
         col_img: col_img as u64,
@@ -304,8 +321,10 @@ pub(crate) fn geometry(s: &ConvShape, layout: ColLayout, unit: usize) -> Result<
         rowlen: 0,
         rstride: 0,
         tgroup: TGROUP,
-        rstep: u(s.stride.0 / gcd(s.stride.0, s.dilation.0)),
-        sstep: u(s.stride.1 / gcd(s.stride.1, s.dilation.1)),
+        rstep: u(s.stride.0 / gh),
+        sstep: u(s.stride.1 / gw),
+        flags: 0,
+        unused: 0,
         sh: small_i("stride.0", s.stride.0)?,
         sw: small_i("stride.1", s.stride.1)?,
         ph: small_i("pad.0", s.pad.0)?,
@@ -324,6 +343,10 @@ pub(crate) fn geometry(s: &ConvShape, layout: ColLayout, unit: usize) -> Result<
         d_tiles: FastDiv::new(1),
         d_kw: FastDiv::new(u(s.kw)),
         d_rowvec: FastDiv::new(1),
+        d_rstep: FastDiv::new(u(s.stride.0 / gh)),
+        d_sstep: FastDiv::new(u(s.stride.1 / gw)),
+        d_doy: FastDiv::new(u(s.dilation.0 / gh)),
+        d_dox: FastDiv::new(u(s.dilation.1 / gw)),
     })
 }
 
@@ -520,6 +543,10 @@ pub(crate) fn im2col(
             // Even groups of taps, at most MAX_GRID_Y of them.
             let tg = TGROUP.max(geom.khkw.div_ceil(MAX_GRID_Y).next_multiple_of(2));
             geom.tgroup = tg;
+            let reach = u64::from(geom.taps) * geom.col_row + u64::from(geom.pixels);
+            if reach <= u64::from(u32::MAX) {
+                geom.flags |= NCHW_OFFSETS_32;
+            }
             (geom.count.div_ceil(THREADS), geom.khkw.div_ceil(tg))
         }
         TensorFormat::Nhwc => {
@@ -684,6 +711,8 @@ pub(crate) mod emulate {
     fn nchw(l: &Launch, x: &[f64], cols: &mut [f64]) {
         let g = &l.geom;
         assert_eq!(l.unit, 1);
+        let off32 = g.flags & NCHW_OFFSETS_32 != 0;
+        let items = ITEMS as usize;
         for bz in 0..l.grid.2 {
             for by in 0..l.grid.1 {
                 for bx in 0..l.grid.0 {
@@ -701,8 +730,20 @@ pub(crate) mod emulate {
                         let c0 = cg * ITEMS;
                         let live = (g.c_in - c0).min(ITEMS);
                         let plane_len = g.h * g.w;
-                        let chan_rows = u64::from(g.khkw) * g.col_row;
-                        let dst0 = u64::from(c0) * chan_rows + u64::from(p);
+                        let col_row = g.col_row;
+                        let chan_rows = u64::from(g.khkw) * col_row;
+                        let plane_off: Vec<u32> = (0..ITEMS)
+                            .map(|i| if i < live { i * plane_len } else { 0 })
+                            .collect();
+                        let chan_off: Vec<u64> = (0..ITEMS)
+                            .map(|i| {
+                                if i < live {
+                                    u64::from(i) * chan_rows
+                                } else {
+                                    0
+                                }
+                            })
+                            .collect();
                         let t0 = bz * g.tgroup;
                         let t1 = (t0 + g.tgroup).min(g.khkw);
                         let r0 = g.d_kw.div(t0);
@@ -710,40 +751,66 @@ pub(crate) mod emulate {
                         let mut b = by;
                         while b < l.images {
                             let xb = u64::from(b) * g.x_img + u64::from(c0 * plane_len);
-                            let cb = u64::from(b) * g.col_img + dst0;
+                            let cb = u64::from(b) * g.col_img;
+                            let mut row =
+                                u64::from(c0) * chan_rows + u64::from(t0) * col_row + u64::from(p);
                             let (mut dy, mut dx, mut s) = (r0 as i32 * g.dh, s0 as i32 * g.dw, s0);
+                            // `load` of the kernel: one tap's values, then the odometer.
+                            let load = |dy: &mut i32, dx: &mut i32, s: &mut u32| {
+                                let (iy, ix) = (iy0 + *dy, ix0 + *dx);
+                                let inside = (iy as u32) < g.h && (ix as u32) < g.w;
+                                let at = if inside {
+                                    iy as u32 * g.w + ix as u32
+                                } else {
+                                    0
+                                };
+                                // The kernel loads at + plane_off[i] even outside (at = 0).
+                                let v: Vec<f64> = plane_off
+                                    .iter()
+                                    .map(|&o| {
+                                        let val = x[(xb + u64::from(at + o)) as usize];
+                                        if inside {
+                                            val
+                                        } else {
+                                            0.0
+                                        }
+                                    })
+                                    .collect();
+                                *dx += g.dw;
+                                *s += 1;
+                                if *s == g.kw {
+                                    *s = 0;
+                                    *dx = 0;
+                                    *dy += g.dh;
+                                }
+                                v
+                            };
+                            let mut store = |at: u64, v: &[f64]| {
+                                if off32 {
+                                    assert!(at <= u64::from(u32::MAX), "32-bit offset overflow");
+                                }
+                                for i in 0..items {
+                                    let dst = (cb + at + chan_off[i]) as usize;
+                                    if i as u32 >= live {
+                                        // A dead channel rewrites channel c0's value in place.
+                                        assert_eq!(v[i].to_bits(), v[0].to_bits());
+                                        assert_eq!(chan_off[i], 0);
+                                    }
+                                    cols[dst] = v[i];
+                                }
+                            };
                             let mut tap_t = t0;
-                            while tap_t < t1 {
-                                let pair = tap_t + 1 < t1;
-                                let mut v = [[0.0; ITEMS as usize]; 2];
-                                for (u, vu) in v.iter_mut().enumerate() {
-                                    let (iy, ix) = (iy0 + dy, ix0 + dx);
-                                    let inside =
-                                        (iy as u32) < g.h && (ix as u32) < g.w && (u == 0 || pair);
-                                    let at = (iy as u32).wrapping_mul(g.w).wrapping_add(ix as u32);
-                                    for (i, vi) in vu.iter_mut().enumerate() {
-                                        let i = i as u32;
-                                        let base = xb
-                                            + u64::from(if i < live { i * plane_len } else { 0 });
-                                        *vi = tap(x, base, inside && i < live, at);
-                                    }
-                                    dx += g.dw;
-                                    s += 1;
-                                    if s == g.kw {
-                                        s = 0;
-                                        dx = 0;
-                                        dy += g.dh;
-                                    }
-                                }
-                                let row = cb + u64::from(tap_t) * g.col_row;
-                                for i in 0..live {
-                                    let at = row + u64::from(i) * chan_rows;
-                                    cols[at as usize] = v[0][i as usize];
-                                    if pair {
-                                        cols[(at + g.col_row) as usize] = v[1][i as usize];
-                                    }
-                                }
+                            while tap_t + 2 <= t1 {
+                                let v0 = load(&mut dy, &mut dx, &mut s);
+                                let v1 = load(&mut dy, &mut dx, &mut s);
+                                store(row, &v0);
+                                store(row + col_row, &v1);
+                                row += 2 * col_row;
                                 tap_t += 2;
+                            }
+                            if tap_t < t1 {
+                                let v0 = load(&mut dy, &mut dx, &mut s);
+                                store(row, &v0);
                             }
                             b += l.grid.1;
                         }
@@ -989,6 +1056,36 @@ pub(crate) mod emulate {
         }
     }
 
+    /// `tap_range` of the kernel: `(count, first tap, its output index)`.
+    #[allow(clippy::too_many_arguments)]
+    fn tap_range(
+        ipad: i32,
+        dil: i32,
+        stride: i32,
+        ds: FastDiv,
+        kstep: u32,
+        dk: FastDiv,
+        dout: FastDiv,
+        kext: u32,
+        out: u32,
+    ) -> (u32, u32, u32) {
+        let k0 = first_tap(ipad, dil, stride, ds, kstep);
+        if k0 >= kext {
+            return (0, 0, 0);
+        }
+        let o0 = exact_div(ipad - k0 as i32 * dil, stride, ds);
+        let hi = dk.div(kext - 1 - k0).min(dout.div(o0));
+        let lo = if o0 >= out {
+            dout.div(o0 - out + dout.d)
+        } else {
+            0
+        };
+        if lo > hi {
+            return (0, 0, 0);
+        }
+        (hi - lo + 1, k0 + lo * kstep, o0 - lo * dout.d)
+    }
+
     /// The col2im kernels of `kernels/im2col.cu` (NCHW, NHWC scalar and 4/8/16-byte units),
     /// summing in f64 in the kernel's order.
     pub(crate) fn col2im(l: &Launch, cols: &[f64], x: &mut [f64]) {
@@ -1014,56 +1111,78 @@ pub(crate) mod emulate {
                         let iy = g.d_w.div(pix);
                         (c, iy, pix - iy * g.w)
                     };
-                    let (iyp, ixp) = (iy as i32 + g.ph, ix as i32 + g.pw);
-                    let r0 = first_tap(iyp, g.dh, g.sh, g.d_sh, g.rstep);
-                    let s0 = first_tap(ixp, g.dw, g.sw, g.d_sw, g.sstep);
-                    let ns = if s0 < g.kw {
-                        (g.kw - 1 - s0) / g.sstep + 1
+                    let (ra, rk, ro) = tap_range(
+                        iy as i32 + g.ph,
+                        g.dh,
+                        g.sh,
+                        g.d_sh,
+                        g.rstep,
+                        g.d_rstep,
+                        g.d_doy,
+                        g.kh,
+                        g.oh,
+                    );
+                    let (sm, sk, so) = tap_range(
+                        ix as i32 + g.pw,
+                        g.dw,
+                        g.sw,
+                        g.d_sw,
+                        g.sstep,
+                        g.d_sstep,
+                        g.d_dox,
+                        g.kw,
+                        g.ow,
+                    );
+                    let (na, nm) = (if sm == 0 { 0 } else { ra }, sm);
+                    let (at0, da, dm) = if nchw {
+                        let p = g.col_row as u32;
+                        (
+                            ((c * g.kh + rk) * g.kw + sk) * p + ro * g.ow + so,
+                            (g.rstep * g.kw * p).wrapping_sub(g.d_doy.d * g.ow),
+                            (g.sstep * p).wrapping_sub(g.d_dox.d),
+                        )
                     } else {
-                        0
+                        (
+                            (ro * g.ow + so) * g.taps + (rk * g.kw + sk) * g.c_in + c,
+                            (g.rstep * g.kw * g.c_in).wrapping_sub(g.d_doy.d * g.ow * g.taps),
+                            (g.sstep * g.c_in).wrapping_sub(g.d_dox.d * g.taps),
+                        )
                     };
+                    // The taps the loops visit, checked against the definition: tap (r, s)
+                    // reads (iy, ix) from output (oy, ox) = ((iy + ph - r*dh) / sh, ...).
                     let mut b = by;
                     while b < l.images {
                         let cb = b as usize * g.col_img as usize * u;
                         let xb = b as usize * g.x_img as usize * u;
                         let mut acc = vec![0.0; u];
-                        let mut r = r0;
-                        while r < g.kh {
-                            let ty = iyp - r as i32 * g.dh;
-                            if ty < 0 {
-                                break;
-                            }
-                            let oy = exact_div(ty, g.sh, g.d_sh);
-                            if oy < g.oh {
-                                let mut m0 = 0;
-                                while m0 < ns {
-                                    let mut v: Vec<Option<usize>> = Vec::new();
-                                    for k in 0..SGROUP {
-                                        let s = s0 + (m0 + k) * g.sstep;
-                                        let tx = ixp - s as i32 * g.dw;
-                                        let ox = exact_div(tx.max(0), g.sw, g.d_sw);
-                                        let ok = m0 + k < ns && tx >= 0 && ox < g.ow;
-                                        v.push(ok.then(|| {
-                                            let at = if nchw {
-                                                let q = (c * g.kh + r) * g.kw + s;
-                                                q * g.col_row as u32 + oy * g.ow + ox
-                                            } else {
-                                                (oy * g.ow + ox) * g.taps
-                                                    + (r * g.kw + s) * g.c_in
-                                                    + c
-                                            };
-                                            cb + at as usize * u
-                                        }));
+                        let mut row = at0;
+                        for a in 0..na {
+                            let (r, oy) = (rk + a * g.rstep, ro - a * g.d_doy.d);
+                            assert_eq!(iy as i32 + g.ph - r as i32 * g.dh, (oy as i32) * g.sh);
+                            assert!(r < g.kh && oy < g.oh);
+                            let mut m0 = 0;
+                            while m0 < nm {
+                                let v: Vec<usize> = (0..SGROUP)
+                                    .filter(|k| m0 + k < nm)
+                                    .map(|k| {
+                                        let m = m0 + k;
+                                        let (s, ox) = (sk + m * g.sstep, so - m * g.d_dox.d);
+                                        assert_eq!(
+                                            ix as i32 + g.pw - s as i32 * g.dw,
+                                            (ox as i32) * g.sw
+                                        );
+                                        assert!(s < g.kw && ox < g.ow);
+                                        cb + row.wrapping_add(m.wrapping_mul(dm)) as usize * u
+                                    })
+                                    .collect();
+                                for at in v {
+                                    for (k, a) in acc.iter_mut().enumerate() {
+                                        *a += cols[at + k];
                                     }
-                                    for at in v.into_iter().flatten() {
-                                        for (k, a) in acc.iter_mut().enumerate() {
-                                            *a += cols[at + k];
-                                        }
-                                    }
-                                    m0 += SGROUP;
                                 }
+                                m0 += SGROUP;
                             }
-                            r += g.rstep;
+                            row = row.wrapping_add(da);
                         }
                         for (k, a) in acc.iter().enumerate() {
                             x[xb + e as usize * u + k] = *a;
@@ -1126,20 +1245,22 @@ mod tests {
 
     #[test]
     fn col_geom_matches_the_kernel_layout() {
-        // kernels/im2col.cu: static_assert(sizeof(ColGeom) == 272); field order as declared.
+        // kernels/im2col.cu: static_assert(sizeof(ColGeom) == 328); field order as declared.
         assert_eq!(std::mem::size_of::<FastDiv>(), 12);
-        assert_eq!(std::mem::size_of::<ColGeom>(), 272);
+        assert_eq!(std::mem::size_of::<ColGeom>(), 328);
         assert_eq!(std::mem::align_of::<ColGeom>(), 8);
         let g = ColGeom::default();
         let base = &g as *const ColGeom as usize;
         assert_eq!(&g.count as *const u32 as usize - base, 24);
         assert_eq!(&g.tgroup as *const u32 as usize - base, 92);
         assert_eq!(&g.sstep as *const u32 as usize - base, 100);
-        assert_eq!(&g.sh as *const i32 as usize - base, 104);
-        assert_eq!(&g.d_ow as *const FastDiv as usize - base, 128);
-        assert_eq!(&g.d_sw as *const FastDiv as usize - base, 212);
-        assert_eq!(&g.d_kw as *const FastDiv as usize - base, 248);
-        assert_eq!(&g.d_rowvec as *const FastDiv as usize - base, 260);
+        assert_eq!(&g.flags as *const u32 as usize - base, 104);
+        assert_eq!(&g.sh as *const i32 as usize - base, 112);
+        assert_eq!(&g.d_ow as *const FastDiv as usize - base, 136);
+        assert_eq!(&g.d_sw as *const FastDiv as usize - base, 220);
+        assert_eq!(&g.d_kw as *const FastDiv as usize - base, 256);
+        assert_eq!(&g.d_rowvec as *const FastDiv as usize - base, 268);
+        assert_eq!(&g.d_dox as *const FastDiv as usize - base, 316);
     }
 
     #[test]
@@ -1209,6 +1330,18 @@ mod tests {
         assert_eq!(l.grid.1, MAX_GRID_Y, "images beyond 65535 are strided over");
         assert_eq!(l.grid.2, 3, "9 taps in groups of 4");
         assert_eq!(l.images, 70_000);
+        assert_eq!(l.geom.flags & NCHW_OFFSETS_32, NCHW_OFFSETS_32);
+        // The filter gradient's [K][chunk][P] layout of a big chunk: offsets past 2^32.
+        let wide = ColLayout {
+            img: 3136,
+            row: 3136 * 4000,
+        };
+        let l = im2col(&shape(Nchw, 4000, 64, 56, 56), wide, 4, 4000, 0, 0).unwrap();
+        assert_eq!(
+            l.geom.flags & NCHW_OFFSETS_32,
+            0,
+            "576 * 3136 * 4000 > 2^32"
+        );
         // A huge filter: groups grow so that gridDim.z stays within its limit.
         let mut big = shape(Nchw, 1, 1, 600, 600);
         (big.kh, big.kw, big.pad) = (600, 600, (0, 0));
