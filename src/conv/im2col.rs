@@ -274,6 +274,32 @@ pub fn columns_len(s: &ConvShape) -> Result<usize> {
         .ok_or_else(|| Error::invalid("n", "the column matrices' element count overflows usize"))
 }
 
+/// The kernels of `kernels/im2col.cu` that [`im2col`] and [`col2im`] launch for `s` in `dtype`
+/// when both buffers are 16-byte aligned (fresh allocations are), e.g.
+/// `("im2col_nhwc_rows_b2", "col2im_nhwc_f16")` for the f16 NHWC stem with c_in = 3, or
+/// `("im2col_nhwc_b16", "col2im_nhwc_v16_f16")` for 64 channels. For benchmarks and logs; the
+/// work mappings are described in `docs/CONV-IM2COL.md`.
+///
+/// Errors: as [`im2col`] for the shape.
+///
+/// ```
+/// use nnfuse::conv::{im2col, ConvShape};
+/// use nnfuse::{DType, TensorFormat};
+/// let stem = ConvShape {
+///     n: 32, c_in: 3, h: 224, w: 224, c_out: 64, kh: 7, kw: 7,
+///     stride: (2, 2), pad: (3, 3), dilation: (1, 1), format: TensorFormat::Nhwc,
+/// };
+/// assert_eq!(im2col::kernel_names(&stem, DType::F16)?.0, "im2col_nhwc_rows_b2");
+/// # Ok::<(), nnfuse::Error>(())
+/// ```
+pub fn kernel_names(s: &ConvShape, dtype: DType) -> Result<(&'static str, &'static str)> {
+    let d = super::sizes::im2col_dims(s)?;
+    let layout = launch::ColLayout::standard(d.pixels, d.taps);
+    let a = launch::im2col(s, layout, dtype.size(), s.n, 0, 0)?;
+    let b = launch::col2im(s, dtype, s.n, 0, 0)?;
+    Ok((a.kernel, b.kernel))
+}
+
 fn buf_info<T: Element>(name: &'static str, ptr: u64, len: usize, ordinal: usize) -> BufInfo {
     BufInfo {
         name,

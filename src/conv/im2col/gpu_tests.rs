@@ -170,7 +170,9 @@ fn shape(
 }
 
 /// A covering set of problems: channel counts that fill 16-byte units and that do not (1, 3,
-/// 5, 12, 30, 129), odd sizes, stride 2, dilation 2, asymmetric padding, 7x7/2, pointwise.
+/// 5, 12, 30, 129), odd sizes, stride 2, dilation 2 (also both at once: col2im's tap stepping),
+/// asymmetric padding, 7x7/2, pointwise, and a stem wide enough that the NHWC rows kernel splits
+/// its output rows into two blocks.
 pub(crate) fn shapes(format: TensorFormat) -> Vec<ConvShape> {
     vec![
         shape(5, 32, (20, 20), 24, (3, 3), (1, 1), (1, 1), (1, 1), format),
@@ -181,13 +183,17 @@ pub(crate) fn shapes(format: TensorFormat) -> Vec<ConvShape> {
         shape(3, 129, (7, 7), 3, (3, 3), (1, 1), (1, 0), (1, 1), format),
         shape(1, 1, (5, 1), 1, (3, 1), (1, 1), (1, 0), (1, 1), format),
         shape(2, 12, (9, 10), 5, (3, 2), (2, 1), (0, 2), (1, 2), format),
+        shape(2, 5, (11, 12), 3, (3, 3), (2, 2), (1, 2), (2, 2), format),
+        // Last: path_with_the_gemm_search takes the first shape for its chunked problem.
+        shape(2, 3, (9, 250), 4, (7, 7), (2, 2), (3, 3), (1, 1), format),
     ]
 }
 
 /// im2col of the whole batch (public entry) and of a chunk at an image offset (the internal
 /// launch the path uses, including the filter gradient's `[K][chunk][P]` NCHW layout), against
-/// the reference bit for bit, for every data type, with x both aligned and one element off
-/// (which forces the scalar kernels).
+/// the reference bit for bit, for every data type, with x and the columns both aligned and
+/// either one element off (which forces narrower units, and the rows kernel's unaligned head
+/// and tail).
 fn im2col_bitwise<T: Element>(ctx: &Context, rng: &mut Rng) {
     let dt = T::DTYPE;
     for format in [Nchw, Nhwc] {
@@ -195,19 +201,33 @@ fn im2col_bitwise<T: Element>(ctx: &Context, rng: &mut Rng) {
             let (oh, ow) = s.out_hw().unwrap();
             let (p, k) = (oh * ow, s.c_in * s.kh * s.kw);
             let xv = quantized(rng, s.x_len() + 1);
-            for skew in [0usize, 1] {
+            for (skew, cskew) in [(0usize, 0usize), (1, 0), (0, 1)] {
                 let x = upload::<T>(ctx, &xv);
                 let x_view = x.slice(skew..skew + s.x_len());
                 let want = r::im2col(&s, &xv[skew..skew + s.x_len()]).unwrap();
-                let mut cols = poisoned::<T>(ctx, want.len());
-                super::im2col(ctx, &s, &x_view, &mut cols).unwrap();
+                let mut cols = poisoned::<T>(ctx, want.len() + 1);
+                let es = dt.size() as u64;
+                let (xa, ca) = (
+                    ptr(ctx, &x) + skew as u64 * es,
+                    ptr_mut(ctx, &mut cols) + cskew as u64 * es,
+                );
+                let kernel =
+                    launch::im2col(&s, ColLayout::standard(p, k), es as usize, s.n, xa, ca)
+                        .unwrap()
+                        .kernel;
+                let mut c_view = cols.slice_mut(cskew..cskew + want.len());
+                super::im2col(ctx, &s, &x_view, &mut c_view).unwrap();
                 let got = download(ctx, &cols);
-                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                for (i, (g, w)) in got[cskew..].iter().zip(&want).enumerate() {
                     assert!(
                         g.to_bits() == w.to_bits(),
-                        "im2col {dt} {s:?} skew {skew}: column element {i}: got {g} want {w}"
+                        "im2col {dt} {s:?} x skew {skew} cols skew {cskew} ({kernel}): column \
+                         element {i}: got {g} want {w}"
                     );
                 }
+                // The element outside the view is untouched.
+                let outside = if cskew == 0 { got[want.len()] } else { got[0] };
+                assert!(outside.is_nan(), "im2col {dt} {s:?}: wrote outside cols");
             }
             // Images 1.. of the batch, through the internal launch, standard and (NCHW)
             // image-interleaved layouts.
@@ -271,28 +291,41 @@ fn im2col_kernel_is_the_reference_bit_for_bit() {
 }
 
 /// The public col2im against the reference (f32 sums of exactly representable inputs), every
-/// data type, both formats, x aligned and one element off.
+/// data type, both formats, the columns and x aligned and either one element off (every unit
+/// width of the NHWC kernels).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn col2im_kernel_matches_the_reference() {
     fn run<T: Element>(ctx: &Context, rng: &mut Rng) {
         for format in [Nchw, Nhwc] {
             for s in shapes(format) {
-                let cv = quantized(rng, super::columns_len(&s).unwrap());
-                let want = r::col2im(&s, &cv).unwrap();
-                let cols = upload::<T>(ctx, &cv);
-                for skew in [0usize, 1] {
+                let n_cols = super::columns_len(&s).unwrap();
+                let cv = quantized(rng, n_cols + 1);
+                for (skew, cskew) in [(0usize, 0usize), (1, 0), (0, 1)] {
+                    let want = r::col2im(&s, &cv[cskew..cskew + n_cols]).unwrap();
+                    let cols = upload::<T>(ctx, &cv);
                     let mut x = poisoned::<T>(ctx, s.x_len() + 1);
+                    let es = T::DTYPE.size() as u64;
+                    let (ca, xa) = (
+                        ptr(ctx, &cols) + cskew as u64 * es,
+                        ptr_mut(ctx, &mut x) + skew as u64 * es,
+                    );
+                    let kernel = launch::col2im(&s, T::DTYPE, s.n, ca, xa).unwrap().kernel;
                     let mut view = x.slice_mut(skew..skew + s.x_len());
-                    super::col2im(ctx, &s, &cols, &mut view).unwrap();
+                    super::col2im(ctx, &s, &cols.slice(cskew..cskew + n_cols), &mut view).unwrap();
                     let got = download(ctx, &x);
-                    let what = format!("col2im {} {s:?} skew {skew}", T::DTYPE);
+                    let what = format!(
+                        "col2im {} {s:?} x skew {skew} cols skew {cskew} ({kernel})",
+                        T::DTYPE
+                    );
                     check(
                         &what,
                         &got[skew..skew + s.x_len()],
                         &want,
                         T::DTYPE.tolerance(),
                     );
+                    let outside = if skew == 0 { got[s.x_len()] } else { got[0] };
+                    assert!(outside.is_nan(), "{what}: wrote outside x");
                 }
             }
         }

@@ -787,7 +787,7 @@ mod tests {
             let want = r::conv2d(&s, &x, &w).unwrap();
             for dtype in [DType::F32, DType::F16] {
                 for cap in caps(&s, dtype.size()) {
-                    for x_addr in [0u64, 2] {
+                    for x_addr in [0u64, dtype.size() as u64] {
                         let plan = forward(&s, dtype, cap).unwrap();
                         seen_chunks.insert(plan.chunks.len());
                         let bufs = HashMap::from([
