@@ -25,6 +25,25 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Host µs to queue one call of `f` right after the GPU went idle (`synchronize` before each
+/// call, not timed): what a framework pays when it synchronises every step (e.g. to read a
+/// loss), including whatever the idle period released (the stream-ordered memory pool trims
+/// its memory at a synchronisation unless told to keep it).
+fn after_sync(ctx: &Context, mut f: impl FnMut() -> nnfuse::Result<()>) -> nnfuse::Result<f64> {
+    for _ in 0..5 {
+        f()?;
+    }
+    let mut v = Vec::new();
+    for _ in 0..31 {
+        ctx.synchronize()?;
+        let t = Instant::now();
+        f()?;
+        v.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    ctx.synchronize()?;
+    Ok(median(v))
+}
+
 /// Host µs per call of `f` (median over rounds) and the GPU µs of one call.
 fn measure(ctx: &Context, mut f: impl FnMut() -> nnfuse::Result<()>) -> nnfuse::Result<(f64, f64)> {
     for _ in 0..20 {
@@ -205,5 +224,101 @@ fn main() -> anyhow::Result<()> {
             }),
         );
     }
+
+    // The demo's shapes, each call queued right after the GPU went idle.
+    println!(
+        "\n| case (ResNet-50 sizes, batch 32) | host µs to queue one call after a synchronize |\n|---|---|"
+    );
+    let big = |what: &str, r: nnfuse::Result<f64>| match r {
+        Ok(us) => {
+            println!("| {what} | {us:.1} |");
+            println!(
+                "{{\"bench\":\"host_overhead\",\"case\":\"{what}\",\"after_sync_us\":{us:.2}}}"
+            );
+        }
+        Err(e) => println!("| {what} | error: {e} |"),
+    };
+    big(
+        "util::fill 4096 f16",
+        after_sync(&ctx, || {
+            nnfuse::util::fill(&ctx, &mut buf, f16::from_f32(1.0))
+        }),
+    );
+    let shape = ConvShape {
+        n: 32,
+        c_in: 64,
+        h: 56,
+        w: 56,
+        c_out: 64,
+        ..shape
+    };
+    let conv = Conv2d::<f16>::new(&ctx, &shape)?;
+    let cx = s.clone_htod(&vec![f16::from_f32(0.1); shape.x_len()])?;
+    let cw = s.clone_htod(&vec![f16::from_f32(0.01); shape.w_len()])?;
+    let mut cy = s.alloc_zeros::<f16>(shape.y_len()?)?;
+    big(
+        "conv forward 32x64x56x56 3x3 f16 (auto, cached)",
+        after_sync(&ctx, || conv.forward(&cx, &cw, &mut cy)),
+    );
+    let bn_shape = [32usize, 56, 56, 64];
+    let n: usize = bn_shape.iter().product();
+    let bx = s.clone_htod(
+        &(0..n)
+            .map(|i| f16::from_f32((i % 7) as f32 * 0.3))
+            .collect::<Vec<_>>(),
+    )?;
+    let bdy = s.clone_htod(&vec![f16::from_f32(0.1); n])?;
+    for (name, config) in [
+        (
+            "cuDNN (fused Ex)",
+            Config::default().with_bn_impl(BnImpl::Cudnn),
+        ),
+        ("own kernels", Config::default().with_bn_impl(BnImpl::Own)),
+    ] {
+        let c2 = ctx.with_config_override(config);
+        let bn = BatchNorm::<f16>::new(&c2, &bn_shape, 3, Fuse::Relu)?;
+        let mut by = s.alloc_zeros::<f16>(n)?;
+        let mut bdx = s.alloc_zeros::<f16>(n)?;
+        let (mut rm, mut rv) = (s.alloc_zeros::<f32>(64)?, s.clone_htod(&[1.0f32; 64])?);
+        let (mut dg, mut db) = (s.alloc_zeros::<f32>(64)?, s.alloc_zeros::<f32>(64)?);
+        big(
+            &format!("BN+ReLU train fwd+bwd 32x56x56x64 f16, {name}"),
+            after_sync(&c2, || {
+                let saved = bn.forward_train(TrainArgs {
+                    x: bx.as_view(),
+                    addend: None,
+                    gamma: g.as_view(),
+                    beta: bb.as_view(),
+                    running_mean: rm.as_view_mut(),
+                    running_var: rv.as_view_mut(),
+                    y: by.as_view_mut(),
+                    momentum: 0.1,
+                    eps: 1e-5,
+                })?;
+                bn.backward(BackwardArgs {
+                    x: bx.as_view(),
+                    y: by.as_view(),
+                    dy: bdy.as_view(),
+                    gamma: g.as_view(),
+                    beta: bb.as_view(),
+                    saved: &saved,
+                    dx: bdx.as_view_mut(),
+                    d_addend: None,
+                    dgamma: dg.as_view_mut(),
+                    dbeta: db.as_view_mut(),
+                })
+            }),
+        );
+    }
+    let mut big_buf = s.alloc_zeros::<u8>(1)?;
+    big(
+        "stream alloc of 4 MiB, then free",
+        after_sync(&ctx, || {
+            // SAFETY: never read; dropped (freed in stream order) at the next assignment.
+            big_buf = unsafe { ctx.stream().alloc::<u8>(4 << 20) }
+                .map_err(|e| nnfuse::Error::NotSupported(format!("{e:?}")))?;
+            Ok(())
+        }),
+    );
     Ok(())
 }

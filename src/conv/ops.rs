@@ -103,6 +103,9 @@ struct Core {
     state: [Mutex<Option<Decided>>; 3],
     /// cuDNN workspace sizes already asked for.
     ws_sizes: Mutex<HashMap<CudnnAlgo, usize>>,
+    /// Per direction: cuDNN's first usable algorithm, once asked for by a forced `cudnn` route
+    /// (cuDNN 9's heuristic query costs milliseconds of host time: never per call).
+    cudnn_first: [Mutex<Option<CudnnAlgo>>; 3],
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -167,6 +170,7 @@ impl Core {
             cudnn,
             state: Default::default(),
             ws_sizes: Mutex::new(HashMap::new()),
+            cudnn_first: Default::default(),
         })
     }
 }
@@ -717,13 +721,18 @@ impl<T: Element> Conv2d<T> {
                 let decided = lock(&self.core.state[dir_index(d)])
                     .as_ref()
                     .and_then(|s| s.exec.route.cudnn_algo);
-                r.cudnn_algo = match decided {
+                let cached = *lock(&self.core.cudnn_first[dir_index(d)]);
+                r.cudnn_algo = match decided.or(cached) {
                     Some(a) => Some(a),
-                    None => self
-                        .cudnn_execs(d, p, 1)?
-                        .0
-                        .first()
-                        .and_then(|e| e.route.cudnn_algo),
+                    None => {
+                        let first = self
+                            .cudnn_execs(d, p, 1)?
+                            .0
+                            .first()
+                            .and_then(|e| e.route.cudnn_algo);
+                        *lock(&self.core.cudnn_first[dir_index(d)]) = first;
+                        first
+                    }
                 };
                 if r.cudnn_algo.is_none() {
                     return Err(Error::NotSupported(
