@@ -601,6 +601,109 @@ template <typename T> __device__ __forceinline__ void apply_bwd(const ApplyBwdAr
     }
 }
 
+// ===== backward with few values per channel: one block per channel, in f64 ==================
+// With M values per channel, dx = A * (dy' - mean(dy') - (x - mean) * D) cancels when dy' lies
+// near span{1, x}: always for M = 2, where the exact result is (dy1 - dy2)/2 * eps/(var + eps)
+// * A, a fraction eps/var of its three terms. Every f32 rounding in those terms (the variance,
+// the inverse std, the two sums, x - mean, the combination: ~6e-8 each) is then amplified by
+// var/eps, 1e5 at var = 1. For M <= OWN_PER_CHANNEL_MAX_M (src/batchnorm/plan.rs) this kernel
+// runs the whole backward of channel blockIdx.x in f64: Σ(x - m), Σdy', Σdy'(x - m), Σ(x - m)²
+// about the saved mean m = hi + lo (the first sum corrects m to the f64 mean, so the f32
+// statistics' rounding does not enter), the finish in f64, and dx from the same f64 formula.
+// x, dy and the mask are read twice, the second time from cache; d_addend is written in the
+// first pass. Element k of the channel is (o, i) = (k / hw, k % hw) at (o*C + ch)*hw + i, which
+// is k*C + ch for channels-last (hw = 1).
+
+struct ChannelBwdArgs {
+    const void* x;
+    const void* dy;
+    const u32* mask;  // read when act != ACT_NONE
+    void* dx;
+    void* dz;  // d_addend, written when act == ACT_ADD_RELU
+    const float* saved_mean;
+    const float* saved_mean_lo;
+    const float* gamma;
+    float* dgamma;
+    float* dbeta;
+    u64 per_channel;  // M
+    FastDiv inner;    // hw (channels-first) or 1 (channels-last)
+    double eps;
+    u32 channels;
+    u32 act;
+};
+
+// Element k of channel ch (64-bit index).
+__device__ __forceinline__ u64 channel_elem(const ChannelBwdArgs& a, u64 ch, u64 k) {
+    const u64 hw = a.inner.d;
+    const u64 o = fdiv(a.inner, k);
+    return (o * a.channels + ch) * hw + (k - o * hw);
+}
+
+// dy' of element e as T bits: dy, or +0 where the mask bit is clear.
+template <typename T> __device__ __forceinline__ u32 channel_dy(const ChannelBwdArgs& a, u64 e) {
+    const u32 b = to_bits<T>(((const T*)a.dy)[e]);
+    if (a.act != ACT_NONE && !((a.mask[e >> 5] >> (u32)(e & 31u)) & 1u)) return 0u;
+    return b;
+}
+
+template <typename T> __device__ __forceinline__ void channel_bwd(const ChannelBwdArgs& a) {
+    constexpr int W = CTHREADS / 32;
+    __shared__ double red[4][W];
+    __shared__ double coef[4];  // mean correction, A, B, D
+    const T* x = (const T*)a.x;
+    const u64 ch = blockIdx.x, M = a.per_channel;
+    const double mu = (double)a.saved_mean[ch] + (double)a.saved_mean_lo[ch];
+    double s[4] = {0.0, 0.0, 0.0, 0.0};  // Σ(x - mu), Σdy', Σdy'(x - mu), Σ(x - mu)²
+    for (u64 k = threadIdx.x; k < M; k += CTHREADS) {
+        const u64 e = channel_elem(a, ch, k);
+        const double xd = (double)to_float(x[e]) - mu;
+        const u32 gb = channel_dy<T>(a, e);
+        if (a.act == ACT_ADD_RELU) ((T*)a.dz)[e] = from_bits<T>(gb);
+        const double g = (double)bits_float<T>(gb);
+        s[0] += xd;
+        s[1] += g;
+        s[2] = fma(g, xd, s[2]);
+        s[3] = fma(xd, xd, s[3]);
+    }
+    // Fixed tree: lanes (xor-shuffles), then the warps in order.
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s[j] += __shfl_xor_sync(NNF_FULL_WARP, s[j], o);
+        if (lane == 0) red[j][w] = s[j];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        double t[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            t[j] = red[j][0];
+            for (int q = 1; q < W; ++q) t[j] += red[j][q];
+        }
+        const double md = (double)M;
+        const double dm = t[0] / md;  // the f64 mean is mu + dm
+        double sxx = t[3] - dm * t[0];  // Σ(x - mean)²
+        if (sxx < 0.0) sxx = 0.0;       // rounding only; NaN stays NaN
+        const double sgx = t[2] - dm * t[1];  // Σdy'(x - mean)
+        const double inv = 1.0 / sqrt(sxx / md + a.eps);
+        a.dbeta[ch] = (float)t[1];
+        a.dgamma[ch] = (float)(sgx * inv);
+        coef[0] = dm;
+        coef[1] = (double)a.gamma[ch] * inv;
+        coef[2] = t[1] / md;
+        coef[3] = sgx / (sxx + md * a.eps);  // inv² Σdy'(x - mean) / M
+    }
+    __syncthreads();
+    const double dm = coef[0], ka = coef[1], kb = coef[2], kd = coef[3];
+    for (u64 k = threadIdx.x; k < M; k += CTHREADS) {
+        const u64 e = channel_elem(a, ch, k);
+        const double xd = ((double)to_float(x[e]) - mu) - dm;
+        const double g = (double)bits_float<T>(channel_dy<T>(a, e));
+        ((T*)a.dx)[e] = from_bits<T>(out_bits<T>((float)(ka * (g - fma(xd, kd, kb)))));
+    }
+}
+
 // ===== entry points ==========================================================================
 // The vector width of the reductions (g.vec) is a template parameter chosen at run time among the
 // widths the element type allows (V * sizeof(T) <= 16). Shared arrays are declared once per
@@ -666,6 +769,9 @@ template <typename T> __device__ __forceinline__ void reduce_cl_any(const Reduce
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(THREADS) bn_apply_bwd_##S(ApplyBwdArgs a) {      \
         apply_bwd<T>(a);                                                                          \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(CTHREADS) bn_bwd_channel_##S(ChannelBwdArgs a) { \
+        channel_bwd<T>(a);                                                                        \
     }
 
 NNF_BN_KERNELS(float, f32)

@@ -29,6 +29,7 @@ constexpr int RED_UNROLL = 4;      // vectors a thread loads before it reduces t
 constexpr int APPLY_UNROLL = 2;    // 32-vector chunks per warp iteration in the apply kernels
 constexpr int SCALAR_WORDS = 8;    // mask words per warp tile in the scalar apply path
 constexpr int STAGE_MAX_C = 2048;  // most channels an apply kernel stages (<= 40 KB: no opt-in)
+constexpr int CTHREADS = 64;       // block of the per-channel (few values per channel) backward
 
 // Activation (forward) / what the backward applies to dy.
 constexpr int ACT_NONE = 0;      // y = bn(x); dy' = dy

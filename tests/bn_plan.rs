@@ -7,7 +7,7 @@ use nnfuse::batchnorm::{
     FusedRefusal, OwnVariant, OwnVariantChoice, Phase, PlanRequest, DEPARTS_FROM_ONEFLOW,
     OWN_FOR_CHANNELS_FIRST, OWN_FOR_CHANNELS_LAST_FUSED, OWN_FOR_CHANNELS_LAST_ON_CHIP,
     OWN_FOR_CHANNELS_LAST_PLAIN, OWN_FOR_CHANNELS_LAST_UNFUSED, OWN_FOR_INFERENCE, OWN_FOR_TWO_D,
-    OWN_PERSISTENT_MAX_BYTES, PREFER_PERSISTENT,
+    OWN_PERSISTENT_MAX_BYTES, OWN_PER_CHANNEL_MAX_M, PREFER_PERSISTENT,
 };
 use nnfuse::{BnImpl, BnModePolicy, Config, DType, TensorFormat};
 use proptest::prelude::*;
@@ -263,9 +263,12 @@ fn expected_own(
     }
 }
 
-/// The own variant of one training direction under the auto choice.
+/// The own variant of one training direction under the auto choice: the backward of few values
+/// per channel per channel in f64; else persistent where preferred, structured and fitting.
 fn expected_variant(l: &nnfuse::ChannelLayout, dtype: DType, tiles: u64) -> OwnVariant {
-    if PREFER_PERSISTENT && persistent_structure(l, dtype) && fits(l, dtype, tiles) {
+    if tiles == 2 && l.per_channel() as u64 <= OWN_PER_CHANNEL_MAX_M {
+        OwnVariant::PerChannel
+    } else if PREFER_PERSISTENT && persistent_structure(l, dtype) && fits(l, dtype, tiles) {
         OwnVariant::Persistent
     } else {
         OwnVariant::TwoPass
@@ -1253,6 +1256,31 @@ fn forced_variants() {
         .reasons
         .iter()
         .any(|r| r.contains("although persistent was asked for")));
+    // Few values per channel: the backward runs per channel in f64 whatever was asked for;
+    // the forward follows the choice.
+    for choice in [
+        OwnVariantChoice::Auto,
+        OwnVariantChoice::TwoPass,
+        OwnVariantChoice::Persistent,
+    ] {
+        for (shape, axis) in [
+            (&[2usize, 64][..], 1usize),
+            (&[1, 8, 2], 1),
+            (&[4, 16, 4, 4], 1),
+        ] {
+            let p = with(shape, axis, choice);
+            assert_eq!(p.own_backward, Some(OwnVariant::PerChannel), "{p}");
+            assert!(
+                p.reasons
+                    .iter()
+                    .any(|r| r.starts_with("own backward: per-channel f64")
+                        && r.contains("OWN_PER_CHANNEL_MAX_M")),
+                "{p}"
+            );
+        }
+    }
+    let p = with(&[65, 16], 1, OwnVariantChoice::Auto);
+    assert_ne!(p.own_backward, Some(OwnVariant::PerChannel), "{p}");
     assert_eq!(
         "two-pass".parse::<OwnVariantChoice>().unwrap(),
         OwnVariantChoice::TwoPass

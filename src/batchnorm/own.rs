@@ -21,7 +21,7 @@ use once_cell::sync::Lazy;
 
 use crate::batchnorm::own_launch::{
     apply_blocks, apply_mode, config, persistent_geom, reduce_geom, scratch_floats, staged_bytes,
-    vec_width, Arrangement, FastDiv, Geom, OwnShape, PGeom, PTHREADS, THREADS,
+    vec_width, Arrangement, FastDiv, Geom, OwnShape, PGeom, CTHREADS, PTHREADS, THREADS,
 };
 use crate::batchnorm::plan::{Fuse, OwnVariant};
 use crate::context::Context;
@@ -136,6 +136,26 @@ struct PersistArgs {
     pad: u32,
 }
 
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct ChannelBwdArgs {
+    x: u64,
+    dy: u64,
+    mask: u64,
+    dx: u64,
+    dz: u64,
+    saved_mean: u64,
+    saved_mean_lo: u64,
+    gamma: u64,
+    dgamma: u64,
+    dbeta: u64,
+    per_channel: u64,
+    inner: FastDiv,
+    eps: f64,
+    channels: u32,
+    act: u32,
+}
+
 // SAFETY: plain old data whose C layout matches the kernels' structs (checked by the tests below
 // against the sizes and the field order in the CUDA source).
 unsafe impl DeviceRepr for StatsArgs {}
@@ -143,6 +163,7 @@ unsafe impl DeviceRepr for ReduceArgs {}
 unsafe impl DeviceRepr for ApplyFwdArgs {}
 unsafe impl DeviceRepr for ApplyBwdArgs {}
 unsafe impl DeviceRepr for PersistArgs {}
+unsafe impl DeviceRepr for ChannelBwdArgs {}
 
 /// The activation code of the kernels (`ACT_*`).
 fn act(fuse: Fuse) -> u32 {
@@ -164,6 +185,7 @@ enum K {
     ReduceCl,
     ApplyFwd(Fuse),
     ApplyBwd,
+    ChannelBwd,
     PersistFwdCf,
     PersistFwdCl,
     PersistBwdCf,
@@ -202,6 +224,9 @@ fn name(k: K, dt: DType) -> &'static str {
         (ApplyBwd, F32) => "bn_apply_bwd_f32",
         (ApplyBwd, F16) => "bn_apply_bwd_f16",
         (ApplyBwd, BF16) => "bn_apply_bwd_bf16",
+        (ChannelBwd, F32) => "bn_bwd_channel_f32",
+        (ChannelBwd, F16) => "bn_bwd_channel_f16",
+        (ChannelBwd, BF16) => "bn_bwd_channel_bf16",
         (PersistFwdCf, F32) => "bn_persist_fwd_cf_f32",
         (PersistFwdCf, F16) => "bn_persist_fwd_cf_f16",
         (PersistFwdCf, BF16) => "bn_persist_fwd_cf_bf16",
@@ -631,9 +656,44 @@ fn apply_forward(op: &Op<'_>, mut a: ApplyFwdArgs, staged: u32) -> Result<()> {
 }
 
 /// Training backward: dgamma, dbeta, dx and (Add+ReLU) d_addend. Returns the variant that ran.
-pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant) -> Result<OwnVariant> {
+/// `eps` is the forward's (the per-channel variant recomputes the variance in f64).
+pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant, eps: f64) -> Result<OwnVariant> {
     let c = op.c();
     let m = op.shape.per_channel();
+    if want == OwnVariant::PerChannel {
+        let (f, fname) = op.function(&kernels::BATCHNORM, K::ChannelBwd)?;
+        tracing::debug!(
+            kernel = fname,
+            blocks = c,
+            per_channel = m,
+            "own BatchNorm backward (per channel, f64)"
+        );
+        let args = ChannelBwdArgs {
+            x: b.x,
+            dy: b.dy,
+            mask: b.mask,
+            dx: b.dx,
+            dz: b.dz,
+            saved_mean: b.saved_mean,
+            saved_mean_lo: b.saved_mean_lo,
+            gamma: b.gamma,
+            dgamma: b.dgamma,
+            dbeta: b.dbeta,
+            per_channel: m,
+            inner: FastDiv::new(op.shape.inner()),
+            eps,
+            channels: c as u32,
+            act: act(op.fuse),
+        };
+        launch(
+            op.ctx,
+            &f,
+            &args,
+            config(c as u32, CTHREADS, 0),
+            "cuLaunchKernel(bn_bwd_channel)",
+        )?;
+        return Ok(OwnVariant::PerChannel);
+    }
     let inv_count = (1.0 / m as f64) as f32;
     if want == OwnVariant::Persistent {
         let aligned = [b.x, b.dy, b.dx, b.dz].iter().all(|p| p % 16 == 0);
@@ -927,7 +987,7 @@ mod tests {
     fn argument_structs_match_the_kernels() {
         let bn = crate::kernels::BATCHNORM.source;
         let pbn = crate::kernels::BATCHNORM_PERSISTENT.source;
-        let cases: [(&str, &str, &[&str], usize); 8] = [
+        let cases: [(&str, &str, &[&str], usize); 9] = [
             (
                 bn,
                 "FastDiv",
@@ -1004,6 +1064,28 @@ mod tests {
                 std::mem::size_of::<ApplyBwdArgs>(),
             ),
             (
+                bn,
+                "ChannelBwdArgs",
+                &[
+                    "x",
+                    "dy",
+                    "mask",
+                    "dx",
+                    "dz",
+                    "saved_mean",
+                    "saved_mean_lo",
+                    "gamma",
+                    "dgamma",
+                    "dbeta",
+                    "per_channel",
+                    "inner",
+                    "eps",
+                    "channels",
+                    "act",
+                ],
+                std::mem::size_of::<ChannelBwdArgs>(),
+            ),
+            (
                 pbn,
                 "PGeom",
                 &[
@@ -1066,6 +1148,7 @@ mod tests {
                 "ReduceArgs" => 192,
                 "ApplyFwdArgs" => 152,
                 "ApplyBwdArgs" => 104,
+                "ChannelBwdArgs" => 128,
                 "PGeom" => 96,
                 "PersistArgs" => 256,
                 _ => unreachable!(),
@@ -1087,6 +1170,7 @@ mod tests {
                 K::ApplyFwd(Fuse::Relu),
                 K::ApplyFwd(Fuse::AddRelu),
                 K::ApplyBwd,
+                K::ChannelBwd,
             ] {
                 let n = name(k, dt);
                 let stem = n.trim_end_matches(&format!("_{}", dt.name()));

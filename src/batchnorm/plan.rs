@@ -338,15 +338,20 @@ pub enum OwnVariant {
     Persistent,
     /// Inference: one elementwise pass with scale and shift folded from the running statistics.
     Elementwise,
+    /// Training backward with at most [`OWN_PER_CHANNEL_MAX_M`] values per channel: one block
+    /// per channel sums and writes dx in f64 in one kernel (dx cancels there; see
+    /// `docs/BATCHNORM.md`, "Accuracy").
+    PerChannel,
 }
 
 impl OwnVariant {
-    /// `two_pass` / `persistent` / `elementwise`.
+    /// `two_pass` / `persistent` / `elementwise` / `per_channel`.
     pub const fn name(self) -> &'static str {
         match self {
             OwnVariant::TwoPass => "two_pass",
             OwnVariant::Persistent => "persistent",
             OwnVariant::Elementwise => "elementwise",
+            OwnVariant::PerChannel => "per_channel",
         }
     }
 }
@@ -735,6 +740,14 @@ pub const OWN_FOR_CHANNELS_LAST_PLAIN: bool = false;
 /// Under [`OwnVariantChoice::Auto`], the persistent variant is taken wherever it applies
 /// (expected faster: x is read once); `false` keeps the two-pass kernels everywhere.
 pub const PREFER_PERSISTENT: bool = true;
+/// Most values per channel (`M = N·H·W`) for which the own backward runs per channel in f64
+/// ([`OwnVariant::PerChannel`]) whatever variant was asked for. With few values per channel, dx
+/// is a small remainder of its terms (at M = 2 always a fraction eps/var of them), so f32
+/// rounding in the terms shows up amplified by var/eps; from a few dozen values on, random data
+/// leaves dx of the size of its terms and the f32 kernels stay within 1e-6 (the CPU emulation in
+/// `src/batchnorm/own_launch.rs` measures both). Tensors this small per channel are cheap either
+/// way.
+pub const OWN_PER_CHANNEL_MAX_M: u64 = 64;
 /// Bytes the persistent variant may keep on chip (x forward; x and dy' backward): the H100's
 /// 132 SMs with about 209 KiB of their 227 KiB of shared memory each for the tiles (the rest
 /// covers the tiling's rounding and the kernels' static shared memory). The launcher still checks
@@ -932,6 +945,18 @@ fn own_variant_for(
     choice: OwnVariantChoice,
 ) -> (OwnVariant, String) {
     let dir = if tiles == 1 { "forward" } else { "backward" };
+    let m = layout.per_channel() as u64;
+    if tiles == 2 && m <= OWN_PER_CHANNEL_MAX_M {
+        return (
+            OwnVariant::PerChannel,
+            format!(
+                "own backward: per-channel f64 — {m} values per channel (at most \
+                 OWN_PER_CHANNEL_MAX_M = {OWN_PER_CHANNEL_MAX_M}): dx is a small remainder of \
+                 its terms there (at M = 2 a fraction eps/var of them), so one block per channel \
+                 sums and writes dx in f64 in one kernel (docs/BATCHNORM.md)"
+            ),
+        );
+    }
     let structure = persistent_structure(&OwnShape::from_layout(layout), dtype.size() as u64);
     match choice {
         OwnVariantChoice::TwoPass => (
