@@ -61,11 +61,12 @@ template <> struct FloatBits<float> { static constexpr u32 SIGN = 0x80000000u, I
 template <> struct FloatBits<nnf_f16> { static constexpr u32 SIGN = 0x8000u, INF = 0x7c00u; };
 template <> struct FloatBits<nnf_bf16> { static constexpr u32 SIGN = 0x8000u, INF = 0x7f80u; };
 
-// v > 0 decided on the element's bits (sign clear, not zero, not NaN): an integer test, immune to
-// the NVRTC 13.0 / sm_90 miscompilation of 16-bit compares recorded in CHANGELOG.md.
+// v > 0 decided on the element's bits b (in the low bits, the rest zero): sign clear, not zero,
+// not NaN, i.e. 1 <= b <= INF. An integer test, immune to the NVRTC 13.0 / sm_90 miscompilation
+// of 16-bit compares recorded in CHANGELOG.md; b - 1 wraps for +0, and -0, negatives and NaNs
+// are all above INF.
 template <typename T> __device__ __forceinline__ bool bits_gt0(u32 b) {
-    const u32 mag = b & (FloatBits<T>::SIGN - 1u);
-    return !(b & FloatBits<T>::SIGN) && mag != 0u && mag <= FloatBits<T>::INF;
+    return b - 1u < FloatBits<T>::INF;
 }
 
 template <typename T> __device__ __forceinline__ u32 to_bits(T v) { return v.bits; }
@@ -94,6 +95,20 @@ template <> __device__ __forceinline__ u32 out_bits<nnf_f16>(float v) {
 template <> __device__ __forceinline__ u32 out_bits<nnf_bf16>(float v) {
     unsigned short r;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+    return r;
+}
+
+// Two floats rounded to a 16-bit T, packed: lo in bits 0-15, hi in bits 16-31 (one cvt for the
+// pair, sm_80+; the same rounding as out_bits).
+template <typename T> __device__ __forceinline__ u32 out_bits2(float lo, float hi);
+template <> __device__ __forceinline__ u32 out_bits2<nnf_f16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+template <> __device__ __forceinline__ u32 out_bits2<nnf_bf16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
 

@@ -392,8 +392,9 @@ fn own_ctx() -> Context {
 }
 
 /// The grid: rank 2 to 5, channels first and last, axis 0 and in the middle, C = 1, 3, 12, 30,
-/// 64, 2048 (the most staged in shared memory), 5000 (not staged), elements per channel from 2
-/// up, runs and rows that are and are not whole vectors or mask words.
+/// 64, 1000, 2048 (the most staged in shared memory), 5000 (not staged), elements per channel
+/// from 2 up, runs and rows that are and are not whole vectors or mask words (every apply mode:
+/// one run per vector, two runs per vector, channels-last registers, elements).
 const SHAPES: &[(&[usize], usize)] = &[
     (&[256, 64], 1),        // 2-D
     (&[2, 3], 1),           // 2-D, two values per channel
@@ -416,6 +417,8 @@ const SHAPES: &[(&[usize], usize)] = &[
     (&[2, 8, 8, 64], 3),    // channels-last C = 64: persistent
     (&[4, 32, 56, 56], 1),  // 401k elements, channels-first
     (&[8, 28, 28, 64], 3),  // 401k elements, channels-last
+    (&[3, 40, 7, 7], 1),    // runs of 49: vectors across two runs in every type
+    (&[2, 5, 5, 1000], 3),  // channels-last C = 1000: 125 (f16) / 250 (f32) chunk classes
 ];
 
 fn grid<T: Element>(tag: &str) {

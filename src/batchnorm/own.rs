@@ -20,8 +20,8 @@ use cudarc::driver::{
 use once_cell::sync::Lazy;
 
 use crate::batchnorm::own_launch::{
-    apply_blocks, apply_mode, config, persistent_geom, reduce_geom, scratch_floats, staged_bytes,
-    vec_width, Arrangement, FastDiv, Geom, OwnShape, PGeom, CTHREADS, PTHREADS, THREADS,
+    apply_launch, apply_mode, config, persistent_geom, reduce_geom, scratch_floats, staged_bytes,
+    vec_width, ApplyMode, Arrangement, FastDiv, Geom, OwnShape, PGeom, CTHREADS, PTHREADS, THREADS,
 };
 use crate::batchnorm::plan::{Fuse, OwnVariant};
 use crate::context::Context;
@@ -86,6 +86,8 @@ struct ApplyFwdArgs {
     n: u64,
     inner: FastDiv,
     chans: FastDiv,
+    res: u64,
+    wpr: u64,
     mode: u32,
     staged: u32,
     from_var: u32,
@@ -103,6 +105,8 @@ struct ApplyBwdArgs {
     n: u64,
     inner: FastDiv,
     chans: FastDiv,
+    res: u64,
+    wpr: u64,
     mode: u32,
     staged: u32,
 }
@@ -184,7 +188,9 @@ enum K {
     ReduceCf,
     ReduceCl,
     ApplyFwd(Fuse),
+    ApplyFwdLast(Fuse),
     ApplyBwd,
+    ApplyBwdLast,
     ChannelBwd,
     PersistFwdCf,
     PersistFwdCl,
@@ -221,6 +227,18 @@ fn name(k: K, dt: DType) -> &'static str {
         (ApplyFwd(Fuse::AddRelu), F32) => "bn_apply_fwd_add_relu_f32",
         (ApplyFwd(Fuse::AddRelu), F16) => "bn_apply_fwd_add_relu_f16",
         (ApplyFwd(Fuse::AddRelu), BF16) => "bn_apply_fwd_add_relu_bf16",
+        (ApplyFwdLast(Fuse::None), F32) => "bn_apply_fwd_none_last_f32",
+        (ApplyFwdLast(Fuse::None), F16) => "bn_apply_fwd_none_last_f16",
+        (ApplyFwdLast(Fuse::None), BF16) => "bn_apply_fwd_none_last_bf16",
+        (ApplyFwdLast(Fuse::Relu), F32) => "bn_apply_fwd_relu_last_f32",
+        (ApplyFwdLast(Fuse::Relu), F16) => "bn_apply_fwd_relu_last_f16",
+        (ApplyFwdLast(Fuse::Relu), BF16) => "bn_apply_fwd_relu_last_bf16",
+        (ApplyFwdLast(Fuse::AddRelu), F32) => "bn_apply_fwd_add_relu_last_f32",
+        (ApplyFwdLast(Fuse::AddRelu), F16) => "bn_apply_fwd_add_relu_last_f16",
+        (ApplyFwdLast(Fuse::AddRelu), BF16) => "bn_apply_fwd_add_relu_last_bf16",
+        (ApplyBwdLast, F32) => "bn_apply_bwd_last_f32",
+        (ApplyBwdLast, F16) => "bn_apply_bwd_last_f16",
+        (ApplyBwdLast, BF16) => "bn_apply_bwd_last_bf16",
         (ApplyBwd, F32) => "bn_apply_bwd_f32",
         (ApplyBwd, F16) => "bn_apply_bwd_f16",
         (ApplyBwd, BF16) => "bn_apply_bwd_bf16",
@@ -619,12 +637,15 @@ fn apply_forward(op: &Op<'_>, mut a: ApplyFwdArgs, staged: u32) -> Result<()> {
         vec![a.x, a.y]
     };
     let mode = apply_mode(&op.shape, eb, &ptrs);
+    // The channels-last vector path keeps coefficients in registers: no staging, no bn_fold.
+    let last = mode == ApplyMode::Last;
+    let staged = if last { 0 } else { staged };
     a.n = n;
     a.inner = FastDiv::new(op.shape.inner());
     a.chans = FastDiv::new(c);
     a.mode = mode as u32;
     a.staged = u32::from(staged > 0);
-    if staged == 0 {
+    if staged == 0 && !last {
         // Too many channels to stage: fold the coefficients once into the scratch buffer.
         let f = op.ctx.function(&kernels::BATCHNORM, "bn_fold")?;
         let blocks = c.div_ceil(u64::from(THREADS)).clamp(1, 65535) as u32;
@@ -636,12 +657,20 @@ fn apply_forward(op: &Op<'_>, mut a: ApplyFwdArgs, staged: u32) -> Result<()> {
             "cuLaunchKernel(bn_fold)",
         )?;
     }
-    let (f, fname) = op.function(&kernels::BATCHNORM, K::ApplyFwd(op.fuse))?;
-    let blocks = apply_blocks(mode, n, eb, wave(op.ctx, &f, fname, staged)?);
+    let k = if last {
+        K::ApplyFwdLast(op.fuse)
+    } else {
+        K::ApplyFwd(op.fuse)
+    };
+    let (f, fname) = op.function(&kernels::BATCHNORM, k)?;
+    let l = apply_launch(mode, &op.shape, eb, wave(op.ctx, &f, fname, staged)?);
+    a.res = l.res;
+    a.wpr = l.wpr;
     tracing::debug!(
         kernel = fname,
-        blocks,
+        blocks = l.blocks,
         mode = mode.name(),
+        residues = l.res,
         staged = staged > 0,
         mask = a.mask != 0,
         "own BatchNorm apply"
@@ -650,7 +679,7 @@ fn apply_forward(op: &Op<'_>, mut a: ApplyFwdArgs, staged: u32) -> Result<()> {
         op.ctx,
         &f,
         &a,
-        config(blocks, THREADS, staged),
+        config(l.blocks, THREADS, staged),
         "cuLaunchKernel(bn_apply_fwd)",
     )
 }
@@ -739,7 +768,9 @@ pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant, eps: f64) -> 
     let g = reduce_geom(&op.shape, vec, wave(op.ctx, &rf, rname, 0)?);
     let (coef_at, total) = scratch_floats(c, g.parts.into(), 2, 5);
     let mode = apply_mode(&op.shape, eb, &[b.x, b.dy, b.dx]);
-    let staged = staged_bytes(c, 5);
+    let last = mode == ApplyMode::Last;
+    // The channels-last vector path reads its coefficients into registers: nothing staged.
+    let staged = if last { 0 } else { staged_bytes(c, 5) };
     tracing::debug!(
         kernel = rname,
         blocks = g.blocks(),
@@ -789,9 +820,12 @@ pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant, eps: f64) -> 
         }
         Ok(())
     })?;
-    let (af, aname) = op.function(&kernels::BATCHNORM, K::ApplyBwd)?;
+    let (af, aname) = op.function(
+        &kernels::BATCHNORM,
+        if last { K::ApplyBwdLast } else { K::ApplyBwd },
+    )?;
     let n = op.shape.numel();
-    let blocks = apply_blocks(mode, n, eb, wave(op.ctx, &af, aname, staged)?);
+    let l = apply_launch(mode, &op.shape, eb, wave(op.ctx, &af, aname, staged)?);
     let args = ApplyBwdArgs {
         x: b.x,
         dy: b.dy,
@@ -801,6 +835,8 @@ pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant, eps: f64) -> 
         n,
         inner: FastDiv::new(op.shape.inner()),
         chans: FastDiv::new(c),
+        res: l.res,
+        wpr: l.wpr,
         mode: mode as u32,
         staged: u32::from(staged > 0),
     };
@@ -808,7 +844,7 @@ pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant, eps: f64) -> 
         op.ctx,
         &af,
         &args,
-        config(blocks, THREADS, staged),
+        config(l.blocks, THREADS, staged),
         "cuLaunchKernel(bn_apply_bwd)",
     )?;
     Ok(OwnVariant::TwoPass)
@@ -1051,7 +1087,7 @@ mod tests {
                 "ApplyFwdArgs",
                 &[
                     "x", "z", "y", "mask", "mean", "mean_lo", "inv", "gamma", "beta", "coef", "n",
-                    "inner", "chans", "mode", "staged", "from_var", "eps",
+                    "inner", "chans", "res", "wpr", "mode", "staged", "from_var", "eps",
                 ],
                 std::mem::size_of::<ApplyFwdArgs>(),
             ),
@@ -1059,7 +1095,8 @@ mod tests {
                 bn,
                 "ApplyBwdArgs",
                 &[
-                    "x", "dy", "mask", "dx", "coef", "n", "inner", "chans", "mode", "staged",
+                    "x", "dy", "mask", "dx", "coef", "n", "inner", "chans", "res", "wpr", "mode",
+                    "staged",
                 ],
                 std::mem::size_of::<ApplyBwdArgs>(),
             ),
@@ -1146,8 +1183,8 @@ mod tests {
                 "Geom" => 80,
                 "StatsArgs" => 160,
                 "ReduceArgs" => 192,
-                "ApplyFwdArgs" => 152,
-                "ApplyBwdArgs" => 104,
+                "ApplyFwdArgs" => 168,
+                "ApplyBwdArgs" => 120,
                 "ChannelBwdArgs" => 128,
                 "PGeom" => 96,
                 "PersistArgs" => 256,
@@ -1169,7 +1206,11 @@ mod tests {
                 K::ApplyFwd(Fuse::None),
                 K::ApplyFwd(Fuse::Relu),
                 K::ApplyFwd(Fuse::AddRelu),
+                K::ApplyFwdLast(Fuse::None),
+                K::ApplyFwdLast(Fuse::Relu),
+                K::ApplyFwdLast(Fuse::AddRelu),
                 K::ApplyBwd,
+                K::ApplyBwdLast,
                 K::ChannelBwd,
             ] {
                 let n = name(k, dt);

@@ -277,57 +277,126 @@ pub(crate) fn reduce_geom(shape: &OwnShape, vec: u32, wave: u64) -> Geom {
     }
 }
 
-/// How the apply kernels find the channel of a vector (`mode` in `kernels/batchnorm.cu`).
+/// How the apply kernels find the channels of a vector (`mode` in `kernels/batchnorm.cu`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum ApplyMode {
-    /// 16-byte vectors, each inside one run of one channel (channels-first, `hw % N == 0`).
+    /// Channels-first, runs of a multiple of `N` elements: each 16-byte vector lies in one run;
+    /// lanes follow (position, channel) with a cursor.
     Run = 0,
-    /// 16-byte vectors of `N` consecutive channels (channels-last, `C % N == 0`).
-    Contig = 1,
+    /// Channels-last, any C: a warp takes only chunks whose lanes see the same channels, whose
+    /// coefficients each lane keeps in registers (own kernel, `bn_apply_*_last_*`).
+    Last = 1,
     /// One element per lane (scalar tiles): any alignment, any shape.
     Element = 2,
+    /// Channels-first, runs of at least `N` elements that are not a multiple of `N`: a vector
+    /// holds the end of one run and the start of the next (selected per element).
+    Split = 3,
 }
 
 impl ApplyMode {
     pub(crate) const fn name(self) -> &'static str {
         match self {
-            ApplyMode::Run => "vector (per-run channel)",
-            ApplyMode::Contig => "vector (consecutive channels)",
+            ApplyMode::Run => "vector (one run per vector)",
+            ApplyMode::Last => "vector (channels-last, coefficients in registers)",
             ApplyMode::Element => "element",
+            ApplyMode::Split => "vector (up to two runs per vector)",
         }
     }
 }
 
+/// Largest H·W or C the channels-first cursor keeps in 32 bits (with one carry of headroom).
+const CURSOR_MAX: u64 = 1 << 31;
+
 /// The apply kernels' mode: a vector mode when every data pointer is 16-byte aligned and the
-/// runs (channels-first) or rows (channels-last) hold whole vectors; else the element path. The
-/// kernel applies the same alignment test itself.
+/// channels-first runs hold at least one vector (any channels-last C); else the element path.
+/// The kernel applies the same alignment test itself.
 pub(crate) fn apply_mode(shape: &OwnShape, elem_bytes: u64, data_ptrs: &[u64]) -> ApplyMode {
     let n = max_vec(elem_bytes);
     if !data_ptrs.iter().all(|p| p % VECTOR_BYTES == 0) {
         return ApplyMode::Element;
     }
     match shape.arr {
-        Arrangement::First { hw, .. } if hw % n == 0 => ApplyMode::Run,
-        Arrangement::Last { .. } if shape.c % n == 0 => ApplyMode::Contig,
+        Arrangement::First { hw, .. } if hw >= n && hw < CURSOR_MAX && shape.c < CURSOR_MAX => {
+            if hw % n == 0 {
+                ApplyMode::Run
+            } else {
+                ApplyMode::Split
+            }
+        }
+        Arrangement::Last { .. } => ApplyMode::Last,
         _ => ApplyMode::Element,
     }
 }
 
-/// Warps with work in an apply launch.
-pub(crate) fn apply_warps(mode: ApplyMode, numel: u64, elem_bytes: u64) -> u64 {
-    match mode {
-        ApplyMode::Run | ApplyMode::Contig => {
-            let chunk = 32 * max_vec(elem_bytes);
-            (numel / chunk).div_ceil(APPLY_UNROLL).max(1)
-        }
-        ApplyMode::Element => numel.div_ceil(32 * SCALAR_WORDS).max(1),
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
     }
+    a
 }
 
-/// Blocks of an apply launch: those with work, at most one wave.
-pub(crate) fn apply_blocks(mode: ApplyMode, numel: u64, elem_bytes: u64, wave: u64) -> u32 {
-    let blocks = apply_warps(mode, numel, elem_bytes).div_ceil(u64::from(THREADS / 32));
-    blocks.min(wave.max(1)).clamp(1, i32::MAX as u64) as u32
+/// Channels-last vector path: the residue classes of chunks that give a lane the same channels
+/// (`res` in the kernel): chunk c's lanes see channels `(c*CHUNK + l*N + j) % C`, periodic in
+/// c with period `C / gcd(C, CHUNK)`.
+pub(crate) fn last_residues(c: u64, elem_bytes: u64) -> u64 {
+    let chunk = 32 * max_vec(elem_bytes);
+    let c = c.max(1);
+    c / gcd(c, chunk)
+}
+
+/// An apply launch: blocks, and for [`ApplyMode::Last`] the residue classes and warps per
+/// class (`res`, `wpr`; 0 otherwise).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ApplyLaunch {
+    pub blocks: u32,
+    pub res: u64,
+    pub wpr: u64,
+}
+
+/// Blocks (and the channels-last schedule) of an apply launch of `numel` elements with `wave`
+/// co-resident blocks: one wave at most, only blocks with work; channels-last gets every
+/// residue class at least one warp and as many warps per class as a wave allows.
+pub(crate) fn apply_launch(
+    mode: ApplyMode,
+    shape: &OwnShape,
+    elem_bytes: u64,
+    wave: u64,
+) -> ApplyLaunch {
+    let numel = shape.numel();
+    let warps_per_block = u64::from(THREADS / 32);
+    let wave = wave.max(1);
+    let chunk = 32 * max_vec(elem_bytes);
+    let to_u32 = |b: u64| b.clamp(1, i32::MAX as u64) as u32;
+    match mode {
+        ApplyMode::Run | ApplyMode::Split => {
+            let warps = (numel / chunk).div_ceil(APPLY_UNROLL).max(1);
+            ApplyLaunch {
+                blocks: to_u32(warps.div_ceil(warps_per_block).min(wave)),
+                res: 0,
+                wpr: 0,
+            }
+        }
+        ApplyMode::Element => {
+            let warps = numel.div_ceil(32 * SCALAR_WORDS).max(1);
+            ApplyLaunch {
+                blocks: to_u32(warps.div_ceil(warps_per_block).min(wave)),
+                res: 0,
+                wpr: 0,
+            }
+        }
+        ApplyMode::Last => {
+            let res = last_residues(shape.c, elem_bytes);
+            let chunks_per_class = (numel / chunk).div_ceil(res);
+            let wpr = (wave * warps_per_block / res)
+                .min(chunks_per_class.div_ceil(APPLY_UNROLL))
+                .max(1);
+            ApplyLaunch {
+                blocks: to_u32((res * wpr).div_ceil(warps_per_block)),
+                res,
+                wpr,
+            }
+        }
+    }
 }
 
 /// A 1-D launch configuration.
@@ -582,7 +651,16 @@ mod tests {
         }
         assert_eq!(ApplyMode::Run as u32, 0);
         assert!(src.contains("constexpr int MODE_RUN = 0;"));
-        assert!(src.contains("constexpr int MODE_CONTIG = 1;"));
+        assert!(src.contains("constexpr int MODE_LAST = 1;"));
+        assert!(src.contains("constexpr int MODE_SPLIT = 3;"));
+        assert_eq!(
+            (
+                ApplyMode::Last as u32,
+                ApplyMode::Element as u32,
+                ApplyMode::Split as u32
+            ),
+            (1, 2, 3)
+        );
         assert!(src.contains("constexpr int MODE_ELEMENT = 2;"));
     }
 
@@ -857,7 +935,7 @@ mod tests {
     }
 
     #[test]
-    fn apply_modes_and_channels() {
+    fn apply_modes() {
         let first = |hw| OwnShape {
             arr: Arrangement::First { runs: 3, hw },
             c: 5,
@@ -870,33 +948,187 @@ mod tests {
             apply_mode(&first(3136), 2, &[0x1000, 0x2000]),
             ApplyMode::Run
         );
-        assert_eq!(apply_mode(&first(196), 2, &[0x1000]), ApplyMode::Element);
+        assert_eq!(apply_mode(&first(196), 2, &[0x1000]), ApplyMode::Split);
         assert_eq!(apply_mode(&first(196), 4, &[0x1000]), ApplyMode::Run);
+        assert_eq!(apply_mode(&first(49), 4, &[0x1000]), ApplyMode::Split);
+        assert_eq!(apply_mode(&first(8), 2, &[0x1000]), ApplyMode::Run);
+        assert_eq!(apply_mode(&first(7), 2, &[0x1000]), ApplyMode::Element);
+        assert_eq!(apply_mode(&first(3), 4, &[0x1000]), ApplyMode::Element);
         assert_eq!(apply_mode(&first(3136), 2, &[0x1002]), ApplyMode::Element);
-        assert_eq!(apply_mode(&last(64), 2, &[0x1000]), ApplyMode::Contig);
-        assert_eq!(apply_mode(&last(30), 4, &[0x1000]), ApplyMode::Element);
-        // The vector modes' channel arithmetic (fwd_vector / bwd_vector) against the reference.
-        for (shape, eb) in [
-            (first(3136), 2),
-            (first(196), 4),
-            (last(64), 2),
-            (last(12), 4),
-        ] {
-            let mode = apply_mode(&shape, eb, &[0x1000]);
-            let n = max_vec(eb);
-            let inner = FastDiv::new(shape.inner());
-            let chans = FastDiv::new(shape.c);
-            let chunk = 32 * n;
-            for c in 0..shape.numel() / chunk {
-                for lane in 0..32 {
-                    let e = c * chunk + lane * n;
-                    let q = inner.div(e);
-                    let ch = q - chans.div(q) * shape.c;
-                    for j in 0..n {
-                        let want = shape.channel_of(e + j);
-                        let got = if mode == ApplyMode::Run { ch } else { ch + j };
-                        assert_eq!(got, want, "{shape:?} element {}", e + j);
+        assert_eq!(apply_mode(&last(64), 2, &[0x1000]), ApplyMode::Last);
+        assert_eq!(apply_mode(&last(30), 4, &[0x1000]), ApplyMode::Last);
+        assert_eq!(
+            apply_mode(&last(30), 4, &[0x1000, 0x1004]),
+            ApplyMode::Element
+        );
+        assert_eq!(last_residues(256, 2), 1);
+        assert_eq!(last_residues(2048, 2), 8);
+        assert_eq!(last_residues(30, 2), 15);
+        assert_eq!(last_residues(30, 4), 15);
+        assert_eq!(last_residues(2047, 4), 2047);
+        assert_eq!(last_residues(1, 4), 1);
+    }
+
+    /// The cursor of `fwd_first` / `bwd_first` (kernels/batchnorm.cu), step for step: every chunk
+    /// once, the cursor equal to (e % hw, (e / hw) % C) at every vector, each element's channel
+    /// (one run, or the split at hw - r) right, the tail to the grid's last warp.
+    fn emulate_first(shape: &OwnShape, eb: u64, wave: u64) {
+        let Arrangement::First { hw, .. } = shape.arr else {
+            unreachable!()
+        };
+        let mode = apply_mode(shape, eb, &[0x1000]);
+        assert!(
+            matches!(mode, ApplyMode::Run | ApplyMode::Split),
+            "{shape:?}"
+        );
+        let l = apply_launch(mode, shape, eb, wave);
+        let (n, c) = (shape.numel(), shape.c);
+        let nv = max_vec(eb);
+        let chunk = 32 * nv;
+        let nchunks = n / chunk;
+        let inner = FastDiv::new(hw);
+        let chans = FastDiv::new(c);
+        let run_at = |e: u64| {
+            let q = inner.div(e);
+            (e - q * hw, q - chans.div(q) * c)
+        };
+        let advance = |k: &mut (u64, u64), s: (u64, u64)| {
+            k.0 += s.0;
+            k.1 += s.1;
+            if k.0 >= hw {
+                k.0 -= hw;
+                k.1 += 1;
+            }
+            if k.1 >= c {
+                k.1 -= c;
+            }
+        };
+        let nwarps = u64::from(l.blocks) * u64::from(THREADS / 32);
+        let one = run_at(chunk);
+        let stride = run_at(nwarps * APPLY_UNROLL * chunk);
+        let mut seen = vec![0u8; nchunks as usize];
+        for warp in 0..nwarps {
+            for lane in 0..32u64 {
+                let mut cur = run_at(warp * APPLY_UNROLL * chunk + lane * nv);
+                let mut c0 = warp * APPLY_UNROLL;
+                while c0 < nchunks {
+                    let mut k = cur;
+                    for u in 0..APPLY_UNROLL {
+                        let ci = c0 + u;
+                        if ci < nchunks {
+                            let e = ci * chunk + lane * nv;
+                            assert_eq!(k, ((e % hw), (e / hw) % c), "{shape:?} e {e}");
+                            let s = hw - k.0;
+                            assert!(mode == ApplyMode::Split || s >= nv, "{shape:?} e {e}");
+                            for j in 0..nv {
+                                let ch = if j < s { k.1 } else { (k.1 + 1) % c };
+                                assert_eq!(ch, shape.channel_of(e + j), "{shape:?} e {}", e + j);
+                            }
+                            if lane == 0 {
+                                seen[ci as usize] += 1;
+                            }
+                        }
+                        advance(&mut k, one);
                     }
+                    advance(&mut cur, stride);
+                    c0 += nwarps * APPLY_UNROLL;
+                }
+            }
+        }
+        assert!(
+            seen.iter().all(|&v| v == 1),
+            "{shape:?} wave {wave}: chunk coverage"
+        );
+        assert!(nchunks * chunk + chunk > n, "the tail is less than a chunk");
+    }
+
+    /// The schedule of `fwd_last` / `bwd_last`: every chunk once, and each lane's register
+    /// channels (set once per warp) right for every element of every chunk it takes.
+    fn emulate_last(shape: &OwnShape, eb: u64, wave: u64) {
+        let l = apply_launch(ApplyMode::Last, shape, eb, wave);
+        let (n, c) = (shape.numel(), shape.c);
+        let nv = max_vec(eb);
+        let chunk = 32 * nv;
+        let nchunks = n / chunk;
+        let (res, step) = (l.res, l.res * l.wpr);
+        assert!(step <= u64::from(l.blocks) * u64::from(THREADS / 32));
+        let mut seen = vec![0u8; nchunks as usize];
+        for warp in 0..step {
+            let rho = warp % res;
+            for lane in 0..32u64 {
+                let mut ch = (rho * chunk + lane * nv) % c;
+                let mut chs = Vec::new();
+                for _ in 0..nv {
+                    chs.push(ch);
+                    ch = if ch + 1 == c { 0 } else { ch + 1 };
+                }
+                let mut c0 = rho + res * (warp / res);
+                while c0 < nchunks {
+                    for u in 0..APPLY_UNROLL {
+                        let ci = c0 + u * step;
+                        if ci < nchunks {
+                            let e = ci * chunk + lane * nv;
+                            for (j, &want) in chs.iter().enumerate() {
+                                let got = shape.channel_of(e + j as u64);
+                                assert_eq!(got, want, "{shape:?} element {}", e + j as u64);
+                            }
+                            if lane == 0 {
+                                seen[ci as usize] += 1;
+                            }
+                        }
+                    }
+                    c0 += step * APPLY_UNROLL;
+                }
+            }
+        }
+        assert!(
+            seen.iter().all(|&v| v == 1),
+            "{shape:?} wave {wave}: chunk coverage"
+        );
+    }
+
+    #[test]
+    fn apply_vector_paths_cover_every_chunk_with_the_right_channels() {
+        for (runs, c, hw) in [
+            (3u64, 5u64, 3136u64),
+            (4, 24, 196),
+            (2, 7, 49),
+            (5, 3, 8),
+            (2, 33, 9),
+            (3, 2, 12544),
+            (1, 1, 100_003),
+        ] {
+            for eb in [2u64, 4] {
+                let shape = OwnShape {
+                    arr: Arrangement::First { runs, hw },
+                    c,
+                };
+                if hw < max_vec(eb) {
+                    continue;
+                }
+                for wave in [1u64, 3, 16, 1056] {
+                    emulate_first(&shape, eb, wave);
+                }
+            }
+        }
+        for (rows, c) in [
+            (7u64, 1u64),
+            (100, 3),
+            (300, 30),
+            (1000, 64),
+            (50, 256),
+            (37, 2048),
+            (9, 2047),
+            (3, 5000),
+            (11, 520),
+        ] {
+            for eb in [2u64, 4] {
+                let shape = OwnShape {
+                    arr: Arrangement::Last { rows },
+                    c,
+                };
+                for wave in [1u64, 3, 1056] {
+                    emulate_last(&shape, eb, wave);
                 }
             }
         }
@@ -904,13 +1136,39 @@ mod tests {
 
     #[test]
     fn apply_grid() {
+        let first = |runs, c, hw| OwnShape {
+            arr: Arrangement::First { runs, hw },
+            c,
+        };
         // 64x64x112x112 f16: one wave of blocks; small tensors only the blocks with work.
-        let n = 64 * 64 * 112 * 112;
-        assert_eq!(apply_blocks(ApplyMode::Run, n, 2, 1056), 1056);
-        assert_eq!(apply_blocks(ApplyMode::Run, 100, 2, 1056), 1);
-        assert_eq!(apply_blocks(ApplyMode::Element, 1, 4, 1056), 1);
+        let big = first(64, 64, 112 * 112);
+        assert_eq!(apply_launch(ApplyMode::Run, &big, 2, 1056).blocks, 1056);
+        assert_eq!(
+            apply_launch(ApplyMode::Run, &first(1, 1, 100), 2, 1056).blocks,
+            1
+        );
+        assert_eq!(
+            apply_launch(ApplyMode::Element, &first(1, 1, 1), 4, 1056).blocks,
+            1
+        );
         // 8 warps a block, APPLY_UNROLL chunks a warp: f32 chunk 128 elements.
-        assert_eq!(apply_blocks(ApplyMode::Contig, 128 * 2 * 8 * 3, 4, 1056), 3);
+        let three = first(1, 1, 128 * 2 * 8 * 3);
+        assert_eq!(apply_launch(ApplyMode::Run, &three, 4, 1056).blocks, 3);
+        // Channels-last 64x56x56x256 f16: one residue class, a wave of warps on it.
+        let l = OwnShape {
+            arr: Arrangement::Last { rows: 64 * 56 * 56 },
+            c: 256,
+        };
+        let g = apply_launch(ApplyMode::Last, &l, 2, 1056);
+        assert_eq!((g.res, g.wpr, g.blocks), (1, 1056 * 8, 1056));
+        // C = 2047: every class gets a warp even beyond a wave.
+        let odd = OwnShape {
+            arr: Arrangement::Last { rows: 1000 },
+            c: 2047,
+        };
+        let g = apply_launch(ApplyMode::Last, &odd, 4, 100);
+        assert_eq!((g.res, g.wpr), (2047, 1));
+        assert_eq!(u64::from(g.blocks), 2047u64.div_ceil(8));
         assert_eq!(staged_bytes(256, 3), 3072);
         assert!(staged_bytes(STAGE_MAX_C, 5) <= 48 * 1024);
         assert_eq!(staged_bytes(STAGE_MAX_C + 1, 3), 0);
