@@ -179,6 +179,8 @@ struct ReduceArgs {
     Geom g;
     float inv_count;  // 1 / M
     u32 act;
+    u32 hint;  // x fits in L2: dy and d_addend pass with evict_first (l2_policy)
+    u32 pad;
 };
 
 // Block (ch, p): this thread's Σdy' and Σdy'(x - mean) over its vectors of [p*ipb, (p+1)*ipb),
@@ -193,7 +195,7 @@ __device__ __forceinline__ void reduce_cf(const ReduceArgs& a, float& s1, float&
     s2 = 0.0f;
     cf_reduce_range<T, V, THREADS>((const T*)a.x, (const T*)a.dy, a.mask, (T*)a.dz, (int)a.act,
                                    a.g.channels, a.g.hw, a.g.ipr, ch, k0, k1, a.saved_mean[ch],
-                                   a.saved_mean_lo[ch], s1, s2, nullptr, nullptr);
+                                   a.saved_mean_lo[ch], s1, s2, nullptr, nullptr, l2_policy(a.hint));
 }
 
 __device__ __forceinline__ void reduce_cf_finish(const ReduceArgs& a, float s1, float s2, float* sh) {
@@ -233,7 +235,8 @@ template <typename T, int V> __device__ __forceinline__ void reduce_cl(const Red
     }
     if (active)
         cl_reduce_rows<T, V>((const T*)a.x, (const T*)a.dy, a.mask, (T*)a.dz, (int)a.act, C, cv,
-                             r0 + ro, r1, rb, mhi, mlo, s1, s2, nullptr, nullptr, 0);
+                             r0 + ro, r1, rb, mhi, mlo, s1, s2, nullptr, nullptr, 0,
+                             l2_policy(a.hint));
     cl_tree_sums<V, THREADS>(s1, s2, ro, rb, cvs, active, red);
     if (active && ro == 0) {
         const u64 cp = C * P;
@@ -278,6 +281,8 @@ struct ApplyFwdArgs {
     u32 staged;    // coefficients staged in shared memory (C <= STAGE_MAX_C), else read from coef
     u32 from_var;  // scale = gamma / sqrt(inv + eps) (inference) instead of gamma * inv
     float eps;
+    u32 hint;  // x is in L2 from the statistics pass: z, y and the mask pass with evict_first
+    u32 pad;
 };
 
 struct Coef3 {
@@ -427,31 +432,32 @@ __device__ __forceinline__ u32 fwd_vec(u32 (&w)[4], const u32 (&wz)[4], KJ kj) {
     return bits;
 }
 
-// Stores chunk c's vector of this lane and (with a mask) the chunk's N mask words. All 32 lanes.
+// Stores chunk c's vector of this lane and (with a mask) the chunk's N mask words (L2 policy
+// `pol`). All 32 lanes.
 template <typename T, int ACT>
 __device__ __forceinline__ void fwd_store(const ApplyFwdArgs& a, u64 c, int lane, const u32 (&w)[4],
-                                          u32 bits) {
+                                          u32 bits, u64 pol) {
     constexpr int N = 16 / sizeof(T);
-    reinterpret_cast<uint4*>(a.y)[c * 32 + lane] = make_uint4(w[0], w[1], w[2], w[3]);
+    st16_pol(reinterpret_cast<uint4*>(a.y) + c * 32 + lane, make_uint4(w[0], w[1], w[2], w[3]), pol);
     if constexpr (ACT != ACT_NONE) {
         if (a.mask != nullptr) {
             const u32 word = chunk_word<N>(bits);
-            if ((lane & (32 / N - 1)) == 0) a.mask[c * N + lane / (32 / N)] = word;
+            if ((lane & (32 / N - 1)) == 0) st4_pol(a.mask + c * N + lane / (32 / N), word, pol);
         }
     }
 }
 
-// Loads this lane's vector of chunk c (and of the addend).
+// Loads this lane's vector of chunk c (and of the addend, with L2 policy `pol`).
 template <int ACT>
 __device__ __forceinline__ void fwd_load(const ApplyFwdArgs& a, u64 c, int lane, u32 (&w)[4],
-                                         u32 (&wz)[4]) {
+                                         u32 (&wz)[4], u64 pol) {
     const uint4 v = reinterpret_cast<const uint4*>(a.x)[c * 32 + lane];
     w[0] = v.x;
     w[1] = v.y;
     w[2] = v.z;
     w[3] = v.w;
     if constexpr (ACT == ACT_ADD_RELU) {
-        const uint4 u = reinterpret_cast<const uint4*>(a.z)[c * 32 + lane];
+        const uint4 u = ld16_pol(reinterpret_cast<const uint4*>(a.z) + c * 32 + lane, pol);
         wz[0] = u.x;
         wz[1] = u.y;
         wz[2] = u.z;
@@ -500,6 +506,7 @@ __device__ __forceinline__ void fwd_first(const ApplyFwdArgs& a, const float* sr
     const u64 nwarps = grid_threads() >> 5;
     const u64 n = a.n, nchunks = n / CHUNK;
     const u32 hw = (u32)a.inner.d, C = (u32)a.chans.d;
+    const u64 pol = l2_policy(a.hint);
     const RunCursor one = run_at(a.inner, a.chans, CHUNK);
     const RunCursor stride = run_at(a.inner, a.chans, nwarps * APPLY_UNROLL * CHUNK);
     RunCursor cur = run_at(a.inner, a.chans, warp * APPLY_UNROLL * CHUNK + (u64)lane * N);
@@ -507,7 +514,7 @@ __device__ __forceinline__ void fwd_first(const ApplyFwdArgs& a, const float* sr
         u32 xs[APPLY_UNROLL][4], zs[APPLY_UNROLL][4];
 #pragma unroll
         for (int u = 0; u < APPLY_UNROLL; ++u)
-            if (c0 + u < nchunks) fwd_load<ACT>(a, c0 + u, lane, xs[u], zs[u]);
+            if (c0 + u < nchunks) fwd_load<ACT>(a, c0 + u, lane, xs[u], zs[u], pol);
         RunCursor k = cur;
 #pragma unroll
         for (int u = 0; u < APPLY_UNROLL; ++u) {
@@ -530,7 +537,7 @@ __device__ __forceinline__ void fwd_first(const ApplyFwdArgs& a, const float* sr
                 } else {
                     bits = fwd_vec<T, ACT>(xs[u], zs[u], [&](int) { return k0; });
                 }
-                fwd_store<T, ACT>(a, c, lane, xs[u], bits);
+                fwd_store<T, ACT>(a, c, lane, xs[u], bits, pol);
             }
             run_advance(k, one, hw, C);
         }
@@ -554,6 +561,7 @@ __device__ __forceinline__ void fwd_last(const ApplyFwdArgs& a) {
     const u64 warp = global_thread() >> 5;
     const u64 n = a.n, nchunks = n / CHUNK, C = a.chans.d;
     const u64 S = a.res, step = a.res * a.wpr;
+    const u64 pol = l2_policy(a.hint);
     if (warp < step) {  // the same for the whole warp
         const u64 rho = warp % S;
         u64 ch = (rho * CHUNK + (u64)lane * N) % C;
@@ -571,13 +579,14 @@ __device__ __forceinline__ void fwd_last(const ApplyFwdArgs& a) {
             u32 xs[APPLY_UNROLL][4], zs[APPLY_UNROLL][4];
 #pragma unroll
             for (int u = 0; u < APPLY_UNROLL; ++u)
-                if (c0 + u * step < nchunks) fwd_load<ACT>(a, c0 + u * step, lane, xs[u], zs[u]);
+                if (c0 + u * step < nchunks)
+                    fwd_load<ACT>(a, c0 + u * step, lane, xs[u], zs[u], pol);
 #pragma unroll
             for (int u = 0; u < APPLY_UNROLL; ++u) {
                 const u64 c = c0 + u * step;
                 if (c < nchunks) {  // the same for the whole warp
                     const u32 bits = fwd_vec<T, ACT>(xs[u], zs[u], [&](int j) { return k[j]; });
-                    fwd_store<T, ACT>(a, c, lane, xs[u], bits);
+                    fwd_store<T, ACT>(a, c, lane, xs[u], bits, pol);
                 }
             }
         }
@@ -638,6 +647,8 @@ struct ApplyBwdArgs {
     u64 wpr;
     u32 mode;
     u32 staged;
+    u32 hint;  // x is in L2 from the reduction: dy and dx pass with evict_first
+    u32 pad;
 };
 
 struct Coef4 {
@@ -696,11 +707,11 @@ __device__ __forceinline__ void bwd_tile(const ApplyBwdArgs& a, const float* sm,
 // This lane's vector of chunk c: x, dy and (shifted so that bit j is element j) its mask bits.
 template <typename T>
 __device__ __forceinline__ void bwd_load(const ApplyBwdArgs& a, u64 c, int lane, u32 (&wx)[4],
-                                         u32 (&wg)[4], u32& ms) {
+                                         u32 (&wg)[4], u32& ms, u64 pol) {
     constexpr int N = 16 / sizeof(T);
     constexpr int L = 32 / N;  // lanes sharing one mask word
     const uint4 v = reinterpret_cast<const uint4*>(a.x)[c * 32 + lane];
-    const uint4 g = reinterpret_cast<const uint4*>(a.dy)[c * 32 + lane];
+    const uint4 g = ld16_pol(reinterpret_cast<const uint4*>(a.dy) + c * 32 + lane, pol);
     wx[0] = v.x;
     wx[1] = v.y;
     wx[2] = v.z;
@@ -749,6 +760,7 @@ __device__ __forceinline__ void bwd_first(const ApplyBwdArgs& a, const float* sm
     const u64 n = a.n, nchunks = n / CHUNK;
     const u32 hw = (u32)a.inner.d, C = (u32)a.chans.d;
     uint4* dv = reinterpret_cast<uint4*>(a.dx);
+    const u64 pol = l2_policy(a.hint);
     const RunCursor one = run_at(a.inner, a.chans, CHUNK);
     const RunCursor stride = run_at(a.inner, a.chans, nwarps * APPLY_UNROLL * CHUNK);
     RunCursor cur = run_at(a.inner, a.chans, warp * APPLY_UNROLL * CHUNK + (u64)lane * N);
@@ -756,7 +768,7 @@ __device__ __forceinline__ void bwd_first(const ApplyBwdArgs& a, const float* sm
         u32 xs[APPLY_UNROLL][4], gs[APPLY_UNROLL][4], ms[APPLY_UNROLL];
 #pragma unroll
         for (int u = 0; u < APPLY_UNROLL; ++u)
-            if (c0 + u < nchunks) bwd_load<T>(a, c0 + u, lane, xs[u], gs[u], ms[u]);
+            if (c0 + u < nchunks) bwd_load<T>(a, c0 + u, lane, xs[u], gs[u], ms[u], pol);
         RunCursor k = cur;
 #pragma unroll
         for (int u = 0; u < APPLY_UNROLL; ++u) {
@@ -766,7 +778,7 @@ __device__ __forceinline__ void bwd_first(const ApplyBwdArgs& a, const float* sm
                 if constexpr (SPLIT) {
                     const u32 s = hw - k.r;
                     const Coef4 k1 = bwd_coef(a, sm, k.ch + 1 == C ? 0u : k.ch + 1);
-                    dv[c * 32 + lane] = bwd_vec<T>(xs[u], gs[u], ms[u], [&](int j) {
+                    st16_pol(dv + c * 32 + lane, bwd_vec<T>(xs[u], gs[u], ms[u], [&](int j) {
                         const bool first = (u32)j < s;
                         Coef4 q;
                         q.m = first ? k0.m : k1.m;
@@ -775,9 +787,10 @@ __device__ __forceinline__ void bwd_first(const ApplyBwdArgs& a, const float* sm
                         q.b = first ? k0.b : k1.b;
                         q.d = first ? k0.d : k1.d;
                         return q;
-                    });
+                    }), pol);
                 } else {
-                    dv[c * 32 + lane] = bwd_vec<T>(xs[u], gs[u], ms[u], [&](int) { return k0; });
+                    st16_pol(dv + c * 32 + lane,
+                             bwd_vec<T>(xs[u], gs[u], ms[u], [&](int) { return k0; }), pol);
                 }
             }
             run_advance(k, one, hw, C);
@@ -797,6 +810,7 @@ template <typename T> __device__ __forceinline__ void bwd_last(const ApplyBwdArg
     const u64 warp = global_thread() >> 5;
     const u64 n = a.n, nchunks = n / CHUNK, C = a.chans.d;
     const u64 S = a.res, step = a.res * a.wpr;
+    const u64 pol = l2_policy(a.hint);
     uint4* dv = reinterpret_cast<uint4*>(a.dx);
     if (warp < step) {
         const u64 rho = warp % S;
@@ -815,12 +829,14 @@ template <typename T> __device__ __forceinline__ void bwd_last(const ApplyBwdArg
             u32 xs[APPLY_UNROLL][4], gs[APPLY_UNROLL][4], ms[APPLY_UNROLL];
 #pragma unroll
             for (int u = 0; u < APPLY_UNROLL; ++u)
-                if (c0 + u * step < nchunks) bwd_load<T>(a, c0 + u * step, lane, xs[u], gs[u], ms[u]);
+                if (c0 + u * step < nchunks)
+                    bwd_load<T>(a, c0 + u * step, lane, xs[u], gs[u], ms[u], pol);
 #pragma unroll
             for (int u = 0; u < APPLY_UNROLL; ++u) {
                 const u64 c = c0 + u * step;
                 if (c < nchunks)
-                    dv[c * 32 + lane] = bwd_vec<T>(xs[u], gs[u], ms[u], [&](int j) { return k[j]; });
+                    st16_pol(dv + c * 32 + lane,
+                             bwd_vec<T>(xs[u], gs[u], ms[u], [&](int j) { return k[j]; }), pol);
             }
         }
     }
@@ -1003,6 +1019,18 @@ template <typename T> __device__ __forceinline__ void reduce_cl_any(const Reduce
     NNF_VEC_DISPATCH(reduce_cl, a, red)
 }
 
+// The forward apply kernels of one activation: channels-first / element, and channels-last.
+#define NNF_BN_APPLY(T, S, A, ACT)                                                                \
+    extern "C" __global__ void __launch_bounds__(THREADS) bn_apply_fwd_##A##_##S(ApplyFwdArgs a) {  \
+        apply_fwd<T, ACT>(a);                                                                     \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                         \
+        bn_apply_fwd_##A##_last_##S(ApplyFwdArgs a) {                                             \
+        apply_fwd_last<T, ACT>(a);                                                                \
+    }
+
+// Register caps where ptxas would otherwise lose a block per SM: the channels-first dx kernel at
+// 64 (4 blocks of 256 threads), the backward reductions at 85 / 128 (3 / 2 blocks).
 #define NNF_BN_KERNELS(T, S)                                                                      \
     extern "C" __global__ void __launch_bounds__(THREADS) bn_stats_cf_##S(StatsArgs a) {          \
         stats_cf_any<T>(a);                                                                       \
@@ -1013,38 +1041,20 @@ template <typename T> __device__ __forceinline__ void reduce_cl_any(const Reduce
     extern "C" __global__ void __launch_bounds__(THREADS) bn_stats_cl_##S(StatsArgs a) {          \
         stats_cl_any<T>(a);                                                                       \
     }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(THREADS) bn_bwd_reduce_cf_##S(ReduceArgs a) {    \
+    extern "C" __global__ void __launch_bounds__(THREADS, 3) bn_bwd_reduce_cf_##S(ReduceArgs a) { \
         reduce_cf_any<T>(a);                                                                      \
     }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(THREADS) bn_bwd_reduce_cl_##S(ReduceArgs a) {    \
+    extern "C" __global__ void __launch_bounds__(THREADS, 2) bn_bwd_reduce_cl_##S(ReduceArgs a) { \
         reduce_cl_any<T>(a);                                                                      \
     }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(THREADS) bn_apply_fwd_none_##S(ApplyFwdArgs a) { \
-        apply_fwd<T, ACT_NONE>(a);                                                                \
-    }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(THREADS) bn_apply_fwd_relu_##S(ApplyFwdArgs a) { \
-        apply_fwd<T, ACT_RELU>(a);                                                                \
-    }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(THREADS)                                         \
-        bn_apply_fwd_add_relu_##S(ApplyFwdArgs a) {                                               \
-        apply_fwd<T, ACT_ADD_RELU>(a);                                                            \
-    }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(THREADS)                                         \
-        bn_apply_fwd_none_last_##S(ApplyFwdArgs a) {                                              \
-        apply_fwd_last<T, ACT_NONE>(a);                                                           \
-    }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(THREADS)                                         \
-        bn_apply_fwd_relu_last_##S(ApplyFwdArgs a) {                                              \
-        apply_fwd_last<T, ACT_RELU>(a);                                                           \
-    }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(THREADS)                                         \
-        bn_apply_fwd_add_relu_last_##S(ApplyFwdArgs a) {                                          \
-        apply_fwd_last<T, ACT_ADD_RELU>(a);                                                       \
-    }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(THREADS) bn_apply_bwd_##S(ApplyBwdArgs a) {      \
+    NNF_BN_APPLY(T, S, none, ACT_NONE)                                                            \
+    NNF_BN_APPLY(T, S, relu, ACT_RELU)                                                            \
+    NNF_BN_APPLY(T, S, add_relu, ACT_ADD_RELU)                                                    \
+    extern "C" __global__ void __launch_bounds__(THREADS, 4) bn_apply_bwd_##S(ApplyBwdArgs a) {   \
         apply_bwd<T>(a);                                                                          \
     }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(THREADS) bn_apply_bwd_last_##S(ApplyBwdArgs a) { \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                         \
+        bn_apply_bwd_last_##S(ApplyBwdArgs a) {                                                   \
         apply_bwd_last<T>(a);                                                                     \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(CTHREADS) bn_bwd_channel_##S(ChannelBwdArgs a) { \

@@ -20,8 +20,9 @@ use cudarc::driver::{
 use once_cell::sync::Lazy;
 
 use crate::batchnorm::own_launch::{
-    apply_launch, apply_mode, config, persistent_geom, reduce_geom, scratch_floats, staged_bytes,
-    vec_width, ApplyMode, Arrangement, FastDiv, Geom, OwnShape, PGeom, CTHREADS, PTHREADS, THREADS,
+    apply_launch, apply_mode, config, keep_x_in_l2, persistent_geom, reduce_geom, scratch_floats,
+    staged_bytes, vec_width, ApplyMode, Arrangement, FastDiv, Geom, OwnShape, PGeom, CTHREADS,
+    PTHREADS, THREADS,
 };
 use crate::batchnorm::plan::{Fuse, OwnVariant};
 use crate::context::Context;
@@ -68,6 +69,8 @@ struct ReduceArgs {
     g: Geom,
     inv_count: f32,
     act: u32,
+    hint: u32,
+    pad: u32,
 }
 
 #[repr(C)]
@@ -92,6 +95,8 @@ struct ApplyFwdArgs {
     staged: u32,
     from_var: u32,
     eps: f32,
+    hint: u32,
+    pad: u32,
 }
 
 #[repr(C)]
@@ -109,6 +114,8 @@ struct ApplyBwdArgs {
     wpr: u64,
     mode: u32,
     staged: u32,
+    hint: u32,
+    pad: u32,
 }
 
 #[repr(C)]
@@ -467,6 +474,15 @@ impl Op<'_> {
     fn counter_words(&self) -> usize {
         self.c() as usize + 2
     }
+
+    /// Whether x fits in L2 beside the rest of a two-pass operation's traffic: then the data each
+    /// pass reads or writes once goes with evict_first, so that the second pass finds x in L2.
+    fn x_fits_l2(&self) -> bool {
+        keep_x_in_l2(
+            self.shape.numel() * self.eb(),
+            self.ctx.info().l2_bytes.max(0) as u64,
+        )
+    }
 }
 
 /// Training forward: statistics, running statistics, saved mean and inverse std, y and (with an
@@ -593,6 +609,7 @@ pub(crate) fn forward_train(
             coef: scratch.ptr() + coef_at * 4,
             from_var: 0,
             eps: eps as f32,
+            hint: u32::from(op.x_fits_l2()),
             ..ApplyFwdArgs::default()
         },
         staged,
@@ -800,6 +817,8 @@ pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant, eps: f64) -> 
             g,
             inv_count,
             act: act(op.fuse),
+            hint: u32::from(op.x_fits_l2()),
+            pad: 0,
         };
         launch(
             op.ctx,
@@ -839,6 +858,8 @@ pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant, eps: f64) -> 
         wpr: l.wpr,
         mode: mode as u32,
         staged: u32::from(staged > 0),
+        hint: u32::from(op.x_fits_l2()),
+        pad: 0,
     };
     launch(
         op.ctx,
@@ -1079,6 +1100,8 @@ mod tests {
                     "g",
                     "inv_count",
                     "act",
+                    "hint",
+                    "pad",
                 ],
                 std::mem::size_of::<ReduceArgs>(),
             ),
@@ -1087,7 +1110,8 @@ mod tests {
                 "ApplyFwdArgs",
                 &[
                     "x", "z", "y", "mask", "mean", "mean_lo", "inv", "gamma", "beta", "coef", "n",
-                    "inner", "chans", "res", "wpr", "mode", "staged", "from_var", "eps",
+                    "inner", "chans", "res", "wpr", "mode", "staged", "from_var", "eps", "hint",
+                    "pad",
                 ],
                 std::mem::size_of::<ApplyFwdArgs>(),
             ),
@@ -1096,7 +1120,7 @@ mod tests {
                 "ApplyBwdArgs",
                 &[
                     "x", "dy", "mask", "dx", "coef", "n", "inner", "chans", "res", "wpr", "mode",
-                    "staged",
+                    "staged", "hint", "pad",
                 ],
                 std::mem::size_of::<ApplyBwdArgs>(),
             ),
@@ -1182,9 +1206,9 @@ mod tests {
                 "FastDiv" => 24,
                 "Geom" => 80,
                 "StatsArgs" => 160,
-                "ReduceArgs" => 192,
-                "ApplyFwdArgs" => 168,
-                "ApplyBwdArgs" => 120,
+                "ReduceArgs" => 200,
+                "ApplyFwdArgs" => 176,
+                "ApplyBwdArgs" => 128,
                 "ChannelBwdArgs" => 128,
                 "PGeom" => 96,
                 "PersistArgs" => 256,
@@ -1197,18 +1221,33 @@ mod tests {
     #[test]
     fn every_kernel_name_is_in_its_file() {
         for dt in DType::ALL {
+            // The forward apply kernels come from NNF_BN_APPLY(T, S, <act>, ...).
+            for (f, a) in [
+                (Fuse::None, "none"),
+                (Fuse::Relu, "relu"),
+                (Fuse::AddRelu, "add_relu"),
+            ] {
+                let src = crate::kernels::BATCHNORM.source;
+                assert!(src.contains(&format!("NNF_BN_APPLY(T, S, {a}, ")), "{a}");
+                assert!(
+                    src.contains("bn_apply_fwd_##A##_##S(")
+                        && src.contains("bn_apply_fwd_##A##_last_##S(")
+                );
+                assert_eq!(
+                    name(K::ApplyFwd(f), dt),
+                    format!("bn_apply_fwd_{a}_{}", dt.name())
+                );
+                assert_eq!(
+                    name(K::ApplyFwdLast(f), dt),
+                    format!("bn_apply_fwd_{a}_last_{}", dt.name())
+                );
+            }
             for k in [
                 K::StatsCf,
                 K::StatsCl,
                 K::StatsFinalize,
                 K::ReduceCf,
                 K::ReduceCl,
-                K::ApplyFwd(Fuse::None),
-                K::ApplyFwd(Fuse::Relu),
-                K::ApplyFwd(Fuse::AddRelu),
-                K::ApplyFwdLast(Fuse::None),
-                K::ApplyFwdLast(Fuse::Relu),
-                K::ApplyFwdLast(Fuse::AddRelu),
                 K::ApplyBwd,
                 K::ApplyBwdLast,
                 K::ChannelBwd,

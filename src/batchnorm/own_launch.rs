@@ -16,9 +16,21 @@ pub(crate) const THREADS: u32 = 256;
 pub(crate) const PTHREADS: u32 = 512;
 /// Threads per block of the per-channel f64 backward (`CTHREADS`).
 pub(crate) const CTHREADS: u32 = 64;
-/// Vectors a thread loads before it reduces them (`RED_UNROLL`; the tests' emulation).
+/// 16-byte vectors a thread loads before it reduces them (`RED_UNROLL`; the tests' emulation).
 #[cfg(test)]
 pub(crate) const RED_UNROLL: u64 = 4;
+/// Bytes a reduction thread loads before it reduces them, at most `RED_UNROLL_MAX` loads
+/// (`red_unroll` in `kernels/batchnorm_common.cuh`; the tests' emulation).
+#[cfg(test)]
+pub(crate) const RED_BYTES: u64 = 64;
+#[cfg(test)]
+pub(crate) const RED_UNROLL_MAX: u64 = 16;
+
+/// Loads of `vec` elements a reduction thread has in flight (`red_unroll<T, V>()`).
+#[cfg(test)]
+pub(crate) fn red_unroll(vec: u64, elem_bytes: u64) -> u64 {
+    (RED_BYTES / (vec * elem_bytes)).clamp(RED_UNROLL, RED_UNROLL_MAX)
+}
 /// 32-vector chunks per warp iteration in the apply kernels (`APPLY_UNROLL`).
 pub(crate) const APPLY_UNROLL: u64 = 2;
 /// Mask words per warp tile of the element (scalar) apply path (`SCALAR_WORDS`).
@@ -606,6 +618,13 @@ pub(crate) fn persistent_geom(
     }
 }
 
+/// Whether the two-pass kernels mark the rest of their traffic evict_first so that x, read by
+/// the first pass, stays in L2 for the second: x takes at most half of L2 (25 MiB on the
+/// H100), leaving the other half to what streams through meanwhile.
+pub(crate) fn keep_x_in_l2(x_bytes: u64, l2_bytes: u64) -> bool {
+    x_bytes > 0 && x_bytes <= l2_bytes / 2
+}
+
 /// Floats of scratch a launch needs: partials (`fields` per channel and part) then `coef_fields`
 /// per channel of coefficients.
 pub(crate) fn scratch_floats(c: u64, parts: u64, fields: u64, coef_fields: u64) -> (u64, u64) {
@@ -640,6 +659,8 @@ mod tests {
             ("PTHREADS", u64::from(PTHREADS)),
             ("CTHREADS", u64::from(CTHREADS)),
             ("RED_UNROLL", RED_UNROLL),
+            ("RED_BYTES", RED_BYTES),
+            ("RED_UNROLL_MAX", RED_UNROLL_MAX),
             ("APPLY_UNROLL", APPLY_UNROLL),
             ("SCALAR_WORDS", SCALAR_WORDS),
             ("STAGE_MAX_C", STAGE_MAX_C),
@@ -727,7 +748,7 @@ mod tests {
 
     /// Every element of each channel, once, in the order the emulated kernel visits them, for
     /// the channels-first reduction (cf_stats_range / cf_reduce_range, NT threads a block).
-    fn emulate_cf(shape: &OwnShape, g: &Geom, nt: u64) -> HashMap<u64, Vec<u64>> {
+    fn emulate_cf(shape: &OwnShape, g: &Geom, nt: u64, eb: u64) -> HashMap<u64, Vec<u64>> {
         let Arrangement::First { runs, hw } = shape.arr else {
             unreachable!()
         };
@@ -765,12 +786,13 @@ mod tests {
                         seen.entry(ch).or_default().push(e + j);
                     }
                 };
-                while k + (RED_UNROLL - 1) * nt < k1 {
-                    for _ in 0..RED_UNROLL {
+                let un = red_unroll(v, eb);
+                while k + (un - 1) * nt < k1 {
+                    for _ in 0..un {
                         visit(o, iv);
                         step(&mut o, &mut iv);
                     }
-                    k += RED_UNROLL * nt;
+                    k += un * nt;
                 }
                 while k < k1 {
                     visit(o, iv);
@@ -889,7 +911,11 @@ mod tests {
                                 (u64::from(g.parts) - 1) * g.ipb < g.runs * g.ipr.d,
                                 "{what}"
                             );
-                            check_cover(&shape, &emulate_cf(&shape, &g, u64::from(THREADS)), &what)
+                            check_cover(
+                                &shape,
+                                &emulate_cf(&shape, &g, u64::from(THREADS), eb),
+                                &what,
+                            )
                         }
                         Arrangement::Last { rows } => {
                             assert!((u64::from(g.parts) - 1) * g.ipb < rows, "{what}");
@@ -1518,6 +1544,15 @@ mod tests {
                 assert!(e32 < 1e-6, "M = {m}: f32 path {e32:.2e}");
             }
         }
+    }
+
+    #[test]
+    fn l2_keep_rule() {
+        let h100 = 50 << 20;
+        // f32 16x32x112x112 (25.7 MB) stays, f16 64x64x112x112 (103 MB) does not.
+        assert!(keep_x_in_l2(16 * 32 * 112 * 112 * 4, h100));
+        assert!(!keep_x_in_l2(64 * 64 * 112 * 112 * 2, h100));
+        assert!(!keep_x_in_l2(1, 0));
     }
 
     #[test]
