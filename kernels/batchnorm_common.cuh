@@ -25,10 +25,13 @@
 // Keep these in sync with src/batchnorm/own_launch.rs (a CPU test compares them).
 constexpr int THREADS = 256;       // block of the two-pass and inference kernels
 constexpr int PTHREADS = 512;      // block of the persistent kernels
-constexpr int RED_UNROLL = 4;      // vectors a thread loads before it reduces them
+constexpr int RED_UNROLL = 4;      // vectors of 16 bytes a thread loads before it reduces them
+constexpr int RED_BYTES = 64;      // bytes a thread loads before it reduces them (narrower vectors)
+constexpr int RED_UNROLL_MAX = 16; // most loads a thread has in flight in a reduction
 constexpr int APPLY_UNROLL = 2;    // 32-vector chunks per warp iteration in the apply kernels
 constexpr int SCALAR_WORDS = 8;    // mask words per warp tile in the scalar apply path
 constexpr int STAGE_MAX_C = 2048;  // most channels an apply kernel stages (<= 40 KB: no opt-in)
+constexpr int CTHREADS = 64;       // block of the per-channel (few values per channel) backward
 
 // Activation (forward) / what the backward applies to dy.
 constexpr int ACT_NONE = 0;      // y = bn(x); dy' = dy
@@ -60,11 +63,12 @@ template <> struct FloatBits<float> { static constexpr u32 SIGN = 0x80000000u, I
 template <> struct FloatBits<nnf_f16> { static constexpr u32 SIGN = 0x8000u, INF = 0x7c00u; };
 template <> struct FloatBits<nnf_bf16> { static constexpr u32 SIGN = 0x8000u, INF = 0x7f80u; };
 
-// v > 0 decided on the element's bits (sign clear, not zero, not NaN): an integer test, immune to
-// the NVRTC 13.0 / sm_90 miscompilation of 16-bit compares recorded in CHANGELOG.md.
+// v > 0 decided on the element's bits b (in the low bits, the rest zero): sign clear, not zero,
+// not NaN, i.e. 1 <= b <= INF. An integer test, immune to the NVRTC 13.0 / sm_90 miscompilation
+// of 16-bit compares recorded in CHANGELOG.md; b - 1 wraps for +0, and -0, negatives and NaNs
+// are all above INF.
 template <typename T> __device__ __forceinline__ bool bits_gt0(u32 b) {
-    const u32 mag = b & (FloatBits<T>::SIGN - 1u);
-    return !(b & FloatBits<T>::SIGN) && mag != 0u && mag <= FloatBits<T>::INF;
+    return b - 1u < FloatBits<T>::INF;
 }
 
 template <typename T> __device__ __forceinline__ u32 to_bits(T v) { return v.bits; }
@@ -93,6 +97,20 @@ template <> __device__ __forceinline__ u32 out_bits<nnf_f16>(float v) {
 template <> __device__ __forceinline__ u32 out_bits<nnf_bf16>(float v) {
     unsigned short r;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+    return r;
+}
+
+// Two floats rounded to a 16-bit T, packed: lo in bits 0-15, hi in bits 16-31 (one cvt for the
+// pair, sm_80+; the same rounding as out_bits).
+template <typename T> __device__ __forceinline__ u32 out_bits2(float lo, float hi);
+template <> __device__ __forceinline__ u32 out_bits2<nnf_f16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+template <> __device__ __forceinline__ u32 out_bits2<nnf_bf16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
 
@@ -170,6 +188,86 @@ template <int V> __device__ __forceinline__ u32 vec_bits(const u32* mask, u64 e)
 }
 
 __device__ __forceinline__ bool aligned16(const void* p) { return (((u64)p) & 15u) == 0; }
+
+// Vectors of V elements a reduction thread loads before it reduces them: RED_BYTES in flight
+// whatever the width (4 of 16 bytes, 8 of 8 bytes, 16 narrower ones). U*V stays a power of two.
+template <typename T, int V> constexpr int red_unroll() {
+    return RED_BYTES / (V * (int)sizeof(T)) < RED_UNROLL
+               ? RED_UNROLL
+               : (RED_BYTES / (V * (int)sizeof(T)) > RED_UNROLL_MAX
+                      ? RED_UNROLL_MAX
+                      : RED_BYTES / (V * (int)sizeof(T)));
+}
+
+// --- L2 eviction priority ---------------------------------------------------------------------
+// When x fits in L2 (the host decides: `hint`), the data that one operation reads or writes only
+// once (dy, the addend, y, dx, d_addend) goes in and out with evict_first, so that x, read by the
+// first pass, is still in L2 when the second pass reads it again. Without the hint the policy is
+// evict_normal, i.e. what a plain access does.
+
+__device__ __forceinline__ u64 l2_policy(u32 hint) {
+    u64 first, normal;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(first));
+    asm("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(normal));
+    return hint ? first : normal;
+}
+
+__device__ __forceinline__ uint4 ld16_pol(const void* p, u64 pol) {
+    uint4 r;
+    asm("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+        : "l"(p), "l"(pol));
+    return r;
+}
+
+__device__ __forceinline__ void st16_pol(void* p, uint4 v, u64 pol) {
+    asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p), "r"(v.x),
+                 "r"(v.y), "r"(v.z), "r"(v.w), "l"(pol)
+                 : "memory");
+}
+
+__device__ __forceinline__ void st4_pol(void* p, u32 v, u64 pol) {
+    asm volatile("st.global.L2::cache_hint.u32 [%0], %1, %2;" ::"l"(p), "r"(v), "l"(pol) : "memory");
+}
+
+// load_raw / store_raw with an L2 policy (global memory only).
+template <typename T, int V> __device__ __forceinline__ void load_raw_pol(const T* p, u32 (&w)[4], u64 pol) {
+    constexpr int B = V * (int)sizeof(T);
+    static_assert(B == 2 || B == 4 || B == 8 || B == 16, "vector of 2, 4, 8 or 16 bytes");
+    w[1] = w[2] = w[3] = 0u;
+    if constexpr (B == 16) {
+        asm("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+            : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+            : "l"(p), "l"(pol));
+    } else if constexpr (B == 8) {
+        asm("ld.global.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;"
+            : "=r"(w[0]), "=r"(w[1])
+            : "l"(p), "l"(pol));
+    } else if constexpr (B == 4) {
+        asm("ld.global.L2::cache_hint.u32 %0, [%1], %2;" : "=r"(w[0]) : "l"(p), "l"(pol));
+    } else {
+        unsigned short h;
+        asm("ld.global.L2::cache_hint.u16 %0, [%1], %2;" : "=h"(h) : "l"(p), "l"(pol));
+        w[0] = h;
+    }
+}
+template <typename T, int V> __device__ __forceinline__ void store_raw_pol(T* p, const u32 (&w)[4], u64 pol) {
+    constexpr int B = V * (int)sizeof(T);
+    static_assert(B == 2 || B == 4 || B == 8 || B == 16, "vector of 2, 4, 8 or 16 bytes");
+    if constexpr (B == 16) {
+        st16_pol(p, make_uint4(w[0], w[1], w[2], w[3]), pol);
+    } else if constexpr (B == 8) {
+        asm volatile("st.global.L2::cache_hint.v2.u32 [%0], {%1, %2}, %3;" ::"l"(p), "r"(w[0]),
+                     "r"(w[1]), "l"(pol)
+                     : "memory");
+    } else if constexpr (B == 4) {
+        st4_pol(p, w[0], pol);
+    } else {
+        asm volatile("st.global.L2::cache_hint.u16 [%0], %1, %2;" ::"l"(p),
+                     "h"((unsigned short)w[0]), "l"(pol)
+                     : "memory");
+    }
+}
 
 // --- the warp-vote transpose (as kernels/bitmask.cu) ------------------------------------------
 
@@ -411,24 +509,25 @@ __device__ __forceinline__ void cf_stats_range(const T* __restrict__ x, u64 C, u
     const u64 ipr = iprd.d;
     u64 o = fdiv(iprd, k), iv = k - o * ipr;
     const u64 sq = fdiv(iprd, (u64)NT), sr = (u64)NT - sq * ipr;
-    for (; k + (u64)(RED_UNROLL - 1) * NT < k1; k += (u64)RED_UNROLL * NT) {
-        u32 w[RED_UNROLL][4];
+    constexpr int U = red_unroll<T, V>();
+    for (; k + (u64)(U - 1) * NT < k1; k += (u64)U * NT) {
+        u32 w[U][4];
 #pragma unroll
-        for (int u = 0; u < RED_UNROLL; ++u) {  // all loads first
+        for (int u = 0; u < U; ++u) {  // all loads first
             load_raw<T, V>(x + ((o * C + ch) * hw + iv * V), w[u]);
             cursor_step(o, iv, sq, sr, ipr);
         }
         if (tile != nullptr) {
 #pragma unroll
-            for (int u = 0; u < RED_UNROLL; ++u)
+            for (int u = 0; u < U; ++u)
                 store_raw<T, V>(tile + (k - k0 + (u64)u * NT) * V, w[u]);
         }
-        float v[RED_UNROLL * V];
+        float v[U * V];
 #pragma unroll
-        for (int u = 0; u < RED_UNROLL; ++u)
+        for (int u = 0; u < U; ++u)
 #pragma unroll
             for (int j = 0; j < V; ++j) v[u * V + j] = bits_float<T>(elem_bits<T>(w[u], j)) - shift;
-        wfv_group<1, RED_UNROLL * V>(acc, v);
+        wfv_group<1, U * V>(acc, v);
     }
     for (; k < k1; k += NT) {
         u32 w[4];
@@ -449,27 +548,32 @@ __device__ __forceinline__ void cf_reduce_range(const T* __restrict__ x, const T
                                                 const u32* __restrict__ mask, T* dz, int act, u64 C,
                                                 u64 hw, const FastDiv& iprd, u64 ch, u64 k0, u64 k1,
                                                 float mhi, float mlo, float& s1, float& s2, T* xt,
-                                                T* gt) {
+                                                T* gt, u64 pol) {
     u64 k = k0 + threadIdx.x;
     if (k >= k1) return;
     const u64 ipr = iprd.d;
     u64 o = fdiv(iprd, k), iv = k - o * ipr;
     const u64 sq = fdiv(iprd, (u64)NT), sr = (u64)NT - sq * ipr;
-    for (; k + (u64)(RED_UNROLL - 1) * NT < k1; k += (u64)RED_UNROLL * NT) {
-        u32 wx[RED_UNROLL][4], wg[RED_UNROLL][4], mb[RED_UNROLL];
-        u64 e[RED_UNROLL];
+    constexpr int U = red_unroll<T, V>();
+    for (; k + (u64)(U - 1) * NT < k1; k += (u64)U * NT) {
+        u32 wx[U][4], wg[U][4], mb[U];
+        const u64 o0 = o, iv0 = iv;  // the group's cursor again for d_addend (no index array)
 #pragma unroll
-        for (int u = 0; u < RED_UNROLL; ++u) {  // all loads first
-            e[u] = (o * C + ch) * hw + iv * V;
-            load_raw<T, V>(x + e[u], wx[u]);
-            load_raw<T, V>(dy + e[u], wg[u]);
-            mb[u] = act != ACT_NONE ? vec_bits<V>(mask, e[u]) : 0xffffffffu;
+        for (int u = 0; u < U; ++u) {  // all loads first
+            const u64 e = (o * C + ch) * hw + iv * V;
+            load_raw<T, V>(x + e, wx[u]);
+            load_raw_pol<T, V>(dy + e, wg[u], pol);
+            mb[u] = act != ACT_NONE ? vec_bits<V>(mask, e) : 0xffffffffu;
             cursor_step(o, iv, sq, sr, ipr);
         }
+        u64 o2 = o0, iv2 = iv0;
 #pragma unroll
-        for (int u = 0; u < RED_UNROLL; ++u) {
+        for (int u = 0; u < U; ++u) {
             if (act != ACT_NONE) mask_raw<T, V>(wg[u], mb[u]);
-            if (act == ACT_ADD_RELU) store_raw<T, V>(dz + e[u], wg[u]);
+            if (act == ACT_ADD_RELU) {
+                store_raw_pol<T, V>(dz + ((o2 * C + ch) * hw + iv2 * V), wg[u], pol);
+                cursor_step(o2, iv2, sq, sr, ipr);
+            }
             if (xt != nullptr) {
                 store_raw<T, V>(xt + (k - k0 + (u64)u * NT) * V, wx[u]);
                 store_raw<T, V>(gt + (k - k0 + (u64)u * NT) * V, wg[u]);
@@ -486,9 +590,9 @@ __device__ __forceinline__ void cf_reduce_range(const T* __restrict__ x, const T
         const u64 e = (o * C + ch) * hw + iv * V;
         u32 wx[4], wg[4];
         load_raw<T, V>(x + e, wx);
-        load_raw<T, V>(dy + e, wg);
+        load_raw_pol<T, V>(dy + e, wg, pol);
         if (act != ACT_NONE) mask_raw<T, V>(wg, vec_bits<V>(mask, e));
-        if (act == ACT_ADD_RELU) store_raw<T, V>(dz + e, wg);
+        if (act == ACT_ADD_RELU) store_raw_pol<T, V>(dz + e, wg, pol);
         if (xt != nullptr) {
             store_raw<T, V>(xt + (k - k0) * V, wx);
             store_raw<T, V>(gt + (k - k0) * V, wg);
@@ -512,22 +616,23 @@ template <typename T, int V>
 __device__ __forceinline__ void cl_stats_rows(const T* __restrict__ x, u64 C, u64 cv, u64 r, u64 r1,
                                               u64 rb, const float (&shift)[V], WfV<V>& acc,
                                               T* tile, u64 tile_r0) {
-    for (; r + (u64)(RED_UNROLL - 1) * rb < r1; r += (u64)RED_UNROLL * rb) {
-        u32 w[RED_UNROLL][4];
+    constexpr int U = red_unroll<T, V>();
+    for (; r + (u64)(U - 1) * rb < r1; r += (u64)U * rb) {
+        u32 w[U][4];
 #pragma unroll
-        for (int u = 0; u < RED_UNROLL; ++u) load_raw<T, V>(x + (r + u * rb) * C + cv * V, w[u]);
+        for (int u = 0; u < U; ++u) load_raw<T, V>(x + (r + u * rb) * C + cv * V, w[u]);
         if (tile != nullptr) {
 #pragma unroll
-            for (int u = 0; u < RED_UNROLL; ++u)
+            for (int u = 0; u < U; ++u)
                 store_raw<T, V>(tile + (r + u * rb - tile_r0) * C + cv * V, w[u]);
         }
-        float v[RED_UNROLL * V];
+        float v[U * V];
 #pragma unroll
-        for (int u = 0; u < RED_UNROLL; ++u)
+        for (int u = 0; u < U; ++u)
 #pragma unroll
             for (int j = 0; j < V; ++j)
                 v[u * V + j] = bits_float<T>(elem_bits<T>(w[u], j)) - shift[j];
-        wfv_group<V, RED_UNROLL>(acc, v);
+        wfv_group<V, U>(acc, v);
     }
     for (; r < r1; r += rb) {
         u32 w[4];
@@ -545,21 +650,23 @@ __device__ __forceinline__ void cl_reduce_rows(const T* __restrict__ x, const T*
                                                const u32* __restrict__ mask, T* dz, int act, u64 C,
                                                u64 cv, u64 r, u64 r1, u64 rb, const float (&mhi)[V],
                                                const float (&mlo)[V], float (&s1)[V],
-                                               float (&s2)[V], T* xt, T* gt, u64 tile_r0) {
-    for (; r + (u64)(RED_UNROLL - 1) * rb < r1; r += (u64)RED_UNROLL * rb) {
-        u32 wx[RED_UNROLL][4], wg[RED_UNROLL][4], mb[RED_UNROLL];
+                                               float (&s2)[V], T* xt, T* gt, u64 tile_r0,
+                                               u64 pol) {
+    constexpr int U = red_unroll<T, V>();
+    for (; r + (u64)(U - 1) * rb < r1; r += (u64)U * rb) {
+        u32 wx[U][4], wg[U][4], mb[U];
 #pragma unroll
-        for (int u = 0; u < RED_UNROLL; ++u) {
+        for (int u = 0; u < U; ++u) {
             const u64 e = (r + u * rb) * C + cv * V;
             load_raw<T, V>(x + e, wx[u]);
-            load_raw<T, V>(dy + e, wg[u]);
+            load_raw_pol<T, V>(dy + e, wg[u], pol);
             mb[u] = act != ACT_NONE ? vec_bits<V>(mask, e) : 0xffffffffu;
         }
 #pragma unroll
-        for (int u = 0; u < RED_UNROLL; ++u) {
+        for (int u = 0; u < U; ++u) {
             const u64 rr = r + u * rb;
             if (act != ACT_NONE) mask_raw<T, V>(wg[u], mb[u]);
-            if (act == ACT_ADD_RELU) store_raw<T, V>(dz + rr * C + cv * V, wg[u]);
+            if (act == ACT_ADD_RELU) store_raw_pol<T, V>(dz + rr * C + cv * V, wg[u], pol);
             if (xt != nullptr) {
                 store_raw<T, V>(xt + (rr - tile_r0) * C + cv * V, wx[u]);
                 store_raw<T, V>(gt + (rr - tile_r0) * C + cv * V, wg[u]);
@@ -576,9 +683,9 @@ __device__ __forceinline__ void cl_reduce_rows(const T* __restrict__ x, const T*
         const u64 e = r * C + cv * V;
         u32 wx[4], wg[4];
         load_raw<T, V>(x + e, wx);
-        load_raw<T, V>(dy + e, wg);
+        load_raw_pol<T, V>(dy + e, wg, pol);
         if (act != ACT_NONE) mask_raw<T, V>(wg, vec_bits<V>(mask, e));
-        if (act == ACT_ADD_RELU) store_raw<T, V>(dz + e, wg);
+        if (act == ACT_ADD_RELU) store_raw_pol<T, V>(dz + e, wg, pol);
         if (xt != nullptr) {
             store_raw<T, V>(xt + (r - tile_r0) * C + cv * V, wx);
             store_raw<T, V>(gt + (r - tile_r0) * C + cv * V, wg);

@@ -128,7 +128,7 @@ __device__ __forceinline__ void preduce_range(const T* x, const T* dy, const u32
                                               u64 k1, float mhi, float mlo, float& s1, float& s2,
                                               T* xt, T* gt) {
     cf_reduce_range<T, V, PTHREADS>(x, dy, mask, dz, act, C, hw, iprd, ch, k0, k1, mhi, mlo, s1, s2,
-                                    xt, gt);
+                                    xt, gt, l2_policy(0));
 }
 
 // A channel's pivot: its first element.
@@ -401,7 +401,7 @@ template <typename T> __device__ __forceinline__ void pbwd_cl(const PersistArgs&
         }
         cl_reduce_rows<T, V>((const T*)a.x, (const T*)a.g, a.mask, (T*)a.dz, (int)a.act, C, cv,
                              r0 + ro, r1, rb, mhi, mlo, s1, s2, xt + (u64)s * g.unit_elems,
-                             gt + (u64)s * g.unit_elems, r0);
+                             gt + (u64)s * g.unit_elems, r0, l2_policy(0));
         cl_tree_sums<V, PTHREADS>(s1, s2, ro, rb, cvs, true, red);
         if (ro == 0) {
 #pragma unroll

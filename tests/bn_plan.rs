@@ -5,9 +5,10 @@
 use nnfuse::batchnorm::{
     fused_dtype_supported, oneflow_mode, plan, AutoCase, BnApi, BnMode, BnPath, BnPlan, Fuse,
     FusedRefusal, OwnVariant, OwnVariantChoice, Phase, PlanRequest, DEPARTS_FROM_ONEFLOW,
-    OWN_FOR_CHANNELS_FIRST, OWN_FOR_CHANNELS_LAST_FUSED, OWN_FOR_CHANNELS_LAST_ON_CHIP,
-    OWN_FOR_CHANNELS_LAST_PLAIN, OWN_FOR_CHANNELS_LAST_UNFUSED, OWN_FOR_INFERENCE, OWN_FOR_TWO_D,
-    OWN_PERSISTENT_MAX_BYTES, PREFER_PERSISTENT,
+    OWN_FOR_CHANNELS_FIRST, OWN_FOR_CHANNELS_FIRST_SHORT_RUNS, OWN_FOR_CHANNELS_LAST_FUSED,
+    OWN_FOR_CHANNELS_LAST_ON_CHIP, OWN_FOR_CHANNELS_LAST_PLAIN, OWN_FOR_CHANNELS_LAST_UNFUSED,
+    OWN_FOR_INFERENCE, OWN_FOR_TWO_D, OWN_PERSISTENT_MAX_BYTES, OWN_PER_CHANNEL_MAX_M,
+    PREFER_PERSISTENT,
 };
 use nnfuse::{BnImpl, BnModePolicy, Config, DType, TensorFormat};
 use proptest::prelude::*;
@@ -247,7 +248,12 @@ fn expected_own(
             if phase == Phase::Inference {
                 OWN_FOR_INFERENCE
             } else if l.format == Nchw {
-                OWN_FOR_CHANNELS_FIRST
+                // Runs of at least one 16-byte vector: the own kernels' vector path.
+                if l.h * l.w * dtype.size() as i32 >= 16 {
+                    OWN_FOR_CHANNELS_FIRST
+                } else {
+                    OWN_FOR_CHANNELS_FIRST_SHORT_RUNS
+                }
             } else if l.h * l.w == 1 {
                 OWN_FOR_TWO_D
             } else if persistent_structure(l, dtype) && fits(l, dtype, 2) {
@@ -263,9 +269,12 @@ fn expected_own(
     }
 }
 
-/// The own variant of one training direction under the auto choice.
+/// The own variant of one training direction under the auto choice: the backward of few values
+/// per channel per channel in f64; else persistent where preferred, structured and fitting.
 fn expected_variant(l: &nnfuse::ChannelLayout, dtype: DType, tiles: u64) -> OwnVariant {
-    if PREFER_PERSISTENT && persistent_structure(l, dtype) && fits(l, dtype, tiles) {
+    if tiles == 2 && l.per_channel() as u64 <= OWN_PER_CHANNEL_MAX_M {
+        OwnVariant::PerChannel
+    } else if PREFER_PERSISTENT && persistent_structure(l, dtype) && fits(l, dtype, tiles) {
         OwnVariant::Persistent
     } else {
         OwnVariant::TwoPass
@@ -350,9 +359,11 @@ fn the_whole_grid() {
     }
     assert_eq!(plans, CASES.len() * 3 * 2 * 2 * 3 * 2 * 3 * 3 * IMPLS.len());
     assert!(fused > 0, "the grid must reach the fused path");
-    assert!(
-        own > 0 && persistent > 0,
-        "the grid must reach the own paths"
+    assert!(own > 0, "the grid must reach the own path");
+    assert_eq!(
+        persistent > 0,
+        PREFER_PERSISTENT,
+        "the grid reaches the persistent variant exactly when it is preferred"
     );
 }
 
@@ -621,7 +632,7 @@ fn channels_last_add_relu_is_fused() {
         3,
         Fuse::AddRelu,
         Phase::Training,
-        &Config::default(),
+        &cudnn(),
     );
     assert_eq!(
         (p.mode, p.api, p.path),
@@ -708,17 +719,22 @@ fn relu_is_fused_at_c_30_add_relu_is_not() {
     assert_eq!(relu.path, BnPath::CudnnFused);
     let add = spot(&[16, 56, 56, 30], 3, Fuse::AddRelu, Phase::Training, &cfg);
     assert_eq!(add.path, BnPath::Fallback);
-    // Under auto, the same unfusable request takes the own kernels; the fusable one cuDNN.
+    // Under auto, the unfusable request is the table's channels_last_unfused row, the fusable
+    // one its channels_last_fused row.
     let auto = Config::default();
     let add_auto = spot(&[16, 56, 56, 30], 3, Fuse::AddRelu, Phase::Training, &auto);
-    assert_eq!(add_auto.path, BnPath::Own);
+    let own_or = |own: bool, p: BnPath| if own { BnPath::Own } else { p };
+    assert_eq!(
+        add_auto.path,
+        own_or(OWN_FOR_CHANNELS_LAST_UNFUSED, BnPath::Fallback)
+    );
     assert!(add_auto
         .reasons
         .iter()
         .any(|r| r.contains("channels_last_unfused")));
     assert_eq!(
         spot(&[16, 56, 56, 30], 3, Fuse::Relu, Phase::Training, &auto).path,
-        BnPath::CudnnFused
+        own_or(OWN_FOR_CHANNELS_LAST_FUSED, BnPath::CudnnFused)
     );
     assert_eq!(add.refusals, vec![FusedRefusal::ChannelsNotMultipleOf4(30)]);
     assert!(add
@@ -762,7 +778,12 @@ fn two_d_under_each_policy() {
             assert!(dep.contains("7.0 ms") && dep.contains("95 µs"), "{dep}");
         }
         let p = spot(&[65536, 256], 1, Fuse::Relu, Phase::Training, &cfg);
-        assert_eq!((p.api, p.path), (BnApi::Ex, BnPath::Own));
+        let path = if OWN_FOR_TWO_D {
+            BnPath::Own
+        } else {
+            BnPath::CudnnFused
+        };
+        assert_eq!((p.api, p.path), (BnApi::Ex, path));
         assert!(p.reasons.iter().any(|r| r.contains("case two_d")), "{p}");
         let p = spot(
             &[65536, 256],
@@ -815,7 +836,12 @@ fn unit_spatial_dims_infer_nhwc_and_auto_trains_persistent() {
         Phase::Training,
         &Config::default(),
     );
-    assert_eq!(p.path, BnPath::Own);
+    let want = if OWN_FOR_TWO_D {
+        BnPath::Own
+    } else {
+        BnPath::CudnnFused
+    };
+    assert_eq!(p.path, want, "{p}");
     assert!(p.reasons.iter().any(|r| r.contains("case two_d")), "{p}");
 }
 
@@ -842,7 +868,8 @@ fn channels_last_inference_follows_the_flag_under_auto() {
     );
     assert_eq!((on.mode, on.api), (SpatialPersistent, BnApi::Legacy));
     assert_eq!(on.refusals, vec![FusedRefusal::Inference]);
-    // Under auto, inference is one pass of the own kernels (the mode is what cuDNN would use).
+    // Under auto, inference is the table's inference row: one pass of the own kernels when
+    // OWN_FOR_INFERENCE (the mode is what cuDNN would use either way).
     let own = spot(
         &[64, 56, 56, 256],
         3,
@@ -850,11 +877,15 @@ fn channels_last_inference_follows_the_flag_under_auto() {
         Phase::Inference,
         &Config::default(),
     );
-    assert_eq!((own.mode, own.path), (Spatial, BnPath::Own));
-    assert_eq!(
-        (own.own_forward, own.own_backward),
-        (Some(OwnVariant::Elementwise), None)
-    );
+    if OWN_FOR_INFERENCE {
+        assert_eq!((own.mode, own.path), (Spatial, BnPath::Own));
+        assert_eq!(
+            (own.own_forward, own.own_backward),
+            (Some(OwnVariant::Elementwise), None)
+        );
+    } else {
+        assert_eq!((own.mode, own.path), (Spatial, BnPath::Fallback));
+    }
 }
 
 #[test]
@@ -1007,8 +1038,9 @@ fn invalid_shapes_name_the_argument() {
 // ---- nnfuse's own kernels ----
 
 #[test]
-fn channels_first_default_is_own() {
-    // f16 32x32x112x112: x is 25.7 MB (persistent forward), x and dy 51 MB (two-pass backward).
+fn channels_first_default_follows_the_table() {
+    // f16 32x32x112x112: x is 25.7 MB (fits the persistent budget forward), x and dy 51 MB
+    // (two-pass backward whatever is preferred).
     let p = spot(
         &[32, 32, 112, 112],
         1,
@@ -1016,27 +1048,40 @@ fn channels_first_default_is_own() {
         Phase::Training,
         &Config::default(),
     );
-    assert_eq!(p.path, BnPath::Own, "{p}");
+    let own_path = |own: bool, cudnn: BnPath| if own { BnPath::Own } else { cudnn };
     assert_eq!(
-        (p.own_forward, p.own_backward),
-        (Some(OwnVariant::Persistent), Some(OwnVariant::TwoPass))
+        p.path,
+        own_path(OWN_FOR_CHANNELS_FIRST, BnPath::Fallback),
+        "{p}"
     );
-    assert!(p.reasons.iter().any(|r| r.contains("case channels_first")
+    assert!(p.reasons.iter().any(|r| r.contains("case channels_first:")
         && r.contains("9–17%")
         && r.contains("docs/PERFORMANCE.md")));
-    assert!(p.reasons.iter().any(
-        |r| r.starts_with("own backward: two-pass") && r.contains("exceed the on-chip budget")
-    ));
-    let j = p.to_json();
-    assert_eq!(
-        (&j["impl"], &j["own_forward"], &j["own_backward"]),
-        (
-            &serde_json::json!("own"),
-            &serde_json::json!("persistent"),
-            &serde_json::json!("two_pass")
-        )
-    );
-    // The f16 64x64x112x112 (103 MB): two-pass both ways.
+    if OWN_FOR_CHANNELS_FIRST {
+        let fwd = if PREFER_PERSISTENT {
+            OwnVariant::Persistent
+        } else {
+            OwnVariant::TwoPass
+        };
+        assert_eq!(
+            (p.own_forward, p.own_backward),
+            (Some(fwd), Some(OwnVariant::TwoPass))
+        );
+        assert!(p
+            .reasons
+            .iter()
+            .any(|r| r.starts_with("own backward: two-pass")));
+        let j = p.to_json();
+        assert_eq!(
+            (&j["impl"], &j["own_forward"], &j["own_backward"]),
+            (
+                &serde_json::json!("own"),
+                &serde_json::json!(fwd.name()),
+                &serde_json::json!("two_pass")
+            )
+        );
+    }
+    // The f16 64x64x112x112 (103 MB): two-pass both ways on the own path.
     let big = spot(
         &[64, 64, 112, 112],
         1,
@@ -1044,27 +1089,57 @@ fn channels_first_default_is_own() {
         Phase::Training,
         &Config::default(),
     );
-    assert_eq!(
-        (big.path, big.own_forward, big.own_backward),
-        (
-            BnPath::Own,
-            Some(OwnVariant::TwoPass),
-            Some(OwnVariant::TwoPass)
-        )
-    );
-    // Runs of 196 elements are not whole mask words: never persistent.
-    let odd = spot(
+    assert_eq!(big.path, own_path(OWN_FOR_CHANNELS_FIRST, BnPath::Fallback));
+    if big.path == BnPath::Own {
+        assert_eq!(
+            (big.own_forward, big.own_backward),
+            (Some(OwnVariant::TwoPass), Some(OwnVariant::TwoPass))
+        );
+    }
+    // Runs of 196 elements are not whole mask words: never persistent, even when asked for.
+    let odd = make_with(
         &[2, 8, 14, 14],
+        1,
+        DType::F16,
+        Fuse::Relu,
+        Phase::Training,
+        &Config::default().with_bn_impl(BnImpl::Own),
+        91900,
+        true,
+    );
+    assert_eq!(odd.own_forward, Some(OwnVariant::TwoPass));
+    // Runs of 4 f16 elements (8 bytes) are the short-runs row, runs of 4 f32 elements not.
+    let short = spot(
+        &[64, 512, 2, 2],
         1,
         Fuse::Relu,
         Phase::Training,
         &Config::default(),
     );
-    assert_eq!(odd.own_forward, Some(OwnVariant::TwoPass));
-    assert!(odd
+    assert!(
+        short
+            .reasons
+            .iter()
+            .any(|r| r.contains("case channels_first_short_runs:")),
+        "{short}"
+    );
+    assert_eq!(
+        short.path,
+        own_path(OWN_FOR_CHANNELS_FIRST_SHORT_RUNS, BnPath::Fallback)
+    );
+    let f32_runs = make(
+        &[64, 512, 2, 2],
+        1,
+        DType::F32,
+        Fuse::Relu,
+        Phase::Training,
+        &Config::default(),
+        91900,
+    );
+    assert!(f32_runs
         .reasons
         .iter()
-        .any(|r| r.contains("not a multiple of 32")));
+        .any(|r| r.contains("case channels_first:")));
 }
 
 #[test]
@@ -1132,7 +1207,7 @@ fn auto_table_reaches_every_row() {
         (p.path, line)
     };
     type Row<'a> = (&'a [usize], usize, Fuse, Phase, DType, &'a Config, AutoCase);
-    let rows: [Row; 7] = [
+    let rows: [Row; 8] = [
         (
             &[64, 56, 56, 256],
             3,
@@ -1159,6 +1234,15 @@ fn auto_table_reaches_every_row() {
             DType::F32,
             &cfg,
             AutoCase::ChannelsFirst,
+        ),
+        (
+            &[64, 512, 2, 2],
+            1,
+            Fuse::Relu,
+            Phase::Training,
+            DType::F16,
+            &cfg,
+            AutoCase::ChannelsFirstShortRuns,
         ),
         (
             &[8, 56, 56, 64],
@@ -1253,6 +1337,31 @@ fn forced_variants() {
         .reasons
         .iter()
         .any(|r| r.contains("although persistent was asked for")));
+    // Few values per channel: the backward runs per channel in f64 whatever was asked for;
+    // the forward follows the choice.
+    for choice in [
+        OwnVariantChoice::Auto,
+        OwnVariantChoice::TwoPass,
+        OwnVariantChoice::Persistent,
+    ] {
+        for (shape, axis) in [
+            (&[2usize, 64][..], 1usize),
+            (&[1, 8, 2], 1),
+            (&[4, 16, 4, 4], 1),
+        ] {
+            let p = with(shape, axis, choice);
+            assert_eq!(p.own_backward, Some(OwnVariant::PerChannel), "{p}");
+            assert!(
+                p.reasons
+                    .iter()
+                    .any(|r| r.starts_with("own backward: per-channel f64")
+                        && r.contains("OWN_PER_CHANNEL_MAX_M")),
+                "{p}"
+            );
+        }
+    }
+    let p = with(&[65, 16], 1, OwnVariantChoice::Auto);
+    assert_ne!(p.own_backward, Some(OwnVariant::PerChannel), "{p}");
     assert_eq!(
         "two-pass".parse::<OwnVariantChoice>().unwrap(),
         OwnVariantChoice::TwoPass

@@ -72,6 +72,8 @@ fn channels_last_f16_add_relu_is_fused() {
             "f16",
             "--fuse",
             "add-relu",
+            "--impl",
+            "cudnn",
         ],
         &[],
     );
@@ -179,7 +181,16 @@ fn environment_sets_policy_and_nhwc_flags_override() {
     assert_eq!(v["enable_nhwc"], false);
 
     // The fusion switch, from the variable and from the flag.
-    let cl = ["--shape", "64,56,56,256", "--axis", "3", "--fuse", "relu"];
+    let cl = [
+        "--shape",
+        "64,56,56,256",
+        "--axis",
+        "3",
+        "--fuse",
+        "relu",
+        "--impl",
+        "cudnn",
+    ];
     assert_eq!(json(&cl, &[])["path"], "cudnn_fused");
     let v = json(
         &cl,
@@ -273,7 +284,7 @@ fn text_output_says_what_was_assumed() {
 
 #[test]
 fn own_kernels_impl_variant_and_no_cudnn() {
-    // Default (auto): channels-first training takes nnfuse's own kernels.
+    // Default (auto): channels-first training follows the table (OWN_FOR_CHANNELS_FIRST).
     let cf = [
         "--shape",
         "32,32,112,112",
@@ -283,9 +294,22 @@ fn own_kernels_impl_variant_and_no_cudnn() {
         "relu",
     ];
     let v = json(&cf, &[]);
-    assert_eq!((&v["path"], &v["impl"]), (&"own".into(), &"own".into()));
-    assert_eq!(v["own_forward"], "persistent");
-    assert_eq!(v["own_backward"], "two_pass");
+    if nnfuse::batchnorm::OWN_FOR_CHANNELS_FIRST {
+        assert_eq!((&v["path"], &v["impl"]), (&"own".into(), &"own".into()));
+        // x (25.7 MB) fits the persistent budget forward; the plan follows PREFER_PERSISTENT.
+        let fwd = if nnfuse::batchnorm::PREFER_PERSISTENT {
+            "persistent"
+        } else {
+            "two_pass"
+        };
+        assert_eq!(v["own_forward"], fwd);
+        assert_eq!(v["own_backward"], "two_pass");
+    } else {
+        assert_eq!(
+            (&v["path"], &v["impl"]),
+            (&"fallback".into(), &"cudnn".into())
+        );
+    }
     assert_eq!(v["sources"]["bn_impl"], "default");
     // The variable and the flag (the flag wins).
     let v = json(&cf, &[("NNFUSE_BN_IMPL", "cudnn")]);

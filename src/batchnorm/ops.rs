@@ -74,6 +74,7 @@ fn variant_code(v: Option<OwnVariant>) -> u8 {
         Some(OwnVariant::TwoPass) => 1,
         Some(OwnVariant::Persistent) => 2,
         Some(OwnVariant::Elementwise) => 3,
+        Some(OwnVariant::PerChannel) => 4,
     }
 }
 
@@ -396,6 +397,7 @@ impl<T: Element> BatchNorm<T> {
         match self.core.last_backward.load(Ordering::Relaxed) {
             1 => Some(OwnVariant::TwoPass),
             2 => Some(OwnVariant::Persistent),
+            4 => Some(OwnVariant::PerChannel),
             _ => None,
         }
     }
@@ -845,7 +847,7 @@ impl<T: Element> BatchNorm<T> {
             dbeta,
         };
         let want = core.train.own_backward.unwrap_or(OwnVariant::TwoPass);
-        let v = own::backward(&core.own_op(ctx, T::DTYPE), &bufs, want)?;
+        let v = own::backward(&core.own_op(ctx, T::DTYPE), &bufs, want, saved.eps)?;
         core.last_backward
             .store(variant_code(Some(v)), Ordering::Relaxed);
         tracing::debug!(path = "own", variant = %v, "BatchNorm backward");

@@ -20,8 +20,9 @@ use cudarc::driver::{
 use once_cell::sync::Lazy;
 
 use crate::batchnorm::own_launch::{
-    apply_blocks, apply_mode, config, persistent_geom, reduce_geom, scratch_floats, staged_bytes,
-    vec_width, Arrangement, FastDiv, Geom, OwnShape, PGeom, PTHREADS, THREADS,
+    apply_launch, apply_mode, config, keep_x_in_l2, persistent_geom, reduce_geom, scratch_floats,
+    staged_bytes, vec_width, ApplyMode, Arrangement, FastDiv, Geom, OwnShape, PGeom, CTHREADS,
+    PTHREADS, THREADS,
 };
 use crate::batchnorm::plan::{Fuse, OwnVariant};
 use crate::context::Context;
@@ -68,6 +69,8 @@ struct ReduceArgs {
     g: Geom,
     inv_count: f32,
     act: u32,
+    hint: u32,
+    pad: u32,
 }
 
 #[repr(C)]
@@ -86,10 +89,14 @@ struct ApplyFwdArgs {
     n: u64,
     inner: FastDiv,
     chans: FastDiv,
+    res: u64,
+    wpr: u64,
     mode: u32,
     staged: u32,
     from_var: u32,
     eps: f32,
+    hint: u32,
+    pad: u32,
 }
 
 #[repr(C)]
@@ -103,8 +110,12 @@ struct ApplyBwdArgs {
     n: u64,
     inner: FastDiv,
     chans: FastDiv,
+    res: u64,
+    wpr: u64,
     mode: u32,
     staged: u32,
+    hint: u32,
+    pad: u32,
 }
 
 #[repr(C)]
@@ -136,6 +147,26 @@ struct PersistArgs {
     pad: u32,
 }
 
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct ChannelBwdArgs {
+    x: u64,
+    dy: u64,
+    mask: u64,
+    dx: u64,
+    dz: u64,
+    saved_mean: u64,
+    saved_mean_lo: u64,
+    gamma: u64,
+    dgamma: u64,
+    dbeta: u64,
+    per_channel: u64,
+    inner: FastDiv,
+    eps: f64,
+    channels: u32,
+    act: u32,
+}
+
 // SAFETY: plain old data whose C layout matches the kernels' structs (checked by the tests below
 // against the sizes and the field order in the CUDA source).
 unsafe impl DeviceRepr for StatsArgs {}
@@ -143,6 +174,7 @@ unsafe impl DeviceRepr for ReduceArgs {}
 unsafe impl DeviceRepr for ApplyFwdArgs {}
 unsafe impl DeviceRepr for ApplyBwdArgs {}
 unsafe impl DeviceRepr for PersistArgs {}
+unsafe impl DeviceRepr for ChannelBwdArgs {}
 
 /// The activation code of the kernels (`ACT_*`).
 fn act(fuse: Fuse) -> u32 {
@@ -163,7 +195,10 @@ enum K {
     ReduceCf,
     ReduceCl,
     ApplyFwd(Fuse),
+    ApplyFwdLast(Fuse),
     ApplyBwd,
+    ApplyBwdLast,
+    ChannelBwd,
     PersistFwdCf,
     PersistFwdCl,
     PersistBwdCf,
@@ -199,9 +234,24 @@ fn name(k: K, dt: DType) -> &'static str {
         (ApplyFwd(Fuse::AddRelu), F32) => "bn_apply_fwd_add_relu_f32",
         (ApplyFwd(Fuse::AddRelu), F16) => "bn_apply_fwd_add_relu_f16",
         (ApplyFwd(Fuse::AddRelu), BF16) => "bn_apply_fwd_add_relu_bf16",
+        (ApplyFwdLast(Fuse::None), F32) => "bn_apply_fwd_none_last_f32",
+        (ApplyFwdLast(Fuse::None), F16) => "bn_apply_fwd_none_last_f16",
+        (ApplyFwdLast(Fuse::None), BF16) => "bn_apply_fwd_none_last_bf16",
+        (ApplyFwdLast(Fuse::Relu), F32) => "bn_apply_fwd_relu_last_f32",
+        (ApplyFwdLast(Fuse::Relu), F16) => "bn_apply_fwd_relu_last_f16",
+        (ApplyFwdLast(Fuse::Relu), BF16) => "bn_apply_fwd_relu_last_bf16",
+        (ApplyFwdLast(Fuse::AddRelu), F32) => "bn_apply_fwd_add_relu_last_f32",
+        (ApplyFwdLast(Fuse::AddRelu), F16) => "bn_apply_fwd_add_relu_last_f16",
+        (ApplyFwdLast(Fuse::AddRelu), BF16) => "bn_apply_fwd_add_relu_last_bf16",
+        (ApplyBwdLast, F32) => "bn_apply_bwd_last_f32",
+        (ApplyBwdLast, F16) => "bn_apply_bwd_last_f16",
+        (ApplyBwdLast, BF16) => "bn_apply_bwd_last_bf16",
         (ApplyBwd, F32) => "bn_apply_bwd_f32",
         (ApplyBwd, F16) => "bn_apply_bwd_f16",
         (ApplyBwd, BF16) => "bn_apply_bwd_bf16",
+        (ChannelBwd, F32) => "bn_bwd_channel_f32",
+        (ChannelBwd, F16) => "bn_bwd_channel_f16",
+        (ChannelBwd, BF16) => "bn_bwd_channel_bf16",
         (PersistFwdCf, F32) => "bn_persist_fwd_cf_f32",
         (PersistFwdCf, F16) => "bn_persist_fwd_cf_f16",
         (PersistFwdCf, BF16) => "bn_persist_fwd_cf_bf16",
@@ -424,6 +474,15 @@ impl Op<'_> {
     fn counter_words(&self) -> usize {
         self.c() as usize + 2
     }
+
+    /// Whether x fits in L2 beside the rest of a two-pass operation's traffic: then the data each
+    /// pass reads or writes once goes with evict_first, so that the second pass finds x in L2.
+    fn x_fits_l2(&self) -> bool {
+        keep_x_in_l2(
+            self.shape.numel() * self.eb(),
+            self.ctx.info().l2_bytes.max(0) as u64,
+        )
+    }
 }
 
 /// Training forward: statistics, running statistics, saved mean and inverse std, y and (with an
@@ -550,6 +609,7 @@ pub(crate) fn forward_train(
             coef: scratch.ptr() + coef_at * 4,
             from_var: 0,
             eps: eps as f32,
+            hint: u32::from(op.x_fits_l2()),
             ..ApplyFwdArgs::default()
         },
         staged,
@@ -594,12 +654,15 @@ fn apply_forward(op: &Op<'_>, mut a: ApplyFwdArgs, staged: u32) -> Result<()> {
         vec![a.x, a.y]
     };
     let mode = apply_mode(&op.shape, eb, &ptrs);
+    // The channels-last vector path keeps coefficients in registers: no staging, no bn_fold.
+    let last = mode == ApplyMode::Last;
+    let staged = if last { 0 } else { staged };
     a.n = n;
     a.inner = FastDiv::new(op.shape.inner());
     a.chans = FastDiv::new(c);
     a.mode = mode as u32;
     a.staged = u32::from(staged > 0);
-    if staged == 0 {
+    if staged == 0 && !last {
         // Too many channels to stage: fold the coefficients once into the scratch buffer.
         let f = op.ctx.function(&kernels::BATCHNORM, "bn_fold")?;
         let blocks = c.div_ceil(u64::from(THREADS)).clamp(1, 65535) as u32;
@@ -611,12 +674,20 @@ fn apply_forward(op: &Op<'_>, mut a: ApplyFwdArgs, staged: u32) -> Result<()> {
             "cuLaunchKernel(bn_fold)",
         )?;
     }
-    let (f, fname) = op.function(&kernels::BATCHNORM, K::ApplyFwd(op.fuse))?;
-    let blocks = apply_blocks(mode, n, eb, wave(op.ctx, &f, fname, staged)?);
+    let k = if last {
+        K::ApplyFwdLast(op.fuse)
+    } else {
+        K::ApplyFwd(op.fuse)
+    };
+    let (f, fname) = op.function(&kernels::BATCHNORM, k)?;
+    let l = apply_launch(mode, &op.shape, eb, wave(op.ctx, &f, fname, staged)?);
+    a.res = l.res;
+    a.wpr = l.wpr;
     tracing::debug!(
         kernel = fname,
-        blocks,
+        blocks = l.blocks,
         mode = mode.name(),
+        residues = l.res,
         staged = staged > 0,
         mask = a.mask != 0,
         "own BatchNorm apply"
@@ -625,15 +696,50 @@ fn apply_forward(op: &Op<'_>, mut a: ApplyFwdArgs, staged: u32) -> Result<()> {
         op.ctx,
         &f,
         &a,
-        config(blocks, THREADS, staged),
+        config(l.blocks, THREADS, staged),
         "cuLaunchKernel(bn_apply_fwd)",
     )
 }
 
 /// Training backward: dgamma, dbeta, dx and (Add+ReLU) d_addend. Returns the variant that ran.
-pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant) -> Result<OwnVariant> {
+/// `eps` is the forward's (the per-channel variant recomputes the variance in f64).
+pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant, eps: f64) -> Result<OwnVariant> {
     let c = op.c();
     let m = op.shape.per_channel();
+    if want == OwnVariant::PerChannel {
+        let (f, fname) = op.function(&kernels::BATCHNORM, K::ChannelBwd)?;
+        tracing::debug!(
+            kernel = fname,
+            blocks = c,
+            per_channel = m,
+            "own BatchNorm backward (per channel, f64)"
+        );
+        let args = ChannelBwdArgs {
+            x: b.x,
+            dy: b.dy,
+            mask: b.mask,
+            dx: b.dx,
+            dz: b.dz,
+            saved_mean: b.saved_mean,
+            saved_mean_lo: b.saved_mean_lo,
+            gamma: b.gamma,
+            dgamma: b.dgamma,
+            dbeta: b.dbeta,
+            per_channel: m,
+            inner: FastDiv::new(op.shape.inner()),
+            eps,
+            channels: c as u32,
+            act: act(op.fuse),
+        };
+        launch(
+            op.ctx,
+            &f,
+            &args,
+            config(c as u32, CTHREADS, 0),
+            "cuLaunchKernel(bn_bwd_channel)",
+        )?;
+        return Ok(OwnVariant::PerChannel);
+    }
     let inv_count = (1.0 / m as f64) as f32;
     if want == OwnVariant::Persistent {
         let aligned = [b.x, b.dy, b.dx, b.dz].iter().all(|p| p % 16 == 0);
@@ -679,7 +785,9 @@ pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant) -> Result<Own
     let g = reduce_geom(&op.shape, vec, wave(op.ctx, &rf, rname, 0)?);
     let (coef_at, total) = scratch_floats(c, g.parts.into(), 2, 5);
     let mode = apply_mode(&op.shape, eb, &[b.x, b.dy, b.dx]);
-    let staged = staged_bytes(c, 5);
+    let last = mode == ApplyMode::Last;
+    // The channels-last vector path reads its coefficients into registers: nothing staged.
+    let staged = if last { 0 } else { staged_bytes(c, 5) };
     tracing::debug!(
         kernel = rname,
         blocks = g.blocks(),
@@ -709,6 +817,8 @@ pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant) -> Result<Own
             g,
             inv_count,
             act: act(op.fuse),
+            hint: u32::from(op.x_fits_l2()),
+            pad: 0,
         };
         launch(
             op.ctx,
@@ -729,9 +839,12 @@ pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant) -> Result<Own
         }
         Ok(())
     })?;
-    let (af, aname) = op.function(&kernels::BATCHNORM, K::ApplyBwd)?;
+    let (af, aname) = op.function(
+        &kernels::BATCHNORM,
+        if last { K::ApplyBwdLast } else { K::ApplyBwd },
+    )?;
     let n = op.shape.numel();
-    let blocks = apply_blocks(mode, n, eb, wave(op.ctx, &af, aname, staged)?);
+    let l = apply_launch(mode, &op.shape, eb, wave(op.ctx, &af, aname, staged)?);
     let args = ApplyBwdArgs {
         x: b.x,
         dy: b.dy,
@@ -741,14 +854,18 @@ pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant) -> Result<Own
         n,
         inner: FastDiv::new(op.shape.inner()),
         chans: FastDiv::new(c),
+        res: l.res,
+        wpr: l.wpr,
         mode: mode as u32,
         staged: u32::from(staged > 0),
+        hint: u32::from(op.x_fits_l2()),
+        pad: 0,
     };
     launch(
         op.ctx,
         &af,
         &args,
-        config(blocks, THREADS, staged),
+        config(l.blocks, THREADS, staged),
         "cuLaunchKernel(bn_apply_bwd)",
     )?;
     Ok(OwnVariant::TwoPass)
@@ -927,7 +1044,7 @@ mod tests {
     fn argument_structs_match_the_kernels() {
         let bn = crate::kernels::BATCHNORM.source;
         let pbn = crate::kernels::BATCHNORM_PERSISTENT.source;
-        let cases: [(&str, &str, &[&str], usize); 8] = [
+        let cases: [(&str, &str, &[&str], usize); 9] = [
             (
                 bn,
                 "FastDiv",
@@ -983,6 +1100,8 @@ mod tests {
                     "g",
                     "inv_count",
                     "act",
+                    "hint",
+                    "pad",
                 ],
                 std::mem::size_of::<ReduceArgs>(),
             ),
@@ -991,7 +1110,8 @@ mod tests {
                 "ApplyFwdArgs",
                 &[
                     "x", "z", "y", "mask", "mean", "mean_lo", "inv", "gamma", "beta", "coef", "n",
-                    "inner", "chans", "mode", "staged", "from_var", "eps",
+                    "inner", "chans", "res", "wpr", "mode", "staged", "from_var", "eps", "hint",
+                    "pad",
                 ],
                 std::mem::size_of::<ApplyFwdArgs>(),
             ),
@@ -999,9 +1119,32 @@ mod tests {
                 bn,
                 "ApplyBwdArgs",
                 &[
-                    "x", "dy", "mask", "dx", "coef", "n", "inner", "chans", "mode", "staged",
+                    "x", "dy", "mask", "dx", "coef", "n", "inner", "chans", "res", "wpr", "mode",
+                    "staged", "hint", "pad",
                 ],
                 std::mem::size_of::<ApplyBwdArgs>(),
+            ),
+            (
+                bn,
+                "ChannelBwdArgs",
+                &[
+                    "x",
+                    "dy",
+                    "mask",
+                    "dx",
+                    "dz",
+                    "saved_mean",
+                    "saved_mean_lo",
+                    "gamma",
+                    "dgamma",
+                    "dbeta",
+                    "per_channel",
+                    "inner",
+                    "eps",
+                    "channels",
+                    "act",
+                ],
+                std::mem::size_of::<ChannelBwdArgs>(),
             ),
             (
                 pbn,
@@ -1063,9 +1206,10 @@ mod tests {
                 "FastDiv" => 24,
                 "Geom" => 80,
                 "StatsArgs" => 160,
-                "ReduceArgs" => 192,
-                "ApplyFwdArgs" => 152,
-                "ApplyBwdArgs" => 104,
+                "ReduceArgs" => 200,
+                "ApplyFwdArgs" => 176,
+                "ApplyBwdArgs" => 128,
+                "ChannelBwdArgs" => 128,
                 "PGeom" => 96,
                 "PersistArgs" => 256,
                 _ => unreachable!(),
@@ -1077,16 +1221,36 @@ mod tests {
     #[test]
     fn every_kernel_name_is_in_its_file() {
         for dt in DType::ALL {
+            // The forward apply kernels come from NNF_BN_APPLY(T, S, <act>, ...).
+            for (f, a) in [
+                (Fuse::None, "none"),
+                (Fuse::Relu, "relu"),
+                (Fuse::AddRelu, "add_relu"),
+            ] {
+                let src = crate::kernels::BATCHNORM.source;
+                assert!(src.contains(&format!("NNF_BN_APPLY(T, S, {a}, ")), "{a}");
+                assert!(
+                    src.contains("bn_apply_fwd_##A##_##S(")
+                        && src.contains("bn_apply_fwd_##A##_last_##S(")
+                );
+                assert_eq!(
+                    name(K::ApplyFwd(f), dt),
+                    format!("bn_apply_fwd_{a}_{}", dt.name())
+                );
+                assert_eq!(
+                    name(K::ApplyFwdLast(f), dt),
+                    format!("bn_apply_fwd_{a}_last_{}", dt.name())
+                );
+            }
             for k in [
                 K::StatsCf,
                 K::StatsCl,
                 K::StatsFinalize,
                 K::ReduceCf,
                 K::ReduceCl,
-                K::ApplyFwd(Fuse::None),
-                K::ApplyFwd(Fuse::Relu),
-                K::ApplyFwd(Fuse::AddRelu),
                 K::ApplyBwd,
+                K::ApplyBwdLast,
+                K::ChannelBwd,
             ] {
                 let n = name(k, dt);
                 let stem = n.trim_end_matches(&format!("_{}", dt.name()));

@@ -35,7 +35,7 @@ use std::str::FromStr;
 
 use serde_json::{json, Value};
 
-use crate::batchnorm::own_launch::{persistent_structure, OwnShape};
+use crate::batchnorm::own_launch::{persistent_structure, OwnShape, VECTOR_BYTES};
 use crate::config::{BnImpl, BnModePolicy, Config};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -338,15 +338,20 @@ pub enum OwnVariant {
     Persistent,
     /// Inference: one elementwise pass with scale and shift folded from the running statistics.
     Elementwise,
+    /// Training backward with at most [`OWN_PER_CHANNEL_MAX_M`] values per channel: one block
+    /// per channel sums and writes dx in f64 in one kernel (dx cancels there; see
+    /// `docs/BATCHNORM.md`, "Accuracy").
+    PerChannel,
 }
 
 impl OwnVariant {
-    /// `two_pass` / `persistent` / `elementwise`.
+    /// `two_pass` / `persistent` / `elementwise` / `per_channel`.
     pub const fn name(self) -> &'static str {
         match self {
             OwnVariant::TwoPass => "two_pass",
             OwnVariant::Persistent => "persistent",
             OwnVariant::Elementwise => "elementwise",
+            OwnVariant::PerChannel => "per_channel",
         }
     }
 }
@@ -706,8 +711,12 @@ pub enum AutoCase {
     Inference,
     /// Training on `(N, C)`-like input: one position per channel and sample.
     TwoD,
-    /// Training on channels-first (NCHW-inferred) input.
+    /// Training on channels-first (NCHW-inferred) input whose runs (H·W elements) hold at least
+    /// one 16-byte vector: the own apply kernels' vector path.
     ChannelsFirst,
+    /// Training on channels-first input with runs shorter than a 16-byte vector (H·W < 8 in
+    /// 16-bit types, < 4 in f32): the own apply kernels' element path.
+    ChannelsFirstShortRuns,
     /// Training on channels-last input whose backward fits the persistent kernels.
     ChannelsLastOnChip,
     /// Training on channels-last input where cuDNN's fused BN+activation applies.
@@ -721,20 +730,32 @@ pub enum AutoCase {
 /// `auto` takes the own kernels for inference.
 pub const OWN_FOR_INFERENCE: bool = true;
 /// `auto` takes the own kernels for `(N, C)` training.
-pub const OWN_FOR_TWO_D: bool = true;
-/// `auto` takes the own kernels for channels-first training.
+pub const OWN_FOR_TWO_D: bool = false;
+/// `auto` takes the own kernels for channels-first training (runs of a 16-byte vector or more).
 pub const OWN_FOR_CHANNELS_FIRST: bool = true;
-/// `auto` takes the own (persistent) kernels for channels-last training that fits on chip.
-pub const OWN_FOR_CHANNELS_LAST_ON_CHIP: bool = true;
+/// `auto` takes the own kernels for channels-first training with runs shorter than a vector.
+pub const OWN_FOR_CHANNELS_FIRST_SHORT_RUNS: bool = false;
+/// `auto` takes the own kernels for channels-last training that fits on chip.
+pub const OWN_FOR_CHANNELS_LAST_ON_CHIP: bool = false;
 /// `auto` takes the own kernels for channels-last training that cuDNN fuses.
 pub const OWN_FOR_CHANNELS_LAST_FUSED: bool = false;
 /// `auto` takes the own kernels for channels-last training that cuDNN cannot fuse.
 pub const OWN_FOR_CHANNELS_LAST_UNFUSED: bool = true;
 /// `auto` takes the own kernels for channels-last plain BatchNorm training.
 pub const OWN_FOR_CHANNELS_LAST_PLAIN: bool = false;
-/// Under [`OwnVariantChoice::Auto`], the persistent variant is taken wherever it applies
-/// (expected faster: x is read once); `false` keeps the two-pass kernels everywhere.
-pub const PREFER_PERSISTENT: bool = true;
+/// Under [`OwnVariantChoice::Auto`], the persistent variant is taken wherever it applies;
+/// `false` keeps the two-pass kernels everywhere. Off: on the H100 the persistent kernels ran
+/// 0.73x–1.33x the two-pass kernels' speed (slower on channels-first f16;
+/// `docs/PERFORMANCE.md`).
+pub const PREFER_PERSISTENT: bool = false;
+/// Most values per channel (`M = N·H·W`) for which the own backward runs per channel in f64
+/// ([`OwnVariant::PerChannel`]) whatever variant was asked for. With few values per channel, dx
+/// is a small remainder of its terms (at M = 2 always a fraction eps/var of them), so f32
+/// rounding in the terms shows up amplified by var/eps; from a few dozen values on, random data
+/// leaves dx of the size of its terms and the f32 kernels stay within 1e-6 (the CPU emulation in
+/// `src/batchnorm/own_launch.rs` measures both). Tensors this small per channel are cheap either
+/// way.
+pub const OWN_PER_CHANNEL_MAX_M: u64 = 64;
 /// Bytes the persistent variant may keep on chip (x forward; x and dy' backward): the H100's
 /// 132 SMs with about 209 KiB of their 227 KiB of shared memory each for the tiles (the rest
 /// covers the tiling's rounding and the kernels' static shared memory). The launcher still checks
@@ -743,10 +764,11 @@ pub const OWN_PERSISTENT_MAX_BYTES: u64 = 27 << 20;
 
 impl AutoCase {
     /// The training cases in the table's order, then inference.
-    pub const ALL: [AutoCase; 7] = [
+    pub const ALL: [AutoCase; 8] = [
         AutoCase::Inference,
         AutoCase::TwoD,
         AutoCase::ChannelsFirst,
+        AutoCase::ChannelsFirstShortRuns,
         AutoCase::ChannelsLastOnChip,
         AutoCase::ChannelsLastFused,
         AutoCase::ChannelsLastUnfused,
@@ -759,6 +781,7 @@ impl AutoCase {
             AutoCase::Inference => OWN_FOR_INFERENCE,
             AutoCase::TwoD => OWN_FOR_TWO_D,
             AutoCase::ChannelsFirst => OWN_FOR_CHANNELS_FIRST,
+            AutoCase::ChannelsFirstShortRuns => OWN_FOR_CHANNELS_FIRST_SHORT_RUNS,
             AutoCase::ChannelsLastOnChip => OWN_FOR_CHANNELS_LAST_ON_CHIP,
             AutoCase::ChannelsLastFused => OWN_FOR_CHANNELS_LAST_FUSED,
             AutoCase::ChannelsLastUnfused => OWN_FOR_CHANNELS_LAST_UNFUSED,
@@ -772,6 +795,7 @@ impl AutoCase {
             AutoCase::Inference => "inference",
             AutoCase::TwoD => "two_d",
             AutoCase::ChannelsFirst => "channels_first",
+            AutoCase::ChannelsFirstShortRuns => "channels_first_short_runs",
             AutoCase::ChannelsLastOnChip => "channels_last_on_chip",
             AutoCase::ChannelsLastFused => "channels_last_fused",
             AutoCase::ChannelsLastUnfused => "channels_last_unfused",
@@ -779,45 +803,52 @@ impl AutoCase {
         }
     }
 
-    /// The case and the measurement behind its row.
+    /// The case and the measurement behind its row (H100 measurements in
+    /// `docs/PERFORMANCE.md`, section "nnfuse's own BatchNorm kernels").
     pub const fn evidence(self) -> &'static str {
         match self {
             AutoCase::Inference => {
                 "inference: the own kernel makes one pass (x, the addend, y) with scale and \
                  shift folded from the running statistics, where cuDNN runs its BatchNorm and \
-                 then the activation as a second pass (cuDNN + ReLU 267–316 µs at 64x256x56x56, \
-                 1.2–1.3 TB/s of a 3.0 TB/s copy; docs/PERFORMANCE.md)"
+                 then the activation as a second pass: own 1.7–2.3x faster at 64x256x56x56 \
+                 (77–91% of copy; docs/PERFORMANCE.md)"
             }
             AutoCase::TwoD => {
-                "(N, C) training: cuDNN's fastest path (Ex, SPATIAL_PERSISTENT) took 95 + 120 µs \
-                 at 65536x256 f32, 47–55% of the memory floor, where the own kernels stream \
-                 each pass at copy bandwidth (docs/PERFORMANCE.md)"
+                "(N, C) training: cuDNN's Ex SPATIAL_PERSISTENT path took 94 + 120 µs at \
+                 65536x256 f32 against the own two-pass kernels' 100 + 143 µs, which read x \
+                 (and dy) twice (docs/PERFORMANCE.md)"
             }
             AutoCase::ChannelsFirst => {
                 "channels-first training: cuDNN's SPATIAL kernels run at 9–17% of the memory \
-                 floor (f32 16x32x112x112: 134 + 321 µs, as PyTorch) and SPATIAL_PERSISTENT \
-                 carries cuDNN's accuracy caveat; the own kernels stream each pass at copy \
-                 bandwidth with Welford statistics and read the ReLU mask inside the backward \
-                 reduction (docs/PERFORMANCE.md)"
+                 floor at large H·W and SPATIAL_PERSISTENT carries cuDNN's accuracy caveat; the \
+                 own kernels stream each pass with 16-byte vectors and read the ReLU mask inside \
+                 the backward reduction: 4.3–5.7x faster at H·W = 12544, 1.1–1.7x at 3136 to \
+                 196 in f32 (docs/PERFORMANCE.md)"
+            }
+            AutoCase::ChannelsFirstShortRuns => {
+                "channels-first training with runs shorter than a 16-byte vector: the own \
+                 elementwise kernels take their element path there (15–26% of copy measured on \
+                 that path), where cuDNN's SPATIAL kernels keep whole channels per block \
+                 (docs/PERFORMANCE.md)"
             }
             AutoCase::ChannelsLastOnChip => {
-                "channels-last training small enough to stay on chip: the persistent kernels \
-                 read x (and dy) from memory once, where cuDNN's fused Ex path reached 33% of \
-                 the floor at f16 16x112x112x32 (31.6 + 34.3 µs; docs/PERFORMANCE.md)"
+                "channels-last training small enough to stay on chip: cuDNN's fused Ex path took \
+                 31.6 + 34.4 µs at f16 16x112x112x32, the own persistent kernels 33.2 + 40.7 µs \
+                 and the own two-pass kernels 39.1 + 47.4 µs (docs/PERFORMANCE.md)"
             }
             AutoCase::ChannelsLastFused => {
-                "channels-last training that cuDNN fuses: its semi-persistent NHWC kernels \
-                 (f16 64x112x112x64 BN+ReLU 118 + 180 µs; docs/PERFORMANCE.md) against the own \
-                 two-pass kernels, which read x twice"
+                "channels-last training that cuDNN fuses: its semi-persistent NHWC kernels read \
+                 x once; the own two-pass kernels, which read x twice, ran at 0.63–0.84x of its \
+                 speed (f16 64x112x112x64 BN+ReLU cuDNN 116 + 178 µs; docs/PERFORMANCE.md)"
             }
             AutoCase::ChannelsLastUnfused => {
                 "channels-last training that cuDNN cannot fuse: cuDNN BatchNorm plus the \
-                 bitmask pass moves one pass more than the own kernels (docs/PERFORMANCE.md)"
+                 bitmask pass moves one pass more than the own kernels, whose channels-last \
+                 vector path takes any channel count (docs/PERFORMANCE.md)"
             }
             AutoCase::ChannelsLastPlain => {
                 "channels-last plain BatchNorm training: cuDNN's Ex SPATIAL_PERSISTENT NHWC \
-                 kernels against the own two-pass kernels, which read x twice \
-                 (docs/PERFORMANCE.md)"
+                 kernels read x once, the own two-pass kernels twice (docs/PERFORMANCE.md)"
             }
         }
     }
@@ -861,7 +892,11 @@ pub fn auto_case(
     if phase == Phase::Inference {
         AutoCase::Inference
     } else if layout.format == TensorFormat::Nchw {
-        AutoCase::ChannelsFirst
+        if (layout.h as u64) * (layout.w as u64) * (dtype.size() as u64) < VECTOR_BYTES {
+            AutoCase::ChannelsFirstShortRuns
+        } else {
+            AutoCase::ChannelsFirst
+        }
     } else if layout.h * layout.w == 1 {
         AutoCase::TwoD
     } else if persistent_applies(layout, dtype, 2).is_ok() {
@@ -932,6 +967,18 @@ fn own_variant_for(
     choice: OwnVariantChoice,
 ) -> (OwnVariant, String) {
     let dir = if tiles == 1 { "forward" } else { "backward" };
+    let m = layout.per_channel() as u64;
+    if tiles == 2 && m <= OWN_PER_CHANNEL_MAX_M {
+        return (
+            OwnVariant::PerChannel,
+            format!(
+                "own backward: per-channel f64 — {m} values per channel (at most \
+                 OWN_PER_CHANNEL_MAX_M = {OWN_PER_CHANNEL_MAX_M}): dx is a small remainder of \
+                 its terms there (at M = 2 a fraction eps/var of them), so one block per channel \
+                 sums and writes dx in f64 in one kernel (docs/BATCHNORM.md)"
+            ),
+        );
+    }
     let structure = persistent_structure(&OwnShape::from_layout(layout), dtype.size() as u64);
     match choice {
         OwnVariantChoice::TwoPass => (
@@ -954,7 +1001,10 @@ fn own_variant_for(
         },
         OwnVariantChoice::Auto if !PREFER_PERSISTENT => (
             OwnVariant::TwoPass,
-            format!("own {dir}: two-pass (PREFER_PERSISTENT is off)"),
+            format!(
+                "own {dir}: two-pass — PREFER_PERSISTENT is off: the persistent kernels ran \
+                 0.73x–1.33x the two-pass kernels' speed on the H100 (docs/PERFORMANCE.md)"
+            ),
         ),
         OwnVariantChoice::Auto => match persistent_applies(layout, dtype, tiles) {
             Ok(bytes) => (
@@ -1291,13 +1341,18 @@ mod tests {
 
     #[test]
     fn display_is_a_readable_summary() {
-        let c = Config::default();
+        let c = Config::default().with_bn_impl(BnImpl::Own);
         let s = plan(&req(&[16, 32, 112, 112], 1, &c)).unwrap().to_string();
-        assert!(s.starts_with("BatchNorm plan: training f16 BN+Add+ReLU, policy auto, impl auto"));
+        assert!(s.starts_with("BatchNorm plan: training f16 BN+Add+ReLU, policy auto, impl own"));
         assert!(s.contains("mode   : CUDNN_BATCHNORM_SPATIAL\n"), "{s}");
         assert!(s.contains("path   : own"), "{s}");
+        let v = if PREFER_PERSISTENT {
+            "persistent"
+        } else {
+            "two_pass"
+        };
         assert!(
-            s.contains("own    : forward persistent, backward persistent"),
+            s.contains(&format!("own    : forward {v}, backward {v}")),
             "{s}"
         );
         assert!(s.contains("refused: not_nhwc, not_persistent"), "{s}");
