@@ -779,7 +779,9 @@ __device__ __forceinline__ void cl_tree_sums(float (&s1)[V], float (&s2)[V], u32
 // mean as hi + lo (hi = the f32 mean, lo the rest, from an f64 sum), the saved mean (hi), its lo
 // part, the inverse std, the running statistics (PyTorch's momentum convention, the unbiased
 // variance in running_var). One thread per channel; returns the inverse std.
-__device__ __forceinline__ float finish_stats(u64 ch, const Wf& t, float shift, float eps,
+// Variance, inverse std and (persistent) gamma * inv_std in f64: once per channel, and each f32
+// rounding there would move every y of the channel (the accuracy test compares with cuDNN's).
+__device__ __forceinline__ double finish_stats(u64 ch, const Wf& t, float shift, float eps,
                                               float momentum, float unbias, float* saved_mean,
                                               float* saved_mean_lo, float* saved_invstd,
                                               float* running_mean, float* running_var, float& hi,
@@ -787,14 +789,15 @@ __device__ __forceinline__ float finish_stats(u64 ch, const Wf& t, float shift, 
     const double mean = (double)shift + (double)t.m;
     hi = (float)mean;
     lo = (float)(mean - (double)hi);
-    const float var = t.m2 / t.n;  // biased (shift-invariant); t.n = M > 1
-    const float inv = 1.0f / sqrtf(var + eps);
+    const double var = (double)t.m2 / (double)t.n;  // biased (shift-invariant); t.n = M > 1
+    const double inv = 1.0 / sqrt(var + (double)eps);
     saved_mean[ch] = hi;
     saved_mean_lo[ch] = lo;
-    saved_invstd[ch] = inv;
+    saved_invstd[ch] = (float)inv;
     const float rm = running_mean[ch], rv = running_var[ch];
     running_mean[ch] = (1.0f - momentum) * rm + momentum * hi;
-    running_var[ch] = (1.0f - momentum) * rv + momentum * (var * unbias);
+    running_var[ch] = (float)((1.0 - (double)momentum) * (double)rv +
+                              (double)momentum * (var * (double)unbias));
     return inv;
 }
 

@@ -141,11 +141,11 @@ template <typename T> __device__ __forceinline__ void pfinish_channel(const Pers
                                                                      const Wf& t) {
     const u64 C = a.geom.channels;
     float hi, lo;
-    const float inv = finish_stats(ch, t, ppivot<T>(a, ch), a.eps, a.momentum, a.unbias, a.mean,
+    const double inv = finish_stats(ch, t, ppivot<T>(a, ch), a.eps, a.momentum, a.unbias, a.mean,
                                    a.mean_lo, a.invstd, a.running_mean, a.running_var, hi, lo);
     a.coef[ch] = hi;
     a.coef[C + ch] = lo;
-    a.coef[2 * C + ch] = a.gamma[ch] * inv;
+    a.coef[2 * C + ch] = (float)((double)a.gamma[ch] * inv);
 }
 
 // The vector width geom.vec (geom.ipr = hw / vec) is 16 bytes, 8 bytes or one element.
