@@ -93,21 +93,33 @@ fn compare(case: &str, got: &[f64], want: &[f64], tol: f64, at: impl Fn(usize) -
 /// (see [`tiny_scale`]).
 const TINY_OUTPUT: usize = 16;
 
-/// ‖conv(|x|, |w|)‖₂ for an output of fewer than [`TINY_OUTPUT`] elements, else 0. Winograd's
-/// rounding error per element is a multiple of Σ|x||w| (the transforms are fixed linear maps),
-/// not of |Σxw|; over many elements the relative L2 error averages that out, but an output of
-/// one or two elements can cancel to far below its terms (one 3x3 tap of one channel: the
-/// transformed tile is ~3x larger than the product), so there the error is measured against
-/// the terms' size, the standard forward bound of a sum.
-fn tiny_scale(len: usize, abs_conv: impl FnOnce() -> Vec<f64>) -> f64 {
+/// The error scale of an output of fewer than [`TINY_OUTPUT`] elements, else 0. Winograd rounds
+/// the transformed tile of the input (padding included) and the transformed filter (all nine
+/// taps), so its error per output element is a multiple of max|x| · Σ|w over one output
+/// channel's taps|, whatever the output itself is. Over many elements the relative L2 error
+/// averages that out; an output of one or two elements can be far smaller than its scale (one
+/// 3x3 tap of one channel at a 1x1 image: the other eight taps meet padding), so there the
+/// error is measured against that scale: √len · max|x| · `tap_sum`.
+fn tiny_scale(len: usize, x: &[f64], tap_sum: f64) -> f64 {
     if len >= TINY_OUTPUT {
         return 0.0;
     }
-    abs_conv().iter().map(|v| v * v).sum::<f64>().sqrt()
+    let max_x = x.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+    (len as f64).sqrt() * max_x * tap_sum
 }
 
-fn abs(v: &[f64]) -> Vec<f64> {
-    v.iter().map(|x| x.abs()).collect()
+/// max over output channels k of Σ|w[k][r][s][c]| (KRSC filter, `c_in` input channels).
+fn tap_sum_forward(w: &[f64], c_in: usize) -> f64 {
+    w.chunks(9 * c_in)
+        .map(|k| k.iter().map(|v| v.abs()).sum::<f64>())
+        .fold(0.0, f64::max)
+}
+
+/// max over input channels c of Σ|w[k][r][s][c]|: the output channels of the data gradient.
+fn tap_sum_backward_data(w: &[f64], c_in: usize) -> f64 {
+    (0..c_in)
+        .map(|c| w.iter().skip(c).step_by(c_in).map(|v| v.abs()).sum::<f64>())
+        .fold(0.0, f64::max)
 }
 
 /// [`compare`] with the error measured as ‖got − want‖₂ / max(‖want‖₂, `scale`).
@@ -370,7 +382,7 @@ fn forward_case<T: Element>(
 ) {
     let (dx, dw) = (up::<T>(ctx, x), up::<T>(ctx, w));
     let (oh, ow) = s.out_hw().unwrap();
-    let scale = tiny_scale(want.len(), || conv_ref(s, &abs(x), &abs(w)));
+    let scale = tiny_scale(want.len(), x, tap_sum_forward(w, s.c_in));
     for tile in WinogradTile::ALL {
         for engine in engines_for(s, T::DTYPE) {
             let got = run_forward(ctx, s, tile, engine, &dx, &dw, false);
@@ -559,9 +571,7 @@ fn backward_case<T: Element>(
     let st = ctx.stream();
     let (ddy, dw) = (up::<T>(ctx, dy), up::<T>(ctx, w));
     let eq = crate::reference::winograd::backward_data_problem(s).unwrap();
-    let scale = tiny_scale(want.len(), || {
-        rw::conv2d_backward_data_adjoint(s, &abs(dy), &abs(w)).unwrap()
-    });
+    let scale = tiny_scale(want.len(), dy, tap_sum_backward_data(w, s.c_in));
     for tile in WinogradTile::ALL {
         for engine in engines_for(&eq, T::DTYPE) {
             for prepared in [false, true] {
