@@ -385,7 +385,11 @@ fn search_report_and_every_candidate_is_correct() {
     }
     // The 200 ms target is measured by benches/gemm.rs on an idle GPU; other tests may share
     // the GPU here, so this only catches a runaway search.
-    assert!(r.wall_ms < 2000.0, "search took {:.0} ms", r.wall_ms);
+    assert!(
+        r.wall_ms < 2000.0 || under_sanitizer(),
+        "search took {:.0} ms",
+        r.wall_ms
+    );
     // The stored choice is what the report says, and what the next call finds.
     let key = gemm::Key::new(ctx.info().ordinal as u32, &p, DType::F16, Alignment::MAX).unwrap();
     let cached = gemm::lookup(&key).unwrap();
@@ -857,7 +861,11 @@ fn search_scratch_is_kept_between_searches() {
     ] {
         let r = gemm::search(&ctx, &p, dt, align).unwrap();
         assert_eq!(r.allocated_bytes, 0, "{dt} {p:?}");
-        assert!(r.phases.alloc_ms < 5.0, "{:?}", r.phases);
+        assert!(
+            r.phases.alloc_ms < 5.0 || under_sanitizer(),
+            "{:?}",
+            r.phases
+        );
         if dt == DType::F16 {
             // The handle's first query for this kind of problem was made by the first search.
             assert_eq!(r.setup_first_query_ms, 0.0);

@@ -98,3 +98,9 @@ pub fn nnfuse_binary() -> std::path::PathBuf {
         )
     })
 }
+
+/// Whether the test runs under `scripts/sanitize` (compute-sanitizer slows every call 10-100x):
+/// bounds on host wall time are skipped there, nothing else.
+pub fn under_sanitizer() -> bool {
+    std::env::var("NNFUSE_UNDER_SANITIZER").is_ok_and(|v| v == "1")
+}
