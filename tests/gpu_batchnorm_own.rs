@@ -313,15 +313,7 @@ fn check<T: Element>(
         }
         (m, _) => panic!("{what}: mask {:?} for {fuse:?}", m.as_ref().map(Vec::len)),
     }
-    let act_bwd = match fuse {
-        Fuse::None => ActivationBackward::None,
-        Fuse::Relu => ActivationBackward::Relu { mask: &gpu_mask },
-        Fuse::AddRelu => ActivationBackward::AddRelu { mask: &gpu_mask },
-    };
-    let x = f64s(&inp.x);
-    let dy = f64s(&inp.dy);
-    let g = f64s(&inp.gamma);
-    let gr = rb::backward(sh, &x, &dy, &g, &f.saved_mean, &f.saved_inv_std, act_bwd);
+    let gr = backward_ref(sh, fuse, inp, rf, &gpu_mask);
     assert_close(&w("dx"), &out.dx, &gr.dx, tol);
     assert_close(&w("dgamma"), &out.dgamma, &gr.dgamma, tol.max(1e-5));
     assert_close(&w("dbeta"), &out.dbeta, &gr.dbeta, tol.max(1e-5));
@@ -339,6 +331,24 @@ fn check<T: Element>(
     }
 }
 
+/// The f64 backward on `inp` about the reference's saved statistics, with ReLU mask `mask`.
+fn backward_ref<T: Element>(
+    sh: &BnShape,
+    fuse: Fuse,
+    inp: &Inputs<T>,
+    rf: &Reference,
+    mask: &[u32],
+) -> rb::BnGrads {
+    let act_bwd = match fuse {
+        Fuse::None => ActivationBackward::None,
+        Fuse::Relu => ActivationBackward::Relu { mask },
+        Fuse::AddRelu => ActivationBackward::AddRelu { mask },
+    };
+    let (x, dy, g) = (f64s(&inp.x), f64s(&inp.dy), f64s(&inp.gamma));
+    let f = &rf.fwd;
+    rb::backward(sh, &x, &dy, &g, &f.saved_mean, &f.saved_inv_std, act_bwd)
+}
+
 /// dx's relative L2 error against the f64 backward (with the mask of `out`'s own y), for a
 /// path that `check` does not cover (cuDNN's).
 fn dx_error<T: Element>(
@@ -348,15 +358,7 @@ fn dx_error<T: Element>(
     rf: &Reference,
     out: &Outputs,
 ) -> f64 {
-    let mask = relu_mask_fwd(&out.y).1;
-    let act_bwd = match fuse {
-        Fuse::None => ActivationBackward::None,
-        Fuse::Relu => ActivationBackward::Relu { mask: &mask },
-        Fuse::AddRelu => ActivationBackward::AddRelu { mask: &mask },
-    };
-    let (x, dy, g) = (f64s(&inp.x), f64s(&inp.dy), f64s(&inp.gamma));
-    let f = &rf.fwd;
-    let gr = rb::backward(sh, &x, &dy, &g, &f.saved_mean, &f.saved_inv_std, act_bwd);
+    let gr = backward_ref(sh, fuse, inp, rf, &relu_mask_fwd(&out.y).1);
     rel_l2(&out.dx, &gr.dx)
 }
 
@@ -714,19 +716,10 @@ fn accuracy_beats_cudnn_spatial_on_hard_inputs() {
             let cu = run_gpu(&spatial, shape, axis, r, &inp);
             let bn = BatchNorm::<f32>::new(&spatial, shape, axis, Fuse::None).unwrap();
             assert_eq!(bn.plan().mode, nnfuse::batchnorm::BnMode::Spatial);
-            let cu_e = (rel_l2(&cu.y, &rf.fwd.y), {
-                let x = f64s(&inp.x);
-                let gr = rb::backward(
-                    &sh,
-                    &x,
-                    &f64s(&inp.dy),
-                    &f64s(&inp.gamma),
-                    &rf.fwd.saved_mean,
-                    &rf.fwd.saved_inv_std,
-                    ActivationBackward::None,
-                );
-                rel_l2(&cu.dx, &gr.dx)
-            });
+            let cu_e = (
+                rel_l2(&cu.y, &rf.fwd.y),
+                dx_error(&sh, Fuse::None, &inp, &rf, &cu),
+            );
             for variant in [OwnVariantChoice::TwoPass, OwnVariantChoice::Persistent] {
                 let out = run_gpu(&own, shape, axis, Run { variant, ..r }, &inp);
                 let what = format!("{data:?} f32 {shape:?} {variant:?}");
