@@ -62,7 +62,7 @@ struct Geom {
 
 struct StatsArgs {
     const void* x;
-    float* part;      // [3][C][P]: count, mean, M2
+    double* part;     // [3][C][P]: count, mean, M2 (f64: see Welford in batchnorm_common.cuh)
     u32* counters;    // channels-first: one per channel, zero between launches
     float* saved_mean;
     float* saved_mean_lo;  // the mean's remainder: mean = saved_mean + saved_mean_lo
@@ -72,8 +72,6 @@ struct StatsArgs {
     Geom g;
     float eps;
     float momentum;
-    float unbias;  // M / (M - 1)
-    float pad;
 };
 
 // A channel's pivot: its first element (o = 0, i = 0 channels-first; row 0 channels-last).
@@ -99,7 +97,7 @@ template <typename T, int V> __device__ __forceinline__ Wf stats_cf(const StatsA
 
 // Writes the block's partial; the channel's last block combines all P and finishes the channel.
 template <typename T>
-__device__ __forceinline__ void stats_cf_finish(const StatsArgs& a, const Wf& w, float* sh) {
+__device__ __forceinline__ void stats_cf_finish(const StatsArgs& a, const Wf& w, double* sh) {
     const u64 P = a.g.parts, C = a.g.channels;
     const u64 ch = blockIdx.x / P, p = blockIdx.x - ch * P;
     const u64 cp = C * P;
@@ -112,13 +110,13 @@ __device__ __forceinline__ void stats_cf_finish(const StatsArgs& a, const Wf& w,
         const Wf t = combine_wf<THREADS>(a.part, cp, ch * P, P, sh);
         if (threadIdx.x == 0) {
             float hi, lo;
-            finish_stats(ch, t, pivot<T>(a.x, a.g, ch), a.eps, a.momentum, a.unbias, a.saved_mean,
+            finish_stats(ch, t, pivot<T>(a.x, a.g, ch), a.eps, a.momentum, a.saved_mean,
                          a.saved_mean_lo, a.saved_invstd, a.running_mean, a.running_var, hi, lo);
         }
     }
 }
 
-template <typename T, int V> __device__ __forceinline__ void stats_cl(const StatsArgs& a, float* red) {
+template <typename T, int V> __device__ __forceinline__ void stats_cl(const StatsArgs& a, double* red) {
     const u32 S = a.g.slabs, cvs = a.g.cvs, rb = a.g.rb;
     const u64 C = a.g.channels, P = a.g.parts;
     const u32 s = blockIdx.x % S;
@@ -135,7 +133,7 @@ template <typename T, int V> __device__ __forceinline__ void stats_cl(const Stat
         for (int j = 0; j < V; ++j) shift[j] = pivot<T>(a.x, a.g, cv * V + j);
         cl_stats_rows<T, V>((const T*)a.x, C, cv, r0 + ro, r1, rb, shift, acc, nullptr, 0);
     }
-    cl_tree_wf<V, THREADS>(acc, ro, rb, cvs, active, red);
+    cl_tree_wf<V, THREADS, max_vec<T>()>(acc, ro, rb, cvs, active, red);
     if (active && ro == 0) {
         const u64 cp = C * P;
 #pragma unroll
@@ -150,12 +148,12 @@ template <typename T, int V> __device__ __forceinline__ void stats_cl(const Stat
 
 // One block per channel: combine the channel's P partials, finish the channel.
 template <typename T> __device__ __forceinline__ void stats_finalize(const StatsArgs& a) {
-    __shared__ float sh[96];
+    __shared__ double sh[96];
     const u64 P = a.g.parts, ch = blockIdx.x;
     const Wf t = combine_wf<THREADS>(a.part, (u64)a.g.channels * P, ch * P, P, sh);
     if (threadIdx.x == 0) {
         float hi, lo;
-        finish_stats(ch, t, pivot<T>(a.x, a.g, ch), a.eps, a.momentum, a.unbias, a.saved_mean,
+        finish_stats(ch, t, pivot<T>(a.x, a.g, ch), a.eps, a.momentum, a.saved_mean,
                      a.saved_mean_lo, a.saved_invstd, a.running_mean, a.running_var, hi, lo);
     }
 }
@@ -997,14 +995,14 @@ template <typename T> __device__ __forceinline__ void channel_bwd(const ChannelB
         FN<T, 1>(__VA_ARGS__);
 
 template <typename T> __device__ __forceinline__ void stats_cf_any(const StatsArgs& a) {
-    __shared__ float sh[96];
+    __shared__ double sh[96];
     Wf w = wf_zero();
     NNF_VEC_DISPATCH(w = stats_cf, a)
     w = wf_block<THREADS>(w, sh);
     stats_cf_finish<T>(a, w, sh);
 }
 template <typename T> __device__ __forceinline__ void stats_cl_any(const StatsArgs& a) {
-    __shared__ float red[THREADS * (1 + 2 * max_vec<T>())];
+    __shared__ double red[cl_tree_doubles<max_vec<T>(), THREADS>()];
     NNF_VEC_DISPATCH(stats_cl, a, red)
 }
 template <typename T> __device__ __forceinline__ void reduce_cf_any(const ReduceArgs& a) {

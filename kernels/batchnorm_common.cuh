@@ -284,56 +284,63 @@ template <int N> __device__ __forceinline__ u32 chunk_word(u32 bits) {
 }
 
 // --- Welford / Chan --------------------------------------------------------------------------
+// A group of K values (a thread's loads of one iteration) is reduced in f32 (its own mean and
+// M2, two passes over registers: few terms, little rounding); every combination of states, from
+// the first group merge to the last partial, runs in f64. In f32 those combinations were the
+// error: each of the hundreds of merges and tree levels rounded M2 again, leaving the variance
+// ~1.5e-7 off on inputs spanning 1e-3..1e3 (the H100 measured y up to 1.9x cuDNN's error).
 
 struct Wf {
-    float n, m, m2;  // count, mean, sum of squared deviations
+    double n, m, m2;  // count, mean, sum of squared deviations
 };
 
 __device__ __forceinline__ Wf wf_zero() {
     Wf w;
-    w.n = 0.0f;
-    w.m = 0.0f;
-    w.m2 = 0.0f;
+    w.n = 0.0;
+    w.m = 0.0;
+    w.m2 = 0.0;
     return w;
 }
 
 // Chan's combination of (nb, mb, m2b) into a. An empty side leaves the other unchanged.
-__device__ __forceinline__ void wf_merge(Wf& a, float nb, float mb, float m2b) {
-    if (nb == 0.0f) return;
-    if (a.n == 0.0f) {
+__device__ __forceinline__ void wf_merge(Wf& a, double nb, double mb, double m2b) {
+    if (nb == 0.0) return;
+    if (a.n == 0.0) {
         a.n = nb;
         a.m = mb;
         a.m2 = m2b;
         return;
     }
-    const float n = a.n + nb;
-    const float r = nb / n;
-    const float d = mb - a.m;
-    a.m = fmaf(d, r, a.m);
+    const double n = a.n + nb;
+    const double r = nb / n;
+    const double d = mb - a.m;
+    a.m = fma(d, r, a.m);
     a.m2 = a.m2 + m2b + d * d * a.n * r;
     a.n = n;
 }
 
 // V channels that always see the same number of values (one count).
 template <int V> struct WfV {
-    float n;
-    float m[V];
-    float m2[V];
+    double n;
+    double m[V];
+    double m2[V];
 };
 
 template <int V> __device__ __forceinline__ WfV<V> wfv_zero() {
     WfV<V> a;
-    a.n = 0.0f;
+    a.n = 0.0;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-        a.m[j] = 0.0f;
-        a.m2[j] = 0.0f;
+        a.m[j] = 0.0;
+        a.m2[j] = 0.0;
     }
     return a;
 }
 
 // Merges K new values of each channel, v[k*V + j] = value k of channel j: the group's own mean
-// and M2 (two passes over registers), then Chan's combination: one division per group.
+// and M2 in f32 (two passes over registers), then Chan's combination in f64. The weight K/n is
+// an f32 quotient (one per group, shared by the V channels): its rounding moves the mean by
+// ~6e-8 of one group's deviation, which averages out over the groups.
 template <int V, int K> __device__ __forceinline__ void wfv_group(WfV<V>& a, const float* v) {
     float lm[V], q[V];
 #pragma unroll
@@ -350,31 +357,33 @@ template <int V, int K> __device__ __forceinline__ void wfv_group(WfV<V>& a, con
         }
         q[j] = qq;
     }
-    if (a.n == 0.0f) {
-        a.n = (float)K;
+    if (a.n == 0.0) {
+        a.n = (double)K;
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-            a.m[j] = lm[j];
-            a.m2[j] = q[j];
+            a.m[j] = (double)lm[j];
+            a.m2[j] = (double)q[j];
         }
         return;
     }
-    const float n = a.n + (float)K;
-    const float r = (float)K / n;
+    const double n = a.n + (double)K;
+    const double r = (double)((float)K / (float)n);
+    const double na_r = a.n * r;  // a.n * K / n
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-        const float d = lm[j] - a.m[j];
-        a.m[j] = fmaf(d, r, a.m[j]);
-        a.m2[j] = a.m2[j] + q[j] + d * d * a.n * r;
+        const double d = (double)lm[j] - a.m[j];
+        a.m[j] = fma(d, r, a.m[j]);
+        a.m2[j] = fma(d * d, na_r, a.m2[j] + (double)q[j]);
     }
     a.n = n;
 }
 
 // Chan's combination of another V-channel state (count nb) into a.
 template <int V>
-__device__ __forceinline__ void wfv_merge(WfV<V>& a, float nb, const float* mb, const float* m2b) {
-    if (nb == 0.0f) return;
-    if (a.n == 0.0f) {
+__device__ __forceinline__ void wfv_merge(WfV<V>& a, double nb, const double* mb,
+                                          const double* m2b) {
+    if (nb == 0.0) return;
+    if (a.n == 0.0) {
         a.n = nb;
 #pragma unroll
         for (int j = 0; j < V; ++j) {
@@ -383,12 +392,12 @@ __device__ __forceinline__ void wfv_merge(WfV<V>& a, float nb, const float* mb, 
         }
         return;
     }
-    const float n = a.n + nb;
-    const float r = nb / n;
+    const double n = a.n + nb;
+    const double r = nb / n;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-        const float d = mb[j] - a.m[j];
-        a.m[j] = fmaf(d, r, a.m[j]);
+        const double d = mb[j] - a.m[j];
+        a.m[j] = fma(d, r, a.m[j]);
         a.m2[j] = a.m2[j] + m2b[j] + d * d * a.n * r;
     }
     a.n = n;
@@ -397,16 +406,16 @@ __device__ __forceinline__ void wfv_merge(WfV<V>& a, float nb, const float* mb, 
 __device__ __forceinline__ void wf_warp(Wf& a) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
-        const float nb = __shfl_xor_sync(NNF_FULL_WARP, a.n, o);
-        const float mb = __shfl_xor_sync(NNF_FULL_WARP, a.m, o);
-        const float qb = __shfl_xor_sync(NNF_FULL_WARP, a.m2, o);
+        const double nb = __shfl_xor_sync(NNF_FULL_WARP, a.n, o);
+        const double mb = __shfl_xor_sync(NNF_FULL_WARP, a.m, o);
+        const double qb = __shfl_xor_sync(NNF_FULL_WARP, a.m2, o);
         wf_merge(a, nb, mb, qb);
     }
 }
 
 // Block-wide combination in a fixed tree (lanes, then warps); the result is valid in thread 0.
-// `sh`: 96 floats of shared memory. Every thread of the block calls; ends synchronised.
-template <int NT> __device__ __forceinline__ Wf wf_block(Wf a, float* sh) {
+// `sh`: 96 doubles of shared memory. Every thread of the block calls; ends synchronised.
+template <int NT> __device__ __forceinline__ Wf wf_block(Wf a, double* sh) {
     static_assert(NT % 32 == 0 && NT <= 1024, "whole warps");
     wf_warp(a);
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
@@ -456,14 +465,14 @@ template <int NT> __device__ __forceinline__ void sum2_block(float& a, float& b,
 
 // --- partial results -------------------------------------------------------------------------
 // Partials of channel ch, part p live at part[k*C*P + ch*P + p] for field k (statistics: count,
-// mean, M2; backward: Σdy', Σdy'(x - mean)): a channel's partials are contiguous, so the combine
-// reads them coalesced.
+// mean, M2 as doubles; backward: Σdy', Σdy'(x - mean) as floats): a channel's partials are
+// contiguous, so the combine reads them coalesced.
 
 // Combines the P Welford partials of one channel (base = ch*P) with the whole block: thread t
 // takes p = t, t + NT, ... in order, then the block tree. Valid in thread 0. The partials may have
 // been written by other blocks of this launch (read through L2, never a stale L1 line).
 template <int NT>
-__device__ __forceinline__ Wf combine_wf(const float* part, u64 cp, u64 base, u64 P, float* sh) {
+__device__ __forceinline__ Wf combine_wf(const double* part, u64 cp, u64 base, u64 P, double* sh) {
     Wf acc = wf_zero();
     for (u64 q = threadIdx.x; q < P; q += NT)
         wf_merge(acc, __ldcg(part + base + q), __ldcg(part + cp + base + q),
@@ -699,45 +708,66 @@ __device__ __forceinline__ void cl_reduce_rows(const T* __restrict__ x, const T*
     }
 }
 
+// Doubles of the channels-last tree buffer (`red`) for at most VMAX channels per thread: the
+// float buffer of an f32 tree (NT*(1 + 2*VMAX) floats), so the f64 tree costs no shared memory
+// (the persistent kernels' tiles keep theirs).
+template <int VMAX, int NT> constexpr int cl_tree_doubles() { return NT * (1 + 2 * VMAX) / 2; }
+
 // The threads of a block that share a channel vector (same cvl, ro = 0 .. rb-1) combine their
 // states in a fixed tree over ro; the result ends in the thread with ro == 0. `red` holds
-// NT*(1 + 2V) floats. Every thread of the block calls (inactive ones contribute nothing).
-template <int V, int NT>
+// cl_tree_doubles<VMAX, NT>(): the counts (as u32) and CH = min(V, VMAX/2) channels' means and
+// M2 at a time, so V channels take V/CH rounds. Every thread of the block calls (inactive ones
+// contribute nothing).
+template <int V, int NT, int VMAX>
 __device__ __forceinline__ void cl_tree_wf(WfV<V>& acc, u32 ro, u32 rb, u32 cvs, bool active,
-                                           float* red) {
+                                           double* red) {
+    constexpr int CH = V < VMAX / 2 ? V : VMAX / 2;
+    static_assert(CH >= 1 && V % CH == 0, "whole rounds");
+    static_assert(NT / 2 + 2 * CH * NT <= cl_tree_doubles<VMAX, NT>(), "fits the buffer");
     const u32 t = threadIdx.x;
-    float* rn = red;
-    float* rm = red + NT;
-    float* rq = red + NT + NT * V;
-    if (active) {
-        rn[t] = acc.n;
+    u32* rn = reinterpret_cast<u32*>(red);  // NT counts (a thread's count fits u32)
+    double* rm = red + NT / 2;
+    double* rq = rm + NT * CH;
+    u32 hmax = 1;
+    while (hmax < rb) hmax <<= 1;
+    const double n0 = acc.n;
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
-            rm[t * V + j] = acc.m[j];
-            rq[t * V + j] = acc.m2[j];
+    for (int c0 = 0; c0 < V; c0 += CH) {
+        WfV<CH> s;
+        s.n = n0;
+#pragma unroll
+        for (int j = 0; j < CH; ++j) {
+            s.m[j] = acc.m[c0 + j];
+            s.m2[j] = acc.m2[c0 + j];
         }
-    }
-    __syncthreads();
-    u32 h = 1;
-    while (h < rb) h <<= 1;
-    for (h >>= 1; h >= 1; h >>= 1) {  // pairs (ro, ro + h): a partner never writes in its step
-        if (active && ro < h && ro + h < rb) {
-            const u32 o = t + h * cvs;
-            float mb[V], qb[V];
+        if (active) {
+            rn[t] = (u32)n0;
 #pragma unroll
-            for (int j = 0; j < V; ++j) {
-                mb[j] = rm[o * V + j];
-                qb[j] = rq[o * V + j];
-            }
-            wfv_merge<V>(acc, rn[o], mb, qb);
-            rn[t] = acc.n;
-#pragma unroll
-            for (int j = 0; j < V; ++j) {
-                rm[t * V + j] = acc.m[j];
-                rq[t * V + j] = acc.m2[j];
+            for (int j = 0; j < CH; ++j) {
+                rm[t * CH + j] = s.m[j];
+                rq[t * CH + j] = s.m2[j];
             }
         }
         __syncthreads();
+        for (u32 h = hmax >> 1; h >= 1; h >>= 1) {  // pairs (ro, ro + h): a partner never writes in its step
+            if (active && ro < h && ro + h < rb) {
+                const u32 o = t + h * cvs;
+                wfv_merge<CH>(s, (double)rn[o], rm + o * CH, rq + o * CH);
+                rn[t] = (u32)s.n;
+#pragma unroll
+                for (int j = 0; j < CH; ++j) {
+                    rm[t * CH + j] = s.m[j];
+                    rq[t * CH + j] = s.m2[j];
+                }
+            }
+            __syncthreads();
+        }
+#pragma unroll
+        for (int j = 0; j < CH; ++j) {
+            acc.m[c0 + j] = s.m[j];
+            acc.m2[c0 + j] = s.m2[j];
+        }
+        if (c0 + CH >= V) acc.n = s.n;
     }
 }
 
@@ -779,25 +809,27 @@ __device__ __forceinline__ void cl_tree_sums(float (&s1)[V], float (&s2)[V], u32
 // mean as hi + lo (hi = the f32 mean, lo the rest, from an f64 sum), the saved mean (hi), its lo
 // part, the inverse std, the running statistics (PyTorch's momentum convention, the unbiased
 // variance in running_var). One thread per channel; returns the inverse std.
-// Variance, inverse std and (persistent) gamma * inv_std in f64: once per channel, and each f32
-// rounding there would move every y of the channel (the accuracy test compares with cuDNN's).
+// Everything in f64 from the exact count (M2 / (M - 1), not an f32 M / (M - 1) factor whose
+// rounding alone moved running_var by up to 6e-8): once per channel, and each f32 rounding here
+// would move every y of the channel (the accuracy test compares with cuDNN's).
 __device__ __forceinline__ double finish_stats(u64 ch, const Wf& t, float shift, float eps,
-                                              float momentum, float unbias, float* saved_mean,
+                                              float momentum, float* saved_mean,
                                               float* saved_mean_lo, float* saved_invstd,
                                               float* running_mean, float* running_var, float& hi,
                                               float& lo) {
-    const double mean = (double)shift + (double)t.m;
+    const double mean = (double)shift + t.m;
     hi = (float)mean;
     lo = (float)(mean - (double)hi);
-    const double var = (double)t.m2 / (double)t.n;  // biased (shift-invariant); t.n = M > 1
+    const double var = t.m2 / t.n;  // biased (shift-invariant)
+    // Training refuses M = 1 (src/batchnorm/ops.rs), so t.n > 1 here.
+    const double unbiased = t.m2 / (t.n - 1.0);
     const double inv = 1.0 / sqrt(var + (double)eps);
     saved_mean[ch] = hi;
     saved_mean_lo[ch] = lo;
     saved_invstd[ch] = (float)inv;
-    const float rm = running_mean[ch], rv = running_var[ch];
-    running_mean[ch] = (1.0f - momentum) * rm + momentum * hi;
-    running_var[ch] = (float)((1.0 - (double)momentum) * (double)rv +
-                              (double)momentum * (var * (double)unbias));
+    const double mo = (double)momentum;
+    running_mean[ch] = (float)((1.0 - mo) * (double)running_mean[ch] + mo * mean);
+    running_var[ch] = (float)((1.0 - mo) * (double)running_var[ch] + mo * unbiased);
     return inv;
 }
 

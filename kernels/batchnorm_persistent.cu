@@ -58,16 +58,14 @@ struct PersistArgs {
     float* running_var;
     float* dgamma;
     float* dbeta;
-    float* part;    // [3][C][P] (forward) / [2][C][P] (backward)
+    void* part;     // forward: double [3][C][P] (Welford, f64); backward: float [2][C][P]
     float* coef;    // [3][C] forward: mean hi, mean lo, scale; [5][C] backward (finish_bwd)
     u32* barrier;   // two zeroed counters
     PGeom geom;
     u32 act;
     float eps;
     float momentum;
-    float unbias;
     float inv_count;
-    u32 pad;
 };
 
 // ----- forward ----------------------------------------------------------------------------------
@@ -141,7 +139,7 @@ template <typename T> __device__ __forceinline__ void pfinish_channel(const Pers
                                                                      const Wf& t) {
     const u64 C = a.geom.channels;
     float hi, lo;
-    const double inv = finish_stats(ch, t, ppivot<T>(a, ch), a.eps, a.momentum, a.unbias, a.mean,
+    const double inv = finish_stats(ch, t, ppivot<T>(a, ch), a.eps, a.momentum, a.mean,
                                    a.mean_lo, a.invstd, a.running_mean, a.running_var, hi, lo);
     a.coef[ch] = hi;
     a.coef[C + ch] = lo;
@@ -158,12 +156,13 @@ template <typename T> __device__ __forceinline__ void pfinish_channel(const Pers
         FN<T, 1>(__VA_ARGS__);
 
 template <typename T> __device__ __forceinline__ void pfwd_cf(const PersistArgs& a) {
-    __shared__ float sh[96];
+    __shared__ double sh[96];
     T* tile = reinterpret_cast<T*>(nnf_dyn_smem);
     const PGeom& g = a.geom;
     const u64 G = gridDim.x, b = blockIdx.x;
     const u64 C = g.channels, P = g.parts, cp = C * P;
     const u64 items = g.runs * g.ipr.d;
+    double* fpart = static_cast<double*>(a.part);
     // 1. statistics of each unit, its data kept in its slot
     for (u32 s = 0; s < g.upb; ++s) {
         const u64 u = b + (u64)s * G;
@@ -180,15 +179,15 @@ template <typename T> __device__ __forceinline__ void pfwd_cf(const PersistArgs&
         w.m2 = acc.m2[0];
         w = wf_block<PTHREADS>(w, sh);
         if (threadIdx.x == 0) {
-            a.part[ch * P + p] = w.n;
-            a.part[cp + ch * P + p] = w.m;
-            a.part[2 * cp + ch * P + p] = w.m2;
+            fpart[ch * P + p] = w.n;
+            fpart[cp + ch * P + p] = w.m;
+            fpart[2 * cp + ch * P + p] = w.m2;
         }
     }
     grid_sync(a.barrier, (u32)G);
     // 2. finish channels b, b + G, ...
     for (u64 ch = b; ch < C; ch += G) {
-        const Wf t = combine_wf<PTHREADS>(a.part, cp, ch * P, P, sh);
+        const Wf t = combine_wf<PTHREADS>(fpart, cp, ch * P, P, sh);
         if (threadIdx.x == 0) pfinish_channel<T>(a, ch, t);
     }
     grid_sync(a.barrier, 2u * (u32)G);
@@ -207,13 +206,14 @@ template <typename T> __device__ __forceinline__ void pfwd_cf(const PersistArgs&
 
 template <typename T> __device__ __forceinline__ void pfwd_cl(const PersistArgs& a) {
     constexpr int V = 16 / sizeof(T);
-    __shared__ float red[PTHREADS * (1 + 2 * V)];
+    __shared__ double red[cl_tree_doubles<V, PTHREADS>()];
     T* tile = reinterpret_cast<T*>(nnf_dyn_smem);
     const PGeom& g = a.geom;
     const u64 G = gridDim.x, b = blockIdx.x;
     const u64 C = g.channels, P = g.parts, cp = C * P;
     const u32 cvs = g.cvs, rb = g.rb;  // rb * cvs == PTHREADS
     const u32 ro = threadIdx.x / cvs, cv = threadIdx.x - ro * cvs;
+    double* fpart = static_cast<double*>(a.part);
     // 1. statistics
     for (u32 s = 0; s < g.upb; ++s) {
         const u64 u = b + (u64)s * G;
@@ -225,21 +225,21 @@ template <typename T> __device__ __forceinline__ void pfwd_cl(const PersistArgs&
         for (int j = 0; j < V; ++j) shift[j] = ppivot<T>(a, (u64)cv * V + j);
         cl_stats_rows<T, V>((const T*)a.x, C, cv, r0 + ro, r1, rb, shift, acc,
                             tile + (u64)s * g.unit_elems, r0);
-        cl_tree_wf<V, PTHREADS>(acc, ro, rb, cvs, true, red);
+        cl_tree_wf<V, PTHREADS, V>(acc, ro, rb, cvs, true, red);
         if (ro == 0) {
 #pragma unroll
             for (int j = 0; j < V; ++j) {
                 const u64 ch = (u64)cv * V + j;
-                a.part[ch * P + u] = acc.n;
-                a.part[cp + ch * P + u] = acc.m[j];
-                a.part[2 * cp + ch * P + u] = acc.m2[j];
+                fpart[ch * P + u] = acc.n;
+                fpart[cp + ch * P + u] = acc.m[j];
+                fpart[2 * cp + ch * P + u] = acc.m2[j];
             }
         }
     }
     grid_sync(a.barrier, (u32)G);
     // 2. finish channels b, b + G, ...
     for (u64 ch = b; ch < C; ch += G) {
-        const Wf t = combine_wf<PTHREADS>(a.part, cp, ch * P, P, red);
+        const Wf t = combine_wf<PTHREADS>(fpart, cp, ch * P, P, red);
         if (threadIdx.x == 0) pfinish_channel<T>(a, ch, t);
     }
     grid_sync(a.barrier, 2u * (u32)G);
@@ -330,6 +330,7 @@ template <typename T> __device__ __forceinline__ void pbwd_cf(const PersistArgs&
     T* gt = xt + (u64)g.upb * g.unit_elems;
     const u64 G = gridDim.x, b = blockIdx.x;
     const u64 C = g.channels, P = g.parts, cp = C * P;
+    float* bpart = static_cast<float*>(a.part);
     const u64 items = g.runs * g.ipr.d;
     // 1. sums of each unit, x and dy' kept in the slots
     for (u32 s = 0; s < g.upb; ++s) {
@@ -343,15 +344,15 @@ template <typename T> __device__ __forceinline__ void pbwd_cf(const PersistArgs&
                           s2, xt + (u64)s * g.unit_elems, gt + (u64)s * g.unit_elems)
         sum2_block<PTHREADS>(s1, s2, sh);
         if (threadIdx.x == 0) {
-            a.part[ch * P + p] = s1;
-            a.part[cp + ch * P + p] = s2;
+            bpart[ch * P + p] = s1;
+            bpart[cp + ch * P + p] = s2;
         }
     }
     grid_sync(a.barrier, (u32)G);
     // 2. dgamma, dbeta, dx coefficients of channels b, b + G, ...
     for (u64 ch = b; ch < C; ch += G) {
         float t1, t2;
-        combine_sums<PTHREADS>(a.part, cp, ch * P, P, t1, t2, sh);
+        combine_sums<PTHREADS>(bpart, cp, ch * P, P, t1, t2, sh);
         if (threadIdx.x == 0)
             finish_bwd(ch, C, t1, t2, a.inv_count, a.mean, a.mean_lo, a.invstd, a.gamma, a.dgamma,
                        a.dbeta, a.coef);
@@ -380,6 +381,7 @@ template <typename T> __device__ __forceinline__ void pbwd_cl(const PersistArgs&
     T* gt = xt + (u64)g.upb * g.unit_elems;
     const u64 G = gridDim.x, b = blockIdx.x;
     const u64 C = g.channels, P = g.parts, cp = C * P;
+    float* bpart = static_cast<float*>(a.part);
     const u32 cvs = g.cvs, rb = g.rb;
     const u32 ro = threadIdx.x / cvs, cv = threadIdx.x - ro * cvs;
     float mhi[V], mlo[V];
@@ -407,8 +409,8 @@ template <typename T> __device__ __forceinline__ void pbwd_cl(const PersistArgs&
 #pragma unroll
             for (int j = 0; j < V; ++j) {
                 const u64 ch = (u64)cv * V + j;
-                a.part[ch * P + u] = s1[j];
-                a.part[cp + ch * P + u] = s2[j];
+                bpart[ch * P + u] = s1[j];
+                bpart[cp + ch * P + u] = s2[j];
             }
         }
     }
@@ -416,7 +418,7 @@ template <typename T> __device__ __forceinline__ void pbwd_cl(const PersistArgs&
     // 2. per channel
     for (u64 ch = b; ch < C; ch += G) {
         float t1, t2;
-        combine_sums<PTHREADS>(a.part, cp, ch * P, P, t1, t2, red);
+        combine_sums<PTHREADS>(bpart, cp, ch * P, P, t1, t2, red);
         if (threadIdx.x == 0)
             finish_bwd(ch, C, t1, t2, a.inv_count, a.mean, a.mean_lo, a.invstd, a.gamma, a.dgamma,
                        a.dbeta, a.coef);

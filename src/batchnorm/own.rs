@@ -22,7 +22,7 @@ use once_cell::sync::Lazy;
 use crate::batchnorm::own_launch::{
     apply_launch, apply_mode, config, keep_x_in_l2, persistent_geom, reduce_geom, scratch_floats,
     staged_bytes, vec_width, ApplyMode, Arrangement, FastDiv, Geom, OwnShape, PGeom, CTHREADS,
-    PTHREADS, THREADS,
+    PTHREADS, REDUCE_PART_FLOATS, STATS_PART_FLOATS, THREADS,
 };
 use crate::batchnorm::plan::{Fuse, OwnVariant};
 use crate::context::Context;
@@ -46,8 +46,6 @@ struct StatsArgs {
     g: Geom,
     eps: f32,
     momentum: f32,
-    unbias: f32,
-    pad: f32,
 }
 
 #[repr(C)]
@@ -142,9 +140,7 @@ struct PersistArgs {
     act: u32,
     eps: f32,
     momentum: f32,
-    unbias: f32,
     inv_count: f32,
-    pad: u32,
 }
 
 #[repr(C)]
@@ -495,16 +491,12 @@ pub(crate) fn forward_train(
     momentum: f64,
     eps: f64,
 ) -> Result<OwnVariant> {
-    let m = op.shape.per_channel();
-    let unbias = if m > 1 {
-        m as f64 / (m - 1) as f64
-    } else {
-        1.0
-    };
+    // The kernels take the unbiased variance from the count itself (M2 / (M - 1) in f64).
     if want == OwnVariant::Persistent {
         let aligned = [b.x, b.z, b.y].iter().all(|p| p % 16 == 0);
         if let Some(p) = prepare_persistent(op, 1, aligned)? {
-            let (coef_at, total) = scratch_floats(op.c(), p.geom.parts.into(), 3, 3);
+            let (coef_at, total) =
+                scratch_floats(op.c(), p.geom.parts.into(), STATS_PART_FLOATS, 3);
             let scratch = op.ctx.scratch(total as usize * 4)?;
             let ran = op.counters.with(op.ctx, op.counter_words(), |cnt| {
                 let args = PersistArgs {
@@ -526,7 +518,6 @@ pub(crate) fn forward_train(
                     act: act(op.fuse),
                     eps: eps as f32,
                     momentum: momentum as f32,
-                    unbias: unbias as f32,
                     ..PersistArgs::default()
                 };
                 launch_persistent(op, &p, &args, 1)
@@ -548,7 +539,12 @@ pub(crate) fn forward_train(
     let g = reduce_geom(&op.shape, vec, wave(op.ctx, &stats_f, stats_name, 0)?);
     let mode = apply_mode(&op.shape, eb, &[b.x, b.y, b.z]);
     let staged = staged_bytes(c, 4);
-    let (coef_at, total) = scratch_floats(c, g.parts.into(), 3, if staged > 0 { 0 } else { 4 });
+    let (coef_at, total) = scratch_floats(
+        c,
+        g.parts.into(),
+        STATS_PART_FLOATS,
+        if staged > 0 { 0 } else { 4 },
+    );
     tracing::debug!(
         kernel = stats_name,
         blocks = g.blocks(),
@@ -572,8 +568,6 @@ pub(crate) fn forward_train(
             g,
             eps: eps as f32,
             momentum: momentum as f32,
-            unbias: unbias as f32,
-            pad: 0.0,
         };
         launch(
             op.ctx,
@@ -744,7 +738,7 @@ pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant, eps: f64) -> 
     if want == OwnVariant::Persistent {
         let aligned = [b.x, b.dy, b.dx, b.dz].iter().all(|p| p % 16 == 0);
         if let Some(p) = prepare_persistent(op, 2, aligned)? {
-            let (coef_at, total) = scratch_floats(c, p.geom.parts.into(), 2, 5);
+            let (coef_at, total) = scratch_floats(c, p.geom.parts.into(), REDUCE_PART_FLOATS, 5);
             let scratch = op.ctx.scratch(total as usize * 4)?;
             let ran = op.counters.with(op.ctx, op.counter_words(), |cnt| {
                 let args = PersistArgs {
@@ -783,7 +777,7 @@ pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant, eps: f64) -> 
     )?;
     let vec = vec_width(eb, &op.vector_lens(), &[b.x, b.dy, b.dz]);
     let g = reduce_geom(&op.shape, vec, wave(op.ctx, &rf, rname, 0)?);
-    let (coef_at, total) = scratch_floats(c, g.parts.into(), 2, 5);
+    let (coef_at, total) = scratch_floats(c, g.parts.into(), REDUCE_PART_FLOATS, 5);
     let mode = apply_mode(&op.shape, eb, &[b.x, b.dy, b.dx]);
     let last = mode == ApplyMode::Last;
     // The channels-last vector path reads its coefficients into registers: nothing staged.
@@ -1075,8 +1069,6 @@ mod tests {
                     "g",
                     "eps",
                     "momentum",
-                    "unbias",
-                    "pad",
                 ],
                 std::mem::size_of::<StatsArgs>(),
             ),
@@ -1191,9 +1183,7 @@ mod tests {
                     "act",
                     "eps",
                     "momentum",
-                    "unbias",
                     "inv_count",
-                    "pad",
                 ],
                 std::mem::size_of::<PersistArgs>(),
             ),
@@ -1205,13 +1195,13 @@ mod tests {
             let want = match name {
                 "FastDiv" => 24,
                 "Geom" => 80,
-                "StatsArgs" => 160,
+                "StatsArgs" => 152,
                 "ReduceArgs" => 200,
                 "ApplyFwdArgs" => 176,
                 "ApplyBwdArgs" => 128,
                 "ChannelBwdArgs" => 128,
                 "PGeom" => 96,
-                "PersistArgs" => 256,
+                "PersistArgs" => 248,
                 _ => unreachable!(),
             };
             assert_eq!(size, want, "size of {name}");

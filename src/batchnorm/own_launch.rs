@@ -625,8 +625,15 @@ pub(crate) fn keep_x_in_l2(x_bytes: u64, l2_bytes: u64) -> bool {
     x_bytes > 0 && x_bytes <= l2_bytes / 2
 }
 
-/// Floats of scratch a launch needs: partials (`fields` per channel and part) then `coef_fields`
-/// per channel of coefficients.
+/// Scratch floats per channel and part of the statistics partials: count, mean and M2 as f64
+/// (kernels/batchnorm_common.cuh combines Welford states in f64), two floats each.
+pub(crate) const STATS_PART_FLOATS: u64 = 6;
+
+/// Scratch floats per channel and part of the backward partials: Σdy' and Σdy'(x - mean), f32.
+pub(crate) const REDUCE_PART_FLOATS: u64 = 2;
+
+/// Floats of scratch a launch needs: partials (`fields` floats per channel and part; the base is
+/// 256-byte aligned, so f64 partials are aligned) then `coef_fields` per channel of coefficients.
 pub(crate) fn scratch_floats(c: u64, parts: u64, fields: u64, coef_fields: u64) -> (u64, u64) {
     let part = fields * c * parts;
     // The coefficients start 16-byte aligned.
