@@ -66,6 +66,26 @@ pub fn rel_l2(got: &[f64], want: &[f64]) -> f64 {
     (num / den.max(1e-30)).sqrt()
 }
 
+/// Half the spacing of `dt`'s subnormal numbers: the most that rounding an exact result below
+/// the smallest normal number (f16: 6.1e-5) moves it. A result made of such tiny values (e.g. a
+/// BatchNorm dx at two values per channel, which cancels to eps/var of its terms) cannot be
+/// closer to the f64 reference than this, whatever the kernel's arithmetic.
+pub fn half_subnormal_step(dt: nnfuse::DType) -> f64 {
+    match dt {
+        nnfuse::DType::F32 => 2f64.powi(-150),
+        nnfuse::DType::F16 => 2f64.powi(-25),
+        nnfuse::DType::BF16 => 2f64.powi(-134),
+    }
+}
+
+/// [`assert_close`] for an output stored in `dt`: `tol` plus the relative L2 size of rounding
+/// every element by up to [`half_subnormal_step`] (negligible unless the values are tiny).
+pub fn assert_close_stored(what: &str, dt: nnfuse::DType, got: &[f64], want: &[f64], tol: f64) {
+    let norm = want.iter().map(|w| w * w).sum::<f64>().sqrt();
+    let floor = half_subnormal_step(dt) * (want.len() as f64).sqrt() / norm.max(1e-300);
+    assert_close(what, got, want, tol + floor);
+}
+
 /// Panics with context when `rel_l2(got, want) > tol` or the result has a NaN/inf.
 pub fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
     let e = rel_l2(got, want);
