@@ -653,6 +653,12 @@ fn bench_own_training<T: Element>(
     let (bf, bb) = own_bytes(n, es, fuse, pf, pb);
     let copy_pct_f = 100.0 * bf / (of * 1e-6) / bw;
     let copy_pct_b = 100.0 * bb / (ob * 1e-6) / bw;
+    // The same bytes as one device-to-device copy (half read, half written): small tensors
+    // cannot reach the 1 GiB copy's bandwidth either.
+    let same_copy_us = |bytes: f64| -> Result<f64> {
+        Ok(bytes / copy_bandwidth(own, (bytes / 2.0) as usize)? * 1e6)
+    };
+    let (scf, scb) = (same_copy_us(bf)?, same_copy_us(bb)?);
     let own_total = of + ob;
     let case = format!("{label} {shape:?} {}", fuse_name(fuse));
     let (pt, nc) = match &earlier {
@@ -668,13 +674,15 @@ fn bench_own_training<T: Element>(
         None => ("-".into(), "-".into()),
     };
     let line = format!(
-        "| {case} | {how} | {of:.1} / {ob:.1} | {cpath} {cf:.1} / {cb:.1} | {:.2}x | {pt} | {nc} | {floor_us:.1} | {:.0}% | {copy_pct_f:.0}% / {copy_pct_b:.0}% |",
+        "| {case} | {how} | {of:.1} / {ob:.1} | {cpath} {cf:.1} / {cb:.1} | {:.2}x | {pt} | {nc} | {floor_us:.1} | {:.0}% | {copy_pct_f:.0}% / {copy_pct_b:.0}% | {:.0}% / {:.0}% |",
         (cf + cb) / own_total,
-        100.0 * floor_us / own_total
+        100.0 * floor_us / own_total,
+        100.0 * scf / of,
+        100.0 * scb / ob
     );
     println!("{line}");
     println!(
-        "{{\"bench\":\"batchnorm\",\"section\":\"own_training\",\"case\":\"{case}\",\"own\":\"{how}\",\"own_fwd_us\":{of:.2},\"own_bwd_us\":{ob:.2},\"cudnn_path\":\"{cpath}\",\"cudnn_fwd_us\":{cf:.2},\"cudnn_bwd_us\":{cb:.2},\"floor_us\":{floor_us:.2},\"own_copy_pct_fwd\":{copy_pct_f:.1},\"own_copy_pct_bwd\":{copy_pct_b:.1},\"pytorch_fwd_us\":{},\"pytorch_bwd_us\":{}}}",
+        "{{\"bench\":\"batchnorm\",\"section\":\"own_training\",\"case\":\"{case}\",\"own\":\"{how}\",\"own_fwd_us\":{of:.2},\"own_bwd_us\":{ob:.2},\"cudnn_path\":\"{cpath}\",\"cudnn_fwd_us\":{cf:.2},\"cudnn_bwd_us\":{cb:.2},\"floor_us\":{floor_us:.2},\"own_copy_pct_fwd\":{copy_pct_f:.1},\"own_copy_pct_bwd\":{copy_pct_b:.1},\"same_size_copy_fwd_us\":{scf:.2},\"same_size_copy_bwd_us\":{scb:.2},\"pytorch_fwd_us\":{},\"pytorch_bwd_us\":{}}}",
         earlier.as_ref().map_or("null".into(), |e| e.pytorch.0.to_string()),
         earlier.as_ref().map_or("null".into(), |e| e.pytorch.1.to_string()),
     );
@@ -682,7 +690,7 @@ fn bench_own_training<T: Element>(
     Ok(())
 }
 
-const OWN_TRAIN_HEADER: &str = "| case | own variants (fwd/bwd) | own fwd / bwd µs | cuDNN path fwd / bwd µs | own speed-up vs cuDNN | PyTorch fwd / bwd µs (issue 9, measured earlier) and own speed-up | nnfuse on cuDNN fwd / bwd µs (issue 9) | floor fwd+bwd µs | own % of floor | own % of copy, its bytes (fwd / bwd) |\n|---|---|---|---|---|---|---|---|---|---|";
+const OWN_TRAIN_HEADER: &str = "| case | own variants (fwd/bwd) | own fwd / bwd µs | cuDNN path fwd / bwd µs | own speed-up vs cuDNN | PyTorch fwd / bwd µs (issue 9, measured earlier) and own speed-up | nnfuse on cuDNN fwd / bwd µs (issue 9) | floor fwd+bwd µs | own % of floor | own % of copy, its bytes (fwd / bwd) | own % of a same-size copy (fwd / bwd) |\n|---|---|---|---|---|---|---|---|---|---|---|";
 
 /// Inference: the own one-pass kernel against cuDNN's ForwardInference plus the activation
 /// kernel, effective bandwidth on the bytes moved (x, the addend, y).
