@@ -8,7 +8,10 @@
 //! round gives µs per call. The GPU time of one call (CUDA events) is printed next to it: when
 //! it is close to the host time the case is GPU-bound and the host number is an upper bound.
 
+use std::sync::Arc;
 use std::time::Instant;
+
+use cudarc::driver::{CudaSlice, CudaStream};
 
 use half::f16;
 use nnfuse::batchnorm::{BackwardArgs, BatchNorm, Fuse, TrainArgs};
@@ -81,6 +84,69 @@ fn row(what: &str, r: nnfuse::Result<(f64, f64)>) {
             );
         }
         Err(e) => println!("| {what} | error: {e} | - |"),
+    }
+}
+
+/// The buffers of one BatchNorm+ReLU training step on an NHWC f16 tensor (C last), and the step.
+struct BnStep {
+    x: CudaSlice<f16>,
+    dy: CudaSlice<f16>,
+    y: CudaSlice<f16>,
+    dx: CudaSlice<f16>,
+    gamma: CudaSlice<f32>,
+    beta: CudaSlice<f32>,
+    rm: CudaSlice<f32>,
+    rv: CudaSlice<f32>,
+    dg: CudaSlice<f32>,
+    db: CudaSlice<f32>,
+}
+
+impl BnStep {
+    fn new(s: &Arc<CudaStream>, shape: &[usize]) -> anyhow::Result<Self> {
+        let n: usize = shape.iter().product();
+        let c = shape[shape.len() - 1];
+        let x: Vec<f16> = (0..n)
+            .map(|i| f16::from_f32((i % 7) as f32 * 0.3))
+            .collect();
+        Ok(Self {
+            x: s.clone_htod(&x)?,
+            dy: s.clone_htod(&vec![f16::from_f32(0.1); n])?,
+            y: s.alloc_zeros(n)?,
+            dx: s.alloc_zeros(n)?,
+            gamma: s.clone_htod(&vec![1.0f32; c])?,
+            beta: s.alloc_zeros(c)?,
+            rm: s.alloc_zeros(c)?,
+            rv: s.clone_htod(&vec![1.0f32; c])?,
+            dg: s.alloc_zeros(c)?,
+            db: s.alloc_zeros(c)?,
+        })
+    }
+
+    /// Training forward, then backward.
+    fn run(&mut self, bn: &BatchNorm<f16>) -> nnfuse::Result<()> {
+        let saved = bn.forward_train(TrainArgs {
+            x: self.x.as_view(),
+            addend: None,
+            gamma: self.gamma.as_view(),
+            beta: self.beta.as_view(),
+            running_mean: self.rm.as_view_mut(),
+            running_var: self.rv.as_view_mut(),
+            y: self.y.as_view_mut(),
+            momentum: 0.1,
+            eps: 1e-5,
+        })?;
+        bn.backward(BackwardArgs {
+            x: self.x.as_view(),
+            y: self.y.as_view(),
+            dy: self.dy.as_view(),
+            gamma: self.gamma.as_view(),
+            beta: self.beta.as_view(),
+            saved: &saved,
+            dx: self.dx.as_view_mut(),
+            d_addend: None,
+            dgamma: self.dg.as_view_mut(),
+            dbeta: self.db.as_view_mut(),
+        })
     }
 }
 
@@ -167,15 +233,6 @@ fn main() -> anyhow::Result<()> {
 
     // BatchNorm training forward + backward, NHWC [2, 8, 8, 64] BN+ReLU, per implementation.
     let bn_shape = [2usize, 8, 8, 64];
-    let n: usize = bn_shape.iter().product();
-    let bx = s.clone_htod(
-        &(0..n)
-            .map(|i| f16::from_f32((i % 7) as f32 * 0.3))
-            .collect::<Vec<_>>(),
-    )?;
-    let bdy = s.clone_htod(&vec![f16::from_f32(0.1); n])?;
-    let g = s.clone_htod(&[1.0f32; 64])?;
-    let bb = s.alloc_zeros::<f32>(64)?;
     for (name, config) in [
         (
             "cuDNN (fused Ex)",
@@ -191,37 +248,10 @@ fn main() -> anyhow::Result<()> {
     ] {
         let c2 = ctx.with_config_override(config);
         let bn = BatchNorm::<f16>::new(&c2, &bn_shape, 3, Fuse::Relu)?;
-        let mut by = s.alloc_zeros::<f16>(n)?;
-        let mut bdx = s.alloc_zeros::<f16>(n)?;
-        let (mut rm, mut rv) = (s.alloc_zeros::<f32>(64)?, s.clone_htod(&[1.0f32; 64])?);
-        let (mut dg, mut db) = (s.alloc_zeros::<f32>(64)?, s.alloc_zeros::<f32>(64)?);
+        let mut step = BnStep::new(&s, &bn_shape)?;
         row(
             &format!("BN+ReLU train fwd+bwd 2x8x8x64 f16, {name}"),
-            measure(&c2, || {
-                let saved = bn.forward_train(TrainArgs {
-                    x: bx.as_view(),
-                    addend: None,
-                    gamma: g.as_view(),
-                    beta: bb.as_view(),
-                    running_mean: rm.as_view_mut(),
-                    running_var: rv.as_view_mut(),
-                    y: by.as_view_mut(),
-                    momentum: 0.1,
-                    eps: 1e-5,
-                })?;
-                bn.backward(BackwardArgs {
-                    x: bx.as_view(),
-                    y: by.as_view(),
-                    dy: bdy.as_view(),
-                    gamma: g.as_view(),
-                    beta: bb.as_view(),
-                    saved: &saved,
-                    dx: bdx.as_view_mut(),
-                    d_addend: None,
-                    dgamma: dg.as_view_mut(),
-                    dbeta: db.as_view_mut(),
-                })
-            }),
+            measure(&c2, || step.run(&bn)),
         );
     }
 
@@ -261,13 +291,6 @@ fn main() -> anyhow::Result<()> {
         after_sync(&ctx, || conv.forward(&cx, &cw, &mut cy)),
     );
     let bn_shape = [32usize, 56, 56, 64];
-    let n: usize = bn_shape.iter().product();
-    let bx = s.clone_htod(
-        &(0..n)
-            .map(|i| f16::from_f32((i % 7) as f32 * 0.3))
-            .collect::<Vec<_>>(),
-    )?;
-    let bdy = s.clone_htod(&vec![f16::from_f32(0.1); n])?;
     for (name, config) in [
         (
             "cuDNN (fused Ex)",
@@ -277,37 +300,10 @@ fn main() -> anyhow::Result<()> {
     ] {
         let c2 = ctx.with_config_override(config);
         let bn = BatchNorm::<f16>::new(&c2, &bn_shape, 3, Fuse::Relu)?;
-        let mut by = s.alloc_zeros::<f16>(n)?;
-        let mut bdx = s.alloc_zeros::<f16>(n)?;
-        let (mut rm, mut rv) = (s.alloc_zeros::<f32>(64)?, s.clone_htod(&[1.0f32; 64])?);
-        let (mut dg, mut db) = (s.alloc_zeros::<f32>(64)?, s.alloc_zeros::<f32>(64)?);
+        let mut step = BnStep::new(&s, &bn_shape)?;
         big(
             &format!("BN+ReLU train fwd+bwd 32x56x56x64 f16, {name}"),
-            after_sync(&c2, || {
-                let saved = bn.forward_train(TrainArgs {
-                    x: bx.as_view(),
-                    addend: None,
-                    gamma: g.as_view(),
-                    beta: bb.as_view(),
-                    running_mean: rm.as_view_mut(),
-                    running_var: rv.as_view_mut(),
-                    y: by.as_view_mut(),
-                    momentum: 0.1,
-                    eps: 1e-5,
-                })?;
-                bn.backward(BackwardArgs {
-                    x: bx.as_view(),
-                    y: by.as_view(),
-                    dy: bdy.as_view(),
-                    gamma: g.as_view(),
-                    beta: bb.as_view(),
-                    saved: &saved,
-                    dx: bdx.as_view_mut(),
-                    d_addend: None,
-                    dgamma: dg.as_view_mut(),
-                    dbeta: db.as_view_mut(),
-                })
-            }),
+            after_sync(&c2, || step.run(&bn)),
         );
     }
     let mut big_buf = s.alloc_zeros::<u8>(1)?;
