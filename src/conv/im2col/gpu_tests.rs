@@ -51,6 +51,7 @@ pub(crate) fn cases(rng: &mut Rng, shapes: &[ConvShape]) -> Vec<Case> {
     let inputs: Vec<_> = shapes
         .iter()
         .map(|s| {
+            // ok: test fixtures; the shapes are the tests' own valid ones.
             let y_len = s.y_len().unwrap();
             (
                 *s,
@@ -66,6 +67,7 @@ pub(crate) fn cases(rng: &mut Rng, shapes: &[ConvShape]) -> Vec<Case> {
             .into_iter()
             .map(|(s, x, w, dy, old_dw)| {
                 scope.spawn(move || {
+                    // ok: the f64 references of the tests' valid shapes cannot fail.
                     let y = r::conv2d(&s, &x, &w).unwrap();
                     let dx = r::conv2d_backward_data(&s, &dy, &w).unwrap();
                     let dw = r::conv2d_backward_filter(&s, &x, &dy).unwrap();
