@@ -627,6 +627,12 @@ fn own_bytes(
     )
 }
 
+/// µs of a device-to-device copy moving `bytes` (half read, half written): small tensors do not
+/// reach the 1 GiB copy's bandwidth either, so the own kernels are also compared with this.
+fn same_size_copy_us(ctx: &Context, bytes: f64) -> Result<f64> {
+    Ok(bytes / copy_bandwidth(ctx, (bytes / 2.0) as usize)? * 1e6)
+}
+
 #[allow(clippy::too_many_arguments)]
 fn bench_own_training<T: Element>(
     cudnn: &Context,
@@ -653,12 +659,7 @@ fn bench_own_training<T: Element>(
     let (bf, bb) = own_bytes(n, es, fuse, pf, pb);
     let copy_pct_f = 100.0 * bf / (of * 1e-6) / bw;
     let copy_pct_b = 100.0 * bb / (ob * 1e-6) / bw;
-    // The same bytes as one device-to-device copy (half read, half written): small tensors
-    // cannot reach the 1 GiB copy's bandwidth either.
-    let same_copy_us = |bytes: f64| -> Result<f64> {
-        Ok(bytes / copy_bandwidth(own, (bytes / 2.0) as usize)? * 1e6)
-    };
-    let (scf, scb) = (same_copy_us(bf)?, same_copy_us(bb)?);
+    let (scf, scb) = (same_size_copy_us(own, bf)?, same_size_copy_us(own, bb)?);
     let own_total = of + ob;
     let case = format!("{label} {shape:?} {}", fuse_name(fuse));
     let (pt, nc) = match &earlier {
@@ -732,10 +733,7 @@ fn bench_own_inference<T: Element>(
     let to = time(own)?;
     let bytes = ((if add { 3 } else { 2 }) * n * es) as f64;
     let tbs = bytes / (to * 1e-6) / 1e12;
-    // A device-to-device copy moving the same bytes (half read, half written): the large-copy
-    // bandwidth `bw` hides a per-call cost that weighs more at these sizes.
-    let half = (bytes / 2.0) as usize;
-    let copy_us = bytes / copy_bandwidth(own, half)? * 1e6;
+    let copy_us = same_size_copy_us(own, bytes)?;
     let case = format!("{label} {shape:?} {}", fuse_name(fuse));
     let line = format!(
         "| {case} | {to:.1} | {tbs:.2} TB/s ({:.0}% of copy) | {copy_us:.1} ({:.0}%) | {tc:.1} | {:.2}x | {} | {:.1} |",
