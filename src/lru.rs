@@ -5,144 +5,123 @@
 //! Values are usually `Arc`s: evicting an entry drops the cache's reference only, so a plan that
 //! a caller still holds stays valid and is freed when the caller lets go.
 //!
-//! Pure data structure, no GPU. A hit (`get`) is one hash lookup and a counter update: the use
-//! order is repaired lazily, when an eviction finds that the oldest recorded use of an entry is
-//! stale, so that the hot path of every cached plan lookup stays in the tens of nanoseconds.
-//! `insert` is `O(log n)` amortised.
+//! A thin layer over the `lru` crate's `LruCache` (O(1) hit: one hash lookup and a list splice):
+//! it adds what nnfuse's caches report — the entries an insert or a smaller capacity evicts
+//! (so that callers can log them) and the count of evictions. Pure data structure, no GPU.
 
-use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
+use std::num::NonZeroUsize;
 
 /// A map of at most [`Lru::capacity`] entries; inserting past it evicts the entry used least
 /// recently (a `get` hit counts as a use).
-#[derive(Debug, Clone)]
 pub struct Lru<K, V> {
-    /// Value and the tick of its latest use.
-    map: HashMap<K, (V, u64)>,
-    /// Tick → key, oldest first: one entry per key, at a tick <= its latest use (stale after a
-    /// `get`, repaired when the entry reaches the front).
-    order: BTreeMap<u64, K>,
-    tick: u64,
-    capacity: usize,
+    inner: lru::LruCache<K, V>,
     evictions: u64,
+}
+
+impl<K: Hash + Eq + std::fmt::Debug, V: std::fmt::Debug> std::fmt::Debug for Lru<K, V> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lru")
+            .field("len", &self.inner.len())
+            .field("capacity", &self.inner.cap())
+            .field("evictions", &self.evictions)
+            .finish()
+    }
+}
+
+impl<K: Hash + Eq + Clone, V: Clone> Clone for Lru<K, V> {
+    fn clone(&self) -> Self {
+        Lru {
+            inner: self.inner.clone(),
+            evictions: self.evictions,
+        }
+    }
+}
+
+/// `capacity` as the crate wants it: at least 1.
+fn non_zero(capacity: usize) -> NonZeroUsize {
+    NonZeroUsize::new(capacity).unwrap_or(NonZeroUsize::MIN)
 }
 
 impl<K: Clone + Hash + Eq, V> Lru<K, V> {
     /// An empty map holding at most `capacity` entries (at least 1).
     pub fn new(capacity: usize) -> Self {
         Lru {
-            map: HashMap::new(),
-            order: BTreeMap::new(),
-            tick: 0,
-            capacity: capacity.max(1),
+            inner: lru::LruCache::new(non_zero(capacity)),
             evictions: 0,
         }
     }
 
-    fn next_tick(&mut self) -> u64 {
-        self.tick += 1;
-        self.tick
-    }
-
     /// The value under `key`, marking it as the most recently used.
     pub fn get(&mut self, key: &K) -> Option<&V> {
-        self.tick += 1;
-        let t = self.tick;
-        let (v, used) = self.map.get_mut(key)?;
-        *used = t;
-        Some(v)
+        self.inner.get(key)
     }
 
     /// The value under `key` without marking it used.
     pub fn peek(&self, key: &K) -> Option<&V> {
-        self.map.get(key).map(|(v, _)| v)
+        self.inner.peek(key)
     }
 
     /// Mutable access without marking it used.
     pub fn peek_mut(&mut self, key: &K) -> Option<&mut V> {
-        self.map.get_mut(key).map(|(v, _)| v)
+        self.inner.peek_mut(key)
     }
 
     /// Whether `key` is present (not a use).
     pub fn contains(&self, key: &K) -> bool {
-        self.map.contains_key(key)
+        self.inner.contains(key)
     }
 
     /// Inserts or replaces `key` as the most recently used entry; returns the entries evicted to
     /// stay within the capacity (never the one just inserted).
     pub fn insert(&mut self, key: K, value: V) -> Vec<(K, V)> {
-        let t = self.next_tick();
-        if let Some((v, used)) = self.map.get_mut(&key) {
-            // Its order entry stays where it is (a tick <= t): repaired lazily like a `get`.
-            *v = value;
-            *used = t;
+        if self.inner.contains(&key) {
+            // A replacement: `put` refreshes its use and evicts nothing.
+            self.inner.put(key, value);
             return Vec::new();
         }
-        self.order.insert(t, key.clone());
-        self.map.insert(key, (value, t));
-        self.shrink_to(self.capacity)
+        match self.inner.push(key, value) {
+            Some(evicted) => {
+                self.evictions += 1;
+                vec![evicted]
+            }
+            None => Vec::new(),
+        }
     }
 
     /// Removes `key`, returning its value.
     pub fn remove(&mut self, key: &K) -> Option<V> {
-        let (v, _) = self.map.remove(key)?;
-        // Its order entry sits at some tick <= its latest use; find it by key (rare operation).
-        if let Some(t) = self.order.iter().find(|(_, k)| *k == key).map(|(t, _)| *t) {
-            self.order.remove(&t);
-        }
-        Some(v)
+        self.inner.pop(key)
     }
 
-    /// Pops the least recently used entry, repairing stale order entries on the way.
-    fn pop_oldest(&mut self) -> Option<(K, V)> {
-        loop {
-            let (t, k) = self.order.pop_first()?;
-            match self.map.get(&k) {
-                Some((_, used)) if *used == t => {
-                    let (v, _) = self.map.remove(&k)?;
-                    return Some((k, v));
-                }
-                // Used since this entry was recorded: move it to its latest use and go on.
-                Some((_, used)) => {
-                    let used = *used;
-                    self.order.insert(used, k);
-                }
-                None => {}
-            }
-        }
-    }
-
-    fn shrink_to(&mut self, cap: usize) -> Vec<(K, V)> {
+    /// Changes the capacity (at least 1), evicting the oldest entries beyond it.
+    pub fn set_capacity(&mut self, capacity: usize) -> Vec<(K, V)> {
+        let cap = non_zero(capacity);
         let mut out = Vec::new();
-        while self.map.len() > cap {
-            let Some(kv) = self.pop_oldest() else {
+        while self.inner.len() > cap.get() {
+            let Some(kv) = self.inner.pop_lru() else {
                 break;
             };
             self.evictions += 1;
             out.push(kv);
         }
+        self.inner.resize(cap);
         out
-    }
-
-    /// Changes the capacity (at least 1), evicting the oldest entries beyond it.
-    pub fn set_capacity(&mut self, capacity: usize) -> Vec<(K, V)> {
-        self.capacity = capacity.max(1);
-        self.shrink_to(self.capacity)
     }
 
     /// The most entries kept.
     pub fn capacity(&self) -> usize {
-        self.capacity
+        self.inner.cap().get()
     }
 
     /// Entries now.
     pub fn len(&self) -> usize {
-        self.map.len()
+        self.inner.len()
     }
 
     /// Whether the map is empty.
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.inner.is_empty()
     }
 
     /// Entries evicted for capacity since creation.
@@ -152,15 +131,12 @@ impl<K: Clone + Hash + Eq, V> Lru<K, V> {
 
     /// Drops every entry.
     pub fn clear(&mut self) {
-        self.map.clear();
-        self.order.clear();
+        self.inner.clear();
     }
 
     /// Every entry, least recently used first (not a use).
     pub fn iter(&self) -> impl Iterator<Item = (&K, &V)> {
-        let mut all: Vec<_> = self.map.iter().map(|(k, (v, t))| (*t, k, v)).collect();
-        all.sort_unstable_by_key(|(t, _, _)| *t);
-        all.into_iter().map(|(_, k, v)| (k, v))
+        self.inner.iter().rev()
     }
 }
 
@@ -279,7 +255,6 @@ mod tests {
             }
             assert!(l.len() <= 7);
             assert_eq!(l.iter().count(), l.len());
-            assert_eq!(l.order.len(), l.map.len(), "one order entry per key");
         }
     }
 }
