@@ -1,0 +1,297 @@
+//! The convolution suite: every problem of `benches/conv_problems.txt` (ResNet-18/50, VGG,
+//! Inception, MobileNet pointwise, dilated, strided, odd channels; batch 1 to 128; f16/bf16 NHWC
+//! and f32 NCHW), forward, data gradient and filter gradient, through `Conv2d` exactly as a
+//! framework calls it (`auto`). `benches/pytorch/conv_suite.py` times the same problems with
+//! PyTorch (`cudnn.benchmark = True`) and `benches/pytorch/compare_conv.py` joins the two.
+//!
+//! Per problem-direction it reports:
+//! - **first call**: wall time of the first call of a fresh `Conv2d` (its decision, any
+//!   measurement and kernel compilation included) up to a synchronize;
+//! - **GPU µs per call**: CUDA events around bursts of K calls queued behind a head start of
+//!   GPU work (device memsets), so that the host runs ahead and a host-heavy call is not judged
+//!   by its host time; median over samples of the per-call mean;
+//! - **host µs per call**: wall time of queuing those bursts, per call;
+//! - the **floor**: FLOPs (`2·N·K·C·R·S·OH·OW`) over the tensor/FMA peak, or bytes (each
+//!   operand read or written once) over the 3.0 TB/s copy bandwidth, whichever is larger.
+//!
+//! `cargo bench --bench conv_suite [-- --filter NAME] [--json FILE]` (on a GPU). JSON lines
+//! (one per problem-direction) go to `--json FILE` for `compare_conv.py`.
+
+use std::io::Write;
+use std::time::Instant;
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
+use half::{bf16, f16};
+use nnfuse::conv::{Conv2d, ConvShape, Direction};
+use nnfuse::{Context, Element, TensorFormat};
+use serde_json::json;
+
+/// H100 SXM datasheet dense peaks: f16/bf16 tensor cores, f32 FMA (nnfuse's f32 never uses
+/// TF32).
+const PEAK_HALF_TFLOPS: f64 = 989.4;
+const PEAK_F32_TFLOPS: f64 = 66.9;
+/// Device-to-device copy bandwidth measured on the H100 (`../shared/GPU-FACTS.md`).
+const COPY_TBPS: f64 = 3.0;
+/// Bytes of the head-start memset: ~0.7 ms of GPU work at the copy bandwidth.
+const HEAD_START_BYTES: usize = 2 << 30;
+/// Samples per problem-direction (median taken).
+const SAMPLES: usize = 15;
+
+/// One line of `conv_problems.txt`.
+#[derive(Debug, Clone)]
+struct Problem {
+    name: String,
+    shape: ConvShape,
+    dtype: String,
+}
+
+fn parse_problems(text: &str) -> anyhow::Result<Vec<Problem>> {
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let f: Vec<&str> = line.split_whitespace().collect();
+        anyhow::ensure!(f.len() == 13, "conv_problems.txt:{}: 13 fields", i + 1);
+        let u = |k: usize| -> anyhow::Result<usize> { Ok(f[k].parse()?) };
+        let format = if f[12] == "f32" {
+            TensorFormat::Nchw
+        } else {
+            TensorFormat::Nhwc
+        };
+        out.push(Problem {
+            name: f[0].to_string(),
+            shape: ConvShape {
+                n: u(1)?,
+                c_in: u(2)?,
+                h: u(3)?,
+                w: u(4)?,
+                c_out: u(5)?,
+                kh: u(6)?,
+                kw: u(7)?,
+                stride: (u(8)?, u(8)?),
+                pad: (u(9)?, u(10)?),
+                dilation: (u(11)?, u(11)?),
+                format,
+            },
+            dtype: f[12].to_string(),
+        });
+    }
+    Ok(out)
+}
+
+/// Deterministic uniform values in [-1, 1) (a 64-bit LCG): fresh per buffer, never zeros.
+fn uniform(len: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn upload<T: Element + DeviceRepr>(
+    s: &Arc<CudaStream>,
+    len: usize,
+    seed: u64,
+) -> anyhow::Result<CudaSlice<T>> {
+    let host: Vec<T> = uniform(len, seed)
+        .into_iter()
+        .map(|v| T::from_f64(v as f64))
+        .collect();
+    Ok(s.clone_htod(&host)?)
+}
+
+/// What one problem-direction measured.
+struct Measured {
+    first_ms: f64,
+    gpu_us: f64,
+    host_us: f64,
+    route: String,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Times `call` as the module documentation says: first call, then bursts behind a head start.
+fn measure(
+    ctx: &Context,
+    head: &mut CudaSlice<u8>,
+    mut call: impl FnMut() -> nnfuse::Result<()>,
+) -> anyhow::Result<(f64, f64, f64)> {
+    let s = ctx.stream();
+    let t = Instant::now();
+    call()?;
+    ctx.synchronize()?;
+    let first_ms = t.elapsed().as_secs_f64() * 1e3;
+    // Warm-up, and a host-time estimate to size the bursts.
+    let t = Instant::now();
+    for _ in 0..3 {
+        call()?;
+    }
+    let host_est_us = t.elapsed().as_secs_f64() * 1e6 / 3.0;
+    ctx.synchronize()?;
+    // A burst's queuing must fit in the head start (~700 µs of memset): K calls, and extra
+    // memsets when even one call queues slower than that.
+    let k = ((400.0 / host_est_us.max(1.0)) as usize).clamp(1, 20);
+    let memsets = ((host_est_us * k as f64) / 400.0).ceil().max(1.0) as usize;
+    let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let (mut gpu, mut host) = (Vec::new(), Vec::new());
+    for _ in 0..SAMPLES {
+        for _ in 0..memsets {
+            s.memset_zeros(head)?;
+        }
+        let a = ctx.cuda().new_event(flags)?;
+        let b = ctx.cuda().new_event(flags)?;
+        a.record(s)?;
+        let t = Instant::now();
+        for _ in 0..k {
+            call()?;
+        }
+        host.push(t.elapsed().as_secs_f64() * 1e6 / k as f64);
+        b.record(s)?;
+        b.synchronize()?;
+        gpu.push(a.elapsed_ms(&b)? as f64 * 1e3 / k as f64);
+    }
+    Ok((first_ms, median(gpu), median(host)))
+}
+
+/// The floor of one direction in µs: FLOPs over the peak or bytes over the copy bandwidth.
+fn floor_us(shape: &ConvShape, elem: usize, half: bool) -> anyhow::Result<f64> {
+    let (oh, ow) = shape.out_hw()?;
+    let flops = 2.0 * (shape.n * shape.c_out * shape.c_in * shape.kh * shape.kw * oh * ow) as f64;
+    let peak = if half {
+        PEAK_HALF_TFLOPS
+    } else {
+        PEAK_F32_TFLOPS
+    };
+    let bytes = ((shape.x_len() + shape.w_len() + shape.y_len()?) * elem) as f64;
+    Ok((flops / (peak * 1e6)).max(bytes / (COPY_TBPS * 1e6)))
+}
+
+fn run_problem<T: Element + DeviceRepr>(
+    ctx: &Context,
+    p: &Problem,
+    head: &mut CudaSlice<u8>,
+) -> anyhow::Result<Vec<(Direction, Measured)>> {
+    let s = ctx.stream();
+    let sh = &p.shape;
+    let x = upload::<T>(s, sh.x_len(), 1)?;
+    let w = upload::<T>(s, sh.w_len(), 2)?;
+    let dy = upload::<T>(s, sh.y_len()?, 3)?;
+    let mut y = s.alloc_zeros::<T>(sh.y_len()?)?;
+    let mut dx = s.alloc_zeros::<T>(sh.x_len())?;
+    let mut dw = s.alloc_zeros::<T>(sh.w_len())?;
+    let conv = Conv2d::<T>::new(ctx, sh)?;
+    let mut out = Vec::new();
+    for d in [
+        Direction::Forward,
+        Direction::BackwardData,
+        Direction::BackwardFilter,
+    ] {
+        let (first_ms, gpu_us, host_us) = match d {
+            Direction::Forward => measure(ctx, head, || conv.forward(&x, &w, &mut y))?,
+            Direction::BackwardData => measure(ctx, head, || conv.backward_data(&dy, &w, &mut dx))?,
+            Direction::BackwardFilter => {
+                measure(ctx, head, || conv.backward_filter(&x, &dy, &mut dw, false))?
+            }
+        };
+        let route = conv
+            .choice(d)
+            .map(|c| c.route.to_string())
+            .unwrap_or_else(|| "?".into());
+        out.push((
+            d,
+            Measured {
+                first_ms,
+                gpu_us,
+                host_us,
+                route,
+            },
+        ));
+    }
+    Ok(out)
+}
+
+fn direction_name(d: Direction) -> &'static str {
+    match d {
+        Direction::Forward => "fwd",
+        Direction::BackwardData => "dgrad",
+        Direction::BackwardFilter => "wgrad",
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let arg = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1).cloned())
+    };
+    let filter = arg("--filter").unwrap_or_default();
+    let mut json_out = match arg("--json") {
+        Some(path) => Some(std::fs::File::create(path)?),
+        None => None,
+    };
+    if !nnfuse::context::driver_present() {
+        eprintln!("conv_suite: no CUDA driver; nothing measured");
+        std::process::exit(3);
+    }
+    let problems = parse_problems(include_str!("conv_problems.txt"))?;
+    let ctx = Context::new(0)?;
+    println!(
+        "# Convolution suite: nnfuse auto, {} problems\n",
+        problems.len()
+    );
+    println!("{}\n", ctx.info());
+    println!("| problem | type | dir | route | first call ms | GPU µs | host µs | floor µs | floor / GPU |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    let mut head = ctx.stream().alloc_zeros::<u8>(HEAD_START_BYTES)?;
+    for p in problems.iter().filter(|p| p.name.contains(&filter)) {
+        let (rows, elem, half) = match p.dtype.as_str() {
+            "f16" => (run_problem::<f16>(&ctx, p, &mut head), 2, true),
+            "bf16" => (run_problem::<bf16>(&ctx, p, &mut head), 2, true),
+            _ => (run_problem::<f32>(&ctx, p, &mut head), 4, false),
+        };
+        let rows = match rows {
+            Ok(r) => r,
+            Err(e) => {
+                println!("| {} | {} | - | ERROR: {e} | | | | | |", p.name, p.dtype);
+                continue;
+            }
+        };
+        let floor = floor_us(&p.shape, elem, half)?;
+        for (d, m) in rows {
+            println!(
+                "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} |",
+                p.name,
+                p.dtype,
+                direction_name(d),
+                m.route,
+                m.first_ms,
+                m.gpu_us,
+                m.host_us,
+                floor,
+                floor / m.gpu_us
+            );
+            if let Some(f) = json_out.as_mut() {
+                let line = json!({
+                    "impl": "nnfuse", "problem": p.name, "dtype": p.dtype,
+                    "dir": direction_name(d), "route": m.route, "first_ms": m.first_ms,
+                    "gpu_us": m.gpu_us, "host_us": m.host_us, "floor_us": floor,
+                });
+                writeln!(f, "{line}")?;
+            }
+        }
+        ctx.synchronize()?;
+    }
+    Ok(())
+}
