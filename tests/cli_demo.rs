@@ -311,6 +311,32 @@ fn bad_arguments_exit_2_naming_them() {
 }
 
 #[test]
+fn flags_out_of_range_exit_2_naming_them() {
+    // Too large a batch names --batch (not the library's `shape`) and says the limit.
+    let out = demo(&["--batch", "3000"], &[]);
+    let (_, stderr) = text(&out);
+    fails_naming(&["--batch", "3000"], &[], "--batch");
+    assert!(stderr.contains("at most 2674"), "{stderr}");
+    assert!(!stderr.contains("`shape`"), "{stderr}");
+    // The largest batch that fits is planned (exit 3 here: no GPU).
+    let v = no_gpu_json(&["--batch", "2674"], &[]);
+    assert_eq!(v["block"]["batch"], 2674);
+    fails_naming(&["--check-batch", "64"], &[], "--check-batch");
+    fails_naming(
+        &["--batch", "4", "--check-batch", "5"],
+        &[],
+        "--check-batch",
+    );
+    fails_naming(&["--steps", "100000000000"], &[], "--steps");
+    for flag in ["--batch", "--steps", "--check-batch", "--seed", "--device"] {
+        let out = demo(&[flag, "-1"], &[]);
+        let (_, stderr) = text(&out);
+        fails_naming(&[flag, "-1"], &[], flag);
+        assert!(stderr.contains("must be ≥ 0"), "{flag}: {stderr}");
+    }
+}
+
+#[test]
 fn help_documents_the_exit_statuses() {
     let out = Command::new(binary()).arg("--help").output().expect("runs");
     let help = String::from_utf8_lossy(&out.stdout);
