@@ -505,3 +505,45 @@ fn on_a_gpu_the_text_report_is_complete() {
         assert!(stdout.contains(needle), "missing {needle:?}:\n{stdout}");
     }
 }
+
+/// The operations `docs/DEMO.md` lists as "queued in this order", in its order.
+fn documented_order() -> Vec<String> {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/DEMO.md"))
+        .expect("docs/DEMO.md is readable");
+    let table = doc
+        .split("queued in this order")
+        .nth(1)
+        .expect("DEMO.md says in which order the operations are queued");
+    table
+        .lines()
+        .skip_while(|l| !l.starts_with("| op "))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .flat_map(|row| {
+            let first = row.split('|').nth(1).unwrap_or_default().to_string();
+            first
+                .split('`')
+                .skip(1)
+                .step_by(2)
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+#[test]
+fn docs_list_the_operations_in_the_order_they_are_queued() {
+    assert_eq!(documented_order(), OPS, "docs/DEMO.md's op table");
+}
+
+#[test]
+fn the_variants_say_what_they_run_without_pointing_elsewhere() {
+    let v = no_gpu_json(&[], &[]);
+    let variants = v["variants"].as_array().expect("variants is a list");
+    let nnfuse = variants[0]["describe"].as_str().expect("a description");
+    assert!(nnfuse.contains("own kernels"), "{nnfuse}");
+    for variant in variants {
+        let text = variant["describe"].as_str().expect("a description");
+        assert!(!text.contains("issue"), "{text}");
+    }
+}
