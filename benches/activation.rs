@@ -13,6 +13,9 @@
 //! ignored. Meant to finish well within a minute on an H100 (most of it host-side data
 //! generation and uploads).
 
+#[path = "support/exit.rs"]
+mod exit;
+
 use anyhow::{Context as _, Result};
 use cudarc::driver::{CudaSlice, DevicePtr};
 use half::f16;
@@ -214,7 +217,11 @@ fn find<'a>(rows: &'a [Row], r: &Row, kernel: &str) -> Option<&'a Row> {
         .find(|o| o.shape == r.shape && o.dtype == r.dtype && o.kernel == kernel)
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    exit::finish("activation", run())
+}
+
+fn run() -> Result<()> {
     let ctx = Context::new(0).context("the activation benchmark needs a CUDA GPU")?;
     eprintln!("{}", ctx.info());
     let copy_bw = copy_bandwidth(&ctx, 1 << 30)?;

@@ -11,6 +11,9 @@
 //! the same run. The own kernels' "% of copy" counts the bytes their variant moves (two-pass:
 //! x read twice forward, x and dy twice backward).
 
+#[path = "support/exit.rs"]
+mod exit;
+
 use std::time::Instant;
 
 use anyhow::Result;
@@ -1022,7 +1025,11 @@ fn own_sections(ctx: &Context, own: &Context, bw: f64) -> Result<()> {
     Ok(())
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    exit::finish("batchnorm", run())
+}
+
+fn run() -> Result<()> {
     // The cuDNN paths are pinned (bn_impl = cudnn); `own` runs nnfuse's own kernels on the
     // same stream.
     let ctx = Context::with_config(0, Config::default().with_bn_impl(BnImpl::Cudnn))?;

@@ -16,6 +16,9 @@
 //! and f32 only. `NNFUSE_BENCH_FILTER=3x3` (or `--filter 3x3`): layers whose name contains it.
 //! Input buffers rotate past the 50 MiB L2.
 
+#[path = "support/exit.rs"]
+mod exit;
+
 use std::hint::black_box;
 use std::time::Instant;
 
@@ -494,10 +497,7 @@ fn main() -> std::process::ExitCode {
         .or_else(|| std::env::var("NNFUSE_BENCH_FILTER").ok());
     let ctx = match Context::new(0) {
         Ok(c) => c,
-        Err(e) => {
-            eprintln!("conv bench needs a GPU: {e}");
-            return std::process::ExitCode::from(2);
-        }
+        Err(e) => return exit::finish("conv", Err(e.into())),
     };
     println!("# Convolution benchmark\n\n{}\n", ctx.info());
     println!("config: {}", ctx.config().to_string().replace('\n', ", "));

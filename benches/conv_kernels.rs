@@ -28,6 +28,9 @@
 //! Run on a GPU: `cargo bench --bench conv_kernels`. Arguments are ignored. About a minute on
 //! an H100.
 
+#[path = "support/exit.rs"]
+mod exit;
+
 use anyhow::{Context as _, Result};
 use cudarc::driver::CudaSlice;
 use half::f16;
@@ -254,7 +257,11 @@ fn layer(
     }
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    exit::finish("conv_kernels", run())
+}
+
+fn run() -> Result<()> {
     let ctx = Context::new(0).context("the conv_kernels benchmark needs a CUDA GPU")?;
     eprintln!("{}", ctx.info());
     let copy_bw = copy_bandwidth(&ctx, 1 << 30)?;

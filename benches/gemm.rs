@@ -14,6 +14,9 @@
 //!
 //! `cargo bench --bench gemm` (on a GPU). `NNFUSE_BENCH_QUICK=1` runs two small shapes only.
 
+#[path = "support/exit.rs"]
+mod exit;
+
 use std::hint::black_box;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -326,13 +329,7 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    match run() {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("gemm bench: {e}");
-            ExitCode::from(2)
-        }
-    }
+    exit::finish("gemm", run().map_err(Into::into))
 }
 
 fn fmt_paired(p: &Option<Paired>) -> String {

@@ -8,6 +8,9 @@
 //! round gives µs per call. The GPU time of one call (CUDA events) is printed next to it: when
 //! it is close to the host time the case is GPU-bound and the host number is an upper bound.
 
+#[path = "support/exit.rs"]
+mod exit;
+
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -150,11 +153,11 @@ impl BnStep {
     }
 }
 
-fn main() -> anyhow::Result<()> {
-    if !nnfuse::context::driver_present() {
-        println!("host_overhead: no CUDA driver; nothing measured");
-        return Ok(());
-    }
+fn main() -> std::process::ExitCode {
+    exit::finish("host_overhead", run())
+}
+
+fn run() -> anyhow::Result<()> {
     let ctx = Context::with_config(0, Config::default())?;
     let s = ctx.stream().clone();
     println!("# Host overhead per call ({CALLS} calls a round, median of {ROUNDS} rounds)\n");

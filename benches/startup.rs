@@ -21,6 +21,9 @@
 //! `cargo bench --bench startup` (on a GPU; about 30 s). `NNFUSE_STARTUP_RUNS=n` sets the runs
 //! per scenario (default 3).
 
+#[path = "support/exit.rs"]
+mod exit;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::time::Instant;
@@ -209,10 +212,6 @@ fn fresh(root: &Path, name: &str) -> PathBuf {
 }
 
 fn parent() -> Result<(), String> {
-    if !nnfuse::context::driver_present() {
-        println!("startup bench: no CUDA driver on this machine; nothing to measure");
-        return Ok(());
-    }
     let runs: usize = std::env::var("NNFUSE_STARTUP_RUNS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -381,11 +380,10 @@ fn main() -> ExitCode {
             }
         };
     }
-    match parent() {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("startup bench: {e}");
-            ExitCode::FAILURE
-        }
+    if !nnfuse::context::driver_present() {
+        let why =
+            nnfuse::Error::NoDevice("no CUDA driver on this machine; nothing measured".into());
+        return exit::finish("startup", Err(why.into()));
     }
+    exit::finish("startup", parent().map_err(anyhow::Error::msg))
 }

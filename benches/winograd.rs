@@ -34,6 +34,9 @@
 //! `cargo bench --bench winograd` on a GPU; `NNFUSE_BENCH_QUICK=1` runs batch 32 and f16 only.
 //! About a minute on an H100.
 
+#[path = "support/exit.rs"]
+mod exit;
+
 use std::time::Instant;
 
 use anyhow::{Context as _, Result};
@@ -597,7 +600,11 @@ fn e_bytes<T: Element>(n: usize) -> usize {
     n * T::DTYPE.size()
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    exit::finish("winograd", run())
+}
+
+fn run() -> Result<()> {
     let ctx = Context::new(0).context("the Winograd bench needs a CUDA GPU")?;
     println!("# Winograd bench on {}", ctx.info());
     let quick = std::env::var("NNFUSE_BENCH_QUICK").is_ok_and(|v| v == "1");

@@ -149,41 +149,127 @@ pub(crate) trait CallExt<T> {
     fn call(self, call: &'static str) -> Result<T>;
 }
 
-impl<T> CallExt<T> for std::result::Result<T, cudarc::driver::DriverError> {
-    fn call(self, call: &'static str) -> Result<T> {
-        self.map_err(|e| Error::Driver {
+/// A cudarc error type and how it becomes an [`Error`] naming the call.
+trait Status {
+    fn into_error(self, call: &'static str) -> Error;
+}
+
+impl Status for cudarc::driver::DriverError {
+    fn into_error(self, call: &'static str) -> Error {
+        Error::Driver {
             call,
-            status: format!("{e:?}"),
-        })
+            status: format!("{self:?}"),
+        }
     }
 }
 
-impl<T> CallExt<T> for std::result::Result<T, cudarc::cudnn::result::CudnnError> {
-    fn call(self, call: &'static str) -> Result<T> {
-        self.map_err(|e| Error::Cudnn {
+impl Status for cudarc::cudnn::CudnnError {
+    fn into_error(self, call: &'static str) -> Error {
+        Error::Cudnn {
             call,
-            status: CudnnStatus(e.0),
-        })
+            status: CudnnStatus(self.0),
+        }
     }
 }
 
-impl<T> CallExt<T> for std::result::Result<T, cudarc::cublas::result::CublasError> {
-    fn call(self, call: &'static str) -> Result<T> {
-        self.map_err(|e| Error::Cublas {
+impl Status for cudarc::cublas::result::CublasError {
+    fn into_error(self, call: &'static str) -> Error {
+        Error::Cublas {
             call,
-            status: format!("{e:?}"),
-        })
+            status: format!("{self:?}"),
+        }
     }
 }
 
-impl<T> CallExt<T> for std::result::Result<T, cudarc::cublaslt::result::CublasError> {
-    fn call(self, call: &'static str) -> Result<T> {
-        self.map_err(|e| Error::Cublas {
+impl Status for cudarc::cublaslt::result::CublasError {
+    fn into_error(self, call: &'static str) -> Error {
+        Error::Cublas {
             call,
-            status: format!("{e:?}"),
-        })
+            status: format!("{self:?}"),
+        }
     }
 }
+
+impl<T, E: Status> CallExt<T> for std::result::Result<T, E> {
+    fn call(self, call: &'static str) -> Result<T> {
+        self.map_err(|e| e.into_error(call))
+    }
+}
+
+/// The name [`Error`] gives a failed call that the caller made through cudarc itself (an
+/// allocation, a copy, a handle): nnfuse knows its library, not the function.
+const CUDARC_CALL: &str = "cudarc";
+
+/// `?` on a cudarc driver call (e.g. `stream.alloc_zeros`) in a function returning
+/// [`Result`]; the call is named `cudarc`.
+impl From<cudarc::driver::DriverError> for Error {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        e.into_error(CUDARC_CALL)
+    }
+}
+
+/// `?` on a cudarc cuDNN call; the raw status is kept ([`Error::is_cudnn_not_supported`]).
+impl From<cudarc::cudnn::CudnnError> for Error {
+    fn from(e: cudarc::cudnn::CudnnError) -> Self {
+        e.into_error(CUDARC_CALL)
+    }
+}
+
+/// `?` on a cudarc cuBLAS call.
+impl From<cudarc::cublas::result::CublasError> for Error {
+    fn from(e: cudarc::cublas::result::CublasError) -> Self {
+        e.into_error(CUDARC_CALL)
+    }
+}
+
+/// `?` on a cudarc cuBLASLt call.
+impl From<cudarc::cublaslt::result::CublasError> for Error {
+    fn from(e: cudarc::cublaslt::result::CublasError) -> Self {
+        e.into_error("cudarc (cuBLASLt)")
+    }
+}
+
+/// `?` on a cudarc NVRTC call (`cudarc::nvrtc::result`).
+impl From<cudarc::nvrtc::result::NvrtcError> for Error {
+    fn from(e: cudarc::nvrtc::result::NvrtcError) -> Self {
+        Error::Nvrtc {
+            file: CUDARC_PROGRAM,
+            arch: "(the caller's options)".into(),
+            status: format!("{e:?}"),
+            log: String::new(),
+        }
+    }
+}
+
+/// `?` on `cudarc::nvrtc::compile_ptx` and its kin: the compiler log is kept.
+impl From<cudarc::nvrtc::CompileError> for Error {
+    fn from(e: cudarc::nvrtc::CompileError) -> Self {
+        use cudarc::nvrtc::CompileError as C;
+        let (status, options, log) = match e {
+            C::CompileError {
+                nvrtc,
+                options,
+                log,
+            } => (nvrtc, options.join(" "), log.to_string_lossy().into_owned()),
+            C::CreationError(s) | C::GetLogError(s) | C::GetPtxError(s) | C::DestroyError(s) => {
+                (s, String::new(), String::new())
+            }
+        };
+        Error::Nvrtc {
+            file: CUDARC_PROGRAM,
+            arch: if options.is_empty() {
+                "(the caller's options)".into()
+            } else {
+                options
+            },
+            status: format!("{status:?}"),
+            log,
+        }
+    }
+}
+
+/// What [`Error::Nvrtc`] names as the file of a program the caller compiled through cudarc.
+const CUDARC_PROGRAM: &str = "(a program compiled through cudarc)";
 
 /// Checks a raw cuDNN status.
 #[allow(dead_code)] // used by the BatchNorm module
@@ -207,6 +293,49 @@ mod tests {
         let e = cudnn_check(cudnnStatus_t::CUDNN_STATUS_BAD_PARAM, "cudnnY").unwrap_err();
         assert!(!e.is_cudnn_not_supported());
         assert!(cudnn_check(cudnnStatus_t::CUDNN_STATUS_SUCCESS, "cudnnZ").is_ok());
+    }
+
+    /// A framework author's function: `?` on cudarc's own calls works in an nnfuse::Result.
+    fn callers_function(
+        alloc: std::result::Result<(), cudarc::driver::DriverError>,
+        blas: std::result::Result<(), cudarc::cublas::result::CublasError>,
+        dnn: std::result::Result<(), cudarc::cudnn::CudnnError>,
+    ) -> Result<()> {
+        alloc?;
+        blas?;
+        dnn?;
+        Ok(())
+    }
+
+    #[test]
+    fn question_mark_works_on_cudarc_errors_and_names_cudarc() {
+        // Printing a DriverError asks the driver for its message: only where there is one
+        // (a DriverError only ever comes from a driver call).
+        if crate::context::driver_present() {
+            use cudarc::driver::sys::CUresult;
+            let oom = cudarc::driver::DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY);
+            let e = callers_function(Err(oom), Ok(()), Ok(())).unwrap_err();
+            assert!(matches!(e, Error::Driver { call: "cudarc", .. }), "{e:?}");
+            assert!(e.to_string().contains("CUDA_ERROR_OUT_OF_MEMORY"), "{e}");
+        }
+        let blas = cudarc::cublas::result::CublasError(
+            cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED,
+        );
+        let e = callers_function(Ok(()), Err(blas), Ok(())).unwrap_err();
+        assert!(matches!(e, Error::Cublas { call: "cudarc", .. }), "{e:?}");
+        let dnn = cudarc::cudnn::CudnnError(cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED);
+        let e = callers_function(Ok(()), Ok(()), Err(dnn)).unwrap_err();
+        assert!(e.is_cudnn_not_supported(), "{e:?}");
+        let lt = cudarc::cublaslt::result::CublasError(
+            cudarc::cublaslt::sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED,
+        );
+        assert!(Error::from(lt).to_string().contains("cudarc"));
+        let nvrtc = cudarc::nvrtc::result::NvrtcError(
+            cudarc::nvrtc::sys::nvrtcResult::NVRTC_ERROR_COMPILATION,
+        );
+        assert!(Error::from(nvrtc)
+            .to_string()
+            .contains("NVRTC_ERROR_COMPILATION"));
     }
 
     #[test]

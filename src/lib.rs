@@ -40,6 +40,9 @@ mod testutil;
 
 pub use config::{BnImpl, BnModePolicy, Config, ConvAlgoPolicy, WinogradGemmPolicy};
 pub use context::{Context, DeviceInfo};
+/// The cudarc crate nnfuse is built on: buffers are its `CudaSlice` / `CudaView` types, so a
+/// caller needs the same major version — this re-export is it (`nnfuse::cudarc::driver::...`).
+pub use cudarc;
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use layout::{infer_channel_layout, ChannelLayout, TensorFormat};

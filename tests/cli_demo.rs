@@ -311,6 +311,32 @@ fn bad_arguments_exit_2_naming_them() {
 }
 
 #[test]
+fn flags_out_of_range_exit_2_naming_them() {
+    // Too large a batch names --batch (not the library's `shape`) and says the limit.
+    let out = demo(&["--batch", "3000"], &[]);
+    let (_, stderr) = text(&out);
+    fails_naming(&["--batch", "3000"], &[], "--batch");
+    assert!(stderr.contains("at most 2674"), "{stderr}");
+    assert!(!stderr.contains("`shape`"), "{stderr}");
+    // The largest batch that fits is planned (exit 3 here: no GPU).
+    let v = no_gpu_json(&["--batch", "2674"], &[]);
+    assert_eq!(v["block"]["batch"], 2674);
+    fails_naming(&["--check-batch", "64"], &[], "--check-batch");
+    fails_naming(
+        &["--batch", "4", "--check-batch", "5"],
+        &[],
+        "--check-batch",
+    );
+    fails_naming(&["--steps", "100000000000"], &[], "--steps");
+    for flag in ["--batch", "--steps", "--check-batch", "--seed", "--device"] {
+        let out = demo(&[flag, "-1"], &[]);
+        let (_, stderr) = text(&out);
+        fails_naming(&[flag, "-1"], &[], flag);
+        assert!(stderr.contains("must be ≥ 0"), "{flag}: {stderr}");
+    }
+}
+
+#[test]
 fn help_documents_the_exit_statuses() {
     let out = Command::new(binary()).arg("--help").output().expect("runs");
     let help = String::from_utf8_lossy(&out.stdout);
@@ -477,5 +503,47 @@ fn on_a_gpu_the_text_report_is_complete() {
         "host time to queue one step",
     ] {
         assert!(stdout.contains(needle), "missing {needle:?}:\n{stdout}");
+    }
+}
+
+/// The operations `docs/DEMO.md` lists as "queued in this order", in its order.
+fn documented_order() -> Vec<String> {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/DEMO.md"))
+        .expect("docs/DEMO.md is readable");
+    let table = doc
+        .split("queued in this order")
+        .nth(1)
+        .expect("DEMO.md says in which order the operations are queued");
+    table
+        .lines()
+        .skip_while(|l| !l.starts_with("| op "))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .flat_map(|row| {
+            let first = row.split('|').nth(1).unwrap_or_default().to_string();
+            first
+                .split('`')
+                .skip(1)
+                .step_by(2)
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+#[test]
+fn docs_list_the_operations_in_the_order_they_are_queued() {
+    assert_eq!(documented_order(), OPS, "docs/DEMO.md's op table");
+}
+
+#[test]
+fn the_variants_say_what_they_run_without_pointing_elsewhere() {
+    let v = no_gpu_json(&[], &[]);
+    let variants = v["variants"].as_array().expect("variants is a list");
+    let nnfuse = variants[0]["describe"].as_str().expect("a description");
+    assert!(nnfuse.contains("own kernels"), "{nnfuse}");
+    for variant in variants {
+        let text = variant["describe"].as_str().expect("a description");
+        assert!(!text.contains("issue"), "{text}");
     }
 }

@@ -400,3 +400,81 @@ fn bad_input_exits_2_naming_the_argument() {
     // A missing --shape is clap's usage error, also exit 2.
     fails_naming(&nnfuse_plan(&[], &[]), "--shape");
 }
+
+/// Exit code 2 naming `what` and saying `why`.
+fn fails_saying(out: &Output, what: &str, why: &str) {
+    fails_naming(out, what);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(why), "stderr should say {why:?}: {stderr}");
+}
+
+#[test]
+fn flags_of_the_convolution_plan_are_refused_not_ignored() {
+    for flag in [
+        &["--stride", "0"][..],
+        &["--pad", "1"],
+        &["--dilation", "2"],
+        &["--format", "bogus"],
+        &["--format", "nhwc"],
+        &["--direction", "backward-data"],
+        &["--winograd-gemm", "fused"],
+        &["--deterministic", "true"],
+        &["--workspace-mb", "64"],
+        &["--cudnn", "absent"],
+    ] {
+        let args = [&["--shape", "2,3"][..], flag].concat();
+        fails_saying(&nnfuse_plan(&args, &[]), flag[0], "convolution plan only");
+    }
+}
+
+#[test]
+fn contradictory_flags_exit_2_naming_both() {
+    for (args, a, b) in [
+        (
+            &["--no-cudnn", "--cudnn", "present"][..],
+            "--no-cudnn",
+            "--cudnn",
+        ),
+        (
+            &["--no-cudnn", "--cudnn-version", "91900"],
+            "--no-cudnn",
+            "--cudnn-version",
+        ),
+    ] {
+        let args = [&["--shape", "2,3"][..], args].concat();
+        let out = nnfuse_plan(&args, &[]);
+        fails_naming(&out, a);
+        fails_naming(&out, b);
+    }
+}
+
+#[test]
+fn cudnn_versions_that_name_no_release_are_refused() {
+    for v in ["0", "0.0.0", "999", "12345", "1000000"] {
+        let out = nnfuse_plan(&["--shape", "2,3", "--cudnn-version", v], &[]);
+        fails_saying(&out, "--cudnn-version", "no cuDNN release");
+    }
+    let v = json(&["--shape", "2,3"], &[]);
+    assert_eq!(v["cudnn_version"], 91900);
+}
+
+#[test]
+fn errors_name_what_the_user_typed() {
+    // The true element count, not a saturated one.
+    let out = nnfuse_plan(&["--shape", "4294967296,4294967296,2"], &[]);
+    fails_saying(&out, "--shape", "36893488147419103232 elements");
+    // A negative number is a value that must be ≥ 0, not an unknown flag.
+    fails_saying(
+        &nnfuse_plan(&["--shape", "-1,3"], &[]),
+        "shape[0]",
+        "must be ≥ 0",
+    );
+    fails_saying(
+        &nnfuse_plan(&["--shape", "2,-3"], &[]),
+        "shape[1]",
+        "must be ≥ 0",
+    );
+    // A negative axis still counts from the end.
+    let v = json(&["--shape", "2,3", "--axis", "-1"], &[]);
+    assert_eq!(v["axis"], 1);
+}

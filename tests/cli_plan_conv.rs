@@ -273,3 +273,40 @@ fn batchnorm_plans_still_work_beside_conv() {
     // Neither --shape nor --conv: a usage error.
     assert_eq!(nnfuse_plan(&[], &[]).status.code(), Some(2));
 }
+
+#[test]
+fn flags_of_the_batchnorm_plan_are_refused_not_ignored() {
+    let base = ["--conv", "1,3,5,5,8,3,3"];
+    for flag in [
+        &["--axis", "7"][..],
+        &["--impl", "bogus"],
+        &["--impl", "own"],
+        &["--own-variant", "two-pass"],
+        &["--no-cudnn"],
+        &["--shape", "2,3"],
+        &["--fuse", "relu"],
+        &["--inference"],
+        &["--no-fusion"],
+        &["--cudnn-version", "91900"],
+    ] {
+        let out = nnfuse_plan(&[&base[..], flag].concat(), &[]);
+        fails_naming(&out, flag[0]);
+        fails_naming(&out, "--conv");
+    }
+}
+
+#[test]
+fn negative_numbers_must_be_non_negative() {
+    for (args, what) in [
+        (&["--conv", "-1,3,5,5,8,3,3"][..], "--conv[0] (n)"),
+        (&["--conv", "1,3,5,5,8,3,3", "--stride", "-1"], "--stride"),
+        (&["--conv", "1,3,5,5,8,3,3", "--pad", "1,-1"], "--pad"),
+    ] {
+        let out = nnfuse_plan(args, &[]);
+        fails_naming(&out, what);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("must be ≥ 0"), "{args:?}: {stderr}");
+    }
+    let out = nnfuse_plan(&["--conv", "1,3,5,5,8,3,3", "--workspace-mb", "-5"], &[]);
+    fails_naming(&out, "--workspace-mb");
+}

@@ -39,8 +39,9 @@ use variants::Variant;
 /// Arguments of `nnfuse demo`.
 #[derive(Args, Debug)]
 pub struct DemoArgs {
-    /// Batch of the timed training steps.
-    #[arg(long, default_value_t = 32)]
+    /// Batch of the timed training steps (at most 2674: the block's largest activation,
+    /// 256x56x56 per sample, must have fewer than 2^31 elements).
+    #[arg(long, default_value_t = 32, allow_negative_numbers = true, value_parser = crate::non_negative::<usize>)]
     batch: usize,
     /// Element type of activations, filters and the GEMM: f16, bf16 or f32.
     #[arg(long, default_value = "f16")]
@@ -48,11 +49,11 @@ pub struct DemoArgs {
     /// Memory format: nhwc (KRSC filters) or nchw (KCRS filters).
     #[arg(long, default_value = "nhwc")]
     format: String,
-    /// Timed training steps (after the untimed warm-up steps).
-    #[arg(long, default_value_t = 20)]
+    /// Timed training steps (after the untimed warm-up steps), 1 to 10000.
+    #[arg(long, default_value_t = 20, allow_negative_numbers = true, value_parser = crate::non_negative::<usize>)]
     steps: usize,
-    /// Batch of the correctness check against f64.
-    #[arg(long, default_value_t = 2)]
+    /// Batch of the correctness check against f64 (at most --batch).
+    #[arg(long, default_value_t = 2, allow_negative_numbers = true, value_parser = crate::non_negative::<usize>)]
     check_batch: usize,
     /// Skip the correctness check.
     #[arg(long)]
@@ -64,10 +65,10 @@ pub struct DemoArgs {
     #[arg(long)]
     explain: bool,
     /// Seed of the random inputs (default: from the clock, printed).
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = crate::non_negative::<u64>)]
     seed: Option<u64>,
     /// CUDA device ordinal.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = crate::non_negative::<usize>)]
     device: usize,
 }
 
@@ -87,6 +88,38 @@ fn at_least_one(flag: &str, v: usize) -> nnfuse::Result<usize> {
         return Err(Error::invalid(flag, "must be at least 1"));
     }
     Ok(v)
+}
+
+/// The most timed steps: enough for any timing, few enough that a typo (an extra 0 or three)
+/// is an error instead of an hour of GPU time.
+const MAX_STEPS: usize = 10_000;
+
+/// The batch checked against the block's largest activation, which must have fewer than 2^31
+/// elements (the i32 of cuDNN's descriptors and nnfuse's kernels): an error naming `flag`.
+fn batch_fits(
+    flag: &str,
+    batch: usize,
+    dtype: DType,
+    format: TensorFormat,
+) -> nnfuse::Result<usize> {
+    let one = BlockDef::resnet50(1, dtype, format);
+    let per_sample = one.act_len(one.c.max(one.mid));
+    let max = i32::MAX as usize / per_sample;
+    if batch > max {
+        return Err(Error::invalid(
+            flag,
+            format!(
+                "{batch} makes the block's largest activation ({} x {}x{} per sample) {} \
+                 elements, more than {} (i32); at most {max}",
+                one.c.max(one.mid),
+                one.hw,
+                one.hw,
+                batch as u128 * per_sample as u128,
+                i32::MAX
+            ),
+        ));
+    }
+    Ok(batch)
 }
 
 /// `9.19.0 (91900)`.
@@ -167,12 +200,30 @@ pub fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         )
     })?;
     let format = parse_format(&args.format)?;
-    let batch = at_least_one("--batch", args.batch)?;
+    let batch = batch_fits(
+        "--batch",
+        at_least_one("--batch", args.batch)?,
+        dtype,
+        format,
+    )?;
     let steps = at_least_one("--steps", args.steps)?;
+    if steps > MAX_STEPS {
+        return Err(Error::invalid("--steps", format!("{steps} is more than {MAX_STEPS}")).into());
+    }
     let check_batch = if args.no_check {
         None
     } else {
-        Some(at_least_one("--check-batch", args.check_batch)?)
+        let b = at_least_one("--check-batch", args.check_batch)?;
+        if b > batch {
+            return Err(Error::invalid(
+                "--check-batch",
+                format!(
+                    "{b} is more than --batch {batch}: the check runs a smaller copy of the step"
+                ),
+            )
+            .into());
+        }
+        Some(b)
     };
     let config = Config::from_env()?;
     let def = BlockDef::resnet50(batch, dtype, format);

@@ -7,20 +7,20 @@ use nnfuse::context::{
 };
 use nnfuse::{kernels, BnImpl, Config};
 
-/// Prints one line per component; exits 1 when the device or a library is missing.
+/// Prints one line per component, one `MISSING` line per missing piece; the exit status is 0
+/// (everything found), 2 (invalid configuration) or 3 (no GPU, or a CUDA library missing).
 pub fn run() -> anyhow::Result<ExitCode> {
-    let mut ok = true;
+    let mut missing = false;
     let mut line = |what: &str, r: Result<String, nnfuse::Error>| match r {
         Ok(v) => println!("{what:<10} {v}"),
         Err(e) => {
-            ok = false;
+            missing = true;
             println!("{what:<10} MISSING: {e}");
         }
     };
-    line(
-        "driver",
-        driver_version().map(|(a, b)| format!("CUDA {a}.{b}")),
-    );
+    let driver = driver_version();
+    let driver_found = driver.is_ok();
+    line("driver", driver.map(|(a, b)| format!("CUDA {a}.{b}")));
     line(
         "cuDNN",
         cudnn_version().map(|v| format!("{}.{}.{} ({v})", v / 10000, (v / 100) % 100, v % 100)),
@@ -35,11 +35,16 @@ pub fn run() -> anyhow::Result<ExitCode> {
         kernels::nvrtc_version().map(|(a, b)| format!("{a}.{b}")),
     );
     let config = Config::from_env_once();
-    let device = match &config {
-        Ok(c) => Context::with_config(0, c.clone()).map(|ctx| ctx.info().to_string()),
-        Err(e) => Err(nnfuse::Error::NotSupported(format!("configuration: {e}"))),
-    };
-    line("device", device);
+    // Without the driver the device cannot be probed: that is the driver's line, not a second
+    // missing piece.
+    match &config {
+        Ok(c) if driver_found => line(
+            "device",
+            Context::with_config(0, c.clone()).map(|ctx| ctx.info().to_string()),
+        ),
+        Ok(_) => println!("{:<10} not probed (no CUDA driver)", "device"),
+        Err(_) => println!("{:<10} not probed (invalid configuration, below)", "device"),
+    }
     // BatchNorm works without cuDNN (on nnfuse's own kernels): say which side runs.
     let bn = match (&config, cudnn_present()) {
         (_, false) => "nnfuse's own kernels for every shape (cuDNN not found)".to_string(),
@@ -54,20 +59,25 @@ pub fn run() -> anyhow::Result<ExitCode> {
             .to_string(),
     };
     println!("{:<10} {bn}", "BatchNorm");
-    match config {
-        Ok(c) => println!("config:\n{}", indent(&c.to_string())),
-        Err(e) => {
-            ok = false;
-            println!("config     INVALID: {e}");
+    let config_ok = match config {
+        Ok(c) => {
+            println!("config:\n{}", indent(&c.to_string()));
+            true
         }
-    }
-    if !ok {
+        Err(e) => {
+            println!("config     INVALID: {e}");
+            false
+        }
+    };
+    if missing {
         eprintln!("nnfuse: something is missing (see above); GPU operations will fail");
     }
-    Ok(if ok {
-        ExitCode::SUCCESS
+    Ok(if !config_ok {
+        ExitCode::from(2)
+    } else if missing {
+        ExitCode::from(crate::EXIT_NO_GPU)
     } else {
-        ExitCode::from(1)
+        ExitCode::SUCCESS
     })
 }
 

@@ -23,11 +23,11 @@ use nnfuse::{BnImpl, BnModePolicy, Config, DType, Error};
 #[derive(Args, Debug)]
 pub struct PlanArgs {
     /// Tensor shape, row-major: dims separated by commas or `x` (16,32,112,112 or 16x32x112x112).
-    #[arg(long, required_unless_present = "conv")]
+    #[arg(long, required_unless_present = "conv", allow_hyphen_values = true)]
     shape: Option<String>,
-    /// Channel axis; negative counts from the end (-1: the last dim).
-    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
-    axis: i64,
+    /// Channel axis; negative counts from the end (-1: the last dim) [default: 1].
+    #[arg(long, allow_negative_numbers = true)]
+    axis: Option<i64>,
     /// Activation type: f32, f16, bf16.
     #[arg(long, default_value = "f32")]
     dtype: String,
@@ -59,11 +59,11 @@ pub struct PlanArgs {
     /// BatchNorm implementation: auto, cudnn, own (overrides NNFUSE_BN_IMPL).
     #[arg(long = "impl", value_name = "IMPL")]
     bn_impl: Option<String>,
-    /// Variant of nnfuse's own training kernels: auto, two-pass, persistent.
-    #[arg(long, value_name = "VARIANT", default_value = "auto")]
-    own_variant: String,
+    /// Variant of nnfuse's own training kernels: auto, two-pass, persistent [default: auto].
+    #[arg(long, value_name = "VARIANT")]
+    own_variant: Option<String>,
     /// Plan as on a machine without cuDNN (every shape on nnfuse's own kernels).
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["cudnn_version", "cudnn"])]
     no_cudnn: bool,
 }
 
@@ -94,17 +94,65 @@ fn parse_shape(s: &str) -> nnfuse::Result<Vec<usize>> {
         .split([',', 'x'])
         .enumerate()
         .map(|(i, d)| {
-            d.trim().parse::<usize>().map_err(|_| {
-                Error::invalid(
-                    format!("shape[{i}]"),
-                    format!(
-                        "{:?} in --shape {s:?} is not a non-negative integer",
-                        d.trim()
-                    ),
-                )
+            crate::non_negative::<usize>(d).map_err(|why| {
+                Error::invalid(format!("shape[{i}]"), format!("{why} (--shape {s:?})"))
             })
         })
         .collect()
+}
+
+/// Rejects a shape whose element count no machine can address, with the true count (the
+/// library's own check would see a saturated product).
+fn check_count(shape: &[usize]) -> nnfuse::Result<()> {
+    let count = shape
+        .iter()
+        .try_fold(1u128, |p, &d| p.checked_mul(d as u128));
+    match count {
+        Some(c) if c <= usize::MAX as u128 => Ok(()),
+        _ => Err(Error::invalid(
+            "--shape",
+            format!(
+                "{} = {} elements, more than any tensor can hold",
+                shape
+                    .iter()
+                    .map(usize::to_string)
+                    .collect::<Vec<_>>()
+                    .join(" x "),
+                count.map_or_else(|| "over 2^128".to_string(), |c| c.to_string())
+            ),
+        )),
+    }
+}
+
+/// The flags that only the other kind of plan reads: an error naming the first one given,
+/// never silently ignored.
+fn check_kind(args: &PlanArgs) -> nnfuse::Result<()> {
+    let c = &args.conv;
+    let conv_only = [
+        ("--stride", c.stride.is_some()),
+        ("--pad", c.pad.is_some()),
+        ("--dilation", c.dilation.is_some()),
+        ("--format", c.format.is_some()),
+        ("--direction", c.direction.is_some()),
+        ("--winograd-gemm", c.winograd_gemm.is_some()),
+        ("--deterministic", c.deterministic.is_some()),
+        ("--workspace-mb", c.workspace_mb.is_some()),
+        ("--cudnn", c.cudnn.is_some()),
+    ];
+    match conv_only.iter().find(|(_, given)| *given) {
+        Some((flag, _)) if c.conv.is_none() => Err(Error::invalid(
+            *flag,
+            format!(
+                "applies to the convolution plan only (--conv N,C,H,W,K,R,S){}",
+                if *flag == "--cudnn" {
+                    "; the BatchNorm plan takes --no-cudnn or --cudnn-version"
+                } else {
+                    ""
+                }
+            ),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// A negative axis counts from the end, as in PyTorch; out of range is left to the plan, which
@@ -130,7 +178,7 @@ fn parse_cudnn_version(s: &str) -> nnfuse::Result<usize> {
     };
     let s = s.trim();
     let parts: Vec<&str> = s.split('.').collect();
-    match parts.as_slice() {
+    let v = match parts.as_slice() {
         [n] => n.parse().map_err(|_| bad()),
         [major, minor, patch] => {
             let [major, minor, patch] = [major, minor, patch].map(|p| p.parse::<usize>().ok());
@@ -146,6 +194,18 @@ fn parse_cudnn_version(s: &str) -> nnfuse::Result<usize> {
             }
         }
         _ => Err(bad()),
+    }?;
+    // 1.0.0-8.9.99 in the old numbering, 9.0.0 on in the new; anything else names no release.
+    if (1000..9000).contains(&v) || (90_000..1_000_000).contains(&v) {
+        Ok(v)
+    } else {
+        Err(Error::invalid(
+            "--cudnn-version",
+            format!(
+                "{s:?} is no cuDNN release: versions before 9 are major*1000 + minor*100 + patch \
+                 (1000 to 8999, e.g. 8907), from 9 on major*10000 + minor*100 + patch (e.g. 91900)"
+            ),
+        ))
     }
 }
 
@@ -176,6 +236,7 @@ fn cudnn_version(given: Option<&str>, no_cudnn: bool) -> nnfuse::Result<(usize, 
 
 /// Prints the plan (text or JSON); invalid input is an error (exit 2, message on stderr).
 pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
+    check_kind(&args)?;
     if let Some(conv) = &args.conv.conv {
         let policy = args.policy.as_deref();
         return crate::plan_conv::run(&args.conv, conv, &args.dtype, policy, args.json);
@@ -205,17 +266,16 @@ pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
             Error::invalid("--impl", format!("{i:?} is not one of auto, cudnn, own"))
         })?;
     }
-    let own_variant: OwnVariantChoice = args.own_variant.parse().map_err(|_| {
+    let own_variant = args.own_variant.as_deref().unwrap_or("auto");
+    let own_variant: OwnVariantChoice = own_variant.parse().map_err(|_| {
         Error::invalid(
             "--own-variant",
-            format!(
-                "{:?} is not one of auto, two-pass, persistent",
-                args.own_variant
-            ),
+            format!("{own_variant:?} is not one of auto, two-pass, persistent"),
         )
     })?;
     let shape = parse_shape(args.shape.as_deref().unwrap_or_default())?;
-    let axis = resolve_axis(args.axis, shape.len())?;
+    check_count(&shape)?;
+    let axis = resolve_axis(args.axis.unwrap_or(1), shape.len())?;
     let dtype: DType = args.dtype.parse()?;
     let fuse: Fuse = args.fuse.parse()?;
     let phase = if args.inference {
@@ -325,7 +385,10 @@ mod tests {
         assert_eq!(version_string(91900), "9.19.0");
         assert_eq!(version_string(7401), "7.4.1");
         assert_eq!(version_string(8907), "8.9.7");
-        for bad in ["9.19", "nine", "7.14.1", "9.1.100", ""] {
+        for bad in [
+            "9.19", "nine", "7.14.1", "9.1.100", "", "0", "0.0.0", "999", "9000", "12345",
+            "1000000",
+        ] {
             let e = parse_cudnn_version(bad).unwrap_err();
             assert_eq!(e.argument(), Some("--cudnn-version"), "{bad}");
         }

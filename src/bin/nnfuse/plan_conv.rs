@@ -22,40 +22,44 @@ pub struct ConvArgs {
     #[arg(
         long,
         value_name = "N,C,H,W,K,R,S",
-        conflicts_with_all = ["shape", "fuse", "inference", "nhwc", "no_fusion", "cudnn_version"],
+        allow_hyphen_values = true,
+        conflicts_with_all = [
+            "shape", "axis", "fuse", "inference", "nhwc", "no_fusion", "cudnn_version",
+            "bn_impl", "own_variant", "no_cudnn",
+        ],
         help_heading = "Convolution (--conv)"
     )]
     pub conv: Option<String>,
-    /// Stride: sh,sw (or one value for both).
+    /// Stride: sh,sw (or one value for both) [default: 1,1].
     #[arg(
         long,
-        default_value = "1,1",
         value_name = "SH,SW",
+        allow_hyphen_values = true,
         help_heading = "Convolution (--conv)"
     )]
-    pub stride: String,
-    /// Zero padding on both sides: ph,pw (or one value for both).
+    pub stride: Option<String>,
+    /// Zero padding on both sides: ph,pw (or one value for both) [default: 0,0].
     #[arg(
         long,
-        default_value = "0,0",
         value_name = "PH,PW",
+        allow_hyphen_values = true,
         help_heading = "Convolution (--conv)"
     )]
-    pub pad: String,
-    /// Dilation: dh,dw (or one value for both).
+    pub pad: Option<String>,
+    /// Dilation: dh,dw (or one value for both) [default: 1,1].
     #[arg(
         long,
-        default_value = "1,1",
         value_name = "DH,DW",
+        allow_hyphen_values = true,
         help_heading = "Convolution (--conv)"
     )]
-    pub dilation: String,
-    /// Memory format: nchw (KCRS filter) or nhwc (KRSC filter).
-    #[arg(long, default_value = "nchw", help_heading = "Convolution (--conv)")]
-    pub format: String,
-    /// Which computation: forward, backward-data, backward-filter.
-    #[arg(long, default_value = "forward", help_heading = "Convolution (--conv)")]
-    pub direction: String,
+    pub dilation: Option<String>,
+    /// Memory format: nchw (KCRS filter) or nhwc (KRSC filter) [default: nchw].
+    #[arg(long, help_heading = "Convolution (--conv)")]
+    pub format: Option<String>,
+    /// Which computation: forward, backward-data, backward-filter [default: forward].
+    #[arg(long, help_heading = "Convolution (--conv)")]
+    pub direction: Option<String>,
     /// Winograd's batched multiply: auto, seed, tensor_core, direct, fused (overrides
     /// NNFUSE_WINOGRAD_GEMM). With --conv, --policy takes auto, cudnn, im2col, winograd,
     /// winograd_f2x3, winograd_f4x3, direct (overrides NNFUSE_CONV_ALGO).
@@ -65,7 +69,12 @@ pub struct ConvArgs {
     #[arg(long, value_name = "BOOL", help_heading = "Convolution (--conv)")]
     pub deterministic: Option<String>,
     /// Cap on nnfuse's convolution scratch in MiB (overrides NNFUSE_CONV_WORKSPACE_MB).
-    #[arg(long, value_name = "MIB", help_heading = "Convolution (--conv)")]
+    #[arg(
+        long,
+        value_name = "MIB",
+        allow_hyphen_values = true,
+        help_heading = "Convolution (--conv)"
+    )]
     pub workspace_mb: Option<String>,
     /// Plan as if cuDNN were present or absent (default: whether it can be loaded here).
     #[arg(
@@ -86,7 +95,15 @@ fn parse_pair(flag: &str, s: &str) -> nnfuse::Result<(usize, usize)> {
     };
     let v: Vec<usize> = s
         .split([',', 'x'])
-        .map(|p| p.trim().parse::<usize>().map_err(|_| bad()))
+        .map(|p| {
+            crate::non_negative::<usize>(p).map_err(|why| {
+                if p.trim().starts_with('-') {
+                    Error::invalid(flag, why)
+                } else {
+                    bad()
+                }
+            })
+        })
         .collect::<nnfuse::Result<_>>()?;
     match v.as_slice() {
         [a] => Ok((*a, *a)),
@@ -115,12 +132,8 @@ fn parse_conv(s: &str) -> nnfuse::Result<[usize; 7]> {
     let mut out = [0usize; 7];
     const NAMES: [&str; 7] = ["n", "c", "h", "w", "k", "r", "s"];
     for (i, p) in parts.iter().enumerate() {
-        out[i] = p.trim().parse().map_err(|_| {
-            Error::invalid(
-                format!("--conv[{i}] ({})", NAMES[i]),
-                format!("{:?} is not a non-negative integer", p.trim()),
-            )
-        })?;
+        out[i] = crate::non_negative(p)
+            .map_err(|why| Error::invalid(format!("--conv[{i}] ({})", NAMES[i]), why))?;
     }
     Ok(out)
 }
@@ -163,10 +176,10 @@ fn request(
         c_out: k,
         kh: r,
         kw: s,
-        stride: parse_pair("--stride", &a.stride)?,
-        pad: parse_pair("--pad", &a.pad)?,
-        dilation: parse_pair("--dilation", &a.dilation)?,
-        format: parse_format(&a.format)?,
+        stride: parse_pair("--stride", a.stride.as_deref().unwrap_or("1,1"))?,
+        pad: parse_pair("--pad", a.pad.as_deref().unwrap_or("0,0"))?,
+        dilation: parse_pair("--dilation", a.dilation.as_deref().unwrap_or("1,1"))?,
+        format: parse_format(a.format.as_deref().unwrap_or("nchw"))?,
     };
     let mut config = Config::from_env()?;
     if let Some(p) = policy {
@@ -202,18 +215,16 @@ fn request(
             _ => {
                 return Err(Error::invalid(
                     "--workspace-mb",
-                    format!("{v:?} is not an integer >= 1"),
+                    format!("{v:?}: must be an integer ≥ 1"),
                 ))
             }
         };
     }
-    let direction: Direction = a.direction.parse().map_err(|_| {
+    let direction = a.direction.as_deref().unwrap_or("forward");
+    let direction: Direction = direction.parse().map_err(|_| {
         Error::invalid(
             "--direction",
-            format!(
-                "{:?} is not one of forward, backward-data, backward-filter",
-                a.direction
-            ),
+            format!("{direction:?} is not one of forward, backward-data, backward-filter"),
         )
     })?;
     let (present, present_source) = match a.cudnn.as_deref().map(|s| s.trim().to_ascii_lowercase())

@@ -12,7 +12,7 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context as _};
+use anyhow::bail;
 use clap::Args;
 use half::{bf16, f16};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -25,7 +25,7 @@ use nnfuse::{Config, Context, DType, Element};
 #[derive(Args, Debug)]
 pub struct TuneArgs {
     /// The strided batched GEMM to tune, as `batch,m,n,k` (packed, column-major).
-    #[arg(long, value_name = "B,M,N,K")]
+    #[arg(long, value_name = "B,M,N,K", allow_hyphen_values = true)]
     gemm: String,
     /// Element type of A, B and C: f32, f16 or bf16.
     #[arg(long, default_value = "f16")]
@@ -40,13 +40,13 @@ pub struct TuneArgs {
     #[arg(long, default_value = "f32")]
     compute: String,
     /// Scale of the product.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     alpha: f32,
     /// Scale of the old C (0: C is not read).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     beta: f32,
     /// CUDA device ordinal.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = crate::non_negative::<usize>)]
     device: usize,
     /// Search on operand buffers allocated (and filled) first, as an application's first call
     /// does, instead of on the search's own scratch operands.
@@ -91,22 +91,51 @@ fn parse_shape(s: &str) -> anyhow::Result<[usize; 4]> {
         bail!("--gemm {s:?}: expected batch,m,n,k (four comma-separated numbers)");
     }
     let mut v = [0usize; 4];
-    for (slot, p) in v.iter_mut().zip(&parts) {
-        *slot = p
-            .parse()
-            .with_context(|| format!("--gemm {s:?}: {p:?} is not a non-negative integer"))?;
+    for ((slot, p), name) in v.iter_mut().zip(&parts).zip(["batch", "m", "n", "k"]) {
+        *slot =
+            crate::non_negative(p).map_err(|why| anyhow::anyhow!("--gemm {s:?}: {name}: {why}"))?;
     }
     Ok(v)
 }
 
-/// Runs the search and prints the report.
-pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
+/// The problem the flags describe, checked as the search will check it — before any GPU is
+/// looked for. Errors name the flag the user typed.
+fn problem(args: &TuneArgs) -> anyhow::Result<(Problem, DType)> {
     let [batch, m, n, k] = parse_shape(&args.gemm)?;
-    let dtype: DType = args.dtype.parse()?;
-    let compute: Compute = args.compute.parse()?;
+    let dtype: DType = args
+        .dtype
+        .parse()
+        .map_err(|_| anyhow::anyhow!("--dtype {:?}: not one of f32, f16, bf16", args.dtype))?;
+    let compute: Compute = args
+        .compute
+        .parse()
+        .map_err(|_| anyhow::anyhow!("--compute {:?}: not one of f32, f16", args.compute))?;
     let p = Problem::packed_trans(batch, m, n, k, args.trans_a, args.trans_b)
         .with_compute(compute)
         .with_scalars(args.alpha, args.beta);
+    match p.check(dtype) {
+        Ok(Validated::Spans(_)) => Ok((p, dtype)),
+        Ok(Validated::Empty) => {
+            bail!(
+                "--gemm {:?}: the problem is empty (batch, m or n is 0): nothing to search",
+                args.gemm
+            )
+        }
+        Err(e) => {
+            let flag = match e.argument() {
+                Some("compute") => "--compute".to_string(),
+                Some(a @ ("alpha" | "beta")) => format!("--{a}"),
+                Some(a) => format!("--gemm {:?} ({a})", args.gemm),
+                None => "--gemm".to_string(),
+            };
+            Err(anyhow::Error::new(e).context(flag))
+        }
+    }
+}
+
+/// Runs the search and prints the report.
+pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
+    let (p, dtype) = problem(&args)?;
     let config = Config::from_env_once()?;
     let ctx = Context::with_config(args.device, config.clone())?;
     let tag = gemm::device_tag(&ctx)?;

@@ -52,11 +52,12 @@ impl Variant {
         match self {
             Variant::Nnfuse => {
                 "nnfuse's dispatchers as configured: conv auto (measured on the first call), \
-                 BatchNorm fused with its activation where cuDNN allows it (else cuDNN BN + \
-                 nnfuse's bitmask ReLU/Add+ReLU), GEMM algorithm search"
+                 BatchNorm as NNFUSE_BN_IMPL decides per layer (nnfuse's own kernels, or cuDNN \
+                 fused with its activation where cuDNN allows it, else cuDNN BN + nnfuse's \
+                 bitmask ReLU/Add+ReLU), GEMM algorithm search"
             }
             Variant::CudnnSpatial => {
-                "plain cuDNN, no fusion (the issue's baseline): conv cuDNN only (the fastest of \
+                "plain cuDNN, no fusion: conv cuDNN only (the fastest of \
                  cuDNN's heuristic top 5, as NNFUSE_CONV_ALGO=cudnn), BatchNorm \
                  CUDNN_BATCHNORM_SPATIAL (OneFlow's rule without its NHWC flag) alone, then a \
                  separate ReLU kernel, for the last BN a separate add kernel then ReLU; backward \

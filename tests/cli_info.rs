@@ -1,0 +1,48 @@
+//! `nnfuse info` as a user runs it: one line per missing piece and exit status 3 on a machine
+//! without a GPU; 2 for an invalid configuration. Needs no GPU.
+
+mod common;
+
+use common::nnfuse_binary as binary;
+use std::process::{Command, Output};
+
+fn info(env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(binary());
+    cmd.arg("info");
+    for var in nnfuse::config::ALL_VARS {
+        cmd.env_remove(var);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("the nnfuse binary runs")
+}
+
+#[test]
+fn without_a_driver_it_exits_3_with_one_line_per_missing_piece() {
+    if nnfuse::context::driver_present() {
+        return; // a GPU machine: nothing missing to report here
+    }
+    let out = info(&[]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(3), "{stdout}");
+    let driver_lines = stdout.lines().filter(|l| l.contains("libcuda.so")).count();
+    assert_eq!(
+        driver_lines, 1,
+        "the driver is one missing piece:\n{stdout}"
+    );
+    let device = stdout
+        .lines()
+        .find(|l| l.starts_with("device"))
+        .expect("a device line");
+    assert!(!device.contains("MISSING"), "{device}");
+    assert!(!stdout.contains("panicked"));
+}
+
+#[test]
+fn an_invalid_configuration_exits_2_naming_the_variable() {
+    let out = info(&[("NNFUSE_BN_IMPL", "sometimes")]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(2), "{stdout}");
+    assert!(stdout.contains("NNFUSE_BN_IMPL"), "{stdout}");
+}
