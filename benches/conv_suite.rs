@@ -17,6 +17,9 @@
 //! `cargo bench --bench conv_suite [-- --filter NAME] [--json FILE]` (on a GPU). JSON lines
 //! (one per problem-direction) go to `--json FILE` for `compare_conv.py`.
 
+#[path = "support/exit.rs"]
+mod exit;
+
 use std::io::Write;
 use std::time::Instant;
 
@@ -229,7 +232,11 @@ fn direction_name(d: Direction) -> &'static str {
     }
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    exit::finish("conv_suite", run())
+}
+
+fn run() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let arg = |name: &str| {
         args.iter()
@@ -241,10 +248,6 @@ fn main() -> anyhow::Result<()> {
         Some(path) => Some(std::fs::File::create(path)?),
         None => None,
     };
-    if !nnfuse::context::driver_present() {
-        eprintln!("conv_suite: no CUDA driver; nothing measured");
-        std::process::exit(3);
-    }
     let problems = parse_problems(include_str!("conv_problems.txt"))?;
     let ctx = Context::new(0)?;
     println!(
