@@ -576,7 +576,7 @@ impl Context {
                 None => {
                     // The disk cache (if configured) spares the NVRTC compile across processes;
                     // it never fails the call (a bad cache file is recompiled with a warning).
-                    let dir = kernels::disk_cache_dir(&self.inner.config);
+                    let dir = self.inner.config.kernel_cache_dir();
                     let t = std::time::Instant::now();
                     let (image, origin) = kernels::load_or_compile(file, &arch, dir.as_deref())?;
                     tracing::info!(
