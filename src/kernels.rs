@@ -709,7 +709,10 @@ mod tests {
         let c2 = c
             .clone()
             .with_tuning_cache(Some(PathBuf::from("tuning.json")));
-        assert_eq!(c2.kernel_cache_dir(), Some(PathBuf::from("./nnfuse-kernels")));
+        assert_eq!(
+            c2.kernel_cache_dir(),
+            Some(PathBuf::from("./nnfuse-kernels"))
+        );
         let c = c.with_kernel_cache(Some(PathBuf::from("/k")));
         assert_eq!(c.kernel_cache_dir(), Some(PathBuf::from("/k")));
     }

@@ -18,8 +18,9 @@ mod own_launch;
 pub mod plan;
 pub mod probe;
 mod state;
+mod types;
 
-pub use args::{BackwardArgs, BnOptions, InferenceArgs, TrainArgs};
+pub use args::{BackwardArgs, InferenceArgs, TrainArgs};
 pub use ops::BatchNorm;
 pub use plan::{
     auto_case, choose_impl, fused_dtype_supported, fused_refusals, infer_api, infer_mode,
@@ -31,3 +32,4 @@ pub use plan::{
     OWN_PERSISTENT_MAX_BYTES, OWN_PER_CHANNEL_MAX_M, PREFER_PERSISTENT,
 };
 pub use state::BnSaved;
+pub use types::BnOptions;

@@ -10,15 +10,14 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceSlice};
 
 use crate::activation;
-use crate::batchnorm::args::{BackwardArgs, BnOptions, InferenceArgs, TrainArgs};
+use crate::batchnorm::args::{BackwardArgs, InferenceArgs, TrainArgs};
 use crate::batchnorm::cudnn_calls::{self as calls, BwdPtrs, ExSizes, FwdPtrs, Ops};
 use crate::batchnorm::descriptor::{ParamDesc, ReluDesc, TensorDesc};
 use crate::batchnorm::own::{self, BwdBufs, Counters, FwdBufs, InferBufs};
 use crate::batchnorm::own_launch::OwnShape;
-use crate::batchnorm::plan::{
-    plan, BnApi, BnPath, BnPlan, Fuse, OwnVariant, Phase, PlanRequest, ASSUMED_CUDNN_VERSION,
-};
+use crate::batchnorm::plan::{plan, BnPlan, PlanRequest, ASSUMED_CUDNN_VERSION};
 use crate::batchnorm::state::BnSaved;
+use crate::batchnorm::types::{BnApi, BnOptions, BnPath, Fuse, OwnVariant, Phase};
 use crate::context::{cudnn_present, cudnn_version, Context};
 use crate::dtype::{DType, Element};
 use crate::error::{CallExt, Error, Result};

@@ -1,5 +1,5 @@
 //! Launchers of nnfuse's own BatchNorm kernels (`kernels/batchnorm.cu`,
-//! `kernels/batchnorm_persistent.cu`). The dispatcher ([`super::ops`]) has validated every
+//! `kernels/batchnorm_persistent.cu`). The dispatcher (`ops.rs`) has validated every
 //! buffer (lengths, device, overlap) before it calls these functions with raw device pointers;
 //! here only the launch decisions happen (vector widths, grids, the persistent tiling, scratch),
 //! from the pure arithmetic of [`super::own_launch`], each logged as a `tracing` debug event.
@@ -24,7 +24,7 @@ use crate::batchnorm::own_launch::{
     staged_bytes, vec_width, ApplyMode, Arrangement, FastDiv, Geom, OwnShape, PGeom, CTHREADS,
     PTHREADS, REDUCE_PART_FLOATS, STATS_PART_FLOATS, THREADS,
 };
-use crate::batchnorm::plan::{Fuse, OwnVariant};
+use crate::batchnorm::types::{Fuse, OwnVariant};
 use crate::context::Context;
 use crate::dtype::DType;
 use crate::error::{CallExt, Error, Result};
