@@ -28,6 +28,7 @@ pub mod dtype;
 pub mod error;
 pub mod gemm;
 pub mod kernels;
+mod launch;
 pub mod layout;
 pub mod lru;
 pub mod reference;

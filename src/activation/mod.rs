@@ -51,18 +51,13 @@
 
 pub mod plan;
 
-use std::collections::HashMap;
-use std::sync::Mutex;
-
-use cudarc::driver::{
-    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DeviceSlice, PushKernelArg,
-};
-use once_cell::sync::Lazy;
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceSlice, PushKernelArg};
 
 use crate::context::Context;
 use crate::dtype::{DType, Element};
 use crate::error::{CallExt, Result};
 use crate::kernels;
+use crate::launch;
 use crate::validate::{expect_device, BufInfo};
 use plan::{choose_path, plan_launch, validate, Operand, Path, Scheme};
 
@@ -165,32 +160,6 @@ impl Kernel {
     }
 }
 
-/// Resident blocks per SM for each kernel, per device (the occupancy does not change for the
-/// life of the process).
-static OCCUPANCY: Lazy<Mutex<HashMap<(usize, &'static str), u32>>> =
-    Lazy::new(|| Mutex::new(HashMap::new()));
-
-fn blocks_per_sm(ctx: &Context, f: &CudaFunction, name: &'static str) -> Result<u32> {
-    let key = (ctx.info().ordinal, name);
-    let cached = match OCCUPANCY.lock() {
-        Ok(g) => g.get(&key).copied(),
-        Err(p) => p.into_inner().get(&key).copied(),
-    };
-    if let Some(v) = cached {
-        return Ok(v);
-    }
-    ctx.cuda().bind_to_thread().call("cuCtxSetCurrent")?;
-    let v = f
-        .occupancy_max_active_blocks_per_multiprocessor(plan::THREADS, 0, None)
-        .call("cuOccupancyMaxActiveBlocksPerMultiprocessor")?
-        .max(1);
-    match OCCUPANCY.lock() {
-        Ok(mut g) => g.insert(key, v),
-        Err(p) => p.into_inner().insert(key, v),
-    };
-    Ok(v)
-}
-
 /// Launches `kernel` over `n > 0` elements with the device pointers `args` (in the kernel's
 /// parameter order, `n` appended). `path_ptrs` are the data pointers whose alignment decides the
 /// path (the kernel applies the same rule itself).
@@ -204,12 +173,12 @@ fn launch(
 ) -> Result<()> {
     let name = kernel.name(dt);
     let f = ctx.function(&kernels::BITMASK, name)?;
-    let per_sm = blocks_per_sm(ctx, &f, name)?;
+    let per_sm = launch::blocks_per_sm(ctx, &f, name, plan::THREADS, 0)?.max(1);
     let path = match kernel.scheme() {
         Scheme::Naive8 => Path::Scalar,
         Scheme::Warp => choose_path(path_ptrs),
     };
-    let sm_count = u32::try_from(ctx.info().sm_count.max(1)).unwrap_or(1);
+    let sm_count = launch::sm_count(ctx);
     let lp = plan_launch(
         kernel.scheme(),
         path,

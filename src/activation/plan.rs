@@ -122,7 +122,7 @@ pub fn plan_launch(
 ) -> LaunchPlan {
     let warps_per_block = u64::from(THREADS / 32);
     let needed = warps_needed(scheme, path, n, elem_bytes).div_ceil(warps_per_block);
-    let wave = u64::from(sm_count.max(1)) * u64::from(blocks_per_sm.max(1));
+    let wave = crate::launch::wave_blocks(sm_count, blocks_per_sm);
     let blocks = needed.min(wave).clamp(1, i32::MAX as u64);
     LaunchPlan {
         path,

@@ -10,14 +10,12 @@
 //! ([`Counters`]) that every launch leaves at zero again; the same per-BatchNorm state remembers
 //! whether (and how) the persistent kernels fit the device.
 
-use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute, CUresult};
+use cudarc::driver::sys::{CUfunction_attribute, CUresult};
 use cudarc::driver::{
     CudaFunction, CudaSlice, DevicePtrMut, DeviceRepr, DriverError, LaunchConfig, PushKernelArg,
 };
-use once_cell::sync::Lazy;
 
 use crate::batchnorm::own_launch::{
     apply_launch, apply_mode, config, keep_x_in_l2, persistent_geom, reduce_geom, scratch_floats,
@@ -29,6 +27,7 @@ use crate::context::Context;
 use crate::dtype::DType;
 use crate::error::{CallExt, Error, Result};
 use crate::kernels;
+use crate::launch;
 
 // ----- kernel arguments (the C structs of kernels/batchnorm*.cu, field for field) -------------
 
@@ -263,6 +262,7 @@ fn name(k: K, dt: DType) -> &'static str {
     }
 }
 
+/// A poisoned lock still guards valid state (every write is whole).
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     match m.lock() {
         Ok(g) => g,
@@ -270,66 +270,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     }
 }
 
-// ----- device facts and occupancy (cached per device) ------------------------------------------
-
-#[derive(Debug, Clone, Copy)]
-struct DeviceFacts {
-    /// Largest dynamic + static shared memory one block may opt in to.
-    smem_optin: u32,
-    /// Shared memory of one SM.
-    smem_per_sm: u32,
-    /// Cooperative launches supported.
-    cooperative: bool,
-}
-
-/// (device ordinal, kernel, dynamic shared memory bytes).
-type OccupancyKey = (usize, &'static str, u32);
-
-static FACTS: Lazy<Mutex<HashMap<usize, DeviceFacts>>> = Lazy::new(|| Mutex::new(HashMap::new()));
-static OCCUPANCY: Lazy<Mutex<HashMap<OccupancyKey, u32>>> =
-    Lazy::new(|| Mutex::new(HashMap::new()));
-
-fn device_facts(ctx: &Context) -> Result<DeviceFacts> {
-    let ordinal = ctx.info().ordinal;
-    if let Some(f) = lock(&FACTS).get(&ordinal) {
-        return Ok(*f);
-    }
-    let attr = |a| ctx.cuda().attribute(a).call("cuDeviceGetAttribute");
-    use CUdevice_attribute as A;
-    let f = DeviceFacts {
-        smem_optin: attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0) as u32,
-        smem_per_sm: attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?.max(0)
-            as u32,
-        cooperative: attr(A::CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH)? != 0,
-    };
-    lock(&FACTS).insert(ordinal, f);
-    Ok(f)
-}
-
-/// Resident blocks per SM of `f` at `threads` threads and `smem` bytes of dynamic shared memory.
-fn blocks_per_sm(
-    ctx: &Context,
-    f: &CudaFunction,
-    name: &'static str,
-    threads: u32,
-    smem: u32,
-) -> Result<u32> {
-    let key = (ctx.info().ordinal, name, smem);
-    if let Some(v) = lock(&OCCUPANCY).get(&key) {
-        return Ok(*v);
-    }
-    ctx.cuda().bind_to_thread().call("cuCtxSetCurrent")?;
-    let v = f
-        .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
-        .call("cuOccupancyMaxActiveBlocksPerMultiprocessor")?;
-    lock(&OCCUPANCY).insert(key, v);
-    Ok(v)
-}
-
-/// One wave of `f`'s blocks (SMs x resident blocks), at least 1.
+/// One wave of `f`'s blocks at [`THREADS`] threads (SMs x resident blocks), at least 1.
 fn wave(ctx: &Context, f: &CudaFunction, name: &'static str, smem: u32) -> Result<u64> {
-    let per_sm = blocks_per_sm(ctx, f, name, THREADS, smem)?.max(1);
-    Ok(u64::from(ctx.info().sm_count.max(1) as u32) * u64::from(per_sm))
+    launch::one_wave(ctx, f, name, THREADS, smem)
 }
 
 fn launch<A: DeviceRepr>(
@@ -935,7 +878,7 @@ fn fit_persistent(op: &Op<'_>, tiles: u64, k: K) -> Result<Option<Fit>> {
             "own BatchNorm: persistent variant not possible here; two-pass"
         );
     };
-    let facts = device_facts(op.ctx)?;
+    let facts = launch::device_facts(op.ctx)?;
     if !facts.cooperative {
         why_not("the device has no cooperative launch");
         return Ok(None);
@@ -948,7 +891,7 @@ fn fit_persistent(op: &Op<'_>, tiles: u64, k: K) -> Result<Option<Fit>> {
         limit as i32,
     )
     .call("cuFuncSetAttribute")?;
-    let sm = u64::from(op.ctx.info().sm_count.max(1) as u32);
+    let sm = u64::from(launch::sm_count(op.ctx));
     for bps in [2u32, 1] {
         // Per block: the opt-in limit, or an even share of the SM (1 KiB reserved per block).
         let per_block = if bps == 1 {
@@ -962,7 +905,7 @@ fn fit_persistent(op: &Op<'_>, tiles: u64, k: K) -> Result<Option<Fit>> {
         let Some((geom, smem)) = persistent_geom(&op.shape, op.eb(), tiles, grid, per_block) else {
             continue;
         };
-        let occ = blocks_per_sm(op.ctx, &f, fname, PTHREADS, smem as u32)?;
+        let occ = launch::blocks_per_sm(op.ctx, &f, fname, PTHREADS, smem as u32)?;
         if occ >= bps {
             tracing::debug!(
                 kernel = fname,
