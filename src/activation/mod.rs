@@ -51,56 +51,23 @@
 
 pub mod plan;
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceSlice, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
 
 use crate::context::Context;
 use crate::dtype::{DType, Element};
 use crate::error::{CallExt, Result};
 use crate::kernels;
 use crate::launch;
-use crate::validate::{expect_device, BufInfo};
-use plan::{choose_path, plan_launch, validate, Operand, Path, Scheme};
+use crate::validate::{Binder, Need};
+use plan::{choose_path, plan_launch, validate, Path, Scheme};
 
-/// The optional output mask of a forward: its pointer (0 for none, which the kernels read as
-/// "write no mask") and the guard that orders it on the stream; registers it for validation.
+/// The optional output mask of a forward: its address (0 for none, which the kernels read as
+/// "write no mask"), bound for validation.
 fn optional_mask<'a, M: DevicePtrMut<u32>>(
+    ops: &mut Binder<'a>,
     mask: Option<&'a mut M>,
-    stream: &'a cudarc::driver::CudaStream,
-    ops: &mut Vec<Operand>,
-) -> (u64, Option<cudarc::driver::SyncOnDrop<'a>>) {
-    match mask {
-        Some(m) => {
-            let len = m.len();
-            let (p, guard) = m.device_ptr_mut(stream);
-            ops.push(Operand::mask("mask", p, len, true));
-            (p, Some(guard))
-        }
-        None => (0, None),
-    }
-}
-
-/// The device ordinal a buffer lives on.
-fn dev<T, S: DeviceSlice<T>>(s: &S) -> Option<usize> {
-    Some(s.stream().context().ordinal())
-}
-
-/// Every operand lives on the Context's device: a pointer of another device must never reach a
-/// kernel (it faults, or silently reads another GPU's memory through a peer mapping). The error
-/// names the first operand that does not.
-fn on_device(ctx: &Context, operands: &[(&'static str, Option<usize>)]) -> Result<()> {
-    for &(name, ordinal) in operands {
-        if let Some(ordinal) = ordinal {
-            let info = BufInfo {
-                name,
-                ptr: 0,
-                len: 0,
-                elem: 1,
-                ordinal,
-            };
-            expect_device(&info, ctx.info().ordinal)?;
-        }
-    }
-    Ok(())
+) -> Result<u64> {
+    mask.map_or(Ok(0), |m| ops.output("mask", m, Need::MaskFor))
 }
 
 pub use crate::reference::activation::mask_words;
@@ -211,10 +178,6 @@ fn launch(
     Ok(())
 }
 
-fn size<T: Element>() -> usize {
-    T::DTYPE.size()
-}
-
 /// `y = max(x, 0)` and, when `mask` is given, its bit of `x > 0` for every element.
 ///
 /// `y` may be exactly the same memory as `x` (see the module docs; [`relu_mask_fwd_inplace`] is
@@ -232,21 +195,11 @@ where
     Y: DevicePtrMut<T>,
     M: DevicePtrMut<u32>,
 {
-    let m = mask.as_ref().and_then(|m| dev::<u32, _>(*m));
-    on_device(
-        ctx,
-        &[("x", dev::<T, _>(x)), ("y", dev::<T, _>(y)), ("mask", m)],
-    )?;
-    let (xl, yl) = (x.len(), y.len());
-    let stream = ctx.stream();
-    let (xp, _x) = x.device_ptr(stream);
-    let (yp, _y) = y.device_ptr_mut(stream);
-    let mut ops = vec![
-        Operand::data("x", xp, xl, size::<T>(), false),
-        Operand::data("y", yp, yl, size::<T>(), true),
-    ];
-    let (mp, _m) = optional_mask(mask, stream, &mut ops);
-    let n = validate(&ops, &[("x", "y")])?;
+    let mut ops = Binder::new(ctx);
+    let xp = ops.input("x", x, Need::Same)?;
+    let yp = ops.output("y", y, Need::Same)?;
+    let mp = optional_mask(&mut ops, mask)?;
+    let n = validate(ops.operands(), &[("x", "y")])?;
     if n == 0 {
         return Ok(());
     }
@@ -260,14 +213,10 @@ where
     Y: DevicePtrMut<T>,
     M: DevicePtrMut<u32>,
 {
-    let m = mask.as_ref().and_then(|m| dev::<u32, _>(*m));
-    on_device(ctx, &[("xy", dev::<T, _>(xy)), ("mask", m)])?;
-    let l = xy.len();
-    let stream = ctx.stream();
-    let (p, _xy) = xy.device_ptr_mut(stream);
-    let mut ops = vec![Operand::data("xy", p, l, size::<T>(), true)];
-    let (mp, _m) = optional_mask(mask, stream, &mut ops);
-    let n = validate(&ops, &[])?;
+    let mut ops = Binder::new(ctx);
+    let p = ops.output("xy", xy, Need::Same)?;
+    let mp = optional_mask(&mut ops, mask)?;
+    let n = validate(ops.operands(), &[])?;
     if n == 0 {
         return Ok(());
     }
@@ -293,28 +242,12 @@ where
     Y: DevicePtrMut<T>,
     M: DevicePtrMut<u32>,
 {
-    let m = mask.as_ref().and_then(|m| dev::<u32, _>(*m));
-    on_device(
-        ctx,
-        &[
-            ("x", dev::<T, _>(x)),
-            ("z", dev::<T, _>(z)),
-            ("y", dev::<T, _>(y)),
-            ("mask", m),
-        ],
-    )?;
-    let (xl, zl, yl) = (x.len(), z.len(), y.len());
-    let stream = ctx.stream();
-    let (xp, _x) = x.device_ptr(stream);
-    let (zp, _z) = z.device_ptr(stream);
-    let (yp, _y) = y.device_ptr_mut(stream);
-    let mut ops = vec![
-        Operand::data("x", xp, xl, size::<T>(), false),
-        Operand::data("z", zp, zl, size::<T>(), false),
-        Operand::data("y", yp, yl, size::<T>(), true),
-    ];
-    let (mp, _m) = optional_mask(mask, stream, &mut ops);
-    let n = validate(&ops, &[("x", "y"), ("z", "y")])?;
+    let mut ops = Binder::new(ctx);
+    let xp = ops.input("x", x, Need::Same)?;
+    let zp = ops.input("z", z, Need::Same)?;
+    let yp = ops.output("y", y, Need::Same)?;
+    let mp = optional_mask(&mut ops, mask)?;
+    let n = validate(ops.operands(), &[("x", "y"), ("z", "y")])?;
     if n == 0 {
         return Ok(());
     }
@@ -342,21 +275,11 @@ where
     Z: DevicePtr<T>,
     M: DevicePtrMut<u32>,
 {
-    let m = mask.as_ref().and_then(|m| dev::<u32, _>(*m));
-    on_device(
-        ctx,
-        &[("xy", dev::<T, _>(xy)), ("z", dev::<T, _>(z)), ("mask", m)],
-    )?;
-    let (l, zl) = (xy.len(), z.len());
-    let stream = ctx.stream();
-    let (zp, _z) = z.device_ptr(stream);
-    let (p, _xy) = xy.device_ptr_mut(stream);
-    let mut ops = vec![
-        Operand::data("xy", p, l, size::<T>(), true),
-        Operand::data("z", zp, zl, size::<T>(), false),
-    ];
-    let (mp, _m) = optional_mask(mask, stream, &mut ops);
-    let n = validate(&ops, &[("xy", "z")])?;
+    let mut ops = Binder::new(ctx);
+    let p = ops.output("xy", xy, Need::Same)?;
+    let zp = ops.input("z", z, Need::Same)?;
+    let mp = optional_mask(&mut ops, mask)?;
+    let n = validate(ops.operands(), &[("xy", "z")])?;
     if n == 0 {
         return Ok(());
     }
@@ -379,25 +302,11 @@ where
     M: DevicePtr<u32>,
     DX: DevicePtrMut<T>,
 {
-    on_device(
-        ctx,
-        &[
-            ("dy", dev::<T, _>(dy)),
-            ("mask", dev::<u32, _>(mask)),
-            ("dx", dev::<T, _>(dx)),
-        ],
-    )?;
-    let (gl, ml, xl) = (dy.len(), mask.len(), dx.len());
-    let stream = ctx.stream();
-    let (gp, _g) = dy.device_ptr(stream);
-    let (mp, _m) = mask.device_ptr(stream);
-    let (xp, _dx) = dx.device_ptr_mut(stream);
-    let ops = [
-        Operand::data("dy", gp, gl, size::<T>(), false),
-        Operand::data("dx", xp, xl, size::<T>(), true),
-        Operand::mask("mask", mp, ml, false),
-    ];
-    let n = validate(&ops, &[("dy", "dx")])?;
+    let mut ops = Binder::new(ctx);
+    let gp = ops.input("dy", dy, Need::Same)?;
+    let xp = ops.output("dx", dx, Need::Same)?;
+    let mp = ops.input("mask", mask, Need::MaskFor)?;
+    let n = validate(ops.operands(), &[("dy", "dx")])?;
     if n == 0 {
         return Ok(());
     }
@@ -420,28 +329,12 @@ where
     DX: DevicePtrMut<T>,
     DZ: DevicePtrMut<T>,
 {
-    on_device(
-        ctx,
-        &[
-            ("dy", dev::<T, _>(dy)),
-            ("mask", dev::<u32, _>(mask)),
-            ("dx", dev::<T, _>(dx)),
-            ("dz", dev::<T, _>(dz)),
-        ],
-    )?;
-    let (gl, ml, xl, zl) = (dy.len(), mask.len(), dx.len(), dz.len());
-    let stream = ctx.stream();
-    let (gp, _g) = dy.device_ptr(stream);
-    let (mp, _m) = mask.device_ptr(stream);
-    let (xp, _dx) = dx.device_ptr_mut(stream);
-    let (zp, _dz) = dz.device_ptr_mut(stream);
-    let ops = [
-        Operand::data("dy", gp, gl, size::<T>(), false),
-        Operand::data("dx", xp, xl, size::<T>(), true),
-        Operand::data("dz", zp, zl, size::<T>(), true),
-        Operand::mask("mask", mp, ml, false),
-    ];
-    let n = validate(&ops, &[("dy", "dx"), ("dy", "dz")])?;
+    let mut ops = Binder::new(ctx);
+    let gp = ops.input("dy", dy, Need::Same)?;
+    let xp = ops.output("dx", dx, Need::Same)?;
+    let zp = ops.output("dz", dz, Need::Same)?;
+    let mp = ops.input("mask", mask, Need::MaskFor)?;
+    let n = validate(ops.operands(), &[("dy", "dx"), ("dy", "dz")])?;
     if n == 0 {
         return Ok(());
     }
@@ -462,16 +355,10 @@ where
     G: DevicePtrMut<T>,
     M: DevicePtr<u32>,
 {
-    on_device(ctx, &[("g", dev::<T, _>(g)), ("mask", dev::<u32, _>(mask))])?;
-    let (gl, ml) = (g.len(), mask.len());
-    let stream = ctx.stream();
-    let (mp, _m) = mask.device_ptr(stream);
-    let (gp, _g) = g.device_ptr_mut(stream);
-    let ops = [
-        Operand::data("g", gp, gl, size::<T>(), true),
-        Operand::mask("mask", mp, ml, false),
-    ];
-    let n = validate(&ops, &[])?;
+    let mut ops = Binder::new(ctx);
+    let gp = ops.output("g", g, Need::Same)?;
+    let mp = ops.input("mask", mask, Need::MaskFor)?;
+    let n = validate(ops.operands(), &[])?;
     if n == 0 {
         return Ok(());
     }
@@ -498,25 +385,11 @@ pub mod baseline {
         Y: DevicePtrMut<T>,
         M: DevicePtrMut<u32>,
     {
-        on_device(
-            ctx,
-            &[
-                ("x", dev::<T, _>(x)),
-                ("y", dev::<T, _>(y)),
-                ("mask", dev::<u32, _>(mask)),
-            ],
-        )?;
-        let (xl, yl, ml) = (x.len(), y.len(), mask.len());
-        let stream = ctx.stream();
-        let (xp, _x) = x.device_ptr(stream);
-        let (yp, _y) = y.device_ptr_mut(stream);
-        let (mp, _m) = mask.device_ptr_mut(stream);
-        let ops = [
-            Operand::data("x", xp, xl, size::<T>(), false),
-            Operand::data("y", yp, yl, size::<T>(), true),
-            Operand::mask("mask", mp, ml, true),
-        ];
-        let n = validate(&ops, &[("x", "y")])?;
+        let mut ops = Binder::new(ctx);
+        let xp = ops.input("x", x, Need::Same)?;
+        let yp = ops.output("y", y, Need::Same)?;
+        let mp = ops.output("mask", mask, Need::MaskFor)?;
+        let n = validate(ops.operands(), &[("x", "y")])?;
         if n == 0 {
             return Ok(());
         }
@@ -532,25 +405,11 @@ pub mod baseline {
         Y: DevicePtr<T>,
         DX: DevicePtrMut<T>,
     {
-        on_device(
-            ctx,
-            &[
-                ("dy", dev::<T, _>(dy)),
-                ("y", dev::<T, _>(y)),
-                ("dx", dev::<T, _>(dx)),
-            ],
-        )?;
-        let (gl, yl, xl) = (dy.len(), y.len(), dx.len());
-        let stream = ctx.stream();
-        let (gp, _g) = dy.device_ptr(stream);
-        let (yp, _y) = y.device_ptr(stream);
-        let (xp, _dx) = dx.device_ptr_mut(stream);
-        let ops = [
-            Operand::data("dy", gp, gl, size::<T>(), false),
-            Operand::data("y", yp, yl, size::<T>(), false),
-            Operand::data("dx", xp, xl, size::<T>(), true),
-        ];
-        let n = validate(&ops, &[("dy", "dx"), ("y", "dx")])?;
+        let mut ops = Binder::new(ctx);
+        let gp = ops.input("dy", dy, Need::Same)?;
+        let yp = ops.input("y", y, Need::Same)?;
+        let xp = ops.output("dx", dx, Need::Same)?;
+        let n = validate(ops.operands(), &[("dy", "dx"), ("y", "dx")])?;
         if n == 0 {
             return Ok(());
         }

@@ -7,6 +7,7 @@ use cudarc::driver::LaunchConfig;
 
 use crate::error::{Error, Result};
 pub use crate::reference::activation::mask_words;
+use crate::validate::{check_lengths, check_overlaps, Aliasing, Need, Operand};
 
 /// Threads per block of every bitmask launch (`THREADS` in `kernels/bitmask.cu`).
 pub const THREADS: u32 = 256;
@@ -132,57 +133,8 @@ pub fn plan_launch(
     }
 }
 
-/// One buffer argument of a call, as validation sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Operand {
-    /// The argument's name in the public API (`x`, `y`, `mask`, ...).
-    pub name: &'static str,
-    /// Device address of its first element.
-    pub ptr: u64,
-    /// Length in elements (words for a mask).
-    pub len: usize,
-    /// Bytes per element.
-    pub elem_bytes: usize,
-    /// A bitmask (`u32` words) rather than activation data.
-    pub is_mask: bool,
-    /// The kernel writes it.
-    pub writes: bool,
-}
-
-impl Operand {
-    /// An activation buffer.
-    pub fn data(name: &'static str, ptr: u64, len: usize, elem_bytes: usize, writes: bool) -> Self {
-        Operand {
-            name,
-            ptr,
-            len,
-            elem_bytes,
-            is_mask: false,
-            writes,
-        }
-    }
-
-    /// A bitmask buffer (`u32` words).
-    pub fn mask(name: &'static str, ptr: u64, len: usize, writes: bool) -> Self {
-        Operand {
-            name,
-            ptr,
-            len,
-            elem_bytes: 4,
-            is_mask: true,
-            writes,
-        }
-    }
-
-    /// The bytes a call over `n` elements touches: `[start, end)`.
-    fn range(&self, n: usize) -> (u64, u64) {
-        let count = if self.is_mask { mask_words(n) } else { n };
-        let bytes = (count as u64).saturating_mul(self.elem_bytes as u64);
-        (self.ptr, self.ptr.saturating_add(bytes))
-    }
-}
-
-/// Validates one call before anything reaches the GPU and returns the element count `n`.
+/// Validates one call before anything reaches the GPU and returns the element count `n`: the
+/// shared rules of [`crate::validate`] with the elementwise length rule and in-place aliasing.
 ///
 /// * The first data operand defines `n`; every other data operand must have length `n`
 ///   (the error names the other operand).
@@ -193,34 +145,11 @@ impl Operand {
 ///   an error naming the later one in `ops`, except (a) two data operands that are both only
 ///   read, which may overlap in any way, and (b) a pair listed in `exact_ok` (either order) that
 ///   covers exactly the same bytes (in-place operation). A mask never overlaps anything.
-pub fn validate(ops: &[Operand], exact_ok: &[(&str, &str)]) -> Result<usize> {
-    let Some(first) = ops.iter().find(|o| !o.is_mask) else {
+pub(crate) fn validate(ops: &[Operand], exact_ok: &[(&str, &str)]) -> Result<usize> {
+    let Some(first) = ops.iter().find(|o| o.need == Need::Same) else {
         return Err(Error::invalid("(none)", "a call needs a data operand"));
     };
-    let n = first.len;
-    for o in ops.iter().filter(|o| !o.is_mask) {
-        if o.len != n {
-            return Err(Error::invalid(
-                o.name,
-                format!(
-                    "length {}, expected {n} (the length of `{}`)",
-                    o.len, first.name
-                ),
-            ));
-        }
-    }
-    for o in ops.iter().filter(|o| o.is_mask) {
-        let need = mask_words(n);
-        if o.len < need {
-            return Err(Error::invalid(
-                o.name,
-                format!(
-                    "length {} words, expected at least {need} (ceil({n} / 32)) for {n} elements",
-                    o.len
-                ),
-            ));
-        }
-    }
+    let n = check_lengths(ops)?;
     if n > MAX_ELEMENTS {
         return Err(Error::invalid(
             first.name,
@@ -230,49 +159,7 @@ pub fn validate(ops: &[Operand], exact_ok: &[(&str, &str)]) -> Result<usize> {
     if n == 0 {
         return Ok(0);
     }
-    for (j, b) in ops.iter().enumerate() {
-        for a in &ops[..j] {
-            let (a0, a1) = a.range(n);
-            let (b0, b1) = b.range(n);
-            if a1 <= b0 || b1 <= a0 {
-                continue;
-            }
-            if !a.writes && !b.writes && !a.is_mask && !b.is_mask {
-                continue;
-            }
-            let exact = a0 == b0 && a1 == b1;
-            let listed = exact_ok
-                .iter()
-                .any(|&(p, q)| (p == a.name && q == b.name) || (p == b.name && q == a.name));
-            if exact && listed {
-                continue;
-            }
-            let reason = if exact {
-                format!(
-                    "is the same memory as `{}` ({a0:#x}..{a1:#x}), which this call does not \
-                     allow{}",
-                    a.name,
-                    if a.is_mask || b.is_mask {
-                        ": the mask must not overlap the data"
-                    } else {
-                        ""
-                    }
-                )
-            } else {
-                format!(
-                    "overlaps `{}` ({b0:#x}..{b1:#x} and {a0:#x}..{a1:#x}); buffers may only \
-                     coincide exactly, and only where the call documents it (in place){}",
-                    a.name,
-                    if a.is_mask || b.is_mask {
-                        "; the mask must not overlap the data"
-                    } else {
-                        ""
-                    }
-                )
-            };
-            return Err(Error::invalid(b.name, reason));
-        }
-    }
+    check_overlaps(ops, n, Aliasing::InPlace(exact_ok))?;
     Ok(n)
 }
 
