@@ -435,42 +435,50 @@ pub(crate) fn forward_train(
     eps: f64,
 ) -> Result<OwnVariant> {
     // The kernels take the unbiased variance from the count itself (M2 / (M - 1) in f64).
-    if want == OwnVariant::Persistent {
-        let aligned = [b.x, b.z, b.y].iter().all(|p| p % 16 == 0);
-        if let Some(p) = prepare_persistent(op, 1, aligned)? {
-            let (coef_at, total) =
-                scratch_floats(op.c(), p.geom.parts.into(), STATS_PART_FLOATS, 3);
-            let scratch = op.ctx.scratch(total as usize * 4)?;
-            let ran = op.counters.with(op.ctx, op.counter_words(), |cnt| {
-                let args = PersistArgs {
-                    x: b.x,
-                    g: b.z,
-                    out: b.y,
-                    mask: b.mask,
-                    gamma: b.gamma,
-                    beta: b.beta,
-                    mean: b.saved_mean,
-                    mean_lo: b.saved_mean_lo,
-                    invstd: b.saved_invstd,
-                    running_mean: b.running_mean,
-                    running_var: b.running_var,
-                    part: scratch.ptr(),
-                    coef: scratch.ptr() + coef_at * 4,
-                    barrier: cnt + op.c() * 4,
-                    geom: p.geom,
-                    act: act(op.fuse),
-                    eps: eps as f32,
-                    momentum: momentum as f32,
-                    ..PersistArgs::default()
-                };
-                launch_persistent(op, &p, &args, 1)
-            })?;
-            if ran {
-                return Ok(OwnVariant::Persistent);
-            }
-        }
+    if want == OwnVariant::Persistent && forward_persistent(op, b, momentum, eps)? {
+        return Ok(OwnVariant::Persistent);
     }
-    // Two-pass: statistics, then the elementwise pass.
+    forward_two_pass(op, b, momentum, eps)?;
+    Ok(OwnVariant::TwoPass)
+}
+
+/// The persistent training forward; `false` when the device cannot hold the tensor (nothing
+/// was written: the caller runs the two-pass kernels).
+fn forward_persistent(op: &Op<'_>, b: &FwdBufs, momentum: f64, eps: f64) -> Result<bool> {
+    let aligned = [b.x, b.z, b.y].iter().all(|p| p % 16 == 0);
+    let Some(p) = prepare_persistent(op, 1, aligned)? else {
+        return Ok(false);
+    };
+    let (coef_at, total) = scratch_floats(op.c(), p.geom.parts.into(), STATS_PART_FLOATS, 3);
+    let scratch = op.ctx.scratch(total as usize * 4)?;
+    op.counters.with(op.ctx, op.counter_words(), |cnt| {
+        let args = PersistArgs {
+            x: b.x,
+            g: b.z,
+            out: b.y,
+            mask: b.mask,
+            gamma: b.gamma,
+            beta: b.beta,
+            mean: b.saved_mean,
+            mean_lo: b.saved_mean_lo,
+            invstd: b.saved_invstd,
+            running_mean: b.running_mean,
+            running_var: b.running_var,
+            part: scratch.ptr(),
+            coef: scratch.ptr() + coef_at * 4,
+            barrier: cnt + op.c() * 4,
+            geom: p.geom,
+            act: act(op.fuse),
+            eps: eps as f32,
+            momentum: momentum as f32,
+            ..PersistArgs::default()
+        };
+        launch_persistent(op, &p, &args, 1)
+    })
+}
+
+/// The two-pass training forward: statistics, then the elementwise pass.
+fn forward_two_pass(op: &Op<'_>, b: &FwdBufs, momentum: f64, eps: f64) -> Result<()> {
     let eb = op.eb();
     let c = op.c();
     let first = matches!(op.shape.arr, Arrangement::First { .. });
@@ -550,8 +558,7 @@ pub(crate) fn forward_train(
             ..ApplyFwdArgs::default()
         },
         staged,
-    )?;
-    Ok(OwnVariant::TwoPass)
+    )
 }
 
 /// Inference forward: one elementwise pass with the running statistics.
@@ -641,77 +648,94 @@ fn apply_forward(op: &Op<'_>, mut a: ApplyFwdArgs, staged: u32) -> Result<()> {
 /// Training backward: dgamma, dbeta, dx and (Add+ReLU) d_addend. Returns the variant that ran.
 /// `eps` is the forward's (the per-channel variant recomputes the variance in f64).
 pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant, eps: f64) -> Result<OwnVariant> {
-    let c = op.c();
     let m = op.shape.per_channel();
     if want == OwnVariant::PerChannel {
-        let (f, fname) = op.function(&kernels::BATCHNORM, K::ChannelBwd)?;
-        tracing::debug!(
-            kernel = fname,
-            blocks = c,
-            per_channel = m,
-            "own BatchNorm backward (per channel, f64)"
-        );
-        let args = ChannelBwdArgs {
-            x: b.x,
-            dy: b.dy,
-            mask: b.mask,
-            dx: b.dx,
-            dz: b.dz,
-            saved_mean: b.saved_mean,
-            saved_mean_lo: b.saved_mean_lo,
-            gamma: b.gamma,
-            dgamma: b.dgamma,
-            dbeta: b.dbeta,
-            per_channel: m,
-            inner: FastDiv::new(op.shape.inner()),
-            eps,
-            channels: c as u32,
-            act: act(op.fuse),
-        };
-        launch(
-            op.ctx,
-            &f,
-            &args,
-            config(c as u32, CTHREADS, 0),
-            "cuLaunchKernel(bn_bwd_channel)",
-        )?;
+        backward_per_channel(op, b, eps)?;
         return Ok(OwnVariant::PerChannel);
     }
     let inv_count = (1.0 / m as f64) as f32;
-    if want == OwnVariant::Persistent {
-        let aligned = [b.x, b.dy, b.dx, b.dz].iter().all(|p| p % 16 == 0);
-        if let Some(p) = prepare_persistent(op, 2, aligned)? {
-            let (coef_at, total) = scratch_floats(c, p.geom.parts.into(), REDUCE_PART_FLOATS, 5);
-            let scratch = op.ctx.scratch(total as usize * 4)?;
-            let ran = op.counters.with(op.ctx, op.counter_words(), |cnt| {
-                let args = PersistArgs {
-                    x: b.x,
-                    g: b.dy,
-                    out: b.dx,
-                    mask: b.mask,
-                    dz: b.dz,
-                    gamma: b.gamma,
-                    mean: b.saved_mean,
-                    mean_lo: b.saved_mean_lo,
-                    invstd: b.saved_invstd,
-                    dgamma: b.dgamma,
-                    dbeta: b.dbeta,
-                    part: scratch.ptr(),
-                    coef: scratch.ptr() + coef_at * 4,
-                    barrier: cnt + c * 4,
-                    geom: p.geom,
-                    act: act(op.fuse),
-                    inv_count,
-                    ..PersistArgs::default()
-                };
-                launch_persistent(op, &p, &args, 2)
-            })?;
-            if ran {
-                return Ok(OwnVariant::Persistent);
-            }
-        }
+    if want == OwnVariant::Persistent && backward_persistent(op, b, inv_count)? {
+        return Ok(OwnVariant::Persistent);
     }
-    // Two-pass: the sums (mask read inside, d_addend written), then dx.
+    backward_two_pass(op, b, inv_count)?;
+    Ok(OwnVariant::TwoPass)
+}
+
+/// The per-channel backward: one block per channel sums and writes dx in f64.
+fn backward_per_channel(op: &Op<'_>, b: &BwdBufs, eps: f64) -> Result<()> {
+    let c = op.c();
+    let m = op.shape.per_channel();
+    let (f, fname) = op.function(&kernels::BATCHNORM, K::ChannelBwd)?;
+    tracing::debug!(
+        kernel = fname,
+        blocks = c,
+        per_channel = m,
+        "own BatchNorm backward (per channel, f64)"
+    );
+    let args = ChannelBwdArgs {
+        x: b.x,
+        dy: b.dy,
+        mask: b.mask,
+        dx: b.dx,
+        dz: b.dz,
+        saved_mean: b.saved_mean,
+        saved_mean_lo: b.saved_mean_lo,
+        gamma: b.gamma,
+        dgamma: b.dgamma,
+        dbeta: b.dbeta,
+        per_channel: m,
+        inner: FastDiv::new(op.shape.inner()),
+        eps,
+        channels: c as u32,
+        act: act(op.fuse),
+    };
+    launch(
+        op.ctx,
+        &f,
+        &args,
+        config(c as u32, CTHREADS, 0),
+        "cuLaunchKernel(bn_bwd_channel)",
+    )
+}
+
+/// The persistent backward; `false` when the device cannot hold the tensor (nothing was
+/// written: the caller runs the two-pass kernels).
+fn backward_persistent(op: &Op<'_>, b: &BwdBufs, inv_count: f32) -> Result<bool> {
+    let c = op.c();
+    let aligned = [b.x, b.dy, b.dx, b.dz].iter().all(|p| p % 16 == 0);
+    let Some(p) = prepare_persistent(op, 2, aligned)? else {
+        return Ok(false);
+    };
+    let (coef_at, total) = scratch_floats(c, p.geom.parts.into(), REDUCE_PART_FLOATS, 5);
+    let scratch = op.ctx.scratch(total as usize * 4)?;
+    op.counters.with(op.ctx, op.counter_words(), |cnt| {
+        let args = PersistArgs {
+            x: b.x,
+            g: b.dy,
+            out: b.dx,
+            mask: b.mask,
+            dz: b.dz,
+            gamma: b.gamma,
+            mean: b.saved_mean,
+            mean_lo: b.saved_mean_lo,
+            invstd: b.saved_invstd,
+            dgamma: b.dgamma,
+            dbeta: b.dbeta,
+            part: scratch.ptr(),
+            coef: scratch.ptr() + coef_at * 4,
+            barrier: cnt + c * 4,
+            geom: p.geom,
+            act: act(op.fuse),
+            inv_count,
+            ..PersistArgs::default()
+        };
+        launch_persistent(op, &p, &args, 2)
+    })
+}
+
+/// The two-pass backward: the sums (mask read inside, d_addend written), then dx.
+fn backward_two_pass(op: &Op<'_>, b: &BwdBufs, inv_count: f32) -> Result<()> {
+    let c = op.c();
     let eb = op.eb();
     let first = matches!(op.shape.arr, Arrangement::First { .. });
     let (rf, rname) = op.function(
@@ -804,8 +828,7 @@ pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant, eps: f64) -> 
         &args,
         config(l.blocks, THREADS, staged),
         "cuLaunchKernel(bn_apply_bwd)",
-    )?;
-    Ok(OwnVariant::TwoPass)
+    )
 }
 
 // ----- the persistent variant ---------------------------------------------------------------------
