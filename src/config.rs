@@ -299,7 +299,7 @@ pub const ALL_VARS: [&str; 13] = [
 
 /// The folder beside the tuning cache that holds kernel images when [`Config::kernel_cache`] is
 /// unset.
-pub const KERNEL_CACHE_FOLDER: &str = "nnfuse-kernels";
+pub(crate) const KERNEL_CACHE_FOLDER: &str = "nnfuse-kernels";
 
 /// The settings one [`crate::Context`] works with.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -382,7 +382,7 @@ pub fn parse_bool(var: &str, value: &str) -> Result<bool> {
 
 impl Config {
     /// Where compiled kernel images persist: [`Config::kernel_cache`]; else a
-    /// [`KERNEL_CACHE_FOLDER`] folder beside [`Config::tuning_cache`] (in the same folder as the
+    /// `nnfuse-kernels` folder beside [`Config::tuning_cache`] (in the same folder as the
     /// file); else `None` (no disk cache).
     pub fn kernel_cache_dir(&self) -> Option<PathBuf> {
         if let Some(d) = &self.kernel_cache {

@@ -32,7 +32,7 @@
 //! When every data pointer is 16-byte aligned the kernels use 16-byte loads and stores and warp
 //! votes (`__ballot_sync`) that produce whole mask words per warp; otherwise (a view starting
 //! at an odd element, say) they take a scalar path that is correct for any alignment but
-//! slower. [`plan`] holds the rule and the grid arithmetic; every launch logs its decision as a
+//! slower. `launch_rules.rs` holds the rule and the grid arithmetic; every launch logs its decision as a
 //! `tracing` debug event.
 //!
 //! ```no_run
@@ -49,7 +49,7 @@
 //! # Ok(()) }
 //! ```
 
-pub mod plan;
+mod launch_rules;
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
 
@@ -59,7 +59,7 @@ use crate::error::{CallExt, Result};
 use crate::kernels;
 use crate::launch;
 use crate::validate::{Binder, Need};
-use plan::{choose_path, plan_launch, validate, Path, Scheme};
+use launch_rules::{choose_path, launch_grid, validate, Path, Scheme};
 
 /// The optional output mask of a forward: its address (0 for none, which the kernels read as
 /// "write no mask"), bound for validation.
@@ -140,13 +140,13 @@ fn launch(
 ) -> Result<()> {
     let name = kernel.name(dt);
     let f = ctx.function(&kernels::BITMASK, name)?;
-    let per_sm = launch::blocks_per_sm(ctx, &f, name, plan::THREADS, 0)?.max(1);
+    let per_sm = launch::blocks_per_sm(ctx, &f, name, launch_rules::THREADS, 0)?.max(1);
     let path = match kernel.scheme() {
         Scheme::Naive8 => Path::Scalar,
         Scheme::Warp => choose_path(path_ptrs),
     };
     let sm_count = launch::sm_count(ctx);
-    let lp = plan_launch(
+    let lp = launch_grid(
         kernel.scheme(),
         path,
         n as u64,
@@ -422,6 +422,15 @@ pub mod baseline {
             &[gp, yp, xp],
         )
     }
+}
+
+/// What only nnfuse's own benchmarks and tests use: the launch rules (vector or scalar path,
+/// grid arithmetic). Not a stable API.
+#[doc(hidden)]
+pub mod internals {
+    pub use super::launch_rules::{
+        choose_path, launch_grid, warps_needed, LaunchGrid, Path, Scheme, MAX_ELEMENTS, THREADS,
+    };
 }
 
 #[cfg(test)]

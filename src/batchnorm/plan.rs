@@ -35,7 +35,7 @@ use std::fmt;
 use serde_json::{json, Value};
 
 use crate::batchnorm::own_launch::{persistent_structure, OwnShape, VECTOR_BYTES};
-pub use crate::batchnorm::types::{
+use crate::batchnorm::types::{
     BnApi, BnMode, BnPath, Fuse, FusedRefusal, OwnVariant, OwnVariantChoice, Phase,
     CUDNN_EX_API_MIN_VERSION,
 };

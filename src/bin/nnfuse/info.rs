@@ -5,7 +5,8 @@ use std::process::ExitCode;
 use nnfuse::context::{
     cublas_version, cublaslt_version, cudnn_present, cudnn_version, driver_version, Context,
 };
-use nnfuse::{kernels, BnImpl, Config};
+use nnfuse::internals::kernels;
+use nnfuse::{BnImpl, Config};
 
 /// Prints one line per component; exits 1 when the device or a library is missing.
 pub fn run() -> anyhow::Result<ExitCode> {

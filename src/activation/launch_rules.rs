@@ -1,12 +1,11 @@
-//! The pure half of the bitmask launchers: argument validation (lengths, mask size, aliasing) on
+//! The launch rules of the bitmask kernels (the pure half of the launchers): argument validation (lengths, mask size, aliasing) on
 //! plain lengths and pointer ranges, the vector/scalar path rule and the grid arithmetic. No GPU
-//! is needed to run or test any of it; the launchers in [`super`] only gather pointers, call
+//! is needed to run or test any of it; the launchers in `activation/mod.rs` only gather pointers, call
 //! these functions and launch.
 
 use cudarc::driver::LaunchConfig;
 
 use crate::error::{Error, Result};
-pub use crate::reference::activation::mask_words;
 use crate::validate::{check_lengths, check_overlaps, Aliasing, Need, Operand};
 
 /// Threads per block of every bitmask launch (`THREADS` in `kernels/bitmask.cu`).
@@ -57,7 +56,7 @@ pub fn choose_path(data_ptrs: &[u64]) -> Path {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Scheme {
     /// The warp-tiled kernels (both forwards, the mask backward, the y-based backward): a warp
-    /// takes [`VEC_UNROLL`] chunks of 32 vectors (vector path) or a tile of [`SCALAR_WORDS`]
+    /// takes `VEC_UNROLL` chunks of 32 vectors (vector path) or a tile of `SCALAR_WORDS`
     /// words (scalar path) per iteration.
     Warp,
     /// The naive baseline: one thread per byte of mask (eight elements).
@@ -89,7 +88,7 @@ pub fn warps_needed(scheme: Scheme, path: Path, n: u64, elem_bytes: u64) -> u64 
 
 /// Grid and block of one launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct LaunchPlan {
+pub struct LaunchGrid {
     /// The path the kernel will take.
     pub path: Path,
     /// Blocks in the grid.
@@ -98,7 +97,7 @@ pub struct LaunchPlan {
     pub threads: u32,
 }
 
-impl LaunchPlan {
+impl LaunchGrid {
     /// As cudarc's launch configuration.
     pub fn config(&self) -> LaunchConfig {
         LaunchConfig {
@@ -113,19 +112,19 @@ impl LaunchPlan {
 /// full wave (`sm_count * blocks_per_sm`, the occupancy the driver reports for the kernel) —
 /// the kernels loop grid-stride over the rest, and a second, partial wave would only add a
 /// tail in which a few SMs work alone.
-pub fn plan_launch(
+pub fn launch_grid(
     scheme: Scheme,
     path: Path,
     n: u64,
     elem_bytes: u64,
     sm_count: u32,
     blocks_per_sm: u32,
-) -> LaunchPlan {
+) -> LaunchGrid {
     let warps_per_block = u64::from(THREADS / 32);
     let needed = warps_needed(scheme, path, n, elem_bytes).div_ceil(warps_per_block);
     let wave = crate::launch::wave_blocks(sm_count, blocks_per_sm);
     let blocks = needed.min(wave).clamp(1, i32::MAX as u64);
-    LaunchPlan {
+    LaunchGrid {
         path,
         // In range: clamped to i32::MAX above.
         blocks: blocks as u32,
@@ -138,7 +137,7 @@ pub fn plan_launch(
 ///
 /// * The first data operand defines `n`; every other data operand must have length `n`
 ///   (the error names the other operand).
-/// * Every mask needs at least [`mask_words`]`(n)` words (longer is fine: only the first
+/// * Every mask needs at least [`crate::activation::mask_words`]`(n)` words (longer is fine: only the first
 ///   `mask_words(n)` are touched).
 /// * `n` ≤ [`MAX_ELEMENTS`].
 /// * Aliasing, on the byte ranges the call touches (for `n > 0`): two operands that overlap are
@@ -231,20 +230,20 @@ mod tests {
     fn grid_is_capped_at_one_wave() {
         // 64x64x112x112 f16: 51.4 M elements, 200,704 chunks, 100,352 warps, 12,544 blocks.
         let n = 64 * 64 * 112 * 112;
-        let p = plan_launch(Scheme::Warp, Path::Vector, n, 2, 132, 8);
+        let p = launch_grid(Scheme::Warp, Path::Vector, n, 2, 132, 8);
         assert_eq!(p.blocks, 132 * 8);
         assert_eq!(p.threads, THREADS);
         assert_eq!(p.path, Path::Vector);
         // Small: only the blocks that have work (8 warps a block).
         let warp_elems = 128 * VEC_UNROLL; // f32
-        let p = plan_launch(Scheme::Warp, Path::Vector, 8 * warp_elems + 1, 4, 132, 8);
+        let p = launch_grid(Scheme::Warp, Path::Vector, 8 * warp_elems + 1, 4, 132, 8);
         assert_eq!(p.blocks, 1); // 8 warps' chunks, the leftover element on the last warp
-        let p = plan_launch(Scheme::Warp, Path::Vector, 8 * warp_elems * 3, 4, 132, 8);
+        let p = launch_grid(Scheme::Warp, Path::Vector, 8 * warp_elems * 3, 4, 132, 8);
         assert_eq!(p.blocks, 3);
-        let p = plan_launch(Scheme::Warp, Path::Scalar, 1, 4, 132, 8);
+        let p = launch_grid(Scheme::Warp, Path::Scalar, 1, 4, 132, 8);
         assert_eq!(p.blocks, 1);
         // A zero occupancy report still gives a launchable grid.
-        let p = plan_launch(Scheme::Warp, Path::Scalar, 1 << 30, 4, 0, 0);
+        let p = launch_grid(Scheme::Warp, Path::Scalar, 1 << 30, 4, 0, 0);
         assert_eq!(p.blocks, 1);
         let c = p.config();
         assert_eq!(c.block_dim, (THREADS, 1, 1));
