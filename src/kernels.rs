@@ -55,16 +55,18 @@ macro_rules! kernel_file {
             ),
         }
     };
-    // A file that shares a header with other files: prelude, header, file.
-    ($file:literal, $header:literal) => {
+    // A file that shares headers with other files: prelude, the headers in order, file.
+    ($file:literal, $($header:literal),+) => {
         KernelFile {
             name: $file,
             source: concat!(
                 include_str!("../kernels/prelude.cuh"),
-                "\n#line 1 \"",
-                $header,
-                "\"\n",
-                include_str!(concat!("../kernels/", $header)),
+                $(
+                    "\n#line 1 \"",
+                    $header,
+                    "\"\n",
+                    include_str!(concat!("../kernels/", $header)),
+                )+
                 "\n#line 1 \"",
                 $file,
                 "\"\n",
@@ -101,13 +103,18 @@ pub const WINOGRAD_GEMM: KernelFile = kernel_file!("winograd_gemm.cu");
 pub const WINOGRAD_FUSED: KernelFile = kernel_file!("winograd_fused.cu");
 
 /// BatchNorm: nnfuse's own two-pass training kernels (statistics, apply, backward reduction and
-/// apply) and the one-pass inference kernel, after `kernels/batchnorm_common.cuh`.
-pub const BATCHNORM: KernelFile = kernel_file!("batchnorm.cu", "batchnorm_common.cuh");
+/// apply) and the one-pass inference kernel, after `kernels/common.cuh` and
+/// `kernels/batchnorm_common.cuh`.
+pub const BATCHNORM: KernelFile =
+    kernel_file!("batchnorm.cu", "common.cuh", "batchnorm_common.cuh");
 
 /// BatchNorm: nnfuse's own single-pass persistent (cooperative) training kernels, after
-/// `kernels/batchnorm_common.cuh`.
-pub const BATCHNORM_PERSISTENT: KernelFile =
-    kernel_file!("batchnorm_persistent.cu", "batchnorm_common.cuh");
+/// `kernels/common.cuh` and `kernels/batchnorm_common.cuh`.
+pub const BATCHNORM_PERSISTENT: KernelFile = kernel_file!(
+    "batchnorm_persistent.cu",
+    "common.cuh",
+    "batchnorm_common.cuh"
+);
 
 /// Convolution: the dispatcher's numerical check (candidate against reference, reference
 /// statistics, widening to f32).
