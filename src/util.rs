@@ -112,7 +112,7 @@ pub fn scale<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(
 /// let s = ctx.stream();
 /// let x = s.clone_htod(&[1.0f32, 2.0, 3.0])?;
 /// let mut y = s.clone_htod(&[0.5f32, 0.5, 0.5])?;
-/// nnfuse::util::add_assign(&ctx, &mut y, &x)?; // y = [1.5, 2.5, 3.5]
+/// nnfuse::internals::util::add_assign(&ctx, &mut y, &x)?; // y = [1.5, 2.5, 3.5]
 /// # Ok(()) }
 /// ```
 pub fn add_assign<T: Element, D: DevicePtrMut<T>, S: DevicePtr<T>>(
