@@ -19,8 +19,8 @@ mod exit;
 use anyhow::{Context as _, Result};
 use cudarc::driver::{CudaSlice, DevicePtr};
 use half::f16;
-use nnfuse::activation::plan::choose_path;
 use nnfuse::activation::{self, baseline, mask_words, NoMask};
+use nnfuse::internals::activation::choose_path;
 use nnfuse::timing::{copy_bandwidth, time_gpu, Timing, TimingOptions};
 use nnfuse::{Context, DType, Element};
 

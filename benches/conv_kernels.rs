@@ -35,10 +35,11 @@ use anyhow::{Context as _, Result};
 use cudarc::driver::CudaSlice;
 use half::f16;
 use nnfuse::conv::{im2col, ConvShape};
+use nnfuse::internals::util;
 use nnfuse::timing::{
     copy_bandwidth, time_gpu, time_interleaved, InterleavedOptions, Timing, TimingOptions,
 };
-use nnfuse::{util, Context, DType, Element, TensorFormat};
+use nnfuse::{Context, DType, Element, TensorFormat};
 
 /// One measured kernel.
 struct Row {

@@ -169,7 +169,7 @@ fn run() -> anyhow::Result<()> {
     row(
         "util::fill 4096 f16 (one launch)",
         measure(&ctx, || {
-            nnfuse::util::fill(&ctx, &mut buf, f16::from_f32(1.0))
+            nnfuse::internals::util::fill(&ctx, &mut buf, f16::from_f32(1.0))
         }),
     );
     let x = s.clone_htod(&vec![f16::from_f32(0.5); 4096])?;
@@ -274,7 +274,7 @@ fn run() -> anyhow::Result<()> {
     big(
         "util::fill 4096 f16",
         after_sync(&ctx, || {
-            nnfuse::util::fill(&ctx, &mut buf, f16::from_f32(1.0))
+            nnfuse::internals::util::fill(&ctx, &mut buf, f16::from_f32(1.0))
         }),
     );
     let shape = ConvShape {

@@ -30,7 +30,8 @@ use std::time::Instant;
 
 use half::f16;
 use nnfuse::gemm::{self, Problem};
-use nnfuse::{kernels, Config, Context};
+use nnfuse::internals::kernels;
+use nnfuse::{Config, Context};
 use serde::{Deserialize, Serialize};
 
 const CHILD_ENV: &str = "NNFUSE_STARTUP_CHILD";

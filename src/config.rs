@@ -297,6 +297,10 @@ pub const ALL_VARS: [&str; 13] = [
     ENV_DETERMINISTIC,
 ];
 
+/// The folder beside the tuning cache that holds kernel images when [`Config::kernel_cache`] is
+/// unset.
+pub(crate) const KERNEL_CACHE_FOLDER: &str = "nnfuse-kernels";
+
 /// The settings one [`crate::Context`] works with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
@@ -312,7 +316,7 @@ pub struct Config {
     pub tuning_cache: Option<PathBuf>,
     /// Directory in which NVRTC-compiled kernel images persist between processes (`None`: an
     /// `nnfuse-kernels` folder beside [`Config::tuning_cache`] when that is set, else no disk
-    /// cache; see [`crate::kernels::disk_cache_dir`]).
+    /// cache; see [`Config::kernel_cache_dir`]).
     pub kernel_cache: Option<PathBuf>,
     /// Most entries each plan or choice cache keeps (least recently used evicted first).
     pub plan_cache_capacity: usize,
@@ -377,6 +381,21 @@ pub fn parse_bool(var: &str, value: &str) -> Result<bool> {
 }
 
 impl Config {
+    /// Where compiled kernel images persist: [`Config::kernel_cache`]; else a
+    /// `nnfuse-kernels` folder beside [`Config::tuning_cache`] (in the same folder as the
+    /// file); else `None` (no disk cache).
+    pub fn kernel_cache_dir(&self) -> Option<PathBuf> {
+        if let Some(d) = &self.kernel_cache {
+            return Some(d.clone());
+        }
+        let tuning = self.tuning_cache.as_ref()?;
+        let parent = match tuning.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        Some(parent.join(KERNEL_CACHE_FOLDER))
+    }
+
     /// Reads the variables from the process environment now (not cached).
     pub fn from_env() -> Result<Config> {
         Self::from_lookup(|k| std::env::var(k).ok())

@@ -1,5 +1,5 @@
 //! The [`Context`]: one device, one stream, the vendor-library handles, a growable workspace,
-//! the per-device cache of compiled kernels (backed by the disk cache of [`crate::kernels`]) and
+//! the per-device cache of compiled kernels (backed by the disk cache of `kernels.rs`) and
 //! the bounded per-Context cache of plans. Everything that touches the GPU goes through it.
 //!
 //! Threading: `Context` is `Send + Sync` and cheap to clone (an `Arc`). All work runs on the
@@ -428,6 +428,7 @@ impl Context {
 
     /// Takes the lock over the library handles and the workspace. Hold the guard across one
     /// library call (and the launches that use the workspace), not longer.
+    #[doc(hidden)]
     pub fn lock(&self) -> Result<Locked<'_>> {
         // Make the device current on this thread: cuDNN/cuBLAS calls use the current context.
         self.inner.cuda.bind_to_thread().call("cuCtxSetCurrent")?;
@@ -576,7 +577,7 @@ impl Context {
                 None => {
                     // The disk cache (if configured) spares the NVRTC compile across processes;
                     // it never fails the call (a bad cache file is recompiled with a warning).
-                    let dir = kernels::disk_cache_dir(&self.inner.config);
+                    let dir = self.inner.config.kernel_cache_dir();
                     let t = std::time::Instant::now();
                     let (image, origin) = kernels::load_or_compile(file, &arch, dir.as_deref())?;
                     tracing::info!(
@@ -621,7 +622,9 @@ impl Scratch<'_> {
     }
 }
 
-/// Exclusive access to the Context's library handles and workspace (see [`Context::lock`]).
+/// Exclusive access to the Context's library handles and workspace (see `Context::lock`). Raw
+/// handles for nnfuse's own operations and tests: not a stable API.
+#[doc(hidden)]
 pub struct Locked<'a> {
     ctx: &'a Context,
     shared: MutexGuard<'a, Shared>,

@@ -6,8 +6,8 @@
 //! # Disk cache
 //! NVRTC takes a few hundred milliseconds per file, paid by every fresh process at its first use
 //! of the file (the first GEMM search compiles `gemm_search.cu`, for instance). With a cache
-//! directory ([`disk_cache_dir`]: [`Config::kernel_cache`], else an `nnfuse-kernels` folder
-//! beside [`Config::tuning_cache`], else none) the images are kept on disk and a later process
+//! directory ([`crate::Config::kernel_cache_dir`]: [`crate::Config::kernel_cache`], else an `nnfuse-kernels` folder
+//! beside [`crate::Config::tuning_cache`], else none) the images are kept on disk and a later process
 //! reads them instead ([`load_or_compile`]).
 //!
 //! - One file per image, named by its key ([`ImageKey`]): the kernel file, the architecture,
@@ -29,7 +29,6 @@ use std::time::Instant;
 
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 
-use crate::config::Config;
 use crate::error::{Error, Result};
 
 /// One embedded `.cu` file.
@@ -56,16 +55,18 @@ macro_rules! kernel_file {
             ),
         }
     };
-    // A file that shares a header with other files: prelude, header, file.
-    ($file:literal, $header:literal) => {
+    // A file that shares headers with other files: prelude, the headers in order, file.
+    ($file:literal, $($header:literal),+) => {
         KernelFile {
             name: $file,
             source: concat!(
                 include_str!("../kernels/prelude.cuh"),
-                "\n#line 1 \"",
-                $header,
-                "\"\n",
-                include_str!(concat!("../kernels/", $header)),
+                $(
+                    "\n#line 1 \"",
+                    $header,
+                    "\"\n",
+                    include_str!(concat!("../kernels/", $header)),
+                )+
                 "\n#line 1 \"",
                 $file,
                 "\"\n",
@@ -102,13 +103,18 @@ pub const WINOGRAD_GEMM: KernelFile = kernel_file!("winograd_gemm.cu");
 pub const WINOGRAD_FUSED: KernelFile = kernel_file!("winograd_fused.cu");
 
 /// BatchNorm: nnfuse's own two-pass training kernels (statistics, apply, backward reduction and
-/// apply) and the one-pass inference kernel, after `kernels/batchnorm_common.cuh`.
-pub const BATCHNORM: KernelFile = kernel_file!("batchnorm.cu", "batchnorm_common.cuh");
+/// apply) and the one-pass inference kernel, after `kernels/common.cuh` and
+/// `kernels/batchnorm_common.cuh`.
+pub const BATCHNORM: KernelFile =
+    kernel_file!("batchnorm.cu", "common.cuh", "batchnorm_common.cuh");
 
 /// BatchNorm: nnfuse's own single-pass persistent (cooperative) training kernels, after
-/// `kernels/batchnorm_common.cuh`.
-pub const BATCHNORM_PERSISTENT: KernelFile =
-    kernel_file!("batchnorm_persistent.cu", "batchnorm_common.cuh");
+/// `kernels/common.cuh` and `kernels/batchnorm_common.cuh`.
+pub const BATCHNORM_PERSISTENT: KernelFile = kernel_file!(
+    "batchnorm_persistent.cu",
+    "common.cuh",
+    "batchnorm_common.cuh"
+);
 
 /// Convolution: the dispatcher's numerical check (candidate against reference, reference
 /// statistics, widening to f32).
@@ -297,24 +303,6 @@ pub const DISK_FORMAT_VERSION: u32 = 1;
 
 /// First word of every image file.
 const MAGIC: &str = "nnfuse-kernel-image";
-
-/// The folder beside the tuning cache that holds images when [`Config::kernel_cache`] is unset.
-pub const DEFAULT_CACHE_FOLDER: &str = "nnfuse-kernels";
-
-/// Where compiled images persist for `config`: [`Config::kernel_cache`]; else an
-/// [`DEFAULT_CACHE_FOLDER`] folder beside [`Config::tuning_cache`] (in the same folder as the
-/// file); else `None` (no disk cache).
-pub fn disk_cache_dir(config: &Config) -> Option<PathBuf> {
-    if let Some(d) = &config.kernel_cache {
-        return Some(d.clone());
-    }
-    let tuning = config.tuning_cache.as_ref()?;
-    let parent = match tuning.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    Some(parent.join(DEFAULT_CACHE_FOLDER))
-}
 
 /// Where an image came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -620,6 +608,7 @@ pub fn load_or_compile(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Config;
 
     #[test]
     fn arch_names() {
@@ -718,17 +707,20 @@ mod tests {
     #[test]
     fn cache_folder_follows_the_config() {
         let c = Config::default();
-        assert_eq!(disk_cache_dir(&c), None);
+        assert_eq!(c.kernel_cache_dir(), None);
         let c = c.with_tuning_cache(Some(PathBuf::from("/var/cache/x/tuning.json")));
         assert_eq!(
-            disk_cache_dir(&c),
+            c.kernel_cache_dir(),
             Some(PathBuf::from("/var/cache/x/nnfuse-kernels"))
         );
         let c2 = c
             .clone()
             .with_tuning_cache(Some(PathBuf::from("tuning.json")));
-        assert_eq!(disk_cache_dir(&c2), Some(PathBuf::from("./nnfuse-kernels")));
+        assert_eq!(
+            c2.kernel_cache_dir(),
+            Some(PathBuf::from("./nnfuse-kernels"))
+        );
         let c = c.with_kernel_cache(Some(PathBuf::from("/k")));
-        assert_eq!(disk_cache_dir(&c), Some(PathBuf::from("/k")));
+        assert_eq!(c.kernel_cache_dir(), Some(PathBuf::from("/k")));
     }
 }

@@ -27,16 +27,38 @@ pub mod conv;
 pub mod dtype;
 pub mod error;
 pub mod gemm;
-pub mod kernels;
+mod kernels;
+mod launch;
 pub mod layout;
 pub mod lru;
 pub mod reference;
 pub mod timing;
-pub mod util;
-pub mod validate;
+mod util;
+mod validate;
 
 #[cfg(test)]
 mod testutil;
+
+/// What only nnfuse's own tests, benchmarks and command-line tool use: the kernel sources and
+/// compiler, small device helpers, the operand checks, and each area's tuning tables. Not a
+/// stable API: paths and items change without notice.
+#[doc(hidden)]
+pub mod internals {
+    pub use crate::activation::internals as activation;
+    pub use crate::batchnorm::internals as batchnorm;
+    /// The CUDA sources and their NVRTC compilation and disk cache.
+    pub mod kernels {
+        pub use crate::kernels::*;
+    }
+    /// Device helpers (fill, scale, add in place) for tests and benchmarks.
+    pub mod util {
+        pub use crate::util::*;
+    }
+    /// The operand checks, one at a time.
+    pub mod validate {
+        pub use crate::validate::*;
+    }
+}
 
 pub use config::{BnImpl, BnModePolicy, Config, ConvAlgoPolicy, WinogradGemmPolicy};
 pub use context::{Context, DeviceInfo};

@@ -7,7 +7,7 @@ use crate::context::Context;
 use crate::dtype::{DType, Element};
 use crate::error::{CallExt, Error, Result};
 use crate::kernels;
-use crate::validate::{expect_device, expect_disjoint, expect_len, BufInfo};
+use crate::validate::{Aliasing, Binder, Need};
 
 /// A grid-stride launch over `n` items: 256 threads a block, at most 32 blocks per SM.
 pub(crate) fn grid_stride_config(ctx: &Context, n: usize, threads: u32) -> LaunchConfig {
@@ -112,7 +112,7 @@ pub fn scale<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(
 /// let s = ctx.stream();
 /// let x = s.clone_htod(&[1.0f32, 2.0, 3.0])?;
 /// let mut y = s.clone_htod(&[0.5f32, 0.5, 0.5])?;
-/// nnfuse::util::add_assign(&ctx, &mut y, &x)?; // y = [1.5, 2.5, 3.5]
+/// nnfuse::internals::util::add_assign(&ctx, &mut y, &x)?; // y = [1.5, 2.5, 3.5]
 /// # Ok(()) }
 /// ```
 pub fn add_assign<T: Element, D: DevicePtrMut<T>, S: DevicePtr<T>>(
@@ -120,31 +120,15 @@ pub fn add_assign<T: Element, D: DevicePtrMut<T>, S: DevicePtr<T>>(
     y: &mut D,
     x: &S,
 ) -> Result<()> {
-    let (yl, xl) = (y.len(), x.len());
-    let (yo, xo) = (
-        y.stream().context().ordinal(),
-        x.stream().context().ordinal(),
-    );
-    let ordinal = ctx.info().ordinal;
-    let info = |name, ptr, len, dev| BufInfo {
-        name,
-        ptr,
-        len,
-        elem: T::DTYPE.size(),
-        ordinal: dev,
-    };
-    // Devices first: taking a pointer of another device's buffer would make the stream wait on
-    // a foreign event.
-    expect_device(&info("y", 0, yl, yo), ordinal)?;
-    expect_device(&info("x", 0, xl, xo), ordinal)?;
-    expect_len(&info("x", 0, xl, xo), yl, "y's length")?;
+    let yl = y.len();
+    let mut ops = Binder::new(ctx);
+    let xp = ops.input("x", x, Need::Exactly(yl, "y's length"))?;
+    let yp = ops.output("y", y, Need::Exactly(yl, "y's length"))?;
+    ops.check(Aliasing::Distinct)?;
     if yl == 0 {
         return Ok(());
     }
     let stream = ctx.stream();
-    let (xp, _sx) = x.device_ptr(stream);
-    let (yp, _sy) = y.device_ptr_mut(stream);
-    expect_disjoint(&info("y", yp, yl, yo), &info("x", xp, xl, xo))?;
     let f = ctx.function(&kernels::UTIL, name("add_assign", T::DTYPE))?;
     let cfg = grid_stride_config(ctx, yl, 256);
     let n64 = yl as u64;

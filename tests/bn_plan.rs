@@ -3,12 +3,14 @@
 //! checks with literal expectations, and properties over random shapes and configurations.
 
 use nnfuse::batchnorm::{
-    fused_dtype_supported, oneflow_mode, plan, AutoCase, BnApi, BnMode, BnPath, BnPlan, Fuse,
-    FusedRefusal, OwnVariant, OwnVariantChoice, Phase, PlanRequest, DEPARTS_FROM_ONEFLOW,
-    OWN_FOR_CHANNELS_FIRST, OWN_FOR_CHANNELS_FIRST_SHORT_RUNS, OWN_FOR_CHANNELS_LAST_FUSED,
-    OWN_FOR_CHANNELS_LAST_ON_CHIP, OWN_FOR_CHANNELS_LAST_PLAIN, OWN_FOR_CHANNELS_LAST_UNFUSED,
-    OWN_FOR_INFERENCE, OWN_FOR_TWO_D, OWN_PERSISTENT_MAX_BYTES, OWN_PER_CHANNEL_MAX_M,
-    PREFER_PERSISTENT,
+    fused_dtype_supported, oneflow_mode, plan, BnApi, BnMode, BnPath, BnPlan, Fuse, FusedRefusal,
+    OwnVariant, OwnVariantChoice, Phase, PlanRequest, DEPARTS_FROM_ONEFLOW,
+};
+use nnfuse::internals::batchnorm::{
+    AutoCase, OWN_FOR_CHANNELS_FIRST, OWN_FOR_CHANNELS_FIRST_SHORT_RUNS,
+    OWN_FOR_CHANNELS_LAST_FUSED, OWN_FOR_CHANNELS_LAST_ON_CHIP, OWN_FOR_CHANNELS_LAST_PLAIN,
+    OWN_FOR_CHANNELS_LAST_UNFUSED, OWN_FOR_INFERENCE, OWN_FOR_TWO_D, OWN_PERSISTENT_MAX_BYTES,
+    OWN_PER_CHANNEL_MAX_M, PREFER_PERSISTENT,
 };
 use nnfuse::{BnImpl, BnModePolicy, Config, DType, TensorFormat};
 use proptest::prelude::*;

@@ -12,9 +12,10 @@ mod common;
 use common::{assert_close, f64s, gpu_with, Rng};
 use nnfuse::batchnorm::{BackwardArgs, BatchNorm, Fuse, TrainArgs};
 use nnfuse::gemm::{self, Problem};
+use nnfuse::internals::{kernels, util};
 use nnfuse::reference::batchnorm::{self as rb, Activation, ActivationBackward, BnShape};
 use nnfuse::reference::gemm::{gemm_strided_batched, GemmProblem};
-use nnfuse::{kernels, util, Config, Element};
+use nnfuse::{Config, Element};
 
 /// The tests of this binary run one at a time: the RSS measurement must not see another test
 /// load cuBLAS or allocate meanwhile.

@@ -294,10 +294,10 @@ fn own_kernels_impl_variant_and_no_cudnn() {
         "relu",
     ];
     let v = json(&cf, &[]);
-    if nnfuse::batchnorm::OWN_FOR_CHANNELS_FIRST {
+    if nnfuse::internals::batchnorm::OWN_FOR_CHANNELS_FIRST {
         assert_eq!((&v["path"], &v["impl"]), (&"own".into(), &"own".into()));
         // x (25.7 MB) fits the persistent budget forward; the plan follows PREFER_PERSISTENT.
-        let fwd = if nnfuse::batchnorm::PREFER_PERSISTENT {
+        let fwd = if nnfuse::internals::batchnorm::PREFER_PERSISTENT {
             "persistent"
         } else {
             "two_pass"

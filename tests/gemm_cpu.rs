@@ -628,7 +628,7 @@ fn in_memory_cache_starts_empty_for_unknown_keys() {
 
 #[test]
 fn search_kernels_compile() {
-    if !nnfuse::kernels::nvrtc_present() {
+    if !nnfuse::internals::kernels::nvrtc_present() {
         let required = std::env::var("NNFUSE_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
         assert!(
             !required,
@@ -637,11 +637,11 @@ fn search_kernels_compile() {
         eprintln!("skipping: NVRTC not found");
         return;
     }
-    for arch in nnfuse::kernels::CI_ARCHS
+    for arch in nnfuse::internals::kernels::CI_ARCHS
         .iter()
         .chain(["compute_90"].iter())
     {
-        let image = nnfuse::kernels::compile(&nnfuse::gemm::KERNELS, arch)
+        let image = nnfuse::internals::kernels::compile(&nnfuse::gemm::KERNELS, arch)
             .unwrap_or_else(|e| panic!("gemm search kernels for {arch}: {e}"));
         let bytes = image.bytes();
         assert!(bytes.len() > 100);

@@ -12,8 +12,9 @@ use common::*;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use half::{bf16, f16};
 use nnfuse::activation::{self, baseline, mask_words, NoMask};
+use nnfuse::internals::util;
 use nnfuse::reference::activation as reference;
-use nnfuse::{util, Context, Element};
+use nnfuse::{Context, Element};
 
 /// Never a ReLU output nor a gradient in the tests' data range; exact in f32, f16 and bf16.
 const POISON: f64 = -768.0;

@@ -26,7 +26,7 @@ use nnfuse::activation::{self, mask_words, NoMask};
 use nnfuse::batchnorm::{BackwardArgs, BatchNorm, BnSaved, Fuse, InferenceArgs, TrainArgs};
 use nnfuse::conv::{Conv2d, ConvShape, FilterLayout};
 use nnfuse::gemm::{self, Compute, Problem};
-use nnfuse::validate::{expect_device, BufInfo};
+use nnfuse::internals::validate::{expect_device, BufInfo};
 use nnfuse::{Config, Context, Error};
 
 /// BatchNorm shape (channels-last, channel axis 3): elements and channels.

@@ -9,13 +9,14 @@ mod common;
 use common::*;
 use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
-use nnfuse::batchnorm::probe::{probe_fused, Support};
 use nnfuse::batchnorm::{
     BackwardArgs, BatchNorm, BnMode, BnPath, BnSaved, Fuse, InferenceArgs, TrainArgs,
 };
+use nnfuse::internals::batchnorm::{probe_fused, Support};
+use nnfuse::internals::util;
 use nnfuse::reference::activation::relu_mask_fwd;
 use nnfuse::reference::batchnorm::{self as rb, Activation, ActivationBackward, BnShape};
-use nnfuse::{util, BnImpl, Config, Context, Element, TensorFormat};
+use nnfuse::{BnImpl, Config, Context, Element, TensorFormat};
 
 /// Host copies of one case's inputs (already rounded to T, so the reference sees what the GPU
 /// sees).

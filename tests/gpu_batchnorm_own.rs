@@ -15,11 +15,13 @@ use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
 use nnfuse::batchnorm::{
     BackwardArgs, BatchNorm, BnOptions, BnPath, Fuse, InferenceArgs, OwnVariant, OwnVariantChoice,
-    TrainArgs, OWN_PER_CHANNEL_MAX_M,
+    TrainArgs,
 };
+use nnfuse::internals::batchnorm::OWN_PER_CHANNEL_MAX_M;
+use nnfuse::internals::util;
 use nnfuse::reference::activation::relu_mask_fwd;
 use nnfuse::reference::batchnorm::{self as rb, Activation, ActivationBackward, BnShape};
-use nnfuse::{util, BnImpl, BnModePolicy, Config, Context, Element};
+use nnfuse::{BnImpl, BnModePolicy, Config, Context, Element};
 
 const EPS: f64 = 1e-5;
 

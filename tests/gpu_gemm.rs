@@ -15,7 +15,8 @@ use half::{bf16, f16};
 use nnfuse::gemm::{
     self, Algo, Alignment, Compute, CublasAlgo, Origin, Outcome, Problem, Validated,
 };
-use nnfuse::{reference, util, Config, Context, DType, Element};
+use nnfuse::internals::util;
+use nnfuse::{reference, Config, Context, DType, Element};
 
 /// The sizes of the issue, combined so that the f64 reference stays fast in debug builds.
 const SHAPES: [(usize, usize, usize); 10] = [

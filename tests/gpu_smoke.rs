@@ -5,7 +5,8 @@ mod common;
 
 use common::*;
 use half::{bf16, f16};
-use nnfuse::{util, Element};
+use nnfuse::internals::util;
+use nnfuse::Element;
 
 fn scale_roundtrip<T: Element>(ctx: &nnfuse::Context, n: usize) {
     let mut rng = Rng::fresh("smoke");
@@ -54,7 +55,7 @@ fn context_kernel_and_handles() {
         "cuDNN {v}, cuBLAS {:?}, cuBLASLt {}, NVRTC {:?}, driver {:?}",
         nnfuse::context::cublas_version().unwrap(),
         nnfuse::context::cublaslt_version().unwrap(),
-        nnfuse::kernels::nvrtc_version().unwrap(),
+        nnfuse::internals::kernels::nvrtc_version().unwrap(),
         ctx.info().driver
     );
     assert!(v >= 8000, "cuDNN {v} is older than 8");

@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-use nnfuse::kernels::{self, Image, ImageKey, ImageOrigin};
+use nnfuse::internals::kernels::{self, Image, ImageKey, ImageOrigin};
 
 fn nvrtc_or_skip() -> bool {
     if kernels::nvrtc_present() {

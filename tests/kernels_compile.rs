@@ -2,7 +2,7 @@
 //! GPU. Skips (with a message) when NVRTC is absent, unless `NNFUSE_REQUIRE_NVRTC=1` (CI and the
 //! README's test script set it), in which case a missing NVRTC fails.
 
-use nnfuse::kernels;
+use nnfuse::internals::kernels;
 
 #[test]
 fn every_kernel_compiles_for_ci_archs() {

@@ -32,7 +32,7 @@
 //! When every data pointer is 16-byte aligned the kernels use 16-byte loads and stores and warp
 //! votes (`__ballot_sync`) that produce whole mask words per warp; otherwise (a view starting
 //! at an odd element, say) they take a scalar path that is correct for any alignment but
-//! slower. [`plan`] holds the rule and the grid arithmetic; every launch logs its decision as a
+//! slower. `launch_rules.rs` holds the rule and the grid arithmetic; every launch logs its decision as a
 //! `tracing` debug event.
 //!
 //! ```no_run
@@ -49,63 +49,25 @@
 //! # Ok(()) }
 //! ```
 
-pub mod plan;
+mod launch_rules;
 
-use std::collections::HashMap;
-use std::sync::Mutex;
-
-use cudarc::driver::{
-    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DeviceSlice, PushKernelArg,
-};
-use once_cell::sync::Lazy;
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
 
 use crate::context::Context;
 use crate::dtype::{DType, Element};
 use crate::error::{CallExt, Result};
 use crate::kernels;
-use crate::validate::{expect_device, BufInfo};
-use plan::{choose_path, plan_launch, validate, Operand, Path, Scheme};
+use crate::launch;
+use crate::validate::{Binder, Need};
+use launch_rules::{choose_path, launch_grid, validate, Path, Scheme};
 
-/// The optional output mask of a forward: its pointer (0 for none, which the kernels read as
-/// "write no mask") and the guard that orders it on the stream; registers it for validation.
+/// The optional output mask of a forward: its address (0 for none, which the kernels read as
+/// "write no mask"), bound for validation.
 fn optional_mask<'a, M: DevicePtrMut<u32>>(
+    ops: &mut Binder<'a>,
     mask: Option<&'a mut M>,
-    stream: &'a cudarc::driver::CudaStream,
-    ops: &mut Vec<Operand>,
-) -> (u64, Option<cudarc::driver::SyncOnDrop<'a>>) {
-    match mask {
-        Some(m) => {
-            let len = m.len();
-            let (p, guard) = m.device_ptr_mut(stream);
-            ops.push(Operand::mask("mask", p, len, true));
-            (p, Some(guard))
-        }
-        None => (0, None),
-    }
-}
-
-/// The device ordinal a buffer lives on.
-fn dev<T, S: DeviceSlice<T>>(s: &S) -> Option<usize> {
-    Some(s.stream().context().ordinal())
-}
-
-/// Every operand lives on the Context's device: a pointer of another device must never reach a
-/// kernel (it faults, or silently reads another GPU's memory through a peer mapping). The error
-/// names the first operand that does not.
-fn on_device(ctx: &Context, operands: &[(&'static str, Option<usize>)]) -> Result<()> {
-    for &(name, ordinal) in operands {
-        if let Some(ordinal) = ordinal {
-            let info = BufInfo {
-                name,
-                ptr: 0,
-                len: 0,
-                elem: 1,
-                ordinal,
-            };
-            expect_device(&info, ctx.info().ordinal)?;
-        }
-    }
-    Ok(())
+) -> Result<u64> {
+    mask.map_or(Ok(0), |m| ops.output("mask", m, Need::MaskFor))
 }
 
 pub use crate::reference::activation::mask_words;
@@ -165,32 +127,6 @@ impl Kernel {
     }
 }
 
-/// Resident blocks per SM for each kernel, per device (the occupancy does not change for the
-/// life of the process).
-static OCCUPANCY: Lazy<Mutex<HashMap<(usize, &'static str), u32>>> =
-    Lazy::new(|| Mutex::new(HashMap::new()));
-
-fn blocks_per_sm(ctx: &Context, f: &CudaFunction, name: &'static str) -> Result<u32> {
-    let key = (ctx.info().ordinal, name);
-    let cached = match OCCUPANCY.lock() {
-        Ok(g) => g.get(&key).copied(),
-        Err(p) => p.into_inner().get(&key).copied(),
-    };
-    if let Some(v) = cached {
-        return Ok(v);
-    }
-    ctx.cuda().bind_to_thread().call("cuCtxSetCurrent")?;
-    let v = f
-        .occupancy_max_active_blocks_per_multiprocessor(plan::THREADS, 0, None)
-        .call("cuOccupancyMaxActiveBlocksPerMultiprocessor")?
-        .max(1);
-    match OCCUPANCY.lock() {
-        Ok(mut g) => g.insert(key, v),
-        Err(p) => p.into_inner().insert(key, v),
-    };
-    Ok(v)
-}
-
 /// Launches `kernel` over `n > 0` elements with the device pointers `args` (in the kernel's
 /// parameter order, `n` appended). `path_ptrs` are the data pointers whose alignment decides the
 /// path (the kernel applies the same rule itself).
@@ -204,13 +140,13 @@ fn launch(
 ) -> Result<()> {
     let name = kernel.name(dt);
     let f = ctx.function(&kernels::BITMASK, name)?;
-    let per_sm = blocks_per_sm(ctx, &f, name)?;
+    let per_sm = launch::blocks_per_sm(ctx, &f, name, launch_rules::THREADS, 0)?.max(1);
     let path = match kernel.scheme() {
         Scheme::Naive8 => Path::Scalar,
         Scheme::Warp => choose_path(path_ptrs),
     };
-    let sm_count = u32::try_from(ctx.info().sm_count.max(1)).unwrap_or(1);
-    let lp = plan_launch(
+    let sm_count = launch::sm_count(ctx);
+    let lp = launch_grid(
         kernel.scheme(),
         path,
         n as u64,
@@ -242,10 +178,6 @@ fn launch(
     Ok(())
 }
 
-fn size<T: Element>() -> usize {
-    T::DTYPE.size()
-}
-
 /// `y = max(x, 0)` and, when `mask` is given, its bit of `x > 0` for every element.
 ///
 /// `y` may be exactly the same memory as `x` (see the module docs; [`relu_mask_fwd_inplace`] is
@@ -263,21 +195,11 @@ where
     Y: DevicePtrMut<T>,
     M: DevicePtrMut<u32>,
 {
-    let m = mask.as_ref().and_then(|m| dev::<u32, _>(*m));
-    on_device(
-        ctx,
-        &[("x", dev::<T, _>(x)), ("y", dev::<T, _>(y)), ("mask", m)],
-    )?;
-    let (xl, yl) = (x.len(), y.len());
-    let stream = ctx.stream();
-    let (xp, _x) = x.device_ptr(stream);
-    let (yp, _y) = y.device_ptr_mut(stream);
-    let mut ops = vec![
-        Operand::data("x", xp, xl, size::<T>(), false),
-        Operand::data("y", yp, yl, size::<T>(), true),
-    ];
-    let (mp, _m) = optional_mask(mask, stream, &mut ops);
-    let n = validate(&ops, &[("x", "y")])?;
+    let mut ops = Binder::new(ctx);
+    let xp = ops.input("x", x, Need::Same)?;
+    let yp = ops.output("y", y, Need::Same)?;
+    let mp = optional_mask(&mut ops, mask)?;
+    let n = validate(ops.operands(), &[("x", "y")])?;
     if n == 0 {
         return Ok(());
     }
@@ -291,14 +213,10 @@ where
     Y: DevicePtrMut<T>,
     M: DevicePtrMut<u32>,
 {
-    let m = mask.as_ref().and_then(|m| dev::<u32, _>(*m));
-    on_device(ctx, &[("xy", dev::<T, _>(xy)), ("mask", m)])?;
-    let l = xy.len();
-    let stream = ctx.stream();
-    let (p, _xy) = xy.device_ptr_mut(stream);
-    let mut ops = vec![Operand::data("xy", p, l, size::<T>(), true)];
-    let (mp, _m) = optional_mask(mask, stream, &mut ops);
-    let n = validate(&ops, &[])?;
+    let mut ops = Binder::new(ctx);
+    let p = ops.output("xy", xy, Need::Same)?;
+    let mp = optional_mask(&mut ops, mask)?;
+    let n = validate(ops.operands(), &[])?;
     if n == 0 {
         return Ok(());
     }
@@ -324,28 +242,12 @@ where
     Y: DevicePtrMut<T>,
     M: DevicePtrMut<u32>,
 {
-    let m = mask.as_ref().and_then(|m| dev::<u32, _>(*m));
-    on_device(
-        ctx,
-        &[
-            ("x", dev::<T, _>(x)),
-            ("z", dev::<T, _>(z)),
-            ("y", dev::<T, _>(y)),
-            ("mask", m),
-        ],
-    )?;
-    let (xl, zl, yl) = (x.len(), z.len(), y.len());
-    let stream = ctx.stream();
-    let (xp, _x) = x.device_ptr(stream);
-    let (zp, _z) = z.device_ptr(stream);
-    let (yp, _y) = y.device_ptr_mut(stream);
-    let mut ops = vec![
-        Operand::data("x", xp, xl, size::<T>(), false),
-        Operand::data("z", zp, zl, size::<T>(), false),
-        Operand::data("y", yp, yl, size::<T>(), true),
-    ];
-    let (mp, _m) = optional_mask(mask, stream, &mut ops);
-    let n = validate(&ops, &[("x", "y"), ("z", "y")])?;
+    let mut ops = Binder::new(ctx);
+    let xp = ops.input("x", x, Need::Same)?;
+    let zp = ops.input("z", z, Need::Same)?;
+    let yp = ops.output("y", y, Need::Same)?;
+    let mp = optional_mask(&mut ops, mask)?;
+    let n = validate(ops.operands(), &[("x", "y"), ("z", "y")])?;
     if n == 0 {
         return Ok(());
     }
@@ -373,21 +275,11 @@ where
     Z: DevicePtr<T>,
     M: DevicePtrMut<u32>,
 {
-    let m = mask.as_ref().and_then(|m| dev::<u32, _>(*m));
-    on_device(
-        ctx,
-        &[("xy", dev::<T, _>(xy)), ("z", dev::<T, _>(z)), ("mask", m)],
-    )?;
-    let (l, zl) = (xy.len(), z.len());
-    let stream = ctx.stream();
-    let (zp, _z) = z.device_ptr(stream);
-    let (p, _xy) = xy.device_ptr_mut(stream);
-    let mut ops = vec![
-        Operand::data("xy", p, l, size::<T>(), true),
-        Operand::data("z", zp, zl, size::<T>(), false),
-    ];
-    let (mp, _m) = optional_mask(mask, stream, &mut ops);
-    let n = validate(&ops, &[("xy", "z")])?;
+    let mut ops = Binder::new(ctx);
+    let p = ops.output("xy", xy, Need::Same)?;
+    let zp = ops.input("z", z, Need::Same)?;
+    let mp = optional_mask(&mut ops, mask)?;
+    let n = validate(ops.operands(), &[("xy", "z")])?;
     if n == 0 {
         return Ok(());
     }
@@ -410,25 +302,11 @@ where
     M: DevicePtr<u32>,
     DX: DevicePtrMut<T>,
 {
-    on_device(
-        ctx,
-        &[
-            ("dy", dev::<T, _>(dy)),
-            ("mask", dev::<u32, _>(mask)),
-            ("dx", dev::<T, _>(dx)),
-        ],
-    )?;
-    let (gl, ml, xl) = (dy.len(), mask.len(), dx.len());
-    let stream = ctx.stream();
-    let (gp, _g) = dy.device_ptr(stream);
-    let (mp, _m) = mask.device_ptr(stream);
-    let (xp, _dx) = dx.device_ptr_mut(stream);
-    let ops = [
-        Operand::data("dy", gp, gl, size::<T>(), false),
-        Operand::data("dx", xp, xl, size::<T>(), true),
-        Operand::mask("mask", mp, ml, false),
-    ];
-    let n = validate(&ops, &[("dy", "dx")])?;
+    let mut ops = Binder::new(ctx);
+    let gp = ops.input("dy", dy, Need::Same)?;
+    let xp = ops.output("dx", dx, Need::Same)?;
+    let mp = ops.input("mask", mask, Need::MaskFor)?;
+    let n = validate(ops.operands(), &[("dy", "dx")])?;
     if n == 0 {
         return Ok(());
     }
@@ -451,28 +329,12 @@ where
     DX: DevicePtrMut<T>,
     DZ: DevicePtrMut<T>,
 {
-    on_device(
-        ctx,
-        &[
-            ("dy", dev::<T, _>(dy)),
-            ("mask", dev::<u32, _>(mask)),
-            ("dx", dev::<T, _>(dx)),
-            ("dz", dev::<T, _>(dz)),
-        ],
-    )?;
-    let (gl, ml, xl, zl) = (dy.len(), mask.len(), dx.len(), dz.len());
-    let stream = ctx.stream();
-    let (gp, _g) = dy.device_ptr(stream);
-    let (mp, _m) = mask.device_ptr(stream);
-    let (xp, _dx) = dx.device_ptr_mut(stream);
-    let (zp, _dz) = dz.device_ptr_mut(stream);
-    let ops = [
-        Operand::data("dy", gp, gl, size::<T>(), false),
-        Operand::data("dx", xp, xl, size::<T>(), true),
-        Operand::data("dz", zp, zl, size::<T>(), true),
-        Operand::mask("mask", mp, ml, false),
-    ];
-    let n = validate(&ops, &[("dy", "dx"), ("dy", "dz")])?;
+    let mut ops = Binder::new(ctx);
+    let gp = ops.input("dy", dy, Need::Same)?;
+    let xp = ops.output("dx", dx, Need::Same)?;
+    let zp = ops.output("dz", dz, Need::Same)?;
+    let mp = ops.input("mask", mask, Need::MaskFor)?;
+    let n = validate(ops.operands(), &[("dy", "dx"), ("dy", "dz")])?;
     if n == 0 {
         return Ok(());
     }
@@ -493,16 +355,10 @@ where
     G: DevicePtrMut<T>,
     M: DevicePtr<u32>,
 {
-    on_device(ctx, &[("g", dev::<T, _>(g)), ("mask", dev::<u32, _>(mask))])?;
-    let (gl, ml) = (g.len(), mask.len());
-    let stream = ctx.stream();
-    let (mp, _m) = mask.device_ptr(stream);
-    let (gp, _g) = g.device_ptr_mut(stream);
-    let ops = [
-        Operand::data("g", gp, gl, size::<T>(), true),
-        Operand::mask("mask", mp, ml, false),
-    ];
-    let n = validate(&ops, &[])?;
+    let mut ops = Binder::new(ctx);
+    let gp = ops.output("g", g, Need::Same)?;
+    let mp = ops.input("mask", mask, Need::MaskFor)?;
+    let n = validate(ops.operands(), &[])?;
     if n == 0 {
         return Ok(());
     }
@@ -529,25 +385,11 @@ pub mod baseline {
         Y: DevicePtrMut<T>,
         M: DevicePtrMut<u32>,
     {
-        on_device(
-            ctx,
-            &[
-                ("x", dev::<T, _>(x)),
-                ("y", dev::<T, _>(y)),
-                ("mask", dev::<u32, _>(mask)),
-            ],
-        )?;
-        let (xl, yl, ml) = (x.len(), y.len(), mask.len());
-        let stream = ctx.stream();
-        let (xp, _x) = x.device_ptr(stream);
-        let (yp, _y) = y.device_ptr_mut(stream);
-        let (mp, _m) = mask.device_ptr_mut(stream);
-        let ops = [
-            Operand::data("x", xp, xl, size::<T>(), false),
-            Operand::data("y", yp, yl, size::<T>(), true),
-            Operand::mask("mask", mp, ml, true),
-        ];
-        let n = validate(&ops, &[("x", "y")])?;
+        let mut ops = Binder::new(ctx);
+        let xp = ops.input("x", x, Need::Same)?;
+        let yp = ops.output("y", y, Need::Same)?;
+        let mp = ops.output("mask", mask, Need::MaskFor)?;
+        let n = validate(ops.operands(), &[("x", "y")])?;
         if n == 0 {
             return Ok(());
         }
@@ -563,25 +405,11 @@ pub mod baseline {
         Y: DevicePtr<T>,
         DX: DevicePtrMut<T>,
     {
-        on_device(
-            ctx,
-            &[
-                ("dy", dev::<T, _>(dy)),
-                ("y", dev::<T, _>(y)),
-                ("dx", dev::<T, _>(dx)),
-            ],
-        )?;
-        let (gl, yl, xl) = (dy.len(), y.len(), dx.len());
-        let stream = ctx.stream();
-        let (gp, _g) = dy.device_ptr(stream);
-        let (yp, _y) = y.device_ptr(stream);
-        let (xp, _dx) = dx.device_ptr_mut(stream);
-        let ops = [
-            Operand::data("dy", gp, gl, size::<T>(), false),
-            Operand::data("y", yp, yl, size::<T>(), false),
-            Operand::data("dx", xp, xl, size::<T>(), true),
-        ];
-        let n = validate(&ops, &[("dy", "dx"), ("y", "dx")])?;
+        let mut ops = Binder::new(ctx);
+        let gp = ops.input("dy", dy, Need::Same)?;
+        let yp = ops.input("y", y, Need::Same)?;
+        let xp = ops.output("dx", dx, Need::Same)?;
+        let n = validate(ops.operands(), &[("dy", "dx"), ("y", "dx")])?;
         if n == 0 {
             return Ok(());
         }
@@ -594,6 +422,15 @@ pub mod baseline {
             &[gp, yp, xp],
         )
     }
+}
+
+/// What only nnfuse's own benchmarks and tests use: the launch rules (vector or scalar path,
+/// grid arithmetic). Not a stable API.
+#[doc(hidden)]
+pub mod internals {
+    pub use super::launch_rules::{
+        choose_path, launch_grid, warps_needed, LaunchGrid, Path, Scheme, MAX_ELEMENTS, THREADS,
+    };
 }
 
 #[cfg(test)]

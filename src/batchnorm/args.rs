@@ -4,18 +4,7 @@
 
 use cudarc::driver::{CudaView, CudaViewMut};
 
-use crate::batchnorm::plan::OwnVariantChoice;
 use crate::batchnorm::state::BnSaved;
-
-/// Options of one [`crate::batchnorm::BatchNorm`] beyond the Context's [`crate::Config`]
-/// (tests and benchmarks compare variants with them). BatchNorms of the same shape with
-/// different options are planned and cached separately.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct BnOptions {
-    /// Which variant of nnfuse's own training kernels to plan (when the plan takes the own
-    /// path): by size (default), always two-pass, or persistent wherever the shape allows it.
-    pub own_variant: OwnVariantChoice,
-}
 
 /// Training forward: `y = act(gamma * (x - mean) / sqrt(var + eps) + beta [+ addend])` with the
 /// batch statistics, which also update the running statistics.

@@ -11,8 +11,8 @@ use std::ptr::null_mut;
 use cudarc::cudnn::sys as cudnn;
 use cudarc::driver::sys::CUdeviceptr;
 
-use crate::batchnorm::descriptor::{ReluDesc, TensorDesc};
-use crate::batchnorm::plan::BnMode;
+use crate::batchnorm::descriptor::{cudnn_mode, ReluDesc, TensorDesc};
+use crate::batchnorm::types::BnMode;
 use crate::error::{cudnn_check, Result};
 
 /// cuDNN's fused operation selector.
@@ -77,7 +77,7 @@ pub(crate) unsafe fn ex_sizes(
     cudnn_check(
         cudnn::cudnnGetBatchNormalizationForwardTrainingExWorkspaceSize(
             h,
-            mode.cudnn(),
+            cudnn_mode(mode),
             ops.cudnn(),
             x.0,
             z,
@@ -92,7 +92,7 @@ pub(crate) unsafe fn ex_sizes(
     cudnn_check(
         cudnn::cudnnGetBatchNormalizationBackwardExWorkspaceSize(
             h,
-            mode.cudnn(),
+            cudnn_mode(mode),
             ops.cudnn(),
             x.0,
             y,
@@ -108,7 +108,7 @@ pub(crate) unsafe fn ex_sizes(
     cudnn_check(
         cudnn::cudnnGetBatchNormalizationTrainingExReserveSpaceSize(
             h,
-            mode.cudnn(),
+            cudnn_mode(mode),
             ops.cudnn(),
             act(relu),
             x.0,
@@ -156,7 +156,7 @@ pub(crate) unsafe fn forward_training_ex(
     cudnn_check(
         cudnn::cudnnBatchNormalizationForwardTrainingEx(
             h,
-            mode.cudnn(),
+            cudnn_mode(mode),
             ops.cudnn(),
             one(),
             zero(),
@@ -198,7 +198,7 @@ pub(crate) unsafe fn forward_training(
     cudnn_check(
         cudnn::cudnnBatchNormalizationForwardTraining(
             h,
-            mode.cudnn(),
+            cudnn_mode(mode),
             one(),
             zero(),
             x.0,
@@ -263,7 +263,7 @@ pub(crate) unsafe fn backward_ex(
     cudnn_check(
         cudnn::cudnnBatchNormalizationBackwardEx(
             h,
-            mode.cudnn(),
+            cudnn_mode(mode),
             ops.cudnn(),
             one(),
             zero(),
@@ -309,7 +309,7 @@ pub(crate) unsafe fn backward(
     cudnn_check(
         cudnn::cudnnBatchNormalizationBackward(
             h,
-            mode.cudnn(),
+            cudnn_mode(mode),
             one(),
             zero(),
             one(),
@@ -350,7 +350,7 @@ pub(crate) unsafe fn forward_inference(
     cudnn_check(
         cudnn::cudnnBatchNormalizationForwardInference(
             h,
-            mode.cudnn(),
+            cudnn_mode(mode),
             one(),
             zero(),
             x_desc.0,

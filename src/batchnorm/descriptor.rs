@@ -7,10 +7,20 @@ use std::mem::MaybeUninit;
 
 use cudarc::cudnn::sys as cudnn;
 
-use crate::batchnorm::plan::BnMode;
+use crate::batchnorm::types::BnMode;
 use crate::dtype::DType;
 use crate::error::{cudnn_check, Error, Result};
 use crate::layout::ChannelLayout;
+
+/// cuDNN's enum for `mode`.
+pub(crate) fn cudnn_mode(mode: BnMode) -> cudnn::cudnnBatchNormMode_t {
+    use cudnn::cudnnBatchNormMode_t as M;
+    match mode {
+        BnMode::PerActivation => M::CUDNN_BATCHNORM_PER_ACTIVATION,
+        BnMode::Spatial => M::CUDNN_BATCHNORM_SPATIAL,
+        BnMode::SpatialPersistent => M::CUDNN_BATCHNORM_SPATIAL_PERSISTENT,
+    }
+}
 
 /// An owned `cudnnTensorDescriptor_t`.
 #[derive(Debug)]
@@ -59,7 +69,7 @@ impl TensorDesc {
         let d = Self::create()?;
         // SAFETY: both descriptors are valid.
         cudnn_check(
-            unsafe { cudnn::cudnnDeriveBNTensorDescriptor(d.0, x.0, mode.cudnn()) },
+            unsafe { cudnn::cudnnDeriveBNTensorDescriptor(d.0, x.0, cudnn_mode(mode)) },
             "cudnnDeriveBNTensorDescriptor",
         )?;
         Ok(d)

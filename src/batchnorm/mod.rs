@@ -7,7 +7,7 @@
 //!   without cuDNN; see `docs/BATCHNORM.md`), cuDNN's fused BN+ReLU / BN+Add+ReLU where cuDNN
 //!   allows it, otherwise cuDNN BN followed by nnfuse's bitmask kernels;
 //! - [`BnSaved`]: the state a forward hands to its backward;
-//! - [`probe`]: asks the installed cuDNN whether it runs a fused combination.
+//! - `probe`: asks the installed cuDNN whether it runs a fused combination (internals).
 
 mod args;
 mod cudnn_calls;
@@ -15,19 +15,33 @@ mod descriptor;
 mod ops;
 mod own;
 mod own_launch;
-pub mod plan;
-pub mod probe;
+mod plan;
+mod probe;
 mod state;
+mod types;
 
-pub use args::{BackwardArgs, BnOptions, InferenceArgs, TrainArgs};
+pub use args::{BackwardArgs, InferenceArgs, TrainArgs};
 pub use ops::BatchNorm;
 pub use plan::{
-    auto_case, choose_impl, fused_dtype_supported, fused_refusals, infer_api, infer_mode,
-    infer_path, oneflow_mode, own_variants, plan, AutoCase, BnApi, BnMode, BnPath, BnPlan, Fuse,
-    FusedRefusal, OwnVariant, OwnVariantChoice, Phase, PlanRequest, ASSUMED_CUDNN_VERSION,
-    CUDNN_EX_API_MIN_VERSION, DEPARTS_FROM_ONEFLOW, OWN_FOR_CHANNELS_FIRST,
-    OWN_FOR_CHANNELS_FIRST_SHORT_RUNS, OWN_FOR_CHANNELS_LAST_FUSED, OWN_FOR_CHANNELS_LAST_ON_CHIP,
-    OWN_FOR_CHANNELS_LAST_PLAIN, OWN_FOR_CHANNELS_LAST_UNFUSED, OWN_FOR_INFERENCE, OWN_FOR_TWO_D,
-    OWN_PERSISTENT_MAX_BYTES, OWN_PER_CHANNEL_MAX_M, PREFER_PERSISTENT,
+    fused_dtype_supported, fused_refusals, infer_api, infer_mode, infer_path, oneflow_mode,
+    own_variants, plan, BnPlan, PlanRequest, ASSUMED_CUDNN_VERSION, DEPARTS_FROM_ONEFLOW,
 };
 pub use state::BnSaved;
+pub use types::{
+    BnApi, BnMode, BnOptions, BnPath, Fuse, FusedRefusal, OwnVariant, OwnVariantChoice, Phase,
+    CUDNN_EX_API_MIN_VERSION,
+};
+
+/// What only nnfuse's own tests, benchmarks and CLI use: the `auto` implementation table and its
+/// measured thresholds, and the cuDNN fusion probe. Not a stable API.
+#[doc(hidden)]
+pub mod internals {
+    pub use super::plan::{
+        auto_case, choose_impl, AutoCase, OWN_FOR_CHANNELS_FIRST,
+        OWN_FOR_CHANNELS_FIRST_SHORT_RUNS, OWN_FOR_CHANNELS_LAST_FUSED,
+        OWN_FOR_CHANNELS_LAST_ON_CHIP, OWN_FOR_CHANNELS_LAST_PLAIN, OWN_FOR_CHANNELS_LAST_UNFUSED,
+        OWN_FOR_INFERENCE, OWN_FOR_TWO_D, OWN_PERSISTENT_MAX_BYTES, OWN_PER_CHANNEL_MAX_M,
+        PREFER_PERSISTENT,
+    };
+    pub use super::probe::{probe_fused, Support};
+}

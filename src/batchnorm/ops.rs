@@ -7,22 +7,21 @@ use std::marker::PhantomData;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceSlice};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 use crate::activation;
-use crate::batchnorm::args::{BackwardArgs, BnOptions, InferenceArgs, TrainArgs};
+use crate::batchnorm::args::{BackwardArgs, InferenceArgs, TrainArgs};
 use crate::batchnorm::cudnn_calls::{self as calls, BwdPtrs, ExSizes, FwdPtrs, Ops};
 use crate::batchnorm::descriptor::{ParamDesc, ReluDesc, TensorDesc};
 use crate::batchnorm::own::{self, BwdBufs, Counters, FwdBufs, InferBufs};
 use crate::batchnorm::own_launch::OwnShape;
-use crate::batchnorm::plan::{
-    plan, BnApi, BnPath, BnPlan, Fuse, OwnVariant, Phase, PlanRequest, ASSUMED_CUDNN_VERSION,
-};
+use crate::batchnorm::plan::{plan, BnPlan, PlanRequest, ASSUMED_CUDNN_VERSION};
 use crate::batchnorm::state::BnSaved;
+use crate::batchnorm::types::{BnApi, BnOptions, BnPath, Fuse, OwnVariant, Phase};
 use crate::context::{cudnn_present, cudnn_version, Context};
 use crate::dtype::{DType, Element};
 use crate::error::{CallExt, Error, Result};
-use crate::validate::{expect_device, expect_len, expect_outputs_disjoint, BufInfo};
+use crate::validate::{Aliasing, Binder, Need};
 
 /// Everything derived once per (shape, axis, dtype, fusion, options) on one Context.
 #[derive(Debug)]
@@ -247,34 +246,6 @@ fn fused_ops(fuse: Fuse) -> Ops {
     }
 }
 
-fn info<T, S: DeviceSlice<T>>(name: &'static str, s: &S, ptr: u64) -> BufInfo {
-    BufInfo {
-        name,
-        ptr,
-        len: s.len(),
-        elem: std::mem::size_of::<T>(),
-        ordinal: s.stream().context().ordinal(),
-    }
-}
-
-/// Parameter-shaped arguments hold `c` elements (as cuDNN's derived descriptor says), the
-/// activation-shaped ones `numel`.
-fn expected_len(name: &str, numel: usize, c: usize) -> usize {
-    const PARAMS: [&str; 6] = [
-        "gamma",
-        "beta",
-        "running_mean",
-        "running_var",
-        "dgamma",
-        "dbeta",
-    ];
-    if PARAMS.contains(&name) {
-        c
-    } else {
-        numel
-    }
-}
-
 /// `eps` finite and > 0 (cuDNN's `CUDNN_BN_MIN_EPSILON` is 0 since cuDNN 8; 0 itself divides
 /// by zero on a constant channel); `momentum` finite in `[0, 1]`.
 pub(crate) fn check_scalars(eps: f64, momentum: Option<f64>) -> Result<()> {
@@ -409,8 +380,7 @@ impl<T: Element> BatchNorm<T> {
     /// Training forward. Returns the state that [`BatchNorm::backward`] needs.
     pub fn forward_train(&self, mut a: TrainArgs<'_, T>) -> Result<BnSaved> {
         let core = &*self.core;
-        let ctx = &self.ctx;
-        let stream = ctx.stream();
+        // 1. Scalars, the addend, the shape.
         check_scalars(a.eps, Some(a.momentum))?;
         check_addend(core.fuse, a.addend.is_some(), "addend")?;
         if core.train.layout.per_channel() < 2 {
@@ -420,133 +390,141 @@ impl<T: Element> BatchNorm<T> {
                 "training needs more than one value per channel (n*h*w = 1)",
             ));
         }
-        let numel = self.numel();
-        let c = core.param_len(Phase::Training);
+        // 2. The statistics (and, on the own path, the mask) the backward will read.
         let path = core.train_path();
+        let mut st = self.alloc_train_state(path)?;
+        // 3. Every buffer validated, then BatchNorm itself (own kernels or cuDNN).
+        let (ran, x_ptr) = self.run_train(&mut a, path, &mut st)?;
+        // 4. The fallback's activation and mask; the saved state.
+        self.finish_train(&mut a, ran, st, x_ptr)
+    }
 
+    /// The buffers a training forward saves for its backward, allocated for `path`.
+    fn alloc_train_state(&self, path: BnPath) -> Result<TrainState> {
+        let stream = self.ctx.stream();
+        let c = self.core.param_len(Phase::Training);
         // SAFETY: statistics are written by cuDNN or the own kernels before anything reads them.
-        let mut mean = unsafe { stream.alloc::<f32>(c) }.call("cuMemAllocAsync")?;
-        let mut inv_var = unsafe { stream.alloc::<f32>(c) }.call("cuMemAllocAsync")?;
-        let mut mean_lo = if path.is_own() {
+        let mean = unsafe { stream.alloc::<f32>(c) }.call("cuMemAllocAsync")?;
+        let inv_var = unsafe { stream.alloc::<f32>(c) }.call("cuMemAllocAsync")?;
+        let mean_lo = if path.is_own() {
             // SAFETY: written by the own statistics before anything reads it.
             Some(unsafe { stream.alloc::<f32>(c) }.call("cuMemAllocAsync")?)
         } else {
             None
         };
-        let mut own_mask = if path.is_own() && core.fuse != Fuse::None {
+        let own_mask = if path.is_own() && self.core.fuse != Fuse::None {
             // SAFETY: the own forward writes every mask word (tail bits zero) before any read.
             Some(
-                unsafe { stream.alloc::<u32>(activation::mask_words(numel)) }
+                unsafe { stream.alloc::<u32>(activation::mask_words(self.numel())) }
                     .call("cuMemAllocAsync")?,
             )
         } else {
             None
         };
+        Ok(TrainState {
+            mean,
+            inv_var,
+            mean_lo,
+            own_mask,
+        })
+    }
 
-        let (ran_fused, x_ptr) = {
-            let (x, _g1) = a.x.device_ptr(stream);
-            let z = a.addend.as_ref().map(|v| v.device_ptr(stream));
-            let (gamma, _g3) = a.gamma.device_ptr(stream);
-            let (beta, _g4) = a.beta.device_ptr(stream);
-            let ordinal = ctx.info().ordinal;
-            let xi = info::<T, _>("x", &a.x, x);
-            let zi = z
-                .as_ref()
-                .zip(a.addend.as_ref())
-                .map(|((p, _), v)| info::<T, _>("addend", v, *p));
-            let gi = info::<f32, _>("gamma", &a.gamma, gamma);
-            let bi = info::<f32, _>("beta", &a.beta, beta);
-            let (yl, rml, rvl) = (a.y.len(), a.running_mean.len(), a.running_var.len());
-            let (yo, rmo, rvo) = (
-                a.y.stream().context().ordinal(),
-                a.running_mean.stream().context().ordinal(),
-                a.running_var.stream().context().ordinal(),
-            );
-            let (y, _g5) = a.y.device_ptr_mut(stream);
-            let (rm, _g6) = a.running_mean.device_ptr_mut(stream);
-            let (rv, _g7) = a.running_var.device_ptr_mut(stream);
-            let mk = |name, ptr, len, elem, ordinal| BufInfo {
-                name,
-                ptr,
-                len,
-                elem,
-                ordinal,
-            };
-            let yi = mk("y", y, yl, T::DTYPE.size(), yo);
-            let rmi = mk("running_mean", rm, rml, 4, rmo);
-            let rvi = mk("running_var", rv, rvl, 4, rvo);
-            let mut inputs = vec![xi, gi, bi];
-            inputs.extend(zi);
-            for b in inputs.iter().chain([&yi, &rmi, &rvi]) {
-                expect_device(b, ordinal)?;
-            }
-            expect_len(&xi, numel, "the shape's element count")?;
-            expect_len(&yi, numel, "the shape's element count")?;
-            if let Some(zi) = &zi {
-                expect_len(zi, numel, "the shape's element count")?;
-            }
-            let what = if path.is_own() {
+    /// Validates every buffer of a training forward, then runs BatchNorm on `path`; returns what
+    /// ran and x's address (the backward checks it gets the same x).
+    fn run_train(
+        &self,
+        a: &mut TrainArgs<'_, T>,
+        path: BnPath,
+        st: &mut TrainState,
+    ) -> Result<(Ran, u64)> {
+        let core = &*self.core;
+        let ctx = &self.ctx;
+        let stream = ctx.stream();
+        let numel = Need::Exactly(self.numel(), "the shape's element count");
+        let c = core.param_len(Phase::Training);
+        let param = Need::Exactly(
+            c,
+            if path.is_own() {
                 "the channel count"
             } else {
                 "cuDNN's derived parameter descriptor"
-            };
-            for p in [&gi, &bi, &rmi, &rvi] {
-                expect_len(p, c, what)?;
-            }
-            expect_outputs_disjoint(&[yi, rmi, rvi], &inputs)?;
-
-            let (mp, _g8) = mean.device_ptr_mut(stream);
-            let (ip, _g9) = inv_var.device_ptr_mut(stream);
-            let zp = z.as_ref().map_or(0, |(p, _)| *p);
-            if path.is_own() {
-                let mk = own_mask.as_mut().map(|m| m.device_ptr_mut(stream));
-                let lo = mean_lo.as_mut().map(|m| m.device_ptr_mut(stream));
-                let bufs = FwdBufs {
-                    x,
-                    z: zp,
-                    y,
-                    mask: mk.as_ref().map_or(0, |(p, _)| *p),
-                    gamma,
-                    beta,
-                    running_mean: rm,
-                    running_var: rv,
-                    saved_mean: mp,
-                    saved_mean_lo: lo.as_ref().map_or(0, |(p, _)| *p),
-                    saved_invstd: ip,
-                };
-                let want = core.train.own_forward.unwrap_or(OwnVariant::TwoPass);
-                let op = core.own_op(ctx, T::DTYPE);
-                let v = own::forward_train(&op, &bufs, want, a.momentum, a.eps)?;
-                tracing::debug!(path = "own", variant = %v, "BatchNorm forward");
-                (Ran::Own(v), x)
-            } else {
-                let ptrs = FwdPtrs {
-                    x,
-                    z: zp,
-                    y,
-                    gamma,
-                    beta,
-                    running_mean: rm,
-                    running_var: rv,
-                    saved_mean: mp,
-                    saved_inv_var: ip,
-                };
-                (self.run_forward(path, &ptrs, a.momentum, a.eps)?, x)
-            }
+            },
+        );
+        let mut ops = Binder::new(ctx);
+        let x = ops.input("x", &a.x, numel)?;
+        let gamma = ops.input("gamma", &a.gamma, param)?;
+        let beta = ops.input("beta", &a.beta, param)?;
+        let z = match &a.addend {
+            Some(v) => ops.input("addend", v, numel)?,
+            None => 0,
         };
+        let y = ops.output("y", &mut a.y, numel)?;
+        let running_mean = ops.output("running_mean", &mut a.running_mean, param)?;
+        let running_var = ops.output("running_var", &mut a.running_var, param)?;
+        ops.check(Aliasing::Distinct)?;
 
+        let (saved_mean, _g8) = st.mean.device_ptr_mut(stream);
+        let (saved_invstd, _g9) = st.inv_var.device_ptr_mut(stream);
+        let mask = st.own_mask.as_mut().map(|m| m.device_ptr_mut(stream));
+        let lo = st.mean_lo.as_mut().map(|m| m.device_ptr_mut(stream));
+        let bufs = FwdBufs {
+            x,
+            z,
+            y,
+            mask: mask.as_ref().map_or(0, |(p, _)| *p),
+            gamma,
+            beta,
+            running_mean,
+            running_var,
+            saved_mean,
+            saved_mean_lo: lo.as_ref().map_or(0, |(p, _)| *p),
+            saved_invstd,
+        };
+        if path.is_own() {
+            let want = core.train.own_forward.unwrap_or(OwnVariant::TwoPass);
+            let op = core.own_op(ctx, T::DTYPE);
+            let v = own::forward_train(&op, &bufs, want, a.momentum, a.eps)?;
+            tracing::debug!(path = "own", variant = %v, "BatchNorm forward");
+            return Ok((Ran::Own(v), x));
+        }
+        let ptrs = FwdPtrs {
+            x,
+            z,
+            y,
+            gamma,
+            beta,
+            running_mean,
+            running_var,
+            saved_mean,
+            saved_inv_var: saved_invstd,
+        };
+        Ok((self.run_forward(path, &ptrs, a.momentum, a.eps)?, x))
+    }
+
+    /// After BatchNorm ran: the fallback's activation (writing the mask), and the saved state.
+    fn finish_train(
+        &self,
+        a: &mut TrainArgs<'_, T>,
+        ran: Ran,
+        st: TrainState,
+        x_ptr: u64,
+    ) -> Result<BnSaved> {
+        let ctx = &self.ctx;
         let mut own_variant = None;
-        let (path, reserve, mask) = match ran_fused {
+        let (path, reserve, mask) = match ran {
             Ran::Own(v) => {
                 own_variant = Some(v);
-                (BnPath::Own, None, own_mask)
+                (BnPath::Own, None, st.own_mask)
             }
             Ran::Fused(reserve) => (BnPath::CudnnFused, reserve, None),
             Ran::Plain(reserve) => (BnPath::Plain, reserve, None),
             Ran::BnOnlyForFallback(reserve) => {
                 // SAFETY: the kernel writes every mask word (tail bits zero) before any read.
-                let mut mask = unsafe { stream.alloc::<u32>(activation::mask_words(numel)) }
-                    .call("cuMemAllocAsync")?;
+                let mut mask = unsafe {
+                    ctx.stream()
+                        .alloc::<u32>(activation::mask_words(self.numel()))
+                }
+                .call("cuMemAllocAsync")?;
                 match &a.addend {
                     Some(z) => {
                         activation::add_relu_mask_fwd_inplace(ctx, &mut a.y, z, Some(&mut mask))?
@@ -557,13 +535,13 @@ impl<T: Element> BatchNorm<T> {
             }
         };
         Ok(BnSaved {
-            owner: core.id,
+            owner: self.core.id,
             path,
             eps: a.eps,
             x_ptr,
-            mean,
-            mean_lo,
-            inv_var,
+            mean: st.mean,
+            mean_lo: st.mean_lo,
+            inv_var: st.inv_var,
             reserve,
             mask,
             own_variant,
@@ -573,59 +551,75 @@ impl<T: Element> BatchNorm<T> {
     /// Runs the BN part of the forward: fused (retrying as fallback when cuDNN refuses) or plain
     /// BN through the plan's API.
     fn run_forward(&self, path: BnPath, p: &FwdPtrs, momentum: f64, eps: f64) -> Result<Ran> {
+        if path == BnPath::CudnnFused {
+            if let Some(ran) = self.run_fused_forward(p, momentum, eps)? {
+                return Ok(ran);
+            }
+        }
+        self.run_plain_forward(p, momentum, eps)
+    }
+
+    /// cuDNN's fused forward; `None` when cuDNN refuses it (this shape then takes the fallback
+    /// path from now on).
+    fn run_fused_forward(&self, p: &FwdPtrs, momentum: f64, eps: f64) -> Result<Option<Ran>> {
         let core = &*self.core;
         let cu = core.cudnn()?;
         let ctx = &self.ctx;
         let mode = core.train.mode;
-        if path == BnPath::CudnnFused {
-            let sizes = cu.fused_sizes.unwrap_or_default();
-            let reserve = if sizes.reserve > 0 {
-                // SAFETY: cuDNN writes the reserve in the forward before the backward reads it.
-                Some(unsafe { ctx.stream().alloc::<u8>(sizes.reserve) }.call("cuMemAllocAsync")?)
-            } else {
-                None
-            };
-            let result = {
-                let rp = reserve.as_ref().map(|r| r.device_ptr(ctx.stream()));
-                let rptr = rp.as_ref().map_or(0, |(p, _)| *p);
-                let mut guard = ctx.lock()?;
-                let h = guard.cudnn()?;
-                let ws = guard.workspace(sizes.forward_workspace)?;
-                // SAFETY: pointers validated against the descriptors by the caller; workspace
-                // and reserve sized by cuDNN's queries.
-                unsafe {
-                    calls::forward_training_ex(
-                        h,
-                        mode,
-                        fused_ops(core.fuse),
-                        &cu.x_desc,
-                        &cu.train_param.desc,
-                        cu.relu.as_ref(),
-                        p,
-                        momentum,
-                        eps,
-                        (ws, sizes.forward_workspace),
-                        (rptr, sizes.reserve),
-                    )
-                }
-            };
-            match result {
-                Ok(()) => {
-                    tracing::debug!(path = "cudnn_fused", "BatchNorm forward");
-                    return Ok(Ran::Fused(reserve));
-                }
-                Err(e) if e.is_cudnn_not_supported() => {
-                    core.fused_refused.store(true, Ordering::Relaxed);
-                    tracing::warn!(
-                        layout = %core.train.layout, dtype = %core.train.dtype, fuse = ?core.fuse,
-                        error = %e,
-                        "cuDNN refused the fused BatchNorm forward; this shape uses the fallback path from now on"
-                    );
-                }
-                Err(e) => return Err(e),
+        let sizes = cu.fused_sizes.unwrap_or_default();
+        let reserve = if sizes.reserve > 0 {
+            // SAFETY: cuDNN writes the reserve in the forward before the backward reads it.
+            Some(unsafe { ctx.stream().alloc::<u8>(sizes.reserve) }.call("cuMemAllocAsync")?)
+        } else {
+            None
+        };
+        let result = {
+            let rp = reserve.as_ref().map(|r| r.device_ptr(ctx.stream()));
+            let rptr = rp.as_ref().map_or(0, |(p, _)| *p);
+            let mut guard = ctx.lock()?;
+            let h = guard.cudnn()?;
+            let ws = guard.workspace(sizes.forward_workspace)?;
+            // SAFETY: pointers validated against the descriptors by the caller; workspace
+            // and reserve sized by cuDNN's queries.
+            unsafe {
+                calls::forward_training_ex(
+                    h,
+                    mode,
+                    fused_ops(core.fuse),
+                    &cu.x_desc,
+                    &cu.train_param.desc,
+                    cu.relu.as_ref(),
+                    p,
+                    momentum,
+                    eps,
+                    (ws, sizes.forward_workspace),
+                    (rptr, sizes.reserve),
+                )
             }
+        };
+        match result {
+            Ok(()) => {
+                tracing::debug!(path = "cudnn_fused", "BatchNorm forward");
+                return Ok(Some(Ran::Fused(reserve)));
+            }
+            Err(e) if e.is_cudnn_not_supported() => {
+                core.fused_refused.store(true, Ordering::Relaxed);
+                tracing::warn!(
+                    layout = %core.train.layout, dtype = %core.train.dtype, fuse = ?core.fuse,
+                    error = %e,
+                    "cuDNN refused the fused BatchNorm forward; this shape uses the fallback path from now on"
+                );
+            }
+            Err(e) => return Err(e),
         }
-        // Plain BN (also the first half of the fallback).
+        Ok(None)
+    }
+
+    /// Plain BN through the plan's API (also the first half of the fallback).
+    fn run_plain_forward(&self, p: &FwdPtrs, momentum: f64, eps: f64) -> Result<Ran> {
+        let core = &*self.core;
+        let cu = core.cudnn()?;
+        let ctx = &self.ctx;
         let api = if core.train.path == BnPath::CudnnFused {
             BnApi::Ex
         } else {
@@ -692,8 +686,8 @@ impl<T: Element> BatchNorm<T> {
     pub fn backward(&self, mut a: BackwardArgs<'_, T>) -> Result<()> {
         let core = &*self.core;
         let ctx = &self.ctx;
-        let stream = ctx.stream();
         let saved = a.saved;
+        // 1. The state is this BatchNorm's; the addend gradient matches the fusion.
         if saved.owner != core.id {
             return Err(Error::invalid(
                 "saved",
@@ -702,80 +696,9 @@ impl<T: Element> BatchNorm<T> {
             ));
         }
         check_addend(core.fuse, a.d_addend.is_some(), "d_addend")?;
-        let numel = self.numel();
-        let c = core.param_len(Phase::Training);
-        let ordinal = ctx.info().ordinal;
-
-        // Validate every buffer before any launch.
-        {
-            let (x, _g1) = a.x.device_ptr(stream);
-            if x != saved.x_ptr {
-                return Err(Error::invalid(
-                    "x",
-                    "is not the buffer the forward that produced `saved` read",
-                ));
-            }
-            let (y, _g2) = a.y.device_ptr(stream);
-            let (dy, _g3) = a.dy.device_ptr(stream);
-            let (g, _g4) = a.gamma.device_ptr(stream);
-            let (b, _g5) = a.beta.device_ptr(stream);
-            let inputs = [
-                info::<T, _>("x", &a.x, x),
-                info::<T, _>("y", &a.y, y),
-                info::<T, _>("dy", &a.dy, dy),
-                info::<f32, _>("gamma", &a.gamma, g),
-                info::<f32, _>("beta", &a.beta, b),
-            ];
-            let (dxl, dxo) = (a.dx.len(), a.dx.stream().context().ordinal());
-            let (dgl, dgo) = (a.dgamma.len(), a.dgamma.stream().context().ordinal());
-            let (dbl, dbo) = (a.dbeta.len(), a.dbeta.stream().context().ordinal());
-            let dz_meta = a
-                .d_addend
-                .as_ref()
-                .map(|v| (v.len(), v.stream().context().ordinal()));
-            let (dx, _g6) = a.dx.device_ptr_mut(stream);
-            let (dg, _g7) = a.dgamma.device_ptr_mut(stream);
-            let (db, _g8) = a.dbeta.device_ptr_mut(stream);
-            let dz = a.d_addend.as_mut().map(|v| v.device_ptr_mut(stream));
-            let mut outputs = vec![
-                BufInfo {
-                    name: "dx",
-                    ptr: dx,
-                    len: dxl,
-                    elem: T::DTYPE.size(),
-                    ordinal: dxo,
-                },
-                BufInfo {
-                    name: "dgamma",
-                    ptr: dg,
-                    len: dgl,
-                    elem: 4,
-                    ordinal: dgo,
-                },
-                BufInfo {
-                    name: "dbeta",
-                    ptr: db,
-                    len: dbl,
-                    elem: 4,
-                    ordinal: dbo,
-                },
-            ];
-            if let (Some((p, _)), Some((len, ord))) = (&dz, dz_meta) {
-                outputs.push(BufInfo {
-                    name: "d_addend",
-                    ptr: *p,
-                    len,
-                    elem: T::DTYPE.size(),
-                    ordinal: ord,
-                });
-            }
-            for buf in inputs.iter().chain(&outputs) {
-                expect_device(buf, ordinal)?;
-                expect_len(buf, expected_len(buf.name, numel, c), "the plan's shape")?;
-            }
-            expect_outputs_disjoint(&outputs, &inputs)?;
-        }
-
+        // 2. Every buffer validated before any launch.
+        self.check_backward(&mut a)?;
+        // 3. The path the forward took.
         let reserve = saved.reserve.as_ref();
         match (saved.path, &saved.mask) {
             (BnPath::Own, mask) => self.run_backward_own(&mut a, mask.as_ref()),
@@ -788,7 +711,8 @@ impl<T: Element> BatchNorm<T> {
                     self.run_backward(&mut a, BnPath::Fallback, None, reserve)
                 } else {
                     // SAFETY: fully written by the mask backward before BN reads it.
-                    let mut dpre = unsafe { stream.alloc::<T>(numel) }.call("cuMemAllocAsync")?;
+                    let mut dpre =
+                        unsafe { ctx.stream().alloc::<T>(self.numel()) }.call("cuMemAllocAsync")?;
                     activation::relu_mask_bwd(ctx, &a.dy, mask, &mut dpre)?;
                     self.run_backward(&mut a, BnPath::Fallback, Some(&dpre), reserve)
                 }
@@ -798,6 +722,33 @@ impl<T: Element> BatchNorm<T> {
                 "is a fallback-path state without its bitmask (corrupted state)",
             )),
         }
+    }
+
+    /// The backward's buffers: `x` is the forward's, and every buffer has the plan's length,
+    /// lives on the Context's device, and no output overlaps another buffer.
+    fn check_backward(&self, a: &mut BackwardArgs<'_, T>) -> Result<()> {
+        let numel = Need::Exactly(self.numel(), "the plan's shape");
+        let param = Need::Exactly(self.core.param_len(Phase::Training), "the plan's shape");
+        let mut ops = Binder::new(&self.ctx);
+        let x = ops.input("x", &a.x, numel)?;
+        if x != a.saved.x_ptr {
+            return Err(Error::invalid(
+                "x",
+                "is not the buffer the forward that produced `saved` read",
+            ));
+        }
+        ops.input("y", &a.y, numel)?;
+        ops.input("dy", &a.dy, numel)?;
+        ops.input("gamma", &a.gamma, param)?;
+        ops.input("beta", &a.beta, param)?;
+        ops.output("dx", &mut a.dx, numel)?;
+        ops.output("dgamma", &mut a.dgamma, param)?;
+        ops.output("dbeta", &mut a.dbeta, param)?;
+        if let Some(dz) = a.d_addend.as_mut() {
+            ops.output("d_addend", dz, numel)?;
+        }
+        ops.check(Aliasing::Distinct)?;
+        Ok(())
     }
 
     /// The own backward (the mask, if any, is the own forward's).
@@ -950,77 +901,14 @@ impl<T: Element> BatchNorm<T> {
     pub fn forward_inference(&self, mut a: InferenceArgs<'_, T>) -> Result<()> {
         let core = &*self.core;
         let ctx = &self.ctx;
-        let stream = ctx.stream();
+        // 1. Scalars and the addend.
         check_scalars(a.eps, None)?;
         check_addend(core.fuse, a.addend.is_some(), "addend")?;
-        let numel = self.numel();
-        let c = core.param_len(Phase::Inference);
-        let ordinal = ctx.info().ordinal;
-        {
-            let (x, _g1) = a.x.device_ptr(stream);
-            let z = a.addend.as_ref().map(|v| v.device_ptr(stream));
-            let (g, _g3) = a.gamma.device_ptr(stream);
-            let (b, _g4) = a.beta.device_ptr(stream);
-            let (m, _g5) = a.running_mean.device_ptr(stream);
-            let (v, _g6) = a.running_var.device_ptr(stream);
-            let mut inputs = vec![
-                info::<T, _>("x", &a.x, x),
-                info::<f32, _>("gamma", &a.gamma, g),
-                info::<f32, _>("beta", &a.beta, b),
-                info::<f32, _>("running_mean", &a.running_mean, m),
-                info::<f32, _>("running_var", &a.running_var, v),
-            ];
-            if let (Some((zp, _)), Some(zv)) = (&z, &a.addend) {
-                inputs.push(info::<T, _>("addend", zv, *zp));
-            }
-            let (yl, yo) = (a.y.len(), a.y.stream().context().ordinal());
-            let (y, _g7) = a.y.device_ptr_mut(stream);
-            let yi = BufInfo {
-                name: "y",
-                ptr: y,
-                len: yl,
-                elem: T::DTYPE.size(),
-                ordinal: yo,
-            };
-            for buf in inputs.iter().chain([&yi]) {
-                expect_device(buf, ordinal)?;
-                expect_len(buf, expected_len(buf.name, numel, c), "the plan's shape")?;
-            }
-            expect_outputs_disjoint(&[yi], &inputs)?;
-            if core.infer.path.is_own() {
-                let bufs = InferBufs {
-                    x,
-                    z: z.as_ref().map_or(0, |(p, _)| *p),
-                    y,
-                    gamma: g,
-                    beta: b,
-                    running_mean: m,
-                    running_var: v,
-                };
-                own::forward_inference(&core.own_op(ctx, T::DTYPE), &bufs, a.eps)?;
-                tracing::debug!(path = "own", fuse = ?core.fuse, "BatchNorm inference");
-                return Ok(());
-            }
-            let cu = core.cudnn()?;
-            let mut guard = ctx.lock()?;
-            let h = guard.cudnn()?;
-            // SAFETY: validated above.
-            unsafe {
-                calls::forward_inference(
-                    h,
-                    core.infer.mode,
-                    &cu.x_desc,
-                    &cu.infer_param.desc,
-                    x,
-                    y,
-                    g,
-                    b,
-                    m,
-                    v,
-                    a.eps,
-                )
-            }?;
+        // 2. Every buffer validated, then BatchNorm (the own kernels do the activation too).
+        if self.run_inference(&mut a)? == BnPath::Own {
+            return Ok(());
         }
+        // 3. cuDNN's BatchNorm ran: the activation, in place.
         match (core.fuse, &a.addend) {
             (Fuse::None, _) => {}
             (Fuse::Relu, _) => {
@@ -1037,6 +925,71 @@ impl<T: Element> BatchNorm<T> {
         tracing::debug!(mode = ?core.infer.mode, fuse = ?core.fuse, "BatchNorm inference");
         Ok(())
     }
+
+    /// Validates the inference buffers and runs the BatchNorm part: the own kernels (whole
+    /// operation) or cuDNN's inference forward. Returns the path that ran.
+    fn run_inference(&self, a: &mut InferenceArgs<'_, T>) -> Result<BnPath> {
+        let core = &*self.core;
+        let ctx = &self.ctx;
+        let numel = Need::Exactly(self.numel(), "the plan's shape");
+        let param = Need::Exactly(core.param_len(Phase::Inference), "the plan's shape");
+        let mut ops = Binder::new(ctx);
+        let x = ops.input("x", &a.x, numel)?;
+        let g = ops.input("gamma", &a.gamma, param)?;
+        let b = ops.input("beta", &a.beta, param)?;
+        let m = ops.input("running_mean", &a.running_mean, param)?;
+        let v = ops.input("running_var", &a.running_var, param)?;
+        let z = match &a.addend {
+            Some(zv) => ops.input("addend", zv, numel)?,
+            None => 0,
+        };
+        let y = ops.output("y", &mut a.y, numel)?;
+        ops.check(Aliasing::Distinct)?;
+        if core.infer.path.is_own() {
+            let bufs = InferBufs {
+                x,
+                z,
+                y,
+                gamma: g,
+                beta: b,
+                running_mean: m,
+                running_var: v,
+            };
+            own::forward_inference(&core.own_op(ctx, T::DTYPE), &bufs, a.eps)?;
+            tracing::debug!(path = "own", fuse = ?core.fuse, "BatchNorm inference");
+            return Ok(BnPath::Own);
+        }
+        let cu = core.cudnn()?;
+        let mut guard = ctx.lock()?;
+        let h = guard.cudnn()?;
+        // SAFETY: validated above.
+        unsafe {
+            calls::forward_inference(
+                h,
+                core.infer.mode,
+                &cu.x_desc,
+                &cu.infer_param.desc,
+                x,
+                y,
+                g,
+                b,
+                m,
+                v,
+                a.eps,
+            )
+        }?;
+        Ok(core.infer.path)
+    }
+}
+
+/// The buffers a training forward saves for its backward.
+struct TrainState {
+    mean: CudaSlice<f32>,
+    inv_var: CudaSlice<f32>,
+    /// Own path: the mean's remainder.
+    mean_lo: Option<CudaSlice<f32>>,
+    /// Own path with an activation: the mask the own forward writes.
+    own_mask: Option<CudaSlice<u32>>,
 }
 
 /// What the forward's cuDNN half did, with the reserve space cuDNN asked to keep (or which own

@@ -1,5 +1,5 @@
 //! Launchers of nnfuse's own BatchNorm kernels (`kernels/batchnorm.cu`,
-//! `kernels/batchnorm_persistent.cu`). The dispatcher ([`super::ops`]) has validated every
+//! `kernels/batchnorm_persistent.cu`). The dispatcher (`ops.rs`) has validated every
 //! buffer (lengths, device, overlap) before it calls these functions with raw device pointers;
 //! here only the launch decisions happen (vector widths, grids, the persistent tiling, scratch),
 //! from the pure arithmetic of [`super::own_launch`], each logged as a `tracing` debug event.
@@ -10,25 +10,24 @@
 //! ([`Counters`]) that every launch leaves at zero again; the same per-BatchNorm state remembers
 //! whether (and how) the persistent kernels fit the device.
 
-use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute, CUresult};
+use cudarc::driver::sys::{CUfunction_attribute, CUresult};
 use cudarc::driver::{
     CudaFunction, CudaSlice, DevicePtrMut, DeviceRepr, DriverError, LaunchConfig, PushKernelArg,
 };
-use once_cell::sync::Lazy;
 
 use crate::batchnorm::own_launch::{
     apply_launch, apply_mode, config, keep_x_in_l2, persistent_geom, reduce_geom, scratch_floats,
     staged_bytes, vec_width, ApplyMode, Arrangement, FastDiv, Geom, OwnShape, PGeom, CTHREADS,
     PTHREADS, REDUCE_PART_FLOATS, STATS_PART_FLOATS, THREADS,
 };
-use crate::batchnorm::plan::{Fuse, OwnVariant};
+use crate::batchnorm::types::{Fuse, OwnVariant};
 use crate::context::Context;
 use crate::dtype::DType;
 use crate::error::{CallExt, Error, Result};
 use crate::kernels;
+use crate::launch;
 
 // ----- kernel arguments (the C structs of kernels/batchnorm*.cu, field for field) -------------
 
@@ -263,6 +262,7 @@ fn name(k: K, dt: DType) -> &'static str {
     }
 }
 
+/// A poisoned lock still guards valid state (every write is whole).
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     match m.lock() {
         Ok(g) => g,
@@ -270,66 +270,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     }
 }
 
-// ----- device facts and occupancy (cached per device) ------------------------------------------
-
-#[derive(Debug, Clone, Copy)]
-struct DeviceFacts {
-    /// Largest dynamic + static shared memory one block may opt in to.
-    smem_optin: u32,
-    /// Shared memory of one SM.
-    smem_per_sm: u32,
-    /// Cooperative launches supported.
-    cooperative: bool,
-}
-
-/// (device ordinal, kernel, dynamic shared memory bytes).
-type OccupancyKey = (usize, &'static str, u32);
-
-static FACTS: Lazy<Mutex<HashMap<usize, DeviceFacts>>> = Lazy::new(|| Mutex::new(HashMap::new()));
-static OCCUPANCY: Lazy<Mutex<HashMap<OccupancyKey, u32>>> =
-    Lazy::new(|| Mutex::new(HashMap::new()));
-
-fn device_facts(ctx: &Context) -> Result<DeviceFacts> {
-    let ordinal = ctx.info().ordinal;
-    if let Some(f) = lock(&FACTS).get(&ordinal) {
-        return Ok(*f);
-    }
-    let attr = |a| ctx.cuda().attribute(a).call("cuDeviceGetAttribute");
-    use CUdevice_attribute as A;
-    let f = DeviceFacts {
-        smem_optin: attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0) as u32,
-        smem_per_sm: attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?.max(0)
-            as u32,
-        cooperative: attr(A::CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH)? != 0,
-    };
-    lock(&FACTS).insert(ordinal, f);
-    Ok(f)
-}
-
-/// Resident blocks per SM of `f` at `threads` threads and `smem` bytes of dynamic shared memory.
-fn blocks_per_sm(
-    ctx: &Context,
-    f: &CudaFunction,
-    name: &'static str,
-    threads: u32,
-    smem: u32,
-) -> Result<u32> {
-    let key = (ctx.info().ordinal, name, smem);
-    if let Some(v) = lock(&OCCUPANCY).get(&key) {
-        return Ok(*v);
-    }
-    ctx.cuda().bind_to_thread().call("cuCtxSetCurrent")?;
-    let v = f
-        .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
-        .call("cuOccupancyMaxActiveBlocksPerMultiprocessor")?;
-    lock(&OCCUPANCY).insert(key, v);
-    Ok(v)
-}
-
-/// One wave of `f`'s blocks (SMs x resident blocks), at least 1.
+/// One wave of `f`'s blocks at [`THREADS`] threads (SMs x resident blocks), at least 1.
 fn wave(ctx: &Context, f: &CudaFunction, name: &'static str, smem: u32) -> Result<u64> {
-    let per_sm = blocks_per_sm(ctx, f, name, THREADS, smem)?.max(1);
-    Ok(u64::from(ctx.info().sm_count.max(1) as u32) * u64::from(per_sm))
+    launch::one_wave(ctx, f, name, THREADS, smem)
 }
 
 fn launch<A: DeviceRepr>(
@@ -492,42 +435,50 @@ pub(crate) fn forward_train(
     eps: f64,
 ) -> Result<OwnVariant> {
     // The kernels take the unbiased variance from the count itself (M2 / (M - 1) in f64).
-    if want == OwnVariant::Persistent {
-        let aligned = [b.x, b.z, b.y].iter().all(|p| p % 16 == 0);
-        if let Some(p) = prepare_persistent(op, 1, aligned)? {
-            let (coef_at, total) =
-                scratch_floats(op.c(), p.geom.parts.into(), STATS_PART_FLOATS, 3);
-            let scratch = op.ctx.scratch(total as usize * 4)?;
-            let ran = op.counters.with(op.ctx, op.counter_words(), |cnt| {
-                let args = PersistArgs {
-                    x: b.x,
-                    g: b.z,
-                    out: b.y,
-                    mask: b.mask,
-                    gamma: b.gamma,
-                    beta: b.beta,
-                    mean: b.saved_mean,
-                    mean_lo: b.saved_mean_lo,
-                    invstd: b.saved_invstd,
-                    running_mean: b.running_mean,
-                    running_var: b.running_var,
-                    part: scratch.ptr(),
-                    coef: scratch.ptr() + coef_at * 4,
-                    barrier: cnt + op.c() * 4,
-                    geom: p.geom,
-                    act: act(op.fuse),
-                    eps: eps as f32,
-                    momentum: momentum as f32,
-                    ..PersistArgs::default()
-                };
-                launch_persistent(op, &p, &args, 1)
-            })?;
-            if ran {
-                return Ok(OwnVariant::Persistent);
-            }
-        }
+    if want == OwnVariant::Persistent && forward_persistent(op, b, momentum, eps)? {
+        return Ok(OwnVariant::Persistent);
     }
-    // Two-pass: statistics, then the elementwise pass.
+    forward_two_pass(op, b, momentum, eps)?;
+    Ok(OwnVariant::TwoPass)
+}
+
+/// The persistent training forward; `false` when the device cannot hold the tensor (nothing
+/// was written: the caller runs the two-pass kernels).
+fn forward_persistent(op: &Op<'_>, b: &FwdBufs, momentum: f64, eps: f64) -> Result<bool> {
+    let aligned = [b.x, b.z, b.y].iter().all(|p| p % 16 == 0);
+    let Some(p) = prepare_persistent(op, 1, aligned)? else {
+        return Ok(false);
+    };
+    let (coef_at, total) = scratch_floats(op.c(), p.geom.parts.into(), STATS_PART_FLOATS, 3);
+    let scratch = op.ctx.scratch(total as usize * 4)?;
+    op.counters.with(op.ctx, op.counter_words(), |cnt| {
+        let args = PersistArgs {
+            x: b.x,
+            g: b.z,
+            out: b.y,
+            mask: b.mask,
+            gamma: b.gamma,
+            beta: b.beta,
+            mean: b.saved_mean,
+            mean_lo: b.saved_mean_lo,
+            invstd: b.saved_invstd,
+            running_mean: b.running_mean,
+            running_var: b.running_var,
+            part: scratch.ptr(),
+            coef: scratch.ptr() + coef_at * 4,
+            barrier: cnt + op.c() * 4,
+            geom: p.geom,
+            act: act(op.fuse),
+            eps: eps as f32,
+            momentum: momentum as f32,
+            ..PersistArgs::default()
+        };
+        launch_persistent(op, &p, &args, 1)
+    })
+}
+
+/// The two-pass training forward: statistics, then the elementwise pass.
+fn forward_two_pass(op: &Op<'_>, b: &FwdBufs, momentum: f64, eps: f64) -> Result<()> {
     let eb = op.eb();
     let c = op.c();
     let first = matches!(op.shape.arr, Arrangement::First { .. });
@@ -607,8 +558,7 @@ pub(crate) fn forward_train(
             ..ApplyFwdArgs::default()
         },
         staged,
-    )?;
-    Ok(OwnVariant::TwoPass)
+    )
 }
 
 /// Inference forward: one elementwise pass with the running statistics.
@@ -698,77 +648,94 @@ fn apply_forward(op: &Op<'_>, mut a: ApplyFwdArgs, staged: u32) -> Result<()> {
 /// Training backward: dgamma, dbeta, dx and (Add+ReLU) d_addend. Returns the variant that ran.
 /// `eps` is the forward's (the per-channel variant recomputes the variance in f64).
 pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant, eps: f64) -> Result<OwnVariant> {
-    let c = op.c();
     let m = op.shape.per_channel();
     if want == OwnVariant::PerChannel {
-        let (f, fname) = op.function(&kernels::BATCHNORM, K::ChannelBwd)?;
-        tracing::debug!(
-            kernel = fname,
-            blocks = c,
-            per_channel = m,
-            "own BatchNorm backward (per channel, f64)"
-        );
-        let args = ChannelBwdArgs {
-            x: b.x,
-            dy: b.dy,
-            mask: b.mask,
-            dx: b.dx,
-            dz: b.dz,
-            saved_mean: b.saved_mean,
-            saved_mean_lo: b.saved_mean_lo,
-            gamma: b.gamma,
-            dgamma: b.dgamma,
-            dbeta: b.dbeta,
-            per_channel: m,
-            inner: FastDiv::new(op.shape.inner()),
-            eps,
-            channels: c as u32,
-            act: act(op.fuse),
-        };
-        launch(
-            op.ctx,
-            &f,
-            &args,
-            config(c as u32, CTHREADS, 0),
-            "cuLaunchKernel(bn_bwd_channel)",
-        )?;
+        backward_per_channel(op, b, eps)?;
         return Ok(OwnVariant::PerChannel);
     }
     let inv_count = (1.0 / m as f64) as f32;
-    if want == OwnVariant::Persistent {
-        let aligned = [b.x, b.dy, b.dx, b.dz].iter().all(|p| p % 16 == 0);
-        if let Some(p) = prepare_persistent(op, 2, aligned)? {
-            let (coef_at, total) = scratch_floats(c, p.geom.parts.into(), REDUCE_PART_FLOATS, 5);
-            let scratch = op.ctx.scratch(total as usize * 4)?;
-            let ran = op.counters.with(op.ctx, op.counter_words(), |cnt| {
-                let args = PersistArgs {
-                    x: b.x,
-                    g: b.dy,
-                    out: b.dx,
-                    mask: b.mask,
-                    dz: b.dz,
-                    gamma: b.gamma,
-                    mean: b.saved_mean,
-                    mean_lo: b.saved_mean_lo,
-                    invstd: b.saved_invstd,
-                    dgamma: b.dgamma,
-                    dbeta: b.dbeta,
-                    part: scratch.ptr(),
-                    coef: scratch.ptr() + coef_at * 4,
-                    barrier: cnt + c * 4,
-                    geom: p.geom,
-                    act: act(op.fuse),
-                    inv_count,
-                    ..PersistArgs::default()
-                };
-                launch_persistent(op, &p, &args, 2)
-            })?;
-            if ran {
-                return Ok(OwnVariant::Persistent);
-            }
-        }
+    if want == OwnVariant::Persistent && backward_persistent(op, b, inv_count)? {
+        return Ok(OwnVariant::Persistent);
     }
-    // Two-pass: the sums (mask read inside, d_addend written), then dx.
+    backward_two_pass(op, b, inv_count)?;
+    Ok(OwnVariant::TwoPass)
+}
+
+/// The per-channel backward: one block per channel sums and writes dx in f64.
+fn backward_per_channel(op: &Op<'_>, b: &BwdBufs, eps: f64) -> Result<()> {
+    let c = op.c();
+    let m = op.shape.per_channel();
+    let (f, fname) = op.function(&kernels::BATCHNORM, K::ChannelBwd)?;
+    tracing::debug!(
+        kernel = fname,
+        blocks = c,
+        per_channel = m,
+        "own BatchNorm backward (per channel, f64)"
+    );
+    let args = ChannelBwdArgs {
+        x: b.x,
+        dy: b.dy,
+        mask: b.mask,
+        dx: b.dx,
+        dz: b.dz,
+        saved_mean: b.saved_mean,
+        saved_mean_lo: b.saved_mean_lo,
+        gamma: b.gamma,
+        dgamma: b.dgamma,
+        dbeta: b.dbeta,
+        per_channel: m,
+        inner: FastDiv::new(op.shape.inner()),
+        eps,
+        channels: c as u32,
+        act: act(op.fuse),
+    };
+    launch(
+        op.ctx,
+        &f,
+        &args,
+        config(c as u32, CTHREADS, 0),
+        "cuLaunchKernel(bn_bwd_channel)",
+    )
+}
+
+/// The persistent backward; `false` when the device cannot hold the tensor (nothing was
+/// written: the caller runs the two-pass kernels).
+fn backward_persistent(op: &Op<'_>, b: &BwdBufs, inv_count: f32) -> Result<bool> {
+    let c = op.c();
+    let aligned = [b.x, b.dy, b.dx, b.dz].iter().all(|p| p % 16 == 0);
+    let Some(p) = prepare_persistent(op, 2, aligned)? else {
+        return Ok(false);
+    };
+    let (coef_at, total) = scratch_floats(c, p.geom.parts.into(), REDUCE_PART_FLOATS, 5);
+    let scratch = op.ctx.scratch(total as usize * 4)?;
+    op.counters.with(op.ctx, op.counter_words(), |cnt| {
+        let args = PersistArgs {
+            x: b.x,
+            g: b.dy,
+            out: b.dx,
+            mask: b.mask,
+            dz: b.dz,
+            gamma: b.gamma,
+            mean: b.saved_mean,
+            mean_lo: b.saved_mean_lo,
+            invstd: b.saved_invstd,
+            dgamma: b.dgamma,
+            dbeta: b.dbeta,
+            part: scratch.ptr(),
+            coef: scratch.ptr() + coef_at * 4,
+            barrier: cnt + c * 4,
+            geom: p.geom,
+            act: act(op.fuse),
+            inv_count,
+            ..PersistArgs::default()
+        };
+        launch_persistent(op, &p, &args, 2)
+    })
+}
+
+/// The two-pass backward: the sums (mask read inside, d_addend written), then dx.
+fn backward_two_pass(op: &Op<'_>, b: &BwdBufs, inv_count: f32) -> Result<()> {
+    let c = op.c();
     let eb = op.eb();
     let first = matches!(op.shape.arr, Arrangement::First { .. });
     let (rf, rname) = op.function(
@@ -861,8 +828,7 @@ pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant, eps: f64) -> 
         &args,
         config(l.blocks, THREADS, staged),
         "cuLaunchKernel(bn_apply_bwd)",
-    )?;
-    Ok(OwnVariant::TwoPass)
+    )
 }
 
 // ----- the persistent variant ---------------------------------------------------------------------
@@ -935,7 +901,7 @@ fn fit_persistent(op: &Op<'_>, tiles: u64, k: K) -> Result<Option<Fit>> {
             "own BatchNorm: persistent variant not possible here; two-pass"
         );
     };
-    let facts = device_facts(op.ctx)?;
+    let facts = launch::device_facts(op.ctx)?;
     if !facts.cooperative {
         why_not("the device has no cooperative launch");
         return Ok(None);
@@ -948,7 +914,7 @@ fn fit_persistent(op: &Op<'_>, tiles: u64, k: K) -> Result<Option<Fit>> {
         limit as i32,
     )
     .call("cuFuncSetAttribute")?;
-    let sm = u64::from(op.ctx.info().sm_count.max(1) as u32);
+    let sm = u64::from(launch::sm_count(op.ctx));
     for bps in [2u32, 1] {
         // Per block: the opt-in limit, or an even share of the SM (1 KiB reserved per block).
         let per_block = if bps == 1 {
@@ -962,7 +928,7 @@ fn fit_persistent(op: &Op<'_>, tiles: u64, k: K) -> Result<Option<Fit>> {
         let Some((geom, smem)) = persistent_geom(&op.shape, op.eb(), tiles, grid, per_block) else {
             continue;
         };
-        let occ = blocks_per_sm(op.ctx, &f, fname, PTHREADS, smem as u32)?;
+        let occ = launch::blocks_per_sm(op.ctx, &f, fname, PTHREADS, smem as u32)?;
         if occ >= bps {
             tracing::debug!(
                 kernel = fname,

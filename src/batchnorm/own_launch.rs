@@ -62,7 +62,7 @@ pub(crate) struct FastDiv {
     pub is_one: u32,
 }
 
-// SAFETY: plain old data with the C layout of `struct FastDiv` in kernels/batchnorm_common.cuh.
+// SAFETY: plain old data with the C layout of `struct FastDiv` in kernels/common.cuh.
 unsafe impl DeviceRepr for FastDiv {}
 
 impl FastDiv {
@@ -626,7 +626,7 @@ pub(crate) fn keep_x_in_l2(x_bytes: u64, l2_bytes: u64) -> bool {
 }
 
 /// Scratch floats per channel and part of the statistics partials: count, mean and M2 as f64
-/// (kernels/batchnorm_common.cuh combines Welford states in f64), two floats each.
+/// (kernels/common.cuh combines Welford states in f64), two floats each.
 pub(crate) const STATS_PART_FLOATS: u64 = 6;
 
 /// Scratch floats per channel and part of the backward partials: Σdy' and Σdy'(x - mean), f32.

@@ -7,7 +7,7 @@ use cudarc::driver::DevicePtrMut;
 
 use crate::batchnorm::cudnn_calls::{self as calls, FwdPtrs, Ops};
 use crate::batchnorm::descriptor::{ParamDesc, ReluDesc, TensorDesc};
-use crate::batchnorm::plan::{BnMode, Fuse};
+use crate::batchnorm::types::{BnMode, Fuse};
 use crate::context::Context;
 use crate::dtype::DType;
 use crate::error::{CallExt, Result};

@@ -3,9 +3,9 @@
 
 use cudarc::driver::CudaSlice;
 
-use crate::batchnorm::plan::{BnPath, OwnVariant};
+use crate::batchnorm::types::{BnPath, OwnVariant};
 
-/// State saved by [`crate::batchnorm::BatchNorm::forward_train`] for the backward.
+/// State saved by `BatchNorm::forward_train` for the backward.
 #[derive(Debug)]
 pub struct BnSaved {
     pub(crate) owner: u64,

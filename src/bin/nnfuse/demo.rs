@@ -29,7 +29,8 @@ use nnfuse::context::{
     cublas_present, cublas_version, cublaslt_present, cublaslt_version, cudnn_present,
     cudnn_version, driver_present,
 };
-use nnfuse::{kernels, Config, Context, DType, Element, Error, TensorFormat};
+use nnfuse::internals::kernels;
+use nnfuse::{Config, Context, DType, Element, Error, TensorFormat};
 
 use block::BlockDef;
 use plans::plan_block;

@@ -5,7 +5,8 @@ use std::process::ExitCode;
 use nnfuse::context::{
     cublas_version, cublaslt_version, cudnn_present, cudnn_version, driver_version, Context,
 };
-use nnfuse::{kernels, BnImpl, Config};
+use nnfuse::internals::kernels;
+use nnfuse::{BnImpl, Config};
 
 /// Prints one line per component, one `MISSING` line per missing piece; the exit status is 0
 /// (everything found), 2 (invalid configuration) or 3 (no GPU, or a CUDA library missing).

@@ -10,7 +10,8 @@ use nnfuse::activation;
 use nnfuse::batchnorm::{BackwardArgs, BatchNorm, BnSaved, Fuse, TrainArgs};
 use nnfuse::conv::{Conv2d, Direction, Route};
 use nnfuse::gemm::{self, Algo};
-use nnfuse::{util, Context, Element};
+use nnfuse::internals::util;
+use nnfuse::{Context, Element};
 
 use super::block::{direction_index, BlockDef, Op, EPS, MOMENTUM, STEP};
 use super::check::{
@@ -698,7 +699,7 @@ fn decide_text<T: Element>(l: &Layers<T>, b: &Buffers<T>, op: Op) -> (String, St
     }
     (
         "add_kernel".into(),
-        "nnfuse::util::add_assign (f32 sum, one rounding)".into(),
+        "nnfuse::internals::util::add_assign (f32 sum, one rounding)".into(),
     )
 }
 

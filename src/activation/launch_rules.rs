@@ -1,12 +1,12 @@
-//! The pure half of the bitmask launchers: argument validation (lengths, mask size, aliasing) on
+//! The launch rules of the bitmask kernels (the pure half of the launchers): argument validation (lengths, mask size, aliasing) on
 //! plain lengths and pointer ranges, the vector/scalar path rule and the grid arithmetic. No GPU
-//! is needed to run or test any of it; the launchers in [`super`] only gather pointers, call
+//! is needed to run or test any of it; the launchers in `activation/mod.rs` only gather pointers, call
 //! these functions and launch.
 
 use cudarc::driver::LaunchConfig;
 
 use crate::error::{Error, Result};
-pub use crate::reference::activation::mask_words;
+use crate::validate::{check_lengths, check_overlaps, Aliasing, Need, Operand};
 
 /// Threads per block of every bitmask launch (`THREADS` in `kernels/bitmask.cu`).
 pub const THREADS: u32 = 256;
@@ -56,7 +56,7 @@ pub fn choose_path(data_ptrs: &[u64]) -> Path {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Scheme {
     /// The warp-tiled kernels (both forwards, the mask backward, the y-based backward): a warp
-    /// takes [`VEC_UNROLL`] chunks of 32 vectors (vector path) or a tile of [`SCALAR_WORDS`]
+    /// takes `VEC_UNROLL` chunks of 32 vectors (vector path) or a tile of `SCALAR_WORDS`
     /// words (scalar path) per iteration.
     Warp,
     /// The naive baseline: one thread per byte of mask (eight elements).
@@ -88,7 +88,7 @@ pub fn warps_needed(scheme: Scheme, path: Path, n: u64, elem_bytes: u64) -> u64 
 
 /// Grid and block of one launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct LaunchPlan {
+pub struct LaunchGrid {
     /// The path the kernel will take.
     pub path: Path,
     /// Blocks in the grid.
@@ -97,7 +97,7 @@ pub struct LaunchPlan {
     pub threads: u32,
 }
 
-impl LaunchPlan {
+impl LaunchGrid {
     /// As cudarc's launch configuration.
     pub fn config(&self) -> LaunchConfig {
         LaunchConfig {
@@ -112,19 +112,19 @@ impl LaunchPlan {
 /// full wave (`sm_count * blocks_per_sm`, the occupancy the driver reports for the kernel) —
 /// the kernels loop grid-stride over the rest, and a second, partial wave would only add a
 /// tail in which a few SMs work alone.
-pub fn plan_launch(
+pub fn launch_grid(
     scheme: Scheme,
     path: Path,
     n: u64,
     elem_bytes: u64,
     sm_count: u32,
     blocks_per_sm: u32,
-) -> LaunchPlan {
+) -> LaunchGrid {
     let warps_per_block = u64::from(THREADS / 32);
     let needed = warps_needed(scheme, path, n, elem_bytes).div_ceil(warps_per_block);
-    let wave = u64::from(sm_count.max(1)) * u64::from(blocks_per_sm.max(1));
+    let wave = crate::launch::wave_blocks(sm_count, blocks_per_sm);
     let blocks = needed.min(wave).clamp(1, i32::MAX as u64);
-    LaunchPlan {
+    LaunchGrid {
         path,
         // In range: clamped to i32::MAX above.
         blocks: blocks as u32,
@@ -132,95 +132,23 @@ pub fn plan_launch(
     }
 }
 
-/// One buffer argument of a call, as validation sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Operand {
-    /// The argument's name in the public API (`x`, `y`, `mask`, ...).
-    pub name: &'static str,
-    /// Device address of its first element.
-    pub ptr: u64,
-    /// Length in elements (words for a mask).
-    pub len: usize,
-    /// Bytes per element.
-    pub elem_bytes: usize,
-    /// A bitmask (`u32` words) rather than activation data.
-    pub is_mask: bool,
-    /// The kernel writes it.
-    pub writes: bool,
-}
-
-impl Operand {
-    /// An activation buffer.
-    pub fn data(name: &'static str, ptr: u64, len: usize, elem_bytes: usize, writes: bool) -> Self {
-        Operand {
-            name,
-            ptr,
-            len,
-            elem_bytes,
-            is_mask: false,
-            writes,
-        }
-    }
-
-    /// A bitmask buffer (`u32` words).
-    pub fn mask(name: &'static str, ptr: u64, len: usize, writes: bool) -> Self {
-        Operand {
-            name,
-            ptr,
-            len,
-            elem_bytes: 4,
-            is_mask: true,
-            writes,
-        }
-    }
-
-    /// The bytes a call over `n` elements touches: `[start, end)`.
-    fn range(&self, n: usize) -> (u64, u64) {
-        let count = if self.is_mask { mask_words(n) } else { n };
-        let bytes = (count as u64).saturating_mul(self.elem_bytes as u64);
-        (self.ptr, self.ptr.saturating_add(bytes))
-    }
-}
-
-/// Validates one call before anything reaches the GPU and returns the element count `n`.
+/// Validates one call before anything reaches the GPU and returns the element count `n`: the
+/// shared rules of [`crate::validate`] with the elementwise length rule and in-place aliasing.
 ///
 /// * The first data operand defines `n`; every other data operand must have length `n`
 ///   (the error names the other operand).
-/// * Every mask needs at least [`mask_words`]`(n)` words (longer is fine: only the first
+/// * Every mask needs at least [`crate::activation::mask_words`]`(n)` words (longer is fine: only the first
 ///   `mask_words(n)` are touched).
 /// * `n` ≤ [`MAX_ELEMENTS`].
 /// * Aliasing, on the byte ranges the call touches (for `n > 0`): two operands that overlap are
 ///   an error naming the later one in `ops`, except (a) two data operands that are both only
 ///   read, which may overlap in any way, and (b) a pair listed in `exact_ok` (either order) that
 ///   covers exactly the same bytes (in-place operation). A mask never overlaps anything.
-pub fn validate(ops: &[Operand], exact_ok: &[(&str, &str)]) -> Result<usize> {
-    let Some(first) = ops.iter().find(|o| !o.is_mask) else {
+pub(crate) fn validate(ops: &[Operand], exact_ok: &[(&str, &str)]) -> Result<usize> {
+    let Some(first) = ops.iter().find(|o| o.need == Need::Same) else {
         return Err(Error::invalid("(none)", "a call needs a data operand"));
     };
-    let n = first.len;
-    for o in ops.iter().filter(|o| !o.is_mask) {
-        if o.len != n {
-            return Err(Error::invalid(
-                o.name,
-                format!(
-                    "length {}, expected {n} (the length of `{}`)",
-                    o.len, first.name
-                ),
-            ));
-        }
-    }
-    for o in ops.iter().filter(|o| o.is_mask) {
-        let need = mask_words(n);
-        if o.len < need {
-            return Err(Error::invalid(
-                o.name,
-                format!(
-                    "length {} words, expected at least {need} (ceil({n} / 32)) for {n} elements",
-                    o.len
-                ),
-            ));
-        }
-    }
+    let n = check_lengths(ops)?;
     if n > MAX_ELEMENTS {
         return Err(Error::invalid(
             first.name,
@@ -230,49 +158,7 @@ pub fn validate(ops: &[Operand], exact_ok: &[(&str, &str)]) -> Result<usize> {
     if n == 0 {
         return Ok(0);
     }
-    for (j, b) in ops.iter().enumerate() {
-        for a in &ops[..j] {
-            let (a0, a1) = a.range(n);
-            let (b0, b1) = b.range(n);
-            if a1 <= b0 || b1 <= a0 {
-                continue;
-            }
-            if !a.writes && !b.writes && !a.is_mask && !b.is_mask {
-                continue;
-            }
-            let exact = a0 == b0 && a1 == b1;
-            let listed = exact_ok
-                .iter()
-                .any(|&(p, q)| (p == a.name && q == b.name) || (p == b.name && q == a.name));
-            if exact && listed {
-                continue;
-            }
-            let reason = if exact {
-                format!(
-                    "is the same memory as `{}` ({a0:#x}..{a1:#x}), which this call does not \
-                     allow{}",
-                    a.name,
-                    if a.is_mask || b.is_mask {
-                        ": the mask must not overlap the data"
-                    } else {
-                        ""
-                    }
-                )
-            } else {
-                format!(
-                    "overlaps `{}` ({b0:#x}..{b1:#x} and {a0:#x}..{a1:#x}); buffers may only \
-                     coincide exactly, and only where the call documents it (in place){}",
-                    a.name,
-                    if a.is_mask || b.is_mask {
-                        "; the mask must not overlap the data"
-                    } else {
-                        ""
-                    }
-                )
-            };
-            return Err(Error::invalid(b.name, reason));
-        }
-    }
+    check_overlaps(ops, n, Aliasing::InPlace(exact_ok))?;
     Ok(n)
 }
 
@@ -344,20 +230,20 @@ mod tests {
     fn grid_is_capped_at_one_wave() {
         // 64x64x112x112 f16: 51.4 M elements, 200,704 chunks, 100,352 warps, 12,544 blocks.
         let n = 64 * 64 * 112 * 112;
-        let p = plan_launch(Scheme::Warp, Path::Vector, n, 2, 132, 8);
+        let p = launch_grid(Scheme::Warp, Path::Vector, n, 2, 132, 8);
         assert_eq!(p.blocks, 132 * 8);
         assert_eq!(p.threads, THREADS);
         assert_eq!(p.path, Path::Vector);
         // Small: only the blocks that have work (8 warps a block).
         let warp_elems = 128 * VEC_UNROLL; // f32
-        let p = plan_launch(Scheme::Warp, Path::Vector, 8 * warp_elems + 1, 4, 132, 8);
+        let p = launch_grid(Scheme::Warp, Path::Vector, 8 * warp_elems + 1, 4, 132, 8);
         assert_eq!(p.blocks, 1); // 8 warps' chunks, the leftover element on the last warp
-        let p = plan_launch(Scheme::Warp, Path::Vector, 8 * warp_elems * 3, 4, 132, 8);
+        let p = launch_grid(Scheme::Warp, Path::Vector, 8 * warp_elems * 3, 4, 132, 8);
         assert_eq!(p.blocks, 3);
-        let p = plan_launch(Scheme::Warp, Path::Scalar, 1, 4, 132, 8);
+        let p = launch_grid(Scheme::Warp, Path::Scalar, 1, 4, 132, 8);
         assert_eq!(p.blocks, 1);
         // A zero occupancy report still gives a launchable grid.
-        let p = plan_launch(Scheme::Warp, Path::Scalar, 1 << 30, 4, 0, 0);
+        let p = launch_grid(Scheme::Warp, Path::Scalar, 1 << 30, 4, 0, 0);
         assert_eq!(p.blocks, 1);
         let c = p.config();
         assert_eq!(c.block_dim, (THREADS, 1, 1));

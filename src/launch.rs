@@ -1,0 +1,115 @@
+//! What every launcher of nnfuse's own kernels asks the device before it sizes a grid: device
+//! facts (SM count, shared memory, cooperative launch), the occupancy of a kernel at a block size
+//! and dynamic shared memory, and one wave of resident blocks. Answers are cached per device for
+//! the life of the process (they never change), so a cached launch asks the driver nothing.
+//! The grid rules themselves stay pure in the launchers' own files.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
+
+use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::CudaFunction;
+use once_cell::sync::Lazy;
+
+use crate::context::Context;
+use crate::error::{CallExt, Result};
+
+/// The device's launch limits that the persistent kernels size themselves by.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DeviceFacts {
+    /// Largest dynamic + static shared memory one block may opt in to.
+    pub smem_optin: u32,
+    /// Shared memory of one SM.
+    pub smem_per_sm: u32,
+    /// Cooperative launches supported.
+    pub cooperative: bool,
+}
+
+/// (device ordinal, kernel, threads per block, dynamic shared memory bytes).
+type OccupancyKey = (usize, &'static str, u32, u32);
+
+static FACTS: Lazy<Mutex<HashMap<usize, DeviceFacts>>> = Lazy::new(|| Mutex::new(HashMap::new()));
+static OCCUPANCY: Lazy<Mutex<HashMap<OccupancyKey, u32>>> =
+    Lazy::new(|| Mutex::new(HashMap::new()));
+
+/// A poisoned cache is still a valid cache (entries are written whole).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+/// The Context device's facts (queried once per device).
+pub(crate) fn device_facts(ctx: &Context) -> Result<DeviceFacts> {
+    let ordinal = ctx.info().ordinal;
+    if let Some(f) = lock(&FACTS).get(&ordinal) {
+        return Ok(*f);
+    }
+    let attr = |a| ctx.cuda().attribute(a).call("cuDeviceGetAttribute");
+    use CUdevice_attribute as A;
+    let f = DeviceFacts {
+        smem_optin: attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0) as u32,
+        smem_per_sm: attr(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?.max(0)
+            as u32,
+        cooperative: attr(A::CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH)? != 0,
+    };
+    lock(&FACTS).insert(ordinal, f);
+    Ok(f)
+}
+
+/// The Context device's SM count, at least 1.
+pub(crate) fn sm_count(ctx: &Context) -> u32 {
+    ctx.info().sm_count.max(1) as u32
+}
+
+/// Resident blocks per SM of `f` (named `name`) at `threads` threads and `smem` bytes of dynamic
+/// shared memory, as the driver reports it (0 when the block does not fit at all).
+pub(crate) fn blocks_per_sm(
+    ctx: &Context,
+    f: &CudaFunction,
+    name: &'static str,
+    threads: u32,
+    smem: u32,
+) -> Result<u32> {
+    let key = (ctx.info().ordinal, name, threads, smem);
+    if let Some(v) = lock(&OCCUPANCY).get(&key) {
+        return Ok(*v);
+    }
+    ctx.cuda().bind_to_thread().call("cuCtxSetCurrent")?;
+    let v = f
+        .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
+        .call("cuOccupancyMaxActiveBlocksPerMultiprocessor")?;
+    lock(&OCCUPANCY).insert(key, v);
+    Ok(v)
+}
+
+/// Blocks in one full wave: `sm_count * blocks_per_sm`, each at least 1 (a zero occupancy
+/// report still gives a launchable grid). Pure.
+pub(crate) fn wave_blocks(sm_count: u32, blocks_per_sm: u32) -> u64 {
+    u64::from(sm_count.max(1)) * u64::from(blocks_per_sm.max(1))
+}
+
+/// One wave of `f`'s blocks on the Context's device (see [`wave_blocks`]).
+pub(crate) fn one_wave(
+    ctx: &Context,
+    f: &CudaFunction,
+    name: &'static str,
+    threads: u32,
+    smem: u32,
+) -> Result<u64> {
+    let per_sm = blocks_per_sm(ctx, f, name, threads, smem)?;
+    Ok(wave_blocks(sm_count(ctx), per_sm))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_wave_is_never_empty() {
+        assert_eq!(wave_blocks(132, 8), 1056);
+        assert_eq!(wave_blocks(0, 0), 1);
+        assert_eq!(wave_blocks(132, 0), 132);
+    }
+}
