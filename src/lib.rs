@@ -32,11 +32,21 @@ pub mod layout;
 pub mod lru;
 pub mod reference;
 pub mod timing;
+pub(crate) mod tune;
 pub mod util;
 pub mod validate;
 
 #[cfg(test)]
 mod testutil;
+
+/// What nnfuse's own tests, benches and CLI reach inside the library, per area (not a stable
+/// API: it changes without notice).
+#[doc(hidden)]
+pub mod internals {
+    pub use crate::conv::choice_internals as conv_choice;
+    pub use crate::gemm::internals as gemm;
+    pub use crate::tune::internals as tune;
+}
 
 pub use config::{BnImpl, BnModePolicy, Config, ConvAlgoPolicy, WinogradGemmPolicy};
 pub use context::{Context, DeviceInfo};

@@ -559,7 +559,7 @@ impl Alignment {
 }
 
 /// What a tuned choice is valid for. Plain integers, cheap to hash (with
-/// [`super::cache`]'s hasher a lookup costs tens of nanoseconds). The device is the ordinal of
+/// the choice map's FxHash a lookup costs tens of nanoseconds). The device is the ordinal of
 /// the process; the cache file records the device's name, architecture and library versions.
 /// Strides are normalised to 0 when `batch == 1` (they are unused then).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
