@@ -28,7 +28,7 @@ use nnfuse::conv::{
     self, cudnn::usable, Conv2d, ConvPath, ConvShape, CudnnSearch, Direction, Route,
     WinogradEngine, WinogradTile,
 };
-use nnfuse::gemm::fill_uniform;
+use nnfuse::internals::gemm::fill_uniform;
 use nnfuse::timing::{time_interleaved, InterleavedOptions, Paired, Timing};
 use nnfuse::{Context, DType, Element, TensorFormat};
 use serde_json::json;

@@ -71,7 +71,7 @@ struct ShapeSummary {
     /// Label of the fastest of the default and the cuBLASLt candidates (bench medians).
     fastest: String,
     /// Whether the heuristic's first cuBLASLt candidate was the fastest searched kernel: no other
-    /// (default included) beat it by the search's rule (`gemm::beats_default`).
+    /// (default included) beat it by the search's rule (`nnfuse::internals::gemm::beats_default`).
     heuristic_first_fastest: Option<bool>,
     /// The best other searched kernel's time / heuristic #0's time, per round (the lowest
     /// median; below 0.98 and consistent: #0 was not the fastest).
@@ -113,8 +113,8 @@ fn bench_shape<T: Element>(
     let mut a = s.alloc_zeros::<T>(batch * m * k).map_err(err)?;
     let mut b = s.alloc_zeros::<T>(batch * k * n).map_err(err)?;
     let mut c = s.alloc_zeros::<T>(batch * m * n).map_err(err)?;
-    gemm::fill_uniform(ctx, &mut a, 1)?;
-    gemm::fill_uniform(ctx, &mut b, 2)?;
+    nnfuse::internals::gemm::fill_uniform(ctx, &mut a, 1)?;
+    nnfuse::internals::gemm::fill_uniform(ctx, &mut b, 2)?;
     ctx.synchronize()?;
     let key = gemm::key_for(ctx, &p, &a, &b, &c)?;
     let report = gemm::search(ctx, &p, T::DTYPE, key.align)?;
@@ -278,7 +278,7 @@ fn bench_shape<T: Element>(
         tuned_vs_default: res.paired(0, tuned_idx),
         fastest: fastest.map_or_else(|| "-".into(), |v| variants[v].0.clone()),
         heuristic_first_fastest: first
-            .map(|_| !best_vs_first.is_some_and(|p| gemm::beats_default(&p))),
+            .map(|_| !best_vs_first.is_some_and(|p| nnfuse::internals::gemm::beats_default(&p))),
         fastest_vs_heuristic_first: best_vs_first,
         tuned_vs_heuristic_first: first.and_then(|f| res.paired(f, tuned_idx)),
     })
@@ -293,8 +293,8 @@ fn peak(ctx: &Context) -> nnfuse::Result<f64> {
     let mut a = s.alloc_zeros::<bf16>(n * n).map_err(err)?;
     let mut b = s.alloc_zeros::<bf16>(n * n).map_err(err)?;
     let mut c = s.alloc_zeros::<bf16>(n * n).map_err(err)?;
-    gemm::fill_uniform(ctx, &mut a, 1)?;
-    gemm::fill_uniform(ctx, &mut b, 2)?;
+    nnfuse::internals::gemm::fill_uniform(ctx, &mut a, 1)?;
+    nnfuse::internals::gemm::fill_uniform(ctx, &mut b, 2)?;
     // The first tuned call searches; not timed.
     gemm::strided_batched(ctx, &p, &a, &b, &mut c)?;
     let default = Prepared::new(
@@ -343,7 +343,7 @@ fn run() -> nnfuse::Result<()> {
     let started = Instant::now();
     // Search on, no tuning-cache file: every shape is searched in this run.
     let ctx = Context::with_config(0, Config::default())?;
-    let tag = gemm::device_tag(&ctx)?;
+    let tag = nnfuse::internals::gemm::device_tag(&ctx)?;
     println!("# GEMM benchmark on {tag}\n");
     // The process's first search pays the one-off setup (NVRTC compile of the search kernels,
     // handles, workspace); the report separates it from the search's own cost.
@@ -457,7 +457,7 @@ fn run() -> nnfuse::Result<()> {
         .iter()
         .filter_map(|s| {
             s.tuned_vs_default
-                .filter(|p| p.median < 1.0 - gemm::KEEP_DEFAULT_MARGIN)
+                .filter(|p| p.median < 1.0 - nnfuse::internals::gemm::KEEP_DEFAULT_MARGIN)
                 .map(|p| {
                     format!(
                         "{} {:?} ({:.1}% faster)",
@@ -500,7 +500,7 @@ fn run() -> nnfuse::Result<()> {
     );
     println!(
         "- tuned faster than the default by more than {:.0}%: {} of {total} shapes{}",
-        gemm::KEEP_DEFAULT_MARGIN * 100.0,
+        nnfuse::internals::gemm::KEEP_DEFAULT_MARGIN * 100.0,
         faster.len(),
         if faster.is_empty() {
             String::new()
@@ -512,7 +512,7 @@ fn run() -> nnfuse::Result<()> {
         "- the heuristic's first cuBLASLt candidate was the fastest searched kernel (none of the \
          default and the other candidates beat it by > {:.0}% in nearly every round) in {} of {} \
          shapes{}",
-        gemm::KEEP_DEFAULT_MARGIN * 100.0,
+        nnfuse::internals::gemm::KEEP_DEFAULT_MARGIN * 100.0,
         heur_known.len() - heur_not.len(),
         heur_known.len(),
         if heur_not.is_empty() {

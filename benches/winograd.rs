@@ -94,7 +94,7 @@ fn conv_flops(s: &ConvShape) -> f64 {
 
 fn alloc<T: Element>(ctx: &Context, n: usize, seed: u64) -> Result<CudaSlice<T>> {
     let mut b = ctx.stream().alloc_zeros::<T>(n.max(1)).map_err(err)?;
-    gemm::fill_uniform(ctx, &mut b, seed)?;
+    nnfuse::internals::gemm::fill_uniform(ctx, &mut b, seed)?;
     Ok(b)
 }
 

@@ -33,6 +33,7 @@ pub mod layout;
 pub mod lru;
 pub mod reference;
 pub mod timing;
+pub(crate) mod tune;
 mod util;
 mod validate;
 
@@ -46,6 +47,9 @@ mod testutil;
 pub mod internals {
     pub use crate::activation::internals as activation;
     pub use crate::batchnorm::internals as batchnorm;
+    pub use crate::conv::choice_internals as conv_choice;
+    pub use crate::gemm::internals as gemm;
+    pub use crate::tune::internals as tune;
     /// The CUDA sources and their NVRTC compilation and disk cache.
     pub mod kernels {
         pub use crate::kernels::*;

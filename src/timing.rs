@@ -13,7 +13,7 @@
 
 use std::fmt;
 
-use cudarc::driver::{sys as drv, CudaSlice};
+use cudarc::driver::{sys as drv, CudaEvent, CudaSlice};
 
 use crate::context::Context;
 use crate::error::{CallExt, Result};
@@ -317,70 +317,29 @@ pub fn time_interleaved(
     ctx: &Context,
     opts: InterleavedOptions,
     n: usize,
-    mut f: impl FnMut(usize, usize) -> Result<()>,
+    f: impl FnMut(usize, usize) -> Result<()>,
 ) -> Result<Interleaved> {
-    let stream = ctx.stream();
-    let mut launches = vec![0usize; n];
-    let mut errors: Vec<Option<String>> = vec![None; n];
-    // Runs `count` launches of `v`; false (and the error kept) if one fails.
-    let mut run = |v: usize, count: usize, errors: &mut Vec<Option<String>>| -> bool {
-        if errors[v].is_some() {
-            return false;
-        }
-        for _ in 0..count {
-            if let Err(e) = f(v, launches[v]) {
-                errors[v] = Some(e.to_string());
-                return false;
-            }
-            launches[v] += 1;
-        }
-        true
-    };
-    let new_event = || {
-        ctx.cuda()
-            .new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT))
-            .call("cuEventCreate")
+    let mut r = Runner {
+        f,
+        launches: vec![0usize; n],
+        errors: vec![None; n],
     };
     for _ in 0..opts.warmup_rounds {
         for v in 0..n {
-            run(v, 1, &mut errors);
+            r.run(v, 1);
         }
     }
     if opts.warmup_rounds == 0 && n > 0 {
         // Keeps the GPU busy while the estimate round is queued.
-        run(0, 1, &mut errors);
+        r.run(0, 1);
     }
-
-    // Estimate round: one launch per variant, events in between.
-    let mut est_events = Vec::with_capacity(n + 1);
-    let first = new_event()?;
-    first.record(stream).call("cuEventRecord")?;
-    est_events.push(first);
-    let mut est_ok = vec![false; n];
-    for (v, ok) in est_ok.iter_mut().enumerate() {
-        *ok = run(v, 1, &mut errors);
-        let e = new_event()?;
-        e.record(stream).call("cuEventRecord")?;
-        est_events.push(e);
-    }
-    if let Some(last) = est_events.last() {
-        last.synchronize().call("cuEventSynchronize")?;
-    }
-    let mut estimate = vec![f64::NAN; n];
-    for v in 0..n {
-        if est_ok[v] && errors[v].is_none() {
-            estimate[v] = est_events[v]
-                .elapsed_ms(&est_events[v + 1])
-                .call("cuEventElapsedTime")? as f64;
-        }
-    }
-    let alive = |errors: &Vec<Option<String>>, v: usize| errors[v].is_none();
+    let estimate = estimate_round(ctx, &mut r, n)?;
     let bursts: Vec<usize> = estimate
         .iter()
         .map(|&t| burst_len(t, opts.min_sample_ms, opts.max_burst))
         .collect();
     let sample_ms: Vec<f64> = (0..n)
-        .filter(|&v| alive(&errors, v))
+        .filter(|&v| r.alive(v))
         .map(|v| estimate[v] * bursts[v] as f64)
         .collect();
     let rounds = rounds_for(
@@ -390,61 +349,142 @@ pub fn time_interleaved(
         opts.budget_ms,
     );
     let mut samples: Vec<Vec<f64>> = vec![Vec::with_capacity(rounds); n];
-    let keep_estimate = (0..n).all(|v| !alive(&errors, v) || bursts[v] == 1);
+    let keep_estimate = (0..n).all(|v| !r.alive(v) || bursts[v] == 1);
     if keep_estimate {
         for v in 0..n {
-            if alive(&errors, v) {
+            if r.alive(v) {
                 samples[v].push(estimate[v]);
             }
         }
     }
     let remaining = if keep_estimate { rounds - 1 } else { rounds };
-
-    // Timed rounds: a chain of events, one between consecutive samples; all queued, then read.
     if remaining > 0 {
-        if let Some(v0) = (0..n).find(|&v| alive(&errors, v) && bursts[v] > 1) {
-            // Short launches: one untimed burst first, so that the host is ahead of the GPU
-            // when the first timed sample starts.
-            run(v0, bursts[v0], &mut errors);
-        }
-        let mut events = Vec::with_capacity(remaining * n + 1);
-        let mut spans: Vec<(usize, usize)> = Vec::with_capacity(remaining * n); // (variant, event)
-        let e = new_event()?;
-        e.record(stream).call("cuEventRecord")?;
-        events.push(e);
-        for _ in 0..remaining {
-            for (v, &burst) in bursts.iter().enumerate() {
-                if !alive(&errors, v) {
-                    continue;
-                }
-                run(v, burst, &mut errors);
-                let e = new_event()?;
-                e.record(stream).call("cuEventRecord")?;
-                events.push(e);
-                spans.push((v, events.len() - 2));
-            }
-        }
-        if let Some(last) = events.last() {
-            last.synchronize().call("cuEventSynchronize")?;
-        }
-        for (v, i) in spans {
-            let ms = events[i]
-                .elapsed_ms(&events[i + 1])
-                .call("cuEventElapsedTime")? as f64;
-            samples[v].push(ms / bursts[v] as f64);
-        }
+        timed_rounds(ctx, &mut r, &bursts, remaining, &mut samples)?;
     }
-    for v in 0..n {
-        if errors[v].is_some() {
-            samples[v].clear();
+    for (s, e) in samples.iter_mut().zip(&r.errors) {
+        if e.is_some() {
+            s.clear();
         }
     }
     Ok(Interleaved {
         samples,
         bursts,
-        errors,
+        errors: r.errors,
         rounds,
     })
+}
+
+/// The variants of [`time_interleaved`] and their state: launches made, first error.
+struct Runner<F> {
+    f: F,
+    launches: Vec<usize>,
+    errors: Vec<Option<String>>,
+}
+
+impl<F: FnMut(usize, usize) -> Result<()>> Runner<F> {
+    /// Runs `count` launches of `v`; false (and the error kept) if one fails or `v` failed
+    /// before.
+    fn run(&mut self, v: usize, count: usize) -> bool {
+        if self.errors[v].is_some() {
+            return false;
+        }
+        for _ in 0..count {
+            if let Err(e) = (self.f)(v, self.launches[v]) {
+                self.errors[v] = Some(e.to_string());
+                return false;
+            }
+            self.launches[v] += 1;
+        }
+        true
+    }
+
+    fn alive(&self, v: usize) -> bool {
+        self.errors[v].is_none()
+    }
+}
+
+fn new_event(ctx: &Context) -> Result<CudaEvent> {
+    ctx.cuda()
+        .new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT))
+        .call("cuEventCreate")
+}
+
+/// The estimate round: one launch per variant, events in between. Returns each variant's time
+/// (ms; NaN for a variant that failed).
+fn estimate_round<F: FnMut(usize, usize) -> Result<()>>(
+    ctx: &Context,
+    r: &mut Runner<F>,
+    n: usize,
+) -> Result<Vec<f64>> {
+    let stream = ctx.stream();
+    let mut est_events = Vec::with_capacity(n + 1);
+    let first = new_event(ctx)?;
+    first.record(stream).call("cuEventRecord")?;
+    est_events.push(first);
+    let mut est_ok = vec![false; n];
+    for (v, ok) in est_ok.iter_mut().enumerate() {
+        *ok = r.run(v, 1);
+        let e = new_event(ctx)?;
+        e.record(stream).call("cuEventRecord")?;
+        est_events.push(e);
+    }
+    if let Some(last) = est_events.last() {
+        last.synchronize().call("cuEventSynchronize")?;
+    }
+    let mut estimate = vec![f64::NAN; n];
+    for v in 0..n {
+        if est_ok[v] && r.alive(v) {
+            estimate[v] = est_events[v]
+                .elapsed_ms(&est_events[v + 1])
+                .call("cuEventElapsedTime")? as f64;
+        }
+    }
+    Ok(estimate)
+}
+
+/// `remaining` timed rounds: a chain of events, one between consecutive samples; all queued,
+/// then read. Appends each live variant's time per launch to its samples.
+fn timed_rounds<F: FnMut(usize, usize) -> Result<()>>(
+    ctx: &Context,
+    r: &mut Runner<F>,
+    bursts: &[usize],
+    remaining: usize,
+    samples: &mut [Vec<f64>],
+) -> Result<()> {
+    let stream = ctx.stream();
+    let n = bursts.len();
+    if let Some(v0) = (0..n).find(|&v| r.alive(v) && bursts[v] > 1) {
+        // Short launches: one untimed burst first, so that the host is ahead of the GPU
+        // when the first timed sample starts.
+        r.run(v0, bursts[v0]);
+    }
+    let mut events = Vec::with_capacity(remaining * n + 1);
+    let mut spans: Vec<(usize, usize)> = Vec::with_capacity(remaining * n); // (variant, event)
+    let e = new_event(ctx)?;
+    e.record(stream).call("cuEventRecord")?;
+    events.push(e);
+    for _ in 0..remaining {
+        for (v, &burst) in bursts.iter().enumerate() {
+            if !r.alive(v) {
+                continue;
+            }
+            r.run(v, burst);
+            let e = new_event(ctx)?;
+            e.record(stream).call("cuEventRecord")?;
+            events.push(e);
+            spans.push((v, events.len() - 2));
+        }
+    }
+    if let Some(last) = events.last() {
+        last.synchronize().call("cuEventSynchronize")?;
+    }
+    for (v, i) in spans {
+        let ms = events[i]
+            .elapsed_ms(&events[i + 1])
+            .call("cuEventElapsedTime")? as f64;
+        samples[v].push(ms / bursts[v] as f64);
+    }
+    Ok(())
 }
 
 /// Measures the device-to-device copy bandwidth in bytes per second, counting bytes read plus

@@ -236,7 +236,7 @@ fn gemm_choices_stay_bounded_and_evicted_shapes_search_again() {
     let ctx = gpu_with(Config::default().with_plan_cache_capacity(CAP));
     let s = ctx.stream();
     let mut rng = Rng::fresh("gemm bound");
-    let before = gemm::cache::memory_stats();
+    let before = nnfuse::internals::gemm::memory_stats();
     let mut run = |i: usize, what: &str| {
         let (m, n, k) = (16 + 8 * i, 24, 40);
         let p = Problem::packed(2, m, n, k);
@@ -256,13 +256,13 @@ fn gemm_choices_stay_bounded_and_evicted_shapes_search_again() {
         );
         let got = f64s(&s.clone_dtoh(&cd).unwrap());
         assert_close(&format!("{what} {m}x{n}x{k}"), &got, &want, 1e-5);
-        let st = gemm::cache::memory_stats();
+        let st = nnfuse::internals::gemm::memory_stats();
         assert!(st.entries <= st.capacity, "{what} shape {i}: {st:?}");
     };
     for i in 0..3 * CAP {
         run(i, "first call");
     }
-    let st = gemm::cache::memory_stats();
+    let st = nnfuse::internals::gemm::memory_stats();
     println!("GEMM choice map: before {before:?}, after {st:?}");
     assert_eq!(
         st.capacity, CAP,
@@ -277,7 +277,7 @@ fn gemm_choices_stay_bounded_and_evicted_shapes_search_again() {
     for i in 0..CAP {
         run(i, "after eviction");
     }
-    assert_eq!(gemm::cache::memory_stats().entries, CAP);
+    assert_eq!(nnfuse::internals::gemm::memory_stats().entries, CAP);
 }
 
 #[test]

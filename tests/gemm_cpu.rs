@@ -4,10 +4,12 @@
 
 use std::path::{Path, PathBuf};
 
-use nnfuse::gemm::cache::{self, load_file, save_file, FILE_FORMAT};
 use nnfuse::gemm::{
-    c_batches_overlap, check_pointers, tolerance, Algo, Alignment, Choice, Compute, CublasAlgo,
-    DeviceTag, Key, LtAlgo, LtConfig, Origin, Problem, Spans, Validated,
+    tolerance, Algo, Alignment, Choice, Compute, CublasAlgo, Key, LtAlgo, LtConfig, Origin,
+    Problem, Spans, Validated,
+};
+use nnfuse::internals::gemm::{
+    self as cache, c_batches_overlap, check_pointers, load_file, save_file, DeviceTag, FILE_FORMAT,
 };
 use nnfuse::DType;
 
@@ -618,7 +620,7 @@ fn in_memory_cache_starts_empty_for_unknown_keys() {
     // Entries only come from searches and files (exercised by the GPU tests); a key nobody
     // searched is absent, and clear() empties the cache.
     let (k, _) = sample_entries(7)[0];
-    assert!(cache::lookup(&k).is_none());
+    assert!(nnfuse::gemm::lookup(&k).is_none());
     cache::clear();
     assert!(cache::entries(7).is_empty());
 }
@@ -641,7 +643,7 @@ fn search_kernels_compile() {
         .iter()
         .chain(["compute_90"].iter())
     {
-        let image = nnfuse::internals::kernels::compile(&nnfuse::gemm::KERNELS, arch)
+        let image = nnfuse::internals::kernels::compile(&nnfuse::internals::gemm::KERNELS, arch)
             .unwrap_or_else(|e| panic!("gemm search kernels for {arch}: {e}"));
         let bytes = image.bytes();
         assert!(bytes.len() > 100);
@@ -665,7 +667,7 @@ fn search_kernels_compile() {
 #[test]
 fn search_timing_plan_fits_the_budget() {
     use nnfuse::timing::{burst_len, rounds_for};
-    let o = nnfuse::gemm::search_timing();
+    let o = nnfuse::internals::gemm::search_timing();
     // The checking run is the warm-up; long GEMMs get the minimum number of rounds.
     assert_eq!(o.warmup_rounds, 0);
     assert!(o.min_rounds >= 3 && o.min_rounds <= o.max_rounds);
@@ -687,7 +689,7 @@ fn search_timing_plan_fits_the_budget() {
 
 #[test]
 fn default_is_replaced_only_by_a_consistent_win() {
-    use nnfuse::gemm::{beats_default, KEEP_DEFAULT_MARGIN};
+    use nnfuse::internals::gemm::{beats_default, KEEP_DEFAULT_MARGIN};
     use nnfuse::timing::Paired;
     let vs = |ratios: &[f64]| {
         Paired::of(
@@ -712,8 +714,9 @@ fn default_is_replaced_only_by_a_consistent_win() {
 
 #[test]
 fn caller_data_rule() {
-    use nnfuse::gemm::{
-        caller_data_unsuitable, ResultStats, Unsuitable, MIN_NONZERO_FRACTION, MIN_PRODUCT_SHARE,
+    use nnfuse::gemm::Unsuitable;
+    use nnfuse::internals::gemm::{
+        caller_data_unsuitable, ResultStats, MIN_NONZERO_FRACTION, MIN_PRODUCT_SHARE,
     };
     let ok = ResultStats {
         elements: 1000.0,

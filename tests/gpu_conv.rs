@@ -17,9 +17,10 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 use half::{bf16, f16};
 use nnfuse::config::{Config, ConvAlgoPolicy};
 use nnfuse::conv::{
-    self, cudnn::usable, winograd_error_floor, ChoiceOrigin, Conv2d, ConvPath, ConvShape,
-    Direction, Epilogue, FilterLayout, Outcome, Route, WinogradEngine, WinogradTile,
+    self, cudnn::usable, ChoiceOrigin, Conv2d, ConvPath, ConvShape, Direction, Epilogue,
+    FilterLayout, Outcome, Route, WinogradEngine, WinogradTile,
 };
+use nnfuse::internals::conv_choice::winograd_error_floor;
 use nnfuse::reference::conv::conv2d;
 use nnfuse::{Context, DType, Element, Error, TensorFormat};
 
@@ -550,7 +551,7 @@ fn auto_once<T: Element>(
         // The winner is the incumbent or beat it clearly.
         if rep.winner != rep.incumbent {
             let p = rep.candidates[rep.winner].vs_incumbent.expect("paired");
-            assert!(nnfuse::gemm::beats_default(&p), "{what}: {p}");
+            assert!(nnfuse::internals::gemm::beats_default(&p), "{what}: {p}");
         }
     }
     // A second call runs the decision (same route, no new report).

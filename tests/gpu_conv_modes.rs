@@ -10,9 +10,8 @@ use std::sync::Mutex;
 use cudarc::driver::CudaSlice;
 use half::f16;
 use nnfuse::config::{Config, ConvAlgoPolicy};
-use nnfuse::conv::{
-    self, check_tolerance, ChoiceOrigin, Conv2d, ConvPath, ConvShape, CudnnSearch, Direction,
-};
+use nnfuse::conv::{self, ChoiceOrigin, Conv2d, ConvPath, ConvShape, CudnnSearch, Direction};
+use nnfuse::internals::conv_choice::check_tolerance;
 use nnfuse::reference::conv::conv2d;
 use nnfuse::{Context, DType, Element, TensorFormat};
 

@@ -356,7 +356,10 @@ fn search_report_and_every_candidate_is_correct() {
         );
     }
     assert_eq!(r.candidates[0].algo, Algo::CUBLAS_DEFAULT);
-    assert!(r.rounds >= gemm::MIN_ROUNDS && r.rounds <= gemm::MAX_ROUNDS);
+    assert!(
+        r.rounds >= nnfuse::internals::gemm::MIN_ROUNDS
+            && r.rounds <= nnfuse::internals::gemm::MAX_ROUNDS
+    );
     for c in &r.candidates {
         if let Outcome::Timed { timing, burst, .. } = &c.outcome {
             // Every timed candidate has one sample per round (interleaved).
@@ -367,7 +370,7 @@ fn search_report_and_every_candidate_is_correct() {
     // The winner is the default, or a candidate that passed the rule against it.
     if r.winner != 0 {
         let v = r.candidates[r.winner].vs_default().unwrap();
-        assert!(gemm::beats_default(&v), "winner {v:?}");
+        assert!(nnfuse::internals::gemm::beats_default(&v), "winner {v:?}");
         assert!(r.winner_ms().unwrap() < r.default_ms().unwrap());
     }
     let cc = ctx.info().compute_capability;
@@ -504,13 +507,13 @@ fn tuning_cache_file_is_written_and_reused() {
     }
     let text = std::fs::read_to_string(&file).unwrap();
     assert!(text.contains("\"m\": 96"), "{text}");
-    let tag = gemm::device_tag(&gpu()).unwrap();
-    let loaded = gemm::cache::load_file(&file, &tag, 0);
+    let tag = nnfuse::internals::gemm::device_tag(&gpu()).unwrap();
+    let loaded = nnfuse::internals::gemm::load_file(&file, &tag, 0);
     assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
     assert!(loaded.entries.iter().any(|(k, _)| *k == key));
 
     // "A later process": forget the memory, open a new Context on the same file.
-    gemm::cache::clear();
+    nnfuse::internals::gemm::clear();
     {
         let ctx = gpu_with(cfg.clone());
         case::<bf16>(&ctx, &p, &mut rng, 0, "cache file, second process");
@@ -519,13 +522,15 @@ fn tuning_cache_file_is_written_and_reused() {
 
     // A corrupted file is ignored (warned), the problem searched again, the file replaced.
     std::fs::write(&file, "{ this is not json").unwrap();
-    gemm::cache::clear();
+    nnfuse::internals::gemm::clear();
     {
         let ctx = gpu_with(cfg);
         case::<bf16>(&ctx, &p, &mut rng, 0, "cache file, corrupted");
         assert_eq!(gemm::lookup(&key).unwrap().origin, Origin::Searched);
     }
-    assert!(!gemm::cache::load_file(&file, &tag, 0).entries.is_empty());
+    assert!(!nnfuse::internals::gemm::load_file(&file, &tag, 0)
+        .entries
+        .is_empty());
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -814,7 +819,7 @@ fn unsuitable_caller_data_falls_back_to_scratch_operands() {
         matches!(
             r.operands,
             gemm::SearchOperands::Fallback(gemm::Unsuitable::ProductNegligible { share })
-                if share < gemm::MIN_PRODUCT_SHARE
+                if share < nnfuse::internals::gemm::MIN_PRODUCT_SHARE
         ),
         "{:?}",
         r.operands

@@ -19,8 +19,8 @@
 //! 3. **Time** ([`measure_timing`]): the routes that passed take turns
 //!    ([`crate::timing::time_interleaved`]), and the incumbent — the first route that passed:
 //!    cuDNN's first algorithm, or without cuDNN the first candidate — is kept unless another is
-//!    clearly faster by the GEMM search's rule ([`crate::gemm::beats_default`]: at least 2 %
-//!    in the median round and faster in ~90 % of rounds). A route that failed its check is never
+//!    clearly faster by the incumbent rule the GEMM search shares (`crate::tune::rule`: at
+//!    least 2 % in the median round and faster in ~90 % of rounds). A route that failed its check is never
 //!    chosen.
 //!
 //! # Where decisions live
@@ -35,9 +35,9 @@
 //! the problem measured again), and a route that fails at run time falls back (cuDNN, else the
 //! direct kernel / im2col + GEMM) with a warning, remembered.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
@@ -56,8 +56,11 @@ use crate::dtype::DType;
 use crate::error::{CallExt, Error, Result};
 use crate::kernels;
 use crate::layout::TensorFormat;
-use crate::lru::Lru;
-use crate::timing::{time_interleaved, InterleavedOptions, Paired};
+use crate::timing::{InterleavedOptions, Paired};
+use crate::tune::file::{self, Section, FILE_FORMAT, FILE_VERSION};
+use crate::tune::race::{ms_since, race};
+use crate::tune::rule::judge;
+use crate::tune::store::{self, LruStore};
 
 // ---------------------------------------------------------------------------------------------
 // cuDNN's algorithm search mode.
@@ -473,23 +476,11 @@ impl ChoiceKey {
     }
 }
 
-struct Cache {
-    lru: Lru<ChoiceKey, ConvChoice>,
-    loaded: HashSet<(PathBuf, u32)>,
-}
+static CACHE: Lazy<Mutex<LruStore<ChoiceKey, ConvChoice>>> =
+    Lazy::new(|| Mutex::new(LruStore::new(crate::config::DEFAULT_PLAN_CACHE_CAPACITY)));
 
-static CACHE: Lazy<Mutex<Cache>> = Lazy::new(|| {
-    Mutex::new(Cache {
-        lru: Lru::new(crate::config::DEFAULT_PLAN_CACHE_CAPACITY),
-        loaded: HashSet::new(),
-    })
-});
-
-fn cache() -> MutexGuard<'static, Cache> {
-    match CACHE.lock() {
-        Ok(g) => g,
-        Err(p) => p.into_inner(),
-    }
+fn cache() -> MutexGuard<'static, LruStore<ChoiceKey, ConvChoice>> {
+    store::lock(&CACHE)
 }
 
 /// The cached decision for `key`, if any (a use for the LRU order).
@@ -499,11 +490,7 @@ pub fn lookup(key: &ChoiceKey) -> Option<ConvChoice> {
 
 /// Stores a decision, keeping at most `capacity` entries (least recently used evicted).
 pub(crate) fn insert(key: ChoiceKey, choice: ConvChoice, capacity: usize) {
-    let mut c = cache();
-    if c.lru.capacity() != capacity.max(1) {
-        c.lru.set_capacity(capacity);
-    }
-    c.lru.insert(key, choice);
+    cache().insert(key, choice, capacity);
 }
 
 /// Entries in the process-wide cache now.
@@ -514,9 +501,7 @@ pub fn cached_len() -> usize {
 /// Forgets every process-wide decision and which files were read (files are untouched); each
 /// `Conv2d` still keeps its own. For tests and benchmarks.
 pub fn clear() {
-    let mut c = cache();
-    c.lru.clear();
-    c.loaded.clear();
+    cache().clear();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -656,36 +641,63 @@ pub fn entry_from_json(
 ) -> std::result::Result<(ChoiceKey, ConvChoice), String> {
     let k = v.get("key").ok_or("no key")?;
     let c = v.get("choice").ok_or("no choice")?;
-    let str_of = |o: &Value, f: &str| -> std::result::Result<String, String> {
-        o.get(f)
-            .and_then(Value::as_str)
-            .map(String::from)
-            .ok_or_else(|| format!("{f} is missing or not a string"))
-    };
-    let num = |f: &str| -> std::result::Result<usize, String> {
-        k.get(f)
+    let key = key_from_json(k, ordinal)?;
+    let route = route_from_json(c, key.direction)?;
+    let f = |name: &str| v.get(name).and_then(Value::as_f64).unwrap_or(f64::NAN);
+    let choice = ConvChoice {
+        route,
+        origin: ChoiceOrigin::File,
+        median_us: f("median_us"),
+        incumbent_us: f("incumbent_us"),
+        candidates: v
+            .get("candidates")
             .and_then(Value::as_u64)
-            .and_then(|v| usize::try_from(v).ok())
-            .ok_or_else(|| format!("{f} is missing or not an integer"))
+            .map_or(0, |c| c.min(u32::MAX as u64) as u32),
+        notes: Vec::new(),
     };
-    let pair = |f: &str| -> std::result::Result<(usize, usize), String> {
-        let a = k
-            .get(f)
-            .and_then(Value::as_array)
-            .ok_or_else(|| format!("{f} is not a pair"))?;
-        let g = |i: usize| a.get(i).and_then(Value::as_u64).map(|v| v as usize);
-        match (a.len(), g(0), g(1)) {
-            (2, Some(x), Some(y)) => Ok((x, y)),
-            _ => Err(format!("{f} is not a pair of integers")),
-        }
-    };
-    let direction: Direction = str_of(k, "direction")?
+    Ok((key, choice))
+}
+
+/// The string field `f` of `o`.
+fn str_field(o: &Value, f: &str) -> std::result::Result<String, String> {
+    o.get(f)
+        .and_then(Value::as_str)
+        .map(String::from)
+        .ok_or_else(|| format!("{f} is missing or not a string"))
+}
+
+/// The non-negative integer field `f` of `o`.
+fn usize_field(o: &Value, f: &str) -> std::result::Result<usize, String> {
+    o.get(f)
+        .and_then(Value::as_u64)
+        .and_then(|v| usize::try_from(v).ok())
+        .ok_or_else(|| format!("{f} is missing or not an integer"))
+}
+
+/// The field `f` of `o` as a pair of integers.
+fn pair_field(o: &Value, f: &str) -> std::result::Result<(usize, usize), String> {
+    let a = o
+        .get(f)
+        .and_then(Value::as_array)
+        .ok_or_else(|| format!("{f} is not a pair"))?;
+    let g = |i: usize| a.get(i).and_then(Value::as_u64).map(|v| v as usize);
+    match (a.len(), g(0), g(1)) {
+        (2, Some(x), Some(y)) => Ok((x, y)),
+        _ => Err(format!("{f} is not a pair of integers")),
+    }
+}
+
+/// The `"key"` object of an entry, for device `ordinal`.
+fn key_from_json(k: &Value, ordinal: u32) -> std::result::Result<ChoiceKey, String> {
+    let num = |f: &str| usize_field(k, f);
+    let pair = |f: &str| pair_field(k, f);
+    let direction: Direction = str_field(k, "direction")?
         .parse()
         .map_err(|e: Error| e.to_string())?;
-    let dtype: DType = str_of(k, "dtype")?
+    let dtype: DType = str_field(k, "dtype")?
         .parse()
         .map_err(|e: Error| e.to_string())?;
-    let format = match str_of(k, "format")?.as_str() {
+    let format = match str_field(k, "format")?.as_str() {
         "nchw" => TensorFormat::Nchw,
         "nhwc" => TensorFormat::Nhwc,
         f => return Err(format!("format {f:?}")),
@@ -704,15 +716,16 @@ pub fn entry_from_json(
         format,
     };
     shape.out_hw().map_err(|e| e.to_string())?;
-    let policy = policy_from_name(&str_of(k, "policy")?).ok_or("unknown policy")?;
+    let policy = policy_from_name(&str_field(k, "policy")?).ok_or("unknown policy")?;
     let winograd_gemm =
-        winograd_from_name(&str_of(k, "winograd_gemm")?).ok_or("unknown winograd_gemm")?;
-    let search = CudnnSearch::parse(&str_of(k, "cudnn_search")?).ok_or("unknown cudnn_search")?;
+        winograd_from_name(&str_field(k, "winograd_gemm")?).ok_or("unknown winograd_gemm")?;
+    let search =
+        CudnnSearch::parse(&str_field(k, "cudnn_search")?).ok_or("unknown cudnn_search")?;
     let deterministic = k
         .get("deterministic")
         .and_then(Value::as_bool)
         .ok_or("deterministic is not a boolean")?;
-    let key = ChoiceKey {
+    Ok(ChoiceKey {
         device: ordinal,
         direction,
         shape: ShapeKey::of(&shape),
@@ -722,8 +735,13 @@ pub fn entry_from_json(
         deterministic,
         workspace_mb: num("workspace_mb")?,
         cudnn_search: SearchKey(search.name()),
-    };
-    let path: ConvPath = str_of(c, "path")?
+    })
+}
+
+/// The `"choice"` object of an entry of direction `direction`: a route well formed for its
+/// path.
+fn route_from_json(c: &Value, direction: Direction) -> std::result::Result<Route, String> {
+    let path: ConvPath = str_field(c, "path")?
         .parse()
         .map_err(|e: Error| e.to_string())?;
     let engine = match c.get("engine") {
@@ -750,7 +768,6 @@ pub fn entry_from_json(
         }
         _ => return Err("cudnn_algo and cudnn_math go together".into()),
     };
-    // The route must be well formed for its path.
     match path {
         ConvPath::Cudnn if cudnn_algo.is_none() || engine.is_some() => {
             return Err("a cuDNN choice names its algorithm and no engine".into())
@@ -765,23 +782,11 @@ pub fn entry_from_json(
         }
         _ => {}
     }
-    let f = |name: &str| v.get(name).and_then(Value::as_f64).unwrap_or(f64::NAN);
-    let choice = ConvChoice {
-        route: Route {
-            path,
-            engine,
-            cudnn_algo,
-        },
-        origin: ChoiceOrigin::File,
-        median_us: f("median_us"),
-        incumbent_us: f("incumbent_us"),
-        candidates: v
-            .get("candidates")
-            .and_then(Value::as_u64)
-            .map_or(0, |c| c.min(u32::MAX as u64) as u32),
-        notes: Vec::new(),
-    };
-    Ok((key, choice))
+    Ok(Route {
+        path,
+        engine,
+        cudnn_algo,
+    })
 }
 
 /// The `"conv"` member's entries for `tag` in the file at `path` (warnings for what was
@@ -793,9 +798,9 @@ pub fn load_file(
 ) -> (Vec<(ChoiceKey, ConvChoice)>, Vec<String>) {
     let mut warnings = Vec::new();
     let mut out = Vec::new();
-    let text = match std::fs::read_to_string(path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return (out, warnings),
+    let text = match file::read(path) {
+        Ok(Some(t)) => t,
+        Ok(None) => return (out, warnings),
         Err(e) => {
             warnings.push(format!("cannot be read: {e}"));
             return (out, warnings);
@@ -823,13 +828,7 @@ pub fn load_file(
         if t != *tag {
             continue;
         }
-        for (i, e) in sec
-            .get("entries")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-            .enumerate()
-        {
+        for (i, e) in entries_of(sec).enumerate() {
             match entry_from_json(e, ordinal) {
                 Ok(kc) => out.push(kc),
                 Err(why) => warnings.push(format!("conv entry {i} ignored: {why}")),
@@ -839,28 +838,29 @@ pub fn load_file(
     (out, warnings)
 }
 
+/// The entries of a section (none when it has no array of them).
+fn entries_of(sec: &Value) -> impl Iterator<Item = &Value> {
+    sec.get("entries")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+}
+
 /// Reads the file into the process-wide cache once per (file, device): entries already in
 /// memory win.
 pub(crate) fn ensure_loaded(path: &Path, ordinal: u32, tag: &ConvDeviceTag, capacity: usize) {
-    if cache().loaded.contains(&(path.to_path_buf(), ordinal)) {
+    if cache().loaded.contains(path, ordinal) {
         return;
     }
     let (entries, warnings) = load_file(path, tag, ordinal);
     for w in &warnings {
         tracing::warn!(path = %path.display(), "convolution tuning cache: {w}");
     }
-    let mut c = cache();
-    c.loaded.insert((path.to_path_buf(), ordinal));
-    if c.lru.capacity() != capacity.max(1) {
-        c.lru.set_capacity(capacity);
-    }
-    let mut added = 0;
-    for (k, v) in entries {
-        if !c.lru.contains(&k) {
-            c.lru.insert(k, v);
-            added += 1;
-        }
-    }
+    let added = {
+        let mut c = cache();
+        c.loaded.insert(path, ordinal);
+        c.fill(entries, capacity)
+    };
     if added > 0 {
         tracing::info!(path = %path.display(), entries = added, "convolution tuning cache read");
     }
@@ -877,25 +877,12 @@ fn persistent(o: ChoiceOrigin) -> bool {
     )
 }
 
-/// Merges the process's entries for `tag` (device `ordinal`) into the file's `"conv"` member:
-/// other devices' sections and this device's entries for other keys are kept, the GEMM part of
-/// the file is untouched; written atomically under the file lock the GEMM writer shares.
-pub fn save_file(path: &Path, tag: &ConvDeviceTag, ordinal: u32) -> Result<()> {
-    let mine: Vec<(ChoiceKey, ConvChoice)> = cache()
-        .lru
-        .iter()
-        .filter(|(k, c)| k.device == ordinal && persistent(c.origin))
-        .map(|(k, c)| (*k, c.clone()))
-        .collect();
-    let _guard = crate::gemm::cache::file_lock();
-    let mut doc = match std::fs::read_to_string(path) {
-        Ok(text) => match serde_json::from_str::<Value>(&text) {
-            Ok(v)
-                if v.get("format").and_then(Value::as_str)
-                    == Some(crate::gemm::cache::FILE_FORMAT) =>
-            {
-                v
-            }
+/// The file's document as it is now, or a fresh one when it is missing or not an nnfuse tuning
+/// file (which is then replaced, with a warning).
+fn current_doc(path: &Path) -> Value {
+    let doc = match file::read(path) {
+        Ok(Some(text)) => match serde_json::from_str::<Value>(&text) {
+            Ok(v) if v.get("format").and_then(Value::as_str) == Some(FILE_FORMAT) => v,
             _ => {
                 tracing::warn!(
                     path = %path.display(),
@@ -904,52 +891,54 @@ pub fn save_file(path: &Path, tag: &ConvDeviceTag, ordinal: u32) -> Result<()> {
                 Value::Null
             }
         },
-        Err(_) => Value::Null,
+        _ => Value::Null,
     };
-    if !doc.is_object() {
-        doc = json!({
-            "format": crate::gemm::cache::FILE_FORMAT,
-            "version": crate::gemm::cache::FILE_VERSION,
+    if doc.is_object() {
+        doc
+    } else {
+        json!({
+            "format": FILE_FORMAT,
+            "version": FILE_VERSION,
             "sections": [],
-        });
+        })
     }
+}
+
+/// Merges the process's entries for `tag` (device `ordinal`) into the file's `"conv"` member:
+/// other devices' sections and this device's entries for other keys are kept, the GEMM part of
+/// the file is untouched; written atomically under the file lock the GEMM writer shares.
+pub fn save_file(path: &Path, tag: &ConvDeviceTag, ordinal: u32) -> Result<()> {
+    let mine: Vec<(ChoiceKey, Value)> = cache()
+        .lru
+        .iter()
+        .filter(|(k, c)| k.device == ordinal && persistent(c.origin))
+        .map(|(k, c)| {
+            let k0 = ChoiceKey { device: 0, ..*k };
+            (k0, entry_to_json(&k0, c))
+        })
+        .collect();
+    let _guard = file::lock();
+    let mut doc = current_doc(path);
     let conv = doc
         .get("conv")
         .cloned()
         .filter(Value::is_object)
         .unwrap_or_else(|| json!({ "version": 1, "sections": [] }));
-    let mut sections: Vec<Value> = Vec::new();
-    let mut merged: std::collections::BTreeMap<ChoiceKey, Value> = Default::default();
-    for sec in conv
+    let old = conv
         .get("sections")
         .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-    {
-        match sec.get("device").and_then(ConvDeviceTag::from_json) {
-            Some(t) if t == *tag => {
-                for e in sec
-                    .get("entries")
-                    .and_then(Value::as_array)
-                    .into_iter()
-                    .flatten()
-                {
-                    if let Ok((k, _)) = entry_from_json(e, 0) {
-                        merged.insert(k, e.clone());
-                    }
-                }
-            }
-            Some(_) => sections.push(sec.clone()),
-            None => {} // unreadable sections are dropped
-        }
-    }
-    for (k, c) in &mine {
-        let k0 = ChoiceKey { device: 0, ..*k };
-        merged.insert(k0, entry_to_json(&k0, c));
-    }
+        .cloned()
+        .unwrap_or_default();
+    let classify = |sec: &Value| match sec.get("device").and_then(ConvDeviceTag::from_json) {
+        Some(t) if t == *tag => Section::Mine(entries_of(sec).cloned().collect()),
+        Some(_) => Section::Other,
+        None => Section::Unreadable,
+    };
+    let key_of = |e: &Value| entry_from_json(e, 0).ok().map(|(k, _)| k);
+    let (mut sections, merged) = file::merge_sections(old, classify, key_of, mine);
     sections.push(json!({
         "device": tag.to_json(),
-        "entries": merged.into_values().collect::<Vec<_>>(),
+        "entries": merged,
     }));
     let mut conv_obj = Map::new();
     conv_obj.insert("version".into(), json!(1));
@@ -957,12 +946,7 @@ pub fn save_file(path: &Path, tag: &ConvDeviceTag, ordinal: u32) -> Result<()> {
     if let Some(obj) = doc.as_object_mut() {
         obj.insert("conv".into(), Value::Object(conv_obj));
     }
-    let mut text = serde_json::to_string_pretty(&doc).map_err(|e| Error::Io {
-        path: path.display().to_string(),
-        source: std::io::Error::other(e),
-    })?;
-    text.push('\n');
-    crate::gemm::cache::write_atomic(path, &text)
+    file::write_atomic(path, &file::pretty(path, &doc)?)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1098,136 +1082,58 @@ fn read_acc(ctx: &Context, acc: &CudaSlice<f64>) -> Result<Vec<f64>> {
 /// that fail are reported, not errors.
 pub(crate) fn measure(inp: &MeasureInput<'_>) -> Result<(usize, AutoReport)> {
     let t0 = Instant::now();
-    let ctx = inp.ctx;
-    let dtype = inp.dtype;
-    let d = inp.direction;
-    let out_role = output_role(d);
-    let out_len = inp.lens[out_role];
-    let n = inp.execs.len();
-    let elem = dtype.size();
-
-    let out_buf = alloc_bytes(ctx, out_len * elem)?;
-    let ref_buf = alloc_bytes(ctx, out_len * 4)?;
-    let acc = ctx
-        .stream()
-        .alloc_zeros::<f64>(3 * (n + 2))
-        .call("cuMemAllocAsync")?;
-    let out = raw_ptr(&out_buf, ctx);
-    let refp = raw_ptr(&ref_buf, ctx);
-    let accp = raw_ptr_f64(&acc, ctx);
-    let acc_at = |i: usize| accp + (3 * i * std::mem::size_of::<f64>()) as u64;
-
-    let target = route::Target {
-        ctx,
-        shape: inp.shape,
-        dtype,
-        cudnn: inp.cudnn,
+    let bench = Bench::new(inp)?;
+    // 1. The reference, on the caller's operands or, when they cannot tell, random ones.
+    let (operands, reference, operands_note, _random) = bench.reference_operands()?;
+    // 2. Check every route against it; Winograd is also held to its allowance.
+    let mut reports = bench.check_routes(operands)?;
+    let check_ms = ms_since(t0);
+    let (baseline, allowance) = refuse_inaccurate_winograd(&mut reports, inp.dtype);
+    let report = |reports: Vec<CandidateReport>, incumbent, winner, rounds, timing_ms| AutoReport {
+        direction: inp.direction,
+        candidates: reports,
+        incumbent,
+        winner,
+        reference: reference.clone(),
+        operands: operands_note.clone(),
+        baseline_error: baseline,
+        winograd_allowance: allowance,
+        rounds,
+        wall_ms: ms_since(t0),
+        check_ms,
+        timing_ms,
     };
-    let run = |e: Exec, p: CudnnPtrs| -> Result<()> {
-        // SAFETY: the caller's inputs were validated by the dispatcher (extents, device); the
-        // output is this measurement's own buffer of the output's extent.
-        unsafe { route::run(&target, d, e, with_role(p, out_role, out), false) }
+    let alive: Vec<usize> = (0..reports.len())
+        .filter(|&i| passed(&reports[i]))
+        .collect();
+    let Some(&incumbent) = alive.first() else {
+        return Err(Error::NotSupported(format!(
+            "no route passed the numerical check:\n{}",
+            report(reports, 0, 0, 0, 0.0)
+        )));
     };
-
-    // The reference on the given operands, into ref_buf; returns its description.
-    let reference = |p: CudnnPtrs| -> Result<String> {
-        if d == Direction::Forward {
-            // SAFETY: as `run`; ref_buf holds out_len f32.
-            match unsafe { direct::forward_f32_out(ctx, inp.shape, dtype, p.x, p.w, refp) } {
-                Ok(()) => return Ok("direct_f32".into()),
-                Err(e) => tracing::debug!(error = %e, "direct f32 reference unavailable"),
-            }
-        }
-        let mut last = None;
-        for e in inp.execs {
-            match run(*e, p) {
-                Ok(()) => {
-                    launch3(ctx, widen_kernel(dtype), out, refp, out_len, None)?;
-                    return Ok(e.route.label());
-                }
-                Err(err) => last = Some(err),
-            }
-        }
-        Err(last.unwrap_or_else(|| Error::NotSupported("no route to measure".into())))
+    // 3. Time the survivors against each other; the incumbent is kept unless clearly beaten.
+    let t1 = Instant::now();
+    let (winner, rounds) = if alive.len() > 1 {
+        bench.time_routes(operands, &alive, &mut reports)?
+    } else {
+        (incumbent, 0)
     };
+    let timing_ms = ms_since(t1);
+    Ok((
+        winner,
+        report(reports, incumbent, winner, rounds, timing_ms),
+    ))
+}
 
-    let mut operands = inp.operands;
-    let mut ref_name = reference(operands)?;
-    stats(ctx, refp, out_len, acc_at(0))?;
-    let a = read_acc(ctx, &acc)?;
-    let (nonfinite, nonzero) = (a[0], a[1]);
-    let mut operands_note = "caller".to_string();
-    let mut _random: Vec<CudaSlice<u8>> = Vec::new();
-    if nonfinite > 0.0 || nonzero < MIN_NONZERO_FRACTION * out_len as f64 {
-        let why = if nonfinite > 0.0 {
-            format!("the reference on the caller's data has {nonfinite} non-finite elements")
-        } else {
-            format!(
-                "only {nonzero} of the reference's {out_len} elements are nonzero on the \
-                 caller's data"
-            )
-        };
-        tracing::info!(%why, "convolution measurement uses pseudo-random inputs");
-        let inputs: Vec<usize> = (0..3).filter(|&r| r != out_role).collect();
-        for (i, &r) in inputs.iter().enumerate() {
-            let buf = alloc_bytes(ctx, inp.lens[r] * elem)?;
-            let ptr = raw_ptr(&buf, ctx);
-            uniform(ctx, dtype, ptr, inp.lens[r], 0x5EED_C0DE + i as u64)?;
-            operands = with_role(operands, r, ptr);
-            _random.push(buf);
-        }
-        ref_name = reference(operands)?;
-        operands_note = format!("random ({why})");
-    }
+fn passed(r: &CandidateReport) -> bool {
+    r.outcome == Outcome::Passed
+}
 
-    // Check every route.
-    let mut failed: Vec<Option<String>> = vec![None; n];
-    for (i, e) in inp.execs.iter().enumerate() {
-        poison(ctx, out, out_len * elem)?;
-        match run(*e, operands) {
-            Ok(()) => launch3(
-                ctx,
-                diff_kernel(dtype),
-                out,
-                refp,
-                out_len,
-                Some(acc_at(i + 2)),
-            )?,
-            Err(err) => failed[i] = Some(err.to_string()),
-        }
-    }
-    let a = read_acc(ctx, &acc)?;
-    let check_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let tol = check_tolerance(dtype);
-    let mut reports: Vec<CandidateReport> = Vec::with_capacity(n);
-    for (i, e) in inp.execs.iter().enumerate() {
-        let (num, den, bad) = (a[3 * (i + 2)], a[3 * (i + 2) + 1], a[3 * (i + 2) + 2]);
-        let (rel, outcome) = match &failed[i] {
-            Some(why) => (None, Outcome::Failed(why.clone())),
-            None => {
-                let rel = (num / den.max(1e-300)).sqrt();
-                let outcome = if bad > 0.0 {
-                    Outcome::Failed(format!("{bad} elements are NaN or Inf"))
-                } else if rel.is_nan() || rel > tol {
-                    Outcome::Failed(format!(
-                        "relative L2 error {rel:.2e} against the reference exceeds {tol:.0e}"
-                    ))
-                } else {
-                    Outcome::Passed
-                };
-                (Some(rel), outcome)
-            }
-        };
-        reports.push(CandidateReport {
-            route: e.route,
-            rel_l2: rel,
-            outcome,
-            median_ms: None,
-            vs_incumbent: None,
-        });
-    }
-    // Winograd's allowance.
-    let passed = |r: &CandidateReport| r.outcome == Outcome::Passed;
+/// The Winograd allowance of a check: the baseline error (cuDNN's first passing algorithm's,
+/// else the first passing non-Winograd route's) and `max(2 x baseline, floor)`. Passing
+/// Winograd routes whose error exceeds it are refused (only when there is a baseline).
+fn refuse_inaccurate_winograd(reports: &mut [CandidateReport], dtype: DType) -> (Option<f64>, f64) {
     let is_winograd = |r: &CandidateReport| r.route.path.winograd_tile().is_some();
     let baseline = reports
         .iter()
@@ -1251,85 +1157,229 @@ pub(crate) fn measure(inp: &MeasureInput<'_>) -> Result<(usize, AutoReport)> {
             }
         }
     }
-    let alive: Vec<usize> = (0..n).filter(|&i| passed(&reports[i])).collect();
-    let Some(&incumbent) = alive.first() else {
-        return Err(Error::NotSupported(format!(
-            "no route passed the numerical check:\n{}",
-            AutoReport {
-                direction: d,
-                candidates: reports,
-                incumbent: 0,
-                winner: 0,
-                reference: ref_name,
-                operands: operands_note,
-                baseline_error: baseline,
-                winograd_allowance: allowance,
-                rounds: 0,
-                wall_ms: t0.elapsed().as_secs_f64() * 1e3,
-                check_ms,
-                timing_ms: 0.0,
-            }
-        )));
-    };
+    (baseline, allowance)
+}
 
-    // Time the survivors against each other.
-    let t1 = Instant::now();
-    let mut winner = incumbent;
-    let mut rounds = 0;
-    if alive.len() > 1 {
-        let res = time_interleaved(ctx, measure_timing(), alive.len(), |v, _| {
-            run(inp.execs[alive[v]], operands)
-        })?;
-        rounds = res.rounds;
-        let mut best: Option<(usize, f64)> = None;
-        for (v, &i) in alive.iter().enumerate() {
-            let r = &mut reports[i];
-            r.median_ms = res.timing(v).map(|t| t.median_ms);
-            if let Some(err) = &res.errors[v] {
-                r.outcome = Outcome::Failed(format!("failed while timed: {err}"));
-                continue;
-            }
-            if v == 0 {
-                continue;
-            }
-            r.vs_incumbent = res.paired(0, v);
-            if let Some(p) = &r.vs_incumbent {
-                if crate::gemm::beats_default(p) && best.is_none_or(|(_, m)| p.median < m) {
-                    best = Some((i, p.median));
-                }
+/// One measurement's buffers and how it runs a route: the routes write this measurement's own
+/// output buffer; the reference goes to an f32 buffer; three doubles of `acc` per check.
+struct Bench<'a> {
+    inp: &'a MeasureInput<'a>,
+    target: route::Target<'a>,
+    out_role: usize,
+    out_len: usize,
+    elem: usize,
+    /// The routes' output (the measurement's own buffer) and the f32 reference.
+    out: u64,
+    refp: u64,
+    acc: CudaSlice<f64>,
+    accp: u64,
+    _bufs: [CudaSlice<u8>; 2],
+}
+
+impl<'a> Bench<'a> {
+    fn new(inp: &'a MeasureInput<'a>) -> Result<Bench<'a>> {
+        let ctx = inp.ctx;
+        let out_role = output_role(inp.direction);
+        let out_len = inp.lens[out_role];
+        let elem = inp.dtype.size();
+        let out_buf = alloc_bytes(ctx, out_len * elem)?;
+        let ref_buf = alloc_bytes(ctx, out_len * 4)?;
+        let acc = ctx
+            .stream()
+            .alloc_zeros::<f64>(3 * (inp.execs.len() + 2))
+            .call("cuMemAllocAsync")?;
+        let out = raw_ptr(&out_buf, ctx);
+        let refp = raw_ptr(&ref_buf, ctx);
+        let accp = raw_ptr_f64(&acc, ctx);
+        Ok(Bench {
+            inp,
+            target: route::Target {
+                ctx,
+                shape: inp.shape,
+                dtype: inp.dtype,
+                cudnn: inp.cudnn,
+            },
+            out_role,
+            out_len,
+            elem,
+            out,
+            refp,
+            acc,
+            accp,
+            _bufs: [out_buf, ref_buf],
+        })
+    }
+
+    /// The address of check slot `i` of `acc` (three doubles).
+    fn acc_at(&self, i: usize) -> u64 {
+        self.accp + (3 * i * std::mem::size_of::<f64>()) as u64
+    }
+
+    /// Runs route `e` on operands `p` into the measurement's output.
+    fn run(&self, e: Exec, p: CudnnPtrs) -> Result<()> {
+        let out = with_role(p, self.out_role, self.out);
+        // SAFETY: the caller's inputs were validated by the dispatcher (extents, device); the
+        // output is this measurement's own buffer of the output's extent.
+        unsafe { route::run(&self.target, self.inp.direction, e, out, false) }
+    }
+
+    /// The reference on operands `p`, into the f32 reference buffer; returns its description.
+    fn reference(&self, p: CudnnPtrs) -> Result<String> {
+        let (ctx, dtype) = (self.inp.ctx, self.inp.dtype);
+        if self.inp.direction == Direction::Forward {
+            // SAFETY: as `run`; ref_buf holds out_len f32.
+            match unsafe {
+                direct::forward_f32_out(ctx, self.inp.shape, dtype, p.x, p.w, self.refp)
+            } {
+                Ok(()) => return Ok("direct_f32".into()),
+                Err(e) => tracing::debug!(error = %e, "direct f32 reference unavailable"),
             }
         }
-        if reports[incumbent].outcome != Outcome::Passed {
+        let mut last = None;
+        for e in self.inp.execs {
+            match self.run(*e, p) {
+                Ok(()) => {
+                    let widen = widen_kernel(dtype);
+                    launch3(ctx, widen, self.out, self.refp, self.out_len, None)?;
+                    return Ok(e.route.label());
+                }
+                Err(err) => last = Some(err),
+            }
+        }
+        Err(last.unwrap_or_else(|| Error::NotSupported("no route to measure".into())))
+    }
+
+    /// The operands of the check and the reference on them: the caller's, unless the reference
+    /// there is not finite everywhere or mostly zero; then pseudo-random inputs (their buffers
+    /// are returned, to live as long as the measurement). Returns the operands, the reference's
+    /// description, which operands (and why) and the random buffers.
+    fn reference_operands(&self) -> Result<(CudnnPtrs, String, String, Vec<CudaSlice<u8>>)> {
+        let (ctx, dtype, out_len) = (self.inp.ctx, self.inp.dtype, self.out_len);
+        let mut operands = self.inp.operands;
+        let ref_name = self.reference(operands)?;
+        stats(ctx, self.refp, out_len, self.acc_at(0))?;
+        let a = read_acc(ctx, &self.acc)?;
+        let (nonfinite, nonzero) = (a[0], a[1]);
+        if !(nonfinite > 0.0 || nonzero < MIN_NONZERO_FRACTION * out_len as f64) {
+            return Ok((operands, ref_name, "caller".to_string(), Vec::new()));
+        }
+        let why = if nonfinite > 0.0 {
+            format!("the reference on the caller's data has {nonfinite} non-finite elements")
+        } else {
+            format!(
+                "only {nonzero} of the reference's {out_len} elements are nonzero on the \
+                 caller's data"
+            )
+        };
+        tracing::info!(%why, "convolution measurement uses pseudo-random inputs");
+        let mut random = Vec::new();
+        let inputs: Vec<usize> = (0..3).filter(|&r| r != self.out_role).collect();
+        for (i, &r) in inputs.iter().enumerate() {
+            let buf = alloc_bytes(ctx, self.inp.lens[r] * self.elem)?;
+            let ptr = raw_ptr(&buf, ctx);
+            uniform(ctx, dtype, ptr, self.inp.lens[r], 0x5EED_C0DE + i as u64)?;
+            operands = with_role(operands, r, ptr);
+            random.push(buf);
+        }
+        let ref_name = self.reference(operands)?;
+        Ok((operands, ref_name, format!("random ({why})"), random))
+    }
+
+    /// Runs every route once into a NaN-poisoned output and compares it with the reference on
+    /// the device (one read-back for all); a route fails when it cannot run, has a non-finite
+    /// element, or its relative L2 error exceeds [`check_tolerance`].
+    fn check_routes(&self, operands: CudnnPtrs) -> Result<Vec<CandidateReport>> {
+        let (ctx, dtype, out_len) = (self.inp.ctx, self.inp.dtype, self.out_len);
+        let n = self.inp.execs.len();
+        let mut failed: Vec<Option<String>> = vec![None; n];
+        for (i, e) in self.inp.execs.iter().enumerate() {
+            poison(ctx, self.out, out_len * self.elem)?;
+            match self.run(*e, operands) {
+                Ok(()) => launch3(
+                    ctx,
+                    diff_kernel(dtype),
+                    self.out,
+                    self.refp,
+                    out_len,
+                    Some(self.acc_at(i + 2)),
+                )?,
+                Err(err) => failed[i] = Some(err.to_string()),
+            }
+        }
+        let a = read_acc(ctx, &self.acc)?;
+        let tol = check_tolerance(dtype);
+        let mut reports: Vec<CandidateReport> = Vec::with_capacity(n);
+        for (i, e) in self.inp.execs.iter().enumerate() {
+            let (rel, outcome) = match &failed[i] {
+                Some(why) => (None, Outcome::Failed(why.clone())),
+                None => {
+                    let (rel, bad) = judge(a.get(3 * (i + 2)..3 * (i + 3)).unwrap_or(&[]));
+                    let outcome = if bad > 0.0 {
+                        Outcome::Failed(format!("{bad} elements are NaN or Inf"))
+                    } else if rel.is_nan() || rel > tol {
+                        Outcome::Failed(format!(
+                            "relative L2 error {rel:.2e} against the reference exceeds {tol:.0e}"
+                        ))
+                    } else {
+                        Outcome::Passed
+                    };
+                    (Some(rel), outcome)
+                }
+            };
+            reports.push(CandidateReport {
+                route: e.route,
+                rel_l2: rel,
+                outcome,
+                median_ms: None,
+                vs_incumbent: None,
+            });
+        }
+        Ok(reports)
+    }
+
+    /// Times the routes `alive` (the incumbent first) against each other and fills their
+    /// reports. The winner: a route that beats the incumbent by the incumbent rule, else the
+    /// incumbent; if the incumbent failed while timed, the fastest survivor by median. Returns
+    /// the winner and the timed rounds.
+    fn time_routes(
+        &self,
+        operands: CudnnPtrs,
+        alive: &[usize],
+        reports: &mut [CandidateReport],
+    ) -> Result<(usize, usize)> {
+        let r = race(self.inp.ctx, measure_timing(), alive.len(), |v, _| {
+            self.run(self.inp.execs[alive[v]], operands)
+        })?;
+        let res = &r.timing;
+        for (v, &i) in alive.iter().enumerate() {
+            let rep = &mut reports[i];
+            rep.median_ms = res.timing(v).map(|t| t.median_ms);
+            if let Some(err) = &res.errors[v] {
+                rep.outcome = Outcome::Failed(format!("failed while timed: {err}"));
+                continue;
+            }
+            if v > 0 {
+                rep.vs_incumbent = res.paired(0, v);
+            }
+        }
+        let incumbent = alive[0];
+        let mut best = r.challenger.map(|(v, m)| (alive[v], m));
+        if !passed(&reports[incumbent]) {
             // The incumbent failed while timed: the fastest survivor by median.
             best = alive
                 .iter()
-                .filter(|&&i| reports[i].outcome == Outcome::Passed)
+                .filter(|&&i| passed(&reports[i]))
                 .filter_map(|&i| reports[i].median_ms.map(|m| (i, m)))
                 .min_by(|a, b| a.1.total_cmp(&b.1));
         }
-        if let Some((i, _)) = best {
-            winner = i;
-        } else if reports[incumbent].outcome != Outcome::Passed {
-            return Err(Error::NotSupported(
+        match best {
+            Some((i, _)) => Ok((i, res.rounds)),
+            None if !passed(&reports[incumbent]) => Err(Error::NotSupported(
                 "every route failed while being timed".into(),
-            ));
+            )),
+            None => Ok((incumbent, res.rounds)),
         }
     }
-    let report = AutoReport {
-        direction: d,
-        candidates: reports,
-        incumbent,
-        winner,
-        reference: ref_name,
-        operands: operands_note,
-        baseline_error: baseline,
-        winograd_allowance: allowance,
-        rounds,
-        wall_ms: t0.elapsed().as_secs_f64() * 1e3,
-        check_ms,
-        timing_ms: t1.elapsed().as_secs_f64() * 1e3,
-    };
-    Ok((winner, report))
 }
 
 fn raw_ptr_f64(s: &CudaSlice<f64>, ctx: &Context) -> u64 {
@@ -1444,8 +1494,8 @@ mod tests {
             cublas: (12, 0, 0),
         };
         let start = json!({
-            "format": crate::gemm::cache::FILE_FORMAT,
-            "version": crate::gemm::cache::FILE_VERSION,
+            "format": FILE_FORMAT,
+            "version": FILE_VERSION,
             "sections": [ { "device": "gemm stuff", "entries": [] } ],
             "conv": { "version": 1, "sections": [ { "device": other.to_json(), "entries": [] } ] },
         });

@@ -40,12 +40,20 @@ mod winograd_gemm;
 
 pub use crate::reference::conv::Conv2d as ConvShape;
 pub use choice::{
-    cached_len as cached_choices, check_tolerance, clear as clear_choices, cudnn_search,
-    entry_from_json, entry_to_json, lookup as lookup_choice, measure_timing, set_cudnn_search,
-    winograd_error_floor, AutoReport, CandidateReport, ChoiceKey, ChoiceOrigin, ConvChoice,
-    ConvDeviceTag, CudnnSearch, Outcome, PolicyKey, SearchKey, ShapeKey, WinogradKey,
-    ENV_CONV_CUDNN_SEARCH, MAX_CUDNN_CANDIDATES, MIN_NONZERO_FRACTION, WINOGRAD_ERROR_FACTOR,
+    clear as clear_choices, cudnn_search, set_cudnn_search, AutoReport, CandidateReport,
+    ChoiceOrigin, ConvChoice, CudnnSearch, Outcome, ENV_CONV_CUDNN_SEARCH,
 };
+/// The measurement's thresholds, keys and tuning-file entries, for nnfuse's own tests, benches
+/// and CLI (not a stable API).
+#[doc(hidden)]
+pub mod choice_internals {
+    pub use super::choice::{
+        cached_len as cached_choices, check_tolerance, entry_from_json, entry_to_json,
+        lookup as lookup_choice, measure_timing, winograd_error_floor, ChoiceKey, ConvDeviceTag,
+        PolicyKey, SearchKey, ShapeKey, WinogradKey, MAX_CUDNN_CANDIDATES, MIN_NONZERO_FRACTION,
+        WINOGRAD_ERROR_FACTOR,
+    };
+}
 pub use cudnn::{CudnnAlgo, CudnnMath, CudnnPerf};
 pub use ops::{simulate_missing_cudnn, Conv2d, Epilogue, FilterLayout, PreparedFilter};
 pub use plan::{

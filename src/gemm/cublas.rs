@@ -9,7 +9,7 @@ use std::ffi::c_void;
 
 use cudarc::cublas::sys::{self, cublasGemmAlgo_t as G};
 
-use super::cache::CublasAlgo;
+use super::algo::CublasAlgo;
 use super::lt::{Ptrs, Scalars};
 use super::problem::{Compute, Problem};
 use crate::dtype::DType;

@@ -21,7 +21,7 @@ use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublaslt::{result as lt, sys};
 use half::f16;
 
-use super::cache::{LtAlgo, LtConfig};
+use super::algo::{LtAlgo, LtConfig};
 use super::problem::{Alignment, Compute, Problem};
 use crate::dtype::DType;
 use crate::error::{CallExt, Error, Result};
@@ -158,29 +158,29 @@ fn zeroed_result() -> sys::cublasLtMatmulHeuristicResult_t {
 
 /// The descriptors of one problem: a matmul descriptor and the layouts of A, B and C (= D).
 /// They depend only on the problem's [`super::Key`] (types, transposes, m, n, k, leading
-/// dimensions, batch and strides; alpha and beta are passed per call), so one plan serves every
+/// dimensions, batch and strides; alpha and beta are passed per call), so one set serves every
 /// candidate of a search and every later call of a cached cuBLASLt choice.
-pub(crate) struct Plan {
+pub(crate) struct LtDescriptors {
     desc: MatmulDesc,
     a: Layout,
     b: Layout,
     c: Layout,
 }
 
-// SAFETY: a Plan owns four cuBLASLt descriptors: opaque host-memory objects, not bound to a
-// thread, a device, a handle or a stream. `Plan::new` is the only code that writes them (the
-// `*SetAttribute` calls, before the Plan exists as a value); afterwards every method takes
+// SAFETY: an LtDescriptors owns four cuBLASLt descriptors: opaque host-memory objects, not bound to a
+// thread, a device, a handle or a stream. `LtDescriptors::new` is the only code that writes them (the
+// `*SetAttribute` calls, before the LtDescriptors exists as a value); afterwards every method takes
 // `&self` and only passes them as read-only inputs to `cublasLtMatmulAlgoGetHeuristic`,
 // `cublasLtMatmulAlgoCheck` and `cublasLtMatmul`, and `Drop` destroys them once with exclusive
-// access (the cache shares plans through `Arc`, so a plan outlives every call that uses it).
-// Moving a Plan to another thread, and several threads reading it at once, are therefore sound.
-unsafe impl Send for Plan {}
+// access (the cache shares descriptors through `Arc`, so they outlive every call that uses it).
+// Moving an LtDescriptors to another thread, and several threads reading it at once, are therefore sound.
+unsafe impl Send for LtDescriptors {}
 // SAFETY: see the `Send` impl: after construction the descriptors are only read.
-unsafe impl Sync for Plan {}
+unsafe impl Sync for LtDescriptors {}
 
-impl Plan {
+impl LtDescriptors {
     /// Describes a problem that passed [`Problem::check`].
-    pub(crate) fn new(p: &Problem, dtype: DType) -> Result<Plan> {
+    pub(crate) fn new(p: &Problem, dtype: DType) -> Result<LtDescriptors> {
         let desc = MatmulDesc(
             lt::create_matmul_desc(compute_type(p.compute), scale_type(p.compute))
                 .call("cublasLtMatmulDescCreate")?,
@@ -218,7 +218,7 @@ impl Plan {
         let a = layout(p.a_dims(), p.lda, p.stride_a)?;
         let b = layout(p.b_dims(), p.ldb, p.stride_b)?;
         let c = layout((p.m, p.n), p.ldc, p.stride_c)?;
-        Ok(Plan { desc, a, b, c })
+        Ok(LtDescriptors { desc, a, b, c })
     }
 
     /// Up to `count` heuristic candidates (`cublasLtMatmulAlgoGetHeuristic`) for operands with
@@ -317,7 +317,7 @@ impl Plan {
     ///
     /// # Safety
     /// The pointers must hold the problem's extents for the duration of the queued work, the
-    /// workspace `workspace_bytes` bytes; `algo` must have passed [`Plan::check`] for this plan
+    /// workspace `workspace_bytes` bytes; `algo` must have passed [`LtDescriptors::check`] for these descriptors
     /// with at most `workspace_bytes` of workspace.
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn matmul(

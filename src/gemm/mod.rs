@@ -39,16 +39,16 @@
 //! than sm_80 only, the explicit `CUBLAS_GEMM_ALGO*` values), rejects those that
 //! `cublasLtMatmulAlgoCheck` refuses or whose result differs from the default's, times the rest
 //! against each other with CUDA events (interleaved round-robin, bursts of back-to-back
-//! launches), and keeps the cuBLAS default unless a candidate beats it by more than
-//! [`KEEP_DEFAULT_MARGIN`] consistently ([`beats_default`]; the `search` module's documentation
-//! has the budget and the rules).
+//! launches), and keeps the cuBLAS default unless a candidate beats it by at least 2 % in the
+//! median round and in nearly every round (the incumbent rule that convolution's `auto` shares;
+//! the `search` module's documentation has the budget and the rules).
 //!
 //! The first call of a key searches on the caller's own operands: A and B are only read; C is
 //! written only where the call writes it anyway (with beta == 0 the default's result goes there
 //! first, then the tuned call's), and the candidates write a scratch C (scratch copies of C when
 //! beta != 0). If the caller's data cannot tell right from wrong — the default's result has NaN
 //! or Inf (from NaN/Inf inputs or overflow), is mostly zeros, or is dominated by `beta * C` —
-//! the search uses pseudo-random scratch operands instead ([`caller_data_unsuitable`],
+//! the search uses pseudo-random scratch operands instead ([`Unsuitable`],
 //! [`SearchOperands`]), as [`search`] and `nnfuse tune` always do. Scratch memory is one
 //! grow-only allocation per Context, kept between searches ([`search_scratch_bytes`]; free it
 //! with [`release_search_scratch`]). The choice is a concrete algorithm ([`Algo`]: the
@@ -69,14 +69,16 @@
 //! # Tuning cache
 //! Choices live in memory for the life of the process (shared by every Context on the same
 //! device ordinal), at most [`crate::Config::plan_cache_capacity`] of them (the largest any
-//! Context asked for; least recently used evicted first, searched again at their next call;
-//! [`cache::memory_stats`]). When [`crate::Config::tuning_cache`] (`NNFUSE_TUNING_CACHE`) names a file,
-//! it is read at the first cache miss and rewritten atomically after each search; see [`cache`]
-//! for the format and for what is ignored. Entries read from the file are checked
+//! Context asked for; least recently used evicted first, searched again at their next call).
+//! When [`crate::Config::tuning_cache`] (`NNFUSE_TUNING_CACHE`) names a file, it is read at the
+//! first cache miss and rewritten atomically after each search (the file that convolution's
+//! choices share: format and what is ignored in `docs/ARCHITECTURE.md`, "Tuning"). Entries read from the file are checked
 //! (`cublasLtMatmulAlgoCheck` and the algorithm's alignment needs) before their first use.
 
-pub mod cache;
+mod algo;
+mod choices;
 mod cublas;
+mod entry;
 mod lt;
 mod names;
 mod problem;
@@ -91,25 +93,43 @@ use cudarc::cublaslt::sys as lt_sys;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use once_cell::sync::Lazy;
 
-pub use cache::{Algo, Choice, CublasAlgo, DeviceTag, LtAlgo, LtConfig, Origin};
+pub use algo::{Algo, Choice, CublasAlgo, LtAlgo, LtConfig, Origin};
 pub use lt::WORKSPACE_BYTES;
-pub use problem::{
-    c_batches_overlap, check_pointers, tolerance, Alignment, Compute, Key, Problem, Spans,
-    Validated, MAX_ALIGNMENT,
-};
+pub use problem::{tolerance, Alignment, Compute, Key, Problem, Spans, Validated};
 pub use scratch::{held_bytes as search_scratch_bytes, release as release_search_scratch};
-pub use search::{
-    beats_default, caller_data_unsuitable, fill_uniform, search_timing, Candidate, Outcome,
-    ResultStats, SearchOperands, SearchPhases, SearchProgress, SearchReport, Unsuitable, BUDGET_MS,
-    KEEP_DEFAULT_MARGIN, KERNELS, MAX_LT_CANDIDATES, MAX_ROUNDS, MIN_NONZERO_FRACTION,
-    MIN_PRODUCT_SHARE, MIN_ROUNDS, MIN_SAMPLE_MS,
+pub use search::caller_data::Unsuitable;
+pub use search::report::{
+    Candidate, Outcome, SearchOperands, SearchPhases, SearchProgress, SearchReport,
 };
+
+/// What nnfuse's own tests, benches and CLI reach of the GEMM module: search and cache
+/// internals, the tuning file, fills (not a stable API).
+#[doc(hidden)]
+pub mod internals {
+    pub use super::choices::{clear, entries, memory_stats, MemoryStats};
+    pub use super::device_tag;
+    pub use super::entry::{load_file, save_file, DeviceTag, Loaded};
+    pub use super::problem::{c_batches_overlap, check_pointers, MAX_ALIGNMENT};
+    pub use super::search::caller_data::{
+        caller_data_unsuitable, ResultStats, MIN_NONZERO_FRACTION, MIN_PRODUCT_SHARE,
+    };
+    pub use super::search::kernels::{fill_uniform, KERNELS};
+    pub use super::search::{
+        search_timing, BUDGET_MS, MAX_LT_CANDIDATES, MAX_ROUNDS, MIN_ROUNDS, MIN_SAMPLE_MS,
+    };
+    pub use crate::tune::internals::{
+        beats_incumbent as beats_default, FILE_FORMAT, FILE_VERSION,
+        KEEP_INCUMBENT_MARGIN as KEEP_DEFAULT_MARGIN,
+    };
+}
 
 use crate::context::{cublas_version, cublaslt_version, Context};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::validate::{expect_device, BufInfo};
-use lt::Ptrs;
+use entry::DeviceTag;
+use lt::{LtDescriptors, Ptrs};
+pub(crate) use problem::check_pointers;
 
 fn ordinal(ctx: &Context) -> u32 {
     ctx.info().ordinal as u32
@@ -122,6 +142,7 @@ fn capacity(ctx: &Context) -> usize {
 
 /// The device and library versions a tuning result of `ctx` is valid for (computed once per
 /// device ordinal).
+#[doc(hidden)] // reached through `internals`
 pub fn device_tag(ctx: &Context) -> Result<DeviceTag> {
     static TAGS: Lazy<Mutex<HashMap<u32, DeviceTag>>> = Lazy::new(|| Mutex::new(HashMap::new()));
     let ord = ordinal(ctx);
@@ -207,18 +228,24 @@ fn run_cublas(
 
 /// Queues one `cublasLtMatmul` with prepared descriptors: the whole cost of a cached cuBLASLt
 /// choice (lock, handle, workspace pointer, one call).
-fn run_lt(ctx: &Context, p: &Problem, plan: &lt::Plan, algo: &LtAlgo, ptrs: Ptrs) -> Result<()> {
+fn run_lt(
+    ctx: &Context,
+    p: &Problem,
+    descriptors: &LtDescriptors,
+    algo: &LtAlgo,
+    ptrs: Ptrs,
+) -> Result<()> {
     let mut g = ctx.lock()?;
     let h = g.cublaslt()?;
     let ws = g.workspace(WORKSPACE_BYTES)?;
     let stream = ctx.stream().cu_stream() as lt_sys::cudaStream_t;
-    // SAFETY: the problem was checked and the pointers hold its extents; `plan` describes this
+    // SAFETY: the problem was checked and the pointers hold its extents; `descriptors` describes this
     // problem (it depends only on its key); the algorithm passed `cublasLtMatmulAlgoCheck` for
     // it with at most WORKSPACE_BYTES of workspace and suits the operands' alignment (checked
     // when it was searched, prepared, or read from the file and verified); the workspace holds
     // WORKSPACE_BYTES while the guard lives.
     unsafe {
-        plan.matmul(
+        descriptors.matmul(
             h,
             algo,
             &lt::Scalars::of(p),
@@ -231,12 +258,12 @@ fn run_lt(ctx: &Context, p: &Problem, plan: &lt::Plan, algo: &LtAlgo, ptrs: Ptrs
 }
 
 fn verify_lt(
-    plan: &lt::Plan,
+    descriptors: &LtDescriptors,
     h: lt_sys::cublasLtHandle_t,
     a: &LtAlgo,
     align: Alignment,
 ) -> Result<()> {
-    let ws = plan.check(h, a)?;
+    let ws = descriptors.check(h, a)?;
     if ws > WORKSPACE_BYTES {
         return Err(Error::NotSupported(format!(
             "the cuBLASLt algorithm needs {ws} bytes of workspace, more than {WORKSPACE_BYTES}"
@@ -246,18 +273,18 @@ fn verify_lt(
 }
 
 /// Builds the descriptors of `p` and checks `a` against them and `align`.
-fn plan_checked(
+fn descriptors_checked(
     ctx: &Context,
     p: &Problem,
     dtype: DType,
     a: &LtAlgo,
     align: Alignment,
-) -> Result<Arc<lt::Plan>> {
-    let plan = lt::Plan::new(p, dtype)?;
+) -> Result<Arc<LtDescriptors>> {
+    let descriptors = LtDescriptors::new(p, dtype)?;
     let mut g = ctx.lock()?;
     let h = g.cublaslt()?;
-    verify_lt(&plan, h, a, align)?;
-    Ok(Arc::new(plan))
+    verify_lt(&descriptors, h, a, align)?;
+    Ok(Arc::new(descriptors))
 }
 
 /// Checks a choice that came from the file before its first use; returns the descriptors the
@@ -268,20 +295,20 @@ fn verify(
     dtype: DType,
     key: &Key,
     c: &Choice,
-) -> Result<Option<Arc<lt::Plan>>> {
+) -> Result<Option<Arc<LtDescriptors>>> {
     match &c.algo {
         Algo::Cublas(a) if a.is_known() => Ok(None),
         Algo::Cublas(a) => Err(Error::NotSupported(format!(
             "unknown cublasGemmAlgo_t {}",
             a.0
         ))),
-        Algo::Lt(a) => plan_checked(ctx, p, dtype, a, key.align).map(Some),
+        Algo::Lt(a) => descriptors_checked(ctx, p, dtype, a, key.align).map(Some),
     }
 }
 
 fn save(ctx: &Context, path: &std::path::Path) -> Result<()> {
     let tag = device_tag(ctx)?;
-    cache::save_file(path, &tag, &cache::entries(ordinal(ctx)))
+    entry::save_file(path, &tag, &choices::entries(ordinal(ctx)))
 }
 
 fn search_and_store(
@@ -292,9 +319,9 @@ fn search_and_store(
     spans: Spans,
     caller: Option<Ptrs>,
     progress: &mut dyn FnMut(SearchProgress<'_>),
-) -> Result<(SearchReport, Option<Arc<lt::Plan>>)> {
-    let (report, plan) = search::run(ctx, p, dtype, key, spans, caller, progress)?;
-    cache::insert(key, report.choice, true, plan.clone(), capacity(ctx));
+) -> Result<(SearchReport, Option<Arc<LtDescriptors>>)> {
+    let (report, descriptors) = search::run(ctx, p, dtype, key, spans, caller, progress)?;
+    choices::insert(key, report.choice, true, descriptors.clone(), capacity(ctx));
     if let Some(path) = &ctx.config().tuning_cache {
         match save(ctx, path) {
             Ok(()) => tracing::debug!(path = %path.display(), "GEMM tuning cache written"),
@@ -305,7 +332,7 @@ fn search_and_store(
             ),
         }
     }
-    Ok((report, plan))
+    Ok((report, descriptors))
 }
 
 /// The choice for `key` and its cached cuBLASLt descriptors: from memory, else from the
@@ -318,28 +345,28 @@ fn choose(
     key: &Key,
     spans: Spans,
     ptrs: Ptrs,
-) -> (Choice, Option<Arc<lt::Plan>>) {
-    let mut slot = cache::lookup_slot(key);
+) -> (Choice, Option<Arc<LtDescriptors>>) {
+    let mut slot = choices::lookup_slot(key);
     if slot.is_none() {
         if let Some(path) = &ctx.config().tuning_cache {
             match device_tag(ctx) {
-                Ok(tag) => cache::ensure_loaded(path, key.device, &tag, capacity(ctx)),
+                Ok(tag) => choices::ensure_loaded(path, key.device, &tag, capacity(ctx)),
                 Err(e) => tracing::warn!(
                     path = %path.display(),
                     error = %e,
                     "GEMM tuning cache not read: the library versions are unknown"
                 ),
             }
-            slot = cache::lookup_slot(key);
+            slot = choices::lookup_slot(key);
         }
     }
     match slot {
-        Some((c, true, plan)) => return (c, plan),
+        Some((c, true, descriptors)) => return (c, descriptors),
         Some((c, false, _)) => match verify(ctx, p, dtype, key, &c) {
-            Ok(plan) => {
+            Ok(descriptors) => {
                 tracing::debug!(problem = %key, algo = %c.label(), "GEMM tuning-cache entry checked");
-                cache::mark_verified(key, &c.algo, plan.clone());
-                return (c, plan);
+                choices::mark_verified(key, &c.algo, descriptors.clone());
+                return (c, descriptors);
             }
             Err(e) => {
                 tracing::warn!(
@@ -347,13 +374,13 @@ fn choose(
                     error = %e,
                     "GEMM tuning-cache entry rejected; searching again"
                 );
-                cache::remove(key);
+                choices::remove(key);
             }
         },
         None => {}
     }
     match search_and_store(ctx, p, dtype, *key, spans, Some(ptrs), &mut |_| {}) {
-        Ok((report, plan)) => (report.choice, plan),
+        Ok((report, descriptors)) => (report.choice, descriptors),
         Err(e) => {
             tracing::warn!(
                 problem = %key,
@@ -361,7 +388,7 @@ fn choose(
                 "GEMM algorithm search failed; this problem uses the cuBLAS default"
             );
             let c = Choice::fallback();
-            cache::insert(*key, c, true, None, capacity(ctx));
+            choices::insert(*key, c, true, None, capacity(ctx));
             (c, None)
         }
     }
@@ -427,18 +454,18 @@ fn run_checked(ctx: &Context, p: &Problem, dtype: DType, spans: Spans, ptrs: Ptr
     }
     let align = Alignment::of(p, dtype.size(), ptrs.a, ptrs.b, ptrs.c);
     let key = Key::from_checked(ordinal(ctx), p, dtype, align);
-    let (choice, plan) = choose(ctx, p, dtype, &key, spans, ptrs);
-    let result = match (&choice.algo, plan) {
+    let (choice, descriptors) = choose(ctx, p, dtype, &key, spans, ptrs);
+    let result = match (&choice.algo, descriptors) {
         (Algo::Cublas(x), _) => run_cublas(ctx, p, dtype, *x, ptrs),
-        (Algo::Lt(x), Some(plan)) => run_lt(ctx, p, &plan, x, ptrs),
+        (Algo::Lt(x), Some(descriptors)) => run_lt(ctx, p, &descriptors, x, ptrs),
         (Algo::Lt(x), None) => {
             // A verified cuBLASLt choice without descriptors (not expected: the search and the
             // file check keep theirs): build them once and keep them.
             tracing::debug!(problem = %key, "building cuBLASLt descriptors for a cached choice");
-            lt::Plan::new(p, dtype).and_then(|plan| {
-                let plan = Arc::new(plan);
-                cache::set_plan(&key, &choice.algo, plan.clone());
-                run_lt(ctx, p, &plan, x, ptrs)
+            LtDescriptors::new(p, dtype).and_then(|descriptors| {
+                let descriptors = Arc::new(descriptors);
+                choices::set_descriptors(&key, &choice.algo, descriptors.clone());
+                run_lt(ctx, p, &descriptors, x, ptrs)
             })
         }
     };
@@ -450,7 +477,7 @@ fn run_checked(ctx: &Context, p: &Problem, dtype: DType, spans: Spans, ptrs: Ptr
                 error = %e,
                 "tuned GEMM algorithm failed to launch; this problem uses the cuBLAS default"
             );
-            cache::insert(key, Choice::fallback(), true, None, capacity(ctx));
+            choices::insert(key, Choice::fallback(), true, None, capacity(ctx));
             run_cublas(ctx, p, dtype, CublasAlgo::DEFAULT, ptrs)
         }
         r => r,
@@ -480,7 +507,7 @@ pub struct Prepared {
     problem: Problem,
     dtype: DType,
     algo: Algo,
-    plan: Option<Arc<lt::Plan>>,
+    descriptors: Option<Arc<LtDescriptors>>,
     /// Bytes of alignment the cuBLASLt algorithm needs for A, B, C, D (0 for cuBLAS).
     need: [u64; 4],
 }
@@ -515,7 +542,7 @@ impl Prepared {
             problem: *p,
             dtype,
             algo: *algo,
-            plan: None,
+            descriptors: None,
             need: [0; 4],
         };
         match algo {
@@ -526,7 +553,7 @@ impl Prepared {
             Algo::Cublas(_) => Ok(prepared),
             Algo::Lt(_) if validated == Validated::Empty => Ok(prepared), // run is a no-op
             Algo::Lt(a) => {
-                prepared.plan = Some(plan_checked(ctx, p, dtype, a, align)?);
+                prepared.descriptors = Some(descriptors_checked(ctx, p, dtype, a, align)?);
                 prepared.need = lt::min_alignment(a);
                 Ok(prepared)
             }
@@ -576,12 +603,12 @@ impl Prepared {
         let Some((_spans, ptrs, _guards)) = operands!(ctx, p, T, a, b, c, device_ptr_mut) else {
             return Ok(());
         };
-        match (&self.algo, &self.plan) {
+        match (&self.algo, &self.descriptors) {
             (Algo::Cublas(x), _) => run_cublas(ctx, p, self.dtype, *x, ptrs),
-            (Algo::Lt(x), Some(plan)) => {
+            (Algo::Lt(x), Some(descriptors)) => {
                 let have = Alignment::of(p, self.dtype.size(), ptrs.a, ptrs.b, ptrs.c);
                 lt::alignment_suffices(self.need, have)?;
-                run_lt(ctx, p, plan, x, ptrs)
+                run_lt(ctx, p, descriptors, x, ptrs)
             }
             (Algo::Lt(_), None) => Err(Error::NotSupported(
                 "the cuBLASLt algorithm was prepared for an empty problem".into(),
@@ -616,8 +643,8 @@ where
         Algo::Cublas(x) => run_cublas(ctx, p, dtype, *x, ptrs),
         Algo::Lt(x) => {
             let align = Alignment::of(p, dtype.size(), ptrs.a, ptrs.b, ptrs.c);
-            let plan = plan_checked(ctx, p, dtype, x, align)?;
-            run_lt(ctx, p, &plan, x, ptrs)
+            let descriptors = descriptors_checked(ctx, p, dtype, x, align)?;
+            run_lt(ctx, p, &descriptors, x, ptrs)
         }
     }
 }
@@ -643,7 +670,7 @@ where
 
 /// The in-memory choice for `key`, if any: the cost of a cached lookup.
 pub fn lookup(key: &Key) -> Option<Choice> {
-    cache::lookup(key)
+    choices::lookup(key)
 }
 
 /// Searches `p` for data of type `dtype` and operands aligned as `align` (use

@@ -192,11 +192,9 @@ impl Problem {
         }
     }
 
-    /// Checks everything that does not depend on the buffers: compute type against `dtype`,
-    /// scalars, the limits of the cuBLAS API (`int` dimensions, `long long` strides), leading
-    /// dimensions, `k`, C's stride (no two batches may write the same element) and that every
-    /// extent fits in memory. Errors name the argument.
-    pub fn check(&self, dtype: DType) -> Result<Validated> {
+    /// The compute type against `dtype`, the scalars of f16 compute, and the limits of the
+    /// cuBLAS API (`int` dimensions, `long long` strides).
+    fn check_types_and_limits(&self, dtype: DType) -> Result<()> {
         if self.compute == Compute::F16 && dtype != DType::F16 {
             return Err(Error::invalid(
                 "compute",
@@ -243,6 +241,11 @@ impl Problem {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// Leading dimensions: at least the rows of the stored matrix (and at least 1).
+    fn check_leading_dims(&self) -> Result<()> {
         let (ra, _) = self.a_dims();
         let (rb, _) = self.b_dims();
         for (name, ld, rows, what) in [
@@ -260,6 +263,16 @@ impl Problem {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// Checks everything that does not depend on the buffers: compute type against `dtype`,
+    /// scalars, the limits of the cuBLAS API (`int` dimensions, `long long` strides), leading
+    /// dimensions, `k`, C's stride (no two batches may write the same element) and that every
+    /// extent fits in memory. Errors name the argument.
+    pub fn check(&self, dtype: DType) -> Result<Validated> {
+        self.check_types_and_limits(dtype)?;
+        self.check_leading_dims()?;
         if self.m == 0 || self.n == 0 || self.batch == 0 {
             return Ok(Validated::Empty);
         }
@@ -559,7 +572,7 @@ impl Alignment {
 }
 
 /// What a tuned choice is valid for. Plain integers, cheap to hash (with
-/// [`super::cache`]'s hasher a lookup costs tens of nanoseconds). The device is the ordinal of
+/// the choice map's FxHash a lookup costs tens of nanoseconds). The device is the ordinal of
 /// the process; the cache file records the device's name, architecture and library versions.
 /// Strides are normalised to 0 when `batch == 1` (they are unused then).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -74,10 +74,10 @@ fn search_on_own_buffers<T: Element>(
     let mut a = alloc(spans.a)?;
     let mut b = alloc(spans.b)?;
     let mut c = alloc(spans.c)?;
-    gemm::fill_uniform(ctx, &mut a, 1)?;
-    gemm::fill_uniform(ctx, &mut b, 2)?;
+    nnfuse::internals::gemm::fill_uniform(ctx, &mut a, 1)?;
+    nnfuse::internals::gemm::fill_uniform(ctx, &mut b, 2)?;
     if p.beta != 0.0 {
-        gemm::fill_uniform(ctx, &mut c, 3)?;
+        nnfuse::internals::gemm::fill_uniform(ctx, &mut c, 3)?;
     }
     ctx.synchronize()?;
     let buffers_ms = t.elapsed().as_secs_f64() * 1e3;
@@ -138,7 +138,7 @@ pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
     let (p, dtype) = problem(&args)?;
     let config = Config::from_env_once()?;
     let ctx = Context::with_config(args.device, config.clone())?;
-    let tag = gemm::device_tag(&ctx)?;
+    let tag = nnfuse::internals::gemm::device_tag(&ctx)?;
 
     let bar = ProgressBar::new(1);
     if let Ok(style) =
@@ -270,7 +270,7 @@ pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
     println!(
         "rule: the cuBLAS default is kept unless a candidate is at least {:.0}% faster in the \
          median round and faster in ~90% of rounds (all rounds up to 6)",
-        gemm::KEEP_DEFAULT_MARGIN * 100.0
+        nnfuse::internals::gemm::KEEP_DEFAULT_MARGIN * 100.0
     );
     let speedup = match r.candidates.get(r.winner).and_then(|c| c.vs_default()) {
         Some(v) if r.winner != 0 => format!("{:.3}x the cuBLAS default", 1.0 / v.median),
@@ -279,7 +279,7 @@ pub fn run(args: TuneArgs) -> anyhow::Result<ExitCode> {
     println!("winner: #{} {} ({speedup})", r.winner, r.choice.label());
     match &config.tuning_cache {
         Some(path) => {
-            let stored = gemm::cache::load_file(path, &tag, r.key.device)
+            let stored = nnfuse::internals::gemm::load_file(path, &tag, r.key.device)
                 .entries
                 .iter()
                 .any(|(k, c)| *k == r.key && c.algo == r.choice.algo);

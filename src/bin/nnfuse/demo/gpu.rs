@@ -94,7 +94,7 @@ impl<T: Element> Buffers<T> {
     }
 
     /// Fills the inputs on the GPU with pseudo-random values in [-1, 1) (a function of `seed`;
-    /// `gemm::fill_uniform`), BatchNorm's scales and biases from the host, running statistics
+    /// `nnfuse::internals::gemm::fill_uniform`), BatchNorm's scales and biases from the host, running statistics
     /// 0 and 1. For the timed steps, whose inputs are too large to draw on the host quickly.
     pub fn fill_random(&mut self, ctx: &Context, seed: u64) -> Result<()> {
         let mut s = seed;
@@ -102,14 +102,14 @@ impl<T: Element> Buffers<T> {
             s = s.wrapping_add(1);
             s
         };
-        gemm::fill_uniform(ctx, &mut self.x, next())?;
+        nnfuse::internals::gemm::fill_uniform(ctx, &mut self.x, next())?;
         for w in &mut self.w {
-            gemm::fill_uniform(ctx, w, next())?;
+            nnfuse::internals::gemm::fill_uniform(ctx, w, next())?;
         }
-        gemm::fill_uniform(ctx, &mut self.dout, next())?;
-        gemm::fill_uniform(ctx, &mut self.feat, next())?;
-        gemm::fill_uniform(ctx, &mut self.fc_w, next())?;
-        gemm::fill_uniform(ctx, &mut self.dlogits, next())?;
+        nnfuse::internals::gemm::fill_uniform(ctx, &mut self.dout, next())?;
+        nnfuse::internals::gemm::fill_uniform(ctx, &mut self.feat, next())?;
+        nnfuse::internals::gemm::fill_uniform(ctx, &mut self.fc_w, next())?;
+        nnfuse::internals::gemm::fill_uniform(ctx, &mut self.dlogits, next())?;
         let stream = ctx.stream();
         for i in 0..3 {
             let c = self.def.bn_channels(i);
