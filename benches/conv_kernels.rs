@@ -31,7 +31,8 @@
 use anyhow::{Context as _, Result};
 use cudarc::driver::CudaSlice;
 use half::f16;
-use nnfuse::conv::{im2col, ConvShape};
+use nnfuse::conv::ConvShape;
+use nnfuse::internals::conv::im2col;
 use nnfuse::timing::{
     copy_bandwidth, time_gpu, time_interleaved, InterleavedOptions, Timing, TimingOptions,
 };

@@ -38,6 +38,13 @@ pub mod validate;
 #[cfg(test)]
 mod testutil;
 
+/// Internals of each area that nnfuse's own benches, command-line tool and tests use; not a
+/// stable API.
+#[doc(hidden)]
+pub mod internals {
+    pub use crate::conv::internals as conv;
+}
+
 pub use config::{BnImpl, BnModePolicy, Config, ConvAlgoPolicy, WinogradGemmPolicy};
 pub use context::{Context, DeviceInfo};
 pub use dtype::{DType, Element};

@@ -17,9 +17,10 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 use half::{bf16, f16};
 use nnfuse::config::{Config, ConvAlgoPolicy};
 use nnfuse::conv::{
-    self, cudnn::usable, winograd_error_floor, ChoiceOrigin, Conv2d, ConvPath, ConvShape,
-    Direction, Epilogue, FilterLayout, Outcome, Route, WinogradEngine, WinogradTile,
+    self, winograd_error_floor, ChoiceOrigin, Conv2d, ConvPath, ConvShape, Direction, Epilogue,
+    FilterLayout, Outcome, Route, WinogradEngine, WinogradTile,
 };
+use nnfuse::internals::conv::usable;
 use nnfuse::reference::conv::conv2d;
 use nnfuse::{Context, DType, Element, Error, TensorFormat};
 

@@ -14,9 +14,9 @@ use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
 use nnfuse::config::Config;
 use nnfuse::conv::{
-    check_tolerance, cudnn::usable, Conv2d, ConvPath, ConvShape, Direction, Outcome, Route,
-    WinogradEngine,
+    check_tolerance, Conv2d, ConvPath, ConvShape, Direction, Outcome, Route, WinogradEngine,
 };
+use nnfuse::internals::conv::usable;
 use nnfuse::reference::conv::conv2d;
 use nnfuse::{Context, DType, Element, TensorFormat};
 

@@ -26,19 +26,19 @@
 //! The path functions take device addresses that the dispatcher has already checked (lengths,
 //! device, aliasing, overflow); they are `unsafe` for that reason and never seen by users.
 
-pub mod cudnn;
+pub(crate) mod cudnn;
 pub mod plan;
-pub mod sizes;
+pub(crate) mod problem;
+pub(crate) mod sizes;
 
 mod choice;
 mod direct;
-pub mod im2col;
+pub(crate) mod im2col;
 mod ops;
 mod route;
 mod winograd;
 mod winograd_gemm;
 
-pub use crate::reference::conv::Conv2d as ConvShape;
 pub use choice::{
     cached_len as cached_choices, check_tolerance, clear as clear_choices, cudnn_search,
     entry_from_json, entry_to_json, lookup as lookup_choice, measure_timing, set_cudnn_search,
@@ -46,47 +46,33 @@ pub use choice::{
     ConvDeviceTag, CudnnSearch, Outcome, PolicyKey, SearchKey, ShapeKey, WinogradKey,
     ENV_CONV_CUDNN_SEARCH, MAX_CUDNN_CANDIDATES, MIN_NONZERO_FRACTION, WINOGRAD_ERROR_FACTOR,
 };
-pub use cudnn::{CudnnAlgo, CudnnMath, CudnnPerf};
-pub use ops::{simulate_missing_cudnn, Conv2d, Epilogue, FilterLayout, PreparedFilter};
+pub use ops::{Conv2d, Epilogue, FilterLayout, PreparedFilter};
 pub use plan::{
-    plan, ConvPath, ConvPlan, ConvPlanRequest, Direction, DirectionPlans, EngineDecision, PathInfo,
-    Route, WinogradInfo, DIRECT_CANDIDATE_MAX_FLOPS,
+    plan, ConvPath, ConvPlan, ConvPlanRequest, DirectionPlans, EngineDecision, PathInfo, Route,
+    WinogradInfo,
 };
-pub use sizes::{WinogradEngine, WinogradTile};
-pub use winograd::stages as winograd_stages;
+pub(crate) use problem::{BwdDataPtrs, BwdFilterPtrs, FwdPtrs};
+pub use problem::{
+    ConvShape, CudnnAlgo, CudnnMath, CudnnPerf, Direction, WinogradEngine, WinogradTile,
+};
 
-/// Device addresses of a forward convolution's operands (checked by the dispatcher).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[allow(dead_code)] // filled in by the convolution paths
-pub(crate) struct FwdPtrs {
-    /// Input, `shape.x_len()` elements.
-    pub x: u64,
-    /// Filter, `shape.w_len()` elements.
-    pub w: u64,
-    /// Output, `shape.y_len()` elements.
-    pub y: u64,
-}
+/// Internals that nnfuse's own benches, command-line tool and tests use (not a stable API): the
+/// paths' size arithmetic, Winograd's geometry and stages, the im2col launchers, cuDNN's list
+/// filter and the switch that hides cuDNN.
+#[doc(hidden)]
+pub mod internals {
+    pub use super::cudnn::usable;
+    pub use super::ops::simulate_missing_cudnn;
+    pub use super::plan::DIRECT_CANDIDATE_MAX_FLOPS;
+    pub use super::problem::{fused_eligible, winograd_dims, WinogradDims, WinogradGeometry};
+    pub use super::sizes::{
+        balanced_chunks, im2col_chunk, im2col_dims, is_pointwise, tensor_core_rule, winograd_chunk,
+        Im2colDims, TENSOR_CORE_SHAPES,
+    };
+    pub use super::winograd::stages as winograd_stages;
 
-/// Device addresses of a data-gradient convolution's operands (checked by the dispatcher).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[allow(dead_code)] // filled in by the convolution paths
-pub(crate) struct BwdDataPtrs {
-    /// Output gradient, `shape.y_len()` elements.
-    pub dy: u64,
-    /// Filter, `shape.w_len()` elements.
-    pub w: u64,
-    /// Input gradient (overwritten), `shape.x_len()` elements.
-    pub dx: u64,
-}
-
-/// Device addresses of a filter-gradient convolution's operands (checked by the dispatcher).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[allow(dead_code)] // filled in by the convolution paths
-pub(crate) struct BwdFilterPtrs {
-    /// Input, `shape.x_len()` elements.
-    pub x: u64,
-    /// Output gradient, `shape.y_len()` elements.
-    pub dy: u64,
-    /// Filter gradient, `shape.w_len()` elements (overwritten, or added to with `accumulate`).
-    pub dw: u64,
+    /// The im2col and col2im launchers on their own (benchmarks).
+    pub mod im2col {
+        pub use crate::conv::im2col::{col2im, columns_len, im2col, kernel_names};
+    }
 }

@@ -1079,7 +1079,7 @@ impl<T: Element> Conv2d<T> {
         let slot = &mut t[tile_index(tile)];
         if slot.is_none() {
             let eq = self.core.shape;
-            let v = super::sizes::winograd_dims(&eq, tile)?.v;
+            let v = super::problem::winograd_dims(&eq, tile)?.v;
             // SAFETY: written by the transform before any read.
             let mut buf =
                 unsafe { self.ctx.stream().alloc::<T>(v.max(1)) }.call("cuMemAllocAsync")?;

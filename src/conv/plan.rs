@@ -34,11 +34,14 @@ use std::str::FromStr;
 
 use serde_json::{json, Value};
 
-use super::sizes::{
-    balanced_chunks, fused_eligible, im2col_chunk, im2col_dims, is_pointwise, tensor_core_rule,
-    winograd_backward_data_eligible, winograd_chunk, winograd_dims, winograd_forward_eligible,
+pub use super::problem::Direction;
+use super::problem::{
+    fused_eligible, winograd_backward_data_eligible, winograd_dims, winograd_equivalent,
+    winograd_forward_eligible, ConvShape, CudnnAlgo, WinogradEngine, WinogradTile,
 };
-use super::{ConvShape, WinogradEngine, WinogradTile};
+use super::sizes::{
+    balanced_chunks, im2col_chunk, im2col_dims, is_pointwise, tensor_core_rule, winograd_chunk,
+};
 use crate::config::{Config, ConvAlgoPolicy, WinogradGemmPolicy};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -51,75 +54,6 @@ pub const DIRECT_CANDIDATE_MAX_FLOPS: f64 = 1e9;
 
 /// `i32::MAX`: the largest size cuDNN's legacy descriptors and cuBLAS's GEMM dimensions take.
 pub const INT_MAX: usize = i32::MAX as usize;
-
-/// Which computation of a convolution layer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Direction {
-    /// `y = conv(x, w)`.
-    Forward,
-    /// `dx` from `dy` and `w`.
-    BackwardData,
-    /// `dw` from `x` and `dy`.
-    BackwardFilter,
-}
-
-impl Direction {
-    /// The three directions.
-    pub const ALL: [Direction; 3] = [
-        Direction::Forward,
-        Direction::BackwardData,
-        Direction::BackwardFilter,
-    ];
-
-    /// `forward`, `backward_data`, `backward_filter`.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Direction::Forward => "forward",
-            Direction::BackwardData => "backward_data",
-            Direction::BackwardFilter => "backward_filter",
-        }
-    }
-
-    /// The operation in words.
-    pub const fn describe(self) -> &'static str {
-        match self {
-            Direction::Forward => "forward convolution",
-            Direction::BackwardData => "data gradient",
-            Direction::BackwardFilter => "filter gradient",
-        }
-    }
-
-    const fn index(self) -> usize {
-        match self {
-            Direction::Forward => 0,
-            Direction::BackwardData => 1,
-            Direction::BackwardFilter => 2,
-        }
-    }
-}
-
-impl fmt::Display for Direction {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Direction {
-    type Err = Error;
-    /// `forward`, `backward-data` / `backward_data` / `bwd-data`, `backward-filter` /
-    /// `backward_filter` / `bwd-filter` (any case).
-    fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().replace('-', "_").as_str() {
-            "forward" | "fwd" => Ok(Direction::Forward),
-            "backward_data" | "bwd_data" | "data" => Ok(Direction::BackwardData),
-            "backward_filter" | "bwd_filter" | "filter" => Ok(Direction::BackwardFilter),
-            _ => Err(Error::invalid(
-                "direction",
-                format!("{s:?} is not one of forward, backward-data, backward-filter"),
-            )),
-        }
-    }
-}
 
 /// How a convolution is computed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -217,7 +151,7 @@ pub struct Route {
     /// Winograd's batched-multiply engine (Winograd paths only).
     pub engine: Option<WinogradEngine>,
     /// cuDNN's algorithm (cuDNN path only; `None`: the one cuDNN's search picks).
-    pub cudnn_algo: Option<super::cudnn::CudnnAlgo>,
+    pub cudnn_algo: Option<CudnnAlgo>,
 }
 
 impl Route {
@@ -240,7 +174,7 @@ impl Route {
     }
 
     /// A cuDNN route with one algorithm.
-    pub const fn cudnn(algo: super::cudnn::CudnnAlgo) -> Route {
+    pub const fn cudnn(algo: CudnnAlgo) -> Route {
         Route {
             path: ConvPath::Cudnn,
             engine: None,
@@ -672,33 +606,6 @@ pub fn cudnn_int_limits(s: &ConvShape, (oh, ow): (usize, usize)) -> Option<Strin
             "cuDNN's descriptors take int sizes and strides (at most {INT_MAX}): {}",
             over.join(", ")
         ))
-    }
-}
-
-/// The forward convolution that Winograd computes for `direction`: the problem itself for the
-/// forward; for the data gradient, dy convolved with the filter rotated by 180 degrees and its
-/// channel axes swapped, padded by `2 - pad` (an input of `oh x ow x c_out`, an output of
-/// `h x w x c_in`). Only meaningful for a shape that passes the Winograd eligibility.
-pub fn winograd_equivalent(s: &ConvShape, direction: Direction) -> Option<ConvShape> {
-    match direction {
-        Direction::Forward => Some(*s),
-        Direction::BackwardData => {
-            let (oh, ow) = s.out_hw().ok()?;
-            Some(ConvShape {
-                n: s.n,
-                c_in: s.c_out,
-                h: oh,
-                w: ow,
-                c_out: s.c_in,
-                kh: 3,
-                kw: 3,
-                stride: (1, 1),
-                pad: (2usize.checked_sub(s.pad.0)?, 2usize.checked_sub(s.pad.1)?),
-                dilation: (1, 1),
-                format: s.format,
-            })
-        }
-        Direction::BackwardFilter => None,
     }
 }
 
@@ -1327,21 +1234,6 @@ mod tests {
             dilation: (1, 1),
             format: fmt,
         }
-    }
-
-    #[test]
-    fn backward_data_equivalent_has_input_size_output() {
-        let mut s = shape(2, 5, 9, 7, 3, TensorFormat::Nhwc);
-        for pad in [(0, 0), (1, 1), (2, 0), (0, 2)] {
-            s.pad = pad;
-            let (oh, ow) = s.out_hw().unwrap();
-            let eq = winograd_equivalent(&s, Direction::BackwardData).unwrap();
-            assert_eq!((eq.h, eq.w, eq.c_in, eq.c_out), (oh, ow, 7, 5));
-            assert_eq!(eq.out_hw().unwrap(), (s.h, s.w), "{pad:?}");
-        }
-        s.pad = (3, 1);
-        assert!(winograd_equivalent(&s, Direction::BackwardData).is_none());
-        assert!(winograd_equivalent(&s, Direction::BackwardFilter).is_none());
     }
 
     #[test]

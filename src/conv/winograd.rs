@@ -23,7 +23,7 @@ pub mod stages;
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use super::sizes::{winograd_backward_data_eligible, winograd_forward_eligible, WinogradDims};
+use super::problem::{winograd_backward_data_eligible, winograd_forward_eligible, WinogradDims};
 use super::{BwdDataPtrs, ConvShape, FwdPtrs, WinogradEngine, WinogradTile};
 use crate::context::Context;
 use crate::dtype::DType;
@@ -86,7 +86,7 @@ pub(crate) unsafe fn input_transform(
     images: usize,
     vec: Option<usize>,
 ) -> Result<usize> {
-    let d = super::sizes::winograd_dims(s, tile)?;
+    let d = super::problem::winograd_dims(s, tile)?;
     aligned("x", x, dtype)?;
     aligned("u", u, dtype)?;
     let vec = vec.unwrap_or_else(|| launch::choose_vec(Stage::Input, tile, dtype, s.c_in, &[x, u]));
@@ -168,7 +168,7 @@ pub(crate) unsafe fn output_transform(
     images: usize,
     vec: Option<usize>,
 ) -> Result<usize> {
-    let d = super::sizes::winograd_dims(s, tile)?;
+    let d = super::problem::winograd_dims(s, tile)?;
     let (oh, ow) = s.out_hw()?;
     aligned("m", m, dtype)?;
     aligned("y", y, dtype)?;
@@ -442,7 +442,7 @@ unsafe fn run_fused(
 ) -> Result<()> {
     // Refuse before the filter transform runs, so a refusal launches nothing.
     fused::check(ctx, s, dtype, tile, x, y)?;
-    let dims = super::sizes::winograd_dims(s, tile)?;
+    let dims = super::problem::winograd_dims(s, tile)?;
     let cap = ctx.config().conv_workspace_bytes();
     tracing::debug!(
         tile = tile.name(),
@@ -493,7 +493,7 @@ unsafe fn run_fused(
 /// # Safety
 /// `p` holds device addresses on `ctx`'s device with the shape's extents of `dtype` elements, `y`
 /// disjoint from `x` and `w`, all valid until the queued work completes; the shape is eligible
-/// ([`super::sizes::winograd_forward_eligible`]).
+/// ([`super::problem::winograd_forward_eligible`]).
 pub(crate) unsafe fn forward(
     ctx: &Context,
     s: &ConvShape,
@@ -604,7 +604,7 @@ fn backward_problem(s: &ConvShape) -> Result<ConvShape> {
 ///
 /// # Safety
 /// As [`forward`], for `p`'s operands; the shape passes
-/// [`super::sizes::winograd_backward_data_eligible`].
+/// [`super::problem::winograd_backward_data_eligible`].
 pub(crate) unsafe fn backward_data(
     ctx: &Context,
     s: &ConvShape,

@@ -4,9 +4,9 @@
 //! against its memory or FLOP floor and compares the two engines), and for callers who want the
 //! transformed tensors themselves. Framework code should call the convolution dispatcher instead.
 //!
-//! Shapes are [`ConvShape`]s that pass [`crate::conv::sizes::winograd_forward_eligible`] (NHWC,
+//! Shapes are [`ConvShape`]s that pass [`crate::conv::problem::winograd_forward_eligible`] (NHWC,
 //! 3x3, stride 1, dilation 1); the stage functions work on the whole batch at once (no chunking:
-//! the caller allocates `U` and `M` for all images, sized by [`crate::conv::sizes::winograd_dims`]:
+//! the caller allocates `U` and `M` for all images, sized by [`crate::conv::problem::winograd_dims`]:
 //! `n * u_per_image`, `n * m_per_image`, `v`). Layouts are those of
 //! [`crate::reference::winograd`], whose functions are the f64 reference of each stage.
 //! [`forward`] and [`backward_data`] run the path exactly as the dispatcher does (chunked under
@@ -41,7 +41,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut};
 pub use super::launch::{stage_bytes, Chunking, StageBytes, L2_SHARE, MIN_CHUNK_TILES};
 use super::launch::{transform_kernel, vec_widths, Stage};
 use crate::context::Context;
-use crate::conv::sizes::{
+use crate::conv::problem::{
     winograd_backward_data_eligible, winograd_dims, winograd_forward_eligible, WinogradDims,
 };
 use crate::conv::{BwdDataPtrs, ConvShape, FwdPtrs, WinogradEngine, WinogradTile};
@@ -177,7 +177,7 @@ where
 }
 
 /// The filter transform: `V[pos][c_in][c_out]` (`v` elements of
-/// [`crate::conv::sizes::winograd_dims`]) from the KRSC filter (`s.w_len()` elements).
+/// [`crate::conv::problem::winograd_dims`]) from the KRSC filter (`s.w_len()` elements).
 pub fn filter_transform<T, W, V>(
     ctx: &Context,
     s: &ConvShape,
