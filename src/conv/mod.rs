@@ -31,14 +31,17 @@ pub mod plan;
 pub(crate) mod problem;
 pub(crate) mod sizes;
 
+mod api;
 mod choice;
+mod decide;
 mod direct;
 pub(crate) mod im2col;
-mod ops;
 mod route;
+mod state;
 mod winograd;
 mod winograd_gemm;
 
+pub use api::{Conv2d, Epilogue, FilterLayout, PreparedFilter};
 pub use choice::{
     cached_len as cached_choices, check_tolerance, clear as clear_choices, cudnn_search,
     entry_from_json, entry_to_json, lookup as lookup_choice, measure_timing, set_cudnn_search,
@@ -46,7 +49,6 @@ pub use choice::{
     ConvDeviceTag, CudnnSearch, Outcome, PolicyKey, SearchKey, ShapeKey, WinogradKey,
     ENV_CONV_CUDNN_SEARCH, MAX_CUDNN_CANDIDATES, MIN_NONZERO_FRACTION, WINOGRAD_ERROR_FACTOR,
 };
-pub use ops::{Conv2d, Epilogue, FilterLayout, PreparedFilter};
 pub use plan::{
     plan, ConvPath, ConvPlan, ConvPlanRequest, DirectionPlans, EngineDecision, PathInfo, Route,
     WinogradInfo,
@@ -62,13 +64,13 @@ pub use problem::{
 #[doc(hidden)]
 pub mod internals {
     pub use super::cudnn::usable;
-    pub use super::ops::simulate_missing_cudnn;
     pub use super::plan::DIRECT_CANDIDATE_MAX_FLOPS;
     pub use super::problem::{fused_eligible, winograd_dims, WinogradDims, WinogradGeometry};
     pub use super::sizes::{
         balanced_chunks, im2col_chunk, im2col_dims, is_pointwise, tensor_core_rule, winograd_chunk,
         Im2colDims, TENSOR_CORE_SHAPES,
     };
+    pub use super::state::simulate_missing_cudnn;
     pub use super::winograd::stages as winograd_stages;
 
     /// The im2col and col2im launchers on their own (benchmarks).
