@@ -950,39 +950,9 @@ pub fn plan(req: &ConvPlanRequest) -> Result<ConvPlan> {
     if candidates.is_empty() {
         // A forced policy on an ineligible problem (auto always has a candidate unless nothing
         // runs at all).
-        let why: Vec<String> = wanted
-            .iter()
-            .filter_map(|&p| get(p).why_not.as_ref().map(|w| format!("{p}: {w}")))
-            .collect();
-        let own = own_fallback(req.direction);
-        let to = [ConvPath::Cudnn, own]
-            .into_iter()
-            .find(|&p| get(p).eligible);
-        let msg = match to {
-            Some(p) => format!(
-                "policy {} cannot run this problem ({}); falling back to {p} (cuDNN when it \
-                 can, else {own})",
-                cfg.conv_algo,
-                why.join("; ")
-            ),
-            None => {
-                runnable = false;
-                format!(
-                    "policy {} cannot run this problem ({}), and neither can the fallbacks \
-                     (cudnn: {}; {own}: {})",
-                    cfg.conv_algo,
-                    why.join("; "),
-                    get(ConvPath::Cudnn).why_not.clone().unwrap_or_default(),
-                    get(own).why_not.clone().unwrap_or_default()
-                )
-            }
-        };
-        reasons.push(msg.clone());
+        let (msg, ok) = fall_back(req, &paths, wanted, &mut candidates, &mut reasons);
         fallback = Some(msg);
-        match to {
-            Some(p) => candidates.extend(routes_of(get(p))),
-            None => candidates.push(Route::path(own)),
-        }
+        runnable = ok;
     }
 
     let measured = candidates.len() > 1;
@@ -991,28 +961,12 @@ pub fn plan(req: &ConvPlanRequest) -> Result<ConvPlan> {
     let engine = first.engine;
 
     // Policy and choice.
-    let policy_line = match cfg.conv_algo {
-        ConvAlgoPolicy::Auto if measured => format!(
-            "policy auto (NNFUSE_CONV_ALGO / Config::conv_algo): the first call measures {} \
-             candidates on the caller's inputs (each checked against a reference, timed \
-             interleaved) and keeps the incumbent {} unless a candidate is clearly faster \
-             (>= 2% in the median round, faster in ~90% of rounds); Winograd is refused where \
-             its error exceeds twice cuDNN's (without cuDNN: the first other candidate's), \
-             with a floor per data type (docs/CONV.md)",
-            candidates.len(),
-            first
-        ),
-        ConvAlgoPolicy::Auto => {
-            format!("policy auto: {path} is the only eligible candidate, nothing to measure")
-        }
-        p if fallback.is_none() && measured => format!(
-            "policy {p}: forced; the first call measures its {} variants",
-            candidates.len()
-        ),
-        p if fallback.is_none() => format!("policy {p}: forced"),
-        p => format!("policy {p}: not honoured (see the fallback)"),
-    };
-    reasons.push(policy_line);
+    reasons.push(policy_line(
+        cfg.conv_algo,
+        &candidates,
+        measured,
+        fallback.is_some(),
+    ));
     if skipped_direct {
         reasons.push(format!(
             "direct: eligible but not measured by auto: {:.2} GFLOP exceeds {:.1} GFLOP \
@@ -1032,120 +986,7 @@ pub fn plan(req: &ConvPlanRequest) -> Result<ConvPlan> {
         if !candidates.iter().any(|r| r.path == p.path) {
             continue;
         }
-        match p.path {
-            ConvPath::Cudnn => {
-                reasons.push(format!(
-                    "cudnn: the algorithm is cuDNN's, chosen at the first call (heuristic \
-                     candidates timed interleaved, or cuDNN's Find with \
-                     NNFUSE_CONV_CUDNN_SEARCH=find), with a workspace of at most the cap ({}); \
-                     f32 runs with CUDNN_FMA_MATH (true fp32, no TF32), f16/bf16 with \
-                     tensor-op math; f32 compute type",
-                    mib(cfg.conv_workspace_bytes())
-                ));
-                if req.direction != Direction::Forward {
-                    reasons.push(if cfg.deterministic {
-                        "deterministic (NNFUSE_DETERMINISTIC / Config::deterministic): only \
-                         cuDNN's deterministic algorithms are candidates; the first call \
-                         reports whether that excluded the fastest one"
-                            .into()
-                    } else {
-                        "not deterministic: cuDNN may pick an algorithm that accumulates with \
-                         atomics (set NNFUSE_DETERMINISTIC=1 to exclude those)"
-                            .into()
-                    });
-                }
-            }
-            ConvPath::Im2colGemm => {
-                let what = match req.direction {
-                    Direction::Forward if is_pointwise(s) => {
-                        "pointwise (1x1, stride 1, no padding): x already is the column \
-                         matrix, one strided batched GEMM"
-                            .to_string()
-                    }
-                    Direction::Forward => "im2col, then one strided batched GEMM per chunk".into(),
-                    Direction::BackwardData => {
-                        "GEMM of the filter with dy into column matrices, then col2im (a \
-                         gather: deterministic, no atomics)"
-                            .into()
-                    }
-                    Direction::BackwardFilter => {
-                        "GEMM of dy with the column matrices per chunk, accumulated in f32".into()
-                    }
-                };
-                reasons.push(format!(
-                    "im2col_gemm: {what}; scratch {} in {} chunk(s) of <= {} image(s) under the \
-                     cap of {}",
-                    mib(p.scratch_bytes),
-                    p.chunks,
-                    p.chunk.unwrap_or(s.n),
-                    mib(cfg.conv_workspace_bytes())
-                ));
-            }
-            ConvPath::WinogradF2x3 | ConvPath::WinogradF4x3 => {
-                if let Some(w) = &p.winograd {
-                    let rule = match w.seed_rule {
-                        Some((a, b, c)) => format!(
-                            "({}, {}, {}) is divisible by ({a}, {b}, {c}): tensor cores",
-                            w.tiles, w.c_in, w.c_out
-                        ),
-                        None => format!(
-                            "({}, {}, {}) is divisible by none of (16,16,16), (8,16,32), \
-                             (32,16,8): the Direct batched multiply",
-                            w.tiles, w.c_in, w.c_out
-                        ),
-                    };
-                    let fused = match &w.fused_why_not {
-                        None => "the fused engine can run it (one kernel: input transform, \
-                                 tensor-core products, output transform; U and M stay on chip)"
-                            .to_string(),
-                        Some(why) => format!("the fused engine cannot: {why}"),
-                    };
-                    let how = match (w.decided_by, cfg.winograd_gemm) {
-                        (EngineDecision::SeedRule, WinogradGemmPolicy::Fused) => format!(
-                            "winograd_gemm fused: {fused}, so the seed's rule decides ({rule})"
-                        ),
-                        (EngineDecision::SeedRule, _) => {
-                            format!("winograd_gemm seed: the rule decides ({rule})")
-                        }
-                        (EngineDecision::Forced, _) => format!(
-                            "winograd_gemm {}: forced {} (the seed's rule would say: {rule})",
-                            cfg.winograd_gemm,
-                            w.engines[0].name()
-                        ),
-                        (EngineDecision::Measured, _) => format!(
-                            "winograd_gemm auto: the engines {} are measured, the rule's first \
-                             ({rule}); {fused}",
-                            w.engines
-                                .iter()
-                                .map(|e| e.name())
-                                .collect::<Vec<_>>()
-                                .join(", ")
-                        ),
-                    };
-                    let of = if req.direction == Direction::BackwardData {
-                        " (the data gradient as a forward 3x3 convolution of dy with the \
-                         rotated, channel-swapped filter, padding 2 - pad)"
-                    } else {
-                        ""
-                    };
-                    reasons.push(format!(
-                        "{}{of}: {} transform positions, one batched multiply of {} x {} by \
-                         {} x {} per position; {how}; scratch {} in {} chunk(s)",
-                        p.path,
-                        w.tile.positions(),
-                        w.tiles,
-                        w.c_in,
-                        w.c_in,
-                        w.c_out,
-                        mib(p.scratch_bytes),
-                        p.chunks
-                    ));
-                }
-            }
-            ConvPath::Direct => reasons.push(
-                "direct: nnfuse's direct kernel, any shape, f32 accumulation, no workspace".into(),
-            ),
-        }
+        path_reasons(req, p, &mut reasons);
     }
     if !req.cudnn_present {
         reasons.push(
@@ -1175,6 +1016,206 @@ pub fn plan(req: &ConvPlanRequest) -> Result<ConvPlan> {
         cudnn_present: req.cudnn_present,
         reasons,
     })
+}
+
+/// The plan's line on its policy and how the route is chosen.
+fn policy_line(
+    policy: ConvAlgoPolicy,
+    candidates: &[Route],
+    measured: bool,
+    fell_back: bool,
+) -> String {
+    let (first, path) = (candidates[0], candidates[0].path);
+    match policy {
+        ConvAlgoPolicy::Auto if measured => format!(
+            "policy auto (NNFUSE_CONV_ALGO / Config::conv_algo): the first call measures {} \
+             candidates on the caller's inputs (each checked against a reference, timed \
+             interleaved) and keeps the incumbent {} unless a candidate is clearly faster \
+             (>= 2% in the median round, faster in ~90% of rounds); Winograd is refused where \
+             its error exceeds twice cuDNN's (without cuDNN: the first other candidate's), \
+             with a floor per data type (docs/CONV.md)",
+            candidates.len(),
+            first
+        ),
+        ConvAlgoPolicy::Auto => {
+            format!("policy auto: {path} is the only eligible candidate, nothing to measure")
+        }
+        p if !fell_back && measured => format!(
+            "policy {p}: forced; the first call measures its {} variants",
+            candidates.len()
+        ),
+        p if !fell_back => format!("policy {p}: forced"),
+        p => format!("policy {p}: not honoured (see the fallback)"),
+    }
+}
+
+/// When the policy's paths cannot run the problem: cuDNN if it can, else the own fallback of
+/// the direction ([`own_fallback`]). Pushes the route(s) to `candidates` and returns the
+/// message (also a reason) and whether anything can run.
+fn fall_back(
+    req: &ConvPlanRequest,
+    paths: &[PathInfo],
+    wanted: &[ConvPath],
+    candidates: &mut Vec<Route>,
+    reasons: &mut Vec<String>,
+) -> (String, bool) {
+    let cfg = req.config;
+    let get = |p: ConvPath| &paths[ConvPath::ALL.iter().position(|&q| q == p).unwrap_or(0)];
+    let mut runnable = true;
+    // A forced policy on an ineligible problem (auto always has a candidate unless nothing
+    // runs at all).
+    let why: Vec<String> = wanted
+        .iter()
+        .filter_map(|&p| get(p).why_not.as_ref().map(|w| format!("{p}: {w}")))
+        .collect();
+    let own = own_fallback(req.direction);
+    let to = [ConvPath::Cudnn, own]
+        .into_iter()
+        .find(|&p| get(p).eligible);
+    let msg = match to {
+        Some(p) => format!(
+            "policy {} cannot run this problem ({}); falling back to {p} (cuDNN when it \
+             can, else {own})",
+            cfg.conv_algo,
+            why.join("; ")
+        ),
+        None => {
+            runnable = false;
+            format!(
+                "policy {} cannot run this problem ({}), and neither can the fallbacks \
+                 (cudnn: {}; {own}: {})",
+                cfg.conv_algo,
+                why.join("; "),
+                get(ConvPath::Cudnn).why_not.clone().unwrap_or_default(),
+                get(own).why_not.clone().unwrap_or_default()
+            )
+        }
+    };
+    reasons.push(msg.clone());
+    match to {
+        Some(p) => candidates.extend(routes_of(get(p))),
+        None => candidates.push(Route::path(own)),
+    }
+    (msg, runnable)
+}
+
+/// The plan's reason lines on how path `p` (a candidate) computes the problem.
+fn path_reasons(req: &ConvPlanRequest, p: &PathInfo, reasons: &mut Vec<String>) {
+    let (s, cfg) = (&req.shape, req.config);
+    match p.path {
+        ConvPath::Cudnn => {
+            reasons.push(format!(
+                "cudnn: the algorithm is cuDNN's, chosen at the first call (heuristic \
+                 candidates timed interleaved, or cuDNN's Find with \
+                 NNFUSE_CONV_CUDNN_SEARCH=find), with a workspace of at most the cap ({}); \
+                 f32 runs with CUDNN_FMA_MATH (true fp32, no TF32), f16/bf16 with \
+                 tensor-op math; f32 compute type",
+                mib(cfg.conv_workspace_bytes())
+            ));
+            if req.direction != Direction::Forward {
+                reasons.push(if cfg.deterministic {
+                    "deterministic (NNFUSE_DETERMINISTIC / Config::deterministic): only \
+                     cuDNN's deterministic algorithms are candidates; the first call \
+                     reports whether that excluded the fastest one"
+                        .into()
+                } else {
+                    "not deterministic: cuDNN may pick an algorithm that accumulates with \
+                     atomics (set NNFUSE_DETERMINISTIC=1 to exclude those)"
+                        .into()
+                });
+            }
+        }
+        ConvPath::Im2colGemm => {
+            let what = match req.direction {
+                Direction::Forward if is_pointwise(s) => {
+                    "pointwise (1x1, stride 1, no padding): x already is the column \
+                     matrix, one strided batched GEMM"
+                        .to_string()
+                }
+                Direction::Forward => "im2col, then one strided batched GEMM per chunk".into(),
+                Direction::BackwardData => {
+                    "GEMM of the filter with dy into column matrices, then col2im (a \
+                     gather: deterministic, no atomics)"
+                        .into()
+                }
+                Direction::BackwardFilter => {
+                    "GEMM of dy with the column matrices per chunk, accumulated in f32".into()
+                }
+            };
+            reasons.push(format!(
+                "im2col_gemm: {what}; scratch {} in {} chunk(s) of <= {} image(s) under the \
+                 cap of {}",
+                mib(p.scratch_bytes),
+                p.chunks,
+                p.chunk.unwrap_or(s.n),
+                mib(cfg.conv_workspace_bytes())
+            ));
+        }
+        ConvPath::WinogradF2x3 | ConvPath::WinogradF4x3 => {
+            if let Some(w) = &p.winograd {
+                let rule = match w.seed_rule {
+                    Some((a, b, c)) => format!(
+                        "({}, {}, {}) is divisible by ({a}, {b}, {c}): tensor cores",
+                        w.tiles, w.c_in, w.c_out
+                    ),
+                    None => format!(
+                        "({}, {}, {}) is divisible by none of (16,16,16), (8,16,32), \
+                         (32,16,8): the Direct batched multiply",
+                        w.tiles, w.c_in, w.c_out
+                    ),
+                };
+                let fused = match &w.fused_why_not {
+                    None => "the fused engine can run it (one kernel: input transform, \
+                             tensor-core products, output transform; U and M stay on chip)"
+                        .to_string(),
+                    Some(why) => format!("the fused engine cannot: {why}"),
+                };
+                let how = match (w.decided_by, cfg.winograd_gemm) {
+                    (EngineDecision::SeedRule, WinogradGemmPolicy::Fused) => {
+                        format!("winograd_gemm fused: {fused}, so the seed's rule decides ({rule})")
+                    }
+                    (EngineDecision::SeedRule, _) => {
+                        format!("winograd_gemm seed: the rule decides ({rule})")
+                    }
+                    (EngineDecision::Forced, _) => format!(
+                        "winograd_gemm {}: forced {} (the seed's rule would say: {rule})",
+                        cfg.winograd_gemm,
+                        w.engines[0].name()
+                    ),
+                    (EngineDecision::Measured, _) => format!(
+                        "winograd_gemm auto: the engines {} are measured, the rule's first \
+                         ({rule}); {fused}",
+                        w.engines
+                            .iter()
+                            .map(|e| e.name())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                };
+                let of = if req.direction == Direction::BackwardData {
+                    " (the data gradient as a forward 3x3 convolution of dy with the \
+                     rotated, channel-swapped filter, padding 2 - pad)"
+                } else {
+                    ""
+                };
+                reasons.push(format!(
+                    "{}{of}: {} transform positions, one batched multiply of {} x {} by \
+                     {} x {} per position; {how}; scratch {} in {} chunk(s)",
+                    p.path,
+                    w.tile.positions(),
+                    w.tiles,
+                    w.c_in,
+                    w.c_in,
+                    w.c_out,
+                    mib(p.scratch_bytes),
+                    p.chunks
+                ));
+            }
+        }
+        ConvPath::Direct => reasons.push(
+            "direct: nnfuse's direct kernel, any shape, f32 accumulation, no workspace".into(),
+        ),
+    }
 }
 
 /// Plans of all three directions (indexable by [`Direction`]).
