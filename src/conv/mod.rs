@@ -1,27 +1,31 @@
 //! 2-D convolution: cuDNN, im2col + GEMM, NHWC Winograd through one batched GEMM, and a direct
 //! kernel, behind one explainable dispatcher.
 //!
-//! The problem is a [`ConvShape`] (the same struct as [`crate::reference::conv::Conv2d`], whose
-//! documentation gives the operation, the output size and the layouts: NCHW with a KCRS filter,
-//! NHWC with a KRSC filter).
+//! The problem is a [`ConvShape`] (also `nnfuse::reference::conv::Conv2d`, whose documentation
+//! gives the operation, the output size and the layouts: NCHW with a KCRS filter, NHWC with a
+//! KRSC filter).
 //!
 //! The user's entry is [`Conv2d`]: planned once per (problem, element type) and cached by the
 //! Context, with `forward`, `backward_data` and `backward_filter`; [`plan()`] is the pure
 //! decision behind it (also `nnfuse plan --conv`). `docs/CONV.md` describes the rules, the
 //! measurement of `auto` and the tuning-cache format.
 //!
-//! Files and what they may touch:
+//! Files and what they may touch (lowest first):
+//! - `problem/`: plain problem types — the shape, the direction, cuDNN's algorithm values, the
+//!   operand addresses, Winograd's geometry; imports nothing of the convolution;
+//! - `sizes`: pure arithmetic — im2col sizes, batch chunks under the workspace cap, the seed's
+//!   tensor-core rule;
 //! - [`plan`](mod@plan): the pure decision — every path's eligibility, the policy, the
 //!   candidates `auto` measures, Winograd's engine, reasons;
-//! - [`sizes`]: pure arithmetic — eligibility of each path, intermediate sizes, batch chunks
-//!   under the workspace cap, the seed's tensor-core rule;
-//! - [`cudnn`]: owned cuDNN descriptors and thin wrappers of its convolution calls;
-//! - `choice`: the first call's measurement, the choice caches and the tuning-cache file;
-//! - `route`: runs one route (the one place a route becomes a path call);
-//! - `ops`: [`Conv2d`], validation and dispatch;
+//! - `cudnn`: owned cuDNN descriptors and thin wrappers of its convolution calls;
 //! - `im2col` / `direct`: launchers of `kernels/im2col.cu` and `kernels/conv_direct.cu`;
 //! - `winograd` / `winograd_gemm`: launchers of `kernels/winograd.cu` (transforms) and
-//!   `kernels/winograd_gemm.cu` (the Direct batched multiply).
+//!   `kernels/winograd_gemm.cu` (the Direct batched multiply);
+//! - `route`: runs one route (the one place a route becomes a path call);
+//! - `choice`: the first call's measurement, the choice caches and the tuning-cache file;
+//! - `state`: the per-problem state behind a [`Conv2d`] and its caches;
+//! - `decide`: the first call's decision, forced routes, the run-time fallback;
+//! - `api`: [`Conv2d`] and its operand validation.
 //!
 //! The path functions take device addresses that the dispatcher has already checked (lengths,
 //! device, aliasing, overflow); they are `unsafe` for that reason and never seen by users.

@@ -97,7 +97,7 @@ pub const FUSED_CHANNEL_MULTIPLE: usize = 8;
 /// gradient: its equivalent forward problem) in `dtype`, or `Ok(())`. Its products run on
 /// `mma.sync` with 16-bit operands, so f16 and bf16 only (f32 would need TF32, which nnfuse's
 /// f32 paths never use); input and output channel counts multiples of
-/// [`FUSED_CHANNEL_MULTIPLE`]. The device (sm_80+, enough shared memory) is checked at run time.
+/// `FUSED_CHANNEL_MULTIPLE`. The device (sm_80+, enough shared memory) is checked at run time.
 pub fn fused_eligible(s: &ConvShape, dtype: DType) -> std::result::Result<(), String> {
     let mut why = Vec::new();
     if !matches!(dtype, DType::F16 | DType::BF16) {
@@ -227,7 +227,7 @@ pub fn winograd_equivalent(s: &ConvShape, direction: Direction) -> Option<ConvSh
 }
 
 /// The Winograd geometry of one (problem, direction, tile): the forward convolution Winograd
-/// computes ([`winograd_equivalent`]) and its sizes ([`winograd_dims`]). Computed once, when a
+/// computes (`winograd_equivalent`) and its sizes ([`winograd_dims`]). Computed once, when a
 /// route is planned, and carried to the launchers (nothing recomputes it per call).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WinogradGeometry {

@@ -4,7 +4,7 @@
 //! against its memory or FLOP floor and compares the two engines), and for callers who want the
 //! transformed tensors themselves. Framework code should call the convolution dispatcher instead.
 //!
-//! Shapes are [`ConvShape`]s that pass [`crate::conv::problem::winograd_forward_eligible`] (NHWC,
+//! Shapes are [`ConvShape`]s that pass `crate::conv::problem::winograd_forward_eligible` (NHWC,
 //! 3x3, stride 1, dilation 1); the stage functions work on the whole batch at once (no chunking:
 //! the caller allocates `U` and `M` for all images, sized by [`crate::conv::problem::winograd_dims`]:
 //! `n * u_per_image`, `n * m_per_image`, `v`). Layouts are those of
