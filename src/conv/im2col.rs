@@ -22,7 +22,8 @@
 //!
 //! ```no_run
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! use nnfuse::conv::{im2col, ConvShape};
+//! use nnfuse::conv::ConvShape;
+//! use nnfuse::internals::conv::im2col;
 //! use nnfuse::TensorFormat;
 //! let ctx = nnfuse::Context::new(0)?;
 //! let s = ConvShape {
@@ -283,7 +284,8 @@ pub fn columns_len(s: &ConvShape) -> Result<usize> {
 /// Errors: as [`im2col`] for the shape.
 ///
 /// ```
-/// use nnfuse::conv::{im2col, ConvShape};
+/// use nnfuse::conv::ConvShape;
+/// use nnfuse::internals::conv::im2col;
 /// use nnfuse::{DType, TensorFormat};
 /// let stem = ConvShape {
 ///     n: 32, c_in: 3, h: 224, w: 224, c_out: 64, kh: 7, kw: 7,

@@ -14,7 +14,8 @@
 //!
 //! ```no_run
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! use nnfuse::conv::{sizes, winograd_stages as wg, ConvShape, WinogradEngine, WinogradTile};
+//! use nnfuse::conv::{ConvShape, WinogradEngine, WinogradTile};
+//! use nnfuse::internals::conv::{winograd_dims, winograd_stages as wg};
 //! use nnfuse::TensorFormat;
 //! let ctx = nnfuse::Context::new(0)?;
 //! let s = ConvShape { n: 32, c_in: 64, h: 56, w: 56, c_out: 64, kh: 3, kw: 3, stride: (1, 1),
@@ -25,7 +26,7 @@
 //! let mut y = st.alloc_zeros::<half::f16>(s.y_len()?)?;
 //! wg::forward(&ctx, &s, WinogradTile::F4x3, WinogradEngine::TensorCore, &x, &w, &mut y)?;
 //! // Or stage by stage:
-//! let d = sizes::winograd_dims(&s, WinogradTile::F4x3)?;
+//! let d = winograd_dims(&s, WinogradTile::F4x3)?;
 //! let mut v = st.alloc_zeros::<half::f16>(d.v)?;
 //! let mut u = st.alloc_zeros::<half::f16>(s.n * d.u_per_image)?;
 //! let mut m = st.alloc_zeros::<half::f16>(s.n * d.m_per_image)?;
