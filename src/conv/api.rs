@@ -245,7 +245,7 @@ impl<T: Element> Conv2d<T> {
     /// entry as cuDNN gives it (filter with [`crate::conv::cudnn::usable`]). Errors when cuDNN is
     /// not available to this problem.
     pub fn cudnn_heuristics(&self, d: Direction) -> Result<Vec<CudnnPerf>> {
-        let conv = self.cudnn_conv()?;
+        let conv = self.core.cudnn_conv()?;
         let mut g = self.ctx.lock()?;
         let h = g.cudnn()?;
         // SAFETY: live handle, held under the Context's lock.
@@ -256,7 +256,7 @@ impl<T: Element> Conv2d<T> {
     /// the plan's scratch for nnfuse's paths.
     pub fn workspace_bytes(&self, d: Direction, route: Route) -> Result<usize> {
         match (route.path, route.cudnn_algo) {
-            (ConvPath::Cudnn, Some(a)) => self.cudnn_ws(a),
+            (ConvPath::Cudnn, Some(a)) => self.core.cudnn_ws(&self.ctx, a),
             (ConvPath::Cudnn, None) => Ok(0),
             (p, _) => Ok(self.plan_for(d).info(p).scratch_bytes),
         }

@@ -29,7 +29,7 @@ impl<T: Element> Conv2d<T> {
         p: CudnnPtrs,
         limit: usize,
     ) -> Result<(Vec<Exec>, Vec<String>, ChoiceOrigin)> {
-        let conv = self.cudnn_conv()?.clone();
+        let conv = self.core.cudnn_conv()?.clone();
         let cfg = self.ctx.config();
         let cap = cfg.conv_workspace_bytes();
         let det = cfg.deterministic && d != Direction::Forward;
@@ -78,7 +78,7 @@ impl<T: Element> Conv2d<T> {
         }
         let mut execs = Vec::new();
         for perf in ok.iter().take(limit.clamp(1, MAX_CUDNN_CANDIDATES)) {
-            match self.exec_of(Route::cudnn(perf.algo)) {
+            match self.core.exec_of(&self.ctx, Route::cudnn(perf.algo)) {
                 Ok(e) => execs.push(e),
                 Err(e) => notes.push(format!("{}: {e}", perf.algo.label())),
             }
@@ -128,7 +128,7 @@ impl<T: Element> Conv2d<T> {
             }
             if let Some(mut c) = choice::lookup(&key) {
                 if self.acceptable(plan, &c.route) {
-                    match self.exec_of(c.route) {
+                    match self.core.exec_of(&self.ctx, c.route) {
                         Ok(exec) => {
                             // Another Context's measurement (a file entry and a fallback say
                             // where they came from themselves).
@@ -174,7 +174,7 @@ impl<T: Element> Conv2d<T> {
                     Err(e) => notes.push(format!("cuDNN: {e}")),
                 }
             } else {
-                execs.push(self.exec_of(*r)?);
+                execs.push(self.core.exec_of(&self.ctx, *r)?);
             }
         }
         if execs.is_empty() {
@@ -190,7 +190,7 @@ impl<T: Element> Conv2d<T> {
             let mut c = ConvChoice::planned(fb, ChoiceOrigin::Fallback);
             c.notes = notes;
             return Ok(Decided {
-                exec: self.exec_of(fb)?,
+                exec: self.core.exec_of(&self.ctx, fb)?,
                 choice: c,
                 report: None,
             });
@@ -353,7 +353,7 @@ impl<T: Element> Conv2d<T> {
                 "only a Winograd route names an engine",
             ));
         }
-        self.exec_of(r)
+        self.core.exec_of(&self.ctx, r)
     }
 
     /// Runs `d` on checked operands: the forced route, or the decided one with a fallback when
@@ -374,7 +374,7 @@ impl<T: Element> Conv2d<T> {
             )));
         }
         let core = &*self.core;
-        let target = self.target();
+        let target = self.core.target(&self.ctx);
         if let Some(r) = forced {
             let e = self.forced(d, r, p)?;
             tracing::debug!(direction = %d, route = %e.route, "convolution (forced route)");
@@ -396,7 +396,7 @@ impl<T: Element> Conv2d<T> {
                 Ok((v, _, _)) if !v.is_empty() => v[0],
                 _ => return Err(err),
             },
-            _ => self.exec_of(fb)?,
+            _ => self.core.exec_of(&self.ctx, fb)?,
         };
         tracing::warn!(
             problem = ?core.shape, dtype = %core.dtype, direction = %d, failed = %e.route,

@@ -7,14 +7,13 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::api::Conv2d;
 use super::choice::{AutoReport, ConvChoice, CudnnSearch};
 use super::cudnn::CudnnConv;
 use super::plan::{ConvPath, DirectionPlans, Route};
 use super::problem::{ConvShape, CudnnAlgo, Direction};
 use super::route::{self, Exec};
 use crate::context::{cudnn_present, Context};
-use crate::dtype::{DType, Element};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 pub(super) static HIDE_CUDNN: AtomicBool = AtomicBool::new(false);
@@ -121,45 +120,45 @@ impl Core {
     }
 }
 
-impl<T: Element> Conv2d<T> {
-    pub(super) fn target(&self) -> route::Target<'_> {
+impl Core {
+    pub(super) fn target<'a>(&'a self, ctx: &'a Context) -> route::Target<'a> {
         route::Target {
-            ctx: &self.ctx,
-            shape: &self.core.shape,
-            dtype: self.core.dtype,
-            cudnn: self.core.cudnn.as_deref(),
+            ctx,
+            shape: &self.shape,
+            dtype: self.dtype,
+            cudnn: self.cudnn.as_deref(),
         }
     }
 
     pub(super) fn cudnn_conv(&self) -> Result<&Arc<CudnnConv>> {
-        self.core.cudnn.as_ref().ok_or_else(|| {
+        self.cudnn.as_ref().ok_or_else(|| {
             Error::NotSupported(
                 "cuDNN is not available to this convolution (see its plan's reasons)".into(),
             )
         })
     }
 
-    pub(super) fn cudnn_ws(&self, a: CudnnAlgo) -> Result<usize> {
-        if let Some(&b) = lock(&self.core.ws_sizes).get(&a) {
+    pub(super) fn cudnn_ws(&self, ctx: &Context, a: CudnnAlgo) -> Result<usize> {
+        if let Some(&b) = lock(&self.ws_sizes).get(&a) {
             return Ok(b);
         }
         let conv = self.cudnn_conv()?;
         let bytes = {
-            let mut g = self.ctx.lock()?;
+            let mut g = ctx.lock()?;
             let h = g.cudnn()?;
             // SAFETY: live handle under the lock.
             unsafe { conv.workspace_size(h, a) }?
         };
-        lock(&self.core.ws_sizes).insert(a, bytes);
+        lock(&self.ws_sizes).insert(a, bytes);
         Ok(bytes)
     }
 
     /// The [`Exec`] of a route with its cuDNN algorithm fixed.
-    pub(super) fn exec_of(&self, r: Route) -> Result<Exec> {
+    pub(super) fn exec_of(&self, ctx: &Context, r: Route) -> Result<Exec> {
         match (r.path, r.cudnn_algo) {
             (ConvPath::Cudnn, Some(a)) => {
-                let ws = self.cudnn_ws(a)?;
-                let cap = self.ctx.config().conv_workspace_bytes();
+                let ws = self.cudnn_ws(ctx, a)?;
+                let cap = ctx.config().conv_workspace_bytes();
                 if ws > cap {
                     return Err(Error::NotSupported(format!(
                         "cuDNN algorithm {} needs {ws} B of workspace, over the cap of {cap} B",
