@@ -43,7 +43,8 @@ pub(crate) mod steps;
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
 
-use super::{BwdDataPtrs, BwdFilterPtrs, ConvShape, FwdPtrs};
+use super::call::PathCall;
+use super::{BwdDataPtrs, BwdFilterPtrs, ConvShape, Direction, FwdPtrs};
 use crate::context::Context;
 use crate::dtype::{DType, Element};
 use crate::error::{CallExt, Error, Result};
@@ -189,6 +190,25 @@ fn log(what: &str, s: &ConvShape, dtype: DType, plan: &Plan) {
         steps = plan.steps.len(),
         "im2col + GEMM convolution"
     );
+}
+
+/// Runs an im2col + GEMM route (registered in `paths.rs`): the direction's function below.
+///
+/// # Safety
+/// As [`super::route::run`].
+pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
+    let t = c.target;
+    let (ctx, s, dtype) = (t.ctx, t.shape, t.dtype);
+    // SAFETY: the caller's contract.
+    unsafe {
+        match c.direction {
+            Direction::Forward => forward(ctx, s, dtype, c.fwd()),
+            Direction::BackwardData => backward_data(ctx, s, dtype, c.bwd_data()),
+            Direction::BackwardFilter => {
+                backward_filter(ctx, s, dtype, c.bwd_filter(), c.accumulate)
+            }
+        }
+    }
 }
 
 /// Forward convolution by im2col + GEMM, chunked under the Context's workspace cap.

@@ -31,11 +31,14 @@
 //! device, aliasing, overflow); they are `unsafe` for that reason and never seen by users.
 
 pub(crate) mod cudnn;
+mod cudnn_run;
+pub(crate) mod paths;
 pub mod plan;
 pub(crate) mod problem;
 pub(crate) mod sizes;
 
 mod api;
+mod call;
 mod choice;
 mod decide;
 mod direct;

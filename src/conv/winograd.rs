@@ -23,8 +23,9 @@ pub mod stages;
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
+use super::call::PathCall;
 use super::problem::{winograd_backward_data_eligible, winograd_forward_eligible, WinogradDims};
-use super::{BwdDataPtrs, ConvShape, FwdPtrs, WinogradEngine, WinogradTile};
+use super::{BwdDataPtrs, ConvShape, Direction, FwdPtrs, WinogradEngine, WinogradTile};
 use crate::context::Context;
 use crate::dtype::DType;
 use crate::error::{CallExt, Error, Result};
@@ -484,6 +485,34 @@ unsafe fn run_fused(
             // The scratch guard is held until every launch that uses it is queued.
             drop(scratch);
             Ok(())
+        }
+    }
+}
+
+/// Runs a Winograd route (registered in `paths.rs`): the tile of its path, its engine, the
+/// forward or the data gradient.
+///
+/// # Safety
+/// As [`super::route::run`].
+pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
+    let (t, r) = (c.target, c.exec.route);
+    let tile = r
+        .path
+        .winograd_tile()
+        .ok_or_else(|| Error::NotSupported(format!("{} is not a Winograd path", r.path)))?;
+    let engine = r
+        .engine
+        .ok_or_else(|| Error::NotSupported("the Winograd route has no engine chosen".into()))?;
+    // SAFETY: the caller's contract.
+    unsafe {
+        match c.direction {
+            Direction::Forward => forward(t.ctx, t.shape, t.dtype, tile, engine, c.fwd()),
+            Direction::BackwardData => {
+                backward_data(t.ctx, t.shape, t.dtype, tile, engine, c.bwd_data())
+            }
+            Direction::BackwardFilter => Err(Error::NotSupported(
+                "Winograd has no filter gradient".into(),
+            )),
         }
     }
 }
