@@ -15,13 +15,18 @@
 //!   operand addresses, Winograd's geometry; imports nothing of the convolution;
 //! - `sizes`: pure arithmetic — im2col sizes, batch chunks under the workspace cap, the seed's
 //!   tensor-core rule;
-//! - [`plan`](mod@plan): the pure decision — every path's eligibility, the policy, the
-//!   candidates `auto` measures, Winograd's engine, reasons;
+//! - `paths`: the registered paths — the one list `conv_paths!` (a path is one entry), the
+//!   `ConvPath` it generates, each path's pure rule (eligibility, scratch, reasons);
+//! - [`plan`](mod@plan): the pure decision — every path's eligibility (by its rule), the
+//!   policy, the candidates `auto` measures, Winograd's engine, reasons;
 //! - `cudnn`: owned cuDNN descriptors and thin wrappers of its convolution calls;
 //! - `im2col` / `direct`: launchers of `kernels/im2col.cu` and `kernels/conv_direct.cu`;
 //! - `winograd` / `winograd_gemm`: launchers of `kernels/winograd.cu` (transforms) and
 //!   `kernels/winograd_gemm.cu` (the Direct batched multiply);
-//! - `route`: runs one route (the one place a route becomes a path call);
+//! - `call`: what a path's `raw_run` receives (`PathCall`: problem, completed route, operands);
+//! - `cudnn_run`: the cuDNN path's run function;
+//! - `route`: runs one route (the one place a route becomes a path call, through the table
+//!   that `conv_paths!` expands into);
 //! - `choice`: the first call's measurement, the choice caches and the tuning-cache file;
 //! - `state`: the per-problem state behind a [`Conv2d`] and its caches;
 //! - `decide`: the first call's decision, forced routes, the run-time fallback;

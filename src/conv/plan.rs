@@ -5,7 +5,7 @@
 //! Pure: no GPU calls; runs and is tested on the CPU (`tests/conv_plan.rs`, `nnfuse plan --conv`).
 //!
 //! # The rules
-//! - **Eligibility** ([`PathInfo`]), per direction:
+//! - **Eligibility** ([`PathInfo`]; each path's rule in `paths.rs`), per direction:
 //!   - `cudnn`: cuDNN loads, and every dimension and every tensor's element count fits cuDNN's
 //!     `int` (its legacy descriptors take `int` sizes and strides).
 //!   - `im2col_gemm`: one image's column matrix fits the workspace cap
@@ -21,11 +21,11 @@
 //!   to cuDNN, else to the direct kernel (forward) or im2col + GEMM (gradients), and says why.
 //!   `winograd` measures both tile sizes.
 //! - **Winograd's engine** ([`WinogradGemmPolicy`]): `seed` follows the seed's tensor-core rule
-//!   ([`tensor_core_rule`]) on the batched multiply of the largest batch chunk; `tensor_core` and
-//!   `direct` force an engine; `fused` forces the fused kernel where it can run
-//!   ([`fused_eligible`]: f16/bf16, channel counts multiples of 8), else follows the rule;
-//!   `auto` measures both batched-multiply engines (the rule's first) and then the fused one
-//!   where it can run.
+//!   ([`tensor_core_rule`](crate::conv::internals::tensor_core_rule)) on the batched multiply of
+//!   the largest batch chunk; `tensor_core` and `direct` force an engine; `fused` forces the
+//!   fused kernel where it can run ([`fused_eligible`](crate::conv::internals::fused_eligible):
+//!   f16/bf16, channel counts multiples of 8), else follows the rule; `auto` measures both
+//!   batched-multiply engines (the rule's first) and then the fused one where it can run.
 //! - **Candidates** are measured in order; the first is the incumbent that a later one must
 //!   clearly beat: cuDNN, then im2col + GEMM, Winograd F(4x4,3x3), F(2x2,3x3), direct.
 
