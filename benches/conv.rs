@@ -25,9 +25,9 @@ use std::time::Instant;
 use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
 use nnfuse::conv::{
-    self, cudnn::usable, Conv2d, ConvPath, ConvShape, CudnnSearch, Direction, Route,
-    WinogradEngine, WinogradTile,
+    self, Conv2d, ConvPath, ConvShape, CudnnSearch, Direction, Route, WinogradEngine, WinogradTile,
 };
+use nnfuse::internals::conv::usable;
 use nnfuse::internals::gemm::fill_uniform;
 use nnfuse::timing::{time_interleaved, InterleavedOptions, Paired, Timing};
 use nnfuse::{Context, DType, Element, TensorFormat};

@@ -34,7 +34,8 @@ mod exit;
 use anyhow::{Context as _, Result};
 use cudarc::driver::CudaSlice;
 use half::f16;
-use nnfuse::conv::{im2col, ConvShape};
+use nnfuse::conv::ConvShape;
+use nnfuse::internals::conv::im2col;
 use nnfuse::internals::util;
 use nnfuse::timing::{
     copy_bandwidth, time_gpu, time_interleaved, InterleavedOptions, Timing, TimingOptions,

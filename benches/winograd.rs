@@ -42,9 +42,9 @@ use std::time::Instant;
 use anyhow::{Context as _, Result};
 use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
-use nnfuse::conv::sizes::{tensor_core_rule, winograd_dims};
-use nnfuse::conv::{winograd_stages as wg, ConvShape, WinogradEngine, WinogradTile};
+use nnfuse::conv::{ConvShape, WinogradEngine, WinogradTile};
 use nnfuse::gemm::{self, Problem};
+use nnfuse::internals::conv::{tensor_core_rule, winograd_dims, winograd_stages as wg};
 use nnfuse::timing::{copy_bandwidth, time_gpu, Timing, TimingOptions};
 use nnfuse::{Context, DType, Element, TensorFormat};
 use serde_json::json;
@@ -408,7 +408,7 @@ fn bench_layer<T: Element>(
         );
         // The fused engine: the whole path, and the kernel alone on the prepared filter.
         let mut fused = (None, None, None);
-        if nnfuse::conv::sizes::fused_eligible(s, dt).is_ok() {
+        if nnfuse::internals::conv::fused_eligible(s, dt).is_ok() {
             let t = time_gpu(ctx, o, |i| {
                 let k = i % copies;
                 wg::forward(ctx, s, tile, WinogradEngine::Fused, &x[k], &w, &mut y[k])

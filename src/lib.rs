@@ -47,7 +47,7 @@ mod testutil;
 pub mod internals {
     pub use crate::activation::internals as activation;
     pub use crate::batchnorm::internals as batchnorm;
-    pub use crate::conv::choice_internals as conv_choice;
+    pub use crate::conv::internals as conv;
     pub use crate::gemm::internals as gemm;
     pub use crate::tune::internals as tune;
     /// The CUDA sources and their NVRTC compilation and disk cache.

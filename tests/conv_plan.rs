@@ -5,8 +5,9 @@
 use nnfuse::config::{Config, ConvAlgoPolicy, WinogradGemmPolicy};
 use nnfuse::conv::{
     plan, ConvPath, ConvPlan, ConvPlanRequest, ConvShape, Direction, EngineDecision,
-    WinogradEngine, WinogradTile, DIRECT_CANDIDATE_MAX_FLOPS,
+    WinogradEngine, WinogradTile,
 };
+use nnfuse::internals::conv::DIRECT_CANDIDATE_MAX_FLOPS;
 use nnfuse::{DType, TensorFormat};
 
 fn shape(n: usize, c: usize, h: usize, k: usize, r: usize, fmt: TensorFormat) -> ConvShape {

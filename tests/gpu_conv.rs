@@ -17,10 +17,10 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 use half::{bf16, f16};
 use nnfuse::config::{Config, ConvAlgoPolicy};
 use nnfuse::conv::{
-    self, cudnn::usable, ChoiceOrigin, Conv2d, ConvPath, ConvShape, Direction, Epilogue,
-    FilterLayout, Outcome, Route, WinogradEngine, WinogradTile,
+    self, ChoiceOrigin, Conv2d, ConvPath, ConvShape, Direction, Epilogue, FilterLayout, Outcome,
+    Route, WinogradEngine, WinogradTile,
 };
-use nnfuse::internals::conv_choice::winograd_error_floor;
+use nnfuse::internals::conv::{usable, winograd_error_floor};
 use nnfuse::reference::conv::conv2d;
 use nnfuse::{Context, DType, Element, Error, TensorFormat};
 

@@ -13,10 +13,8 @@ mod conv_ref;
 use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
 use nnfuse::config::Config;
-use nnfuse::conv::{
-    cudnn::usable, Conv2d, ConvPath, ConvShape, Direction, Outcome, Route, WinogradEngine,
-};
-use nnfuse::internals::conv_choice::check_tolerance;
+use nnfuse::conv::{Conv2d, ConvPath, ConvShape, Direction, Outcome, Route, WinogradEngine};
+use nnfuse::internals::conv::{check_tolerance, usable};
 use nnfuse::reference::conv::conv2d;
 use nnfuse::{Context, DType, Element, TensorFormat};
 

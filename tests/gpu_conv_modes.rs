@@ -11,7 +11,7 @@ use cudarc::driver::CudaSlice;
 use half::f16;
 use nnfuse::config::{Config, ConvAlgoPolicy};
 use nnfuse::conv::{self, ChoiceOrigin, Conv2d, ConvPath, ConvShape, CudnnSearch, Direction};
-use nnfuse::internals::conv_choice::check_tolerance;
+use nnfuse::internals::conv::check_tolerance;
 use nnfuse::reference::conv::conv2d;
 use nnfuse::{Context, DType, Element, TensorFormat};
 
@@ -25,7 +25,7 @@ struct Restore;
 
 impl Drop for Restore {
     fn drop(&mut self) {
-        conv::simulate_missing_cudnn(false);
+        nnfuse::internals::conv::simulate_missing_cudnn(false);
         conv::set_cudnn_search(CudnnSearch::Heuristic);
     }
 }
@@ -152,7 +152,7 @@ fn all_directions<T: Element>(
 fn without_cudnn_everything_runs_on_own_paths() {
     let _l = MODE_LOCK.lock().unwrap_or_else(|p| p.into_inner());
     let _r = Restore;
-    conv::simulate_missing_cudnn(true);
+    nnfuse::internals::conv::simulate_missing_cudnn(true);
     let ctx = gpu();
     let mut rng = Rng::fresh("no cuDNN");
     for s in shapes() {

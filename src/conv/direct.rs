@@ -9,7 +9,8 @@
 
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 
-use super::{ConvShape, FwdPtrs};
+use super::call::PathCall;
+use super::{ConvShape, Direction, FwdPtrs};
 use crate::context::Context;
 use crate::dtype::DType;
 use crate::error::{CallExt, Error, Result};
@@ -164,6 +165,19 @@ unsafe fn launch(
     // out as the kernel's; the caller guarantees the extents.
     unsafe { b.launch(cfg) }.call("cuLaunchKernel(conv_direct)")?;
     Ok(())
+}
+
+/// Runs a direct route (registered in `paths.rs`): the forward only.
+///
+/// # Safety
+/// As [`super::route::run`].
+pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
+    let t = c.target;
+    match c.direction {
+        // SAFETY: the caller's contract.
+        Direction::Forward => unsafe { forward(t.ctx, t.shape, t.dtype, c.fwd()) },
+        _ => Err(c.no_direction("the direct kernel")),
+    }
 }
 
 /// Forward convolution, output in `dtype`.

@@ -22,7 +22,8 @@
 //!
 //! ```no_run
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! use nnfuse::conv::{im2col, ConvShape};
+//! use nnfuse::conv::ConvShape;
+//! use nnfuse::internals::conv::im2col;
 //! use nnfuse::TensorFormat;
 //! let ctx = nnfuse::Context::new(0)?;
 //! let s = ConvShape {
@@ -42,7 +43,8 @@ pub(crate) mod steps;
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
 
-use super::{BwdDataPtrs, BwdFilterPtrs, ConvShape, FwdPtrs};
+use super::call::PathCall;
+use super::{BwdDataPtrs, BwdFilterPtrs, ConvShape, Direction, FwdPtrs};
 use crate::context::Context;
 use crate::dtype::{DType, Element};
 use crate::error::{CallExt, Error, Result};
@@ -190,6 +192,25 @@ fn log(what: &str, s: &ConvShape, dtype: DType, plan: &Plan) {
     );
 }
 
+/// Runs an im2col + GEMM route (registered in `paths.rs`): the direction's function below.
+///
+/// # Safety
+/// As [`super::route::run`].
+pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
+    let t = c.target;
+    let (ctx, s, dtype) = (t.ctx, t.shape, t.dtype);
+    // SAFETY: the caller's contract.
+    unsafe {
+        match c.direction {
+            Direction::Forward => forward(ctx, s, dtype, c.fwd()),
+            Direction::BackwardData => backward_data(ctx, s, dtype, c.bwd_data()),
+            Direction::BackwardFilter => {
+                backward_filter(ctx, s, dtype, c.bwd_filter(), c.accumulate)
+            }
+        }
+    }
+}
+
 /// Forward convolution by im2col + GEMM, chunked under the Context's workspace cap.
 ///
 /// Takes the Context's scratch arena (the caller must not hold it).
@@ -283,7 +304,8 @@ pub fn columns_len(s: &ConvShape) -> Result<usize> {
 /// Errors: as [`im2col`] for the shape.
 ///
 /// ```
-/// use nnfuse::conv::{im2col, ConvShape};
+/// use nnfuse::conv::ConvShape;
+/// use nnfuse::internals::conv::im2col;
 /// use nnfuse::{DType, TensorFormat};
 /// let stem = ConvShape {
 ///     n: 32, c_in: 3, h: 224, w: 224, c_out: 64, kh: 7, kw: 7,

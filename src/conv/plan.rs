@@ -5,7 +5,7 @@
 //! Pure: no GPU calls; runs and is tested on the CPU (`tests/conv_plan.rs`, `nnfuse plan --conv`).
 //!
 //! # The rules
-//! - **Eligibility** ([`PathInfo`]), per direction:
+//! - **Eligibility** ([`PathInfo`]; each path's rule in `paths.rs`), per direction:
 //!   - `cudnn`: cuDNN loads, and every dimension and every tensor's element count fits cuDNN's
 //!     `int` (its legacy descriptors take `int` sizes and strides).
 //!   - `im2col_gemm`: one image's column matrix fits the workspace cap
@@ -21,24 +21,23 @@
 //!   to cuDNN, else to the direct kernel (forward) or im2col + GEMM (gradients), and says why.
 //!   `winograd` measures both tile sizes.
 //! - **Winograd's engine** ([`WinogradGemmPolicy`]): `seed` follows the seed's tensor-core rule
-//!   ([`tensor_core_rule`]) on the batched multiply of the largest batch chunk; `tensor_core` and
-//!   `direct` force an engine; `fused` forces the fused kernel where it can run
-//!   ([`fused_eligible`]: f16/bf16, channel counts multiples of 8), else follows the rule;
-//!   `auto` measures both batched-multiply engines (the rule's first) and then the fused one
-//!   where it can run.
+//!   ([`tensor_core_rule`](crate::conv::internals::tensor_core_rule)) on the batched multiply of
+//!   the largest batch chunk; `tensor_core` and `direct` force an engine; `fused` forces the
+//!   fused kernel where it can run ([`fused_eligible`](crate::conv::internals::fused_eligible):
+//!   f16/bf16, channel counts multiples of 8), else follows the rule; `auto` measures both
+//!   batched-multiply engines (the rule's first) and then the fused one where it can run.
 //! - **Candidates** are measured in order; the first is the incumbent that a later one must
 //!   clearly beat: cuDNN, then im2col + GEMM, Winograd F(4x4,3x3), F(2x2,3x3), direct.
 
 use std::fmt;
-use std::str::FromStr;
 
 use serde_json::{json, Value};
 
-use super::sizes::{
-    balanced_chunks, fused_eligible, im2col_chunk, im2col_dims, is_pointwise, tensor_core_rule,
-    winograd_backward_data_eligible, winograd_chunk, winograd_dims, winograd_forward_eligible,
+pub use super::paths::{
+    cudnn_int_limits, ConvPath, ConvPlanRequest, EngineDecision, PathInfo, WinogradInfo, INT_MAX,
 };
-use super::{ConvShape, WinogradEngine, WinogradTile};
+pub use super::problem::Direction;
+use super::problem::{ConvShape, CudnnAlgo, WinogradEngine, WinogradTile};
 use crate::config::{Config, ConvAlgoPolicy, WinogradGemmPolicy};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -48,164 +47,6 @@ use crate::layout::TensorFormat;
 /// `auto`'s candidates: it has no tensor cores and on large layers would only cost measurement
 /// time.
 pub const DIRECT_CANDIDATE_MAX_FLOPS: f64 = 1e9;
-
-/// `i32::MAX`: the largest size cuDNN's legacy descriptors and cuBLAS's GEMM dimensions take.
-pub const INT_MAX: usize = i32::MAX as usize;
-
-/// Which computation of a convolution layer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Direction {
-    /// `y = conv(x, w)`.
-    Forward,
-    /// `dx` from `dy` and `w`.
-    BackwardData,
-    /// `dw` from `x` and `dy`.
-    BackwardFilter,
-}
-
-impl Direction {
-    /// The three directions.
-    pub const ALL: [Direction; 3] = [
-        Direction::Forward,
-        Direction::BackwardData,
-        Direction::BackwardFilter,
-    ];
-
-    /// `forward`, `backward_data`, `backward_filter`.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Direction::Forward => "forward",
-            Direction::BackwardData => "backward_data",
-            Direction::BackwardFilter => "backward_filter",
-        }
-    }
-
-    /// The operation in words.
-    pub const fn describe(self) -> &'static str {
-        match self {
-            Direction::Forward => "forward convolution",
-            Direction::BackwardData => "data gradient",
-            Direction::BackwardFilter => "filter gradient",
-        }
-    }
-
-    const fn index(self) -> usize {
-        match self {
-            Direction::Forward => 0,
-            Direction::BackwardData => 1,
-            Direction::BackwardFilter => 2,
-        }
-    }
-}
-
-impl fmt::Display for Direction {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Direction {
-    type Err = Error;
-    /// `forward`, `backward-data` / `backward_data` / `bwd-data`, `backward-filter` /
-    /// `backward_filter` / `bwd-filter` (any case).
-    fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().replace('-', "_").as_str() {
-            "forward" | "fwd" => Ok(Direction::Forward),
-            "backward_data" | "bwd_data" | "data" => Ok(Direction::BackwardData),
-            "backward_filter" | "bwd_filter" | "filter" => Ok(Direction::BackwardFilter),
-            _ => Err(Error::invalid(
-                "direction",
-                format!("{s:?} is not one of forward, backward-data, backward-filter"),
-            )),
-        }
-    }
-}
-
-/// How a convolution is computed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum ConvPath {
-    /// cuDNN (`cudnnConvolutionForward` / `BackwardData` / `BackwardFilter`).
-    Cudnn,
-    /// nnfuse's im2col (col2im for the data gradient) and a strided batched GEMM.
-    Im2colGemm,
-    /// Winograd F(2x2, 3x3) through one batched multiply.
-    WinogradF2x3,
-    /// Winograd F(4x4, 3x3) through one batched multiply.
-    WinogradF4x3,
-    /// nnfuse's direct convolution kernel (forward only).
-    Direct,
-}
-
-impl ConvPath {
-    /// Every path, in the order plans list them.
-    pub const ALL: [ConvPath; 5] = [
-        ConvPath::Cudnn,
-        ConvPath::Im2colGemm,
-        ConvPath::WinogradF2x3,
-        ConvPath::WinogradF4x3,
-        ConvPath::Direct,
-    ];
-
-    /// `cudnn`, `im2col_gemm`, `winograd_f2x3`, `winograd_f4x3`, `direct`.
-    pub const fn name(self) -> &'static str {
-        match self {
-            ConvPath::Cudnn => "cudnn",
-            ConvPath::Im2colGemm => "im2col_gemm",
-            ConvPath::WinogradF2x3 => "winograd_f2x3",
-            ConvPath::WinogradF4x3 => "winograd_f4x3",
-            ConvPath::Direct => "direct",
-        }
-    }
-
-    /// The Winograd tile of a Winograd path.
-    pub const fn winograd_tile(self) -> Option<WinogradTile> {
-        match self {
-            ConvPath::WinogradF2x3 => Some(WinogradTile::F2x3),
-            ConvPath::WinogradF4x3 => Some(WinogradTile::F4x3),
-            _ => None,
-        }
-    }
-
-    /// The path of a Winograd tile.
-    pub const fn winograd(tile: WinogradTile) -> ConvPath {
-        match tile {
-            WinogradTile::F2x3 => ConvPath::WinogradF2x3,
-            WinogradTile::F4x3 => ConvPath::WinogradF4x3,
-        }
-    }
-
-    /// Whether nnfuse's own kernels run it (no cuDNN needed).
-    pub const fn is_own(self) -> bool {
-        !matches!(self, ConvPath::Cudnn)
-    }
-}
-
-impl fmt::Display for ConvPath {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for ConvPath {
-    type Err = Error;
-    /// The names of [`ConvPath::name`], `-` read as `_`, plus `im2col` and `winograd_f2` /
-    /// `winograd_f4`.
-    fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().replace('-', "_").as_str() {
-            "cudnn" => Ok(ConvPath::Cudnn),
-            "im2col" | "im2col_gemm" => Ok(ConvPath::Im2colGemm),
-            "winograd_f2x3" | "winograd_f2" => Ok(ConvPath::WinogradF2x3),
-            "winograd_f4x3" | "winograd_f4" => Ok(ConvPath::WinogradF4x3),
-            "direct" => Ok(ConvPath::Direct),
-            _ => Err(Error::invalid(
-                "path",
-                format!(
-                    "{s:?} is not one of cudnn, im2col_gemm, winograd_f2x3, winograd_f4x3, direct"
-                ),
-            )),
-        }
-    }
-}
 
 /// One concrete way to run a convolution: a path, Winograd's engine for a Winograd path, and
 /// cuDNN's algorithm for the cuDNN path (`None` in a plan: cuDNN's choice is made on the GPU at
@@ -217,7 +58,7 @@ pub struct Route {
     /// Winograd's batched-multiply engine (Winograd paths only).
     pub engine: Option<WinogradEngine>,
     /// cuDNN's algorithm (cuDNN path only; `None`: the one cuDNN's search picks).
-    pub cudnn_algo: Option<super::cudnn::CudnnAlgo>,
+    pub cudnn_algo: Option<CudnnAlgo>,
 }
 
 impl Route {
@@ -240,7 +81,7 @@ impl Route {
     }
 
     /// A cuDNN route with one algorithm.
-    pub const fn cudnn(algo: super::cudnn::CudnnAlgo) -> Route {
+    pub const fn cudnn(algo: CudnnAlgo) -> Route {
         Route {
             path: ConvPath::Cudnn,
             engine: None,
@@ -262,90 +103,6 @@ impl fmt::Display for Route {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.label())
     }
-}
-
-/// How Winograd's engine was decided.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum EngineDecision {
-    /// The seed's tensor-core rule (`winograd_gemm = seed`).
-    SeedRule,
-    /// Forced by `winograd_gemm = tensor_core | direct | fused`.
-    Forced,
-    /// Measured at the first call (`winograd_gemm = auto`); every engine that can run is a
-    /// candidate.
-    Measured,
-}
-
-impl EngineDecision {
-    /// `seed_rule`, `forced`, `measured`.
-    pub const fn name(self) -> &'static str {
-        match self {
-            EngineDecision::SeedRule => "seed_rule",
-            EngineDecision::Forced => "forced",
-            EngineDecision::Measured => "measured",
-        }
-    }
-}
-
-/// Winograd's batched multiply for one tile size.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct WinogradInfo {
-    /// The tile size.
-    pub tile: WinogradTile,
-    /// Rows of each position's product: the tiles of the largest batch chunk.
-    pub tiles: usize,
-    /// Inner dimension (input channels of the equivalent forward convolution).
-    pub c_in: usize,
-    /// Columns (output channels of the equivalent forward convolution).
-    pub c_out: usize,
-    /// The first triple of the seed's rule that divides `(tiles, c_in, c_out)`.
-    pub seed_rule: Option<(usize, usize, usize)>,
-    /// The rule's engine: tensor cores when a triple divides, else Direct.
-    pub seed_engine: WinogradEngine,
-    /// The engines the route(s) of this tile use (when measured: the rule's first, the other
-    /// batched-multiply engine, then the fused one where it can run).
-    pub engines: Vec<WinogradEngine>,
-    /// How the engine was decided.
-    pub decided_by: EngineDecision,
-    /// Why the fused engine cannot run this problem (`None`: it can; see
-    /// [`fused_eligible`]).
-    pub fused_why_not: Option<String>,
-}
-
-/// One path's eligibility and sizes for the problem.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PathInfo {
-    /// The path.
-    pub path: ConvPath,
-    /// Whether it can run this problem.
-    pub eligible: bool,
-    /// Why not, when it cannot.
-    pub why_not: Option<String>,
-    /// Bytes of the Context's scratch arena it uses (im2col: the column matrices of one chunk;
-    /// Winograd: the transformed filter plus one chunk's transformed input and product). cuDNN's
-    /// workspace is chosen with its algorithm at the first call (at most the cap); 0 here.
-    pub scratch_bytes: usize,
-    /// Images per chunk (the batch is split so that the scratch fits the cap).
-    pub chunk: Option<usize>,
-    /// Number of chunks (balanced: sizes differ by at most one).
-    pub chunks: usize,
-    /// Winograd's batched multiply (Winograd paths that are eligible).
-    pub winograd: Option<WinogradInfo>,
-}
-
-/// What to plan.
-#[derive(Debug, Clone, Copy)]
-pub struct ConvPlanRequest<'a> {
-    /// The problem (layouts in [`crate::reference::conv`]).
-    pub shape: ConvShape,
-    /// Element type of x, w and y (f32 accumulation everywhere).
-    pub dtype: DType,
-    /// Which computation.
-    pub direction: Direction,
-    /// Policies, workspace cap, determinism.
-    pub config: &'a Config,
-    /// Whether cuDNN can be loaded ([`crate::context::cudnn_present`]).
-    pub cudnn_present: bool,
 }
 
 /// The decision for one (problem, dtype, direction) under one configuration.
@@ -602,10 +359,6 @@ pub const fn own_fallback(direction: Direction) -> ConvPath {
     }
 }
 
-fn mib(bytes: usize) -> String {
-    format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
-}
-
 fn checked(dims: &[usize], what: &str) -> Result<usize> {
     dims.iter()
         .try_fold(1usize, |p, &d| p.checked_mul(d))
@@ -633,304 +386,6 @@ pub fn check_shape(s: &ConvShape, dtype: DType) -> Result<(usize, usize)> {
     Ok((oh, ow))
 }
 
-/// Why cuDNN's `int` sizes cannot describe the problem, if they cannot.
-pub fn cudnn_int_limits(s: &ConvShape, (oh, ow): (usize, usize)) -> Option<String> {
-    let mut over = Vec::new();
-    for (name, v) in [
-        ("n", s.n),
-        ("c_in", s.c_in),
-        ("h", s.h),
-        ("w", s.w),
-        ("c_out", s.c_out),
-        ("kh", s.kh),
-        ("kw", s.kw),
-        ("stride", s.stride.0.max(s.stride.1)),
-        ("pad", s.pad.0.max(s.pad.1)),
-        ("dilation", s.dilation.0.max(s.dilation.1)),
-    ] {
-        if v > INT_MAX {
-            over.push(format!("{name} = {v}"));
-        }
-    }
-    // Element counts (they bound every stride of the packed descriptors).
-    let count = |d: &[usize]| d.iter().try_fold(1usize, |p, &x| p.checked_mul(x));
-    for (name, dims) in [
-        ("x", [s.n, s.c_in, s.h, s.w]),
-        ("w", [s.c_out, s.c_in, s.kh, s.kw]),
-        ("y", [s.n, s.c_out, oh, ow]),
-    ] {
-        match count(&dims) {
-            Some(c) if c <= INT_MAX => {}
-            Some(c) => over.push(format!("{name} has {c} elements")),
-            None => over.push(format!("{name}'s element count overflows")),
-        }
-    }
-    if over.is_empty() {
-        None
-    } else {
-        Some(format!(
-            "cuDNN's descriptors take int sizes and strides (at most {INT_MAX}): {}",
-            over.join(", ")
-        ))
-    }
-}
-
-/// The forward convolution that Winograd computes for `direction`: the problem itself for the
-/// forward; for the data gradient, dy convolved with the filter rotated by 180 degrees and its
-/// channel axes swapped, padded by `2 - pad` (an input of `oh x ow x c_out`, an output of
-/// `h x w x c_in`). Only meaningful for a shape that passes the Winograd eligibility.
-pub fn winograd_equivalent(s: &ConvShape, direction: Direction) -> Option<ConvShape> {
-    match direction {
-        Direction::Forward => Some(*s),
-        Direction::BackwardData => {
-            let (oh, ow) = s.out_hw().ok()?;
-            Some(ConvShape {
-                n: s.n,
-                c_in: s.c_out,
-                h: oh,
-                w: ow,
-                c_out: s.c_in,
-                kh: 3,
-                kw: 3,
-                stride: (1, 1),
-                pad: (2usize.checked_sub(s.pad.0)?, 2usize.checked_sub(s.pad.1)?),
-                dilation: (1, 1),
-                format: s.format,
-            })
-        }
-        Direction::BackwardFilter => None,
-    }
-}
-
-fn info_ineligible(path: ConvPath, why: String) -> PathInfo {
-    PathInfo {
-        path,
-        eligible: false,
-        why_not: Some(why),
-        scratch_bytes: 0,
-        chunk: None,
-        chunks: 0,
-        winograd: None,
-    }
-}
-
-fn cudnn_info(req: &ConvPlanRequest, out_hw: (usize, usize)) -> PathInfo {
-    if !req.cudnn_present {
-        return info_ineligible(
-            ConvPath::Cudnn,
-            "cuDNN cannot be loaded (libcudnn.so.9 not found): nnfuse's own paths run instead"
-                .into(),
-        );
-    }
-    if let Some(why) = cudnn_int_limits(&req.shape, out_hw) {
-        return info_ineligible(ConvPath::Cudnn, why);
-    }
-    PathInfo {
-        path: ConvPath::Cudnn,
-        eligible: true,
-        why_not: None,
-        scratch_bytes: 0,
-        chunk: None,
-        chunks: 1,
-        winograd: None,
-    }
-}
-
-fn im2col_info(req: &ConvPlanRequest) -> Result<PathInfo> {
-    let s = &req.shape;
-    let elem = req.dtype.size();
-    let cap = req.config.conv_workspace_bytes();
-    let d = im2col_dims(s)?;
-    let big: Vec<String> = [
-        ("output pixels per image (oh*ow)", d.pixels),
-        ("filter taps (c_in*kh*kw)", d.taps),
-        ("c_out", s.c_out),
-    ]
-    .iter()
-    .filter(|(_, v)| *v > INT_MAX)
-    .map(|(n, v)| format!("{n} = {v}"))
-    .collect();
-    if !big.is_empty() {
-        return Ok(info_ineligible(
-            ConvPath::Im2colGemm,
-            format!(
-                "cuBLAS takes int GEMM dimensions (at most {INT_MAX}): {}",
-                big.join(", ")
-            ),
-        ));
-    }
-    let Some(chunk) = im2col_chunk(s, elem, cap)? else {
-        let per_image = d.per_image.saturating_mul(elem);
-        return Ok(info_ineligible(
-            ConvPath::Im2colGemm,
-            format!(
-                "one image's column matrix ({} x {} = {}) exceeds the workspace cap of {} \
-                 (NNFUSE_CONV_WORKSPACE_MB / Config::conv_workspace_mb)",
-                d.pixels,
-                d.taps,
-                mib(per_image),
-                mib(cap)
-            ),
-        ));
-    };
-    let scratch = if is_pointwise(s) {
-        0
-    } else {
-        chunk.saturating_mul(d.per_image).saturating_mul(elem)
-    };
-    Ok(PathInfo {
-        path: ConvPath::Im2colGemm,
-        eligible: true,
-        why_not: None,
-        scratch_bytes: scratch,
-        chunk: Some(chunk),
-        chunks: balanced_chunks(s.n, chunk).len(),
-        winograd: None,
-    })
-}
-
-/// The engines a Winograd route takes under `policy`, the rule's result (tensor cores or
-/// Direct) and whether the fused engine can run, and how that was decided.
-fn engines(
-    policy: WinogradGemmPolicy,
-    seed_engine: WinogradEngine,
-    fused_ok: bool,
-) -> (Vec<WinogradEngine>, EngineDecision) {
-    let other = if seed_engine == WinogradEngine::TensorCore {
-        WinogradEngine::Direct
-    } else {
-        WinogradEngine::TensorCore
-    };
-    match policy {
-        WinogradGemmPolicy::Seed => (vec![seed_engine], EngineDecision::SeedRule),
-        WinogradGemmPolicy::TensorCore => {
-            (vec![WinogradEngine::TensorCore], EngineDecision::Forced)
-        }
-        WinogradGemmPolicy::Direct => (vec![WinogradEngine::Direct], EngineDecision::Forced),
-        WinogradGemmPolicy::Fused if fused_ok => {
-            (vec![WinogradEngine::Fused], EngineDecision::Forced)
-        }
-        WinogradGemmPolicy::Fused => (vec![seed_engine], EngineDecision::SeedRule),
-        WinogradGemmPolicy::Auto => {
-            let mut e = vec![seed_engine, other];
-            if fused_ok {
-                e.push(WinogradEngine::Fused);
-            }
-            (e, EngineDecision::Measured)
-        }
-    }
-}
-
-fn winograd_info(req: &ConvPlanRequest, tile: WinogradTile) -> Result<PathInfo> {
-    let path = ConvPath::winograd(tile);
-    let s = &req.shape;
-    let eligible = match req.direction {
-        Direction::Forward => winograd_forward_eligible(s),
-        Direction::BackwardData => winograd_backward_data_eligible(s),
-        Direction::BackwardFilter => Err("nnfuse's Winograd computes the forward and the data \
-                                          gradient only; the filter gradient takes im2col + \
-                                          GEMM or cuDNN"
-            .to_string()),
-    };
-    if let Err(why) = eligible {
-        return Ok(info_ineligible(path, why));
-    }
-    let Some(eq) = winograd_equivalent(s, req.direction) else {
-        return Ok(info_ineligible(
-            path,
-            "no equivalent forward convolution".into(),
-        ));
-    };
-    let elem = req.dtype.size();
-    let cap = req.config.conv_workspace_bytes();
-    let d = winograd_dims(&eq, tile)?;
-    let Some(chunk) = winograd_chunk(&eq, tile, elem, cap)? else {
-        let need =
-            d.v.saturating_add(d.u_per_image)
-                .saturating_add(d.m_per_image)
-                .saturating_mul(elem);
-        return Ok(info_ineligible(
-            path,
-            format!(
-                "the transformed filter and one image's transformed input and product ({}) \
-                 exceed the workspace cap of {} (NNFUSE_CONV_WORKSPACE_MB)",
-                mib(need),
-                mib(cap)
-            ),
-        ));
-    };
-    let tiles = chunk.saturating_mul(d.tiles_per_image);
-    let big: Vec<String> = [("tiles", tiles), ("c_in", eq.c_in), ("c_out", eq.c_out)]
-        .iter()
-        .filter(|(_, v)| *v > INT_MAX)
-        .map(|(n, v)| format!("{n} = {v}"))
-        .collect();
-    if !big.is_empty() {
-        return Ok(info_ineligible(
-            path,
-            format!(
-                "the batched multiply's sizes exceed int (at most {INT_MAX}): {}",
-                big.join(", ")
-            ),
-        ));
-    }
-    let seed_rule = tensor_core_rule(tiles, eq.c_in, eq.c_out);
-    let seed_engine = if seed_rule.is_some() {
-        WinogradEngine::TensorCore
-    } else {
-        WinogradEngine::Direct
-    };
-    let fused_why_not = fused_eligible(&eq, req.dtype).err();
-    let (engines, decided_by) = engines(
-        req.config.winograd_gemm,
-        seed_engine,
-        fused_why_not.is_none(),
-    );
-    let scratch =
-        d.v.saturating_add(chunk.saturating_mul(d.u_per_image.saturating_add(d.m_per_image)))
-            .saturating_mul(elem);
-    Ok(PathInfo {
-        path,
-        eligible: true,
-        why_not: None,
-        scratch_bytes: scratch,
-        chunk: Some(chunk),
-        chunks: balanced_chunks(s.n, chunk).len(),
-        winograd: Some(WinogradInfo {
-            tile,
-            tiles,
-            c_in: eq.c_in,
-            c_out: eq.c_out,
-            seed_rule,
-            seed_engine,
-            engines,
-            decided_by,
-            fused_why_not,
-        }),
-    })
-}
-
-fn direct_info(req: &ConvPlanRequest) -> PathInfo {
-    if req.direction != Direction::Forward {
-        return info_ineligible(
-            ConvPath::Direct,
-            format!(
-                "nnfuse's direct kernel computes the forward only, not the {}",
-                req.direction.describe()
-            ),
-        );
-    }
-    PathInfo {
-        path: ConvPath::Direct,
-        eligible: true,
-        why_not: None,
-        scratch_bytes: 0,
-        chunk: None,
-        chunks: 1,
-        winograd: None,
-    }
-}
-
 /// The routes of one eligible path (a Winograd path has one per engine).
 fn routes_of(info: &PathInfo) -> Vec<Route> {
     match &info.winograd {
@@ -943,23 +398,14 @@ fn routes_of(info: &PathInfo) -> Vec<Route> {
     }
 }
 
-/// What the policy asks for, as paths in measuring order.
-fn policy_paths(policy: ConvAlgoPolicy) -> &'static [ConvPath] {
-    match policy {
-        ConvAlgoPolicy::Auto => &[
-            ConvPath::Cudnn,
-            ConvPath::Im2colGemm,
-            ConvPath::WinogradF4x3,
-            ConvPath::WinogradF2x3,
-            ConvPath::Direct,
-        ],
-        ConvAlgoPolicy::Cudnn => &[ConvPath::Cudnn],
-        ConvAlgoPolicy::Im2col => &[ConvPath::Im2colGemm],
-        ConvAlgoPolicy::Winograd => &[ConvPath::WinogradF4x3, ConvPath::WinogradF2x3],
-        ConvAlgoPolicy::WinogradF2x3 => &[ConvPath::WinogradF2x3],
-        ConvAlgoPolicy::WinogradF4x3 => &[ConvPath::WinogradF4x3],
-        ConvAlgoPolicy::Direct => &[ConvPath::Direct],
-    }
+/// What the policy asks for, as paths in `auto`'s measuring order.
+fn policy_paths(policy: ConvAlgoPolicy) -> Vec<ConvPath> {
+    let mut paths: Vec<ConvPath> = ConvPath::ALL
+        .into_iter()
+        .filter(|p| policy == ConvAlgoPolicy::Auto || p.rule().forced_by(policy))
+        .collect();
+    paths.sort_by_key(|p| p.auto_rank());
+    paths
 }
 
 /// Plans one convolution (see the module documentation for the rules).
@@ -978,13 +424,7 @@ pub fn plan(req: &ConvPlanRequest) -> Result<ConvPlan> {
     let cfg = req.config;
     let mut paths = Vec::with_capacity(ConvPath::ALL.len());
     for p in ConvPath::ALL {
-        paths.push(match p {
-            ConvPath::Cudnn => cudnn_info(req, out_hw),
-            ConvPath::Im2colGemm => im2col_info(req)?,
-            ConvPath::WinogradF2x3 => winograd_info(req, WinogradTile::F2x3)?,
-            ConvPath::WinogradF4x3 => winograd_info(req, WinogradTile::F4x3)?,
-            ConvPath::Direct => direct_info(req),
-        });
+        paths.push(p.rule().info(p, req, out_hw)?);
     }
     let get = |p: ConvPath| &paths[ConvPath::ALL.iter().position(|&q| q == p).unwrap_or(0)];
 
@@ -1011,6 +451,7 @@ pub fn plan(req: &ConvPlanRequest) -> Result<ConvPlan> {
 
     // The policy's paths that can run, expanded into routes.
     let wanted = policy_paths(cfg.conv_algo);
+    let wanted = wanted.as_slice();
     let mut candidates: Vec<Route> = Vec::new();
     let mut skipped_direct = false;
     for &p in wanted {
@@ -1043,39 +484,9 @@ pub fn plan(req: &ConvPlanRequest) -> Result<ConvPlan> {
     if candidates.is_empty() {
         // A forced policy on an ineligible problem (auto always has a candidate unless nothing
         // runs at all).
-        let why: Vec<String> = wanted
-            .iter()
-            .filter_map(|&p| get(p).why_not.as_ref().map(|w| format!("{p}: {w}")))
-            .collect();
-        let own = own_fallback(req.direction);
-        let to = [ConvPath::Cudnn, own]
-            .into_iter()
-            .find(|&p| get(p).eligible);
-        let msg = match to {
-            Some(p) => format!(
-                "policy {} cannot run this problem ({}); falling back to {p} (cuDNN when it \
-                 can, else {own})",
-                cfg.conv_algo,
-                why.join("; ")
-            ),
-            None => {
-                runnable = false;
-                format!(
-                    "policy {} cannot run this problem ({}), and neither can the fallbacks \
-                     (cudnn: {}; {own}: {})",
-                    cfg.conv_algo,
-                    why.join("; "),
-                    get(ConvPath::Cudnn).why_not.clone().unwrap_or_default(),
-                    get(own).why_not.clone().unwrap_or_default()
-                )
-            }
-        };
-        reasons.push(msg.clone());
+        let (msg, ok) = fall_back(req, &paths, wanted, &mut candidates, &mut reasons);
         fallback = Some(msg);
-        match to {
-            Some(p) => candidates.extend(routes_of(get(p))),
-            None => candidates.push(Route::path(own)),
-        }
+        runnable = ok;
     }
 
     let measured = candidates.len() > 1;
@@ -1084,28 +495,12 @@ pub fn plan(req: &ConvPlanRequest) -> Result<ConvPlan> {
     let engine = first.engine;
 
     // Policy and choice.
-    let policy_line = match cfg.conv_algo {
-        ConvAlgoPolicy::Auto if measured => format!(
-            "policy auto (NNFUSE_CONV_ALGO / Config::conv_algo): the first call measures {} \
-             candidates on the caller's inputs (each checked against a reference, timed \
-             interleaved) and keeps the incumbent {} unless a candidate is clearly faster \
-             (>= 2% in the median round, faster in ~90% of rounds); Winograd is refused where \
-             its error exceeds twice cuDNN's (without cuDNN: the first other candidate's), \
-             with a floor per data type (docs/CONV.md)",
-            candidates.len(),
-            first
-        ),
-        ConvAlgoPolicy::Auto => {
-            format!("policy auto: {path} is the only eligible candidate, nothing to measure")
-        }
-        p if fallback.is_none() && measured => format!(
-            "policy {p}: forced; the first call measures its {} variants",
-            candidates.len()
-        ),
-        p if fallback.is_none() => format!("policy {p}: forced"),
-        p => format!("policy {p}: not honoured (see the fallback)"),
-    };
-    reasons.push(policy_line);
+    reasons.push(policy_line(
+        cfg.conv_algo,
+        &candidates,
+        measured,
+        fallback.is_some(),
+    ));
     if skipped_direct {
         reasons.push(format!(
             "direct: eligible but not measured by auto: {:.2} GFLOP exceeds {:.1} GFLOP \
@@ -1125,120 +520,7 @@ pub fn plan(req: &ConvPlanRequest) -> Result<ConvPlan> {
         if !candidates.iter().any(|r| r.path == p.path) {
             continue;
         }
-        match p.path {
-            ConvPath::Cudnn => {
-                reasons.push(format!(
-                    "cudnn: the algorithm is cuDNN's, chosen at the first call (heuristic \
-                     candidates timed interleaved, or cuDNN's Find with \
-                     NNFUSE_CONV_CUDNN_SEARCH=find), with a workspace of at most the cap ({}); \
-                     f32 runs with CUDNN_FMA_MATH (true fp32, no TF32), f16/bf16 with \
-                     tensor-op math; f32 compute type",
-                    mib(cfg.conv_workspace_bytes())
-                ));
-                if req.direction != Direction::Forward {
-                    reasons.push(if cfg.deterministic {
-                        "deterministic (NNFUSE_DETERMINISTIC / Config::deterministic): only \
-                         cuDNN's deterministic algorithms are candidates; the first call \
-                         reports whether that excluded the fastest one"
-                            .into()
-                    } else {
-                        "not deterministic: cuDNN may pick an algorithm that accumulates with \
-                         atomics (set NNFUSE_DETERMINISTIC=1 to exclude those)"
-                            .into()
-                    });
-                }
-            }
-            ConvPath::Im2colGemm => {
-                let what = match req.direction {
-                    Direction::Forward if is_pointwise(s) => {
-                        "pointwise (1x1, stride 1, no padding): x already is the column \
-                         matrix, one strided batched GEMM"
-                            .to_string()
-                    }
-                    Direction::Forward => "im2col, then one strided batched GEMM per chunk".into(),
-                    Direction::BackwardData => {
-                        "GEMM of the filter with dy into column matrices, then col2im (a \
-                         gather: deterministic, no atomics)"
-                            .into()
-                    }
-                    Direction::BackwardFilter => {
-                        "GEMM of dy with the column matrices per chunk, accumulated in f32".into()
-                    }
-                };
-                reasons.push(format!(
-                    "im2col_gemm: {what}; scratch {} in {} chunk(s) of <= {} image(s) under the \
-                     cap of {}",
-                    mib(p.scratch_bytes),
-                    p.chunks,
-                    p.chunk.unwrap_or(s.n),
-                    mib(cfg.conv_workspace_bytes())
-                ));
-            }
-            ConvPath::WinogradF2x3 | ConvPath::WinogradF4x3 => {
-                if let Some(w) = &p.winograd {
-                    let rule = match w.seed_rule {
-                        Some((a, b, c)) => format!(
-                            "({}, {}, {}) is divisible by ({a}, {b}, {c}): tensor cores",
-                            w.tiles, w.c_in, w.c_out
-                        ),
-                        None => format!(
-                            "({}, {}, {}) is divisible by none of (16,16,16), (8,16,32), \
-                             (32,16,8): the Direct batched multiply",
-                            w.tiles, w.c_in, w.c_out
-                        ),
-                    };
-                    let fused = match &w.fused_why_not {
-                        None => "the fused engine can run it (one kernel: input transform, \
-                                 tensor-core products, output transform; U and M stay on chip)"
-                            .to_string(),
-                        Some(why) => format!("the fused engine cannot: {why}"),
-                    };
-                    let how = match (w.decided_by, cfg.winograd_gemm) {
-                        (EngineDecision::SeedRule, WinogradGemmPolicy::Fused) => format!(
-                            "winograd_gemm fused: {fused}, so the seed's rule decides ({rule})"
-                        ),
-                        (EngineDecision::SeedRule, _) => {
-                            format!("winograd_gemm seed: the rule decides ({rule})")
-                        }
-                        (EngineDecision::Forced, _) => format!(
-                            "winograd_gemm {}: forced {} (the seed's rule would say: {rule})",
-                            cfg.winograd_gemm,
-                            w.engines[0].name()
-                        ),
-                        (EngineDecision::Measured, _) => format!(
-                            "winograd_gemm auto: the engines {} are measured, the rule's first \
-                             ({rule}); {fused}",
-                            w.engines
-                                .iter()
-                                .map(|e| e.name())
-                                .collect::<Vec<_>>()
-                                .join(", ")
-                        ),
-                    };
-                    let of = if req.direction == Direction::BackwardData {
-                        " (the data gradient as a forward 3x3 convolution of dy with the \
-                         rotated, channel-swapped filter, padding 2 - pad)"
-                    } else {
-                        ""
-                    };
-                    reasons.push(format!(
-                        "{}{of}: {} transform positions, one batched multiply of {} x {} by \
-                         {} x {} per position; {how}; scratch {} in {} chunk(s)",
-                        p.path,
-                        w.tile.positions(),
-                        w.tiles,
-                        w.c_in,
-                        w.c_in,
-                        w.c_out,
-                        mib(p.scratch_bytes),
-                        p.chunks
-                    ));
-                }
-            }
-            ConvPath::Direct => reasons.push(
-                "direct: nnfuse's direct kernel, any shape, f32 accumulation, no workspace".into(),
-            ),
-        }
+        p.path.rule().reasons(req, p, &mut reasons);
     }
     if !req.cudnn_present {
         reasons.push(
@@ -1268,6 +550,87 @@ pub fn plan(req: &ConvPlanRequest) -> Result<ConvPlan> {
         cudnn_present: req.cudnn_present,
         reasons,
     })
+}
+
+/// The plan's line on its policy and how the route is chosen.
+fn policy_line(
+    policy: ConvAlgoPolicy,
+    candidates: &[Route],
+    measured: bool,
+    fell_back: bool,
+) -> String {
+    let (first, path) = (candidates[0], candidates[0].path);
+    match policy {
+        ConvAlgoPolicy::Auto if measured => format!(
+            "policy auto (NNFUSE_CONV_ALGO / Config::conv_algo): the first call measures {} \
+             candidates on the caller's inputs (each checked against a reference, timed \
+             interleaved) and keeps the incumbent {} unless a candidate is clearly faster \
+             (>= 2% in the median round, faster in ~90% of rounds); Winograd is refused where \
+             its error exceeds twice cuDNN's (without cuDNN: the first other candidate's), \
+             with a floor per data type (docs/CONV.md)",
+            candidates.len(),
+            first
+        ),
+        ConvAlgoPolicy::Auto => {
+            format!("policy auto: {path} is the only eligible candidate, nothing to measure")
+        }
+        p if !fell_back && measured => format!(
+            "policy {p}: forced; the first call measures its {} variants",
+            candidates.len()
+        ),
+        p if !fell_back => format!("policy {p}: forced"),
+        p => format!("policy {p}: not honoured (see the fallback)"),
+    }
+}
+
+/// When the policy's paths cannot run the problem: cuDNN if it can, else the own fallback of
+/// the direction ([`own_fallback`]). Pushes the route(s) to `candidates` and returns the
+/// message (also a reason) and whether anything can run.
+fn fall_back(
+    req: &ConvPlanRequest,
+    paths: &[PathInfo],
+    wanted: &[ConvPath],
+    candidates: &mut Vec<Route>,
+    reasons: &mut Vec<String>,
+) -> (String, bool) {
+    let cfg = req.config;
+    let get = |p: ConvPath| &paths[ConvPath::ALL.iter().position(|&q| q == p).unwrap_or(0)];
+    let mut runnable = true;
+    // A forced policy on an ineligible problem (auto always has a candidate unless nothing
+    // runs at all).
+    let why: Vec<String> = wanted
+        .iter()
+        .filter_map(|&p| get(p).why_not.as_ref().map(|w| format!("{p}: {w}")))
+        .collect();
+    let own = own_fallback(req.direction);
+    let to = [ConvPath::Cudnn, own]
+        .into_iter()
+        .find(|&p| get(p).eligible);
+    let msg = match to {
+        Some(p) => format!(
+            "policy {} cannot run this problem ({}); falling back to {p} (cuDNN when it \
+             can, else {own})",
+            cfg.conv_algo,
+            why.join("; ")
+        ),
+        None => {
+            runnable = false;
+            format!(
+                "policy {} cannot run this problem ({}), and neither can the fallbacks \
+                 (cudnn: {}; {own}: {})",
+                cfg.conv_algo,
+                why.join("; "),
+                get(ConvPath::Cudnn).why_not.clone().unwrap_or_default(),
+                get(own).why_not.clone().unwrap_or_default()
+            )
+        }
+    };
+    reasons.push(msg.clone());
+    match to {
+        Some(p) => candidates.extend(routes_of(get(p))),
+        None => candidates.push(Route::path(own)),
+    }
+    (msg, runnable)
 }
 
 /// Plans of all three directions (indexable by [`Direction`]).
@@ -1327,21 +690,6 @@ mod tests {
             dilation: (1, 1),
             format: fmt,
         }
-    }
-
-    #[test]
-    fn backward_data_equivalent_has_input_size_output() {
-        let mut s = shape(2, 5, 9, 7, 3, TensorFormat::Nhwc);
-        for pad in [(0, 0), (1, 1), (2, 0), (0, 2)] {
-            s.pad = pad;
-            let (oh, ow) = s.out_hw().unwrap();
-            let eq = winograd_equivalent(&s, Direction::BackwardData).unwrap();
-            assert_eq!((eq.h, eq.w, eq.c_in, eq.c_out), (oh, ow, 7, 5));
-            assert_eq!(eq.out_hw().unwrap(), (s.h, s.w), "{pad:?}");
-        }
-        s.pad = (3, 1);
-        assert!(winograd_equivalent(&s, Direction::BackwardData).is_none());
-        assert!(winograd_equivalent(&s, Direction::BackwardFilter).is_none());
     }
 
     #[test]

@@ -23,8 +23,9 @@ pub mod stages;
 
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
-use super::sizes::{winograd_backward_data_eligible, winograd_forward_eligible, WinogradDims};
-use super::{BwdDataPtrs, ConvShape, FwdPtrs, WinogradEngine, WinogradTile};
+use super::call::PathCall;
+use super::problem::{winograd_backward_data_eligible, winograd_forward_eligible, WinogradDims};
+use super::{BwdDataPtrs, ConvShape, Direction, FwdPtrs, WinogradEngine, WinogradTile};
 use crate::context::Context;
 use crate::dtype::DType;
 use crate::error::{CallExt, Error, Result};
@@ -86,7 +87,7 @@ pub(crate) unsafe fn input_transform(
     images: usize,
     vec: Option<usize>,
 ) -> Result<usize> {
-    let d = super::sizes::winograd_dims(s, tile)?;
+    let d = super::problem::winograd_dims(s, tile)?;
     aligned("x", x, dtype)?;
     aligned("u", u, dtype)?;
     let vec = vec.unwrap_or_else(|| launch::choose_vec(Stage::Input, tile, dtype, s.c_in, &[x, u]));
@@ -168,7 +169,7 @@ pub(crate) unsafe fn output_transform(
     images: usize,
     vec: Option<usize>,
 ) -> Result<usize> {
-    let d = super::sizes::winograd_dims(s, tile)?;
+    let d = super::problem::winograd_dims(s, tile)?;
     let (oh, ow) = s.out_hw()?;
     aligned("m", m, dtype)?;
     aligned("y", y, dtype)?;
@@ -442,7 +443,7 @@ unsafe fn run_fused(
 ) -> Result<()> {
     // Refuse before the filter transform runs, so a refusal launches nothing.
     fused::check(ctx, s, dtype, tile, x, y)?;
-    let dims = super::sizes::winograd_dims(s, tile)?;
+    let dims = super::problem::winograd_dims(s, tile)?;
     let cap = ctx.config().conv_workspace_bytes();
     tracing::debug!(
         tile = tile.name(),
@@ -488,12 +489,40 @@ unsafe fn run_fused(
     }
 }
 
+/// Runs a Winograd route (registered in `paths.rs`): the tile of its path, its engine, the
+/// forward or the data gradient.
+///
+/// # Safety
+/// As [`super::route::run`].
+pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
+    let (t, r) = (c.target, c.exec.route);
+    let tile = r
+        .path
+        .winograd_tile()
+        .ok_or_else(|| Error::NotSupported(format!("{} is not a Winograd path", r.path)))?;
+    let engine = r
+        .engine
+        .ok_or_else(|| Error::NotSupported("the Winograd route has no engine chosen".into()))?;
+    // SAFETY: the caller's contract.
+    unsafe {
+        match c.direction {
+            Direction::Forward => forward(t.ctx, t.shape, t.dtype, tile, engine, c.fwd()),
+            Direction::BackwardData => {
+                backward_data(t.ctx, t.shape, t.dtype, tile, engine, c.bwd_data())
+            }
+            Direction::BackwardFilter => Err(Error::NotSupported(
+                "Winograd has no filter gradient".into(),
+            )),
+        }
+    }
+}
+
 /// Forward convolution: transforms the filter, then runs [`forward_prepared`].
 ///
 /// # Safety
 /// `p` holds device addresses on `ctx`'s device with the shape's extents of `dtype` elements, `y`
 /// disjoint from `x` and `w`, all valid until the queued work completes; the shape is eligible
-/// ([`super::sizes::winograd_forward_eligible`]).
+/// ([`super::problem::winograd_forward_eligible`]).
 pub(crate) unsafe fn forward(
     ctx: &Context,
     s: &ConvShape,
@@ -604,7 +633,7 @@ fn backward_problem(s: &ConvShape) -> Result<ConvShape> {
 ///
 /// # Safety
 /// As [`forward`], for `p`'s operands; the shape passes
-/// [`super::sizes::winograd_backward_data_eligible`].
+/// [`super::problem::winograd_backward_data_eligible`].
 pub(crate) unsafe fn backward_data(
     ctx: &Context,
     s: &ConvShape,

@@ -30,7 +30,10 @@
 
 use super::conv::Conv2d;
 use super::gemm::GemmProblem;
-use crate::conv::sizes::{winograd_dims, winograd_forward_eligible, WinogradDims, WinogradTile};
+use crate::conv::problem::{
+    winograd_backward_data_eligible, winograd_dims, winograd_forward_eligible, WinogradDims,
+    WinogradTile,
+};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::TensorFormat;
@@ -333,8 +336,7 @@ pub fn error_bound(dtype: DType, tile: WinogradTile) -> f64 {
 /// input `dy` (`n x oh x ow x c_out`), `c_in` and `c_out` swapped, padding `2 - pad` per axis.
 /// Errors when `p` is not a Winograd problem or its padding exceeds 2.
 pub fn backward_data_problem(p: &Conv2d) -> Result<Conv2d> {
-    crate::conv::sizes::winograd_backward_data_eligible(p)
-        .map_err(|why| Error::invalid("p", why))?;
+    winograd_backward_data_eligible(p).map_err(|why| Error::invalid("p", why))?;
     let (oh, ow) = p.out_hw()?;
     Ok(Conv2d {
         n: p.n,

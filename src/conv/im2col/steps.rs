@@ -507,87 +507,17 @@ pub(crate) fn backward_filter(
         } else {
             (at(Buf::Partial, 0), 0.0)
         };
-        let kk = nb * p; // the GEMM's inner dimension: the chunk's pixels
+        let chunk = FilterChunk {
+            x,
+            dy,
+            target,
+            beta,
+            images: nb,
+        };
         let step = if nchw {
-            // dw[K x c_out] = colsT^T * dyT with colsT = [K][nb][P] (column-major nb*P x K) and
-            // dyT = [c_out][nb][P] (column-major nb*P x c_out). One image needs no permutation.
-            let a = if pointwise && nb == 1 {
-                x
-            } else {
-                steps.push(Step::Im2col {
-                    src: x,
-                    dst: at(Buf::Cols, 0),
-                    shape: *s,
-                    layout: ColLayout { img: p, row: kk },
-                    images: nb,
-                });
-                at(Buf::Cols, 0)
-            };
-            let b = if nb == 1 {
-                dy
-            } else {
-                let (oh, ow) = s.out_hw()?;
-                steps.push(Step::Im2col {
-                    src: dy,
-                    dst: at(Buf::DyT, 0),
-                    shape: ConvShape {
-                        n: nb,
-                        c_in: c_out,
-                        h: oh,
-                        w: ow,
-                        c_out: 1,
-                        kh: 1,
-                        kw: 1,
-                        stride: (1, 1),
-                        pad: (0, 0),
-                        dilation: (1, 1),
-                        format: TensorFormat::Nchw,
-                    },
-                    layout: ColLayout { img: p, row: kk },
-                    images: nb,
-                });
-                at(Buf::DyT, 0)
-            };
-            Step::Gemm {
-                problem: gemm(
-                    (true, false),
-                    (k, c_out, kk),
-                    (kk, kk, k),
-                    (0, 0, d.w_len),
-                    1,
-                    beta,
-                ),
-                a,
-                b,
-                c: target,
-            }
+            nchw_filter_chunk(s, &d, pointwise, chunk, &mut steps)?
         } else {
-            // dw[K x c_out] = cols[K x nb*P] * (dy[c_out x nb*P])^T.
-            let a = if pointwise {
-                x
-            } else {
-                steps.push(Step::Im2col {
-                    src: x,
-                    dst: at(Buf::Cols, 0),
-                    shape: *s,
-                    layout: ColLayout::standard(p, k),
-                    images: nb,
-                });
-                at(Buf::Cols, 0)
-            };
-            Step::Gemm {
-                problem: gemm(
-                    (false, true),
-                    (k, c_out, kk),
-                    (k, c_out, k),
-                    (0, 0, d.w_len),
-                    1,
-                    beta,
-                ),
-                a,
-                b: dy,
-                c: target,
-            }
+            nhwc_filter_chunk(s, &d, pointwise, chunk, &mut steps)
         };
         steps.push(step);
         if !direct_out {
@@ -611,6 +541,134 @@ pub(crate) fn backward_filter(
         chunks,
         pointwise,
     })
+}
+
+/// One chunk's operands in the filter gradient's plan.
+struct FilterChunk {
+    x: At,
+    dy: At,
+    /// Where the chunk's GEMM writes (dw, or the f32 partial).
+    target: At,
+    beta: f32,
+    images: usize,
+}
+
+/// An NCHW chunk of the filter gradient: im2col of x (and the permutation of dy for several
+/// images) pushed to `steps`; returns the chunk's GEMM.
+fn nchw_filter_chunk(
+    s: &ConvShape,
+    d: &Dims,
+    pointwise: bool,
+    c: FilterChunk,
+    steps: &mut Vec<Step>,
+) -> Result<Step> {
+    let FilterChunk {
+        x,
+        dy,
+        target,
+        beta,
+        images: nb,
+    } = c;
+    let (p, k, c_out) = (d.pixels, d.taps, s.c_out);
+    let kk = nb * p; // the GEMM's inner dimension: the chunk's pixels
+                     // dw[K x c_out] = colsT^T * dyT with colsT = [K][nb][P] (column-major nb*P x K) and
+                     // dyT = [c_out][nb][P] (column-major nb*P x c_out). One image needs no permutation.
+    let a = if pointwise && nb == 1 {
+        x
+    } else {
+        steps.push(Step::Im2col {
+            src: x,
+            dst: at(Buf::Cols, 0),
+            shape: *s,
+            layout: ColLayout { img: p, row: kk },
+            images: nb,
+        });
+        at(Buf::Cols, 0)
+    };
+    let b = if nb == 1 {
+        dy
+    } else {
+        let (oh, ow) = s.out_hw()?;
+        steps.push(Step::Im2col {
+            src: dy,
+            dst: at(Buf::DyT, 0),
+            shape: ConvShape {
+                n: nb,
+                c_in: c_out,
+                h: oh,
+                w: ow,
+                c_out: 1,
+                kh: 1,
+                kw: 1,
+                stride: (1, 1),
+                pad: (0, 0),
+                dilation: (1, 1),
+                format: TensorFormat::Nchw,
+            },
+            layout: ColLayout { img: p, row: kk },
+            images: nb,
+        });
+        at(Buf::DyT, 0)
+    };
+    Ok(Step::Gemm {
+        problem: gemm(
+            (true, false),
+            (k, c_out, kk),
+            (kk, kk, k),
+            (0, 0, d.w_len),
+            1,
+            beta,
+        ),
+        a,
+        b,
+        c: target,
+    })
+}
+
+/// An NHWC chunk of the filter gradient: im2col of x (unless pointwise) pushed to `steps`;
+/// returns the chunk's GEMM.
+fn nhwc_filter_chunk(
+    s: &ConvShape,
+    d: &Dims,
+    pointwise: bool,
+    c: FilterChunk,
+    steps: &mut Vec<Step>,
+) -> Step {
+    let FilterChunk {
+        x,
+        dy,
+        target,
+        beta,
+        images: nb,
+    } = c;
+    let (p, k, c_out) = (d.pixels, d.taps, s.c_out);
+    let kk = nb * p; // the GEMM's inner dimension: the chunk's pixels
+                     // dw[K x c_out] = cols[K x nb*P] * (dy[c_out x nb*P])^T.
+    let a = if pointwise {
+        x
+    } else {
+        steps.push(Step::Im2col {
+            src: x,
+            dst: at(Buf::Cols, 0),
+            shape: *s,
+            layout: ColLayout::standard(p, k),
+            images: nb,
+        });
+        at(Buf::Cols, 0)
+    };
+    Step::Gemm {
+        problem: gemm(
+            (false, true),
+            (k, c_out, kk),
+            (k, c_out, k),
+            (0, 0, d.w_len),
+            1,
+            beta,
+        ),
+        a,
+        b: dy,
+        c: target,
+    }
 }
 
 #[cfg(test)]

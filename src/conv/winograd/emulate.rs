@@ -9,7 +9,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::launch::{self, row_groups, transform_blocks, Stage, THREADS};
-use crate::conv::sizes::winograd_dims;
+use crate::conv::problem::winograd_dims;
 use crate::conv::{ConvShape, WinogradTile};
 use crate::layout::TensorFormat;
 use crate::reference::gemm::{gemm_strided_batched, GemmProblem};

@@ -15,7 +15,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::fused::{self, cfg, CHANNEL_CHUNK as KC, TILES_PER_BLOCK as TT, WARPS};
-use crate::conv::sizes::winograd_dims;
+use crate::conv::problem::winograd_dims;
 use crate::conv::{ConvShape, WinogradTile};
 use crate::layout::TensorFormat;
 use crate::reference::winograd as rw;

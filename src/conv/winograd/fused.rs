@@ -13,7 +13,7 @@ use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use crate::context::Context;
-use crate::conv::sizes::{fused_eligible, winograd_dims, WinogradTile};
+use crate::conv::problem::{fused_eligible, winograd_dims, WinogradTile};
 use crate::conv::ConvShape;
 use crate::dtype::DType;
 use crate::error::{CallExt, Error, Result};

@@ -10,7 +10,7 @@ use half::{bf16, f16};
 
 use super::launch::{self, vec_widths, Stage};
 use super::*;
-use crate::conv::sizes::winograd_dims;
+use crate::conv::problem::winograd_dims;
 use crate::layout::TensorFormat;
 use crate::reference::conv::conv2d;
 use crate::reference::winograd as rw;
@@ -21,10 +21,10 @@ use crate::{Config, Element};
 const ENGINES: [WinogradEngine; 2] = [WinogradEngine::TensorCore, WinogradEngine::Direct];
 
 /// The engines that can run `s` (a forward Winograd problem) in `dtype`: both batched-multiply
-/// engines, and the fused one where [`super::super::sizes::fused_eligible`] allows.
+/// engines, and the fused one where [`super::super::problem::fused_eligible`] allows.
 fn engines_for(s: &ConvShape, dtype: DType) -> Vec<WinogradEngine> {
     let mut e = ENGINES.to_vec();
-    if super::super::sizes::fused_eligible(s, dtype).is_ok() {
+    if super::super::problem::fused_eligible(s, dtype).is_ok() {
         e.push(WinogradEngine::Fused);
     }
     e

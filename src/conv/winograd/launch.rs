@@ -3,7 +3,7 @@
 //! scratch layout of a chunk, and the argument limits the kernels assume. No GPU; tested on the
 //! CPU.
 
-use crate::conv::sizes::{winograd_dims, WinogradDims, WinogradTile};
+use crate::conv::problem::{winograd_dims, WinogradDims, WinogradTile};
 use crate::conv::ConvShape;
 use crate::dtype::DType;
 use crate::error::{Error, Result};

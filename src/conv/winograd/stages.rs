@@ -4,9 +4,9 @@
 //! against its memory or FLOP floor and compares the two engines), and for callers who want the
 //! transformed tensors themselves. Framework code should call the convolution dispatcher instead.
 //!
-//! Shapes are [`ConvShape`]s that pass [`crate::conv::sizes::winograd_forward_eligible`] (NHWC,
+//! Shapes are [`ConvShape`]s that pass `crate::conv::problem::winograd_forward_eligible` (NHWC,
 //! 3x3, stride 1, dilation 1); the stage functions work on the whole batch at once (no chunking:
-//! the caller allocates `U` and `M` for all images, sized by [`crate::conv::sizes::winograd_dims`]:
+//! the caller allocates `U` and `M` for all images, sized by [`crate::conv::problem::winograd_dims`]:
 //! `n * u_per_image`, `n * m_per_image`, `v`). Layouts are those of
 //! [`crate::reference::winograd`], whose functions are the f64 reference of each stage.
 //! [`forward`] and [`backward_data`] run the path exactly as the dispatcher does (chunked under
@@ -14,7 +14,8 @@
 //!
 //! ```no_run
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! use nnfuse::conv::{sizes, winograd_stages as wg, ConvShape, WinogradEngine, WinogradTile};
+//! use nnfuse::conv::{ConvShape, WinogradEngine, WinogradTile};
+//! use nnfuse::internals::conv::{winograd_dims, winograd_stages as wg};
 //! use nnfuse::TensorFormat;
 //! let ctx = nnfuse::Context::new(0)?;
 //! let s = ConvShape { n: 32, c_in: 64, h: 56, w: 56, c_out: 64, kh: 3, kw: 3, stride: (1, 1),
@@ -25,7 +26,7 @@
 //! let mut y = st.alloc_zeros::<half::f16>(s.y_len()?)?;
 //! wg::forward(&ctx, &s, WinogradTile::F4x3, WinogradEngine::TensorCore, &x, &w, &mut y)?;
 //! // Or stage by stage:
-//! let d = sizes::winograd_dims(&s, WinogradTile::F4x3)?;
+//! let d = winograd_dims(&s, WinogradTile::F4x3)?;
 //! let mut v = st.alloc_zeros::<half::f16>(d.v)?;
 //! let mut u = st.alloc_zeros::<half::f16>(s.n * d.u_per_image)?;
 //! let mut m = st.alloc_zeros::<half::f16>(s.n * d.m_per_image)?;
@@ -41,7 +42,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut};
 pub use super::launch::{stage_bytes, Chunking, StageBytes, L2_SHARE, MIN_CHUNK_TILES};
 use super::launch::{transform_kernel, vec_widths, Stage};
 use crate::context::Context;
-use crate::conv::sizes::{
+use crate::conv::problem::{
     winograd_backward_data_eligible, winograd_dims, winograd_forward_eligible, WinogradDims,
 };
 use crate::conv::{BwdDataPtrs, ConvShape, FwdPtrs, WinogradEngine, WinogradTile};
@@ -177,7 +178,7 @@ where
 }
 
 /// The filter transform: `V[pos][c_in][c_out]` (`v` elements of
-/// [`crate::conv::sizes::winograd_dims`]) from the KRSC filter (`s.w_len()` elements).
+/// [`crate::conv::problem::winograd_dims`]) from the KRSC filter (`s.w_len()` elements).
 pub fn filter_transform<T, W, V>(
     ctx: &Context,
     s: &ConvShape,

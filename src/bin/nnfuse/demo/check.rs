@@ -118,13 +118,13 @@ pub fn random_inputs(def: &BlockDef, seed: u64, round: &dyn Fn(f64) -> f64) -> S
 
 /// The tolerance of `op`'s outputs against f64 for `dtype` when its convolution ran `route`:
 /// a Winograd route is held to the dispatcher's own check tolerance
-/// (`nnfuse::internals::conv_choice::check_tolerance`: f32 1e-4, f16 1e-2, bf16 2e-2; its transforms amplify
+/// (`nnfuse::internals::conv::check_tolerance`: f32 1e-4, f16 1e-2, bf16 2e-2; its transforms amplify
 /// rounding, docs/CONV.md), everything else to `DType::tolerance` (f32 1e-5, halves 1e-2) —
 /// the rule of the library's GPU tests.
 pub fn tolerance(op: Op, dtype: nnfuse::DType, route: Option<nnfuse::conv::Route>) -> f64 {
     match (op.conv(), route) {
         (Some(_), Some(r)) if r.path.winograd_tile().is_some() => {
-            nnfuse::internals::conv_choice::check_tolerance(dtype)
+            nnfuse::internals::conv::check_tolerance(dtype)
         }
         _ => dtype.tolerance(),
     }

@@ -1,0 +1,586 @@
+//! [`Conv2d`]: the convolution dispatcher's public face. One object per (problem, data type) on a Context,
+//! holding its plans, its cuDNN descriptors and, once made, its decision per direction; the
+//! operations validate every argument, then run the decided route (measuring on the first call
+//! where the plan says so), falling back when a route fails at run time.
+
+use std::marker::PhantomData;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceSlice};
+
+use super::choice::{cudnn_search, AutoReport, ConvChoice, CudnnSearch};
+use super::cudnn::CudnnPerf;
+use super::plan::{ConvPath, ConvPlan, Route};
+use super::problem::{ConvShape, CudnnPtrs, Direction, FwdPtrs, WinogradTile};
+use super::state::{lock, Core, CoreKey, HIDE_CUDNN};
+use super::winograd;
+use crate::context::Context;
+use crate::dtype::Element;
+use crate::error::{CallExt, Error, Result};
+use crate::layout::TensorFormat;
+use crate::validate::{expect_device, expect_len, expect_outputs_disjoint, BufInfo};
+
+/// The filter's memory layout. nnfuse takes the layout that goes with the format, as cuDNN does:
+/// KCRS (`[c_out][c_in][kh][kw]`) with NCHW, KRSC (`[c_out][kh][kw][c_in]`) with NHWC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FilterLayout {
+    /// `[c_out][c_in][kh][kw]`.
+    Kcrs,
+    /// `[c_out][kh][kw][c_in]`.
+    Krsc,
+}
+
+impl FilterLayout {
+    /// The layout that goes with `format`.
+    pub const fn of(format: TensorFormat) -> FilterLayout {
+        match format {
+            TensorFormat::Nchw => FilterLayout::Kcrs,
+            TensorFormat::Nhwc => FilterLayout::Krsc,
+        }
+    }
+
+    /// `kcrs` / `krsc`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            FilterLayout::Kcrs => "kcrs",
+            FilterLayout::Krsc => "krsc",
+        }
+    }
+}
+
+/// What runs after the convolution, inside the same call. Only [`Epilogue::None`] exists today;
+/// bias and activation epilogues will arrive as new variants (the enum is `#[non_exhaustive]`),
+/// so that callers of [`Conv2d::forward_with_epilogue`] need no new method.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum Epilogue {
+    /// `y = conv(x, w)`.
+    #[default]
+    None,
+}
+
+/// One caller buffer as the checks see it.
+#[derive(Debug, Clone, Copy)]
+struct Arg {
+    name: &'static str,
+    len: usize,
+    ordinal: usize,
+}
+
+fn arg<T, S: DeviceSlice<T>>(name: &'static str, s: &S) -> Arg {
+    Arg {
+        name,
+        len: s.len(),
+        ordinal: s.stream().context().ordinal(),
+    }
+}
+
+/// A 2-D convolution (cross-correlation, no bias, groups = 1) for one problem and element type
+/// `T` (`f32`, `half::f16`, `half::bf16`), NCHW with a KCRS filter or NHWC with a KRSC filter
+/// (layouts in [`crate::reference::conv`]), f32 accumulation everywhere.
+///
+/// Planned once per (problem, type) and cached by the Context: a repeated [`Conv2d::new`] is
+/// one hash lookup. The first call of each direction decides the route (see
+/// [`crate::conv::plan()`] and `docs/CONV.md`): under `auto` it measures the eligible paths on
+/// the call's own inputs; later calls run the decision.
+///
+/// ```no_run
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use nnfuse::conv::{Conv2d, ConvShape};
+/// use nnfuse::TensorFormat;
+/// let ctx = nnfuse::Context::new(0)?;
+/// let shape = ConvShape {
+///     n: 32, c_in: 64, h: 56, w: 56, c_out: 64, kh: 3, kw: 3,
+///     stride: (1, 1), pad: (1, 1), dilation: (1, 1), format: TensorFormat::Nhwc,
+/// };
+/// let conv = Conv2d::<half::f16>::new(&ctx, &shape)?;
+/// println!("{}", conv.plan());
+/// let s = ctx.stream();
+/// let x = s.alloc_zeros::<half::f16>(shape.x_len())?;
+/// let w = s.alloc_zeros::<half::f16>(shape.w_len())?;
+/// let mut y = s.alloc_zeros::<half::f16>(shape.y_len()?)?;
+/// conv.forward(&x, &w, &mut y)?;
+/// println!("{:?}", conv.choice(nnfuse::conv::Direction::Forward));
+/// # Ok(()) }
+/// ```
+pub struct Conv2d<T: Element> {
+    pub(super) ctx: Context,
+    pub(super) core: Arc<Core>,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T: Element> Clone for Conv2d<T> {
+    fn clone(&self) -> Self {
+        Conv2d {
+            ctx: self.ctx.clone(),
+            core: self.core.clone(),
+            _t: PhantomData,
+        }
+    }
+}
+
+impl<T: Element> std::fmt::Debug for Conv2d<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Conv2d")
+            .field("shape", &self.core.shape)
+            .field("dtype", &self.core.dtype)
+            .field("forward", &self.core.plans.get(Direction::Forward).path)
+            .finish()
+    }
+}
+
+/// A filter made ready for repeated forwards with unchanged weights (see
+/// [`Conv2d::prepare_filter`]): a copy of the filter and, for the Winograd paths, its
+/// transform G g Gᵀ, made once per tile size.
+pub struct PreparedFilter<T: Element> {
+    owner: u64,
+    raw: CudaSlice<T>,
+    /// Transformed filters for F(2x2,3x3) and F(4x4,3x3), made on first use.
+    transformed: Mutex<[Option<CudaSlice<T>>; 2]>,
+}
+
+impl<T: Element> std::fmt::Debug for PreparedFilter<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let t = lock(&self.transformed);
+        f.debug_struct("PreparedFilter")
+            .field("elements", &self.raw.len())
+            .field("f2x3", &t[0].is_some())
+            .field("f4x3", &t[1].is_some())
+            .finish()
+    }
+}
+
+impl<T: Element> PreparedFilter<T> {
+    /// Whether the transformed filter of `tile` has been made.
+    pub fn has_transform(&self, tile: WinogradTile) -> bool {
+        lock(&self.transformed)[tile_index(tile)].is_some()
+    }
+}
+
+const fn tile_index(t: WinogradTile) -> usize {
+    match t {
+        WinogradTile::F2x3 => 0,
+        WinogradTile::F4x3 => 1,
+    }
+}
+
+impl<T: Element> Conv2d<T> {
+    /// Plans `shape` for `T` on `ctx` (all three directions), or returns the Context's cached
+    /// object. Errors: an invalid problem, naming the field (`n`, `c_in`, `h`, `w`, `c_out`,
+    /// `kh`, `kw`, `stride`, `dilation`, or `shape` for a product that overflows).
+    pub fn new(ctx: &Context, shape: &ConvShape) -> Result<Self> {
+        let key = CoreKey {
+            shape: *shape,
+            dtype: T::DTYPE,
+            search: cudnn_search(),
+            hide_cudnn: HIDE_CUDNN.load(Ordering::Relaxed),
+        };
+        let core = ctx.memo(key, || Core::new(ctx, &key).map(Arc::new))?;
+        Ok(Conv2d {
+            ctx: ctx.clone(),
+            core,
+            _t: PhantomData,
+        })
+    }
+
+    /// [`Conv2d::new`] for a caller that states its filter layout: an error naming
+    /// `filter_layout` when it is not the one that goes with the format ([`FilterLayout::of`]).
+    pub fn with_filter_layout(
+        ctx: &Context,
+        shape: &ConvShape,
+        filter_layout: FilterLayout,
+    ) -> Result<Self> {
+        let want = FilterLayout::of(shape.format);
+        if filter_layout != want {
+            return Err(Error::invalid(
+                "filter_layout",
+                format!(
+                    "{} does not go with {} data: nnfuse takes {} filters with {} (as cuDNN)",
+                    filter_layout.name(),
+                    shape.format,
+                    want.name(),
+                    shape.format
+                ),
+            ));
+        }
+        Self::new(ctx, shape)
+    }
+
+    /// The problem.
+    pub fn shape(&self) -> &ConvShape {
+        &self.core.shape
+    }
+
+    /// The forward plan.
+    pub fn plan(&self) -> &ConvPlan {
+        self.core.plans.get(Direction::Forward)
+    }
+
+    /// The plan of `d`.
+    pub fn plan_for(&self, d: Direction) -> &ConvPlan {
+        self.core.plans.get(d)
+    }
+
+    /// The decision for `d`, once the first call of that direction made it.
+    pub fn choice(&self, d: Direction) -> Option<ConvChoice> {
+        lock(&self.core.state[d.index()])
+            .as_ref()
+            .map(|s| s.choice.clone())
+    }
+
+    /// The measurement behind the decision for `d`, when this object measured.
+    pub fn report(&self, d: Direction) -> Option<Arc<AutoReport>> {
+        lock(&self.core.state[d.index()])
+            .as_ref()
+            .and_then(|s| s.report.clone())
+    }
+
+    /// The cuDNN search mode this object was planned under.
+    pub fn cudnn_search(&self) -> CudnnSearch {
+        self.core.search
+    }
+
+    /// cuDNN's heuristic algorithm list for `d` (`cudnnGetConvolution*Algorithm_v7`), every
+    /// entry as cuDNN gives it (filter with [`crate::conv::cudnn::usable`]). Errors when cuDNN is
+    /// not available to this problem.
+    pub fn cudnn_heuristics(&self, d: Direction) -> Result<Vec<CudnnPerf>> {
+        let conv = self.core.cudnn_conv()?;
+        let mut g = self.ctx.lock()?;
+        let h = g.cudnn()?;
+        // SAFETY: live handle, held under the Context's lock.
+        unsafe { conv.heuristics(h, d) }
+    }
+
+    /// Bytes of workspace `route` uses for `d`: cuDNN's for its algorithm (library workspace),
+    /// the plan's scratch for nnfuse's paths.
+    pub fn workspace_bytes(&self, d: Direction, route: Route) -> Result<usize> {
+        match (route.path, route.cudnn_algo) {
+            (ConvPath::Cudnn, Some(a)) => self.core.cudnn_ws(&self.ctx, a),
+            (ConvPath::Cudnn, None) => Ok(0),
+            (p, _) => Ok(self.plan_for(d).info(p).scratch_bytes),
+        }
+    }
+
+    /// Validates the operands (roles x, w, y; `out` is the output role) and returns their
+    /// device addresses by role.
+    fn check(&self, args: [Arg; 3], ptrs: [u64; 3], out: usize) -> Result<CudnnPtrs> {
+        let ordinal = self.ctx.info().ordinal;
+        let what = [
+            "n*c_in*h*w (the problem's input)",
+            "c_out*c_in*kh*kw (the problem's filter)",
+            "n*c_out*oh*ow (the problem's output)",
+        ];
+        let infos: Vec<BufInfo> = (0..3)
+            .map(|i| BufInfo {
+                name: args[i].name,
+                ptr: ptrs[i],
+                len: args[i].len,
+                elem: T::DTYPE.size(),
+                ordinal: args[i].ordinal,
+            })
+            .collect();
+        for (i, b) in infos.iter().enumerate() {
+            expect_device(b, ordinal)?;
+            expect_len(b, self.core.lens[i], what[i])?;
+        }
+        let inputs: Vec<BufInfo> = (0..3).filter(|&i| i != out).map(|i| infos[i]).collect();
+        expect_outputs_disjoint(&[infos[out]], &inputs)?;
+        Ok(CudnnPtrs {
+            x: ptrs[0],
+            w: ptrs[1],
+            y: ptrs[2],
+        })
+    }
+
+    /// `y = conv(x, w)`: validates every argument (lengths, device, `y` overlapping `x` or `w`)
+    /// before anything runs, then runs the decided route (deciding on the first call).
+    pub fn forward<X, W, Y>(&self, x: &X, w: &W, y: &mut Y) -> Result<()>
+    where
+        X: DevicePtr<T>,
+        W: DevicePtr<T>,
+        Y: DevicePtrMut<T>,
+    {
+        self.forward_impl(x, w, y, None)
+    }
+
+    /// [`Conv2d::forward`] with an epilogue (today only [`Epilogue::None`]).
+    pub fn forward_with_epilogue<X, W, Y>(
+        &self,
+        x: &X,
+        w: &W,
+        y: &mut Y,
+        epilogue: Epilogue,
+    ) -> Result<()>
+    where
+        X: DevicePtr<T>,
+        W: DevicePtr<T>,
+        Y: DevicePtrMut<T>,
+    {
+        match epilogue {
+            Epilogue::None => self.forward_impl(x, w, y, None),
+        }
+    }
+
+    /// [`Conv2d::forward`] on a given route (tests, benchmarks): no measurement, no fallback.
+    /// A route whose path is not eligible for the problem is an [`Error::NotSupported`]; a
+    /// Winograd route without an engine takes the plan's, a cuDNN route without an algorithm
+    /// the decided one or cuDNN's first usable.
+    pub fn forward_with<X, W, Y>(&self, route: Route, x: &X, w: &W, y: &mut Y) -> Result<()>
+    where
+        X: DevicePtr<T>,
+        W: DevicePtr<T>,
+        Y: DevicePtrMut<T>,
+    {
+        self.forward_impl(x, w, y, Some(route))
+    }
+
+    fn forward_impl<X, W, Y>(&self, x: &X, w: &W, y: &mut Y, route: Option<Route>) -> Result<()>
+    where
+        X: DevicePtr<T>,
+        W: DevicePtr<T>,
+        Y: DevicePtrMut<T>,
+    {
+        let args = [arg("x", x), arg("w", w), arg("y", y)];
+        self.precheck(&args)?;
+        let stream = self.ctx.stream();
+        let (xp, _gx) = x.device_ptr(stream);
+        let (wp, _gw) = w.device_ptr(stream);
+        let (yp, _gy) = y.device_ptr_mut(stream);
+        let p = self.check(args, [xp, wp, yp], 2)?;
+        self.run(Direction::Forward, p, false, route)
+    }
+
+    /// Lengths and devices, before any device pointer is taken (taking one from a buffer of
+    /// another device would make the Context's stream wait on a foreign event).
+    fn precheck(&self, args: &[Arg; 3]) -> Result<()> {
+        let ordinal = self.ctx.info().ordinal;
+        for (i, a) in args.iter().enumerate() {
+            let b = BufInfo {
+                name: a.name,
+                ptr: 0,
+                len: a.len,
+                elem: T::DTYPE.size(),
+                ordinal: a.ordinal,
+            };
+            expect_device(&b, ordinal)?;
+            expect_len(&b, self.core.lens[i], "the problem's extent")?;
+        }
+        Ok(())
+    }
+
+    /// The data gradient `dx` from `dy` (the output's gradient) and `w`, overwriting `dx`.
+    pub fn backward_data<D, W, X>(&self, dy: &D, w: &W, dx: &mut X) -> Result<()>
+    where
+        D: DevicePtr<T>,
+        W: DevicePtr<T>,
+        X: DevicePtrMut<T>,
+    {
+        self.backward_data_impl(dy, w, dx, None)
+    }
+
+    /// [`Conv2d::backward_data`] on a given route (see [`Conv2d::forward_with`]).
+    pub fn backward_data_with<D, W, X>(&self, route: Route, dy: &D, w: &W, dx: &mut X) -> Result<()>
+    where
+        D: DevicePtr<T>,
+        W: DevicePtr<T>,
+        X: DevicePtrMut<T>,
+    {
+        self.backward_data_impl(dy, w, dx, Some(route))
+    }
+
+    fn backward_data_impl<D, W, X>(
+        &self,
+        dy: &D,
+        w: &W,
+        dx: &mut X,
+        route: Option<Route>,
+    ) -> Result<()>
+    where
+        D: DevicePtr<T>,
+        W: DevicePtr<T>,
+        X: DevicePtrMut<T>,
+    {
+        let args = [arg("dx", dx), arg("w", w), arg("dy", dy)];
+        self.precheck(&args)?;
+        let stream = self.ctx.stream();
+        let (dyp, _g1) = dy.device_ptr(stream);
+        let (wp, _g2) = w.device_ptr(stream);
+        let (dxp, _g3) = dx.device_ptr_mut(stream);
+        let p = self.check(args, [dxp, wp, dyp], 0)?;
+        self.run(Direction::BackwardData, p, false, route)
+    }
+
+    /// The filter gradient from `x` and `dy`: written to `dw`, or added to it with
+    /// `accumulate` (a weight shared by several layers).
+    pub fn backward_filter<X, D, W>(
+        &self,
+        x: &X,
+        dy: &D,
+        dw: &mut W,
+        accumulate: bool,
+    ) -> Result<()>
+    where
+        X: DevicePtr<T>,
+        D: DevicePtr<T>,
+        W: DevicePtrMut<T>,
+    {
+        self.backward_filter_impl(x, dy, dw, accumulate, None)
+    }
+
+    /// [`Conv2d::backward_filter`] on a given route (see [`Conv2d::forward_with`]).
+    pub fn backward_filter_with<X, D, W>(
+        &self,
+        route: Route,
+        x: &X,
+        dy: &D,
+        dw: &mut W,
+        accumulate: bool,
+    ) -> Result<()>
+    where
+        X: DevicePtr<T>,
+        D: DevicePtr<T>,
+        W: DevicePtrMut<T>,
+    {
+        self.backward_filter_impl(x, dy, dw, accumulate, Some(route))
+    }
+
+    fn backward_filter_impl<X, D, W>(
+        &self,
+        x: &X,
+        dy: &D,
+        dw: &mut W,
+        accumulate: bool,
+        route: Option<Route>,
+    ) -> Result<()>
+    where
+        X: DevicePtr<T>,
+        D: DevicePtr<T>,
+        W: DevicePtrMut<T>,
+    {
+        let args = [arg("x", x), arg("dw", dw), arg("dy", dy)];
+        self.precheck(&args)?;
+        let stream = self.ctx.stream();
+        let (xp, _g1) = x.device_ptr(stream);
+        let (dyp, _g2) = dy.device_ptr(stream);
+        let (dwp, _g3) = dw.device_ptr_mut(stream);
+        let p = self.check(args, [xp, dwp, dyp], 1)?;
+        self.run(Direction::BackwardFilter, p, accumulate, route)
+    }
+
+    /// Makes `w` ready for repeated forwards with **unchanged weights** (the caller's promise):
+    /// copies it, and when the forward runs (or is planned to run) on a Winograd path,
+    /// transforms it once for that tile size. [`Conv2d::forward_prepared`] then skips the
+    /// filter transform. If the weights change, prepare again.
+    pub fn prepare_filter<W: DevicePtr<T>>(&self, w: &W) -> Result<PreparedFilter<T>> {
+        let a = arg("w", w);
+        let ordinal = self.ctx.info().ordinal;
+        let b = BufInfo {
+            name: "w",
+            ptr: 0,
+            len: a.len,
+            elem: T::DTYPE.size(),
+            ordinal: a.ordinal,
+        };
+        expect_device(&b, ordinal)?;
+        expect_len(
+            &b,
+            self.core.lens[1],
+            "c_out*c_in*kh*kw (the problem's filter)",
+        )?;
+        let raw = self.ctx.stream().clone_dtod(w).call("cuMemcpyDtoDAsync")?;
+        let pf = PreparedFilter {
+            owner: self.core.id,
+            raw,
+            transformed: Mutex::new([None, None]),
+        };
+        let decided = lock(&self.core.state[Direction::Forward.index()])
+            .as_ref()
+            .map(|s| s.exec.route);
+        let route = decided.unwrap_or_else(|| self.plan().route());
+        if let Some(tile) = route.path.winograd_tile() {
+            self.transformed(&pf, tile)?;
+        }
+        Ok(pf)
+    }
+
+    /// The transformed filter of `tile` (made on first use); returns its address.
+    fn transformed(&self, pf: &PreparedFilter<T>, tile: WinogradTile) -> Result<u64> {
+        let mut t = lock(&pf.transformed);
+        let slot = &mut t[tile_index(tile)];
+        if slot.is_none() {
+            let eq = self.core.shape;
+            let v = super::problem::winograd_dims(&eq, tile)?.v;
+            // SAFETY: written by the transform before any read.
+            let mut buf =
+                unsafe { self.ctx.stream().alloc::<T>(v.max(1)) }.call("cuMemAllocAsync")?;
+            {
+                let stream = self.ctx.stream();
+                let (wp, _g1) = pf.raw.device_ptr(stream);
+                let (vp, _g2) = buf.device_ptr_mut(stream);
+                // SAFETY: wp holds the filter (w_len elements), vp the transform's v elements.
+                unsafe {
+                    winograd::transform_filter(&self.ctx, &eq, self.core.dtype, tile, wp, vp)
+                }?;
+            }
+            *slot = Some(buf);
+        }
+        match slot {
+            Some(b) => Ok(b.device_ptr(self.ctx.stream()).0),
+            None => Err(Error::NotSupported("transformed filter vanished".into())),
+        }
+    }
+
+    /// `y = conv(x, w)` with a filter from [`Conv2d::prepare_filter`]: a Winograd route uses
+    /// the transformed filter (made now if the route's tile has none yet); any other route the
+    /// prepared copy. Errors on a filter prepared by another `Conv2d`.
+    pub fn forward_prepared<X, Y>(&self, x: &X, w: &PreparedFilter<T>, y: &mut Y) -> Result<()>
+    where
+        X: DevicePtr<T>,
+        Y: DevicePtrMut<T>,
+    {
+        if w.owner != self.core.id {
+            return Err(Error::invalid(
+                "w",
+                "was prepared by a different Conv2d (problem, type or Context differ)",
+            ));
+        }
+        let args = [arg("x", x), arg("w", &w.raw), arg("y", y)];
+        self.precheck(&args)?;
+        let stream = self.ctx.stream();
+        let (xp, _gx) = x.device_ptr(stream);
+        let (wp, _gw) = w.raw.device_ptr(stream);
+        let (yp, _gy) = y.device_ptr_mut(stream);
+        let p = self.check(args, [xp, wp, yp], 2)?;
+        let plan = self.plan();
+        if !plan.runnable {
+            return self.run(Direction::Forward, p, false, None);
+        }
+        let e = self.decided(Direction::Forward, p)?;
+        if let (Some(tile), Some(engine)) = (e.route.path.winograd_tile(), e.route.engine) {
+            let v = self.transformed(w, tile)?;
+            let core = &*self.core;
+            // SAFETY: operands checked; v holds the transformed filter of this problem and tile.
+            let r = unsafe {
+                winograd::forward_prepared(
+                    &self.ctx,
+                    &core.shape,
+                    core.dtype,
+                    tile,
+                    engine,
+                    FwdPtrs {
+                        x: p.x,
+                        w: v,
+                        y: p.y,
+                    },
+                )
+            };
+            match r {
+                Ok(()) => return Ok(()),
+                Err(err) => tracing::warn!(error = %err,
+                    "Winograd forward with a prepared filter failed; running the plain forward"),
+            }
+        }
+        self.run(Direction::Forward, p, false, None)
+    }
+}

@@ -1,0 +1,420 @@
+//! The dispatcher's decisions: the first call of a direction (the process cache or the tuning
+//! file, else the plan's candidates, measured by `choice` when there are several), a route forced
+//! by the caller, and the run-time fallback when a route fails. The GPU work they need (cuDNN's
+//! algorithm queries, the measurement) goes through `cudnn` and `choice`; the execution of the
+//! route itself through `route`.
+
+use std::sync::Arc;
+
+use cudarc::driver::DevicePtr;
+
+use super::api::Conv2d;
+use super::choice::{
+    self, ChoiceKey, ChoiceOrigin, ConvChoice, CudnnSearch, MeasureInput, MAX_CUDNN_CANDIDATES,
+};
+use super::cudnn::usable;
+use super::plan::{ConvPath, ConvPlan, Route};
+use super::problem::{CudnnPtrs, Direction};
+use super::route::{self, Exec};
+use super::state::{lock, Decided};
+use crate::dtype::Element;
+use crate::error::{CallExt, Error, Result};
+
+impl<T: Element> Conv2d<T> {
+    /// cuDNN's usable algorithms for `d` as routes: the heuristic list's first
+    /// [`MAX_CUDNN_CANDIDATES`] (or `limit`), or Find's fastest on `p` (scratch output).
+    pub(super) fn cudnn_execs(
+        &self,
+        d: Direction,
+        p: CudnnPtrs,
+        limit: usize,
+    ) -> Result<(Vec<Exec>, Vec<String>, ChoiceOrigin)> {
+        let conv = self.core.cudnn_conv()?.clone();
+        let cfg = self.ctx.config();
+        let cap = cfg.conv_workspace_bytes();
+        let det = cfg.deterministic && d != Direction::Forward;
+        let list = {
+            let mut g = self.ctx.lock()?;
+            let h = g.cudnn()?;
+            // SAFETY: live handle under the lock.
+            unsafe { conv.heuristics(h, d) }?
+        };
+        let (mut ok, excluded, mut notes) = usable(&list, self.core.dtype, cap, det);
+        let mut origin = ChoiceOrigin::Planned;
+        if self.core.search == CudnnSearch::Find && limit > 1 {
+            let ws_bytes = ok.iter().map(|q| q.memory).max().unwrap_or(0);
+            let out_role = choice::output_role(d);
+            let elems = self.core.lens[out_role];
+            // SAFETY: Find's output, written before it is read; freed after Find (which blocks).
+            let out =
+                unsafe { self.ctx.stream().alloc::<T>(elems.max(1)) }.call("cuMemAllocAsync")?;
+            let (op, _go) = out.device_ptr(self.ctx.stream());
+            let mut q = p;
+            match out_role {
+                0 => q.x = op,
+                1 => q.w = op,
+                _ => q.y = op,
+            }
+            let found = {
+                let mut g = self.ctx.lock()?;
+                let h = g.cudnn()?;
+                let ws = g.workspace(ws_bytes)?;
+                // SAFETY: validated caller inputs, our own output of the output's extent, a
+                // workspace of ws_bytes; the handle is bound to the Context's stream.
+                unsafe { conv.find(h, d, q, ws, ws_bytes) }?
+            };
+            let (f, ex, n) = usable(&found, self.core.dtype, cap, det);
+            notes = n;
+            ok = f;
+            if ex {
+                notes.push(
+                    "determinism excluded the algorithm cuDNN's Find measured fastest".into(),
+                );
+            }
+            origin = ChoiceOrigin::CudnnFind;
+            ok.truncate(1);
+        } else if excluded {
+            notes.push("determinism excluded the algorithm cuDNN's heuristic ranks first".into());
+        }
+        let mut execs = Vec::new();
+        for perf in ok.iter().take(limit.clamp(1, MAX_CUDNN_CANDIDATES)) {
+            match self.core.exec_of(&self.ctx, Route::cudnn(perf.algo)) {
+                Ok(e) => execs.push(e),
+                Err(e) => notes.push(format!("{}: {e}", perf.algo.label())),
+            }
+        }
+        if execs.is_empty() {
+            notes.push("cuDNN offered no usable algorithm".into());
+        }
+        Ok((execs, notes, origin))
+    }
+
+    /// Whether a cached or file route fits this object's plan for `d`.
+    pub(super) fn acceptable(&self, plan: &ConvPlan, r: &Route) -> bool {
+        if !plan.candidates.iter().any(|c| c.path == r.path) {
+            return false;
+        }
+        match r.path {
+            ConvPath::Cudnn => r.cudnn_algo.is_some_and(|a| {
+                a.direction == plan.direction
+                    && a.is_known()
+                    && a.math.acceptable(self.core.dtype)
+                    && self.core.cudnn.is_some()
+            }),
+            ConvPath::WinogradF2x3 | ConvPath::WinogradF4x3 => plan
+                .candidates
+                .iter()
+                .any(|c| c.path == r.path && c.engine == r.engine),
+            _ => true,
+        }
+    }
+
+    /// Decides the route of `d` (first call): the process cache or the file, else the plan's
+    /// candidates, measured when there are several.
+    pub(super) fn decide(&self, d: Direction, p: CudnnPtrs) -> Result<Decided> {
+        let ctx = &self.ctx;
+        let cfg = ctx.config();
+        let plan = self.plan_for(d);
+        let ordinal = ctx.info().ordinal as u32;
+        let key = ChoiceKey::of(ordinal, plan, self.core.search);
+        let capacity = cfg.plan_cache_capacity;
+        let costly = plan.measured || plan.candidates.iter().any(|r| r.path == ConvPath::Cudnn);
+        if costly {
+            if let Some(path) = &cfg.tuning_cache {
+                match choice::device_tag(ctx) {
+                    Ok(tag) => choice::ensure_loaded(path, ordinal, &tag, capacity),
+                    Err(e) => tracing::warn!(error = %e, "convolution tuning cache not read"),
+                }
+            }
+            if let Some(mut c) = choice::lookup(&key) {
+                if self.acceptable(plan, &c.route) {
+                    match self.core.exec_of(&self.ctx, c.route) {
+                        Ok(exec) => {
+                            // Another Context's measurement (a file entry and a fallback say
+                            // where they came from themselves).
+                            if matches!(c.origin, ChoiceOrigin::Measured | ChoiceOrigin::CudnnFind)
+                            {
+                                c.origin = ChoiceOrigin::Memory;
+                            }
+                            tracing::debug!(problem = ?self.core.shape, direction = %d,
+                                route = %c.route, origin = c.origin.name(), "convolution choice cached");
+                            return Ok(Decided {
+                                exec,
+                                choice: c,
+                                report: None,
+                            });
+                        }
+                        Err(e) => tracing::warn!(route = %c.route, error = %e,
+                            "cached convolution choice cannot run; deciding again"),
+                    }
+                } else {
+                    tracing::warn!(route = %c.route, direction = %d,
+                        "cached convolution choice does not fit this problem's plan; deciding again");
+                }
+            }
+        }
+
+        let mut execs: Vec<Exec> = Vec::new();
+        let mut notes: Vec<String> = Vec::new();
+        let mut origin = ChoiceOrigin::Planned;
+        let several = plan.candidates.len() > 1;
+        for r in &plan.candidates {
+            if r.path == ConvPath::Cudnn {
+                // One cuDNN algorithm when nothing else competes and the search is Find; the
+                // heuristic mode times several.
+                let limit = MAX_CUDNN_CANDIDATES;
+                match self.cudnn_execs(d, p, limit) {
+                    Ok((v, n, o)) => {
+                        execs.extend(v);
+                        notes.extend(n);
+                        if !several {
+                            origin = o;
+                        }
+                    }
+                    Err(e) => notes.push(format!("cuDNN: {e}")),
+                }
+            } else {
+                execs.push(self.core.exec_of(&self.ctx, *r)?);
+            }
+        }
+        if execs.is_empty() {
+            let fb = plan.fallback_route(ConvPath::Cudnn).ok_or_else(|| {
+                Error::NotSupported(format!(
+                    "no route can run this {}: {}",
+                    d.describe(),
+                    notes.join("; ")
+                ))
+            })?;
+            tracing::warn!(direction = %d, route = %fb, notes = ?notes,
+                "no candidate route could be prepared; falling back");
+            let mut c = ConvChoice::planned(fb, ChoiceOrigin::Fallback);
+            c.notes = notes;
+            return Ok(Decided {
+                exec: self.core.exec_of(&self.ctx, fb)?,
+                choice: c,
+                report: None,
+            });
+        }
+        if execs.len() == 1 {
+            let mut c = ConvChoice::planned(execs[0].route, origin);
+            c.notes = notes;
+            if origin == ChoiceOrigin::CudnnFind {
+                self.remember(&key, &c);
+            }
+            tracing::info!(problem = ?self.core.shape, direction = %d, route = %c.route,
+                origin = origin.name(), "convolution decided");
+            return Ok(Decided {
+                exec: execs[0],
+                choice: c,
+                report: None,
+            });
+        }
+        let inp = MeasureInput {
+            ctx,
+            shape: &self.core.shape,
+            dtype: self.core.dtype,
+            direction: d,
+            cudnn: self.core.cudnn.as_deref(),
+            execs: &execs,
+            operands: p,
+            lens: self.core.lens,
+        };
+        match choice::measure(&inp) {
+            Ok((w, report)) => {
+                let win = &report.candidates[w];
+                let inc = &report.candidates[report.incumbent];
+                let c = ConvChoice {
+                    route: execs[w].route,
+                    origin: ChoiceOrigin::Measured,
+                    median_us: win.median_ms.map_or(f64::NAN, |m| m * 1e3),
+                    incumbent_us: inc.median_ms.map_or(f64::NAN, |m| m * 1e3),
+                    candidates: execs.len() as u32,
+                    notes,
+                };
+                tracing::info!(problem = ?self.core.shape, dtype = %self.core.dtype,
+                    direction = %d, route = %c.route, wall_ms = report.wall_ms,
+                    "convolution measured:\n{report}");
+                self.remember(&key, &c);
+                Ok(Decided {
+                    exec: execs[w],
+                    choice: c,
+                    report: Some(Arc::new(report)),
+                })
+            }
+            Err(e) => {
+                // Nothing could be checked: take the incumbent unmeasured (it is what a forced
+                // policy would run), remembered only here.
+                tracing::warn!(direction = %d, error = %e,
+                    "convolution measurement failed; running the incumbent unmeasured");
+                let mut c = ConvChoice::planned(execs[0].route, ChoiceOrigin::Fallback);
+                notes.push(format!("measurement failed: {e}"));
+                c.notes = notes;
+                Ok(Decided {
+                    exec: execs[0],
+                    choice: c,
+                    report: None,
+                })
+            }
+        }
+    }
+
+    /// Keeps a costly decision in the process cache and, when configured, in the file.
+    pub(super) fn remember(&self, key: &ChoiceKey, c: &ConvChoice) {
+        let cfg = self.ctx.config();
+        choice::insert(*key, c.clone(), cfg.plan_cache_capacity);
+        if let Some(path) = &cfg.tuning_cache {
+            let saved = choice::device_tag(&self.ctx)
+                .and_then(|tag| choice::save_file(path, &tag, key.device));
+            match saved {
+                Ok(()) => {
+                    tracing::debug!(path = %path.display(), "convolution tuning cache written")
+                }
+                Err(e) => tracing::warn!(path = %path.display(), error = %e,
+                    "convolution tuning cache could not be written; the choice stays in memory"),
+            }
+        }
+    }
+
+    /// The decided route of `d`, deciding on the first call.
+    pub(super) fn decided(&self, d: Direction, p: CudnnPtrs) -> Result<Exec> {
+        let mut st = lock(&self.core.state[d.index()]);
+        if let Some(s) = st.as_ref() {
+            return Ok(s.exec);
+        }
+        let dec = self.decide(d, p)?;
+        let exec = dec.exec;
+        *st = Some(dec);
+        Ok(exec)
+    }
+
+    /// A route forced by the caller, completed (engine, cuDNN algorithm) and checked against
+    /// the plan.
+    pub(super) fn forced(&self, d: Direction, r: Route, p: CudnnPtrs) -> Result<Exec> {
+        let plan = self.plan_for(d);
+        let info = plan.info(r.path);
+        if !info.eligible {
+            return Err(Error::NotSupported(format!(
+                "{} cannot run this {}: {}",
+                r.path,
+                d.describe(),
+                info.why_not.clone().unwrap_or_default()
+            )));
+        }
+        let mut r = r;
+        match r.path {
+            ConvPath::Cudnn if r.cudnn_algo.is_none() => {
+                let decided = lock(&self.core.state[d.index()])
+                    .as_ref()
+                    .and_then(|s| s.exec.route.cudnn_algo);
+                let cached = *lock(&self.core.cudnn_first[d.index()]);
+                r.cudnn_algo = match decided.or(cached) {
+                    Some(a) => Some(a),
+                    None => {
+                        let first = self
+                            .cudnn_execs(d, p, 1)?
+                            .0
+                            .first()
+                            .and_then(|e| e.route.cudnn_algo);
+                        *lock(&self.core.cudnn_first[d.index()]) = first;
+                        first
+                    }
+                };
+                if r.cudnn_algo.is_none() {
+                    return Err(Error::NotSupported(
+                        "cuDNN offered no usable algorithm".into(),
+                    ));
+                }
+            }
+            ConvPath::WinogradF2x3 | ConvPath::WinogradF4x3 if r.engine.is_none() => {
+                r.engine = info
+                    .winograd
+                    .as_ref()
+                    .and_then(|w| w.engines.first().copied());
+            }
+            _ => {}
+        }
+        if let Some(a) = r.cudnn_algo {
+            if a.direction != d || !a.is_known() {
+                return Err(Error::invalid(
+                    "route",
+                    format!("{} is not a cuDNN {} algorithm", a.label(), d),
+                ));
+            }
+        }
+        if r.path != ConvPath::Cudnn && r.cudnn_algo.is_some() {
+            return Err(Error::invalid(
+                "route",
+                "only a cuDNN route names a cuDNN algorithm",
+            ));
+        }
+        if r.path.winograd_tile().is_none() && r.engine.is_some() {
+            return Err(Error::invalid(
+                "route",
+                "only a Winograd route names an engine",
+            ));
+        }
+        self.core.exec_of(&self.ctx, r)
+    }
+
+    /// Runs `d` on checked operands: the forced route, or the decided one with a fallback when
+    /// it fails at run time.
+    pub(super) fn run(
+        &self,
+        d: Direction,
+        p: CudnnPtrs,
+        accumulate: bool,
+        forced: Option<Route>,
+    ) -> Result<()> {
+        let plan = self.plan_for(d);
+        if !plan.runnable {
+            return Err(Error::NotSupported(format!(
+                "no path can compute this {}: {}",
+                d.describe(),
+                plan.reasons.join("; ")
+            )));
+        }
+        let core = &*self.core;
+        let target = self.core.target(&self.ctx);
+        if let Some(r) = forced {
+            let e = self.forced(d, r, p)?;
+            tracing::debug!(direction = %d, route = %e.route, "convolution (forced route)");
+            // SAFETY: operands checked by `check`; the route was checked against the plan.
+            return unsafe { route::run(&target, d, e, p, accumulate) };
+        }
+        let e = self.decided(d, p)?;
+        tracing::trace!(direction = %d, route = %e.route, "convolution");
+        // SAFETY: as above.
+        let first = unsafe { route::run(&target, d, e, p, accumulate) };
+        let Err(err) = first else {
+            return Ok(());
+        };
+        let Some(fb) = plan.fallback_route(e.route.path) else {
+            return Err(err);
+        };
+        let fb_exec = match fb.path {
+            ConvPath::Cudnn => match self.cudnn_execs(d, p, 1) {
+                Ok((v, _, _)) if !v.is_empty() => v[0],
+                _ => return Err(err),
+            },
+            _ => self.core.exec_of(&self.ctx, fb)?,
+        };
+        tracing::warn!(
+            problem = ?core.shape, dtype = %core.dtype, direction = %d, failed = %e.route,
+            fallback = %fb_exec.route, error = %err,
+            "convolution route failed at run time; this problem uses the fallback from now on"
+        );
+        let mut c = ConvChoice::planned(fb_exec.route, ChoiceOrigin::Fallback);
+        c.notes
+            .push(format!("{} failed at run time: {err}", e.route));
+        // Other Contexts of the process take the fallback too (never written to the file).
+        let key = ChoiceKey::of(self.ctx.info().ordinal as u32, plan, core.search);
+        choice::insert(key, c.clone(), self.ctx.config().plan_cache_capacity);
+        *lock(&core.state[d.index()]) = Some(Decided {
+            exec: fb_exec,
+            choice: c,
+            report: None,
+        });
+        // SAFETY: as above.
+        unsafe { route::run(&target, d, fb_exec, p, accumulate) }
+    }
+}

@@ -1,0 +1,709 @@
+//! The convolution paths: what a path is ([`ConvPath`], generated from one list), the plan's
+//! per-path records ([`PathInfo`], [`WinogradInfo`]), and each path's pure rule — eligibility
+//! with its reason, scratch and chunks, its reason lines, the policies that force it and its
+//! place in `auto`'s order. [`conv_paths!`] is the one list that registers a path: the pure side
+//! (this file, `plan.rs`) expands it into the enum and the rule lookup, the GPU side (`route.rs`)
+//! into the table of run functions. The run functions are named there as tokens only, resolved
+//! where `route.rs` expands the list: this file imports nothing of the GPU.
+//! Pure: no GPU calls (`tests/conv_plan.rs`).
+
+use std::fmt;
+use std::str::FromStr;
+
+use super::problem::{
+    fused_eligible, winograd_backward_data_eligible, winograd_dims, winograd_equivalent,
+    winograd_forward_eligible, ConvShape, Direction, WinogradEngine, WinogradTile,
+};
+use super::sizes::{
+    balanced_chunks, im2col_chunk, im2col_dims, is_pointwise, tensor_core_rule, winograd_chunk,
+};
+use crate::config::{Config, ConvAlgoPolicy, WinogradGemmPolicy};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+/// `i32::MAX`: the largest size cuDNN's legacy descriptors and cuBLAS's GEMM dimensions take.
+pub const INT_MAX: usize = i32::MAX as usize;
+
+/// The registered convolution paths, one entry each, in the order plans list them (the order of
+/// [`ConvPath`]'s variants): the variant and its documentation, its name and parse aliases, its
+/// rank in `auto`'s measuring order (lower first; the first is the incumbent), its run function
+/// (`raw_run` of its launcher module, relative to `conv`, `unsafe fn(&PathCall) -> Result<()>`)
+/// and its pure rule (a [`PathRule`] value of this file). Adding a path is one entry here.
+///
+/// Expanded by a callback macro: `conv_paths!(m)` calls `m! { entries }`.
+macro_rules! conv_paths {
+    ($then:ident) => {
+        $then! {
+            /// cuDNN (`cudnnConvolutionForward` / `BackwardData` / `BackwardFilter`).
+            Cudnn = "cudnn", auto 10, run cudnn_run::raw_run, rule CudnnRule;
+            /// nnfuse's im2col (col2im for the data gradient) and a strided batched GEMM.
+            Im2colGemm = "im2col_gemm" | "im2col", auto 20, run im2col::raw_run, rule Im2colRule;
+            /// Winograd F(2x2, 3x3) through one batched multiply.
+            WinogradF2x3 = "winograd_f2x3" | "winograd_f2", auto 40, run winograd::raw_run,
+                rule WinogradRule(WinogradTile::F2x3);
+            /// Winograd F(4x4, 3x3) through one batched multiply.
+            WinogradF4x3 = "winograd_f4x3" | "winograd_f4", auto 30, run winograd::raw_run,
+                rule WinogradRule(WinogradTile::F4x3);
+            /// nnfuse's direct convolution kernel (forward only).
+            Direct = "direct", auto 90, run direct::raw_run, rule DirectRule;
+        }
+    };
+}
+pub(crate) use conv_paths;
+
+/// The pure side of the list: [`ConvPath`], its names, parsing and each path's rule and rank.
+macro_rules! declare_paths {
+    ($(
+        $(#[$doc:meta])*
+        $variant:ident = $name:literal $(| $alias:literal)*, auto $rank:literal,
+            run $($run:ident)::+, rule $rule:expr;
+    )*) => {
+        /// How a convolution is computed (one variant per entry of the registered list).
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum ConvPath {
+            $($(#[$doc])* $variant,)*
+        }
+
+        impl ConvPath {
+            /// Every path, in the order plans list them.
+            pub const ALL: [ConvPath; [$(stringify!($variant)),*].len()] =
+                [$(ConvPath::$variant),*];
+
+            /// `cudnn`, `im2col_gemm`, `winograd_f2x3`, `winograd_f4x3`, `direct`.
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(ConvPath::$variant => $name,)*
+                }
+            }
+
+            /// The path's pure rule.
+            pub(crate) fn rule(self) -> &'static dyn PathRule {
+                match self {
+                    $(ConvPath::$variant => &$rule,)*
+                }
+            }
+
+            /// The path's place in `auto`'s measuring order (lower first).
+            pub(crate) const fn auto_rank(self) -> u32 {
+                match self {
+                    $(ConvPath::$variant => $rank,)*
+                }
+            }
+        }
+
+        impl FromStr for ConvPath {
+            type Err = Error;
+            /// The names of [`ConvPath::name`], `-` read as `_`, plus `im2col` and
+            /// `winograd_f2` / `winograd_f4`.
+            fn from_str(s: &str) -> Result<Self> {
+                match s.trim().to_ascii_lowercase().replace('-', "_").as_str() {
+                    $($name $(| $alias)* => Ok(ConvPath::$variant),)*
+                    _ => Err(Error::invalid(
+                        "path",
+                        format!(
+                            "{s:?} is not one of {}",
+                            [$($name),*].join(", ")
+                        ),
+                    )),
+                }
+            }
+        }
+    };
+}
+conv_paths!(declare_paths);
+
+impl ConvPath {
+    /// The Winograd tile of a Winograd path.
+    pub const fn winograd_tile(self) -> Option<WinogradTile> {
+        match self {
+            ConvPath::WinogradF2x3 => Some(WinogradTile::F2x3),
+            ConvPath::WinogradF4x3 => Some(WinogradTile::F4x3),
+            _ => None,
+        }
+    }
+
+    /// The path of a Winograd tile.
+    pub const fn winograd(tile: WinogradTile) -> ConvPath {
+        match tile {
+            WinogradTile::F2x3 => ConvPath::WinogradF2x3,
+            WinogradTile::F4x3 => ConvPath::WinogradF4x3,
+        }
+    }
+
+    /// Whether nnfuse's own kernels run it (no cuDNN needed).
+    pub const fn is_own(self) -> bool {
+        !matches!(self, ConvPath::Cudnn)
+    }
+}
+
+impl fmt::Display for ConvPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A path's pure rule: what the plan asks of each path, without naming it.
+pub(crate) trait PathRule: Sync {
+    /// Whether `path` (this rule's) can run the problem, why not, its scratch and chunks.
+    fn info(
+        &self,
+        path: ConvPath,
+        req: &ConvPlanRequest,
+        out_hw: (usize, usize),
+    ) -> Result<PathInfo>;
+
+    /// The plan's reason lines on how the path computes the problem (when it is a candidate).
+    fn reasons(&self, req: &ConvPlanRequest, info: &PathInfo, reasons: &mut Vec<String>);
+
+    /// Whether the forced `policy` takes this path (`auto` takes every path).
+    fn forced_by(&self, policy: ConvAlgoPolicy) -> bool;
+}
+
+/// How Winograd's engine was decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum EngineDecision {
+    /// The seed's tensor-core rule (`winograd_gemm = seed`).
+    SeedRule,
+    /// Forced by `winograd_gemm = tensor_core | direct | fused`.
+    Forced,
+    /// Measured at the first call (`winograd_gemm = auto`); every engine that can run is a
+    /// candidate.
+    Measured,
+}
+
+impl EngineDecision {
+    /// `seed_rule`, `forced`, `measured`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            EngineDecision::SeedRule => "seed_rule",
+            EngineDecision::Forced => "forced",
+            EngineDecision::Measured => "measured",
+        }
+    }
+}
+
+/// Winograd's batched multiply for one tile size.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WinogradInfo {
+    /// The tile size.
+    pub tile: WinogradTile,
+    /// Rows of each position's product: the tiles of the largest batch chunk.
+    pub tiles: usize,
+    /// Inner dimension (input channels of the equivalent forward convolution).
+    pub c_in: usize,
+    /// Columns (output channels of the equivalent forward convolution).
+    pub c_out: usize,
+    /// The first triple of the seed's rule that divides `(tiles, c_in, c_out)`.
+    pub seed_rule: Option<(usize, usize, usize)>,
+    /// The rule's engine: tensor cores when a triple divides, else Direct.
+    pub seed_engine: WinogradEngine,
+    /// The engines the route(s) of this tile use (when measured: the rule's first, the other
+    /// batched-multiply engine, then the fused one where it can run).
+    pub engines: Vec<WinogradEngine>,
+    /// How the engine was decided.
+    pub decided_by: EngineDecision,
+    /// Why the fused engine cannot run this problem (`None`: it can; see
+    /// [`fused_eligible`]).
+    pub fused_why_not: Option<String>,
+}
+
+/// One path's eligibility and sizes for the problem.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PathInfo {
+    /// The path.
+    pub path: ConvPath,
+    /// Whether it can run this problem.
+    pub eligible: bool,
+    /// Why not, when it cannot.
+    pub why_not: Option<String>,
+    /// Bytes of the Context's scratch arena it uses (im2col: the column matrices of one chunk;
+    /// Winograd: the transformed filter plus one chunk's transformed input and product). cuDNN's
+    /// workspace is chosen with its algorithm at the first call (at most the cap); 0 here.
+    pub scratch_bytes: usize,
+    /// Images per chunk (the batch is split so that the scratch fits the cap).
+    pub chunk: Option<usize>,
+    /// Number of chunks (balanced: sizes differ by at most one).
+    pub chunks: usize,
+    /// Winograd's batched multiply (Winograd paths that are eligible).
+    pub winograd: Option<WinogradInfo>,
+}
+
+/// What to plan.
+#[derive(Debug, Clone, Copy)]
+pub struct ConvPlanRequest<'a> {
+    /// The problem (layouts in [`crate::reference::conv`]).
+    pub shape: ConvShape,
+    /// Element type of x, w and y (f32 accumulation everywhere).
+    pub dtype: DType,
+    /// Which computation.
+    pub direction: Direction,
+    /// Policies, workspace cap, determinism.
+    pub config: &'a Config,
+    /// Whether cuDNN can be loaded ([`crate::context::cudnn_present`]).
+    pub cudnn_present: bool,
+}
+
+pub(crate) fn mib(bytes: usize) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+}
+
+/// Why cuDNN's `int` sizes cannot describe the problem, if they cannot.
+pub fn cudnn_int_limits(s: &ConvShape, (oh, ow): (usize, usize)) -> Option<String> {
+    let mut over = Vec::new();
+    for (name, v) in [
+        ("n", s.n),
+        ("c_in", s.c_in),
+        ("h", s.h),
+        ("w", s.w),
+        ("c_out", s.c_out),
+        ("kh", s.kh),
+        ("kw", s.kw),
+        ("stride", s.stride.0.max(s.stride.1)),
+        ("pad", s.pad.0.max(s.pad.1)),
+        ("dilation", s.dilation.0.max(s.dilation.1)),
+    ] {
+        if v > INT_MAX {
+            over.push(format!("{name} = {v}"));
+        }
+    }
+    // Element counts (they bound every stride of the packed descriptors).
+    let count = |d: &[usize]| d.iter().try_fold(1usize, |p, &x| p.checked_mul(x));
+    for (name, dims) in [
+        ("x", [s.n, s.c_in, s.h, s.w]),
+        ("w", [s.c_out, s.c_in, s.kh, s.kw]),
+        ("y", [s.n, s.c_out, oh, ow]),
+    ] {
+        match count(&dims) {
+            Some(c) if c <= INT_MAX => {}
+            Some(c) => over.push(format!("{name} has {c} elements")),
+            None => over.push(format!("{name}'s element count overflows")),
+        }
+    }
+    if over.is_empty() {
+        None
+    } else {
+        Some(format!(
+            "cuDNN's descriptors take int sizes and strides (at most {INT_MAX}): {}",
+            over.join(", ")
+        ))
+    }
+}
+
+fn info_ineligible(path: ConvPath, why: String) -> PathInfo {
+    PathInfo {
+        path,
+        eligible: false,
+        why_not: Some(why),
+        scratch_bytes: 0,
+        chunk: None,
+        chunks: 0,
+        winograd: None,
+    }
+}
+
+/// cuDNN: loads, and every size fits its `int` descriptors.
+pub(crate) struct CudnnRule;
+
+impl PathRule for CudnnRule {
+    fn info(
+        &self,
+        path: ConvPath,
+        req: &ConvPlanRequest,
+        out_hw: (usize, usize),
+    ) -> Result<PathInfo> {
+        if !req.cudnn_present {
+            return Ok(info_ineligible(
+                path,
+                "cuDNN cannot be loaded (libcudnn.so.9 not found): nnfuse's own paths run \
+                 instead"
+                    .into(),
+            ));
+        }
+        if let Some(why) = cudnn_int_limits(&req.shape, out_hw) {
+            return Ok(info_ineligible(path, why));
+        }
+        Ok(PathInfo {
+            path,
+            eligible: true,
+            why_not: None,
+            scratch_bytes: 0,
+            chunk: None,
+            chunks: 1,
+            winograd: None,
+        })
+    }
+
+    fn reasons(&self, req: &ConvPlanRequest, _p: &PathInfo, reasons: &mut Vec<String>) {
+        let cfg = req.config;
+        reasons.push(format!(
+            "cudnn: the algorithm is cuDNN's, chosen at the first call (heuristic \
+             candidates timed interleaved, or cuDNN's Find with \
+             NNFUSE_CONV_CUDNN_SEARCH=find), with a workspace of at most the cap ({}); \
+             f32 runs with CUDNN_FMA_MATH (true fp32, no TF32), f16/bf16 with \
+             tensor-op math; f32 compute type",
+            mib(cfg.conv_workspace_bytes())
+        ));
+        if req.direction != Direction::Forward {
+            reasons.push(if cfg.deterministic {
+                "deterministic (NNFUSE_DETERMINISTIC / Config::deterministic): only \
+                 cuDNN's deterministic algorithms are candidates; the first call \
+                 reports whether that excluded the fastest one"
+                    .into()
+            } else {
+                "not deterministic: cuDNN may pick an algorithm that accumulates with \
+                 atomics (set NNFUSE_DETERMINISTIC=1 to exclude those)"
+                    .into()
+            });
+        }
+    }
+
+    fn forced_by(&self, policy: ConvAlgoPolicy) -> bool {
+        policy == ConvAlgoPolicy::Cudnn
+    }
+}
+
+/// im2col + GEMM: one image's columns fit the cap and the GEMM's sizes fit cuBLAS's `int`.
+pub(crate) struct Im2colRule;
+
+impl PathRule for Im2colRule {
+    fn info(
+        &self,
+        path: ConvPath,
+        req: &ConvPlanRequest,
+        _out_hw: (usize, usize),
+    ) -> Result<PathInfo> {
+        let s = &req.shape;
+        let elem = req.dtype.size();
+        let cap = req.config.conv_workspace_bytes();
+        let d = im2col_dims(s)?;
+        let big: Vec<String> = [
+            ("output pixels per image (oh*ow)", d.pixels),
+            ("filter taps (c_in*kh*kw)", d.taps),
+            ("c_out", s.c_out),
+        ]
+        .iter()
+        .filter(|(_, v)| *v > INT_MAX)
+        .map(|(n, v)| format!("{n} = {v}"))
+        .collect();
+        if !big.is_empty() {
+            return Ok(info_ineligible(
+                path,
+                format!(
+                    "cuBLAS takes int GEMM dimensions (at most {INT_MAX}): {}",
+                    big.join(", ")
+                ),
+            ));
+        }
+        let Some(chunk) = im2col_chunk(s, elem, cap)? else {
+            let per_image = d.per_image.saturating_mul(elem);
+            return Ok(info_ineligible(
+                path,
+                format!(
+                    "one image's column matrix ({} x {} = {}) exceeds the workspace cap of {} \
+             (NNFUSE_CONV_WORKSPACE_MB / Config::conv_workspace_mb)",
+                    d.pixels,
+                    d.taps,
+                    mib(per_image),
+                    mib(cap)
+                ),
+            ));
+        };
+        let scratch = if is_pointwise(s) {
+            0
+        } else {
+            chunk.saturating_mul(d.per_image).saturating_mul(elem)
+        };
+        Ok(PathInfo {
+            path,
+            eligible: true,
+            why_not: None,
+            scratch_bytes: scratch,
+            chunk: Some(chunk),
+            chunks: balanced_chunks(s.n, chunk).len(),
+            winograd: None,
+        })
+    }
+
+    fn reasons(&self, req: &ConvPlanRequest, p: &PathInfo, reasons: &mut Vec<String>) {
+        let (s, cfg) = (&req.shape, req.config);
+        let what = match req.direction {
+            Direction::Forward if is_pointwise(s) => {
+                "pointwise (1x1, stride 1, no padding): x already is the column \
+                 matrix, one strided batched GEMM"
+                    .to_string()
+            }
+            Direction::Forward => "im2col, then one strided batched GEMM per chunk".into(),
+            Direction::BackwardData => {
+                "GEMM of the filter with dy into column matrices, then col2im (a \
+                 gather: deterministic, no atomics)"
+                    .into()
+            }
+            Direction::BackwardFilter => {
+                "GEMM of dy with the column matrices per chunk, accumulated in f32".into()
+            }
+        };
+        reasons.push(format!(
+            "im2col_gemm: {what}; scratch {} in {} chunk(s) of <= {} image(s) under the \
+             cap of {}",
+            mib(p.scratch_bytes),
+            p.chunks,
+            p.chunk.unwrap_or(s.n),
+            mib(cfg.conv_workspace_bytes())
+        ));
+    }
+
+    fn forced_by(&self, policy: ConvAlgoPolicy) -> bool {
+        policy == ConvAlgoPolicy::Im2col
+    }
+}
+
+/// The engines a Winograd route takes under `policy`, the rule's result (tensor cores or
+/// Direct) and whether the fused engine can run, and how that was decided.
+fn engines(
+    policy: WinogradGemmPolicy,
+    seed_engine: WinogradEngine,
+    fused_ok: bool,
+) -> (Vec<WinogradEngine>, EngineDecision) {
+    let other = if seed_engine == WinogradEngine::TensorCore {
+        WinogradEngine::Direct
+    } else {
+        WinogradEngine::TensorCore
+    };
+    match policy {
+        WinogradGemmPolicy::Seed => (vec![seed_engine], EngineDecision::SeedRule),
+        WinogradGemmPolicy::TensorCore => {
+            (vec![WinogradEngine::TensorCore], EngineDecision::Forced)
+        }
+        WinogradGemmPolicy::Direct => (vec![WinogradEngine::Direct], EngineDecision::Forced),
+        WinogradGemmPolicy::Fused if fused_ok => {
+            (vec![WinogradEngine::Fused], EngineDecision::Forced)
+        }
+        WinogradGemmPolicy::Fused => (vec![seed_engine], EngineDecision::SeedRule),
+        WinogradGemmPolicy::Auto => {
+            let mut e = vec![seed_engine, other];
+            if fused_ok {
+                e.push(WinogradEngine::Fused);
+            }
+            (e, EngineDecision::Measured)
+        }
+    }
+}
+
+/// Winograd of one tile size: NHWC 3x3 stride 1, the forward or the data gradient, the
+/// transformed tensors of one image within the cap.
+pub(crate) struct WinogradRule(pub WinogradTile);
+
+impl PathRule for WinogradRule {
+    fn info(
+        &self,
+        path: ConvPath,
+        req: &ConvPlanRequest,
+        _out_hw: (usize, usize),
+    ) -> Result<PathInfo> {
+        let tile = self.0;
+        let s = &req.shape;
+        let eligible = match req.direction {
+            Direction::Forward => winograd_forward_eligible(s),
+            Direction::BackwardData => winograd_backward_data_eligible(s),
+            Direction::BackwardFilter => {
+                Err("nnfuse's Winograd computes the forward and the data \
+                                      gradient only; the filter gradient takes im2col + \
+                                      GEMM or cuDNN"
+                    .to_string())
+            }
+        };
+        if let Err(why) = eligible {
+            return Ok(info_ineligible(path, why));
+        }
+        let Some(eq) = winograd_equivalent(s, req.direction) else {
+            return Ok(info_ineligible(
+                path,
+                "no equivalent forward convolution".into(),
+            ));
+        };
+        let elem = req.dtype.size();
+        let cap = req.config.conv_workspace_bytes();
+        let d = winograd_dims(&eq, tile)?;
+        let Some(chunk) = winograd_chunk(&eq, tile, elem, cap)? else {
+            let need =
+                d.v.saturating_add(d.u_per_image)
+                    .saturating_add(d.m_per_image)
+                    .saturating_mul(elem);
+            return Ok(info_ineligible(
+                path,
+                format!(
+                    "the transformed filter and one image's transformed input and product ({}) \
+             exceed the workspace cap of {} (NNFUSE_CONV_WORKSPACE_MB)",
+                    mib(need),
+                    mib(cap)
+                ),
+            ));
+        };
+        let tiles = chunk.saturating_mul(d.tiles_per_image);
+        let big: Vec<String> = [("tiles", tiles), ("c_in", eq.c_in), ("c_out", eq.c_out)]
+            .iter()
+            .filter(|(_, v)| *v > INT_MAX)
+            .map(|(n, v)| format!("{n} = {v}"))
+            .collect();
+        if !big.is_empty() {
+            return Ok(info_ineligible(
+                path,
+                format!(
+                    "the batched multiply's sizes exceed int (at most {INT_MAX}): {}",
+                    big.join(", ")
+                ),
+            ));
+        }
+        let seed_rule = tensor_core_rule(tiles, eq.c_in, eq.c_out);
+        let seed_engine = if seed_rule.is_some() {
+            WinogradEngine::TensorCore
+        } else {
+            WinogradEngine::Direct
+        };
+        let fused_why_not = fused_eligible(&eq, req.dtype).err();
+        let (engines, decided_by) = engines(
+            req.config.winograd_gemm,
+            seed_engine,
+            fused_why_not.is_none(),
+        );
+        let scratch =
+            d.v.saturating_add(chunk.saturating_mul(d.u_per_image.saturating_add(d.m_per_image)))
+                .saturating_mul(elem);
+        Ok(PathInfo {
+            path,
+            eligible: true,
+            why_not: None,
+            scratch_bytes: scratch,
+            chunk: Some(chunk),
+            chunks: balanced_chunks(s.n, chunk).len(),
+            winograd: Some(WinogradInfo {
+                tile,
+                tiles,
+                c_in: eq.c_in,
+                c_out: eq.c_out,
+                seed_rule,
+                seed_engine,
+                engines,
+                decided_by,
+                fused_why_not,
+            }),
+        })
+    }
+
+    fn reasons(&self, req: &ConvPlanRequest, p: &PathInfo, reasons: &mut Vec<String>) {
+        let cfg = req.config;
+        if let Some(w) = &p.winograd {
+            let rule = match w.seed_rule {
+                Some((a, b, c)) => format!(
+                    "({}, {}, {}) is divisible by ({a}, {b}, {c}): tensor cores",
+                    w.tiles, w.c_in, w.c_out
+                ),
+                None => format!(
+                    "({}, {}, {}) is divisible by none of (16,16,16), (8,16,32), \
+                     (32,16,8): the Direct batched multiply",
+                    w.tiles, w.c_in, w.c_out
+                ),
+            };
+            let fused = match &w.fused_why_not {
+                None => "the fused engine can run it (one kernel: input transform, \
+                         tensor-core products, output transform; U and M stay on chip)"
+                    .to_string(),
+                Some(why) => format!("the fused engine cannot: {why}"),
+            };
+            let how = match (w.decided_by, cfg.winograd_gemm) {
+                (EngineDecision::SeedRule, WinogradGemmPolicy::Fused) => {
+                    format!("winograd_gemm fused: {fused}, so the seed's rule decides ({rule})")
+                }
+                (EngineDecision::SeedRule, _) => {
+                    format!("winograd_gemm seed: the rule decides ({rule})")
+                }
+                (EngineDecision::Forced, _) => format!(
+                    "winograd_gemm {}: forced {} (the seed's rule would say: {rule})",
+                    cfg.winograd_gemm,
+                    w.engines[0].name()
+                ),
+                (EngineDecision::Measured, _) => format!(
+                    "winograd_gemm auto: the engines {} are measured, the rule's first \
+                     ({rule}); {fused}",
+                    w.engines
+                        .iter()
+                        .map(|e| e.name())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            };
+            let of = if req.direction == Direction::BackwardData {
+                " (the data gradient as a forward 3x3 convolution of dy with the \
+                 rotated, channel-swapped filter, padding 2 - pad)"
+            } else {
+                ""
+            };
+            reasons.push(format!(
+                "{}{of}: {} transform positions, one batched multiply of {} x {} by \
+                 {} x {} per position; {how}; scratch {} in {} chunk(s)",
+                p.path,
+                w.tile.positions(),
+                w.tiles,
+                w.c_in,
+                w.c_in,
+                w.c_out,
+                mib(p.scratch_bytes),
+                p.chunks
+            ));
+        }
+    }
+
+    fn forced_by(&self, policy: ConvAlgoPolicy) -> bool {
+        match self.0 {
+            WinogradTile::F2x3 => matches!(
+                policy,
+                ConvAlgoPolicy::Winograd | ConvAlgoPolicy::WinogradF2x3
+            ),
+            WinogradTile::F4x3 => matches!(
+                policy,
+                ConvAlgoPolicy::Winograd | ConvAlgoPolicy::WinogradF4x3
+            ),
+        }
+    }
+}
+
+/// The direct kernel: any forward problem, no gradient.
+pub(crate) struct DirectRule;
+
+impl PathRule for DirectRule {
+    fn info(
+        &self,
+        path: ConvPath,
+        req: &ConvPlanRequest,
+        _out_hw: (usize, usize),
+    ) -> Result<PathInfo> {
+        if req.direction != Direction::Forward {
+            return Ok(info_ineligible(
+                path,
+                format!(
+                    "nnfuse's direct kernel computes the forward only, not the {}",
+                    req.direction.describe()
+                ),
+            ));
+        }
+        Ok(PathInfo {
+            path,
+            eligible: true,
+            why_not: None,
+            scratch_bytes: 0,
+            chunk: None,
+            chunks: 1,
+            winograd: None,
+        })
+    }
+
+    fn reasons(&self, _req: &ConvPlanRequest, _p: &PathInfo, reasons: &mut Vec<String>) {
+        reasons.push(
+            "direct: nnfuse's direct kernel, any shape, f32 accumulation, no workspace".into(),
+        );
+    }
+
+    fn forced_by(&self, policy: ConvAlgoPolicy) -> bool {
+        policy == ConvAlgoPolicy::Direct
+    }
+}

@@ -1,0 +1,140 @@
+//! The convolution problem: sizes, stride, padding, dilation and memory format of one 2-D
+//! convolution layer. The operation and the layouts are documented with its f64 reference
+//! (`nnfuse::reference::conv`, which imports this file, never the other way).
+
+use crate::error::{Error, Result};
+use crate::layout::TensorFormat;
+
+/// One 2-D convolution problem (the layouts and the formula: `nnfuse::reference::conv`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ConvShape {
+    /// Batch size.
+    pub n: usize,
+    /// Input channels.
+    pub c_in: usize,
+    /// Input height.
+    pub h: usize,
+    /// Input width.
+    pub w: usize,
+    /// Output channels (filters).
+    pub c_out: usize,
+    /// Filter height.
+    pub kh: usize,
+    /// Filter width.
+    pub kw: usize,
+    /// `(vertical, horizontal)` stride.
+    pub stride: (usize, usize),
+    /// `(vertical, horizontal)` zero padding, added on both sides.
+    pub pad: (usize, usize),
+    /// `(vertical, horizontal)` dilation (1 = dense filter).
+    pub dilation: (usize, usize),
+    /// Memory format of x, w and y.
+    pub format: TensorFormat,
+}
+
+/// Output extent along one spatial axis, or an error naming `k_name`, `stride` or `dilation`.
+fn out_extent(
+    input: usize,
+    k: usize,
+    stride: usize,
+    pad: usize,
+    dilation: usize,
+    k_name: &str,
+    in_name: &str,
+) -> Result<usize> {
+    let overflow = || Error::invalid(k_name, "the padded or dilated extent overflows usize");
+    let padded = pad
+        .checked_mul(2)
+        .and_then(|p| p.checked_add(input))
+        .ok_or_else(overflow)?;
+    let extent = (k - 1)
+        .checked_mul(dilation)
+        .and_then(|e| e.checked_add(1))
+        .ok_or_else(overflow)?;
+    if extent > padded {
+        return Err(Error::invalid(
+            k_name,
+            format!(
+                "the dilated filter extent {extent} exceeds the padded input {in_name} {padded}: \
+                 the output would be empty"
+            ),
+        ));
+    }
+    Ok((padded - extent) / stride + 1)
+}
+
+/// `Some(product)` or `None` on overflow.
+fn product(dims: &[usize]) -> Option<usize> {
+    dims.iter().try_fold(1usize, |p, &d| p.checked_mul(d))
+}
+
+impl ConvShape {
+    /// Validates every parameter and returns the output size `(oh, ow)`.
+    ///
+    /// Errors (as [`Error::InvalidArgument`], naming the field): a zero `n`, `c_in`, `h`, `w`,
+    /// `c_out`, `kh` or `kw`; a zero component of `stride` or `dilation`; a dilated filter
+    /// larger than the padded input (named `kh` or `kw`: the output would be empty).
+    pub fn out_hw(&self) -> Result<(usize, usize)> {
+        for (name, v) in [
+            ("n", self.n),
+            ("c_in", self.c_in),
+            ("h", self.h),
+            ("w", self.w),
+            ("c_out", self.c_out),
+            ("kh", self.kh),
+            ("kw", self.kw),
+        ] {
+            if v == 0 {
+                return Err(Error::invalid(name, "is 0"));
+            }
+        }
+        if self.stride.0 == 0 || self.stride.1 == 0 {
+            return Err(Error::invalid(
+                "stride",
+                format!("{:?} has a zero component", self.stride),
+            ));
+        }
+        if self.dilation.0 == 0 || self.dilation.1 == 0 {
+            return Err(Error::invalid(
+                "dilation",
+                format!("{:?} has a zero component", self.dilation),
+            ));
+        }
+        let oh = out_extent(
+            self.h,
+            self.kh,
+            self.stride.0,
+            self.pad.0,
+            self.dilation.0,
+            "kh",
+            "height",
+        )?;
+        let ow = out_extent(
+            self.w,
+            self.kw,
+            self.stride.1,
+            self.pad.1,
+            self.dilation.1,
+            "kw",
+            "width",
+        )?;
+        Ok((oh, ow))
+    }
+
+    /// Elements of x (`n * c_in * h * w`); `usize::MAX` if that overflows.
+    pub fn x_len(&self) -> usize {
+        product(&[self.n, self.c_in, self.h, self.w]).unwrap_or(usize::MAX)
+    }
+
+    /// Elements of the filter (`c_out * c_in * kh * kw`); `usize::MAX` if that overflows.
+    pub fn w_len(&self) -> usize {
+        product(&[self.c_out, self.c_in, self.kh, self.kw]).unwrap_or(usize::MAX)
+    }
+
+    /// Elements of y (`n * c_out * oh * ow`), validating the problem as [`ConvShape::out_hw`].
+    pub fn y_len(&self) -> Result<usize> {
+        let (oh, ow) = self.out_hw()?;
+        product(&[self.n, self.c_out, oh, ow])
+            .ok_or_else(|| Error::invalid("n", "the output element count overflows usize"))
+    }
+}
