@@ -21,7 +21,7 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 use half::f16;
 use nnfuse::activation::{self, baseline, mask_words, NoMask};
 use nnfuse::internals::activation::choose_path;
-use nnfuse::timing::{copy_bandwidth, time_gpu, Timing, TimingOptions};
+use nnfuse::internals::timing::{copy_bandwidth, time_gpu, Timing, TimingOptions};
 use nnfuse::{Context, DType, Element};
 
 /// One set of buffers for one case; the bench rotates among several.

@@ -24,7 +24,7 @@ use nnfuse::batchnorm::{
     BackwardArgs, BatchNorm, BnOptions, BnPath, BnSaved, Fuse, InferenceArgs, OwnVariant,
     OwnVariantChoice, TrainArgs,
 };
-use nnfuse::timing::{copy_bandwidth, time_gpu, TimingOptions};
+use nnfuse::internals::timing::{copy_bandwidth, time_gpu, TimingOptions};
 use nnfuse::{BnImpl, BnModePolicy, Config, Context, Element};
 
 const L2_BYTES: usize = 50 << 20;

@@ -1,7 +1,7 @@
 //! Convolution benchmark: ResNet-50's layers (the four 3x3 convolutions, three 1x1 ones
 //! including the stride-2 downsample, the 7x7/2 stem) at batch 32 and 64, f16 and bf16 NHWC and
 //! f32 NCHW, forward and both gradients. Per layer, type and direction, every variant is timed
-//! **interleaved** (`nnfuse::timing::time_interleaved`, drift cancels in per-round ratios):
+//! **interleaved** (`nnfuse::internals::timing::time_interleaved`, drift cancels in per-round ratios):
 //! every usable cuDNN algorithm (cuDNN's heuristic list, workspace up to 1 GiB), nnfuse's own
 //! paths (im2col + GEMM, Winograd F(2x2)/F(4x4) with every engine that can run the layer:
 //! tensor-core GEMM, Direct, and the fused kernel for f16/bf16; the direct kernel), and the
@@ -29,7 +29,7 @@ use nnfuse::conv::{
 };
 use nnfuse::internals::conv::usable;
 use nnfuse::internals::gemm::fill_uniform;
-use nnfuse::timing::{time_interleaved, InterleavedOptions, Paired, Timing};
+use nnfuse::internals::timing::{time_interleaved, InterleavedOptions, Paired, Timing};
 use nnfuse::{Context, DType, Element, TensorFormat};
 use serde_json::json;
 

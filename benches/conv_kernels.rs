@@ -8,7 +8,7 @@
 //! L2 before it comes round again.
 //!
 //! Two timings per kernel, CUDA events, medians:
-//! - **back-to-back** (the figure the target refers to): `nnfuse::timing::time_interleaved`,
+//! - **back-to-back** (the figure the target refers to): `nnfuse::internals::timing::time_interleaved`,
 //!   each sample a burst of launches queued back to back (at least 0.2 ms of GPU time), as in a
 //!   network's forward pass, rounds interleaved with a device copy of the same byte count
 //!   (`cuMemcpyDtoD` of half the bytes: what a plain copy of this size achieves, launch and
@@ -20,7 +20,7 @@
 //! Bytes: im2col writes the columns and must read the input's 32-byte sectors that hold an element
 //! some tap uses (each once: a strided layer reads whole sectors of which it uses part); col2im
 //! reads the columns and writes the whole input gradient. Floor = bytes / copy bandwidth (read +
-//! write, `nnfuse::timing::copy_bandwidth`, 1 GiB); "% of copy" = floor / back-to-back time, the
+//! write, `nnfuse::internals::timing::copy_bandwidth`, 1 GiB); "% of copy" = floor / back-to-back time, the
 //! figure the im2col target (≥ 80%) refers to; "% of same-size copy" = the same-size copy's time
 //! / the kernel's. Prints a markdown table, then one JSON object per line
 //! (`{"bench":"conv_kernels",...}`).
@@ -36,10 +36,10 @@ use cudarc::driver::CudaSlice;
 use half::f16;
 use nnfuse::conv::ConvShape;
 use nnfuse::internals::conv::im2col;
-use nnfuse::internals::util;
-use nnfuse::timing::{
+use nnfuse::internals::timing::{
     copy_bandwidth, time_gpu, time_interleaved, InterleavedOptions, Timing, TimingOptions,
 };
+use nnfuse::internals::util;
 use nnfuse::{Context, DType, Element, TensorFormat};
 
 /// One measured kernel.

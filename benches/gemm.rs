@@ -5,7 +5,7 @@
 //! against the measured peak of a large bf16 GEMM in the same run; plus the cost of the search
 //! per shape (apart from the one-off setup), of a cached lookup, and the host time per call.
 //!
-//! All variants of a shape are timed **interleaved** (`nnfuse::timing::time_interleaved`):
+//! All variants of a shape are timed **interleaved** (`nnfuse::internals::timing::time_interleaved`):
 //! round-robin, a sample being a burst of back-to-back calls worth at least 0.2 ms of GPU time,
 //! so that clock and thermal drift hits every variant alike; "vs default" columns are medians of
 //! per-round time ratios, which cancel the drift. Prints markdown tables, a summary (how often
@@ -23,7 +23,9 @@ use std::time::Instant;
 
 use half::{bf16, f16};
 use nnfuse::gemm::{self, Algo, CublasAlgo, Outcome, Prepared, Problem};
-use nnfuse::timing::{time_interleaved, Interleaved, InterleavedOptions, Paired, Timing};
+use nnfuse::internals::timing::{
+    time_interleaved, Interleaved, InterleavedOptions, Paired, Timing,
+};
 use nnfuse::{Config, Context, DType, Element};
 use serde_json::json;
 

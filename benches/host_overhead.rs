@@ -20,7 +20,7 @@ use half::f16;
 use nnfuse::batchnorm::{BackwardArgs, BatchNorm, Fuse, TrainArgs};
 use nnfuse::conv::{Conv2d, ConvPath, ConvShape, Route, WinogradEngine, WinogradTile};
 use nnfuse::gemm::{self, Problem};
-use nnfuse::timing::{time_gpu, TimingOptions};
+use nnfuse::internals::timing::{time_gpu, TimingOptions};
 use nnfuse::{BnImpl, Config, Context, TensorFormat};
 
 const CALLS: usize = 400;

@@ -45,7 +45,7 @@ use half::{bf16, f16};
 use nnfuse::conv::{ConvShape, WinogradEngine, WinogradTile};
 use nnfuse::gemm::{self, Problem};
 use nnfuse::internals::conv::{tensor_core_rule, winograd_dims, winograd_stages as wg};
-use nnfuse::timing::{copy_bandwidth, time_gpu, Timing, TimingOptions};
+use nnfuse::internals::timing::{copy_bandwidth, time_gpu, Timing, TimingOptions};
 use nnfuse::{Context, DType, Element, TensorFormat};
 use serde_json::json;
 

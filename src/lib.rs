@@ -30,9 +30,9 @@ pub mod gemm;
 mod kernels;
 mod launch;
 pub mod layout;
-pub mod lru;
+mod lru;
 pub mod reference;
-pub mod timing;
+mod timing;
 pub(crate) mod tune;
 mod util;
 mod validate;
@@ -50,6 +50,14 @@ pub mod internals {
     pub use crate::conv::internals as conv;
     pub use crate::gemm::internals as gemm;
     pub use crate::tune::internals as tune;
+    /// CUDA-event timing (median of many, interleaved variants) and copy bandwidth.
+    pub mod timing {
+        pub use crate::timing::*;
+    }
+    /// The bounded least-recently-used map behind every cache.
+    pub mod lru {
+        pub use crate::lru::*;
+    }
     /// The CUDA sources and their NVRTC compilation and disk cache.
     pub mod kernels {
         pub use crate::kernels::*;

@@ -666,7 +666,7 @@ fn search_kernels_compile() {
 
 #[test]
 fn search_timing_plan_fits_the_budget() {
-    use nnfuse::timing::{burst_len, rounds_for};
+    use nnfuse::internals::timing::{burst_len, rounds_for};
     let o = nnfuse::internals::gemm::search_timing();
     // The checking run is the warm-up; long GEMMs get the minimum number of rounds.
     assert_eq!(o.warmup_rounds, 0);
@@ -690,7 +690,7 @@ fn search_timing_plan_fits_the_budget() {
 #[test]
 fn default_is_replaced_only_by_a_consistent_win() {
     use nnfuse::internals::gemm::{beats_default, KEEP_DEFAULT_MARGIN};
-    use nnfuse::timing::Paired;
+    use nnfuse::internals::timing::Paired;
     let vs = |ratios: &[f64]| {
         Paired::of(
             &vec![2.0; ratios.len()],

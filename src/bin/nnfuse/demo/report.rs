@@ -1,7 +1,7 @@
 //! What `nnfuse demo` found, and how it is printed: text tables for people, one JSON object for
 //! machines. Pure: no GPU (the GPU half fills these structures).
 
-use nnfuse::timing::{Paired, Timing};
+use nnfuse::internals::timing::{Paired, Timing};
 use nnfuse::Config;
 use serde_json::{json, Value};
 
