@@ -24,6 +24,7 @@ pub mod batchnorm;
 pub mod config;
 pub mod context;
 pub mod conv;
+mod cudnn_graph;
 pub mod dtype;
 pub mod error;
 pub mod gemm;
@@ -37,6 +38,12 @@ pub mod validate;
 
 #[cfg(test)]
 mod testutil;
+
+/// Items only nnfuse's own tests, benches and CLI use; not part of the public API.
+#[doc(hidden)]
+pub mod internals {
+    pub use crate::cudnn_graph::internals as cudnn_graph;
+}
 
 pub use config::{BnImpl, BnModePolicy, Config, ConvAlgoPolicy, WinogradGemmPolicy};
 pub use context::{Context, DeviceInfo};
