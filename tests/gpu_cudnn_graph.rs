@@ -424,6 +424,10 @@ fn bad_arguments_are_typed_errors() {
         GraphConv::cached(&ctx, GraphConvKey::new(s, DType::F16, Direction::Forward)).unwrap();
     let e = plan.run(&ctx, &gx, &gw, &mut y).unwrap_err();
     assert_eq!(e.argument(), Some("x"), "{e}");
+    assert!(
+        download(&ctx, &y).iter().all(|v| v.is_nan()),
+        "a rejected call wrote its output"
+    );
     // A bad shape is named.
     let bad = ConvShape { kh: 0, ..s };
     let e = GraphConv::cached(&ctx, GraphConvKey::new(bad, DType::F32, Direction::Forward))

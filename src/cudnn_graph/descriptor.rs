@@ -276,7 +276,12 @@ pub fn check(status: sys::cudnnStatus_t, call: &'static str) -> Result<()> {
     }
     let message = last_error_string();
     let status = CudnnStatus(status);
-    tracing::warn!(call, %status, %message, "cuDNN graph API call failed");
+    if status.is_not_supported() {
+        // Expected while engines are tried one after another; the summary carries it.
+        tracing::debug!(call, %status, %message, "cuDNN graph API: not supported");
+    } else {
+        tracing::warn!(call, %status, %message, "cuDNN graph API call failed");
+    }
     LAST_MESSAGE.with(|m| *m.borrow_mut() = Some(format!("{call}: {status}: {message}")));
     Err(Error::Cudnn { call, status })
 }

@@ -278,32 +278,29 @@ impl GraphConv {
         B: DevicePtr<T>,
         C: DevicePtrMut<T>,
     {
-        let ptrs = checked_ptrs(
-            ctx,
-            &self.key.shape,
-            self.key.direction,
-            self.key.dtype,
-            a,
-            b,
-            out,
-        )?;
-        let align = alignment_of(&ptrs);
-        if align < self.key.alignment {
-            return Err(Error::invalid(
-                argument_names(self.key.direction)[0],
-                format!(
-                    "the operands are {align}-byte aligned; this plan was built for {}",
-                    self.key.alignment
-                ),
-            ));
-        }
-        // SAFETY: checked above: device, lengths, disjoint output, alignment.
-        unsafe { self.execute_raw(ctx, pack_order(self.key.direction, ptrs)) }
+        let (shape, direction, dtype) = (&self.key.shape, self.key.direction, self.key.dtype);
+        with_checked_ptrs(ctx, shape, direction, dtype, a, b, out, |ptrs| {
+            let align = alignment_of(&ptrs);
+            if align < self.key.alignment {
+                return Err(Error::invalid(
+                    argument_names(direction)[0],
+                    format!(
+                        "the operands are {align}-byte aligned; this plan was built for {}",
+                        self.key.alignment
+                    ),
+                ));
+            }
+            // SAFETY: checked: device, lengths, disjoint output, alignment.
+            unsafe { self.execute_raw(ctx, pack_order(direction, ptrs)) }
+        })
     }
 }
 
-/// Checks `a`, `b`, `out` for `direction` of `shape` and returns their addresses `[a, b, out]`.
-fn checked_ptrs<T, A, B, C>(
+/// Checks `a`, `b`, `out` for `direction` of `shape` and calls `then` with their addresses
+/// `[a, b, out]` while their stream guards live (so that cudarc records their use after the
+/// work `then` queues).
+#[allow(clippy::too_many_arguments)]
+fn with_checked_ptrs<T, A, B, C, R>(
     ctx: &Context,
     shape: &ConvShape,
     direction: Direction,
@@ -311,7 +308,8 @@ fn checked_ptrs<T, A, B, C>(
     a: &A,
     b: &B,
     out: &mut C,
-) -> Result<[u64; 3]>
+    then: impl FnOnce([u64; 3]) -> Result<R>,
+) -> Result<R>
 where
     T: Element,
     A: DevicePtr<T>,
@@ -361,7 +359,7 @@ where
     infos[1].ptr = pb;
     infos[2].ptr = po;
     expect_outputs_disjoint(&[infos[2]], &infos[..2])?;
-    Ok([pa, pb, po])
+    then([pa, pb, po])
 }
 
 /// One cached call: checks the buffers, looks up (or builds) the plan of `shape`, `T`,
@@ -382,13 +380,14 @@ where
     B: DevicePtr<T>,
     C: DevicePtrMut<T>,
 {
-    let ptrs = checked_ptrs(ctx, shape, direction, T::DTYPE, a, b, out)?;
-    let key = GraphConvKey::new(*shape, T::DTYPE, direction)
-        .with_policy(policy)
-        .with_alignment(alignment_of(&ptrs).max(T::DTYPE.size() as u8));
-    let plan = GraphConv::cached(ctx, key)?;
-    // SAFETY: checked above; the key's alignment is the pointers' own.
-    unsafe { plan.execute_raw(ctx, pack_order(direction, ptrs)) }
+    with_checked_ptrs(ctx, shape, direction, T::DTYPE, a, b, out, |ptrs| {
+        let key = GraphConvKey::new(*shape, T::DTYPE, direction)
+            .with_policy(policy)
+            .with_alignment(alignment_of(&ptrs).max(T::DTYPE.size() as u8));
+        let plan = GraphConv::cached(ctx, key)?;
+        // SAFETY: checked; the key's alignment is the pointers' own.
+        unsafe { plan.execute_raw(ctx, pack_order(direction, ptrs)) }
+    })
 }
 
 #[cfg(test)]
