@@ -248,6 +248,9 @@ fn raw_notes<V: super::descriptor::AttrValue + Default>(
 /// The knob choices of an engine config, sorted by knob type.
 pub fn knob_choices(cfg: &Descriptor) -> Result<Vec<(u32, i64)>> {
     let n = cfg.count::<DescHandle>(attr::CUDNN_ATTR_ENGINECFG_KNOB_CHOICES)?;
+    if n == 0 {
+        return Ok(Vec::new());
+    }
     let mut choices = Descriptor::many(DescKind::KnobChoice, n)?;
     let got = cfg.get_descs(attr::CUDNN_ATTR_ENGINECFG_KNOB_CHOICES, &mut choices)?;
     let mut knobs = choices[..got]
@@ -304,6 +307,9 @@ pub fn heuristics(graph: &Descriptor, mode: HeurSource) -> Result<Vec<EngineConf
     heur.set_one(attr::CUDNN_ATTR_ENGINEHEUR_MODE, sys_mode)?;
     heur.finalize()?;
     let n = heur.count::<DescHandle>(attr::CUDNN_ATTR_ENGINEHEUR_RESULTS)?;
+    if n == 0 {
+        return Ok(Vec::new());
+    }
     let mut cfgs = Descriptor::many(DescKind::EngineConfig, n)?;
     let got = heur.get_descs(attr::CUDNN_ATTR_ENGINEHEUR_RESULTS, &mut cfgs)?;
     cfgs.truncate(got);
