@@ -24,6 +24,7 @@ pub mod batchnorm;
 pub mod config;
 pub mod context;
 pub mod conv;
+mod cudnn_graph;
 pub mod dtype;
 pub mod error;
 pub mod gemm;
@@ -48,6 +49,7 @@ pub mod internals {
     pub use crate::activation::internals as activation;
     pub use crate::batchnorm::internals as batchnorm;
     pub use crate::conv::internals as conv;
+    pub use crate::cudnn_graph::internals as cudnn_graph;
     pub use crate::gemm::internals as gemm;
     pub use crate::tune::internals as tune;
     /// CUDA-event timing (median of many, interleaved variants) and copy bandwidth.

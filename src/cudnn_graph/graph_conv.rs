@@ -1,0 +1,442 @@
+//! [`GraphConv`]: one convolution problem (shape, layout, element type, direction, engine
+//! policy, pointer alignment) as a cuDNN execution plan — graph built, engine configs listed
+//! (heuristics INSTANT then FALLBACK, de-duplicated, with notes), the first admitted config that
+//! finalizes chosen — plus its pinned variant pack, checked execution on the Context's stream,
+//! and the per-Context plan cache ([`GraphConv::cached`], [`run_cached`]).
+//!
+//! A cached call costs: the cache lookup, the argument checks, the Context's lock, and
+//! `cudnnBackendExecute`; the variant pack is rebuilt only when a data pointer or the workspace
+//! changed since the previous call.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
+
+use crate::context::Context;
+use crate::conv::Direction;
+use crate::dtype::Element;
+use crate::error::{Error, Result};
+use crate::reference::conv::Conv2d as ConvShape;
+use crate::validate::{expect_device, expect_len, expect_outputs_disjoint, BufInfo};
+
+use super::build::{self, ExecutionPlan, GraphParts, VariantPack};
+use super::descriptor::Descriptor;
+use super::key::GraphConvKey;
+use super::layout::{alignment_of, Operand};
+use super::notes::{admit, EngineInfo, GraphPolicy};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+/// One engine config that was listed but not chosen, and why.
+#[derive(Debug, Clone)]
+pub struct Skipped {
+    /// The config.
+    pub engine: EngineInfo,
+    /// The policy's reason, or the finalization error (with cuDNN's message).
+    pub reason: String,
+}
+
+/// One convolution problem's execution plan through cuDNN's graph API (see the module docs).
+#[derive(Debug)]
+pub struct GraphConv {
+    key: GraphConvKey,
+    listed: Vec<EngineInfo>,
+    skipped: Vec<Skipped>,
+    chosen: EngineInfo,
+    plan: ExecutionPlan,
+    pack: Mutex<Option<VariantPack>>,
+    /// The handle the plan was built on (executions must use the same one).
+    handle: usize,
+    /// The chosen config and the graph, kept alive with the plan made from them.
+    _config: Descriptor,
+    _parts: GraphParts,
+    /// Keeps the CUDA context alive until the plan is destroyed.
+    _cuda: Arc<CudaContext>,
+}
+
+/// The operand names of `direction`'s two inputs and output, as the caller passes them.
+pub const fn argument_names(direction: Direction) -> [&'static str; 3] {
+    match direction {
+        Direction::Forward => ["x", "w", "y"],
+        Direction::BackwardData => ["dy", "w", "dx"],
+        Direction::BackwardFilter => ["x", "dy", "dw"],
+    }
+}
+
+/// Which [`Operand`] each caller argument (inputs `a`, `b`, output) is.
+pub const fn argument_operands(direction: Direction) -> [Operand; 3] {
+    match direction {
+        Direction::Forward => [Operand::X, Operand::W, Operand::Y],
+        Direction::BackwardData => [Operand::Y, Operand::W, Operand::X],
+        Direction::BackwardFilter => [Operand::X, Operand::Y, Operand::W],
+    }
+}
+
+/// Caller arguments `[a, b, out]` reordered into the variant pack's order `[x, w, y]`.
+pub fn pack_order(direction: Direction, args: [u64; 3]) -> [u64; 3] {
+    let mut out = [0u64; 3];
+    for (arg, op) in args.iter().zip(argument_operands(direction)) {
+        out[op as usize] = *arg;
+    }
+    out
+}
+
+/// Elements of each operand of `shape` (x, w, y).
+fn operand_len(shape: &ConvShape, op: Operand) -> Result<usize> {
+    Ok(match op {
+        Operand::X => shape.x_len(),
+        Operand::W => shape.w_len(),
+        Operand::Y => shape.y_len()?,
+    })
+}
+
+/// Whether a build failure means "cuDNN cannot do this problem" (cached, so that the caller's
+/// fallback is not slowed down by a rebuild every call) rather than a transient or a bug.
+fn is_unsupported(e: &Error) -> bool {
+    matches!(e, Error::NotSupported(_)) || e.is_cudnn_not_supported()
+}
+
+/// The plan cache's value: the plan, or why cuDNN cannot build one.
+struct Slot(std::result::Result<Arc<GraphConv>, String>);
+
+impl GraphConv {
+    /// Builds the plan of `key` on `ctx`: the graph, the engine list, the first admitted config
+    /// that finalizes within the workspace cap ([`crate::Config::conv_workspace_mb`]).
+    ///
+    /// Errors: [`Error::LibraryMissing`] without cuDNN; [`Error::NotSupported`] when the loaded
+    /// cuDNN is older than 9 or no listed engine config can run the problem under the policy
+    /// (the message lists each config and why); [`Error::Cudnn`] when a descriptor cannot be
+    /// built (`NOT_SUPPORTED` statuses: [`Error::is_cudnn_not_supported`]).
+    pub fn new(ctx: &Context, key: GraphConvKey) -> Result<GraphConv> {
+        let version = build::available()?;
+        key.validate()?;
+        let mut g = ctx.lock()?;
+        let handle = g.cudnn()?;
+        let parts = GraphParts::build(handle, &key)?;
+        let configs = build::engine_configs(&parts.graph)?;
+        let listed: Vec<EngineInfo> = configs.iter().map(|c| c.info.clone()).collect();
+        for e in &listed {
+            tracing::debug!(key = ?key, engine = %e, "cuDNN graph engine config listed");
+        }
+        let cap = ctx.config().conv_workspace_mb.saturating_mul(1 << 20);
+        let mut skipped = Vec::new();
+        let mut found = None;
+        for cfg in configs {
+            if let Err(r) = admit(&cfg.info, key.dtype, &key.policy) {
+                skipped.push(Skipped {
+                    engine: cfg.info,
+                    reason: r.to_string(),
+                });
+                continue;
+            }
+            match ExecutionPlan::new(handle, &cfg.desc) {
+                Ok(plan) if plan.workspace() > cap => skipped.push(Skipped {
+                    engine: cfg.info,
+                    reason: format!(
+                        "workspace {} bytes above the cap of {cap} (conv_workspace_mb)",
+                        plan.workspace()
+                    ),
+                }),
+                Ok(plan) => {
+                    found = Some((cfg, plan));
+                    break;
+                }
+                Err(e) => skipped.push(Skipped {
+                    engine: cfg.info,
+                    reason: format!("{e} ({})", build::last_message()),
+                }),
+            }
+        }
+        let Some((cfg, plan)) = found else {
+            let why: Vec<String> = skipped
+                .iter()
+                .map(|s| format!("{}: {}", s.engine, s.reason))
+                .collect();
+            return Err(Error::NotSupported(format!(
+                "cuDNN {version} graph API: none of the {} engine configs listed for {:?} {} {} \
+                 {:?} runs under {:?}: [{}]",
+                listed.len(),
+                key.shape,
+                key.dtype,
+                key.direction,
+                key.alignment,
+                key.policy,
+                why.join("; ")
+            )));
+        };
+        tracing::info!(
+            direction = %key.direction,
+            dtype = %key.dtype,
+            shape = ?key.shape,
+            engine = %cfg.info,
+            workspace = plan.workspace(),
+            listed = listed.len(),
+            skipped = skipped.len(),
+            "cuDNN graph plan built"
+        );
+        drop(g);
+        Ok(GraphConv {
+            key,
+            listed,
+            skipped,
+            chosen: cfg.info,
+            plan,
+            pack: Mutex::new(None),
+            handle: handle as usize,
+            _config: cfg.desc,
+            _parts: parts,
+            _cuda: ctx.cuda().clone(),
+        })
+    }
+
+    /// The plan of `key` from the Context's plan cache, built on first use. A key cuDNN cannot
+    /// run is remembered too: later lookups return the same [`Error::NotSupported`] at once.
+    pub fn cached(ctx: &Context, key: GraphConvKey) -> Result<Arc<GraphConv>> {
+        let slot = ctx.memo(key, || match GraphConv::new(ctx, key) {
+            Ok(g) => Ok(Arc::new(Slot(Ok(Arc::new(g))))),
+            Err(e) if is_unsupported(&e) => Ok(Arc::new(Slot(Err(e.to_string())))),
+            Err(e) => Err(e),
+        })?;
+        match &slot.0 {
+            Ok(g) => Ok(g.clone()),
+            Err(why) => Err(Error::NotSupported(why.clone())),
+        }
+    }
+
+    /// The problem.
+    pub fn key(&self) -> &GraphConvKey {
+        &self.key
+    }
+
+    /// Every engine config the heuristics listed, in the order tried.
+    pub fn listed(&self) -> &[EngineInfo] {
+        &self.listed
+    }
+
+    /// The listed configs tried before the chosen one, and why each was passed over.
+    pub fn skipped(&self) -> &[Skipped] {
+        &self.skipped
+    }
+
+    /// The engine config that runs.
+    pub fn chosen(&self) -> &EngineInfo {
+        &self.chosen
+    }
+
+    /// The execution plan (benches: a bare `cudnnBackendExecute`).
+    pub fn plan(&self) -> &ExecutionPlan {
+        &self.plan
+    }
+
+    /// Workspace bytes per execution.
+    pub fn workspace_bytes(&self) -> usize {
+        self.plan.workspace()
+    }
+
+    /// Runs the plan on device addresses in the variant pack's order (x or dx, w or dw, y or
+    /// dy), rebuilding the pack only when an address or the workspace changed.
+    ///
+    /// # Safety
+    /// The addresses are on the Context's device, hold the problem's extents of the key's
+    /// element type, are aligned to the key's alignment, the output is disjoint from the
+    /// inputs, and all stay valid until the queued work completes.
+    pub unsafe fn execute_raw(&self, ctx: &Context, ptrs: [u64; 3]) -> Result<()> {
+        let mut g = ctx.lock()?;
+        let handle = g.cudnn()?;
+        if handle as usize != self.handle {
+            return Err(Error::invalid(
+                "ctx",
+                "this plan was built on another Context's cuDNN handle",
+            ));
+        }
+        let ws = g.workspace(self.plan.workspace())?;
+        let mut pack = lock(&self.pack);
+        let stale = pack.as_ref().is_none_or(|p| !p.matches(ptrs, ws));
+        if stale {
+            *pack = None;
+            *pack = Some(VariantPack::new(ptrs, ws)?);
+        }
+        let Some(p) = pack.as_ref() else {
+            return Err(Error::NotSupported("variant pack vanished".into()));
+        };
+        build::execute(handle, &self.plan, p)
+    }
+
+    /// Runs the plan on the caller's buffers: inputs `a`, `b` and output `out` are (x, w, y)
+    /// forward, (dy, w, dx) for the data gradient, (x, dy, dw) for the filter gradient. Checks
+    /// the element type, every length and device, the output's overlap with the inputs and the
+    /// pointers' alignment before anything is queued; the output is overwritten.
+    pub fn run<T, A, B, C>(&self, ctx: &Context, a: &A, b: &B, out: &mut C) -> Result<()>
+    where
+        T: Element,
+        A: DevicePtr<T>,
+        B: DevicePtr<T>,
+        C: DevicePtrMut<T>,
+    {
+        let (shape, direction, dtype) = (&self.key.shape, self.key.direction, self.key.dtype);
+        with_checked_ptrs(ctx, shape, direction, dtype, a, b, out, |ptrs| {
+            let align = alignment_of(&ptrs);
+            if align < self.key.alignment {
+                return Err(Error::invalid(
+                    argument_names(direction)[0],
+                    format!(
+                        "the operands are {align}-byte aligned; this plan was built for {}",
+                        self.key.alignment
+                    ),
+                ));
+            }
+            // SAFETY: checked: device, lengths, disjoint output, alignment.
+            unsafe { self.execute_raw(ctx, pack_order(direction, ptrs)) }
+        })
+    }
+}
+
+/// Checks `a`, `b`, `out` for `direction` of `shape` and calls `then` with their addresses
+/// `[a, b, out]` while their stream guards live (so that cudarc records their use after the
+/// work `then` queues).
+#[allow(clippy::too_many_arguments)]
+fn with_checked_ptrs<T, A, B, C, R>(
+    ctx: &Context,
+    shape: &ConvShape,
+    direction: Direction,
+    dtype: crate::dtype::DType,
+    a: &A,
+    b: &B,
+    out: &mut C,
+    then: impl FnOnce([u64; 3]) -> Result<R>,
+) -> Result<R>
+where
+    T: Element,
+    A: DevicePtr<T>,
+    B: DevicePtr<T>,
+    C: DevicePtrMut<T>,
+{
+    let names = argument_names(direction);
+    if T::DTYPE != dtype {
+        return Err(Error::invalid(
+            names[0],
+            format!("elements are {}, the plan is for {dtype}", T::DTYPE),
+        ));
+    }
+    let ordinal = ctx.info().ordinal;
+    let ops = argument_operands(direction);
+    let lens = [a.len(), b.len(), out.len()];
+    let devices = [
+        a.stream().context().ordinal(),
+        b.stream().context().ordinal(),
+        out.stream().context().ordinal(),
+    ];
+    let mut infos = [BufInfo {
+        name: "",
+        ptr: 0,
+        len: 0,
+        elem: T::DTYPE.size(),
+        ordinal,
+    }; 3];
+    for i in 0..3 {
+        infos[i].name = names[i];
+        infos[i].len = lens[i];
+        infos[i].ordinal = devices[i];
+        expect_device(&infos[i], ordinal)?;
+        expect_len(
+            &infos[i],
+            operand_len(shape, ops[i])?,
+            "the problem's extent",
+        )?;
+    }
+    // Device pointers only after the device check (a foreign buffer's events would make the
+    // Context's stream wait on another device).
+    let stream = ctx.stream();
+    let (pa, _ga) = a.device_ptr(stream);
+    let (pb, _gb) = b.device_ptr(stream);
+    let (po, _go) = out.device_ptr_mut(stream);
+    infos[0].ptr = pa;
+    infos[1].ptr = pb;
+    infos[2].ptr = po;
+    expect_outputs_disjoint(&[infos[2]], &infos[..2])?;
+    then([pa, pb, po])
+}
+
+/// One cached call: checks the buffers, looks up (or builds) the plan of `shape`, `T`,
+/// `direction` and `policy` for the buffers' pointer alignment, and runs it. Arguments as
+/// [`GraphConv::run`].
+pub fn run_cached<T, A, B, C>(
+    ctx: &Context,
+    shape: &ConvShape,
+    direction: Direction,
+    policy: GraphPolicy,
+    a: &A,
+    b: &B,
+    out: &mut C,
+) -> Result<()>
+where
+    T: Element,
+    A: DevicePtr<T>,
+    B: DevicePtr<T>,
+    C: DevicePtrMut<T>,
+{
+    with_checked_ptrs(ctx, shape, direction, T::DTYPE, a, b, out, |ptrs| {
+        let key = GraphConvKey::new(*shape, T::DTYPE, direction)
+            .with_policy(policy)
+            .with_alignment(alignment_of(&ptrs).max(T::DTYPE.size() as u8));
+        let plan = GraphConv::cached(ctx, key)?;
+        // SAFETY: checked; the key's alignment is the pointers' own.
+        unsafe { plan.execute_raw(ctx, pack_order(direction, ptrs)) }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cudarc::cudnn::sys;
+
+    #[test]
+    fn arguments_map_to_the_pack_order() {
+        assert_eq!(pack_order(Direction::Forward, [10, 20, 30]), [10, 20, 30]);
+        // Data gradient: (dy, w, dx) -> (x = dx, w, y = dy).
+        assert_eq!(
+            pack_order(Direction::BackwardData, [10, 20, 30]),
+            [30, 20, 10]
+        );
+        // Filter gradient: (x, dy, dw) -> (x, w = dw, y = dy).
+        assert_eq!(
+            pack_order(Direction::BackwardFilter, [10, 20, 30]),
+            [10, 30, 20]
+        );
+        for d in Direction::ALL {
+            let ops = argument_operands(d);
+            // The output is the operand the direction writes.
+            let written = match d {
+                Direction::Forward => Operand::Y,
+                Direction::BackwardData => Operand::X,
+                Direction::BackwardFilter => Operand::W,
+            };
+            assert_eq!(ops[2], written);
+            let mut seen = [false; 3];
+            for o in ops {
+                seen[o as usize] = true;
+            }
+            assert_eq!(seen, [true; 3]);
+        }
+    }
+
+    #[test]
+    fn unsupported_errors_are_the_cacheable_ones() {
+        use crate::error::CudnnStatus;
+        assert!(is_unsupported(&Error::NotSupported("x".into())));
+        assert!(is_unsupported(&Error::Cudnn {
+            call: "c",
+            status: CudnnStatus(sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED_SHAPE),
+        }));
+        assert!(!is_unsupported(&Error::Cudnn {
+            call: "c",
+            status: CudnnStatus(sys::cudnnStatus_t::CUDNN_STATUS_BAD_PARAM),
+        }));
+        assert!(!is_unsupported(&Error::invalid("x", "y")));
+    }
+}

@@ -1,0 +1,47 @@
+//! cuDNN through its graph (backend) API: convolutions as execution plans built once per
+//! problem and executed with `cudnnBackendExecute`, the successor of the legacy
+//! `cudnnConvolution*` calls (deprecated in cuDNN 9, and 4–5x dearer on the host per call:
+//! `docs/CUDNN-GRAPH.md`, `GPU-FACTS.md`).
+//!
+//! Files and what they may touch:
+//! - [`layout`]: pure — tensor dimensions and strides (NCHW/NHWC, KCRS/KRSC), unique ids,
+//!   pointer alignment classes;
+//! - [`notes`]: pure — engine numerical/behaviour notes, the policy that filters engines
+//!   (no TF32 for f32, determinism, runtime compilation), de-duplication;
+//! - [`key`]: pure — the plain-data key of the plan cache;
+//! - [`descriptor`]: the owned backend descriptor (create/set/get/finalize/destroy) and the
+//!   status mapping; cuDNN calls, no device work;
+//! - [`build`]: the builders of one convolution graph (tensors, convolution, operation,
+//!   operation graph, heuristics, engine configs, execution plan, variant pack);
+//! - [`graph_conv`]: [`GraphConv`] — one problem's plan, chosen engine and pinned variant pack,
+//!   checked execution, and the per-Context plan cache.
+//!
+//! Not wired into the convolution dispatcher yet: the legacy route stays the default; this layer
+//! returns typed errors where the graph cannot be built so that a caller can fall back.
+
+pub mod build;
+pub mod descriptor;
+pub mod graph_conv;
+pub mod key;
+pub mod layout;
+pub mod notes;
+
+/// Items that only nnfuse's own tests and benches use (reached as
+/// `nnfuse::internals::cudnn_graph`); not part of the public API.
+#[doc(hidden)]
+pub mod internals {
+    pub use super::build::{
+        available, engine_config_by_index, engine_configs, engine_count, engine_info, execute,
+        EngineConfig, ExecutionPlan, GraphParts, VariantPack, MIN_CUDNN_VERSION,
+    };
+    pub use super::descriptor::{last_error_string, Attr, DescKind, Descriptor};
+    pub use super::graph_conv::{argument_names, pack_order, run_cached, GraphConv, Skipped};
+    pub use super::key::GraphConvKey;
+    pub use super::layout::{
+        alignment_of, packed_strides, tensor_specs, Operand, TensorSpec, MAX_ALIGNMENT,
+    };
+    pub use super::notes::{
+        admit, dedup, BehaviorNote, EngineInfo, GraphPolicy, HeurSource, NoteSet, NumericalNote,
+        Rejection,
+    };
+}

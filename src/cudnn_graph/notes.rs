@@ -1,0 +1,474 @@
+//! Pure engine bookkeeping: what cuDNN says about an engine (numerical and behaviour notes,
+//! knobs), the policy that decides which engines nnfuse may run, and de-duplication of the
+//! heuristics' lists. No cuDNN calls; tested on the CPU.
+//!
+//! Notes are read from cuDNN as raw integers and kept as bit sets, so a note value this build
+//! does not know is data (shown as `note<N>`), never undefined behaviour.
+
+use std::fmt;
+
+use crate::dtype::DType;
+
+/// `cudnnBackendNumericalNote_t`: how an engine computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NumericalNote {
+    /// Runs on tensor cores (for f32 data: TF32, not true single precision).
+    TensorCore = 0,
+    /// Converts inputs to a narrower type.
+    DownConvertInputs = 1,
+    /// Accumulates in a narrower type than the compute type.
+    ReducedPrecisionReduction = 2,
+    /// FFT-based.
+    Fft = 3,
+    /// Results may differ between runs (atomics).
+    Nondeterministic = 4,
+    /// Winograd-based.
+    Winograd = 5,
+    /// Winograd with 4x4 tiles.
+    WinogradTile4x4 = 6,
+    /// Winograd with 6x6 tiles.
+    WinogradTile6x6 = 7,
+    /// Winograd with 13x13 tiles.
+    WinogradTile13x13 = 8,
+    /// Propagates NaN strictly.
+    StrictNanProp = 9,
+}
+
+impl NumericalNote {
+    /// Every note this build knows.
+    pub const ALL: [NumericalNote; 10] = [
+        NumericalNote::TensorCore,
+        NumericalNote::DownConvertInputs,
+        NumericalNote::ReducedPrecisionReduction,
+        NumericalNote::Fft,
+        NumericalNote::Nondeterministic,
+        NumericalNote::Winograd,
+        NumericalNote::WinogradTile4x4,
+        NumericalNote::WinogradTile6x6,
+        NumericalNote::WinogradTile13x13,
+        NumericalNote::StrictNanProp,
+    ];
+
+    /// Short name (`tensor_core`, `nondeterministic`, ...).
+    pub const fn name(self) -> &'static str {
+        match self {
+            NumericalNote::TensorCore => "tensor_core",
+            NumericalNote::DownConvertInputs => "down_convert_inputs",
+            NumericalNote::ReducedPrecisionReduction => "reduced_precision_reduction",
+            NumericalNote::Fft => "fft",
+            NumericalNote::Nondeterministic => "nondeterministic",
+            NumericalNote::Winograd => "winograd",
+            NumericalNote::WinogradTile4x4 => "winograd_4x4",
+            NumericalNote::WinogradTile6x6 => "winograd_6x6",
+            NumericalNote::WinogradTile13x13 => "winograd_13x13",
+            NumericalNote::StrictNanProp => "strict_nan_prop",
+        }
+    }
+}
+
+/// `cudnnBackendBehaviorNote_t`: how an engine behaves on the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BehaviorNote {
+    /// Compiles a kernel when its plan is finalized (can take a second or more).
+    RuntimeCompilation = 0,
+    /// Needs the filter reordered to INT8x32 (nnfuse never reorders).
+    RequiresFilterInt8x32Reorder = 1,
+    /// Needs the bias reordered to INT8x32.
+    RequiresBiasInt8x32Reorder = 2,
+    /// Supports cuDNN's native CUDA-graph API.
+    SupportsCudaGraphNativeApi = 3,
+    /// Depends on cuBLASLt.
+    CublasLtDependency = 4,
+}
+
+impl BehaviorNote {
+    /// Every note this build knows.
+    pub const ALL: [BehaviorNote; 5] = [
+        BehaviorNote::RuntimeCompilation,
+        BehaviorNote::RequiresFilterInt8x32Reorder,
+        BehaviorNote::RequiresBiasInt8x32Reorder,
+        BehaviorNote::SupportsCudaGraphNativeApi,
+        BehaviorNote::CublasLtDependency,
+    ];
+
+    /// Short name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            BehaviorNote::RuntimeCompilation => "runtime_compilation",
+            BehaviorNote::RequiresFilterInt8x32Reorder => "filter_int8x32_reorder",
+            BehaviorNote::RequiresBiasInt8x32Reorder => "bias_int8x32_reorder",
+            BehaviorNote::SupportsCudaGraphNativeApi => "cuda_graph_native",
+            BehaviorNote::CublasLtDependency => "cublaslt_dependency",
+        }
+    }
+}
+
+/// A set of raw note values (bit `v` = note value `v`; values past 63 are kept as bit 63).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct NoteSet(pub u64);
+
+impl NoteSet {
+    /// The set of raw values `raw`.
+    pub fn from_raw(raw: &[u32]) -> NoteSet {
+        NoteSet(raw.iter().fold(0, |s, &v| s | 1u64 << v.min(63)))
+    }
+
+    /// Whether raw value `v` is in the set.
+    pub const fn has_raw(self, v: u32) -> bool {
+        v < 64 && self.0 & (1u64 << v) != 0
+    }
+
+    /// Whether numerical note `n` is in the set.
+    pub const fn has(self, n: NumericalNote) -> bool {
+        self.has_raw(n as u32)
+    }
+
+    /// Whether behaviour note `n` is in the set.
+    pub const fn has_behavior(self, n: BehaviorNote) -> bool {
+        self.has_raw(n as u32)
+    }
+
+    /// Names of the set's values, using `name` for known ones and `note<N>` otherwise.
+    fn names(self, name: impl Fn(u32) -> Option<&'static str>) -> Vec<String> {
+        (0..64)
+            .filter(|&v| self.has_raw(v))
+            .map(|v| name(v).map_or_else(|| format!("note{v}"), str::to_string))
+            .collect()
+    }
+
+    /// Names as numerical notes.
+    pub fn numerical_names(self) -> Vec<String> {
+        self.names(|v| NumericalNote::ALL.get(v as usize).map(|n| n.name()))
+    }
+
+    /// Names as behaviour notes.
+    pub fn behavior_names(self) -> Vec<String> {
+        self.names(|v| BehaviorNote::ALL.get(v as usize).map(|n| n.name()))
+    }
+}
+
+/// Which heuristics mode listed an engine config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HeurSource {
+    /// `CUDNN_HEUR_MODE_INSTANT`.
+    Instant,
+    /// `CUDNN_HEUR_MODE_FALLBACK`.
+    Fallback,
+}
+
+impl HeurSource {
+    /// `instant`, `fallback`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            HeurSource::Instant => "instant",
+            HeurSource::Fallback => "fallback",
+        }
+    }
+}
+
+/// What cuDNN says about one engine config.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineInfo {
+    /// `CUDNN_ATTR_ENGINE_GLOBAL_INDEX`.
+    pub global_index: i64,
+    /// The config's knob choices `(cudnnBackendKnobType_t value, value)`, sorted by type.
+    pub knobs: Vec<(u32, i64)>,
+    /// `CUDNN_ATTR_ENGINE_NUMERICAL_NOTE`.
+    pub numerical: NoteSet,
+    /// `CUDNN_ATTR_ENGINE_BEHAVIOR_NOTE`.
+    pub behavior: NoteSet,
+    /// The heuristics mode that listed it.
+    pub source: HeurSource,
+    /// Position in that mode's list (0 = cuDNN's first choice).
+    pub rank: usize,
+}
+
+impl EngineInfo {
+    /// `eng12{k2=1,k5=0}`: the engine and its knobs, which identify the config.
+    pub fn label(&self) -> String {
+        let knobs: Vec<String> = self
+            .knobs
+            .iter()
+            .map(|(t, v)| format!("k{t}={v}"))
+            .collect();
+        format!("eng{}{{{}}}", self.global_index, knobs.join(","))
+    }
+
+    /// Whether two infos name the same engine config.
+    pub fn same_config(&self, other: &EngineInfo) -> bool {
+        self.global_index == other.global_index && self.knobs == other.knobs
+    }
+}
+
+impl fmt::Display for EngineInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} ({} #{}; numerical [{}]; behaviour [{}])",
+            self.label(),
+            self.source.name(),
+            self.rank,
+            self.numerical.numerical_names().join(","),
+            self.behavior.behavior_names().join(",")
+        )
+    }
+}
+
+/// Which engines nnfuse may run. The default is strict: f32 in true single precision, f32
+/// accumulation for halves, any determinism, no run-time compilation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct GraphPolicy {
+    /// f32 data may run on tensor cores (TF32) and with down-converted inputs.
+    pub allow_tf32: bool,
+    /// Only engines without the `NONDETERMINISTIC` note.
+    pub deterministic: bool,
+    /// Engines that compile at plan finalization (can take seconds) are allowed.
+    pub allow_runtime_compilation: bool,
+    /// Engines that accumulate in a narrower type than f32 are allowed.
+    pub allow_reduced_precision_reduction: bool,
+}
+
+/// Why the policy refused an engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Rejection {
+    /// Tensor cores or down-converted inputs on f32 data (TF32), not allowed.
+    Tf32,
+    /// f32 data through a non-fused Winograd (tile notes): not true f32 (docs/CUDNN-FACTS.md).
+    WinogradF32,
+    /// Accumulates below f32.
+    ReducedPrecisionReduction,
+    /// Nondeterministic where determinism was asked for.
+    Nondeterministic,
+    /// Compiles at run time, not allowed.
+    RuntimeCompilation,
+    /// Needs an INT8x32 reordering of its operands.
+    NeedsReorder,
+}
+
+impl Rejection {
+    /// The reason in words.
+    pub const fn reason(self) -> &'static str {
+        match self {
+            Rejection::Tf32 => "tensor cores / down-converted inputs on f32 data (TF32)",
+            Rejection::WinogradF32 => "non-fused Winograd on f32 data (not true f32)",
+            Rejection::ReducedPrecisionReduction => "accumulates below f32",
+            Rejection::Nondeterministic => "nondeterministic",
+            Rejection::RuntimeCompilation => "compiles at run time",
+            Rejection::NeedsReorder => "needs INT8x32 reordering",
+        }
+    }
+}
+
+impl fmt::Display for Rejection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.reason())
+    }
+}
+
+/// Whether `policy` lets an engine with these notes run `dtype` data.
+pub fn admit(e: &EngineInfo, dtype: DType, policy: &GraphPolicy) -> Result<(), Rejection> {
+    use NumericalNote as N;
+    let n = e.numerical;
+    if e.behavior
+        .has_behavior(BehaviorNote::RequiresFilterInt8x32Reorder)
+        || e.behavior
+            .has_behavior(BehaviorNote::RequiresBiasInt8x32Reorder)
+    {
+        return Err(Rejection::NeedsReorder);
+    }
+    if dtype == DType::F32 && !policy.allow_tf32 {
+        if n.has(N::TensorCore) || n.has(N::DownConvertInputs) {
+            return Err(Rejection::Tf32);
+        }
+        if n.has(N::WinogradTile4x4) || n.has(N::WinogradTile6x6) || n.has(N::WinogradTile13x13) {
+            return Err(Rejection::WinogradF32);
+        }
+    }
+    if n.has(N::ReducedPrecisionReduction) && !policy.allow_reduced_precision_reduction {
+        return Err(Rejection::ReducedPrecisionReduction);
+    }
+    if n.has(N::Nondeterministic) && policy.deterministic {
+        return Err(Rejection::Nondeterministic);
+    }
+    if e.behavior.has_behavior(BehaviorNote::RuntimeCompilation)
+        && !policy.allow_runtime_compilation
+    {
+        return Err(Rejection::RuntimeCompilation);
+    }
+    Ok(())
+}
+
+/// Drops every config that an earlier entry already names (same engine and knobs), keeping
+/// the first occurrence and the order.
+pub fn dedup<T>(list: Vec<T>, info: impl Fn(&T) -> &EngineInfo) -> Vec<T> {
+    let mut out: Vec<T> = Vec::with_capacity(list.len());
+    for item in list {
+        if !out.iter().any(|o| info(o).same_config(info(&item))) {
+            out.push(item);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn engine(index: i64, numerical: &[NumericalNote], behavior: &[BehaviorNote]) -> EngineInfo {
+        EngineInfo {
+            global_index: index,
+            knobs: vec![(2, 1)],
+            numerical: NoteSet::from_raw(&numerical.iter().map(|&n| n as u32).collect::<Vec<_>>()),
+            behavior: NoteSet::from_raw(&behavior.iter().map(|&n| n as u32).collect::<Vec<_>>()),
+            source: HeurSource::Instant,
+            rank: 0,
+        }
+    }
+
+    #[test]
+    fn note_values_match_cudnn() {
+        use cudarc::cudnn::sys::{
+            cudnnBackendBehaviorNote_t as B, cudnnBackendNumericalNote_t as N,
+        };
+        assert_eq!(
+            NumericalNote::TensorCore as u32,
+            N::CUDNN_NUMERICAL_NOTE_TENSOR_CORE as u32
+        );
+        assert_eq!(
+            NumericalNote::Nondeterministic as u32,
+            N::CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC as u32
+        );
+        assert_eq!(
+            NumericalNote::StrictNanProp as u32,
+            N::CUDNN_NUMERICAL_NOTE_STRICT_NAN_PROP as u32
+        );
+        assert_eq!(
+            NumericalNote::ALL.len(),
+            N::CUDNN_NUMERICAL_NOTE_TYPE_COUNT as usize
+        );
+        assert_eq!(
+            BehaviorNote::RuntimeCompilation as u32,
+            B::CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION as u32
+        );
+        assert_eq!(
+            BehaviorNote::ALL.len(),
+            B::CUDNN_BEHAVIOR_NOTE_TYPE_COUNT as usize
+        );
+        for (i, n) in NumericalNote::ALL.iter().enumerate() {
+            assert_eq!(*n as usize, i);
+        }
+        for (i, n) in BehaviorNote::ALL.iter().enumerate() {
+            assert_eq!(*n as usize, i);
+        }
+    }
+
+    #[test]
+    fn note_sets_keep_unknown_values() {
+        let s = NoteSet::from_raw(&[0, 4, 40]);
+        assert!(s.has(NumericalNote::TensorCore));
+        assert!(s.has(NumericalNote::Nondeterministic));
+        assert!(!s.has(NumericalNote::Fft));
+        assert_eq!(
+            s.numerical_names(),
+            vec!["tensor_core", "nondeterministic", "note40"]
+        );
+        assert!(NoteSet::from_raw(&[1000]).has_raw(63));
+        assert!(!NoteSet::default().has_raw(70));
+    }
+
+    #[test]
+    fn f32_refuses_tf32_and_nonfused_winograd_unless_allowed() {
+        let strict = GraphPolicy::default();
+        let tc = engine(1, &[NumericalNote::TensorCore], &[]);
+        assert_eq!(admit(&tc, DType::F32, &strict), Err(Rejection::Tf32));
+        assert_eq!(admit(&tc, DType::F16, &strict), Ok(()));
+        assert_eq!(admit(&tc, DType::BF16, &strict), Ok(()));
+        let dc = engine(1, &[NumericalNote::DownConvertInputs], &[]);
+        assert_eq!(admit(&dc, DType::F32, &strict), Err(Rejection::Tf32));
+        let loose = GraphPolicy {
+            allow_tf32: true,
+            ..strict
+        };
+        assert_eq!(admit(&tc, DType::F32, &loose), Ok(()));
+        let wino = engine(
+            2,
+            &[NumericalNote::Winograd, NumericalNote::WinogradTile4x4],
+            &[],
+        );
+        assert_eq!(
+            admit(&wino, DType::F32, &strict),
+            Err(Rejection::WinogradF32)
+        );
+        assert_eq!(admit(&wino, DType::F16, &strict), Ok(()));
+        let fused = engine(3, &[NumericalNote::Winograd], &[]);
+        assert_eq!(admit(&fused, DType::F32, &strict), Ok(()));
+        assert_eq!(admit(&engine(4, &[], &[]), DType::F32, &strict), Ok(()));
+    }
+
+    #[test]
+    fn determinism_precision_and_compilation_follow_the_policy() {
+        let strict = GraphPolicy::default();
+        let nd = engine(1, &[NumericalNote::Nondeterministic], &[]);
+        assert_eq!(admit(&nd, DType::F16, &strict), Ok(()));
+        let det = GraphPolicy {
+            deterministic: true,
+            ..strict
+        };
+        assert_eq!(
+            admit(&nd, DType::F16, &det),
+            Err(Rejection::Nondeterministic)
+        );
+        let rpr = engine(1, &[NumericalNote::ReducedPrecisionReduction], &[]);
+        assert_eq!(
+            admit(&rpr, DType::F16, &strict),
+            Err(Rejection::ReducedPrecisionReduction)
+        );
+        let rt = engine(1, &[], &[BehaviorNote::RuntimeCompilation]);
+        assert_eq!(
+            admit(&rt, DType::F16, &strict),
+            Err(Rejection::RuntimeCompilation)
+        );
+        let rt_ok = GraphPolicy {
+            allow_runtime_compilation: true,
+            ..strict
+        };
+        assert_eq!(admit(&rt, DType::F16, &rt_ok), Ok(()));
+        let reorder = engine(1, &[], &[BehaviorNote::RequiresFilterInt8x32Reorder]);
+        assert_eq!(
+            admit(&reorder, DType::F16, &rt_ok),
+            Err(Rejection::NeedsReorder)
+        );
+    }
+
+    #[test]
+    fn dedup_keeps_first_occurrence_and_order() {
+        let a = engine(1, &[], &[]);
+        let mut b = engine(2, &[], &[]);
+        let mut a_fallback = a.clone();
+        a_fallback.source = HeurSource::Fallback;
+        let mut a_other_knob = a.clone();
+        a_other_knob.knobs = vec![(2, 0)];
+        b.rank = 1;
+        let out = dedup(
+            vec![a.clone(), b.clone(), a_fallback, a_other_knob.clone()],
+            |e| e,
+        );
+        assert_eq!(out, vec![a, b, a_other_knob]);
+    }
+
+    #[test]
+    fn labels_name_engine_knobs_and_notes() {
+        let mut e = engine(
+            12,
+            &[NumericalNote::TensorCore],
+            &[BehaviorNote::RuntimeCompilation],
+        );
+        e.knobs = vec![(2, 1), (5, 0)];
+        assert_eq!(e.label(), "eng12{k2=1,k5=0}");
+        let s = e.to_string();
+        assert!(
+            s.contains("tensor_core") && s.contains("runtime_compilation"),
+            "{s}"
+        );
+    }
+}
