@@ -130,7 +130,7 @@ fn download<T: Element>(ctx: &Context, b: &CudaSlice<T>) -> Vec<T> {
 
 fn poisoned<T: Element>(ctx: &Context, n: usize) -> CudaSlice<T> {
     let mut b = ctx.stream().alloc_zeros::<T>(n).expect("alloc");
-    nnfuse::util::fill(ctx, &mut b, T::from_f64(f64::NAN)).expect("fill");
+    nnfuse::internals::util::fill(ctx, &mut b, T::from_f64(f64::NAN)).expect("fill");
     b
 }
 
