@@ -7,7 +7,7 @@
 //! | `NNFUSE_DISABLE_CUDNN_FUSION` | boolean | false | never use cuDNN's fused BN+ReLU / BN+Add+ReLU |
 //! | `NNFUSE_GEMM_SEARCH` | boolean | true | time GEMM algorithm candidates; off = cuBLAS default |
 //! | `NNFUSE_TUNING_CACHE` | a file path | unset | where GEMM and convolution search results persist |
-//! | `NNFUSE_KERNEL_CACHE` | a directory | beside the tuning cache | where NVRTC-compiled kernel images persist |
+//! | `NNFUSE_KERNEL_CACHE` | a directory | `$XDG_CACHE_HOME/nnfuse` when a tuning cache is set | where NVRTC-compiled kernel images persist |
 //! | `NNFUSE_PLAN_CACHE_CAPACITY` | integer >= 1 | 4096 | most entries of each plan/choice cache (LRU) |
 //! | `NNFUSE_BN_IMPL` | `auto`, `cudnn`, `own` | `auto` | which BatchNorm implementation runs (see [`BnImpl`]) |
 //! | `NNFUSE_CONV_ALGO` | `auto`, `cudnn`, `im2col`, `winograd`, `winograd_f2x3`, `winograd_f4x3`, `direct` | `auto` | how convolutions are computed (see [`ConvAlgoPolicy`]) |
@@ -297,9 +297,9 @@ pub const ALL_VARS: [&str; 13] = [
     ENV_DETERMINISTIC,
 ];
 
-/// The folder beside the tuning cache that holds kernel images when [`Config::kernel_cache`] is
-/// unset.
-pub(crate) const KERNEL_CACHE_FOLDER: &str = "nnfuse-kernels";
+/// The folder in the user's cache directory that holds kernel images when
+/// [`Config::kernel_cache`] is unset.
+pub(crate) const KERNEL_CACHE_FOLDER: &str = "nnfuse";
 
 /// The settings one [`crate::Context`] works with.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -314,9 +314,9 @@ pub struct Config {
     pub gemm_search: bool,
     /// File in which GEMM and convolution search results persist between processes.
     pub tuning_cache: Option<PathBuf>,
-    /// Directory in which NVRTC-compiled kernel images persist between processes (`None`: an
-    /// `nnfuse-kernels` folder beside [`Config::tuning_cache`] when that is set, else no disk
-    /// cache; see [`Config::kernel_cache_dir`]).
+    /// Directory in which NVRTC-compiled kernel images persist between processes (`None`: the
+    /// user's cache directory's `nnfuse` folder when [`Config::tuning_cache`] is set, else no
+    /// disk cache; see [`Config::kernel_cache_dir`]).
     pub kernel_cache: Option<PathBuf>,
     /// Most entries each plan or choice cache keeps (least recently used evicted first).
     pub plan_cache_capacity: usize,
@@ -381,19 +381,16 @@ pub fn parse_bool(var: &str, value: &str) -> Result<bool> {
 }
 
 impl Config {
-    /// Where compiled kernel images persist: [`Config::kernel_cache`]; else a
-    /// `nnfuse-kernels` folder beside [`Config::tuning_cache`] (in the same folder as the
-    /// file); else `None` (no disk cache).
+    /// Where compiled kernel images persist: [`Config::kernel_cache`]; else, when
+    /// [`Config::tuning_cache`] is set, an `nnfuse` folder in the user's cache directory
+    /// (`$XDG_CACHE_HOME/nnfuse`, else `~/.cache/nnfuse` on Linux: never beside the tuning file,
+    /// which may sit in a folder other users can write); else `None` (no disk cache).
     pub fn kernel_cache_dir(&self) -> Option<PathBuf> {
         if let Some(d) = &self.kernel_cache {
             return Some(d.clone());
         }
-        let tuning = self.tuning_cache.as_ref()?;
-        let parent = match tuning.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        Some(parent.join(KERNEL_CACHE_FOLDER))
+        self.tuning_cache.as_ref()?;
+        Some(dirs::cache_dir()?.join(KERNEL_CACHE_FOLDER))
     }
 
     /// Reads the variables from the process environment now (not cached).
@@ -563,7 +560,7 @@ impl fmt::Display for Config {
             Some(p) => writeln!(f, "kernel_cache         = {}", p.display())?,
             None => writeln!(
                 f,
-                "kernel_cache         = (beside the tuning cache, if any)"
+                "kernel_cache         = (the user cache folder's nnfuse/, if a tuning cache is set)"
             )?,
         }
         writeln!(f, "plan_cache_capacity  = {}", self.plan_cache_capacity)?;

@@ -593,6 +593,14 @@ impl Context {
                 }
             }
         };
+        // cuModuleLoadData takes no length: it trusts the image's own offsets (ELF) or its NUL
+        // (PTX). Checked here for every image, whichever way it came.
+        kernels::check_image(&image).map_err(|why| Error::Nvrtc {
+            file: file.name,
+            arch: arch.clone(),
+            status: "image refused before cuModuleLoadData".into(),
+            log: why,
+        })?;
         let ptx = cudarc::nvrtc::Ptx::from_binary(image.bytes().to_vec());
         let module = self.inner.cuda.load_module(ptx).call("cuModuleLoadData")?;
         modules.insert(file.name, module.clone());

@@ -6,29 +6,42 @@
 //! # Disk cache
 //! NVRTC takes a few hundred milliseconds per file, paid by every fresh process at its first use
 //! of the file (the first GEMM search compiles `gemm_search.cu`, for instance). With a cache
-//! directory ([`crate::Config::kernel_cache_dir`]: [`crate::Config::kernel_cache`], else an `nnfuse-kernels` folder
-//! beside [`crate::Config::tuning_cache`], else none) the images are kept on disk and a later process
-//! reads them instead ([`load_or_compile`]).
+//! directory ([`crate::Config::kernel_cache_dir`]: [`crate::Config::kernel_cache`], else the
+//! user's cache directory's `nnfuse` folder when [`crate::Config::tuning_cache`] is set, else
+//! none) the images are kept on disk and a later process reads them instead
+//! ([`load_or_compile`]). nnfuse runs what it reads there, so the folder is trusted only when
+//! no other user can write it:
 //!
+//! - The folder is created with mode 0700 and its files with 0600; a folder or file another
+//!   user owns or may write (or a parent folder that lets another user replace it) is refused
+//!   with a `tracing` warning, and the image is compiled in memory.
 //! - One file per image, named by its key ([`ImageKey`]): the kernel file, the architecture,
-//!   NVRTC's version and a hash of the embedded source, the compile options and the format
-//!   version. A new nnfuse version or NVRTC version therefore never reads an old image; old
-//!   files are simply no longer used (delete the folder at any time).
+//!   NVRTC's version and a SHA-256 of the embedded source, the compile options, the NVRTC
+//!   version, the architecture and the format version. A new nnfuse version or NVRTC version
+//!   therefore never reads an old image; old files are simply no longer used (delete the folder
+//!   at any time).
 //! - Each file starts with a one-line text header repeating the key, the payload's length and
-//!   its checksum; a file whose header, length or checksum does not match (truncated, corrupt,
-//!   foreign) is ignored with a `tracing` warning and replaced by a fresh compile.
-//! - Writes are atomic (a temporary file in the same folder, then a rename), so concurrent
-//!   processes never read half a file. Any failure to read or write the cache is a warning,
-//!   never an error: the compile result is used either way.
+//!   its SHA-256; a file whose header, length or checksum does not match (truncated, corrupt,
+//!   foreign) is ignored with a `tracing` warning and replaced by a fresh compile. The
+//!   checksum catches damage, not an attacker (who could recompute it): the folder's ownership
+//!   and mode are what keep others out.
+//! - A file is opened without following a symlink or blocking on a FIFO, must be a regular
+//!   file of at most 64 MiB, and its image must pass [`check_image`] (`cuModuleLoadData` takes
+//!   no length: ELF tables and contents must lie within the bytes, PTX must end in its NUL).
+//! - Writes are atomic (a new, randomly named file created with `O_EXCL` in the same folder,
+//!   then a rename), so concurrent processes never read half a file and a planted symlink is
+//!   never followed. Any failure to read or write the cache is a warning, never an error: the
+//!   compile result is used either way.
 
 use std::ffi::{c_char, CStr, CString};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
+use sha2::{Digest, Sha256};
 
+use crate::cache_fs;
 use crate::error::{Error, Result};
 
 /// One embedded `.cu` file.
@@ -313,30 +326,30 @@ pub enum ImageOrigin {
     Disk,
 }
 
-/// FNV-1a, 64 bits: stable across Rust versions and platforms (unlike `DefaultHasher`), which a
-/// key written to disk needs; the inputs are nnfuse's own sources, so no adversary picks them.
-#[derive(Clone, Copy)]
-struct Fnv(u64);
+/// SHA-256 over length-prefixed fields, so that fields cannot run into each other ("ab" + "c"
+/// differs from "a" + "bc").
+struct Fields(Sha256);
 
-impl Fnv {
+impl Fields {
     fn new() -> Self {
-        Fnv(0xcbf2_9ce4_8422_2325)
+        Fields(Sha256::new())
     }
-    fn bytes(mut self, b: &[u8]) -> Self {
-        for &x in b {
-            self.0 = (self.0 ^ x as u64).wrapping_mul(0x0000_0100_0000_01b3);
-        }
+    fn field(mut self, b: &[u8]) -> Self {
+        self.0.update((b.len() as u64).to_le_bytes());
+        self.0.update(b);
         self
     }
-    /// A field followed by a separator byte that cannot occur in it, so that fields cannot run
-    /// into each other ("ab" + "c" differs from "a" + "bc").
-    fn field(self, b: &[u8]) -> Self {
-        self.bytes(&(b.len() as u64).to_le_bytes()).bytes(b)
+    fn finish(self) -> [u8; 32] {
+        self.0.finalize().into()
     }
 }
 
-fn fnv(b: &[u8]) -> u64 {
-    Fnv::new().bytes(b).0
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn sha256_hex(b: &[u8]) -> String {
+    hex(&Sha256::digest(b))
 }
 
 /// What identifies one compiled image in the disk cache.
@@ -348,15 +361,16 @@ pub struct ImageKey {
     pub arch: String,
     /// NVRTC's version.
     pub nvrtc: (i32, i32),
-    /// Hash of the file name, the embedded source (prelude included), the compile options, the
-    /// NVRTC version, the architecture and [`DISK_FORMAT_VERSION`].
-    pub hash: u64,
+    /// SHA-256 of [`DISK_FORMAT_VERSION`], the NVRTC version, the architecture, the file name,
+    /// the embedded source (prelude included) and the compile options, each field preceded by
+    /// its length (little-endian `u64`); integers as little-endian bytes.
+    pub hash: [u8; 32],
 }
 
 impl ImageKey {
     /// The key of `file` compiled for `arch` by NVRTC `nvrtc`.
     pub fn with_version(file: &KernelFile, arch: &str, nvrtc: (i32, i32)) -> ImageKey {
-        let mut h = Fnv::new()
+        let mut h = Fields::new()
             .field(&DISK_FORMAT_VERSION.to_le_bytes())
             .field(&nvrtc.0.to_le_bytes())
             .field(&nvrtc.1.to_le_bytes())
@@ -370,7 +384,7 @@ impl ImageKey {
             file: file.name,
             arch: arch.to_string(),
             nvrtc,
-            hash: h.0,
+            hash: h.finish(),
         }
     }
 
@@ -387,15 +401,16 @@ impl ImageKey {
         }
     }
 
-    /// The image's file name in the cache folder: `util.sm_90.nvrtc13.0.<16 hex digits>.cubin`.
+    /// The image's file name in the cache folder:
+    /// `util.sm_90.nvrtc13.0.<64 hex digits of the key>.cubin`.
     pub fn file_name(&self) -> String {
         let stem = self.file.strip_suffix(".cu").unwrap_or(self.file);
         format!(
-            "{stem}.{}.nvrtc{}.{}.{:016x}.{}",
+            "{stem}.{}.nvrtc{}.{}.{}.{}",
             self.arch,
             self.nvrtc.0,
             self.nvrtc.1,
-            self.hash,
+            hex(&self.hash),
             self.kind()
         )
     }
@@ -403,23 +418,24 @@ impl ImageKey {
     /// The header line without the payload's length and checksum.
     fn header_prefix(&self) -> String {
         format!(
-            "{MAGIC} {DISK_FORMAT_VERSION} file={} arch={} nvrtc={}.{} kind={} key={:016x}",
+            "{MAGIC} {DISK_FORMAT_VERSION} file={} arch={} nvrtc={}.{} kind={} key={}",
             self.file,
             self.arch,
             self.nvrtc.0,
             self.nvrtc.1,
             self.kind(),
-            self.hash
+            hex(&self.hash)
         )
     }
 
-    /// The whole file for `payload`: header line, then the image bytes.
-    fn encode(&self, payload: &[u8]) -> Vec<u8> {
+    /// The whole file for `payload`: header line (with the payload's length and SHA-256), then
+    /// the image bytes.
+    pub fn encode(&self, payload: &[u8]) -> Vec<u8> {
         let header = format!(
-            "{} bytes={} fnv={:016x}\n",
+            "{} bytes={} sha256={}\n",
             self.header_prefix(),
             payload.len(),
-            fnv(payload)
+            sha256_hex(payload)
         );
         let mut out = Vec::with_capacity(header.len() + payload.len());
         out.extend_from_slice(header.as_bytes());
@@ -427,7 +443,9 @@ impl ImageKey {
         out
     }
 
-    /// The image in `bytes` (a whole file), or why it cannot be used.
+    /// The image in `bytes` (a whole file), or why it cannot be used: the header must describe
+    /// this key, the payload's length and SHA-256 must match the header, and the payload must
+    /// pass [`check_image`].
     pub fn decode(&self, bytes: &[u8]) -> std::result::Result<Image, String> {
         let nl = bytes
             .iter()
@@ -440,19 +458,107 @@ impl ImageKey {
         let rest = header
             .strip_prefix(prefix.as_str())
             .ok_or_else(|| format!("header {header:?} does not describe {prefix:?}"))?;
-        let want = format!(" bytes={} fnv={:016x}", payload.len(), fnv(payload));
+        let want = format!(" bytes={} sha256={}", payload.len(), sha256_hex(payload));
         if rest != want {
             return Err(format!(
                 "payload does not match its header (header says{rest}, file holds{want})"
             ));
         }
-        match self.kind() {
-            "cubin" if !payload.starts_with(b"\x7fELF") => {
-                Err("payload is not an ELF image".into())
-            }
-            "cubin" => Ok(Image::Cubin(payload.to_vec())),
-            _ => Ok(Image::Ptx(payload.to_vec())),
+        let image = match self.kind() {
+            "cubin" => Image::Cubin(payload.to_vec()),
+            _ => Image::Ptx(payload.to_vec()),
+        };
+        check_image(&image)?;
+        Ok(image)
+    }
+}
+
+/// Reads a little-endian integer of `N` bytes at `at`, if the bytes are there.
+fn le<const N: usize>(b: &[u8], at: usize) -> Option<u64> {
+    let s: [u8; N] = b.get(at..at.checked_add(N)?)?.try_into().ok()?;
+    let mut v = [0u8; 8];
+    v[..N].copy_from_slice(&s);
+    Some(u64::from_le_bytes(v))
+}
+
+/// Whether `count` records of `size` bytes from `offset` lie within `len` bytes.
+fn table_fits(offset: u64, size: u64, count: u64, len: usize) -> bool {
+    size.checked_mul(count)
+        .and_then(|n| n.checked_add(offset))
+        .is_some_and(|end| end <= len as u64)
+}
+
+/// Checks a 64-bit little-endian ELF image (what NVRTC emits) against its own header: the
+/// header, the program and section header tables, and every segment's and section's bytes lie
+/// within the image. `cuModuleLoadData` takes no length, so it trusts these offsets.
+fn check_elf(b: &[u8]) -> std::result::Result<(), String> {
+    const EHDR: usize = 64;
+    if b.len() < EHDR || !b.starts_with(b"\x7fELF") {
+        return Err("payload is not an ELF image".into());
+    }
+    if b[4] != 2 || b[5] != 1 {
+        return Err("payload is not a 64-bit little-endian ELF image".into());
+    }
+    let bad = |what: &str| format!("ELF {what} lies outside the {}-byte image", b.len());
+    let field = |at: usize, n: usize| match n {
+        2 => le::<2>(b, at),
+        _ => le::<8>(b, at),
+    };
+    let (phoff, shoff) = (field(0x20, 8), field(0x28, 8));
+    let (ehsize, phentsize, phnum) = (field(0x34, 2), field(0x36, 2), field(0x38, 2));
+    let (shentsize, shnum) = (field(0x3a, 2), field(0x3c, 2));
+    let (
+        Some(phoff),
+        Some(shoff),
+        Some(ehsize),
+        Some(phentsize),
+        Some(phnum),
+        Some(shentsize),
+        Some(shnum),
+    ) = (phoff, shoff, ehsize, phentsize, phnum, shentsize, shnum)
+    else {
+        return Err(bad("header"));
+    };
+    if ehsize as usize > b.len() {
+        return Err(bad("header"));
+    }
+    if phnum > 0 && (phentsize < 0x38 || !table_fits(phoff, phentsize, phnum, b.len())) {
+        return Err(bad("program header table"));
+    }
+    if shnum > 0 && (shentsize < 0x40 || !table_fits(shoff, shentsize, shnum, b.len())) {
+        return Err(bad("section header table"));
+    }
+    for i in 0..phnum {
+        let at = (phoff + i * phentsize) as usize;
+        let (off, filesz) = (le::<8>(b, at + 0x08), le::<8>(b, at + 0x20));
+        if !matches!((off, filesz), (Some(o), Some(n)) if table_fits(o, n, 1, b.len())) {
+            return Err(bad(&format!("segment {i}")));
         }
+    }
+    const SHT_NOBITS: u64 = 8;
+    for i in 0..shnum {
+        let at = (shoff + i * shentsize) as usize;
+        if le::<4>(b, at + 0x04) == Some(SHT_NOBITS) {
+            continue;
+        }
+        let (off, size) = (le::<8>(b, at + 0x18), le::<8>(b, at + 0x20));
+        if !matches!((off, size), (Some(o), Some(n)) if table_fits(o, n, 1, b.len())) {
+            return Err(bad(&format!("section {i}")));
+        }
+    }
+    Ok(())
+}
+
+/// Whether `image` is safe to hand to `cuModuleLoadData` (which takes no length): a CUBIN's
+/// ELF tables and contents lie within its bytes; PTX is text ending in its only NUL byte.
+pub fn check_image(image: &Image) -> std::result::Result<(), String> {
+    match image {
+        Image::Cubin(b) => check_elf(b),
+        Image::Ptx(b) => match b.iter().position(|&c| c == 0) {
+            Some(i) if i + 1 == b.len() => Ok(()),
+            Some(i) => Err(format!("PTX holds a NUL byte at {i}, before its end")),
+            None => Err("PTX is not NUL-terminated".into()),
+        },
     }
 }
 
@@ -515,47 +621,42 @@ pub fn stats() -> KernelCacheStats {
 }
 
 /// Reads the image of `key` from `dir`: `Ok(None)` when there is no file, `Err(reason)` when
-/// there is one that cannot be used.
+/// there is one that cannot be used. The folder and the file must be this user's and writable
+/// by nobody else (`cache_fs::private_dir`); the file is opened without following a
+/// symlink or blocking on a FIFO, must be a regular file of at most 64 MiB, and must decode
+/// ([`ImageKey::decode`]).
 pub fn read_cached(dir: &Path, key: &ImageKey) -> std::result::Result<Option<Image>, String> {
-    let path = dir.join(key.file_name());
-    match std::fs::read(&path) {
-        Ok(bytes) => key.decode(&bytes).map(Some),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(format!("cannot be read: {e}")),
+    match std::fs::symlink_metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        _ => cache_fs::private_dir(dir, false).map_err(|e| format!("folder refused: {e}"))?,
     }
+    let path = dir.join(key.file_name());
+    let (file, meta) = match cache_fs::open_regular(&path, true) {
+        Ok(Some(f)) => f,
+        Ok(None) => return Ok(None),
+        Err(e) => return Err(format!("cannot be read: {e}")),
+    };
+    cache_fs::check_private(&meta, "the file")?;
+    let bytes = cache_fs::read_capped(file).map_err(|e| format!("cannot be read: {e}"))?;
+    key.decode(&bytes).map(Some)
 }
 
-/// Writes `image` for `key` into `dir` (created if missing), atomically: a temporary file in
-/// the same folder, flushed, then renamed over the final name. Returns the file's path.
+/// Writes `image` for `key` into `dir` (created with mode 0700 if missing; refused when another
+/// user could write it), atomically: a new, randomly named file in the same folder (mode 0600),
+/// flushed, then renamed over the final name. Returns the file's path.
 pub fn write_cached(dir: &Path, key: &ImageKey, image: &Image) -> std::io::Result<PathBuf> {
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    std::fs::create_dir_all(dir)?;
+    let refused = |why: String| std::io::Error::new(std::io::ErrorKind::PermissionDenied, why);
+    cache_fs::private_dir(dir, true).map_err(|e| refused(format!("folder refused: {e}")))?;
+    check_image(image).map_err(|e| refused(format!("image refused: {e}")))?;
     let path = dir.join(key.file_name());
-    let tmp = dir.join(format!(
-        ".{}.tmp.{}.{}",
-        key.file_name(),
-        std::process::id(),
-        COUNTER.fetch_add(1, Ordering::Relaxed)
-    ));
-    let bytes = key.encode(image.bytes());
-    let write = || -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&bytes)?;
-        f.sync_all()?;
-        drop(f);
-        std::fs::rename(&tmp, &path)
-    };
-    if let Err(e) = write() {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e);
-    }
+    cache_fs::write_atomic(&path, &key.encode(image.bytes()), 0o600)?;
     Ok(path)
 }
 
 /// The image of `file` for `arch`: read from the disk cache in `dir` when it holds a usable one,
 /// else compiled (and then written there). Only a compile error is an error: every problem with
-/// the cache (unreadable or corrupt file, unwritable folder) is a `tracing` warning, and the
-/// compiled image is used.
+/// the cache (a folder another user could write, an unreadable or corrupt file, an unwritable
+/// folder) is a `tracing` warning, and the compiled image is used.
 pub fn load_or_compile(
     file: &KernelFile,
     arch: &str,
@@ -564,6 +665,14 @@ pub fn load_or_compile(
     let Some(dir) = dir else {
         return Ok((compile(file, arch)?, ImageOrigin::Compiled));
     };
+    if let Err(why) = cache_fs::private_dir(dir, true) {
+        STATS.disk_write_failures.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            dir = %dir.display(),
+            "kernel cache folder refused ({why}); compiling in memory"
+        );
+        return Ok((compile(file, arch)?, ImageOrigin::Compiled));
+    }
     let key = ImageKey::new(file, arch)?;
     let t = Instant::now();
     match read_cached(dir, &key) {
@@ -668,10 +777,89 @@ mod tests {
             .ends_with(".ptx"));
     }
 
+    /// A 64-bit little-endian ELF header (no program or section headers) and `extra` bytes.
+    fn minimal_elf(extra: usize) -> Vec<u8> {
+        let mut b = vec![0u8; 64 + extra];
+        b[..4].copy_from_slice(b"\x7fELF");
+        b[4] = 2; // 64-bit
+        b[5] = 1; // little-endian
+        b[0x34] = 64; // e_ehsize
+        b
+    }
+
+    #[test]
+    fn elf_tables_must_lie_within_the_image() {
+        assert_eq!(check_elf(&minimal_elf(0)), Ok(()));
+        // One section header at 64, whose contents are the 16 bytes at 128.
+        let mut b = minimal_elf(64 + 16);
+        b[0x28..0x30].copy_from_slice(&64u64.to_le_bytes()); // e_shoff
+        b[0x3a] = 64; // e_shentsize
+        b[0x3c] = 1; // e_shnum
+        b[64 + 0x18..64 + 0x20].copy_from_slice(&128u64.to_le_bytes()); // sh_offset
+        b[64 + 0x20..64 + 0x28].copy_from_slice(&16u64.to_le_bytes()); // sh_size
+        assert_eq!(check_elf(&b), Ok(()));
+        let mut past = b.clone();
+        past[64 + 0x20..64 + 0x28].copy_from_slice(&17u64.to_le_bytes());
+        assert!(check_elf(&past).is_err(), "section past the end");
+        let mut wrap = b.clone();
+        wrap[64 + 0x18..64 + 0x20].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(check_elf(&wrap).is_err(), "offset that wraps");
+        let mut nobits = past.clone();
+        nobits[64 + 4] = 8; // SHT_NOBITS: no bytes in the file
+        assert_eq!(check_elf(&nobits), Ok(()));
+        let mut table = b.clone();
+        table[0x3c] = 2; // a second section header past the end
+        assert!(check_elf(&table).is_err(), "table past the end");
+        let mut ph = minimal_elf(0);
+        ph[0x20..0x28].copy_from_slice(&64u64.to_le_bytes()); // e_phoff
+        ph[0x36] = 0x38; // e_phentsize
+        ph[0x38] = 1; // e_phnum
+        assert!(check_elf(&ph).is_err(), "program headers past the end");
+        assert!(check_elf(&minimal_elf(0)[..63]).is_err(), "short header");
+        let mut elf32 = minimal_elf(0);
+        elf32[4] = 1;
+        assert!(check_elf(&elf32).is_err(), "32-bit");
+    }
+
+    #[test]
+    fn ptx_must_end_in_its_only_nul() {
+        assert!(check_image(&Image::Ptx(b".version 8.0\0".to_vec())).is_ok());
+        assert!(check_image(&Image::Ptx(b".version 8.0".to_vec())).is_err());
+        assert!(check_image(&Image::Ptx(b".ver\0sion\0".to_vec())).is_err());
+        assert!(check_image(&Image::Ptx(Vec::new())).is_err());
+    }
+
+    #[test]
+    fn the_key_is_sha256_of_the_length_prefixed_inputs() {
+        let key = ImageKey::with_version(&TINY, "sm_90", (13, 0));
+        let mut h = Sha256::new();
+        let mut field = |b: &[u8]| {
+            h.update((b.len() as u64).to_le_bytes());
+            h.update(b);
+        };
+        field(&DISK_FORMAT_VERSION.to_le_bytes());
+        field(&13i32.to_le_bytes());
+        field(&0i32.to_le_bytes());
+        field(b"sm_90");
+        field(b"tiny.cu");
+        field(TINY.source.as_bytes());
+        for o in compile_options("sm_90") {
+            field(o.as_bytes());
+        }
+        let want: [u8; 32] = h.finalize().into();
+        assert_eq!(key.hash, want);
+        assert!(key.file_name().contains(&hex(&want)));
+        // The content's SHA-256 is stored in the header and checked on read.
+        let payload = minimal_elf(8);
+        let file = key.encode(&payload);
+        let header = std::str::from_utf8(&file[..file.len() - payload.len()]).unwrap();
+        assert!(header.ends_with(&format!(" sha256={}\n", sha256_hex(&payload))));
+    }
+
     #[test]
     fn encoded_images_round_trip_and_damage_is_detected() {
         let key = ImageKey::with_version(&TINY, "sm_90", (13, 0));
-        let payload: Vec<u8> = b"\x7fELF".iter().copied().chain(0..=255u8).collect();
+        let payload = minimal_elf(256);
         let file = key.encode(&payload);
         match key.decode(&file) {
             Ok(Image::Cubin(b)) => assert_eq!(b, payload),
@@ -708,17 +896,11 @@ mod tests {
     fn cache_folder_follows_the_config() {
         let c = Config::default();
         assert_eq!(c.kernel_cache_dir(), None);
-        let c = c.with_tuning_cache(Some(PathBuf::from("/var/cache/x/tuning.json")));
+        // Never beside the tuning file (which may sit in a folder others can write).
+        let c = c.with_tuning_cache(Some(PathBuf::from("/tmp/x/tuning.json")));
         assert_eq!(
             c.kernel_cache_dir(),
-            Some(PathBuf::from("/var/cache/x/nnfuse-kernels"))
-        );
-        let c2 = c
-            .clone()
-            .with_tuning_cache(Some(PathBuf::from("tuning.json")));
-        assert_eq!(
-            c2.kernel_cache_dir(),
-            Some(PathBuf::from("./nnfuse-kernels"))
+            dirs::cache_dir().map(|d| d.join("nnfuse"))
         );
         let c = c.with_kernel_cache(Some(PathBuf::from("/k")));
         assert_eq!(c.kernel_cache_dir(), Some(PathBuf::from("/k")));

@@ -21,6 +21,7 @@
 
 pub mod activation;
 pub mod batchnorm;
+mod cache_fs;
 pub mod config;
 pub mod context;
 pub mod conv;

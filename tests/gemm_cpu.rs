@@ -486,9 +486,10 @@ fn file_round_trip_is_readable_and_atomic() {
     let t = tag("NVIDIA H100 80GB HBM3", 130100);
     let entries = sample_entries(0);
     save_file(&f, &t, &entries).unwrap();
+    // The lock file stays (removing it would let two processes lock different files).
     assert_eq!(
         d.names(),
-        vec!["tuning.json".to_string()],
+        vec!["tuning.json".to_string(), "tuning.json.lock".to_string()],
         "temp file left behind"
     );
     let text = std::fs::read_to_string(&f).unwrap();
