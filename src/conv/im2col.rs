@@ -163,7 +163,7 @@ unsafe fn execute(ctx: &Context, dtype: DType, plan: &Plan, ops: Operands) -> Re
                 mode,
             } => {
                 let f = ctx.function(&kernels::IM2COL, launch::accumulate_kernel(dtype))?;
-                let cfg = crate::util::grid_stride_config(ctx, *len, launch::THREADS);
+                let cfg = crate::launch::grid_stride_config(ctx, *len, launch::THREADS);
                 let (p, a, o) = (addr(*part)?, addr(*acc)?, addr(*out)?);
                 let (n, bits) = (*len as u64, mode.bits());
                 let mut b = ctx.stream().launch_builder(&f);

@@ -9,7 +9,7 @@
 //! and its fragment layouts are documented at the top of the kernel file and in
 //! `docs/WINOGRAD.md` ("The fused engine").
 
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use crate::context::Context;
@@ -215,11 +215,8 @@ pub(crate) fn check(
         )));
     }
     let need = cfg(tile).smem_bytes + STATIC_SMEM;
-    let optin = ctx
-        .cuda()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-        .call("cuDeviceGetAttribute")?;
-    if (optin.max(0) as usize) < need {
+    let optin = crate::launch::device_facts(ctx)?.smem_optin;
+    if (optin as usize) < need {
         return Err(Error::NotSupported(format!(
             "the fused Winograd {} kernel needs {need} bytes of shared memory per block; this \
              device allows {optin}",
