@@ -364,7 +364,10 @@ impl<T: Element> Conv2d<T> {
     }
 
     /// The filter gradient from `x` and `dy`: written to `dw`, or added to it with
-    /// `accumulate` (a weight shared by several layers).
+    /// `accumulate` (a weight shared by several layers). When the decided route fails at run
+    /// time, an overwriting call is re-run on the fallback; an accumulating one is not (the
+    /// failed route may have added to `dw` already): it returns [`Error::NotSupported`] saying
+    /// `dw` may be partly updated, and later calls take the fallback.
     pub fn backward_filter<X, D, W>(
         &self,
         x: &X,
