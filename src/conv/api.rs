@@ -12,7 +12,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use super::choice::{cudnn_search, AutoReport, ConvChoice, CudnnSearch};
 use super::cudnn::CudnnPerf;
 use super::plan::{ConvPath, ConvPlan, Route};
-use super::problem::{ConvShape, CudnnPtrs, Direction, FwdPtrs, WinogradTile};
+use super::problem::{ConvShape, CudnnPtrs, Direction, FwdPtrs, WinogradGeometry, WinogradTile};
 use super::state::{lock, Core, CoreKey, HIDE_CUDNN};
 use super::winograd;
 use crate::context::Context;
@@ -445,21 +445,28 @@ impl<T: Element> Conv2d<T> {
         };
         let decided = lock(&self.core.state[Direction::Forward.index()])
             .as_ref()
-            .map(|s| s.exec.route);
-        let route = decided.unwrap_or_else(|| self.plan().route());
-        if let Some(tile) = route.path.winograd_tile() {
-            self.transformed(&pf, tile)?;
+            .map(|s| s.exec);
+        // The decided route's geometry; before the first forward, the planned route's.
+        let geometry = match decided {
+            Some(e) => e.winograd,
+            None => match self.plan().route().path.winograd_tile() {
+                Some(tile) => Some(WinogradGeometry::forward(&self.core.shape, tile)?),
+                None => None,
+            },
+        };
+        if let Some(g) = geometry {
+            self.transformed(&pf, &g)?;
         }
         Ok(pf)
     }
 
-    /// The transformed filter of `tile` (made on first use); returns its address.
-    fn transformed(&self, pf: &PreparedFilter<T>, tile: WinogradTile) -> Result<u64> {
+    /// The transformed filter of forward geometry `g`'s tile (made on first use); returns its
+    /// address.
+    fn transformed(&self, pf: &PreparedFilter<T>, g: &WinogradGeometry) -> Result<u64> {
         let mut t = lock(&pf.transformed);
-        let slot = &mut t[tile_index(tile)];
+        let slot = &mut t[tile_index(g.tile)];
         if slot.is_none() {
-            let eq = self.core.shape;
-            let v = super::problem::winograd_dims(&eq, tile)?.v;
+            let v = g.dims.v;
             // SAFETY: written by the transform before any read.
             let mut buf =
                 unsafe { self.ctx.stream().alloc::<T>(v.max(1)) }.call("cuMemAllocAsync")?;
@@ -468,9 +475,7 @@ impl<T: Element> Conv2d<T> {
                 let (wp, _g1) = pf.raw.device_ptr(stream);
                 let (vp, _g2) = buf.device_ptr_mut(stream);
                 // SAFETY: wp holds the filter (w_len elements), vp the transform's v elements.
-                unsafe {
-                    winograd::transform_filter(&self.ctx, &eq, self.core.dtype, tile, wp, vp)
-                }?;
+                unsafe { winograd::transform_filter(&self.ctx, g, self.core.dtype, wp, vp) }?;
             }
             *slot = Some(buf);
         }
@@ -506,16 +511,14 @@ impl<T: Element> Conv2d<T> {
             return self.run(Direction::Forward, p, false, None);
         }
         let e = self.decided(Direction::Forward, p)?;
-        if let (Some(tile), Some(engine)) = (e.route.path.winograd_tile(), e.route.engine) {
-            let v = self.transformed(w, tile)?;
-            let core = &*self.core;
+        if let (Some(g), Some(engine)) = (e.winograd.as_ref(), e.route.engine) {
+            let v = self.transformed(w, g)?;
             // SAFETY: operands checked; v holds the transformed filter of this problem and tile.
             let r = unsafe {
                 winograd::forward_prepared(
                     &self.ctx,
-                    &core.shape,
-                    core.dtype,
-                    tile,
+                    g,
+                    self.core.dtype,
                     engine,
                     FwdPtrs {
                         x: p.x,

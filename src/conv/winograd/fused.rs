@@ -13,8 +13,7 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use crate::context::Context;
-use crate::conv::problem::{fused_eligible, winograd_dims, WinogradTile};
-use crate::conv::ConvShape;
+use crate::conv::problem::{fused_eligible, WinogradGeometry, WinogradTile};
 use crate::dtype::DType;
 use crate::error::{CallExt, Error, Result};
 use crate::kernels::KernelFile;
@@ -197,12 +196,12 @@ pub(crate) fn launches(n: usize, tiles_per_image: usize) -> Result<Vec<usize>> {
 /// launches nothing.
 pub(crate) fn check(
     ctx: &Context,
-    s: &ConvShape,
+    g: &WinogradGeometry,
     dtype: DType,
-    tile: WinogradTile,
     x: u64,
     y: u64,
 ) -> Result<()> {
+    let (s, tile, d) = (&g.problem, g.tile, &g.dims);
     fused_eligible(s, dtype).map_err(|why| Error::invalid("shape", why))?;
     for (name, ptr, align) in [("x", x, 16u64), ("y", y, 4)] {
         aligned(name, ptr, align)?;
@@ -223,7 +222,6 @@ pub(crate) fn check(
             tile.name()
         )));
     }
-    let d = winograd_dims(s, tile)?;
     let (oh, ow) = s.out_hw()?;
     // The kernel forms tap rows and columns as i32 (origin minus padding plus alpha).
     for extent in [oh + s.pad.0, ow + s.pad.1, s.h, s.w] {
@@ -271,17 +269,16 @@ fn aligned(name: &'static str, ptr: u64, align: u64) -> Result<()> {
 /// on `ctx`'s device; y is disjoint from both.
 pub(crate) unsafe fn forward(
     ctx: &Context,
-    s: &ConvShape,
+    g: &WinogradGeometry,
     dtype: DType,
-    tile: WinogradTile,
     x: u64,
     v: u64,
     y: u64,
 ) -> Result<()> {
-    check(ctx, s, dtype, tile, x, y)?;
+    check(ctx, g, dtype, x, y)?;
     aligned("v", v, 16)?;
+    let (s, tile, d) = (&g.problem, g.tile, &g.dims);
     let c = cfg(tile);
-    let d = winograd_dims(s, tile)?;
     let (oh, ow) = s.out_hw()?;
     let u = |v: usize, what: &str| super::launch::arg_u32(v, what);
     let (h32, w32, c32, k32) = (

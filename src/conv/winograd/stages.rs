@@ -43,9 +43,9 @@ pub use super::launch::{stage_bytes, Chunking, StageBytes, L2_SHARE, MIN_CHUNK_T
 use super::launch::{transform_kernel, vec_widths, Stage};
 use crate::context::Context;
 use crate::conv::problem::{
-    winograd_backward_data_eligible, winograd_dims, winograd_forward_eligible, WinogradDims,
+    winograd_backward_data_eligible, winograd_forward_eligible, WinogradGeometry,
 };
-use crate::conv::{BwdDataPtrs, ConvShape, FwdPtrs, WinogradEngine, WinogradTile};
+use crate::conv::{BwdDataPtrs, ConvShape, Direction, FwdPtrs, WinogradEngine, WinogradTile};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::gemm::{check_operands, Problem, Validated};
@@ -70,10 +70,21 @@ pub fn transform_kernel_name(
     transform_kernel(stage, dtype, tile, vec)
 }
 
-fn eligible(s: &ConvShape, tile: WinogradTile) -> Result<WinogradDims> {
+/// The forward geometry of `s` with `tile` (computed once per call, at the entry of each stage
+/// function, and handed down), or an error naming `shape` when `s` is not a Winograd problem.
+fn eligible(s: &ConvShape, tile: WinogradTile) -> Result<WinogradGeometry> {
     winograd_forward_eligible(s)
         .map_err(|why| Error::invalid("shape", format!("not a Winograd convolution: {why}")))?;
-    winograd_dims(s, tile)
+    WinogradGeometry::forward(s, tile)
+}
+
+/// The data-gradient geometry of `s` with `tile`, or an error naming `shape`.
+fn eligible_backward(s: &ConvShape, tile: WinogradTile) -> Result<WinogradGeometry> {
+    winograd_forward_eligible(s)
+        .map_err(|why| Error::invalid("shape", format!("not a Winograd convolution: {why}")))?;
+    winograd_backward_data_eligible(s).map_err(|why| Error::invalid("shape", why))?;
+    WinogradGeometry::new(s, Direction::BackwardData, tile)?
+        .ok_or_else(|| Error::invalid("shape", "no Winograd data gradient"))
 }
 
 /// A buffer's required length and what it means (the error's text).
@@ -102,14 +113,15 @@ where
     X: DevicePtr<T>,
     U: DevicePtrMut<T>,
 {
-    let d = eligible(s, tile)?;
+    let g = eligible(s, tile)?;
+    let d = &g.dims;
     let want_u = n_times(s.n, d.u_per_image)?;
     let mut bind = Binder::new(ctx);
     let px = bind.input("x", x, len(s.x_len(), "n * h * w * c_in"))?;
     let pu = bind.output("u", u, len(want_u, "n * u_per_image"))?;
     bind.check(Aliasing::Distinct)?;
     // SAFETY: lengths, device and disjointness checked above.
-    unsafe { super::input_transform(ctx, s, T::DTYPE, tile, px, pu, s.n, vec) }
+    unsafe { super::input_transform(ctx, &g, T::DTYPE, px, pu, s.n, vec) }
 }
 
 /// The output transform of the whole batch: y (NHWC, `s.y_len()` elements) from the product
@@ -128,7 +140,8 @@ where
     M: DevicePtr<T>,
     Y: DevicePtrMut<T>,
 {
-    let d = eligible(s, tile)?;
+    let g = eligible(s, tile)?;
+    let d = &g.dims;
     let want_m = n_times(s.n, d.m_per_image)?;
     let want_y = s.y_len()?;
     let mut bind = Binder::new(ctx);
@@ -136,7 +149,7 @@ where
     let py = bind.output("y", y, len(want_y, "n * oh * ow * c_out"))?;
     bind.check(Aliasing::Distinct)?;
     // SAFETY: lengths, device and disjointness checked above.
-    unsafe { super::output_transform(ctx, s, T::DTYPE, tile, pm, py, s.n, vec) }
+    unsafe { super::output_transform(ctx, &g, T::DTYPE, pm, py, s.n, vec) }
 }
 
 /// The filter transform: `V[pos][c_in][c_out]` (`v` elements of
@@ -153,13 +166,14 @@ where
     W: DevicePtr<T>,
     V: DevicePtrMut<T>,
 {
-    let d = eligible(s, tile)?;
+    let g = eligible(s, tile)?;
+    let d = &g.dims;
     let mut bind = Binder::new(ctx);
     let pw = bind.input("w", w, len(s.w_len(), "c_out * 3 * 3 * c_in"))?;
     let pv = bind.output("v", v, len(d.v, "positions * c_in * c_out"))?;
     bind.check(Aliasing::Distinct)?;
     // SAFETY: lengths, device and disjointness checked above.
-    unsafe { super::transform_filter(ctx, s, T::DTYPE, tile, pw, pv) }
+    unsafe { super::transform_filter(ctx, &g, T::DTYPE, pw, pv) }
 }
 
 /// The data gradient's filter transform: `V'[pos][c_out][c_in]` of the filter rotated by 180
@@ -176,14 +190,14 @@ where
     W: DevicePtr<T>,
     V: DevicePtrMut<T>,
 {
-    let d = eligible(s, tile)?;
-    winograd_backward_data_eligible(s).map_err(|why| Error::invalid("shape", why))?;
+    let g = eligible_backward(s, tile)?;
+    let d = &g.dims;
     let mut bind = Binder::new(ctx);
     let pw = bind.input("w", w, len(s.w_len(), "c_out * 3 * 3 * c_in"))?;
     let pv = bind.output("v", v, len(d.v, "positions * c_in * c_out"))?;
     bind.check(Aliasing::Distinct)?;
     // SAFETY: lengths, device and disjointness checked above.
-    unsafe { super::transform_filter_backward_data(ctx, s, T::DTYPE, tile, pw, pv) }
+    unsafe { super::transform_filter_backward_data(ctx, s, &g, T::DTYPE, pw, pv) }
 }
 
 /// The batched multiply of the whole batch by `engine`: `M_pos = U_pos · V_pos` for every
@@ -204,7 +218,8 @@ where
     U: DevicePtr<T>,
     M: DevicePtrMut<T>,
 {
-    let d = eligible(s, tile)?;
+    let g = eligible(s, tile)?;
+    let d = &g.dims;
     let want_m = n_times(s.n, d.m_per_image)?;
     let want_u = n_times(s.n, d.u_per_image)?;
     let mut bind = Binder::new(ctx);
@@ -214,7 +229,7 @@ where
     bind.check(Aliasing::Distinct)?;
     let tiles = n_times(s.n, d.tiles_per_image)?;
     // SAFETY: lengths, device and disjointness checked above.
-    unsafe { super::multiply(ctx, s, T::DTYPE, tile, engine, pv, pu, pm, tiles) }
+    unsafe { super::multiply(ctx, &g, T::DTYPE, engine, pv, pu, pm, tiles) }
 }
 
 /// The whole Winograd forward convolution as the dispatcher runs it: x (NHWC), w (KRSC) → y,
@@ -235,7 +250,7 @@ where
     W: DevicePtr<T>,
     Y: DevicePtrMut<T>,
 {
-    eligible(s, tile)?;
+    let g = eligible(s, tile)?;
     let want_y = s.y_len()?;
     let mut bind = Binder::new(ctx);
     let px = bind.input("x", x, len(s.x_len(), "n * h * w * c_in"))?;
@@ -248,7 +263,7 @@ where
         y: py,
     };
     // SAFETY: lengths, device and disjointness checked above.
-    unsafe { super::forward(ctx, s, T::DTYPE, tile, engine, p) }
+    unsafe { super::forward(ctx, &g, T::DTYPE, engine, p) }
 }
 
 /// [`forward`] with an explicit batch-splitting strategy (the path's default is
@@ -270,7 +285,7 @@ where
     W: DevicePtr<T>,
     Y: DevicePtrMut<T>,
 {
-    eligible(s, tile)?;
+    let g = eligible(s, tile)?;
     let want_y = s.y_len()?;
     let mut bind = Binder::new(ctx);
     let px = bind.input("x", x, len(s.x_len(), "n * h * w * c_in"))?;
@@ -283,7 +298,7 @@ where
         y: py,
     };
     // SAFETY: lengths, device and disjointness checked above.
-    unsafe { super::forward_chunked(ctx, s, T::DTYPE, tile, engine, p, chunking) }
+    unsafe { super::forward_chunked(ctx, &g, T::DTYPE, engine, p, chunking) }
 }
 
 /// The Winograd forward with a filter already transformed by [`filter_transform`] (`v`,
@@ -304,7 +319,8 @@ where
     V: DevicePtr<T>,
     Y: DevicePtrMut<T>,
 {
-    let d = eligible(s, tile)?;
+    let g = eligible(s, tile)?;
+    let d = &g.dims;
     let want_y = s.y_len()?;
     let mut bind = Binder::new(ctx);
     let px = bind.input("x", x, len(s.x_len(), "n * h * w * c_in"))?;
@@ -317,7 +333,7 @@ where
         y: py,
     };
     // SAFETY: lengths, device and disjointness checked above.
-    unsafe { super::forward_prepared(ctx, s, T::DTYPE, tile, engine, p) }
+    unsafe { super::forward_prepared(ctx, &g, T::DTYPE, engine, p) }
 }
 
 /// How the path splits a batch: what [`plan_chunks`] answers.
@@ -345,8 +361,8 @@ pub fn plan_chunks(
     chunking: Chunking,
     prepared: bool,
 ) -> Result<ChunkSummary> {
-    eligible(s, tile)?;
-    let p = super::launch::chunk_plan(s, tile, dtype.size(), cap_bytes, !prepared, chunking)?;
+    let g = eligible(s, tile)?;
+    let p = super::launch::chunk_plan(&g, dtype.size(), cap_bytes, !prepared, chunking)?;
     Ok(ChunkSummary {
         chunks: p.chunks,
         scratch_bytes: p.layout.bytes,
@@ -376,8 +392,7 @@ where
     W: DevicePtr<T>,
     DX: DevicePtrMut<T>,
 {
-    eligible(s, tile)?;
-    winograd_backward_data_eligible(s).map_err(|why| Error::invalid("shape", why))?;
+    let g = eligible_backward(s, tile)?;
     let want_dy = s.y_len()?;
     let mut bind = Binder::new(ctx);
     let pg = bind.input("dy", dy, len(want_dy, "n * oh * ow * c_out"))?;
@@ -390,7 +405,7 @@ where
         dx: px,
     };
     // SAFETY: lengths, device and disjointness checked above.
-    unsafe { super::backward_data(ctx, s, T::DTYPE, tile, engine, p) }
+    unsafe { super::backward_data(ctx, s, &g, T::DTYPE, engine, p) }
 }
 
 /// The Direct batched multiply on any strided batched GEMM problem (column-major, transposes,
