@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
 use cudarc::driver::sys::CUdevice_attribute;
-use cudarc::driver::CudaFunction;
+use cudarc::driver::{CudaFunction, LaunchConfig};
 use once_cell::sync::Lazy;
 
 use crate::context::Context;
@@ -100,6 +100,17 @@ pub(crate) fn one_wave(
 ) -> Result<u64> {
     let per_sm = blocks_per_sm(ctx, f, name, threads, smem)?;
     Ok(wave_blocks(sm_count(ctx), per_sm))
+}
+
+/// A grid-stride launch over `n` items: `threads` threads a block, at most 32 blocks per SM.
+pub(crate) fn grid_stride_config(ctx: &Context, n: usize, threads: u32) -> LaunchConfig {
+    let blocks_needed = n.div_ceil(threads as usize).max(1);
+    let cap = (sm_count(ctx) as usize) * 32;
+    LaunchConfig {
+        grid_dim: (blocks_needed.min(cap) as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 #[cfg(test)]

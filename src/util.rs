@@ -1,7 +1,7 @@
 //! Small device helpers built on `kernels/util.cu`: fill a buffer (tests poison outputs with
 //! it before a run, so that an unwritten element shows), a scaled copy and an in-place add.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
 
 use crate::context::Context;
 use crate::dtype::{DType, Element};
@@ -9,16 +9,7 @@ use crate::error::{CallExt, Error, Result};
 use crate::kernels;
 use crate::validate::{Aliasing, Binder, Need};
 
-/// A grid-stride launch over `n` items: 256 threads a block, at most 32 blocks per SM.
-pub(crate) fn grid_stride_config(ctx: &Context, n: usize, threads: u32) -> LaunchConfig {
-    let blocks_needed = n.div_ceil(threads as usize).max(1);
-    let cap = (ctx.info().sm_count.max(1) as usize) * 32;
-    LaunchConfig {
-        grid_dim: (blocks_needed.min(cap) as u32, 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
+pub(crate) use crate::launch::grid_stride_config;
 
 fn name(base: &'static str, dt: DType) -> &'static str {
     match (base, dt) {

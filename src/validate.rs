@@ -16,9 +16,10 @@
 //!    overlap any way they like) or the pair is an allowed in-place alias covering exactly the
 //!    same bytes. A mask never overlaps anything.
 //!
-//! `BufInfo` and the `expect_*` functions are the same rules one at a time, for callers that
-//! have not moved to [`Operand`] lists yet. All of it is pure arithmetic on lengths and address
-//! ranges except [`Binder`], so it is tested on the CPU.
+//! `BufInfo` and the `expect_*` functions are the same rules one at a time, kept for the cuDNN
+//! graph layer (`cudnn_graph/graph_conv.rs`), which has not moved to [`Operand`] lists yet, and
+//! for the bad-input test's pure device check. All of it is pure arithmetic on lengths and
+//! address ranges except [`Binder`], so it is tested on the CPU.
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 
@@ -41,6 +42,13 @@ pub(crate) enum Need {
     /// Exactly this many elements; the text says where the number comes from ("the plan's
     /// shape"). The whole buffer counts as touched.
     Exactly(usize, &'static str),
+    /// Exactly this many elements, the text being the formula that gives it (`n*c_in*h*w`):
+    /// the error reads "length L, expected FORMULA = N". The whole buffer counts as touched.
+    Formula(usize, &'static str),
+    /// At least the extent a strided operation reaches (checked by the operation itself, e.g.
+    /// GEMM's batches); only these many elements from the base are touched, and an overlap
+    /// error shows both spans.
+    Span(usize),
     /// Elementwise data: the length of the list's first `Same` operand, which defines the call's
     /// element count `n`.
     Same,
@@ -101,10 +109,10 @@ impl Operand {
 
     /// The bytes a call over `n` elements touches: `[start, end)`.
     fn touched(&self, n: usize) -> (u64, u64) {
-        let count = if self.is_mask() {
-            mask_words(n)
-        } else {
-            self.len
+        let count = match self.need {
+            Need::MaskFor => mask_words(n),
+            Need::Span(span) => span,
+            _ => self.len,
         };
         let bytes = (count as u64).saturating_mul(self.elem_bytes as u64);
         (self.ptr, self.ptr.saturating_add(bytes))
@@ -129,6 +137,12 @@ pub(crate) fn check_lengths(ops: &[Operand]) -> Result<usize> {
     for o in ops {
         match o.need {
             Need::Exactly(want, what) => expect_count(o.name, o.len, want, what)?,
+            Need::Formula(want, formula) if o.len != want => {
+                return Err(Error::invalid(
+                    o.name,
+                    format!("length {}, expected {formula} = {want}", o.len),
+                ))
+            }
             Need::Same if o.len != n => {
                 return Err(Error::invalid(
                     o.name,
@@ -139,8 +153,7 @@ pub(crate) fn check_lengths(ops: &[Operand]) -> Result<usize> {
                     ),
                 ))
             }
-            Need::Same => {}
-            Need::MaskFor => {}
+            Need::Same | Need::MaskFor | Need::Formula(..) | Need::Span(_) => {}
         }
     }
     for o in ops.iter().filter(|o| o.is_mask()) {
@@ -173,6 +186,9 @@ pub(crate) fn check_overlaps(ops: &[Operand], n: usize, aliasing: Aliasing<'_>) 
             }
             let exact = a0 == b0 && a1 == b1;
             let reason = match aliasing {
+                Aliasing::Distinct if matches!(b.need, Need::Span(_)) => {
+                    spans_overlap(b.name, a.name, (b0, b1), (a0, a1))
+                }
                 Aliasing::Distinct => not_distinct(a.name),
                 Aliasing::InPlace(pairs) => {
                     let listed = pairs.iter().any(|&(p, q)| {
@@ -199,6 +215,14 @@ pub(crate) fn check(ops: &[Operand], aliasing: Aliasing<'_>) -> Result<usize> {
 
 fn not_distinct(other: &str) -> String {
     format!("overlaps `{other}` in device memory; they must be distinct")
+}
+
+/// A strided output over an input's span (GEMM's wording: both byte ranges).
+fn spans_overlap(out: &str, other: &str, (o0, o1): (u64, u64), (a0, a1): (u64, u64)) -> String {
+    format!(
+        "overlaps `{other}` ({out} spans {o0:#x}..{o1:#x}, {other} spans {a0:#x}..{a1:#x}): \
+         the output must not alias an input"
+    )
 }
 
 fn in_place_refusal(
@@ -293,6 +317,21 @@ impl<'a> Binder<'a> {
         let (ptr, guard) = buf.device_ptr_mut(self.stream);
         self.guards.push(guard);
         self.push::<T>(name, ptr, len, Role::Output, need);
+        Ok(ptr)
+    }
+
+    /// A buffer the call treats as written but borrows shared, because nothing is written
+    /// through it here (a GEMM key computed for these operands): checked as an output.
+    pub(crate) fn output_ref<T, S: DevicePtr<T>>(
+        &mut self,
+        name: &'static str,
+        buf: &'a S,
+        need: Need,
+    ) -> Result<u64> {
+        self.device(name, buf)?;
+        let (ptr, guard) = buf.device_ptr(self.stream);
+        self.guards.push(guard);
+        self.push::<T>(name, ptr, buf.len(), Role::Output, need);
         Ok(ptr)
     }
 
@@ -472,6 +511,44 @@ mod tests {
         assert_eq!(
             check(&same, Aliasing::InPlace(&[])).unwrap_err().argument(),
             Some("y")
+        );
+    }
+
+    #[test]
+    fn formula_and_span_needs() {
+        use Role::*;
+        let ops = [
+            op("x", 0x1000, 10, Input, Need::Formula(12, "n*c_in*h*w")),
+            op(
+                "cols",
+                0x2000,
+                4,
+                Output,
+                Need::Formula(4, "n*oh*ow*c_in*kh*kw"),
+            ),
+        ];
+        let e = check(&ops, Aliasing::Distinct).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "invalid argument `x`: length 10, expected n*c_in*h*w = 12"
+        );
+        // A span touches only its extent: c starts right after a's 100 elements.
+        let spans = [
+            op("a", 0x1000, 1000, Input, Need::Span(100)),
+            op("b", 0x1000, 100, Input, Need::Span(100)),
+            op("c", 0x1190, 100, Output, Need::Span(100)),
+        ];
+        assert!(check(&spans, Aliasing::Distinct).is_ok());
+        let mut bad = spans;
+        bad[2].ptr = 0x1188;
+        let e = check(&bad, Aliasing::Distinct).unwrap_err();
+        assert_eq!(e.argument(), Some("c"));
+        assert!(
+            e.to_string().ends_with(
+                "overlaps `a` (c spans 0x1188..0x1318, a spans 0x1000..0x1190): the output \
+                 must not alias an input"
+            ),
+            "{e}"
         );
     }
 }

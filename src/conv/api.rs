@@ -7,19 +7,19 @@ use std::marker::PhantomData;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceSlice};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 use super::choice::{cudnn_search, AutoReport, ConvChoice, CudnnSearch};
 use super::cudnn::CudnnPerf;
 use super::plan::{ConvPath, ConvPlan, Route};
-use super::problem::{ConvShape, CudnnPtrs, Direction, FwdPtrs, WinogradTile};
+use super::problem::{ConvShape, CudnnPtrs, Direction, FwdPtrs, WinogradGeometry, WinogradTile};
 use super::state::{lock, Core, CoreKey, HIDE_CUDNN};
 use super::winograd;
 use crate::context::Context;
 use crate::dtype::Element;
 use crate::error::{CallExt, Error, Result};
 use crate::layout::TensorFormat;
-use crate::validate::{expect_device, expect_len, expect_outputs_disjoint, BufInfo};
+use crate::validate::{Aliasing, Binder, Need};
 
 /// The filter's memory layout. nnfuse takes the layout that goes with the format, as cuDNN does:
 /// KCRS (`[c_out][c_in][kh][kw]`) with NCHW, KRSC (`[c_out][kh][kw][c_in]`) with NHWC.
@@ -60,21 +60,13 @@ pub enum Epilogue {
     None,
 }
 
-/// One caller buffer as the checks see it.
-#[derive(Debug, Clone, Copy)]
-struct Arg {
-    name: &'static str,
-    len: usize,
-    ordinal: usize,
-}
+/// What a length error says the operands' lengths come from.
+const EXTENT: &str = "the problem's extent";
 
-fn arg<T, S: DeviceSlice<T>>(name: &'static str, s: &S) -> Arg {
-    Arg {
-        name,
-        len: s.len(),
-        ordinal: s.stream().context().ordinal(),
-    }
-}
+/// Operand roles, as indices of `Core::lens`.
+const X: usize = 0;
+const W: usize = 1;
+const Y: usize = 2;
 
 /// A 2-D convolution (cross-correlation, no bias, groups = 1) for one problem and element type
 /// `T` (`f32`, `half::f16`, `half::bf16`), NCHW with a KCRS filter or NHWC with a KRSC filter
@@ -262,35 +254,9 @@ impl<T: Element> Conv2d<T> {
         }
     }
 
-    /// Validates the operands (roles x, w, y; `out` is the output role) and returns their
-    /// device addresses by role.
-    fn check(&self, args: [Arg; 3], ptrs: [u64; 3], out: usize) -> Result<CudnnPtrs> {
-        let ordinal = self.ctx.info().ordinal;
-        let what = [
-            "n*c_in*h*w (the problem's input)",
-            "c_out*c_in*kh*kw (the problem's filter)",
-            "n*c_out*oh*ow (the problem's output)",
-        ];
-        let infos: Vec<BufInfo> = (0..3)
-            .map(|i| BufInfo {
-                name: args[i].name,
-                ptr: ptrs[i],
-                len: args[i].len,
-                elem: T::DTYPE.size(),
-                ordinal: args[i].ordinal,
-            })
-            .collect();
-        for (i, b) in infos.iter().enumerate() {
-            expect_device(b, ordinal)?;
-            expect_len(b, self.core.lens[i], what[i])?;
-        }
-        let inputs: Vec<BufInfo> = (0..3).filter(|&i| i != out).map(|i| infos[i]).collect();
-        expect_outputs_disjoint(&[infos[out]], &inputs)?;
-        Ok(CudnnPtrs {
-            x: ptrs[0],
-            w: ptrs[1],
-            y: ptrs[2],
-        })
+    /// The length the operand of `role` must have.
+    fn need(&self, role: usize) -> Need {
+        Need::Exactly(self.core.lens[role], EXTENT)
     }
 
     /// `y = conv(x, w)`: validates every argument (lengths, device, `y` overlapping `x` or `w`)
@@ -341,32 +307,15 @@ impl<T: Element> Conv2d<T> {
         W: DevicePtr<T>,
         Y: DevicePtrMut<T>,
     {
-        let args = [arg("x", x), arg("w", w), arg("y", y)];
-        self.precheck(&args)?;
-        let stream = self.ctx.stream();
-        let (xp, _gx) = x.device_ptr(stream);
-        let (wp, _gw) = w.device_ptr(stream);
-        let (yp, _gy) = y.device_ptr_mut(stream);
-        let p = self.check(args, [xp, wp, yp], 2)?;
+        // Inputs first, then the output: an overlap names the output.
+        let mut bind = Binder::new(&self.ctx);
+        let p = CudnnPtrs {
+            x: bind.input("x", x, self.need(X))?,
+            w: bind.input("w", w, self.need(W))?,
+            y: bind.output("y", y, self.need(Y))?,
+        };
+        bind.check(Aliasing::Distinct)?;
         self.run(Direction::Forward, p, false, route)
-    }
-
-    /// Lengths and devices, before any device pointer is taken (taking one from a buffer of
-    /// another device would make the Context's stream wait on a foreign event).
-    fn precheck(&self, args: &[Arg; 3]) -> Result<()> {
-        let ordinal = self.ctx.info().ordinal;
-        for (i, a) in args.iter().enumerate() {
-            let b = BufInfo {
-                name: a.name,
-                ptr: 0,
-                len: a.len,
-                elem: T::DTYPE.size(),
-                ordinal: a.ordinal,
-            };
-            expect_device(&b, ordinal)?;
-            expect_len(&b, self.core.lens[i], "the problem's extent")?;
-        }
-        Ok(())
     }
 
     /// The data gradient `dx` from `dy` (the output's gradient) and `w`, overwriting `dx`.
@@ -401,18 +350,24 @@ impl<T: Element> Conv2d<T> {
         W: DevicePtr<T>,
         X: DevicePtrMut<T>,
     {
-        let args = [arg("dx", dx), arg("w", w), arg("dy", dy)];
-        self.precheck(&args)?;
-        let stream = self.ctx.stream();
-        let (dyp, _g1) = dy.device_ptr(stream);
-        let (wp, _g2) = w.device_ptr(stream);
-        let (dxp, _g3) = dx.device_ptr_mut(stream);
-        let p = self.check(args, [dxp, wp, dyp], 0)?;
+        let mut bind = Binder::new(&self.ctx);
+        let wp = bind.input("w", w, self.need(W))?;
+        let dyp = bind.input("dy", dy, self.need(Y))?;
+        let dxp = bind.output("dx", dx, self.need(X))?;
+        bind.check(Aliasing::Distinct)?;
+        let p = CudnnPtrs {
+            x: dxp,
+            w: wp,
+            y: dyp,
+        };
         self.run(Direction::BackwardData, p, false, route)
     }
 
     /// The filter gradient from `x` and `dy`: written to `dw`, or added to it with
-    /// `accumulate` (a weight shared by several layers).
+    /// `accumulate` (a weight shared by several layers). When the decided route fails at run
+    /// time, an overwriting call is re-run on the fallback; an accumulating one is not (the
+    /// failed route may have added to `dw` already): it returns [`Error::NotSupported`] saying
+    /// `dw` may be partly updated, and later calls take the fallback.
     pub fn backward_filter<X, D, W>(
         &self,
         x: &X,
@@ -458,13 +413,16 @@ impl<T: Element> Conv2d<T> {
         D: DevicePtr<T>,
         W: DevicePtrMut<T>,
     {
-        let args = [arg("x", x), arg("dw", dw), arg("dy", dy)];
-        self.precheck(&args)?;
-        let stream = self.ctx.stream();
-        let (xp, _g1) = x.device_ptr(stream);
-        let (dyp, _g2) = dy.device_ptr(stream);
-        let (dwp, _g3) = dw.device_ptr_mut(stream);
-        let p = self.check(args, [xp, dwp, dyp], 1)?;
+        let mut bind = Binder::new(&self.ctx);
+        let xp = bind.input("x", x, self.need(X))?;
+        let dyp = bind.input("dy", dy, self.need(Y))?;
+        let dwp = bind.output("dw", dw, self.need(W))?;
+        bind.check(Aliasing::Distinct)?;
+        let p = CudnnPtrs {
+            x: xp,
+            w: dwp,
+            y: dyp,
+        };
         self.run(Direction::BackwardFilter, p, accumulate, route)
     }
 
@@ -473,21 +431,12 @@ impl<T: Element> Conv2d<T> {
     /// transforms it once for that tile size. [`Conv2d::forward_prepared`] then skips the
     /// filter transform. If the weights change, prepare again.
     pub fn prepare_filter<W: DevicePtr<T>>(&self, w: &W) -> Result<PreparedFilter<T>> {
-        let a = arg("w", w);
-        let ordinal = self.ctx.info().ordinal;
-        let b = BufInfo {
-            name: "w",
-            ptr: 0,
-            len: a.len,
-            elem: T::DTYPE.size(),
-            ordinal: a.ordinal,
-        };
-        expect_device(&b, ordinal)?;
-        expect_len(
-            &b,
-            self.core.lens[1],
-            "c_out*c_in*kh*kw (the problem's filter)",
-        )?;
+        {
+            let mut bind = Binder::new(&self.ctx);
+            let what = "c_out*c_in*kh*kw (the problem's filter)";
+            bind.input("w", w, Need::Exactly(self.core.lens[W], what))?;
+            bind.check(Aliasing::Distinct)?;
+        }
         let raw = self.ctx.stream().clone_dtod(w).call("cuMemcpyDtoDAsync")?;
         let pf = PreparedFilter {
             owner: self.core.id,
@@ -496,21 +445,28 @@ impl<T: Element> Conv2d<T> {
         };
         let decided = lock(&self.core.state[Direction::Forward.index()])
             .as_ref()
-            .map(|s| s.exec.route);
-        let route = decided.unwrap_or_else(|| self.plan().route());
-        if let Some(tile) = route.path.winograd_tile() {
-            self.transformed(&pf, tile)?;
+            .map(|s| s.exec);
+        // The decided route's geometry; before the first forward, the planned route's.
+        let geometry = match decided {
+            Some(e) => e.winograd,
+            None => match self.plan().route().path.winograd_tile() {
+                Some(tile) => Some(WinogradGeometry::forward(&self.core.shape, tile)?),
+                None => None,
+            },
+        };
+        if let Some(g) = geometry {
+            self.transformed(&pf, &g)?;
         }
         Ok(pf)
     }
 
-    /// The transformed filter of `tile` (made on first use); returns its address.
-    fn transformed(&self, pf: &PreparedFilter<T>, tile: WinogradTile) -> Result<u64> {
+    /// The transformed filter of forward geometry `g`'s tile (made on first use); returns its
+    /// address.
+    fn transformed(&self, pf: &PreparedFilter<T>, g: &WinogradGeometry) -> Result<u64> {
         let mut t = lock(&pf.transformed);
-        let slot = &mut t[tile_index(tile)];
+        let slot = &mut t[tile_index(g.tile)];
         if slot.is_none() {
-            let eq = self.core.shape;
-            let v = super::problem::winograd_dims(&eq, tile)?.v;
+            let v = g.dims.v;
             // SAFETY: written by the transform before any read.
             let mut buf =
                 unsafe { self.ctx.stream().alloc::<T>(v.max(1)) }.call("cuMemAllocAsync")?;
@@ -519,9 +475,7 @@ impl<T: Element> Conv2d<T> {
                 let (wp, _g1) = pf.raw.device_ptr(stream);
                 let (vp, _g2) = buf.device_ptr_mut(stream);
                 // SAFETY: wp holds the filter (w_len elements), vp the transform's v elements.
-                unsafe {
-                    winograd::transform_filter(&self.ctx, &eq, self.core.dtype, tile, wp, vp)
-                }?;
+                unsafe { winograd::transform_filter(&self.ctx, g, self.core.dtype, wp, vp) }?;
             }
             *slot = Some(buf);
         }
@@ -545,28 +499,26 @@ impl<T: Element> Conv2d<T> {
                 "was prepared by a different Conv2d (problem, type or Context differ)",
             ));
         }
-        let args = [arg("x", x), arg("w", &w.raw), arg("y", y)];
-        self.precheck(&args)?;
-        let stream = self.ctx.stream();
-        let (xp, _gx) = x.device_ptr(stream);
-        let (wp, _gw) = w.raw.device_ptr(stream);
-        let (yp, _gy) = y.device_ptr_mut(stream);
-        let p = self.check(args, [xp, wp, yp], 2)?;
+        let mut bind = Binder::new(&self.ctx);
+        let p = CudnnPtrs {
+            x: bind.input("x", x, self.need(X))?,
+            w: bind.input("w", &w.raw, self.need(W))?,
+            y: bind.output("y", y, self.need(Y))?,
+        };
+        bind.check(Aliasing::Distinct)?;
         let plan = self.plan();
         if !plan.runnable {
             return self.run(Direction::Forward, p, false, None);
         }
         let e = self.decided(Direction::Forward, p)?;
-        if let (Some(tile), Some(engine)) = (e.route.path.winograd_tile(), e.route.engine) {
-            let v = self.transformed(w, tile)?;
-            let core = &*self.core;
+        if let (Some(g), Some(engine)) = (e.winograd.as_ref(), e.route.engine) {
+            let v = self.transformed(w, g)?;
             // SAFETY: operands checked; v holds the transformed filter of this problem and tile.
             let r = unsafe {
                 winograd::forward_prepared(
                     &self.ctx,
-                    &core.shape,
-                    core.dtype,
-                    tile,
+                    g,
+                    self.core.dtype,
                     engine,
                     FwdPtrs {
                         x: p.x,

@@ -5,18 +5,21 @@
 
 use super::cudnn::CudnnConv;
 use super::plan::{Direction, Route};
-use super::problem::{BwdDataPtrs, BwdFilterPtrs, ConvShape, CudnnPtrs, FwdPtrs};
+use super::problem::{BwdDataPtrs, BwdFilterPtrs, ConvShape, CudnnPtrs, FwdPtrs, WinogradGeometry};
 use crate::context::Context;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-/// A route ready to run: with the workspace its cuDNN algorithm needs.
+/// A route ready to run: with the workspace its cuDNN algorithm needs, and a Winograd route's
+/// geometry (computed once, when the route is completed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Exec {
     /// What runs.
     pub route: Route,
     /// Bytes of the Context's library workspace the cuDNN algorithm needs (0 otherwise).
     pub cudnn_ws: usize,
+    /// A Winograd route's tile, equivalent forward problem and sizes (`None` otherwise).
+    pub winograd: Option<WinogradGeometry>,
 }
 
 /// The problem a route runs on.

@@ -78,7 +78,7 @@ impl<T: Element> Conv2d<T> {
         }
         let mut execs = Vec::new();
         for perf in ok.iter().take(limit.clamp(1, MAX_CUDNN_CANDIDATES)) {
-            match self.core.exec_of(&self.ctx, Route::cudnn(perf.algo)) {
+            match self.core.exec_of(&self.ctx, d, Route::cudnn(perf.algo)) {
                 Ok(e) => execs.push(e),
                 Err(e) => notes.push(format!("{}: {e}", perf.algo.label())),
             }
@@ -112,110 +112,145 @@ impl<T: Element> Conv2d<T> {
     /// Decides the route of `d` (first call): the process cache or the file, else the plan's
     /// candidates, measured when there are several.
     pub(super) fn decide(&self, d: Direction, p: CudnnPtrs) -> Result<Decided> {
-        let ctx = &self.ctx;
-        let cfg = ctx.config();
         let plan = self.plan_for(d);
-        let ordinal = ctx.info().ordinal as u32;
-        let key = ChoiceKey::of(ordinal, plan, self.core.search);
-        let capacity = cfg.plan_cache_capacity;
+        let key = ChoiceKey::of(self.ctx.info().ordinal as u32, plan, self.core.search);
         let costly = plan.measured || plan.candidates.iter().any(|r| r.path == ConvPath::Cudnn);
         if costly {
-            if let Some(path) = &cfg.tuning_cache {
-                match choice::device_tag(ctx) {
-                    Ok(tag) => choice::ensure_loaded(path, ordinal, &tag, capacity),
-                    Err(e) => tracing::warn!(error = %e, "convolution tuning cache not read"),
-                }
-            }
-            if let Some(mut c) = choice::lookup(&key) {
-                if self.acceptable(plan, &c.route) {
-                    match self.core.exec_of(&self.ctx, c.route) {
-                        Ok(exec) => {
-                            // Another Context's measurement (a file entry and a fallback say
-                            // where they came from themselves).
-                            if matches!(c.origin, ChoiceOrigin::Measured | ChoiceOrigin::CudnnFind)
-                            {
-                                c.origin = ChoiceOrigin::Memory;
-                            }
-                            tracing::debug!(problem = ?self.core.shape, direction = %d,
-                                route = %c.route, origin = c.origin.name(), "convolution choice cached");
-                            return Ok(Decided {
-                                exec,
-                                choice: c,
-                                report: None,
-                            });
-                        }
-                        Err(e) => tracing::warn!(route = %c.route, error = %e,
-                            "cached convolution choice cannot run; deciding again"),
-                    }
-                } else {
-                    tracing::warn!(route = %c.route, direction = %d,
-                        "cached convolution choice does not fit this problem's plan; deciding again");
-                }
+            if let Some(dec) = self.cached(d, plan, &key) {
+                return Ok(dec);
             }
         }
+        let (execs, notes, origin) = self.candidate_execs(d, p, plan)?;
+        match execs.len() {
+            0 => self.no_candidate(d, plan, notes),
+            1 => {
+                let mut c = ConvChoice::planned(execs[0].route, origin);
+                c.notes = notes;
+                if origin == ChoiceOrigin::CudnnFind {
+                    self.remember(&key, &c);
+                }
+                tracing::info!(problem = ?self.core.shape, direction = %d, route = %c.route,
+                    origin = origin.name(), "convolution decided");
+                Ok(Decided {
+                    exec: execs[0],
+                    choice: c,
+                    report: None,
+                })
+            }
+            _ => Ok(self.measured(d, p, &key, &execs, notes)),
+        }
+    }
 
+    /// The process cache's (or the tuning file's) route for `key`, when it fits this object's
+    /// plan and can be completed; `None` to decide afresh.
+    fn cached(&self, d: Direction, plan: &ConvPlan, key: &ChoiceKey) -> Option<Decided> {
+        let ctx = &self.ctx;
+        let cfg = ctx.config();
+        if let Some(path) = &cfg.tuning_cache {
+            match choice::device_tag(ctx) {
+                Ok(tag) => choice::ensure_loaded(path, key.device, &tag, cfg.plan_cache_capacity),
+                Err(e) => tracing::warn!(error = %e, "convolution tuning cache not read"),
+            }
+        }
+        let mut c = choice::lookup(key)?;
+        if !self.acceptable(plan, &c.route) {
+            tracing::warn!(route = %c.route, direction = %d,
+                "cached convolution choice does not fit this problem's plan; deciding again");
+            return None;
+        }
+        match self.core.exec_of(ctx, d, c.route) {
+            Ok(exec) => {
+                // Another Context's measurement (a file entry and a fallback say where they
+                // came from themselves).
+                if matches!(c.origin, ChoiceOrigin::Measured | ChoiceOrigin::CudnnFind) {
+                    c.origin = ChoiceOrigin::Memory;
+                }
+                tracing::debug!(problem = ?self.core.shape, direction = %d,
+                    route = %c.route, origin = c.origin.name(), "convolution choice cached");
+                Some(Decided {
+                    exec,
+                    choice: c,
+                    report: None,
+                })
+            }
+            Err(e) => {
+                tracing::warn!(route = %c.route, error = %e,
+                    "cached convolution choice cannot run; deciding again");
+                None
+            }
+        }
+    }
+
+    /// The plan's candidates completed into routes (cuDNN's as its usable algorithms), the
+    /// notes on those that could not be, and where a lone cuDNN route came from.
+    fn candidate_execs(
+        &self,
+        d: Direction,
+        p: CudnnPtrs,
+        plan: &ConvPlan,
+    ) -> Result<(Vec<Exec>, Vec<String>, ChoiceOrigin)> {
         let mut execs: Vec<Exec> = Vec::new();
         let mut notes: Vec<String> = Vec::new();
         let mut origin = ChoiceOrigin::Planned;
         let several = plan.candidates.len() > 1;
         for r in &plan.candidates {
-            if r.path == ConvPath::Cudnn {
-                // One cuDNN algorithm when nothing else competes and the search is Find; the
-                // heuristic mode times several.
-                let limit = MAX_CUDNN_CANDIDATES;
-                match self.cudnn_execs(d, p, limit) {
-                    Ok((v, n, o)) => {
-                        execs.extend(v);
-                        notes.extend(n);
-                        if !several {
-                            origin = o;
-                        }
+            if r.path != ConvPath::Cudnn {
+                execs.push(self.core.exec_of(&self.ctx, d, *r)?);
+                continue;
+            }
+            // One cuDNN algorithm when nothing else competes and the search is Find; the
+            // heuristic mode times several.
+            match self.cudnn_execs(d, p, MAX_CUDNN_CANDIDATES) {
+                Ok((v, n, o)) => {
+                    execs.extend(v);
+                    notes.extend(n);
+                    if !several {
+                        origin = o;
                     }
-                    Err(e) => notes.push(format!("cuDNN: {e}")),
                 }
-            } else {
-                execs.push(self.core.exec_of(&self.ctx, *r)?);
+                Err(e) => notes.push(format!("cuDNN: {e}")),
             }
         }
-        if execs.is_empty() {
-            let fb = plan.fallback_route(ConvPath::Cudnn).ok_or_else(|| {
-                Error::NotSupported(format!(
-                    "no route can run this {}: {}",
-                    d.describe(),
-                    notes.join("; ")
-                ))
-            })?;
-            tracing::warn!(direction = %d, route = %fb, notes = ?notes,
-                "no candidate route could be prepared; falling back");
-            let mut c = ConvChoice::planned(fb, ChoiceOrigin::Fallback);
-            c.notes = notes;
-            return Ok(Decided {
-                exec: self.core.exec_of(&self.ctx, fb)?,
-                choice: c,
-                report: None,
-            });
-        }
-        if execs.len() == 1 {
-            let mut c = ConvChoice::planned(execs[0].route, origin);
-            c.notes = notes;
-            if origin == ChoiceOrigin::CudnnFind {
-                self.remember(&key, &c);
-            }
-            tracing::info!(problem = ?self.core.shape, direction = %d, route = %c.route,
-                origin = origin.name(), "convolution decided");
-            return Ok(Decided {
-                exec: execs[0],
-                choice: c,
-                report: None,
-            });
-        }
+        Ok((execs, notes, origin))
+    }
+
+    /// No candidate could be prepared: the plan's fallback, unmeasured.
+    fn no_candidate(&self, d: Direction, plan: &ConvPlan, notes: Vec<String>) -> Result<Decided> {
+        let fb = plan.fallback_route(ConvPath::Cudnn).ok_or_else(|| {
+            Error::NotSupported(format!(
+                "no route can run this {}: {}",
+                d.describe(),
+                notes.join("; ")
+            ))
+        })?;
+        tracing::warn!(direction = %d, route = %fb, notes = ?notes,
+            "no candidate route could be prepared; falling back");
+        let mut c = ConvChoice::planned(fb, ChoiceOrigin::Fallback);
+        c.notes = notes;
+        Ok(Decided {
+            exec: self.core.exec_of(&self.ctx, d, fb)?,
+            choice: c,
+            report: None,
+        })
+    }
+
+    /// Several candidates: `auto`'s measurement on the caller's operands picks one (remembered);
+    /// when nothing could be checked, the incumbent runs unmeasured.
+    fn measured(
+        &self,
+        d: Direction,
+        p: CudnnPtrs,
+        key: &ChoiceKey,
+        execs: &[Exec],
+        mut notes: Vec<String>,
+    ) -> Decided {
         let inp = MeasureInput {
-            ctx,
+            ctx: &self.ctx,
             shape: &self.core.shape,
             dtype: self.core.dtype,
             direction: d,
             cudnn: self.core.cudnn.as_deref(),
-            execs: &execs,
+            execs,
             operands: p,
             lens: self.core.lens,
         };
@@ -234,12 +269,12 @@ impl<T: Element> Conv2d<T> {
                 tracing::info!(problem = ?self.core.shape, dtype = %self.core.dtype,
                     direction = %d, route = %c.route, wall_ms = report.wall_ms,
                     "convolution measured:\n{report}");
-                self.remember(&key, &c);
-                Ok(Decided {
+                self.remember(key, &c);
+                Decided {
                     exec: execs[w],
                     choice: c,
                     report: Some(Arc::new(report)),
-                })
+                }
             }
             Err(e) => {
                 // Nothing could be checked: take the incumbent unmeasured (it is what a forced
@@ -249,11 +284,11 @@ impl<T: Element> Conv2d<T> {
                 let mut c = ConvChoice::planned(execs[0].route, ChoiceOrigin::Fallback);
                 notes.push(format!("measurement failed: {e}"));
                 c.notes = notes;
-                Ok(Decided {
+                Decided {
                     exec: execs[0],
                     choice: c,
                     report: None,
-                })
+                }
             }
         }
     }
@@ -353,7 +388,7 @@ impl<T: Element> Conv2d<T> {
                 "only a Winograd route names an engine",
             ));
         }
-        self.core.exec_of(&self.ctx, r)
+        self.core.exec_of(&self.ctx, d, r)
     }
 
     /// Runs `d` on checked operands: the forced route, or the decided one with a fallback when
@@ -373,7 +408,6 @@ impl<T: Element> Conv2d<T> {
                 plan.reasons.join("; ")
             )));
         }
-        let core = &*self.core;
         let target = self.core.target(&self.ctx);
         if let Some(r) = forced {
             let e = self.forced(d, r, p)?;
@@ -385,18 +419,49 @@ impl<T: Element> Conv2d<T> {
         tracing::trace!(direction = %d, route = %e.route, "convolution");
         // SAFETY: as above.
         let first = unsafe { route::run(&target, d, e, p, accumulate) };
+        #[cfg(test)]
+        let first = first.and_then(|()| injected_failure());
         let Err(err) = first else {
             return Ok(());
         };
-        let Some(fb) = plan.fallback_route(e.route.path) else {
+        let Some(fb_exec) = self.fall_back(d, plan, e, &err, p)? else {
             return Err(err);
+        };
+        if accumulate && d == Direction::BackwardFilter {
+            // The failed route may have added part (or all) of the gradient to dw already; a
+            // second run would add it again. Later calls take the fallback.
+            return Err(Error::NotSupported(format!(
+                "the filter gradient's route {} failed at run time ({err}); dw may be partly \
+                 updated, so this accumulating call is not re-run on the fallback {} (later \
+                 calls take it)",
+                e.route, fb_exec.route
+            )));
+        }
+        // SAFETY: as above.
+        unsafe { route::run(&target, d, fb_exec, p, accumulate) }
+    }
+
+    /// After `e` failed at run time with `err`: the plan's fallback for `d`, completed and
+    /// remembered (this object, and the process cache so that other Contexts take it too; never
+    /// the file), or `None` when there is none.
+    fn fall_back(
+        &self,
+        d: Direction,
+        plan: &ConvPlan,
+        e: Exec,
+        err: &Error,
+        p: CudnnPtrs,
+    ) -> Result<Option<Exec>> {
+        let core = &*self.core;
+        let Some(fb) = plan.fallback_route(e.route.path) else {
+            return Ok(None);
         };
         let fb_exec = match fb.path {
             ConvPath::Cudnn => match self.cudnn_execs(d, p, 1) {
                 Ok((v, _, _)) if !v.is_empty() => v[0],
-                _ => return Err(err),
+                _ => return Ok(None),
             },
-            _ => self.core.exec_of(&self.ctx, fb)?,
+            _ => core.exec_of(&self.ctx, d, fb)?,
         };
         tracing::warn!(
             problem = ?core.shape, dtype = %core.dtype, direction = %d, failed = %e.route,
@@ -406,7 +471,6 @@ impl<T: Element> Conv2d<T> {
         let mut c = ConvChoice::planned(fb_exec.route, ChoiceOrigin::Fallback);
         c.notes
             .push(format!("{} failed at run time: {err}", e.route));
-        // Other Contexts of the process take the fallback too (never written to the file).
         let key = ChoiceKey::of(self.ctx.info().ordinal as u32, plan, core.search);
         choice::insert(key, c.clone(), self.ctx.config().plan_cache_capacity);
         *lock(&core.state[d.index()]) = Some(Decided {
@@ -414,7 +478,113 @@ impl<T: Element> Conv2d<T> {
             choice: c,
             report: None,
         });
-        // SAFETY: as above.
-        unsafe { route::run(&target, d, fb_exec, p, accumulate) }
+        Ok(Some(fb_exec))
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Test hook: makes the next decided route's run on this thread report a failure after it
+    /// ran (as an error surfacing behind work already queued would), so that the run-time
+    /// fallback can be tested. Per thread: tests run in parallel.
+    pub(crate) static FAIL_NEXT_RUN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+#[cfg(test)]
+fn injected_failure() -> Result<()> {
+    if FAIL_NEXT_RUN.with(|f| f.replace(false)) {
+        return Err(Error::NotSupported(
+            "injected run-time failure (test)".into(),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FAIL_NEXT_RUN;
+    use crate::conv::im2col::gpu_tests::{check, download, quantized, upload};
+    use crate::conv::{ChoiceOrigin, Conv2d, ConvPath, ConvShape, Direction};
+    use crate::layout::TensorFormat;
+    use crate::testutil::{gpu_with, Rng};
+    use crate::{Config, ConvAlgoPolicy, Error};
+
+    /// A filter gradient that accumulates into dw on a chunked im2col route which fails at run
+    /// time (after adding its chunks) is not re-run on the fallback: the call errors saying dw
+    /// may be partly updated, dw holds the gradient added once, and later calls take the
+    /// fallback. A call that overwrites is re-run on the fallback as before.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn a_failed_accumulating_filter_gradient_is_not_added_twice() {
+        let config = Config {
+            conv_algo: ConvAlgoPolicy::Im2col,
+            conv_workspace_mb: 1,
+            ..Config::default()
+        };
+        let ctx = gpu_with(config);
+        // NCHW, one image's columns (16*9 x 32*32 f32, 576 KiB) per 1 MiB chunk: 7 chunks.
+        let s = ConvShape {
+            n: 7,
+            c_in: 16,
+            h: 32,
+            w: 32,
+            c_out: 24,
+            kh: 3,
+            kw: 3,
+            stride: (1, 1),
+            pad: (1, 1),
+            dilation: (1, 1),
+            format: TensorFormat::Nchw,
+        };
+        let conv = Conv2d::<f32>::new(&ctx, &s).unwrap();
+        let plan = conv.plan_for(Direction::BackwardFilter);
+        assert_eq!(plan.path, ConvPath::Im2colGemm, "{plan}");
+        assert!(plan.info(ConvPath::Im2colGemm).chunks > 1, "{plan}");
+        if plan.fallback_route(ConvPath::Im2colGemm).is_none() {
+            println!("no cuDNN: im2col has no fallback here, nothing to test");
+            return;
+        }
+        let mut rng = Rng::fresh("a_failed_accumulating_filter_gradient_is_not_added_twice");
+        let x = upload::<f32>(&ctx, &quantized(&mut rng, s.x_len()));
+        let dy = upload::<f32>(&ctx, &quantized(&mut rng, s.y_len().unwrap()));
+        let dw0 = quantized(&mut rng, s.w_len());
+        let mut g = upload::<f32>(&ctx, &dw0);
+        conv.backward_filter(&x, &dy, &mut g, false).unwrap();
+        let g = download(&ctx, &g);
+        let once: Vec<f64> = dw0.iter().zip(&g).map(|(a, b)| a + b).collect();
+
+        let mut dw = upload::<f32>(&ctx, &dw0);
+        FAIL_NEXT_RUN.with(|f| f.set(true));
+        let e = conv.backward_filter(&x, &dy, &mut dw, true).unwrap_err();
+        assert!(
+            matches!(e, Error::NotSupported(_)) && e.to_string().contains("partly updated"),
+            "{e}"
+        );
+        check(
+            "dw after the failed call",
+            &download(&ctx, &dw),
+            &once,
+            1e-5,
+        );
+        let c = conv.choice(Direction::BackwardFilter).unwrap();
+        assert_eq!(
+            (c.route.path, c.origin),
+            (ConvPath::Cudnn, ChoiceOrigin::Fallback)
+        );
+        // The fallback runs the next call.
+        conv.backward_filter(&x, &dy, &mut dw, true).unwrap();
+        let twice: Vec<f64> = once.iter().zip(&g).map(|(a, b)| a + b).collect();
+        check("dw after the next call", &download(&ctx, &dw), &twice, 1e-5);
+
+        // Overwriting: the fallback (im2col again, after cuDNN) re-runs the call.
+        let mut dw = upload::<f32>(&ctx, &dw0);
+        FAIL_NEXT_RUN.with(|f| f.set(true));
+        conv.backward_filter(&x, &dy, &mut dw, false).unwrap();
+        check(
+            "dw overwritten on the fallback",
+            &download(&ctx, &dw),
+            &g,
+            1e-5,
+        );
     }
 }

@@ -49,7 +49,7 @@ use crate::context::Context;
 use crate::dtype::{DType, Element};
 use crate::error::{CallExt, Error, Result};
 use crate::kernels;
-use crate::validate::{expect_device, expect_disjoint, BufInfo};
+use crate::validate::{Aliasing, Binder, Need};
 use steps::{At, Buf, Plan, Step};
 
 /// Device addresses of the operands a plan may name (0 for those it does not use).
@@ -163,7 +163,7 @@ unsafe fn execute(ctx: &Context, dtype: DType, plan: &Plan, ops: Operands) -> Re
                 mode,
             } => {
                 let f = ctx.function(&kernels::IM2COL, launch::accumulate_kernel(dtype))?;
-                let cfg = crate::util::grid_stride_config(ctx, *len, launch::THREADS);
+                let cfg = crate::launch::grid_stride_config(ctx, *len, launch::THREADS);
                 let (p, a, o) = (addr(*part)?, addr(*acc)?, addr(*out)?);
                 let (n, bits) = (*len as u64, mode.bits());
                 let mut b = ctx.stream().launch_builder(&f);
@@ -322,33 +322,13 @@ pub fn kernel_names(s: &ConvShape, dtype: DType) -> Result<(&'static str, &'stat
     Ok((a.kernel, b.kernel))
 }
 
-fn buf_info<T: Element>(name: &'static str, ptr: u64, len: usize, ordinal: usize) -> BufInfo {
-    BufInfo {
-        name,
-        ptr,
-        len,
-        elem: T::DTYPE.size(),
-        ordinal,
-    }
-}
-
-/// Checks both buffers (lengths, device, overlap) and returns the geometry's element counts.
-fn check_pair(ctx: &Context, s: &ConvShape, x: &BufInfo, cols: &BufInfo) -> Result<()> {
+/// The lengths `x` and `cols` must have for `s`, as the validator states them.
+fn pair_needs(s: &ConvShape) -> Result<(Need, Need)> {
     let want_cols = columns_len(s)?;
-    let want_x = s.x_len();
-    for (b, want, what) in [
-        (x, want_x, "n*c_in*h*w"),
-        (cols, want_cols, "n*oh*ow*c_in*kh*kw"),
-    ] {
-        if b.len != want {
-            return Err(Error::invalid(
-                b.name,
-                format!("length {}, expected {what} = {want}", b.len),
-            ));
-        }
-        expect_device(b, ctx.info().ordinal)?;
-    }
-    Ok(())
+    Ok((
+        Need::Formula(s.x_len(), "n*c_in*h*w"),
+        Need::Formula(want_cols, "n*oh*ow*c_in*kh*kw"),
+    ))
 }
 
 /// The column matrices of every image of `s` (nnfuse's im2col kernel): `cols` receives exactly
@@ -366,18 +346,11 @@ where
     X: DevicePtr<T>,
     C: DevicePtrMut<T>,
 {
-    let (xl, cl) = (x.len(), cols.len());
-    let (xd, cd) = (
-        x.stream().context().ordinal(),
-        cols.stream().context().ordinal(),
-    );
-    let stream = ctx.stream();
-    let (xp, _gx) = x.device_ptr(stream);
-    let (cp, _gc) = cols.device_ptr_mut(stream);
-    let xi = buf_info::<T>("x", xp, xl, xd);
-    let ci = buf_info::<T>("cols", cp, cl, cd);
-    check_pair(ctx, s, &xi, &ci)?;
-    expect_disjoint(&ci, &xi)?;
+    let (x_need, cols_need) = pair_needs(s)?;
+    let mut bind = Binder::new(ctx);
+    let xp = bind.input("x", x, x_need)?;
+    let cp = bind.output("cols", cols, cols_need)?;
+    bind.check(Aliasing::Distinct)?;
     let (oh, ow) = s.out_hw()?;
     let layout = launch::ColLayout::standard(oh * ow, s.c_in * s.kh * s.kw);
     let l = launch::im2col(s, layout, T::DTYPE.size(), s.n, xp, cp)?;
@@ -397,18 +370,11 @@ where
     C: DevicePtr<T>,
     X: DevicePtrMut<T>,
 {
-    let (xl, cl) = (x.len(), cols.len());
-    let (xd, cd) = (
-        x.stream().context().ordinal(),
-        cols.stream().context().ordinal(),
-    );
-    let stream = ctx.stream();
-    let (cp, _gc) = cols.device_ptr(stream);
-    let (xp, _gx) = x.device_ptr_mut(stream);
-    let xi = buf_info::<T>("x", xp, xl, xd);
-    let ci = buf_info::<T>("cols", cp, cl, cd);
-    check_pair(ctx, s, &xi, &ci)?;
-    expect_disjoint(&xi, &ci)?;
+    let (x_need, cols_need) = pair_needs(s)?;
+    let mut bind = Binder::new(ctx);
+    let cp = bind.input("cols", cols, cols_need)?;
+    let xp = bind.output("x", x, x_need)?;
+    bind.check(Aliasing::Distinct)?;
     let l = launch::col2im(s, T::DTYPE, s.n, cp, xp)?;
     tracing::debug!(kernel = l.kernel, shape = ?s, grid = ?l.grid, "col2im");
     // SAFETY: both buffers were checked to hold the problem's extents and not to overlap.

@@ -524,7 +524,7 @@ impl PathRule for WinogradRule {
         let elem = req.dtype.size();
         let cap = req.config.conv_workspace_bytes();
         let d = winograd_dims(&eq, tile)?;
-        let Some(chunk) = winograd_chunk(&eq, tile, elem, cap)? else {
+        let Some(chunk) = winograd_chunk(&d, eq.n, elem, cap)? else {
             let need =
                 d.v.saturating_add(d.u_per_image)
                     .saturating_add(d.m_per_image)

@@ -2,7 +2,7 @@
 //! intermediate tensors are, how the batch is split so that they fit under the workspace cap, and
 //! the seed's tensor-core shape rule for Winograd's batched multiply. No GPU; tested on the CPU.
 
-use super::problem::{winograd_dims, ConvShape, WinogradTile};
+use super::problem::{ConvShape, WinogradDims};
 use crate::error::{Error, Result};
 
 /// `Some(product)` or `None` on overflow.
@@ -89,15 +89,15 @@ pub fn tensor_core_rule(tiles: usize, c_in: usize, c_out: usize) -> Option<(usiz
         .find(|&(a, b, c)| tiles % a == 0 && c_in % b == 0 && c_out % c == 0)
 }
 
-/// Images per Winograd chunk so that the transformed filter plus a chunk's transformed input and
-/// product (`elem` bytes each) fit in `cap_bytes`; `None` when one image does not fit.
+/// Images per Winograd chunk (of a batch of `n`) so that the transformed filter plus a chunk's
+/// transformed input and product (`elem` bytes each; sizes `d` from the route's geometry) fit in
+/// `cap_bytes`; `None` when one image does not fit.
 pub fn winograd_chunk(
-    s: &ConvShape,
-    tile: WinogradTile,
+    d: &WinogradDims,
+    n: usize,
     elem: usize,
     cap_bytes: usize,
 ) -> Result<Option<usize>> {
-    let d = winograd_dims(s, tile)?;
     let bytes = |e: usize| {
         e.checked_mul(elem)
             .ok_or_else(|| overflow("Winograd's bytes"))
@@ -111,12 +111,13 @@ pub fn winograd_chunk(
     if fixed.saturating_add(per_image) > cap_bytes {
         return Ok(None);
     }
-    Ok(Some(((cap_bytes - fixed) / per_image.max(1)).clamp(1, s.n)))
+    Ok(Some(((cap_bytes - fixed) / per_image.max(1)).clamp(1, n)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::conv::problem::{winograd_dims, WinogradTile};
     use crate::layout::TensorFormat;
 
     fn shape(n: usize, c: usize, h: usize, k: usize, r: usize) -> ConvShape {
@@ -172,15 +173,10 @@ mod tests {
         p.pad = (0, 0);
         assert!(is_pointwise(&p));
         assert_eq!(im2col_chunk(&p, 2, 1).unwrap(), Some(64));
-        let w = winograd_chunk(&s, WinogradTile::F4x3, 2, 64 << 20)
-            .unwrap()
-            .unwrap();
         let wd = winograd_dims(&s, WinogradTile::F4x3).unwrap();
+        let w = winograd_chunk(&wd, s.n, 2, 64 << 20).unwrap().unwrap();
         assert!(2 * (wd.v + w * (wd.u_per_image + wd.m_per_image)) <= 64 << 20);
-        assert_eq!(
-            winograd_chunk(&s, WinogradTile::F4x3, 2, 1000).unwrap(),
-            None
-        );
+        assert_eq!(winograd_chunk(&wd, s.n, 2, 1000).unwrap(), None);
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use super::choice::{AutoReport, ConvChoice, CudnnSearch};
 use super::cudnn::CudnnConv;
 use super::plan::{ConvPath, DirectionPlans, Route};
-use super::problem::{ConvShape, CudnnAlgo, Direction};
+use super::problem::{ConvShape, CudnnAlgo, Direction, WinogradGeometry};
 use super::route::{self, Exec};
 use crate::context::{cudnn_present, Context};
 use crate::dtype::DType;
@@ -153,9 +153,10 @@ impl Core {
         Ok(bytes)
     }
 
-    /// The [`Exec`] of a route with its cuDNN algorithm fixed.
-    pub(super) fn exec_of(&self, ctx: &Context, r: Route) -> Result<Exec> {
-        match (r.path, r.cudnn_algo) {
+    /// The [`Exec`] of a route of `d` with its cuDNN algorithm fixed (and, for Winograd, its
+    /// geometry: the one place it is computed for a run).
+    pub(super) fn exec_of(&self, ctx: &Context, d: Direction, r: Route) -> Result<Exec> {
+        let cudnn_ws = match (r.path, r.cudnn_algo) {
             (ConvPath::Cudnn, Some(a)) => {
                 let ws = self.cudnn_ws(ctx, a)?;
                 let cap = ctx.config().conv_workspace_bytes();
@@ -165,18 +166,23 @@ impl Core {
                         a.label()
                     )));
                 }
-                Ok(Exec {
-                    route: r,
-                    cudnn_ws: ws,
-                })
+                ws
             }
-            (ConvPath::Cudnn, None) => Err(Error::NotSupported(
-                "a cuDNN route needs its algorithm".into(),
-            )),
-            _ => Ok(Exec {
-                route: r,
-                cudnn_ws: 0,
-            }),
-        }
+            (ConvPath::Cudnn, None) => {
+                return Err(Error::NotSupported(
+                    "a cuDNN route needs its algorithm".into(),
+                ))
+            }
+            _ => 0,
+        };
+        let winograd = match r.path.winograd_tile() {
+            Some(tile) => WinogradGeometry::new(&self.shape, d, tile)?,
+            None => None,
+        };
+        Ok(Exec {
+            route: r,
+            cudnn_ws,
+            winograd,
+        })
     }
 }

@@ -24,7 +24,9 @@ pub mod stages;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::call::PathCall;
-use super::problem::{winograd_backward_data_eligible, winograd_forward_eligible, WinogradDims};
+use super::problem::{
+    winograd_backward_data_eligible, winograd_forward_eligible, WinogradDims, WinogradGeometry,
+};
 use super::{BwdDataPtrs, ConvShape, Direction, FwdPtrs, WinogradEngine, WinogradTile};
 use crate::context::Context;
 use crate::dtype::DType;
@@ -68,7 +70,7 @@ fn cfg(blocks: (u32, u32), threads: u32) -> LaunchConfig {
     }
 }
 
-/// Queues the input transform of `images` images of `s` starting at `x` into `u`
+/// Queues the input transform of `images` images of `g`'s problem starting at `x` into `u`
 /// (`U[pos][t][c_in]` for those images' tiles). `vec`: channels per thread, `None` for the
 /// measured preference ([`launch::preferred_widths`]) that `c_in` and the pointers allow.
 /// Returns the width used.
@@ -79,15 +81,14 @@ fn cfg(blocks: (u32, u32), threads: u32) -> LaunchConfig {
 #[allow(clippy::too_many_arguments)] // a launcher: the problem, its operands, its options
 pub(crate) unsafe fn input_transform(
     ctx: &Context,
-    s: &ConvShape,
+    g: &WinogradGeometry,
     dtype: DType,
-    tile: WinogradTile,
     x: u64,
     u: u64,
     images: usize,
     vec: Option<usize>,
 ) -> Result<usize> {
-    let d = super::problem::winograd_dims(s, tile)?;
+    let (s, tile, d) = (&g.problem, g.tile, &g.dims);
     aligned("x", x, dtype)?;
     aligned("u", u, dtype)?;
     let vec = vec.unwrap_or_else(|| launch::choose_vec(Stage::Input, tile, dtype, s.c_in, &[x, u]));
@@ -161,15 +162,14 @@ pub(crate) unsafe fn input_transform(
 #[allow(clippy::too_many_arguments)] // a launcher: the problem, its operands, its options
 pub(crate) unsafe fn output_transform(
     ctx: &Context,
-    s: &ConvShape,
+    g: &WinogradGeometry,
     dtype: DType,
-    tile: WinogradTile,
     m: u64,
     y: u64,
     images: usize,
     vec: Option<usize>,
 ) -> Result<usize> {
-    let d = super::problem::winograd_dims(s, tile)?;
+    let (s, tile, d) = (&g.problem, g.tile, &g.dims);
     let (oh, ow) = s.out_hw()?;
     aligned("m", m, dtype)?;
     aligned("y", y, dtype)?;
@@ -272,20 +272,20 @@ unsafe fn filter_transform(
 /// position, as the column-major GEMM of [`crate::reference::winograd::batched_gemm_problem`].
 ///
 /// # Safety
-/// `v`, `u`, `m` hold the transformed filter, input and product of `tiles` tiles of `s` on
+/// `v`, `u`, `m` hold the transformed filter, input and product of `tiles` tiles of `g` on
 /// `ctx`'s device; `m` disjoint from `u` and `v`.
 #[allow(clippy::too_many_arguments)] // a launcher: the problem, its operands, its options
 pub(crate) unsafe fn multiply(
     ctx: &Context,
-    s: &ConvShape,
+    g: &WinogradGeometry,
     dtype: DType,
-    tile: WinogradTile,
     engine: WinogradEngine,
     v: u64,
     u: u64,
     m: u64,
     tiles: usize,
 ) -> Result<()> {
+    let (s, tile) = (&g.problem, g.tile);
     let big = || Error::invalid("n", "the batched multiply's strides overflow");
     let p = Problem {
         trans_a: false,
@@ -339,7 +339,8 @@ pub(crate) fn default_chunking(_ctx: &Context) -> Chunking {
     Chunking::WorkspaceCap
 }
 
-/// Runs the whole path on `s` (a Winograd problem): x → y with the filter from `filter`.
+/// Runs the whole path on `g`'s problem `s` (a Winograd problem): x → y with the filter from
+/// `filter`.
 ///
 /// # Safety
 /// `x` holds `s.x_len()` and `y` `s.y_len()` elements of `dtype`, the filter its extent, all on
@@ -347,25 +348,25 @@ pub(crate) fn default_chunking(_ctx: &Context) -> Chunking {
 #[allow(clippy::too_many_arguments)] // a launcher: the problem, its operands, its options
 unsafe fn run(
     ctx: &Context,
-    s: &ConvShape,
+    g: &WinogradGeometry,
     dtype: DType,
-    tile: WinogradTile,
     engine: WinogradEngine,
     x: u64,
     y: u64,
     filter: Filter,
     chunking: Option<Chunking>,
 ) -> Result<()> {
+    let (s, tile) = (&g.problem, g.tile);
     winograd_forward_eligible(s).map_err(not_eligible)?;
     if engine == WinogradEngine::Fused {
         // SAFETY: the caller's contract.
-        return unsafe { run_fused(ctx, s, dtype, tile, x, y, filter) };
+        return unsafe { run_fused(ctx, g, dtype, x, y, filter) };
     }
     let elem = dtype.size();
     let cap = ctx.config().conv_workspace_bytes();
     let with_v = matches!(filter, Filter::Raw { .. });
     let chunking = chunking.unwrap_or_else(|| default_chunking(ctx));
-    let plan = launch::chunk_plan(s, tile, elem, cap, with_v, chunking)?;
+    let plan = launch::chunk_plan(g, elem, cap, with_v, chunking)?;
     let (oh, ow) = s.out_hw()?;
     let WinogradDims {
         tiles_per_image, ..
@@ -415,9 +416,9 @@ unsafe fn run(
         let gemm_tiles = images * tiles_per_image;
         // SAFETY: the chunk's images lie inside x and y; U and M hold `chunk >= images` images.
         unsafe {
-            input_transform(ctx, s, dtype, tile, xc, u, images, None)?;
-            multiply(ctx, s, dtype, tile, engine, v, u, m, gemm_tiles)?;
-            output_transform(ctx, s, dtype, tile, m, yc, images, None)?;
+            input_transform(ctx, g, dtype, xc, u, images, None)?;
+            multiply(ctx, g, dtype, engine, v, u, m, gemm_tiles)?;
+            output_transform(ctx, g, dtype, m, yc, images, None)?;
         }
         first += images as u64;
     }
@@ -434,16 +435,15 @@ unsafe fn run(
 #[allow(clippy::too_many_arguments)] // a launcher: the problem, its operands, its options
 unsafe fn run_fused(
     ctx: &Context,
-    s: &ConvShape,
+    g: &WinogradGeometry,
     dtype: DType,
-    tile: WinogradTile,
     x: u64,
     y: u64,
     filter: Filter,
 ) -> Result<()> {
+    let (s, tile, dims) = (&g.problem, g.tile, g.dims);
     // Refuse before the filter transform runs, so a refusal launches nothing.
-    fused::check(ctx, s, dtype, tile, x, y)?;
-    let dims = super::problem::winograd_dims(s, tile)?;
+    fused::check(ctx, g, dtype, x, y)?;
     let cap = ctx.config().conv_workspace_bytes();
     tracing::debug!(
         tile = tile.name(),
@@ -455,7 +455,7 @@ unsafe fn run_fused(
     match filter {
         Filter::Prepared(v) => {
             // SAFETY: the caller's contract; v is the prepared transformed filter.
-            unsafe { fused::forward(ctx, s, dtype, tile, x, v, y) }
+            unsafe { fused::forward(ctx, g, dtype, x, v, y) }
         }
         Filter::Raw { w, rotated } => {
             let bytes = dims
@@ -480,7 +480,7 @@ unsafe fn run_fused(
             // dims.v elements; the fused kernel reads v after the transform on the same stream.
             unsafe {
                 filter_transform(ctx, dtype, tile, w, v, kout, cin, rotated)?;
-                fused::forward(ctx, s, dtype, tile, x, v, y)?;
+                fused::forward(ctx, g, dtype, x, v, y)?;
             }
             // The scratch guard is held until every launch that uses it is queued.
             drop(scratch);
@@ -489,26 +489,28 @@ unsafe fn run_fused(
     }
 }
 
-/// Runs a Winograd route (registered in `paths.rs`): the tile of its path, its engine, the
-/// forward or the data gradient.
+/// Runs a Winograd route (registered in `paths.rs`): the geometry its route was completed
+/// with (tile, equivalent forward problem, sizes), its engine, the forward or the data gradient.
 ///
 /// # Safety
 /// As [`super::route::run`].
 pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
     let (t, r) = (c.target, c.exec.route);
-    let tile = r
-        .path
-        .winograd_tile()
-        .ok_or_else(|| Error::NotSupported(format!("{} is not a Winograd path", r.path)))?;
+    let g = c
+        .exec
+        .winograd
+        .as_ref()
+        .filter(|g| r.path.winograd_tile() == Some(g.tile))
+        .ok_or_else(|| Error::NotSupported(format!("{} has no Winograd geometry", r.path)))?;
     let engine = r
         .engine
         .ok_or_else(|| Error::NotSupported("the Winograd route has no engine chosen".into()))?;
     // SAFETY: the caller's contract.
     unsafe {
         match c.direction {
-            Direction::Forward => forward(t.ctx, t.shape, t.dtype, tile, engine, c.fwd()),
+            Direction::Forward => forward(t.ctx, g, t.dtype, engine, c.fwd()),
             Direction::BackwardData => {
-                backward_data(t.ctx, t.shape, t.dtype, tile, engine, c.bwd_data())
+                backward_data(t.ctx, t.shape, g, t.dtype, engine, c.bwd_data())
             }
             Direction::BackwardFilter => Err(Error::NotSupported(
                 "Winograd has no filter gradient".into(),
@@ -525,9 +527,8 @@ pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
 /// ([`super::problem::winograd_forward_eligible`]).
 pub(crate) unsafe fn forward(
     ctx: &Context,
-    s: &ConvShape,
+    g: &WinogradGeometry,
     dtype: DType,
-    tile: WinogradTile,
     engine: WinogradEngine,
     p: FwdPtrs,
 ) -> Result<()> {
@@ -537,7 +538,7 @@ pub(crate) unsafe fn forward(
         rotated: false,
     };
     // SAFETY: the caller's contract.
-    unsafe { run(ctx, s, dtype, tile, engine, p.x, p.y, filter, None) }
+    unsafe { run(ctx, g, dtype, engine, p.x, p.y, filter, None) }
 }
 
 /// [`forward`] with an explicit [`Chunking`] (benchmarks compare the strategies).
@@ -546,9 +547,8 @@ pub(crate) unsafe fn forward(
 /// As [`forward`].
 pub(crate) unsafe fn forward_chunked(
     ctx: &Context,
-    s: &ConvShape,
+    g: &WinogradGeometry,
     dtype: DType,
-    tile: WinogradTile,
     engine: WinogradEngine,
     p: FwdPtrs,
     chunking: Chunking,
@@ -559,36 +559,26 @@ pub(crate) unsafe fn forward_chunked(
         rotated: false,
     };
     // SAFETY: the caller's contract.
-    unsafe {
-        run(
-            ctx,
-            s,
-            dtype,
-            tile,
-            engine,
-            p.x,
-            p.y,
-            filter,
-            Some(chunking),
-        )
-    }
+    unsafe { run(ctx, g, dtype, engine, p.x, p.y, filter, Some(chunking)) }
 }
 
-/// Writes the transformed filter G g Gᵀ (`winograd_dims(s, tile).v` elements of `dtype`) to `v`.
+/// Writes the transformed filter G g Gᵀ of forward geometry `g` (`g.dims.v` elements of
+/// `dtype`) to `v`.
 ///
 /// # Safety
-/// `w` holds `s.w_len()` elements, `v` the transformed filter's, on `ctx`'s device.
+/// `w` holds the filter of `g`'s problem `s` (`s.w_len()` elements), `v` the transformed
+/// filter's, on `ctx`'s device.
 pub(crate) unsafe fn transform_filter(
     ctx: &Context,
-    s: &ConvShape,
+    g: &WinogradGeometry,
     dtype: DType,
-    tile: WinogradTile,
     w: u64,
     v: u64,
 ) -> Result<()> {
+    let s = &g.problem;
     winograd_forward_eligible(s).map_err(not_eligible)?;
     // SAFETY: the caller's contract.
-    unsafe { filter_transform(ctx, dtype, tile, w, v, s.c_out, s.c_in, false) }
+    unsafe { filter_transform(ctx, dtype, g.tile, w, v, s.c_out, s.c_in, false) }
 }
 
 /// Forward convolution with a filter already transformed by [`transform_filter`]: `p.w` is the
@@ -598,38 +588,32 @@ pub(crate) unsafe fn transform_filter(
 /// As [`forward`], with `p.w` holding the transformed filter.
 pub(crate) unsafe fn forward_prepared(
     ctx: &Context,
-    s: &ConvShape,
+    g: &WinogradGeometry,
     dtype: DType,
-    tile: WinogradTile,
     engine: WinogradEngine,
     p: FwdPtrs,
 ) -> Result<()> {
     aligned("w", p.w, dtype)?;
+    let filter = Filter::Prepared(p.w);
     // SAFETY: the caller's contract.
-    unsafe {
-        run(
-            ctx,
-            s,
-            dtype,
-            tile,
-            engine,
-            p.x,
-            p.y,
-            Filter::Prepared(p.w),
-            None,
-        )
-    }
+    unsafe { run(ctx, g, dtype, engine, p.x, p.y, filter, None) }
 }
 
-/// The forward problem whose output is `s`'s data gradient (see
-/// [`crate::reference::winograd::backward_data_problem`]).
-fn backward_problem(s: &ConvShape) -> Result<ConvShape> {
+/// Checks that `s` has a Winograd data gradient and that `g` is its geometry (the forward
+/// problem whose output is `s`'s data gradient, as
+/// [`crate::reference::winograd::backward_data_problem`] states it).
+fn backward_geometry(s: &ConvShape, g: &WinogradGeometry) -> Result<()> {
     winograd_backward_data_eligible(s).map_err(not_eligible)?;
-    crate::reference::winograd::backward_data_problem(s)
+    if (g.problem.n, g.problem.c_in, g.problem.c_out) != (s.n, s.c_out, s.c_in) {
+        return Err(Error::NotSupported(
+            "the Winograd geometry is not this problem's data gradient".into(),
+        ));
+    }
+    Ok(())
 }
 
-/// Data gradient as a forward Winograd convolution of dy with the rotated, channel-swapped
-/// filter (padding `2 - pad`).
+/// Data gradient of `s` as a forward Winograd convolution of dy with the rotated,
+/// channel-swapped filter (padding `2 - pad`): `g` is `s`'s data-gradient geometry.
 ///
 /// # Safety
 /// As [`forward`], for `p`'s operands; the shape passes
@@ -637,24 +621,25 @@ fn backward_problem(s: &ConvShape) -> Result<ConvShape> {
 pub(crate) unsafe fn backward_data(
     ctx: &Context,
     s: &ConvShape,
+    g: &WinogradGeometry,
     dtype: DType,
-    tile: WinogradTile,
     engine: WinogradEngine,
     p: BwdDataPtrs,
 ) -> Result<()> {
-    let q = backward_problem(s)?;
+    backward_geometry(s, g)?;
     aligned("w", p.w, dtype)?;
     let filter = Filter::Raw {
         w: p.w,
         rotated: true,
     };
-    // SAFETY: dy has q's input extent (s's output), dx q's output extent (s's input); the
+    // SAFETY: dy has g's input extent (s's output), dx g's output extent (s's input); the
     // caller's contract covers the rest.
-    unsafe { run(ctx, &q, dtype, tile, engine, p.dy, p.dx, filter, None) }
+    unsafe { run(ctx, g, dtype, engine, p.dy, p.dx, filter, None) }
 }
 
 /// Writes the data gradient's transformed filter (rotated by 180 degrees, channels swapped;
-/// `winograd_dims(s, tile).v` elements of `dtype`) to `v`, for [`backward_data_prepared`].
+/// `g.dims.v` elements of `dtype`) to `v`, for [`backward_data_prepared`]; `g` is `s`'s
+/// data-gradient geometry.
 ///
 /// # Safety
 /// `w` holds `s.w_len()` elements, `v` the transformed filter's, on `ctx`'s device.
@@ -662,14 +647,14 @@ pub(crate) unsafe fn backward_data(
 pub(crate) unsafe fn transform_filter_backward_data(
     ctx: &Context,
     s: &ConvShape,
+    g: &WinogradGeometry,
     dtype: DType,
-    tile: WinogradTile,
     w: u64,
     v: u64,
 ) -> Result<()> {
-    backward_problem(s)?;
+    backward_geometry(s, g)?;
     // SAFETY: the caller's contract.
-    unsafe { filter_transform(ctx, dtype, tile, w, v, s.c_out, s.c_in, true) }
+    unsafe { filter_transform(ctx, dtype, g.tile, w, v, s.c_out, s.c_in, true) }
 }
 
 /// [`backward_data`] with the filter already transformed by [`transform_filter_backward_data`]
@@ -681,27 +666,16 @@ pub(crate) unsafe fn transform_filter_backward_data(
 pub(crate) unsafe fn backward_data_prepared(
     ctx: &Context,
     s: &ConvShape,
+    g: &WinogradGeometry,
     dtype: DType,
-    tile: WinogradTile,
     engine: WinogradEngine,
     p: BwdDataPtrs,
 ) -> Result<()> {
-    let q = backward_problem(s)?;
+    backward_geometry(s, g)?;
     aligned("w", p.w, dtype)?;
+    let filter = Filter::Prepared(p.w);
     // SAFETY: as backward_data.
-    unsafe {
-        run(
-            ctx,
-            &q,
-            dtype,
-            tile,
-            engine,
-            p.dy,
-            p.dx,
-            Filter::Prepared(p.w),
-            None,
-        )
-    }
+    unsafe { run(ctx, g, dtype, engine, p.dy, p.dx, filter, None) }
 }
 
 #[cfg(test)]

@@ -126,10 +126,10 @@ pub mod internals {
 use crate::context::{cublas_version, cublaslt_version, Context};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
-use crate::validate::{expect_device, BufInfo};
+use crate::validate::{Binder, Need};
 use entry::DeviceTag;
 use lt::{LtDescriptors, Ptrs};
-pub(crate) use problem::check_pointers;
+pub(crate) use problem::{check_operands, check_pointers};
 
 fn ordinal(ctx: &Context) -> u32 {
     ctx.info().ordinal as u32
@@ -164,42 +164,22 @@ pub fn device_tag(ctx: &Context) -> Result<DeviceTag> {
 }
 
 /// Checks the problem and the buffers (lengths, device, alignment, aliasing); `None` for an
-/// empty problem. Returns the spans and the
-/// device pointers (with their stream-ordering guards, to be held across the launch).
+/// empty problem. Returns the spans, the device pointers and the validator's binder (holding
+/// the stream-ordering guards, to be kept across the launch). `$bind_c` binds C: `output`, or
+/// `output_ref` where C is only borrowed shared.
 macro_rules! operands {
-    ($ctx:expr, $p:expr, $t:ty, $a:expr, $b:expr, $c:expr, $c_ptr:ident) => {{
+    ($ctx:expr, $p:expr, $t:ty, $a:expr, $b:expr, $c:expr, $bind_c:ident) => {{
         match $p.check_buffers(<$t as Element>::DTYPE, $a.len(), $b.len(), $c.len())? {
             Validated::Empty => None,
             Validated::Spans(spans) => {
-                let ordinal = $ctx.info().ordinal;
-                for (name, len, dev) in [
-                    ("a", $a.len(), $a.stream().context().ordinal()),
-                    ("b", $b.len(), $b.stream().context().ordinal()),
-                    ("c", $c.len(), $c.stream().context().ordinal()),
-                ] {
-                    let info = BufInfo {
-                        name,
-                        ptr: 0,
-                        len,
-                        elem: <$t as Element>::DTYPE.size(),
-                        ordinal: dev,
-                    };
-                    expect_device(&info, ordinal)?;
-                }
-                let stream = $ctx.stream();
-                let (pa, ga) = $a.device_ptr(stream);
-                let (pb, gb) = $b.device_ptr(stream);
-                let (pc, gc) = $c.$c_ptr(stream);
-                check_pointers(&spans, <$t as Element>::DTYPE.size(), pa, pb, pc)?;
-                Some((
-                    spans,
-                    Ptrs {
-                        a: pa,
-                        b: pb,
-                        c: pc,
-                    },
-                    (ga, gb, gc),
-                ))
+                let mut bind = Binder::new($ctx);
+                let ptrs = Ptrs {
+                    a: bind.input::<$t, _>("a", $a, Need::Span(spans.a))?,
+                    b: bind.input::<$t, _>("b", $b, Need::Span(spans.b))?,
+                    c: bind.$bind_c::<$t, _>("c", $c, Need::Span(spans.c))?,
+                };
+                problem::check_operands(bind.operands())?;
+                Some((spans, ptrs, bind))
             }
         }
     }};
@@ -416,7 +396,7 @@ where
     C: DevicePtrMut<T>,
 {
     let dtype = T::DTYPE;
-    let Some((spans, ptrs, _guards)) = operands!(ctx, p, T, a, b, c, device_ptr_mut) else {
+    let Some((spans, ptrs, _guards)) = operands!(ctx, p, T, a, b, c, output) else {
         return Ok(());
     };
     run_checked(ctx, p, dtype, spans, ptrs)
@@ -600,7 +580,7 @@ impl Prepared {
             ));
         }
         let p = &self.problem;
-        let Some((_spans, ptrs, _guards)) = operands!(ctx, p, T, a, b, c, device_ptr_mut) else {
+        let Some((_spans, ptrs, _guards)) = operands!(ctx, p, T, a, b, c, output) else {
             return Ok(());
         };
         match (&self.algo, &self.descriptors) {
@@ -636,7 +616,7 @@ where
     C: DevicePtrMut<T>,
 {
     let dtype = T::DTYPE;
-    let Some((_spans, ptrs, _guards)) = operands!(ctx, p, T, a, b, c, device_ptr_mut) else {
+    let Some((_spans, ptrs, _guards)) = operands!(ctx, p, T, a, b, c, output) else {
         return Ok(());
     };
     match algo {
@@ -658,7 +638,7 @@ where
     C: DevicePtr<T>,
 {
     let dtype = T::DTYPE;
-    let Some((_spans, ptrs, _guards)) = operands!(ctx, p, T, a, b, c, device_ptr) else {
+    let Some((_spans, ptrs, _guards)) = operands!(ctx, p, T, a, b, c, output_ref) else {
         return Err(Error::invalid(
             "m",
             "the problem is empty (m, n or batch is 0): it has no key",
@@ -742,7 +722,7 @@ where
     C: DevicePtrMut<T>,
 {
     let dtype = T::DTYPE;
-    let Some((spans, ptrs, _guards)) = operands!(ctx, p, T, a, b, c, device_ptr_mut) else {
+    let Some((spans, ptrs, _guards)) = operands!(ctx, p, T, a, b, c, output) else {
         return Err(Error::invalid(
             "m",
             "the problem is empty (m, n or batch is 0): there is nothing to search",

@@ -11,6 +11,7 @@ use std::str::FromStr;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::reference::gemm::GemmProblem;
+use crate::validate::{self, Aliasing, Need, Operand, Role};
 
 /// The precision products are accumulated in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
@@ -489,32 +490,38 @@ pub fn c_batches_overlap(
 /// extent not overlapping A's or B's (C is written while A and B are read). Extents are the
 /// spanned byte ranges (conservative for interleaved operands).
 pub fn check_pointers(spans: &Spans, elem: usize, a: u64, b: u64, c: u64) -> Result<()> {
-    for (name, p) in [("a", a), ("b", b), ("c", c)] {
+    let op = |name, ptr, span, role| Operand {
+        name,
+        ptr,
+        len: span,
+        elem_bytes: elem,
+        role,
+        need: Need::Span(span),
+    };
+    check_operands(&[
+        op("a", a, spans.a, Role::Input),
+        op("b", b, spans.b, Role::Input),
+        op("c", c, spans.c, Role::Output),
+    ])
+}
+
+/// [`check_pointers`] on operands bound by the validator (`a`, `b` read, `c` written, each
+/// [`Need::Span`]): every pointer non-null and aligned to its element size, in list order, then
+/// the validator's overlap rule (C named, both spans shown).
+pub(crate) fn check_operands(ops: &[Operand]) -> Result<()> {
+    for o in ops {
+        let (p, elem) = (o.ptr, o.elem_bytes);
         if p == 0 {
-            return Err(Error::invalid(name, "null device pointer"));
+            return Err(Error::invalid(o.name, "null device pointer"));
         }
         if p % elem as u64 != 0 {
             return Err(Error::invalid(
-                name,
+                o.name,
                 format!("device pointer {p:#x} is not aligned to its element size ({elem} bytes)"),
             ));
         }
     }
-    let range = |p: u64, n: usize| (p, p.saturating_add((n * elem) as u64));
-    let rc = range(c, spans.c);
-    for (name, r) in [("a", range(a, spans.a)), ("b", range(b, spans.b))] {
-        if r.0 < rc.1 && rc.0 < r.1 {
-            return Err(Error::invalid(
-                "c",
-                format!(
-                    "overlaps `{name}` (c spans {:#x}..{:#x}, {name} spans {:#x}..{:#x}): \
-                     the output must not alias an input",
-                    rc.0, rc.1, r.0, r.1
-                ),
-            ));
-        }
-    }
-    Ok(())
+    validate::check(ops, Aliasing::Distinct).map(drop)
 }
 
 /// The largest alignment cuBLASLt asks about (its default assumption).

@@ -259,6 +259,15 @@ impl WinogradGeometry {
             dims,
         }))
     }
+
+    /// The geometry of the forward convolution `s` itself (which always has one).
+    pub(crate) fn forward(s: &ConvShape, tile: WinogradTile) -> Result<WinogradGeometry> {
+        Ok(WinogradGeometry {
+            tile,
+            problem: *s,
+            dims: winograd_dims(s, tile)?,
+        })
+    }
 }
 
 #[cfg(test)]

@@ -9,12 +9,11 @@
 //! and its fragment layouts are documented at the top of the kernel file and in
 //! `docs/WINOGRAD.md` ("The fused engine").
 
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use crate::context::Context;
-use crate::conv::problem::{fused_eligible, winograd_dims, WinogradTile};
-use crate::conv::ConvShape;
+use crate::conv::problem::{fused_eligible, WinogradGeometry, WinogradTile};
 use crate::dtype::DType;
 use crate::error::{CallExt, Error, Result};
 use crate::kernels::KernelFile;
@@ -197,12 +196,12 @@ pub(crate) fn launches(n: usize, tiles_per_image: usize) -> Result<Vec<usize>> {
 /// launches nothing.
 pub(crate) fn check(
     ctx: &Context,
-    s: &ConvShape,
+    g: &WinogradGeometry,
     dtype: DType,
-    tile: WinogradTile,
     x: u64,
     y: u64,
 ) -> Result<()> {
+    let (s, tile, d) = (&g.problem, g.tile, &g.dims);
     fused_eligible(s, dtype).map_err(|why| Error::invalid("shape", why))?;
     for (name, ptr, align) in [("x", x, 16u64), ("y", y, 4)] {
         aligned(name, ptr, align)?;
@@ -215,18 +214,14 @@ pub(crate) fn check(
         )));
     }
     let need = cfg(tile).smem_bytes + STATIC_SMEM;
-    let optin = ctx
-        .cuda()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-        .call("cuDeviceGetAttribute")?;
-    if (optin.max(0) as usize) < need {
+    let optin = crate::launch::device_facts(ctx)?.smem_optin;
+    if (optin as usize) < need {
         return Err(Error::NotSupported(format!(
             "the fused Winograd {} kernel needs {need} bytes of shared memory per block; this \
              device allows {optin}",
             tile.name()
         )));
     }
-    let d = winograd_dims(s, tile)?;
     let (oh, ow) = s.out_hw()?;
     // The kernel forms tap rows and columns as i32 (origin minus padding plus alpha).
     for extent in [oh + s.pad.0, ow + s.pad.1, s.h, s.w] {
@@ -274,17 +269,16 @@ fn aligned(name: &'static str, ptr: u64, align: u64) -> Result<()> {
 /// on `ctx`'s device; y is disjoint from both.
 pub(crate) unsafe fn forward(
     ctx: &Context,
-    s: &ConvShape,
+    g: &WinogradGeometry,
     dtype: DType,
-    tile: WinogradTile,
     x: u64,
     v: u64,
     y: u64,
 ) -> Result<()> {
-    check(ctx, s, dtype, tile, x, y)?;
+    check(ctx, g, dtype, x, y)?;
     aligned("v", v, 16)?;
+    let (s, tile, d) = (&g.problem, g.tile, &g.dims);
     let c = cfg(tile);
-    let d = winograd_dims(s, tile)?;
     let (oh, ow) = s.out_hw()?;
     let u = |v: usize, what: &str| super::launch::arg_u32(v, what);
     let (h32, w32, c32, k32) = (

@@ -17,6 +17,18 @@ use crate::reference::winograd as rw;
 use crate::testutil::{gpu, gpu_with, rel_l2, Rng};
 use crate::{Config, Element};
 
+/// The forward geometry of `s` with `tile`.
+fn geo(s: &ConvShape, tile: WinogradTile) -> WinogradGeometry {
+    WinogradGeometry::forward(s, tile).unwrap()
+}
+
+/// The data-gradient geometry of `s` with `tile`.
+fn geo_bwd(s: &ConvShape, tile: WinogradTile) -> WinogradGeometry {
+    WinogradGeometry::new(s, Direction::BackwardData, tile)
+        .unwrap()
+        .unwrap()
+}
+
 /// The two batched-multiply engines (chunked through the scratch).
 const ENGINES: [WinogradEngine; 2] = [WinogradEngine::TensorCore, WinogradEngine::Direct];
 
@@ -235,7 +247,7 @@ fn transforms_on<T: Element>(ctx: &Context, rng: &mut Rng, s: &ConvShape) {
                 let (px, _g) = dx.device_ptr(st);
                 let (pu, _h) = du.device_ptr_mut(st);
                 // SAFETY: x and u hold the whole batch's extents.
-                let used = unsafe { input_transform(ctx, s, dt, tile, px, pu, s.n, Some(v)) };
+                let used = unsafe { input_transform(ctx, &geo(s, tile), dt, px, pu, s.n, Some(v)) };
                 assert_eq!(used.unwrap(), v);
             }
             let case = format!("input transform {dt} {} v{v} {s:?}", tile.name());
@@ -259,9 +271,10 @@ fn transforms_on<T: Element>(ctx: &Context, rng: &mut Rng, s: &ConvShape) {
                 // SAFETY: w and v hold the filter's and the transformed filter's extents.
                 unsafe {
                     if rotated {
-                        transform_filter_backward_data(ctx, s, dt, tile, pw, pv).unwrap();
+                        transform_filter_backward_data(ctx, s, &geo_bwd(s, tile), dt, pw, pv)
+                            .unwrap();
                     } else {
-                        transform_filter(ctx, s, dt, tile, pw, pv).unwrap();
+                        transform_filter(ctx, &geo(s, tile), dt, pw, pv).unwrap();
                     }
                 }
             }
@@ -295,7 +308,8 @@ fn transforms_on<T: Element>(ctx: &Context, rng: &mut Rng, s: &ConvShape) {
                 let (pm, _g) = dm.device_ptr(st);
                 let (py, _h) = dy.device_ptr_mut(st);
                 // SAFETY: m and y hold the whole batch's extents.
-                let used = unsafe { output_transform(ctx, s, dt, tile, pm, py, s.n, Some(v)) };
+                let used =
+                    unsafe { output_transform(ctx, &geo(s, tile), dt, pm, py, s.n, Some(v)) };
                 assert_eq!(used.unwrap(), v);
             }
             let case = format!("output transform {dt} {} v{v} {s:?}", tile.name());
@@ -351,20 +365,20 @@ fn run_forward<T: Element>(
         // SAFETY: every buffer holds its extent; y is distinct.
         unsafe {
             if prepared {
-                transform_filter(ctx, s, T::DTYPE, tile, pw, pv).unwrap();
+                transform_filter(ctx, &geo(s, tile), T::DTYPE, pw, pv).unwrap();
                 let p = FwdPtrs {
                     x: px,
                     w: pv,
                     y: py,
                 };
-                forward_prepared(ctx, s, T::DTYPE, tile, engine, p).unwrap();
+                forward_prepared(ctx, &geo(s, tile), T::DTYPE, engine, p).unwrap();
             } else {
                 let p = FwdPtrs {
                     x: px,
                     w: pw,
                     y: py,
                 };
-                forward(ctx, s, T::DTYPE, tile, engine, p).unwrap();
+                forward(ctx, &geo(s, tile), T::DTYPE, engine, p).unwrap();
             }
         }
     }
@@ -475,8 +489,7 @@ fn forward_chunks_under_a_tiny_workspace_cap() {
     for dt in DType::ALL {
         for tile in WinogradTile::ALL {
             let plan = launch::chunk_plan(
-                &s,
-                tile,
+                &geo(&s, tile),
                 dt.size(),
                 ctx.config().conv_workspace_bytes(),
                 true,
@@ -513,9 +526,8 @@ fn forward_chunks_under_a_tiny_workspace_cap() {
     let e = unsafe {
         forward(
             &ctx,
-            &big,
+            &geo(&big, WinogradTile::F4x3),
             DType::F16,
-            WinogradTile::F4x3,
             WinogradEngine::TensorCore,
             p,
         )
@@ -587,20 +599,29 @@ fn backward_case<T: Element>(
                     // SAFETY: every buffer holds its extent; dx is distinct.
                     unsafe {
                         if prepared {
-                            transform_filter_backward_data(ctx, s, T::DTYPE, tile, pw, pv).unwrap();
+                            transform_filter_backward_data(
+                                ctx,
+                                s,
+                                &geo_bwd(s, tile),
+                                T::DTYPE,
+                                pw,
+                                pv,
+                            )
+                            .unwrap();
                             let p = BwdDataPtrs {
                                 dy: pg,
                                 w: pv,
                                 dx: px,
                             };
-                            backward_data_prepared(ctx, s, T::DTYPE, tile, engine, p).unwrap();
+                            backward_data_prepared(ctx, s, &geo_bwd(s, tile), T::DTYPE, engine, p)
+                                .unwrap();
                         } else {
                             let p = BwdDataPtrs {
                                 dy: pg,
                                 w: pw,
                                 dx: px,
                             };
-                            backward_data(ctx, s, T::DTYPE, tile, engine, p).unwrap();
+                            backward_data(ctx, s, &geo_bwd(s, tile), T::DTYPE, engine, p).unwrap();
                         }
                     }
                 }
@@ -669,9 +690,8 @@ fn refuses_what_winograd_cannot_run() {
     let e = unsafe {
         forward(
             &ctx,
-            &s,
+            &geo(&s, WinogradTile::F2x3),
             DType::F32,
-            WinogradTile::F2x3,
             WinogradEngine::Direct,
             p,
         )
@@ -687,11 +707,13 @@ fn refuses_what_winograd_cannot_run() {
     };
     // SAFETY: refused before any launch.
     let e = unsafe {
+        // Padding over 2 has no data-gradient geometry: the forward one stands in, and the
+        // shape's own check refuses first.
         backward_data(
             &ctx,
             &s,
+            &geo(&s, WinogradTile::F2x3),
             DType::F32,
-            WinogradTile::F2x3,
             WinogradEngine::Direct,
             q,
         )
@@ -704,9 +726,8 @@ fn refuses_what_winograd_cannot_run() {
     let e = unsafe {
         input_transform(
             &ctx,
-            &s,
+            &geo(&s, WinogradTile::F4x3),
             DType::F16,
-            WinogradTile::F4x3,
             p0,
             p0 + 8192,
             1,
@@ -721,9 +742,8 @@ fn refuses_what_winograd_cannot_run() {
     let e = unsafe {
         input_transform(
             &ctx,
-            &s,
+            &geo(&s, WinogradTile::F4x3),
             DType::F16,
-            WinogradTile::F4x3,
             p0 + 2,
             p0 + 8192,
             1,
@@ -767,8 +787,14 @@ fn l2_resident_chunks_equal_one_chunk() {
     };
     assert_eq!(default_chunking(&ctx), Chunking::WorkspaceCap);
     for tile in WinogradTile::ALL {
-        let plan =
-            launch::chunk_plan(&s, tile, 2, ctx.config().conv_workspace_bytes(), true, l2).unwrap();
+        let plan = launch::chunk_plan(
+            &geo(&s, tile),
+            2,
+            ctx.config().conv_workspace_bytes(),
+            true,
+            l2,
+        )
+        .unwrap();
         assert!(
             plan.l2_limited && plan.chunks.len() > 1,
             "{:?}",
@@ -788,8 +814,10 @@ fn l2_resident_chunks_equal_one_chunk() {
                         y: py,
                     };
                     // SAFETY: every buffer holds its extent; y is distinct.
-                    unsafe { forward_chunked(&ctx, &s, DType::F16, tile, engine, p, chunking) }
-                        .unwrap();
+                    unsafe {
+                        forward_chunked(&ctx, &geo(&s, tile), DType::F16, engine, p, chunking)
+                    }
+                    .unwrap();
                 }
                 out.push(down(&ctx, &y, s.y_len().unwrap()));
             }
@@ -1036,8 +1064,16 @@ fn fused_refuses_what_it_cannot_run() {
                 y: py + off.1,
             };
             // SAFETY: the buffers hold the extents; every call here is refused before a launch.
-            unsafe { forward(&ctx, s, dtype, WinogradTile::F4x3, WinogradEngine::Fused, p) }
-                .unwrap_err()
+            unsafe {
+                forward(
+                    &ctx,
+                    &geo(s, WinogradTile::F4x3),
+                    dtype,
+                    WinogradEngine::Fused,
+                    p,
+                )
+            }
+            .unwrap_err()
         };
         let after = st.clone_dtoh(&y).unwrap();
         assert!(after.iter().all(|v| v.is_nan()), "{e}: y was written");
@@ -1061,9 +1097,8 @@ fn fused_refuses_what_it_cannot_run() {
         unsafe {
             multiply(
                 &ctx,
-                &ok,
+                &geo(&ok, WinogradTile::F4x3),
                 DType::F16,
-                WinogradTile::F4x3,
                 WinogradEngine::Fused,
                 p0,
                 p0 + 4096,

@@ -3,7 +3,7 @@
 //! scratch layout of a chunk, and the argument limits the kernels assume. No GPU; tested on the
 //! CPU.
 
-use crate::conv::problem::{winograd_dims, WinogradDims, WinogradTile};
+use crate::conv::problem::{winograd_dims, WinogradDims, WinogradGeometry, WinogradTile};
 use crate::conv::ConvShape;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -710,26 +710,25 @@ pub(crate) struct ChunkPlan {
     pub l2_limited: bool,
 }
 
-/// Splits the batch of `s` into chunks whose transformed filter (`with_v`), transformed input
-/// and product fit in `cap_bytes` (the region alignment may add up to `2 * REGION_ALIGN`
-/// bytes), and, with [`Chunking::L2Resident`], whose U and M fit the L2 share; an error when
-/// one image does not fit the cap.
+/// Splits the batch of `g`'s problem into chunks whose transformed filter (`with_v`),
+/// transformed input and product fit in `cap_bytes` (the region alignment may add up to
+/// `2 * REGION_ALIGN` bytes), and, with [`Chunking::L2Resident`], whose U and M fit the L2
+/// share; an error when one image does not fit the cap.
 pub(crate) fn chunk_plan(
-    s: &ConvShape,
-    tile: WinogradTile,
+    g: &WinogradGeometry,
     elem: usize,
     cap_bytes: usize,
     with_v: bool,
     chunking: Chunking,
 ) -> Result<ChunkPlan> {
-    let dims = winograd_dims(s, tile)?;
+    let (s, tile, dims) = (&g.problem, g.tile, g.dims);
     // The prepared path keeps V out of the scratch: count it only when it is in there.
     let cap = if with_v {
         cap_bytes
     } else {
         cap_bytes.saturating_add(dims.v.saturating_mul(elem))
     };
-    let Some(cap_chunk) = crate::conv::sizes::winograd_chunk(s, tile, elem, cap)? else {
+    let Some(cap_chunk) = crate::conv::sizes::winograd_chunk(&dims, s.n, elem, cap)? else {
         return Err(Error::NotSupported(format!(
             "Winograd {}: the transformed tensors of one image ({} + {} elements, plus the \
              {}-element transformed filter) exceed the convolution workspace cap of {} bytes \
@@ -1050,20 +1049,30 @@ mod tests {
         assert_eq!(l.u, 0);
     }
 
+    fn geo(s: &ConvShape, tile: WinogradTile) -> WinogradGeometry {
+        WinogradGeometry::forward(s, tile).unwrap()
+    }
+
     #[test]
     fn chunk_plans_respect_the_cap() {
         let s = shape(32, 64, 56, 64);
         let d = winograd_dims(&s, WinogradTile::F4x3).unwrap();
         // One image: 2 x 36 x 196 x 64 x 2 bytes = 1.8 MB of U and M.
         let cap = 8 << 20;
-        let p = chunk_plan(&s, WinogradTile::F4x3, 2, cap, true, Chunking::WorkspaceCap).unwrap();
+        let p = chunk_plan(
+            &geo(&s, WinogradTile::F4x3),
+            2,
+            cap,
+            true,
+            Chunking::WorkspaceCap,
+        )
+        .unwrap();
         assert!(p.layout.bytes <= cap + 2 * REGION_ALIGN);
         assert_eq!(p.chunks.iter().sum::<usize>(), 32);
         assert!(p.chunks.len() > 1);
         // Without V in the scratch, as many or more images per chunk.
         let q = chunk_plan(
-            &s,
-            WinogradTile::F4x3,
+            &geo(&s, WinogradTile::F4x3),
             2,
             cap,
             false,
@@ -1074,8 +1083,7 @@ mod tests {
         assert!(q.layout.bytes <= cap + 2 * REGION_ALIGN);
         // One image too big: NotSupported, saying why.
         let e = chunk_plan(
-            &s,
-            WinogradTile::F4x3,
+            &geo(&s, WinogradTile::F4x3),
             2,
             1000,
             true,
@@ -1086,8 +1094,7 @@ mod tests {
         assert!(d.u_per_image > 0);
         // Large cap: one chunk.
         let p = chunk_plan(
-            &s,
-            WinogradTile::F2x3,
+            &geo(&s, WinogradTile::F2x3),
             2,
             1 << 32,
             true,
@@ -1102,7 +1109,7 @@ mod tests {
         let l2 = Chunking::L2Resident { l2_bytes: 50 << 20 };
         // 64@56², N=32, F(4x4) f16: 1.8 MB of U + M per image, 25 MiB -> 14 images a chunk.
         let s = shape(32, 64, 56, 64);
-        let p = chunk_plan(&s, WinogradTile::F4x3, 2, 256 << 20, true, l2).unwrap();
+        let p = chunk_plan(&geo(&s, WinogradTile::F4x3), 2, 256 << 20, true, l2).unwrap();
         assert!(p.l2_limited);
         let d = p.dims;
         assert!(
@@ -1113,18 +1120,18 @@ mod tests {
         assert_eq!(p.chunks, vec![11, 11, 10]);
         // Small layers stay one chunk: 512@7², N=32.
         let s = shape(32, 512, 7, 512);
-        let p = chunk_plan(&s, WinogradTile::F4x3, 2, 256 << 20, true, l2).unwrap();
+        let p = chunk_plan(&geo(&s, WinogradTile::F4x3), 2, 256 << 20, true, l2).unwrap();
         assert_eq!((p.chunks.clone(), p.l2_limited), (vec![32], false));
         // Never below MIN_CHUNK_TILES tiles: 64@112², F(2x2) has 3136 tiles an image.
         let s = shape(8, 256, 112, 256);
-        let p = chunk_plan(&s, WinogradTile::F2x3, 2, 1 << 40, true, l2).unwrap();
+        let p = chunk_plan(&geo(&s, WinogradTile::F2x3), 2, 1 << 40, true, l2).unwrap();
         assert_eq!(p.chunk, 1);
         let s = shape(64, 64, 14, 64);
-        let p = chunk_plan(&s, WinogradTile::F4x3, 4, 1 << 40, true, l2).unwrap();
+        let p = chunk_plan(&geo(&s, WinogradTile::F4x3), 4, 1 << 40, true, l2).unwrap();
         assert!(p.chunk * p.dims.tiles_per_image >= MIN_CHUNK_TILES);
         // The workspace cap still wins when smaller.
         let s = shape(32, 64, 56, 64);
-        let p = chunk_plan(&s, WinogradTile::F4x3, 2, 4 << 20, true, l2).unwrap();
+        let p = chunk_plan(&geo(&s, WinogradTile::F4x3), 2, 4 << 20, true, l2).unwrap();
         assert!(!p.l2_limited);
         assert!(p.layout.bytes <= (4 << 20) + 2 * REGION_ALIGN);
     }

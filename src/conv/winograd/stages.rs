@@ -43,13 +43,13 @@ pub use super::launch::{stage_bytes, Chunking, StageBytes, L2_SHARE, MIN_CHUNK_T
 use super::launch::{transform_kernel, vec_widths, Stage};
 use crate::context::Context;
 use crate::conv::problem::{
-    winograd_backward_data_eligible, winograd_dims, winograd_forward_eligible, WinogradDims,
+    winograd_backward_data_eligible, winograd_forward_eligible, WinogradGeometry,
 };
-use crate::conv::{BwdDataPtrs, ConvShape, FwdPtrs, WinogradEngine, WinogradTile};
+use crate::conv::{BwdDataPtrs, ConvShape, Direction, FwdPtrs, WinogradEngine, WinogradTile};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
-use crate::gemm::{check_pointers, Problem, Validated};
-use crate::validate::{expect_device, expect_len, expect_outputs_disjoint, BufInfo};
+use crate::gemm::{check_operands, Problem, Validated};
+use crate::validate::{Aliasing, Binder, Need};
 
 /// Channels per thread the transform kernels of `dtype` exist for, widest first (16-byte
 /// accesses first). The default is not always the widest: each (stage, tile, type) has a
@@ -70,40 +70,26 @@ pub fn transform_kernel_name(
     transform_kernel(stage, dtype, tile, vec)
 }
 
-fn eligible(s: &ConvShape, tile: WinogradTile) -> Result<WinogradDims> {
+/// The forward geometry of `s` with `tile` (computed once per call, at the entry of each stage
+/// function, and handed down), or an error naming `shape` when `s` is not a Winograd problem.
+fn eligible(s: &ConvShape, tile: WinogradTile) -> Result<WinogradGeometry> {
     winograd_forward_eligible(s)
         .map_err(|why| Error::invalid("shape", format!("not a Winograd convolution: {why}")))?;
-    winograd_dims(s, tile)
+    WinogradGeometry::forward(s, tile)
 }
 
-/// Length and device of a buffer (taken before its pointer, which may borrow it mutably).
-fn meta<T, B: cudarc::driver::DeviceSlice<T>>(buf: &B) -> (usize, usize) {
-    (buf.len(), buf.stream().context().ordinal())
+/// The data-gradient geometry of `s` with `tile`, or an error naming `shape`.
+fn eligible_backward(s: &ConvShape, tile: WinogradTile) -> Result<WinogradGeometry> {
+    winograd_forward_eligible(s)
+        .map_err(|why| Error::invalid("shape", format!("not a Winograd convolution: {why}")))?;
+    winograd_backward_data_eligible(s).map_err(|why| Error::invalid("shape", why))?;
+    WinogradGeometry::new(s, Direction::BackwardData, tile)?
+        .ok_or_else(|| Error::invalid("shape", "no Winograd data gradient"))
 }
 
-fn info<T: Element>(name: &'static str, (len, ordinal): (usize, usize), ptr: u64) -> BufInfo {
-    BufInfo {
-        name,
-        ptr,
-        len,
-        elem: T::DTYPE.size(),
-        ordinal,
-    }
-}
-
-/// Lengths (`want`, with what they mean), devices, and outputs disjoint from the inputs.
-fn check_bufs(
-    ctx: &Context,
-    outputs: &[(BufInfo, usize, &str)],
-    inputs: &[(BufInfo, usize, &str)],
-) -> Result<()> {
-    for (b, want, what) in inputs.iter().chain(outputs) {
-        expect_len(b, *want, what)?;
-        expect_device(b, ctx.info().ordinal)?;
-    }
-    let o: Vec<BufInfo> = outputs.iter().map(|t| t.0).collect();
-    let i: Vec<BufInfo> = inputs.iter().map(|t| t.0).collect();
-    expect_outputs_disjoint(&o, &i)
+/// A buffer's required length and what it means (the error's text).
+fn len(want: usize, what: &'static str) -> Need {
+    Need::Exactly(want, what)
 }
 
 fn n_times(n: usize, per: usize) -> Result<usize> {
@@ -127,21 +113,15 @@ where
     X: DevicePtr<T>,
     U: DevicePtrMut<T>,
 {
-    let d = eligible(s, tile)?;
-    let stream = ctx.stream();
-    let ixm = meta(x);
-    let (px, _gx) = x.device_ptr(stream);
-    let ix = info::<T>("x", ixm, px);
-    let ium = meta(u);
-    let (pu, _gu) = u.device_ptr_mut(stream);
-    let iu = info::<T>("u", ium, pu);
-    check_bufs(
-        ctx,
-        &[(iu, n_times(s.n, d.u_per_image)?, "n * u_per_image")],
-        &[(ix, s.x_len(), "n * h * w * c_in")],
-    )?;
+    let g = eligible(s, tile)?;
+    let d = &g.dims;
+    let want_u = n_times(s.n, d.u_per_image)?;
+    let mut bind = Binder::new(ctx);
+    let px = bind.input("x", x, len(s.x_len(), "n * h * w * c_in"))?;
+    let pu = bind.output("u", u, len(want_u, "n * u_per_image"))?;
+    bind.check(Aliasing::Distinct)?;
     // SAFETY: lengths, device and disjointness checked above.
-    unsafe { super::input_transform(ctx, s, T::DTYPE, tile, px, pu, s.n, vec) }
+    unsafe { super::input_transform(ctx, &g, T::DTYPE, px, pu, s.n, vec) }
 }
 
 /// The output transform of the whole batch: y (NHWC, `s.y_len()` elements) from the product
@@ -160,21 +140,16 @@ where
     M: DevicePtr<T>,
     Y: DevicePtrMut<T>,
 {
-    let d = eligible(s, tile)?;
-    let stream = ctx.stream();
-    let imm = meta(m);
-    let (pm, _gm) = m.device_ptr(stream);
-    let im = info::<T>("m", imm, pm);
-    let iym = meta(y);
-    let (py, _gy) = y.device_ptr_mut(stream);
-    let iy = info::<T>("y", iym, py);
-    check_bufs(
-        ctx,
-        &[(iy, s.y_len()?, "n * oh * ow * c_out")],
-        &[(im, n_times(s.n, d.m_per_image)?, "n * m_per_image")],
-    )?;
+    let g = eligible(s, tile)?;
+    let d = &g.dims;
+    let want_m = n_times(s.n, d.m_per_image)?;
+    let want_y = s.y_len()?;
+    let mut bind = Binder::new(ctx);
+    let pm = bind.input("m", m, len(want_m, "n * m_per_image"))?;
+    let py = bind.output("y", y, len(want_y, "n * oh * ow * c_out"))?;
+    bind.check(Aliasing::Distinct)?;
     // SAFETY: lengths, device and disjointness checked above.
-    unsafe { super::output_transform(ctx, s, T::DTYPE, tile, pm, py, s.n, vec) }
+    unsafe { super::output_transform(ctx, &g, T::DTYPE, pm, py, s.n, vec) }
 }
 
 /// The filter transform: `V[pos][c_in][c_out]` (`v` elements of
@@ -191,21 +166,14 @@ where
     W: DevicePtr<T>,
     V: DevicePtrMut<T>,
 {
-    let d = eligible(s, tile)?;
-    let stream = ctx.stream();
-    let iwm = meta(w);
-    let (pw, _gw) = w.device_ptr(stream);
-    let iw = info::<T>("w", iwm, pw);
-    let ivm = meta(v);
-    let (pv, _gv) = v.device_ptr_mut(stream);
-    let iv = info::<T>("v", ivm, pv);
-    check_bufs(
-        ctx,
-        &[(iv, d.v, "positions * c_in * c_out")],
-        &[(iw, s.w_len(), "c_out * 3 * 3 * c_in")],
-    )?;
+    let g = eligible(s, tile)?;
+    let d = &g.dims;
+    let mut bind = Binder::new(ctx);
+    let pw = bind.input("w", w, len(s.w_len(), "c_out * 3 * 3 * c_in"))?;
+    let pv = bind.output("v", v, len(d.v, "positions * c_in * c_out"))?;
+    bind.check(Aliasing::Distinct)?;
     // SAFETY: lengths, device and disjointness checked above.
-    unsafe { super::transform_filter(ctx, s, T::DTYPE, tile, pw, pv) }
+    unsafe { super::transform_filter(ctx, &g, T::DTYPE, pw, pv) }
 }
 
 /// The data gradient's filter transform: `V'[pos][c_out][c_in]` of the filter rotated by 180
@@ -222,22 +190,14 @@ where
     W: DevicePtr<T>,
     V: DevicePtrMut<T>,
 {
-    let d = eligible(s, tile)?;
-    winograd_backward_data_eligible(s).map_err(|why| Error::invalid("shape", why))?;
-    let stream = ctx.stream();
-    let iwm = meta(w);
-    let (pw, _gw) = w.device_ptr(stream);
-    let iw = info::<T>("w", iwm, pw);
-    let ivm = meta(v);
-    let (pv, _gv) = v.device_ptr_mut(stream);
-    let iv = info::<T>("v", ivm, pv);
-    check_bufs(
-        ctx,
-        &[(iv, d.v, "positions * c_in * c_out")],
-        &[(iw, s.w_len(), "c_out * 3 * 3 * c_in")],
-    )?;
+    let g = eligible_backward(s, tile)?;
+    let d = &g.dims;
+    let mut bind = Binder::new(ctx);
+    let pw = bind.input("w", w, len(s.w_len(), "c_out * 3 * 3 * c_in"))?;
+    let pv = bind.output("v", v, len(d.v, "positions * c_in * c_out"))?;
+    bind.check(Aliasing::Distinct)?;
     // SAFETY: lengths, device and disjointness checked above.
-    unsafe { super::transform_filter_backward_data(ctx, s, T::DTYPE, tile, pw, pv) }
+    unsafe { super::transform_filter_backward_data(ctx, s, &g, T::DTYPE, pw, pv) }
 }
 
 /// The batched multiply of the whole batch by `engine`: `M_pos = U_pos · V_pos` for every
@@ -258,28 +218,18 @@ where
     U: DevicePtr<T>,
     M: DevicePtrMut<T>,
 {
-    let d = eligible(s, tile)?;
-    let stream = ctx.stream();
-    let ivm = meta(v);
-    let (pv, _gv) = v.device_ptr(stream);
-    let iv = info::<T>("v", ivm, pv);
-    let ium = meta(u);
-    let (pu, _gu) = u.device_ptr(stream);
-    let iu = info::<T>("u", ium, pu);
-    let imm = meta(m);
-    let (pm, _gm) = m.device_ptr_mut(stream);
-    let im = info::<T>("m", imm, pm);
-    check_bufs(
-        ctx,
-        &[(im, n_times(s.n, d.m_per_image)?, "n * m_per_image")],
-        &[
-            (iv, d.v, "positions * c_in * c_out"),
-            (iu, n_times(s.n, d.u_per_image)?, "n * u_per_image"),
-        ],
-    )?;
+    let g = eligible(s, tile)?;
+    let d = &g.dims;
+    let want_m = n_times(s.n, d.m_per_image)?;
+    let want_u = n_times(s.n, d.u_per_image)?;
+    let mut bind = Binder::new(ctx);
+    let pv = bind.input("v", v, len(d.v, "positions * c_in * c_out"))?;
+    let pu = bind.input("u", u, len(want_u, "n * u_per_image"))?;
+    let pm = bind.output("m", m, len(want_m, "n * m_per_image"))?;
+    bind.check(Aliasing::Distinct)?;
     let tiles = n_times(s.n, d.tiles_per_image)?;
     // SAFETY: lengths, device and disjointness checked above.
-    unsafe { super::multiply(ctx, s, T::DTYPE, tile, engine, pv, pu, pm, tiles) }
+    unsafe { super::multiply(ctx, &g, T::DTYPE, engine, pv, pu, pm, tiles) }
 }
 
 /// The whole Winograd forward convolution as the dispatcher runs it: x (NHWC), w (KRSC) → y,
@@ -300,32 +250,20 @@ where
     W: DevicePtr<T>,
     Y: DevicePtrMut<T>,
 {
-    eligible(s, tile)?;
-    let stream = ctx.stream();
-    let ixm = meta(x);
-    let (px, _gx) = x.device_ptr(stream);
-    let ix = info::<T>("x", ixm, px);
-    let iwm = meta(w);
-    let (pw, _gw) = w.device_ptr(stream);
-    let iw = info::<T>("w", iwm, pw);
-    let iym = meta(y);
-    let (py, _gy) = y.device_ptr_mut(stream);
-    let iy = info::<T>("y", iym, py);
-    check_bufs(
-        ctx,
-        &[(iy, s.y_len()?, "n * oh * ow * c_out")],
-        &[
-            (ix, s.x_len(), "n * h * w * c_in"),
-            (iw, s.w_len(), "c_out * 3 * 3 * c_in"),
-        ],
-    )?;
+    let g = eligible(s, tile)?;
+    let want_y = s.y_len()?;
+    let mut bind = Binder::new(ctx);
+    let px = bind.input("x", x, len(s.x_len(), "n * h * w * c_in"))?;
+    let pw = bind.input("w", w, len(s.w_len(), "c_out * 3 * 3 * c_in"))?;
+    let py = bind.output("y", y, len(want_y, "n * oh * ow * c_out"))?;
+    bind.check(Aliasing::Distinct)?;
     let p = FwdPtrs {
         x: px,
         w: pw,
         y: py,
     };
     // SAFETY: lengths, device and disjointness checked above.
-    unsafe { super::forward(ctx, s, T::DTYPE, tile, engine, p) }
+    unsafe { super::forward(ctx, &g, T::DTYPE, engine, p) }
 }
 
 /// [`forward`] with an explicit batch-splitting strategy (the path's default is
@@ -347,32 +285,20 @@ where
     W: DevicePtr<T>,
     Y: DevicePtrMut<T>,
 {
-    eligible(s, tile)?;
-    let stream = ctx.stream();
-    let ixm = meta(x);
-    let (px, _gx) = x.device_ptr(stream);
-    let ix = info::<T>("x", ixm, px);
-    let iwm = meta(w);
-    let (pw, _gw) = w.device_ptr(stream);
-    let iw = info::<T>("w", iwm, pw);
-    let iym = meta(y);
-    let (py, _gy) = y.device_ptr_mut(stream);
-    let iy = info::<T>("y", iym, py);
-    check_bufs(
-        ctx,
-        &[(iy, s.y_len()?, "n * oh * ow * c_out")],
-        &[
-            (ix, s.x_len(), "n * h * w * c_in"),
-            (iw, s.w_len(), "c_out * 3 * 3 * c_in"),
-        ],
-    )?;
+    let g = eligible(s, tile)?;
+    let want_y = s.y_len()?;
+    let mut bind = Binder::new(ctx);
+    let px = bind.input("x", x, len(s.x_len(), "n * h * w * c_in"))?;
+    let pw = bind.input("w", w, len(s.w_len(), "c_out * 3 * 3 * c_in"))?;
+    let py = bind.output("y", y, len(want_y, "n * oh * ow * c_out"))?;
+    bind.check(Aliasing::Distinct)?;
     let p = FwdPtrs {
         x: px,
         w: pw,
         y: py,
     };
     // SAFETY: lengths, device and disjointness checked above.
-    unsafe { super::forward_chunked(ctx, s, T::DTYPE, tile, engine, p, chunking) }
+    unsafe { super::forward_chunked(ctx, &g, T::DTYPE, engine, p, chunking) }
 }
 
 /// The Winograd forward with a filter already transformed by [`filter_transform`] (`v`,
@@ -393,32 +319,21 @@ where
     V: DevicePtr<T>,
     Y: DevicePtrMut<T>,
 {
-    let d = eligible(s, tile)?;
-    let stream = ctx.stream();
-    let ixm = meta(x);
-    let (px, _gx) = x.device_ptr(stream);
-    let ix = info::<T>("x", ixm, px);
-    let ivm = meta(v);
-    let (pv, _gv) = v.device_ptr(stream);
-    let iv = info::<T>("v", ivm, pv);
-    let iym = meta(y);
-    let (py, _gy) = y.device_ptr_mut(stream);
-    let iy = info::<T>("y", iym, py);
-    check_bufs(
-        ctx,
-        &[(iy, s.y_len()?, "n * oh * ow * c_out")],
-        &[
-            (ix, s.x_len(), "n * h * w * c_in"),
-            (iv, d.v, "positions * c_in * c_out"),
-        ],
-    )?;
+    let g = eligible(s, tile)?;
+    let d = &g.dims;
+    let want_y = s.y_len()?;
+    let mut bind = Binder::new(ctx);
+    let px = bind.input("x", x, len(s.x_len(), "n * h * w * c_in"))?;
+    let pv = bind.input("v", v, len(d.v, "positions * c_in * c_out"))?;
+    let py = bind.output("y", y, len(want_y, "n * oh * ow * c_out"))?;
+    bind.check(Aliasing::Distinct)?;
     let p = FwdPtrs {
         x: px,
         w: pv,
         y: py,
     };
     // SAFETY: lengths, device and disjointness checked above.
-    unsafe { super::forward_prepared(ctx, s, T::DTYPE, tile, engine, p) }
+    unsafe { super::forward_prepared(ctx, &g, T::DTYPE, engine, p) }
 }
 
 /// How the path splits a batch: what [`plan_chunks`] answers.
@@ -446,8 +361,8 @@ pub fn plan_chunks(
     chunking: Chunking,
     prepared: bool,
 ) -> Result<ChunkSummary> {
-    eligible(s, tile)?;
-    let p = super::launch::chunk_plan(s, tile, dtype.size(), cap_bytes, !prepared, chunking)?;
+    let g = eligible(s, tile)?;
+    let p = super::launch::chunk_plan(&g, dtype.size(), cap_bytes, !prepared, chunking)?;
     Ok(ChunkSummary {
         chunks: p.chunks,
         scratch_bytes: p.layout.bytes,
@@ -477,33 +392,20 @@ where
     W: DevicePtr<T>,
     DX: DevicePtrMut<T>,
 {
-    eligible(s, tile)?;
-    winograd_backward_data_eligible(s).map_err(|why| Error::invalid("shape", why))?;
-    let stream = ctx.stream();
-    let igm = meta(dy);
-    let (pg, _gg) = dy.device_ptr(stream);
-    let ig = info::<T>("dy", igm, pg);
-    let iwm = meta(w);
-    let (pw, _gw) = w.device_ptr(stream);
-    let iw = info::<T>("w", iwm, pw);
-    let ixm = meta(dx);
-    let (px, _gx) = dx.device_ptr_mut(stream);
-    let ix = info::<T>("dx", ixm, px);
-    check_bufs(
-        ctx,
-        &[(ix, s.x_len(), "n * h * w * c_in")],
-        &[
-            (ig, s.y_len()?, "n * oh * ow * c_out"),
-            (iw, s.w_len(), "c_out * 3 * 3 * c_in"),
-        ],
-    )?;
+    let g = eligible_backward(s, tile)?;
+    let want_dy = s.y_len()?;
+    let mut bind = Binder::new(ctx);
+    let pg = bind.input("dy", dy, len(want_dy, "n * oh * ow * c_out"))?;
+    let pw = bind.input("w", w, len(s.w_len(), "c_out * 3 * 3 * c_in"))?;
+    let px = bind.output("dx", dx, len(s.x_len(), "n * h * w * c_in"))?;
+    bind.check(Aliasing::Distinct)?;
     let p = BwdDataPtrs {
         dy: pg,
         w: pw,
         dx: px,
     };
     // SAFETY: lengths, device and disjointness checked above.
-    unsafe { super::backward_data(ctx, s, T::DTYPE, tile, engine, p) }
+    unsafe { super::backward_data(ctx, s, &g, T::DTYPE, engine, p) }
 }
 
 /// The Direct batched multiply on any strided batched GEMM problem (column-major, transposes,
@@ -520,19 +422,11 @@ where
         Validated::Empty => return Ok(()),
         Validated::Spans(s) => s,
     };
-    let stream = ctx.stream();
-    let (ma, mb, mc) = (meta(a), meta(b), meta(c));
-    let (pa, _ga) = a.device_ptr(stream);
-    let (pb, _gb) = b.device_ptr(stream);
-    let (pc, _gc) = c.device_ptr_mut(stream);
-    for i in [
-        info::<T>("a", ma, pa),
-        info::<T>("b", mb, pb),
-        info::<T>("c", mc, pc),
-    ] {
-        expect_device(&i, ctx.info().ordinal)?;
-    }
-    check_pointers(&spans, T::DTYPE.size(), pa, pb, pc)?;
+    let mut bind = Binder::new(ctx);
+    let pa = bind.input("a", a, Need::Span(spans.a))?;
+    let pb = bind.input("b", b, Need::Span(spans.b))?;
+    let pc = bind.output("c", c, Need::Span(spans.c))?;
+    check_operands(bind.operands())?;
     // SAFETY: the problem fits the buffers (check_buffers), they live on the Context's device
     // and C overlaps neither A nor B.
     unsafe { crate::conv::winograd_gemm::batched_direct(ctx, p, T::DTYPE, pa, pb, pc) }
