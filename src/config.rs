@@ -435,9 +435,7 @@ pub(crate) fn unknown_var_suggestion(name: &str) -> Option<&'static str> {
 fn warn_unknown_vars(names: impl Iterator<Item = String>) {
     for name in names {
         if let Some(near) = unknown_var_suggestion(&name) {
-            tracing::warn!(
-                "unknown environment variable {name} is ignored; did you mean {near}?"
-            );
+            tracing::warn!("unknown environment variable {name} is ignored; did you mean {near}?");
         }
     }
 }

@@ -1163,6 +1163,10 @@ fn without_cudnn_every_plan_is_own() {
                     .iter()
                     .any(|r| r.starts_with("impl: own — cuDNN cannot")));
                 assert!(p.reasons.iter().any(|r| r.starts_with("api: none")));
+                // The field says the same as the reason: no cuDNN entry point runs.
+                assert_eq!(p.api, BnApi::None, "{p}");
+                assert_eq!(p.to_json()["api"], "none", "{p}");
+                assert!(p.to_string().contains("  api    : none"), "{p}");
                 assert!(p.to_string().contains("cuDNN missing"), "{p}");
                 if fuse != Fuse::None {
                     assert_eq!(p.refusals.last(), Some(&FusedRefusal::CudnnMissing));

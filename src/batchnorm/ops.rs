@@ -672,6 +672,12 @@ impl<T: Element> BatchNorm<T> {
                         )
                     }?
                 }
+                // A plan without cuDNN runs nnfuse's own kernels and never gets here.
+                BnApi::None => {
+                    return Err(Error::NotSupported(
+                        "BatchNorm through cuDNN, but the plan found cuDNN missing".into(),
+                    ))
+                }
             }
         }
         tracing::debug!(?api, fuse = ?core.fuse, "BatchNorm forward (cuDNN BN)");
