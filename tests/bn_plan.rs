@@ -460,13 +460,14 @@ fn check_one(
         "own variants: {ctx}"
     );
 
-    // API: Ex exactly for persistent training on a cuDNN that has it.
-    let api =
-        if available && phase == Phase::Training && mode == SpatialPersistent && version >= 7401 {
-            BnApi::Ex
-        } else {
-            BnApi::Legacy
-        };
+    // API: none without cuDNN; Ex exactly for persistent training on a cuDNN that has it.
+    let api = if !available {
+        BnApi::None
+    } else if phase == Phase::Training && mode == SpatialPersistent && version >= 7401 {
+        BnApi::Ex
+    } else {
+        BnApi::Legacy
+    };
     assert_eq!(p.api, api, "api: {ctx}");
     if p.path == BnPath::CudnnFused {
         assert_eq!(p.api, BnApi::Ex, "{ctx}");
