@@ -89,3 +89,35 @@ fn without_cudnn_the_plan_says_api_none_in_its_fields() {
     assert_eq!(v["api"], "none", "{v}");
     assert_eq!(v["cudnn_available"], false, "{v}");
 }
+
+/// The public fills and the scaled copy check the buffer's device like every operation: a
+/// buffer of another GPU is an error naming it, and stays as it was.
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn fills_and_scale_refuse_a_buffer_of_another_device() {
+    use nnfuse::internals::gemm::fill_uniform;
+    use nnfuse::internals::util::{fill, fill_u32, scale};
+    if cudarc::driver::CudaContext::device_count().unwrap_or(0) < 2 {
+        eprintln!("one GPU: nothing to check");
+        return;
+    }
+    let ctx = common::gpu();
+    let c1 = nnfuse::Context::with_config(1, nnfuse::Config::default()).unwrap();
+    let s1 = c1.stream();
+    let mut y1 = s1.clone_htod(&[2.0f32; 64]).unwrap();
+    let mut m1 = s1.clone_htod(&[7u32; 64]).unwrap();
+    let x0 = ctx.stream().clone_htod(&[1.0f32; 64]).unwrap();
+    let named = |r: nnfuse::Result<()>, arg: &str| {
+        let e = r.expect_err("a buffer of device 1 on device 0's Context");
+        assert_eq!(e.argument(), Some(arg), "{e}");
+    };
+    named(fill(&ctx, &mut y1, 0.0f32), "out");
+    named(fill_u32(&ctx, &mut m1, 0), "out");
+    named(fill_uniform(&ctx, &mut y1, 1), "out");
+    named(scale(&ctx, &x0, &mut y1, 3.0), "y");
+    named(scale(&ctx, &y1.clone(), &mut y1, 3.0), "x");
+    ctx.synchronize().unwrap();
+    c1.synchronize().unwrap();
+    assert_eq!(s1.clone_dtoh(&y1).unwrap(), vec![2.0f32; 64]);
+    assert_eq!(s1.clone_dtoh(&m1).unwrap(), vec![7u32; 64]);
+}
