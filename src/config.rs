@@ -8,17 +8,20 @@
 //! | `NNFUSE_GEMM_SEARCH` | boolean | true | time GEMM algorithm candidates; off = cuBLAS default |
 //! | `NNFUSE_TUNING_CACHE` | a file path | unset | where GEMM and convolution search results persist |
 //! | `NNFUSE_KERNEL_CACHE` | a directory | `$XDG_CACHE_HOME/nnfuse` when a tuning cache is set | where NVRTC-compiled kernel images persist |
-//! | `NNFUSE_PLAN_CACHE_CAPACITY` | integer >= 1 | 4096 | most entries of each plan/choice cache (LRU) |
+//! | `NNFUSE_PLAN_CACHE_CAPACITY` | integer, 1 to 1048576 | 4096 | most entries of each plan/choice cache (LRU) |
 //! | `NNFUSE_BN_IMPL` | `auto`, `cudnn`, `own` | `auto` | which BatchNorm implementation runs (see [`BnImpl`]) |
 //! | `NNFUSE_CONV_ALGO` | `auto`, `cudnn`, `im2col`, `winograd`, `winograd_f2x3`, `winograd_f4x3`, `direct` | `auto` | how convolutions are computed (see [`ConvAlgoPolicy`]) |
 //! | `NNFUSE_WINOGRAD_GEMM` | `auto`, `seed`, `tensor_core`, `direct`, `fused` | `auto` | how Winograd's batched multiply runs (see [`WinogradGemmPolicy`]) |
-//! | `NNFUSE_CONV_WORKSPACE_MB` | integer >= 1 | 256 | cap on the scratch memory of nnfuse's own convolution paths |
+//! | `NNFUSE_CONV_WORKSPACE_MB` | integer, 1 to 1048576 (1 TiB) | 256 | cap on the scratch memory of nnfuse's own convolution paths |
 //! | `NNFUSE_DETERMINISTIC` | boolean | false | only deterministic algorithms (cuDNN convolution backward) |
 //!
 //! Booleans parse like OneFlow's `ParseBooleanFromEnv`: `1/0`, `true/false`, `yes/no`, `on/off`
 //! (any case, surrounding blanks ignored); an empty value counts as unset; anything else is
 //! an [`Error::Config`] naming the variable. When both `NNFUSE_ENABLE_NHWC` and
-//! `ONEFLOW_ENABLE_NHWC` are set, the `NNFUSE_` one wins.
+//! `ONEFLOW_ENABLE_NHWC` are set, the `NNFUSE_` one wins. An integer outside its range is an
+//! [`Error::Config`] too (a huge workspace cap once overflowed the size computations). A set
+//! `NNFUSE_*` variable that nnfuse does not know (a typo) gets a warning naming the closest
+//! known one.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -280,6 +283,27 @@ pub const DEFAULT_PLAN_CACHE_CAPACITY: usize = 4096;
 /// Default of [`Config::conv_workspace_mb`].
 pub const DEFAULT_CONV_WORKSPACE_MB: usize = 256;
 
+/// Most entries `NNFUSE_PLAN_CACHE_CAPACITY` accepts.
+pub(crate) const MAX_PLAN_CACHE_CAPACITY: usize = 1 << 20;
+/// Most MiB `NNFUSE_CONV_WORKSPACE_MB` accepts (1 TiB: more than any GPU holds).
+pub(crate) const MAX_CONV_WORKSPACE_MB: usize = 1 << 20;
+
+/// `NNFUSE_*` variables read elsewhere than [`Config`]: the CLI's log filter, the convolution's
+/// cuDNN search mode, the cuDNN API choice, and those of nnfuse's own tests and benches. Known,
+/// so that setting them draws no "unknown variable" warning.
+const OTHER_VARS: [&str; 10] = [
+    "NNFUSE_LOG",
+    "NNFUSE_CONV_CUDNN_SEARCH",
+    "NNFUSE_CUDNN_API",
+    "NNFUSE_REQUIRE_NVRTC",
+    "NNFUSE_GPU_RUN",
+    "NNFUSE_UNDER_SANITIZER",
+    "NNFUSE_BENCH_FILTER",
+    "NNFUSE_BENCH_QUICK",
+    "NNFUSE_STARTUP_CHILD",
+    "NNFUSE_STARTUP_RUNS",
+];
+
 /// Every variable nnfuse reads.
 pub const ALL_VARS: [&str; 13] = [
     ENV_ENABLE_NHWC,
@@ -356,13 +380,63 @@ impl Default for Config {
 
 /// Parses an integer >= 1; `var` names the variable in the error.
 pub fn parse_count(var: &str, value: &str) -> Result<usize> {
+    parse_count_at_most(var, value, usize::MAX)
+}
+
+/// Parses an integer from 1 to `max`; `var` names the variable in the error.
+fn parse_count_at_most(var: &str, value: &str, max: usize) -> Result<usize> {
     match value.trim().parse::<usize>() {
-        Ok(v) if v >= 1 => Ok(v),
+        Ok(v) if (1..=max).contains(&v) => Ok(v),
         _ => Err(Error::Config {
             var: var.into(),
             value: value.into(),
-            reason: "expected an integer >= 1".into(),
+            reason: if max == usize::MAX {
+                "expected an integer >= 1".into()
+            } else {
+                format!("expected an integer from 1 to {max}")
+            },
         }),
+    }
+}
+
+/// Edit distance (Levenshtein, in characters) between `a` and `b`.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diag = row[0];
+        row[0] = i.saturating_add(1);
+        for (j, &cb) in b.iter().enumerate() {
+            let sub = diag.saturating_add(usize::from(ca != cb));
+            let del = row[j + 1].saturating_add(1);
+            let ins = row[j].saturating_add(1);
+            diag = row[j + 1];
+            row[j + 1] = sub.min(del).min(ins);
+        }
+    }
+    row[b.len()]
+}
+
+/// For a set variable named `NNFUSE_*` that nnfuse does not read: the known name closest to it
+/// (by edit distance). `None` for a known name or one outside the `NNFUSE_` prefix.
+pub(crate) fn unknown_var_suggestion(name: &str) -> Option<&'static str> {
+    if !name.starts_with("NNFUSE_") {
+        return None;
+    }
+    let known = ALL_VARS.iter().chain(OTHER_VARS.iter()).copied();
+    if known.clone().any(|k| k == name) {
+        return None;
+    }
+    known.min_by_key(|k| edit_distance(name, k))
+}
+
+/// Warns about each `NNFUSE_*` variable in `names` that nnfuse does not read (a typo is
+/// otherwise silently ignored), naming the closest known variable.
+fn warn_unknown_vars(names: impl Iterator<Item = String>) {
+    for name in names {
+        if let Some(near) = unknown_var_suggestion(&name) {
+            tracing::warn!("unknown environment variable {name} is ignored; did you mean {near}?");
+        }
     }
 }
 
@@ -394,7 +468,10 @@ impl Config {
     }
 
     /// Reads the variables from the process environment now (not cached).
+    /// A set `NNFUSE_*` variable that nnfuse does not know draws a warning naming the closest
+    /// known one.
     pub fn from_env() -> Result<Config> {
+        warn_unknown_vars(std::env::vars_os().filter_map(|(k, _)| k.into_string().ok()));
         Self::from_lookup(|k| std::env::var(k).ok())
     }
 
@@ -448,7 +525,8 @@ impl Config {
             c.kernel_cache = Some(PathBuf::from(v.trim()));
         }
         if let Some(v) = get(ENV_PLAN_CACHE_CAPACITY) {
-            c.plan_cache_capacity = parse_count(ENV_PLAN_CACHE_CAPACITY, &v)?;
+            c.plan_cache_capacity =
+                parse_count_at_most(ENV_PLAN_CACHE_CAPACITY, &v, MAX_PLAN_CACHE_CAPACITY)?;
         }
         if let Some(v) = get(ENV_BN_IMPL) {
             c.bn_impl = v.parse()?;
@@ -460,7 +538,8 @@ impl Config {
             c.winograd_gemm = v.parse()?;
         }
         if let Some(v) = get(ENV_CONV_WORKSPACE_MB) {
-            c.conv_workspace_mb = parse_count(ENV_CONV_WORKSPACE_MB, &v)?;
+            c.conv_workspace_mb =
+                parse_count_at_most(ENV_CONV_WORKSPACE_MB, &v, MAX_CONV_WORKSPACE_MB)?;
         }
         if let Some(v) = get(ENV_DETERMINISTIC) {
             c.deterministic = parse_bool(ENV_DETERMINISTIC, &v)?;
@@ -504,9 +583,9 @@ impl Config {
         self
     }
 
-    /// Sets [`Config::plan_cache_capacity`] (at least 1).
+    /// Sets [`Config::plan_cache_capacity`] (1 to 1048576, clamped).
     pub fn with_plan_cache_capacity(mut self, entries: usize) -> Self {
-        self.plan_cache_capacity = entries.max(1);
+        self.plan_cache_capacity = entries.clamp(1, MAX_PLAN_CACHE_CAPACITY);
         self
     }
 
@@ -528,9 +607,9 @@ impl Config {
         self
     }
 
-    /// Sets [`Config::conv_workspace_mb`] (at least 1).
+    /// Sets [`Config::conv_workspace_mb`] (1 to 1048576, clamped).
     pub fn with_conv_workspace_mb(mut self, mib: usize) -> Self {
-        self.conv_workspace_mb = mib.max(1);
+        self.conv_workspace_mb = mib.clamp(1, MAX_CONV_WORKSPACE_MB);
         self
     }
 
@@ -540,9 +619,12 @@ impl Config {
         self
     }
 
-    /// [`Config::conv_workspace_mb`] in bytes.
+    /// [`Config::conv_workspace_mb`] in bytes (the field clamped to 1 MiB to 1 TiB: it is
+    /// public, so it may hold what the variable would refuse).
     pub fn conv_workspace_bytes(&self) -> usize {
-        self.conv_workspace_mb.max(1).saturating_mul(1 << 20)
+        self.conv_workspace_mb
+            .clamp(1, MAX_CONV_WORKSPACE_MB)
+            .saturating_mul(1 << 20)
     }
 }
 
@@ -681,6 +763,62 @@ mod tests {
             assert_eq!(p.1.name(), p.0);
         }
         assert_eq!(ALL_VARS.len(), 13);
+    }
+
+    /// `NNFUSE_CONV_WORKSPACE_MB=18446744073709551615` once reached the workspace rounding,
+    /// which wrapped to a 1 MiB buffer in release builds.
+    #[test]
+    fn counts_out_of_their_documented_range_are_errors_naming_the_variable() {
+        for (var, max) in [
+            (ENV_CONV_WORKSPACE_MB, MAX_CONV_WORKSPACE_MB),
+            (ENV_PLAN_CACHE_CAPACITY, MAX_PLAN_CACHE_CAPACITY),
+        ] {
+            let top = max.to_string();
+            assert!(cfg(&[(var, &top)]).is_ok(), "{var}={top}");
+            for bad in [
+                (max + 1).to_string(),
+                usize::MAX.to_string(),
+                "18446744073709551616".to_string(),
+            ] {
+                let e = cfg(&[(var, &bad)]).unwrap_err();
+                let msg = e.to_string();
+                assert!(msg.contains(var) && msg.contains(&top), "{msg}");
+            }
+        }
+        let c = Config {
+            conv_workspace_mb: usize::MAX,
+            ..Config::default()
+        };
+        assert_eq!(c.conv_workspace_bytes(), MAX_CONV_WORKSPACE_MB << 20);
+        let c = Config::default()
+            .with_conv_workspace_mb(usize::MAX)
+            .with_plan_cache_capacity(usize::MAX);
+        assert_eq!(c.conv_workspace_mb, MAX_CONV_WORKSPACE_MB);
+        assert_eq!(c.plan_cache_capacity, MAX_PLAN_CACHE_CAPACITY);
+        // The documentation states the limits.
+        assert!(include_str!("config.rs").contains("1 to 1048576"));
+        assert_eq!(MAX_CONV_WORKSPACE_MB, 1_048_576);
+        assert_eq!(MAX_PLAN_CACHE_CAPACITY, 1_048_576);
+    }
+
+    #[test]
+    fn unknown_variables_get_the_closest_known_name() {
+        assert_eq!(
+            unknown_var_suggestion("NNFUSE_CONV_ALG"),
+            Some(ENV_CONV_ALGO)
+        );
+        assert_eq!(
+            unknown_var_suggestion("NNFUSE_CONV_WORKSPACE"),
+            Some(ENV_CONV_WORKSPACE_MB)
+        );
+        assert_eq!(unknown_var_suggestion("NNFUSE_LGO"), Some("NNFUSE_LOG"));
+        assert_eq!(unknown_var_suggestion("NNFUSE_BNIMPL"), Some(ENV_BN_IMPL));
+        for known in ALL_VARS.iter().chain(OTHER_VARS.iter()) {
+            assert_eq!(unknown_var_suggestion(known), None, "{known}");
+        }
+        assert_eq!(unknown_var_suggestion("PATH"), None);
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        assert_eq!(edit_distance("", "abc"), 3);
     }
 
     #[test]

@@ -226,6 +226,25 @@ impl fmt::Debug for Context {
 type ImageCache = HashMap<(String, &'static str), Arc<kernels::Image>>;
 static IMAGES: Lazy<Mutex<ImageCache>> = Lazy::new(|| Mutex::new(HashMap::new()));
 
+/// The size an arena (scratch or workspace) asked for `bytes` is allocated with: the next power
+/// of two, at least 1 MiB, so that slowly growing requests do not reallocate every time. A
+/// request above `isize::MAX` is an error naming `what` (`next_power_of_two` wraps to 0 in
+/// release builds above 2^63, which made such a request "succeed" with 1 MiB).
+fn arena_size(bytes: usize, what: &str) -> Result<usize> {
+    // No allocation reaches isize::MAX bytes (Rust's and the driver's limit alike).
+    if bytes > isize::MAX as usize {
+        return Err(Error::invalid(
+            what,
+            format!("{bytes} bytes requested: more than any device allocation can hold"),
+        ));
+    }
+    // At most 2^63 here: the next power of two fits; `unwrap_or` only guards the invariant.
+    Ok(bytes
+        .checked_next_power_of_two()
+        .unwrap_or(bytes)
+        .max(1 << 20))
+}
+
 fn lock_poisoned<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic in another thread while holding the lock leaves plain data behind; go on.
     match m.lock() {
@@ -530,8 +549,7 @@ impl Context {
         let too_small = guard.as_ref().is_none_or(|w| w.len() < bytes);
         if too_small && bytes > 0 {
             self.inner.cuda.bind_to_thread().call("cuCtxSetCurrent")?;
-            // Round up so that slowly growing requests do not reallocate every time.
-            let size = bytes.next_power_of_two().max(1 << 20);
+            let size = arena_size(bytes, "scratch")?;
             // Dropping the old buffer frees it in stream order, after queued work that uses it.
             *guard = None;
             // SAFETY: scratch memory; every user writes before it reads.
@@ -710,8 +728,7 @@ impl Locked<'_> {
             .as_ref()
             .is_none_or(|w| w.len() < bytes);
         if too_small {
-            // Round up so that slowly growing requests do not reallocate every time.
-            let size = bytes.next_power_of_two().max(1 << 20);
+            let size = arena_size(bytes, "workspace")?;
             // Dropping the old buffer frees it in stream order, after queued work that uses it.
             self.shared.workspace = None;
             // SAFETY: the workspace is scratch memory; nothing reads it before a writer does.
@@ -737,6 +754,20 @@ impl Locked<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A request above 2^63 bytes once rounded to 0 (then to 1 MiB) in release builds.
+    #[test]
+    fn arena_sizes_round_up_and_reject_what_no_allocation_holds() {
+        assert_eq!(arena_size(1, "workspace").unwrap(), 1 << 20);
+        assert_eq!(arena_size((1 << 20) + 1, "workspace").unwrap(), 2 << 20);
+        assert_eq!(arena_size(1 << 30, "scratch").unwrap(), 1 << 30);
+        let big = (isize::MAX as usize / 2) + 2;
+        assert_eq!(arena_size(big, "scratch").unwrap(), big.next_power_of_two());
+        for bytes in [(1usize << 63) + 1, usize::MAX, isize::MAX as usize + 1] {
+            let e = arena_size(bytes, "workspace").unwrap_err();
+            assert_eq!(e.argument(), Some("workspace"), "{e}");
+        }
+    }
 
     #[test]
     fn context_is_send_and_sync() {

@@ -86,12 +86,18 @@ impl fmt::Display for ChannelLayout {
     }
 }
 
-/// Product of `dims` as `i32`, or an error naming `what` when it overflows.
+/// Product of `dims` as `i32`, or an error naming `what` when it does not fit, with the real
+/// product (computed in `u128`, checked: a saturated count would misreport the shape).
 fn product_i32(dims: &[usize], what: &str) -> Result<i32> {
-    let mut p: u64 = 1;
-    for &d in dims {
-        p = p.saturating_mul(d as u64);
-    }
+    let p = dims
+        .iter()
+        .try_fold(1u128, |p, &d| p.checked_mul(d as u128));
+    let Some(p) = p else {
+        return Err(Error::invalid(
+            "shape",
+            format!("{what} overflows (more than 2^128; cuDNN's 4-D descriptors take i32)"),
+        ));
+    };
     i32::try_from(p).map_err(|_| {
         Error::invalid(
             "shape",
@@ -229,8 +235,13 @@ mod tests {
         // Just fits.
         assert!(infer_channel_layout(&[(i32::MAX as usize)], 0).is_ok());
         assert!(infer_channel_layout(&[(i32::MAX as usize) + 1], 0).is_err());
-        // Overflowing u64 products saturate instead of wrapping into a small number.
-        assert!(infer_channel_layout(&[usize::MAX, usize::MAX, 2], 1).is_err());
+        // The error reports the real count, not a saturated one, and an overflow as such.
+        let e = infer_channel_layout(&[usize::MAX, 2], 1).unwrap_err();
+        assert!(e.to_string().contains("= 36893488147419103230 "), "{e}");
+        let e = infer_channel_layout(&[usize::MAX, usize::MAX, 2], 1).unwrap_err();
+        assert_eq!(e.argument(), Some("shape"));
+        assert!(e.to_string().contains("overflows"), "{e}");
+        assert!(!e.to_string().contains(&usize::MAX.to_string()), "{e}");
     }
 
     proptest! {

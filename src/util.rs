@@ -26,43 +26,48 @@ fn name(base: &'static str, dt: DType) -> &'static str {
     }
 }
 
-/// Sets every element of `out` to `value`.
+/// Sets every element of `out` to `value`. `out` must live on the Context's device (else an
+/// [`Error::InvalidArgument`] naming `out`, and nothing is launched).
 pub fn fill<T: Element, D: DevicePtrMut<T>>(ctx: &Context, out: &mut D, value: T) -> Result<()> {
     let n = out.len();
+    let mut ops = Binder::new(ctx);
+    let ptr = ops.output("out", out, Need::Exactly(n, "its length"))?;
     if n == 0 {
         return Ok(());
     }
     let f = ctx.function(&kernels::UTIL, name("fill", T::DTYPE))?;
     let cfg = grid_stride_config(ctx, n, 256);
-    let stream = ctx.stream();
-    let (ptr, _sync) = out.device_ptr_mut(stream);
     let n64 = n as u64;
-    let mut b = stream.launch_builder(&f);
+    let mut b = ctx.stream().launch_builder(&f);
     b.arg(&ptr).arg(&value).arg(&n64);
-    // SAFETY: fill_<t>(T* out, T v, u64 n) matches the arguments; `ptr` holds n elements.
+    // SAFETY: fill_<t>(T* out, T v, u64 n) matches the arguments; `ptr` holds n elements on the
+    // Context's device (checked above).
     unsafe { b.launch(cfg) }.call("cuLaunchKernel(fill)")?;
     Ok(())
 }
 
-/// Sets every word of a `u32` buffer (bitmasks) to `value`.
+/// Sets every word of a `u32` buffer (bitmasks) to `value`. `out` must live on the Context's
+/// device.
 pub fn fill_u32<D: DevicePtrMut<u32>>(ctx: &Context, out: &mut D, value: u32) -> Result<()> {
     let n = out.len();
+    let mut ops = Binder::new(ctx);
+    let ptr = ops.output("out", out, Need::Exactly(n, "its length"))?;
     if n == 0 {
         return Ok(());
     }
     let f = ctx.function(&kernels::UTIL, "fill_u32")?;
     let cfg = grid_stride_config(ctx, n, 256);
-    let stream = ctx.stream();
-    let (ptr, _sync) = out.device_ptr_mut(stream);
     let n64 = n as u64;
-    let mut b = stream.launch_builder(&f);
+    let mut b = ctx.stream().launch_builder(&f);
     b.arg(&ptr).arg(&value).arg(&n64);
-    // SAFETY: fill_u32(u32* out, u32 v, u64 n) matches; `ptr` holds n words.
+    // SAFETY: fill_u32(u32* out, u32 v, u64 n) matches; `ptr` holds n words on the Context's
+    // device (checked above).
     unsafe { b.launch(cfg) }.call("cuLaunchKernel(fill_u32)")?;
     Ok(())
 }
 
-/// `y = alpha * x`, elementwise, computed in f32.
+/// `y = alpha * x`, elementwise, computed in f32. `x` and `y` must have the same length and
+/// live on the Context's device.
 pub fn scale<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(
     ctx: &Context,
     x: &S,
@@ -76,18 +81,19 @@ pub fn scale<T: Element, S: DevicePtr<T>, D: DevicePtrMut<T>>(
         ));
     }
     let n = x.len();
+    let mut ops = Binder::new(ctx);
+    let xp = ops.input("x", x, Need::Exactly(n, "x's length"))?;
+    let yp = ops.output("y", y, Need::Exactly(n, "x's length"))?;
     if n == 0 {
         return Ok(());
     }
     let f = ctx.function(&kernels::UTIL, name("scale", T::DTYPE))?;
     let cfg = grid_stride_config(ctx, n, 256);
-    let stream = ctx.stream();
-    let (xp, _sx) = x.device_ptr(stream);
-    let (yp, _sy) = y.device_ptr_mut(stream);
     let n64 = n as u64;
-    let mut b = stream.launch_builder(&f);
+    let mut b = ctx.stream().launch_builder(&f);
     b.arg(&xp).arg(&yp).arg(&alpha).arg(&n64);
-    // SAFETY: scale_<t>(const T*, T*, float, u64) matches; both hold n elements.
+    // SAFETY: scale_<t>(const T*, T*, float, u64) matches; both hold n elements on the
+    // Context's device (checked above).
     unsafe { b.launch(cfg) }.call("cuLaunchKernel(scale)")?;
     Ok(())
 }

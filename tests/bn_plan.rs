@@ -460,13 +460,14 @@ fn check_one(
         "own variants: {ctx}"
     );
 
-    // API: Ex exactly for persistent training on a cuDNN that has it.
-    let api =
-        if available && phase == Phase::Training && mode == SpatialPersistent && version >= 7401 {
-            BnApi::Ex
-        } else {
-            BnApi::Legacy
-        };
+    // API: none without cuDNN; Ex exactly for persistent training on a cuDNN that has it.
+    let api = if !available {
+        BnApi::None
+    } else if phase == Phase::Training && mode == SpatialPersistent && version >= 7401 {
+        BnApi::Ex
+    } else {
+        BnApi::Legacy
+    };
     assert_eq!(p.api, api, "api: {ctx}");
     if p.path == BnPath::CudnnFused {
         assert_eq!(p.api, BnApi::Ex, "{ctx}");
@@ -1163,6 +1164,10 @@ fn without_cudnn_every_plan_is_own() {
                     .iter()
                     .any(|r| r.starts_with("impl: own — cuDNN cannot")));
                 assert!(p.reasons.iter().any(|r| r.starts_with("api: none")));
+                // The field says the same as the reason: no cuDNN entry point runs.
+                assert_eq!(p.api, BnApi::None, "{p}");
+                assert_eq!(p.to_json()["api"], "none", "{p}");
+                assert!(p.to_string().contains("  api    : none"), "{p}");
                 assert!(p.to_string().contains("cuDNN missing"), "{p}");
                 if fuse != Fuse::None {
                     assert_eq!(p.refusals.last(), Some(&FusedRefusal::CudnnMissing));

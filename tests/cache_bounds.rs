@@ -194,7 +194,8 @@ fn an_evicted_plan_still_held_keeps_working_and_its_identity() {
             0.1,
             1e-5,
             Activation::Relu,
-        );
+        )
+        .unwrap();
         let y_gpu = f64s(&s.clone_dtoh(&y).unwrap());
         assert_close(&format!("{what}: y"), &y_gpu, &f.y, f32::DTYPE.tolerance());
         // The mask of the reference backward from the GPU's own y (see tests/gpu_batchnorm.rs).
@@ -207,7 +208,8 @@ fn an_evicted_plan_still_held_keeps_working_and_its_identity() {
             &f.saved_mean,
             &f.saved_inv_std,
             ActivationBackward::Relu { mask: &mask },
-        );
+        )
+        .unwrap();
         let tol = f32::DTYPE.tolerance();
         let h = |v: &cudarc::driver::CudaSlice<f32>| f64s(&s.clone_dtoh(v).unwrap());
         assert_close(&format!("{what}: dx"), &h(&dx), &gr.dx, tol);
@@ -253,7 +255,8 @@ fn gemm_choices_stay_bounded_and_evicted_shapes_search_again() {
             &f64s(&a),
             &f64s(&b),
             &mut want,
-        );
+        )
+        .unwrap();
         let got = f64s(&s.clone_dtoh(&cd).unwrap());
         assert_close(&format!("{what} {m}x{n}x{k}"), &got, &want, 1e-5);
         let st = nnfuse::internals::gemm::memory_stats();

@@ -221,7 +221,7 @@ fn check_case<T: Element>(ctx: &Context, rng: &mut Rng, n: usize, o: Offsets) {
     );
 
     // Add+ReLU forward.
-    let (want_ay, want_am) = reference::add_relu_mask_fwd(&xf, &zf);
+    let (want_ay, want_am) = reference::add_relu_mask_fwd(&xf, &zf).unwrap();
     let want_ay = in_t::<T>(&want_ay);
     let mut y = poisoned::<T>(ctx, n, o.y);
     let mut m = poisoned_mask(ctx, n, o.m, MASK_POISON);
@@ -274,7 +274,7 @@ fn check_case<T: Element>(ctx: &Context, rng: &mut Rng, n: usize, o: Offsets) {
     mhost[o.m..o.m + mask_in.len()].copy_from_slice(&mask_in);
     let md = ctx.stream().clone_htod(&mhost).unwrap();
     let mv = md.slice(o.m..o.m + mask_in.len());
-    let want_dx = reference::relu_mask_bwd(&dyf, &want_am);
+    let want_dx = reference::relu_mask_bwd(&dyf, &want_am).unwrap();
     let mut dx = poisoned::<T>(ctx, n, o.y);
     activation::relu_mask_bwd(ctx, &dyv, &mv, &mut dx.slice_mut(o.y..o.y + n)).unwrap();
     assert_view(&format!("bwd dx {tag}"), &download(ctx, &dx), o.y, &want_dx);
@@ -304,7 +304,7 @@ fn check_case<T: Element>(ctx: &Context, rng: &mut Rng, n: usize, o: Offsets) {
     );
 
     // The y-based baseline on the ReLU output gives the ReLU mask's gradient.
-    let want_dx_relu = reference::relu_mask_bwd(&dyf, &want_m);
+    let want_dx_relu = reference::relu_mask_bwd(&dyf, &want_m).unwrap();
     let yd = upload_at(ctx, rng, &y_as_t::<T>(&want_y), o.z);
     let mut dx = poisoned::<T>(ctx, n, o.y);
     baseline::relu_bwd_from_y(
@@ -449,7 +449,7 @@ fn in_place<T: Element>(ctx: &Context, rng: &mut Rng, n: usize, off: usize) {
         &want_y,
     );
 
-    let (want_ay, want_am) = reference::add_relu_mask_fwd(&xf, &zf);
+    let (want_ay, want_am) = reference::add_relu_mask_fwd(&xf, &zf).unwrap();
     let want_ay = in_t::<T>(&want_ay);
     let mut xy = place(&x);
     let zd = ctx.stream().clone_htod(&z).unwrap();
@@ -470,7 +470,7 @@ fn in_place<T: Element>(ctx: &Context, rng: &mut Rng, n: usize, off: usize) {
         MASK_POISON,
     );
 
-    let want_dx = reference::relu_mask_bwd(&dyf, &want_am);
+    let want_dx = reference::relu_mask_bwd(&dyf, &want_am).unwrap();
     let mut g = place(&dy);
     let md = ctx.stream().clone_htod(&want_am).unwrap();
     activation::relu_mask_bwd_inplace(ctx, &mut g.slice_mut(off..off + n), &md).unwrap();
@@ -524,7 +524,7 @@ fn exact_aliasing_through_raw_pointers() {
             assert_eq!(download(&ctx, &m), want_m);
 
             // Add+ReLU with y == z.
-            let (want_ay, _) = reference::add_relu_mask_fwd(&f64s(&x), &f64s(&z));
+            let (want_ay, _) = reference::add_relu_mask_fwd(&f64s(&x), &f64s(&z)).unwrap();
             let xd = ctx.stream().clone_htod(&x).unwrap();
             let mut host = vec![POISON as f32; off + n + 7];
             host[off..off + n].copy_from_slice(&z);
@@ -549,7 +549,7 @@ fn exact_aliasing_through_raw_pointers() {
 
             // Dual backward with dx == dy.
             let dy: Vec<f32> = sample(&mut rng, n, false);
-            let want = reference::relu_mask_bwd(&f64s(&dy), &want_m);
+            let want = reference::relu_mask_bwd(&f64s(&dy), &want_m).unwrap();
             let mut host = vec![POISON as f32; off + n + 7];
             host[off..off + n].copy_from_slice(&dy);
             let gbuf = ctx.stream().clone_htod(&host).unwrap();
@@ -621,10 +621,10 @@ fn nan_inf_and_signed_zeros() {
             for (i, v) in xf.iter().enumerate() {
                 if v.is_nan() {
                     assert!(got[off + i].to_f64().is_nan());
-                    assert!(!reference::mask_bit(&want_m, i));
+                    assert!(!reference::mask_bit(&want_m, i).unwrap());
                 }
             }
-            let (want_ay, want_am) = reference::add_relu_mask_fwd(&xf, &zf);
+            let (want_ay, want_am) = reference::add_relu_mask_fwd(&xf, &zf).unwrap();
             let mut y = poisoned::<T>(ctx, n, off);
             let mut m = poisoned_mask(ctx, n, 0, MASK_POISON);
             activation::add_relu_mask_fwd(

@@ -1145,7 +1145,8 @@ fn legitimate_lookalikes_are_accepted() {
         &a_h,
         &b_h,
         &mut want,
-    );
+    )
+    .unwrap();
     let got = f64s(&f.ctx.stream().clone_dtoh(&f.gc).unwrap());
     common::assert_close("GEMM across Contexts", &got, &want, 1e-5);
 

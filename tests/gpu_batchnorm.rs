@@ -175,7 +175,7 @@ fn check_against_reference<T: Element>(
         Fuse::Relu => Activation::Relu,
         Fuse::AddRelu => Activation::AddRelu(&z),
     };
-    let f = rb::train_forward(&sh, &x, &g, &b, &rm, &rv, MOMENTUM, EPS, act);
+    let f = rb::train_forward(&sh, &x, &g, &b, &rm, &rv, MOMENTUM, EPS, act).unwrap();
     let w = |s: &str| format!("{what}: {s}");
     assert_close(&w("y"), &out.y, &f.y, tol);
     // Statistics are computed in f32 from exactly the inputs the reference sees.
@@ -197,14 +197,14 @@ fn check_against_reference<T: Element>(
         Fuse::Relu => ActivationBackward::Relu { mask: &gpu_mask },
         Fuse::AddRelu => ActivationBackward::AddRelu { mask: &gpu_mask },
     };
-    let gr = rb::backward(&sh, &x, &dy, &g, &f.saved_mean, &f.saved_inv_std, act_bwd);
+    let gr = rb::backward(&sh, &x, &dy, &g, &f.saved_mean, &f.saved_inv_std, act_bwd).unwrap();
     assert_close_stored(&w("dx"), T::DTYPE, &out.dx, &gr.dx, tol);
     assert_close(&w("dgamma"), &out.dgamma, &gr.dgamma, tol.max(1e-5));
     assert_close(&w("dbeta"), &out.dbeta, &gr.dbeta, tol.max(1e-5));
     if let (Some(dz), Some(want)) = (&out.dz, &gr.d_addend) {
         assert_close(&w("d_addend"), dz, want, tol);
     }
-    let yi = rb::inference_forward(&sh, &x, &g, &b, &rm, &rv, EPS, act);
+    let yi = rb::inference_forward(&sh, &x, &g, &b, &rm, &rv, EPS, act).unwrap();
     assert_close(&w("y (inference)"), &out.y_inference, &yi, tol);
 }
 

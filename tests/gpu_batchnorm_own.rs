@@ -264,8 +264,8 @@ fn reference<T: Element>(sh: &BnShape, fuse: Fuse, inp: &Inputs<T>, momentum: f6
         Fuse::AddRelu => Activation::AddRelu(&z),
     };
     Reference {
-        fwd: rb::train_forward(sh, &x, &g, &b, &rm, &rv, momentum, EPS, act),
-        y_inference: rb::inference_forward(sh, &x, &g, &b, &rm, &rv, EPS, act),
+        fwd: rb::train_forward(sh, &x, &g, &b, &rm, &rv, momentum, EPS, act).unwrap(),
+        y_inference: rb::inference_forward(sh, &x, &g, &b, &rm, &rv, EPS, act).unwrap(),
     }
 }
 
@@ -348,7 +348,7 @@ fn backward_ref<T: Element>(
     };
     let (x, dy, g) = (f64s(&inp.x), f64s(&inp.dy), f64s(&inp.gamma));
     let f = &rf.fwd;
-    rb::backward(sh, &x, &dy, &g, &f.saved_mean, &f.saved_inv_std, act_bwd)
+    rb::backward(sh, &x, &dy, &g, &f.saved_mean, &f.saved_inv_std, act_bwd).unwrap()
 }
 
 /// dx's relative L2 error against the f64 backward (with the mask of `out`'s own y), for a

@@ -108,7 +108,7 @@ fn check<T: Element>(what: &str, p: &Problem, x: &Inputs<T>, off: usize, got: &[
         Some(c0) => f64s(&c0[off..]),
         None => vec![f64::NAN; x.c_len - off],
     };
-    reference::gemm::gemm_strided_batched(&p.to_reference(), &a, &b, &mut want);
+    reference::gemm::gemm_strided_batched(&p.to_reference(), &a, &b, &mut want).unwrap();
     let idx = written(p);
     let g: Vec<f64> = idx.iter().map(|&i| got[off + i].to_f64()).collect();
     let w: Vec<f64> = idx.iter().map(|&i| want[i]).collect();
@@ -784,7 +784,8 @@ fn unsuitable_caller_data_falls_back_to_scratch_operands() {
     let nans = assert_same_nans_else_close("NaN input: tuned vs default", &tuned, &dflt, tol);
     assert_eq!(nans, p.n);
     let mut want = vec![0.0; x.c_len];
-    reference::gemm::gemm_strided_batched(&p.to_reference(), &f64s(&x.a), &f64s(&x.b), &mut want);
+    reference::gemm::gemm_strided_batched(&p.to_reference(), &f64s(&x.a), &f64s(&x.b), &mut want)
+        .unwrap();
     assert_same_nans_else_close("NaN input: tuned vs f64 reference", &tuned, &want, tol);
 
     // All-zero operands (buffers fresh from alloc_zeros): mostly zero.

@@ -51,7 +51,7 @@
 
 mod launch_rules;
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
 
 use crate::context::Context;
 use crate::dtype::{DType, Element};
@@ -127,6 +127,54 @@ impl Kernel {
     }
 }
 
+/// `kernel`'s function for `dt` (compiled and loaded at first use, cached by the Context) and
+/// its occupancy per SM.
+fn load(ctx: &Context, kernel: Kernel, dt: DType) -> Result<(CudaFunction, u32)> {
+    let name = kernel.name(dt);
+    #[cfg(test)]
+    if fail_load::armed() {
+        return Err(crate::error::Error::NotSupported(format!(
+            "kernel {name}: load failure injected by a test"
+        )));
+    }
+    let f = ctx.function(&kernels::BITMASK, name)?;
+    let per_sm = launch::blocks_per_sm(ctx, &f, name, launch_rules::THREADS, 0)?.max(1);
+    Ok((f, per_sm))
+}
+
+/// Loads the forward kernel (ReLU, or Add+ReLU when `add`) for `dt` now, so that a caller with
+/// side effects before its activation (BatchNorm's fallback updates the running statistics
+/// first) fails before them, not after, when the kernel cannot be compiled or loaded.
+pub(crate) fn prepare_forward(ctx: &Context, dt: DType, add: bool) -> Result<()> {
+    let kernel = if add {
+        Kernel::AddReluFwd
+    } else {
+        Kernel::ReluFwd
+    };
+    load(ctx, kernel, dt).map(drop)
+}
+
+/// Test hook: makes this thread's bitmask kernel loads fail, as a failed NVRTC compile or
+/// module load would.
+#[cfg(test)]
+pub(crate) mod fail_load {
+    use std::cell::Cell;
+
+    thread_local! {
+        static ARMED: Cell<bool> = const { Cell::new(false) };
+    }
+
+    /// Whether loads fail on this thread.
+    pub(crate) fn armed() -> bool {
+        ARMED.with(Cell::get)
+    }
+
+    /// Makes loads on this thread fail (`true`) or succeed again (`false`).
+    pub(crate) fn set(on: bool) {
+        ARMED.with(|a| a.set(on));
+    }
+}
+
 /// Launches `kernel` over `n > 0` elements with the device pointers `args` (in the kernel's
 /// parameter order, `n` appended). `path_ptrs` are the data pointers whose alignment decides the
 /// path (the kernel applies the same rule itself).
@@ -139,8 +187,7 @@ fn launch(
     path_ptrs: &[u64],
 ) -> Result<()> {
     let name = kernel.name(dt);
-    let f = ctx.function(&kernels::BITMASK, name)?;
-    let per_sm = launch::blocks_per_sm(ctx, &f, name, launch_rules::THREADS, 0)?.max(1);
+    let (f, per_sm) = load(ctx, kernel, dt)?;
     let path = match kernel.scheme() {
         Scheme::Naive8 => Path::Scalar,
         Scheme::Warp => choose_path(path_ptrs),

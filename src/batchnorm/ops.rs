@@ -518,13 +518,7 @@ impl<T: Element> BatchNorm<T> {
             }
             Ran::Fused(reserve) => (BnPath::CudnnFused, reserve, None),
             Ran::Plain(reserve) => (BnPath::Plain, reserve, None),
-            Ran::BnOnlyForFallback(reserve) => {
-                // SAFETY: the kernel writes every mask word (tail bits zero) before any read.
-                let mut mask = unsafe {
-                    ctx.stream()
-                        .alloc::<u32>(activation::mask_words(self.numel()))
-                }
-                .call("cuMemAllocAsync")?;
+            Ran::BnOnlyForFallback(reserve, mut mask) => {
                 match &a.addend {
                     Some(z) => {
                         activation::add_relu_mask_fwd_inplace(ctx, &mut a.y, z, Some(&mut mask))?
@@ -556,7 +550,27 @@ impl<T: Element> BatchNorm<T> {
                 return Ok(ran);
             }
         }
-        self.run_plain_forward(p, momentum, eps)
+        // cuDNN moves the running statistics: whatever the fallback's activation needs must be
+        // ready before that, so that an error leaves them as they were (a retry would
+        // otherwise apply the momentum twice).
+        let mask = if self.core.fuse == Fuse::None {
+            None
+        } else {
+            Some(self.prepare_fallback_activation()?)
+        };
+        self.run_plain_forward(p, momentum, eps, mask)
+    }
+
+    /// The fallback's activation made ready: its kernel loaded and its mask allocated.
+    fn prepare_fallback_activation(&self) -> Result<CudaSlice<u32>> {
+        let ctx = &self.ctx;
+        activation::prepare_forward(ctx, T::DTYPE, self.core.fuse == Fuse::AddRelu)?;
+        // SAFETY: the kernel writes every mask word (tail bits zero) before any read.
+        unsafe {
+            ctx.stream()
+                .alloc::<u32>(activation::mask_words(self.numel()))
+        }
+        .call("cuMemAllocAsync")
     }
 
     /// cuDNN's fused forward; `None` when cuDNN refuses it (this shape then takes the fallback
@@ -615,8 +629,15 @@ impl<T: Element> BatchNorm<T> {
         Ok(None)
     }
 
-    /// Plain BN through the plan's API (also the first half of the fallback).
-    fn run_plain_forward(&self, p: &FwdPtrs, momentum: f64, eps: f64) -> Result<Ran> {
+    /// Plain BN through the plan's API (also the first half of the fallback, whose prepared
+    /// `mask` it passes on).
+    fn run_plain_forward(
+        &self,
+        p: &FwdPtrs,
+        momentum: f64,
+        eps: f64,
+        mask: Option<CudaSlice<u32>>,
+    ) -> Result<Ran> {
         let core = &*self.core;
         let cu = core.cudnn()?;
         let ctx = &self.ctx;
@@ -672,13 +693,18 @@ impl<T: Element> BatchNorm<T> {
                         )
                     }?
                 }
+                // A plan without cuDNN runs nnfuse's own kernels and never gets here.
+                BnApi::None => {
+                    return Err(Error::NotSupported(
+                        "BatchNorm through cuDNN, but the plan found cuDNN missing".into(),
+                    ))
+                }
             }
         }
         tracing::debug!(?api, fuse = ?core.fuse, "BatchNorm forward (cuDNN BN)");
-        Ok(if core.fuse == Fuse::None {
-            Ran::Plain(bn_reserve)
-        } else {
-            Ran::BnOnlyForFallback(bn_reserve)
+        Ok(match mask {
+            None => Ran::Plain(bn_reserve),
+            Some(mask) => Ran::BnOnlyForFallback(bn_reserve, mask),
         })
     }
 
@@ -1001,13 +1027,70 @@ enum Ran {
     Fused(Option<CudaSlice<u8>>),
     /// Plain BN, no activation asked for.
     Plain(Option<CudaSlice<u8>>),
-    /// Plain BN; the activation and mask are still to do.
-    BnOnlyForFallback(Option<CudaSlice<u8>>),
+    /// Plain BN; the activation is still to do, into the mask prepared before BN ran.
+    BnOnlyForFallback(Option<CudaSlice<u8>>, CudaSlice<u32>),
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The fallback's bitmask kernel failing to load (a failed NVRTC compile, say) must fail
+    /// the call before cuDNN moves the running statistics: a retry would otherwise apply the
+    /// momentum twice. Before the fix the kernel was loaded after cuDNN's forward.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn a_fallback_whose_activation_cannot_load_leaves_the_running_statistics() {
+        use crate::config::{BnImpl, Config};
+        let cfg = Config::default()
+            .with_bn_impl(BnImpl::Cudnn)
+            .with_cudnn_fusion_disabled(true);
+        let ctx = crate::testutil::gpu_with(cfg);
+        let s = ctx.stream();
+        let (shape, c) = ([8usize, 4, 4, 16], 16);
+        let n: usize = shape.iter().product();
+        for fuse in [Fuse::Relu, Fuse::AddRelu] {
+            let bn = BatchNorm::<f32>::new(&ctx, &shape, 3, fuse).unwrap();
+            assert_eq!(bn.training_path(), BnPath::Fallback, "{}", bn.plan());
+            let x = s
+                .clone_htod(&(0..n).map(|i| (i % 7) as f32).collect::<Vec<_>>())
+                .unwrap();
+            let z = s.clone_htod(&vec![0.5f32; n]).unwrap();
+            let g = s.clone_htod(&vec![1.0f32; c]).unwrap();
+            let b = s.clone_htod(&vec![0.0f32; c]).unwrap();
+            let mut rm = s.clone_htod(&vec![0.25f32; c]).unwrap();
+            let mut rv = s.clone_htod(&vec![2.0f32; c]).unwrap();
+            let mut y = s.alloc_zeros::<f32>(n).unwrap();
+            let mut args = |rm: &mut CudaSlice<f32>, rv: &mut CudaSlice<f32>| {
+                let a = TrainArgs {
+                    x: x.as_view(),
+                    addend: (fuse == Fuse::AddRelu).then(|| z.as_view()),
+                    gamma: g.as_view(),
+                    beta: b.as_view(),
+                    running_mean: rm.as_view_mut(),
+                    running_var: rv.as_view_mut(),
+                    y: y.as_view_mut(),
+                    momentum: 0.5,
+                    eps: 1e-5,
+                };
+                bn.forward_train(a).map(drop)
+            };
+            activation::fail_load::set(true);
+            let r = args(&mut rm, &mut rv);
+            activation::fail_load::set(false);
+            assert!(
+                r.is_err(),
+                "{fuse:?}: the injected load failure must fail the call"
+            );
+            ctx.synchronize().unwrap();
+            assert_eq!(s.clone_dtoh(&rm).unwrap(), vec![0.25f32; c], "{fuse:?}");
+            assert_eq!(s.clone_dtoh(&rv).unwrap(), vec![2.0f32; c], "{fuse:?}");
+            // The retry applies the momentum once.
+            args(&mut rm, &mut rv).unwrap();
+            let once = s.clone_dtoh(&rm).unwrap();
+            assert!(once.iter().all(|&v| v != 0.25), "{fuse:?}: {once:?}");
+        }
+    }
 
     #[test]
     fn scalars_are_checked() {

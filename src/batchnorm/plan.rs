@@ -805,8 +805,8 @@ pub fn plan(req: &PlanRequest<'_>) -> Result<BnPlan> {
         infer_api(mode, req.phase, req.cudnn_version)
     } else {
         (
-            BnApi::Legacy,
-            "api: none — cuDNN cannot be loaded (mode and api say what cuDNN would run)".into(),
+            BnApi::None,
+            "api: none — cuDNN cannot be loaded (mode says what cuDNN would run)".into(),
         )
     };
     let (own_forward, own_backward, own_reasons) = if own {

@@ -150,14 +150,17 @@ pub enum BnApi {
     Legacy,
     /// `cudnnBatchNormalizationForwardTrainingEx` / `BackwardEx` (with workspace).
     Ex,
+    /// No cuDNN entry point: cuDNN cannot be loaded, so nnfuse's own kernels run.
+    None,
 }
 
 impl BnApi {
-    /// `legacy` / `ex`.
+    /// `legacy` / `ex` / `none`.
     pub const fn name(self) -> &'static str {
         match self {
             BnApi::Legacy => "legacy",
             BnApi::Ex => "ex",
+            BnApi::None => "none",
         }
     }
 }

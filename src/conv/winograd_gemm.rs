@@ -121,7 +121,7 @@ mod gpu_tests {
             .map(|v| v.to_f64())
             .collect();
         let mut want = c0.to_vec();
-        gemm_strided_batched(&p.to_reference(), a, b, &mut want);
+        gemm_strided_batched(&p.to_reference(), a, b, &mut want).unwrap();
         // Elements C's matrices do not cover keep their old value (NaN when poisoned).
         let covered = |e: usize| {
             let (bt, r) = (e / p.stride_c.max(1), e % p.stride_c.max(1));

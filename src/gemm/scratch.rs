@@ -6,6 +6,11 @@
 //! The search places its regions in it with [`scratch_layout`] (each at the caller's alignment)
 //! and records which regions hold a pseudo-random pattern ([`Fills`]), so that a later search
 //! whose A or B has the same pattern at the same place does not write it again.
+//!
+//! Every size here is computed with checked arithmetic: a problem whose operands are near
+//! `usize::MAX` bytes must fail with an error, never wrap into a small allocation that the fill
+//! kernels then overrun (release builds do not trap on overflow).
+#![deny(clippy::arithmetic_side_effects)]
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -14,7 +19,7 @@ use cudarc::driver::{CudaSlice, DevicePtrMut};
 use super::problem::MAX_ALIGNMENT;
 use crate::context::Context;
 use crate::dtype::DType;
-use crate::error::{CallExt, Result};
+use crate::error::{CallExt, Error, Result};
 
 /// Allocation granularity (bytes): the scratch grows to a multiple of this.
 pub(crate) const GRANULE: usize = 2 << 20;
@@ -22,27 +27,44 @@ pub(crate) const GRANULE: usize = 2 << 20;
 /// Byte offsets of regions of `(bytes, alignment)` in one allocation whose base is 256-byte
 /// aligned: each region starts at the next multiple of 256 plus its alignment when that is below
 /// 256, so that its start has exactly that alignment (the caller's, as cuBLASLt sees it). Returns
-/// the offsets and the total size.
-pub(crate) fn scratch_layout(regions: &[(usize, u16)]) -> (Vec<usize>, usize) {
+/// the offsets and the total size, or an error when the total does not fit in `usize`.
+pub(crate) fn scratch_layout(regions: &[(usize, u16)]) -> Result<(Vec<usize>, usize)> {
     let max = MAX_ALIGNMENT as usize;
     let mut offsets = Vec::with_capacity(regions.len());
     let mut cursor = 0usize;
     for &(bytes, align) in regions {
-        let base = cursor.div_ceil(max) * max;
+        let base = round_up(cursor, max)?;
         let start = if (align as usize) < max {
-            base + align as usize
+            base.checked_add(align as usize).ok_or_else(too_large)?
         } else {
             base
         };
         offsets.push(start);
-        cursor = start + bytes;
+        cursor = start.checked_add(bytes).ok_or_else(too_large)?;
     }
-    (offsets, cursor.div_ceil(max) * max)
+    Ok((offsets, round_up(cursor, max)?))
+}
+
+/// `elems` elements of `elem_size` bytes, or an error when that does not fit in `usize`.
+pub(crate) fn region_bytes(elems: usize, elem_size: usize) -> Result<usize> {
+    elems.checked_mul(elem_size).ok_or_else(too_large)
 }
 
 /// The size a scratch of at least `bytes` bytes is allocated with (whole granules).
-pub(crate) fn rounded(bytes: usize) -> usize {
-    bytes.max(1).div_ceil(GRANULE) * GRANULE
+pub(crate) fn rounded(bytes: usize) -> Result<usize> {
+    round_up(bytes.max(1), GRANULE)
+}
+
+/// `n` rounded up to a multiple of `to` (non-zero), or an error when that overflows.
+fn round_up(n: usize, to: usize) -> Result<usize> {
+    n.checked_next_multiple_of(to).ok_or_else(too_large)
+}
+
+fn too_large() -> Error {
+    Error::invalid(
+        "problem",
+        "the GEMM search's operands need more scratch memory than the address space holds",
+    )
 }
 
 /// One region filled with the pseudo-random pattern of `seed` (a function of the element index
@@ -60,8 +82,10 @@ pub(crate) struct Fill {
 }
 
 impl Fill {
+    /// One past the last byte (saturating: a record that large overlaps everything after it).
     fn end(&self) -> usize {
-        self.offset + self.elems * self.dtype.size()
+        self.offset
+            .saturating_add(self.elems.saturating_mul(self.dtype.size()))
     }
 
     /// Whether the memory this fill wrote already holds what `want` would write: the same
@@ -99,7 +123,7 @@ impl Fills {
 
     /// Records a fill (replacing the records it overwrites).
     pub(crate) fn filled(&mut self, f: Fill) {
-        self.overwritten(f.offset, f.elems * f.dtype.size());
+        self.overwritten(f.offset, f.elems.saturating_mul(f.dtype.size()));
         self.0.push(f);
     }
 
@@ -130,7 +154,7 @@ impl Scratch {
     pub(crate) fn ensure(&mut self, ctx: &Context, bytes: usize) -> Result<(u64, usize)> {
         let mut allocated = 0;
         if self.bytes() < bytes || self.buf.is_none() {
-            let size = rounded(bytes);
+            let size = rounded(bytes)?;
             self.buf = None;
             self.fills.clear();
             // SAFETY: scratch memory; the search initialises every element it reads (see
@@ -200,7 +224,7 @@ mod tests {
 
     #[test]
     fn scratch_regions_have_the_callers_alignment() {
-        let (off, total) = scratch_layout(&[(1000, 256), (10, 2), (300, 16), (300, 16)]);
+        let (off, total) = scratch_layout(&[(1000, 256), (10, 2), (300, 16), (300, 16)]).unwrap();
         assert_eq!(off, vec![0, 1024 + 2, 1280 + 16, 1792 + 16]);
         assert_eq!(total, 2304);
         for (o, a) in off.iter().zip([256usize, 2, 16, 16]) {
@@ -212,15 +236,37 @@ mod tests {
         for i in 1..4 {
             assert!(off[i] >= off[i - 1] + sizes[i - 1]);
         }
-        assert_eq!(scratch_layout(&[]), (vec![], 0));
+        assert_eq!(scratch_layout(&[]).unwrap(), (vec![], 0));
+    }
+
+    /// `nnfuse tune --gemm 1669142830,1,1,1381453383 --dtype f32`: each operand is below
+    /// `usize::MAX` but their sum is not; unchecked, the layout wrapped to 13 GB with an operand
+    /// of 2^63 bytes, and the fills wrote past the allocation.
+    #[test]
+    #[allow(clippy::arithmetic_side_effects)]
+    fn layouts_that_overflow_are_errors_not_wrapped_sizes() {
+        let a = region_bytes(1669142830 * 1381453383, 4).unwrap();
+        let e = scratch_layout(&[(a, 4), (a, 4), (a, 4), (a, 4)]).unwrap_err();
+        assert_eq!(e.argument(), Some("problem"), "{e}");
+        assert!(region_bytes(usize::MAX / 2 + 1, 2).is_err());
+        // The alignment padding or the final rounding alone overflowing.
+        assert!(scratch_layout(&[(usize::MAX - 3, 16)]).is_err());
+        assert!(scratch_layout(&[(usize::MAX - 100, 256)]).is_err());
+        assert!(scratch_layout(&[(1, 256), (usize::MAX - 300, 256)]).is_err());
+        // The largest that fits still works.
+        let (_, total) = scratch_layout(&[(usize::MAX - 511, 256)]).unwrap();
+        assert_eq!(total, usize::MAX - 511);
     }
 
     #[test]
     fn sizes_round_to_granules() {
-        assert_eq!(rounded(0), GRANULE);
-        assert_eq!(rounded(1), GRANULE);
-        assert_eq!(rounded(GRANULE), GRANULE);
-        assert_eq!(rounded(GRANULE + 1), 2 * GRANULE);
+        assert_eq!(rounded(0).unwrap(), GRANULE);
+        assert_eq!(rounded(1).unwrap(), GRANULE);
+        assert_eq!(rounded(GRANULE).unwrap(), GRANULE);
+        assert_eq!(rounded(GRANULE + 1).unwrap(), 2 * GRANULE);
+        // Rounding the largest requests up would wrap to a small size.
+        assert!(rounded(usize::MAX - GRANULE + 2).is_err());
+        assert!(rounded(usize::MAX).is_err());
     }
 
     fn fill(offset: usize, elems: usize, dtype: DType, seed: u64) -> Fill {

@@ -34,7 +34,7 @@
 //! `dx = gamma * inv_std / M * (M * dpre - dbeta - x̂ * dgamma)`, with `x̂` recomputed from `x`,
 //! `saved_mean` and `saved_inv_std`.
 
-use super::activation::{add_relu_mask_fwd, mask_words, relu_mask_bwd, relu_mask_fwd};
+use super::activation::{add_relu_mask_fwd, expect_len, relu_mask_bwd, relu_mask_fwd};
 use crate::error::{Error, Result};
 
 /// `(outer, c, inner)` view of a tensor normalised along one axis.
@@ -70,14 +70,15 @@ impl BnShape {
         })
     }
 
-    /// Number of elements (`outer * c * inner`).
+    /// Number of elements (`outer * c * inner`; saturating, so that a hand-made view too large
+    /// for memory matches no buffer instead of wrapping into a small count).
     pub fn numel(&self) -> usize {
-        self.outer * self.c * self.inner
+        self.outer.saturating_mul(self.c).saturating_mul(self.inner)
     }
 
     /// Elements per channel, `M = outer * inner`: the count the statistics average over.
     pub fn per_channel(&self) -> usize {
-        self.outer * self.inner
+        self.outer.saturating_mul(self.inner)
     }
 
     /// Row-major offset of element `(o, ch, i)`: `(o * c + ch) * inner + i`.
@@ -148,11 +149,9 @@ pub struct BnGrads {
 }
 
 /// Per-channel batch mean and **biased** variance (two-pass), summed `o` outer, `i` inner.
-///
-/// # Panics
-/// If `x.len() != s.numel()` (a reference, not an API).
-pub fn batch_statistics(s: &BnShape, x: &[f64]) -> (Vec<f64>, Vec<f64>) {
-    assert_eq!(x.len(), s.numel(), "x length differs from the shape");
+/// Errors name `x` when `x.len() != s.numel()`.
+pub fn batch_statistics(s: &BnShape, x: &[f64]) -> Result<(Vec<f64>, Vec<f64>)> {
+    expect_len("x", x.len(), s.numel(), "the shape's element count")?;
     let m = s.per_channel() as f64;
     let mut mean = vec![0.0; s.c];
     let mut var = vec![0.0; s.c];
@@ -174,7 +173,7 @@ pub fn batch_statistics(s: &BnShape, x: &[f64]) -> (Vec<f64>, Vec<f64>) {
         mean[ch] = mu;
         var[ch] = sq / m;
     }
-    (mean, var)
+    Ok((mean, var))
 }
 
 /// `M / (M - 1)`, defined as 1 for `M == 1` (the module's `M == 1` rule).
@@ -186,7 +185,8 @@ pub fn unbiased_factor(m: usize) -> f64 {
     }
 }
 
-/// `gamma * (x - mean) * inv_std + beta` for every element, then the activation.
+/// `gamma * (x - mean) * inv_std + beta` for every element, then the activation. The caller has
+/// checked `x` and the per-channel buffers ([`check_params`]); the addend is checked here.
 fn affine_then_activation(
     s: &BnShape,
     x: &[f64],
@@ -195,7 +195,10 @@ fn affine_then_activation(
     mean: &[f64],
     inv_std: &[f64],
     act: Activation<'_>,
-) -> (Vec<f64>, Option<Vec<u32>>) {
+) -> Result<(Vec<f64>, Option<Vec<u32>>)> {
+    if let Activation::AddRelu(z) = act {
+        expect_len("addend", z.len(), s.numel(), "the shape's element count")?;
+    }
     let mut pre = vec![0.0; s.numel()];
     for o in 0..s.outer {
         for ch in 0..s.c {
@@ -205,33 +208,34 @@ fn affine_then_activation(
             }
         }
     }
-    match act {
+    Ok(match act {
         Activation::None => (pre, None),
         Activation::Relu => {
             let (y, mask) = relu_mask_fwd(&pre);
             (y, Some(mask))
         }
         Activation::AddRelu(z) => {
-            assert_eq!(z.len(), s.numel(), "addend length differs from the shape");
-            let (y, mask) = add_relu_mask_fwd(&pre, z);
+            let (y, mask) = add_relu_mask_fwd(&pre, z)?;
             (y, Some(mask))
         }
-    }
+    })
 }
 
-fn check_params(s: &BnShape, x: &[f64], params: &[(&str, &[f64])]) {
-    assert_eq!(x.len(), s.numel(), "x length differs from the shape");
+/// `x` has the shape's element count and every per-channel buffer `s.c` elements; errors name
+/// the buffer.
+fn check_params(s: &BnShape, x: &[f64], params: &[(&str, &[f64])]) -> Result<()> {
+    expect_len("x", x.len(), s.numel(), "the shape's element count")?;
     for (name, p) in params {
-        assert_eq!(p.len(), s.c, "{name} length differs from the channel count");
+        expect_len(name, p.len(), s.c, "the channel count")?;
     }
+    Ok(())
 }
 
 /// Training forward: normalise with the batch statistics, apply the activation, and update the
 /// running statistics (see the module docs for every formula and the `M == 1` rule).
 ///
-/// # Panics
-/// If `x` (or the addend) does not have `s.numel()` elements, or a per-channel buffer does not
-/// have `s.c` (a reference, not an API).
+/// Errors (as [`Error::InvalidArgument`] naming the buffer): `x` (or the addend) without
+/// `s.numel()` elements, or a per-channel buffer without `s.c`.
 #[allow(clippy::too_many_arguments)]
 pub fn train_forward(
     s: &BnShape,
@@ -243,7 +247,7 @@ pub fn train_forward(
     momentum: f64,
     eps: f64,
     act: Activation<'_>,
-) -> BnForward {
+) -> Result<BnForward> {
     check_params(
         s,
         x,
@@ -253,10 +257,10 @@ pub fn train_forward(
             ("running_mean", running_mean),
             ("running_var", running_var),
         ],
-    );
-    let (mean, var) = batch_statistics(s, x);
+    )?;
+    let (mean, var) = batch_statistics(s, x)?;
     let inv_std: Vec<f64> = var.iter().map(|&v| 1.0 / (v + eps).sqrt()).collect();
-    let (y, mask) = affine_then_activation(s, x, gamma, beta, &mean, &inv_std, act);
+    let (y, mask) = affine_then_activation(s, x, gamma, beta, &mean, &inv_std, act)?;
     let factor = unbiased_factor(s.per_channel());
     let new_mean = running_mean
         .iter()
@@ -268,22 +272,21 @@ pub fn train_forward(
         .zip(&var)
         .map(|(&r, &b)| (1.0 - momentum) * r + momentum * (b * factor))
         .collect();
-    BnForward {
+    Ok(BnForward {
         y,
         mask,
         saved_mean: mean,
         saved_inv_std: inv_std,
         running_mean: new_mean,
         running_var: new_var,
-    }
+    })
 }
 
 /// Inference forward: `y = gamma * (x - running_mean) / sqrt(running_var + eps) + beta`, then
 /// the activation (computed as `(x - rm) * (1 / sqrt(rv + eps))`, the training forward's
 /// order). No mask: inference has no backward.
 ///
-/// # Panics
-/// As [`train_forward`].
+/// Errors as [`train_forward`].
 #[allow(clippy::too_many_arguments)]
 pub fn inference_forward(
     s: &BnShape,
@@ -294,7 +297,7 @@ pub fn inference_forward(
     running_var: &[f64],
     eps: f64,
     act: Activation<'_>,
-) -> Vec<f64> {
+) -> Result<Vec<f64>> {
     check_params(
         s,
         x,
@@ -304,19 +307,19 @@ pub fn inference_forward(
             ("running_mean", running_mean),
             ("running_var", running_var),
         ],
-    );
+    )?;
     let inv_std: Vec<f64> = running_var
         .iter()
         .map(|&v| 1.0 / (v + eps).sqrt())
         .collect();
-    affine_then_activation(s, x, gamma, beta, running_mean, &inv_std, act).0
+    Ok(affine_then_activation(s, x, gamma, beta, running_mean, &inv_std, act)?.0)
 }
 
 /// Training backward (see the module docs for the formulas).
 ///
-/// # Panics
-/// If `x` or `dy` does not have `s.numel()` elements, a per-channel buffer does not have `s.c`,
-/// or a mask is shorter than `mask_words(s.numel())` (a reference, not an API).
+/// Errors (as [`Error::InvalidArgument`] naming the buffer): `x` or `dy` without `s.numel()`
+/// elements, a per-channel buffer without `s.c`, or a `mask` shorter than
+/// `mask_words(s.numel())`.
 pub fn backward(
     s: &BnShape,
     x: &[f64],
@@ -325,7 +328,7 @@ pub fn backward(
     saved_mean: &[f64],
     saved_inv_std: &[f64],
     act_bwd: ActivationBackward<'_>,
-) -> BnGrads {
+) -> Result<BnGrads> {
     check_params(
         s,
         x,
@@ -334,17 +337,13 @@ pub fn backward(
             ("saved_mean", saved_mean),
             ("saved_inv_std", saved_inv_std),
         ],
-    );
-    assert_eq!(dy.len(), s.numel(), "dy length differs from the shape");
+    )?;
+    expect_len("dy", dy.len(), s.numel(), "the shape's element count")?;
     let (dpre, d_addend) = match act_bwd {
         ActivationBackward::None => (dy.to_vec(), None),
-        ActivationBackward::Relu { mask } => {
-            assert!(mask.len() >= mask_words(s.numel()), "mask too short");
-            (relu_mask_bwd(dy, mask), None)
-        }
+        ActivationBackward::Relu { mask } => (relu_mask_bwd(dy, mask)?, None),
         ActivationBackward::AddRelu { mask } => {
-            assert!(mask.len() >= mask_words(s.numel()), "mask too short");
-            let d = relu_mask_bwd(dy, mask);
+            let d = relu_mask_bwd(dy, mask)?;
             (d.clone(), Some(d))
         }
     };
@@ -371,12 +370,12 @@ pub fn backward(
             }
         }
     }
-    BnGrads {
+    Ok(BnGrads {
         dx,
         dgamma,
         dbeta,
         d_addend,
-    }
+    })
 }
 
 #[cfg(test)]
@@ -431,6 +430,64 @@ mod tests {
         assert_eq!(arg(&[usize::MAX, 2], 0).as_deref(), Some("shape"));
     }
 
+    /// These asserted (panicked); each mismatch is now an error naming the buffer.
+    #[test]
+    fn length_mismatches_are_errors_naming_the_buffer() {
+        let s = BnShape::new(&[3, 2], 1).unwrap();
+        let (x, c, short) = ([0.0; 6], [1.0; 2], [1.0; 1]);
+        let name = |e: Error| e.argument().map(str::to_owned);
+        let train = |x: &[f64], g: &[f64], rv: &[f64], act| {
+            train_forward(&s, x, g, &c, &c, rv, 0.1, 1e-5, act).map(drop)
+        };
+        assert_eq!(
+            name(train(&x[..5], &c, &c, Activation::None).unwrap_err()).as_deref(),
+            Some("x")
+        );
+        assert_eq!(
+            name(train(&x, &short, &c, Activation::None).unwrap_err()).as_deref(),
+            Some("gamma")
+        );
+        assert_eq!(
+            name(train(&x, &c, &short, Activation::None).unwrap_err()).as_deref(),
+            Some("running_var")
+        );
+        let z = [0.0; 5];
+        assert_eq!(
+            name(train(&x, &c, &c, Activation::AddRelu(&z)).unwrap_err()).as_deref(),
+            Some("addend")
+        );
+        let e = inference_forward(&s, &x, &c, &short, &c, &c, 1e-5, Activation::Relu).unwrap_err();
+        assert_eq!(name(e).as_deref(), Some("beta"));
+        assert_eq!(
+            name(batch_statistics(&s, &x[..1]).unwrap_err()).as_deref(),
+            Some("x")
+        );
+        let bwd = |dy: &[f64], mean: &[f64], act| backward(&s, &x, dy, &c, mean, &c, act).map(drop);
+        assert_eq!(
+            name(bwd(&x[..4], &c, ActivationBackward::None).unwrap_err()).as_deref(),
+            Some("dy")
+        );
+        assert_eq!(
+            name(bwd(&x, &short, ActivationBackward::None).unwrap_err()).as_deref(),
+            Some("saved_mean")
+        );
+        let e = bwd(&x, &c, ActivationBackward::Relu { mask: &[] }).unwrap_err();
+        assert_eq!(name(e).as_deref(), Some("mask"));
+        let e = bwd(&x, &c, ActivationBackward::AddRelu { mask: &[] }).unwrap_err();
+        assert_eq!(name(e).as_deref(), Some("mask"));
+        // A hand-made view too large for memory matches no buffer instead of wrapping.
+        let huge = BnShape {
+            outer: usize::MAX,
+            c: 2,
+            inner: 2,
+        };
+        assert_eq!(huge.numel(), usize::MAX);
+        assert_eq!(
+            name(batch_statistics(&huge, &x).unwrap_err()).as_deref(),
+            Some("x")
+        );
+    }
+
     /// Shape [3, 2], axis 1: 3 elements in each of 2 channels (channels-last, inner = 1).
     /// Row-major x = [(o0: c0, c1), (o1: c0, c1), (o2: c0, c1)].
     ///   channel 0: x = 0, 3, 6   → mean 3, deviations -3, 0, 3, Σd² = 18, var = 18/3 = 6
@@ -457,7 +514,8 @@ mod tests {
             0.25,
             EPS,
             Activation::None,
-        );
+        )
+        .unwrap();
         // y: ch0 = 2 * x̂ + 1 = -1, 1, 3; ch1 = -x̂ + 0.5 = 0.5, 1.5, -0.5.
         close(&f.y, &[-1.0, 0.5, 1.0, 1.5, 3.0, -0.5], 1e-15);
         assert!(f.mask.is_none());
@@ -477,7 +535,8 @@ mod tests {
             0.25,
             EPS,
             Activation::Relu,
-        );
+        )
+        .unwrap();
         close(&r.y, &[0.0, 0.5, 1.0, 1.5, 3.0, 0.0], 1e-15);
         assert_eq!(r.mask, Some(vec![0b011110]));
         assert_eq!(r.running_var, f.running_var);
@@ -496,7 +555,8 @@ mod tests {
             0.25,
             EPS,
             Activation::AddRelu(&z),
-        );
+        )
+        .unwrap();
         close(&a.y, &[1.0, 0.0, 1.0, 0.0, 0.0, 0.5], 1e-15);
         assert_eq!(a.mask, Some(vec![0b100101]));
     }
@@ -523,7 +583,8 @@ mod tests {
             &mean,
             &inv_std,
             ActivationBackward::None,
-        );
+        )
+        .unwrap();
         close(
             &g.dx,
             &[
@@ -563,7 +624,8 @@ mod tests {
             &mean,
             &inv_std,
             ActivationBackward::Relu { mask: &mask },
-        );
+        )
+        .unwrap();
         close(&g.dx, &want_dx, 1e-14);
         close(&g.dgamma, &[6.0, 0.0], 1e-14);
         close(&g.dbeta, &[8.0, 3.0], 1e-14);
@@ -577,7 +639,8 @@ mod tests {
             &mean,
             &inv_std,
             ActivationBackward::AddRelu { mask: &mask },
-        );
+        )
+        .unwrap();
         close(&g.dx, &want_dx, 1e-14);
         assert_eq!(g.d_addend, Some(vec![0.0, 3.0, 2.0, 0.0, 6.0, 0.0]));
     }
@@ -600,6 +663,7 @@ mod tests {
                 1e-5,
                 Activation::None,
             )
+            .unwrap()
         };
         // momentum 0 keeps the running statistics; momentum 1 replaces them.
         let f = run(0.0);
@@ -622,7 +686,8 @@ mod tests {
             0.1,
             1e-5,
             Activation::None,
-        );
+        )
+        .unwrap();
         close(&f2.running_mean, &[0.9 * 4.8 + 0.3], 1e-15);
 
         // The M == 1 rule: factor 1, and the biased variance of one element is 0, so the
@@ -641,7 +706,8 @@ mod tests {
             0.5,
             1e-5,
             Activation::None,
-        );
+        )
+        .unwrap();
         assert_eq!(f.saved_mean, vec![4.0, -2.0]);
         assert_eq!(f.running_mean, vec![2.5, -0.5]);
         assert_eq!(f.running_var, vec![1.0, 1.5]);
@@ -688,8 +754,8 @@ mod tests {
             } else {
                 (Activation::None, Activation::None)
             };
-            let ff = train_forward(&sf, &x, &gamma, &beta, &rm, &rv, 0.1, 1e-5, af);
-            let fl = train_forward(&sl, &xl, &gamma, &beta, &rm, &rv, 0.1, 1e-5, al);
+            let ff = train_forward(&sf, &x, &gamma, &beta, &rm, &rv, 0.1, 1e-5, af).unwrap();
+            let fl = train_forward(&sl, &xl, &gamma, &beta, &rm, &rv, 0.1, 1e-5, al).unwrap();
             assert_eq!(to_nhwc(&ff.y), fl.y);
             assert_eq!(ff.saved_mean, fl.saved_mean);
             assert_eq!(ff.saved_inv_std, fl.saved_inv_std);
@@ -702,8 +768,8 @@ mod tests {
                             for hi in 0..h {
                                 for wi in 0..w {
                                     assert_eq!(
-                                        mask_bit(mf, nchw(ni, ci, hi, wi)),
-                                        mask_bit(ml, nhwc(ni, ci, hi, wi))
+                                        mask_bit(mf, nchw(ni, ci, hi, wi)).unwrap(),
+                                        mask_bit(ml, nhwc(ni, ci, hi, wi)).unwrap()
                                     );
                                 }
                             }
@@ -716,7 +782,7 @@ mod tests {
                 }
                 _ => (ActivationBackward::None, ActivationBackward::None),
             };
-            let gf = backward(&sf, &x, &dy, &gamma, &ff.saved_mean, &ff.saved_inv_std, bf);
+            let gf = backward(&sf, &x, &dy, &gamma, &ff.saved_mean, &ff.saved_inv_std, bf).unwrap();
             let gl = backward(
                 &sl,
                 &xl,
@@ -725,13 +791,14 @@ mod tests {
                 &fl.saved_mean,
                 &fl.saved_inv_std,
                 bl,
-            );
+            )
+            .unwrap();
             assert_eq!(to_nhwc(&gf.dx), gl.dx);
             assert_eq!(gf.dgamma, gl.dgamma);
             assert_eq!(gf.dbeta, gl.dbeta);
             assert_eq!(gf.d_addend.map(|d| to_nhwc(&d)), gl.d_addend);
-            let yi = inference_forward(&sf, &x, &gamma, &beta, &rm, &rv, 1e-5, af);
-            let yl = inference_forward(&sl, &xl, &gamma, &beta, &rm, &rv, 1e-5, al);
+            let yi = inference_forward(&sf, &x, &gamma, &beta, &rm, &rv, 1e-5, af).unwrap();
+            let yl = inference_forward(&sl, &xl, &gamma, &beta, &rm, &rv, 1e-5, al).unwrap();
             assert_eq!(to_nhwc(&yi), yl);
         }
     }
@@ -748,15 +815,15 @@ mod tests {
             let x: Vec<f64> = rng.vec(s.numel()).iter().map(|v| 3.0 * v + 1.0).collect();
             let z = rng.vec(s.numel());
             let (gamma, beta) = (rng.vec(s.c), rng.vec(s.c));
-            let (mean, var) = batch_statistics(&s, &x);
+            let (mean, var) = batch_statistics(&s, &x).unwrap();
             for act in [Activation::None, Activation::Relu, Activation::AddRelu(&z)] {
-                let t = train_forward(&s, &x, &gamma, &beta, &mean, &var, 0.1, 1e-3, act);
+                let t = train_forward(&s, &x, &gamma, &beta, &mean, &var, 0.1, 1e-3, act).unwrap();
                 // The training forward normalises with exactly these statistics …
                 assert_eq!(t.saved_mean, mean);
                 let want: Vec<f64> = var.iter().map(|v| 1.0 / (v + 1e-3).sqrt()).collect();
                 assert_eq!(t.saved_inv_std, want);
                 // … so inference with them as running statistics gives the same y.
-                let y = inference_forward(&s, &x, &gamma, &beta, &mean, &var, 1e-3, act);
+                let y = inference_forward(&s, &x, &gamma, &beta, &mean, &var, 1e-3, act).unwrap();
                 assert_eq!(y, t.y);
             }
             // And with momentum 1 the running mean becomes the batch mean, the running
@@ -771,7 +838,8 @@ mod tests {
                 1.0,
                 1e-3,
                 Activation::None,
-            );
+            )
+            .unwrap();
             assert_eq!(t.running_mean, mean);
             let f = unbiased_factor(s.per_channel());
             close(
@@ -791,9 +859,11 @@ mod tests {
         let s = BnShape::new(&[2, 2], 1).unwrap();
         let x = [5.0, 2.0, -3.0, -4.0];
         let args = (&[1.0, -1.0][..], &[3.0, 8.0][..]);
-        let y = inference_forward(&s, &x, &GAMMA, &BETA, args.0, args.1, 1.0, Activation::None);
+        let y = inference_forward(&s, &x, &GAMMA, &BETA, args.0, args.1, 1.0, Activation::None)
+            .unwrap();
         close(&y, &[5.0, -0.5, -3.0, 1.5], 1e-15);
-        let y = inference_forward(&s, &x, &GAMMA, &BETA, args.0, args.1, 1.0, Activation::Relu);
+        let y = inference_forward(&s, &x, &GAMMA, &BETA, args.0, args.1, 1.0, Activation::Relu)
+            .unwrap();
         close(&y, &[5.0, 0.0, 0.0, 1.5], 1e-15);
         let z = [-6.0, 1.0, 4.0, -2.0];
         let y = inference_forward(
@@ -805,7 +875,8 @@ mod tests {
             args.1,
             1.0,
             Activation::AddRelu(&z),
-        );
+        )
+        .unwrap();
         close(&y, &[0.0, 0.5, 1.0, 0.0], 1e-15);
     }
 
@@ -846,6 +917,7 @@ mod tests {
                         eps,
                         Activation::None,
                     )
+                    .unwrap()
                     .y
                 }
                 Act::AddRelu => {
@@ -860,6 +932,7 @@ mod tests {
                         eps,
                         Activation::None,
                     )
+                    .unwrap()
                     .y;
                     y.iter().zip(&z).map(|(a, b)| a + b).collect()
                 }
@@ -877,7 +950,7 @@ mod tests {
                 Act::Relu => Activation::Relu,
                 Act::AddRelu => Activation::AddRelu(z),
             };
-            train_forward(&s, x, gamma, beta, &ones, &ones, 0.1, eps, a)
+            train_forward(&s, x, gamma, beta, &ones, &ones, 0.1, eps, a).unwrap()
         };
         let loss = |x: &[f64], gamma: &[f64], beta: &[f64], z: &[f64]| -> f64 {
             fwd(x, gamma, beta, z)
@@ -894,7 +967,7 @@ mod tests {
             Act::Relu => ActivationBackward::Relu { mask: &mask },
             Act::AddRelu => ActivationBackward::AddRelu { mask: &mask },
         };
-        let g = backward(&s, &x, &w, &gamma, &f.saved_mean, &f.saved_inv_std, ab);
+        let g = backward(&s, &x, &w, &gamma, &f.saved_mean, &f.saved_inv_std, ab).unwrap();
         let h = 1e-6;
         let shifted = |p: &[f64], v: &[f64], t: f64| -> Vec<f64> {
             p.iter().zip(v).map(|(a, b)| a + t * b).collect()

@@ -228,7 +228,7 @@ pub fn conv2d_via_gemm(p: &Conv2d, x: &[f64], w: &[f64]) -> Result<Vec<f64>> {
     match p.format {
         TensorFormat::Nchw => gemm_strided_batched(&g, &cols, w, &mut y),
         TensorFormat::Nhwc => gemm_strided_batched(&g, w, &cols, &mut y),
-    }
+    }?;
     Ok(y)
 }
 

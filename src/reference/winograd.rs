@@ -250,7 +250,7 @@ pub fn batched_product(p: &Conv2d, tile: WinogradTile, u: &[f64], v: &[f64]) -> 
     expect_len("v", v.len(), d.v)?;
     let g = batched_gemm_problem(tile, tiles, p.c_in, p.c_out);
     let mut m = vec![0.0; d.m_per_image * p.n];
-    super::gemm::gemm_strided_batched(&g, v, u, &mut m);
+    super::gemm::gemm_strided_batched(&g, v, u, &mut m)?;
     Ok(m)
 }
 

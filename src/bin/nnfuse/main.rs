@@ -40,13 +40,35 @@ enum Command {
     Demo(demo::DemoArgs),
 }
 
+/// The log filter: `NNFUSE_LOG` when set (a filter that does not parse is an error naming the
+/// variable, not silently the default), else `warn`.
+fn log_filter() -> Result<tracing_subscriber::EnvFilter, String> {
+    match std::env::var("NNFUSE_LOG") {
+        Ok(v) if !v.trim().is_empty() => tracing_subscriber::EnvFilter::try_new(v.trim())
+            .map_err(|e| format!("environment variable NNFUSE_LOG={v:?}: {e}")),
+        Ok(_) | Err(std::env::VarError::NotPresent) => {
+            Ok(tracing_subscriber::EnvFilter::new("warn"))
+        }
+        Err(std::env::VarError::NotUnicode(v)) => Err(format!(
+            "environment variable NNFUSE_LOG={v:?}: not valid UTF-8"
+        )),
+    }
+}
+
 fn main() -> std::process::ExitCode {
+    use std::io::IsTerminal;
+    let filter = match log_filter() {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("nnfuse: error: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("NNFUSE_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // Colour codes only for a terminal: a log file or a pipe gets plain text.
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let cli = Cli::parse();
     let result = match cli.command {

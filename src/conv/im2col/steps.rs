@@ -754,7 +754,7 @@ mod tests {
                     problem
                         .check_buffers(dtype, av.len(), bv.len(), cv.len())
                         .unwrap_or_else(|e| panic!("{step:?}: {e}"));
-                    gemm_strided_batched(&problem.to_reference(), &av, &bv, cv);
+                    gemm_strided_batched(&problem.to_reference(), &av, &bv, cv).unwrap();
                 }
                 Step::Accumulate {
                     part,

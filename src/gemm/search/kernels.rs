@@ -9,6 +9,7 @@ use crate::dtype::{DType, Element};
 use crate::error::{CallExt, Result};
 use crate::gemm::problem::Problem;
 use crate::util::grid_stride_config;
+use crate::validate::{Binder, Need};
 
 /// The search's kernels (`kernels/gemm_search.cu`), NVRTC-compiled at first use.
 pub use crate::kernels::GEMM_SEARCH as KERNELS;
@@ -58,15 +59,17 @@ pub(crate) fn uniform_raw(
 }
 
 /// Fills a buffer with deterministic pseudo-random values uniform in [-1, 1) (a function of the
-/// index and `seed`).
+/// index and `seed`). `out` must live on the Context's device (else an
+/// [`crate::Error::InvalidArgument`] naming `out`, and nothing is launched).
 pub fn fill_uniform<T: Element, D: DevicePtrMut<T>>(
     ctx: &Context,
     out: &mut D,
     seed: u64,
 ) -> Result<()> {
     let n = out.len();
+    let mut ops = Binder::new(ctx);
+    let ptr = ops.output("out", out, Need::Exactly(n, "its length"))?;
     let f = ctx.function(&KERNELS, uniform_kernel(T::DTYPE))?;
-    let (ptr, _sync) = out.device_ptr_mut(ctx.stream());
     uniform_raw(ctx, &f, ptr, n, seed)
 }
 

@@ -12,7 +12,7 @@ use crate::dtype::DType;
 use crate::error::{CallExt, Result};
 use crate::gemm::lt::Ptrs;
 use crate::gemm::problem::{Alignment, Spans};
-use crate::gemm::scratch::{scratch_layout, Fill, Scratch};
+use crate::gemm::scratch::{region_bytes, scratch_layout, Fill, Scratch};
 use crate::tune::race::ms_since;
 
 /// Seeds of the pseudo-random scratch operands.
@@ -79,7 +79,7 @@ fn place(
     scratch: &mut Scratch,
     regions: &[(usize, u16)],
 ) -> Result<(Vec<u64>, usize, usize, f64)> {
-    let (offsets, total) = scratch_layout(regions);
+    let (offsets, total) = scratch_layout(regions)?;
     let t = Instant::now();
     let (base, allocated) = scratch.ensure(ctx, total)?;
     let alloc_ms = ms_since(t);
@@ -108,19 +108,20 @@ pub(crate) fn scratch_operands(
         c_has_gaps,
     } = *shape;
     let elem = dtype.size();
+    let c_bytes = region_bytes(spans.c, elem)?;
     let (offsets, total) = scratch_layout(&[
-        (spans.a * elem, align.a),
-        (spans.b * elem, align.b),
-        (spans.c * elem, align.c),
-        (spans.c * elem, align.c),
-    ]);
+        (region_bytes(spans.a, elem)?, align.a),
+        (region_bytes(spans.b, elem)?, align.b),
+        (c_bytes, align.c),
+        (c_bytes, align.c),
+    ])?;
     let t = Instant::now();
     let (base, allocated) = scratch.ensure(ctx, total)?;
     let alloc_ms = ms_since(t);
     // The two C regions are written by GEMMs and initialisations: their old records go first,
     // so that a record that runs into them is not trusted for A or B.
-    scratch.fills.overwritten(offsets[2], spans.c * elem);
-    scratch.fills.overwritten(offsets[3], spans.c * elem);
+    scratch.fills.overwritten(offsets[2], c_bytes);
+    scratch.fills.overwritten(offsets[3], c_bytes);
     for (i, elems, seed) in [(0, spans.a, SEED_A), (1, spans.b, SEED_B)] {
         let want = Fill {
             offset: offsets[i],
@@ -172,7 +173,7 @@ pub(crate) fn caller_operands(
         beta_zero,
         c_has_gaps,
     } = *shape;
-    let c_bytes = spans.c * dtype.size();
+    let c_bytes = region_bytes(spans.c, dtype.size())?;
     if beta_zero {
         let (ptrs, bytes, allocated, alloc_ms) = place(ctx, scratch, &[(c_bytes, align.c)])?;
         Ok(Placed {

@@ -462,21 +462,24 @@ mod tests {
             &w,
             &feat,
             &mut logits,
-        );
+        )
+        .unwrap();
         let mut dw = vec![0.0; d.fc_out * d.fc_in];
         gemm_strided_batched(
             &reference_problem(&d.fc_problem(Op::FcWgrad)),
             &feat,
             &dlog,
             &mut dw,
-        );
+        )
+        .unwrap();
         let mut dfeat = vec![0.0; d.n * d.fc_in];
         gemm_strided_batched(
             &reference_problem(&d.fc_problem(Op::FcDgrad)),
             &w,
             &dlog,
             &mut dfeat,
-        );
+        )
+        .unwrap();
         for b in 0..d.n {
             for o in 0..d.fc_out {
                 let want: f64 = (0..d.fc_in)

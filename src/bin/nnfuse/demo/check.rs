@@ -176,7 +176,7 @@ pub fn check_step(
     inp: &StepInputs,
     out: &StepOutputs,
     tol: &dyn Fn(Op) -> f64,
-) -> Vec<Row> {
+) -> nnfuse::Result<Vec<Row>> {
     let mut rows = Vec::new();
     let mut push = |op: Op, quantity: &'static str, got: &[f64], want: &[f64]| {
         rows.push(Row {
@@ -213,7 +213,7 @@ pub fn check_step(
                     MOMENTUM,
                     EPS,
                     act,
-                );
+                )?;
                 push(op, "y", &out.h[i], &f.y);
                 push(op, "running_mean", &out.running_mean[i], &f.running_mean);
                 push(op, "running_var", &out.running_var[i], &f.running_var);
@@ -238,7 +238,7 @@ pub fn check_step(
                     &f.saved_mean,
                     &f.saved_inv_std,
                     act,
-                );
+                )?;
                 push(op, "dx", &out.da[i], &g.dx);
                 push(op, "dgamma", &out.dgamma[i], &g.dgamma);
                 push(op, "dbeta", &out.dbeta[i], &g.dbeta);
@@ -275,7 +275,7 @@ pub fn check_step(
             }
         }
     }
-    rows
+    Ok(rows)
 }
 
 /// The rows of the classifier's three GEMMs alone (the check at the timed batch).
@@ -386,7 +386,8 @@ mod tests {
                 MOMENTUM,
                 EPS,
                 act,
-            );
+            )
+            .unwrap();
             o.h[i] = f.y.clone();
             o.running_mean[i] = f.running_mean.clone();
             o.running_var[i] = f.running_var.clone();
@@ -409,7 +410,8 @@ mod tests {
                 &saved[i].saved_mean,
                 &saved[i].saved_inv_std,
                 act,
-            );
+            )
+            .unwrap();
             if i == 2 {
                 shortcut = g.d_addend.clone().unwrap();
             }
@@ -445,7 +447,7 @@ mod tests {
             let def = tiny(format);
             let inp = inputs(&def);
             let out = cpu_step(&def, &inp);
-            let rows = check_step(&def, &inp, &out, &|_| 1e-12);
+            let rows = check_step(&def, &inp, &out, &|_| 1e-12).unwrap();
             // 3 conv fwd + 3 BN fwd (3 each) + 3 BN bwd (3 each) + 3 dgrad + 3 wgrad + dx + 3 fc.
             assert_eq!(rows.len(), 3 + 9 + 9 + 3 + 3 + 1 + 3, "{format}");
             for r in &rows {
@@ -467,6 +469,7 @@ mod tests {
         let good = cpu_step(&def, &inp);
         let failing = |out: &StepOutputs| -> Vec<String> {
             check_step(&def, &inp, out, &|_| 1e-9)
+                .unwrap()
                 .iter()
                 .filter(|r| !r.ok())
                 .map(Row::label)
@@ -549,7 +552,8 @@ mod tests {
             } else {
                 1e-12
             }
-        });
+        })
+        .unwrap();
         let r = rows.iter().find(|r| r.op == Op::ConvFwd(0)).unwrap();
         assert_eq!(r.tol, 1.0);
         assert!(r.ok());

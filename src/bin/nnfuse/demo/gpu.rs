@@ -809,7 +809,7 @@ impl<T: Element> Session<T> {
             }
             let out = small.download_outputs(&ctx)?;
             let tol = |op: Op| tolerance(op, T::DTYPE, op.conv().and_then(|(i, d)| cl.route(i, d)));
-            let mut rows = check_step(&cdef, &inp, &out, &tol);
+            let mut rows = check_step(&cdef, &inp, &out, &tol)?;
             // The classifier at the timed batch (its GEMM algorithms are chosen per shape).
             self.big.poison_classifier(&ctx)?;
             run_classifier(l, &mut self.big)?;
