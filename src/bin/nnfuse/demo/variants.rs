@@ -13,7 +13,7 @@ pub enum Variant {
     /// convolutions, fused BatchNorm+activation where cuDNN allows it (else cuDNN BN plus the
     /// bitmask kernels), the GEMM search.
     Nnfuse,
-    /// The baseline: plain cuDNN calls, no fusion, cuDNN `SPATIAL` BatchNorm —
+    /// The baseline to beat: plain cuDNN calls, no fusion, cuDNN `SPATIAL` BatchNorm —
     /// OneFlow's rule without its NHWC flag (`NNFUSE_BN_MODE_POLICY=oneflow`).
     CudnnSpatial,
     /// The same plain composition with cuDNN's `SPATIAL_PERSISTENT` BatchNorm through the Ex API
@@ -141,7 +141,7 @@ mod tests {
                 );
             }
         }
-        // nnfuse on channels-last f16: persistent and fused (the main case).
+        // nnfuse on channels-last f16: persistent and fused (the main case).
         let n = bn_plan(Variant::Nnfuse, TensorFormat::Nhwc, 2);
         assert_eq!(
             (n.mode, n.path),
