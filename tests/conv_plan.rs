@@ -39,6 +39,8 @@ fn plan_of(
         direction,
         config,
         cudnn_present,
+        // cuDNN 9 (the graph API) wherever cuDNN is present; plan_with_graph varies it.
+        cudnn_graph: cudnn_present,
     })
     .unwrap_or_else(|e| panic!("{s:?} {direction}: {e}"))
 }
@@ -469,6 +471,7 @@ fn invalid_problems_name_the_field() {
             direction: Direction::Forward,
             config: &cfg,
             cudnn_present: true,
+            cudnn_graph: true,
         })
         .unwrap_err();
         assert_eq!(e.argument(), Some(name), "{s:?}: {e}");

@@ -13,6 +13,7 @@ use super::choice::{
     self, ChoiceKey, ChoiceOrigin, ConvChoice, CudnnSearch, MeasureInput, MAX_CUDNN_CANDIDATES,
 };
 use super::cudnn::usable;
+use super::cudnn_graph_run;
 use super::plan::{ConvPath, ConvPlan, Route};
 use super::problem::{CudnnPtrs, Direction};
 use super::route::{self, Exec};
@@ -91,6 +92,10 @@ impl<T: Element> Conv2d<T> {
 
     /// Whether a cached or file route fits this object's plan for `d`.
     pub(super) fn acceptable(&self, plan: &ConvPlan, r: &Route) -> bool {
+        if r.path == ConvPath::CudnnGraph {
+            let target = self.core.target(&self.ctx);
+            return cudnn_graph_run::fits(&target, plan, r, self.core.search);
+        }
         if !plan.candidates.iter().any(|c| c.path == r.path) {
             return false;
         }
@@ -160,6 +165,16 @@ impl<T: Element> Conv2d<T> {
         let several = plan.candidates.len() > 1;
         for r in &plan.candidates {
             if r.path == ConvPath::Cudnn {
+                // The graph API's engine configs, when the plan's cuDNN API is the graph; the
+                // legacy algorithms below only when none finalizes.
+                let target = self.core.target(ctx);
+                if let Some((v, n)) = cudnn_graph_run::candidates(&target, plan, self.core.search) {
+                    notes.extend(n);
+                    if !v.is_empty() {
+                        execs.extend(v);
+                        continue;
+                    }
+                }
                 // One cuDNN algorithm when nothing else competes and the search is Find; the
                 // heuristic mode times several.
                 let limit = MAX_CUDNN_CANDIDATES;
@@ -352,6 +367,9 @@ impl<T: Element> Conv2d<T> {
                 "route",
                 "only a Winograd route names an engine",
             ));
+        }
+        if let Some(e) = cudnn_graph_run::misplaced(&r) {
+            return Err(e);
         }
         self.core.exec_of(&self.ctx, r)
     }
