@@ -609,7 +609,7 @@ fn head_start_rounds<F: FnMut(usize, usize) -> Result<()>>(
 
 /// [`time_interleaved`] measuring GPU time only: the same options, rounds and result, but every
 /// sample (the estimate's single launches too) is queued behind a head start of device memsets
-/// covering [`HEAD_START_FACTOR`] times the host time its launches took last time, and has its
+/// covering 1.5 times the host time its launches took last time, and has its
 /// own pair of events, so that the GPU never waits for the host inside a sample. The host time
 /// is learned from an untimed first launch of every variant (the warm-up rounds, when asked
 /// for, come before it). Falls back to [`time_interleaved`] when the head start's buffer

@@ -9,7 +9,9 @@ use super::choice::CudnnSearch;
 use super::plan::{ConvPath, ConvPlan, Direction, Route};
 use super::problem::GraphEngine;
 use super::route::Exec;
+use super::state::Core;
 use crate::config::Config;
+use crate::context::Context;
 use crate::cudnn_graph::graph_conv::GraphConv;
 use crate::cudnn_graph::key::GraphConvKey;
 use crate::cudnn_graph::layout::{alignment_of, MAX_ALIGNMENT};
@@ -69,25 +71,27 @@ pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
     unsafe { plan.execute_raw(t.ctx, ptrs) }
 }
 
-/// The engine configs the plan's `cudnn` candidate stands for through the graph API, as routes
-/// (each plan finalized and cached now), with notes on the configs passed over. `None` when
-/// the candidate goes through the legacy API (the plan's [`ConvPlan::cudnn_graph`] is false, or
-/// the search is cuDNN's Find, which only the legacy API has). An empty list means no config
-/// finalized: the caller measures the legacy algorithms instead.
+/// The engine configs the plan's `cudnn` candidate of `core`'s problem stands for through the
+/// graph API, as routes (each plan finalized and cached now); notes on the configs passed over
+/// go to `notes`. `None` when the candidate goes through the legacy API (the plan's
+/// [`ConvPlan::cudnn_graph`] is false, or the search is cuDNN's Find, which only the legacy API
+/// has) or no config finalized: the caller then measures the legacy algorithms.
 pub(super) fn candidates(
-    t: &Target<'_>,
+    core: &Core,
+    ctx: &Context,
     plan: &ConvPlan,
-    search: CudnnSearch,
-) -> Option<(Vec<Exec>, Vec<String>)> {
-    if !plan.cudnn_graph || search == CudnnSearch::Find {
+    notes: &mut Vec<String>,
+) -> Option<Vec<Exec>> {
+    if !plan.cudnn_graph || core.search == CudnnSearch::Find {
         return None;
     }
+    let target = core.target(ctx);
+    let t = &target;
     let d = plan.direction;
-    let mut notes = Vec::new();
     let admitted = GraphConv::admitted(t.ctx, key(t, d, None, MAX_ALIGNMENT, false), {
         MAX_GRAPH_CANDIDATES
     });
-    let execs = match admitted {
+    let execs: Vec<Exec> = match admitted {
         Ok(a) => {
             if !a.skipped.is_empty() {
                 notes.push(format!(
@@ -124,7 +128,7 @@ pub(super) fn candidates(
                 .into(),
         );
     }
-    Some((execs, notes))
+    (!execs.is_empty()).then_some(execs)
 }
 
 /// Whether a cached or tuning-file graph route fits `plan` and still runs here: the plan's

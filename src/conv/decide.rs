@@ -165,15 +165,9 @@ impl<T: Element> Conv2d<T> {
         let several = plan.candidates.len() > 1;
         for r in &plan.candidates {
             if r.path == ConvPath::Cudnn {
-                // The graph API's engine configs, when the plan's cuDNN API is the graph; the
-                // legacy algorithms below only when none finalizes.
-                let target = self.core.target(ctx);
-                if let Some((v, n)) = cudnn_graph_run::candidates(&target, plan, self.core.search) {
-                    notes.extend(n);
-                    if !v.is_empty() {
-                        execs.extend(v);
-                        continue;
-                    }
+                if let Some(v) = cudnn_graph_run::candidates(&self.core, ctx, plan, &mut notes) {
+                    execs.extend(v);
+                    continue;
                 }
                 // One cuDNN algorithm when nothing else competes and the search is Find; the
                 // heuristic mode times several.

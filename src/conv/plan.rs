@@ -488,16 +488,7 @@ pub fn plan(req: &ConvPlanRequest) -> Result<ConvPlan> {
             .map(|&v| v as f64)
             .product::<f64>();
     let cfg = req.config;
-    let mut paths = Vec::with_capacity(ConvPath::ALL.len());
-    let mut api_paths = Vec::new();
-    for p in ConvPath::ALL {
-        let info = p.rule().info(p, req, out_hw)?;
-        if p.rule().standalone() {
-            paths.push(info);
-        } else {
-            api_paths.push(info);
-        }
-    }
+    let (paths, api_paths) = path_infos(req, out_hw)?;
     let get = |p: ConvPath| info_in(&paths, &api_paths, p);
 
     let mut reasons = vec![format!(
@@ -588,12 +579,7 @@ pub fn plan(req: &ConvPlanRequest) -> Result<ConvPlan> {
             }
         }
     }
-    let cudnn_candidate = candidates.iter().any(|r| r.path == ConvPath::Cudnn);
-    let (cudnn_graph, api_line) = cudnn_api_line(req, out_hw);
-    let cudnn_graph = cudnn_graph && cudnn_candidate;
-    if cudnn_candidate {
-        reasons.push(api_line);
-    }
+    let cudnn_graph = cudnn_api(req, out_hw, &candidates, &mut reasons);
     for p in paths.iter().chain(&api_paths) {
         let through_cudnn = p.path == ConvPath::CudnnGraph && cudnn_graph;
         if !candidates.iter().any(|r| r.path == p.path) && !through_cudnn {
@@ -632,6 +618,41 @@ pub fn plan(req: &ConvPlanRequest) -> Result<ConvPlan> {
         cudnn_graph,
         reasons,
     })
+}
+
+/// Every path's eligibility: the candidates' own paths, then the paths that are an API of
+/// another's candidate ([`PathRule::standalone`](super::paths) false).
+fn path_infos(
+    req: &ConvPlanRequest,
+    out_hw: (usize, usize),
+) -> Result<(Vec<PathInfo>, Vec<PathInfo>)> {
+    let mut paths = Vec::with_capacity(ConvPath::ALL.len());
+    let mut api_paths = Vec::new();
+    for p in ConvPath::ALL {
+        let info = p.rule().info(p, req, out_hw)?;
+        if p.rule().standalone() {
+            paths.push(info);
+        } else {
+            api_paths.push(info);
+        }
+    }
+    Ok((paths, api_paths))
+}
+
+/// Whether the `cudnn` candidate (if `candidates` has it) goes through the graph API; pushes
+/// the line saying which API and why.
+fn cudnn_api(
+    req: &ConvPlanRequest,
+    out_hw: (usize, usize),
+    candidates: &[Route],
+    reasons: &mut Vec<String>,
+) -> bool {
+    if !candidates.iter().any(|r| r.path == ConvPath::Cudnn) {
+        return false;
+    }
+    let (graph, line) = cudnn_api_line(req, out_hw);
+    reasons.push(line);
+    graph
 }
 
 /// Whether the `cudnn` candidate goes through the graph API, and the plan's line saying which
