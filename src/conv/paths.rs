@@ -357,8 +357,18 @@ impl PathRule for CudnnRule {
 
     fn reasons(&self, req: &ConvPlanRequest, _p: &PathInfo, reasons: &mut Vec<String>) {
         let cfg = req.config;
+        let graph = req
+            .shape
+            .out_hw()
+            .is_ok_and(|hw| graph_refusal(req, hw).is_none());
+        let api = if graph {
+            " (legacy API: measured only if no graph engine config finalizes, and the fallback \
+             of a graph route that fails at run time)"
+        } else {
+            ""
+        };
         reasons.push(format!(
-            "cudnn: the algorithm is cuDNN's, chosen at the first call (heuristic \
+            "cudnn{api}: the algorithm is cuDNN's, chosen at the first call (heuristic \
              candidates timed interleaved, or cuDNN's Find with \
              NNFUSE_CONV_CUDNN_SEARCH=find), with a workspace of at most the cap ({}); \
              f32 runs with CUDNN_FMA_MATH (true fp32, no TF32), f16/bf16 with \
