@@ -68,7 +68,7 @@ pub use plan::{
 pub(crate) use problem::{BwdDataPtrs, BwdFilterPtrs, FwdPtrs};
 pub use problem::{
     ConvShape, CudnnAlgo, CudnnMath, CudnnPerf, Direction, GraphEngine, WinogradEngine,
-    WinogradTile, MAX_GRAPH_KNOBS,
+    WinogradTile,
 };
 
 /// Internals that nnfuse's own benches, command-line tool and tests use (not a stable API): the

@@ -20,7 +20,7 @@ pub struct GraphEngine {
 
 impl GraphEngine {
     /// Engine `index` with knob choices `knobs` (any order; sorted here). `None` when there are
-    /// more than [`MAX_GRAPH_KNOBS`] or a knob type repeats.
+    /// more than 8 or a knob type repeats.
     pub fn new(index: i64, knobs: &[(u32, i64)]) -> Option<GraphEngine> {
         if knobs.len() > MAX_GRAPH_KNOBS {
             return None;
