@@ -216,6 +216,7 @@ fn run() -> anyhow::Result<()> {
     );
     for (name, route) in [
         ("cudnn", Route::path(ConvPath::Cudnn)),
+        ("cudnn_graph", Route::path(ConvPath::CudnnGraph)),
         ("im2col_gemm", Route::path(ConvPath::Im2colGemm)),
         (
             "winograd_f4x3/tensor_core",

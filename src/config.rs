@@ -14,6 +14,7 @@
 //! | `NNFUSE_WINOGRAD_GEMM` | `auto`, `seed`, `tensor_core`, `direct`, `fused` | `auto` | how Winograd's batched multiply runs (see [`WinogradGemmPolicy`]) |
 //! | `NNFUSE_CONV_WORKSPACE_MB` | integer, 1 to 1048576 (1 TiB) | 256 | cap on the scratch memory of nnfuse's own convolution paths |
 //! | `NNFUSE_DETERMINISTIC` | boolean | false | only deterministic algorithms (cuDNN convolution backward) |
+//! | `NNFUSE_CUDNN_API` | `auto`, `graph`, `legacy` | `auto` | which cuDNN API runs convolutions (see [`CudnnApi`]) |
 //!
 //! Booleans parse like OneFlow's `ParseBooleanFromEnv`: `1/0`, `true/false`, `yes/no`, `on/off`
 //! (any case, surrounding blanks ignored); an empty value counts as unset; anything else is
@@ -250,6 +251,53 @@ impl FromStr for WinogradGemmPolicy {
     }
 }
 
+/// Which cuDNN API runs convolutions: the graph (backend) API's execution plans, built once per
+/// problem and engine configuration (~12–17 µs of host time per call on the H100), or the
+/// legacy `cudnnConvolution*` calls (deprecated in cuDNN 9; 58–97 µs per call).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum CudnnApi {
+    /// The graph API where the loaded cuDNN has it (9 or newer) and can run the problem; the
+    /// legacy algorithms are measured only when no engine configuration finalizes.
+    #[default]
+    Auto,
+    /// The graph API instead of the legacy calls; the legacy calls only as the fallback when no
+    /// engine configuration finalizes for the problem (or the graph API is missing, with a
+    /// warning).
+    Graph,
+    /// The legacy calls only (the behaviour before the graph route existed).
+    Legacy,
+}
+
+impl CudnnApi {
+    const TABLE: [(&'static str, CudnnApi); 3] = [
+        ("auto", CudnnApi::Auto),
+        ("graph", CudnnApi::Graph),
+        ("legacy", CudnnApi::Legacy),
+    ];
+
+    /// The spelling used by the environment variable and the CLI.
+    pub const fn name(self) -> &'static str {
+        match self {
+            CudnnApi::Auto => "auto",
+            CudnnApi::Graph => "graph",
+            CudnnApi::Legacy => "legacy",
+        }
+    }
+}
+
+impl fmt::Display for CudnnApi {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for CudnnApi {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        parse_choice(ENV_CUDNN_API, s, &Self::TABLE)
+    }
+}
+
 /// `NNFUSE_ENABLE_NHWC`.
 pub const ENV_ENABLE_NHWC: &str = "NNFUSE_ENABLE_NHWC";
 /// OneFlow's name for the same flag, honoured as an alias.
@@ -277,6 +325,8 @@ pub const ENV_WINOGRAD_GEMM: &str = "NNFUSE_WINOGRAD_GEMM";
 pub const ENV_CONV_WORKSPACE_MB: &str = "NNFUSE_CONV_WORKSPACE_MB";
 /// `NNFUSE_DETERMINISTIC`.
 pub const ENV_DETERMINISTIC: &str = "NNFUSE_DETERMINISTIC";
+/// `NNFUSE_CUDNN_API`.
+pub const ENV_CUDNN_API: &str = "NNFUSE_CUDNN_API";
 
 /// Default of [`Config::plan_cache_capacity`].
 pub const DEFAULT_PLAN_CACHE_CAPACITY: usize = 4096;
@@ -305,7 +355,7 @@ const OTHER_VARS: [&str; 10] = [
 ];
 
 /// Every variable nnfuse reads.
-pub const ALL_VARS: [&str; 13] = [
+pub const ALL_VARS: [&str; 14] = [
     ENV_ENABLE_NHWC,
     ENV_ONEFLOW_ENABLE_NHWC,
     ENV_BN_MODE_POLICY,
@@ -319,6 +369,7 @@ pub const ALL_VARS: [&str; 13] = [
     ENV_WINOGRAD_GEMM,
     ENV_CONV_WORKSPACE_MB,
     ENV_DETERMINISTIC,
+    ENV_CUDNN_API,
 ];
 
 /// The folder in the user's cache directory that holds kernel images when
@@ -356,6 +407,8 @@ pub struct Config {
     /// Only deterministic algorithms (cuDNN's convolution backward may otherwise pick
     /// algorithms that use atomics).
     pub deterministic: bool,
+    /// Which cuDNN API runs convolutions (graph or legacy).
+    pub cudnn_api: CudnnApi,
 }
 
 impl Default for Config {
@@ -374,6 +427,7 @@ impl Default for Config {
             winograd_gemm: WinogradGemmPolicy::Auto,
             conv_workspace_mb: DEFAULT_CONV_WORKSPACE_MB,
             deterministic: false,
+            cudnn_api: CudnnApi::Auto,
         }
     }
 }
@@ -544,6 +598,9 @@ impl Config {
         if let Some(v) = get(ENV_DETERMINISTIC) {
             c.deterministic = parse_bool(ENV_DETERMINISTIC, &v)?;
         }
+        if let Some(v) = get(ENV_CUDNN_API) {
+            c.cudnn_api = v.parse()?;
+        }
         Ok(c)
     }
 
@@ -619,6 +676,12 @@ impl Config {
         self
     }
 
+    /// Sets [`Config::cudnn_api`].
+    pub fn with_cudnn_api(mut self, api: CudnnApi) -> Self {
+        self.cudnn_api = api;
+        self
+    }
+
     /// [`Config::conv_workspace_mb`] in bytes (the field clamped to 1 MiB to 1 TiB: it is
     /// public, so it may hold what the variable would refuse).
     pub fn conv_workspace_bytes(&self) -> usize {
@@ -650,7 +713,8 @@ impl fmt::Display for Config {
         writeln!(f, "conv_algo            = {}", self.conv_algo)?;
         writeln!(f, "winograd_gemm        = {}", self.winograd_gemm)?;
         writeln!(f, "conv_workspace_mb    = {}", self.conv_workspace_mb)?;
-        write!(f, "deterministic        = {}", self.deterministic)
+        writeln!(f, "deterministic        = {}", self.deterministic)?;
+        write!(f, "cudnn_api            = {}", self.cudnn_api)
     }
 }
 
@@ -762,7 +826,29 @@ mod tests {
             assert_eq!(p.0.parse::<BnImpl>().unwrap(), p.1);
             assert_eq!(p.1.name(), p.0);
         }
-        assert_eq!(ALL_VARS.len(), 13);
+        assert_eq!(ALL_VARS.len(), 14);
+    }
+
+    #[test]
+    fn cudnn_api_is_read_and_checked() {
+        assert_eq!(Config::default().cudnn_api, CudnnApi::Auto);
+        assert_eq!(cfg(&[]).unwrap().cudnn_api, CudnnApi::Auto);
+        for (v, api) in [
+            ("graph", CudnnApi::Graph),
+            (" Legacy ", CudnnApi::Legacy),
+            ("AUTO", CudnnApi::Auto),
+        ] {
+            assert_eq!(cfg(&[(ENV_CUDNN_API, v)]).unwrap().cudnn_api, api, "{v}");
+        }
+        let e = cfg(&[(ENV_CUDNN_API, "backend")]).unwrap_err();
+        assert!(e.to_string().contains(ENV_CUDNN_API), "{e}");
+        for p in CudnnApi::TABLE {
+            assert_eq!(p.0.parse::<CudnnApi>().unwrap(), p.1);
+            assert_eq!(p.1.name(), p.0);
+        }
+        assert!(ALL_VARS.contains(&ENV_CUDNN_API));
+        let c = Config::default().with_cudnn_api(CudnnApi::Legacy);
+        assert!(c.to_string().contains("cudnn_api            = legacy"));
     }
 
     /// `NNFUSE_CONV_WORKSPACE_MB=18446744073709551615` once reached the workspace rounding,

@@ -75,7 +75,7 @@ pub mod internals {
     }
 }
 
-pub use config::{BnImpl, BnModePolicy, Config, ConvAlgoPolicy, WinogradGemmPolicy};
+pub use config::{BnImpl, BnModePolicy, Config, ConvAlgoPolicy, CudnnApi, WinogradGemmPolicy};
 pub use context::{Context, DeviceInfo};
 /// The cudarc crate nnfuse is built on: buffers are its `CudaSlice` / `CudaView` types, so a
 /// caller needs the same major version — this re-export is it (`nnfuse::cudarc::driver::...`).

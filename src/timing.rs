@@ -10,6 +10,10 @@
 //!   seconds, hits every variant alike. Because round `r` of two variants ran within
 //!   milliseconds of each other, the per-round ratio of their times ([`Paired`]) cancels the
 //!   drift that their medians alone would still carry.
+//! - [`time_interleaved_gpu`]: the same, measuring GPU time only: every sample is queued behind a
+//!   head start of GPU work (device memsets) that covers the host time of queuing it, so that a
+//!   variant whose calls queue slower than the GPU runs them (legacy cuDNN: 60-100 us of host
+//!   time per call) is judged by its GPU time, not by its host time.
 
 use std::fmt;
 
@@ -319,11 +323,7 @@ pub fn time_interleaved(
     n: usize,
     f: impl FnMut(usize, usize) -> Result<()>,
 ) -> Result<Interleaved> {
-    let mut r = Runner {
-        f,
-        launches: vec![0usize; n],
-        errors: vec![None; n],
-    };
+    let mut r = Runner::new(f, n);
     for _ in 0..opts.warmup_rounds {
         for v in 0..n {
             r.run(v, 1);
@@ -374,26 +374,43 @@ pub fn time_interleaved(
     })
 }
 
-/// The variants of [`time_interleaved`] and their state: launches made, first error.
+/// The variants of [`time_interleaved`] and their state: launches made, first error, host
+/// time per launch (ms; the latest burst's, or half the previous estimate if that is larger:
+/// a slow outlier fades, a slow variant stays slow).
 struct Runner<F> {
     f: F,
     launches: Vec<usize>,
     errors: Vec<Option<String>>,
+    host_ms: Vec<f64>,
 }
 
 impl<F: FnMut(usize, usize) -> Result<()>> Runner<F> {
+    fn new(f: F, n: usize) -> Runner<F> {
+        Runner {
+            f,
+            launches: vec![0usize; n],
+            errors: vec![None; n],
+            host_ms: vec![0.0; n],
+        }
+    }
+
     /// Runs `count` launches of `v`; false (and the error kept) if one fails or `v` failed
     /// before.
     fn run(&mut self, v: usize, count: usize) -> bool {
         if self.errors[v].is_some() {
             return false;
         }
+        let t = std::time::Instant::now();
         for _ in 0..count {
             if let Err(e) = (self.f)(v, self.launches[v]) {
                 self.errors[v] = Some(e.to_string());
                 return false;
             }
             self.launches[v] += 1;
+        }
+        if count > 0 {
+            let per = t.elapsed().as_secs_f64() * 1e3 / count as f64;
+            self.host_ms[v] = per.max(0.5 * self.host_ms[v]);
         }
         true
     }
@@ -485,6 +502,174 @@ fn timed_rounds<F: FnMut(usize, usize) -> Result<()>>(
         samples[v].push(ms / bursts[v] as f64);
     }
     Ok(())
+}
+
+/// Bytes of the head start's buffer: each memset of it is ~20 us of GPU work on an H100.
+const HEAD_START_BYTES: usize = 64 << 20;
+/// A sample's head start covers this many times its burst's host time ...
+const HEAD_START_FACTOR: f64 = 1.5;
+/// ... plus this (ms: the events' own queuing).
+const HEAD_START_SLACK_MS: f64 = 0.02;
+/// Most memsets in one head start (~80 ms of GPU work on an H100).
+const HEAD_START_MAX_MEMSETS: usize = 4096;
+
+/// GPU work queued before a sample so that the host queues the sample while the GPU is busy.
+struct HeadStart {
+    buf: CudaSlice<u8>,
+    /// GPU time of one memset of `buf` (ms), measured.
+    memset_ms: f64,
+}
+
+impl HeadStart {
+    /// The buffer and its memset's GPU time; `None` when the buffer cannot be allocated (the
+    /// caller then times without head starts, with a warning).
+    fn new(ctx: &Context) -> Result<Option<HeadStart>> {
+        let stream = ctx.stream();
+        let mut buf = match stream.alloc_zeros::<u8>(HEAD_START_BYTES) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(error = %e, bytes = HEAD_START_BYTES,
+                    "no head-start buffer: samples are timed without a head start");
+                return Ok(None);
+            }
+        };
+        const CALIBRATION: usize = 8;
+        stream.memset_zeros(&mut buf).call("cuMemsetD8Async")?;
+        let a = new_event(ctx)?;
+        a.record(stream).call("cuEventRecord")?;
+        for _ in 0..CALIBRATION {
+            stream.memset_zeros(&mut buf).call("cuMemsetD8Async")?;
+        }
+        let b = new_event(ctx)?;
+        b.record(stream).call("cuEventRecord")?;
+        b.synchronize().call("cuEventSynchronize")?;
+        let ms = a.elapsed_ms(&b).call("cuEventElapsedTime")? as f64 / CALIBRATION as f64;
+        Ok(Some(HeadStart {
+            buf,
+            memset_ms: if ms.is_finite() && ms > 1e-4 {
+                ms
+            } else {
+                1e-2
+            },
+        }))
+    }
+
+    /// Queues enough memsets to keep the GPU busy for `host_ms` of queuing (with margin).
+    fn queue(&mut self, ctx: &Context, host_ms: f64) -> Result<()> {
+        let want = host_ms.max(0.0) * HEAD_START_FACTOR + HEAD_START_SLACK_MS;
+        let n = ((want / self.memset_ms).ceil() as usize).clamp(1, HEAD_START_MAX_MEMSETS);
+        for _ in 0..n {
+            ctx.stream()
+                .memset_zeros(&mut self.buf)
+                .call("cuMemsetD8Async")?;
+        }
+        Ok(())
+    }
+}
+
+/// `rounds` rounds in which every live variant runs one burst between its own pair of events,
+/// behind a head start covering the burst's host time; one synchronisation per round. Returns
+/// each variant's time per launch (ms) per round.
+fn head_start_rounds<F: FnMut(usize, usize) -> Result<()>>(
+    ctx: &Context,
+    r: &mut Runner<F>,
+    head: &mut HeadStart,
+    bursts: &[usize],
+    rounds: usize,
+) -> Result<Vec<Vec<f64>>> {
+    let stream = ctx.stream();
+    let n = bursts.len();
+    let mut samples: Vec<Vec<f64>> = vec![Vec::with_capacity(rounds); n];
+    for _ in 0..rounds {
+        let mut spans = Vec::with_capacity(n);
+        for (v, &burst) in bursts.iter().enumerate() {
+            if !r.alive(v) {
+                continue;
+            }
+            head.queue(ctx, r.host_ms[v] * burst as f64)?;
+            let a = new_event(ctx)?;
+            a.record(stream).call("cuEventRecord")?;
+            if !r.run(v, burst) {
+                continue;
+            }
+            let b = new_event(ctx)?;
+            b.record(stream).call("cuEventRecord")?;
+            spans.push((v, a, b));
+        }
+        if let Some((_, _, last)) = spans.last() {
+            last.synchronize().call("cuEventSynchronize")?;
+        }
+        for (v, a, b) in spans {
+            let ms = a.elapsed_ms(&b).call("cuEventElapsedTime")? as f64;
+            samples[v].push(ms / bursts[v] as f64);
+        }
+    }
+    Ok(samples)
+}
+
+/// [`time_interleaved`] measuring GPU time only: the same options, rounds and result, but every
+/// sample (the estimate's single launches too) is queued behind a head start of device memsets
+/// covering 1.5 times the host time its launches took last time, and has its
+/// own pair of events, so that the GPU never waits for the host inside a sample. The host time
+/// is learned from an untimed first launch of every variant (the warm-up rounds, when asked
+/// for, come before it). Falls back to [`time_interleaved`] when the head start's buffer
+/// (64 MiB) cannot be allocated.
+pub fn time_interleaved_gpu(
+    ctx: &Context,
+    opts: InterleavedOptions,
+    n: usize,
+    f: impl FnMut(usize, usize) -> Result<()>,
+) -> Result<Interleaved> {
+    let Some(mut head) = HeadStart::new(ctx)? else {
+        return time_interleaved(ctx, opts, n, f);
+    };
+    let mut r = Runner::new(f, n);
+    for _ in 0..opts.warmup_rounds {
+        for v in 0..n {
+            r.run(v, 1);
+        }
+    }
+    // The host-time probe: one untimed launch of every variant.
+    for v in 0..n {
+        r.run(v, 1);
+    }
+    let ones = vec![1usize; n];
+    let estimate: Vec<f64> = head_start_rounds(ctx, &mut r, &mut head, &ones, 1)?
+        .into_iter()
+        .map(|s| s.first().copied().unwrap_or(f64::NAN))
+        .collect();
+    let bursts: Vec<usize> = estimate
+        .iter()
+        .map(|&t| burst_len(t, opts.min_sample_ms, opts.max_burst))
+        .collect();
+    let sample_ms: Vec<f64> = (0..n)
+        .filter(|&v| r.alive(v))
+        .map(|v| estimate[v] * bursts[v] as f64)
+        .collect();
+    let rounds = rounds_for(
+        &sample_ms,
+        opts.min_rounds.max(1),
+        opts.max_rounds,
+        opts.budget_ms,
+    );
+    // Single-launch samples: the estimate is the first timed round.
+    let keep_estimate = (0..n).all(|v| !r.alive(v) || bursts[v] == 1);
+    let remaining = if keep_estimate { rounds - 1 } else { rounds };
+    let mut samples = head_start_rounds(ctx, &mut r, &mut head, &bursts, remaining)?;
+    for (v, s) in samples.iter_mut().enumerate() {
+        if keep_estimate && r.alive(v) {
+            s.insert(0, estimate[v]);
+        }
+        if r.errors[v].is_some() {
+            s.clear();
+        }
+    }
+    Ok(Interleaved {
+        samples,
+        bursts,
+        errors: r.errors,
+        rounds,
+    })
 }
 
 /// Measures the device-to-device copy bandwidth in bytes per second, counting bytes read plus

@@ -39,6 +39,8 @@ fn plan_of(
         direction,
         config,
         cudnn_present,
+        // cuDNN 9 (the graph API) wherever cuDNN is present; plan_with_graph varies it.
+        cudnn_graph: cudnn_present,
     })
     .unwrap_or_else(|e| panic!("{s:?} {direction}: {e}"))
 }
@@ -469,6 +471,7 @@ fn invalid_problems_name_the_field() {
             direction: Direction::Forward,
             config: &cfg,
             cudnn_present: true,
+            cudnn_graph: true,
         })
         .unwrap_err();
         assert_eq!(e.argument(), Some(name), "{s:?}: {e}");
@@ -772,4 +775,113 @@ fn names_parse_back() {
         "up".parse::<Direction>().unwrap_err().argument(),
         Some("direction")
     );
+}
+
+/// `plan_of` with the graph API's availability given.
+fn plan_with_graph(s: ConvShape, direction: Direction, config: &Config, graph: bool) -> ConvPlan {
+    plan(&ConvPlanRequest {
+        shape: s,
+        dtype: DType::F16,
+        direction,
+        config,
+        cudnn_present: true,
+        cudnn_graph: graph,
+    })
+    .unwrap_or_else(|e| panic!("{s:?} {direction}: {e}"))
+}
+
+#[test]
+fn the_cudnn_candidate_goes_through_the_graph_api_where_it_can() {
+    use nnfuse::config::CudnnApi;
+    let s = shape(32, 64, 56, 64, 3, NHWC);
+    for d in Direction::ALL {
+        // Default (auto) with cuDNN 9: the graph API; the candidates are unchanged.
+        let p = plan_with_graph(s, d, &Config::default(), true);
+        assert!(p.cudnn_graph, "{d}:\n{p}");
+        assert_eq!(p.cudnn_api, CudnnApi::Auto);
+        assert_eq!(p.cudnn_api_used(), Some("graph"));
+        assert_eq!(p.candidates[0].path, ConvPath::Cudnn, "{d}");
+        assert!(p.candidates.iter().all(|r| r.path != ConvPath::CudnnGraph));
+        assert!(p.eligible(ConvPath::CudnnGraph), "{d}");
+        assert_eq!(p.paths.len(), 5);
+        assert_eq!(p.api_paths.len(), 1);
+        assert_eq!(p.api_paths[0].path, ConvPath::CudnnGraph);
+        assert!(has_reason(&p, "cuDNN API graph"), "{p}");
+        assert!(has_reason(&p, "cudnn_graph: cuDNN's graph"), "{p}");
+        let j = p.to_json();
+        assert_eq!(j["cudnn_api"], "auto");
+        assert_eq!(j["cudnn_api_used"], "graph");
+        assert_eq!(j["api_paths"][0]["path"], "cudnn_graph");
+        assert_eq!(j["api_paths"][0]["eligible"], true);
+        assert!(p.to_string().contains("cuDNN API graph (auto)"), "{p}");
+        // A graph route that fails falls back to the legacy calls.
+        assert_eq!(
+            p.fallback_route(ConvPath::CudnnGraph).unwrap().path,
+            ConvPath::Cudnn
+        );
+
+        // legacy: the graph path is not eligible and the plan says why.
+        let legacy = Config::default().with_cudnn_api(CudnnApi::Legacy);
+        let p = plan_with_graph(s, d, &legacy, true);
+        assert!(!p.cudnn_graph && !p.eligible(ConvPath::CudnnGraph), "{p}");
+        assert_eq!(p.cudnn_api_used(), Some("legacy"));
+        assert!(why(&p, ConvPath::CudnnGraph).contains("legacy"), "{p}");
+        assert!(has_reason(&p, "cuDNN API legacy (legacy)"), "{p}");
+        assert!(!has_reason(&p, "cudnn_graph: cuDNN's graph"), "{p}");
+
+        // A cuDNN without the graph API: legacy under auto, and graph is not honoured.
+        let p = plan_with_graph(s, d, &Config::default(), false);
+        assert!(!p.cudnn_graph, "{p}");
+        assert!(
+            why(&p, ConvPath::CudnnGraph).contains("no graph API"),
+            "{p}"
+        );
+        assert!(has_reason(&p, "cuDNN API legacy (auto)"), "{p}");
+        let graph = Config::default().with_cudnn_api(CudnnApi::Graph);
+        let p = plan_with_graph(s, d, &graph, false);
+        assert!(has_reason(&p, "graph is not honoured"), "{p}");
+        let p = plan_with_graph(s, d, &graph, true);
+        assert!(p.cudnn_graph, "{p}");
+
+        // The cudnn policy takes the graph API too; a policy without cuDNN uses no API.
+        let forced = Config::default().with_conv_algo(ConvAlgoPolicy::Cudnn);
+        let p = plan_with_graph(s, d, &forced, true);
+        assert!(p.cudnn_graph && !p.measured, "{p}");
+        assert_eq!(p.candidates.len(), 1);
+        let own = Config::default().with_conv_algo(ConvAlgoPolicy::Im2col);
+        let p = plan_with_graph(s, d, &own, true);
+        assert!(!p.cudnn_graph, "{p}");
+        assert_eq!(p.cudnn_api_used(), None);
+        assert!(!has_reason(&p, "cuDNN API"), "{p}");
+    }
+    // Without cuDNN nothing of it is eligible.
+    let p = plan_of(s, DType::F16, Direction::Forward, &Config::default(), false);
+    assert!(!p.cudnn_graph && !p.eligible(ConvPath::CudnnGraph));
+    assert!(why(&p, ConvPath::CudnnGraph).contains("cannot be loaded"));
+    // cuDNN's int limits hold for the graph API as for the legacy one.
+    let big = ConvShape {
+        n: 1 << 31,
+        ..shape(1, 3, 5, 8, 3, NCHW)
+    };
+    let p = plan_with_graph(big, Direction::Forward, &Config::default(), true);
+    assert!(!p.eligible(ConvPath::CudnnGraph) && !p.cudnn_graph, "{p}");
+}
+
+#[test]
+fn graph_routes_name_their_engine_config() {
+    use nnfuse::conv::{GraphEngine, Route};
+    assert_eq!(
+        "cudnn_graph".parse::<ConvPath>().unwrap(),
+        ConvPath::CudnnGraph
+    );
+    assert_eq!("graph".parse::<ConvPath>().unwrap(), ConvPath::CudnnGraph);
+    assert!(!ConvPath::CudnnGraph.is_own() && ConvPath::CudnnGraph.is_cudnn());
+    assert!(ConvPath::Cudnn.is_cudnn() && !ConvPath::Im2colGemm.is_cudnn());
+    let e = GraphEngine::new(45, &[]).unwrap();
+    let r = Route::graph(e);
+    assert_eq!(r.path, ConvPath::CudnnGraph);
+    assert_eq!(r.graph_engine, Some(e));
+    assert_eq!(r.label(), "cudnn_graph:eng45{}");
+    assert_eq!(Route::path(ConvPath::CudnnGraph).label(), "cudnn_graph");
+    assert!(Route::path(ConvPath::Cudnn).graph_engine.is_none());
 }

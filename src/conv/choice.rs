@@ -49,8 +49,8 @@ use serde_json::{json, Map, Value};
 use super::cudnn::{CudnnAlgo, CudnnConv, CudnnMath, CudnnPtrs};
 use super::plan::{ConvPath, ConvPlan, Direction, Route};
 use super::route::{self, Exec};
-use super::{direct, ConvShape, WinogradEngine};
-use crate::config::{ConvAlgoPolicy, WinogradGemmPolicy};
+use super::{direct, ConvShape, GraphEngine, WinogradEngine};
+use crate::config::{ConvAlgoPolicy, CudnnApi, WinogradGemmPolicy};
 use crate::context::Context;
 use crate::dtype::DType;
 use crate::error::{CallExt, Error, Result};
@@ -58,7 +58,7 @@ use crate::kernels;
 use crate::layout::TensorFormat;
 use crate::timing::{InterleavedOptions, Paired};
 use crate::tune::file::{self, Section, FILE_FORMAT, FILE_VERSION};
-use crate::tune::race::{ms_since, race};
+use crate::tune::race::{ms_since, race_gpu};
 use crate::tune::rule::judge;
 use crate::tune::store::{self, LruStore};
 
@@ -397,6 +397,8 @@ pub struct ChoiceKey {
     pub workspace_mb: usize,
     /// cuDNN search mode.
     pub cudnn_search: SearchKey,
+    /// cuDNN API policy ([`crate::config::CudnnApi`]).
+    pub cudnn_api: ApiKey,
 }
 
 /// [`ConvShape`] as an ordered key.
@@ -458,6 +460,9 @@ pub struct WinogradKey(pub &'static str);
 /// [`CudnnSearch`] as an ordered key (its name).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SearchKey(pub &'static str);
+/// [`crate::config::CudnnApi`] as an ordered key (its name).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ApiKey(pub &'static str);
 
 impl ChoiceKey {
     /// The key of a plan under a search mode on a device.
@@ -472,6 +477,7 @@ impl ChoiceKey {
             deterministic: plan.deterministic,
             workspace_mb: plan.workspace_cap_bytes >> 20,
             cudnn_search: SearchKey(search.name()),
+            cudnn_api: ApiKey(plan.cudnn_api.name()),
         }
     }
 }
@@ -619,12 +625,14 @@ pub fn entry_to_json(key: &ChoiceKey, c: &ConvChoice) -> Value {
             "deterministic": key.deterministic,
             "workspace_mb": key.workspace_mb,
             "cudnn_search": key.cudnn_search.0,
+            "cudnn_api": key.cudnn_api.0,
         },
         "choice": {
             "path": c.route.path.name(),
             "engine": c.route.engine.map(|e| e.name()),
             "cudnn_algo": c.route.cudnn_algo.map(|a| a.name()),
             "cudnn_math": c.route.cudnn_algo.map(|a| a.math.name()),
+            "graph_engine": c.route.graph_engine.map(|e| e.label()),
             "origin": c.origin.name(),
         },
         "median_us": finite(c.median_us),
@@ -721,6 +729,15 @@ fn key_from_json(k: &Value, ordinal: u32) -> std::result::Result<ChoiceKey, Stri
         winograd_from_name(&str_field(k, "winograd_gemm")?).ok_or("unknown winograd_gemm")?;
     let search =
         CudnnSearch::parse(&str_field(k, "cudnn_search")?).ok_or("unknown cudnn_search")?;
+    // Entries written before the graph route existed were measured with the legacy API.
+    let cudnn_api = match k.get("cudnn_api") {
+        None | Some(Value::Null) => CudnnApi::Legacy.name(),
+        Some(v) => v
+            .as_str()
+            .and_then(|n| n.parse::<CudnnApi>().ok())
+            .map(CudnnApi::name)
+            .ok_or("unknown cudnn_api")?,
+    };
     let deterministic = k
         .get("deterministic")
         .and_then(Value::as_bool)
@@ -735,6 +752,7 @@ fn key_from_json(k: &Value, ordinal: u32) -> std::result::Result<ChoiceKey, Stri
         deterministic,
         workspace_mb: num("workspace_mb")?,
         cudnn_search: SearchKey(search.name()),
+        cudnn_api: ApiKey(cudnn_api),
     })
 }
 
@@ -768,9 +786,23 @@ fn route_from_json(c: &Value, direction: Direction) -> std::result::Result<Route
         }
         _ => return Err("cudnn_algo and cudnn_math go together".into()),
     };
+    let graph_engine = match present("graph_engine") {
+        None => None,
+        Some(v) => Some(
+            v.as_str()
+                .and_then(GraphEngine::parse)
+                .ok_or("graph_engine is not an engine config such as eng45{} or eng12{k2=1}")?,
+        ),
+    };
+    if graph_engine.is_some() != (path == ConvPath::CudnnGraph) {
+        return Err("a cudnn_graph choice, and only it, names its graph_engine".into());
+    }
     match path {
         ConvPath::Cudnn if cudnn_algo.is_none() || engine.is_some() => {
             return Err("a cuDNN choice names its algorithm and no engine".into())
+        }
+        ConvPath::CudnnGraph if engine.is_some() || cudnn_algo.is_some() => {
+            return Err("a cudnn_graph choice names no Winograd engine or legacy algorithm".into())
         }
         ConvPath::WinogradF2x3 | ConvPath::WinogradF4x3
             if engine.is_none() || cudnn_algo.is_some() =>
@@ -786,6 +818,7 @@ fn route_from_json(c: &Value, direction: Direction) -> std::result::Result<Route
         path,
         engine,
         cudnn_algo,
+        graph_engine,
     })
 }
 
@@ -1137,7 +1170,7 @@ fn refuse_inaccurate_winograd(reports: &mut [CandidateReport], dtype: DType) -> 
     let is_winograd = |r: &CandidateReport| r.route.path.winograd_tile().is_some();
     let baseline = reports
         .iter()
-        .find(|r| passed(r) && r.route.path == ConvPath::Cudnn)
+        .find(|r| passed(r) && r.route.path.is_cudnn())
         .or_else(|| reports.iter().find(|r| passed(r) && !is_winograd(r)))
         .and_then(|r| r.rel_l2);
     let allowance =
@@ -1347,7 +1380,9 @@ impl<'a> Bench<'a> {
         alive: &[usize],
         reports: &mut [CandidateReport],
     ) -> Result<(usize, usize)> {
-        let r = race(self.inp.ctx, measure_timing(), alive.len(), |v, _| {
+        // GPU time only: a legacy cuDNN call queues for 60-100 us of host time, more than many
+        // kernels take; each burst waits behind a head start that covers its queuing.
+        let r = race_gpu(self.inp.ctx, measure_timing(), alive.len(), |v, _| {
             self.run(self.inp.execs[alive[v]], operands)
         })?;
         let res = &r.timing;
@@ -1414,7 +1449,63 @@ mod tests {
             deterministic: true,
             workspace_mb: 64,
             cudnn_search: SearchKey("find"),
+            cudnn_api: ApiKey("auto"),
         }
+    }
+
+    #[test]
+    fn graph_entries_round_trip_and_are_checked() {
+        let k = key();
+        let e = GraphEngine::new(57, &[(2, 1), (5, 0)]).unwrap();
+        let c = ConvChoice {
+            route: Route::graph(e),
+            origin: ChoiceOrigin::Measured,
+            median_us: 7.5,
+            incumbent_us: 9.0,
+            candidates: 6,
+            notes: vec![],
+        };
+        let v = entry_to_json(&k, &c);
+        assert_eq!(v["choice"]["graph_engine"], json!("eng57{k2=1,k5=0}"));
+        assert_eq!(v["key"]["cudnn_api"], json!("auto"));
+        let (k2, c2) = entry_from_json(&v, 0).unwrap();
+        assert_eq!(k2, k);
+        assert_eq!(c2.route, Route::graph(e));
+        assert_eq!(c2.route.label(), "cudnn_graph:eng57{k2=1,k5=0}");
+        // The engine config goes with the graph path only, and must parse.
+        let mut bad = v.clone();
+        bad["choice"]["graph_engine"] = json!(null);
+        assert!(entry_from_json(&bad, 0)
+            .unwrap_err()
+            .contains("graph_engine"));
+        let mut bad = v.clone();
+        bad["choice"]["graph_engine"] = json!("engine 57");
+        assert!(entry_from_json(&bad, 0)
+            .unwrap_err()
+            .contains("graph_engine"));
+        let mut bad = v.clone();
+        bad["choice"]["path"] = json!("im2col_gemm");
+        assert!(entry_from_json(&bad, 0)
+            .unwrap_err()
+            .contains("graph_engine"));
+        let mut bad = v.clone();
+        bad["key"]["cudnn_api"] = json!("backend");
+        assert!(entry_from_json(&bad, 0).unwrap_err().contains("cudnn_api"));
+        // Entries from before the graph route: measured with the legacy API.
+        let mut old = entry_to_json(
+            &k,
+            &ConvChoice::planned(Route::path(ConvPath::Im2colGemm), ChoiceOrigin::Measured),
+        );
+        if let Some(o) = old["key"].as_object_mut() {
+            o.remove("cudnn_api");
+        }
+        if let Some(o) = old["choice"].as_object_mut() {
+            o.remove("graph_engine");
+        }
+        assert_eq!(
+            entry_from_json(&old, 0).unwrap().0.cudnn_api,
+            ApiKey("legacy")
+        );
     }
 
     #[test]

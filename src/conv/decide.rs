@@ -13,6 +13,7 @@ use super::choice::{
     self, ChoiceKey, ChoiceOrigin, ConvChoice, CudnnSearch, MeasureInput, MAX_CUDNN_CANDIDATES,
 };
 use super::cudnn::usable;
+use super::cudnn_graph_run;
 use super::plan::{ConvPath, ConvPlan, Route};
 use super::problem::{CudnnPtrs, Direction};
 use super::route::{self, Exec};
@@ -91,6 +92,10 @@ impl<T: Element> Conv2d<T> {
 
     /// Whether a cached or file route fits this object's plan for `d`.
     pub(super) fn acceptable(&self, plan: &ConvPlan, r: &Route) -> bool {
+        if r.path == ConvPath::CudnnGraph {
+            let target = self.core.target(&self.ctx);
+            return cudnn_graph_run::fits(&target, plan, r, self.core.search);
+        }
         if !plan.candidates.iter().any(|c| c.path == r.path) {
             return false;
         }
@@ -196,6 +201,10 @@ impl<T: Element> Conv2d<T> {
         for r in &plan.candidates {
             if r.path != ConvPath::Cudnn {
                 execs.push(self.core.exec_of(&self.ctx, d, *r)?);
+                continue;
+            }
+            if let Some(v) = cudnn_graph_run::candidates(&self.core, &self.ctx, plan, &mut notes) {
+                execs.extend(v);
                 continue;
             }
             // One cuDNN algorithm when nothing else competes and the search is Find; the
@@ -387,6 +396,9 @@ impl<T: Element> Conv2d<T> {
                 "route",
                 "only a Winograd route names an engine",
             ));
+        }
+        if let Some(e) = cudnn_graph_run::misplaced(&r) {
+            return Err(e);
         }
         self.core.exec_of(&self.ctx, d, r)
     }

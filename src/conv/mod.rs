@@ -25,6 +25,8 @@
 //!   `kernels/winograd_gemm.cu` (the Direct batched multiply);
 //! - `call`: what a path's `raw_run` receives (`PathCall`: problem, completed route, operands);
 //! - `cudnn_run`: the cuDNN path's run function;
+//! - `cudnn_graph_run`: the cuDNN graph path's run function (on `crate::cudnn_graph`'s cached
+//!   plans), the engine configs the `cudnn` candidate stands for, the check of a stored one;
 //! - `route`: runs one route (the one place a route becomes a path call, through the table
 //!   that `conv_paths!` expands into);
 //! - `choice`: the first call's measurement, the choice caches and the tuning-cache file;
@@ -36,6 +38,7 @@
 //! device, aliasing, overflow); they are `unsafe` for that reason and never seen by users.
 
 pub(crate) mod cudnn;
+mod cudnn_graph_run;
 mod cudnn_run;
 pub(crate) mod paths;
 pub mod plan;
@@ -64,7 +67,8 @@ pub use plan::{
 };
 pub(crate) use problem::{BwdDataPtrs, BwdFilterPtrs, FwdPtrs};
 pub use problem::{
-    ConvShape, CudnnAlgo, CudnnMath, CudnnPerf, Direction, WinogradEngine, WinogradTile,
+    ConvShape, CudnnAlgo, CudnnMath, CudnnPerf, Direction, GraphEngine, WinogradEngine,
+    WinogradTile,
 };
 
 /// Internals that nnfuse's own benches, command-line tool and tests use (not a stable API): the

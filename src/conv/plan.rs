@@ -15,6 +15,10 @@
 //!     gradient also needs padding <= 2), one image's transformed tensors and the transformed
 //!     filter fit the cap. Not for the filter gradient (it takes im2col + GEMM or cuDNN).
 //!   - `direct`: any forward problem; no gradient kernel.
+//!   - `cudnn_graph`: as `cudnn`, and the loaded cuDNN has the graph API (9 or newer) and
+//!     [`Config::cudnn_api`] is not `legacy`. It is not a candidate of its own: when it is
+//!     eligible, the `cudnn` candidate goes through it ([`ConvPlan::cudnn_graph`]): its engine
+//!     configs are `auto`'s cuDNN routes, the legacy algorithms only the fallback.
 //! - **Policy** ([`ConvAlgoPolicy`]): `auto` measures every eligible path on the first call
 //!   (the direct kernel only for problems under [`DIRECT_CANDIDATE_MAX_FLOPS`] or when nothing
 //!   else runs); a forced policy takes its path, or, where that path is not eligible, falls back
@@ -33,12 +37,13 @@ use std::fmt;
 
 use serde_json::{json, Value};
 
+use super::paths::graph_refusal;
 pub use super::paths::{
     cudnn_int_limits, ConvPath, ConvPlanRequest, EngineDecision, PathInfo, WinogradInfo, INT_MAX,
 };
 pub use super::problem::Direction;
-use super::problem::{ConvShape, CudnnAlgo, WinogradEngine, WinogradTile};
-use crate::config::{Config, ConvAlgoPolicy, WinogradGemmPolicy};
+use super::problem::{ConvShape, CudnnAlgo, GraphEngine, WinogradEngine, WinogradTile};
+use crate::config::{Config, ConvAlgoPolicy, CudnnApi, WinogradGemmPolicy};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::layout::TensorFormat;
@@ -48,9 +53,9 @@ use crate::layout::TensorFormat;
 /// time.
 pub const DIRECT_CANDIDATE_MAX_FLOPS: f64 = 1e9;
 
-/// One concrete way to run a convolution: a path, Winograd's engine for a Winograd path, and
-/// cuDNN's algorithm for the cuDNN path (`None` in a plan: cuDNN's choice is made on the GPU at
-/// the first call).
+/// One concrete way to run a convolution: a path, Winograd's engine for a Winograd path,
+/// cuDNN's algorithm for the cuDNN path and cuDNN's engine config for the graph path (`None` in
+/// a plan: cuDNN's choice is made on the GPU at the first call).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Route {
     /// The path.
@@ -59,6 +64,9 @@ pub struct Route {
     pub engine: Option<WinogradEngine>,
     /// cuDNN's algorithm (cuDNN path only; `None`: the one cuDNN's search picks).
     pub cudnn_algo: Option<CudnnAlgo>,
+    /// cuDNN's graph engine config (graph path only; `None`: the first one the policy admits
+    /// that finalizes).
+    pub graph_engine: Option<GraphEngine>,
 }
 
 impl Route {
@@ -68,6 +76,7 @@ impl Route {
             path,
             engine: None,
             cudnn_algo: None,
+            graph_engine: None,
         }
     }
 
@@ -77,6 +86,7 @@ impl Route {
             path: ConvPath::winograd(tile),
             engine: Some(engine),
             cudnn_algo: None,
+            graph_engine: None,
         }
     }
 
@@ -86,15 +96,28 @@ impl Route {
             path: ConvPath::Cudnn,
             engine: None,
             cudnn_algo: Some(algo),
+            graph_engine: None,
         }
     }
 
-    /// `cudnn:IMPLICIT_PRECOMP_GEMM/tensor_op`, `winograd_f4x3/tensor_core`, `im2col_gemm`.
+    /// A cuDNN graph route with one engine config.
+    pub const fn graph(engine: GraphEngine) -> Route {
+        Route {
+            path: ConvPath::CudnnGraph,
+            engine: None,
+            cudnn_algo: None,
+            graph_engine: Some(engine),
+        }
+    }
+
+    /// `cudnn:IMPLICIT_PRECOMP_GEMM/tensor_op`, `cudnn_graph:eng45{}`,
+    /// `winograd_f4x3/tensor_core`, `im2col_gemm`.
     pub fn label(&self) -> String {
-        match (self.engine, self.cudnn_algo) {
-            (Some(e), _) => format!("{}/{}", self.path, e.name()),
-            (None, Some(a)) => format!("{}:{}", self.path, a.label()),
-            (None, None) => self.path.name().to_string(),
+        match (self.engine, self.cudnn_algo, self.graph_engine) {
+            (Some(e), _, _) => format!("{}/{}", self.path, e.name()),
+            (None, Some(a), _) => format!("{}:{}", self.path, a.label()),
+            (None, None, Some(g)) => format!("{}:{}", self.path, g.label()),
+            (None, None, None) => self.path.name().to_string(),
         }
     }
 }
@@ -124,10 +147,16 @@ pub struct ConvPlan {
     /// Whether the first call measures [`ConvPlan::candidates`] against each other.
     pub measured: bool,
     /// What the first call measures, in order (the first is the incumbent); one entry when
-    /// nothing is measured. A cuDNN entry stands for cuDNN's algorithms (chosen on the GPU).
+    /// nothing is measured. A cuDNN entry stands for cuDNN's engine configs (graph API, when
+    /// [`ConvPlan::cudnn_graph`]) or algorithms (legacy API), chosen on the GPU.
     pub candidates: Vec<Route>,
-    /// Every path's eligibility, in [`ConvPath::ALL`] order.
+    /// Every path's eligibility that the plan lists as a candidate of its own, in
+    /// [`ConvPath::ALL`] order.
     pub paths: Vec<PathInfo>,
+    /// The eligibility of the paths that are an API of another path's candidate rather than
+    /// candidates of their own: `cudnn_graph`, which the `cudnn` candidate goes through when
+    /// [`ConvPlan::cudnn_graph`].
+    pub api_paths: Vec<PathInfo>,
     /// Why the policy's path could not be taken, when the plan fell back.
     pub fallback: Option<String>,
     /// False when no path can run the problem (a gradient without cuDNN whose columns exceed
@@ -145,6 +174,12 @@ pub struct ConvPlan {
     pub workspace_cap_bytes: usize,
     /// Whether cuDNN was taken to be present.
     pub cudnn_present: bool,
+    /// The cuDNN API policy the plan was made under.
+    pub cudnn_api: CudnnApi,
+    /// Whether the `cudnn` candidate runs through the graph API (its engine configs measured at
+    /// the first call; the legacy algorithms only if none finalizes) rather than the legacy
+    /// calls; why, in [`ConvPlan::reasons`].
+    pub cudnn_graph: bool,
     /// Every reason, in words.
     pub reasons: Vec<String>,
 }
@@ -152,8 +187,8 @@ pub struct ConvPlan {
 impl ConvPlan {
     /// The eligibility of `path`.
     pub fn info(&self, path: ConvPath) -> &PathInfo {
-        // `paths` always holds every path in ALL order (built by `plan`).
-        &self.paths[ConvPath::ALL.iter().position(|&p| p == path).unwrap_or(0)]
+        // `paths` and `api_paths` together hold every path (built by `plan`).
+        info_in(&self.paths, &self.api_paths, path)
     }
 
     /// Whether `path` can run the problem.
@@ -172,6 +207,15 @@ impl ConvPlan {
     /// Bytes of scratch the planned path uses (see [`PathInfo::scratch_bytes`]).
     pub fn scratch_bytes(&self) -> usize {
         self.info(self.path).scratch_bytes
+    }
+
+    /// `graph` or `legacy`: the API the `cudnn` candidate runs through; `None` when cuDNN is
+    /// not among the candidates.
+    pub fn cudnn_api_used(&self) -> Option<&'static str> {
+        if !self.candidates.iter().any(|r| r.path.is_cudnn()) {
+            return None;
+        }
+        Some(if self.cudnn_graph { "graph" } else { "legacy" })
     }
 
     /// The route to take when the chosen one fails at run time: cuDNN if eligible, else the
@@ -234,6 +278,11 @@ impl ConvPlan {
             "measured": self.measured,
             "candidates": self.candidates.iter().map(Route::label).collect::<Vec<_>>(),
             "paths": paths,
+            "api_paths": self.api_paths.iter().map(|p| json!({
+                "path": p.path.name(),
+                "eligible": p.eligible,
+                "why_not": p.why_not,
+            })).collect::<Vec<_>>(),
             "fallback": self.fallback,
             "runnable": self.runnable,
             "flops": self.flops,
@@ -243,6 +292,8 @@ impl ConvPlan {
             "deterministic": self.deterministic,
             "workspace_cap_bytes": self.workspace_cap_bytes,
             "cudnn_present": self.cudnn_present,
+            "cudnn_api": self.cudnn_api.name(),
+            "cudnn_api_used": self.cudnn_api_used(),
             "reasons": self.reasons,
         })
     }
@@ -295,7 +346,8 @@ impl fmt::Display for ConvPlan {
         )?;
         writeln!(
             f,
-            "policy {} | winograd_gemm {} | deterministic {} | workspace cap {} MiB | cuDNN {}",
+            "policy {} | winograd_gemm {} | deterministic {} | workspace cap {} MiB | cuDNN {} \
+             | cuDNN API {} ({})",
             self.policy,
             self.winograd_gemm,
             self.deterministic,
@@ -304,7 +356,9 @@ impl fmt::Display for ConvPlan {
                 "present"
             } else {
                 "absent"
-            }
+            },
+            self.cudnn_api_used().unwrap_or("none"),
+            self.cudnn_api
         )?;
         writeln!(f, "paths:")?;
         for p in &self.paths {
@@ -339,6 +393,17 @@ impl fmt::Display for ConvPlan {
                     }
                     writeln!(f)?;
                 }
+                Some(why) => writeln!(f, "  {:<14} not eligible: {why}", p.path.name())?,
+            }
+        }
+        for p in &self.api_paths {
+            match &p.why_not {
+                None => writeln!(
+                    f,
+                    "  {:<14} eligible (the API of the cudnn candidate{})",
+                    p.path.name(),
+                    if self.cudnn_graph { "" } else { "; not used" }
+                )?,
                 Some(why) => writeln!(f, "  {:<14} not eligible: {why}", p.path.name())?,
             }
         }
@@ -402,6 +467,7 @@ fn routes_of(info: &PathInfo) -> Vec<Route> {
 fn policy_paths(policy: ConvAlgoPolicy) -> Vec<ConvPath> {
     let mut paths: Vec<ConvPath> = ConvPath::ALL
         .into_iter()
+        .filter(|p| p.rule().standalone())
         .filter(|p| policy == ConvAlgoPolicy::Auto || p.rule().forced_by(policy))
         .collect();
     paths.sort_by_key(|p| p.auto_rank());
@@ -422,11 +488,8 @@ pub fn plan(req: &ConvPlanRequest) -> Result<ConvPlan> {
             .map(|&v| v as f64)
             .product::<f64>();
     let cfg = req.config;
-    let mut paths = Vec::with_capacity(ConvPath::ALL.len());
-    for p in ConvPath::ALL {
-        paths.push(p.rule().info(p, req, out_hw)?);
-    }
-    let get = |p: ConvPath| &paths[ConvPath::ALL.iter().position(|&q| q == p).unwrap_or(0)];
+    let (paths, api_paths) = path_infos(req, out_hw)?;
+    let get = |p: ConvPath| info_in(&paths, &api_paths, p);
 
     let mut reasons = vec![format!(
         "{} of an {} problem: x {}x{}x{}x{}, {} filters {}x{}, stride {:?}, pad {:?}, dilation \
@@ -516,8 +579,10 @@ pub fn plan(req: &ConvPlanRequest) -> Result<ConvPlan> {
             }
         }
     }
-    for p in &paths {
-        if !candidates.iter().any(|r| r.path == p.path) {
+    let cudnn_graph = cudnn_api(req, out_hw, &candidates, &mut reasons);
+    for p in paths.iter().chain(&api_paths) {
+        let through_cudnn = p.path == ConvPath::CudnnGraph && cudnn_graph;
+        if !candidates.iter().any(|r| r.path == p.path) && !through_cudnn {
             continue;
         }
         p.path.rule().reasons(req, p, &mut reasons);
@@ -540,6 +605,7 @@ pub fn plan(req: &ConvPlanRequest) -> Result<ConvPlan> {
         measured,
         candidates,
         paths,
+        api_paths,
         fallback,
         runnable,
         flops,
@@ -548,8 +614,73 @@ pub fn plan(req: &ConvPlanRequest) -> Result<ConvPlan> {
         deterministic: cfg.deterministic,
         workspace_cap_bytes: cfg.conv_workspace_bytes(),
         cudnn_present: req.cudnn_present,
+        cudnn_api: cfg.cudnn_api,
+        cudnn_graph,
         reasons,
     })
+}
+
+/// Every path's eligibility: the candidates' own paths, then the paths that are an API of
+/// another's candidate ([`PathRule::standalone`](super::paths) false).
+fn path_infos(
+    req: &ConvPlanRequest,
+    out_hw: (usize, usize),
+) -> Result<(Vec<PathInfo>, Vec<PathInfo>)> {
+    let mut paths = Vec::with_capacity(ConvPath::ALL.len());
+    let mut api_paths = Vec::new();
+    for p in ConvPath::ALL {
+        let info = p.rule().info(p, req, out_hw)?;
+        if p.rule().standalone() {
+            paths.push(info);
+        } else {
+            api_paths.push(info);
+        }
+    }
+    Ok((paths, api_paths))
+}
+
+/// Whether the `cudnn` candidate (if `candidates` has it) goes through the graph API; pushes
+/// the line saying which API and why.
+fn cudnn_api(
+    req: &ConvPlanRequest,
+    out_hw: (usize, usize),
+    candidates: &[Route],
+    reasons: &mut Vec<String>,
+) -> bool {
+    if !candidates.iter().any(|r| r.path == ConvPath::Cudnn) {
+        return false;
+    }
+    let (graph, line) = cudnn_api_line(req, out_hw);
+    reasons.push(line);
+    graph
+}
+
+/// Whether the `cudnn` candidate goes through the graph API, and the plan's line saying which
+/// API and why.
+fn cudnn_api_line(req: &ConvPlanRequest, out_hw: (usize, usize)) -> (bool, String) {
+    let api = req.config.cudnn_api;
+    let find = "cuDNN's Find (NNFUSE_CONV_CUDNN_SEARCH=find) exists only in the legacy API and \
+                takes it";
+    match (graph_refusal(req, out_hw), api) {
+        (None, _) => (
+            true,
+            format!(
+                "cuDNN API graph (NNFUSE_CUDNN_API / Config::cudnn_api {api}): the loaded cuDNN \
+                 has the graph API, so the cudnn candidate stands for its engine configs \
+                 (path cudnn_graph); the legacy algorithms are measured only if no engine \
+                 config finalizes at the first call, and are the fallback when a graph route \
+                 fails at run time; {find}"
+            ),
+        ),
+        (Some(why), CudnnApi::Graph) => (
+            false,
+            format!(
+                "cuDNN API legacy: NNFUSE_CUDNN_API / Config::cudnn_api graph is not honoured: \
+                 {why}"
+            ),
+        ),
+        (Some(why), _) => (false, format!("cuDNN API legacy ({api}): {why}")),
+    }
 }
 
 /// The plan's line on its policy and how the route is chosen.
@@ -583,6 +714,16 @@ fn policy_line(
     }
 }
 
+/// The eligibility of `path` in `paths` or `api_paths` (the first entry if neither has it,
+/// which `plan` never lets happen).
+fn info_in<'a>(paths: &'a [PathInfo], api_paths: &'a [PathInfo], path: ConvPath) -> &'a PathInfo {
+    paths
+        .iter()
+        .chain(api_paths)
+        .find(|p| p.path == path)
+        .unwrap_or(&paths[0])
+}
+
 /// When the policy's paths cannot run the problem: cuDNN if it can, else the own fallback of
 /// the direction ([`own_fallback`]). Pushes the route(s) to `candidates` and returns the
 /// message (also a reason) and whether anything can run.
@@ -594,7 +735,7 @@ fn fall_back(
     reasons: &mut Vec<String>,
 ) -> (String, bool) {
     let cfg = req.config;
-    let get = |p: ConvPath| &paths[ConvPath::ALL.iter().position(|&q| q == p).unwrap_or(0)];
+    let get = |p: ConvPath| info_in(paths, &[], p);
     let mut runnable = true;
     // A forced policy on an ineligible problem (auto always has a candidate unless nothing
     // runs at all).
@@ -644,6 +785,7 @@ impl DirectionPlans {
         dtype: DType,
         config: &Config,
         cudnn_present: bool,
+        cudnn_graph: bool,
     ) -> Result<Self> {
         let p = |direction| {
             plan(&ConvPlanRequest {
@@ -652,6 +794,7 @@ impl DirectionPlans {
                 direction,
                 config,
                 cudnn_present,
+                cudnn_graph,
             })
         };
         Ok(DirectionPlans([

@@ -74,7 +74,8 @@ impl Core {
     pub(super) fn new(ctx: &Context, key: &CoreKey) -> Result<Core> {
         let s = key.shape;
         let present = cudnn_present() && !key.hide_cudnn;
-        let mut plans = DirectionPlans::new(s, key.dtype, ctx.config(), present)?;
+        let graph = present && crate::cudnn_graph::build::available().is_ok();
+        let mut plans = DirectionPlans::new(s, key.dtype, ctx.config(), present, graph)?;
         let mut cudnn = None;
         if plans.get(Direction::Forward).eligible(ConvPath::Cudnn) {
             match CudnnConv::new(&s, key.dtype) {
@@ -84,7 +85,7 @@ impl Core {
                         shape = ?s, dtype = %key.dtype, error = %e,
                         "cuDNN's convolution descriptors could not be made; planning without cuDNN"
                     );
-                    plans = DirectionPlans::new(s, key.dtype, ctx.config(), false)?;
+                    plans = DirectionPlans::new(s, key.dtype, ctx.config(), false, false)?;
                     for p in plans.0.iter_mut() {
                         p.reasons
                             .push(format!("cuDNN is loaded, but its descriptors failed: {e}"));

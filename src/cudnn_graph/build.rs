@@ -8,6 +8,7 @@ use std::sync::OnceLock;
 
 use cudarc::cudnn::sys;
 
+use crate::conv::problem::GraphEngine;
 use crate::conv::Direction;
 use crate::error::{Error, Result};
 use crate::reference::conv::Conv2d as ConvShape;
@@ -114,13 +115,16 @@ pub fn convolution(shape: &ConvShape) -> Result<Descriptor> {
 }
 
 /// The finalized convolution operation of `direction` over tensors `[x, w, y]` (dx for the data
-/// gradient, dw for the filter gradient, dy for both gradients): `alpha = 1`, `beta = 0` as
-/// floats (the scaling type of f32/f16/bf16 data; only double data would take doubles).
+/// gradient, dw for the filter gradient, dy for both gradients): `alpha = 1`, `beta` 0
+/// (overwrite) or 1 (`accumulate`: add to the output), as floats (the scaling type of
+/// f32/f16/bf16 data; only double data would take doubles).
 pub fn operation(
     direction: Direction,
     conv: &Descriptor,
     tensors: &[Descriptor; 3],
+    accumulate: bool,
 ) -> Result<Descriptor> {
+    let beta = if accumulate { 1.0f32 } else { 0.0f32 };
     let [x, w, y] = tensors;
     let build = || -> Result<Descriptor> {
         let mut d;
@@ -128,7 +132,7 @@ pub fn operation(
             Direction::Forward => {
                 d = Descriptor::new(DescKind::ConvForward)?;
                 d.set_one(attr::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA, 1.0f32)?;
-                d.set_one(attr::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA, 0.0f32)?;
+                d.set_one(attr::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA, beta)?;
                 d.set_descs(
                     attr::CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC,
                     &[conv],
@@ -143,7 +147,7 @@ pub fn operation(
                     attr::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA,
                     1.0f32,
                 )?;
-                d.set_one(attr::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA, 0.0f32)?;
+                d.set_one(attr::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA, beta)?;
                 d.set_descs(
                     attr::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC,
                     &[conv],
@@ -158,10 +162,7 @@ pub fn operation(
                     attr::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA,
                     1.0f32,
                 )?;
-                d.set_one(
-                    attr::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA,
-                    0.0f32,
-                )?;
+                d.set_one(attr::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA, beta)?;
                 d.set_descs(
                     attr::CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC,
                     &[conv],
@@ -210,7 +211,7 @@ impl GraphParts {
         let [x, w, y] = specs;
         let tensors = [tensor(&x)?, tensor(&w)?, tensor(&y)?];
         let conv = convolution(&key.shape)?;
-        let op = operation(key.direction, &conv, &tensors)?;
+        let op = operation(key.direction, &conv, &tensors, key.accumulate)?;
         let graph = operation_graph(handle, &[&op])?;
         if let Ok(n) = engine_count(&graph) {
             tracing::debug!(engines = n, "cuDNN operation graph finalized");
@@ -303,6 +304,12 @@ pub fn heuristics(graph: &Descriptor, mode: HeurSource) -> Result<Vec<EngineConf
     let sys_mode = match mode {
         HeurSource::Instant => sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_INSTANT,
         HeurSource::Fallback => sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
+        HeurSource::Given => {
+            return Err(Error::invalid(
+                "mode",
+                "a given engine config is not a heuristics mode",
+            ))
+        }
     };
     heur.set_one(attr::CUDNN_ATTR_ENGINEHEUR_MODE, sys_mode)?;
     heur.finalize()?;
@@ -358,6 +365,32 @@ pub fn engine_config_by_index(graph: &Descriptor, index: i64) -> Result<Descript
     engine.finalize()?;
     let mut cfg = Descriptor::new(DescKind::EngineConfig)?;
     cfg.set_descs(attr::CUDNN_ATTR_ENGINECFG_ENGINE, &[&engine])?;
+    cfg.finalize()?;
+    Ok(cfg)
+}
+
+/// A finalized engine config of `engine` (its global index and knob choices) for `graph`: how a
+/// route's or the tuning file's config is rebuilt. Errors (a `NOT_SUPPORTED` status, typically)
+/// when this cuDNN has no such engine or knob for the graph.
+pub fn engine_config_of(graph: &Descriptor, engine: &GraphEngine) -> Result<Descriptor> {
+    let mut e = Descriptor::new(DescKind::Engine)?;
+    e.set_descs(attr::CUDNN_ATTR_ENGINE_OPERATION_GRAPH, &[graph])?;
+    e.set_one(attr::CUDNN_ATTR_ENGINE_GLOBAL_INDEX, engine.index())?;
+    e.finalize()?;
+    let mut choices = Vec::with_capacity(engine.knobs().len());
+    for &(t, v) in engine.knobs() {
+        let mut c = Descriptor::new(DescKind::KnobChoice)?;
+        c.set_one(attr::CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE, RawKnobType(t))?;
+        c.set_one(attr::CUDNN_ATTR_KNOB_CHOICE_KNOB_VALUE, v)?;
+        c.finalize()?;
+        choices.push(c);
+    }
+    let mut cfg = Descriptor::new(DescKind::EngineConfig)?;
+    cfg.set_descs(attr::CUDNN_ATTR_ENGINECFG_ENGINE, &[&e])?;
+    if !choices.is_empty() {
+        let refs: Vec<&Descriptor> = choices.iter().collect();
+        cfg.set_descs(attr::CUDNN_ATTR_ENGINECFG_KNOB_CHOICES, &refs)?;
+    }
     cfg.finalize()?;
     Ok(cfg)
 }

@@ -23,7 +23,7 @@ use super::build::{self, ExecutionPlan, GraphParts, VariantPack};
 use super::descriptor::Descriptor;
 use super::key::GraphConvKey;
 use super::layout::{alignment_of, Operand};
-use super::notes::{admit, EngineInfo, GraphPolicy};
+use super::notes::{admit, EngineInfo, GraphPolicy, HeurSource};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     match m.lock() {
@@ -54,7 +54,7 @@ pub struct GraphConv {
     handle: usize,
     /// The chosen config and the graph, kept alive with the plan made from them.
     _config: Descriptor,
-    _parts: GraphParts,
+    _parts: Arc<GraphParts>,
     /// Keeps the CUDA context alive until the plan is destroyed.
     _cuda: Arc<CudaContext>,
 }
@@ -101,73 +101,118 @@ fn is_unsupported(e: &Error) -> bool {
     matches!(e, Error::NotSupported(_)) || e.is_cudnn_not_supported()
 }
 
+/// The error of a problem none of whose `listed` engine configs runs.
+fn none_runs(version: usize, key: &GraphConvKey, listed: usize, skipped: &[Skipped]) -> Error {
+    let why: Vec<String> = skipped
+        .iter()
+        .map(|s| format!("{}: {}", s.engine, s.reason))
+        .collect();
+    Error::NotSupported(format!(
+        "cuDNN {version} graph API: none of the {listed} engine configs listed for {:?} {} {} \
+         {:?} runs under {:?}: [{}]",
+        key.shape,
+        key.dtype,
+        key.direction,
+        key.alignment,
+        key.policy,
+        why.join("; ")
+    ))
+}
+
 /// The plan cache's value: the plan, or why cuDNN cannot build one.
 struct Slot(std::result::Result<Arc<GraphConv>, String>);
 
+/// What [`GraphConv::admitted`] found: a plan per admitted engine config that finalized within
+/// the workspace cap, every config passed over and why, and how many were listed.
+#[derive(Debug)]
+pub struct Admitted {
+    /// The plans, in list order (heuristics INSTANT, then FALLBACK's new ones).
+    pub plans: Vec<Arc<GraphConv>>,
+    /// The configs passed over (policy, finalization, workspace, the limit).
+    pub skipped: Vec<Skipped>,
+    /// Configs the heuristics listed.
+    pub listed: usize,
+}
+
+/// Why a plan of `cfg` cannot serve: the policy's reason, the workspace cap, or the
+/// finalization error (with cuDNN's message); the plan when it can.
+fn try_plan(
+    handle: cudarc::cudnn::sys::cudnnHandle_t,
+    cfg: &build::EngineConfig,
+    key: &GraphConvKey,
+    cap: usize,
+) -> std::result::Result<ExecutionPlan, String> {
+    if let Err(r) = admit(&cfg.info, key.dtype, &key.policy) {
+        return Err(r.to_string());
+    }
+    match ExecutionPlan::new(handle, &cfg.desc) {
+        Ok(plan) if plan.workspace() > cap => Err(format!(
+            "workspace {} bytes above the cap of {cap} (conv_workspace_mb)",
+            plan.workspace()
+        )),
+        Ok(plan) => Ok(plan),
+        Err(e) => Err(format!("{e} ({})", build::last_message())),
+    }
+}
+
 impl GraphConv {
-    /// Builds the plan of `key` on `ctx`: the graph, the engine list, the first admitted config
-    /// that finalizes within the workspace cap ([`crate::Config::conv_workspace_mb`]).
+    /// Builds the plan of `key` on `ctx`: the graph, then, when `key.engine` is `None`, the
+    /// engine list and the first admitted config that finalizes within the workspace cap
+    /// ([`crate::Config::conv_workspace_mb`]); when it names a config, that config rebuilt from
+    /// its index and knobs (admitted by the policy, finalized, within the cap).
     ///
     /// Errors: [`Error::LibraryMissing`] without cuDNN; [`Error::NotSupported`] when the loaded
-    /// cuDNN is older than 9 or no listed engine config can run the problem under the policy
-    /// (the message lists each config and why); [`Error::Cudnn`] when a descriptor cannot be
-    /// built (`NOT_SUPPORTED` statuses: [`Error::is_cudnn_not_supported`]).
+    /// cuDNN is older than 9 or no listed engine config (or not the named one) can run the
+    /// problem under the policy (the message lists each config and why); [`Error::Cudnn`] when
+    /// a descriptor cannot be built (`NOT_SUPPORTED` statuses:
+    /// [`Error::is_cudnn_not_supported`]).
     pub fn new(ctx: &Context, key: GraphConvKey) -> Result<GraphConv> {
         let version = build::available()?;
         key.validate()?;
         let mut g = ctx.lock()?;
         let handle = g.cudnn()?;
-        let parts = GraphParts::build(handle, &key)?;
-        let configs = build::engine_configs(&parts.graph)?;
-        let listed: Vec<EngineInfo> = configs.iter().map(|c| c.info.clone()).collect();
-        for e in &listed {
-            tracing::debug!(key = ?key, engine = %e, "cuDNN graph engine config listed");
-        }
-        let cap = ctx.config().conv_workspace_mb.saturating_mul(1 << 20);
-        let mut skipped = Vec::new();
-        let mut found = None;
-        for cfg in configs {
-            if let Err(r) = admit(&cfg.info, key.dtype, &key.policy) {
-                skipped.push(Skipped {
-                    engine: cfg.info,
-                    reason: r.to_string(),
-                });
-                continue;
-            }
-            match ExecutionPlan::new(handle, &cfg.desc) {
-                Ok(plan) if plan.workspace() > cap => skipped.push(Skipped {
-                    engine: cfg.info,
-                    reason: format!(
-                        "workspace {} bytes above the cap of {cap} (conv_workspace_mb)",
-                        plan.workspace()
-                    ),
-                }),
-                Ok(plan) => {
-                    found = Some((cfg, plan));
-                    break;
+        let parts = Arc::new(GraphParts::build(handle, &key)?);
+        let cap = ctx.config().conv_workspace_bytes();
+        let (listed, skipped, cfg, plan) = match key.engine {
+            Some(e) => {
+                let desc = build::engine_config_of(&parts.graph, &e)?;
+                let info = build::engine_info(&desc, HeurSource::Given, 0)?;
+                let cfg = build::EngineConfig { desc, info };
+                match try_plan(handle, &cfg, &key, cap) {
+                    Ok(plan) => (vec![cfg.info.clone()], Vec::new(), cfg, plan),
+                    Err(why) => {
+                        return Err(Error::NotSupported(format!(
+                            "cuDNN {version} graph API: engine config {} cannot run {:?} {} {}                              under {:?}: {why}",
+                            cfg.info, key.shape, key.dtype, key.direction, key.policy
+                        )))
+                    }
                 }
-                Err(e) => skipped.push(Skipped {
-                    engine: cfg.info,
-                    reason: format!("{e} ({})", build::last_message()),
-                }),
             }
-        }
-        let Some((cfg, plan)) = found else {
-            let why: Vec<String> = skipped
-                .iter()
-                .map(|s| format!("{}: {}", s.engine, s.reason))
-                .collect();
-            return Err(Error::NotSupported(format!(
-                "cuDNN {version} graph API: none of the {} engine configs listed for {:?} {} {} \
-                 {:?} runs under {:?}: [{}]",
-                listed.len(),
-                key.shape,
-                key.dtype,
-                key.direction,
-                key.alignment,
-                key.policy,
-                why.join("; ")
-            )));
+            None => {
+                let configs = build::engine_configs(&parts.graph)?;
+                let listed: Vec<EngineInfo> = configs.iter().map(|c| c.info.clone()).collect();
+                for e in &listed {
+                    tracing::debug!(key = ?key, engine = %e, "cuDNN graph engine config listed");
+                }
+                let mut skipped = Vec::new();
+                let mut found = None;
+                for cfg in configs {
+                    match try_plan(handle, &cfg, &key, cap) {
+                        Ok(plan) => {
+                            found = Some((cfg, plan));
+                            break;
+                        }
+                        Err(reason) => skipped.push(Skipped {
+                            engine: cfg.info,
+                            reason,
+                        }),
+                    }
+                }
+                let Some((cfg, plan)) = found else {
+                    return Err(none_runs(version, &key, listed.len(), &skipped));
+                };
+                (listed, skipped, cfg, plan)
+            }
         };
         tracing::info!(
             direction = %key.direction,
@@ -194,14 +239,112 @@ impl GraphConv {
         })
     }
 
+    /// Every engine config of `key`'s problem that `auto` may measure: the heuristics' list
+    /// (INSTANT, then FALLBACK's new ones), each config the policy admits finalized into a plan
+    /// within the workspace cap, at most `limit` of them, on one graph. Each plan is also kept
+    /// in the Context's plan cache under `key.with_engine(Some(config))`, so that the
+    /// measurement and the calls after it run the same plan. `key.engine` is ignored.
+    ///
+    /// Errors: as [`GraphConv::new`]; none of the configs finalizing is not an error (empty
+    /// `plans`, the reasons in `skipped`).
+    pub fn admitted(ctx: &Context, key: GraphConvKey, limit: usize) -> Result<Admitted> {
+        build::available()?;
+        let key = key.with_engine(None);
+        key.validate()?;
+        let cap = ctx.config().conv_workspace_bytes();
+        let mut built = Vec::new();
+        let mut skipped = Vec::new();
+        let listed;
+        {
+            let mut g = ctx.lock()?;
+            let handle = g.cudnn()?;
+            let parts = Arc::new(GraphParts::build(handle, &key)?);
+            let configs = build::engine_configs(&parts.graph)?;
+            listed = configs.len();
+            let all: Vec<EngineInfo> = configs.iter().map(|c| c.info.clone()).collect();
+            for cfg in configs {
+                let reason = match (cfg.info.engine(), built.len() >= limit) {
+                    (None, _) => Some(format!(
+                        "more than {} knob choices",
+                        crate::conv::problem::MAX_GRAPH_KNOBS
+                    )),
+                    (Some(_), true) => Some(format!("beyond the first {limit} admitted")),
+                    (Some(e), false) => match try_plan(handle, &cfg, &key, cap) {
+                        Ok(plan) => {
+                            built.push(GraphConv {
+                                key: key.with_engine(Some(e)),
+                                listed: all.clone(),
+                                skipped: Vec::new(),
+                                chosen: cfg.info.clone(),
+                                plan,
+                                pack: Mutex::new(None),
+                                handle: handle as usize,
+                                _config: cfg.desc,
+                                _parts: parts.clone(),
+                                _cuda: ctx.cuda().clone(),
+                            });
+                            continue;
+                        }
+                        Err(why) => Some(why),
+                    },
+                };
+                if let Some(reason) = reason {
+                    skipped.push(Skipped {
+                        engine: cfg.info,
+                        reason,
+                    });
+                }
+            }
+        }
+        // The plan cache after the handle's lock (lock order: memo, then handle).
+        let mut plans = Vec::with_capacity(built.len());
+        for g in built {
+            let k = g.key;
+            let arc = Arc::new(g);
+            let fresh = arc.clone();
+            let slot = ctx.memo(k, move || Ok(Arc::new(Slot(Ok(fresh)))))?;
+            plans.push(match &slot.0 {
+                Ok(p) => p.clone(),
+                Err(_) => arc,
+            });
+        }
+        tracing::info!(
+            direction = %key.direction,
+            dtype = %key.dtype,
+            shape = ?key.shape,
+            listed,
+            admitted = plans.len(),
+            engines = ?plans.iter().map(|p| p.chosen.label()).collect::<Vec<_>>(),
+            passed_over = ?skipped.iter().map(|s| format!("{}: {}", s.engine.label(), s.reason)).collect::<Vec<_>>(),
+            "cuDNN graph engine configs prepared for measurement"
+        );
+        Ok(Admitted {
+            plans,
+            skipped,
+            listed,
+        })
+    }
+
     /// The plan of `key` from the Context's plan cache, built on first use. A key cuDNN cannot
     /// run is remembered too: later lookups return the same [`Error::NotSupported`] at once.
     pub fn cached(ctx: &Context, key: GraphConvKey) -> Result<Arc<GraphConv>> {
-        let slot = ctx.memo(key, || match GraphConv::new(ctx, key) {
-            Ok(g) => Ok(Arc::new(Slot(Ok(Arc::new(g))))),
-            Err(e) if is_unsupported(&e) => Ok(Arc::new(Slot(Err(e.to_string())))),
-            Err(e) => Err(e),
+        let mut built = false;
+        let slot = ctx.memo(key, || {
+            built = true;
+            match GraphConv::new(ctx, key) {
+                Ok(g) => Ok(Arc::new(Slot(Ok(Arc::new(g))))),
+                Err(e) if is_unsupported(&e) => {
+                    tracing::debug!(key = ?key, error = %e,
+                        "cuDNN graph plan cannot be built; remembered");
+                    Ok(Arc::new(Slot(Err(e.to_string()))))
+                }
+                Err(e) => Err(e),
+            }
         })?;
+        if !built {
+            tracing::trace!(engine = ?key.engine.map(|e| e.label()), direction = %key.direction,
+                "cuDNN graph plan cache hit");
+        }
         match &slot.0 {
             Ok(g) => Ok(g.clone()),
             Err(why) => Err(Error::NotSupported(why.clone())),

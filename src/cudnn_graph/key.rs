@@ -1,6 +1,7 @@
 //! The plain-data key of the graph plan cache: everything a plan depends on (problem, layout,
 //! element type, direction, engine policy, pointer alignment). Pure; tested on the CPU.
 
+use crate::conv::problem::GraphEngine;
 use crate::conv::Direction;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -22,6 +23,12 @@ pub struct GraphConvKey {
     pub policy: GraphPolicy,
     /// Byte alignment every data pointer is guaranteed to have (a power of two up to 16).
     pub alignment: u8,
+    /// The engine config to run: `None` takes the first listed config the policy admits that
+    /// finalizes; `Some` exactly that one (rebuilt from its index and knobs).
+    pub engine: Option<GraphEngine>,
+    /// Add to the output instead of overwriting it (`beta = 1`; the filter gradient of a
+    /// weight shared by several layers).
+    pub accumulate: bool,
 }
 
 impl GraphConvKey {
@@ -34,7 +41,19 @@ impl GraphConvKey {
             direction,
             policy: GraphPolicy::default(),
             alignment: MAX_ALIGNMENT,
+            engine: None,
+            accumulate: false,
         }
+    }
+
+    /// The same key for engine config `engine` (`None`: the first admitted one).
+    pub fn with_engine(self, engine: Option<GraphEngine>) -> GraphConvKey {
+        GraphConvKey { engine, ..self }
+    }
+
+    /// The same key adding to the output (`beta = 1`) or not.
+    pub fn with_accumulate(self, accumulate: bool) -> GraphConvKey {
+        GraphConvKey { accumulate, ..self }
     }
 
     /// The same key for pointers of alignment class `alignment` (see
@@ -117,6 +136,9 @@ mod tests {
                 ..GraphPolicy::default()
             }),
             base.with_alignment(8),
+            base.with_engine(GraphEngine::new(45, &[])),
+            base.with_engine(GraphEngine::new(45, &[(2, 1)])),
+            base.with_accumulate(true),
         ];
         let set: HashSet<GraphConvKey> = variants.iter().copied().collect();
         assert_eq!(set.len(), variants.len());

@@ -16,8 +16,9 @@
 //! - [`graph_conv`]: [`GraphConv`] — one problem's plan, chosen engine and pinned variant pack,
 //!   checked execution, and the per-Context plan cache.
 //!
-//! Not wired into the convolution dispatcher yet: the legacy route stays the default; this layer
-//! returns typed errors where the graph cannot be built so that a caller can fall back.
+//! The convolution dispatcher runs it as the path `cudnn_graph` (`conv/cudnn_graph_run.rs`);
+//! this layer returns typed errors where the graph cannot be built so that the dispatcher can
+//! fall back to the legacy calls.
 
 pub mod build;
 pub mod descriptor;
@@ -31,11 +32,14 @@ pub mod notes;
 #[doc(hidden)]
 pub mod internals {
     pub use super::build::{
-        available, engine_config_by_index, engine_configs, engine_count, engine_info, execute,
-        EngineConfig, ExecutionPlan, GraphParts, VariantPack, MIN_CUDNN_VERSION,
+        available, engine_config_by_index, engine_config_of, engine_configs, engine_count,
+        engine_info, execute, EngineConfig, ExecutionPlan, GraphParts, VariantPack,
+        MIN_CUDNN_VERSION,
     };
     pub use super::descriptor::{last_error_string, Attr, DescKind, Descriptor};
-    pub use super::graph_conv::{argument_names, pack_order, run_cached, GraphConv, Skipped};
+    pub use super::graph_conv::{
+        argument_names, pack_order, run_cached, Admitted, GraphConv, Skipped,
+    };
     pub use super::key::GraphConvKey;
     pub use super::layout::{
         alignment_of, packed_strides, tensor_specs, Operand, TensorSpec, MAX_ALIGNMENT,

@@ -7,6 +7,7 @@
 
 use std::fmt;
 
+use crate::conv::problem::GraphEngine;
 use crate::dtype::DType;
 
 /// `cudnnBackendNumericalNote_t`: how an engine computes.
@@ -154,6 +155,9 @@ pub enum HeurSource {
     Instant,
     /// `CUDNN_HEUR_MODE_FALLBACK`.
     Fallback,
+    /// Not listed by a heuristics mode: rebuilt from its engine index and knobs (a forced
+    /// route's or the tuning file's [`GraphEngine`]).
+    Given,
 }
 
 impl HeurSource {
@@ -162,6 +166,7 @@ impl HeurSource {
         match self {
             HeurSource::Instant => "instant",
             HeurSource::Fallback => "fallback",
+            HeurSource::Given => "given",
         }
     }
 }
@@ -192,6 +197,12 @@ impl EngineInfo {
             .map(|(t, v)| format!("k{t}={v}"))
             .collect();
         format!("eng{}{{{}}}", self.global_index, knobs.join(","))
+    }
+
+    /// The config as a plain value (`None` when it has more knobs than a [`GraphEngine`]
+    /// holds).
+    pub fn engine(&self) -> Option<GraphEngine> {
+        GraphEngine::new(self.global_index, &self.knobs)
     }
 
     /// Whether two infos name the same engine config.

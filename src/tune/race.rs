@@ -5,7 +5,7 @@
 use super::rule::best_challenger;
 use crate::context::Context;
 use crate::error::Result;
-use crate::timing::{time_interleaved, Interleaved, InterleavedOptions};
+use crate::timing::{time_interleaved, time_interleaved_gpu, Interleaved, InterleavedOptions};
 
 /// What [`race`] measured and decided.
 pub(crate) struct Race {
@@ -24,7 +24,24 @@ pub(crate) fn race(
     n: usize,
     launch: impl FnMut(usize, usize) -> Result<()>,
 ) -> Result<Race> {
-    let timing = time_interleaved(ctx, opts, n, launch)?;
+    decided(time_interleaved(ctx, opts, n, launch)?)
+}
+
+/// [`race`] measuring GPU time only ([`time_interleaved_gpu`]: every sample queued behind a
+/// head start of GPU work that covers its host time), for candidates whose calls can queue
+/// slower than the GPU runs them (legacy cuDNN: 60-100 us of host time per call).
+pub(crate) fn race_gpu(
+    ctx: &Context,
+    opts: InterleavedOptions,
+    n: usize,
+    launch: impl FnMut(usize, usize) -> Result<()>,
+) -> Result<Race> {
+    decided(time_interleaved_gpu(ctx, opts, n, launch)?)
+}
+
+/// The incumbent rule on a timing.
+fn decided(timing: Interleaved) -> Result<Race> {
+    let n = timing.samples.len();
     let challenger = best_challenger(
         (1..n)
             .filter(|&v| timing.errors[v].is_none())

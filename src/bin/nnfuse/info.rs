@@ -26,6 +26,25 @@ pub fn run() -> anyhow::Result<ExitCode> {
         "cuDNN",
         cudnn_version().map(|v| format!("{}.{}.{} ({v})", v / 10000, (v / 100) % 100, v % 100)),
     );
+    // The graph API is optional (the legacy calls remain): never a missing piece.
+    let api = Config::from_env_once().map_or(nnfuse::CudnnApi::Auto, |c| c.cudnn_api);
+    match (cudnn_present(), nnfuse::internals::cudnn_graph::available()) {
+        (false, _) => println!("{:<10} unavailable (no cuDNN)", "graph API"),
+        (true, Ok(_)) if api == nnfuse::CudnnApi::Legacy => println!(
+            "{:<10} available, not used (NNFUSE_CUDNN_API=legacy): convolutions take the \
+             legacy cuDNN calls",
+            "graph API"
+        ),
+        (true, Ok(_)) => println!(
+            "{:<10} available: cuDNN convolutions run as cached execution plans \
+             (NNFUSE_CUDNN_API={api})",
+            "graph API"
+        ),
+        (true, Err(e)) => println!(
+            "{:<10} unavailable ({e}): cuDNN convolutions take the legacy calls",
+            "graph API"
+        ),
+    }
     line(
         "cuBLAS",
         cublas_version().map(|(a, b, c)| format!("{a}.{b}.{c}")),

@@ -1,18 +1,21 @@
 //! `nnfuse plan --conv ...`: the convolution plan of one problem, with every reason — on any
 //! machine (no GPU is touched).
 //!
-//! The policies, the workspace cap and the determinism switch come from the library's
-//! environment variables ([`Config::from_env`]); the flags override them. Whether cuDNN is
-//! present is detected (it can be loaded or not) unless `--cudnn present|absent` says so.
+//! The policies, the workspace cap, the determinism switch and the cuDNN API come from the
+//! library's environment variables ([`Config::from_env`]); the flags override them. Whether
+//! cuDNN is present is detected (it can be loaded or not) unless `--cudnn present|absent` says
+//! so. Whether it has the graph API is detected when it loads (version 9 or newer exporting the
+//! backend entry points); otherwise a present cuDNN is assumed to be 9.19, which has it.
 
 use clap::Args;
 use serde_json::json;
 
 use nnfuse::config::{
-    parse_bool, ENV_CONV_ALGO, ENV_CONV_WORKSPACE_MB, ENV_DETERMINISTIC, ENV_WINOGRAD_GEMM,
+    parse_bool, ENV_CONV_ALGO, ENV_CONV_WORKSPACE_MB, ENV_CUDNN_API, ENV_DETERMINISTIC,
+    ENV_WINOGRAD_GEMM,
 };
 use nnfuse::conv::{plan, ConvPlanRequest, ConvShape, Direction};
-use nnfuse::{Config, ConvAlgoPolicy, DType, Error, TensorFormat, WinogradGemmPolicy};
+use nnfuse::{Config, ConvAlgoPolicy, CudnnApi, DType, Error, TensorFormat, WinogradGemmPolicy};
 
 /// The convolution arguments of `nnfuse plan` (used with `--conv`).
 #[derive(Args, Debug, Default)]
@@ -83,6 +86,29 @@ pub struct ConvArgs {
         help_heading = "Convolution (--conv)"
     )]
     pub cudnn: Option<String>,
+    /// Which cuDNN API the cuDNN candidate uses: auto, graph, legacy (overrides
+    /// NNFUSE_CUDNN_API). The graph API is assumed where cuDNN is present and 9 or newer.
+    #[arg(
+        long,
+        value_name = "auto|graph|legacy",
+        help_heading = "Convolution (--conv)"
+    )]
+    pub cudnn_api: Option<String>,
+}
+
+/// Whether a present cuDNN has the graph API, and how that is known: detected when the library
+/// loads, else assumed from the version nnfuse plans for (9.19, which has it).
+fn graph_api(present: bool) -> (bool, &'static str) {
+    if !present {
+        return (false, "no cuDNN");
+    }
+    if nnfuse::context::cudnn_present() {
+        return (
+            nnfuse::internals::cudnn_graph::available().is_ok(),
+            "detected",
+        );
+    }
+    (true, "assumed (cuDNN 9.19)")
 }
 
 /// Parses one or two non-negative integers (`2` means `2,2`), naming `flag` on error.
@@ -220,6 +246,14 @@ fn request(
             }
         };
     }
+    if let Some(v) = &a.cudnn_api {
+        config.cudnn_api = v.parse::<CudnnApi>().map_err(|_| {
+            Error::invalid(
+                "--cudnn-api",
+                format!("{v:?} is not one of auto, graph, legacy"),
+            )
+        })?;
+    }
     let direction = a.direction.as_deref().unwrap_or("forward");
     let direction: Direction = direction.parse().map_err(|_| {
         Error::invalid(
@@ -252,12 +286,14 @@ pub fn run(
 ) -> anyhow::Result<std::process::ExitCode> {
     let (shape, config, direction, present, present_source) = request(a, conv, policy)?;
     let dtype: DType = dtype.parse()?;
+    let (graph, graph_source) = graph_api(present);
     let p = plan(&ConvPlanRequest {
         shape,
         dtype,
         direction,
         config: &config,
         cudnn_present: present,
+        cudnn_graph: graph,
     })?;
     let sources = json!({
         "policy": source(policy.is_some(), "--policy", ENV_CONV_ALGO),
@@ -265,6 +301,8 @@ pub fn run(
         "deterministic": source(a.deterministic.is_some(), "--deterministic", ENV_DETERMINISTIC),
         "workspace_mb": source(a.workspace_mb.is_some(), "--workspace-mb", ENV_CONV_WORKSPACE_MB),
         "cudnn_present": present_source,
+        "cudnn_api": source(a.cudnn_api.is_some(), "--cudnn-api", ENV_CUDNN_API),
+        "cudnn_graph": graph_source,
     });
     if as_json {
         let mut j = p.to_json();
@@ -279,7 +317,7 @@ pub fn run(
     } else {
         println!(
             "config: policy {} ({}), winograd_gemm {} ({}), deterministic {} ({}), workspace \
-             cap {} MiB ({}), cuDNN {} ({})",
+             cap {} MiB ({}), cuDNN {} ({}), cuDNN API {} ({}; graph API {}: {})",
             config.conv_algo,
             sources["policy"].as_str().unwrap_or_default(),
             config.winograd_gemm,
@@ -290,6 +328,10 @@ pub fn run(
             sources["workspace_mb"].as_str().unwrap_or_default(),
             if present { "present" } else { "absent" },
             present_source,
+            config.cudnn_api,
+            sources["cudnn_api"].as_str().unwrap_or_default(),
+            if graph { "available" } else { "unavailable" },
+            graph_source,
         );
         print!("{p}");
     }

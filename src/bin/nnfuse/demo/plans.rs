@@ -42,6 +42,7 @@ pub fn plan_block(
                 direction,
                 config: &config,
                 cudnn_present,
+                cudnn_graph: cudnn_present && cudnn_version >= 90000,
             })
         };
         convs.push([

@@ -1,0 +1,169 @@
+//! The cuDNN graph path: its run function (a completed graph route onto the Context's cached
+//! [`GraphConv`] plan of the problem, direction and engine config: one cache lookup, then the
+//! pinned variant pack and `cudnnBackendExecute`), the engine configs the `cudnn` candidate
+//! stands for at the first call, and the check of a cached or tuning-file graph route (its
+//! engine config rebuilt and finalized). The graph layer itself is `crate::cudnn_graph`.
+
+use super::call::{PathCall, Target};
+use super::choice::CudnnSearch;
+use super::plan::{ConvPath, ConvPlan, Direction, Route};
+use super::problem::GraphEngine;
+use super::route::Exec;
+use super::state::Core;
+use crate::config::Config;
+use crate::context::Context;
+use crate::cudnn_graph::graph_conv::GraphConv;
+use crate::cudnn_graph::key::GraphConvKey;
+use crate::cudnn_graph::layout::{alignment_of, MAX_ALIGNMENT};
+use crate::cudnn_graph::notes::GraphPolicy;
+use crate::error::{Error, Result};
+
+/// Most engine configs of the graph API that `auto` measures per problem and direction (the
+/// heuristics list about 5 to 10; those the policy refuses do not count).
+pub const MAX_GRAPH_CANDIDATES: usize = 8;
+
+/// The engine policy of `config`: true f32 (no TF32), f32 accumulation, no run-time
+/// compilation (a first call must not stall for seconds), deterministic engines only under
+/// [`Config::deterministic`].
+pub(crate) fn policy(config: &Config) -> GraphPolicy {
+    GraphPolicy {
+        deterministic: config.deterministic,
+        ..GraphPolicy::default()
+    }
+}
+
+/// The plan-cache key of `t`'s problem for direction `d`, engine config `engine`, pointers
+/// aligned to `alignment` bytes, writing or accumulating.
+pub(crate) fn key(
+    t: &Target<'_>,
+    d: Direction,
+    engine: Option<GraphEngine>,
+    alignment: u8,
+    accumulate: bool,
+) -> GraphConvKey {
+    GraphConvKey::new(*t.shape, t.dtype, d)
+        .with_policy(policy(t.ctx.config()))
+        .with_alignment(alignment.max(t.dtype.size() as u8))
+        .with_engine(engine)
+        .with_accumulate(accumulate)
+}
+
+/// Runs a graph route (registered in `paths.rs`): the plan of its engine config (the first
+/// admitted one when the route names none), built on first use and cached per Context.
+///
+/// # Safety
+/// As [`super::route::run`].
+pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
+    let t = c.target;
+    let p = c.ptrs;
+    // The variant pack's order is cuDNN's roles: x (or dx), w (or dw), y (or dy).
+    let ptrs = [p.x, p.w, p.y];
+    let k = key(
+        t,
+        c.direction,
+        c.exec.route.graph_engine,
+        alignment_of(&ptrs),
+        c.accumulate,
+    );
+    let plan = GraphConv::cached(t.ctx, k)?;
+    // SAFETY: the caller's contract (operands checked, on the Context's device, output
+    // disjoint); the key's alignment is the pointers' own.
+    unsafe { plan.execute_raw(t.ctx, ptrs) }
+}
+
+/// The engine configs the plan's `cudnn` candidate of `core`'s problem stands for through the
+/// graph API, as routes (each plan finalized and cached now); notes on the configs passed over
+/// go to `notes`. `None` when the candidate goes through the legacy API (the plan's
+/// [`ConvPlan::cudnn_graph`] is false, or the search is cuDNN's Find, which only the legacy API
+/// has) or no config finalized: the caller then measures the legacy algorithms.
+pub(super) fn candidates(
+    core: &Core,
+    ctx: &Context,
+    plan: &ConvPlan,
+    notes: &mut Vec<String>,
+) -> Option<Vec<Exec>> {
+    if !plan.cudnn_graph || core.search == CudnnSearch::Find {
+        return None;
+    }
+    let target = core.target(ctx);
+    let t = &target;
+    let d = plan.direction;
+    let admitted = GraphConv::admitted(t.ctx, key(t, d, None, MAX_ALIGNMENT, false), {
+        MAX_GRAPH_CANDIDATES
+    });
+    let execs: Vec<Exec> = match admitted {
+        Ok(a) => {
+            if !a.skipped.is_empty() {
+                notes.push(format!(
+                    "cudnn_graph: {} of {} listed engine configs passed over: {}",
+                    a.skipped.len(),
+                    a.listed,
+                    a.skipped
+                        .iter()
+                        .map(|s| format!("{}: {}", s.engine.label(), s.reason))
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                ));
+            }
+            a.plans
+                .iter()
+                .filter_map(|p| p.key().engine)
+                .map(|e| Exec {
+                    route: Route::graph(e),
+                    cudnn_ws: 0,
+                    winograd: None,
+                })
+                .collect()
+        }
+        Err(e) => {
+            notes.push(format!("cudnn_graph: {e}"));
+            Vec::new()
+        }
+    };
+    if execs.is_empty() {
+        tracing::warn!(direction = %d, problem = ?t.shape, dtype = %t.dtype, notes = ?notes,
+            "no cuDNN graph engine config finalizes; the legacy cuDNN algorithms are measured");
+        notes.push(
+            "no cuDNN graph engine config finalizes for this problem: the legacy algorithms \
+             are measured instead"
+                .into(),
+        );
+    }
+    (!execs.is_empty()).then_some(execs)
+}
+
+/// Whether a cached or tuning-file graph route fits `plan` and still runs here: the plan's
+/// `cudnn` candidate goes through the graph API, the route names an engine config, and that
+/// config rebuilt for this problem finalizes under the policy and the workspace cap (its plan
+/// is then cached). A config that no longer finalizes is said with a warning (the problem is
+/// measured again).
+pub(super) fn fits(t: &Target<'_>, plan: &ConvPlan, r: &Route, search: CudnnSearch) -> bool {
+    let Some(engine) = r.graph_engine else {
+        return false;
+    };
+    let cudnn = plan.candidates.iter().any(|c| c.path == ConvPath::Cudnn);
+    if r.path != ConvPath::CudnnGraph || !plan.cudnn_graph || !cudnn || search == CudnnSearch::Find
+    {
+        return false;
+    }
+    let k = key(t, plan.direction, Some(engine), MAX_ALIGNMENT, false);
+    match GraphConv::cached(t.ctx, k) {
+        Ok(_) => true,
+        Err(e) => {
+            tracing::warn!(engine = %engine, direction = %plan.direction, problem = ?t.shape,
+                error = %e,
+                "the stored cuDNN graph engine config no longer finalizes; measuring again");
+            false
+        }
+    }
+}
+
+/// The error of a route that names a graph engine config on another path.
+pub(super) fn misplaced(r: &Route) -> Option<Error> {
+    (r.graph_engine.is_some() && r.path != ConvPath::CudnnGraph).then(|| {
+        Error::invalid(
+            "route",
+            "only a cudnn_graph route names a cuDNN graph engine config",
+        )
+    })
+}

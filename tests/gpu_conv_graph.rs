@@ -1,0 +1,520 @@
+//! The cuDNN graph route (`ConvPath::CudnnGraph`) through `Conv2d` on the GPU: every direction
+//! for f32 NCHW and f16/bf16 NHWC, its first admitted engine config and every admitted config
+//! forced one by one, against the f64 reference; the filter gradient accumulating; `auto` under
+//! `NNFUSE_CUDNN_API=graph` (a graph route chosen, checked, no legacy algorithm measured); a
+//! forced `legacy` configuration still running the legacy route; graph and legacy agreeing; the
+//! tuning file keeping the engine config (and re-measuring an entry that no longer finalizes);
+//! the GPU-only timing of a host-heavy variant.
+//!
+//! Every failure message names the problem (`describe`), the data type, the direction and the
+//! route label (`cudnn_graph:eng45{}`), and the plan's reasons where a decision is involved.
+//! Tolerances (relative L2 against f64): f32 1e-5, f16/bf16 1e-2 (`DType::tolerance`).
+
+mod common;
+mod conv_ref;
+
+use std::sync::Mutex;
+
+use cudarc::driver::CudaSlice;
+use half::{bf16, f16};
+use nnfuse::config::{Config, ConvAlgoPolicy, CudnnApi};
+use nnfuse::conv::{self, ChoiceOrigin, Conv2d, ConvPath, ConvShape, Direction, Outcome, Route};
+use nnfuse::internals::cudnn_graph::{GraphConv, GraphConvKey};
+use nnfuse::reference::conv::conv2d;
+use nnfuse::{Context, DType, Element, TensorFormat};
+
+use common::{f64s, gpu, gpu_with, Rng};
+use conv_ref::{backward_data, backward_filter, compare, describe};
+
+/// Tests that clear the process-wide choice cache run one at a time.
+static CACHE_LOCK: Mutex<()> = Mutex::new(());
+
+fn upload<T: Element>(ctx: &Context, v: &[T]) -> CudaSlice<T> {
+    ctx.stream().clone_htod(v).expect("upload")
+}
+
+fn download<T: Element>(ctx: &Context, b: &CudaSlice<T>) -> Vec<T> {
+    ctx.stream().clone_dtoh(b).expect("download")
+}
+
+/// A buffer of `n` NaN (so an element a kernel never writes shows).
+fn poisoned<T: Element>(ctx: &Context, n: usize) -> CudaSlice<T> {
+    let mut b = ctx.stream().alloc_zeros::<T>(n).expect("alloc");
+    nnfuse::internals::util::fill(ctx, &mut b, T::from_f64(f64::NAN)).expect("fill");
+    b
+}
+
+/// Small problems covering padding, strides, dilation, 1x1, odd channel counts.
+fn shapes(format: TensorFormat) -> Vec<ConvShape> {
+    let s = |n, c_in, h, w, c_out, k: (usize, usize), stride, pad, dilation| ConvShape {
+        n,
+        c_in,
+        h,
+        w,
+        c_out,
+        kh: k.0,
+        kw: k.1,
+        stride,
+        pad,
+        dilation,
+        format,
+    };
+    vec![
+        s(2, 16, 12, 12, 32, (3, 3), (1, 1), (1, 1), (1, 1)),
+        s(4, 32, 9, 9, 16, (1, 1), (1, 1), (0, 0), (1, 1)),
+        s(2, 8, 15, 15, 16, (3, 3), (2, 2), (1, 1), (1, 1)),
+        s(2, 8, 11, 11, 8, (3, 3), (1, 1), (2, 2), (2, 2)),
+        s(3, 5, 10, 9, 7, (3, 3), (1, 1), (1, 1), (1, 1)),
+    ]
+}
+
+/// One problem's operands (host copies widened to f64 for the reference) and their buffers.
+struct Data<T: Element> {
+    x: Vec<f64>,
+    w: Vec<f64>,
+    dy: Vec<f64>,
+    xb: CudaSlice<T>,
+    wb: CudaSlice<T>,
+    dyb: CudaSlice<T>,
+}
+
+fn data<T: Element>(ctx: &Context, s: &ConvShape, rng: &mut Rng) -> Data<T> {
+    let x: Vec<T> = rng.vec(s.x_len(), -1.0, 1.0);
+    let w: Vec<T> = rng.vec(s.w_len(), -1.0, 1.0);
+    let dy: Vec<T> = rng.vec(s.y_len().expect("shape"), -1.0, 1.0);
+    Data {
+        xb: upload(ctx, &x),
+        wb: upload(ctx, &w),
+        dyb: upload(ctx, &dy),
+        x: f64s(&x),
+        w: f64s(&w),
+        dy: f64s(&dy),
+    }
+}
+
+/// The f64 reference of direction `d`.
+fn reference<T: Element>(s: &ConvShape, d: Direction, v: &Data<T>) -> Vec<f64> {
+    match d {
+        Direction::Forward => conv2d(s, &v.x, &v.w).expect("reference"),
+        Direction::BackwardData => backward_data(s, &v.dy, &v.w),
+        Direction::BackwardFilter => backward_filter(s, &v.x, &v.dy),
+    }
+}
+
+/// Runs direction `d` of `conv` on `route` (`None`: the decided one) into a poisoned output.
+fn run<T: Element>(
+    ctx: &Context,
+    conv: &Conv2d<T>,
+    d: Direction,
+    route: Option<Route>,
+    v: &Data<T>,
+) -> nnfuse::Result<Vec<f64>> {
+    let s = conv.shape();
+    let out_len = match d {
+        Direction::Forward => s.y_len()?,
+        Direction::BackwardData => s.x_len(),
+        Direction::BackwardFilter => s.w_len(),
+    };
+    let mut out = poisoned::<T>(ctx, out_len);
+    match (d, route) {
+        (Direction::Forward, Some(r)) => conv.forward_with(r, &v.xb, &v.wb, &mut out)?,
+        (Direction::Forward, None) => conv.forward(&v.xb, &v.wb, &mut out)?,
+        (Direction::BackwardData, Some(r)) => {
+            conv.backward_data_with(r, &v.dyb, &v.wb, &mut out)?
+        }
+        (Direction::BackwardData, None) => conv.backward_data(&v.dyb, &v.wb, &mut out)?,
+        (Direction::BackwardFilter, Some(r)) => {
+            conv.backward_filter_with(r, &v.xb, &v.dyb, &mut out, false)?
+        }
+        (Direction::BackwardFilter, None) => {
+            conv.backward_filter(&v.xb, &v.dyb, &mut out, false)?
+        }
+    }
+    Ok(f64s(&download(ctx, &out)))
+}
+
+/// The engine configs the graph API admits for `d` of `s` (as `auto` lists them).
+fn admitted<T: Element>(ctx: &Context, s: &ConvShape, d: Direction) -> Vec<Route> {
+    let a = GraphConv::admitted(ctx, GraphConvKey::new(*s, T::DTYPE, d), 8)
+        .unwrap_or_else(|e| panic!("{} {} {d}: engine configs: {e}", describe(s), T::DTYPE));
+    for sk in &a.skipped {
+        eprintln!(
+            "  {} {} {d}: passed over {}: {}",
+            describe(s),
+            T::DTYPE,
+            sk.engine,
+            sk.reason
+        );
+    }
+    a.plans
+        .iter()
+        .filter_map(|p| p.key().engine)
+        .map(Route::graph)
+        .collect()
+}
+
+/// Every direction of every problem of `format` in `T`: the graph path forced (its first admitted
+/// engine config) and each admitted config, against f64; the filter gradient accumulating.
+fn every_direction<T: Element>(format: TensorFormat) {
+    let ctx = gpu();
+    let mut rng = Rng::fresh(&format!("graph {} {format:?}", T::DTYPE));
+    let tol = T::DTYPE.tolerance();
+    let mut failures = Vec::new();
+    for s in shapes(format) {
+        let conv = Conv2d::<T>::new(&ctx, &s).expect("plan");
+        let v = data::<T>(&ctx, &s, &mut rng);
+        for d in Direction::ALL {
+            let plan = conv.plan_for(d);
+            assert!(
+                plan.eligible(ConvPath::CudnnGraph),
+                "{} {} {d}: the graph path is not eligible: {}",
+                describe(&s),
+                T::DTYPE,
+                plan.info(ConvPath::CudnnGraph)
+                    .why_not
+                    .clone()
+                    .unwrap_or_default()
+            );
+            let want = reference(&s, d, &v);
+            let mut routes = vec![Route::path(ConvPath::CudnnGraph)];
+            routes.extend(admitted::<T>(&ctx, &s, d));
+            assert!(
+                routes.len() > 1,
+                "{} {} {d}: no engine config admitted",
+                describe(&s),
+                T::DTYPE
+            );
+            for r in routes {
+                let what = format!("{} {} {d} {}", describe(&s), T::DTYPE, r.label());
+                match run(&ctx, &conv, d, Some(r), &v) {
+                    Ok(got) => match compare(&what, &got, &want, tol) {
+                        Ok(e) => eprintln!("{what}: ok, error {e:.2e}"),
+                        Err(m) => failures.push(m),
+                    },
+                    Err(e) => failures.push(format!("{what}: failed to run: {e}")),
+                }
+            }
+        }
+        // The filter gradient added to what dw holds (beta = 1 through the graph).
+        let base: Vec<T> = rng.vec(s.w_len(), -1.0, 1.0);
+        let mut dw = upload(&ctx, &base);
+        let r = Route::path(ConvPath::CudnnGraph);
+        let what = format!("{} {} accumulated dw {}", describe(&s), T::DTYPE, r.label());
+        match conv.backward_filter_with(r, &v.xb, &v.dyb, &mut dw, true) {
+            Ok(()) => {
+                let want: Vec<f64> = reference(&s, Direction::BackwardFilter, &v)
+                    .iter()
+                    .zip(f64s(&base))
+                    .map(|(g, b)| g + b)
+                    .collect();
+                let got = f64s(&download(&ctx, &dw));
+                if let Err(m) = compare(&what, &got, &want, tol) {
+                    failures.push(m);
+                }
+            }
+            Err(e) => failures.push(format!("{what}: failed to run: {e}")),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn graph_route_f32_nchw_every_direction() {
+    every_direction::<f32>(TensorFormat::Nchw);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn graph_route_f16_nhwc_every_direction() {
+    every_direction::<f16>(TensorFormat::Nhwc);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn graph_route_bf16_nhwc_every_direction() {
+    every_direction::<bf16>(TensorFormat::Nhwc);
+}
+
+/// `auto` with the graph API: the cuDNN candidate stands for graph engine configs (no legacy
+/// algorithm measured), each checked; the choice passed its check and matches f64. Under the
+/// `cudnn` policy the choice is a graph route with its engine config.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn auto_under_graph_api_picks_a_checked_route() {
+    let _l = CACHE_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    conv::clear_choices();
+    let mut rng = Rng::fresh("auto graph");
+    for (policy, only_cudnn) in [(ConvAlgoPolicy::Auto, false), (ConvAlgoPolicy::Cudnn, true)] {
+        let ctx = gpu_with(
+            Config::default()
+                .with_cudnn_api(CudnnApi::Graph)
+                .with_conv_algo(policy),
+        );
+        for s in shapes(TensorFormat::Nhwc).into_iter().take(3) {
+            let conv = Conv2d::<f16>::new(&ctx, &s).expect("plan");
+            let v = data::<f16>(&ctx, &s, &mut rng);
+            for d in Direction::ALL {
+                let plan = conv.plan_for(d);
+                let ctxt = format!("{} f16 {d} policy {policy}", describe(&s));
+                assert!(
+                    plan.cudnn_graph,
+                    "{ctxt}: the plan does not use the graph API:\n{plan}"
+                );
+                let got = run(&ctx, &conv, d, None, &v)
+                    .unwrap_or_else(|e| panic!("{ctxt}: failed: {e}\n{plan}"));
+                compare(&ctxt, &got, &reference(&s, d, &v), DType::F16.tolerance())
+                    .unwrap_or_else(|m| panic!("{m}\n{plan}"));
+                let c = conv.choice(d).expect("decided");
+                if let Some(rep) = conv.report(d) {
+                    assert!(
+                        rep.candidates
+                            .iter()
+                            .all(|k| k.route.path != ConvPath::Cudnn),
+                        "{ctxt}: a legacy algorithm was measured although engine configs \
+                         finalized:\n{rep}"
+                    );
+                    assert!(
+                        rep.candidates
+                            .iter()
+                            .any(|k| k.route.path == ConvPath::CudnnGraph
+                                && k.outcome == Outcome::Passed),
+                        "{ctxt}: no graph route passed its check:\n{rep}"
+                    );
+                    let won = &rep.candidates[rep.winner];
+                    assert_eq!(won.route, c.route, "{ctxt}:\n{rep}");
+                    assert_eq!(won.outcome, Outcome::Passed, "{ctxt}:\n{rep}");
+                    eprintln!("{ctxt}: {c}\n{rep}");
+                }
+                if only_cudnn {
+                    assert_eq!(c.route.path, ConvPath::CudnnGraph, "{ctxt}: {c}");
+                    assert!(c.route.graph_engine.is_some(), "{ctxt}: {c}");
+                }
+            }
+        }
+    }
+}
+
+/// `NNFUSE_CUDNN_API=legacy` with the `cudnn` policy: the legacy route runs (an algorithm, no
+/// engine config), the plan says why, and the graph path is not eligible.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn forced_legacy_config_runs_the_legacy_route() {
+    let _l = CACHE_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let ctx = gpu_with(
+        Config::default()
+            .with_cudnn_api(CudnnApi::Legacy)
+            .with_conv_algo(ConvAlgoPolicy::Cudnn),
+    );
+    let mut rng = Rng::fresh("legacy");
+    for s in shapes(TensorFormat::Nhwc).into_iter().take(2) {
+        let conv = Conv2d::<f16>::new(&ctx, &s).expect("plan");
+        let v = data::<f16>(&ctx, &s, &mut rng);
+        for d in Direction::ALL {
+            let plan = conv.plan_for(d);
+            let ctxt = format!("{} f16 {d}", describe(&s));
+            assert!(!plan.cudnn_graph, "{ctxt}:\n{plan}");
+            assert!(!plan.eligible(ConvPath::CudnnGraph), "{ctxt}:\n{plan}");
+            assert!(
+                plan.reasons.iter().any(|r| r.contains("legacy")),
+                "{ctxt}:\n{plan}"
+            );
+            let got = run(&ctx, &conv, d, None, &v).unwrap_or_else(|e| panic!("{ctxt}: {e}"));
+            compare(&ctxt, &got, &reference(&s, d, &v), DType::F16.tolerance())
+                .unwrap_or_else(|m| panic!("{m}"));
+            let c = conv.choice(d).expect("decided");
+            assert_eq!(c.route.path, ConvPath::Cudnn, "{ctxt}: {c}");
+            assert!(c.route.cudnn_algo.is_some(), "{ctxt}: {c}");
+            assert!(c.route.graph_engine.is_none(), "{ctxt}: {c}");
+        }
+    }
+}
+
+/// The graph route and the legacy route on the same inputs agree within the data type's
+/// tolerance, and both match f64.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn graph_and_legacy_agree() {
+    let ctx = gpu();
+    let mut rng = Rng::fresh("graph vs legacy");
+    let mut failures = Vec::new();
+    for format in [TensorFormat::Nchw, TensorFormat::Nhwc] {
+        for s in shapes(format) {
+            for d in Direction::ALL {
+                let mut check = |dtype: DType,
+                                 graph: nnfuse::Result<Vec<f64>>,
+                                 legacy: nnfuse::Result<Vec<f64>>,
+                                 want: Vec<f64>| {
+                    let what = format!("{} {dtype} {d}", describe(&s));
+                    match (graph, legacy) {
+                        (Ok(g), Ok(l)) => {
+                            for r in [
+                                compare(
+                                    &format!("{what} graph vs legacy"),
+                                    &g,
+                                    &l,
+                                    dtype.tolerance(),
+                                ),
+                                compare(
+                                    &format!("{what} graph vs f64"),
+                                    &g,
+                                    &want,
+                                    dtype.tolerance(),
+                                ),
+                                compare(
+                                    &format!("{what} legacy vs f64"),
+                                    &l,
+                                    &want,
+                                    dtype.tolerance(),
+                                ),
+                            ] {
+                                if let Err(m) = r {
+                                    failures.push(m);
+                                }
+                            }
+                        }
+                        (g, l) => failures.push(format!(
+                            "{what}: graph {:?}, legacy {:?}",
+                            g.err(),
+                            l.err()
+                        )),
+                    }
+                };
+                let graph = Route::path(ConvPath::CudnnGraph);
+                let legacy = Route::path(ConvPath::Cudnn);
+                if format == TensorFormat::Nchw {
+                    let conv = Conv2d::<f32>::new(&ctx, &s).expect("plan");
+                    let v = data::<f32>(&ctx, &s, &mut rng);
+                    check(
+                        DType::F32,
+                        run(&ctx, &conv, d, Some(graph), &v),
+                        run(&ctx, &conv, d, Some(legacy), &v),
+                        reference(&s, d, &v),
+                    );
+                } else {
+                    let conv = Conv2d::<bf16>::new(&ctx, &s).expect("plan");
+                    let v = data::<bf16>(&ctx, &s, &mut rng);
+                    check(
+                        DType::BF16,
+                        run(&ctx, &conv, d, Some(graph), &v),
+                        run(&ctx, &conv, d, Some(legacy), &v),
+                        reference(&s, d, &v),
+                    );
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The tuning file keeps the chosen engine config (not an index); a later process (here: the
+/// choice cache cleared) reads it back and runs it; an entry whose config no longer finalizes
+/// is measured again.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tuning_file_keeps_the_engine_config() {
+    let _l = CACHE_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = std::env::temp_dir().join(format!("nnfuse-gpu-conv-graph-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let file = dir.join("tuning.json");
+    let _ = std::fs::remove_file(&file);
+    let cfg = Config::default()
+        .with_cudnn_api(CudnnApi::Graph)
+        .with_conv_algo(ConvAlgoPolicy::Cudnn)
+        .with_tuning_cache(Some(file.clone()));
+    let s = shapes(TensorFormat::Nhwc)[0];
+    let mut rng = Rng::fresh("graph tuning file");
+    conv::clear_choices();
+    let first = {
+        let ctx = gpu_with(cfg.clone());
+        let conv = Conv2d::<f16>::new(&ctx, &s).expect("plan");
+        let v = data::<f16>(&ctx, &s, &mut rng);
+        run(&ctx, &conv, Direction::Forward, None, &v).expect("first call");
+        conv.choice(Direction::Forward).expect("decided")
+    };
+    let text = std::fs::read_to_string(&file).expect("the tuning file was written");
+    if first.origin == ChoiceOrigin::Measured {
+        let e = first.route.graph_engine.expect("a graph route");
+        assert!(
+            text.contains(&format!("\"graph_engine\": \"{}\"", e.label())),
+            "{first}: the file lacks its engine config:\n{text}"
+        );
+        // Read back by a fresh process's cache.
+        conv::clear_choices();
+        let ctx = gpu_with(cfg.clone());
+        let conv = Conv2d::<f16>::new(&ctx, &s).expect("plan");
+        let v = data::<f16>(&ctx, &s, &mut rng);
+        let got = run(&ctx, &conv, Direction::Forward, None, &v).expect("from the file");
+        compare(
+            "from the file",
+            &got,
+            &reference(&s, Direction::Forward, &v),
+            1e-2,
+        )
+        .unwrap_or_else(|m| panic!("{m}"));
+        let c = conv.choice(Direction::Forward).expect("decided");
+        assert_eq!(c.origin, ChoiceOrigin::File, "{c}");
+        assert_eq!(c.route, first.route, "{c}");
+        // An engine config this cuDNN does not have: measured again.
+        let broken = text.replace(&e.label(), "eng987654{}");
+        std::fs::write(&file, broken).expect("rewrite");
+        conv::clear_choices();
+        let ctx = gpu_with(cfg);
+        let conv = Conv2d::<f16>::new(&ctx, &s).expect("plan");
+        run(&ctx, &conv, Direction::Forward, None, &v).expect("re-measured");
+        let c = conv.choice(Direction::Forward).expect("decided");
+        assert_eq!(c.origin, ChoiceOrigin::Measured, "{c}");
+        assert_eq!(c.route.path, ConvPath::CudnnGraph, "{c}");
+    } else {
+        eprintln!("one engine config only ({first}): nothing measured, nothing written");
+    }
+    conv::clear_choices();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `time_interleaved_gpu` judges a host-heavy variant by its GPU time: a kernel queued after
+/// 300 us of host work times like the same kernel without it, where the chained timing of
+/// `time_interleaved` sees the host time.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn head_start_timing_measures_gpu_time_only() {
+    use nnfuse::internals::timing::{time_interleaved, time_interleaved_gpu, InterleavedOptions};
+    let ctx = gpu();
+    let mut buf = ctx.stream().alloc_zeros::<f32>(1 << 16).expect("alloc");
+    let opts = InterleavedOptions {
+        warmup_rounds: 1,
+        min_sample_ms: 0.1,
+        max_burst: 64,
+        min_rounds: 5,
+        max_rounds: 11,
+        budget_ms: 30.0,
+    };
+    let mut launch = |v: usize, _i: usize| {
+        if v == 1 {
+            let t = std::time::Instant::now();
+            while t.elapsed() < std::time::Duration::from_micros(300) {
+                std::hint::spin_loop();
+            }
+        }
+        nnfuse::internals::util::fill(&ctx, &mut buf, 1.0f32)
+    };
+    let gpu_only = time_interleaved_gpu(&ctx, opts, 2, &mut launch).expect("timing");
+    let chained = time_interleaved(&ctx, opts, 2, &mut launch).expect("timing");
+    let ratio =
+        |r: &nnfuse::internals::timing::Interleaved| r.paired(0, 1).map_or(f64::NAN, |p| p.median);
+    let (g, c) = (ratio(&gpu_only), ratio(&chained));
+    eprintln!(
+        "host-heavy / plain: head start {g:.3}x ({:?} ms), chained {c:.3}x ({:?} ms)",
+        gpu_only.timing(1).map(|t| t.median_ms),
+        chained.timing(1).map(|t| t.median_ms)
+    );
+    assert!(
+        g < 1.5,
+        "behind a head start the host-heavy variant should time like the plain one: {g:.3}x \
+         (chained: {c:.3}x)"
+    );
+    assert!(
+        c > 2.0,
+        "the chained timing was expected to see the host time: {c:.3}x"
+    );
+}
