@@ -226,7 +226,12 @@ fn value_for(flag: &'static str) -> BoxedStrategy<String> {
     };
     let good = match flag {
         "--shape" => prop_oneof![extents(1..7, ","), extents(1..7, "x")].boxed(),
-        "--axis" => (-7i64..7).prop_map(|v| v.to_string()).boxed(),
+        "--axis" => prop_oneof![
+            (-7i64..7).prop_map(|v| v.to_string()),
+            prop::sample::select(vec![i64::MIN, i64::MIN + 1, i64::MAX, -(1 << 32)])
+                .prop_map(|v| v.to_string()),
+        ]
+        .boxed(),
         "--dtype" => words(&["f32", "f16", "bf16"]),
         "--fuse" => words(&["none", "relu", "add-relu"]),
         "--policy" => words(&[
@@ -276,7 +281,7 @@ fn value_for(flag: &'static str) -> BoxedStrategy<String> {
         .boxed(),
         _ => value().boxed(),
     };
-    prop_oneof![9 => good, 1 => value()].boxed()
+    prop_oneof![19 => good, 1 => value()].boxed()
 }
 
 /// Which flags go together: (subcommand, required flag, flags with a value, switches).
@@ -518,7 +523,7 @@ static SEEN: [AtomicU64; 4] = [
 fn cli_exits_cleanly_and_names_what_is_wrong() {
     let mut runner = proptest::test_runner::TestRunner::new(cases(200));
     let result = runner.run(
-        &(prop_oneof![1 => argv(), 3 => structured_argv()], env()),
+        &(prop_oneof![1 => argv(), 4 => structured_argv()], env()),
         |(args, env)| {
             let code = check(&args, &env)?;
             let slot = match code {
