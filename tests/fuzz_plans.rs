@@ -13,7 +13,7 @@
 #[path = "fuzz_common/mod.rs"]
 mod fuzz_common;
 
-use fuzz_common::{cases, check_all, dim, small_dim, Outcome};
+use fuzz_common::{cases, check_all, dim, in_child, known_defect_stands_aside, small_dim, Outcome};
 use nnfuse::batchnorm::{plan as bn_plan, BnPath, Fuse, OwnVariantChoice, Phase, PlanRequest};
 use nnfuse::conv::WinogradTile;
 use nnfuse::conv::{plan as conv_plan, ConvPath, ConvPlanRequest, ConvShape, Direction};
@@ -632,13 +632,29 @@ proptest! {
 
 // ---- regressions: known defects (un-ignore once fixed) ----
 
-/// One `Vec` entry per chunk: a batch of 2^40 one-pixel images under a 1 MiB cap plans 2^20
-/// chunks here (8 MiB); at 2^60 it asks for 128 GiB and aborts or hangs in the allocator.
+/// One `Vec` entry per chunk: a batch of `2^62 - 1` one-pixel images (x holds 2^64 - 4 bytes
+/// of f32, y as many: `check_shape` accepts it) under a 1 MiB cap is `2^44` chunks, a 128 TiB
+/// `Vec` — the allocation fails and the process aborts ("memory allocation of 140737488355328
+/// bytes failed"). Smaller batches allocate (and fill) gigabytes. Run in a child process so
+/// that the abort is reported; the size is past any address space, so it cannot succeed.
 #[test]
-#[ignore = "known defect: conv::plan allocates one Vec entry per batch chunk (conv/paths.rs balanced_chunks(s.n, chunk).len()); a huge batch of tiny images asks for gigabytes"]
+#[ignore = "known defect: conv::plan allocates one Vec entry per batch chunk (conv/paths.rs balanced_chunks(s.n, chunk).len()); a huge batch of tiny images asks for up to 128 TiB and aborts"]
 fn conv_plan_huge_batch_allocates_per_chunk() {
+    let name = "conv_plan_huge_batch_allocates_per_chunk";
+    if known_defect_stands_aside(name) {
+        return;
+    }
+    if let Some(out) = in_child(name) {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "the plan did not return: {:?}\n{stderr}",
+            out.status
+        );
+        return;
+    }
     let shape = ConvShape {
-        n: 1 << 60,
+        n: (1 << 62) - 1,
         c_in: 1,
         h: 1,
         w: 1,
@@ -650,6 +666,7 @@ fn conv_plan_huge_batch_allocates_per_chunk() {
         dilation: (1, 1),
         format: TensorFormat::Nchw,
     };
+    assert!(nnfuse::conv::plan::check_shape(&shape, DType::F32).is_ok());
     let config = Config::default().with_conv_workspace_mb(1);
     let req = ConvPlanRequest {
         shape,
@@ -658,7 +675,7 @@ fn conv_plan_huge_batch_allocates_per_chunk() {
         config: &config,
         cudnn_present: false,
     };
-    // Whatever the answer, it must come at once (a plan, or an error naming the batch).
+    // Whatever the answer (a plan, or an error naming the batch), it must come at once.
     let t = std::time::Instant::now();
     let _ = conv_plan(&req);
     assert!(t.elapsed().as_secs() < 1);
@@ -670,6 +687,9 @@ fn conv_plan_huge_batch_allocates_per_chunk() {
 #[test]
 #[ignore = "known defect: conv::plan fails with im2col's \"column matrix overflows usize\" (conv/paths.rs Im2colRule::info via `?` in conv/plan.rs plan) for a problem check_shape accepts"]
 fn conv_plan_fails_on_a_path_size_overflow() {
+    if known_defect_stands_aside("conv_plan_fails_on_a_path_size_overflow") {
+        return;
+    }
     let shape = ConvShape {
         n: 1,
         c_in: 16,
@@ -777,6 +797,9 @@ fn graph_tensor_specs_fit_or_name_the_argument() {
 #[test]
 #[ignore = "known defect: cudnn_graph::tensor_specs panics 'attempt to multiply with overflow' at cudnn_graph/layout.rs packed_strides (c * h * w) when x's or w's element count exceeds i64 and y's does not"]
 fn graph_tensor_specs_overflow_x_strides() {
+    if known_defect_stands_aside("graph_tensor_specs_overflow_x_strides") {
+        return;
+    }
     use nnfuse::internals::cudnn_graph::{tensor_specs, GraphConvKey};
     let shape = ConvShape {
         n: 1,

@@ -112,3 +112,32 @@ pub fn check_all<S>(
         panic!("{name}: {e}");
     }
 }
+
+/// Whether a known-defect regression test should stand aside: `.gpu/run` runs every test
+/// executable with `--include-ignored` (for the GPU tests) and must stay green; run these with
+/// `cargo test --test <fuzz target> -- --ignored` instead.
+pub fn known_defect_stands_aside(name: &str) -> bool {
+    let aside = std::env::var_os("NNFUSE_GPU_RUN").is_some();
+    if aside {
+        eprintln!("{name}: known defect, not run under .gpu/run (NNFUSE_GPU_RUN is set)");
+    }
+    aside
+}
+
+/// Runs the test `name` again in a child process (this executable, that one test) so that an
+/// abort (a failed allocation) is reported instead of ending every test here: `None` in the
+/// child (run the body), the child's output in the parent.
+pub fn in_child(name: &str) -> Option<std::process::Output> {
+    const CHILD: &str = "NNFUSE_FUZZ_CHILD";
+    if std::env::var(CHILD).is_ok_and(|v| v == name) {
+        return None;
+    }
+    let exe = std::env::current_exe().expect("the test executable's path");
+    Some(
+        std::process::Command::new(exe)
+            .args([name, "--exact", "--include-ignored", "--nocapture"])
+            .env(CHILD, name)
+            .output()
+            .expect("the test executable runs"),
+    )
+}
