@@ -410,18 +410,31 @@ struct Ran {
 
 /// Runs the binary with `args` and `env`, the GPU hidden, killing it after [`TIMEOUT`].
 fn run(args: &[String], env: &[(&str, String)]) -> Ran {
+    // Output goes to files (no pipe to drain while waiting), read back through the handles
+    // this process keeps: the names are removed at once, so nothing is left behind and nothing
+    // else can touch them.
     static N: AtomicU64 = AtomicU64::new(0);
-    let base = std::env::temp_dir().join(format!(
-        "nnfuse-fuzz-cli-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    let (out_path, err_path) = (base.with_extension("out"), base.with_extension("err"));
+    let capture = |what: &str| {
+        let path = std::env::temp_dir().join(format!(
+            "nnfuse-fuzz-cli-{}-{}.{what}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&path)
+            .expect("a capture file");
+        let _ = std::fs::remove_file(&path);
+        f
+    };
+    let (mut out, mut err) = (capture("out"), capture("err"));
     let mut cmd = Command::new(common::nnfuse_binary());
     cmd.args(args)
         .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&out_path).unwrap())
-        .stderr(std::fs::File::create(&err_path).unwrap())
+        .stdout(out.try_clone().expect("dup"))
+        .stderr(err.try_clone().expect("dup"))
         .env("CUDA_VISIBLE_DEVICES", "")
         .env_remove("NNFUSE_LOG")
         .env_remove("RUST_BACKTRACE");
@@ -433,6 +446,7 @@ fn run(args: &[String], env: &[(&str, String)]) -> Ran {
     }
     let t = Instant::now();
     let mut child = cmd.spawn().expect("the nnfuse binary starts");
+    drop(cmd);
     let status = loop {
         if let Some(s) = child.try_wait().expect("wait") {
             break Some(s);
@@ -445,12 +459,15 @@ fn run(args: &[String], env: &[(&str, String)]) -> Ran {
         std::thread::sleep(Duration::from_millis(2));
     };
     let took = t.elapsed();
-    let read = |p: &std::path::Path| {
-        let s = String::from_utf8_lossy(&std::fs::read(p).unwrap_or_default()).into_owned();
-        let _ = std::fs::remove_file(p);
-        s
+    let read = |f: &mut std::fs::File| {
+        use std::io::{Read, Seek, SeekFrom};
+        let mut bytes = Vec::new();
+        f.seek(SeekFrom::Start(0))
+            .and_then(|_| f.read_to_end(&mut bytes))
+            .expect("the capture file reads back");
+        String::from_utf8_lossy(&bytes).into_owned()
     };
-    let (stdout, stderr) = (read(&out_path), read(&err_path));
+    let (stdout, stderr) = (read(&mut out), read(&mut err));
     Ran {
         code: status.and_then(|s| s.code()),
         stdout,
