@@ -14,9 +14,7 @@ use super::problem::{
     fused_eligible, winograd_backward_data_eligible, winograd_dims, winograd_equivalent,
     winograd_forward_eligible, ConvShape, Direction, WinogradEngine, WinogradTile,
 };
-use super::sizes::{
-    balanced_chunks, im2col_chunk, im2col_dims, is_pointwise, tensor_core_rule, winograd_chunk,
-};
+use super::sizes::{im2col_chunk, im2col_dims, is_pointwise, tensor_core_rule, winograd_chunk};
 use crate::config::{Config, ConvAlgoPolicy, CudnnApi, WinogradGemmPolicy};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -311,7 +309,7 @@ pub fn cudnn_int_limits(s: &ConvShape, (oh, ow): (usize, usize)) -> Option<Strin
     }
 }
 
-fn info_ineligible(path: ConvPath, why: String) -> PathInfo {
+pub(super) fn info_ineligible(path: ConvPath, why: String) -> PathInfo {
     PathInfo {
         path,
         eligible: false,
@@ -451,7 +449,7 @@ impl PathRule for Im2colRule {
             why_not: None,
             scratch_bytes: scratch,
             chunk: Some(chunk),
-            chunks: balanced_chunks(s.n, chunk).len(),
+            chunks: s.n.div_ceil(chunk.max(1)),
             winograd: None,
         })
     }
@@ -607,7 +605,7 @@ impl PathRule for WinogradRule {
             why_not: None,
             scratch_bytes: scratch,
             chunk: Some(chunk),
-            chunks: balanced_chunks(s.n, chunk).len(),
+            chunks: s.n.div_ceil(chunk.max(1)),
             winograd: Some(WinogradInfo {
                 tile,
                 tiles,

@@ -37,10 +37,10 @@ use std::fmt;
 
 use serde_json::{json, Value};
 
-use super::paths::graph_refusal;
 pub use super::paths::{
     cudnn_int_limits, ConvPath, ConvPlanRequest, EngineDecision, PathInfo, WinogradInfo, INT_MAX,
 };
+use super::paths::{graph_refusal, info_ineligible};
 pub use super::problem::Direction;
 use super::problem::{ConvShape, CudnnAlgo, GraphEngine, WinogradEngine, WinogradTile};
 use crate::config::{Config, ConvAlgoPolicy, CudnnApi, WinogradGemmPolicy};
@@ -629,7 +629,12 @@ fn path_infos(
     let mut paths = Vec::with_capacity(ConvPath::ALL.len());
     let mut api_paths = Vec::new();
     for p in ConvPath::ALL {
-        let info = p.rule().info(p, req, out_hw)?;
+        // A size that overflows in one path's arithmetic makes that path ineligible, not the
+        // plan an error: the plan fails only where the problem itself is invalid.
+        let info = p
+            .rule()
+            .info(p, req, out_hw)
+            .unwrap_or_else(|e| info_ineligible(p, e.to_string()));
         if p.rule().standalone() {
             paths.push(info);
         } else {

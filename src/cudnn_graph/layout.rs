@@ -110,6 +110,17 @@ pub fn tensor_specs(shape: &ConvShape, dtype: DType, alignment: u8) -> Result<[T
         ),
         (Operand::Y, [n, k, dim(oh, "oh")?, dim(ow, "ow")?]),
     ];
+    // Every stride is a product of dims: each tensor's element count (and that of one image,
+    // for n = 0) must fit cuDNN's int64.
+    for (operand, [d0, d1, d2, d3]) in dims {
+        let image = d1.checked_mul(d2).and_then(|v| v.checked_mul(d3));
+        if image.and_then(|v| v.checked_mul(d0)).is_none() {
+            return Err(Error::invalid(
+                operand.name(),
+                "its element count does not fit cuDNN's int64",
+            ));
+        }
+    }
     Ok(dims.map(|(operand, dims)| TensorSpec {
         operand,
         uid: operand.uid(),
