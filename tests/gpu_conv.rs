@@ -24,36 +24,11 @@ use nnfuse::internals::conv::{usable, winograd_error_floor};
 use nnfuse::reference::conv::conv2d;
 use nnfuse::{Context, DType, Element, Error, TensorFormat};
 
-use common::{f64s, gpu, gpu_with, Rng};
+use common::{conv_tolerance as tolerance, download, f64s, gpu, gpu_with, poisoned, upload, Rng};
 use conv_ref::{compare, describe};
 
 /// Tests that clear the process-wide choice cache run one at a time.
 static CACHE_LOCK: Mutex<()> = Mutex::new(());
-
-fn upload<T: Element>(ctx: &Context, v: &[T]) -> CudaSlice<T> {
-    ctx.stream().clone_htod(v).expect("upload")
-}
-
-fn download<T: Element>(ctx: &Context, b: &CudaSlice<T>) -> Vec<T> {
-    ctx.stream().clone_dtoh(b).expect("download")
-}
-
-/// A buffer of `n` NaN (so an element a kernel never writes shows).
-fn poisoned<T: Element>(ctx: &Context, n: usize) -> CudaSlice<T> {
-    let mut b = ctx.stream().alloc_zeros::<T>(n).expect("alloc");
-    nnfuse::internals::util::fill(ctx, &mut b, T::from_f64(f64::NAN)).expect("fill");
-    b
-}
-
-/// The tolerance a route is held to against f64.
-fn tolerance(path: ConvPath, dtype: DType) -> f64 {
-    // Winograd's own rounding (every stage rounds to the data type) is documented per tile and
-    // type: reference::winograd::error_bound (bf16 F(4x4) reaches ~3e-2, beyond 1e-2).
-    match path.winograd_tile() {
-        Some(tile) => nnfuse::reference::winograd::error_bound(dtype, tile).max(dtype.tolerance()),
-        None => dtype.tolerance(),
-    }
-}
 
 /// Every route a test forces for `d`: each eligible path, Winograd with every engine that can
 /// run it (the fused one for f16/bf16 with channel counts multiples of 8), cuDNN

@@ -1,7 +1,9 @@
 //! Shared helpers for the integration tests: a GPU Context, random data, comparisons.
 #![allow(dead_code)]
 
-use nnfuse::{Config, Context, Element};
+use cudarc::driver::CudaSlice;
+use nnfuse::conv::ConvPath;
+use nnfuse::{Config, Context, DType, Element};
 
 /// Opens device 0 with `config`. GPU tests are `#[ignore]`d, so they only run when asked
 /// (`--include-ignored`, as `.gpu/run` does): a missing GPU then is a failure, loudly.
@@ -13,6 +15,33 @@ pub fn gpu_with(config: Config) -> Context {
 /// reproducible whatever variables the runner has set).
 pub fn gpu() -> Context {
     gpu_with(Config::default())
+}
+
+/// Copies `v` to a new device buffer.
+pub fn upload<T: Element>(ctx: &Context, v: &[T]) -> CudaSlice<T> {
+    ctx.stream().clone_htod(v).expect("upload")
+}
+
+/// Copies `b` back to the host.
+pub fn download<T: Element>(ctx: &Context, b: &CudaSlice<T>) -> Vec<T> {
+    ctx.stream().clone_dtoh(b).expect("download")
+}
+
+/// A buffer of `n` NaN (so an element a kernel never writes shows).
+pub fn poisoned<T: Element>(ctx: &Context, n: usize) -> CudaSlice<T> {
+    let mut b = ctx.stream().alloc_zeros::<T>(n).expect("alloc");
+    nnfuse::internals::util::fill(ctx, &mut b, T::from_f64(f64::NAN)).expect("fill");
+    b
+}
+
+/// The tolerance a convolution route is held to against f64.
+pub fn conv_tolerance(path: ConvPath, dtype: DType) -> f64 {
+    // Winograd's own rounding (every stage rounds to the data type) is documented per tile and
+    // type: reference::winograd::error_bound (bf16 F(4x4) reaches ~3e-2, beyond 1e-2).
+    match path.winograd_tile() {
+        Some(tile) => nnfuse::reference::winograd::error_bound(dtype, tile).max(dtype.tolerance()),
+        None => dtype.tolerance(),
+    }
 }
 
 /// SplitMix64: small, deterministic per seed, good enough for test data.

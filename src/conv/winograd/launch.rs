@@ -798,19 +798,7 @@ mod tests {
     use crate::layout::TensorFormat;
 
     fn shape(n: usize, c: usize, h: usize, k: usize) -> ConvShape {
-        ConvShape {
-            n,
-            c_in: c,
-            h,
-            w: h,
-            c_out: k,
-            kh: 3,
-            kw: 3,
-            stride: (1, 1),
-            pad: (1, 1),
-            dilation: (1, 1),
-            format: TensorFormat::Nhwc,
-        }
+        crate::testutil::square_conv(n, c, h, k, 3, TensorFormat::Nhwc)
     }
 
     #[test]
