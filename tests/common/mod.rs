@@ -148,6 +148,36 @@ pub fn nnfuse_binary() -> std::path::PathBuf {
     })
 }
 
+/// Runs the `nnfuse` binary with `args`: nnfuse's variables and `also_cleared` removed from the
+/// environment, then `env` set (in order, so a later pair wins).
+pub fn run_nnfuse(
+    args: &[&str],
+    also_cleared: &[&str],
+    env: &[(&str, &str)],
+) -> std::process::Output {
+    let mut cmd = std::process::Command::new(nnfuse_binary());
+    cmd.args(args);
+    for var in nnfuse::config::ALL_VARS.iter().chain(also_cleared) {
+        cmd.env_remove(var);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("the nnfuse binary runs")
+}
+
+/// Exit code 2, a message on stderr that names `what`, nothing on stdout.
+pub fn exits_2_naming(out: &std::process::Output, what: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "stderr: {stderr}");
+    assert!(stderr.contains(what), "stderr should name {what}: {stderr}");
+    assert!(
+        out.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
 /// Whether the test runs under `scripts/sanitize` (compute-sanitizer slows every call 10-100x):
 /// bounds on host wall time are skipped there, nothing else.
 pub fn under_sanitizer() -> bool {
