@@ -178,6 +178,28 @@ pub fn exits_2_naming(out: &std::process::Output, what: &str) {
     );
 }
 
+/// A fresh folder under the system's temporary folder (each test file names and makes its own),
+/// removed on drop.
+pub struct TempDir(pub std::path::PathBuf);
+
+impl TempDir {
+    /// The names of the folder's entries, sorted.
+    pub fn names(&self) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(&self.0)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// Whether the test runs under `scripts/sanitize` (compute-sanitizer slows every call 10-100x):
 /// bounds on host wall time are skipped there, nothing else.
 pub fn under_sanitizer() -> bool {
