@@ -17,7 +17,9 @@ use nnfuse::internals::conv::{check_tolerance, usable};
 use nnfuse::reference::conv::conv2d;
 use nnfuse::{Context, DType, Element, TensorFormat};
 
-use common::{conv_tolerance as tolerance, download, f64s, gpu, gpu_with, poisoned, upload, Rng};
+use common::{
+    conv_tolerance as tolerance, download, f64s, gpu, gpu_with, poisoned, square_conv, upload, Rng,
+};
 use conv_ref::{backward_data, backward_filter, compare, describe, dot, par_map};
 
 fn round(dt: DType, v: f64) -> f64 {
@@ -400,19 +402,7 @@ fn auto_gradients_and_determinism() {
     for deterministic in [false, true] {
         let ctx = gpu_with(Config::default().with_deterministic(deterministic));
         for s in [
-            ConvShape {
-                n: 4,
-                c_in: 64,
-                h: 14,
-                w: 14,
-                c_out: 64,
-                kh: 3,
-                kw: 3,
-                stride: (1, 1),
-                pad: (1, 1),
-                dilation: (1, 1),
-                format: TensorFormat::Nhwc,
-            },
+            square_conv(4, 64, 14, 64, 3, TensorFormat::Nhwc),
             ConvShape {
                 n: 3,
                 c_in: 30,

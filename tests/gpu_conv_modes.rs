@@ -14,7 +14,7 @@ use nnfuse::internals::conv::check_tolerance;
 use nnfuse::reference::conv::conv2d;
 use nnfuse::{Context, DType, Element, TensorFormat};
 
-use common::{download, f64s, gpu, gpu_with, poisoned, upload, Rng};
+use common::{download, f64s, gpu, gpu_with, poisoned, square_conv, upload, Rng};
 use conv_ref::{backward_data, backward_filter, compare, describe};
 
 static MODE_LOCK: Mutex<()> = Mutex::new(());
@@ -39,19 +39,7 @@ fn tolerance(path: ConvPath, dtype: DType) -> f64 {
 
 fn shapes() -> [ConvShape; 3] {
     [
-        ConvShape {
-            n: 4,
-            c_in: 32,
-            h: 14,
-            w: 14,
-            c_out: 48,
-            kh: 3,
-            kw: 3,
-            stride: (1, 1),
-            pad: (1, 1),
-            dilation: (1, 1),
-            format: TensorFormat::Nhwc,
-        },
+        square_conv(4, 32, 14, 48, 3, TensorFormat::Nhwc),
         ConvShape {
             n: 2,
             c_in: 30,

@@ -520,19 +520,7 @@ mod gpu_tests {
     fn direct_on_a_resnet_layer() {
         let ctx = gpu();
         for format in [TensorFormat::Nchw, TensorFormat::Nhwc] {
-            let s = ConvShape {
-                n: 32,
-                c_in: 64,
-                h: 56,
-                w: 56,
-                c_out: 64,
-                kh: 3,
-                kw: 3,
-                stride: (1, 1),
-                pad: (1, 1),
-                dilation: (1, 1),
-                format,
-            };
+            let s = crate::testutil::square_conv(32, 64, 56, 64, 3, format);
             let x = upload::<f16>(&ctx, &vec![0.5; s.x_len()]);
             let w = upload::<f16>(&ctx, &vec![0.25; s.w_len()]);
             let mut y = poisoned::<f16>(&ctx, s.y_len().unwrap());

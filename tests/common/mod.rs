@@ -44,6 +44,31 @@ pub fn conv_tolerance(path: ConvPath, dtype: DType) -> f64 {
     }
 }
 
+/// A square `r`×`r` convolution on an `h`×`h` input: stride 1, dilation 1, padding `r / 2`
+/// (the output keeps the input's size for odd `r`).
+pub fn square_conv(
+    n: usize,
+    c_in: usize,
+    h: usize,
+    c_out: usize,
+    r: usize,
+    format: nnfuse::TensorFormat,
+) -> nnfuse::conv::ConvShape {
+    nnfuse::conv::ConvShape {
+        n,
+        c_in,
+        h,
+        w: h,
+        c_out,
+        kh: r,
+        kw: r,
+        stride: (1, 1),
+        pad: (r / 2, r / 2),
+        dilation: (1, 1),
+        format,
+    }
+}
+
 /// SplitMix64: small, deterministic per seed, good enough for test data.
 pub struct Rng(u64);
 
