@@ -144,3 +144,45 @@ pub(crate) fn winograd_shape(
         ..square_conv(n, c_in, h, c_out, 3, crate::TensorFormat::Nhwc)
     }
 }
+
+/// `file` compiled for compute_80 (needs NVRTC), as text.
+pub(crate) fn ptx_of(file: &crate::kernels::KernelFile) -> String {
+    match crate::kernels::compile(file, "compute_80").unwrap() {
+        crate::kernels::Image::Ptx(b) | crate::kernels::Image::Cubin(b) => {
+            String::from_utf8_lossy(&b).into_owned()
+        }
+    }
+}
+
+/// The kernels a PTX text defines (each `.visible .entry` line, from the kernel's name on).
+pub(crate) fn ptx_entries(ptx: &str) -> Vec<&str> {
+    ptx.lines()
+        .filter_map(|l| l.trim().strip_prefix(".visible .entry "))
+        .collect()
+}
+
+/// Values exactly representable in f16, bf16 and f32 (multiples of 1/256 in [-1, 1], never
+/// 0), so one f64 reference serves every type.
+pub(crate) fn exact_values(rng: &mut Rng, n: usize) -> Vec<f64> {
+    (0..n)
+        .map(|_| {
+            let v = (rng.uniform(-1.0, 1.0) * 256.0).round() / 256.0;
+            if v == 0.0 {
+                1.0 / 256.0
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+/// [`square_conv`] in NHWC.
+pub(crate) fn square_nhwc(
+    n: usize,
+    c_in: usize,
+    h: usize,
+    c_out: usize,
+    r: usize,
+) -> crate::conv::ConvShape {
+    square_conv(n, c_in, h, c_out, r, crate::TensorFormat::Nhwc)
+}

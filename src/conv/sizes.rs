@@ -118,11 +118,8 @@ pub fn winograd_chunk(
 mod tests {
     use super::*;
     use crate::conv::problem::{winograd_dims, WinogradTile};
-    use crate::layout::TensorFormat;
 
-    fn shape(n: usize, c: usize, h: usize, k: usize, r: usize) -> ConvShape {
-        crate::testutil::square_conv(n, c, h, k, r, TensorFormat::Nhwc)
-    }
+    use crate::testutil::square_nhwc as shape;
 
     #[test]
     fn tensor_core_rule_matches_the_seed() {

@@ -274,9 +274,7 @@ impl WinogradGeometry {
 mod tests {
     use super::*;
 
-    fn shape(n: usize, c: usize, h: usize, k: usize, r: usize) -> ConvShape {
-        crate::testutil::square_conv(n, c, h, k, r, TensorFormat::Nhwc)
-    }
+    use crate::testutil::square_nhwc as shape;
 
     #[test]
     fn fused_eligibility_names_type_and_channels() {

@@ -41,18 +41,7 @@ fn engines_for(s: &ConvShape, dtype: DType) -> Vec<WinogradEngine> {
     e
 }
 
-fn exact(rng: &mut Rng, n: usize) -> Vec<f64> {
-    (0..n)
-        .map(|_| {
-            let v = (rng.uniform(-1.0, 1.0) * 256.0).round() / 256.0;
-            if v == 0.0 {
-                1.0 / 256.0
-            } else {
-                v
-            }
-        })
-        .collect()
-}
+use crate::testutil::exact_values as exact;
 
 fn up<T: Element>(ctx: &Context, v: &[f64]) -> CudaSlice<T> {
     let h: Vec<T> = v.iter().map(|x| T::from_f64(*x)).collect();
