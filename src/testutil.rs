@@ -68,3 +68,121 @@ pub(crate) fn rel_l2(got: &[f64], want: &[f64]) -> f64 {
     }
     (num / den.max(1e-30)).sqrt()
 }
+
+/// `n` values uniform in `[0, 1)` from xorshift64 (shifts 13, 7, 17): the generator of the
+/// direct and im2col tests, which their expected values were computed with.
+pub(crate) fn xorshift_unit(seed: u64, n: usize) -> impl Iterator<Item = f64> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n).map(move |_| {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s >> 11) as f64 / (1u64 << 53) as f64
+    })
+}
+
+/// `n` values uniform in `[-1, 1)` from [`xorshift_unit`].
+pub(crate) fn xorshift_values(seed: u64, n: usize) -> Vec<f64> {
+    xorshift_unit(seed, n).map(|u| u * 2.0 - 1.0).collect()
+}
+
+/// `n` values uniform in `[0, 1)` from xorshift64* (shifts 12, 25, 27): the generator of the
+/// f64 references' and the Winograd emulators' tests.
+pub(crate) fn xorshift_star_unit(seed: u64, n: usize) -> impl Iterator<Item = f64> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n).map(move |_| {
+        s ^= s >> 12;
+        s ^= s << 25;
+        s ^= s >> 27;
+        (s.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64 / (1u64 << 53) as f64
+    })
+}
+
+/// `n` values uniform in `[-1, 1)` from [`xorshift_star_unit`].
+pub(crate) fn xorshift_star_values(seed: u64, n: usize) -> Vec<f64> {
+    xorshift_star_unit(seed, n).map(|u| u * 2.0 - 1.0).collect()
+}
+
+/// A square `r`×`r` convolution on an `h`×`h` input: stride 1, dilation 1, padding `r / 2`
+/// (the output keeps the input's size for odd `r`).
+pub(crate) fn square_conv(
+    n: usize,
+    c_in: usize,
+    h: usize,
+    c_out: usize,
+    r: usize,
+    format: crate::TensorFormat,
+) -> crate::conv::ConvShape {
+    crate::conv::ConvShape {
+        n,
+        c_in,
+        h,
+        w: h,
+        c_out,
+        kh: r,
+        kw: r,
+        stride: (1, 1),
+        pad: (r / 2, r / 2),
+        dilation: (1, 1),
+        format,
+    }
+}
+
+/// A 3×3 NHWC convolution, stride 1, dilation 1, padding `pad`: the shape of the Winograd
+/// tests.
+pub(crate) fn winograd_shape(
+    n: usize,
+    c_in: usize,
+    c_out: usize,
+    h: usize,
+    w: usize,
+    pad: (usize, usize),
+) -> crate::conv::ConvShape {
+    crate::conv::ConvShape {
+        w,
+        pad,
+        ..square_conv(n, c_in, h, c_out, 3, crate::TensorFormat::Nhwc)
+    }
+}
+
+/// `file` compiled for compute_80 (needs NVRTC), as text.
+pub(crate) fn ptx_of(file: &crate::kernels::KernelFile) -> String {
+    match crate::kernels::compile(file, "compute_80").unwrap() {
+        crate::kernels::Image::Ptx(b) | crate::kernels::Image::Cubin(b) => {
+            String::from_utf8_lossy(&b).into_owned()
+        }
+    }
+}
+
+/// The kernels a PTX text defines (each `.visible .entry` line, from the kernel's name on).
+pub(crate) fn ptx_entries(ptx: &str) -> Vec<&str> {
+    ptx.lines()
+        .filter_map(|l| l.trim().strip_prefix(".visible .entry "))
+        .collect()
+}
+
+/// Values exactly representable in f16, bf16 and f32 (multiples of 1/256 in [-1, 1], never
+/// 0), so one f64 reference serves every type.
+pub(crate) fn exact_values(rng: &mut Rng, n: usize) -> Vec<f64> {
+    (0..n)
+        .map(|_| {
+            let v = (rng.uniform(-1.0, 1.0) * 256.0).round() / 256.0;
+            if v == 0.0 {
+                1.0 / 256.0
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+/// [`square_conv`] in NHWC.
+pub(crate) fn square_nhwc(
+    n: usize,
+    c_in: usize,
+    h: usize,
+    c_out: usize,
+    r: usize,
+) -> crate::conv::ConvShape {
+    square_conv(n, c_in, h, c_out, r, crate::TensorFormat::Nhwc)
+}

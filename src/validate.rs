@@ -298,11 +298,7 @@ impl<'a> Binder<'a> {
         buf: &'a S,
         need: Need,
     ) -> Result<u64> {
-        self.device(name, buf)?;
-        let (ptr, guard) = buf.device_ptr(self.stream);
-        self.guards.push(guard);
-        self.push::<T>(name, ptr, buf.len(), Role::Input, need);
-        Ok(ptr)
+        self.shared(name, buf, Role::Input, need)
     }
 
     /// A buffer the call writes; returns its device address.
@@ -328,10 +324,21 @@ impl<'a> Binder<'a> {
         buf: &'a S,
         need: Need,
     ) -> Result<u64> {
+        self.shared(name, buf, Role::Output, need)
+    }
+
+    /// Binds a buffer borrowed shared in `role`; returns its device address.
+    fn shared<T, S: DevicePtr<T>>(
+        &mut self,
+        name: &'static str,
+        buf: &'a S,
+        role: Role,
+        need: Need,
+    ) -> Result<u64> {
         self.device(name, buf)?;
         let (ptr, guard) = buf.device_ptr(self.stream);
         self.guards.push(guard);
-        self.push::<T>(name, ptr, buf.len(), Role::Output, need);
+        self.push::<T>(name, ptr, buf.len(), role, need);
         Ok(ptr)
     }
 

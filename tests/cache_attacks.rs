@@ -9,6 +9,8 @@
 
 #![cfg(unix)]
 
+mod common;
+
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -20,9 +22,9 @@ use nnfuse::internals::gemm::{load_file, save_file, DeviceTag};
 use nnfuse::internals::kernels::{self, Image, ImageKey, KernelFile};
 use nnfuse::DType;
 
-/// A fresh folder under the system's temporary folder, removed on drop.
-struct TempDir(PathBuf);
+use common::TempDir;
 
+/// Folders named `nnfuse-attack-TAG-…`, private to the user.
 impl TempDir {
     fn new(tag: &str) -> TempDir {
         let t = std::time::SystemTime::now()
@@ -37,20 +39,6 @@ impl TempDir {
     }
     fn path(&self) -> &Path {
         &self.0
-    }
-    fn names(&self) -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(&self.0)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        v.sort();
-        v
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 

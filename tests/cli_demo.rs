@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::nnfuse_binary as binary;
+use common::{nnfuse_binary as binary, run_nnfuse};
 use std::process::{Command, Output};
 
 use serde_json::Value;
@@ -35,18 +35,13 @@ const OPS: [&str; 19] = [
 
 /// Runs `nnfuse demo ARGS` with no GPU visible, nnfuse's variables cleared, then `env` set.
 fn demo(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(binary());
-    cmd.arg("demo").args(args);
-    for var in nnfuse::config::ALL_VARS {
-        cmd.env_remove(var);
-    }
-    cmd.env_remove("NNFUSE_LOG");
-    cmd.env_remove(nnfuse::conv::ENV_CONV_CUDNN_SEARCH);
-    cmd.env("CUDA_VISIBLE_DEVICES", "");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().expect("the nnfuse binary runs")
+    let cleared = ["NNFUSE_LOG", nnfuse::conv::ENV_CONV_CUDNN_SEARCH];
+    let no_gpu = [("CUDA_VISIBLE_DEVICES", "")];
+    run_nnfuse(
+        &[&["demo"], args].concat(),
+        &cleared,
+        &[&no_gpu, env].concat(),
+    )
 }
 
 fn text(out: &Output) -> (String, String) {
@@ -363,14 +358,8 @@ fn help_documents_the_exit_statuses() {
 /// Runs `nnfuse demo ARGS --json` on the GPU (nnfuse's variables cleared) and returns the JSON;
 /// on a failure, prints every comparison that failed and the stderr.
 fn on_gpu(args: &[&str]) -> Value {
-    let mut cmd = Command::new(binary());
-    cmd.arg("demo").args(args).arg("--json");
-    for var in nnfuse::config::ALL_VARS {
-        cmd.env_remove(var);
-    }
-    cmd.env_remove("NNFUSE_LOG");
-    cmd.env_remove(nnfuse::conv::ENV_CONV_CUDNN_SEARCH);
-    let out = cmd.output().expect("the nnfuse binary runs");
+    let cleared = ["NNFUSE_LOG", nnfuse::conv::ENV_CONV_CUDNN_SEARCH];
+    let out = run_nnfuse(&[&["demo"], args, &["--json"]].concat(), &cleared, &[]);
     let (stdout, stderr) = text(&out);
     let v: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| {
         panic!("{args:?}: stdout is not one JSON value ({e}); exit {:?}\nstdout:\n{stdout}\nstderr:\n{stderr}", out.status.code())

@@ -3,19 +3,11 @@
 
 mod common;
 
-use common::nnfuse_binary as binary;
-use std::process::{Command, Output};
+use common::run_nnfuse;
+use std::process::Output;
 
 fn info(env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(binary());
-    cmd.arg("info");
-    for var in nnfuse::config::ALL_VARS {
-        cmd.env_remove(var);
-    }
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().expect("the nnfuse binary runs")
+    run_nnfuse(&["info"], &[], env)
 }
 
 #[test]

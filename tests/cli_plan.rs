@@ -3,23 +3,14 @@
 
 mod common;
 
-use common::nnfuse_binary as binary;
-use std::process::{Command, Output};
+use common::{exits_2_naming as fails_naming, run_nnfuse};
+use std::process::Output;
 
 use serde_json::Value;
 
 /// Runs `nnfuse plan ARGS` with nnfuse's variables cleared, then `env` set.
 fn nnfuse_plan(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(binary());
-    cmd.arg("plan").args(args);
-    for var in nnfuse::config::ALL_VARS {
-        cmd.env_remove(var);
-    }
-    cmd.env_remove("NNFUSE_LOG");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().expect("the nnfuse binary runs")
+    run_nnfuse(&[&["plan"], args].concat(), &["NNFUSE_LOG"], env)
 }
 
 /// Runs with `--json` (and a fixed cuDNN version) and parses stdout as exactly one JSON object.
@@ -46,18 +37,6 @@ fn codes(v: &Value) -> Vec<&str> {
         .iter()
         .map(|c| c.as_str().expect("codes are strings"))
         .collect()
-}
-
-/// Exit code 2, a message on stderr that names `what`, nothing on stdout.
-fn fails_naming(out: &Output, what: &str) {
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "stderr: {stderr}");
-    assert!(stderr.contains(what), "stderr should name {what}: {stderr}");
-    assert!(
-        out.stdout.is_empty(),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
 }
 
 #[test]

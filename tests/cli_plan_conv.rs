@@ -3,24 +3,15 @@
 
 mod common;
 
-use common::nnfuse_binary as binary;
+use common::{exits_2_naming as fails_naming, nnfuse_binary as binary, run_nnfuse};
 use std::process::{Command, Output};
 
 use serde_json::Value;
 
 /// Runs `nnfuse plan ARGS` with nnfuse's variables cleared, then `env` set.
 fn nnfuse_plan(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(binary());
-    cmd.arg("plan").args(args);
-    for var in nnfuse::config::ALL_VARS {
-        cmd.env_remove(var);
-    }
-    cmd.env_remove("NNFUSE_LOG");
-    cmd.env_remove(nnfuse::conv::ENV_CONV_CUDNN_SEARCH);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().expect("the nnfuse binary runs")
+    let cleared = ["NNFUSE_LOG", nnfuse::conv::ENV_CONV_CUDNN_SEARCH];
+    run_nnfuse(&[&["plan"], args].concat(), &cleared, env)
 }
 
 /// Runs with `--json --cudnn present` and parses stdout as exactly one JSON object.
@@ -50,18 +41,6 @@ fn labels(v: &Value) -> Vec<String> {
         .iter()
         .map(|c| c.as_str().expect("labels are strings").to_string())
         .collect()
-}
-
-/// Exit code 2, a message on stderr that names `what`, nothing on stdout.
-fn fails_naming(out: &Output, what: &str) {
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "stderr: {stderr}");
-    assert!(stderr.contains(what), "stderr should name {what}: {stderr}");
-    assert!(
-        out.stdout.is_empty(),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
 }
 
 const RESNET: &[&str] = &[

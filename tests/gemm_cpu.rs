@@ -2,6 +2,8 @@
 //! the tuning-cache file (round trip, merging, corrupted and foreign files ignored), and that the
 //! search's kernels compile under NVRTC.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use nnfuse::gemm::{
@@ -12,6 +14,8 @@ use nnfuse::internals::gemm::{
     self as cache, c_batches_overlap, check_pointers, load_file, save_file, DeviceTag, FILE_FORMAT,
 };
 use nnfuse::DType;
+
+use common::TempDir;
 
 fn arg_of(r: nnfuse::Result<Validated>) -> String {
     match r {
@@ -386,8 +390,7 @@ fn tag(name: &str, lt: usize) -> DeviceTag {
     }
 }
 
-struct TempDir(PathBuf);
-
+/// Folders named `nnfuse-gemm-cpu-…`.
 impl TempDir {
     fn new(name: &str) -> TempDir {
         let d = std::env::temp_dir().join(format!(
@@ -403,20 +406,6 @@ impl TempDir {
     }
     fn file(&self) -> PathBuf {
         self.0.join("tuning.json")
-    }
-    fn names(&self) -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(&self.0)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        v.sort();
-        v
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 

@@ -19,7 +19,7 @@ mod common;
 
 use std::mem::ManuallyDrop;
 
-use common::{f64s, gpu, Rng};
+use common::{f64s, gpu, square_conv, Rng};
 use cudarc::driver::{CudaSlice, DevicePtr};
 use half::f16;
 use nnfuse::activation::{self, mask_words, NoMask};
@@ -44,19 +44,7 @@ const CY: usize = 2 * 9 * 9 * 16;
 
 /// The convolution problem of the conv rows.
 fn conv_shape() -> ConvShape {
-    ConvShape {
-        n: 2,
-        c_in: 8,
-        h: 9,
-        w: 9,
-        c_out: 16,
-        kh: 3,
-        kw: 3,
-        stride: (1, 1),
-        pad: (1, 1),
-        dilation: (1, 1),
-        format: nnfuse::TensorFormat::Nhwc,
-    }
+    square_conv(2, 8, 9, 16, 3, nnfuse::TensorFormat::Nhwc)
 }
 
 /// f32 poison of outputs: a quiet NaN with a payload no computation produces.

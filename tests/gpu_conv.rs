@@ -24,36 +24,13 @@ use nnfuse::internals::conv::{usable, winograd_error_floor};
 use nnfuse::reference::conv::conv2d;
 use nnfuse::{Context, DType, Element, Error, TensorFormat};
 
-use common::{f64s, gpu, gpu_with, Rng};
+use common::{
+    conv_tolerance as tolerance, download, f64s, gpu, gpu_with, poisoned, square_conv, upload, Rng,
+};
 use conv_ref::{compare, describe};
 
 /// Tests that clear the process-wide choice cache run one at a time.
 static CACHE_LOCK: Mutex<()> = Mutex::new(());
-
-fn upload<T: Element>(ctx: &Context, v: &[T]) -> CudaSlice<T> {
-    ctx.stream().clone_htod(v).expect("upload")
-}
-
-fn download<T: Element>(ctx: &Context, b: &CudaSlice<T>) -> Vec<T> {
-    ctx.stream().clone_dtoh(b).expect("download")
-}
-
-/// A buffer of `n` NaN (so an element a kernel never writes shows).
-fn poisoned<T: Element>(ctx: &Context, n: usize) -> CudaSlice<T> {
-    let mut b = ctx.stream().alloc_zeros::<T>(n).expect("alloc");
-    nnfuse::internals::util::fill(ctx, &mut b, T::from_f64(f64::NAN)).expect("fill");
-    b
-}
-
-/// The tolerance a route is held to against f64.
-fn tolerance(path: ConvPath, dtype: DType) -> f64 {
-    // Winograd's own rounding (every stage rounds to the data type) is documented per tile and
-    // type: reference::winograd::error_bound (bf16 F(4x4) reaches ~3e-2, beyond 1e-2).
-    match path.winograd_tile() {
-        Some(tile) => nnfuse::reference::winograd::error_bound(dtype, tile).max(dtype.tolerance()),
-        None => dtype.tolerance(),
-    }
-}
 
 /// Every route a test forces for `d`: each eligible path, Winograd with every engine that can
 /// run it (the fused one for f16/bf16 with channel counts multiples of 8), cuDNN
@@ -432,19 +409,7 @@ fn auto_chooses_a_checked_route_and_caches_it() {
     let mut rng = Rng::fresh("conv auto");
     // A small ResNet-like layer (Winograd-eligible) and a strided NCHW one, in f16 and f32.
     let shapes = [
-        ConvShape {
-            n: 8,
-            c_in: 64,
-            h: 28,
-            w: 28,
-            c_out: 64,
-            kh: 3,
-            kw: 3,
-            stride: (1, 1),
-            pad: (1, 1),
-            dilation: (1, 1),
-            format: TensorFormat::Nhwc,
-        },
+        square_conv(8, 64, 28, 64, 3, TensorFormat::Nhwc),
         ConvShape {
             n: 4,
             c_in: 30,
@@ -608,19 +573,7 @@ fn first_call_origin(
 #[ignore = "needs a CUDA GPU"]
 fn auto_on_zero_inputs_measures_on_random_data() {
     let ctx = gpu();
-    let s = ConvShape {
-        n: 2,
-        c_in: 24,
-        h: 17,
-        w: 17,
-        c_out: 40,
-        kh: 3,
-        kw: 3,
-        stride: (1, 1),
-        pad: (1, 1),
-        dilation: (1, 1),
-        format: TensorFormat::Nhwc,
-    };
+    let s = square_conv(2, 24, 17, 40, 3, TensorFormat::Nhwc);
     let conv = Conv2d::<f16>::new(&ctx, &s).expect("plan");
     let x = ctx.stream().alloc_zeros::<f16>(s.x_len()).expect("x");
     let w = ctx.stream().alloc_zeros::<f16>(s.w_len()).expect("w");
@@ -701,19 +654,7 @@ fn prepared_filters_match_the_plain_forward() {
 fn epilogue_none_is_the_plain_forward() {
     let ctx = gpu();
     let mut rng = Rng::fresh("epilogue");
-    let s = ConvShape {
-        n: 2,
-        c_in: 8,
-        h: 9,
-        w: 9,
-        c_out: 16,
-        kh: 3,
-        kw: 3,
-        stride: (1, 1),
-        pad: (1, 1),
-        dilation: (1, 1),
-        format: TensorFormat::Nchw,
-    };
+    let s = square_conv(2, 8, 9, 16, 3, TensorFormat::Nchw);
     let xs: Vec<bf16> = rng.vec(s.x_len(), -1.0, 1.0);
     let ws: Vec<bf16> = rng.vec(s.w_len(), -1.0, 1.0);
     let want = conv2d(&s, &f64s(&xs), &f64s(&ws)).expect("reference");
@@ -750,19 +691,7 @@ fn alias<T: Element>(ctx: &Context, b: &CudaSlice<T>, off: usize, len: usize) ->
 #[ignore = "needs a CUDA GPU"]
 fn bad_input_is_a_typed_error_and_changes_nothing() {
     let ctx = gpu();
-    let s = ConvShape {
-        n: 2,
-        c_in: 3,
-        h: 8,
-        w: 8,
-        c_out: 4,
-        kh: 3,
-        kw: 3,
-        stride: (1, 1),
-        pad: (1, 1),
-        dilation: (1, 1),
-        format: TensorFormat::Nhwc,
-    };
+    let s = square_conv(2, 3, 8, 4, 3, TensorFormat::Nhwc);
     let arg = |r: Result<(), Error>| r.err().and_then(|e| e.argument().map(str::to_owned));
     let conv = Conv2d::<f32>::new(&ctx, &s).expect("plan");
     let (xl, wl, yl) = (s.x_len(), s.w_len(), s.y_len().expect("valid"));

@@ -10,7 +10,6 @@
 mod common;
 mod conv_ref;
 
-use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
 use nnfuse::config::Config;
 use nnfuse::conv::{Conv2d, ConvPath, ConvShape, Direction, Outcome, Route, WinogradEngine};
@@ -18,31 +17,10 @@ use nnfuse::internals::conv::{check_tolerance, usable};
 use nnfuse::reference::conv::conv2d;
 use nnfuse::{Context, DType, Element, TensorFormat};
 
-use common::{f64s, gpu, gpu_with, Rng};
+use common::{
+    conv_tolerance as tolerance, download, f64s, gpu, gpu_with, poisoned, square_conv, upload, Rng,
+};
 use conv_ref::{backward_data, backward_filter, compare, describe, dot, par_map};
-
-fn upload<T: Element>(ctx: &Context, v: &[T]) -> CudaSlice<T> {
-    ctx.stream().clone_htod(v).expect("upload")
-}
-
-fn download<T: Element>(ctx: &Context, b: &CudaSlice<T>) -> Vec<T> {
-    ctx.stream().clone_dtoh(b).expect("download")
-}
-
-fn poisoned<T: Element>(ctx: &Context, n: usize) -> CudaSlice<T> {
-    let mut b = ctx.stream().alloc_zeros::<T>(n).expect("alloc");
-    nnfuse::internals::util::fill(ctx, &mut b, T::from_f64(f64::NAN)).expect("fill");
-    b
-}
-
-fn tolerance(path: ConvPath, dtype: DType) -> f64 {
-    // Winograd's own rounding (every stage rounds to the data type) is documented per tile and
-    // type: reference::winograd::error_bound (bf16 F(4x4) reaches ~3e-2, beyond 1e-2).
-    match path.winograd_tile() {
-        Some(tile) => nnfuse::reference::winograd::error_bound(dtype, tile).max(dtype.tolerance()),
-        None => dtype.tolerance(),
-    }
-}
 
 fn round(dt: DType, v: f64) -> f64 {
     match dt {
@@ -424,19 +402,7 @@ fn auto_gradients_and_determinism() {
     for deterministic in [false, true] {
         let ctx = gpu_with(Config::default().with_deterministic(deterministic));
         for s in [
-            ConvShape {
-                n: 4,
-                c_in: 64,
-                h: 14,
-                w: 14,
-                c_out: 64,
-                kh: 3,
-                kw: 3,
-                stride: (1, 1),
-                pad: (1, 1),
-                dilation: (1, 1),
-                format: TensorFormat::Nhwc,
-            },
+            square_conv(4, 64, 14, 64, 3, TensorFormat::Nhwc),
             ConvShape {
                 n: 3,
                 c_in: 30,

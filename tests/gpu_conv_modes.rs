@@ -7,7 +7,6 @@ mod conv_ref;
 
 use std::sync::Mutex;
 
-use cudarc::driver::CudaSlice;
 use half::f16;
 use nnfuse::config::{Config, ConvAlgoPolicy};
 use nnfuse::conv::{self, ChoiceOrigin, Conv2d, ConvPath, ConvShape, CudnnSearch, Direction};
@@ -15,7 +14,7 @@ use nnfuse::internals::conv::check_tolerance;
 use nnfuse::reference::conv::conv2d;
 use nnfuse::{Context, DType, Element, TensorFormat};
 
-use common::{f64s, gpu, gpu_with, Rng};
+use common::{download, f64s, gpu, gpu_with, poisoned, square_conv, upload, Rng};
 use conv_ref::{backward_data, backward_filter, compare, describe};
 
 static MODE_LOCK: Mutex<()> = Mutex::new(());
@@ -30,20 +29,6 @@ impl Drop for Restore {
     }
 }
 
-fn upload<T: Element>(ctx: &Context, v: &[T]) -> CudaSlice<T> {
-    ctx.stream().clone_htod(v).expect("upload")
-}
-
-fn download<T: Element>(ctx: &Context, b: &CudaSlice<T>) -> Vec<T> {
-    ctx.stream().clone_dtoh(b).expect("download")
-}
-
-fn poisoned<T: Element>(ctx: &Context, n: usize) -> CudaSlice<T> {
-    let mut b = ctx.stream().alloc_zeros::<T>(n).expect("alloc");
-    nnfuse::internals::util::fill(ctx, &mut b, T::from_f64(f64::NAN)).expect("fill");
-    b
-}
-
 fn tolerance(path: ConvPath, dtype: DType) -> f64 {
     if path.winograd_tile().is_some() {
         check_tolerance(dtype)
@@ -54,19 +39,7 @@ fn tolerance(path: ConvPath, dtype: DType) -> f64 {
 
 fn shapes() -> [ConvShape; 3] {
     [
-        ConvShape {
-            n: 4,
-            c_in: 32,
-            h: 14,
-            w: 14,
-            c_out: 48,
-            kh: 3,
-            kw: 3,
-            stride: (1, 1),
-            pad: (1, 1),
-            dilation: (1, 1),
-            format: TensorFormat::Nhwc,
-        },
+        square_conv(4, 32, 14, 48, 3, TensorFormat::Nhwc),
         ConvShape {
             n: 2,
             c_in: 30,

@@ -4,23 +4,14 @@
 
 mod common;
 
-use common::nnfuse_binary as binary;
-use std::process::{Command, Output};
+use common::run_nnfuse;
+use std::process::Output;
 
 use serde_json::Value;
 
 /// Runs `nnfuse ARGS` with nnfuse's variables cleared, then `env` set; stderr is a pipe.
 fn nnfuse(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(binary());
-    cmd.args(args);
-    for var in nnfuse::config::ALL_VARS {
-        cmd.env_remove(var);
-    }
-    cmd.env_remove("NNFUSE_LOG");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().expect("the nnfuse binary runs")
+    run_nnfuse(args, &["NNFUSE_LOG"], env)
 }
 
 fn stderr(out: &Output) -> String {

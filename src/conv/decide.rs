@@ -516,7 +516,7 @@ fn injected_failure() -> Result<()> {
 mod tests {
     use super::FAIL_NEXT_RUN;
     use crate::conv::im2col::gpu_tests::{check, download, quantized, upload};
-    use crate::conv::{ChoiceOrigin, Conv2d, ConvPath, ConvShape, Direction};
+    use crate::conv::{ChoiceOrigin, Conv2d, ConvPath, Direction};
     use crate::layout::TensorFormat;
     use crate::testutil::{gpu_with, Rng};
     use crate::{Config, ConvAlgoPolicy, Error};
@@ -535,19 +535,7 @@ mod tests {
         };
         let ctx = gpu_with(config);
         // NCHW, one image's columns (16*9 x 32*32 f32, 576 KiB) per 1 MiB chunk: 7 chunks.
-        let s = ConvShape {
-            n: 7,
-            c_in: 16,
-            h: 32,
-            w: 32,
-            c_out: 24,
-            kh: 3,
-            kw: 3,
-            stride: (1, 1),
-            pad: (1, 1),
-            dilation: (1, 1),
-            format: TensorFormat::Nchw,
-        };
+        let s = crate::testutil::square_conv(7, 16, 32, 24, 3, TensorFormat::Nchw);
         let conv = Conv2d::<f32>::new(&ctx, &s).unwrap();
         let plan = conv.plan_for(Direction::BackwardFilter);
         assert_eq!(plan.path, ConvPath::Im2colGemm, "{plan}");

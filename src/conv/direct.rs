@@ -372,17 +372,7 @@ mod tests {
         y
     }
 
-    fn values(seed: u64, n: usize) -> Vec<f64> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::testutil::xorshift_values as values;
 
     /// The emulated kernel equals the reference on problems that cross every boundary: more
     /// than 256 taps (several staging rounds), more than 256 pixels, channel counts not a
@@ -426,19 +416,7 @@ mod tests {
 
     #[test]
     fn grids_and_limits() {
-        let s = ConvShape {
-            n: 32,
-            c_in: 64,
-            h: 56,
-            w: 56,
-            c_out: 64,
-            kh: 3,
-            kw: 3,
-            stride: (1, 1),
-            pad: (1, 1),
-            dilation: (1, 1),
-            format: Nhwc,
-        };
+        let s = crate::testutil::square_conv(32, 64, 56, 64, 3, Nhwc);
         let g = geometry(&s).unwrap();
         assert_eq!((g.pixels, g.p, g.k, g.groups), (32 * 3136, 3136, 576, 8));
         assert_eq!(grid(&g).grid_dim, (392, 8, 1));
@@ -542,19 +520,7 @@ mod gpu_tests {
     fn direct_on_a_resnet_layer() {
         let ctx = gpu();
         for format in [TensorFormat::Nchw, TensorFormat::Nhwc] {
-            let s = ConvShape {
-                n: 32,
-                c_in: 64,
-                h: 56,
-                w: 56,
-                c_out: 64,
-                kh: 3,
-                kw: 3,
-                stride: (1, 1),
-                pad: (1, 1),
-                dilation: (1, 1),
-                format,
-            };
+            let s = crate::testutil::square_conv(32, 64, 56, 64, 3, format);
             let x = upload::<f16>(&ctx, &vec![0.5; s.x_len()]);
             let w = upload::<f16>(&ctx, &vec![0.25; s.w_len()]);
             let mut y = poisoned::<f16>(&ctx, s.y_len().unwrap());

@@ -825,19 +825,7 @@ mod tests {
     use super::*;
 
     fn shape(n: usize, c: usize, h: usize, k: usize, r: usize, fmt: TensorFormat) -> ConvShape {
-        ConvShape {
-            n,
-            c_in: c,
-            h,
-            w: h,
-            c_out: k,
-            kh: r,
-            kw: r,
-            stride: (1, 1),
-            pad: (r / 2, r / 2),
-            dilation: (1, 1),
-            format: fmt,
-        }
+        crate::testutil::square_conv(n, c, h, k, r, fmt)
     }
 
     #[test]

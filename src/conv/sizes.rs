@@ -118,23 +118,8 @@ pub fn winograd_chunk(
 mod tests {
     use super::*;
     use crate::conv::problem::{winograd_dims, WinogradTile};
-    use crate::layout::TensorFormat;
 
-    fn shape(n: usize, c: usize, h: usize, k: usize, r: usize) -> ConvShape {
-        ConvShape {
-            n,
-            c_in: c,
-            h,
-            w: h,
-            c_out: k,
-            kh: r,
-            kw: r,
-            stride: (1, 1),
-            pad: (r / 2, r / 2),
-            dilation: (1, 1),
-            format: TensorFormat::Nhwc,
-        }
-    }
+    use crate::testutil::square_nhwc as shape;
 
     #[test]
     fn tensor_core_rule_matches_the_seed() {

@@ -81,20 +81,7 @@ mod gpu_tests {
     use cudarc::driver::{DevicePtr, DevicePtrMut};
     use half::{bf16, f16};
 
-    /// Values exactly representable in f16, bf16 and f32 (multiples of 1/256 in [-1, 1], never
-    /// 0), so one f64 reference serves every type.
-    fn exact(rng: &mut Rng, n: usize) -> Vec<f64> {
-        (0..n)
-            .map(|_| {
-                let v = (rng.uniform(-1.0, 1.0) * 256.0).round() / 256.0;
-                if v == 0.0 {
-                    1.0 / 256.0
-                } else {
-                    v
-                }
-            })
-            .collect()
-    }
+    use crate::testutil::exact_values as exact;
 
     /// One problem on one type: C poisoned with NaN when beta = 0 (it must not be read), with
     /// values otherwise; compared with the f64 reference on the whole C.

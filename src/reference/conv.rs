@@ -658,19 +658,7 @@ mod tests {
         );
     }
 
-    /// Deterministic values in [-1, 1) (xorshift64*).
-    pub(super) fn values(seed: u64, n: usize) -> Vec<f64> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s >> 12;
-                s ^= s << 25;
-                s ^= s >> 27;
-                let v = s.wrapping_mul(0x2545_F491_4F6C_DD1D);
-                (v >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-            })
-            .collect()
-    }
+    pub(super) use crate::testutil::xorshift_star_values as values;
 
     /// NCHW → NHWC for x-like (`[n][c][h][w]` → `[n][h][w][c]`) and, with `n = c_out`, for
     /// filters (KCRS → KRSC).

@@ -432,18 +432,7 @@ mod tests {
     use super::super::conv::conv2d;
     use super::*;
 
-    fn values(seed: u64, n: usize) -> Vec<f64> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s >> 12;
-                s ^= s << 25;
-                s ^= s >> 27;
-                let v = s.wrapping_mul(0x2545_F491_4F6C_DD1D);
-                (v >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::testutil::xorshift_star_values as values;
 
     fn shape(
         n: usize,
@@ -453,19 +442,7 @@ mod tests {
         c_out: usize,
         pad: (usize, usize),
     ) -> Conv2d {
-        Conv2d {
-            n,
-            c_in,
-            h,
-            w,
-            c_out,
-            kh: 3,
-            kw: 3,
-            stride: (1, 1),
-            pad,
-            dilation: (1, 1),
-            format: TensorFormat::Nhwc,
-        }
+        crate::testutil::winograd_shape(n, c_in, c_out, h, w, pad)
     }
 
     fn rel_l2(got: &[f64], want: &[f64]) -> f64 {

@@ -1,7 +1,9 @@
 //! Shared helpers for the integration tests: a GPU Context, random data, comparisons.
 #![allow(dead_code)]
 
-use nnfuse::{Config, Context, Element};
+use cudarc::driver::CudaSlice;
+use nnfuse::conv::ConvPath;
+use nnfuse::{Config, Context, DType, Element};
 
 /// Opens device 0 with `config`. GPU tests are `#[ignore]`d, so they only run when asked
 /// (`--include-ignored`, as `.gpu/run` does): a missing GPU then is a failure, loudly.
@@ -13,6 +15,58 @@ pub fn gpu_with(config: Config) -> Context {
 /// reproducible whatever variables the runner has set).
 pub fn gpu() -> Context {
     gpu_with(Config::default())
+}
+
+/// Copies `v` to a new device buffer.
+pub fn upload<T: Element>(ctx: &Context, v: &[T]) -> CudaSlice<T> {
+    ctx.stream().clone_htod(v).expect("upload")
+}
+
+/// Copies `b` back to the host.
+pub fn download<T: Element>(ctx: &Context, b: &CudaSlice<T>) -> Vec<T> {
+    ctx.stream().clone_dtoh(b).expect("download")
+}
+
+/// A buffer of `n` NaN (so an element a kernel never writes shows).
+pub fn poisoned<T: Element>(ctx: &Context, n: usize) -> CudaSlice<T> {
+    let mut b = ctx.stream().alloc_zeros::<T>(n).expect("alloc");
+    nnfuse::internals::util::fill(ctx, &mut b, T::from_f64(f64::NAN)).expect("fill");
+    b
+}
+
+/// The tolerance a convolution route is held to against f64.
+pub fn conv_tolerance(path: ConvPath, dtype: DType) -> f64 {
+    // Winograd's own rounding (every stage rounds to the data type) is documented per tile and
+    // type: reference::winograd::error_bound (bf16 F(4x4) reaches ~3e-2, beyond 1e-2).
+    match path.winograd_tile() {
+        Some(tile) => nnfuse::reference::winograd::error_bound(dtype, tile).max(dtype.tolerance()),
+        None => dtype.tolerance(),
+    }
+}
+
+/// A square `r`×`r` convolution on an `h`×`h` input: stride 1, dilation 1, padding `r / 2`
+/// (the output keeps the input's size for odd `r`).
+pub fn square_conv(
+    n: usize,
+    c_in: usize,
+    h: usize,
+    c_out: usize,
+    r: usize,
+    format: nnfuse::TensorFormat,
+) -> nnfuse::conv::ConvShape {
+    nnfuse::conv::ConvShape {
+        n,
+        c_in,
+        h,
+        w: h,
+        c_out,
+        kh: r,
+        kw: r,
+        stride: (1, 1),
+        pad: (r / 2, r / 2),
+        dilation: (1, 1),
+        format,
+    }
 }
 
 /// SplitMix64: small, deterministic per seed, good enough for test data.
@@ -117,6 +171,58 @@ pub fn nnfuse_binary() -> std::path::PathBuf {
             built.display()
         )
     })
+}
+
+/// Runs the `nnfuse` binary with `args`: nnfuse's variables and `also_cleared` removed from the
+/// environment, then `env` set (in order, so a later pair wins).
+pub fn run_nnfuse(
+    args: &[&str],
+    also_cleared: &[&str],
+    env: &[(&str, &str)],
+) -> std::process::Output {
+    let mut cmd = std::process::Command::new(nnfuse_binary());
+    cmd.args(args);
+    for var in nnfuse::config::ALL_VARS.iter().chain(also_cleared) {
+        cmd.env_remove(var);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("the nnfuse binary runs")
+}
+
+/// Exit code 2, a message on stderr that names `what`, nothing on stdout.
+pub fn exits_2_naming(out: &std::process::Output, what: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "stderr: {stderr}");
+    assert!(stderr.contains(what), "stderr should name {what}: {stderr}");
+    assert!(
+        out.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+/// A fresh folder under the system's temporary folder (each test file names and makes its own),
+/// removed on drop.
+pub struct TempDir(pub std::path::PathBuf);
+
+impl TempDir {
+    /// The names of the folder's entries, sorted.
+    pub fn names(&self) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(&self.0)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// Whether the test runs under `scripts/sanitize` (compute-sanitizer slows every call 10-100x):

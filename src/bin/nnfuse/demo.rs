@@ -18,6 +18,20 @@ mod reference;
 mod report;
 mod variants;
 
+/// Deterministic test data for the demo's unit tests: xorshift64 values uniform in `[lo, hi)`.
+#[cfg(test)]
+fn test_values(seed: u64, n: usize, lo: f64, hi: f64) -> Vec<f64> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            lo + (hi - lo) * ((s >> 11) as f64 / (1u64 << 53) as f64)
+        })
+        .collect()
+}
+
 use std::process::ExitCode;
 use std::time::Duration;
 

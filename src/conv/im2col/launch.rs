@@ -1522,17 +1522,7 @@ mod tests {
         ));
     }
 
-    fn values(seed: u64, n: usize) -> Vec<f64> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::testutil::xorshift_values as values;
 
     /// Problems for the emulation tests: odd sizes, strides, dilations, asymmetric padding,
     /// channel counts that do and do not fill copy units.

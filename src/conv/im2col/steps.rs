@@ -680,17 +680,7 @@ mod tests {
     use std::collections::HashMap;
     use TensorFormat::{Nchw, Nhwc};
 
-    fn values(seed: u64, n: usize) -> Vec<f64> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::testutil::xorshift_values as values;
 
     /// Runs a plan on the CPU: scratch regions poisoned with NaN, the kernels emulated (x's
     /// address `x_addr` decides the copy unit as on the GPU), every GEMM checked against its
@@ -972,19 +962,7 @@ mod tests {
 
     #[test]
     fn chunks_respect_the_cap_and_errors_name_it() {
-        let s = ConvShape {
-            n: 32,
-            c_in: 64,
-            h: 56,
-            w: 56,
-            c_out: 64,
-            kh: 3,
-            kw: 3,
-            stride: (1, 1),
-            pad: (1, 1),
-            dilation: (1, 1),
-            format: Nhwc,
-        };
+        let s = crate::testutil::square_conv(32, 64, 56, 64, 3, Nhwc);
         let per = 3136 * 576 * 2;
         let plan = forward(&s, DType::F16, 256 << 20).unwrap();
         assert!(plan.scratch.bytes <= 256 << 20);

@@ -274,21 +274,7 @@ impl WinogradGeometry {
 mod tests {
     use super::*;
 
-    fn shape(n: usize, c: usize, h: usize, k: usize, r: usize) -> ConvShape {
-        ConvShape {
-            n,
-            c_in: c,
-            h,
-            w: h,
-            c_out: k,
-            kh: r,
-            kw: r,
-            stride: (1, 1),
-            pad: (r / 2, r / 2),
-            dilation: (1, 1),
-            format: TensorFormat::Nhwc,
-        }
-    }
+    use crate::testutil::square_nhwc as shape;
 
     #[test]
     fn fused_eligibility_names_type_and_channels() {

@@ -11,7 +11,6 @@
 use super::launch::{self, row_groups, transform_blocks, Stage, THREADS};
 use crate::conv::problem::winograd_dims;
 use crate::conv::{ConvShape, WinogradTile};
-use crate::layout::TensorFormat;
 use crate::reference::gemm::{gemm_strided_batched, GemmProblem};
 use crate::reference::winograd as rw;
 
@@ -317,14 +316,8 @@ fn direct_kernel(p: &GemmProblem, a: &[f64], b: &[f64], c: &mut [f64]) {
 }
 
 fn values(seed: u64, n: usize) -> Vec<f64> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s >> 12;
-            s ^= s << 25;
-            s ^= s >> 27;
-            ((s.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64) / (1u64 << 53) as f64 - 0.5
-        })
+    crate::testutil::xorshift_star_unit(seed, n)
+        .map(|u| u - 0.5)
         .collect()
 }
 
@@ -338,28 +331,7 @@ fn close(what: &str, got: &[f64], want: &[f64]) {
     }
 }
 
-fn shape(
-    n: usize,
-    c_in: usize,
-    c_out: usize,
-    h: usize,
-    w: usize,
-    pad: (usize, usize),
-) -> ConvShape {
-    ConvShape {
-        n,
-        c_in,
-        h,
-        w,
-        c_out,
-        kh: 3,
-        kw: 3,
-        stride: (1, 1),
-        pad,
-        dilation: (1, 1),
-        format: TensorFormat::Nhwc,
-    }
-}
+use crate::testutil::winograd_shape as shape;
 
 #[test]
 fn transform_kernels_index_like_the_reference() {

@@ -17,7 +17,6 @@
 use super::fused::{self, cfg, CHANNEL_CHUNK as KC, TILES_PER_BLOCK as TT, WARPS};
 use crate::conv::problem::winograd_dims;
 use crate::conv::{ConvShape, WinogradTile};
-use crate::layout::TensorFormat;
 use crate::reference::winograd as rw;
 
 /// `wf_bt<M>(d + base, s)`: Bᵀ on `alpha` values at stride `s`, in place (the kernel's factored
@@ -357,39 +356,12 @@ fn fused_kernel(s: &ConvShape, tile: WinogradTile, x: &[f64], v: &[f64], y: &mut
 }
 
 fn values(seed: u64, n: usize) -> Vec<f64> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s >> 12;
-            s ^= s << 25;
-            s ^= s >> 27;
-            ((s.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11) as f64) / (1u64 << 53) as f64 - 0.5
-        })
+    crate::testutil::xorshift_star_unit(seed, n)
+        .map(|u| u - 0.5)
         .collect()
 }
 
-fn shape(
-    n: usize,
-    c_in: usize,
-    c_out: usize,
-    h: usize,
-    w: usize,
-    pad: (usize, usize),
-) -> ConvShape {
-    ConvShape {
-        n,
-        c_in,
-        h,
-        w,
-        c_out,
-        kh: 3,
-        kw: 3,
-        stride: (1, 1),
-        pad,
-        dilation: (1, 1),
-        format: TensorFormat::Nhwc,
-    }
-}
+use crate::testutil::winograd_shape as shape;
 
 /// The emulated fused kernel equals the f64 Winograd convolution (and so the direct one) on
 /// shapes that exercise a partial last channel chunk, output channels beyond one block and not

@@ -481,15 +481,8 @@ mod tests {
         }
         for (dt, tile) in [(DType::F16, Some(WinogradTile::F4x3)), (DType::BF16, None)] {
             let u = unit(dt, tile).unwrap();
-            let ptx = match crate::kernels::compile(u, "compute_80").unwrap() {
-                crate::kernels::Image::Ptx(b) | crate::kernels::Image::Cubin(b) => {
-                    String::from_utf8_lossy(&b).into_owned()
-                }
-            };
-            let entries: Vec<&str> = ptx
-                .lines()
-                .filter_map(|l| l.trim().strip_prefix(".visible .entry "))
-                .collect();
+            let ptx = crate::testutil::ptx_of(u);
+            let entries = crate::testutil::ptx_entries(&ptx);
             assert_eq!(entries.len(), 1, "{entries:?}");
             let want = match tile {
                 Some(t) => kernel(dt, t).unwrap(),

@@ -11,7 +11,6 @@ use half::{bf16, f16};
 use super::launch::{self, vec_widths, Stage};
 use super::*;
 use crate::conv::problem::winograd_dims;
-use crate::layout::TensorFormat;
 use crate::reference::conv::conv2d;
 use crate::reference::winograd as rw;
 use crate::testutil::{gpu, gpu_with, rel_l2, Rng};
@@ -42,18 +41,7 @@ fn engines_for(s: &ConvShape, dtype: DType) -> Vec<WinogradEngine> {
     e
 }
 
-fn exact(rng: &mut Rng, n: usize) -> Vec<f64> {
-    (0..n)
-        .map(|_| {
-            let v = (rng.uniform(-1.0, 1.0) * 256.0).round() / 256.0;
-            if v == 0.0 {
-                1.0 / 256.0
-            } else {
-                v
-            }
-        })
-        .collect()
-}
+use crate::testutil::exact_values as exact;
 
 fn up<T: Element>(ctx: &Context, v: &[f64]) -> CudaSlice<T> {
     let h: Vec<T> = v.iter().map(|x| T::from_f64(*x)).collect();
@@ -72,28 +60,7 @@ fn down<T: Element>(ctx: &Context, b: &CudaSlice<T>, n: usize) -> Vec<f64> {
     h[..n].iter().map(|v| v.to_f64()).collect()
 }
 
-fn shape(
-    n: usize,
-    c_in: usize,
-    c_out: usize,
-    h: usize,
-    w: usize,
-    pad: (usize, usize),
-) -> ConvShape {
-    ConvShape {
-        n,
-        c_in,
-        h,
-        w,
-        c_out,
-        kh: 3,
-        kw: 3,
-        stride: (1, 1),
-        pad,
-        dilation: (1, 1),
-        format: TensorFormat::Nhwc,
-    }
-}
+use crate::testutil::winograd_shape as shape;
 
 /// Relative L2 error of `got` against `want`; panics naming the case and the worst element
 /// (described by `at`) when an element is not finite or the error exceeds `tol`.

@@ -798,19 +798,7 @@ mod tests {
     use crate::layout::TensorFormat;
 
     fn shape(n: usize, c: usize, h: usize, k: usize) -> ConvShape {
-        ConvShape {
-            n,
-            c_in: c,
-            h,
-            w: h,
-            c_out: k,
-            kh: 3,
-            kw: 3,
-            stride: (1, 1),
-            pad: (1, 1),
-            dilation: (1, 1),
-            format: TensorFormat::Nhwc,
-        }
+        crate::testutil::square_conv(n, c, h, k, 3, TensorFormat::Nhwc)
     }
 
     #[test]
@@ -915,26 +903,15 @@ mod tests {
             return;
         }
         let unit = transform_unit(Stage::Output, DType::BF16, WinogradTile::F2x3, 2).unwrap();
-        let ptx = match crate::kernels::compile(unit, "compute_80").unwrap() {
-            crate::kernels::Image::Ptx(b) | crate::kernels::Image::Cubin(b) => {
-                String::from_utf8_lossy(&b).into_owned()
-            }
-        };
-        let entries: Vec<&str> = ptx
-            .lines()
-            .filter_map(|l| l.trim().strip_prefix(".visible .entry "))
-            .collect();
+        let ptx = crate::testutil::ptx_of(unit);
+        let entries = crate::testutil::ptx_entries(&ptx);
         assert_eq!(entries.len(), 1, "{entries:?}");
         assert!(
             entries[0].starts_with("winograd_output_f2x3_bf16_v2("),
             "{entries:?}"
         );
         let unit = direct_unit(DType::F16);
-        let ptx = match crate::kernels::compile(unit, "compute_80").unwrap() {
-            crate::kernels::Image::Ptx(b) | crate::kernels::Image::Cubin(b) => {
-                String::from_utf8_lossy(&b).into_owned()
-            }
-        };
+        let ptx = crate::testutil::ptx_of(unit);
         assert_eq!(ptx.matches(".visible .entry").count(), 4);
         assert!(ptx.contains("winograd_gemm_direct_tn_f16"));
     }

@@ -439,19 +439,7 @@ mod tests {
 
     #[test]
     fn plan_chunks_reports_what_the_path_will_do() {
-        let s = ConvShape {
-            n: 32,
-            c_in: 64,
-            h: 56,
-            w: 56,
-            c_out: 64,
-            kh: 3,
-            kw: 3,
-            stride: (1, 1),
-            pad: (1, 1),
-            dilation: (1, 1),
-            format: TensorFormat::Nhwc,
-        };
+        let s = crate::testutil::square_conv(32, 64, 56, 64, 3, TensorFormat::Nhwc);
         let l2 = Chunking::L2Resident { l2_bytes: 50 << 20 };
         let p = plan_chunks(&s, WinogradTile::F4x3, DType::F16, 256 << 20, l2, false).unwrap();
         assert_eq!(p.chunks, vec![11, 11, 10]);

@@ -319,17 +319,7 @@ mod tests {
     use super::*;
     use nnfuse::{DType, TensorFormat};
 
-    fn values(seed: u64, n: usize, lo: f64, hi: f64) -> Vec<f64> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                lo + (hi - lo) * ((s >> 11) as f64 / (1u64 << 53) as f64)
-            })
-            .collect()
-    }
+    use super::super::test_values as values;
 
     fn tiny(format: TensorFormat) -> BlockDef {
         BlockDef {

@@ -371,16 +371,9 @@ mod tests {
     use super::*;
     use nnfuse::reference::conv::conv2d;
 
+    /// In `[-1, 1)`: `-1 + 2u` is `u * 2 - 1` to the bit.
     fn values(seed: u64, n: usize) -> Vec<f64> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-            })
-            .collect()
+        super::super::test_values(seed, n, -1.0, 1.0)
     }
 
     fn problems() -> Vec<ConvShape> {
