@@ -8,7 +8,7 @@
 //! - **first call**: wall time of the first call of a fresh `Conv2d` (its decision, any
 //!   measurement and kernel compilation included) up to a synchronize;
 //! - **GPU µs per call**: CUDA events around bursts of K calls queued behind a head start of
-//!   GPU work (device memsets), so that the host runs ahead and a host-heavy call is not judged
+//!   GPU work (kernel fills), so that the host runs ahead and a host-heavy call is not judged
 //!   by its host time; median over samples of the per-call mean;
 //! - **host µs per call**: wall time of queuing those bursts, per call;
 //! - the **floor**: FLOPs (`2·N·K·C·R·S·OH·OW`) over the tensor/FMA peak, or bytes (each
@@ -37,8 +37,8 @@ const PEAK_HALF_TFLOPS: f64 = 989.4;
 const PEAK_F32_TFLOPS: f64 = 66.9;
 /// Device-to-device copy bandwidth measured on the H100 (`../shared/GPU-FACTS.md`).
 const COPY_TBPS: f64 = 3.0;
-/// Bytes of the head-start memset: ~0.7 ms of GPU work at the copy bandwidth.
-const HEAD_START_BYTES: usize = 2 << 30;
+/// f32 elements of the head-start buffer: one fill is ~0.35 ms of GPU work on an H100.
+const HEAD_START_ELEMS: usize = 256 << 20;
 /// Samples per problem-direction (median taken).
 const SAMPLES: usize = 15;
 
@@ -127,7 +127,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// Times `call` as the module documentation says: first call, then bursts behind a head start.
 fn measure(
     ctx: &Context,
-    head: &mut CudaSlice<u8>,
+    head: &mut CudaSlice<f32>,
     mut call: impl FnMut() -> nnfuse::Result<()>,
 ) -> anyhow::Result<(f64, f64, f64)> {
     let s = ctx.stream();
@@ -142,15 +142,16 @@ fn measure(
     }
     let host_est_us = t.elapsed().as_secs_f64() * 1e6 / 3.0;
     ctx.synchronize()?;
-    // A burst's queuing must fit in the head start (~700 µs of memset): K calls, and extra
-    // memsets when even one call queues slower than that.
-    let k = ((400.0 / host_est_us.max(1.0)) as usize).clamp(1, 20);
-    let memsets = ((host_est_us * k as f64) / 400.0).ceil().max(1.0) as usize;
+    // A burst's queuing must fit in the head start (fills of ~350 µs each, kernels as in
+    // `nnfuse demo`: device memsets did not hold the GPU back): K calls, and more fills when
+    // even one call queues slower than that.
+    let k = ((200.0 / host_est_us.max(1.0)) as usize).clamp(1, 20);
+    let fills = ((host_est_us * k as f64) / 200.0).ceil().max(1.0) as usize;
     let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
     let (mut gpu, mut host) = (Vec::new(), Vec::new());
     for _ in 0..SAMPLES {
-        for _ in 0..memsets {
-            s.memset_zeros(head)?;
+        for _ in 0..fills {
+            nnfuse::internals::util::fill(ctx, head, 0.0)?;
         }
         let a = ctx.cuda().new_event(flags)?;
         let b = ctx.cuda().new_event(flags)?;
@@ -183,7 +184,7 @@ fn floor_us(shape: &ConvShape, elem: usize, half: bool) -> anyhow::Result<f64> {
 fn run_problem<T: Element + DeviceRepr>(
     ctx: &Context,
     p: &Problem,
-    head: &mut CudaSlice<u8>,
+    head: &mut CudaSlice<f32>,
 ) -> anyhow::Result<Vec<(Direction, Measured)>> {
     let s = ctx.stream();
     let sh = &p.shape;
@@ -257,7 +258,7 @@ fn run() -> anyhow::Result<()> {
     println!("{}\n", ctx.info());
     println!("| problem | type | dir | route | first call ms | GPU µs | host µs | floor µs | floor / GPU |");
     println!("|---|---|---|---|---|---|---|---|---|");
-    let mut head = ctx.stream().alloc_zeros::<u8>(HEAD_START_BYTES)?;
+    let mut head = ctx.stream().alloc_zeros::<f32>(HEAD_START_ELEMS)?;
     for p in problems.iter().filter(|p| p.name.contains(&filter)) {
         let (rows, elem, half) = match p.dtype.as_str() {
             "f16" => (run_problem::<f16>(&ctx, p, &mut head), 2, true),

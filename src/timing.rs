@@ -11,7 +11,7 @@
 //!   milliseconds of each other, the per-round ratio of their times ([`Paired`]) cancels the
 //!   drift that their medians alone would still carry.
 //! - [`time_interleaved_gpu`]: the same, measuring GPU time only: every sample is queued behind a
-//!   head start of GPU work (device memsets) that covers the host time of queuing it, so that a
+//!   head start of GPU work (kernel fills) that covers the host time of queuing it, so that a
 //!   variant whose calls queue slower than the GPU runs them (legacy cuDNN: 60-100 us of host
 //!   time per call) is judged by its GPU time, not by its host time.
 
@@ -504,41 +504,44 @@ fn timed_rounds<F: FnMut(usize, usize) -> Result<()>>(
     Ok(())
 }
 
-/// Bytes of the head start's buffer: each memset of it is ~20 us of GPU work on an H100.
-const HEAD_START_BYTES: usize = 64 << 20;
+/// Elements (f32) of the head start's buffer: each fill of it is ~30 us of GPU work on an H100.
+const HEAD_START_ELEMS: usize = 16 << 20;
 /// A sample's head start covers this many times its burst's host time ...
 const HEAD_START_FACTOR: f64 = 1.5;
 /// ... plus this (ms: the events' own queuing).
 const HEAD_START_SLACK_MS: f64 = 0.02;
-/// Most memsets in one head start (~80 ms of GPU work on an H100).
-const HEAD_START_MAX_MEMSETS: usize = 4096;
+/// Most fills in one head start (~120 ms of GPU work on an H100).
+const HEAD_START_MAX_FILLS: usize = 4096;
 
 /// GPU work queued before a sample so that the host queues the sample while the GPU is busy.
+/// Kernel fills, as `nnfuse demo`'s head start: memsets of a buffer did not hold the GPU back
+/// on the H100 (a launch queued 300 us after its events' head start of memsets was timed with
+/// those 300 us).
 struct HeadStart {
-    buf: CudaSlice<u8>,
-    /// GPU time of one memset of `buf` (ms), measured.
-    memset_ms: f64,
+    buf: CudaSlice<f32>,
+    /// GPU time of one fill of `buf` (ms), measured.
+    fill_ms: f64,
 }
 
 impl HeadStart {
-    /// The buffer and its memset's GPU time; `None` when the buffer cannot be allocated (the
+    /// The buffer and its fill's GPU time; `None` when the buffer cannot be allocated (the
     /// caller then times without head starts, with a warning).
     fn new(ctx: &Context) -> Result<Option<HeadStart>> {
         let stream = ctx.stream();
-        let mut buf = match stream.alloc_zeros::<u8>(HEAD_START_BYTES) {
+        let mut buf = match stream.alloc_zeros::<f32>(HEAD_START_ELEMS) {
             Ok(b) => b,
             Err(e) => {
-                tracing::warn!(error = %e, bytes = HEAD_START_BYTES,
+                tracing::warn!(error = %e, elements = HEAD_START_ELEMS,
                     "no head-start buffer: samples are timed without a head start");
                 return Ok(None);
             }
         };
         const CALIBRATION: usize = 8;
-        stream.memset_zeros(&mut buf).call("cuMemsetD8Async")?;
+        crate::util::fill(ctx, &mut buf, 0.0)?;
         let a = new_event(ctx)?;
         a.record(stream).call("cuEventRecord")?;
         for _ in 0..CALIBRATION {
-            stream.memset_zeros(&mut buf).call("cuMemsetD8Async")?;
+            crate::util::fill(ctx, &mut buf, 0.0)?;
         }
         let b = new_event(ctx)?;
         b.record(stream).call("cuEventRecord")?;
@@ -546,7 +549,7 @@ impl HeadStart {
         let ms = a.elapsed_ms(&b).call("cuEventElapsedTime")? as f64 / CALIBRATION as f64;
         Ok(Some(HeadStart {
             buf,
-            memset_ms: if ms.is_finite() && ms > 1e-4 {
+            fill_ms: if ms.is_finite() && ms > 1e-4 {
                 ms
             } else {
                 1e-2
@@ -554,14 +557,12 @@ impl HeadStart {
         }))
     }
 
-    /// Queues enough memsets to keep the GPU busy for `host_ms` of queuing (with margin).
+    /// Queues enough fills to keep the GPU busy for `host_ms` of queuing (with margin).
     fn queue(&mut self, ctx: &Context, host_ms: f64) -> Result<()> {
         let want = host_ms.max(0.0) * HEAD_START_FACTOR + HEAD_START_SLACK_MS;
-        let n = ((want / self.memset_ms).ceil() as usize).clamp(1, HEAD_START_MAX_MEMSETS);
+        let n = ((want / self.fill_ms).ceil() as usize).clamp(1, HEAD_START_MAX_FILLS);
         for _ in 0..n {
-            ctx.stream()
-                .memset_zeros(&mut self.buf)
-                .call("cuMemsetD8Async")?;
+            crate::util::fill(ctx, &mut self.buf, 0.0)?;
         }
         Ok(())
     }
@@ -608,7 +609,7 @@ fn head_start_rounds<F: FnMut(usize, usize) -> Result<()>>(
 }
 
 /// [`time_interleaved`] measuring GPU time only: the same options, rounds and result, but every
-/// sample (the estimate's single launches too) is queued behind a head start of device memsets
+/// sample (the estimate's single launches too) is queued behind a head start of kernel fills
 /// covering 1.5 times the host time its launches took last time, and has its
 /// own pair of events, so that the GPU never waits for the host inside a sample. The host time
 /// is learned from an untimed first launch of every variant (the warm-up rounds, when asked

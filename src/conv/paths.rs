@@ -720,12 +720,21 @@ pub(crate) fn graph_refusal(req: &ConvPlanRequest, out_hw: (usize, usize)) -> Op
                 .into(),
         );
     }
+    if req.dtype == DType::F32 {
+        return Some(
+            "f32: an engine config of the graph API that carries no tensor-core or \
+             down-conversion note computed a 5x5 filter gradient 6.6e-4 from f64 (H100, cuDNN \
+             9.19; true f32 is ~1e-7), so f32 keeps the legacy calls with FMA math"
+                .into(),
+        );
+    }
     cudnn_int_limits(&req.shape, out_hw)
 }
 
 /// cuDNN's graph API: cuDNN loads, has the graph API (9 or newer), the API policy is not
-/// `legacy`, and every size fits cuDNN's `int`. f32, f16 and bf16, NCHW and NHWC, every
-/// direction (the filter gradient may accumulate: `beta = 1`).
+/// `legacy`, and every size fits cuDNN's `int`. f16 and bf16 (f32 keeps the legacy calls, whose
+/// FMA math is true f32), NCHW and NHWC, every direction (the filter gradient may accumulate:
+/// `beta = 1`).
 pub(crate) struct CudnnGraphRule;
 
 impl PathRule for CudnnGraphRule {
