@@ -14,6 +14,9 @@
 //! the median of CUDA-event samples, printed with the physical floor: FLOPs over 700 TFLOP/s
 //! (H100 f16 dense) or bytes over 3.0 TB/s, whichever is larger.
 
+#[path = "support/shapes.rs"]
+mod shapes;
+
 use std::time::Instant;
 
 use half::f16;
@@ -22,7 +25,7 @@ use nnfuse::internals::cudnn_graph::{
     available, execute, run_cached, GraphConv, GraphConvKey, GraphPolicy, VariantPack,
 };
 use nnfuse::internals::timing::{time_gpu, TimingOptions};
-use nnfuse::{Config, Context, DType, TensorFormat};
+use nnfuse::{Config, Context, DType};
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 
@@ -90,19 +93,7 @@ fn row(problem: &str, what: &str, floor_us: f64, r: nnfuse::Result<(f64, f64, f6
 }
 
 fn problem(n: usize, c: usize, hw: usize) -> ConvShape {
-    ConvShape {
-        n,
-        c_in: c,
-        h: hw,
-        w: hw,
-        c_out: c,
-        kh: 3,
-        kw: 3,
-        stride: (1, 1),
-        pad: (1, 1),
-        dilation: (1, 1),
-        format: TensorFormat::Nhwc,
-    }
+    shapes::square3x3(n, c, hw, c)
 }
 
 /// The physical floor in µs of a forward convolution of `s` with 2-byte elements.

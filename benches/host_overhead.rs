@@ -10,6 +10,8 @@
 
 #[path = "support/exit.rs"]
 mod exit;
+#[path = "support/shapes.rs"]
+mod shapes;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -18,10 +20,10 @@ use cudarc::driver::{CudaSlice, CudaStream};
 
 use half::f16;
 use nnfuse::batchnorm::{BackwardArgs, BatchNorm, Fuse, TrainArgs};
-use nnfuse::conv::{Conv2d, ConvPath, ConvShape, Route, WinogradEngine, WinogradTile};
+use nnfuse::conv::{Conv2d, ConvPath, Route, WinogradEngine, WinogradTile};
 use nnfuse::gemm::{self, Problem};
 use nnfuse::internals::timing::{time_gpu, TimingOptions};
-use nnfuse::{BnImpl, Config, Context, TensorFormat};
+use nnfuse::{BnImpl, Config, Context};
 
 const CALLS: usize = 400;
 const ROUNDS: usize = 7;
@@ -193,19 +195,7 @@ fn run() -> anyhow::Result<()> {
     );
 
     // Convolution, every route on a tiny NHWC problem.
-    let shape = ConvShape {
-        n: 1,
-        c_in: 16,
-        h: 8,
-        w: 8,
-        c_out: 16,
-        kh: 3,
-        kw: 3,
-        stride: (1, 1),
-        pad: (1, 1),
-        dilation: (1, 1),
-        format: TensorFormat::Nhwc,
-    };
+    let shape = shapes::square3x3(1, 16, 8, 16);
     let conv = Conv2d::<f16>::new(&ctx, &shape)?;
     let cx = s.clone_htod(&vec![f16::from_f32(0.1); shape.x_len()])?;
     let cw = s.clone_htod(&vec![f16::from_f32(0.1); shape.w_len()])?;
@@ -278,14 +268,7 @@ fn run() -> anyhow::Result<()> {
             nnfuse::internals::util::fill(&ctx, &mut buf, f16::from_f32(1.0))
         }),
     );
-    let shape = ConvShape {
-        n: 32,
-        c_in: 64,
-        h: 56,
-        w: 56,
-        c_out: 64,
-        ..shape
-    };
+    let shape = shapes::square3x3(32, 64, 56, 64);
     let conv = Conv2d::<f16>::new(&ctx, &shape)?;
     let cx = s.clone_htod(&vec![f16::from_f32(0.1); shape.x_len()])?;
     let cw = s.clone_htod(&vec![f16::from_f32(0.01); shape.w_len()])?;

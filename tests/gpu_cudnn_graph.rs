@@ -15,7 +15,7 @@ mod common;
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::{bf16, f16};
 use nnfuse::conv::{ConvShape, Direction};
 use nnfuse::internals::cudnn_graph::{
@@ -25,7 +25,7 @@ use nnfuse::internals::cudnn_graph::{
 use nnfuse::reference::conv::{conv2d, conv2d_backward_data, conv2d_backward_filter};
 use nnfuse::{Context, DType, Element, Error, TensorFormat};
 
-use common::{assert_close_stored, f64s, Rng};
+use common::{assert_close_stored, download, f64s, poisoned, upload, Rng};
 
 fn init_logs() {
     let _ = tracing_subscriber::fmt()
@@ -68,20 +68,9 @@ fn gpu() -> Option<Context> {
     }
 }
 
+/// [`common::square_conv`] in NCHW (each test sets the format it runs).
 fn shape(n: usize, c_in: usize, hw: usize, c_out: usize, k: usize) -> ConvShape {
-    ConvShape {
-        n,
-        c_in,
-        h: hw,
-        w: hw,
-        c_out,
-        kh: k,
-        kw: k,
-        stride: (1, 1),
-        pad: (k / 2, k / 2),
-        dilation: (1, 1),
-        format: TensorFormat::Nchw,
-    }
+    common::square_conv(n, c_in, hw, c_out, k, TensorFormat::Nchw)
 }
 
 /// 3x3 pad 1, 1x1, strided 3x3/2, dilated, odd channel counts, batch 1 and 32.
@@ -118,20 +107,6 @@ fn shapes(format: TensorFormat) -> Vec<(&'static str, ConvShape)> {
         s.format = format;
     }
     v
-}
-
-fn upload<T: Element>(ctx: &Context, v: &[T]) -> CudaSlice<T> {
-    ctx.stream().clone_htod(v).expect("upload")
-}
-
-fn download<T: Element>(ctx: &Context, b: &CudaSlice<T>) -> Vec<T> {
-    ctx.stream().clone_dtoh(b).expect("download")
-}
-
-fn poisoned<T: Element>(ctx: &Context, n: usize) -> CudaSlice<T> {
-    let mut b = ctx.stream().alloc_zeros::<T>(n).expect("alloc");
-    nnfuse::internals::util::fill(ctx, &mut b, T::from_f64(f64::NAN)).expect("fill");
-    b
 }
 
 /// Runs `d` on `s` with fresh random inputs through the cache and compares with f64. Returns a
