@@ -10,11 +10,12 @@
 
 #[path = "support/exit.rs"]
 mod exit;
+#[path = "support/host_time.rs"]
+mod host_time;
 #[path = "support/shapes.rs"]
 mod shapes;
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use cudarc::driver::{CudaSlice, CudaStream};
 
@@ -22,16 +23,12 @@ use half::f16;
 use nnfuse::batchnorm::{BackwardArgs, BatchNorm, Fuse, TrainArgs};
 use nnfuse::conv::{Conv2d, ConvPath, Route, WinogradEngine, WinogradTile};
 use nnfuse::gemm::{self, Problem};
-use nnfuse::internals::timing::{time_gpu, TimingOptions};
 use nnfuse::{BnImpl, Config, Context};
+
+use host_time::{gpu_us, loop_us, queue_us};
 
 const CALLS: usize = 400;
 const ROUNDS: usize = 7;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
 
 /// Host µs to queue one call of `f` right after the GPU went idle (`synchronize` before each
 /// call, not timed): what a framework pays when it synchronises every step (e.g. to read a
@@ -41,15 +38,7 @@ fn after_sync(ctx: &Context, mut f: impl FnMut() -> nnfuse::Result<()>) -> nnfus
     for _ in 0..5 {
         f()?;
     }
-    let mut v = Vec::new();
-    for _ in 0..31 {
-        ctx.synchronize()?;
-        let t = Instant::now();
-        f()?;
-        v.push(t.elapsed().as_secs_f64() * 1e6);
-    }
-    ctx.synchronize()?;
-    Ok(median(v))
+    queue_us(ctx, f)
 }
 
 /// Host µs per call of `f` (median over rounds) and the GPU µs of one call.
@@ -58,26 +47,8 @@ fn measure(ctx: &Context, mut f: impl FnMut() -> nnfuse::Result<()>) -> nnfuse::
         f()?;
     }
     ctx.synchronize()?;
-    let mut rounds = Vec::new();
-    for _ in 0..ROUNDS {
-        let t = Instant::now();
-        for _ in 0..CALLS {
-            f()?;
-        }
-        rounds.push(t.elapsed().as_secs_f64() * 1e6 / CALLS as f64);
-        ctx.synchronize()?;
-    }
-    let gpu = time_gpu(
-        ctx,
-        TimingOptions {
-            warmup: 3,
-            max_iters: 50,
-            min_iters: 20,
-            budget_ms: 20.0,
-        },
-        |_| f(),
-    )?;
-    Ok((median(rounds), gpu.median_us()))
+    let host = loop_us(ctx, &mut f, CALLS, ROUNDS)?;
+    Ok((host, gpu_us(ctx, f, 20.0)?))
 }
 
 fn row(what: &str, r: nnfuse::Result<(f64, f64)>) {
