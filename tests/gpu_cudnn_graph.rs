@@ -15,7 +15,7 @@ mod common;
 
 use std::sync::Arc;
 
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::{bf16, f16};
 use nnfuse::conv::{ConvShape, Direction};
 use nnfuse::internals::cudnn_graph::{
@@ -315,12 +315,7 @@ fn a_second_call_hits_the_cache_and_is_bit_identical() {
 fn bare_execute_with_a_prebuilt_pack_matches_the_checked_call() {
     let Some(ctx) = gpu() else { return };
     let s = shape(2, 8, 10, 8, 3);
-    let mut rng = Rng::fresh("bare");
-    let x: Vec<f32> = rng.vec(s.x_len(), -1.0, 1.0);
-    let w: Vec<f32> = rng.vec(s.w_len(), -1.0, 1.0);
-    let (gx, gw) = (upload(&ctx, &x), upload(&ctx, &w));
-    let plan =
-        GraphConv::cached(&ctx, GraphConvKey::new(s, DType::F32, Direction::Forward)).unwrap();
+    let (gx, gw, plan) = f32_forward(&ctx, s, "bare");
     let mut y1 = poisoned::<f32>(&ctx, s.y_len().unwrap());
     plan.run(&ctx, &gx, &gw, &mut y1).unwrap();
     let mut y2 = poisoned::<f32>(&ctx, s.y_len().unwrap());
@@ -339,6 +334,22 @@ fn bare_execute_with_a_prebuilt_pack_matches_the_checked_call() {
     assert_eq!(download(&ctx, &y1), download(&ctx, &y2));
 }
 
+/// Random f32 input and filter of `s` on the GPU (seeded by `seed`) and the cached forward
+/// plan of `s`.
+fn f32_forward(
+    ctx: &Context,
+    s: ConvShape,
+    seed: &str,
+) -> (CudaSlice<f32>, CudaSlice<f32>, Arc<GraphConv>) {
+    let mut rng = Rng::fresh(seed);
+    let x: Vec<f32> = rng.vec(s.x_len(), -1.0, 1.0);
+    let w: Vec<f32> = rng.vec(s.w_len(), -1.0, 1.0);
+    let (gx, gw) = (upload(ctx, &x), upload(ctx, &w));
+    let plan =
+        GraphConv::cached(ctx, GraphConvKey::new(s, DType::F32, Direction::Forward)).unwrap();
+    (gx, gw, plan)
+}
+
 /// Informational: does cuDNN accept new data pointers on an already finalized variant pack,
 /// and does the execution then use them? (nnfuse builds a new pack when a pointer changes; if
 /// this holds, the rebuild could become an in-place update.) Never fails on the answer.
@@ -347,12 +358,7 @@ fn bare_execute_with_a_prebuilt_pack_matches_the_checked_call() {
 fn probe_variant_pack_pointer_reset_after_finalize() {
     let Some(ctx) = gpu() else { return };
     let s = shape(1, 8, 8, 8, 3);
-    let mut rng = Rng::fresh("probe");
-    let x: Vec<f32> = rng.vec(s.x_len(), -1.0, 1.0);
-    let w: Vec<f32> = rng.vec(s.w_len(), -1.0, 1.0);
-    let (gx, gw) = (upload(&ctx, &x), upload(&ctx, &w));
-    let plan =
-        GraphConv::cached(&ctx, GraphConvKey::new(s, DType::F32, Direction::Forward)).unwrap();
+    let (gx, gw, plan) = f32_forward(&ctx, s, "probe");
     let mut y1 = poisoned::<f32>(&ctx, s.y_len().unwrap());
     let mut y2 = poisoned::<f32>(&ctx, s.y_len().unwrap());
     let outcome = {
