@@ -216,10 +216,7 @@ cases! {
 #[ignore = "needs a CUDA GPU"]
 fn engine_configs_are_listed_with_notes() {
     let Some(ctx) = gpu() else { return };
-    let s = ConvShape {
-        format: TensorFormat::Nhwc,
-        ..shape(8, 64, 28, 64, 3)
-    };
+    let s = common::square_conv(8, 64, 28, 64, 3, TensorFormat::Nhwc);
     for dtype in DType::ALL {
         for d in Direction::ALL {
             let key = GraphConvKey::new(s, dtype, d);
@@ -260,14 +257,8 @@ fn engine_configs_are_listed_with_notes() {
 #[ignore = "needs a CUDA GPU"]
 fn a_second_call_hits_the_cache_and_is_bit_identical() {
     let Some(ctx) = gpu() else { return };
-    let s = ConvShape {
-        format: TensorFormat::Nhwc,
-        ..shape(4, 16, 14, 32, 3)
-    };
-    let mut rng = Rng::fresh("cache");
-    let x: Vec<f16> = rng.vec(s.x_len(), -1.0, 1.0);
-    let w: Vec<f16> = rng.vec(s.w_len(), -1.0, 1.0);
-    let (gx, gw) = (upload(&ctx, &x), upload(&ctx, &w));
+    let s = common::square_conv(4, 16, 14, 32, 3, TensorFormat::Nhwc);
+    let (gx, gw) = random_operands::<f16>(&ctx, &s, "cache");
     let key = GraphConvKey::new(s, DType::F16, Direction::Forward);
     let before = ctx.plan_cache_stats().entries;
     let mut y1 = poisoned::<f16>(&ctx, s.y_len().unwrap());
@@ -334,17 +325,25 @@ fn bare_execute_with_a_prebuilt_pack_matches_the_checked_call() {
     assert_eq!(download(&ctx, &y1), download(&ctx, &y2));
 }
 
-/// Random f32 input and filter of `s` on the GPU (seeded by `seed`) and the cached forward
-/// plan of `s`.
+/// Random input and filter of `s` in [-1, 1) on the GPU, seeded by `seed`.
+fn random_operands<T: Element>(
+    ctx: &Context,
+    s: &ConvShape,
+    seed: &str,
+) -> (CudaSlice<T>, CudaSlice<T>) {
+    let mut rng = Rng::fresh(seed);
+    let x: Vec<T> = rng.vec(s.x_len(), -1.0, 1.0);
+    let w: Vec<T> = rng.vec(s.w_len(), -1.0, 1.0);
+    (upload(ctx, &x), upload(ctx, &w))
+}
+
+/// [`random_operands`] in f32 and the cached forward plan of `s`.
 fn f32_forward(
     ctx: &Context,
     s: ConvShape,
     seed: &str,
 ) -> (CudaSlice<f32>, CudaSlice<f32>, Arc<GraphConv>) {
-    let mut rng = Rng::fresh(seed);
-    let x: Vec<f32> = rng.vec(s.x_len(), -1.0, 1.0);
-    let w: Vec<f32> = rng.vec(s.w_len(), -1.0, 1.0);
-    let (gx, gw) = (upload(ctx, &x), upload(ctx, &w));
+    let (gx, gw) = random_operands::<f32>(ctx, &s, seed);
     let plan =
         GraphConv::cached(ctx, GraphConvKey::new(s, DType::F32, Direction::Forward)).unwrap();
     (gx, gw, plan)
