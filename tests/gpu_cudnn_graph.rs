@@ -262,29 +262,23 @@ fn a_second_call_hits_the_cache_and_is_bit_identical() {
     let key = GraphConvKey::new(s, DType::F16, Direction::Forward);
     let before = ctx.plan_cache_stats().entries;
     let mut y1 = poisoned::<f16>(&ctx, s.y_len().unwrap());
-    run_cached(
-        &ctx,
-        &s,
-        Direction::Forward,
-        GraphPolicy::default(),
-        &gx,
-        &gw,
-        &mut y1,
-    )
-    .unwrap();
+    let run = |y: &mut CudaSlice<f16>| {
+        run_cached(
+            &ctx,
+            &s,
+            Direction::Forward,
+            GraphPolicy::default(),
+            &gx,
+            &gw,
+            y,
+        )
+        .unwrap()
+    };
+    run(&mut y1);
     let first = GraphConv::cached(&ctx, key).unwrap();
     assert_eq!(ctx.plan_cache_stats().entries, before + 1);
     let mut y2 = poisoned::<f16>(&ctx, s.y_len().unwrap());
-    run_cached(
-        &ctx,
-        &s,
-        Direction::Forward,
-        GraphPolicy::default(),
-        &gx,
-        &gw,
-        &mut y2,
-    )
-    .unwrap();
+    run(&mut y2);
     let second = GraphConv::cached(&ctx, key).unwrap();
     assert!(
         Arc::ptr_eq(&first, &second),
