@@ -18,6 +18,8 @@
 
 #[path = "support/exit.rs"]
 mod exit;
+#[path = "support/shapes.rs"]
+mod shapes;
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -539,19 +541,7 @@ fn main() -> std::process::ExitCode {
     }
 
     // The cached lookup of a planned problem.
-    let s = ConvShape {
-        n: 32,
-        c_in: 64,
-        h: 56,
-        w: 56,
-        c_out: 64,
-        kh: 3,
-        kw: 3,
-        stride: (1, 1),
-        pad: (1, 1),
-        dilation: (1, 1),
-        format: TensorFormat::Nhwc,
-    };
+    let s = shapes::square3x3(32, 64, 56, 64);
     let lookup_ns = match Conv2d::<f16>::new(&ctx, &s) {
         Ok(_) => {
             let iters = 200_000;

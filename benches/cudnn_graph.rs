@@ -14,27 +14,26 @@
 //! the median of CUDA-event samples, printed with the physical floor: FLOPs over 700 TFLOP/s
 //! (H100 f16 dense) or bytes over 3.0 TB/s, whichever is larger.
 
-use std::time::Instant;
+#[path = "support/host_time.rs"]
+mod host_time;
+#[path = "support/shapes.rs"]
+mod shapes;
 
 use half::f16;
 use nnfuse::conv::{Conv2d, ConvPath, ConvShape, Direction, Route};
 use nnfuse::internals::cudnn_graph::{
     available, execute, run_cached, GraphConv, GraphConvKey, GraphPolicy, VariantPack,
 };
-use nnfuse::internals::timing::{time_gpu, TimingOptions};
-use nnfuse::{Config, Context, DType, TensorFormat};
+use nnfuse::{Config, Context, DType};
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
+
+use host_time::{gpu_us, loop_us, queue_us};
 
 const CALLS: usize = 200;
 const ROUNDS: usize = 7;
 const PEAK_FLOPS: f64 = 700e12;
 const PEAK_BYTES: f64 = 3.0e12;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
 
 /// `(loop µs per call, queue µs after a synchronize, GPU µs per call)` of `f`.
 fn measure(
@@ -45,34 +44,9 @@ fn measure(
         f()?;
     }
     ctx.synchronize()?;
-    let mut rounds = Vec::new();
-    for _ in 0..ROUNDS {
-        let t = Instant::now();
-        for _ in 0..CALLS {
-            f()?;
-        }
-        rounds.push(t.elapsed().as_secs_f64() * 1e6 / CALLS as f64);
-        ctx.synchronize()?;
-    }
-    let mut queue = Vec::new();
-    for _ in 0..31 {
-        ctx.synchronize()?;
-        let t = Instant::now();
-        f()?;
-        queue.push(t.elapsed().as_secs_f64() * 1e6);
-    }
-    ctx.synchronize()?;
-    let gpu = time_gpu(
-        ctx,
-        TimingOptions {
-            warmup: 3,
-            max_iters: 50,
-            min_iters: 20,
-            budget_ms: 50.0,
-        },
-        |_| f(),
-    )?;
-    Ok((median(rounds), median(queue), gpu.median_us()))
+    let host = loop_us(ctx, &mut f, CALLS, ROUNDS)?;
+    let queue = queue_us(ctx, &mut f)?;
+    Ok((host, queue, gpu_us(ctx, f, 50.0)?))
 }
 
 fn row(problem: &str, what: &str, floor_us: f64, r: nnfuse::Result<(f64, f64, f64)>) {
@@ -90,19 +64,7 @@ fn row(problem: &str, what: &str, floor_us: f64, r: nnfuse::Result<(f64, f64, f6
 }
 
 fn problem(n: usize, c: usize, hw: usize) -> ConvShape {
-    ConvShape {
-        n,
-        c_in: c,
-        h: hw,
-        w: hw,
-        c_out: c,
-        kh: 3,
-        kw: 3,
-        stride: (1, 1),
-        pad: (1, 1),
-        dilation: (1, 1),
-        format: TensorFormat::Nhwc,
-    }
+    shapes::square3x3(n, c, hw, c)
 }
 
 /// The physical floor in µs of a forward convolution of `s` with 2-byte elements.

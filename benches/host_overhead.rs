@@ -10,26 +10,25 @@
 
 #[path = "support/exit.rs"]
 mod exit;
+#[path = "support/host_time.rs"]
+mod host_time;
+#[path = "support/shapes.rs"]
+mod shapes;
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use cudarc::driver::{CudaSlice, CudaStream};
 
 use half::f16;
 use nnfuse::batchnorm::{BackwardArgs, BatchNorm, Fuse, TrainArgs};
-use nnfuse::conv::{Conv2d, ConvPath, ConvShape, Route, WinogradEngine, WinogradTile};
+use nnfuse::conv::{Conv2d, ConvPath, Route, WinogradEngine, WinogradTile};
 use nnfuse::gemm::{self, Problem};
-use nnfuse::internals::timing::{time_gpu, TimingOptions};
-use nnfuse::{BnImpl, Config, Context, TensorFormat};
+use nnfuse::{BnImpl, Config, Context};
+
+use host_time::{gpu_us, loop_us, queue_us};
 
 const CALLS: usize = 400;
 const ROUNDS: usize = 7;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
 
 /// Host µs to queue one call of `f` right after the GPU went idle (`synchronize` before each
 /// call, not timed): what a framework pays when it synchronises every step (e.g. to read a
@@ -39,15 +38,7 @@ fn after_sync(ctx: &Context, mut f: impl FnMut() -> nnfuse::Result<()>) -> nnfus
     for _ in 0..5 {
         f()?;
     }
-    let mut v = Vec::new();
-    for _ in 0..31 {
-        ctx.synchronize()?;
-        let t = Instant::now();
-        f()?;
-        v.push(t.elapsed().as_secs_f64() * 1e6);
-    }
-    ctx.synchronize()?;
-    Ok(median(v))
+    queue_us(ctx, f)
 }
 
 /// Host µs per call of `f` (median over rounds) and the GPU µs of one call.
@@ -56,26 +47,8 @@ fn measure(ctx: &Context, mut f: impl FnMut() -> nnfuse::Result<()>) -> nnfuse::
         f()?;
     }
     ctx.synchronize()?;
-    let mut rounds = Vec::new();
-    for _ in 0..ROUNDS {
-        let t = Instant::now();
-        for _ in 0..CALLS {
-            f()?;
-        }
-        rounds.push(t.elapsed().as_secs_f64() * 1e6 / CALLS as f64);
-        ctx.synchronize()?;
-    }
-    let gpu = time_gpu(
-        ctx,
-        TimingOptions {
-            warmup: 3,
-            max_iters: 50,
-            min_iters: 20,
-            budget_ms: 20.0,
-        },
-        |_| f(),
-    )?;
-    Ok((median(rounds), gpu.median_us()))
+    let host = loop_us(ctx, &mut f, CALLS, ROUNDS)?;
+    Ok((host, gpu_us(ctx, f, 20.0)?))
 }
 
 fn row(what: &str, r: nnfuse::Result<(f64, f64)>) {
@@ -193,19 +166,7 @@ fn run() -> anyhow::Result<()> {
     );
 
     // Convolution, every route on a tiny NHWC problem.
-    let shape = ConvShape {
-        n: 1,
-        c_in: 16,
-        h: 8,
-        w: 8,
-        c_out: 16,
-        kh: 3,
-        kw: 3,
-        stride: (1, 1),
-        pad: (1, 1),
-        dilation: (1, 1),
-        format: TensorFormat::Nhwc,
-    };
+    let shape = shapes::square3x3(1, 16, 8, 16);
     let conv = Conv2d::<f16>::new(&ctx, &shape)?;
     let cx = s.clone_htod(&vec![f16::from_f32(0.1); shape.x_len()])?;
     let cw = s.clone_htod(&vec![f16::from_f32(0.1); shape.w_len()])?;
@@ -278,14 +239,7 @@ fn run() -> anyhow::Result<()> {
             nnfuse::internals::util::fill(&ctx, &mut buf, f16::from_f32(1.0))
         }),
     );
-    let shape = ConvShape {
-        n: 32,
-        c_in: 64,
-        h: 56,
-        w: 56,
-        c_out: 64,
-        ..shape
-    };
+    let shape = shapes::square3x3(32, 64, 56, 64);
     let conv = Conv2d::<f16>::new(&ctx, &shape)?;
     let cx = s.clone_htod(&vec![f16::from_f32(0.1); shape.x_len()])?;
     let cw = s.clone_htod(&vec![f16::from_f32(0.01); shape.w_len()])?;

@@ -36,6 +36,8 @@
 
 #[path = "support/exit.rs"]
 mod exit;
+#[path = "support/shapes.rs"]
+mod shapes;
 
 use std::time::Instant;
 
@@ -46,7 +48,7 @@ use nnfuse::conv::{ConvShape, WinogradEngine, WinogradTile};
 use nnfuse::gemm::{self, Problem};
 use nnfuse::internals::conv::{tensor_core_rule, winograd_dims, winograd_stages as wg};
 use nnfuse::internals::timing::{copy_bandwidth, time_gpu, Timing, TimingOptions};
-use nnfuse::{Context, DType, Element, TensorFormat};
+use nnfuse::{Context, DType, Element};
 use serde_json::json;
 
 /// Dense f16/bf16 tensor-core peak assumed for the FLOP floor: the 700–740 TFLOP/s measured
@@ -72,19 +74,7 @@ fn err(e: impl std::fmt::Debug) -> anyhow::Error {
 }
 
 fn layer(n: usize, c: usize, hw: usize) -> ConvShape {
-    ConvShape {
-        n,
-        c_in: c,
-        h: hw,
-        w: hw,
-        c_out: c,
-        kh: 3,
-        kw: 3,
-        stride: (1, 1),
-        pad: (1, 1),
-        dilation: (1, 1),
-        format: TensorFormat::Nhwc,
-    }
+    shapes::square3x3(n, c, hw, c)
 }
 
 fn conv_flops(s: &ConvShape) -> f64 {

@@ -324,32 +324,18 @@ pub fn time_interleaved(
     f: impl FnMut(usize, usize) -> Result<()>,
 ) -> Result<Interleaved> {
     let mut r = Runner::new(f, n);
-    for _ in 0..opts.warmup_rounds {
-        for v in 0..n {
-            r.run(v, 1);
-        }
-    }
+    r.warm_up(opts.warmup_rounds);
     if opts.warmup_rounds == 0 && n > 0 {
         // Keeps the GPU busy while the estimate round is queued.
         r.run(0, 1);
     }
     let estimate = estimate_round(ctx, &mut r, n)?;
-    let bursts: Vec<usize> = estimate
-        .iter()
-        .map(|&t| burst_len(t, opts.min_sample_ms, opts.max_burst))
-        .collect();
-    let sample_ms: Vec<f64> = (0..n)
-        .filter(|&v| r.alive(v))
-        .map(|v| estimate[v] * bursts[v] as f64)
-        .collect();
-    let rounds = rounds_for(
-        &sample_ms,
-        opts.min_rounds.max(1),
-        opts.max_rounds,
-        opts.budget_ms,
-    );
+    let Sampling {
+        bursts,
+        rounds,
+        keep_estimate,
+    } = Sampling::of(&opts, &r, &estimate);
     let mut samples: Vec<Vec<f64>> = vec![Vec::with_capacity(rounds); n];
-    let keep_estimate = (0..n).all(|v| !r.alive(v) || bursts[v] == 1);
     if keep_estimate {
         for v in 0..n {
             if r.alive(v) {
@@ -372,6 +358,47 @@ pub fn time_interleaved(
         errors: r.errors,
         rounds,
     })
+}
+
+/// How the timed rounds sample, decided from the estimate round's ms per launch of each
+/// variant.
+struct Sampling {
+    /// Launches per sample, per variant.
+    bursts: Vec<usize>,
+    /// Timed rounds, the estimate round included when it is kept.
+    rounds: usize,
+    /// Every live variant runs once per sample: the estimate round is the first timed round.
+    keep_estimate: bool,
+}
+
+impl Sampling {
+    fn of<F: FnMut(usize, usize) -> Result<()>>(
+        opts: &InterleavedOptions,
+        r: &Runner<F>,
+        estimate: &[f64],
+    ) -> Sampling {
+        let n = r.errors.len();
+        let bursts: Vec<usize> = estimate
+            .iter()
+            .map(|&t| burst_len(t, opts.min_sample_ms, opts.max_burst))
+            .collect();
+        let sample_ms: Vec<f64> = (0..n)
+            .filter(|&v| r.alive(v))
+            .map(|v| estimate[v] * bursts[v] as f64)
+            .collect();
+        let rounds = rounds_for(
+            &sample_ms,
+            opts.min_rounds.max(1),
+            opts.max_rounds,
+            opts.budget_ms,
+        );
+        let keep_estimate = (0..n).all(|v| !r.alive(v) || bursts[v] == 1);
+        Sampling {
+            bursts,
+            rounds,
+            keep_estimate,
+        }
+    }
 }
 
 /// The variants of [`time_interleaved`] and their state: launches made, first error, host
@@ -417,6 +444,15 @@ impl<F: FnMut(usize, usize) -> Result<()>> Runner<F> {
 
     fn alive(&self, v: usize) -> bool {
         self.errors[v].is_none()
+    }
+
+    /// `rounds` untimed rounds of one launch of every variant.
+    fn warm_up(&mut self, rounds: usize) {
+        for _ in 0..rounds {
+            for v in 0..self.errors.len() {
+                self.run(v, 1);
+            }
+        }
     }
 }
 
@@ -625,36 +661,19 @@ pub fn time_interleaved_gpu(
         return time_interleaved(ctx, opts, n, f);
     };
     let mut r = Runner::new(f, n);
-    for _ in 0..opts.warmup_rounds {
-        for v in 0..n {
-            r.run(v, 1);
-        }
-    }
+    r.warm_up(opts.warmup_rounds);
     // The host-time probe: one untimed launch of every variant.
-    for v in 0..n {
-        r.run(v, 1);
-    }
+    r.warm_up(1);
     let ones = vec![1usize; n];
     let estimate: Vec<f64> = head_start_rounds(ctx, &mut r, &mut head, &ones, 1)?
         .into_iter()
         .map(|s| s.first().copied().unwrap_or(f64::NAN))
         .collect();
-    let bursts: Vec<usize> = estimate
-        .iter()
-        .map(|&t| burst_len(t, opts.min_sample_ms, opts.max_burst))
-        .collect();
-    let sample_ms: Vec<f64> = (0..n)
-        .filter(|&v| r.alive(v))
-        .map(|v| estimate[v] * bursts[v] as f64)
-        .collect();
-    let rounds = rounds_for(
-        &sample_ms,
-        opts.min_rounds.max(1),
-        opts.max_rounds,
-        opts.budget_ms,
-    );
-    // Single-launch samples: the estimate is the first timed round.
-    let keep_estimate = (0..n).all(|v| !r.alive(v) || bursts[v] == 1);
+    let Sampling {
+        bursts,
+        rounds,
+        keep_estimate,
+    } = Sampling::of(&opts, &r, &estimate);
     let remaining = if keep_estimate { rounds - 1 } else { rounds };
     let mut samples = head_start_rounds(ctx, &mut r, &mut head, &bursts, remaining)?;
     for (v, s) in samples.iter_mut().enumerate() {

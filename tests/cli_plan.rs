@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{exits_2_naming as fails_naming, run_nnfuse};
+use common::{exits_2_naming as fails_naming, plan_json, run_nnfuse};
 use std::process::Output;
 
 use serde_json::Value;
@@ -17,17 +17,7 @@ fn nnfuse_plan(args: &[&str], env: &[(&str, &str)]) -> Output {
 fn json(args: &[&str], env: &[(&str, &str)]) -> Value {
     let mut all = args.to_vec();
     all.extend(["--json", "--cudnn-version", "91900"]);
-    let out = nnfuse_plan(&all, env);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "nnfuse plan {all:?} failed: {}\n{stdout}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_str(&stdout)
-        .unwrap_or_else(|e| panic!("stdout is not one JSON value ({e}):\n{stdout}"));
-    assert!(v.is_object(), "{v}");
-    v
+    plan_json(&all, &nnfuse_plan(&all, env))
 }
 
 fn codes(v: &Value) -> Vec<&str> {

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{exits_2_naming as fails_naming, nnfuse_binary as binary, run_nnfuse};
+use common::{exits_2_naming as fails_naming, nnfuse_binary as binary, plan_json, run_nnfuse};
 use std::process::{Command, Output};
 
 use serde_json::Value;
@@ -21,17 +21,7 @@ fn json(args: &[&str], env: &[(&str, &str)]) -> Value {
     if !args.contains(&"--cudnn") {
         all.extend(["--cudnn", "present"]);
     }
-    let out = nnfuse_plan(&all, env);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "nnfuse plan {all:?} failed: {}\n{stdout}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_str(&stdout)
-        .unwrap_or_else(|e| panic!("stdout is not one JSON value ({e}):\n{stdout}"));
-    assert!(v.is_object(), "{v}");
-    v
+    plan_json(&all, &nnfuse_plan(&all, env))
 }
 
 fn labels(v: &Value) -> Vec<String> {

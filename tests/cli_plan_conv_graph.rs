@@ -4,24 +4,15 @@
 
 mod common;
 
-use common::nnfuse_binary as binary;
+use common::{nnfuse_binary as binary, run_nnfuse};
 use std::process::{Command, Output};
 
 use serde_json::Value;
 
 /// Runs `nnfuse plan ARGS` with nnfuse's variables cleared, then `env` set.
 fn nnfuse_plan(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(binary());
-    cmd.arg("plan").args(args);
-    for var in nnfuse::config::ALL_VARS {
-        cmd.env_remove(var);
-    }
-    cmd.env_remove("NNFUSE_LOG");
-    cmd.env_remove(nnfuse::conv::ENV_CONV_CUDNN_SEARCH);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.output().expect("the nnfuse binary runs")
+    let cleared = ["NNFUSE_LOG", nnfuse::conv::ENV_CONV_CUDNN_SEARCH];
+    run_nnfuse(&[&["plan"], args].concat(), &cleared, env)
 }
 
 const PROBLEM: &[&str] = &[

@@ -280,19 +280,7 @@ fn winograd_error_against_cudnn() {
     let mut problems = Vec::new();
     let mut dtypes = Vec::new();
     for (n, c, hw, k) in layers {
-        let s = ConvShape {
-            n,
-            c_in: c,
-            h: hw,
-            w: hw,
-            c_out: k,
-            kh: 3,
-            kw: 3,
-            stride: (1, 1),
-            pad: (1, 1),
-            dilation: (1, 1),
-            format: TensorFormat::Nhwc,
-        };
+        let s = square_conv(n, c, hw, k, 3, TensorFormat::Nhwc);
         for dt in DType::ALL {
             let round = |v: f64| match dt {
                 DType::F32 => v as f32 as f64,
@@ -596,17 +584,8 @@ fn auto_on_zero_inputs_measures_on_random_data() {
 fn prepared_filters_match_the_plain_forward() {
     let mut rng = Rng::fresh("prepared filter");
     let s = ConvShape {
-        n: 3,
-        c_in: 32,
-        h: 14,
         w: 13,
-        c_out: 48,
-        kh: 3,
-        kw: 3,
-        stride: (1, 1),
-        pad: (1, 1),
-        dilation: (1, 1),
-        format: TensorFormat::Nhwc,
+        ..square_conv(3, 32, 14, 48, 3, TensorFormat::Nhwc)
     };
     for policy in [
         ConvAlgoPolicy::WinogradF4x3,

@@ -23,26 +23,11 @@ use nnfuse::internals::cudnn_graph::{GraphConv, GraphConvKey};
 use nnfuse::reference::conv::conv2d;
 use nnfuse::{Context, DType, Element, TensorFormat};
 
-use common::{f64s, gpu, gpu_with, Rng};
+use common::{download, f64s, gpu, gpu_with, poisoned, upload, Rng};
 use conv_ref::{backward_data, backward_filter, compare, describe};
 
 /// Tests that clear the process-wide choice cache run one at a time.
 static CACHE_LOCK: Mutex<()> = Mutex::new(());
-
-fn upload<T: Element>(ctx: &Context, v: &[T]) -> CudaSlice<T> {
-    ctx.stream().clone_htod(v).expect("upload")
-}
-
-fn download<T: Element>(ctx: &Context, b: &CudaSlice<T>) -> Vec<T> {
-    ctx.stream().clone_dtoh(b).expect("download")
-}
-
-/// A buffer of `n` NaN (so an element a kernel never writes shows).
-fn poisoned<T: Element>(ctx: &Context, n: usize) -> CudaSlice<T> {
-    let mut b = ctx.stream().alloc_zeros::<T>(n).expect("alloc");
-    nnfuse::internals::util::fill(ctx, &mut b, T::from_f64(f64::NAN)).expect("fill");
-    b
-}
 
 /// Small problems covering padding, strides, dilation, 1x1, odd channel counts.
 fn shapes(format: TensorFormat) -> Vec<ConvShape> {

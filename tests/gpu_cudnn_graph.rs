@@ -25,7 +25,7 @@ use nnfuse::internals::cudnn_graph::{
 use nnfuse::reference::conv::{conv2d, conv2d_backward_data, conv2d_backward_filter};
 use nnfuse::{Context, DType, Element, Error, TensorFormat};
 
-use common::{assert_close_stored, f64s, Rng};
+use common::{assert_close_stored, download, f64s, poisoned, upload, Rng};
 
 fn init_logs() {
     let _ = tracing_subscriber::fmt()
@@ -68,20 +68,9 @@ fn gpu() -> Option<Context> {
     }
 }
 
+/// [`common::square_conv`] in NCHW (each test sets the format it runs).
 fn shape(n: usize, c_in: usize, hw: usize, c_out: usize, k: usize) -> ConvShape {
-    ConvShape {
-        n,
-        c_in,
-        h: hw,
-        w: hw,
-        c_out,
-        kh: k,
-        kw: k,
-        stride: (1, 1),
-        pad: (k / 2, k / 2),
-        dilation: (1, 1),
-        format: TensorFormat::Nchw,
-    }
+    common::square_conv(n, c_in, hw, c_out, k, TensorFormat::Nchw)
 }
 
 /// 3x3 pad 1, 1x1, strided 3x3/2, dilated, odd channel counts, batch 1 and 32.
@@ -118,20 +107,6 @@ fn shapes(format: TensorFormat) -> Vec<(&'static str, ConvShape)> {
         s.format = format;
     }
     v
-}
-
-fn upload<T: Element>(ctx: &Context, v: &[T]) -> CudaSlice<T> {
-    ctx.stream().clone_htod(v).expect("upload")
-}
-
-fn download<T: Element>(ctx: &Context, b: &CudaSlice<T>) -> Vec<T> {
-    ctx.stream().clone_dtoh(b).expect("download")
-}
-
-fn poisoned<T: Element>(ctx: &Context, n: usize) -> CudaSlice<T> {
-    let mut b = ctx.stream().alloc_zeros::<T>(n).expect("alloc");
-    nnfuse::internals::util::fill(ctx, &mut b, T::from_f64(f64::NAN)).expect("fill");
-    b
 }
 
 /// Runs `d` on `s` with fresh random inputs through the cache and compares with f64. Returns a
@@ -241,10 +216,7 @@ cases! {
 #[ignore = "needs a CUDA GPU"]
 fn engine_configs_are_listed_with_notes() {
     let Some(ctx) = gpu() else { return };
-    let s = ConvShape {
-        format: TensorFormat::Nhwc,
-        ..shape(8, 64, 28, 64, 3)
-    };
+    let s = common::square_conv(8, 64, 28, 64, 3, TensorFormat::Nhwc);
     for dtype in DType::ALL {
         for d in Direction::ALL {
             let key = GraphConvKey::new(s, dtype, d);
@@ -285,40 +257,28 @@ fn engine_configs_are_listed_with_notes() {
 #[ignore = "needs a CUDA GPU"]
 fn a_second_call_hits_the_cache_and_is_bit_identical() {
     let Some(ctx) = gpu() else { return };
-    let s = ConvShape {
-        format: TensorFormat::Nhwc,
-        ..shape(4, 16, 14, 32, 3)
-    };
-    let mut rng = Rng::fresh("cache");
-    let x: Vec<f16> = rng.vec(s.x_len(), -1.0, 1.0);
-    let w: Vec<f16> = rng.vec(s.w_len(), -1.0, 1.0);
-    let (gx, gw) = (upload(&ctx, &x), upload(&ctx, &w));
+    let s = common::square_conv(4, 16, 14, 32, 3, TensorFormat::Nhwc);
+    let (gx, gw) = random_operands::<f16>(&ctx, &s, "cache");
     let key = GraphConvKey::new(s, DType::F16, Direction::Forward);
     let before = ctx.plan_cache_stats().entries;
     let mut y1 = poisoned::<f16>(&ctx, s.y_len().unwrap());
-    run_cached(
-        &ctx,
-        &s,
-        Direction::Forward,
-        GraphPolicy::default(),
-        &gx,
-        &gw,
-        &mut y1,
-    )
-    .unwrap();
+    let run = |y: &mut CudaSlice<f16>| {
+        run_cached(
+            &ctx,
+            &s,
+            Direction::Forward,
+            GraphPolicy::default(),
+            &gx,
+            &gw,
+            y,
+        )
+        .unwrap()
+    };
+    run(&mut y1);
     let first = GraphConv::cached(&ctx, key).unwrap();
     assert_eq!(ctx.plan_cache_stats().entries, before + 1);
     let mut y2 = poisoned::<f16>(&ctx, s.y_len().unwrap());
-    run_cached(
-        &ctx,
-        &s,
-        Direction::Forward,
-        GraphPolicy::default(),
-        &gx,
-        &gw,
-        &mut y2,
-    )
-    .unwrap();
+    run(&mut y2);
     let second = GraphConv::cached(&ctx, key).unwrap();
     assert!(
         Arc::ptr_eq(&first, &second),
@@ -340,12 +300,7 @@ fn a_second_call_hits_the_cache_and_is_bit_identical() {
 fn bare_execute_with_a_prebuilt_pack_matches_the_checked_call() {
     let Some(ctx) = gpu() else { return };
     let s = shape(2, 8, 10, 8, 3);
-    let mut rng = Rng::fresh("bare");
-    let x: Vec<f32> = rng.vec(s.x_len(), -1.0, 1.0);
-    let w: Vec<f32> = rng.vec(s.w_len(), -1.0, 1.0);
-    let (gx, gw) = (upload(&ctx, &x), upload(&ctx, &w));
-    let plan =
-        GraphConv::cached(&ctx, GraphConvKey::new(s, DType::F32, Direction::Forward)).unwrap();
+    let (gx, gw, plan) = f32_forward(&ctx, s, "bare");
     let mut y1 = poisoned::<f32>(&ctx, s.y_len().unwrap());
     plan.run(&ctx, &gx, &gw, &mut y1).unwrap();
     let mut y2 = poisoned::<f32>(&ctx, s.y_len().unwrap());
@@ -364,6 +319,30 @@ fn bare_execute_with_a_prebuilt_pack_matches_the_checked_call() {
     assert_eq!(download(&ctx, &y1), download(&ctx, &y2));
 }
 
+/// Random input and filter of `s` in [-1, 1) on the GPU, seeded by `seed`.
+fn random_operands<T: Element>(
+    ctx: &Context,
+    s: &ConvShape,
+    seed: &str,
+) -> (CudaSlice<T>, CudaSlice<T>) {
+    let mut rng = Rng::fresh(seed);
+    let x: Vec<T> = rng.vec(s.x_len(), -1.0, 1.0);
+    let w: Vec<T> = rng.vec(s.w_len(), -1.0, 1.0);
+    (upload(ctx, &x), upload(ctx, &w))
+}
+
+/// [`random_operands`] in f32 and the cached forward plan of `s`.
+fn f32_forward(
+    ctx: &Context,
+    s: ConvShape,
+    seed: &str,
+) -> (CudaSlice<f32>, CudaSlice<f32>, Arc<GraphConv>) {
+    let (gx, gw) = random_operands::<f32>(ctx, &s, seed);
+    let plan =
+        GraphConv::cached(ctx, GraphConvKey::new(s, DType::F32, Direction::Forward)).unwrap();
+    (gx, gw, plan)
+}
+
 /// Informational: does cuDNN accept new data pointers on an already finalized variant pack,
 /// and does the execution then use them? (nnfuse builds a new pack when a pointer changes; if
 /// this holds, the rebuild could become an in-place update.) Never fails on the answer.
@@ -372,12 +351,7 @@ fn bare_execute_with_a_prebuilt_pack_matches_the_checked_call() {
 fn probe_variant_pack_pointer_reset_after_finalize() {
     let Some(ctx) = gpu() else { return };
     let s = shape(1, 8, 8, 8, 3);
-    let mut rng = Rng::fresh("probe");
-    let x: Vec<f32> = rng.vec(s.x_len(), -1.0, 1.0);
-    let w: Vec<f32> = rng.vec(s.w_len(), -1.0, 1.0);
-    let (gx, gw) = (upload(&ctx, &x), upload(&ctx, &w));
-    let plan =
-        GraphConv::cached(&ctx, GraphConvKey::new(s, DType::F32, Direction::Forward)).unwrap();
+    let (gx, gw, plan) = f32_forward(&ctx, s, "probe");
     let mut y1 = poisoned::<f32>(&ctx, s.y_len().unwrap());
     let mut y2 = poisoned::<f32>(&ctx, s.y_len().unwrap());
     let outcome = {

@@ -92,19 +92,7 @@ mod tests {
     use std::collections::HashSet;
 
     fn shape() -> ConvShape {
-        ConvShape {
-            n: 1,
-            c_in: 8,
-            h: 8,
-            w: 8,
-            c_out: 8,
-            kh: 3,
-            kw: 3,
-            stride: (1, 1),
-            pad: (1, 1),
-            dilation: (1, 1),
-            format: TensorFormat::Nhwc,
-        }
+        crate::testutil::square_nhwc(1, 8, 8, 8, 3)
     }
 
     #[test]

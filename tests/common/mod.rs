@@ -191,6 +191,21 @@ pub fn run_nnfuse(
     cmd.output().expect("the nnfuse binary runs")
 }
 
+/// The stdout of `nnfuse plan ARGS` (run as `out`), which must have succeeded, parsed as
+/// exactly one JSON object.
+pub fn plan_json(args: &[&str], out: &std::process::Output) -> serde_json::Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "nnfuse plan {args:?} failed: {}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("stdout is not one JSON value ({e}):\n{stdout}"));
+    assert!(v.is_object(), "{v}");
+    v
+}
+
 /// Exit code 2, a message on stderr that names `what`, nothing on stdout.
 pub fn exits_2_naming(out: &std::process::Output, what: &str) {
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -1,0 +1,21 @@
+//! The convolution shape most benches measure: 3x3, stride 1, pad 1, no dilation, NHWC.
+
+use nnfuse::conv::ConvShape;
+use nnfuse::TensorFormat;
+
+/// A 3x3 pad-1 NHWC convolution of `n` images of `c_in` channels, `hw`×`hw`, to `c_out` channels.
+pub fn square3x3(n: usize, c_in: usize, hw: usize, c_out: usize) -> ConvShape {
+    ConvShape {
+        n,
+        c_in,
+        h: hw,
+        w: hw,
+        c_out,
+        kh: 3,
+        kw: 3,
+        stride: (1, 1),
+        pad: (1, 1),
+        dilation: (1, 1),
+        format: TensorFormat::Nhwc,
+    }
+}
