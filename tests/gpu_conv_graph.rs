@@ -1,5 +1,5 @@
 //! The cuDNN graph route (`ConvPath::CudnnGraph`) through `Conv2d` on the GPU: every direction
-//! for f32 NCHW and f16/bf16 NHWC, its first admitted engine config and every admitted config
+//! for f16 NCHW and f16/bf16 NHWC (f32 keeps the legacy calls: its refusal is tested), its first admitted engine config and every admitted config
 //! forced one by one, against the f64 reference; the filter gradient accumulating; `auto` under
 //! `NNFUSE_CUDNN_API=graph` (a graph route chosen, checked, no legacy algorithm measured); a
 //! forced `legacy` configuration still running the legacy route; graph and legacy agreeing; the
@@ -203,10 +203,39 @@ fn every_direction<T: Element>(format: TensorFormat) {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// f32 keeps the legacy calls (FMA math): the graph path is refused with its reason in every
+/// direction, and forcing it is an error, not a run.
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn graph_route_f32_nchw_every_direction() {
-    every_direction::<f32>(TensorFormat::Nchw);
+fn graph_route_f32_is_refused_with_its_reason() {
+    let ctx = gpu();
+    let mut rng = Rng::fresh("graph f32 refused");
+    for s in shapes(TensorFormat::Nchw) {
+        let conv = Conv2d::<f32>::new(&ctx, &s).expect("plan");
+        let v = data::<f32>(&ctx, &s, &mut rng);
+        for d in Direction::ALL {
+            let info = conv.plan_for(d).info(ConvPath::CudnnGraph);
+            assert!(
+                !info.eligible,
+                "{} f32 {d}: graph path eligible",
+                describe(&s)
+            );
+            let why = info.why_not.clone().unwrap_or_default();
+            assert!(why.starts_with("f32"), "{} f32 {d}: {why}", describe(&s));
+            let forced = run(&ctx, &conv, d, Some(Route::path(ConvPath::CudnnGraph)), &v);
+            assert!(
+                forced.is_err(),
+                "{} f32 {d}: a refused route ran",
+                describe(&s)
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn graph_route_f16_nchw_every_direction() {
+    every_direction::<f16>(TensorFormat::Nchw);
 }
 
 #[test]
@@ -368,10 +397,10 @@ fn graph_and_legacy_agree() {
                 let graph = Route::path(ConvPath::CudnnGraph);
                 let legacy = Route::path(ConvPath::Cudnn);
                 if format == TensorFormat::Nchw {
-                    let conv = Conv2d::<f32>::new(&ctx, &s).expect("plan");
-                    let v = data::<f32>(&ctx, &s, &mut rng);
+                    let conv = Conv2d::<f16>::new(&ctx, &s).expect("plan");
+                    let v = data::<f16>(&ctx, &s, &mut rng);
                     check(
-                        DType::F32,
+                        DType::F16,
                         run(&ctx, &conv, d, Some(graph), &v),
                         run(&ctx, &conv, d, Some(legacy), &v),
                         reference(&s, d, &v),
