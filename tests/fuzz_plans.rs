@@ -327,7 +327,7 @@ fn check_conv_plan(
     let y = shape.y_len();
     prop_assert!(y.is_ok(), "{:?}", y);
     let y = y.unwrap_or(0);
-    for elems in [y, shape.x_len(), shape.w_len()] {
+    for elems in [y, shape.x_len().unwrap(), shape.w_len().unwrap()] {
         prop_assert!(elems < usize::MAX && elems.checked_mul(dtype.size()).is_some());
     }
     prop_assert_eq!(p.workspace_cap_bytes, config.conv_workspace_bytes());
@@ -388,7 +388,7 @@ fn conv_size_arithmetic_fits_or_errs() {
         2000,
         (conv_shape(), elem, cap),
         |(shape, elem, cap)| {
-            let _ = (shape.x_len(), shape.w_len());
+            let _ = (shape.x_len().unwrap(), shape.w_len().unwrap());
             if let Ok(d) = im2col_dims(&shape) {
                 prop_assert_eq!(Some(d.per_image), d.pixels.checked_mul(d.taps));
             }

@@ -158,7 +158,7 @@ fn two_sided(l: &[f64], lr: usize, lc: usize, x: &[f64], r: &[f64], rr: usize) -
 /// The transformed input `U[pos][t][c_in]` of the whole batch (x NHWC, zero padding fused).
 pub fn transform_input(p: &Conv2d, tile: WinogradTile, x: &[f64]) -> Result<Vec<f64>> {
     let d = check(p, tile)?;
-    expect_len("x", x.len(), p.x_len())?;
+    expect_len("x", x.len(), p.x_len()?)?;
     let mt = matrices(tile);
     let (a, m) = (mt.alpha, mt.m);
     let tiles = p.n * d.tiles_per_image;
@@ -195,7 +195,7 @@ pub fn transform_input(p: &Conv2d, tile: WinogradTile, x: &[f64]) -> Result<Vec<
 /// The transformed filter `V[pos][c_in][c_out]` of a KRSC filter `w[c_out][3][3][c_in]`.
 pub fn transform_filter(p: &Conv2d, tile: WinogradTile, w: &[f64]) -> Result<Vec<f64>> {
     check(p, tile)?;
-    expect_len("w", w.len(), p.w_len())?;
+    expect_len("w", w.len(), p.w_len()?)?;
     let mt = matrices(tile);
     let a = mt.alpha;
     let (c_in, c_out) = (p.c_in, p.c_out);
@@ -357,7 +357,7 @@ pub fn backward_data_problem(p: &Conv2d) -> Result<Conv2d> {
 /// `c_out' = c_in`, `c_in' = c_out`).
 pub fn rotate_filter(p: &Conv2d, w: &[f64]) -> Result<Vec<f64>> {
     backward_data_problem(p)?;
-    expect_len("w", w.len(), p.w_len())?;
+    expect_len("w", w.len(), p.w_len()?)?;
     let (c_in, c_out) = (p.c_in, p.c_out);
     let mut out = vec![0.0; w.len()];
     for k in 0..c_out {
@@ -399,8 +399,8 @@ pub fn conv2d_backward_data_adjoint(p: &Conv2d, dy: &[f64], w: &[f64]) -> Result
     }
     let (oh, ow) = p.out_hw()?;
     expect_len("dy", dy.len(), p.y_len()?)?;
-    expect_len("w", w.len(), p.w_len())?;
-    let mut dx = vec![0.0; p.x_len()];
+    expect_len("w", w.len(), p.w_len()?)?;
+    let mut dx = vec![0.0; p.x_len()?];
     for b in 0..p.n {
         for oy in 0..oh {
             for ox in 0..ow {
@@ -494,8 +494,8 @@ mod tests {
     fn equals_direct_convolution_on_many_shapes() {
         let mut ran = 0;
         for (i, p) in grid().into_iter().enumerate() {
-            let x = values(10 + i as u64, p.x_len());
-            let w = values(1000 + i as u64, p.w_len());
+            let x = values(10 + i as u64, p.x_len().unwrap());
+            let w = values(1000 + i as u64, p.w_len().unwrap());
             let want = conv2d(&p, &x, &w).unwrap();
             for tile in WinogradTile::ALL {
                 let got = conv2d_winograd(&p, tile, &x, &w).unwrap();
@@ -517,8 +517,8 @@ mod tests {
         let p = shape(3, 5, 7, 9, 4, (1, 1));
         for tile in WinogradTile::ALL {
             let d = winograd_dims(&p, tile).unwrap();
-            let x = values(1, p.x_len());
-            let w = values(2, p.w_len());
+            let x = values(1, p.x_len().unwrap());
+            let w = values(2, p.w_len().unwrap());
             let u = transform_input(&p, tile, &x).unwrap();
             let v = transform_filter(&p, tile, &w).unwrap();
             assert_eq!(u.len(), 3 * d.u_per_image);
@@ -544,7 +544,7 @@ mod tests {
     #[test]
     fn rejects_what_winograd_cannot_do() {
         let mut p = shape(1, 2, 5, 5, 2, (1, 1));
-        let x = values(1, p.x_len());
+        let x = values(1, p.x_len().unwrap());
         assert_eq!(
             transform_input(&p, WinogradTile::F2x3, &x[1..])
                 .unwrap_err()
@@ -577,8 +577,8 @@ mod tests {
             seed += 1;
             let (oh, ow) = p.out_hw().unwrap();
             let dy = values(seed, p.n * oh * ow * p.c_out);
-            let w = values(seed + 500, p.w_len());
-            let x = values(seed + 900, p.x_len());
+            let w = values(seed + 500, p.w_len().unwrap());
+            let x = values(seed + 900, p.x_len().unwrap());
             let want = conv2d_backward_data_adjoint(&p, &dy, &w).unwrap();
             let q = backward_data_problem(&p).unwrap();
             let direct = conv2d(&q, &dy, &rotate_filter(&p, &w).unwrap()).unwrap();
@@ -623,8 +623,14 @@ mod tests {
         for (c_in, c_out, h) in [(1, 1, 5), (3, 8, 7), (30, 30, 14), (129, 16, 7), (8, 3, 31)] {
             let p = shape(1, c_in, h, h, c_out, (1, 1));
             for (dtype, round) in type_rounds {
-                let x: Vec<f64> = values(7, p.x_len()).into_iter().map(round).collect();
-                let w: Vec<f64> = values(8, p.w_len()).into_iter().map(round).collect();
+                let x: Vec<f64> = values(7, p.x_len().unwrap())
+                    .into_iter()
+                    .map(round)
+                    .collect();
+                let w: Vec<f64> = values(8, p.w_len().unwrap())
+                    .into_iter()
+                    .map(round)
+                    .collect();
                 let want = conv2d(&p, &x, &w).unwrap();
                 // The floor: the exact result rounded once to the type.
                 let once: Vec<f64> = want.iter().map(|v| round(*v)).collect();
