@@ -126,6 +126,12 @@ fn check(p: &Conv2d, tile: WinogradTile) -> Result<WinogradDims> {
     winograd_dims(p, tile)
 }
 
+/// `n * per` for one of the batch's tensors, or an error naming `n` when it overflows usize.
+fn batch_len(n: usize, per: usize, what: &str) -> Result<usize> {
+    n.checked_mul(per)
+        .ok_or_else(|| Error::invalid("n", format!("{what} of the batch overflows usize")))
+}
+
 fn expect_len(name: &str, got: usize, want: usize) -> Result<()> {
     if got != want {
         return Err(Error::invalid(
@@ -159,10 +165,11 @@ fn two_sided(l: &[f64], lr: usize, lc: usize, x: &[f64], r: &[f64], rr: usize) -
 pub fn transform_input(p: &Conv2d, tile: WinogradTile, x: &[f64]) -> Result<Vec<f64>> {
     let d = check(p, tile)?;
     expect_len("x", x.len(), p.x_len()?)?;
+    let tiles = batch_len(p.n, d.tiles_per_image, "the tile count")?;
+    let u_len = batch_len(p.n, d.u_per_image, "the transformed input")?;
     let mt = matrices(tile);
     let (a, m) = (mt.alpha, mt.m);
-    let tiles = p.n * d.tiles_per_image;
-    let mut u = vec![0.0; a * a * tiles * p.c_in];
+    let mut u = vec![0.0; u_len];
     let mut patch = vec![0.0; a * a];
     for b in 0..p.n {
         for th in 0..d.tiles_h {
@@ -245,11 +252,17 @@ pub fn batched_gemm_problem(
 /// [`batched_gemm_problem`] on the f64 GEMM reference.
 pub fn batched_product(p: &Conv2d, tile: WinogradTile, u: &[f64], v: &[f64]) -> Result<Vec<f64>> {
     let d = check(p, tile)?;
-    let tiles = p.n * d.tiles_per_image;
-    expect_len("u", u.len(), d.u_per_image * p.n)?;
+    let tiles = batch_len(p.n, d.tiles_per_image, "the tile count")?;
+    expect_len(
+        "u",
+        u.len(),
+        batch_len(p.n, d.u_per_image, "the transformed input")?,
+    )?;
     expect_len("v", v.len(), d.v)?;
+    let m_len = batch_len(p.n, d.m_per_image, "the product")?;
+    // Every size below is at most a checked length above.
     let g = batched_gemm_problem(tile, tiles, p.c_in, p.c_out);
-    let mut m = vec![0.0; d.m_per_image * p.n];
+    let mut m = vec![0.0; m_len];
     super::gemm::gemm_strided_batched(&g, v, u, &mut m)?;
     Ok(m)
 }
@@ -258,11 +271,15 @@ pub fn batched_product(p: &Conv2d, tile: WinogradTile, u: &[f64], v: &[f64]) -> 
 /// at the image edge.
 pub fn transform_output(p: &Conv2d, tile: WinogradTile, mprod: &[f64]) -> Result<Vec<f64>> {
     let d = check(p, tile)?;
-    expect_len("m", mprod.len(), d.m_per_image * p.n)?;
+    expect_len(
+        "m",
+        mprod.len(),
+        batch_len(p.n, d.m_per_image, "the product")?,
+    )?;
     let (oh, ow) = p.out_hw()?;
     let mt = matrices(tile);
     let (a, m) = (mt.alpha, mt.m);
-    let tiles = p.n * d.tiles_per_image;
+    let tiles = batch_len(p.n, d.tiles_per_image, "the tile count")?;
     let mut y = vec![0.0; p.y_len()?];
     let mut tilebuf = vec![0.0; a * a];
     for b in 0..p.n {
@@ -563,6 +580,55 @@ mod tests {
         q.pad = (2, 1);
         let b = backward_data_problem(&q).unwrap();
         assert_eq!((b.c_in, b.c_out, b.h, b.w, b.pad), (2, 2, 7, 5, (0, 1)));
+    }
+
+    /// Every function names the buffer that is one element short.
+    #[test]
+    fn short_buffers_are_errors_naming_them() {
+        let p = shape(2, 3, 5, 6, 4, (1, 1));
+        let t = WinogradTile::F2x3;
+        let (x, w) = (values(1, p.x_len().unwrap()), values(2, p.w_len().unwrap()));
+        let dy = values(3, p.y_len().unwrap());
+        let u = transform_input(&p, t, &x).unwrap();
+        let v = transform_filter(&p, t, &w).unwrap();
+        let m = batched_product(&p, t, &u, &v).unwrap();
+        let short = |b: &[f64]| b[1..].to_vec();
+        let arg = |r: Result<Vec<f64>>| r.unwrap_err().argument().map(str::to_owned);
+        for (got, name) in [
+            (transform_input(&p, t, &short(&x)), "x"),
+            (transform_filter(&p, t, &short(&w)), "w"),
+            (batched_product(&p, t, &short(&u), &v), "u"),
+            (batched_product(&p, t, &u, &short(&v)), "v"),
+            (transform_output(&p, t, &short(&m)), "m"),
+            (conv2d_winograd(&p, t, &short(&x), &w), "x"),
+            (conv2d_winograd(&p, t, &x, &short(&w)), "w"),
+            (rotate_filter(&p, &short(&w)), "w"),
+            (transform_filter_rotated(&p, t, &short(&w)), "w"),
+            (conv2d_backward_data_winograd(&p, t, &short(&dy), &w), "dy"),
+            (conv2d_backward_data_winograd(&p, t, &dy, &short(&w)), "w"),
+            (conv2d_backward_data_adjoint(&p, &short(&dy), &w), "dy"),
+            (conv2d_backward_data_adjoint(&p, &dy, &short(&w)), "w"),
+        ] {
+            assert_eq!(arg(got).as_deref(), Some(name));
+        }
+    }
+
+    /// Batch sizes that overflow usize are errors naming `n`, and an input count that overflows
+    /// is one naming `x`, not an overflowing multiply or a saturated allocation.
+    #[test]
+    fn overflowing_counts_are_errors_not_panics() {
+        // One pixel padded to 2^30 + 1 a side: 2^58 tiles an image, 2^62 transformed values.
+        let mut p = shape(8, 1, 1, 1, 1, (1 << 29, 1 << 29));
+        let t = WinogradTile::F2x3;
+        let arg = |r: Result<Vec<f64>>| r.unwrap_err().argument().map(str::to_owned);
+        assert_eq!(arg(transform_input(&p, t, &[0.0; 8])).as_deref(), Some("n"));
+        assert_eq!(arg(batched_product(&p, t, &[], &[])).as_deref(), Some("n"));
+        assert_eq!(arg(transform_output(&p, t, &[])).as_deref(), Some("n"));
+        // A huge input read by one tap (stride far past it).
+        p = shape(1, 1, 1 << 33, 1 << 33, 1, (0, 0));
+        (p.kh, p.kw, p.stride) = (1, 1, (1 << 40, 1 << 40));
+        let got = conv2d_backward_data_adjoint(&p, &[1.0], &[1.0]);
+        assert_eq!(arg(got).as_deref(), Some("x"));
     }
 
     /// dx = forward of dy with the rotated, channel-swapped filter (padding 2 - pad) equals the
