@@ -203,7 +203,7 @@ fn buffers<T: Element>(ctx: &Context, s: &ConvShape) -> nnfuse::Result<Buffers<T
     let st = ctx.stream();
     let e = T::DTYPE.size();
     let y_len = s.y_len()?;
-    let per = (s.x_len() + y_len) * e;
+    let per = (s.x_len().unwrap() + y_len) * e;
     let copies = (150usize << 20).div_ceil(per.max(1)).clamp(1, 8);
     let alloc = |n: usize, seed: u64| -> nnfuse::Result<CudaSlice<T>> {
         let mut b = st.alloc_zeros::<T>(n).map_err(|e| nnfuse::Error::Driver {
@@ -215,17 +215,17 @@ fn buffers<T: Element>(ctx: &Context, s: &ConvShape) -> nnfuse::Result<Buffers<T
     };
     let mut b = Buffers {
         x: Vec::new(),
-        w: alloc(s.w_len(), 1)?,
+        w: alloc(s.w_len().unwrap(), 1)?,
         y: Vec::new(),
         dy: Vec::new(),
         dx: Vec::new(),
-        dw: alloc(s.w_len(), 2)?,
+        dw: alloc(s.w_len().unwrap(), 2)?,
     };
     for i in 0..copies as u64 {
-        b.x.push(alloc(s.x_len(), 10 + i)?);
+        b.x.push(alloc(s.x_len().unwrap(), 10 + i)?);
         b.y.push(alloc(y_len, 20 + i)?);
         b.dy.push(alloc(y_len, 30 + i)?);
-        b.dx.push(alloc(s.x_len(), 40 + i)?);
+        b.dx.push(alloc(s.x_len().unwrap(), 40 + i)?);
     }
     Ok(b)
 }
@@ -315,7 +315,7 @@ fn bench_config<T: Element>(
     let (oh, ow) = s.out_hw()?;
     let y_len = s.n * s.c_out * oh * ow;
     for d in Direction::ALL {
-        let bytes = (s.x_len() + s.w_len() + y_len) * dt.size();
+        let bytes = (s.x_len().unwrap() + s.w_len().unwrap() + y_len) * dt.size();
         let floor_us = (flops / (peak * 1e12)).max(bytes as f64 / (COPY_TBPS * 1e12)) * 1e6;
         // The variants.
         let mut variants: Vec<(String, &'static str, Option<Route>, usize)> = Vec::new();

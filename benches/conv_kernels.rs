@@ -148,7 +148,7 @@ fn bench_layer<T: Element>(
     let dt = T::DTYPE;
     let es = dt.size();
     let n_cols = im2col::columns_len(s)?;
-    let (x_bytes, cols_bytes) = (s.x_len() * es, n_cols * es);
+    let (x_bytes, cols_bytes) = (s.x_len().unwrap() * es, n_cols * es);
     let (k_im2col, k_col2im) = im2col::kernel_names(s, dt)?;
     let read = read_bytes(s, es)?;
     let l2 = ctx.info().l2_bytes.max(1) as usize;
@@ -156,7 +156,9 @@ fn bench_layer<T: Element>(
     let stream = ctx.stream();
     let mut sets: Vec<(CudaSlice<T>, CudaSlice<T>)> = Vec::with_capacity(copies);
     for _ in 0..copies {
-        let mut x = stream.alloc_zeros::<T>(s.x_len()).context("alloc x")?;
+        let mut x = stream
+            .alloc_zeros::<T>(s.x_len().unwrap())
+            .context("alloc x")?;
         let mut c = stream.alloc_zeros::<T>(n_cols).context("alloc cols")?;
         util::fill(ctx, &mut x, T::from_f64(0.5))?;
         util::fill(ctx, &mut c, T::from_f64(0.25))?;

@@ -177,7 +177,7 @@ fn floor_us(shape: &ConvShape, elem: usize, half: bool) -> anyhow::Result<f64> {
     } else {
         PEAK_F32_TFLOPS
     };
-    let bytes = ((shape.x_len() + shape.w_len() + shape.y_len()?) * elem) as f64;
+    let bytes = ((shape.x_len().unwrap() + shape.w_len().unwrap() + shape.y_len()?) * elem) as f64;
     Ok((flops / (peak * 1e6)).max(bytes / (COPY_TBPS * 1e6)))
 }
 
@@ -188,12 +188,12 @@ fn run_problem<T: Element + DeviceRepr>(
 ) -> anyhow::Result<Vec<(Direction, Measured)>> {
     let s = ctx.stream();
     let sh = &p.shape;
-    let x = upload::<T>(s, sh.x_len(), 1)?;
-    let w = upload::<T>(s, sh.w_len(), 2)?;
+    let x = upload::<T>(s, sh.x_len().unwrap(), 1)?;
+    let w = upload::<T>(s, sh.w_len().unwrap(), 2)?;
     let dy = upload::<T>(s, sh.y_len()?, 3)?;
     let mut y = s.alloc_zeros::<T>(sh.y_len()?)?;
-    let mut dx = s.alloc_zeros::<T>(sh.x_len())?;
-    let mut dw = s.alloc_zeros::<T>(sh.w_len())?;
+    let mut dx = s.alloc_zeros::<T>(sh.x_len().unwrap())?;
+    let mut dw = s.alloc_zeros::<T>(sh.w_len().unwrap())?;
     let conv = Conv2d::<T>::new(ctx, sh)?;
     let mut out = Vec::new();
     for d in [

@@ -71,15 +71,15 @@ fn problem(n: usize, c: usize, hw: usize) -> ConvShape {
 fn floor_us(s: &ConvShape) -> nnfuse::Result<f64> {
     let (oh, ow) = s.out_hw()?;
     let flops = 2.0 * (s.n * s.c_out * oh * ow * s.c_in * s.kh * s.kw) as f64;
-    let bytes = 2.0 * (s.x_len() + s.w_len() + s.y_len()?) as f64;
+    let bytes = 2.0 * (s.x_len().unwrap() + s.w_len().unwrap() + s.y_len()?) as f64;
     Ok((flops / PEAK_FLOPS).max(bytes / PEAK_BYTES) * 1e6)
 }
 
 fn bench_problem(ctx: &Context, name: &str, s: &ConvShape) -> anyhow::Result<()> {
     let st = ctx.stream().clone();
     let floor = floor_us(s)?;
-    let x = st.clone_htod(&vec![f16::from_f32(0.1); s.x_len()])?;
-    let w = st.clone_htod(&vec![f16::from_f32(0.01); s.w_len()])?;
+    let x = st.clone_htod(&vec![f16::from_f32(0.1); s.x_len().unwrap()])?;
+    let w = st.clone_htod(&vec![f16::from_f32(0.01); s.w_len().unwrap()])?;
     let mut y = st.alloc_zeros::<f16>(s.y_len()?)?;
     let policy = GraphPolicy::default();
     row(

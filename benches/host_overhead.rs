@@ -168,8 +168,8 @@ fn run() -> anyhow::Result<()> {
     // Convolution, every route on a tiny NHWC problem.
     let shape = shapes::square3x3(1, 16, 8, 16);
     let conv = Conv2d::<f16>::new(&ctx, &shape)?;
-    let cx = s.clone_htod(&vec![f16::from_f32(0.1); shape.x_len()])?;
-    let cw = s.clone_htod(&vec![f16::from_f32(0.1); shape.w_len()])?;
+    let cx = s.clone_htod(&vec![f16::from_f32(0.1); shape.x_len().unwrap()])?;
+    let cw = s.clone_htod(&vec![f16::from_f32(0.1); shape.w_len().unwrap()])?;
     let mut cy = s.alloc_zeros::<f16>(shape.y_len()?)?;
     row(
         "conv forward 1x16x8x8 3x3 f16 (auto, cached)",
@@ -190,7 +190,7 @@ fn run() -> anyhow::Result<()> {
             measure(&ctx, || conv.forward_with(route, &cx, &cw, &mut cy)),
         );
     }
-    let mut cdw = s.alloc_zeros::<f16>(shape.w_len())?;
+    let mut cdw = s.alloc_zeros::<f16>(shape.w_len().unwrap())?;
     row(
         "conv backward_filter (auto, cached)",
         measure(&ctx, || conv.backward_filter(&cx, &cy, &mut cdw, false)),
@@ -241,8 +241,8 @@ fn run() -> anyhow::Result<()> {
     );
     let shape = shapes::square3x3(32, 64, 56, 64);
     let conv = Conv2d::<f16>::new(&ctx, &shape)?;
-    let cx = s.clone_htod(&vec![f16::from_f32(0.1); shape.x_len()])?;
-    let cw = s.clone_htod(&vec![f16::from_f32(0.01); shape.w_len()])?;
+    let cx = s.clone_htod(&vec![f16::from_f32(0.1); shape.x_len().unwrap()])?;
+    let cw = s.clone_htod(&vec![f16::from_f32(0.01); shape.w_len().unwrap()])?;
     let mut cy = s.alloc_zeros::<f16>(shape.y_len()?)?;
     big(
         "conv forward 32x64x56x56 3x3 f16 (auto, cached)",

@@ -194,13 +194,14 @@ fn bench_layer<T: Element>(
     for tile in WinogradTile::ALL {
         let d = winograd_dims(s, tile)?;
         let ylen = s.y_len()?;
-        let set_bytes = e * (s.x_len() + s.n * (d.u_per_image + d.m_per_image) + ylen + d.v);
+        let set_bytes =
+            e * (s.x_len().unwrap() + s.n * (d.u_per_image + d.m_per_image) + ylen + d.v);
         let copies = L2_ROTATE.div_ceil(set_bytes).clamp(1, 8);
         let sets = Sets::<T> {
             x: (0..copies)
-                .map(|i| alloc::<T>(ctx, s.x_len(), 10 + i as u64))
+                .map(|i| alloc::<T>(ctx, s.x_len().unwrap(), 10 + i as u64))
                 .collect::<Result<_>>()?,
-            w: alloc::<T>(ctx, s.w_len(), 3)?,
+            w: alloc::<T>(ctx, s.w_len().unwrap(), 3)?,
             v: (0..copies)
                 .map(|_| alloc::<T>(ctx, d.v, 4))
                 .collect::<Result<_>>()?,
@@ -404,7 +405,7 @@ fn bench_layer<T: Element>(
                 wg::forward(ctx, s, tile, WinogradEngine::Fused, &x[k], &w, &mut y[k])
             })?;
             let v_bytes = d.v * e;
-            let xy = (s.x_len() + ylen) * e;
+            let xy = (s.x_len().unwrap() + ylen) * e;
             push(
                 "forward fused",
                 t,

@@ -327,7 +327,9 @@ fn check_conv_plan(
     let y = shape.y_len();
     prop_assert!(y.is_ok(), "{:?}", y);
     let y = y.unwrap_or(0);
-    for elems in [y, shape.x_len(), shape.w_len()] {
+    let (x, w) = (shape.x_len(), shape.w_len());
+    prop_assert!(x.is_ok() && w.is_ok(), "{:?} {:?}", x, w);
+    for elems in [y, x.unwrap_or(0), w.unwrap_or(0)] {
         prop_assert!(elems < usize::MAX && elems.checked_mul(dtype.size()).is_some());
     }
     prop_assert_eq!(p.workspace_cap_bytes, config.conv_workspace_bytes());
@@ -388,7 +390,11 @@ fn conv_size_arithmetic_fits_or_errs() {
         2000,
         (conv_shape(), elem, cap),
         |(shape, elem, cap)| {
-            let _ = (shape.x_len(), shape.w_len());
+            for (len, name) in [(shape.x_len(), "x"), (shape.w_len(), "w")] {
+                if let Err(e) = len {
+                    prop_assert_eq!(e.argument(), Some(name));
+                }
+            }
             if let Ok(d) = im2col_dims(&shape) {
                 prop_assert_eq!(Some(d.per_image), d.pixels.checked_mul(d.taps));
             }

@@ -195,10 +195,10 @@ fn every_path_matches_the_f64_reference_on_the_grid() {
                 DType::F16 => f16::from_f64(v).to_f64(),
                 DType::BF16 => bf16::from_f64(v).to_f64(),
             };
-            let x = (0..s.x_len())
+            let x = (0..s.x_len().unwrap())
                 .map(|_| round(rng.uniform(-1.0, 1.0)))
                 .collect();
-            let w = (0..s.w_len())
+            let w = (0..s.w_len().unwrap())
                 .map(|_| round(rng.uniform(-1.0, 1.0)))
                 .collect();
             (*s, x, w)
@@ -291,10 +291,10 @@ fn winograd_error_against_cudnn() {
                 DType::F16 => f16::from_f64(v).to_f64(),
                 DType::BF16 => bf16::from_f64(v).to_f64(),
             };
-            let x: Vec<f64> = (0..s.x_len())
+            let x: Vec<f64> = (0..s.x_len().unwrap())
                 .map(|_| round(rng.uniform(-1.0, 1.0)))
                 .collect();
-            let w: Vec<f64> = (0..s.w_len())
+            let w: Vec<f64> = (0..s.w_len().unwrap())
                 .map(|_| round(rng.uniform(-1.0, 1.0)))
                 .collect();
             problems.push((s, x, w));
@@ -470,8 +470,8 @@ fn auto_once<T: Element>(
     s: &ConvShape,
     rng: &mut Rng,
 ) -> (ConvShape, DType, Route, bool) {
-    let xs: Vec<T> = rng.vec(s.x_len(), -1.0, 1.0);
-    let ws: Vec<T> = rng.vec(s.w_len(), -1.0, 1.0);
+    let xs: Vec<T> = rng.vec(s.x_len().unwrap(), -1.0, 1.0);
+    let ws: Vec<T> = rng.vec(s.w_len().unwrap(), -1.0, 1.0);
     let want = conv2d(s, &f64s(&xs), &f64s(&ws)).expect("reference");
     let (xd, wd) = (upload(ctx, &xs), upload(ctx, &ws));
     let conv = Conv2d::<T>::new(ctx, s).expect("plan");
@@ -534,8 +534,8 @@ fn first_call_origin(
     rng: &mut Rng,
 ) -> (Route, ChoiceOrigin) {
     fn go<T: Element>(ctx: &Context, s: &ConvShape, rng: &mut Rng) -> (Route, ChoiceOrigin) {
-        let xs: Vec<T> = rng.vec(s.x_len(), -1.0, 1.0);
-        let ws: Vec<T> = rng.vec(s.w_len(), -1.0, 1.0);
+        let xs: Vec<T> = rng.vec(s.x_len().unwrap(), -1.0, 1.0);
+        let ws: Vec<T> = rng.vec(s.w_len().unwrap(), -1.0, 1.0);
         let want = conv2d(s, &f64s(&xs), &f64s(&ws)).expect("reference");
         let (xd, wd) = (upload(ctx, &xs), upload(ctx, &ws));
         let conv = Conv2d::<T>::new(ctx, s).expect("plan");
@@ -567,8 +567,14 @@ fn auto_on_zero_inputs_measures_on_random_data() {
     let ctx = gpu();
     let s = square_conv(2, 24, 17, 40, 3, TensorFormat::Nhwc);
     let conv = Conv2d::<f16>::new(&ctx, &s).expect("plan");
-    let x = ctx.stream().alloc_zeros::<f16>(s.x_len()).expect("x");
-    let w = ctx.stream().alloc_zeros::<f16>(s.w_len()).expect("w");
+    let x = ctx
+        .stream()
+        .alloc_zeros::<f16>(s.x_len().unwrap())
+        .expect("x");
+    let w = ctx
+        .stream()
+        .alloc_zeros::<f16>(s.w_len().unwrap())
+        .expect("w");
     let mut y = poisoned::<f16>(&ctx, s.y_len().expect("valid"));
     conv.forward(&x, &w, &mut y).expect("forward");
     assert!(
@@ -598,8 +604,8 @@ fn prepared_filters_match_the_plain_forward() {
         ConvAlgoPolicy::Auto,
     ] {
         let ctx = gpu_with(Config::default().with_conv_algo(policy));
-        let xs: Vec<f32> = rng.vec(s.x_len(), -1.0, 1.0);
-        let ws: Vec<f32> = rng.vec(s.w_len(), -1.0, 1.0);
+        let xs: Vec<f32> = rng.vec(s.x_len().unwrap(), -1.0, 1.0);
+        let ws: Vec<f32> = rng.vec(s.w_len().unwrap(), -1.0, 1.0);
         let want = conv2d(&s, &f64s(&xs), &f64s(&ws)).expect("reference");
         let (xd, wd) = (upload(&ctx, &xs), upload(&ctx, &ws));
         let conv = Conv2d::<f32>::new(&ctx, &s).expect("plan");
@@ -625,7 +631,7 @@ fn prepared_filters_match_the_plain_forward() {
         // A filter prepared by another problem's Conv2d is refused.
         let o = ConvShape { n: 4, ..s };
         let other = Conv2d::<f32>::new(&ctx, &o).expect("plan");
-        let ox = upload(&ctx, &vec![0.0f32; o.x_len()]);
+        let ox = upload(&ctx, &vec![0.0f32; o.x_len().unwrap()]);
         let mut oy = poisoned::<f32>(&ctx, o.y_len().expect("valid"));
         let e = other.forward_prepared(&ox, &pf, &mut oy).unwrap_err();
         assert_eq!(e.argument(), Some("w"), "{e}");
@@ -638,8 +644,8 @@ fn epilogue_none_is_the_plain_forward() {
     let ctx = gpu();
     let mut rng = Rng::fresh("epilogue");
     let s = square_conv(2, 8, 9, 16, 3, TensorFormat::Nchw);
-    let xs: Vec<bf16> = rng.vec(s.x_len(), -1.0, 1.0);
-    let ws: Vec<bf16> = rng.vec(s.w_len(), -1.0, 1.0);
+    let xs: Vec<bf16> = rng.vec(s.x_len().unwrap(), -1.0, 1.0);
+    let ws: Vec<bf16> = rng.vec(s.w_len().unwrap(), -1.0, 1.0);
     let want = conv2d(&s, &f64s(&xs), &f64s(&ws)).expect("reference");
     let conv = Conv2d::<bf16>::with_filter_layout(&ctx, &s, FilterLayout::Kcrs).expect("plan");
     let mut y = poisoned::<bf16>(&ctx, s.y_len().expect("valid"));
@@ -677,7 +683,11 @@ fn bad_input_is_a_typed_error_and_changes_nothing() {
     let s = square_conv(2, 3, 8, 4, 3, TensorFormat::Nhwc);
     let arg = |r: Result<(), Error>| r.err().and_then(|e| e.argument().map(str::to_owned));
     let conv = Conv2d::<f32>::new(&ctx, &s).expect("plan");
-    let (xl, wl, yl) = (s.x_len(), s.w_len(), s.y_len().expect("valid"));
+    let (xl, wl, yl) = (
+        s.x_len().unwrap(),
+        s.w_len().unwrap(),
+        s.y_len().expect("valid"),
+    );
     let st = ctx.stream();
     let x = upload(&ctx, &vec![1.0f32; xl]);
     let w = upload(&ctx, &vec![1.0f32; wl]);

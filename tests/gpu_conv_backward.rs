@@ -70,8 +70,8 @@ fn references_are_adjoints_of_the_forward() {
     for f in [TensorFormat::Nchw, TensorFormat::Nhwc] {
         for p in small(f) {
             seed += 3;
-            let x = values(seed, p.x_len());
-            let w = values(seed + 1, p.w_len());
+            let x = values(seed, p.x_len().unwrap());
+            let w = values(seed + 1, p.w_len().unwrap());
             let dy = values(seed + 2, p.y_len().unwrap());
             let y = conv2d(&p, &x, &w).unwrap();
             let dx = backward_data(&p, &dy, &w);
@@ -245,7 +245,7 @@ fn run_problem<T: Element>(ctx: &Context, p: &Problem, r: &Refs) -> (Vec<String>
     // Data gradient.
     let mut dxs: Vec<(Route, Vec<f64>)> = Vec::new();
     for route in routes(&conv, ctx, Direction::BackwardData) {
-        let mut dx = poisoned::<T>(ctx, s.x_len());
+        let mut dx = poisoned::<T>(ctx, s.x_len().unwrap());
         let what = format!("{tag} dx via {route}");
         match conv.backward_data_with(route, &dyd, &wd, &mut dx) {
             Ok(()) => {
@@ -262,7 +262,7 @@ fn run_problem<T: Element>(ctx: &Context, p: &Problem, r: &Refs) -> (Vec<String>
     // Filter gradient, overwritten and accumulated.
     let mut dws: Vec<(Route, Vec<f64>)> = Vec::new();
     for route in routes(&conv, ctx, Direction::BackwardFilter) {
-        let mut dw = poisoned::<T>(ctx, s.w_len());
+        let mut dw = poisoned::<T>(ctx, s.w_len().unwrap());
         let what = format!("{tag} dw via {route}");
         match conv.backward_filter_with(route, &xd, &dyd, &mut dw, false) {
             Ok(()) => {
@@ -349,10 +349,10 @@ fn every_gradient_path_matches_the_f64_references() {
             let mut v = |n: usize| -> Vec<f64> {
                 (0..n).map(|_| round(dt, rng.uniform(-1.0, 1.0))).collect()
             };
-            let x = v(s.x_len());
-            let w = v(s.w_len());
+            let x = v(s.x_len().unwrap());
+            let w = v(s.w_len().unwrap());
             let dy = v(s.y_len().expect("valid"));
-            let dw0 = v(s.w_len());
+            let dw0 = v(s.w_len().unwrap());
             Problem {
                 s,
                 dt,
@@ -424,8 +424,8 @@ fn auto_gradients_and_determinism() {
 }
 
 fn auto_once<T: Element>(ctx: &Context, s: &ConvShape, rng: &mut Rng, deterministic: bool) {
-    let xs: Vec<T> = rng.vec(s.x_len(), -1.0, 1.0);
-    let ws: Vec<T> = rng.vec(s.w_len(), -1.0, 1.0);
+    let xs: Vec<T> = rng.vec(s.x_len().unwrap(), -1.0, 1.0);
+    let ws: Vec<T> = rng.vec(s.w_len().unwrap(), -1.0, 1.0);
     let dys: Vec<T> = rng.vec(s.y_len().expect("valid"), -1.0, 1.0);
     let (x, w, dy) = (f64s(&xs), f64s(&ws), f64s(&dys));
     let want_dx = backward_data(s, &dy, &w);
@@ -433,10 +433,10 @@ fn auto_once<T: Element>(ctx: &Context, s: &ConvShape, rng: &mut Rng, determinis
     let (xd, wd, dyd) = (upload(ctx, &xs), upload(ctx, &ws), upload(ctx, &dys));
     let conv = Conv2d::<T>::new(ctx, s).expect("plan");
     let tag = format!("{} {} det={deterministic}", describe(s), T::DTYPE);
-    let mut dx = poisoned::<T>(ctx, s.x_len());
+    let mut dx = poisoned::<T>(ctx, s.x_len().unwrap());
     conv.backward_data(&dyd, &wd, &mut dx)
         .expect("auto backward data");
-    let mut dw = poisoned::<T>(ctx, s.w_len());
+    let mut dw = poisoned::<T>(ctx, s.w_len().unwrap());
     conv.backward_filter(&xd, &dyd, &mut dw, false)
         .expect("auto backward filter");
     for (d, got, want) in [
@@ -469,10 +469,10 @@ fn auto_once<T: Element>(ctx: &Context, s: &ConvShape, rng: &mut Rng, determinis
     }
     if deterministic {
         // Bit-for-bit repeatable.
-        let mut dw2 = poisoned::<T>(ctx, s.w_len());
+        let mut dw2 = poisoned::<T>(ctx, s.w_len().unwrap());
         conv.backward_filter(&xd, &dyd, &mut dw2, false)
             .expect("again");
-        let mut dx2 = poisoned::<T>(ctx, s.x_len());
+        let mut dx2 = poisoned::<T>(ctx, s.x_len().unwrap());
         conv.backward_data(&dyd, &wd, &mut dx2).expect("again");
         let bits = |v: Vec<T>| v.iter().map(|t| t.to_f64().to_bits()).collect::<Vec<_>>();
         assert_eq!(

@@ -64,8 +64,8 @@ struct Data<T: Element> {
 }
 
 fn data<T: Element>(ctx: &Context, s: &ConvShape, rng: &mut Rng) -> Data<T> {
-    let x: Vec<T> = rng.vec(s.x_len(), -1.0, 1.0);
-    let w: Vec<T> = rng.vec(s.w_len(), -1.0, 1.0);
+    let x: Vec<T> = rng.vec(s.x_len().unwrap(), -1.0, 1.0);
+    let w: Vec<T> = rng.vec(s.w_len().unwrap(), -1.0, 1.0);
     let dy: Vec<T> = rng.vec(s.y_len().expect("shape"), -1.0, 1.0);
     Data {
         xb: upload(ctx, &x),
@@ -97,8 +97,8 @@ fn run<T: Element>(
     let s = conv.shape();
     let out_len = match d {
         Direction::Forward => s.y_len()?,
-        Direction::BackwardData => s.x_len(),
-        Direction::BackwardFilter => s.w_len(),
+        Direction::BackwardData => s.x_len().unwrap(),
+        Direction::BackwardFilter => s.w_len().unwrap(),
     };
     let mut out = poisoned::<T>(ctx, out_len);
     match (d, route) {
@@ -181,7 +181,7 @@ fn every_direction<T: Element>(format: TensorFormat) {
             }
         }
         // The filter gradient added to what dw holds (beta = 1 through the graph).
-        let base: Vec<T> = rng.vec(s.w_len(), -1.0, 1.0);
+        let base: Vec<T> = rng.vec(s.w_len().unwrap(), -1.0, 1.0);
         let mut dw = upload(&ctx, &base);
         let r = Route::path(ConvPath::CudnnGraph);
         let what = format!("{} {} accumulated dw {}", describe(&s), T::DTYPE, r.label());

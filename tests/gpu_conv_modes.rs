@@ -75,8 +75,8 @@ fn all_directions<T: Element>(
     s: &ConvShape,
     rng: &mut Rng,
 ) -> Vec<(Direction, conv::ConvChoice)> {
-    let xs: Vec<T> = rng.vec(s.x_len(), -1.0, 1.0);
-    let ws: Vec<T> = rng.vec(s.w_len(), -1.0, 1.0);
+    let xs: Vec<T> = rng.vec(s.x_len().unwrap(), -1.0, 1.0);
+    let ws: Vec<T> = rng.vec(s.w_len().unwrap(), -1.0, 1.0);
     let dys: Vec<T> = rng.vec(s.y_len().expect("valid"), -1.0, 1.0);
     let (x, w, dy) = (f64s(&xs), f64s(&ws), f64s(&dys));
     let (xd, wd, dyd) = (upload(ctx, &xs), upload(ctx, &ws), upload(ctx, &dys));
@@ -85,10 +85,10 @@ fn all_directions<T: Element>(
     let mut y = poisoned::<T>(ctx, s.y_len().expect("valid"));
     conv.forward(&xd, &wd, &mut y)
         .unwrap_or_else(|e| panic!("{tag} forward: {e}"));
-    let mut dx = poisoned::<T>(ctx, s.x_len());
+    let mut dx = poisoned::<T>(ctx, s.x_len().unwrap());
     conv.backward_data(&dyd, &wd, &mut dx)
         .unwrap_or_else(|e| panic!("{tag} dx: {e}"));
-    let mut dw = poisoned::<T>(ctx, s.w_len());
+    let mut dw = poisoned::<T>(ctx, s.w_len().unwrap());
     conv.backward_filter(&xd, &dyd, &mut dw, false)
         .unwrap_or_else(|e| panic!("{tag} dw: {e}"));
     let mut out = Vec::new();

@@ -120,9 +120,9 @@ fn check_one<T: Element>(
 ) -> Result<String, String> {
     let y_len = s.y_len().map_err(|e| e.to_string())?;
     let (a_len, b_len, out_len) = match d {
-        Direction::Forward => (s.x_len(), s.w_len(), y_len),
-        Direction::BackwardData => (y_len, s.w_len(), s.x_len()),
-        Direction::BackwardFilter => (s.x_len(), y_len, s.w_len()),
+        Direction::Forward => (s.x_len().unwrap(), s.w_len().unwrap(), y_len),
+        Direction::BackwardData => (y_len, s.w_len().unwrap(), s.x_len().unwrap()),
+        Direction::BackwardFilter => (s.x_len().unwrap(), y_len, s.w_len().unwrap()),
     };
     let a: Vec<T> = rng.vec(a_len, -1.0, 1.0);
     let b: Vec<T> = rng.vec(b_len, -1.0, 1.0);
@@ -326,8 +326,8 @@ fn random_operands<T: Element>(
     seed: &str,
 ) -> (CudaSlice<T>, CudaSlice<T>) {
     let mut rng = Rng::fresh(seed);
-    let x: Vec<T> = rng.vec(s.x_len(), -1.0, 1.0);
-    let w: Vec<T> = rng.vec(s.w_len(), -1.0, 1.0);
+    let x: Vec<T> = rng.vec(s.x_len().unwrap(), -1.0, 1.0);
+    let w: Vec<T> = rng.vec(s.w_len().unwrap(), -1.0, 1.0);
     (upload(ctx, &x), upload(ctx, &w))
 }
 
@@ -387,9 +387,9 @@ fn probe_variant_pack_pointer_reset_after_finalize() {
 fn bad_arguments_are_typed_errors() {
     let Some(ctx) = gpu() else { return };
     let s = shape(2, 8, 8, 8, 3);
-    let gx = upload(&ctx, &vec![0.5f32; s.x_len()]);
-    let gw = upload(&ctx, &vec![0.5f32; s.w_len()]);
-    let short = upload(&ctx, &vec![0.5f32; s.w_len() - 1]);
+    let gx = upload(&ctx, &vec![0.5f32; s.x_len().unwrap()]);
+    let gw = upload(&ctx, &vec![0.5f32; s.w_len().unwrap()]);
+    let short = upload(&ctx, &vec![0.5f32; s.w_len().unwrap() - 1]);
     let mut y = poisoned::<f32>(&ctx, s.y_len().unwrap());
     let p = GraphPolicy::default();
     let e = run_cached(&ctx, &s, Direction::Forward, p, &gx, &short, &mut y).unwrap_err();

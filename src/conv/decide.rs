@@ -545,9 +545,9 @@ mod tests {
             return;
         }
         let mut rng = Rng::fresh("a_failed_accumulating_filter_gradient_is_not_added_twice");
-        let x = upload::<f32>(&ctx, &quantized(&mut rng, s.x_len()));
+        let x = upload::<f32>(&ctx, &quantized(&mut rng, s.x_len().unwrap()));
         let dy = upload::<f32>(&ctx, &quantized(&mut rng, s.y_len().unwrap()));
-        let dw0 = quantized(&mut rng, s.w_len());
+        let dw0 = quantized(&mut rng, s.w_len().unwrap());
         let mut g = upload::<f32>(&ctx, &dw0);
         conv.backward_filter(&x, &dy, &mut g, false).unwrap();
         let g = download(&ctx, &g);

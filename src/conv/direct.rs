@@ -402,8 +402,8 @@ mod tests {
                     dilation,
                     format,
                 };
-                let x = values(n + 1, s.x_len());
-                let wv = values(n + 2, s.w_len());
+                let x = values(n + 1, s.x_len().unwrap());
+                let wv = values(n + 2, s.w_len().unwrap());
                 let want = r::conv2d(&s, &x, &wv).unwrap();
                 let got = emulate(&s, &x, &wv);
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -521,8 +521,8 @@ mod gpu_tests {
         let ctx = gpu();
         for format in [TensorFormat::Nchw, TensorFormat::Nhwc] {
             let s = crate::testutil::square_conv(32, 64, 56, 64, 3, format);
-            let x = upload::<f16>(&ctx, &vec![0.5; s.x_len()]);
-            let w = upload::<f16>(&ctx, &vec![0.25; s.w_len()]);
+            let x = upload::<f16>(&ctx, &vec![0.5; s.x_len().unwrap()]);
+            let w = upload::<f16>(&ctx, &vec![0.25; s.w_len().unwrap()]);
             let mut y = poisoned::<f16>(&ctx, s.y_len().unwrap());
             let p = FwdPtrs {
                 x: x.device_ptr(ctx.stream()).0,

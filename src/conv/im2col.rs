@@ -30,7 +30,7 @@
 //!     n: 2, c_in: 64, h: 56, w: 56, c_out: 64, kh: 3, kw: 3,
 //!     stride: (1, 1), pad: (1, 1), dilation: (1, 1), format: TensorFormat::Nhwc,
 //! };
-//! let x = ctx.stream().alloc_zeros::<half::f16>(s.x_len())?;
+//! let x = ctx.stream().alloc_zeros::<half::f16>(s.x_len()?)?;
 //! let mut cols = ctx.stream().alloc_zeros::<half::f16>(im2col::columns_len(&s)?)?;
 //! im2col::im2col(&ctx, &s, &x, &mut cols)?; // [n][P][K]: each pixel's patch contiguous
 //! # Ok(()) }
@@ -326,7 +326,7 @@ pub fn kernel_names(s: &ConvShape, dtype: DType) -> Result<(&'static str, &'stat
 fn pair_needs(s: &ConvShape) -> Result<(Need, Need)> {
     let want_cols = columns_len(s)?;
     Ok((
-        Need::Formula(s.x_len(), "n*c_in*h*w"),
+        Need::Formula(s.x_len()?, "n*c_in*h*w"),
         Need::Formula(want_cols, "n*oh*ow*c_in*kh*kw"),
     ))
 }

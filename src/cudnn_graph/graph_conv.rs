@@ -89,8 +89,8 @@ pub fn pack_order(direction: Direction, args: [u64; 3]) -> [u64; 3] {
 /// Elements of each operand of `shape` (x, w, y).
 fn operand_len(shape: &ConvShape, op: Operand) -> Result<usize> {
     Ok(match op {
-        Operand::X => shape.x_len(),
-        Operand::W => shape.w_len(),
+        Operand::X => shape.x_len()?,
+        Operand::W => shape.w_len()?,
         Operand::Y => shape.y_len()?,
     })
 }

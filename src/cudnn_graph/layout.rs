@@ -239,8 +239,8 @@ mod tests {
                 .sum::<i64>()
                 + 1;
             let want = match spec.operand {
-                Operand::X => s.x_len(),
-                Operand::W => s.w_len(),
+                Operand::X => s.x_len().unwrap(),
+                Operand::W => s.w_len().unwrap(),
                 Operand::Y => s.y_len().unwrap(),
             };
             assert_eq!(span as usize, want, "{:?}", spec.operand);

@@ -79,25 +79,29 @@ impl Conv2d {
     fn check(&self, x: &[f64], w: Option<&[f64]>) -> Result<(usize, usize)> {
         let hw = self.out_hw()?;
         self.y_len()?;
-        if x.len() != self.x_len() {
+        let x_len = self.x_len()?;
+        if x.len() != x_len {
             return Err(Error::invalid(
                 "x",
-                format!("length {}, expected n*c_in*h*w = {}", x.len(), self.x_len()),
+                format!("length {}, expected n*c_in*h*w = {x_len}", x.len()),
             ));
         }
         if let Some(w) = w {
-            if w.len() != self.w_len() {
-                return Err(Error::invalid(
-                    "w",
-                    format!(
-                        "length {}, expected c_out*c_in*kh*kw = {}",
-                        w.len(),
-                        self.w_len()
-                    ),
-                ));
-            }
+            self.check_w(w)?;
         }
         Ok(hw)
+    }
+
+    /// Checks the filter's length against the problem's.
+    fn check_w(&self, w: &[f64]) -> Result<()> {
+        let w_len = self.w_len()?;
+        if w.len() != w_len {
+            return Err(Error::invalid(
+                "w",
+                format!("length {}, expected c_out*c_in*kh*kw = {w_len}", w.len()),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -141,7 +145,7 @@ pub fn im2col(p: &Conv2d, x: &[f64]) -> Result<Vec<f64>> {
     let (oh, ow) = p.check(x, None)?;
     let big = || Error::invalid("n", "the column matrix's element count overflows usize");
     let taps = product(&[p.c_in, p.kh, p.kw]).ok_or_else(big)?;
-    let pixels = oh * ow;
+    let pixels = product(&[oh, ow]).ok_or_else(big)?;
     let mut cols = vec![0.0; product(&[p.n, pixels, taps]).ok_or_else(big)?];
     for b in 0..p.n {
         let base = b * pixels * taps;
@@ -257,8 +261,7 @@ impl Conv2d {
     ) -> Result<((usize, usize), usize)> {
         let hw = self.out_hw()?;
         let y_len = self.y_len()?;
-        let x_len = product(&[self.n, self.c_in, self.h, self.w])
-            .ok_or_else(|| Error::invalid("n", "the input element count overflows usize"))?;
+        let x_len = self.x_len()?;
         if dy.len() != y_len {
             return Err(Error::invalid(
                 dy_name,
@@ -266,16 +269,7 @@ impl Conv2d {
             ));
         }
         if let Some(w) = w {
-            if w.len() != self.w_len() {
-                return Err(Error::invalid(
-                    "w",
-                    format!(
-                        "length {}, expected c_out*c_in*kh*kw = {}",
-                        w.len(),
-                        self.w_len()
-                    ),
-                ));
-            }
+            self.check_w(w)?;
         }
         Ok((hw, x_len))
     }
@@ -337,7 +331,7 @@ pub fn conv2d_backward_filter(p: &Conv2d, x: &[f64], dy: &[f64]) -> Result<Vec<f
             format!("length {}, expected n*c_in*h*w = {x_len}", x.len()),
         ));
     }
-    let mut dw = vec![0.0; p.w_len()];
+    let mut dw = vec![0.0; p.w_len()?];
     for k in 0..p.c_out {
         for c in 0..p.c_in {
             for r in 0..p.kh {
@@ -370,7 +364,8 @@ pub fn col2im(p: &Conv2d, cols: &[f64]) -> Result<Vec<f64>> {
     let (oh, ow) = p.out_hw()?;
     let big = || Error::invalid("n", "the column matrix's element count overflows usize");
     let taps = product(&[p.c_in, p.kh, p.kw]).ok_or_else(big)?;
-    let pixels = oh * ow;
+    // Unlike im2col, y's length is not checked here: the pixel count may overflow on its own.
+    let pixels = product(&[oh, ow]).ok_or_else(big)?;
     let want = product(&[p.n, pixels, taps]).ok_or_else(big)?;
     if cols.len() != want {
         return Err(Error::invalid(
@@ -381,9 +376,7 @@ pub fn col2im(p: &Conv2d, cols: &[f64]) -> Result<Vec<f64>> {
             ),
         ));
     }
-    let x_len = product(&[p.n, p.c_in, p.h, p.w])
-        .ok_or_else(|| Error::invalid("n", "the input element count overflows usize"))?;
-    let mut x = vec![0.0; x_len];
+    let mut x = vec![0.0; p.x_len()?];
     for b in 0..p.n {
         let base = b * pixels * taps;
         for c in 0..p.c_in {
@@ -756,8 +749,8 @@ mod tests {
                                 }
                             };
                             seed += 1;
-                            let x = values(seed, p.x_len());
-                            let w = values(seed + 1000, p.w_len());
+                            let x = values(seed, p.x_len().unwrap());
+                            let w = values(seed + 1000, p.w_len().unwrap());
                             let y = conv2d(&p, &x, &w).unwrap();
                             assert_eq!(y, textbook_nchw(&p, &x, &w), "{p:?}");
                             let yg = conv2d_via_gemm(&p, &x, &w).unwrap();
@@ -864,7 +857,7 @@ mod tests {
             Some("kh")
         );
         assert_eq!(p.y_len().unwrap(), 4);
-        assert_eq!((p.x_len(), p.w_len()), (9, 4));
+        assert_eq!((p.x_len().unwrap(), p.w_len().unwrap()), (9, 4));
     }
 }
 
@@ -987,8 +980,8 @@ mod gradient_tests {
             let format = if round % 2 == 0 { Nchw } else { Nhwc };
             let p = random_problem(&mut d, format);
             let seed = 100 + round as u64;
-            let x = values(seed, p.x_len());
-            let w = values(seed + 1, p.w_len());
+            let x = values(seed, p.x_len().unwrap());
+            let w = values(seed + 1, p.w_len().unwrap());
             let dy = values(seed + 2, p.y_len().unwrap());
             let loss = |x: &[f64], w: &[f64]| dot(&conv2d(&p, x, w).unwrap(), &dy);
             let dx = conv2d_backward_data(&p, &dy, &w).unwrap();
@@ -1031,8 +1024,8 @@ mod gradient_tests {
         for round in 0..300u64 {
             let p = random_problem(&mut d, Nchw);
             let (oh, ow) = p.out_hw().unwrap();
-            let x = values(3 * round + 1, p.x_len());
-            let w = values(3 * round + 2, p.w_len());
+            let x = values(3 * round + 1, p.x_len().unwrap());
+            let w = values(3 * round + 2, p.w_len().unwrap());
             let dy = values(3 * round + 3, p.y_len().unwrap());
             let y = conv2d(&p, &x, &w).unwrap();
             let dx = conv2d_backward_data(&p, &dy, &w).unwrap();
@@ -1087,7 +1080,7 @@ mod gradient_tests {
             let p = random_problem(&mut d, format);
             let (oh, ow) = p.out_hw().unwrap();
             let (pixels, taps) = (oh * ow, p.c_in * p.kh * p.kw);
-            let w = values(round + 1, p.w_len());
+            let w = values(round + 1, p.w_len().unwrap());
             let dy = values(round + 2, p.y_len().unwrap());
             let mut cols = vec![0.0; p.n * pixels * taps];
             for b in 0..p.n {
@@ -1173,5 +1166,59 @@ mod gradient_tests {
             Some("stride")
         );
         assert_eq!(col2im(&p, &[1.0; 16]).unwrap().len(), 9);
+    }
+
+    /// Counts that overflow usize while the given buffers are short are errors naming the
+    /// tensor (they used to abort on a saturated allocation or an overflowing multiply).
+    #[test]
+    fn overflowing_counts_are_errors_not_panics() {
+        let big = 1usize << 33;
+        let one = Conv2d {
+            n: 1,
+            c_in: 1,
+            h: 1,
+            w: 1,
+            c_out: 1,
+            kh: 1,
+            kw: 1,
+            stride: (1, 1),
+            pad: (0, 0),
+            dilation: (1, 1),
+            format: Nhwc,
+        };
+        let arg = |r: Result<Vec<f64>>| r.unwrap_err().argument().map(str::to_owned);
+        // A huge filter whose single output pixel (huge stride) keeps y at one element.
+        let wide_filter = Conv2d {
+            kh: big,
+            kw: big,
+            pad: (big, big),
+            stride: (big << 7, big << 7),
+            ..one
+        };
+        assert_eq!(wide_filter.y_len().unwrap(), 1);
+        let got = conv2d_backward_filter(&wide_filter, &[1.0], &[1.0]);
+        assert_eq!(arg(got).as_deref(), Some("w"));
+        assert_eq!(arg(conv2d(&wide_filter, &[1.0], &[])).as_deref(), Some("w"));
+        // A huge input read by one tap.
+        let wide_input = Conv2d {
+            h: big,
+            w: big,
+            stride: (big << 7, big << 7),
+            ..one
+        };
+        assert_eq!(wide_input.y_len().unwrap(), 1);
+        let got = conv2d_backward_data(&wide_input, &[1.0], &[1.0]);
+        assert_eq!(arg(got).as_deref(), Some("x"));
+        assert_eq!(
+            arg(conv2d_via_gemm(&wide_input, &[], &[1.0])).as_deref(),
+            Some("x")
+        );
+        // col2im checks no y length: the pixel count itself overflows.
+        let many_pixels = Conv2d {
+            h: big,
+            w: big,
+            ..one
+        };
+        assert_eq!(arg(col2im(&many_pixels, &[])).as_deref(), Some("n"));
     }
 }

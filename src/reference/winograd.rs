@@ -126,6 +126,12 @@ fn check(p: &Conv2d, tile: WinogradTile) -> Result<WinogradDims> {
     winograd_dims(p, tile)
 }
 
+/// `n * per` for one of the batch's tensors, or an error naming `n` when it overflows usize.
+fn batch_len(n: usize, per: usize, what: &str) -> Result<usize> {
+    n.checked_mul(per)
+        .ok_or_else(|| Error::invalid("n", format!("{what} of the batch overflows usize")))
+}
+
 fn expect_len(name: &str, got: usize, want: usize) -> Result<()> {
     if got != want {
         return Err(Error::invalid(
@@ -158,11 +164,12 @@ fn two_sided(l: &[f64], lr: usize, lc: usize, x: &[f64], r: &[f64], rr: usize) -
 /// The transformed input `U[pos][t][c_in]` of the whole batch (x NHWC, zero padding fused).
 pub fn transform_input(p: &Conv2d, tile: WinogradTile, x: &[f64]) -> Result<Vec<f64>> {
     let d = check(p, tile)?;
-    expect_len("x", x.len(), p.x_len())?;
+    expect_len("x", x.len(), p.x_len()?)?;
+    let tiles = batch_len(p.n, d.tiles_per_image, "the tile count")?;
+    let u_len = batch_len(p.n, d.u_per_image, "the transformed input")?;
     let mt = matrices(tile);
     let (a, m) = (mt.alpha, mt.m);
-    let tiles = p.n * d.tiles_per_image;
-    let mut u = vec![0.0; a * a * tiles * p.c_in];
+    let mut u = vec![0.0; u_len];
     let mut patch = vec![0.0; a * a];
     for b in 0..p.n {
         for th in 0..d.tiles_h {
@@ -195,7 +202,7 @@ pub fn transform_input(p: &Conv2d, tile: WinogradTile, x: &[f64]) -> Result<Vec<
 /// The transformed filter `V[pos][c_in][c_out]` of a KRSC filter `w[c_out][3][3][c_in]`.
 pub fn transform_filter(p: &Conv2d, tile: WinogradTile, w: &[f64]) -> Result<Vec<f64>> {
     check(p, tile)?;
-    expect_len("w", w.len(), p.w_len())?;
+    expect_len("w", w.len(), p.w_len()?)?;
     let mt = matrices(tile);
     let a = mt.alpha;
     let (c_in, c_out) = (p.c_in, p.c_out);
@@ -245,11 +252,17 @@ pub fn batched_gemm_problem(
 /// [`batched_gemm_problem`] on the f64 GEMM reference.
 pub fn batched_product(p: &Conv2d, tile: WinogradTile, u: &[f64], v: &[f64]) -> Result<Vec<f64>> {
     let d = check(p, tile)?;
-    let tiles = p.n * d.tiles_per_image;
-    expect_len("u", u.len(), d.u_per_image * p.n)?;
+    let tiles = batch_len(p.n, d.tiles_per_image, "the tile count")?;
+    expect_len(
+        "u",
+        u.len(),
+        batch_len(p.n, d.u_per_image, "the transformed input")?,
+    )?;
     expect_len("v", v.len(), d.v)?;
+    let m_len = batch_len(p.n, d.m_per_image, "the product")?;
+    // Every size below is at most a checked length above.
     let g = batched_gemm_problem(tile, tiles, p.c_in, p.c_out);
-    let mut m = vec![0.0; d.m_per_image * p.n];
+    let mut m = vec![0.0; m_len];
     super::gemm::gemm_strided_batched(&g, v, u, &mut m)?;
     Ok(m)
 }
@@ -258,11 +271,15 @@ pub fn batched_product(p: &Conv2d, tile: WinogradTile, u: &[f64], v: &[f64]) -> 
 /// at the image edge.
 pub fn transform_output(p: &Conv2d, tile: WinogradTile, mprod: &[f64]) -> Result<Vec<f64>> {
     let d = check(p, tile)?;
-    expect_len("m", mprod.len(), d.m_per_image * p.n)?;
+    expect_len(
+        "m",
+        mprod.len(),
+        batch_len(p.n, d.m_per_image, "the product")?,
+    )?;
     let (oh, ow) = p.out_hw()?;
     let mt = matrices(tile);
     let (a, m) = (mt.alpha, mt.m);
-    let tiles = p.n * d.tiles_per_image;
+    let tiles = batch_len(p.n, d.tiles_per_image, "the tile count")?;
     let mut y = vec![0.0; p.y_len()?];
     let mut tilebuf = vec![0.0; a * a];
     for b in 0..p.n {
@@ -357,7 +374,7 @@ pub fn backward_data_problem(p: &Conv2d) -> Result<Conv2d> {
 /// `c_out' = c_in`, `c_in' = c_out`).
 pub fn rotate_filter(p: &Conv2d, w: &[f64]) -> Result<Vec<f64>> {
     backward_data_problem(p)?;
-    expect_len("w", w.len(), p.w_len())?;
+    expect_len("w", w.len(), p.w_len()?)?;
     let (c_in, c_out) = (p.c_in, p.c_out);
     let mut out = vec![0.0; w.len()];
     for k in 0..c_out {
@@ -399,8 +416,8 @@ pub fn conv2d_backward_data_adjoint(p: &Conv2d, dy: &[f64], w: &[f64]) -> Result
     }
     let (oh, ow) = p.out_hw()?;
     expect_len("dy", dy.len(), p.y_len()?)?;
-    expect_len("w", w.len(), p.w_len())?;
-    let mut dx = vec![0.0; p.x_len()];
+    expect_len("w", w.len(), p.w_len()?)?;
+    let mut dx = vec![0.0; p.x_len()?];
     for b in 0..p.n {
         for oy in 0..oh {
             for ox in 0..ow {
@@ -494,8 +511,8 @@ mod tests {
     fn equals_direct_convolution_on_many_shapes() {
         let mut ran = 0;
         for (i, p) in grid().into_iter().enumerate() {
-            let x = values(10 + i as u64, p.x_len());
-            let w = values(1000 + i as u64, p.w_len());
+            let x = values(10 + i as u64, p.x_len().unwrap());
+            let w = values(1000 + i as u64, p.w_len().unwrap());
             let want = conv2d(&p, &x, &w).unwrap();
             for tile in WinogradTile::ALL {
                 let got = conv2d_winograd(&p, tile, &x, &w).unwrap();
@@ -517,8 +534,8 @@ mod tests {
         let p = shape(3, 5, 7, 9, 4, (1, 1));
         for tile in WinogradTile::ALL {
             let d = winograd_dims(&p, tile).unwrap();
-            let x = values(1, p.x_len());
-            let w = values(2, p.w_len());
+            let x = values(1, p.x_len().unwrap());
+            let w = values(2, p.w_len().unwrap());
             let u = transform_input(&p, tile, &x).unwrap();
             let v = transform_filter(&p, tile, &w).unwrap();
             assert_eq!(u.len(), 3 * d.u_per_image);
@@ -544,7 +561,7 @@ mod tests {
     #[test]
     fn rejects_what_winograd_cannot_do() {
         let mut p = shape(1, 2, 5, 5, 2, (1, 1));
-        let x = values(1, p.x_len());
+        let x = values(1, p.x_len().unwrap());
         assert_eq!(
             transform_input(&p, WinogradTile::F2x3, &x[1..])
                 .unwrap_err()
@@ -565,6 +582,55 @@ mod tests {
         assert_eq!((b.c_in, b.c_out, b.h, b.w, b.pad), (2, 2, 7, 5, (0, 1)));
     }
 
+    /// Every function names the buffer that is one element short.
+    #[test]
+    fn short_buffers_are_errors_naming_them() {
+        let p = shape(2, 3, 5, 6, 4, (1, 1));
+        let t = WinogradTile::F2x3;
+        let (x, w) = (values(1, p.x_len().unwrap()), values(2, p.w_len().unwrap()));
+        let dy = values(3, p.y_len().unwrap());
+        let u = transform_input(&p, t, &x).unwrap();
+        let v = transform_filter(&p, t, &w).unwrap();
+        let m = batched_product(&p, t, &u, &v).unwrap();
+        let short = |b: &[f64]| b[1..].to_vec();
+        let arg = |r: Result<Vec<f64>>| r.unwrap_err().argument().map(str::to_owned);
+        for (got, name) in [
+            (transform_input(&p, t, &short(&x)), "x"),
+            (transform_filter(&p, t, &short(&w)), "w"),
+            (batched_product(&p, t, &short(&u), &v), "u"),
+            (batched_product(&p, t, &u, &short(&v)), "v"),
+            (transform_output(&p, t, &short(&m)), "m"),
+            (conv2d_winograd(&p, t, &short(&x), &w), "x"),
+            (conv2d_winograd(&p, t, &x, &short(&w)), "w"),
+            (rotate_filter(&p, &short(&w)), "w"),
+            (transform_filter_rotated(&p, t, &short(&w)), "w"),
+            (conv2d_backward_data_winograd(&p, t, &short(&dy), &w), "dy"),
+            (conv2d_backward_data_winograd(&p, t, &dy, &short(&w)), "w"),
+            (conv2d_backward_data_adjoint(&p, &short(&dy), &w), "dy"),
+            (conv2d_backward_data_adjoint(&p, &dy, &short(&w)), "w"),
+        ] {
+            assert_eq!(arg(got).as_deref(), Some(name));
+        }
+    }
+
+    /// Batch sizes that overflow usize are errors naming `n`, and an input count that overflows
+    /// is one naming `x`, not an overflowing multiply or a saturated allocation.
+    #[test]
+    fn overflowing_counts_are_errors_not_panics() {
+        // One pixel padded to 2^30 + 1 a side: 2^58 tiles an image, 2^62 transformed values.
+        let mut p = shape(8, 1, 1, 1, 1, (1 << 29, 1 << 29));
+        let t = WinogradTile::F2x3;
+        let arg = |r: Result<Vec<f64>>| r.unwrap_err().argument().map(str::to_owned);
+        assert_eq!(arg(transform_input(&p, t, &[0.0; 8])).as_deref(), Some("n"));
+        assert_eq!(arg(batched_product(&p, t, &[], &[])).as_deref(), Some("n"));
+        assert_eq!(arg(transform_output(&p, t, &[])).as_deref(), Some("n"));
+        // A huge input read by one tap (stride far past it).
+        p = shape(1, 1, 1 << 33, 1 << 33, 1, (0, 0));
+        (p.kh, p.kw, p.stride) = (1, 1, (1 << 40, 1 << 40));
+        let got = conv2d_backward_data_adjoint(&p, &[1.0], &[1.0]);
+        assert_eq!(arg(got).as_deref(), Some("x"));
+    }
+
     /// dx = forward of dy with the rotated, channel-swapped filter (padding 2 - pad) equals the
     /// adjoint, and ⟨conv(x, w), dy⟩ = ⟨x, dx⟩.
     #[test]
@@ -577,8 +643,8 @@ mod tests {
             seed += 1;
             let (oh, ow) = p.out_hw().unwrap();
             let dy = values(seed, p.n * oh * ow * p.c_out);
-            let w = values(seed + 500, p.w_len());
-            let x = values(seed + 900, p.x_len());
+            let w = values(seed + 500, p.w_len().unwrap());
+            let x = values(seed + 900, p.x_len().unwrap());
             let want = conv2d_backward_data_adjoint(&p, &dy, &w).unwrap();
             let q = backward_data_problem(&p).unwrap();
             let direct = conv2d(&q, &dy, &rotate_filter(&p, &w).unwrap()).unwrap();
@@ -623,8 +689,14 @@ mod tests {
         for (c_in, c_out, h) in [(1, 1, 5), (3, 8, 7), (30, 30, 14), (129, 16, 7), (8, 3, 31)] {
             let p = shape(1, c_in, h, h, c_out, (1, 1));
             for (dtype, round) in type_rounds {
-                let x: Vec<f64> = values(7, p.x_len()).into_iter().map(round).collect();
-                let w: Vec<f64> = values(8, p.w_len()).into_iter().map(round).collect();
+                let x: Vec<f64> = values(7, p.x_len().unwrap())
+                    .into_iter()
+                    .map(round)
+                    .collect();
+                let w: Vec<f64> = values(8, p.w_len().unwrap())
+                    .into_iter()
+                    .map(round)
+                    .collect();
                 let want = conv2d(&p, &x, &w).unwrap();
                 // The floor: the exact result rounded once to the type.
                 let once: Vec<f64> = want.iter().map(|v| round(*v)).collect();

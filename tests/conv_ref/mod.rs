@@ -41,8 +41,8 @@ fn tap(p: &ConvShape, oy: usize, ox: usize, r: usize, s: usize) -> Option<(usize
 pub fn backward_data(p: &ConvShape, dy: &[f64], w: &[f64]) -> Vec<f64> {
     let (oh, ow) = p.out_hw().expect("valid problem");
     assert_eq!(dy.len(), p.y_len().expect("valid"), "dy");
-    assert_eq!(w.len(), p.w_len(), "w");
-    let mut dx = vec![0.0; p.x_len()];
+    assert_eq!(w.len(), p.w_len().unwrap(), "w");
+    let mut dx = vec![0.0; p.x_len().unwrap()];
     for b in 0..p.n {
         for k in 0..p.c_out {
             for oy in 0..oh {
@@ -68,8 +68,8 @@ pub fn backward_data(p: &ConvShape, dy: &[f64], w: &[f64]) -> Vec<f64> {
 pub fn backward_filter(p: &ConvShape, x: &[f64], dy: &[f64]) -> Vec<f64> {
     let (oh, ow) = p.out_hw().expect("valid problem");
     assert_eq!(dy.len(), p.y_len().expect("valid"), "dy");
-    assert_eq!(x.len(), p.x_len(), "x");
-    let mut dw = vec![0.0; p.w_len()];
+    assert_eq!(x.len(), p.x_len().unwrap(), "x");
+    let mut dw = vec![0.0; p.w_len().unwrap()];
     for k in 0..p.c_out {
         for c in 0..p.c_in {
             for r in 0..p.kh {

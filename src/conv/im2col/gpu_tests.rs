@@ -55,10 +55,10 @@ pub(crate) fn cases(rng: &mut Rng, shapes: &[ConvShape]) -> Vec<Case> {
             let y_len = s.y_len().unwrap();
             (
                 *s,
-                quantized(rng, s.x_len()),
-                quantized(rng, s.w_len()),
+                quantized(rng, s.x_len().unwrap()),
+                quantized(rng, s.w_len().unwrap()),
                 quantized(rng, y_len),
-                quantized(rng, s.w_len()),
+                quantized(rng, s.w_len().unwrap()),
             )
         })
         .collect();
@@ -202,11 +202,11 @@ fn im2col_bitwise<T: Element>(ctx: &Context, rng: &mut Rng) {
         for s in shapes(format) {
             let (oh, ow) = s.out_hw().unwrap();
             let (p, k) = (oh * ow, s.c_in * s.kh * s.kw);
-            let xv = quantized(rng, s.x_len() + 1);
+            let xv = quantized(rng, s.x_len().unwrap() + 1);
             for (skew, cskew) in [(0usize, 0usize), (1, 0), (0, 1)] {
                 let x = upload::<T>(ctx, &xv);
-                let x_view = x.slice(skew..skew + s.x_len());
-                let want = r::im2col(&s, &xv[skew..skew + s.x_len()]).unwrap();
+                let x_view = x.slice(skew..skew + s.x_len().unwrap());
+                let want = r::im2col(&s, &xv[skew..skew + s.x_len().unwrap()]).unwrap();
                 let mut cols = poisoned::<T>(ctx, want.len() + 1);
                 let es = dt.size() as u64;
                 let (xa, ca) = (
@@ -236,8 +236,8 @@ fn im2col_bitwise<T: Element>(ctx: &Context, rng: &mut Rng) {
             if s.n < 2 {
                 continue;
             }
-            let x = upload::<T>(ctx, &xv[..s.x_len()]);
-            let want = r::im2col(&s, &xv[..s.x_len()]).unwrap();
+            let x = upload::<T>(ctx, &xv[..s.x_len().unwrap()]);
+            let want = r::im2col(&s, &xv[..s.x_len().unwrap()]).unwrap();
             let (b0, nb) = (1, s.n - 1);
             let layouts = match format {
                 Nchw => vec![
@@ -306,14 +306,14 @@ fn col2im_kernel_matches_the_reference() {
                 for (skew, cskew) in [(0usize, 0usize), (1, 0), (0, 1)] {
                     let want = r::col2im(&s, &cv[cskew..cskew + n_cols]).unwrap();
                     let cols = upload::<T>(ctx, &cv);
-                    let mut x = poisoned::<T>(ctx, s.x_len() + 1);
+                    let mut x = poisoned::<T>(ctx, s.x_len().unwrap() + 1);
                     let es = T::DTYPE.size() as u64;
                     let (ca, xa) = (
                         ptr(ctx, &cols) + cskew as u64 * es,
                         ptr_mut(ctx, &mut x) + skew as u64 * es,
                     );
                     let kernel = launch::col2im(&s, T::DTYPE, s.n, ca, xa).unwrap().kernel;
-                    let mut view = x.slice_mut(skew..skew + s.x_len());
+                    let mut view = x.slice_mut(skew..skew + s.x_len().unwrap());
                     super::col2im(ctx, &s, &cols.slice(cskew..cskew + n_cols), &mut view).unwrap();
                     let got = download(ctx, &x);
                     let what = format!(
@@ -322,11 +322,15 @@ fn col2im_kernel_matches_the_reference() {
                     );
                     check(
                         &what,
-                        &got[skew..skew + s.x_len()],
+                        &got[skew..skew + s.x_len().unwrap()],
                         &want,
                         T::DTYPE.tolerance(),
                     );
-                    let outside = if skew == 0 { got[s.x_len()] } else { got[0] };
+                    let outside = if skew == 0 {
+                        got[s.x_len().unwrap()]
+                    } else {
+                        got[0]
+                    };
                     assert!(outside.is_nan(), "{what}: wrote outside x");
                 }
             }
@@ -482,8 +486,8 @@ fn over_the_cap_is_not_supported_and_launches_nothing() {
     let ctx = gpu_with(Config::default().with_conv_workspace_mb(1));
     // 64 channels, 3x3, 64x64: 4096 * 576 * 4 bytes = 9 MiB of columns per image.
     let s = shape(1, 64, (64, 64), 8, (3, 3), (1, 1), (1, 1), (1, 1), Nhwc);
-    let x = upload::<f32>(&ctx, &vec![1.0; s.x_len()]);
-    let w = upload::<f32>(&ctx, &vec![1.0; s.w_len()]);
+    let x = upload::<f32>(&ctx, &vec![1.0; s.x_len().unwrap()]);
+    let w = upload::<f32>(&ctx, &vec![1.0; s.w_len().unwrap()]);
     let mut y = upload::<f32>(&ctx, &vec![7.0; s.y_len().unwrap()]);
     let p = FwdPtrs {
         x: ptr(&ctx, &x),
@@ -503,11 +507,11 @@ fn public_kernels_validate() {
     let ctx = gpu_with(Config::default());
     let s = shape(2, 3, (5, 5), 4, (3, 3), (1, 1), (1, 1), (1, 1), Nchw);
     let n_cols = super::columns_len(&s).unwrap();
-    let x = upload::<f32>(&ctx, &vec![1.0; s.x_len()]);
+    let x = upload::<f32>(&ctx, &vec![1.0; s.x_len().unwrap()]);
     let mut cols = upload::<f32>(&ctx, &vec![3.0; n_cols + 1]);
     let e = super::im2col(&ctx, &s, &x, &mut cols).unwrap_err();
     assert_eq!(e.argument(), Some("cols"), "{e}");
-    let mut short = upload::<f32>(&ctx, &vec![3.0; s.x_len() - 1]);
+    let mut short = upload::<f32>(&ctx, &vec![3.0; s.x_len().unwrap() - 1]);
     let e = super::col2im(&ctx, &s, &cols.slice(..n_cols), &mut short).unwrap_err();
     assert_eq!(e.argument(), Some("x"), "{e}");
     let bad = ConvShape { kh: 9, ..s };

@@ -1603,7 +1603,7 @@ mod tests {
         for s in problems() {
             let (oh, ow) = s.out_hw().unwrap();
             let (pixels, taps) = (oh * ow, s.c_in * s.kh * s.kw);
-            let x = values(cases + 1, s.x_len());
+            let x = values(cases + 1, s.x_len().unwrap());
             let want = r::im2col(&s, &x).unwrap();
             for elem in [2usize, 4] {
                 for (x_addr, c_addr) in [(0u64, 0u64), (2, 0), (4, 4), (8, 8), (0, 2), (4, 12)] {
@@ -1683,7 +1683,7 @@ mod tests {
                     }
                     let l = col2im(&s, dtype, s.n, 0, addr).unwrap();
                     kernels.insert(l.kernel);
-                    let mut x = vec![f64::NAN; s.x_len()];
+                    let mut x = vec![f64::NAN; s.x_len().unwrap()];
                     emulate::col2im(&l, &cols, &mut x);
                     for (i, (g, w)) in x.iter().zip(&want).enumerate() {
                         assert!(

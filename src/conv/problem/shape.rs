@@ -121,14 +121,24 @@ impl ConvShape {
         Ok((oh, ow))
     }
 
-    /// Elements of x (`n * c_in * h * w`); `usize::MAX` if that overflows.
-    pub fn x_len(&self) -> usize {
-        product(&[self.n, self.c_in, self.h, self.w]).unwrap_or(usize::MAX)
+    /// Elements of x (`n * c_in * h * w`).
+    ///
+    /// Errors: `x` (named) when the count overflows usize.
+    pub fn x_len(&self) -> Result<usize> {
+        product(&[self.n, self.c_in, self.h, self.w])
+            .ok_or_else(|| Error::invalid("x", "the element count n*c_in*h*w overflows usize"))
     }
 
-    /// Elements of the filter (`c_out * c_in * kh * kw`); `usize::MAX` if that overflows.
-    pub fn w_len(&self) -> usize {
-        product(&[self.c_out, self.c_in, self.kh, self.kw]).unwrap_or(usize::MAX)
+    /// Elements of the filter (`c_out * c_in * kh * kw`).
+    ///
+    /// Errors: `w` (named: the filter) when the count overflows usize.
+    pub fn w_len(&self) -> Result<usize> {
+        product(&[self.c_out, self.c_in, self.kh, self.kw]).ok_or_else(|| {
+            Error::invalid(
+                "w",
+                "the filter's element count c_out*c_in*kh*kw overflows usize",
+            )
+        })
     }
 
     /// Elements of y (`n * c_out * oh * ow`), validating the problem as [`ConvShape::out_hw`].
@@ -136,5 +146,54 @@ impl ConvShape {
         let (oh, ow) = self.out_hw()?;
         product(&[self.n, self.c_out, oh, ow])
             .ok_or_else(|| Error::invalid("n", "the output element count overflows usize"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape() -> ConvShape {
+        ConvShape {
+            n: 2,
+            c_in: 3,
+            h: 5,
+            w: 7,
+            c_out: 4,
+            kh: 3,
+            kw: 3,
+            stride: (1, 1),
+            pad: (1, 1),
+            dilation: (1, 1),
+            format: TensorFormat::Nhwc,
+        }
+    }
+
+    #[test]
+    fn element_counts() {
+        let s = shape();
+        assert_eq!(s.x_len().unwrap(), 2 * 3 * 5 * 7);
+        assert_eq!(s.w_len().unwrap(), 4 * 3 * 3 * 3);
+        assert_eq!(s.y_len().unwrap(), 2 * 4 * 5 * 7);
+    }
+
+    /// An overflowing count is an error naming its tensor, not a saturated `usize::MAX`.
+    #[test]
+    fn overflowing_counts_are_errors_naming_the_tensor() {
+        let big = 1usize << 33;
+        let x = ConvShape {
+            h: big,
+            w: big,
+            ..shape()
+        };
+        assert_eq!(x.x_len().unwrap_err().argument(), Some("x"));
+        assert_eq!(x.w_len().unwrap(), 4 * 3 * 3 * 3);
+        let w = ConvShape {
+            kh: big,
+            kw: big,
+            ..shape()
+        };
+        assert_eq!(w.w_len().unwrap_err().argument(), Some("w"));
+        assert_eq!(w.x_len().unwrap(), 2 * 3 * 5 * 7);
     }
 }

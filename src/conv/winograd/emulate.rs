@@ -343,8 +343,8 @@ fn transform_kernels_index_like_the_reference() {
         shape(2, 1, 33, 6, 11, (1, 2)),
     ];
     for (i, s) in shapes.iter().enumerate() {
-        let x = values(i as u64 + 1, s.x_len());
-        let w = values(i as u64 + 100, s.w_len());
+        let x = values(i as u64 + 1, s.x_len().unwrap());
+        let w = values(i as u64 + 100, s.w_len().unwrap());
         for tile in WinogradTile::ALL {
             let d = winograd_dims(s, tile).unwrap();
             for vec in [8, 4, 2, 1] {

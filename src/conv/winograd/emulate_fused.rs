@@ -377,8 +377,8 @@ fn fused_kernel_indexes_like_the_reference() {
         shape(2, 8, 16, 5, 13, (2, 2)),
     ];
     for (i, s) in shapes.iter().enumerate() {
-        let x = values(i as u64 + 1, s.x_len());
-        let w = values(i as u64 + 50, s.w_len());
+        let x = values(i as u64 + 1, s.x_len().unwrap());
+        let w = values(i as u64 + 50, s.w_len().unwrap());
         let direct = crate::reference::conv::conv2d(s, &x, &w).unwrap();
         for tile in WinogradTile::ALL {
             let v = rw::transform_filter(s, tile, &w).unwrap();

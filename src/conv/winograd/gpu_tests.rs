@@ -198,8 +198,8 @@ fn bhwc(h: usize, w: usize, c: usize) -> impl Fn(usize) -> String {
 fn transforms_on<T: Element>(ctx: &Context, rng: &mut Rng, s: &ConvShape) {
     let dt = T::DTYPE;
     let (oh, ow) = s.out_hw().unwrap();
-    let x = exact(rng, s.x_len());
-    let w = exact(rng, s.w_len());
+    let x = exact(rng, s.x_len().unwrap());
+    let w = exact(rng, s.w_len().unwrap());
     let dx = up::<T>(ctx, &x);
     let dw = up::<T>(ctx, &w);
     let st = ctx.stream();
@@ -434,8 +434,8 @@ fn forward_matches_the_f64_convolution() {
     let mut rng = Rng::fresh("forward_matches_the_f64_convolution");
     let mut errs = Vec::new();
     for s in forward_shapes() {
-        let x = exact(&mut rng, s.x_len());
-        let w = exact(&mut rng, s.w_len());
+        let x = exact(&mut rng, s.x_len().unwrap());
+        let w = exact(&mut rng, s.w_len().unwrap());
         let want = conv_ref(&s, &x, &w);
         forward_case::<f32>(&ctx, &s, &x, &w, &want, &mut errs);
         forward_case::<f16>(&ctx, &s, &x, &w, &want, &mut errs);
@@ -450,8 +450,8 @@ fn forward_chunks_under_a_tiny_workspace_cap() {
     let ctx = gpu_with(Config::default().with_conv_workspace_mb(1));
     let mut rng = Rng::fresh("forward_chunks_under_a_tiny_workspace_cap");
     let s = shape(32, 30, 30, 14, 14, (1, 1));
-    let x = exact(&mut rng, s.x_len());
-    let w = exact(&mut rng, s.w_len());
+    let x = exact(&mut rng, s.x_len().unwrap());
+    let w = exact(&mut rng, s.w_len().unwrap());
     let want = conv_ref(&s, &x, &w);
     for dt in DType::ALL {
         for tile in WinogradTile::ALL {
@@ -476,8 +476,8 @@ fn forward_chunks_under_a_tiny_workspace_cap() {
     // One image larger than the cap: refused, nothing written.
     let big = shape(1, 256, 256, 56, 56, (1, 1));
     let (bx, bw) = (
-        up::<f16>(&ctx, &vec![1.0; big.x_len()]),
-        up::<f16>(&ctx, &vec![1.0; big.w_len()]),
+        up::<f16>(&ctx, &vec![1.0; big.x_len().unwrap()]),
+        up::<f16>(&ctx, &vec![1.0; big.w_len().unwrap()]),
     );
     let mut by = poisoned::<f16>(&ctx, big.y_len().unwrap());
     let st = ctx.stream();
@@ -512,8 +512,8 @@ fn prepared_filter_gives_the_same_result() {
         shape(2, 64, 32, 14, 14, (1, 1)),
         shape(1, 30, 3, 9, 7, (0, 2)),
     ] {
-        let x = up::<f16>(&ctx, &exact(&mut rng, s.x_len()));
-        let w = up::<f16>(&ctx, &exact(&mut rng, s.w_len()));
+        let x = up::<f16>(&ctx, &exact(&mut rng, s.x_len().unwrap()));
+        let w = up::<f16>(&ctx, &exact(&mut rng, s.w_len().unwrap()));
         for tile in WinogradTile::ALL {
             for engine in engines_for(&s, DType::F16) {
                 let a = run_forward(&ctx, &s, tile, engine, &x, &w, false);
@@ -554,7 +554,7 @@ fn backward_case<T: Element>(
     for tile in WinogradTile::ALL {
         for engine in engines_for(&eq, T::DTYPE) {
             for prepared in [false, true] {
-                let mut dx = poisoned::<T>(ctx, s.x_len());
+                let mut dx = poisoned::<T>(ctx, s.x_len().unwrap());
                 let mut v = st
                     .alloc_zeros::<T>(winograd_dims(s, tile).unwrap().v)
                     .unwrap();
@@ -592,7 +592,7 @@ fn backward_case<T: Element>(
                         }
                     }
                 }
-                let got = down(ctx, &dx, s.x_len());
+                let got = down(ctx, &dx, s.x_len().unwrap());
                 let case = format!(
                     "backward data{} {} {} {} {s:?}",
                     if prepared { " (prepared)" } else { "" },
@@ -629,7 +629,7 @@ fn backward_data_matches_the_adjoint() {
     ] {
         let (oh, ow) = s.out_hw().unwrap();
         let dy = exact(&mut rng, s.n * oh * ow * s.c_out);
-        let w = exact(&mut rng, s.w_len());
+        let w = exact(&mut rng, s.w_len().unwrap());
         // The adjoint written from the definition (independent of the rotation trick).
         let want = rw::conv2d_backward_data_adjoint(&s, &dy, &w).unwrap();
         backward_case::<f32>(&ctx, &s, &dy, &w, &want, &mut errs);
@@ -746,8 +746,8 @@ fn l2_resident_chunks_equal_one_chunk() {
     let ctx = gpu();
     let mut rng = Rng::fresh("l2_resident_chunks_equal_one_chunk");
     let s = shape(32, 64, 64, 56, 56, (1, 1));
-    let x = up::<f16>(&ctx, &exact(&mut rng, s.x_len()));
-    let w = up::<f16>(&ctx, &exact(&mut rng, s.w_len()));
+    let x = up::<f16>(&ctx, &exact(&mut rng, s.x_len().unwrap()));
+    let w = up::<f16>(&ctx, &exact(&mut rng, s.w_len().unwrap()));
     let st = ctx.stream();
     let l2 = Chunking::L2Resident {
         l2_bytes: ctx.info().l2_bytes.max(0) as usize,
@@ -970,8 +970,8 @@ fn fused_forward_matches_the_f64_convolution() {
     ];
     let mut errs = Vec::new();
     for s in &shapes {
-        let x = exact(&mut rng, s.x_len());
-        let w = exact(&mut rng, s.w_len());
+        let x = exact(&mut rng, s.x_len().unwrap());
+        let w = exact(&mut rng, s.w_len().unwrap());
         let want = conv_ref(s, &x, &w);
         fused_case::<f16>(&ctx, s, &x, &w, &want, &mut errs);
         fused_case::<bf16>(&ctx, s, &x, &w, &want, &mut errs);
@@ -1019,7 +1019,7 @@ fn fused_refuses_what_it_cannot_run() {
     let ctx = gpu();
     let st = ctx.stream();
     let run = |s: &ConvShape, dtype: DType, off: (u64, u64)| -> Error {
-        let n = (s.x_len() + s.w_len() + s.y_len().unwrap()) * 4 + 1024;
+        let n = (s.x_len().unwrap() + s.w_len().unwrap() + s.y_len().unwrap()) * 4 + 1024;
         let buf = st.alloc_zeros::<u8>(n).unwrap();
         let mut y = poisoned::<f32>(&ctx, s.y_len().unwrap());
         let e = {
@@ -1027,7 +1027,7 @@ fn fused_refuses_what_it_cannot_run() {
             let (py, _h) = y.device_ptr_mut(st);
             let p = FwdPtrs {
                 x: p0 + off.0,
-                w: p0 + 512 + (s.x_len() * 4) as u64,
+                w: p0 + 512 + (s.x_len().unwrap() * 4) as u64,
                 y: py + off.1,
             };
             // SAFETY: the buffers hold the extents; every call here is refused before a launch.

@@ -785,8 +785,8 @@ pub fn stage_bytes(s: &ConvShape, tile: WinogradTile, elem: usize) -> Result<Sta
     let u = mul(d.u_per_image, s.n);
     let m = mul(d.m_per_image, s.n);
     Ok(StageBytes {
-        input: mul(s.x_len().saturating_add(u), elem),
-        filter: mul(s.w_len().saturating_add(d.v), elem),
+        input: mul(s.x_len()?.saturating_add(u), elem),
+        filter: mul(s.w_len()?.saturating_add(d.v), elem),
         multiply: mul(u.saturating_add(d.v).saturating_add(m), elem),
         output: mul(m.saturating_add(y), elem),
     })

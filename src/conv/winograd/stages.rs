@@ -21,8 +21,8 @@
 //! let s = ConvShape { n: 32, c_in: 64, h: 56, w: 56, c_out: 64, kh: 3, kw: 3, stride: (1, 1),
 //!                     pad: (1, 1), dilation: (1, 1), format: TensorFormat::Nhwc };
 //! let st = ctx.stream();
-//! let x = st.alloc_zeros::<half::f16>(s.x_len())?;
-//! let w = st.alloc_zeros::<half::f16>(s.w_len())?;
+//! let x = st.alloc_zeros::<half::f16>(s.x_len()?)?;
+//! let w = st.alloc_zeros::<half::f16>(s.w_len()?)?;
 //! let mut y = st.alloc_zeros::<half::f16>(s.y_len()?)?;
 //! wg::forward(&ctx, &s, WinogradTile::F4x3, WinogradEngine::TensorCore, &x, &w, &mut y)?;
 //! // Or stage by stage:
@@ -117,7 +117,7 @@ where
     let d = &g.dims;
     let want_u = n_times(s.n, d.u_per_image)?;
     let mut bind = Binder::new(ctx);
-    let px = bind.input("x", x, len(s.x_len(), "n * h * w * c_in"))?;
+    let px = bind.input("x", x, len(s.x_len()?, "n * h * w * c_in"))?;
     let pu = bind.output("u", u, len(want_u, "n * u_per_image"))?;
     bind.check(Aliasing::Distinct)?;
     // SAFETY: lengths, device and disjointness checked above.
@@ -169,7 +169,7 @@ where
     let g = eligible(s, tile)?;
     let d = &g.dims;
     let mut bind = Binder::new(ctx);
-    let pw = bind.input("w", w, len(s.w_len(), "c_out * 3 * 3 * c_in"))?;
+    let pw = bind.input("w", w, len(s.w_len()?, "c_out * 3 * 3 * c_in"))?;
     let pv = bind.output("v", v, len(d.v, "positions * c_in * c_out"))?;
     bind.check(Aliasing::Distinct)?;
     // SAFETY: lengths, device and disjointness checked above.
@@ -193,7 +193,7 @@ where
     let g = eligible_backward(s, tile)?;
     let d = &g.dims;
     let mut bind = Binder::new(ctx);
-    let pw = bind.input("w", w, len(s.w_len(), "c_out * 3 * 3 * c_in"))?;
+    let pw = bind.input("w", w, len(s.w_len()?, "c_out * 3 * 3 * c_in"))?;
     let pv = bind.output("v", v, len(d.v, "positions * c_in * c_out"))?;
     bind.check(Aliasing::Distinct)?;
     // SAFETY: lengths, device and disjointness checked above.
@@ -253,8 +253,8 @@ where
     let g = eligible(s, tile)?;
     let want_y = s.y_len()?;
     let mut bind = Binder::new(ctx);
-    let px = bind.input("x", x, len(s.x_len(), "n * h * w * c_in"))?;
-    let pw = bind.input("w", w, len(s.w_len(), "c_out * 3 * 3 * c_in"))?;
+    let px = bind.input("x", x, len(s.x_len()?, "n * h * w * c_in"))?;
+    let pw = bind.input("w", w, len(s.w_len()?, "c_out * 3 * 3 * c_in"))?;
     let py = bind.output("y", y, len(want_y, "n * oh * ow * c_out"))?;
     bind.check(Aliasing::Distinct)?;
     let p = FwdPtrs {
@@ -288,8 +288,8 @@ where
     let g = eligible(s, tile)?;
     let want_y = s.y_len()?;
     let mut bind = Binder::new(ctx);
-    let px = bind.input("x", x, len(s.x_len(), "n * h * w * c_in"))?;
-    let pw = bind.input("w", w, len(s.w_len(), "c_out * 3 * 3 * c_in"))?;
+    let px = bind.input("x", x, len(s.x_len()?, "n * h * w * c_in"))?;
+    let pw = bind.input("w", w, len(s.w_len()?, "c_out * 3 * 3 * c_in"))?;
     let py = bind.output("y", y, len(want_y, "n * oh * ow * c_out"))?;
     bind.check(Aliasing::Distinct)?;
     let p = FwdPtrs {
@@ -323,7 +323,7 @@ where
     let d = &g.dims;
     let want_y = s.y_len()?;
     let mut bind = Binder::new(ctx);
-    let px = bind.input("x", x, len(s.x_len(), "n * h * w * c_in"))?;
+    let px = bind.input("x", x, len(s.x_len()?, "n * h * w * c_in"))?;
     let pv = bind.input("v", v, len(d.v, "positions * c_in * c_out"))?;
     let py = bind.output("y", y, len(want_y, "n * oh * ow * c_out"))?;
     bind.check(Aliasing::Distinct)?;
@@ -396,8 +396,8 @@ where
     let want_dy = s.y_len()?;
     let mut bind = Binder::new(ctx);
     let pg = bind.input("dy", dy, len(want_dy, "n * oh * ow * c_out"))?;
-    let pw = bind.input("w", w, len(s.w_len(), "c_out * 3 * 3 * c_in"))?;
-    let px = bind.output("dx", dx, len(s.x_len(), "n * h * w * c_in"))?;
+    let pw = bind.input("w", w, len(s.w_len()?, "c_out * 3 * 3 * c_in"))?;
+    let px = bind.output("dx", dx, len(s.x_len()?, "n * h * w * c_in"))?;
     bind.check(Aliasing::Distinct)?;
     let p = BwdDataPtrs {
         dy: pg,

@@ -274,7 +274,7 @@ impl Op {
             Op::ConvFwd(i) | Op::ConvDgrad(i) | Op::ConvWgrad(i) => {
                 let s = def.conv(i);
                 let y = s.n * s.c_out * s.h * s.w; // stride 1, "same" padding
-                (s.x_len() + s.w_len() + y) as f64 * es
+                (s.x_len().unwrap_or(usize::MAX) + s.w_len().unwrap_or(usize::MAX) + y) as f64 * es
             }
             Op::BnFwd(i) => {
                 let n = def.act_len(def.bn_channels(i)) as f64;

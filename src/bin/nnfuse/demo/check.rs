@@ -73,8 +73,13 @@ pub struct StepOutputs {
 /// Fresh random inputs for `def` (uniform: activations, filters and gradients in [-1, 1),
 /// scales in [0.5, 1.5), biases and running means in [-0.5, 0.5), running variances in
 /// [0.5, 1.5)), each value already rounded as the GPU will hold it: `round` for the element
-/// type, f32 for BatchNorm's parameters. Never zeros.
-pub fn random_inputs(def: &BlockDef, seed: u64, round: &dyn Fn(f64) -> f64) -> StepInputs {
+/// type, f32 for BatchNorm's parameters. Never zeros. Errors: a filter's element count overflows
+/// usize (named `w`).
+pub fn random_inputs(
+    def: &BlockDef,
+    seed: u64,
+    round: &dyn Fn(f64) -> f64,
+) -> nnfuse::Result<StepInputs> {
     let mut state = seed ^ 0x9E37_79B9_7F4A_7C15;
     let mut next = move |lo: f64, hi: f64| -> f64 {
         // SplitMix64.
@@ -88,7 +93,12 @@ pub fn random_inputs(def: &BlockDef, seed: u64, round: &dyn Fn(f64) -> f64) -> S
     let f32r = |v: f64| v as f32 as f64;
     let mut data = |n: usize| -> Vec<f64> { (0..n).map(|_| round(next(-1.0, 1.0))).collect() };
     let x = data(def.act_len(def.c));
-    let w = [0, 1, 2].map(|i| data(def.conv(i).w_len()));
+    let w_lens = [
+        def.conv(0).w_len()?,
+        def.conv(1).w_len()?,
+        def.conv(2).w_len()?,
+    ];
+    let w = w_lens.map(&mut data);
     let dout = data(def.act_len(def.c));
     let feat = data(def.n * def.fc_in);
     let fc_w = data(def.fc_out * def.fc_in);
@@ -102,7 +112,7 @@ pub fn random_inputs(def: &BlockDef, seed: u64, round: &dyn Fn(f64) -> f64) -> S
     let beta = [0, 1, 2].map(|i| param(i, -0.5, 0.5));
     let running_mean = [0, 1, 2].map(|i| param(i, -0.5, 0.5));
     let running_var = [0, 1, 2].map(|i| param(i, 0.5, 1.5));
-    StepInputs {
+    Ok(StepInputs {
         x,
         w,
         gamma,
@@ -113,7 +123,7 @@ pub fn random_inputs(def: &BlockDef, seed: u64, round: &dyn Fn(f64) -> f64) -> S
         feat,
         fc_w,
         dlogits,
-    }
+    })
 }
 
 /// The tolerance of `op`'s outputs against f64 for `dtype` when its convolution ran `route`:
@@ -338,7 +348,7 @@ mod tests {
         let ch = |i: usize| def.bn_channels(i);
         StepInputs {
             x: values(1, def.act_len(def.c), -1.0, 1.0),
-            w: [0, 1, 2].map(|i| values(10 + i as u64, def.conv(i).w_len(), -1.0, 1.0)),
+            w: [0, 1, 2].map(|i| values(10 + i as u64, def.conv(i).w_len().unwrap(), -1.0, 1.0)),
             gamma: [0, 1, 2].map(|i| values(20 + i as u64, ch(i), 0.5, 1.5)),
             beta: [0, 1, 2].map(|i| values(30 + i as u64, ch(i), -0.5, 0.5)),
             running_mean: [0, 1, 2].map(|i| values(40 + i as u64, ch(i), -0.5, 0.5)),
@@ -499,11 +509,11 @@ mod tests {
     fn random_inputs_are_rounded_and_never_zero() {
         let def = tiny(TensorFormat::Nhwc);
         let r = |v: f64| half::f16::from_f64(v).to_f64();
-        let a = random_inputs(&def, 7, &r);
-        let b = random_inputs(&def, 8, &r);
+        let a = random_inputs(&def, 7, &r).unwrap();
+        let b = random_inputs(&def, 8, &r).unwrap();
         assert_ne!(a.x, b.x);
         assert_eq!(a.x.len(), def.act_len(def.c));
-        assert_eq!(a.w[1].len(), def.conv(1).w_len());
+        assert_eq!(a.w[1].len(), def.conv(1).w_len().unwrap());
         assert!(a.x.iter().all(|&v| v == r(v) && (-1.0..=1.0).contains(&v)));
         assert!(a.x.iter().filter(|&&v| v != 0.0).count() > a.x.len() * 9 / 10);
         assert!(a.gamma[2]

@@ -68,7 +68,7 @@ impl<T: Element> Buffers<T> {
         Ok(Buffers {
             def: *def,
             x: zeros(ctx, act(def.c))?,
-            w: three(|i| zeros(ctx, def.conv(i).w_len()))?,
+            w: three(|i| zeros(ctx, def.conv(i).w_len()?))?,
             gamma: three(|i| zeros(ctx, bn_ch(i)))?,
             beta: three(|i| zeros(ctx, bn_ch(i)))?,
             rm: three(|i| zeros(ctx, bn_ch(i)))?,
@@ -80,7 +80,7 @@ impl<T: Element> Buffers<T> {
             da: three(|i| zeros(ctx, act(bn_ch(i))))?,
             dx_conv: zeros(ctx, act(def.c))?,
             dx: zeros(ctx, act(def.c))?,
-            dw: three(|i| zeros(ctx, def.conv(i).w_len()))?,
+            dw: three(|i| zeros(ctx, def.conv(i).w_len()?))?,
             dgamma: three(|i| zeros(ctx, bn_ch(i)))?,
             dbeta: three(|i| zeros(ctx, bn_ch(i)))?,
             relu_grad: zeros(ctx, act(def.mid))?,
@@ -782,7 +782,7 @@ impl<T: Element> Session<T> {
         let ctx = self.ctx.clone();
         let cdef = self.def.with_batch(batch);
         let round = |v: f64| T::from_f64(v).to_f64();
-        let inp = random_inputs(&cdef, self.seed ^ 0x5EED_C0DE, &round);
+        let inp = random_inputs(&cdef, self.seed ^ 0x5EED_C0DE, &round)?;
         let mut small = Buffers::<T>::new(&ctx, &cdef)?;
         let fc_inp = self.big.download_classifier_inputs(&ctx)?;
         let mut report = CheckReport {
