@@ -305,3 +305,14 @@ fn a_plan_that_nothing_runs_exits_2_naming_why() {
     let out = nnfuse_plan(&["--conv", "1,3,8,8,4,3,3", "--pad", "1"], &[]);
     assert_eq!(out.status.code(), Some(0));
 }
+
+/// `NNFUSE_CONV_CUDNN_SEARCH` is read with the other variables: `find` shows in the JSON, an
+/// unknown value exits 2 naming the variable (it once was a warning, then `heuristic`).
+#[test]
+fn the_cudnn_search_variable_is_checked_like_the_others() {
+    let var = nnfuse::conv::ENV_CONV_CUDNN_SEARCH;
+    let v = json(&["--conv", "1,3,8,8,4,3,3"], &[(var, "find")]);
+    assert_eq!(v["cudnn_search"], "find");
+    let out = nnfuse_plan(&["--conv", "1,3,8,8,4,3,3"], &[(var, "maybe")]);
+    fails_naming(&out, var);
+}

@@ -50,7 +50,7 @@ use super::cudnn::{CudnnAlgo, CudnnConv, CudnnMath, CudnnPtrs};
 use super::plan::{ConvPath, ConvPlan, Direction, Route};
 use super::route::{self, Exec};
 use super::{direct, ConvShape, GraphEngine, WinogradEngine};
-use crate::config::{ConvAlgoPolicy, CudnnApi, WinogradGemmPolicy};
+use crate::config::{Config, ConvAlgoPolicy, CudnnApi, WinogradGemmPolicy};
 use crate::context::Context;
 use crate::dtype::DType;
 use crate::error::{CallExt, Error, Result};
@@ -65,74 +65,40 @@ use crate::tune::store::{self, LruStore};
 // ---------------------------------------------------------------------------------------------
 // cuDNN's algorithm search mode.
 
-/// How cuDNN's algorithm is chosen.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum CudnnSearch {
-    /// cuDNN's heuristic list (`cudnnGetConvolution*Algorithm_v7`): its first
-    /// [`MAX_CUDNN_CANDIDATES`] usable algorithms are timed by nnfuse, interleaved with the other
-    /// routes (cheap to ask; the timing is shared with `auto`'s).
-    #[default]
-    Heuristic,
-    /// cuDNN's Find (`cudnnFindConvolution*AlgorithmEx`): cuDNN runs and times every algorithm
-    /// that fits the workspace (on the caller's inputs, into a scratch output) and its fastest
-    /// usable one is the cuDNN candidate.
-    Find,
-}
-
-impl CudnnSearch {
-    /// `heuristic` or `find`.
-    pub const fn name(self) -> &'static str {
-        match self {
-            CudnnSearch::Heuristic => "heuristic",
-            CudnnSearch::Find => "find",
-        }
-    }
-
-    /// Parses [`CudnnSearch::name`] (any case).
-    pub fn parse(s: &str) -> Option<CudnnSearch> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "heuristic" | "heuristics" | "get" => Some(CudnnSearch::Heuristic),
-            "find" => Some(CudnnSearch::Find),
-            _ => None,
-        }
-    }
-}
-
-impl fmt::Display for CudnnSearch {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-/// `NNFUSE_CONV_CUDNN_SEARCH`: `heuristic` (default) or `find`, read once per process.
-pub const ENV_CONV_CUDNN_SEARCH: &str = "NNFUSE_CONV_CUDNN_SEARCH";
+pub use crate::config::{CudnnSearch, ENV_CONV_CUDNN_SEARCH};
 
 /// Most of cuDNN's heuristic algorithms timed in [`CudnnSearch::Heuristic`] mode.
 pub const MAX_CUDNN_CANDIDATES: usize = 5;
 
-static SEARCH: AtomicU8 = AtomicU8::new(0); // 0 unset, 1 heuristic, 2 find
+/// The process-wide override of [`set_cudnn_search`]: 0 none, 1 heuristic, 2 find.
+static SEARCH: AtomicU8 = AtomicU8::new(0);
 
-/// The process's cuDNN search mode: [`set_cudnn_search`]'s, else `NNFUSE_CONV_CUDNN_SEARCH`'s
-/// (read at the first call; an unknown value is warned about and ignored), else heuristic.
-pub fn cudnn_search() -> CudnnSearch {
+/// The override of [`set_cudnn_search`], if one was set.
+fn search_override() -> Option<CudnnSearch> {
     match SEARCH.load(Ordering::Relaxed) {
-        1 => CudnnSearch::Heuristic,
-        2 => CudnnSearch::Find,
-        _ => {
-            let mode = match std::env::var(ENV_CONV_CUDNN_SEARCH) {
-                Ok(v) if !v.trim().is_empty() => CudnnSearch::parse(&v).unwrap_or_else(|| {
-                    tracing::warn!(
-                        value = %v,
-                        "{ENV_CONV_CUDNN_SEARCH} is not heuristic or find; using heuristic"
-                    );
-                    CudnnSearch::Heuristic
-                }),
-                _ => CudnnSearch::Heuristic,
-            };
-            let _ = SEARCH.compare_exchange(0, code(mode), Ordering::Relaxed, Ordering::Relaxed);
-            mode
-        }
+        1 => Some(CudnnSearch::Heuristic),
+        2 => Some(CudnnSearch::Find),
+        _ => None,
     }
+}
+
+/// The cuDNN search mode of a convolution planned under `config` (a Context's): the override
+/// of [`set_cudnn_search`] when one was set, else [`Config::cudnn_search`]
+/// (`NNFUSE_CONV_CUDNN_SEARCH`, checked where the Config was read).
+pub(crate) fn search_for(config: &Config) -> CudnnSearch {
+    search_override().unwrap_or(config.cudnn_search)
+}
+
+/// The process's cuDNN search mode outside any Context: [`set_cudnn_search`]'s, else
+/// `NNFUSE_CONV_CUDNN_SEARCH`'s as [`Config::from_env_once`] reads it (an unknown value is that
+/// Config's error, [`Error::Config`] naming the variable: here heuristic), else heuristic. A
+/// convolution takes its Context's [`Config::cudnn_search`] under the same override.
+pub fn cudnn_search() -> CudnnSearch {
+    search_override().unwrap_or_else(|| {
+        Config::from_env_once()
+            .map(|c| c.cudnn_search)
+            .unwrap_or_default()
+    })
 }
 
 const fn code(m: CudnnSearch) -> u8 {
@@ -142,8 +108,8 @@ const fn code(m: CudnnSearch) -> u8 {
     }
 }
 
-/// Sets the process's cuDNN search mode for convolutions planned from now on (a `Conv2d`
-/// already made keeps its mode).
+/// Sets the process's cuDNN search mode for convolutions planned from now on, over every
+/// Context's [`Config::cudnn_search`] (a `Conv2d` already made keeps its mode).
 pub fn set_cudnn_search(mode: CudnnSearch) {
     SEARCH.store(code(mode), Ordering::Relaxed);
 }
@@ -1424,6 +1390,20 @@ fn raw_ptr_f64(s: &CudaSlice<f64>, ctx: &Context) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A convolution takes its Context's `cudnn_search` (the library's tests set no
+    /// process-wide override), not the environment's.
+    #[test]
+    fn the_search_mode_is_the_contexts_config() {
+        assert_eq!(search_override(), None);
+        for mode in [CudnnSearch::Find, CudnnSearch::Heuristic] {
+            let c = Config {
+                cudnn_search: mode,
+                ..Config::default()
+            };
+            assert_eq!(search_for(&c), mode);
+        }
+    }
 
     fn key() -> ChoiceKey {
         let s = ConvShape {

@@ -309,10 +309,7 @@ pub fn run(
         let mut j = p.to_json();
         if let Some(obj) = j.as_object_mut() {
             obj.insert("sources".into(), sources);
-            obj.insert(
-                "cudnn_search".into(),
-                json!(nnfuse::conv::cudnn_search().name()),
-            );
+            obj.insert("cudnn_search".into(), json!(config.cudnn_search.name()));
         }
         println!("{}", serde_json::to_string(&j)?);
     } else {
