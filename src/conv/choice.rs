@@ -33,7 +33,11 @@
 //! keeps the other's part). Entries read back from the file are **trusted with the path's own
 //! validation**: the route must be eligible in the problem's plan (else the entry is ignored and
 //! the problem measured again), and a route that fails at run time falls back (cuDNN, else the
-//! direct kernel / im2col + GEMM) with a warning, remembered.
+//! direct kernel / im2col + GEMM) with a warning, remembered. A **Winograd** route read from the
+//! file ([`verify_before_use`]) is also held to the measurement's accuracy rule before it is
+//! used: [`verify`] checks it with the plan's non-Winograd candidates as the baseline (steps 1
+//! and 2 above, no timing; the choice's report says so, with 0 rounds); if it is refused or
+//! fails, the problem is measured again, with a warning.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -1125,6 +1129,48 @@ pub(crate) fn measure(inp: &MeasureInput<'_>) -> Result<(usize, AutoReport)> {
     ))
 }
 
+/// Whether a cached `choice` must pass [`verify`] before it is used: a Winograd route read
+/// from the tuning file. Its error depends on the data's range, which the measurement that
+/// wrote it judged (or not: a file is editable and may come from elsewhere), so it is held to
+/// the same allowance as a measured one. Pure: tested on the CPU.
+pub(crate) fn verify_before_use(choice: &ConvChoice) -> bool {
+    choice.origin == ChoiceOrigin::File && choice.route.path.winograd_tile().is_some()
+}
+
+/// Checks the last of `inp.execs` as [`measure`] would (steps 1 and 2: the reference, the
+/// check, Winograd's allowance against the baseline among the others), without timing.
+/// Returns whether it passed, and the report (its winner the route under test, 0 rounds).
+pub(crate) fn verify(inp: &MeasureInput<'_>) -> Result<(bool, AutoReport)> {
+    let t0 = Instant::now();
+    let bench = Bench::new(inp)?;
+    let (operands, reference, operands_note, _random) = bench.reference_operands()?;
+    let mut reports = bench.check_routes(operands)?;
+    let check_ms = ms_since(t0);
+    let (baseline, allowance) = refuse_inaccurate_winograd(&mut reports, inp.dtype);
+    let tested = reports.len().saturating_sub(1);
+    let ok = reports.last().is_some_and(passed);
+    let incumbent = (0..reports.len())
+        .find(|&i| passed(&reports[i]))
+        .unwrap_or(tested);
+    Ok((
+        ok,
+        AutoReport {
+            direction: inp.direction,
+            candidates: reports,
+            incumbent,
+            winner: tested,
+            reference,
+            operands: operands_note,
+            baseline_error: baseline,
+            winograd_allowance: allowance,
+            rounds: 0,
+            wall_ms: ms_since(t0),
+            check_ms,
+            timing_ms: 0.0,
+        },
+    ))
+}
+
 fn passed(r: &CandidateReport) -> bool {
     r.outcome == Outcome::Passed
 }
@@ -1390,6 +1436,34 @@ fn raw_ptr_f64(s: &CudaSlice<f64>, ctx: &Context) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Only a Winograd route read from the tuning file is checked before use: a measured one
+    /// was checked when it was measured, and the other paths' error does not depend on it.
+    #[test]
+    fn only_a_winograd_route_from_the_file_is_verified_before_use() {
+        let route = |path: ConvPath| Route {
+            path,
+            engine: path.winograd_tile().map(|_| WinogradEngine::TensorCore),
+            cudnn_algo: None,
+            graph_engine: None,
+        };
+        let origins = [
+            ChoiceOrigin::Planned,
+            ChoiceOrigin::CudnnFind,
+            ChoiceOrigin::Measured,
+            ChoiceOrigin::Memory,
+            ChoiceOrigin::File,
+            ChoiceOrigin::Fallback,
+        ];
+        for path in ConvPath::ALL {
+            for origin in origins {
+                let c = ConvChoice::planned(route(path), origin);
+                let want = origin == ChoiceOrigin::File
+                    && matches!(path, ConvPath::WinogradF2x3 | ConvPath::WinogradF4x3);
+                assert_eq!(verify_before_use(&c), want, "{path} {origin:?}");
+            }
+        }
+    }
 
     /// A convolution takes its Context's `cudnn_search` (the library's tests set no
     /// process-wide override), not the environment's.
