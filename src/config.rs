@@ -301,10 +301,9 @@ impl FromStr for CudnnApi {
 /// How cuDNN's convolution algorithm is chosen (`NNFUSE_CONV_CUDNN_SEARCH`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum CudnnSearch {
-    /// cuDNN's heuristic list (`cudnnGetConvolution*Algorithm_v7`): its first
-    /// [`MAX_CUDNN_CANDIDATES`](crate::conv::MAX_CUDNN_CANDIDATES) usable algorithms are timed
-    /// by nnfuse, interleaved with the other routes (cheap to ask; the timing is shared with
-    /// `auto`'s).
+    /// cuDNN's heuristic list (`cudnnGetConvolution*Algorithm_v7`): its first few usable
+    /// algorithms (`MAX_CUDNN_CANDIDATES`) are timed by nnfuse, interleaved with the other
+    /// routes (cheap to ask; the timing is shared with `auto`'s).
     #[default]
     Heuristic,
     /// cuDNN's Find (`cudnnFindConvolution*AlgorithmEx`): cuDNN runs and times every algorithm
