@@ -298,6 +298,55 @@ impl FromStr for CudnnApi {
     }
 }
 
+/// How cuDNN's convolution algorithm is chosen (`NNFUSE_CONV_CUDNN_SEARCH`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum CudnnSearch {
+    /// cuDNN's heuristic list (`cudnnGetConvolution*Algorithm_v7`): its first few usable
+    /// algorithms (`MAX_CUDNN_CANDIDATES`) are timed by nnfuse, interleaved with the other
+    /// routes (cheap to ask; the timing is shared with `auto`'s).
+    #[default]
+    Heuristic,
+    /// cuDNN's Find (`cudnnFindConvolution*AlgorithmEx`): cuDNN runs and times every algorithm
+    /// that fits the workspace (on the caller's inputs, into a scratch output) and its fastest
+    /// usable one is the cuDNN candidate.
+    Find,
+}
+
+impl CudnnSearch {
+    const TABLE: [(&'static str, CudnnSearch); 4] = [
+        ("heuristic", CudnnSearch::Heuristic),
+        ("heuristics", CudnnSearch::Heuristic),
+        ("get", CudnnSearch::Heuristic),
+        ("find", CudnnSearch::Find),
+    ];
+
+    /// `heuristic` or `find`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            CudnnSearch::Heuristic => "heuristic",
+            CudnnSearch::Find => "find",
+        }
+    }
+
+    /// Parses [`CudnnSearch::name`] (any case; `heuristics` and `get` read as `heuristic`).
+    pub fn parse(s: &str) -> Option<CudnnSearch> {
+        s.parse().ok()
+    }
+}
+
+impl fmt::Display for CudnnSearch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for CudnnSearch {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        parse_choice(ENV_CONV_CUDNN_SEARCH, s, &Self::TABLE)
+    }
+}
+
 /// `NNFUSE_ENABLE_NHWC`.
 pub const ENV_ENABLE_NHWC: &str = "NNFUSE_ENABLE_NHWC";
 /// OneFlow's name for the same flag, honoured as an alias.
@@ -327,6 +376,8 @@ pub const ENV_CONV_WORKSPACE_MB: &str = "NNFUSE_CONV_WORKSPACE_MB";
 pub const ENV_DETERMINISTIC: &str = "NNFUSE_DETERMINISTIC";
 /// `NNFUSE_CUDNN_API`.
 pub const ENV_CUDNN_API: &str = "NNFUSE_CUDNN_API";
+/// `NNFUSE_CONV_CUDNN_SEARCH`: `heuristic` (default) or `find` ([`CudnnSearch`]).
+pub const ENV_CONV_CUDNN_SEARCH: &str = "NNFUSE_CONV_CUDNN_SEARCH";
 
 /// Default of [`Config::plan_cache_capacity`].
 pub const DEFAULT_PLAN_CACHE_CAPACITY: usize = 4096;
@@ -338,13 +389,11 @@ pub(crate) const MAX_PLAN_CACHE_CAPACITY: usize = 1 << 20;
 /// Most MiB `NNFUSE_CONV_WORKSPACE_MB` accepts (1 TiB: more than any GPU holds).
 pub(crate) const MAX_CONV_WORKSPACE_MB: usize = 1 << 20;
 
-/// `NNFUSE_*` variables read elsewhere than [`Config`]: the CLI's log filter, the convolution's
-/// cuDNN search mode, the cuDNN API choice, and those of nnfuse's own tests and benches. Known,
-/// so that setting them draws no "unknown variable" warning.
-const OTHER_VARS: [&str; 10] = [
+/// `NNFUSE_*` variables read elsewhere than [`Config`]: the CLI's log filter, and those of
+/// nnfuse's own tests and benches. Known, so that setting them draws no "unknown variable"
+/// warning.
+const OTHER_VARS: [&str; 8] = [
     "NNFUSE_LOG",
-    "NNFUSE_CONV_CUDNN_SEARCH",
-    "NNFUSE_CUDNN_API",
     "NNFUSE_REQUIRE_NVRTC",
     "NNFUSE_GPU_RUN",
     "NNFUSE_UNDER_SANITIZER",
@@ -355,7 +404,7 @@ const OTHER_VARS: [&str; 10] = [
 ];
 
 /// Every variable nnfuse reads.
-pub const ALL_VARS: [&str; 14] = [
+pub const ALL_VARS: [&str; 15] = [
     ENV_ENABLE_NHWC,
     ENV_ONEFLOW_ENABLE_NHWC,
     ENV_BN_MODE_POLICY,
@@ -370,6 +419,7 @@ pub const ALL_VARS: [&str; 14] = [
     ENV_CONV_WORKSPACE_MB,
     ENV_DETERMINISTIC,
     ENV_CUDNN_API,
+    ENV_CONV_CUDNN_SEARCH,
 ];
 
 /// The folder in the user's cache directory that holds kernel images when
@@ -409,6 +459,9 @@ pub struct Config {
     pub deterministic: bool,
     /// Which cuDNN API runs convolutions (graph or legacy).
     pub cudnn_api: CudnnApi,
+    /// How cuDNN's convolution algorithm is chosen (a process-wide
+    /// [`set_cudnn_search`](crate::conv::set_cudnn_search) overrides it).
+    pub cudnn_search: CudnnSearch,
 }
 
 impl Default for Config {
@@ -428,6 +481,7 @@ impl Default for Config {
             conv_workspace_mb: DEFAULT_CONV_WORKSPACE_MB,
             deterministic: false,
             cudnn_api: CudnnApi::Auto,
+            cudnn_search: CudnnSearch::Heuristic,
         }
     }
 }
@@ -601,6 +655,9 @@ impl Config {
         if let Some(v) = get(ENV_CUDNN_API) {
             c.cudnn_api = v.parse()?;
         }
+        if let Some(v) = get(ENV_CONV_CUDNN_SEARCH) {
+            c.cudnn_search = v.parse()?;
+        }
         Ok(c)
     }
 
@@ -714,7 +771,8 @@ impl fmt::Display for Config {
         writeln!(f, "winograd_gemm        = {}", self.winograd_gemm)?;
         writeln!(f, "conv_workspace_mb    = {}", self.conv_workspace_mb)?;
         writeln!(f, "deterministic        = {}", self.deterministic)?;
-        write!(f, "cudnn_api            = {}", self.cudnn_api)
+        writeln!(f, "cudnn_api            = {}", self.cudnn_api)?;
+        write!(f, "cudnn_search         = {}", self.cudnn_search)
     }
 }
 
@@ -826,7 +884,7 @@ mod tests {
             assert_eq!(p.0.parse::<BnImpl>().unwrap(), p.1);
             assert_eq!(p.1.name(), p.0);
         }
-        assert_eq!(ALL_VARS.len(), 14);
+        assert_eq!(ALL_VARS.len(), 15);
     }
 
     #[test]
@@ -849,6 +907,41 @@ mod tests {
         assert!(ALL_VARS.contains(&ENV_CUDNN_API));
         let c = Config::default().with_cudnn_api(CudnnApi::Legacy);
         assert!(c.to_string().contains("cudnn_api            = legacy"));
+    }
+
+    /// `NNFUSE_CONV_CUDNN_SEARCH=maybe` was once a warning, then read as `heuristic`: like every
+    /// other variable, an unknown value is an error naming it.
+    #[test]
+    fn cudnn_search_is_read_and_checked() {
+        assert_eq!(Config::default().cudnn_search, CudnnSearch::Heuristic);
+        assert_eq!(cfg(&[]).unwrap().cudnn_search, CudnnSearch::Heuristic);
+        for (v, mode) in [
+            ("find", CudnnSearch::Find),
+            (" FIND ", CudnnSearch::Find),
+            ("heuristic", CudnnSearch::Heuristic),
+            ("heuristics", CudnnSearch::Heuristic),
+            ("get", CudnnSearch::Heuristic),
+            ("  ", CudnnSearch::Heuristic),
+        ] {
+            let c = cfg(&[(ENV_CONV_CUDNN_SEARCH, v)]).unwrap();
+            assert_eq!(c.cudnn_search, mode, "{v:?}");
+        }
+        let e = cfg(&[(ENV_CONV_CUDNN_SEARCH, "maybe")]).unwrap_err();
+        assert!(
+            matches!(&e, Error::Config { var, value, .. }
+                if var == ENV_CONV_CUDNN_SEARCH && value == "maybe"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("heuristic"), "{e}");
+        assert!(ALL_VARS.contains(&ENV_CONV_CUDNN_SEARCH));
+        assert_eq!(unknown_var_suggestion(ENV_CONV_CUDNN_SEARCH), None);
+        assert_eq!(CudnnSearch::parse("maybe"), None);
+        assert_eq!(CudnnSearch::parse("Find"), Some(CudnnSearch::Find));
+        let c = Config {
+            cudnn_search: CudnnSearch::Find,
+            ..Config::default()
+        };
+        assert!(c.to_string().contains("cudnn_search         = find"));
     }
 
     /// `NNFUSE_CONV_WORKSPACE_MB=18446744073709551615` once reached the workspace rounding,

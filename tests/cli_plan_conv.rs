@@ -279,3 +279,40 @@ fn negative_numbers_must_be_non_negative() {
     let out = nnfuse_plan(&["--conv", "1,3,5,5,8,3,3", "--workspace-mb", "-5"], &[]);
     fails_naming(&out, "--workspace-mb");
 }
+
+/// A plan that no path can run is printed (it says why), and the exit status is 2 with stderr
+/// naming why: a script must not take "NOT RUNNABLE" for a plan.
+#[test]
+fn a_plan_that_nothing_runs_exits_2_naming_why() {
+    let args = ["--conv", "1,3,8,8,4,3,3", "--pad", "1000000", "--cudnn"];
+    for present in ["present", "absent"] {
+        let out = nnfuse_plan(&[&args[..], &[present]].concat(), &[]);
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert_eq!(out.status.code(), Some(2), "{present}: {stdout}{stderr}");
+        assert!(stdout.contains("NOT RUNNABLE"), "{stdout}");
+        assert!(stdout.contains("direct         not eligible"), "{stdout}");
+        assert!(stderr.contains("NOT RUNNABLE"), "{stderr}");
+        assert!(stderr.contains("32-bit per-image indices"), "{stderr}");
+        let json = nnfuse_plan(&[&args[..], &[present, "--json"]].concat(), &[]);
+        assert_eq!(json.status.code(), Some(2));
+        let v: Value = serde_json::from_slice(&json.stdout).expect("one JSON object");
+        assert_eq!(v["runnable"], false);
+    }
+    // The same problem with pad 1 runs: exit 0.
+    let out = nnfuse_plan(&["--conv", "1,3,8,8,4,3,3", "--pad", "1"], &[]);
+    assert_eq!(out.status.code(), Some(0));
+}
+
+/// `NNFUSE_CONV_CUDNN_SEARCH` is read with the other variables: `find` shows in the JSON, an
+/// unknown value exits 2 naming the variable (it once was a warning, then `heuristic`).
+#[test]
+fn the_cudnn_search_variable_is_checked_like_the_others() {
+    let var = nnfuse::conv::ENV_CONV_CUDNN_SEARCH;
+    let v = json(&["--conv", "1,3,8,8,4,3,3"], &[(var, "find")]);
+    assert_eq!(v["cudnn_search"], "find");
+    let out = nnfuse_plan(&["--conv", "1,3,8,8,4,3,3"], &[(var, "maybe")]);
+    fails_naming(&out, var);
+}

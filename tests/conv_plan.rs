@@ -885,3 +885,71 @@ fn graph_routes_name_their_engine_config() {
     assert_eq!(Route::path(ConvPath::CudnnGraph).label(), "cudnn_graph");
     assert!(Route::path(ConvPath::Cudnn).graph_engine.is_none());
 }
+
+/// The direct and im2col rules refuse what their launchers refuse: the kernels' 32-bit
+/// per-image indices and `int` coordinates (the launchers run the same check, or, for im2col,
+/// its per-image limits beyond the GEMM's), so a plan never calls runnable what no path runs.
+#[test]
+fn own_kernels_refuse_what_their_launchers_refuse() {
+    let cfg = Config::default();
+    // The example: 1,3,8,8,4,3,3 with pad 1000000 (oh*ow ~ 4e12).
+    let s = ConvShape {
+        pad: (1_000_000, 1_000_000),
+        ..shape(1, 3, 8, 4, 3, NCHW)
+    };
+    for present in [false, true] {
+        let p = plan_of(s, DType::F32, Direction::Forward, &cfg, present);
+        assert!(!p.eligible(ConvPath::Direct), "{present}: {p}");
+        assert!(why(&p, ConvPath::Direct).contains("oh*ow"), "{p}");
+        assert!(why(&p, ConvPath::Direct).contains("32-bit per-image indices"));
+        assert!(!p.runnable, "{present}: {p}");
+        assert!(p.to_string().contains("NOT RUNNABLE"));
+    }
+    // Only the padded height is over the limit (the output is 2x2): direct and im2col were
+    // eligible by their rules while their launchers refuse it.
+    for fmt in [NCHW, NHWC] {
+        let s = ConvShape {
+            pad: (1 << 30, 0),
+            stride: (i32::MAX as usize, 1),
+            ..shape(1, 3, 8, 4, 3, fmt)
+        };
+        assert_eq!(s.out_hw().unwrap().0, 2);
+        let p = plan_of(s, DType::F32, Direction::Forward, &cfg, false);
+        for path in [ConvPath::Direct, ConvPath::Im2colGemm] {
+            assert!(!p.eligible(path), "{fmt:?} {path}: {p}");
+            assert!(why(&p, path).contains("h + 2*pad.0"), "{path}: {p}");
+        }
+        assert!(!p.runnable, "{p}");
+        // Within the limits, both stay eligible.
+        let s = ConvShape {
+            pad: (1 << 29, 0),
+            ..s
+        };
+        let p = plan_of(s, DType::F32, Direction::Forward, &cfg, false);
+        assert!(
+            p.eligible(ConvPath::Direct) && p.eligible(ConvPath::Im2colGemm),
+            "{p}"
+        );
+        assert!(p.runnable);
+    }
+    // Winograd's kernels take a padded extent of at most i32::MAX / 2 (int tile coordinates):
+    // over it, Winograd is refused even under an unbounded cap, while the direct kernel runs.
+    let big_cap = Config::default().with_conv_workspace_mb(usize::MAX);
+    let s = ConvShape {
+        w: 1,
+        pad: (1 << 29, 1),
+        ..shape(1, 8, 8, 8, 3, NHWC)
+    };
+    let p = plan_of(s, DType::F16, Direction::Forward, &big_cap, false);
+    for path in [ConvPath::WinogradF2x3, ConvPath::WinogradF4x3] {
+        assert!(!p.eligible(path), "{path}: {p}");
+        assert!(why(&p, path).contains("h + 2*pad.0"), "{path}: {p}");
+    }
+    assert!(p.eligible(ConvPath::Direct), "{p}");
+    let s = ConvShape {
+        pad: ((1 << 29) - 8, 1),
+        ..s
+    };
+    let p = plan_of(s, DType::F16, Direction::Forward, &big_cap, false);
+    assert!(p.eligible(ConvPath::WinogradF2x3), "{p}");
+}

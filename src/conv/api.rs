@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
-use super::choice::{cudnn_search, AutoReport, ConvChoice, CudnnSearch};
+use super::choice::{search_for, AutoReport, ConvChoice, CudnnSearch};
 use super::cudnn::CudnnPerf;
 use super::plan::{ConvPath, ConvPlan, Route};
 use super::problem::{ConvShape, CudnnPtrs, Direction, FwdPtrs, WinogradGeometry, WinogradTile};
@@ -165,7 +165,7 @@ impl<T: Element> Conv2d<T> {
         let key = CoreKey {
             shape: *shape,
             dtype: T::DTYPE,
-            search: cudnn_search(),
+            search: search_for(ctx.config()),
             hide_cudnn: HIDE_CUDNN.load(Ordering::Relaxed),
         };
         let core = ctx.memo(key, || Core::new(ctx, &key).map(Arc::new))?;

@@ -33,7 +33,11 @@
 //! keeps the other's part). Entries read back from the file are **trusted with the path's own
 //! validation**: the route must be eligible in the problem's plan (else the entry is ignored and
 //! the problem measured again), and a route that fails at run time falls back (cuDNN, else the
-//! direct kernel / im2col + GEMM) with a warning, remembered.
+//! direct kernel / im2col + GEMM) with a warning, remembered. A **Winograd** route read from the
+//! file ([`verify_before_use`]) is also held to the measurement's accuracy rule before it is
+//! used: [`verify`] checks it with the plan's non-Winograd candidates as the baseline (steps 1
+//! and 2 above, no timing; the choice's report says so, with 0 rounds); if it is refused or
+//! fails, the problem is measured again, with a warning.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -50,7 +54,7 @@ use super::cudnn::{CudnnAlgo, CudnnConv, CudnnMath, CudnnPtrs};
 use super::plan::{ConvPath, ConvPlan, Direction, Route};
 use super::route::{self, Exec};
 use super::{direct, ConvShape, GraphEngine, WinogradEngine};
-use crate::config::{ConvAlgoPolicy, CudnnApi, WinogradGemmPolicy};
+use crate::config::{Config, ConvAlgoPolicy, CudnnApi, WinogradGemmPolicy};
 use crate::context::Context;
 use crate::dtype::DType;
 use crate::error::{CallExt, Error, Result};
@@ -65,74 +69,40 @@ use crate::tune::store::{self, LruStore};
 // ---------------------------------------------------------------------------------------------
 // cuDNN's algorithm search mode.
 
-/// How cuDNN's algorithm is chosen.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum CudnnSearch {
-    /// cuDNN's heuristic list (`cudnnGetConvolution*Algorithm_v7`): its first
-    /// [`MAX_CUDNN_CANDIDATES`] usable algorithms are timed by nnfuse, interleaved with the other
-    /// routes (cheap to ask; the timing is shared with `auto`'s).
-    #[default]
-    Heuristic,
-    /// cuDNN's Find (`cudnnFindConvolution*AlgorithmEx`): cuDNN runs and times every algorithm
-    /// that fits the workspace (on the caller's inputs, into a scratch output) and its fastest
-    /// usable one is the cuDNN candidate.
-    Find,
-}
-
-impl CudnnSearch {
-    /// `heuristic` or `find`.
-    pub const fn name(self) -> &'static str {
-        match self {
-            CudnnSearch::Heuristic => "heuristic",
-            CudnnSearch::Find => "find",
-        }
-    }
-
-    /// Parses [`CudnnSearch::name`] (any case).
-    pub fn parse(s: &str) -> Option<CudnnSearch> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "heuristic" | "heuristics" | "get" => Some(CudnnSearch::Heuristic),
-            "find" => Some(CudnnSearch::Find),
-            _ => None,
-        }
-    }
-}
-
-impl fmt::Display for CudnnSearch {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-/// `NNFUSE_CONV_CUDNN_SEARCH`: `heuristic` (default) or `find`, read once per process.
-pub const ENV_CONV_CUDNN_SEARCH: &str = "NNFUSE_CONV_CUDNN_SEARCH";
+pub use crate::config::{CudnnSearch, ENV_CONV_CUDNN_SEARCH};
 
 /// Most of cuDNN's heuristic algorithms timed in [`CudnnSearch::Heuristic`] mode.
 pub const MAX_CUDNN_CANDIDATES: usize = 5;
 
-static SEARCH: AtomicU8 = AtomicU8::new(0); // 0 unset, 1 heuristic, 2 find
+/// The process-wide override of [`set_cudnn_search`]: 0 none, 1 heuristic, 2 find.
+static SEARCH: AtomicU8 = AtomicU8::new(0);
 
-/// The process's cuDNN search mode: [`set_cudnn_search`]'s, else `NNFUSE_CONV_CUDNN_SEARCH`'s
-/// (read at the first call; an unknown value is warned about and ignored), else heuristic.
-pub fn cudnn_search() -> CudnnSearch {
+/// The override of [`set_cudnn_search`], if one was set.
+fn search_override() -> Option<CudnnSearch> {
     match SEARCH.load(Ordering::Relaxed) {
-        1 => CudnnSearch::Heuristic,
-        2 => CudnnSearch::Find,
-        _ => {
-            let mode = match std::env::var(ENV_CONV_CUDNN_SEARCH) {
-                Ok(v) if !v.trim().is_empty() => CudnnSearch::parse(&v).unwrap_or_else(|| {
-                    tracing::warn!(
-                        value = %v,
-                        "{ENV_CONV_CUDNN_SEARCH} is not heuristic or find; using heuristic"
-                    );
-                    CudnnSearch::Heuristic
-                }),
-                _ => CudnnSearch::Heuristic,
-            };
-            let _ = SEARCH.compare_exchange(0, code(mode), Ordering::Relaxed, Ordering::Relaxed);
-            mode
-        }
+        1 => Some(CudnnSearch::Heuristic),
+        2 => Some(CudnnSearch::Find),
+        _ => None,
     }
+}
+
+/// The cuDNN search mode of a convolution planned under `config` (a Context's): the override
+/// of [`set_cudnn_search`] when one was set, else [`Config::cudnn_search`]
+/// (`NNFUSE_CONV_CUDNN_SEARCH`, checked where the Config was read).
+pub(crate) fn search_for(config: &Config) -> CudnnSearch {
+    search_override().unwrap_or(config.cudnn_search)
+}
+
+/// The process's cuDNN search mode outside any Context: [`set_cudnn_search`]'s, else
+/// `NNFUSE_CONV_CUDNN_SEARCH`'s as [`Config::from_env_once`] reads it (an unknown value is that
+/// Config's error, [`Error::Config`] naming the variable: here heuristic), else heuristic. A
+/// convolution takes its Context's [`Config::cudnn_search`] under the same override.
+pub fn cudnn_search() -> CudnnSearch {
+    search_override().unwrap_or_else(|| {
+        Config::from_env_once()
+            .map(|c| c.cudnn_search)
+            .unwrap_or_default()
+    })
 }
 
 const fn code(m: CudnnSearch) -> u8 {
@@ -142,8 +112,8 @@ const fn code(m: CudnnSearch) -> u8 {
     }
 }
 
-/// Sets the process's cuDNN search mode for convolutions planned from now on (a `Conv2d`
-/// already made keeps its mode).
+/// Sets the process's cuDNN search mode for convolutions planned from now on, over every
+/// Context's [`Config::cudnn_search`] (a `Conv2d` already made keeps its mode).
 pub fn set_cudnn_search(mode: CudnnSearch) {
     SEARCH.store(code(mode), Ordering::Relaxed);
 }
@@ -1159,6 +1129,48 @@ pub(crate) fn measure(inp: &MeasureInput<'_>) -> Result<(usize, AutoReport)> {
     ))
 }
 
+/// Whether a cached `choice` must pass [`verify`] before it is used: a Winograd route read
+/// from the tuning file. Its error depends on the data's range, which the measurement that
+/// wrote it judged (or not: a file is editable and may come from elsewhere), so it is held to
+/// the same allowance as a measured one. Pure: tested on the CPU.
+pub(crate) fn verify_before_use(choice: &ConvChoice) -> bool {
+    choice.origin == ChoiceOrigin::File && choice.route.path.winograd_tile().is_some()
+}
+
+/// Checks the last of `inp.execs` as [`measure`] would (steps 1 and 2: the reference, the
+/// check, Winograd's allowance against the baseline among the others), without timing.
+/// Returns whether it passed, and the report (its winner the route under test, 0 rounds).
+pub(crate) fn verify(inp: &MeasureInput<'_>) -> Result<(bool, AutoReport)> {
+    let t0 = Instant::now();
+    let bench = Bench::new(inp)?;
+    let (operands, reference, operands_note, _random) = bench.reference_operands()?;
+    let mut reports = bench.check_routes(operands)?;
+    let check_ms = ms_since(t0);
+    let (baseline, allowance) = refuse_inaccurate_winograd(&mut reports, inp.dtype);
+    let tested = reports.len().saturating_sub(1);
+    let ok = reports.last().is_some_and(passed);
+    let incumbent = (0..reports.len())
+        .find(|&i| passed(&reports[i]))
+        .unwrap_or(tested);
+    Ok((
+        ok,
+        AutoReport {
+            direction: inp.direction,
+            candidates: reports,
+            incumbent,
+            winner: tested,
+            reference,
+            operands: operands_note,
+            baseline_error: baseline,
+            winograd_allowance: allowance,
+            rounds: 0,
+            wall_ms: ms_since(t0),
+            check_ms,
+            timing_ms: 0.0,
+        },
+    ))
+}
+
 fn passed(r: &CandidateReport) -> bool {
     r.outcome == Outcome::Passed
 }
@@ -1424,6 +1436,48 @@ fn raw_ptr_f64(s: &CudaSlice<f64>, ctx: &Context) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Only a Winograd route read from the tuning file is checked before use: a measured one
+    /// was checked when it was measured, and the other paths' error does not depend on it.
+    #[test]
+    fn only_a_winograd_route_from_the_file_is_verified_before_use() {
+        let route = |path: ConvPath| Route {
+            path,
+            engine: path.winograd_tile().map(|_| WinogradEngine::TensorCore),
+            cudnn_algo: None,
+            graph_engine: None,
+        };
+        let origins = [
+            ChoiceOrigin::Planned,
+            ChoiceOrigin::CudnnFind,
+            ChoiceOrigin::Measured,
+            ChoiceOrigin::Memory,
+            ChoiceOrigin::File,
+            ChoiceOrigin::Fallback,
+        ];
+        for path in ConvPath::ALL {
+            for origin in origins {
+                let c = ConvChoice::planned(route(path), origin);
+                let want = origin == ChoiceOrigin::File
+                    && matches!(path, ConvPath::WinogradF2x3 | ConvPath::WinogradF4x3);
+                assert_eq!(verify_before_use(&c), want, "{path} {origin:?}");
+            }
+        }
+    }
+
+    /// A convolution takes its Context's `cudnn_search` (the library's tests set no
+    /// process-wide override), not the environment's.
+    #[test]
+    fn the_search_mode_is_the_contexts_config() {
+        assert_eq!(search_override(), None);
+        for mode in [CudnnSearch::Find, CudnnSearch::Heuristic] {
+            let c = Config {
+                cudnn_search: mode,
+                ..Config::default()
+            };
+            assert_eq!(search_for(&c), mode);
+        }
+    }
 
     fn key() -> ChoiceKey {
         let s = ConvShape {

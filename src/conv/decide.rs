@@ -10,7 +10,8 @@ use cudarc::driver::DevicePtr;
 
 use super::api::Conv2d;
 use super::choice::{
-    self, ChoiceKey, ChoiceOrigin, ConvChoice, CudnnSearch, MeasureInput, MAX_CUDNN_CANDIDATES,
+    self, AutoReport, ChoiceKey, ChoiceOrigin, ConvChoice, CudnnSearch, MeasureInput,
+    MAX_CUDNN_CANDIDATES,
 };
 use super::cudnn::usable;
 use super::cudnn_graph_run;
@@ -121,7 +122,7 @@ impl<T: Element> Conv2d<T> {
         let key = ChoiceKey::of(self.ctx.info().ordinal as u32, plan, self.core.search);
         let costly = plan.measured || plan.candidates.iter().any(|r| r.path == ConvPath::Cudnn);
         if costly {
-            if let Some(dec) = self.cached(d, plan, &key) {
+            if let Some(dec) = self.cached(d, p, plan, &key) {
                 return Ok(dec);
             }
         }
@@ -148,7 +149,13 @@ impl<T: Element> Conv2d<T> {
 
     /// The process cache's (or the tuning file's) route for `key`, when it fits this object's
     /// plan and can be completed; `None` to decide afresh.
-    fn cached(&self, d: Direction, plan: &ConvPlan, key: &ChoiceKey) -> Option<Decided> {
+    fn cached(
+        &self,
+        d: Direction,
+        p: CudnnPtrs,
+        plan: &ConvPlan,
+        key: &ChoiceKey,
+    ) -> Option<Decided> {
         let ctx = &self.ctx;
         let cfg = ctx.config();
         if let Some(path) = &cfg.tuning_cache {
@@ -165,6 +172,11 @@ impl<T: Element> Conv2d<T> {
         }
         match self.core.exec_of(ctx, d, c.route) {
             Ok(exec) => {
+                let report = if choice::verify_before_use(&c) {
+                    Some(Arc::new(self.verified(d, p, plan, exec)?))
+                } else {
+                    None
+                };
                 // Another Context's measurement (a file entry and a fallback say where they
                 // came from themselves).
                 if matches!(c.origin, ChoiceOrigin::Measured | ChoiceOrigin::CudnnFind) {
@@ -175,7 +187,7 @@ impl<T: Element> Conv2d<T> {
                 Some(Decided {
                     exec,
                     choice: c,
-                    report: None,
+                    report,
                 })
             }
             Err(e) => {
@@ -183,6 +195,44 @@ impl<T: Element> Conv2d<T> {
                     "cached convolution choice cannot run; deciding again");
                 None
             }
+        }
+    }
+
+    /// `exec`, a Winograd route read from the tuning file, checked as a measurement would with
+    /// the plan's other candidates as the baseline ([`choice::verify`]): its report when it
+    /// passes, `None` (with a warning: the problem is measured again) when it does not.
+    fn verified(
+        &self,
+        d: Direction,
+        p: CudnnPtrs,
+        plan: &ConvPlan,
+        exec: Exec,
+    ) -> Option<AutoReport> {
+        let fail = |why: String| -> Option<AutoReport> {
+            tracing::warn!(route = %exec.route, direction = %d, why = %why,
+                "tuning-file Winograd choice failed the accuracy check; measuring again");
+            None
+        };
+        let mut execs = match self.candidate_execs(d, p, plan) {
+            Ok((v, _, _)) => v,
+            Err(e) => return fail(e.to_string()),
+        };
+        execs.retain(|e| e.route.path.winograd_tile().is_none());
+        execs.push(exec);
+        let inp = MeasureInput {
+            ctx: &self.ctx,
+            shape: &self.core.shape,
+            dtype: self.core.dtype,
+            direction: d,
+            cudnn: self.core.cudnn.as_deref(),
+            execs: &execs,
+            operands: p,
+            lens: self.core.lens,
+        };
+        match choice::verify(&inp) {
+            Ok((true, report)) => Some(report),
+            Ok((false, report)) => fail(format!("{report}")),
+            Err(e) => fail(e.to_string()),
         }
     }
 

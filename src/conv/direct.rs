@@ -10,6 +10,7 @@
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::call::PathCall;
+use super::paths::direct_limits;
 use super::{ConvShape, Direction, FwdPtrs};
 use crate::context::Context;
 use crate::dtype::DType;
@@ -24,9 +25,6 @@ const KT: usize = 8;
 /// Largest `gridDim.x` / `gridDim.y` the launcher asks for (the kernel strides over the rest).
 const MAX_GRID_X: u64 = i32::MAX as u64;
 const MAX_GRID_Y: usize = 65_535;
-/// Per-image extents and coordinate sums stay at or below this (32-bit indices, `int`
-/// coordinates in the kernel).
-const MAX_EXTENT: usize = i32::MAX as usize;
 
 /// The kernel's geometry argument, field for field as `DirectGeom` in `kernels/conv_direct.cu`.
 #[repr(C)]
@@ -58,53 +56,36 @@ struct DirectGeom {
 // passed by value as a kernel argument.
 unsafe impl DeviceRepr for DirectGeom {}
 
-fn small(what: &str, v: usize) -> Result<u32> {
-    if v > MAX_EXTENT {
-        return Err(Error::NotSupported(format!(
-            "direct convolution: {what} = {v} exceeds {MAX_EXTENT}, the limit of the kernel's \
-             32-bit per-image indices"
-        )));
-    }
-    Ok(v as u32)
-}
-
-fn small_product(what: &str, dims: &[usize]) -> Result<u32> {
-    let p = dims
-        .iter()
-        .try_fold(1usize, |p, &d| p.checked_mul(d))
-        .unwrap_or(usize::MAX);
-    small(what, p)
-}
-
+/// The kernel's geometry; refused ([`Error::NotSupported`]) beyond the kernel's 32-bit
+/// per-image indices, by the same check the plan's direct rule applies
+/// ([`direct_limits`](super::paths::direct_limits)).
 fn geometry(s: &ConvShape) -> Result<DirectGeom> {
     let (oh, ow) = s.out_hw()?;
     let y_len = s.y_len()?;
-    let p = small_product("oh*ow", &[oh, ow])?;
-    let k = small_product("c_in*kh*kw", &[s.c_in, s.kh, s.kw])?;
-    let x_img = small_product("c_in*h*w", &[s.c_in, s.h, s.w])?;
-    small("c_out", s.c_out)?;
-    small("h + 2*pad.0", s.h.saturating_add(s.pad.0.saturating_mul(2)))?;
-    small("w + 2*pad.1", s.w.saturating_add(s.pad.1.saturating_mul(2)))?;
-    let i = |what: &str, v: usize| small(what, v).map(|v| v as i32);
+    direct_limits(s, (oh, ow)).map_err(Error::NotSupported)?;
+    // Every value below is at most i32::MAX (checked above: each extent is bounded by a
+    // checked product or sum of nonzero extents).
+    let u = |v: usize| v as u32;
+    let i = |v: usize| v as i32;
     Ok(DirectGeom {
         pixels: (y_len / s.c_out) as u64,
-        x_img: u64::from(x_img),
-        c_in: s.c_in as u32,
-        h: s.h as u32,
-        w: s.w as u32,
-        c_out: s.c_out as u32,
-        kh: s.kh as u32,
-        kw: s.kw as u32,
-        oh: oh as u32,
-        ow: ow as u32,
-        sh: i("stride.0", s.stride.0)?,
-        sw: i("stride.1", s.stride.1)?,
-        ph: i("pad.0", s.pad.0)?,
-        pw: i("pad.1", s.pad.1)?,
-        dh: i("dilation.0", s.dilation.0)?,
-        dw: i("dilation.1", s.dilation.1)?,
-        p,
-        k,
+        x_img: (s.c_in * s.h * s.w) as u64,
+        c_in: u(s.c_in),
+        h: u(s.h),
+        w: u(s.w),
+        c_out: u(s.c_out),
+        kh: u(s.kh),
+        kw: u(s.kw),
+        oh: u(oh),
+        ow: u(ow),
+        sh: i(s.stride.0),
+        sw: i(s.stride.1),
+        ph: i(s.pad.0),
+        pw: i(s.pad.1),
+        dh: i(s.dilation.0),
+        dw: i(s.dilation.1),
+        p: u(oh * ow),
+        k: u(s.c_in * s.kh * s.kw),
         groups: s.c_out.div_ceil(KT) as u32,
         unused: 0,
     })

@@ -309,6 +309,102 @@ pub fn cudnn_int_limits(s: &ConvShape, (oh, ow): (usize, usize)) -> Option<Strin
     }
 }
 
+/// The first of `(what, value)` over [`INT_MAX`], as the launchers word it: `kernels` names
+/// them, their 32-bit per-image indices and `int` coordinates being the limit.
+fn over_int(kernels: &str, checks: &[(&str, usize)]) -> std::result::Result<(), String> {
+    match checks.iter().find(|(_, v)| *v > INT_MAX) {
+        Some((what, v)) => Err(format!(
+            "{kernels}: {what} = {v} exceeds {INT_MAX}, the limit of the kernel's 32-bit \
+             per-image indices"
+        )),
+        None => Ok(()),
+    }
+}
+
+/// The product of `dims`, `usize::MAX` when it overflows (over every limit).
+fn product(dims: &[usize]) -> usize {
+    dims.iter()
+        .try_fold(1usize, |p, &d| p.checked_mul(d))
+        .unwrap_or(usize::MAX)
+}
+
+/// Why the direct kernel cannot index the problem (`Err`: its 32-bit per-image indices and
+/// `int` coordinates do not hold it). The launcher (`direct.rs`) refuses exactly these, so the
+/// plan never calls eligible what the launcher refuses.
+pub(crate) fn direct_limits(
+    s: &ConvShape,
+    (oh, ow): (usize, usize),
+) -> std::result::Result<(), String> {
+    over_int(
+        "direct convolution",
+        &[
+            ("oh*ow", product(&[oh, ow])),
+            ("c_in*kh*kw", product(&[s.c_in, s.kh, s.kw])),
+            ("c_in*h*w", product(&[s.c_in, s.h, s.w])),
+            ("c_out", s.c_out),
+            ("h + 2*pad.0", s.h.saturating_add(s.pad.0.saturating_mul(2))),
+            ("w + 2*pad.1", s.w.saturating_add(s.pad.1.saturating_mul(2))),
+            ("stride.0", s.stride.0),
+            ("stride.1", s.stride.1),
+            ("pad.0", s.pad.0),
+            ("pad.1", s.pad.1),
+            ("dilation.0", s.dilation.0),
+            ("dilation.1", s.dilation.1),
+        ],
+    )
+}
+
+/// Why the im2col kernels cannot index the problem: the per-image limits that
+/// `im2col/launch.rs`'s `geometry` refuses beyond the GEMM's (checked by [`Im2colRule`]).
+fn im2col_limits(s: &ConvShape, pixels: usize, taps: usize) -> std::result::Result<(), String> {
+    let padded_w = s.w.saturating_add(s.pad.1.saturating_mul(2));
+    let nhwc_reach = if s.format == crate::layout::TensorFormat::Nhwc {
+        padded_w
+            .saturating_add(s.kw.saturating_mul(s.dilation.1))
+            .saturating_mul(s.c_in)
+    } else {
+        0
+    };
+    over_int(
+        "im2col kernels",
+        &[
+            (
+                "an image's column matrix (oh*ow*c_in*kh*kw)",
+                product(&[pixels, taps]),
+            ),
+            ("an image's input (c_in*h*w)", product(&[s.c_in, s.h, s.w])),
+            ("h + 2*pad.0", s.h.saturating_add(s.pad.0.saturating_mul(2))),
+            ("w + 2*pad.1", padded_w),
+            ("(w + 2*pad.1 + kw*dilation.1)*c_in", nhwc_reach),
+            ("stride.0", s.stride.0),
+            ("stride.1", s.stride.1),
+            ("pad.0", s.pad.0),
+            ("pad.1", s.pad.1),
+            ("dilation.0", s.dilation.0),
+            ("dilation.1", s.dilation.1),
+        ],
+    )
+}
+
+/// Why the Winograd kernels cannot address the padded image: they form tile origins and tap
+/// coordinates as `int` (the input-transform launchers in `winograd.rs` and
+/// `winograd/fused.rs` refuse a padded extent over `i32::MAX / 2`).
+fn winograd_limits(s: &ConvShape) -> std::result::Result<(), String> {
+    let limit = INT_MAX / 2;
+    for (what, v) in [
+        ("h + 2*pad.0", s.h.saturating_add(s.pad.0.saturating_mul(2))),
+        ("w + 2*pad.1", s.w.saturating_add(s.pad.1.saturating_mul(2))),
+    ] {
+        if v > limit {
+            return Err(format!(
+                "Winograd kernels: {what} = {v} exceeds {limit}, the limit of their int tile \
+                 coordinates"
+            ));
+        }
+    }
+    Ok(())
+}
+
 pub(super) fn info_ineligible(path: ConvPath, why: String) -> PathInfo {
     PathInfo {
         path,
@@ -423,6 +519,12 @@ impl PathRule for Im2colRule {
                     big.join(", ")
                 ),
             ));
+        }
+        // A pointwise problem runs no im2col or col2im kernel (x or dx is the column matrix).
+        if !is_pointwise(s) {
+            if let Err(why) = im2col_limits(s, d.pixels, d.taps) {
+                return Ok(info_ineligible(path, why));
+            }
         }
         let Some(chunk) = im2col_chunk(s, elem, cap)? else {
             let per_image = d.per_image.saturating_mul(elem);
@@ -543,6 +645,9 @@ impl PathRule for WinogradRule {
             }
         };
         if let Err(why) = eligible {
+            return Ok(info_ineligible(path, why));
+        }
+        if let Err(why) = winograd_limits(s) {
             return Ok(info_ineligible(path, why));
         }
         let Some(eq) = winograd_equivalent(s, req.direction) else {
@@ -794,7 +899,7 @@ impl PathRule for DirectRule {
         &self,
         path: ConvPath,
         req: &ConvPlanRequest,
-        _out_hw: (usize, usize),
+        out_hw: (usize, usize),
     ) -> Result<PathInfo> {
         if req.direction != Direction::Forward {
             return Ok(info_ineligible(
@@ -804,6 +909,9 @@ impl PathRule for DirectRule {
                     req.direction.describe()
                 ),
             ));
+        }
+        if let Err(why) = direct_limits(&req.shape, out_hw) {
+            return Ok(info_ineligible(path, why));
         }
         Ok(PathInfo {
             path,

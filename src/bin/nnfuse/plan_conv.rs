@@ -276,7 +276,8 @@ fn request(
     Ok((shape, config, direction, present, present_source))
 }
 
-/// Prints the convolution plan (text or JSON); invalid input is an error (exit 2).
+/// Prints the convolution plan (text or JSON); invalid input is an error (exit 2), and so is a
+/// plan that no path can run (printed, then exit 2 naming why).
 pub fn run(
     a: &ConvArgs,
     conv: &str,
@@ -308,10 +309,7 @@ pub fn run(
         let mut j = p.to_json();
         if let Some(obj) = j.as_object_mut() {
             obj.insert("sources".into(), sources);
-            obj.insert(
-                "cudnn_search".into(),
-                json!(nnfuse::conv::cudnn_search().name()),
-            );
+            obj.insert("cudnn_search".into(), json!(config.cudnn_search.name()));
         }
         println!("{}", serde_json::to_string(&j)?);
     } else {
@@ -334,6 +332,14 @@ pub fn run(
             graph_source,
         );
         print!("{p}");
+    }
+    if !p.runnable {
+        // The plan is printed (it says why each path cannot run); the status tells a script.
+        eprintln!(
+            "nnfuse: NOT RUNNABLE: no path can compute this problem here: {}",
+            p.fallback.as_deref().unwrap_or("every path is ineligible")
+        );
+        return Ok(std::process::ExitCode::from(2));
     }
     Ok(std::process::ExitCode::SUCCESS)
 }
