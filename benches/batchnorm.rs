@@ -694,7 +694,7 @@ fn bench_own_training<T: Element>(
     Ok(())
 }
 
-const OWN_TRAIN_HEADER: &str = "| case | own variants (fwd/bwd) | own fwd / bwd µs | cuDNN path fwd / bwd µs | own speed-up vs cuDNN | PyTorch fwd / bwd µs (issue 9, measured earlier) and own speed-up | nnfuse on cuDNN fwd / bwd µs (issue 9) | floor fwd+bwd µs | own % of floor | own % of copy, its bytes (fwd / bwd) | own % of a same-size copy (fwd / bwd) |\n|---|---|---|---|---|---|---|---|---|---|---|";
+const OWN_TRAIN_HEADER: &str = "| case | own variants (fwd/bwd) | own fwd / bwd µs | cuDNN path fwd / bwd µs | own speed-up vs cuDNN | PyTorch fwd / bwd µs (earlier H100 measurement) and own speed-up | nnfuse on cuDNN fwd / bwd µs (earlier H100 measurement) | floor fwd+bwd µs | own % of floor | own % of copy, its bytes (fwd / bwd) | own % of a same-size copy (fwd / bwd) |\n|---|---|---|---|---|---|---|---|---|---|---|";
 
 /// Inference: the own one-pass kernel against cuDNN's ForwardInference plus the activation
 /// kernel, effective bandwidth on the bytes moved (x, the addend, y).
@@ -756,7 +756,7 @@ fn bench_own_inference<T: Element>(
     Ok(())
 }
 
-const OWN_INFER_HEADER: &str = "| case | own µs | own effective bandwidth (vs the 1 GiB copy) | same-size copy µs (own at % of its speed) | cuDNN + activation µs | own speed-up | PyTorch µs (issue 9, measured earlier) and own speed-up | floor µs |\n|---|---|---|---|---|---|---|---|";
+const OWN_INFER_HEADER: &str = "| case | own µs | own effective bandwidth (vs the 1 GiB copy) | same-size copy µs (own at % of its speed) | cuDNN + activation µs | own speed-up | PyTorch µs (earlier H100 measurement) and own speed-up | floor µs |\n|---|---|---|---|---|---|---|---|";
 
 /// The own persistent variant against the own two-pass variant (both forced) and the cuDNN
 /// path, on tensors that fit on chip.
@@ -805,7 +805,7 @@ const OWN_VARIANTS_HEADER: &str = "| case | own two-pass fwd / bwd µs | own per
 fn own_sections(ctx: &Context, own: &Context, bw: f64) -> Result<()> {
     let mut train = Vec::new();
     println!(
-        "\n## nnfuse's own kernels: the issue-9 cases (training, fwd + bwd)\n\n{OWN_TRAIN_HEADER}"
+        "\n## nnfuse's own kernels: the ResNet cases of the own-kernel targets (training, fwd + bwd)\n\n{OWN_TRAIN_HEADER}"
     );
     let e = |pf, pb, nf, nb| {
         Some(Earlier {
@@ -1010,7 +1010,7 @@ fn own_sections(ctx: &Context, own: &Context, bw: f64) -> Result<()> {
         &mut vars,
     )?;
 
-    println!("\n## Summary: own kernels (issue 9)\n\n{OWN_TRAIN_HEADER}");
+    println!("\n## Summary: own kernels\n\n{OWN_TRAIN_HEADER}");
     for l in &train {
         println!("{l}");
     }
