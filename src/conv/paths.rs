@@ -405,6 +405,19 @@ fn winograd_limits(s: &ConvShape) -> std::result::Result<(), String> {
     Ok(())
 }
 
+/// An eligible path that needs no scratch and runs the whole batch in one call.
+fn info_whole(path: ConvPath) -> PathInfo {
+    PathInfo {
+        path,
+        eligible: true,
+        why_not: None,
+        scratch_bytes: 0,
+        chunk: None,
+        chunks: 1,
+        winograd: None,
+    }
+}
+
 pub(super) fn info_ineligible(path: ConvPath, why: String) -> PathInfo {
     PathInfo {
         path,
@@ -438,15 +451,7 @@ impl PathRule for CudnnRule {
         if let Some(why) = cudnn_int_limits(&req.shape, out_hw) {
             return Ok(info_ineligible(path, why));
         }
-        Ok(PathInfo {
-            path,
-            eligible: true,
-            why_not: None,
-            scratch_bytes: 0,
-            chunk: None,
-            chunks: 1,
-            winograd: None,
-        })
+        Ok(info_whole(path))
     }
 
     fn reasons(&self, req: &ConvPlanRequest, _p: &PathInfo, reasons: &mut Vec<String>) {
@@ -852,15 +857,7 @@ impl PathRule for CudnnGraphRule {
         if let Some(why) = graph_refusal(req, out_hw) {
             return Ok(info_ineligible(path, why));
         }
-        Ok(PathInfo {
-            path,
-            eligible: true,
-            why_not: None,
-            scratch_bytes: 0,
-            chunk: None,
-            chunks: 1,
-            winograd: None,
-        })
+        Ok(info_whole(path))
     }
 
     fn reasons(&self, req: &ConvPlanRequest, _p: &PathInfo, reasons: &mut Vec<String>) {
@@ -913,15 +910,7 @@ impl PathRule for DirectRule {
         if let Err(why) = direct_limits(&req.shape, out_hw) {
             return Ok(info_ineligible(path, why));
         }
-        Ok(PathInfo {
-            path,
-            eligible: true,
-            why_not: None,
-            scratch_bytes: 0,
-            chunk: None,
-            chunks: 1,
-            winograd: None,
-        })
+        Ok(info_whole(path))
     }
 
     fn reasons(&self, _req: &ConvPlanRequest, _p: &PathInfo, reasons: &mut Vec<String>) {
