@@ -267,10 +267,18 @@ pub(crate) fn mib(bytes: usize) -> String {
     format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
 }
 
+/// `name = value` for each size over `int` (cuBLAS's and cuDNN's dimension type), in order.
+fn sizes_over_int(sizes: &[(&str, usize)]) -> Vec<String> {
+    sizes
+        .iter()
+        .filter(|(_, v)| *v > INT_MAX)
+        .map(|(n, v)| format!("{n} = {v}"))
+        .collect()
+}
+
 /// Why cuDNN's `int` sizes cannot describe the problem, if they cannot.
 pub fn cudnn_int_limits(s: &ConvShape, (oh, ow): (usize, usize)) -> Option<String> {
-    let mut over = Vec::new();
-    for (name, v) in [
+    let mut over = sizes_over_int(&[
         ("n", s.n),
         ("c_in", s.c_in),
         ("h", s.h),
@@ -281,11 +289,7 @@ pub fn cudnn_int_limits(s: &ConvShape, (oh, ow): (usize, usize)) -> Option<Strin
         ("stride", s.stride.0.max(s.stride.1)),
         ("pad", s.pad.0.max(s.pad.1)),
         ("dilation", s.dilation.0.max(s.dilation.1)),
-    ] {
-        if v > INT_MAX {
-            over.push(format!("{name} = {v}"));
-        }
-    }
+    ]);
     // Element counts (they bound every stride of the packed descriptors).
     let count = |d: &[usize]| d.iter().try_fold(1usize, |p, &x| p.checked_mul(x));
     for (name, dims) in [
@@ -507,15 +511,11 @@ impl PathRule for Im2colRule {
         let elem = req.dtype.size();
         let cap = req.config.conv_workspace_bytes();
         let d = im2col_dims(s)?;
-        let big: Vec<String> = [
+        let big = sizes_over_int(&[
             ("output pixels per image (oh*ow)", d.pixels),
             ("filter taps (c_in*kh*kw)", d.taps),
             ("c_out", s.c_out),
-        ]
-        .iter()
-        .filter(|(_, v)| *v > INT_MAX)
-        .map(|(n, v)| format!("{n} = {v}"))
-        .collect();
+        ]);
         if !big.is_empty() {
             return Ok(info_ineligible(
                 path,
@@ -680,11 +680,7 @@ impl PathRule for WinogradRule {
             ));
         };
         let tiles = chunk.saturating_mul(d.tiles_per_image);
-        let big: Vec<String> = [("tiles", tiles), ("c_in", eq.c_in), ("c_out", eq.c_out)]
-            .iter()
-            .filter(|(_, v)| *v > INT_MAX)
-            .map(|(n, v)| format!("{n} = {v}"))
-            .collect();
+        let big = sizes_over_int(&[("tiles", tiles), ("c_in", eq.c_in), ("c_out", eq.c_out)]);
         if !big.is_empty() {
             return Ok(info_ineligible(
                 path,
