@@ -1465,6 +1465,14 @@ mod tests {
         }
     }
 
+    /// `v` with `v[at[0]][at[1]] = value` is refused by `entry_from_json`, saying `why`.
+    fn assert_refused(v: &Value, at: [&str; 2], value: Value, why: &str) {
+        let mut bad = v.clone();
+        bad[at[0]][at[1]] = value;
+        let e = entry_from_json(&bad, 0).unwrap_err();
+        assert!(e.contains(why), "{at:?} = {}: {e}", bad[at[0]][at[1]]);
+    }
+
     /// A convolution takes its Context's `cudnn_search` (the library's tests set no
     /// process-wide override), not the environment's.
     #[test]
@@ -1527,24 +1535,15 @@ mod tests {
         assert_eq!(c2.route, Route::graph(e));
         assert_eq!(c2.route.label(), "cudnn_graph:eng57{k2=1,k5=0}");
         // The engine config goes with the graph path only, and must parse.
-        let mut bad = v.clone();
-        bad["choice"]["graph_engine"] = json!(null);
-        assert!(entry_from_json(&bad, 0)
-            .unwrap_err()
-            .contains("graph_engine"));
-        let mut bad = v.clone();
-        bad["choice"]["graph_engine"] = json!("engine 57");
-        assert!(entry_from_json(&bad, 0)
-            .unwrap_err()
-            .contains("graph_engine"));
-        let mut bad = v.clone();
-        bad["choice"]["path"] = json!("im2col_gemm");
-        assert!(entry_from_json(&bad, 0)
-            .unwrap_err()
-            .contains("graph_engine"));
-        let mut bad = v.clone();
-        bad["key"]["cudnn_api"] = json!("backend");
-        assert!(entry_from_json(&bad, 0).unwrap_err().contains("cudnn_api"));
+        assert_refused(&v, ["choice", "graph_engine"], json!(null), "graph_engine");
+        assert_refused(
+            &v,
+            ["choice", "graph_engine"],
+            json!("engine 57"),
+            "graph_engine",
+        );
+        assert_refused(&v, ["choice", "path"], json!("im2col_gemm"), "graph_engine");
+        assert_refused(&v, ["key", "cudnn_api"], json!("backend"), "cudnn_api");
         // Entries from before the graph route: measured with the legacy API.
         let mut old = entry_to_json(
             &k,
@@ -1604,23 +1603,21 @@ mod tests {
             &k,
             &ConvChoice::planned(Route::path(ConvPath::Direct), ChoiceOrigin::Measured),
         );
-        let mut bad = good.clone();
-        bad["choice"]["engine"] = json!("tensor_core");
-        assert!(entry_from_json(&bad, 0)
-            .unwrap_err()
-            .contains("names no engine"));
-        let mut bad = good.clone();
-        bad["choice"]["path"] = json!("winograd_f4x3");
-        assert!(entry_from_json(&bad, 0).unwrap_err().contains("Winograd"));
-        let mut bad = good.clone();
-        bad["key"]["stride"] = json!([0, 1]);
-        assert!(entry_from_json(&bad, 0).unwrap_err().contains("stride"));
-        let mut bad = good.clone();
-        bad["key"]["policy"] = json!("fft");
-        assert!(entry_from_json(&bad, 0).unwrap_err().contains("policy"));
-        let mut bad = good.clone();
-        bad["choice"]["path"] = json!("cudnn");
-        assert!(entry_from_json(&bad, 0).unwrap_err().contains("cuDNN"));
+        assert_refused(
+            &good,
+            ["choice", "engine"],
+            json!("tensor_core"),
+            "names no engine",
+        );
+        assert_refused(
+            &good,
+            ["choice", "path"],
+            json!("winograd_f4x3"),
+            "Winograd",
+        );
+        assert_refused(&good, ["key", "stride"], json!([0, 1]), "stride");
+        assert_refused(&good, ["key", "policy"], json!("fft"), "policy");
+        assert_refused(&good, ["choice", "path"], json!("cudnn"), "cuDNN");
         let mut bad = good;
         bad["choice"]["cudnn_algo"] = json!("ALGO_0");
         assert!(entry_from_json(&bad, 0).unwrap_err().contains("together"));
