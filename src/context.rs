@@ -12,12 +12,15 @@ use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::fmt;
 use std::hash::Hash;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use cudarc::cublas::{result as cublas_result, sys as cublas_sys};
 use cudarc::cublaslt::{result as lt_result, sys as lt_sys};
 use cudarc::cudnn::{result as cudnn_result, sys as cudnn_sys};
-use cudarc::driver::{sys as drv, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
+use cudarc::driver::{
+    result as drv_result, sys as drv, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream,
+};
 use once_cell::sync::Lazy;
 
 use crate::config::Config;
@@ -167,6 +170,43 @@ struct Shared {
     workspace: Option<CudaSlice<u8>>,
 }
 
+/// What the CUDA graphs captured on a stream keep alive, shared by the Contexts on that stream (a
+/// Context and its [`Context::with_config_override`] copies): a captured graph holds the
+/// addresses of the workspace and scratch arenas its calls used, so an arena that grows, is
+/// released or whose Context is dropped while a graph lives is retired here instead of freed.
+#[derive(Default)]
+pub(crate) struct GraphPins {
+    /// Captured graphs alive now.
+    live: AtomicUsize,
+    /// Arenas replaced while graphs were alive; freed when the last graph goes.
+    retired: Mutex<Vec<CudaSlice<u8>>>,
+}
+
+impl GraphPins {
+    /// Frees `old` in stream order, or keeps it while a captured graph may use it.
+    fn retire(&self, old: Option<CudaSlice<u8>>) {
+        let Some(buf) = old else { return };
+        let mut retired = lock_poisoned(&self.retired);
+        if self.live.load(Ordering::Acquire) > 0 {
+            retired.push(buf);
+        }
+    }
+
+    /// A graph was captured: arenas are retired, not freed, until it is unpinned.
+    pub(crate) fn pin(&self) {
+        let _retired = lock_poisoned(&self.retired);
+        self.live.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A graph went; the last one frees the retired arenas (in stream order) unless `keep`.
+    pub(crate) fn unpin(&self, keep: bool) {
+        let mut retired = lock_poisoned(&self.retired);
+        if self.live.fetch_sub(1, Ordering::AcqRel) == 1 && !keep {
+            retired.clear();
+        }
+    }
+}
+
 struct Inner {
     info: DeviceInfo,
     cuda: Arc<CudaContext>,
@@ -180,6 +220,8 @@ struct Inner {
     memo: Mutex<HashMap<TypeId, Box<dyn MemoTable>>>,
     /// Scratch memory of nnfuse's own multi-kernel paths (see [`Context::scratch`]).
     scratch: Mutex<Option<CudaSlice<u8>>>,
+    /// Shared with every Context on the same stream.
+    pins: Arc<GraphPins>,
 }
 
 impl Drop for Inner {
@@ -190,6 +232,13 @@ impl Drop for Inner {
             Ok(s) => s,
             Err(p) => p.into_inner(),
         };
+        // A graph captured on this stream may still use the arenas.
+        self.pins.retire(shared.workspace.take());
+        let scratch = match self.scratch.get_mut() {
+            Ok(s) => s.take(),
+            Err(p) => p.into_inner().take(),
+        };
+        self.pins.retire(scratch);
         // SAFETY: each handle was created once and is destroyed once, here. Failures to destroy
         // at teardown cannot be reported from Drop and only leak.
         unsafe {
@@ -220,6 +269,11 @@ impl fmt::Debug for Context {
             .finish()
     }
 }
+
+/// The advice every refusal under CUDA-graph capture ends with ([`Context::refuse_under_capture`]).
+const BEFORE_CAPTURE: &str = "make the same call once before the capture (same shapes, same \
+     Context and objects): it then decides, compiles and allocates what it needs, and the \
+     captured call does none of that (docs/CAPTURE.md)";
 
 /// Images compiled per (architecture, file), shared by every Context of the process so that a
 /// second Context on the same kind of device does not compile again.
@@ -396,6 +450,7 @@ impl Context {
                 modules: Mutex::new(HashMap::new()),
                 memo: Mutex::new(HashMap::new()),
                 scratch: Mutex::new(None),
+                pins: Arc::default(),
             }),
         })
     }
@@ -415,6 +470,7 @@ impl Context {
                 modules: Mutex::new(HashMap::new()),
                 memo: Mutex::new(HashMap::new()),
                 scratch: Mutex::new(None),
+                pins: self.inner.pins.clone(),
             }),
         }
     }
@@ -440,9 +496,58 @@ impl Context {
         &self.inner.stream
     }
 
-    /// Waits for all work queued on the stream.
+    /// Waits for all work queued on the stream. Refused with [`Error::Capture`] while the stream
+    /// is capturing a CUDA graph (a synchronisation would invalidate the capture).
     pub fn synchronize(&self) -> Result<()> {
+        self.refuse_under_capture("Context::synchronize", "synchronise the capturing stream")?;
         self.inner.stream.synchronize().call("cuStreamSynchronize")
+    }
+
+    /// Whether the Context's stream is capturing a CUDA graph now (also when that capture has
+    /// been invalidated and not yet ended). One driver call (`cuStreamIsCapturing`): ask it
+    /// only where a call is about to do something a capture cannot hold, never per operation.
+    pub(crate) fn is_capturing(&self) -> Result<bool> {
+        self.inner.cuda.bind_to_thread().call("cuCtxSetCurrent")?;
+        // SAFETY: the Context's stream lives as long as the Context.
+        let status = unsafe { drv_result::stream::is_capturing(self.inner.stream.cu_stream()) }
+            .call("cuStreamIsCapturing")?;
+        Ok(status != drv::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    /// `Ok` unless the Context's stream is capturing a CUDA graph; then [`Error::Capture`] naming
+    /// `what` (the operation) and what it `needs` (phrased after "it would"). Call it right
+    /// before an allocation, synchronisation, read-back, measurement or kernel compilation on a
+    /// path that a decided call does not take, so that such a call under capture is refused
+    /// instead of invalidating the capture.
+    pub(crate) fn refuse_under_capture(&self, what: &'static str, needs: &str) -> Result<()> {
+        if !self.is_capturing()? {
+            return Ok(());
+        }
+        tracing::debug!(what, needs, "refused under CUDA-graph capture");
+        Err(Error::Capture {
+            what,
+            why: format!("it would {needs}; {BEFORE_CAPTURE}"),
+        })
+    }
+
+    /// What the graphs captured on this Context's stream keep alive (see `capture.rs`).
+    pub(crate) fn pins(&self) -> &Arc<GraphPins> {
+        &self.inner.pins
+    }
+
+    /// Grows the library workspace ([`Locked::workspace`]: cuDNN and cuBLASLt calls) to at least
+    /// `bytes` now, so that no later call grows it: a call under CUDA-graph capture that needs
+    /// more than the workspace holds is refused ([`Error::Capture`]). A call made once before the
+    /// capture has already grown it to what that call needs.
+    pub fn reserve_workspace(&self, bytes: usize) -> Result<()> {
+        self.lock()?.workspace(bytes).map(drop)
+    }
+
+    /// Grows the scratch arena of nnfuse's own multi-kernel paths (convolution columns,
+    /// Winograd's transformed tensors, BatchNorm's partial statistics) to at least `bytes` now;
+    /// see [`Context::reserve_workspace`].
+    pub fn reserve_scratch(&self, bytes: usize) -> Result<()> {
+        self.scratch(bytes).map(drop)
     }
 
     /// Takes the lock over the library handles and the workspace. Hold the guard across one
@@ -463,6 +568,13 @@ impl Context {
         if let Some(f) = lock_poisoned(&self.inner.functions).get(&(file.name, name)) {
             return Ok(f.clone());
         }
+        self.refuse_under_capture(
+            "the first use of a kernel",
+            &format!(
+                "compile or load kernel {name} of {} (NVRTC, cuModuleLoadData)",
+                file.name
+            ),
+        )?;
         let module = self.module(file)?;
         let f = module.load_function(name).map_err(|e| Error::Driver {
             call: "cuModuleGetFunction",
@@ -548,10 +660,14 @@ impl Context {
         let mut guard = lock_poisoned(&self.inner.scratch);
         let too_small = guard.as_ref().is_none_or(|w| w.len() < bytes);
         if too_small && bytes > 0 {
+            self.refuse_under_capture(
+                "growing the scratch arena",
+                "allocate (reserve it up front with Context::reserve_scratch)",
+            )?;
             self.inner.cuda.bind_to_thread().call("cuCtxSetCurrent")?;
             let size = arena_size(bytes, "scratch")?;
             // Dropping the old buffer frees it in stream order, after queued work that uses it.
-            *guard = None;
+            self.inner.pins.retire(guard.take());
             // SAFETY: scratch memory; every user writes before it reads.
             let buf = unsafe { self.inner.stream.alloc::<u8>(size) }.call("cuMemAllocAsync")?;
             tracing::debug!(bytes = size, "scratch arena grown");
@@ -578,7 +694,8 @@ impl Context {
     /// Frees the scratch arena (in stream order, after the work queued so far); the next path
     /// that needs it allocates again.
     pub fn release_scratch(&self) {
-        *lock_poisoned(&self.inner.scratch) = None;
+        let old = lock_poisoned(&self.inner.scratch).take();
+        self.inner.pins.retire(old);
     }
 
     fn module(&self, file: &'static KernelFile) -> Result<Arc<CudaModule>> {
@@ -663,6 +780,8 @@ impl Locked<'_> {
         if let Some(h) = &self.shared.cudnn {
             return Ok(h.0);
         }
+        self.ctx
+            .refuse_under_capture("creating the cuDNN handle", "create a library handle")?;
         let version = cudnn_version()?;
         cudnn_result::version_check().call("cudnnVersionCheck (sub-library versions differ)")?;
         let h = cudnn_result::create_handle().call("cudnnCreate")?;
@@ -686,6 +805,8 @@ impl Locked<'_> {
         if let Some(h) = &self.shared.cublas {
             return Ok(h.0);
         }
+        self.ctx
+            .refuse_under_capture("creating the cuBLAS handle", "create a library handle")?;
         let version = cublas_version()?;
         let h = cublas_result::create_handle().call("cublasCreate")?;
         // SAFETY: fresh handle, live stream.
@@ -708,6 +829,8 @@ impl Locked<'_> {
         if let Some(h) = &self.shared.cublaslt {
             return Ok(h.0);
         }
+        self.ctx
+            .refuse_under_capture("creating the cuBLASLt handle", "create a library handle")?;
         let version = cublaslt_version()?;
         let h = lt_result::create_handle().call("cublasLtCreate")?;
         tracing::info!(version, "cuBLASLt handle created");
@@ -728,9 +851,13 @@ impl Locked<'_> {
             .as_ref()
             .is_none_or(|w| w.len() < bytes);
         if too_small {
+            self.ctx.refuse_under_capture(
+                "growing the library workspace",
+                "allocate (reserve it up front with Context::reserve_workspace)",
+            )?;
             let size = arena_size(bytes, "workspace")?;
             // Dropping the old buffer frees it in stream order, after queued work that uses it.
-            self.shared.workspace = None;
+            self.ctx.inner.pins.retire(self.shared.workspace.take());
             // SAFETY: the workspace is scratch memory; nothing reads it before a writer does.
             let buf = unsafe { self.ctx.stream().alloc::<u8>(size) }.call("cuMemAllocAsync")?;
             tracing::debug!(bytes = size, "workspace grown");

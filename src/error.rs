@@ -91,6 +91,18 @@ pub enum Error {
     #[error("not supported: {0}")]
     NotSupported(String),
 
+    /// A call would have broken the CUDA-graph capture running on the Context's stream (it
+    /// needed an allocation, a synchronisation, a measurement, a kernel compilation or another
+    /// call a capture cannot hold): it queued nothing, and the capture can go on or be ended.
+    /// See `docs/CAPTURE.md`.
+    #[error("{what} is not capture-safe now: {why}")]
+    Capture {
+        /// The operation refused (e.g. `the first call of a convolution direction`).
+        what: &'static str,
+        /// What it would have needed, and how to make it capture-safe.
+        why: String,
+    },
+
     /// File input/output (tuning cache).
     #[error("{path}: {source}")]
     Io {
@@ -132,6 +144,11 @@ impl Error {
     /// Whether this is a cuDNN `NOT_SUPPORTED` status (the caller may fall back).
     pub fn is_cudnn_not_supported(&self) -> bool {
         matches!(self, Error::Cudnn { status, .. } if status.is_not_supported())
+    }
+
+    /// Whether this is [`Error::Capture`]: a call refused under CUDA-graph capture.
+    pub(crate) fn is_capture(&self) -> bool {
+        matches!(self, Error::Capture { .. })
     }
 
     /// The name of the offending argument, for [`Error::InvalidArgument`].

@@ -22,6 +22,7 @@
 pub mod activation;
 pub mod batchnorm;
 mod cache_fs;
+pub mod capture;
 pub mod config;
 pub mod context;
 pub mod conv;

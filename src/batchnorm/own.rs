@@ -310,6 +310,7 @@ impl Counters {
     fn with<R>(&self, ctx: &Context, words: usize, f: impl FnOnce(u64) -> Result<R>) -> Result<R> {
         let mut g = lock(&self.words);
         if g.as_ref().is_none_or(|b| b.len() < words) {
+            ctx.refuse_under_capture("a BatchNorm's first own-kernel call", "allocate counters")?;
             ctx.cuda().bind_to_thread().call("cuCtxSetCurrent")?;
             *g = Some(
                 ctx.stream()

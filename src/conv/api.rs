@@ -466,6 +466,8 @@ impl<T: Element> Conv2d<T> {
         let mut t = lock(&pf.transformed);
         let slot = &mut t[tile_index(g.tile)];
         if slot.is_none() {
+            self.ctx
+                .refuse_under_capture("a filter's first Winograd transform", "allocate it")?;
             let v = g.dims.v;
             // SAFETY: written by the transform before any read.
             let mut buf =

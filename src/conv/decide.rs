@@ -375,6 +375,8 @@ impl<T: Element> Conv2d<T> {
         if let Some(s) = st.as_ref() {
             return Ok(s.exec);
         }
+        self.ctx
+            .refuse_under_capture("a convolution's first call", "decide its route (measure)")?;
         let dec = self.decide(d, p)?;
         let exec = dec.exec;
         *st = Some(dec);

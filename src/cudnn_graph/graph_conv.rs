@@ -167,6 +167,7 @@ impl GraphConv {
     /// a descriptor cannot be built (`NOT_SUPPORTED` statuses:
     /// [`Error::is_cudnn_not_supported`]).
     pub fn new(ctx: &Context, key: GraphConvKey) -> Result<GraphConv> {
+        ctx.refuse_under_capture("building a cuDNN graph plan", "finalize a plan")?;
         let version = build::available()?;
         key.validate()?;
         let mut g = ctx.lock()?;
@@ -248,6 +249,7 @@ impl GraphConv {
     /// Errors: as [`GraphConv::new`]; none of the configs finalizing is not an error (empty
     /// `plans`, the reasons in `skipped`).
     pub fn admitted(ctx: &Context, key: GraphConvKey, limit: usize) -> Result<Admitted> {
+        ctx.refuse_under_capture("building cuDNN graph plans", "finalize plans")?;
         build::available()?;
         let key = key.with_engine(None);
         key.validate()?;

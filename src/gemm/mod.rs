@@ -325,7 +325,7 @@ fn choose(
     key: &Key,
     spans: Spans,
     ptrs: Ptrs,
-) -> (Choice, Option<Arc<LtDescriptors>>) {
+) -> Result<(Choice, Option<Arc<LtDescriptors>>)> {
     let mut slot = choices::lookup_slot(key);
     if slot.is_none() {
         if let Some(path) = &ctx.config().tuning_cache {
@@ -341,12 +341,12 @@ fn choose(
         }
     }
     match slot {
-        Some((c, true, descriptors)) => return (c, descriptors),
+        Some((c, true, descriptors)) => return Ok((c, descriptors)),
         Some((c, false, _)) => match verify(ctx, p, dtype, key, &c) {
             Ok(descriptors) => {
                 tracing::debug!(problem = %key, algo = %c.label(), "GEMM tuning-cache entry checked");
                 choices::mark_verified(key, &c.algo, descriptors.clone());
-                return (c, descriptors);
+                return Ok((c, descriptors));
             }
             Err(e) => {
                 tracing::warn!(
@@ -360,7 +360,9 @@ fn choose(
         None => {}
     }
     match search_and_store(ctx, p, dtype, *key, spans, Some(ptrs), &mut |_| {}) {
-        Ok((report, descriptors)) => (report.choice, descriptors),
+        Ok((report, descriptors)) => Ok((report.choice, descriptors)),
+        // Refused under CUDA-graph capture: the call fails with it, the key stays undecided.
+        Err(e) if e.is_capture() => Err(e),
         Err(e) => {
             tracing::warn!(
                 problem = %key,
@@ -369,7 +371,7 @@ fn choose(
             );
             let c = Choice::fallback();
             choices::insert(*key, c, true, None, capacity(ctx));
-            (c, None)
+            Ok((c, None))
         }
     }
 }
@@ -434,7 +436,7 @@ fn run_checked(ctx: &Context, p: &Problem, dtype: DType, spans: Spans, ptrs: Ptr
     }
     let align = Alignment::of(p, dtype.size(), ptrs.a, ptrs.b, ptrs.c);
     let key = Key::from_checked(ordinal(ctx), p, dtype, align);
-    let (choice, descriptors) = choose(ctx, p, dtype, &key, spans, ptrs);
+    let (choice, descriptors) = choose(ctx, p, dtype, &key, spans, ptrs)?;
     let result = match (&choice.algo, descriptors) {
         (Algo::Cublas(x), _) => run_cublas(ctx, p, dtype, *x, ptrs),
         (Algo::Lt(x), Some(descriptors)) => run_lt(ctx, p, &descriptors, x, ptrs),

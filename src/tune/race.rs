@@ -24,6 +24,7 @@ pub(crate) fn race(
     n: usize,
     launch: impl FnMut(usize, usize) -> Result<()>,
 ) -> Result<Race> {
+    ctx.refuse_under_capture("a measurement", "time candidates (events, synchronisation)")?;
     decided(time_interleaved(ctx, opts, n, launch)?)
 }
 
@@ -36,6 +37,7 @@ pub(crate) fn race_gpu(
     n: usize,
     launch: impl FnMut(usize, usize) -> Result<()>,
 ) -> Result<Race> {
+    ctx.refuse_under_capture("a measurement", "time candidates (events, synchronisation)")?;
     decided(time_interleaved_gpu(ctx, opts, n, launch)?)
 }
 

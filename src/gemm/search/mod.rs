@@ -149,6 +149,7 @@ pub(crate) fn run(
     caller: Option<Ptrs>,
     progress: &mut dyn FnMut(SearchProgress<'_>),
 ) -> Result<(SearchReport, Option<Arc<LtDescriptors>>)> {
+    ctx.refuse_under_capture("a GEMM algorithm search", "measure (allocate, synchronise)")?;
     match dtype {
         DType::F32 => typed::<f32>(ctx, p, key, spans, caller, progress),
         DType::F16 => typed::<f16>(ctx, p, key, spans, caller, progress),
