@@ -165,6 +165,9 @@ struct Shared {
     cublas: Option<Handle<cublas_sys::cublasHandle_t>>,
     cublaslt: Option<Handle<lt_sys::cublasLtHandle_t>>,
     workspace: Option<CudaSlice<u8>>,
+    /// The workspace's address, taken once when it was allocated: only nnfuse uses it, on the
+    /// Context's stream, so a cached call needs none of cudarc's per-use stream events.
+    workspace_ptr: drv::CUdeviceptr,
 }
 
 struct Inner {
@@ -179,7 +182,9 @@ struct Inner {
     /// LRU per key type (see [`Context::memo`]).
     memo: Mutex<HashMap<TypeId, Box<dyn MemoTable>>>,
     /// Scratch memory of nnfuse's own multi-kernel paths (see [`Context::scratch`]).
-    scratch: Mutex<Option<CudaSlice<u8>>>,
+    /// With its address, taken once at allocation (nnfuse's own memory, used on the Context's
+    /// stream only: no per-use stream events).
+    scratch: Mutex<Option<(CudaSlice<u8>, drv::CUdeviceptr)>>,
 }
 
 impl Drop for Inner {
@@ -546,7 +551,7 @@ impl Context {
     #[allow(dead_code)] // used by the convolution paths
     pub(crate) fn scratch(&self, bytes: usize) -> Result<Scratch<'_>> {
         let mut guard = lock_poisoned(&self.inner.scratch);
-        let too_small = guard.as_ref().is_none_or(|w| w.len() < bytes);
+        let too_small = guard.as_ref().is_none_or(|(w, _)| w.len() < bytes);
         if too_small && bytes > 0 {
             self.inner.cuda.bind_to_thread().call("cuCtxSetCurrent")?;
             let size = arena_size(bytes, "scratch")?;
@@ -555,12 +560,10 @@ impl Context {
             // SAFETY: scratch memory; every user writes before it reads.
             let buf = unsafe { self.inner.stream.alloc::<u8>(size) }.call("cuMemAllocAsync")?;
             tracing::debug!(bytes = size, "scratch arena grown");
-            *guard = Some(buf);
+            let ptr = cudarc::driver::DevicePtr::device_ptr(&buf, &self.inner.stream).0;
+            *guard = Some((buf, ptr));
         }
-        let ptr = match guard.as_ref() {
-            Some(w) => cudarc::driver::DevicePtr::device_ptr(w, &self.inner.stream).0,
-            None => 0,
-        };
+        let ptr = guard.as_ref().map_or(0, |(_, p)| *p);
         Ok(Scratch {
             _guard: guard,
             ptr,
@@ -572,7 +575,7 @@ impl Context {
     pub fn scratch_bytes(&self) -> usize {
         lock_poisoned(&self.inner.scratch)
             .as_ref()
-            .map_or(0, |b| b.len())
+            .map_or(0, |(b, _)| b.len())
     }
 
     /// Frees the scratch arena (in stream order, after the work queued so far); the next path
@@ -629,7 +632,7 @@ impl Context {
 /// Exclusive use of the Context's scratch arena (see [`Context::scratch`]).
 #[allow(dead_code)] // used by the convolution paths
 pub(crate) struct Scratch<'a> {
-    _guard: MutexGuard<'a, Option<CudaSlice<u8>>>,
+    _guard: MutexGuard<'a, Option<(CudaSlice<u8>, drv::CUdeviceptr)>>,
     ptr: drv::CUdeviceptr,
     bytes: usize,
 }
@@ -731,18 +734,15 @@ impl Locked<'_> {
             let size = arena_size(bytes, "workspace")?;
             // Dropping the old buffer frees it in stream order, after queued work that uses it.
             self.shared.workspace = None;
+            self.shared.workspace_ptr = 0;
             // SAFETY: the workspace is scratch memory; nothing reads it before a writer does.
             let buf = unsafe { self.ctx.stream().alloc::<u8>(size) }.call("cuMemAllocAsync")?;
             tracing::debug!(bytes = size, "workspace grown");
+            self.shared.workspace_ptr =
+                cudarc::driver::DevicePtr::device_ptr(&buf, self.ctx.stream()).0;
             self.shared.workspace = Some(buf);
         }
-        match &self.shared.workspace {
-            Some(w) => {
-                let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(w, self.ctx.stream());
-                Ok(ptr)
-            }
-            None => Err(Error::NotSupported("workspace allocation vanished".into())),
-        }
+        Ok(self.shared.workspace_ptr)
     }
 
     /// The Context this guard belongs to.
