@@ -384,6 +384,7 @@ impl<T: Element> BatchNorm<T> {
 
     /// Training forward. Returns the state that [`BatchNorm::backward`] needs.
     pub fn forward_train(&self, mut a: TrainArgs<'_, T>) -> Result<BnSaved> {
+        crate::profile::stage!(Call);
         let core = &*self.core;
         // 1. Scalars, the addend, the shape.
         check_scalars(a.eps, Some(a.momentum))?;
@@ -482,7 +483,10 @@ impl<T: Element> BatchNorm<T> {
         if path.is_own() {
             let want = core.train.own_forward.unwrap_or(OwnVariant::TwoPass);
             let op = core.own_op(ctx, T::DTYPE);
-            let v = own::forward_train(&op, &bufs, want, a.momentum, a.eps)?;
+            let v = {
+                crate::profile::stage!(Launch);
+                own::forward_train(&op, &bufs, want, a.momentum, a.eps)?
+            };
             tracing::debug!(path = "own", variant = %v, "BatchNorm forward");
             return Ok((Ran::Own(v), x));
         }
@@ -594,6 +598,7 @@ impl<T: Element> BatchNorm<T> {
             let mut guard = ctx.lock()?;
             let h = guard.cudnn()?;
             let ws = guard.workspace(sizes.forward_workspace)?;
+            crate::profile::stage!(Vendor);
             // SAFETY: pointers validated against the descriptors by the caller; workspace
             // and reserve sized by cuDNN's queries.
             unsafe {
@@ -649,6 +654,7 @@ impl<T: Element> BatchNorm<T> {
         };
         let mut bn_reserve = None;
         {
+            let ws_stage = crate::profile::enter(crate::profile::Stage::Workspace);
             let mut guard = ctx.lock()?;
             let h = guard.cudnn()?;
             match api {
@@ -658,6 +664,8 @@ impl<T: Element> BatchNorm<T> {
                     // Written by this forward, read by the matching backward.
                     bn_reserve = self.reserve(sizes.reserve)?;
                     let rptr = bn_reserve.as_ref().map_or(0, |r| r.ptr);
+                    drop(ws_stage);
+                    crate::profile::stage!(Vendor);
                     // SAFETY: as above.
                     unsafe {
                         calls::forward_training_ex(
@@ -676,6 +684,8 @@ impl<T: Element> BatchNorm<T> {
                     }?
                 }
                 BnApi::Legacy => {
+                    drop(ws_stage);
+                    crate::profile::stage!(Vendor);
                     // SAFETY: as above.
                     unsafe {
                         calls::forward_training(
@@ -706,6 +716,7 @@ impl<T: Element> BatchNorm<T> {
 
     /// Training backward: writes `dx`, `dgamma`, `dbeta` and, for Add+ReLU, `d_addend`.
     pub fn backward(&self, mut a: BackwardArgs<'_, T>) -> Result<()> {
+        crate::profile::stage!(Call);
         let core = &*self.core;
         let ctx = &self.ctx;
         let saved = a.saved;
@@ -834,7 +845,10 @@ impl<T: Element> BatchNorm<T> {
             dbeta,
         };
         let want = core.train.own_backward.unwrap_or(OwnVariant::TwoPass);
-        let v = own::backward(&core.own_op(ctx, T::DTYPE), &bufs, want, saved.eps)?;
+        let v = {
+            crate::profile::stage!(Launch);
+            own::backward(&core.own_op(ctx, T::DTYPE), &bufs, want, saved.eps)?
+        };
         core.last_backward
             .store(variant_code(Some(v)), Ordering::Relaxed);
         tracing::debug!(path = "own", variant = %v, "BatchNorm backward");
@@ -886,6 +900,7 @@ impl<T: Element> BatchNorm<T> {
             saved_inv_var: si,
         };
         let cu = core.cudnn()?;
+        let ws_stage = crate::profile::enter(crate::profile::Stage::Workspace);
         let mut guard = ctx.lock()?;
         let h = guard.cudnn()?;
         let mode = core.train.mode;
@@ -905,6 +920,8 @@ impl<T: Element> BatchNorm<T> {
             let ws = guard.workspace(sizes.backward_workspace)?;
             let rptr = reserve.map_or(0, |r| r.ptr);
             let rlen = reserve.map_or(0, |r| r.buf.len());
+            drop(ws_stage);
+            crate::profile::stage!(Vendor);
             // SAFETY: validated buffers, cuDNN-sized workspace, the forward's reserve.
             unsafe {
                 calls::backward_ex(
@@ -921,6 +938,8 @@ impl<T: Element> BatchNorm<T> {
                 )
             }?;
         } else {
+            drop(ws_stage);
+            crate::profile::stage!(Vendor);
             // SAFETY: as above.
             unsafe {
                 calls::backward(h, mode, &cu.x_desc, &cu.train_param.desc, &ptrs, saved.eps)
