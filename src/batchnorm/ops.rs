@@ -4,8 +4,8 @@
 //! ([`super::own`]) or cuDNN. Without cuDNN no descriptor is made and every plan is own.
 
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::mem::ManuallyDrop;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
@@ -754,10 +754,12 @@ impl<T: Element> BatchNorm<T> {
                     // SAFETY: the bytes hold exactly n elements of T (plain numbers).
                     let view = unsafe { tmp.buf.transmute_mut::<T>(n) };
                     let r = match view {
-                        Some(mut view) => activation::relu_mask_bwd(ctx, &a.dy, &mask.buf, &mut view)
-                            .and_then(|()| {
-                                self.run_backward(&mut a, BnPath::Fallback, Some(dpre), reserve)
-                            }),
+                        Some(mut view) => activation::relu_mask_bwd(
+                            ctx, &a.dy, &mask.buf, &mut view,
+                        )
+                        .and_then(|()| {
+                            self.run_backward(&mut a, BnPath::Fallback, Some(dpre), reserve)
+                        }),
                         None => Err(Error::NotSupported(
                             "BatchNorm's temporary is smaller than the tensor".into(),
                         )),

@@ -144,8 +144,12 @@ pub struct BnSaved {
 impl Drop for BnSaved {
     fn drop(&mut self) {
         // SAFETY: `mean` and `inv_var` are taken once, here, and never touched afterwards.
-        let (mean, inv_var) =
-            unsafe { (ManuallyDrop::take(&mut self.mean), ManuallyDrop::take(&mut self.inv_var)) };
+        let (mean, inv_var) = unsafe {
+            (
+                ManuallyDrop::take(&mut self.mean),
+                ManuallyDrop::take(&mut self.inv_var),
+            )
+        };
         let s = &self.spares;
         s.give_f32s(mean);
         s.give_f32s(inv_var);

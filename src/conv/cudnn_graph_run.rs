@@ -61,10 +61,10 @@ pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
     let plan = {
         crate::profile::stage!(Lookup);
         let k = key(
-        t,
-        c.direction,
-        c.exec.route.graph_engine,
-        alignment_of(&ptrs),
+            t,
+            c.direction,
+            c.exec.route.graph_engine,
+            alignment_of(&ptrs),
             c.accumulate,
         );
         GraphConv::cached(t.ctx, k)?
