@@ -5,9 +5,20 @@
 //!
 //! For each case: warm-up (first calls pay plans, searches, `auto`'s measurement, NVRTC), then
 //! rounds of `CALLS` calls timed on the host without synchronising inside a round; the median
-//! round gives µs per call. The GPU time of one call (CUDA events) is printed next to it: when
-//! it is close to the host time the case is GPU-bound and the host number is an upper bound.
+//! round gives µs per call. Next to it, in the same run: the **bare vendor call** of the same
+//! work with everything prepared beforehand (`support/bare.rs`: `cudnnBackendExecute` of a plan
+//! with a prebuilt variant pack, the legacy `cudnnConvolutionForward` with descriptors built
+//! once, `cublasGemmStridedBatchedEx`, `cuLaunchKernel` of the same kernel), the difference
+//! (nnfuse's own share; target ≤ 3 µs), the GPU time of one call (CUDA events: when it is close
+//! to the host time the case is GPU-bound and the host number is an upper bound), the physical
+//! floor of the work (bytes at 3.0 TB/s or FLOPs at 700 TFLOP/s), and nnfuse's host time by
+//! stage from a second, profiled pass (`nnfuse::internals::profile`, µs per call; the profiled
+//! pass is slower by its timers, about 50 ns per stage change, so read it as shares).
+//!
+//! `NNFUSE_BENCH_QUICK=1`: fewer calls and rounds (well under a minute).
 
+#[path = "support/bare.rs"]
+mod bare;
 #[path = "support/exit.rs"]
 mod exit;
 #[path = "support/host_time.rs"]
@@ -17,18 +28,33 @@ mod shapes;
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use half::f16;
 use nnfuse::batchnorm::{BackwardArgs, BatchNorm, Fuse, TrainArgs};
 use nnfuse::conv::{Conv2d, ConvPath, Route, WinogradEngine, WinogradTile};
 use nnfuse::gemm::{self, Problem};
+use nnfuse::internals::profile::{self, Stage, Totals};
 use nnfuse::{BnImpl, Config, Context};
 
 use host_time::{gpu_us, loop_us, queue_us};
 
-const CALLS: usize = 400;
-const ROUNDS: usize = 7;
+const PEAK_FLOPS: f64 = 700e12;
+const PEAK_BYTES: f64 = 3.0e12;
+
+/// (calls a round, rounds): fewer under `NNFUSE_BENCH_QUICK=1`.
+fn calls_rounds() -> (usize, usize) {
+    if std::env::var_os("NNFUSE_BENCH_QUICK").is_some_and(|v| v == "1") {
+        (100, 3)
+    } else {
+        (400, 7)
+    }
+}
+
+/// The physical floor in µs of work moving `bytes` and doing `flops`.
+fn floor_us(bytes: f64, flops: f64) -> f64 {
+    (bytes / PEAK_BYTES).max(flops / PEAK_FLOPS) * 1e6
+}
 
 /// Host µs to queue one call of `f` right after the GPU went idle (`synchronize` before each
 /// call, not timed): what a framework pays when it synchronises every step (e.g. to read a
@@ -41,26 +67,99 @@ fn after_sync(ctx: &Context, mut f: impl FnMut() -> nnfuse::Result<()>) -> nnfus
     queue_us(ctx, f)
 }
 
-/// Host µs per call of `f` (median over rounds) and the GPU µs of one call.
-fn measure(ctx: &Context, mut f: impl FnMut() -> nnfuse::Result<()>) -> nnfuse::Result<(f64, f64)> {
+/// nnfuse's side of a case: host µs per call, GPU µs per call, profiled stage totals and the
+/// calls they cover.
+struct Nn {
+    host: f64,
+    gpu: f64,
+    stages: Totals,
+    calls: usize,
+}
+
+/// Host µs per call of `f` (median over rounds, profile off), the GPU µs of one call, and one
+/// profiled pass of `calls` calls for the breakdown.
+fn measure(ctx: &Context, mut f: impl FnMut() -> nnfuse::Result<()>) -> nnfuse::Result<Nn> {
+    let (calls, rounds) = calls_rounds();
     for _ in 0..20 {
         f()?;
     }
     ctx.synchronize()?;
-    let host = loop_us(ctx, &mut f, CALLS, ROUNDS)?;
-    Ok((host, gpu_us(ctx, f, 20.0)?))
+    profile::set_enabled(false);
+    let host = loop_us(ctx, &mut f, calls, rounds)?;
+    profile::set_enabled(true);
+    let _ = profile::take();
+    let profiled = (0..calls).try_for_each(|_| f());
+    let stages = profile::take();
+    profile::set_enabled(false);
+    profiled?;
+    ctx.synchronize()?;
+    Ok(Nn {
+        host,
+        gpu: gpu_us(ctx, f, 20.0)?,
+        stages,
+        calls,
+    })
 }
 
-fn row(what: &str, r: nnfuse::Result<(f64, f64)>) {
-    match r {
-        Ok((host, gpu)) => {
-            println!("| {what} | {host:.1} | {gpu:.1} |");
-            println!(
-                "{{\"bench\":\"host_overhead\",\"case\":\"{what}\",\"host_us\":{host:.2},\"gpu_us\":{gpu:.2}}}"
-            );
-        }
-        Err(e) => println!("| {what} | error: {e} | - |"),
+/// Host µs per call of a bare vendor call `f` (median over rounds).
+fn measure_bare(ctx: &Context, mut f: impl FnMut() -> nnfuse::Result<()>) -> nnfuse::Result<f64> {
+    let (calls, rounds) = calls_rounds();
+    for _ in 0..20 {
+        f()?;
     }
+    ctx.synchronize()?;
+    loop_us(ctx, &mut f, calls, rounds)
+}
+
+/// `name µs (entries per call)` for every stage that ran.
+fn breakdown(t: &Totals, calls: usize) -> (String, String) {
+    let per = |ns: u64| ns as f64 / 1e3 / calls as f64;
+    let mut text = Vec::new();
+    let mut json = Vec::new();
+    for s in Stage::ALL {
+        if t.entries_of(s) == 0 {
+            continue;
+        }
+        let entries = t.entries_of(s) as f64 / calls as f64;
+        text.push(format!(
+            "{} {:.2} (x{entries:.0})",
+            s.name(),
+            per(t.ns_of(s))
+        ));
+        json.push(format!("\"{}\":{:.3}", s.name(), per(t.ns_of(s))));
+    }
+    (text.join(", "), format!("{{{}}}", json.join(",")))
+}
+
+/// One table row and its JSON line: nnfuse's host time, the bare vendor call's (when there is
+/// one), the difference, the GPU time, the floor and the stages.
+fn row(what: &str, floor: f64, nn: nnfuse::Result<Nn>, bare: Option<nnfuse::Result<f64>>) {
+    let nn = match nn {
+        Ok(n) => n,
+        Err(e) => {
+            println!("| {what} | error: {e} | - | - | - | {floor:.1} | - |");
+            return;
+        }
+    };
+    let (stages, stages_json) = breakdown(&nn.stages, nn.calls);
+    let (bare_txt, share_txt, bare_json) = match bare {
+        Some(Ok(b)) => (
+            format!("{b:.1}"),
+            format!("{:.1}", nn.host - b),
+            format!(",\"bare_us\":{b:.2},\"share_us\":{:.2}", nn.host - b),
+        ),
+        Some(Err(e)) => (format!("error: {e}"), "-".into(), String::new()),
+        None => ("(own kernels)".into(), "-".into(), String::new()),
+    };
+    println!(
+        "| {what} | {:.1} | {bare_txt} | {share_txt} | {:.1} | {floor:.1} | {stages} |",
+        nn.host, nn.gpu
+    );
+    println!(
+        "{{\"bench\":\"host_overhead\",\"case\":\"{what}\",\"host_us\":{:.2}{bare_json},\
+         \"gpu_us\":{:.2},\"floor_us\":{floor:.2},\"stages_us\":{stages_json}}}",
+        nn.host, nn.gpu
+    );
 }
 
 /// The buffers of one BatchNorm+ReLU training step on an NHWC f16 tensor (C last), and the step.
@@ -133,71 +232,123 @@ fn main() -> std::process::ExitCode {
 fn run() -> anyhow::Result<()> {
     let ctx = Context::with_config(0, Config::default())?;
     let s = ctx.stream().clone();
-    println!("# Host overhead per call ({CALLS} calls a round, median of {ROUNDS} rounds)\n");
+    let (calls, rounds) = calls_rounds();
+    println!("# Host overhead per call ({calls} calls a round, median of {rounds} rounds)\n");
     println!("{}\n", ctx.info());
-    println!("| case | host µs per call | GPU µs per call |\n|---|---|---|");
+    println!(
+        "| case | nnfuse host µs per call | bare vendor call µs | nnfuse's share µs (target ≤ 3) \
+         | GPU µs per call | floor µs | nnfuse's stages, µs per call (profiled pass) |\n\
+         |---|---|---|---|---|---|---|"
+    );
 
     // Elementwise baseline: one kernel launch through nnfuse.
     let mut buf = s.alloc_zeros::<f16>(4096)?;
     row(
         "util::fill 4096 f16 (one launch)",
+        floor_us(8192.0, 0.0),
         measure(&ctx, || {
             nnfuse::internals::util::fill(&ctx, &mut buf, f16::from_f32(1.0))
         }),
+        None,
     );
     let x = s.clone_htod(&vec![f16::from_f32(0.5); 4096])?;
     let mut y = s.alloc_zeros::<f16>(4096)?;
     let mut mask = s.alloc_zeros::<u32>(nnfuse::activation::mask_words(4096))?;
+    let nn = measure(&ctx, || {
+        nnfuse::activation::relu_mask_fwd(&ctx, &x, &mut y, Some(&mut mask))
+    });
+    let bare = bare_relu(&ctx, &x, &mut y, &mut mask);
     row(
         "activation relu_mask_fwd 4096 f16",
-        measure(&ctx, || {
-            nnfuse::activation::relu_mask_fwd(&ctx, &x, &mut y, Some(&mut mask))
-        }),
+        floor_us(2.0 * 8192.0 + 512.0, 0.0),
+        nn,
+        Some(bare),
     );
 
-    // GEMM: a cached tuned choice.
+    // GEMM: a cached tuned choice, next to a bare cublasGemmStridedBatchedEx of the same problem.
     let p = Problem::packed(1, 64, 64, 64);
     let a = s.clone_htod(&vec![f16::from_f32(0.01); 64 * 64])?;
     let b = s.clone_htod(&vec![f16::from_f32(0.02); 64 * 64])?;
     let mut c = s.alloc_zeros::<f16>(64 * 64)?;
+    let nn = measure(&ctx, || gemm::strided_batched(&ctx, &p, &a, &b, &mut c));
+    let bare = bare_gemm(&ctx, &a, &b, &mut c);
     row(
         "gemm 64x64x64 f16 (tuned, cached)",
-        measure(&ctx, || gemm::strided_batched(&ctx, &p, &a, &b, &mut c)),
+        floor_us(3.0 * 8192.0, 2.0 * 64f64.powi(3)),
+        nn,
+        Some(bare),
     );
 
     // Convolution, every route on a tiny NHWC problem.
     let shape = shapes::square3x3(1, 16, 8, 16);
+    let conv_floor = {
+        let (oh, ow) = shape.out_hw()?;
+        let flops = 2.0 * (shape.n * shape.c_out * oh * ow * shape.c_in * 9) as f64;
+        let bytes = 2.0 * (shape.x_len()? + shape.w_len()? + shape.y_len()?) as f64;
+        floor_us(bytes, flops)
+    };
     let conv = Conv2d::<f16>::new(&ctx, &shape)?;
-    let cx = s.clone_htod(&vec![f16::from_f32(0.1); shape.x_len().unwrap()])?;
-    let cw = s.clone_htod(&vec![f16::from_f32(0.1); shape.w_len().unwrap()])?;
+    let cx = s.clone_htod(&vec![f16::from_f32(0.1); shape.x_len()?])?;
+    let cw = s.clone_htod(&vec![f16::from_f32(0.1); shape.w_len()?])?;
     let mut cy = s.alloc_zeros::<f16>(shape.y_len()?)?;
+    let nn = measure(&ctx, || conv.forward(&cx, &cw, &mut cy));
+    let auto_path = conv
+        .choice(nnfuse::conv::Direction::Forward)
+        .map(|c| c.route.path);
+    let bare_graph = bare_graph_execute(&ctx, &shape, &cx, &cw, &mut cy);
+    let bare_legacy = bare_legacy_conv(&ctx, &shape, &cx, &cw, &mut cy);
+    let auto_bare = match auto_path {
+        Some(ConvPath::CudnnGraph) => Some(clone_result(&bare_graph)),
+        Some(ConvPath::Cudnn) => Some(clone_result(&bare_legacy)),
+        _ => None,
+    };
     row(
-        "conv forward 1x16x8x8 3x3 f16 (auto, cached)",
-        measure(&ctx, || conv.forward(&cx, &cw, &mut cy)),
+        &format!(
+            "conv forward 1x16x8x8 3x3 f16 (auto, cached: {})",
+            auto_path.map_or("?".into(), |p| p.to_string())
+        ),
+        conv_floor,
+        nn,
+        auto_bare,
     );
-    for (name, route) in [
-        ("cudnn", Route::path(ConvPath::Cudnn)),
-        ("cudnn_graph", Route::path(ConvPath::CudnnGraph)),
-        ("im2col_gemm", Route::path(ConvPath::Im2colGemm)),
+    for (name, route, bare) in [
+        (
+            "cudnn (legacy)",
+            Route::path(ConvPath::Cudnn),
+            Some(clone_result(&bare_legacy)),
+        ),
+        (
+            "cudnn_graph",
+            Route::path(ConvPath::CudnnGraph),
+            Some(clone_result(&bare_graph)),
+        ),
+        ("im2col_gemm", Route::path(ConvPath::Im2colGemm), None),
         (
             "winograd_f4x3/tensor_core",
             Route::winograd(WinogradTile::F4x3, WinogradEngine::TensorCore),
+            None,
         ),
-        ("direct", Route::path(ConvPath::Direct)),
+        ("direct", Route::path(ConvPath::Direct), None),
     ] {
         row(
             &format!("conv forward, forced {name}"),
+            conv_floor,
             measure(&ctx, || conv.forward_with(route, &cx, &cw, &mut cy)),
+            bare,
         );
     }
-    let mut cdw = s.alloc_zeros::<f16>(shape.w_len().unwrap())?;
+    let mut cdw = s.alloc_zeros::<f16>(shape.w_len()?)?;
     row(
         "conv backward_filter (auto, cached)",
+        conv_floor,
         measure(&ctx, || conv.backward_filter(&cx, &cy, &mut cdw, false)),
+        None,
     );
 
     // BatchNorm training forward + backward, NHWC [2, 8, 8, 64] BN+ReLU, per implementation.
+    // (The bare legacy Ex pair is not in this bench yet: see the report.)
     let bn_shape = [2usize, 8, 8, 64];
+    let bn_floor = floor_us(2.0 * 5.0 * (2 * 8 * 8 * 64) as f64, 0.0);
     for (name, config) in [
         (
             "cuDNN (fused Ex)",
@@ -216,11 +367,22 @@ fn run() -> anyhow::Result<()> {
         let mut step = BnStep::new(&s, &bn_shape)?;
         row(
             &format!("BN+ReLU train fwd+bwd 2x8x8x64 f16, {name}"),
+            bn_floor,
             measure(&c2, || step.run(&bn)),
+            None,
         );
     }
 
-    // The demo's shapes, each call queued right after the GPU went idle.
+    after_sync_rows(&ctx, &s, &mut buf)
+}
+
+/// The demo's shapes, each call queued right after the GPU went idle, and the memory pool's
+/// part in it.
+fn after_sync_rows(
+    ctx: &Context,
+    s: &Arc<CudaStream>,
+    buf: &mut CudaSlice<f16>,
+) -> anyhow::Result<()> {
     println!(
         "\n| case (ResNet-50 sizes, batch 32) | host µs to queue one call after a synchronize |\n|---|---|"
     );
@@ -235,18 +397,18 @@ fn run() -> anyhow::Result<()> {
     };
     big(
         "util::fill 4096 f16",
-        after_sync(&ctx, || {
-            nnfuse::internals::util::fill(&ctx, &mut buf, f16::from_f32(1.0))
+        after_sync(ctx, || {
+            nnfuse::internals::util::fill(ctx, buf, f16::from_f32(1.0))
         }),
     );
     let shape = shapes::square3x3(32, 64, 56, 64);
-    let conv = Conv2d::<f16>::new(&ctx, &shape)?;
-    let cx = s.clone_htod(&vec![f16::from_f32(0.1); shape.x_len().unwrap()])?;
-    let cw = s.clone_htod(&vec![f16::from_f32(0.01); shape.w_len().unwrap()])?;
+    let conv = Conv2d::<f16>::new(ctx, &shape)?;
+    let cx = s.clone_htod(&vec![f16::from_f32(0.1); shape.x_len()?])?;
+    let cw = s.clone_htod(&vec![f16::from_f32(0.01); shape.w_len()?])?;
     let mut cy = s.alloc_zeros::<f16>(shape.y_len()?)?;
     big(
         "conv forward 32x64x56x56 3x3 f16 (auto, cached)",
-        after_sync(&ctx, || conv.forward(&cx, &cw, &mut cy)),
+        after_sync(ctx, || conv.forward(&cx, &cw, &mut cy)),
     );
     let bn_shape = [32usize, 56, 56, 64];
     for (name, config) in [
@@ -258,21 +420,137 @@ fn run() -> anyhow::Result<()> {
     ] {
         let c2 = ctx.with_config_override(config);
         let bn = BatchNorm::<f16>::new(&c2, &bn_shape, 3, Fuse::Relu)?;
-        let mut step = BnStep::new(&s, &bn_shape)?;
+        let mut step = BnStep::new(s, &bn_shape)?;
         big(
             &format!("BN+ReLU train fwd+bwd 32x56x56x64 f16, {name}"),
             after_sync(&c2, || step.run(&bn)),
         );
     }
+    // Hypothesis for the lead to confirm: CUDA's default memory pool has a release threshold of
+    // 0, so at every synchronize it returns its unused memory to the OS; the next 4 MiB
+    // cuMemAllocAsync then has to map fresh memory (tens of µs) unless a chunk the pool kept has
+    // room. With the threshold raised the pool keeps its memory across synchronizations and the
+    // allocation is a pool hit (~1 µs). nnfuse leaves the pool's settings alone (a process-wide
+    // choice for the framework); nnfuse's own cached calls allocate nothing.
     let mut big_buf = s.alloc_zeros::<u8>(1)?;
+    let mut alloc_free = || {
+        // SAFETY: never read; dropped (freed in stream order) at the next assignment.
+        big_buf = unsafe { ctx.stream().alloc::<u8>(4 << 20) }
+            .map_err(|e| nnfuse::Error::NotSupported(format!("{e:?}")))?;
+        Ok(())
+    };
     big(
-        "stream alloc of 4 MiB, then free",
-        after_sync(&ctx, || {
-            // SAFETY: never read; dropped (freed in stream order) at the next assignment.
-            big_buf = unsafe { ctx.stream().alloc::<u8>(4 << 20) }
-                .map_err(|e| nnfuse::Error::NotSupported(format!("{e:?}")))?;
-            Ok(())
-        }),
+        "stream alloc of 4 MiB, then free (pool release threshold 0, CUDA's default)",
+        after_sync(ctx, &mut alloc_free),
     );
+    match bare::set_default_pool_release_threshold(ctx, u64::MAX) {
+        Ok(()) => {
+            big(
+                "stream alloc of 4 MiB, then free (pool release threshold raised to u64::MAX)",
+                after_sync(ctx, &mut alloc_free),
+            );
+            bare::set_default_pool_release_threshold(ctx, 0)?;
+        }
+        Err(e) => println!("| pool release threshold | error: {e} |"),
+    }
     Ok(())
+}
+
+fn clone_result(r: &nnfuse::Result<f64>) -> nnfuse::Result<f64> {
+    match r {
+        Ok(v) => Ok(*v),
+        Err(e) => Err(nnfuse::Error::NotSupported(e.to_string())),
+    }
+}
+
+/// Bare `cuLaunchKernel` of nnfuse's `relu_mask_fwd_f16` on the same buffers (grid as nnfuse
+/// sizes it, one block per SM at most).
+fn bare_relu(
+    ctx: &Context,
+    x: &CudaSlice<f16>,
+    y: &mut CudaSlice<f16>,
+    mask: &mut CudaSlice<u32>,
+) -> nnfuse::Result<f64> {
+    use nnfuse::internals::activation::{choose_path, launch_grid, Scheme};
+    let f = ctx.function(&nnfuse::internals::kernels::BITMASK, "relu_mask_fwd_f16")?;
+    let st = ctx.stream();
+    let (xp, _g1) = x.device_ptr(st);
+    let (yp, _g2) = y.device_ptr_mut(st);
+    let (mp, _g3) = mask.device_ptr_mut(st);
+    let n = 4096u64;
+    let sms = ctx.info().sm_count.max(1) as u32;
+    let g = launch_grid(Scheme::Warp, choose_path(&[xp, yp]), n, 2, sms, 1);
+    let (mut a0, mut a1, mut a2, mut a3) = (xp, yp, mp, n);
+    measure_bare(ctx, || {
+        let mut params = [
+            &mut a0 as *mut u64 as *mut std::ffi::c_void,
+            &mut a1 as *mut u64 as *mut std::ffi::c_void,
+            &mut a2 as *mut u64 as *mut std::ffi::c_void,
+            &mut a3 as *mut u64 as *mut std::ffi::c_void,
+        ];
+        // SAFETY: (x, y, mask, n) is the kernel's signature; the buffers hold n elements and
+        // mask_words(n) words and outlive the measurement.
+        unsafe { bare::launch(ctx, f.cu_function(), g.blocks, g.threads, &mut params) }
+    })
+}
+
+/// Bare `cublasGemmStridedBatchedEx` of the 64^3 f16 problem on the same buffers.
+fn bare_gemm(
+    ctx: &Context,
+    a: &CudaSlice<f16>,
+    b: &CudaSlice<f16>,
+    c: &mut CudaSlice<f16>,
+) -> nnfuse::Result<f64> {
+    let h = ctx.lock()?.cublas()?;
+    let st = ctx.stream();
+    let (ap, _g1) = a.device_ptr(st);
+    let (bp, _g2) = b.device_ptr(st);
+    let (cp, _g3) = c.device_ptr_mut(st);
+    // SAFETY: the handle is bound to the Context's stream; one thread; packed 64^3 operands.
+    measure_bare(ctx, || unsafe {
+        bare::gemm_f16(h, 64, 64, 64, 1, ap, bp, cp)
+    })
+}
+
+/// Bare `cudnnBackendExecute` of a graph plan of the problem with a variant pack built once.
+fn bare_graph_execute(
+    ctx: &Context,
+    shape: &nnfuse::conv::ConvShape,
+    x: &CudaSlice<f16>,
+    w: &CudaSlice<f16>,
+    y: &mut CudaSlice<f16>,
+) -> nnfuse::Result<f64> {
+    use nnfuse::internals::cudnn_graph::{execute, GraphConv, GraphConvKey, VariantPack};
+    let plan = GraphConv::cached(
+        ctx,
+        GraphConvKey::new(*shape, nnfuse::DType::F16, nnfuse::conv::Direction::Forward),
+    )?;
+    let st = ctx.stream();
+    let (px, _a) = x.device_ptr(st);
+    let (pw, _b) = w.device_ptr(st);
+    let (py, _c) = y.device_ptr_mut(st);
+    let (h, ws) = {
+        let mut g = ctx.lock()?;
+        (g.cudnn()?, g.workspace(plan.workspace_bytes())?)
+    };
+    let pack = VariantPack::new([px, pw, py], ws)?;
+    // SAFETY: buffers and workspace outlive the measurement; one thread; the Context's stream.
+    measure_bare(ctx, || unsafe { execute(h, plan.plan(), &pack) })
+}
+
+/// Bare legacy `cudnnConvolutionForward` with descriptors built once.
+fn bare_legacy_conv(
+    ctx: &Context,
+    shape: &nnfuse::conv::ConvShape,
+    x: &CudaSlice<f16>,
+    w: &CudaSlice<f16>,
+    y: &mut CudaSlice<f16>,
+) -> nnfuse::Result<f64> {
+    let legacy = bare::LegacyConv::new(ctx, shape)?;
+    let st = ctx.stream();
+    let (px, _a) = x.device_ptr(st);
+    let (pw, _b) = w.device_ptr(st);
+    let (py, _c) = y.device_ptr_mut(st);
+    // SAFETY: the buffers hold the problem and outlive the measurement; one thread.
+    measure_bare(ctx, || unsafe { legacy.run(px, pw, py) })
 }

@@ -168,6 +168,9 @@ struct Shared {
     cublas: Option<Handle<cublas_sys::cublasHandle_t>>,
     cublaslt: Option<Handle<lt_sys::cublasLtHandle_t>>,
     workspace: Option<CudaSlice<u8>>,
+    /// The workspace's address, taken once when it was allocated: only nnfuse uses it, on the
+    /// Context's stream, so a cached call needs none of cudarc's per-use stream events.
+    workspace_ptr: drv::CUdeviceptr,
 }
 
 /// What the CUDA graphs captured on a stream keep alive, shared by the Contexts on that stream (a
@@ -219,7 +222,9 @@ struct Inner {
     /// LRU per key type (see [`Context::memo`]).
     memo: Mutex<HashMap<TypeId, Box<dyn MemoTable>>>,
     /// Scratch memory of nnfuse's own multi-kernel paths (see [`Context::scratch`]).
-    scratch: Mutex<Option<CudaSlice<u8>>>,
+    /// With its address, taken once at allocation (nnfuse's own memory, used on the Context's
+    /// stream only: no per-use stream events).
+    scratch: Mutex<Option<(CudaSlice<u8>, drv::CUdeviceptr)>>,
     /// Shared with every Context on the same stream.
     pins: Arc<GraphPins>,
 }
@@ -238,7 +243,7 @@ impl Drop for Inner {
             Ok(s) => s.take(),
             Err(p) => p.into_inner().take(),
         };
-        self.pins.retire(scratch);
+        self.pins.retire(scratch.map(|(buf, _)| buf));
         // SAFETY: each handle was created once and is destroyed once, here. Failures to destroy
         // at teardown cannot be reported from Drop and only leak.
         unsafe {
@@ -658,7 +663,7 @@ impl Context {
     #[allow(dead_code)] // used by the convolution paths
     pub(crate) fn scratch(&self, bytes: usize) -> Result<Scratch<'_>> {
         let mut guard = lock_poisoned(&self.inner.scratch);
-        let too_small = guard.as_ref().is_none_or(|w| w.len() < bytes);
+        let too_small = guard.as_ref().is_none_or(|(w, _)| w.len() < bytes);
         if too_small && bytes > 0 {
             self.refuse_under_capture(
                 "growing the scratch arena",
@@ -667,16 +672,14 @@ impl Context {
             self.inner.cuda.bind_to_thread().call("cuCtxSetCurrent")?;
             let size = arena_size(bytes, "scratch")?;
             // Dropping the old buffer frees it in stream order, after queued work that uses it.
-            self.inner.pins.retire(guard.take());
+            self.inner.pins.retire(guard.take().map(|(buf, _)| buf));
             // SAFETY: scratch memory; every user writes before it reads.
             let buf = unsafe { self.inner.stream.alloc::<u8>(size) }.call("cuMemAllocAsync")?;
             tracing::debug!(bytes = size, "scratch arena grown");
-            *guard = Some(buf);
+            let ptr = cudarc::driver::DevicePtr::device_ptr(&buf, &self.inner.stream).0;
+            *guard = Some((buf, ptr));
         }
-        let ptr = match guard.as_ref() {
-            Some(w) => cudarc::driver::DevicePtr::device_ptr(w, &self.inner.stream).0,
-            None => 0,
-        };
+        let ptr = guard.as_ref().map_or(0, |(_, p)| *p);
         Ok(Scratch {
             _guard: guard,
             ptr,
@@ -688,14 +691,14 @@ impl Context {
     pub fn scratch_bytes(&self) -> usize {
         lock_poisoned(&self.inner.scratch)
             .as_ref()
-            .map_or(0, |b| b.len())
+            .map_or(0, |(b, _)| b.len())
     }
 
     /// Frees the scratch arena (in stream order, after the work queued so far); the next path
     /// that needs it allocates again.
     pub fn release_scratch(&self) {
         let old = lock_poisoned(&self.inner.scratch).take();
-        self.inner.pins.retire(old);
+        self.inner.pins.retire(old.map(|(buf, _)| buf));
     }
 
     fn module(&self, file: &'static KernelFile) -> Result<Arc<CudaModule>> {
@@ -746,7 +749,7 @@ impl Context {
 /// Exclusive use of the Context's scratch arena (see [`Context::scratch`]).
 #[allow(dead_code)] // used by the convolution paths
 pub(crate) struct Scratch<'a> {
-    _guard: MutexGuard<'a, Option<CudaSlice<u8>>>,
+    _guard: MutexGuard<'a, Option<(CudaSlice<u8>, drv::CUdeviceptr)>>,
     ptr: drv::CUdeviceptr,
     bytes: usize,
 }
@@ -858,18 +861,15 @@ impl Locked<'_> {
             let size = arena_size(bytes, "workspace")?;
             // Dropping the old buffer frees it in stream order, after queued work that uses it.
             self.ctx.inner.pins.retire(self.shared.workspace.take());
+            self.shared.workspace_ptr = 0;
             // SAFETY: the workspace is scratch memory; nothing reads it before a writer does.
             let buf = unsafe { self.ctx.stream().alloc::<u8>(size) }.call("cuMemAllocAsync")?;
             tracing::debug!(bytes = size, "workspace grown");
+            self.shared.workspace_ptr =
+                cudarc::driver::DevicePtr::device_ptr(&buf, self.ctx.stream()).0;
             self.shared.workspace = Some(buf);
         }
-        match &self.shared.workspace {
-            Some(w) => {
-                let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(w, self.ctx.stream());
-                Ok(ptr)
-            }
-            None => Err(Error::NotSupported("workspace allocation vanished".into())),
-        }
+        Ok(self.shared.workspace_ptr)
     }
 
     /// The Context this guard belongs to.

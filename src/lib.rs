@@ -34,6 +34,7 @@ mod kernels;
 mod launch;
 pub mod layout;
 mod lru;
+mod profile;
 pub mod reference;
 mod timing;
 pub(crate) mod tune;
@@ -69,6 +70,10 @@ pub mod internals {
     /// Device helpers (fill, scale, add in place) for tests and benchmarks.
     pub mod util {
         pub use crate::util::*;
+    }
+    /// Host-time profile of cached calls by stage (`NNFUSE_PROFILE_HOST=1`).
+    pub mod profile {
+        pub use crate::profile::{enabled, enter, set_enabled, take, Guard, Stage, Totals, STAGES};
     }
     /// The operand checks, one at a time.
     pub mod validate {

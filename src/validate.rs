@@ -308,9 +308,13 @@ impl<'a> Binder<'a> {
         buf: &'a mut S,
         need: Need,
     ) -> Result<u64> {
+        crate::profile::stage!(Validate);
         self.device(name, &*buf)?;
         let len = buf.len();
-        let (ptr, guard) = buf.device_ptr_mut(self.stream);
+        let (ptr, guard) = {
+            crate::profile::stage!(Events);
+            buf.device_ptr_mut(self.stream)
+        };
         self.guards.push(guard);
         self.push::<T>(name, ptr, len, Role::Output, need);
         Ok(ptr)
@@ -335,8 +339,12 @@ impl<'a> Binder<'a> {
         role: Role,
         need: Need,
     ) -> Result<u64> {
+        crate::profile::stage!(Validate);
         self.device(name, buf)?;
-        let (ptr, guard) = buf.device_ptr(self.stream);
+        let (ptr, guard) = {
+            crate::profile::stage!(Events);
+            buf.device_ptr(self.stream)
+        };
         self.guards.push(guard);
         self.push::<T>(name, ptr, buf.len(), role, need);
         Ok(ptr)
@@ -349,7 +357,16 @@ impl<'a> Binder<'a> {
 
     /// [`check`] over the bound operands.
     pub(crate) fn check(&self, aliasing: Aliasing<'_>) -> Result<usize> {
+        crate::profile::stage!(Validate);
         check(&self.ops, aliasing)
+    }
+}
+
+impl Drop for Binder<'_> {
+    fn drop(&mut self) {
+        // The guards record cudarc's read/write events (when it tracks them): timed as such.
+        crate::profile::stage!(Events);
+        self.guards.clear();
     }
 }
 

@@ -187,7 +187,11 @@ fn launch(
     path_ptrs: &[u64],
 ) -> Result<()> {
     let name = kernel.name(dt);
-    let (f, per_sm) = load(ctx, kernel, dt)?;
+    let (f, per_sm) = {
+        crate::profile::stage!(Lookup);
+        load(ctx, kernel, dt)?
+    };
+    crate::profile::stage!(Launch);
     let path = match kernel.scheme() {
         Scheme::Naive8 => Path::Scalar,
         Scheme::Warp => choose_path(path_ptrs),
@@ -242,6 +246,7 @@ where
     Y: DevicePtrMut<T>,
     M: DevicePtrMut<u32>,
 {
+    crate::profile::stage!(Call);
     let mut ops = Binder::new(ctx);
     let xp = ops.input("x", x, Need::Same)?;
     let yp = ops.output("y", y, Need::Same)?;
@@ -260,6 +265,7 @@ where
     Y: DevicePtrMut<T>,
     M: DevicePtrMut<u32>,
 {
+    crate::profile::stage!(Call);
     let mut ops = Binder::new(ctx);
     let p = ops.output("xy", xy, Need::Same)?;
     let mp = optional_mask(&mut ops, mask)?;
@@ -289,6 +295,7 @@ where
     Y: DevicePtrMut<T>,
     M: DevicePtrMut<u32>,
 {
+    crate::profile::stage!(Call);
     let mut ops = Binder::new(ctx);
     let xp = ops.input("x", x, Need::Same)?;
     let zp = ops.input("z", z, Need::Same)?;
@@ -322,6 +329,7 @@ where
     Z: DevicePtr<T>,
     M: DevicePtrMut<u32>,
 {
+    crate::profile::stage!(Call);
     let mut ops = Binder::new(ctx);
     let p = ops.output("xy", xy, Need::Same)?;
     let zp = ops.input("z", z, Need::Same)?;
@@ -349,6 +357,7 @@ where
     M: DevicePtr<u32>,
     DX: DevicePtrMut<T>,
 {
+    crate::profile::stage!(Call);
     let mut ops = Binder::new(ctx);
     let gp = ops.input("dy", dy, Need::Same)?;
     let xp = ops.output("dx", dx, Need::Same)?;
@@ -376,6 +385,7 @@ where
     DX: DevicePtrMut<T>,
     DZ: DevicePtrMut<T>,
 {
+    crate::profile::stage!(Call);
     let mut ops = Binder::new(ctx);
     let gp = ops.input("dy", dy, Need::Same)?;
     let xp = ops.output("dx", dx, Need::Same)?;
@@ -402,6 +412,7 @@ where
     G: DevicePtrMut<T>,
     M: DevicePtr<u32>,
 {
+    crate::profile::stage!(Call);
     let mut ops = Binder::new(ctx);
     let gp = ops.output("g", g, Need::Same)?;
     let mp = ops.input("mask", mask, Need::MaskFor)?;

@@ -4,6 +4,7 @@
 //! ([`super::own`]) or cuDNN. Without cuDNN no descriptor is made and every plan is own.
 
 use std::marker::PhantomData;
+use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
@@ -16,11 +17,11 @@ use crate::batchnorm::descriptor::{ParamDesc, ReluDesc, TensorDesc};
 use crate::batchnorm::own::{self, BwdBufs, Counters, FwdBufs, InferBufs};
 use crate::batchnorm::own_launch::OwnShape;
 use crate::batchnorm::plan::{plan, BnPlan, PlanRequest, ASSUMED_CUDNN_VERSION};
-use crate::batchnorm::state::BnSaved;
+use crate::batchnorm::state::{BnSaved, Owned, Spares};
 use crate::batchnorm::types::{BnApi, BnOptions, BnPath, Fuse, OwnVariant, Phase};
 use crate::context::{cudnn_present, cudnn_version, Context};
 use crate::dtype::{DType, Element};
-use crate::error::{CallExt, Error, Result};
+use crate::error::{Error, Result};
 use crate::validate::{Aliasing, Binder, Need};
 
 /// Everything derived once per (shape, axis, dtype, fusion, options) on one Context.
@@ -40,6 +41,9 @@ struct Core {
     last_backward: AtomicU8,
     /// Set once cuDNN refused the fused path at run time: later calls go straight to fallback.
     fused_refused: AtomicBool,
+    /// Buffers of dropped training states, for the next forward (a cached step allocates
+    /// nothing).
+    spares: Arc<Spares>,
 }
 
 /// The cuDNN half of a Core.
@@ -113,6 +117,7 @@ impl Core {
             counters: Counters::default(),
             last_backward: AtomicU8::new(0),
             fused_refused: AtomicBool::new(false),
+            spares: Arc::default(),
         };
         if let Some(c) = &core.cudnn {
             if core.train.path == BnPath::CudnnFused && c.fused_sizes.is_none() {
@@ -379,6 +384,7 @@ impl<T: Element> BatchNorm<T> {
 
     /// Training forward. Returns the state that [`BatchNorm::backward`] needs.
     pub fn forward_train(&self, mut a: TrainArgs<'_, T>) -> Result<BnSaved> {
+        crate::profile::stage!(Call);
         let core = &*self.core;
         // 1. Scalars, the addend, the shape.
         check_scalars(a.eps, Some(a.momentum))?;
@@ -399,25 +405,22 @@ impl<T: Element> BatchNorm<T> {
         self.finish_train(&mut a, ran, st, x_ptr)
     }
 
-    /// The buffers a training forward saves for its backward, allocated for `path`.
+    /// The buffers a training forward saves for its backward, for `path`: recycled from dropped
+    /// states, allocated only when none is spare.
     fn alloc_train_state(&self, path: BnPath) -> Result<TrainState> {
+        crate::profile::stage!(Alloc);
         let stream = self.ctx.stream();
+        let spares = &self.core.spares;
         let c = self.core.param_len(Phase::Training);
-        // SAFETY: statistics are written by cuDNN or the own kernels before anything reads them.
-        let mean = unsafe { stream.alloc::<f32>(c) }.call("cuMemAllocAsync")?;
-        let inv_var = unsafe { stream.alloc::<f32>(c) }.call("cuMemAllocAsync")?;
+        let mean = spares.f32s(stream, c)?;
+        let inv_var = spares.f32s(stream, c)?;
         let mean_lo = if path.is_own() {
-            // SAFETY: written by the own statistics before anything reads it.
-            Some(unsafe { stream.alloc::<f32>(c) }.call("cuMemAllocAsync")?)
+            Some(spares.f32s(stream, c)?)
         } else {
             None
         };
         let own_mask = if path.is_own() && self.core.fuse != Fuse::None {
-            // SAFETY: the own forward writes every mask word (tail bits zero) before any read.
-            Some(
-                unsafe { stream.alloc::<u32>(activation::mask_words(self.numel())) }
-                    .call("cuMemAllocAsync")?,
-            )
+            Some(spares.u32s(stream, activation::mask_words(self.numel()))?)
         } else {
             None
         };
@@ -439,7 +442,6 @@ impl<T: Element> BatchNorm<T> {
     ) -> Result<(Ran, u64)> {
         let core = &*self.core;
         let ctx = &self.ctx;
-        let stream = ctx.stream();
         let numel = Need::Exactly(self.numel(), "the shape's element count");
         let c = core.param_len(Phase::Training);
         let param = Need::Exactly(
@@ -463,27 +465,28 @@ impl<T: Element> BatchNorm<T> {
         let running_var = ops.output("running_var", &mut a.running_var, param)?;
         ops.check(Aliasing::Distinct)?;
 
-        let (saved_mean, _g8) = st.mean.device_ptr_mut(stream);
-        let (saved_invstd, _g9) = st.inv_var.device_ptr_mut(stream);
-        let mask = st.own_mask.as_mut().map(|m| m.device_ptr_mut(stream));
-        let lo = st.mean_lo.as_mut().map(|m| m.device_ptr_mut(stream));
+        // nnfuse's own buffers: their addresses, no stream events (see `state.rs`).
+        let (saved_mean, saved_invstd) = (st.mean.ptr, st.inv_var.ptr);
         let bufs = FwdBufs {
             x,
             z,
             y,
-            mask: mask.as_ref().map_or(0, |(p, _)| *p),
+            mask: st.own_mask.as_ref().map_or(0, |m| m.ptr),
             gamma,
             beta,
             running_mean,
             running_var,
             saved_mean,
-            saved_mean_lo: lo.as_ref().map_or(0, |(p, _)| *p),
+            saved_mean_lo: st.mean_lo.as_ref().map_or(0, |m| m.ptr),
             saved_invstd,
         };
         if path.is_own() {
             let want = core.train.own_forward.unwrap_or(OwnVariant::TwoPass);
             let op = core.own_op(ctx, T::DTYPE);
-            let v = own::forward_train(&op, &bufs, want, a.momentum, a.eps)?;
+            let v = {
+                crate::profile::stage!(Launch);
+                own::forward_train(&op, &bufs, want, a.momentum, a.eps)?
+            };
             tracing::debug!(path = "own", variant = %v, "BatchNorm forward");
             return Ok((Ran::Own(v), x));
         }
@@ -519,11 +522,10 @@ impl<T: Element> BatchNorm<T> {
             Ran::Fused(reserve) => (BnPath::CudnnFused, reserve, None),
             Ran::Plain(reserve) => (BnPath::Plain, reserve, None),
             Ran::BnOnlyForFallback(reserve, mut mask) => {
+                let m = &mut mask.buf;
                 match &a.addend {
-                    Some(z) => {
-                        activation::add_relu_mask_fwd_inplace(ctx, &mut a.y, z, Some(&mut mask))?
-                    }
-                    None => activation::relu_mask_fwd_inplace(ctx, &mut a.y, Some(&mut mask))?,
+                    Some(z) => activation::add_relu_mask_fwd_inplace(ctx, &mut a.y, z, Some(m))?,
+                    None => activation::relu_mask_fwd_inplace(ctx, &mut a.y, Some(m))?,
                 }
                 (BnPath::Fallback, reserve, Some(mask))
             }
@@ -533,12 +535,13 @@ impl<T: Element> BatchNorm<T> {
             path,
             eps: a.eps,
             x_ptr,
-            mean: st.mean,
+            mean: ManuallyDrop::new(st.mean),
             mean_lo: st.mean_lo,
-            inv_var: st.inv_var,
+            inv_var: ManuallyDrop::new(st.inv_var),
             reserve,
             mask,
             own_variant,
+            spares: self.core.spares.clone(),
         })
     }
 
@@ -561,16 +564,22 @@ impl<T: Element> BatchNorm<T> {
         self.run_plain_forward(p, momentum, eps, mask)
     }
 
+    /// A reserve space of `bytes` (none for 0), recycled or allocated.
+    fn reserve(&self, bytes: usize) -> Result<Option<Owned<u8>>> {
+        crate::profile::stage!(Alloc);
+        (bytes > 0)
+            .then(|| self.core.spares.bytes(self.ctx.stream(), bytes))
+            .transpose()
+    }
+
     /// The fallback's activation made ready: its kernel loaded and its mask allocated.
-    fn prepare_fallback_activation(&self) -> Result<CudaSlice<u32>> {
+    fn prepare_fallback_activation(&self) -> Result<Owned<u32>> {
         let ctx = &self.ctx;
         activation::prepare_forward(ctx, T::DTYPE, self.core.fuse == Fuse::AddRelu)?;
-        // SAFETY: the kernel writes every mask word (tail bits zero) before any read.
-        unsafe {
-            ctx.stream()
-                .alloc::<u32>(activation::mask_words(self.numel()))
-        }
-        .call("cuMemAllocAsync")
+        crate::profile::stage!(Alloc);
+        // The kernel writes every mask word (tail bits zero) before any read.
+        let words = activation::mask_words(self.numel());
+        self.core.spares.u32s(ctx.stream(), words)
     }
 
     /// cuDNN's fused forward; `None` when cuDNN refuses it (this shape then takes the fallback
@@ -581,18 +590,15 @@ impl<T: Element> BatchNorm<T> {
         let ctx = &self.ctx;
         let mode = core.train.mode;
         let sizes = cu.fused_sizes.unwrap_or_default();
-        let reserve = if sizes.reserve > 0 {
-            // SAFETY: cuDNN writes the reserve in the forward before the backward reads it.
-            Some(unsafe { ctx.stream().alloc::<u8>(sizes.reserve) }.call("cuMemAllocAsync")?)
-        } else {
-            None
-        };
+        // cuDNN writes the reserve in the forward before the backward reads it.
+        let reserve = self.reserve(sizes.reserve)?;
         let result = {
-            let rp = reserve.as_ref().map(|r| r.device_ptr(ctx.stream()));
-            let rptr = rp.as_ref().map_or(0, |(p, _)| *p);
+            let rptr = reserve.as_ref().map_or(0, |r| r.ptr);
+            crate::profile::stage!(Workspace);
             let mut guard = ctx.lock()?;
             let h = guard.cudnn()?;
             let ws = guard.workspace(sizes.forward_workspace)?;
+            crate::profile::stage!(Vendor);
             // SAFETY: pointers validated against the descriptors by the caller; workspace
             // and reserve sized by cuDNN's queries.
             unsafe {
@@ -636,7 +642,7 @@ impl<T: Element> BatchNorm<T> {
         p: &FwdPtrs,
         momentum: f64,
         eps: f64,
-        mask: Option<CudaSlice<u32>>,
+        mask: Option<Owned<u32>>,
     ) -> Result<Ran> {
         let core = &*self.core;
         let cu = core.cudnn()?;
@@ -648,20 +654,18 @@ impl<T: Element> BatchNorm<T> {
         };
         let mut bn_reserve = None;
         {
+            let ws_stage = crate::profile::enter(crate::profile::Stage::Workspace);
             let mut guard = ctx.lock()?;
             let h = guard.cudnn()?;
             match api {
                 BnApi::Ex => {
                     let sizes = cu.bn_sizes.unwrap_or_default();
                     let ws = guard.workspace(sizes.forward_workspace)?;
-                    if sizes.reserve > 0 {
-                        // SAFETY: written by this forward, read by the matching backward.
-                        let r = unsafe { ctx.stream().alloc::<u8>(sizes.reserve) }
-                            .call("cuMemAllocAsync")?;
-                        bn_reserve = Some(r);
-                    }
-                    let rp = bn_reserve.as_ref().map(|r| r.device_ptr(ctx.stream()));
-                    let rptr = rp.as_ref().map_or(0, |(p, _)| *p);
+                    // Written by this forward, read by the matching backward.
+                    bn_reserve = self.reserve(sizes.reserve)?;
+                    let rptr = bn_reserve.as_ref().map_or(0, |r| r.ptr);
+                    drop(ws_stage);
+                    crate::profile::stage!(Vendor);
                     // SAFETY: as above.
                     unsafe {
                         calls::forward_training_ex(
@@ -680,6 +684,8 @@ impl<T: Element> BatchNorm<T> {
                     }?
                 }
                 BnApi::Legacy => {
+                    drop(ws_stage);
+                    crate::profile::stage!(Vendor);
                     // SAFETY: as above.
                     unsafe {
                         calls::forward_training(
@@ -710,6 +716,7 @@ impl<T: Element> BatchNorm<T> {
 
     /// Training backward: writes `dx`, `dgamma`, `dbeta` and, for Add+ReLU, `d_addend`.
     pub fn backward(&self, mut a: BackwardArgs<'_, T>) -> Result<()> {
+        crate::profile::stage!(Call);
         let core = &*self.core;
         let ctx = &self.ctx;
         let saved = a.saved;
@@ -733,14 +740,32 @@ impl<T: Element> BatchNorm<T> {
             (BnPath::Fallback, Some(mask)) => {
                 if let Some(dz) = a.d_addend.as_mut() {
                     // d_addend = dy ⊙ mask is also the gradient that enters BN.
-                    activation::relu_mask_bwd(ctx, &a.dy, mask, dz)?;
+                    activation::relu_mask_bwd(ctx, &a.dy, &mask.buf, dz)?;
                     self.run_backward(&mut a, BnPath::Fallback, None, reserve)
                 } else {
-                    // SAFETY: fully written by the mask backward before BN reads it.
-                    let mut dpre =
-                        unsafe { ctx.stream().alloc::<T>(self.numel()) }.call("cuMemAllocAsync")?;
-                    activation::relu_mask_bwd(ctx, &a.dy, mask, &mut dpre)?;
-                    self.run_backward(&mut a, BnPath::Fallback, Some(&dpre), reserve)
+                    // Fully written by the mask backward before BN reads it; a recycled
+                    // temporary, given back once both are queued (stream order).
+                    let n = self.numel();
+                    let mut tmp = {
+                        crate::profile::stage!(Alloc);
+                        core.spares.bytes(ctx.stream(), n * T::DTYPE.size())?
+                    };
+                    let dpre = tmp.ptr;
+                    // SAFETY: the bytes hold exactly n elements of T (plain numbers).
+                    let view = unsafe { tmp.buf.transmute_mut::<T>(n) };
+                    let r = match view {
+                        Some(mut view) => activation::relu_mask_bwd(
+                            ctx, &a.dy, &mask.buf, &mut view,
+                        )
+                        .and_then(|()| {
+                            self.run_backward(&mut a, BnPath::Fallback, Some(dpre), reserve)
+                        }),
+                        None => Err(Error::NotSupported(
+                            "BatchNorm's temporary is smaller than the tensor".into(),
+                        )),
+                    };
+                    core.spares.give_bytes(tmp);
+                    r
                 }
             }
             (BnPath::Fallback, _) => Err(Error::invalid(
@@ -781,7 +806,7 @@ impl<T: Element> BatchNorm<T> {
     fn run_backward_own(
         &self,
         a: &mut BackwardArgs<'_, T>,
-        mask: Option<&CudaSlice<u32>>,
+        mask: Option<&Owned<u32>>,
     ) -> Result<()> {
         let core = &*self.core;
         let ctx = &self.ctx;
@@ -802,10 +827,8 @@ impl<T: Element> BatchNorm<T> {
         let (x, _g1) = a.x.device_ptr(stream);
         let (dy, _g2) = a.dy.device_ptr(stream);
         let (gamma, _g3) = a.gamma.device_ptr(stream);
-        let mp = mask.map(|m| m.device_ptr(stream));
-        let (lo, _g9) = mean_lo.device_ptr(stream);
-        let (sm, _g4) = saved.mean.device_ptr(stream);
-        let (si, _g5) = saved.inv_var.device_ptr(stream);
+        // nnfuse's own buffers: their addresses, no stream events (see `state.rs`).
+        let (lo, sm, si) = (mean_lo.ptr, saved.mean.ptr, saved.inv_var.ptr);
         let (dx, _g6) = a.dx.device_ptr_mut(stream);
         let (dgamma, _g7) = a.dgamma.device_ptr_mut(stream);
         let (dbeta, _g8) = a.dbeta.device_ptr_mut(stream);
@@ -813,7 +836,7 @@ impl<T: Element> BatchNorm<T> {
         let bufs = BwdBufs {
             x,
             dy,
-            mask: mp.as_ref().map_or(0, |(p, _)| *p),
+            mask: mask.map_or(0, |m| m.ptr),
             dx,
             dz: dz.as_ref().map_or(0, |(p, _)| *p),
             gamma,
@@ -824,7 +847,10 @@ impl<T: Element> BatchNorm<T> {
             dbeta,
         };
         let want = core.train.own_backward.unwrap_or(OwnVariant::TwoPass);
-        let v = own::backward(&core.own_op(ctx, T::DTYPE), &bufs, want, saved.eps)?;
+        let v = {
+            crate::profile::stage!(Launch);
+            own::backward(&core.own_op(ctx, T::DTYPE), &bufs, want, saved.eps)?
+        };
         core.last_backward
             .store(variant_code(Some(v)), Ordering::Relaxed);
         tracing::debug!(path = "own", variant = %v, "BatchNorm backward");
@@ -837,8 +863,8 @@ impl<T: Element> BatchNorm<T> {
         &self,
         a: &mut BackwardArgs<'_, T>,
         path: BnPath,
-        dpre: Option<&CudaSlice<T>>,
-        reserve: Option<&CudaSlice<u8>>,
+        dpre: Option<u64>,
+        reserve: Option<&Owned<u8>>,
     ) -> Result<()> {
         let core = &*self.core;
         let ctx = &self.ctx;
@@ -854,13 +880,11 @@ impl<T: Element> BatchNorm<T> {
         let (dbeta, _g8) = a.dbeta.device_ptr_mut(stream);
         let dz = a.d_addend.as_mut().map(|v| v.device_ptr_mut(stream));
         let dz_ptr = dz.as_ref().map_or(0, |(p, _)| *p);
-        let dp = dpre.map(|d| d.device_ptr(stream));
-        let (sm, _g9) = saved.mean.device_ptr(stream);
-        let (si, _g10) = saved.inv_var.device_ptr(stream);
-        let rp = reserve.map(|r| r.device_ptr(stream));
+        // nnfuse's own buffers: their addresses, no stream events (see `state.rs`).
+        let (sm, si) = (saved.mean.ptr, saved.inv_var.ptr);
         // The gradient entering BN: the user's dy (plain, fused), the masked copy (fallback).
-        let dy = match (path, &dp) {
-            (BnPath::Fallback, Some((p, _))) => *p,
+        let dy = match (path, dpre) {
+            (BnPath::Fallback, Some(p)) => p,
             (BnPath::Fallback, None) => dz_ptr,
             _ => dy_user,
         };
@@ -878,6 +902,7 @@ impl<T: Element> BatchNorm<T> {
             saved_inv_var: si,
         };
         let cu = core.cudnn()?;
+        let ws_stage = crate::profile::enter(crate::profile::Stage::Workspace);
         let mut guard = ctx.lock()?;
         let h = guard.cudnn()?;
         let mode = core.train.mode;
@@ -895,8 +920,10 @@ impl<T: Element> BatchNorm<T> {
             };
             let sizes = sizes.unwrap_or_default();
             let ws = guard.workspace(sizes.backward_workspace)?;
-            let rptr = rp.as_ref().map_or(0, |(p, _)| *p);
-            let rlen = reserve.map_or(0, |r| r.len());
+            let rptr = reserve.map_or(0, |r| r.ptr);
+            let rlen = reserve.map_or(0, |r| r.buf.len());
+            drop(ws_stage);
+            crate::profile::stage!(Vendor);
             // SAFETY: validated buffers, cuDNN-sized workspace, the forward's reserve.
             unsafe {
                 calls::backward_ex(
@@ -913,6 +940,8 @@ impl<T: Element> BatchNorm<T> {
                 )
             }?;
         } else {
+            drop(ws_stage);
+            crate::profile::stage!(Vendor);
             // SAFETY: as above.
             unsafe {
                 calls::backward(h, mode, &cu.x_desc, &cu.train_param.desc, &ptrs, saved.eps)
@@ -1010,12 +1039,12 @@ impl<T: Element> BatchNorm<T> {
 
 /// The buffers a training forward saves for its backward.
 struct TrainState {
-    mean: CudaSlice<f32>,
-    inv_var: CudaSlice<f32>,
+    mean: Owned<f32>,
+    inv_var: Owned<f32>,
     /// Own path: the mean's remainder.
-    mean_lo: Option<CudaSlice<f32>>,
+    mean_lo: Option<Owned<f32>>,
     /// Own path with an activation: the mask the own forward writes.
-    own_mask: Option<CudaSlice<u32>>,
+    own_mask: Option<Owned<u32>>,
 }
 
 /// What the forward's cuDNN half did, with the reserve space cuDNN asked to keep (or which own
@@ -1024,11 +1053,11 @@ enum Ran {
     /// nnfuse's own kernels ran everything.
     Own(OwnVariant),
     /// cuDNN's fused op ran.
-    Fused(Option<CudaSlice<u8>>),
+    Fused(Option<Owned<u8>>),
     /// Plain BN, no activation asked for.
-    Plain(Option<CudaSlice<u8>>),
+    Plain(Option<Owned<u8>>),
     /// Plain BN; the activation is still to do, into the mask prepared before BN ran.
-    BnOnlyForFallback(Option<CudaSlice<u8>>, CudaSlice<u32>),
+    BnOnlyForFallback(Option<Owned<u8>>, Owned<u32>),
 }
 
 #[cfg(test)]

@@ -307,6 +307,7 @@ impl<T: Element> Conv2d<T> {
         W: DevicePtr<T>,
         Y: DevicePtrMut<T>,
     {
+        crate::profile::stage!(Call);
         // Inputs first, then the output: an overlap names the output.
         let mut bind = Binder::new(&self.ctx);
         let p = CudnnPtrs {
@@ -350,6 +351,7 @@ impl<T: Element> Conv2d<T> {
         W: DevicePtr<T>,
         X: DevicePtrMut<T>,
     {
+        crate::profile::stage!(Call);
         let mut bind = Binder::new(&self.ctx);
         let wp = bind.input("w", w, self.need(W))?;
         let dyp = bind.input("dy", dy, self.need(Y))?;
@@ -413,6 +415,7 @@ impl<T: Element> Conv2d<T> {
         D: DevicePtr<T>,
         W: DevicePtrMut<T>,
     {
+        crate::profile::stage!(Call);
         let mut bind = Binder::new(&self.ctx);
         let xp = bind.input("x", x, self.need(X))?;
         let dyp = bind.input("dy", dy, self.need(Y))?;

@@ -58,14 +58,17 @@ pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
     let p = c.ptrs;
     // The variant pack's order is cuDNN's roles: x (or dx), w (or dw), y (or dy).
     let ptrs = [p.x, p.w, p.y];
-    let k = key(
-        t,
-        c.direction,
-        c.exec.route.graph_engine,
-        alignment_of(&ptrs),
-        c.accumulate,
-    );
-    let plan = GraphConv::cached(t.ctx, k)?;
+    let plan = {
+        crate::profile::stage!(Lookup);
+        let k = key(
+            t,
+            c.direction,
+            c.exec.route.graph_engine,
+            alignment_of(&ptrs),
+            c.accumulate,
+        );
+        GraphConv::cached(t.ctx, k)?
+    };
     // SAFETY: the caller's contract (operands checked, on the Context's device, output
     // disjoint); the key's alignment is the pointers' own.
     unsafe { plan.execute_raw(t.ctx, ptrs) }

@@ -29,9 +29,15 @@ pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
             ),
         ));
     }
-    let mut g = c.target.ctx.lock()?;
-    let h = g.cudnn()?;
-    let ws = g.workspace(c.exec.cudnn_ws)?;
+    // The guard holds the Context's lock across the call.
+    let (_lock, h, ws) = {
+        crate::profile::stage!(Workspace);
+        let mut g = c.target.ctx.lock()?;
+        let h = g.cudnn()?;
+        let ws = g.workspace(c.exec.cudnn_ws)?;
+        (g, h, ws)
+    };
+    crate::profile::stage!(Vendor);
     // SAFETY: the caller's contract (operands checked, on the Context's device).
     unsafe { conv.run(h, algo, c.ptrs, ws, c.exec.cudnn_ws, c.accumulate) }
 }

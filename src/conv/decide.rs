@@ -371,6 +371,7 @@ impl<T: Element> Conv2d<T> {
 
     /// The decided route of `d`, deciding on the first call.
     pub(super) fn decided(&self, d: Direction, p: CudnnPtrs) -> Result<Exec> {
+        crate::profile::stage!(Lookup);
         let mut st = lock(&self.core.state[d.index()]);
         if let Some(s) = st.as_ref() {
             return Ok(s.exec);

@@ -50,6 +50,8 @@ pub(crate) unsafe fn run(
         ptrs: p,
         accumulate: accumulate && d == Direction::BackwardFilter,
     };
+    // nnfuse's own paths: scratch, grids, launches (a vendor path times its own stages inside).
+    crate::profile::stage!(Launch);
     // SAFETY: the caller's contract.
     unsafe { run_fn(e.route.path)(&call) }
 }

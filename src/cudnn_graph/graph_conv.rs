@@ -391,6 +391,7 @@ impl GraphConv {
     /// element type, are aligned to the key's alignment, the output is disjoint from the
     /// inputs, and all stay valid until the queued work completes.
     pub unsafe fn execute_raw(&self, ctx: &Context, ptrs: [u64; 3]) -> Result<()> {
+        let ws_stage = crate::profile::enter(crate::profile::Stage::Workspace);
         let mut g = ctx.lock()?;
         let handle = g.cudnn()?;
         if handle as usize != self.handle {
@@ -400,6 +401,8 @@ impl GraphConv {
             ));
         }
         let ws = g.workspace(self.plan.workspace())?;
+        drop(ws_stage);
+        let pack_stage = crate::profile::enter(crate::profile::Stage::Pack);
         let mut pack = lock(&self.pack);
         let stale = pack.as_ref().is_none_or(|p| !p.matches(ptrs, ws));
         if stale {
@@ -409,6 +412,8 @@ impl GraphConv {
         let Some(p) = pack.as_ref() else {
             return Err(Error::NotSupported("variant pack vanished".into()));
         };
+        drop(pack_stage);
+        crate::profile::stage!(Vendor);
         build::execute(handle, &self.plan, p)
     }
 

@@ -199,8 +199,13 @@ fn run_cublas(
             format!("{} is not a cublasGemmAlgo_t value nnfuse passes", algo.0),
         ));
     }
-    let mut g = ctx.lock()?;
-    let h = g.cublas()?;
+    let (_lock, h) = {
+        crate::profile::stage!(Workspace);
+        let mut g = ctx.lock()?;
+        let h = g.cublas()?;
+        (g, h)
+    };
+    crate::profile::stage!(Vendor);
     // SAFETY: the problem was checked and the pointers hold its extents; the handle is bound to
     // the Context's stream, where the operands are used.
     unsafe { cublas::gemm(h, p, dtype, algo, ptrs) }
@@ -215,10 +220,15 @@ fn run_lt(
     algo: &LtAlgo,
     ptrs: Ptrs,
 ) -> Result<()> {
-    let mut g = ctx.lock()?;
-    let h = g.cublaslt()?;
-    let ws = g.workspace(WORKSPACE_BYTES)?;
+    let (_lock, h, ws) = {
+        crate::profile::stage!(Workspace);
+        let mut g = ctx.lock()?;
+        let h = g.cublaslt()?;
+        let ws = g.workspace(WORKSPACE_BYTES)?;
+        (g, h, ws)
+    };
     let stream = ctx.stream().cu_stream() as lt_sys::cudaStream_t;
+    crate::profile::stage!(Vendor);
     // SAFETY: the problem was checked and the pointers hold its extents; `descriptors` describes this
     // problem (it depends only on its key); the algorithm passed `cublasLtMatmulAlgoCheck` for
     // it with at most WORKSPACE_BYTES of workspace and suits the operands' alignment (checked
@@ -397,6 +407,7 @@ where
     B: DevicePtr<T>,
     C: DevicePtrMut<T>,
 {
+    crate::profile::stage!(Call);
     let dtype = T::DTYPE;
     let Some((spans, ptrs, _guards)) = operands!(ctx, p, T, a, b, c, output) else {
         return Ok(());
@@ -434,9 +445,11 @@ fn run_checked(ctx: &Context, p: &Problem, dtype: DType, spans: Spans, ptrs: Ptr
     if !ctx.config().gemm_search {
         return run_cublas(ctx, p, dtype, CublasAlgo::DEFAULT, ptrs);
     }
+    let lookup = crate::profile::enter(crate::profile::Stage::Lookup);
     let align = Alignment::of(p, dtype.size(), ptrs.a, ptrs.b, ptrs.c);
     let key = Key::from_checked(ordinal(ctx), p, dtype, align);
     let (choice, descriptors) = choose(ctx, p, dtype, &key, spans, ptrs)?;
+    drop(lookup);
     let result = match (&choice.algo, descriptors) {
         (Algo::Cublas(x), _) => run_cublas(ctx, p, dtype, *x, ptrs),
         (Algo::Lt(x), Some(descriptors)) => run_lt(ctx, p, &descriptors, x, ptrs),
