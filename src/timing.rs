@@ -556,7 +556,11 @@ const HEAD_START_MAX_MS: f64 = 200.0;
 /// [`HEAD_START_FACTOR`] times over plus [`HEAD_START_SLACK_MS`], at most
 /// [`HEAD_START_MAX_MS`]. Pure: tested on the CPU.
 pub(crate) fn head_start_ns(host_ms: f64) -> u64 {
-    let host = if host_ms.is_finite() { host_ms.max(0.0) } else { 0.0 };
+    let host = if host_ms.is_finite() {
+        host_ms.max(0.0)
+    } else {
+        0.0
+    };
     let ms = (host * HEAD_START_FACTOR + HEAD_START_SLACK_MS).min(HEAD_START_MAX_MS);
     (ms * 1e6).round() as u64
 }
