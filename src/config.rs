@@ -925,7 +925,7 @@ mod tests {
             assert_eq!(p.0.parse::<BnImpl>().unwrap(), p.1);
             assert_eq!(p.1.name(), p.0);
         }
-        assert_eq!(ALL_VARS.len(), 15);
+        assert_eq!(ALL_VARS.len(), 16);
     }
 
     #[test]
