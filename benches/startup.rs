@@ -18,9 +18,21 @@
 //! own time (the second call, measured in the same child); the target is a warm first call of at
 //! most 300 ms. Prints a table, then JSON lines.
 //!
+//! Then the **first call of a new convolution problem** (issue 20's target: forward, data and
+//! filter gradient together ≤ 300 ms at the 95th percentile over `benches/conv_problems.txt`,
+//! never over 1 s, the process's first convolution included): one fresh child process with an
+//! empty kernel disk cache and an empty tuning file (default budget,
+//! `NNFUSE_CONV_TUNE_BUDGET_MS` as set) runs every problem in turn — `Conv2d::new`, `forward`,
+//! `backward_data`, `backward_filter`, synchronised — and reports each problem's wall time; the
+//! table gives the median, 95th percentile and maximum, and the process's first convolution
+//! apart (it also pays cuDNN's and cuBLAS's start-up and the first NVRTC compiles). The demo's
+//! cold first step is `nnfuse demo`'s own line.
+//!
 //! `cargo bench --bench startup` (on a GPU; about 30 s). `NNFUSE_STARTUP_RUNS=n` sets the runs
 //! per scenario (default 3).
 
+#[path = "support/conv_problems.rs"]
+mod conv_problems;
 #[path = "support/exit.rs"]
 mod exit;
 
@@ -38,6 +50,9 @@ const CHILD_ENV: &str = "NNFUSE_STARTUP_CHILD";
 const MARK: &str = "NNFUSE_STARTUP_JSON ";
 const SHAPE: (usize, usize, usize, usize) = (16, 1024, 1024, 1024);
 const TARGET_MS: f64 = 300.0;
+/// The first call of a new convolution problem (three directions): p95 and maximum targets.
+const CONV_P95_TARGET_MS: f64 = 300.0;
+const CONV_MAX_TARGET_MS: f64 = 1000.0;
 
 /// What a child does.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -73,13 +88,95 @@ struct Measured {
     timing_ms: f64,
     /// Spawn to exit, seen by the parent.
     process_ms: f64,
+    /// `conv` children: each problem's name and first-call wall time (three directions, ms),
+    /// in the file's order (the first is the process's first convolution).
+    #[serde(default)]
+    conv: Vec<(String, f64)>,
 }
 
 fn ms(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e3
 }
 
+/// Deterministic values in [-1, 1) of type `T`, uploaded.
+fn uploaded<T: nnfuse::Element + cudarc::driver::DeviceRepr>(
+    ctx: &Context,
+    len: usize,
+    seed: u64,
+) -> nnfuse::Result<cudarc::driver::CudaSlice<T>> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let host: Vec<T> = (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            T::from_f64((x >> 40) as f64 / (1u64 << 24) as f64 * 2.0 - 1.0)
+        })
+        .collect();
+    ctx.stream()
+        .clone_htod(&host)
+        .map_err(|e| nnfuse::Error::Driver {
+            call: "startup bench upload",
+            status: format!("{e:?}"),
+        })
+}
+
+/// One problem's first call: plan, forward, data gradient, filter gradient, synchronised (ms).
+fn conv_first_call<T: nnfuse::Element + cudarc::driver::DeviceRepr>(
+    ctx: &Context,
+    s: &nnfuse::conv::ConvShape,
+) -> nnfuse::Result<f64> {
+    let x = uploaded::<T>(ctx, s.x_len()?, 1)?;
+    let w = uploaded::<T>(ctx, s.w_len()?, 2)?;
+    let dy = uploaded::<T>(ctx, s.y_len()?, 3)?;
+    let (mut y, mut dx, mut dw) = (
+        uploaded::<T>(ctx, s.y_len()?, 4)?,
+        uploaded::<T>(ctx, s.x_len()?, 5)?,
+        uploaded::<T>(ctx, s.w_len()?, 6)?,
+    );
+    ctx.synchronize()?;
+    let t = Instant::now();
+    let conv = nnfuse::conv::Conv2d::<T>::new(ctx, s)?;
+    conv.forward(&x, &w, &mut y)?;
+    conv.backward_data(&dy, &w, &mut dx)?;
+    conv.backward_filter(&x, &dy, &mut dw, false)?;
+    ctx.synchronize()?;
+    Ok(ms(t))
+}
+
+/// The `conv` child: every problem's first call in one fresh Context (caches as `spec` says).
+fn conv_child(spec: &Spec) -> nnfuse::Result<Measured> {
+    let config = Config::from_env()?
+        .with_kernel_cache(spec.kernel_cache.clone())
+        .with_tuning_cache(spec.tuning_cache.clone());
+    let t = Instant::now();
+    let ctx = Context::with_config(0, config)?;
+    let mut out = Measured {
+        scenario: spec.scenario.clone(),
+        kind: spec.kind.clone(),
+        context_ms: ms(t),
+        ..Measured::default()
+    };
+    let problems = conv_problems::parse(include_str!("conv_problems.txt"))
+        .map_err(|e| nnfuse::Error::invalid("conv_problems.txt", e))?;
+    for p in &problems {
+        let t = match p.dtype.as_str() {
+            "f16" => conv_first_call::<f16>(&ctx, &p.shape)?,
+            "bf16" => conv_first_call::<half::bf16>(&ctx, &p.shape)?,
+            _ => conv_first_call::<f32>(&ctx, &p.shape)?,
+        };
+        out.conv.push((format!("{} {}", p.name, p.dtype), t));
+    }
+    let k = kernels::stats();
+    out.nvrtc_compiled = k.compiled;
+    out.nvrtc_compile_ms = k.compile_ms;
+    Ok(out)
+}
+
 fn child(spec: &Spec) -> nnfuse::Result<Measured> {
+    if spec.kind == "conv" {
+        return conv_child(spec);
+    }
     let config = Config::default()
         .with_kernel_cache(spec.kernel_cache.clone())
         .with_tuning_cache(spec.tuning_cache.clone())
@@ -267,6 +364,10 @@ fn parent() -> Result<(), String> {
         ))?);
         eprintln!("startup bench: run {} of {runs} done", r + 1);
     }
+    let kdir = fresh(&root, "kernels-conv");
+    let tfile = root.join("tuning-conv.json");
+    let _ = std::fs::remove_file(&tfile);
+    let conv = spawn(&spec("cold", "conv", Some(&kdir), Some(&tfile), true))?;
     let _ = std::fs::remove_dir_all(&root);
 
     let (batch, m, n, k) = SHAPE;
@@ -340,6 +441,7 @@ fn parent() -> Result<(), String> {
          workspace + first heuristic query; the rest of `total` is the search itself and the \
          tuned call."
     );
+    print_conv(&conv);
     println!();
     let rows = summaries
         .iter()
@@ -353,6 +455,48 @@ fn parent() -> Result<(), String> {
         println!("{v}");
     }
     Ok(())
+}
+
+/// The convolution table: every problem's first call, then median, p95 and maximum (the
+/// process's first convolution apart) against the targets.
+fn print_conv(m: &Measured) {
+    println!(
+        "\n## First call of a new convolution problem (forward + data + filter gradient, fresh \
+         Context, empty kernel cache and tuning file; ms)\n"
+    );
+    println!("| problem | first call |\n|---|---:|");
+    for (name, t) in &m.conv {
+        println!("| {name} | {t:.1} |");
+    }
+    let rest: Vec<f64> = m.conv.iter().skip(1).map(|c| c.1).collect();
+    let mut all: Vec<f64> = m.conv.iter().map(|c| c.1).collect();
+    all.sort_by(f64::total_cmp);
+    let q = |p: f64| {
+        all.get(((all.len().max(1) - 1) as f64 * p).round() as usize)
+            .copied()
+            .unwrap_or(f64::NAN)
+    };
+    let max = all.last().copied().unwrap_or(f64::NAN);
+    let first = m.conv.first().map_or(f64::NAN, |c| c.1);
+    let verdict = |ok: bool| if ok { "met" } else { "missed" };
+    println!(
+        "\n| over {} problems | median | p95 (target ≤ {CONV_P95_TARGET_MS:.0}) | max (target ≤ \
+         {CONV_MAX_TARGET_MS:.0}) | process's first convolution | max of the others |",
+        all.len()
+    );
+    println!("|---|---:|---:|---:|---:|---:|");
+    println!(
+        "| ms | {:.1} | {:.1} ({}) | {max:.1} ({}) | {first:.1} | {:.1} |",
+        q(0.5),
+        q(0.95),
+        verdict(q(0.95) <= CONV_P95_TARGET_MS),
+        verdict(max <= CONV_MAX_TARGET_MS),
+        rest.iter().copied().fold(f64::NAN, f64::max),
+    );
+    println!(
+        "\nContext::new {:.1} ms; NVRTC compiled {} files in {:.0} ms over the whole run.",
+        m.context_ms, m.nvrtc_compiled, m.nvrtc_compile_ms
+    );
 }
 
 fn main() -> ExitCode {

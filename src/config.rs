@@ -15,6 +15,7 @@
 //! | `NNFUSE_CONV_WORKSPACE_MB` | integer, 1 to 1048576 (1 TiB) | 256 | cap on the scratch memory of nnfuse's own convolution paths |
 //! | `NNFUSE_DETERMINISTIC` | boolean | false | only deterministic algorithms (cuDNN convolution backward) |
 //! | `NNFUSE_CUDNN_API` | `auto`, `graph`, `legacy` | `auto` | which cuDNN API runs convolutions (see [`CudnnApi`]) |
+//! | `NNFUSE_CONV_TUNE_BUDGET_MS` | integer, 0 to 600000 | 70 | host milliseconds the first call of a convolution direction may spend deciding; 0 = exhaustive (see [`Config::conv_tune_budget_ms`]) |
 //!
 //! Booleans parse like OneFlow's `ParseBooleanFromEnv`: `1/0`, `true/false`, `yes/no`, `on/off`
 //! (any case, surrounding blanks ignored); an empty value counts as unset; anything else is
@@ -378,6 +379,13 @@ pub const ENV_DETERMINISTIC: &str = "NNFUSE_DETERMINISTIC";
 pub const ENV_CUDNN_API: &str = "NNFUSE_CUDNN_API";
 /// `NNFUSE_CONV_CUDNN_SEARCH`: `heuristic` (default) or `find` ([`CudnnSearch`]).
 pub const ENV_CONV_CUDNN_SEARCH: &str = "NNFUSE_CONV_CUDNN_SEARCH";
+/// `NNFUSE_CONV_TUNE_BUDGET_MS` ([`Config::conv_tune_budget_ms`]).
+pub(crate) const ENV_CONV_TUNE_BUDGET_MS: &str = "NNFUSE_CONV_TUNE_BUDGET_MS";
+/// Default of [`Config::conv_tune_budget_ms`]: three directions of a new problem within the
+/// 300 ms first-call target with room for planning and cuDNN's queries.
+pub(crate) const DEFAULT_CONV_TUNE_BUDGET_MS: usize = 70;
+/// Most milliseconds `NNFUSE_CONV_TUNE_BUDGET_MS` accepts (10 minutes).
+pub(crate) const MAX_CONV_TUNE_BUDGET_MS: usize = 600_000;
 
 /// Default of [`Config::plan_cache_capacity`].
 pub const DEFAULT_PLAN_CACHE_CAPACITY: usize = 4096;
@@ -404,7 +412,7 @@ const OTHER_VARS: [&str; 8] = [
 ];
 
 /// Every variable nnfuse reads.
-pub const ALL_VARS: [&str; 15] = [
+pub const ALL_VARS: [&str; 16] = [
     ENV_ENABLE_NHWC,
     ENV_ONEFLOW_ENABLE_NHWC,
     ENV_BN_MODE_POLICY,
@@ -420,6 +428,7 @@ pub const ALL_VARS: [&str; 15] = [
     ENV_DETERMINISTIC,
     ENV_CUDNN_API,
     ENV_CONV_CUDNN_SEARCH,
+    ENV_CONV_TUNE_BUDGET_MS,
 ];
 
 /// The folder in the user's cache directory that holds kernel images when
@@ -462,6 +471,12 @@ pub struct Config {
     /// How cuDNN's convolution algorithm is chosen (a process-wide
     /// [`set_cudnn_search`](crate::conv::set_cudnn_search) overrides it).
     pub cudnn_search: CudnnSearch,
+    /// Host milliseconds the first call of a convolution direction may spend deciding
+    /// (finalizing cuDNN engine configs, checking and timing candidates): candidates are taken
+    /// in the plan's order until it is spent, the rest skipped (said in the choice's notes and
+    /// report). `0`: exhaustive — no budget, every admitted engine config up to the limit,
+    /// engines that compile at run time included (as an explicit tuning run wants).
+    pub conv_tune_budget_ms: usize,
 }
 
 impl Default for Config {
@@ -482,6 +497,7 @@ impl Default for Config {
             deterministic: false,
             cudnn_api: CudnnApi::Auto,
             cudnn_search: CudnnSearch::Heuristic,
+            conv_tune_budget_ms: DEFAULT_CONV_TUNE_BUDGET_MS,
         }
     }
 }
@@ -503,6 +519,21 @@ fn parse_count_at_most(var: &str, value: &str, max: usize) -> Result<usize> {
             } else {
                 format!("expected an integer from 1 to {max}")
             },
+        }),
+    }
+}
+
+/// Parses `NNFUSE_CONV_TUNE_BUDGET_MS`: an integer from 0 (exhaustive) to
+/// [`MAX_CONV_TUNE_BUDGET_MS`].
+fn parse_budget(value: &str) -> Result<usize> {
+    match value.trim().parse::<usize>() {
+        Ok(v) if v <= MAX_CONV_TUNE_BUDGET_MS => Ok(v),
+        _ => Err(Error::Config {
+            var: ENV_CONV_TUNE_BUDGET_MS.into(),
+            value: value.into(),
+            reason: format!(
+                "expected an integer from 0 (no budget: exhaustive) to {MAX_CONV_TUNE_BUDGET_MS}"
+            ),
         }),
     }
 }
@@ -658,6 +689,9 @@ impl Config {
         if let Some(v) = get(ENV_CONV_CUDNN_SEARCH) {
             c.cudnn_search = v.parse()?;
         }
+        if let Some(v) = get(ENV_CONV_TUNE_BUDGET_MS) {
+            c.conv_tune_budget_ms = parse_budget(&v)?;
+        }
         Ok(c)
     }
 
@@ -721,6 +755,12 @@ impl Config {
         self
     }
 
+    /// Sets [`Config::conv_tune_budget_ms`] (0: exhaustive; at most 600000, clamped).
+    pub fn with_conv_tune_budget_ms(mut self, ms: usize) -> Self {
+        self.conv_tune_budget_ms = ms.min(MAX_CONV_TUNE_BUDGET_MS);
+        self
+    }
+
     /// Sets [`Config::conv_workspace_mb`] (1 to 1048576, clamped).
     pub fn with_conv_workspace_mb(mut self, mib: usize) -> Self {
         self.conv_workspace_mb = mib.clamp(1, MAX_CONV_WORKSPACE_MB);
@@ -772,7 +812,8 @@ impl fmt::Display for Config {
         writeln!(f, "conv_workspace_mb    = {}", self.conv_workspace_mb)?;
         writeln!(f, "deterministic        = {}", self.deterministic)?;
         writeln!(f, "cudnn_api            = {}", self.cudnn_api)?;
-        write!(f, "cudnn_search         = {}", self.cudnn_search)
+        writeln!(f, "cudnn_search         = {}", self.cudnn_search)?;
+        write!(f, "conv_tune_budget_ms  = {}", self.conv_tune_budget_ms)
     }
 }
 
@@ -884,7 +925,7 @@ mod tests {
             assert_eq!(p.0.parse::<BnImpl>().unwrap(), p.1);
             assert_eq!(p.1.name(), p.0);
         }
-        assert_eq!(ALL_VARS.len(), 15);
+        assert_eq!(ALL_VARS.len(), 16);
     }
 
     #[test]
@@ -1010,5 +1051,35 @@ mod tests {
         assert!(c.enable_nhwc && c.disable_cudnn_fusion && !c.gemm_search);
         assert_eq!(c.bn_mode_policy, BnModePolicy::OneFlow);
         assert!(c.to_string().contains("bn_mode_policy       = oneflow"));
+    }
+
+    #[test]
+    fn the_tune_budget_parses_zero_as_exhaustive_and_names_the_variable() {
+        assert_eq!(
+            cfg(&[]).unwrap().conv_tune_budget_ms,
+            DEFAULT_CONV_TUNE_BUDGET_MS
+        );
+        assert_eq!(
+            cfg(&[(ENV_CONV_TUNE_BUDGET_MS, " 250 ")])
+                .unwrap()
+                .conv_tune_budget_ms,
+            250
+        );
+        assert_eq!(
+            cfg(&[(ENV_CONV_TUNE_BUDGET_MS, "0")])
+                .unwrap()
+                .conv_tune_budget_ms,
+            0
+        );
+        for bad in ["-1", "ten", "600001", "1.5"] {
+            let e = cfg(&[(ENV_CONV_TUNE_BUDGET_MS, bad)]).unwrap_err();
+            assert!(e.to_string().contains(ENV_CONV_TUNE_BUDGET_MS), "{e}");
+        }
+        assert_eq!(
+            Config::default()
+                .with_conv_tune_budget_ms(usize::MAX)
+                .conv_tune_budget_ms,
+            MAX_CONV_TUNE_BUDGET_MS
+        );
     }
 }

@@ -133,6 +133,9 @@ pub const BATCHNORM_PERSISTENT: KernelFile = kernel_file!(
 /// statistics, widening to f32).
 pub const CONV_CHECK: KernelFile = kernel_file!("conv_check.cu");
 
+/// GPU-only timing: the head start that holds the stream while the host queues a sample.
+pub const TIMING: KernelFile = kernel_file!("timing.cu");
+
 /// Every kernel file the crate embeds (see [`CI_ARCHS`]).
 pub const ALL: &[KernelFile] = &[
     UTIL,
@@ -146,6 +149,7 @@ pub const ALL: &[KernelFile] = &[
     BATCHNORM,
     CONV_CHECK,
     BATCHNORM_PERSISTENT,
+    TIMING,
 ];
 
 /// Architectures CI compiles every kernel for (A100, H100).

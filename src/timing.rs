@@ -11,16 +11,20 @@
 //!   milliseconds of each other, the per-round ratio of their times ([`Paired`]) cancels the
 //!   drift that their medians alone would still carry.
 //! - [`time_interleaved_gpu`]: the same, measuring GPU time only: every sample is queued behind a
-//!   head start of GPU work (kernel fills) that covers the host time of queuing it, so that a
-//!   variant whose calls queue slower than the GPU runs them (legacy cuDNN: 60-100 us of host
-//!   time per call) is judged by its GPU time, not by its host time.
+//!   head start of GPU work (one launch of a kernel that waits on the GPU's clock) that covers
+//!   the host time of queuing it, so that a variant whose calls queue slower than the GPU runs
+//!   them (legacy cuDNN: 60-100 us of host time per call) is judged by its GPU time, not by its
+//!   host time.
 
 use std::fmt;
 
-use cudarc::driver::{sys as drv, CudaEvent, CudaSlice};
+use std::time::Instant;
+
+use cudarc::driver::{sys as drv, CudaEvent, CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
 use crate::context::Context;
 use crate::error::{CallExt, Result};
+use crate::kernels;
 
 /// Statistics of repeated GPU runs, in milliseconds.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -540,124 +544,136 @@ fn timed_rounds<F: FnMut(usize, usize) -> Result<()>>(
     Ok(())
 }
 
-/// Elements (f32) of the head start's buffer: each fill of it is ~30 us of GPU work on an H100.
-const HEAD_START_ELEMS: usize = 16 << 20;
 /// A sample's head start covers this many times its burst's host time ...
 const HEAD_START_FACTOR: f64 = 1.5;
-/// ... plus this (ms: the events' own queuing).
-const HEAD_START_SLACK_MS: f64 = 0.02;
-/// Most fills in one head start (~120 ms of GPU work on an H100).
-const HEAD_START_MAX_FILLS: usize = 4096;
+/// ... plus this (ms: the events' own queuing, a scheduler hiccup).
+const HEAD_START_SLACK_MS: f64 = 0.05;
+/// Longest head start (ms): a variant whose burst queues slower than this is timed with the
+/// rest of its host time in its samples (none of nnfuse's candidates comes near).
+const HEAD_START_MAX_MS: f64 = 200.0;
 
-/// GPU work queued before a sample so that the host queues the sample while the GPU is busy.
-/// Kernel fills, as `nnfuse demo`'s head start: memsets of a buffer did not hold the GPU back
-/// on the H100 (a launch queued 300 us after its events' head start of memsets was timed with
-/// those 300 us).
+/// The GPU-side wait of a head start in nanoseconds: `host_ms` of queuing covered
+/// [`HEAD_START_FACTOR`] times over plus [`HEAD_START_SLACK_MS`], at most
+/// [`HEAD_START_MAX_MS`]. Pure: tested on the CPU.
+pub(crate) fn head_start_ns(host_ms: f64) -> u64 {
+    let host = if host_ms.is_finite() {
+        host_ms.max(0.0)
+    } else {
+        0.0
+    };
+    let ms = (host * HEAD_START_FACTOR + HEAD_START_SLACK_MS).min(HEAD_START_MAX_MS);
+    (ms * 1e6).round() as u64
+}
+
+/// GPU work queued before a sample so that the host queues the whole sample while the GPU is
+/// busy: one launch of `timing_spin_ns` (`kernels/timing.cu`), which holds the stream for a
+/// given time on the GPU's own clock.
+///
+/// Why not fills or memsets (what this was before, and what `nnfuse demo` uses with 256 MiB
+/// fills): a head start of many short fills costs the host a launch each (a few µs, plus
+/// cudarc's event tracking on the buffer) for ~20 µs of GPU work each, so a third or more of it
+/// ran on the GPU while the host was still queuing it, and a host-heavy burst then outlasted the
+/// rest (measured: a variant with 300 µs of host time per launch timed 52x its GPU time; device
+/// memsets did no better). Its size also depended on a calibration of the fill. A spin of a
+/// given length is one launch whatever its length, and its length is the GPU's clock.
 struct HeadStart {
-    buf: CudaSlice<f32>,
-    /// GPU time of one fill of `buf` (ms), measured.
-    fill_ms: f64,
+    spin: CudaFunction,
 }
 
 impl HeadStart {
-    /// The buffer and its fill's GPU time; `None` when the buffer cannot be allocated (the
-    /// caller then times without head starts, with a warning).
-    fn new(ctx: &Context) -> Result<Option<HeadStart>> {
-        let stream = ctx.stream();
-        let mut buf = match stream.alloc_zeros::<f32>(HEAD_START_ELEMS) {
-            Ok(b) => b,
+    /// The spin kernel; `None` when it cannot be loaded (the caller then times without head
+    /// starts, with a warning).
+    fn new(ctx: &Context) -> Option<HeadStart> {
+        match ctx.function(&kernels::TIMING, "timing_spin_ns") {
+            Ok(spin) => Some(HeadStart { spin }),
             Err(e) => {
-                tracing::warn!(error = %e, elements = HEAD_START_ELEMS,
-                    "no head-start buffer: samples are timed without a head start");
-                return Ok(None);
+                tracing::warn!(error = %e,
+                    "no head-start kernel: samples are timed without a head start");
+                None
             }
-        };
-        const CALIBRATION: usize = 8;
-        crate::util::fill(ctx, &mut buf, 0.0)?;
-        let a = new_event(ctx)?;
-        a.record(stream).call("cuEventRecord")?;
-        for _ in 0..CALIBRATION {
-            crate::util::fill(ctx, &mut buf, 0.0)?;
         }
-        let b = new_event(ctx)?;
-        b.record(stream).call("cuEventRecord")?;
-        b.synchronize().call("cuEventSynchronize")?;
-        let ms = a.elapsed_ms(&b).call("cuEventElapsedTime")? as f64 / CALIBRATION as f64;
-        Ok(Some(HeadStart {
-            buf,
-            fill_ms: if ms.is_finite() && ms > 1e-4 {
-                ms
-            } else {
-                1e-2
-            },
-        }))
     }
 
-    /// Queues enough fills to keep the GPU busy for `host_ms` of queuing (with margin).
-    fn queue(&mut self, ctx: &Context, host_ms: f64) -> Result<()> {
-        let want = host_ms.max(0.0) * HEAD_START_FACTOR + HEAD_START_SLACK_MS;
-        let n = ((want / self.fill_ms).ceil() as usize).clamp(1, HEAD_START_MAX_FILLS);
-        for _ in 0..n {
-            crate::util::fill(ctx, &mut self.buf, 0.0)?;
-        }
+    /// Holds the stream long enough for `host_ms` of queuing (with margin).
+    fn queue(&self, ctx: &Context, host_ms: f64) -> Result<()> {
+        let ns = head_start_ns(host_ms);
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut l = ctx.stream().launch_builder(&self.spin);
+        l.arg(&ns);
+        // SAFETY: timing_spin_ns(u64) reads no memory.
+        unsafe { l.launch(cfg) }.call("cuLaunchKernel(timing_spin_ns)")?;
         Ok(())
     }
 }
 
-/// `rounds` rounds in which every live variant runs one burst between its own pair of events,
-/// behind a head start covering the burst's host time; one synchronisation per round. Returns
-/// each variant's time per launch (ms) per round.
-fn head_start_rounds<F: FnMut(usize, usize) -> Result<()>>(
+/// One round in which every live variant runs one burst between its own pair of events,
+/// behind a head start covering the burst's host time; one synchronisation at the end. Returns
+/// each variant's time per launch (ms) in this round (empty for a variant that did not run).
+fn head_start_round<F: FnMut(usize, usize) -> Result<()>>(
     ctx: &Context,
     r: &mut Runner<F>,
-    head: &mut HeadStart,
+    head: &HeadStart,
     bursts: &[usize],
-    rounds: usize,
-) -> Result<Vec<Vec<f64>>> {
+) -> Result<Vec<Option<f64>>> {
     let stream = ctx.stream();
     let n = bursts.len();
-    let mut samples: Vec<Vec<f64>> = vec![Vec::with_capacity(rounds); n];
-    for _ in 0..rounds {
-        let mut spans = Vec::with_capacity(n);
-        for (v, &burst) in bursts.iter().enumerate() {
-            if !r.alive(v) {
-                continue;
-            }
-            head.queue(ctx, r.host_ms[v] * burst as f64)?;
-            let a = new_event(ctx)?;
-            a.record(stream).call("cuEventRecord")?;
-            if !r.run(v, burst) {
-                continue;
-            }
-            let b = new_event(ctx)?;
-            b.record(stream).call("cuEventRecord")?;
-            spans.push((v, a, b));
+    let mut spans = Vec::with_capacity(n);
+    for (v, &burst) in bursts.iter().enumerate() {
+        if !r.alive(v) {
+            continue;
         }
-        if let Some((_, _, last)) = spans.last() {
-            last.synchronize().call("cuEventSynchronize")?;
+        // Events are made before the head start, so that making them is not queuing time.
+        let (a, b) = (new_event(ctx)?, new_event(ctx)?);
+        head.queue(ctx, r.host_ms[v] * burst as f64)?;
+        a.record(stream).call("cuEventRecord")?;
+        if !r.run(v, burst) {
+            continue;
         }
-        for (v, a, b) in spans {
-            let ms = a.elapsed_ms(&b).call("cuEventElapsedTime")? as f64;
-            samples[v].push(ms / bursts[v] as f64);
-        }
+        b.record(stream).call("cuEventRecord")?;
+        spans.push((v, a, b));
     }
-    Ok(samples)
+    if let Some((_, _, last)) = spans.last() {
+        last.synchronize().call("cuEventSynchronize")?;
+    }
+    let mut out = vec![None; n];
+    for (v, a, b) in spans {
+        let ms = a.elapsed_ms(&b).call("cuEventElapsedTime")? as f64;
+        out[v] = Some(ms / bursts[v] as f64);
+    }
+    Ok(out)
 }
 
 /// [`time_interleaved`] measuring GPU time only: the same options, rounds and result, but every
-/// sample (the estimate's single launches too) is queued behind a head start of kernel fills
-/// covering 1.5 times the host time its launches took last time, and has its
-/// own pair of events, so that the GPU never waits for the host inside a sample. The host time
-/// is learned from an untimed first launch of every variant (the warm-up rounds, when asked
-/// for, come before it). Falls back to [`time_interleaved`] when the head start's buffer
-/// (64 MiB) cannot be allocated.
+/// sample (the estimate's single launches too) is queued behind a head start (a GPU-side wait,
+/// one launch) covering 1.5 times the host time its launches took last time, and has its own
+/// pair of events, so that the GPU never waits for the host inside a sample. The host time is
+/// learned from an untimed first launch of every variant (the warm-up rounds, when asked for,
+/// come before it). Falls back to [`time_interleaved`] when the head-start kernel cannot be
+/// loaded.
 pub fn time_interleaved_gpu(
     ctx: &Context,
     opts: InterleavedOptions,
     n: usize,
     f: impl FnMut(usize, usize) -> Result<()>,
 ) -> Result<Interleaved> {
-    let Some(mut head) = HeadStart::new(ctx)? else {
+    time_interleaved_gpu_until(ctx, opts, n, None, f)
+}
+
+/// [`time_interleaved_gpu`] that stops adding rounds once `deadline` has passed (host clock)
+/// and at least `opts.min_rounds` rounds were timed: the first call's decision budget.
+/// [`Interleaved::rounds`] says how many ran.
+pub(crate) fn time_interleaved_gpu_until(
+    ctx: &Context,
+    opts: InterleavedOptions,
+    n: usize,
+    deadline: Option<Instant>,
+    f: impl FnMut(usize, usize) -> Result<()>,
+) -> Result<Interleaved> {
+    let Some(head) = HeadStart::new(ctx) else {
         return time_interleaved(ctx, opts, n, f);
     };
     let mut r = Runner::new(f, n);
@@ -665,22 +681,38 @@ pub fn time_interleaved_gpu(
     // The host-time probe: one untimed launch of every variant.
     r.warm_up(1);
     let ones = vec![1usize; n];
-    let estimate: Vec<f64> = head_start_rounds(ctx, &mut r, &mut head, &ones, 1)?
+    let estimate: Vec<f64> = head_start_round(ctx, &mut r, &head, &ones)?
         .into_iter()
-        .map(|s| s.first().copied().unwrap_or(f64::NAN))
+        .map(|t| t.unwrap_or(f64::NAN))
         .collect();
     let Sampling {
         bursts,
         rounds,
         keep_estimate,
     } = Sampling::of(&opts, &r, &estimate);
-    let remaining = if keep_estimate { rounds - 1 } else { rounds };
-    let mut samples = head_start_rounds(ctx, &mut r, &mut head, &bursts, remaining)?;
-    for (v, s) in samples.iter_mut().enumerate() {
-        if keep_estimate && r.alive(v) {
-            s.insert(0, estimate[v]);
+    let mut samples: Vec<Vec<f64>> = vec![Vec::with_capacity(rounds); n];
+    let mut done = 0;
+    if keep_estimate {
+        for (v, s) in samples.iter_mut().enumerate() {
+            if r.alive(v) {
+                s.push(estimate[v]);
+            }
         }
-        if r.errors[v].is_some() {
+        done = 1;
+    }
+    while done < rounds && !past(deadline, done, opts.min_rounds) {
+        for (v, t) in head_start_round(ctx, &mut r, &head, &bursts)?
+            .into_iter()
+            .enumerate()
+        {
+            if let Some(t) = t {
+                samples[v].push(t);
+            }
+        }
+        done += 1;
+    }
+    for (s, e) in samples.iter_mut().zip(&r.errors) {
+        if e.is_some() {
             s.clear();
         }
     }
@@ -688,8 +720,14 @@ pub fn time_interleaved_gpu(
         samples,
         bursts,
         errors: r.errors,
-        rounds,
+        rounds: done,
     })
+}
+
+/// Whether timing stops before another round: the deadline has passed and `done` rounds
+/// reach `min_rounds`. Pure.
+fn past(deadline: Option<Instant>, done: usize, min_rounds: usize) -> bool {
+    done >= min_rounds.max(1) && deadline.is_some_and(|d| Instant::now() >= d)
 }
 
 /// Measures the device-to-device copy bandwidth in bytes per second, counting bytes read plus
@@ -760,6 +798,27 @@ mod tests {
         let sixteen = Paired::of(&[1.0; 16], &[[0.9; 15].as_slice(), &[1.1]].concat()).unwrap();
         assert_eq!(sixteen.p90, 0.9);
         assert!(Paired::of(&[0.0], &[1.0]).is_none());
+    }
+
+    #[test]
+    fn head_starts_cover_the_host_time_with_margin() {
+        assert_eq!(head_start_ns(0.0), 50_000);
+        assert_eq!(head_start_ns(10.2), 15_350_000);
+        assert_eq!(head_start_ns(f64::NAN), 50_000);
+        assert_eq!(head_start_ns(-1.0), 50_000);
+        assert_eq!(head_start_ns(1e9), 200_000_000);
+    }
+
+    #[test]
+    fn timing_stops_at_the_deadline_after_the_minimum_rounds() {
+        let gone = Some(Instant::now());
+        let later = Some(Instant::now() + std::time::Duration::from_secs(3600));
+        assert!(!past(None, 50, 3));
+        assert!(!past(gone, 2, 3));
+        assert!(past(gone, 3, 3));
+        assert!(!past(later, 10, 3));
+        assert!(!past(gone, 0, 0));
+        assert!(past(gone, 1, 0));
     }
 
     #[test]

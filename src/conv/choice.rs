@@ -61,6 +61,7 @@ use crate::error::{CallExt, Error, Result};
 use crate::kernels;
 use crate::layout::TensorFormat;
 use crate::timing::{InterleavedOptions, Paired};
+use crate::tune::budget::{keep_checking, skipped_note, timing_deadline, Budget};
 use crate::tune::file::{self, Section, FILE_FORMAT, FILE_VERSION};
 use crate::tune::race::{ms_since, race_gpu};
 use crate::tune::rule::judge;
@@ -250,6 +251,9 @@ pub enum Outcome {
     Failed(String),
     /// Correct, but Winograd's error exceeded the allowance.
     Refused(String),
+    /// Not checked or timed: the first call's decision budget was spent before its turn
+    /// ([`crate::Config::conv_tune_budget_ms`]).
+    Skipped(String),
 }
 
 /// One route of a measurement.
@@ -337,6 +341,7 @@ impl fmt::Display for AutoReport {
                 Outcome::Passed => writeln!(f)?,
                 Outcome::Failed(why) => writeln!(f, " FAILED: {why}")?,
                 Outcome::Refused(why) => writeln!(f, " refused: {why}")?,
+                Outcome::Skipped(why) => writeln!(f, " skipped: {why}")?,
             }
         }
         Ok(())
@@ -968,6 +973,9 @@ pub(crate) struct MeasureInput<'a> {
     pub operands: CudnnPtrs,
     /// Element counts of the x, w and y roles.
     pub lens: [usize; 3],
+    /// The decision's budget (begun with the decision: finalizing cuDNN's engine configs
+    /// counted against it already).
+    pub budget: Budget,
 }
 
 /// Which role (0 = x, 1 = w, 2 = y) is the output of `d`.
@@ -1171,6 +1179,18 @@ pub(crate) fn verify(inp: &MeasureInput<'_>) -> Result<(bool, AutoReport)> {
     ))
 }
 
+/// The note of a report whose measurement skipped candidates for the budget (`None`: none
+/// skipped).
+pub(crate) fn budget_note(report: &AutoReport, budget: &Budget) -> Option<String> {
+    let skipped: Vec<String> = report
+        .candidates
+        .iter()
+        .filter(|c| matches!(c.outcome, Outcome::Skipped(_)))
+        .map(|c| c.route.label())
+        .collect();
+    (!skipped.is_empty()).then(|| skipped_note(&skipped, budget.total_ms().unwrap_or(0.0)))
+}
+
 fn passed(r: &CandidateReport) -> bool {
     r.outcome == Outcome::Passed
 }
@@ -1332,12 +1352,23 @@ impl<'a> Bench<'a> {
 
     /// Runs every route once into a NaN-poisoned output and compares it with the reference on
     /// the device (one read-back for all); a route fails when it cannot run, has a non-finite
-    /// element, or its relative L2 error exceeds [`check_tolerance`].
+    /// element, or its relative L2 error exceeds [`check_tolerance`]. Under a budget, routes
+    /// whose turn comes after the checks' share of it is spent are skipped
+    /// ([`keep_checking`]; each check waits for the GPU so that the clock sees its cost).
     fn check_routes(&self, operands: CudnnPtrs) -> Result<Vec<CandidateReport>> {
         let (ctx, dtype, out_len) = (self.inp.ctx, self.inp.dtype, self.out_len);
         let n = self.inp.execs.len();
+        let budget = &self.inp.budget;
         let mut failed: Vec<Option<String>> = vec![None; n];
+        let mut skipped = vec![false; n];
         for (i, e) in self.inp.execs.iter().enumerate() {
+            if !keep_checking(i, budget.spent_ms(), budget.total_ms()) {
+                skipped[i..].iter_mut().for_each(|s| *s = true);
+                break;
+            }
+            if !budget.exhaustive() && i > 0 {
+                ctx.synchronize()?;
+            }
             poison(ctx, self.out, out_len * self.elem)?;
             match self.run(*e, operands) {
                 Ok(()) => launch3(
@@ -1356,6 +1387,13 @@ impl<'a> Bench<'a> {
         let mut reports: Vec<CandidateReport> = Vec::with_capacity(n);
         for (i, e) in self.inp.execs.iter().enumerate() {
             let (rel, outcome) = match &failed[i] {
+                _ if skipped[i] => (
+                    None,
+                    Outcome::Skipped(format!(
+                        "decision budget of {:.0} ms spent",
+                        budget.total_ms().unwrap_or(0.0)
+                    )),
+                ),
                 Some(why) => (None, Outcome::Failed(why.clone())),
                 None => {
                     let (rel, bad) = judge(a.get(3 * (i + 2)..3 * (i + 3)).unwrap_or(&[]));
@@ -1394,9 +1432,14 @@ impl<'a> Bench<'a> {
     ) -> Result<(usize, usize)> {
         // GPU time only: a legacy cuDNN call queues for 60-100 us of host time, more than many
         // kernels take; each burst waits behind a head start that covers its queuing.
-        let r = race_gpu(self.inp.ctx, measure_timing(), alive.len(), |v, _| {
-            self.run(self.inp.execs[alive[v]], operands)
-        })?;
+        let deadline = timing_deadline(&self.inp.budget);
+        let r = race_gpu(
+            self.inp.ctx,
+            measure_timing(),
+            alive.len(),
+            deadline,
+            |v, _| self.run(self.inp.execs[alive[v]], operands),
+        )?;
         let res = &r.timing;
         for (v, &i) in alive.iter().enumerate() {
             let rep = &mut reports[i];

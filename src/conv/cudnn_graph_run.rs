@@ -15,20 +15,34 @@ use crate::context::Context;
 use crate::cudnn_graph::graph_conv::GraphConv;
 use crate::cudnn_graph::key::GraphConvKey;
 use crate::cudnn_graph::layout::{alignment_of, MAX_ALIGNMENT};
-use crate::cudnn_graph::notes::GraphPolicy;
+use crate::cudnn_graph::notes::{GraphLimits, GraphPolicy};
 use crate::error::{Error, Result};
+use crate::tune::budget::Budget;
 
-/// Most engine configs of the graph API that `auto` measures per problem and direction (the
-/// heuristics list about 5 to 10; those the policy refuses do not count).
+/// Most engine configs of the graph API that an exhaustive decision
+/// ([`Config::conv_tune_budget_ms`] = 0) measures per problem and direction (the heuristics
+/// list about 5 to 10; those the policy refuses do not count). A budgeted first call takes
+/// [`GraphLimits::FIRST_CALL`]: the heuristics' top 3 and the fallback list's best.
 pub const MAX_GRAPH_CANDIDATES: usize = 8;
 
-/// The engine policy of `config`: true f32 (no TF32), f32 accumulation, no run-time
-/// compilation (a first call must not stall for seconds), deterministic engines only under
-/// [`Config::deterministic`].
+/// The engine policy of `config`: true f32 (no TF32), f32 accumulation, deterministic engines
+/// only under [`Config::deterministic`], and no run-time compilation (finalizing such an engine
+/// takes ~1.5 s: a first call must not stall for it) unless the decision is exhaustive
+/// ([`Config::conv_tune_budget_ms`] = 0, an explicit tuning run).
 pub(crate) fn policy(config: &Config) -> GraphPolicy {
     GraphPolicy {
         deterministic: config.deterministic,
+        allow_runtime_compilation: config.conv_tune_budget_ms == 0,
         ..GraphPolicy::default()
+    }
+}
+
+/// How many engine configs a decision under `budget` finalizes.
+fn limits(budget: &Budget) -> GraphLimits {
+    if budget.exhaustive() {
+        GraphLimits::at_most(MAX_GRAPH_CANDIDATES)
+    } else {
+        GraphLimits::FIRST_CALL
     }
 }
 
@@ -75,7 +89,8 @@ pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
 }
 
 /// The engine configs the plan's `cudnn` candidate of `core`'s problem stands for through the
-/// graph API, as routes (each plan finalized and cached now); notes on the configs passed over
+/// graph API, as routes (each plan finalized and cached now, within `budget`'s limits and
+/// deadline); notes on the configs passed over
 /// go to `notes`. `None` when the candidate goes through the legacy API (the plan's
 /// [`ConvPlan::cudnn_graph`] is false, or the search is cuDNN's Find, which only the legacy API
 /// has) or no config finalized: the caller then measures the legacy algorithms.
@@ -83,6 +98,7 @@ pub(super) fn candidates(
     core: &Core,
     ctx: &Context,
     plan: &ConvPlan,
+    budget: &Budget,
     notes: &mut Vec<String>,
 ) -> Option<Vec<Exec>> {
     if !plan.cudnn_graph || core.search == CudnnSearch::Find {
@@ -91,9 +107,13 @@ pub(super) fn candidates(
     let target = core.target(ctx);
     let t = &target;
     let d = plan.direction;
-    let admitted = GraphConv::admitted(t.ctx, key(t, d, None, MAX_ALIGNMENT, false), {
-        MAX_GRAPH_CANDIDATES
-    });
+    // Finalizing counts against the decision budget (it began with the decision).
+    let admitted = GraphConv::admitted_within(
+        t.ctx,
+        key(t, d, None, MAX_ALIGNMENT, false),
+        limits(budget),
+        budget.deadline(),
+    );
     let execs: Vec<Exec> = match admitted {
         Ok(a) => {
             if !a.skipped.is_empty() {

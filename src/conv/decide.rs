@@ -21,6 +21,7 @@ use super::route::{self, Exec};
 use super::state::{lock, Decided};
 use crate::dtype::Element;
 use crate::error::{CallExt, Error, Result};
+use crate::tune::budget::Budget;
 
 impl<T: Element> Conv2d<T> {
     /// cuDNN's usable algorithms for `d` as routes: the heuristic list's first
@@ -117,16 +118,20 @@ impl<T: Element> Conv2d<T> {
 
     /// Decides the route of `d` (first call): the process cache or the file, else the plan's
     /// candidates, measured when there are several.
+    /// An exhaustive budget ([`crate::Config::conv_tune_budget_ms`] = 0, an explicit tuning run)
+    /// measures afresh, over what the process cache or the file holds, and replaces it.
     pub(super) fn decide(&self, d: Direction, p: CudnnPtrs) -> Result<Decided> {
+        // The budget begins here: finalizing cuDNN's engine configs counts against it.
+        let budget = Budget::new(self.ctx.config().conv_tune_budget_ms);
         let plan = self.plan_for(d);
         let key = ChoiceKey::of(self.ctx.info().ordinal as u32, plan, self.core.search);
         let costly = plan.measured || plan.candidates.iter().any(|r| r.path == ConvPath::Cudnn);
-        if costly {
+        if costly && !budget.exhaustive() {
             if let Some(dec) = self.cached(d, p, plan, &key) {
                 return Ok(dec);
             }
         }
-        let (execs, notes, origin) = self.candidate_execs(d, p, plan)?;
+        let (execs, notes, origin) = self.candidate_execs(d, p, plan, &budget)?;
         match execs.len() {
             0 => self.no_candidate(d, plan, notes),
             1 => {
@@ -143,7 +148,7 @@ impl<T: Element> Conv2d<T> {
                     report: None,
                 })
             }
-            _ => Ok(self.measured(d, p, &key, &execs, notes)),
+            _ => Ok(self.measured(d, p, &key, &execs, notes, budget)),
         }
     }
 
@@ -213,7 +218,9 @@ impl<T: Element> Conv2d<T> {
                 "tuning-file Winograd choice failed the accuracy check; measuring again");
             None
         };
-        let mut execs = match self.candidate_execs(d, p, plan) {
+        // Every candidate is the baseline's: no budget cuts the check.
+        let budget = Budget::new(0);
+        let mut execs = match self.candidate_execs(d, p, plan, &budget) {
             Ok((v, _, _)) => v,
             Err(e) => return fail(e.to_string()),
         };
@@ -228,6 +235,7 @@ impl<T: Element> Conv2d<T> {
             execs: &execs,
             operands: p,
             lens: self.core.lens,
+            budget,
         };
         match choice::verify(&inp) {
             Ok((true, report)) => Some(report),
@@ -243,6 +251,7 @@ impl<T: Element> Conv2d<T> {
         d: Direction,
         p: CudnnPtrs,
         plan: &ConvPlan,
+        budget: &Budget,
     ) -> Result<(Vec<Exec>, Vec<String>, ChoiceOrigin)> {
         let mut execs: Vec<Exec> = Vec::new();
         let mut notes: Vec<String> = Vec::new();
@@ -253,7 +262,9 @@ impl<T: Element> Conv2d<T> {
                 execs.push(self.core.exec_of(&self.ctx, d, *r)?);
                 continue;
             }
-            if let Some(v) = cudnn_graph_run::candidates(&self.core, &self.ctx, plan, &mut notes) {
+            if let Some(v) =
+                cudnn_graph_run::candidates(&self.core, &self.ctx, plan, budget, &mut notes)
+            {
                 execs.extend(v);
                 continue;
             }
@@ -294,7 +305,8 @@ impl<T: Element> Conv2d<T> {
     }
 
     /// Several candidates: `auto`'s measurement on the caller's operands picks one (remembered);
-    /// when nothing could be checked, the incumbent runs unmeasured.
+    /// when nothing could be checked, the incumbent runs unmeasured. Candidates the budget left
+    /// unmeasured are named in the choice's notes, the report and a trace.
     fn measured(
         &self,
         d: Direction,
@@ -302,6 +314,7 @@ impl<T: Element> Conv2d<T> {
         key: &ChoiceKey,
         execs: &[Exec],
         mut notes: Vec<String>,
+        budget: Budget,
     ) -> Decided {
         let inp = MeasureInput {
             ctx: &self.ctx,
@@ -312,9 +325,15 @@ impl<T: Element> Conv2d<T> {
             execs,
             operands: p,
             lens: self.core.lens,
+            budget,
         };
         match choice::measure(&inp) {
             Ok((w, report)) => {
+                if let Some(n) = choice::budget_note(&report, &budget) {
+                    tracing::info!(problem = ?self.core.shape, dtype = %self.core.dtype,
+                        direction = %d, spent_ms = budget.spent_ms(), "{n}");
+                    notes.push(n);
+                }
                 let win = &report.candidates[w];
                 let inc = &report.candidates[report.incumbent];
                 let c = ConvChoice {

@@ -9,6 +9,7 @@
 //! changed since the previous call.
 
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
 use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
 
@@ -23,7 +24,7 @@ use super::build::{self, ExecutionPlan, GraphParts, VariantPack};
 use super::descriptor::Descriptor;
 use super::key::GraphConvKey;
 use super::layout::{alignment_of, Operand};
-use super::notes::{admit, EngineInfo, GraphPolicy, HeurSource};
+use super::notes::{admit, pass_over, EngineInfo, GraphLimits, GraphPolicy, HeurSource};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     match m.lock() {
@@ -249,6 +250,18 @@ impl GraphConv {
     /// Errors: as [`GraphConv::new`]; none of the configs finalizing is not an error (empty
     /// `plans`, the reasons in `skipped`).
     pub fn admitted(ctx: &Context, key: GraphConvKey, limit: usize) -> Result<Admitted> {
+        GraphConv::admitted_within(ctx, key, GraphLimits::at_most(limit), None)
+    }
+
+    /// [`GraphConv::admitted`] under a first call's limits: at most `limits` plans per list,
+    /// and no config finalized once `deadline` has passed (after the first plan); the configs
+    /// passed over say why (the limit, the budget).
+    pub fn admitted_within(
+        ctx: &Context,
+        key: GraphConvKey,
+        limits: GraphLimits,
+        deadline: Option<Instant>,
+    ) -> Result<Admitted> {
         ctx.refuse_under_capture("building cuDNN graph plans", "finalize plans")?;
         build::available()?;
         let key = key.with_engine(None);
@@ -264,15 +277,22 @@ impl GraphConv {
             let configs = build::engine_configs(&parts.graph)?;
             listed = configs.len();
             let all: Vec<EngineInfo> = configs.iter().map(|c| c.info.clone()).collect();
+            let mut per_list = (0usize, 0usize);
             for cfg in configs {
-                let reason = match (cfg.info.engine(), built.len() >= limit) {
+                let out_of_time = deadline.is_some_and(|d| Instant::now() >= d);
+                let passed = pass_over(cfg.info.source, per_list, limits, out_of_time);
+                let reason = match (cfg.info.engine(), passed) {
                     (None, _) => Some(format!(
                         "more than {} knob choices",
                         crate::conv::problem::MAX_GRAPH_KNOBS
                     )),
-                    (Some(_), true) => Some(format!("beyond the first {limit} admitted")),
-                    (Some(e), false) => match try_plan(handle, &cfg, &key, cap) {
+                    (Some(_), Some(why)) => Some(why),
+                    (Some(e), None) => match try_plan(handle, &cfg, &key, cap) {
                         Ok(plan) => {
+                            match cfg.info.source {
+                                HeurSource::Fallback => per_list.1 += 1,
+                                _ => per_list.0 += 1,
+                            }
                             built.push(GraphConv {
                                 key: key.with_engine(Some(e)),
                                 listed: all.clone(),

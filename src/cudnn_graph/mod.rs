@@ -45,7 +45,7 @@ pub mod internals {
         alignment_of, packed_strides, tensor_specs, Operand, TensorSpec, MAX_ALIGNMENT,
     };
     pub use super::notes::{
-        admit, dedup, BehaviorNote, EngineInfo, GraphPolicy, HeurSource, NoteSet, NumericalNote,
-        Rejection,
+        admit, dedup, pass_over, BehaviorNote, EngineInfo, GraphLimits, GraphPolicy, HeurSource,
+        NoteSet, NumericalNote, Rejection,
     };
 }

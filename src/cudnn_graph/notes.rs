@@ -309,6 +309,65 @@ pub fn admit(e: &EngineInfo, dtype: DType, policy: &GraphPolicy) -> Result<(), R
     Ok(())
 }
 
+/// How many engine configs one listing finalizes into plans (finalizing costs host time, up to
+/// seconds for an engine that compiles at run time).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GraphLimits {
+    /// Most plans in all.
+    pub total: usize,
+    /// Most plans of configs the INSTANT heuristics listed (cuDNN's own ranking: its top few).
+    pub instant: usize,
+    /// Most plans of configs only the FALLBACK list added.
+    pub fallback: usize,
+}
+
+impl GraphLimits {
+    /// A first call's: the heuristics' top 3 and the fallback list's best, 4 in all.
+    pub const FIRST_CALL: GraphLimits = GraphLimits {
+        total: 4,
+        instant: 3,
+        fallback: 1,
+    };
+
+    /// At most `n`, from either list.
+    pub const fn at_most(n: usize) -> GraphLimits {
+        GraphLimits {
+            total: n,
+            instant: n,
+            fallback: n,
+        }
+    }
+}
+
+/// Why the next listed config (from `source`) is not finalized, `built` = (INSTANT, FALLBACK)
+/// plans made so far, `out_of_time` when the decision budget is spent; `None`: finalize it. The
+/// budget never leaves a listing without a plan. Pure.
+pub fn pass_over(
+    source: HeurSource,
+    built: (usize, usize),
+    limits: GraphLimits,
+    out_of_time: bool,
+) -> Option<String> {
+    let total = built.0 + built.1;
+    if total >= limits.total {
+        return Some(format!("beyond the first {} admitted", limits.total));
+    }
+    if out_of_time && total > 0 {
+        return Some("decision budget spent (NNFUSE_CONV_TUNE_BUDGET_MS)".into());
+    }
+    match source {
+        HeurSource::Fallback if built.1 >= limits.fallback => Some(format!(
+            "beyond the fallback list's first {} admitted",
+            limits.fallback
+        )),
+        HeurSource::Instant | HeurSource::Given if built.0 >= limits.instant => Some(format!(
+            "beyond the heuristics' first {} admitted",
+            limits.instant
+        )),
+        _ => None,
+    }
+}
+
 /// Drops every config that an earlier entry already names (same engine and knobs), keeping
 /// the first occurrence and the order.
 pub fn dedup<T>(list: Vec<T>, info: impl Fn(&T) -> &EngineInfo) -> Vec<T> {
@@ -465,6 +524,26 @@ mod tests {
             |e| e,
         );
         assert_eq!(out, vec![a, b, a_other_knob]);
+    }
+
+    #[test]
+    fn a_first_call_finalizes_the_top_three_and_the_fallbacks_best() {
+        let l = GraphLimits::FIRST_CALL;
+        let (i, f) = (HeurSource::Instant, HeurSource::Fallback);
+        assert_eq!(pass_over(i, (0, 0), l, false), None);
+        assert_eq!(pass_over(i, (2, 0), l, false), None);
+        assert!(pass_over(i, (3, 0), l, false).is_some());
+        assert_eq!(pass_over(f, (3, 0), l, false), None);
+        assert!(pass_over(f, (3, 1), l, false).is_some());
+        assert!(pass_over(f, (1, 1), l, false).is_some());
+        // The budget stops finalizing, but never before the first plan.
+        assert_eq!(pass_over(i, (0, 0), l, true), None);
+        let spent = pass_over(i, (1, 0), l, true).unwrap();
+        assert!(spent.contains("budget"), "{spent}");
+        // Without a split, the total alone limits.
+        let all = GraphLimits::at_most(8);
+        assert_eq!(pass_over(f, (7, 0), all, false), None);
+        assert!(pass_over(i, (5, 3), all, false).is_some());
     }
 
     #[test]

@@ -10,12 +10,15 @@
 //! - [`rule`]: the pure decision of a measurement: the relative L2 verdict of a check, and the
 //!   incumbent rule (the incumbent is kept unless a candidate is faster by at least
 //!   [`rule::KEEP_INCUMBENT_MARGIN`] in the median round and in nearly every round).
+//! - [`budget`]: the first call's decision budget (`NNFUSE_CONV_TUNE_BUDGET_MS`): a deadline on
+//!   the host clock and the pure rules that spend it (checks, timing rounds).
 //! - [`race`]: the timing of the candidates that passed their check, interleaved round by round
 //!   ([`crate::timing::time_interleaved`]), and the winner by the incumbent rule.
 //!
 //! Each operation keeps its keys, its candidate lists and its entries' (de)serialisers:
 //! `gemm::search`, `gemm::entry`, `conv::choice`.
 
+pub(crate) mod budget;
 pub(crate) mod file;
 pub(crate) mod race;
 pub(crate) mod rule;

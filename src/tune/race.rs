@@ -5,7 +5,11 @@
 use super::rule::best_challenger;
 use crate::context::Context;
 use crate::error::Result;
-use crate::timing::{time_interleaved, time_interleaved_gpu, Interleaved, InterleavedOptions};
+use std::time::Instant;
+
+use crate::timing::{
+    time_interleaved, time_interleaved_gpu_until, Interleaved, InterleavedOptions,
+};
 
 /// What [`race`] measured and decided.
 pub(crate) struct Race {
@@ -28,17 +32,20 @@ pub(crate) fn race(
     decided(time_interleaved(ctx, opts, n, launch)?)
 }
 
-/// [`race`] measuring GPU time only ([`time_interleaved_gpu`]: every sample queued behind a
+/// [`race`] measuring GPU time only ([`crate::timing::time_interleaved_gpu`]: every sample queued behind a
 /// head start of GPU work that covers its host time), for candidates whose calls can queue
 /// slower than the GPU runs them (legacy cuDNN: 60-100 us of host time per call).
+/// No round starts after `deadline` (the first call's decision budget) once `opts.min_rounds`
+/// were timed.
 pub(crate) fn race_gpu(
     ctx: &Context,
     opts: InterleavedOptions,
     n: usize,
+    deadline: Option<Instant>,
     launch: impl FnMut(usize, usize) -> Result<()>,
 ) -> Result<Race> {
     ctx.refuse_under_capture("a measurement", "time candidates (events, synchronisation)")?;
-    decided(time_interleaved_gpu(ctx, opts, n, launch)?)
+    decided(time_interleaved_gpu_until(ctx, opts, n, deadline, launch)?)
 }
 
 /// The incumbent rule on a timing.

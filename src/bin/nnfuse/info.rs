@@ -79,6 +79,13 @@ pub fn run() -> anyhow::Result<ExitCode> {
             .to_string(),
     };
     println!("{:<10} {bn}", "BatchNorm");
+    if let Ok(c) = &config {
+        let cc = driver_found
+            .then(|| Context::with_config(0, c.clone()).ok())
+            .flatten()
+            .map(|ctx| ctx.info().compute_capability);
+        print_caches(c, cc);
+    }
     let config_ok = match config {
         Ok(c) => {
             println!("config:\n{}", indent(&c.to_string()));
@@ -99,6 +106,91 @@ pub fn run() -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// What the disk caches hold: per kernel file, whether its image for this device's architecture
+/// (and this NVRTC) is cached (else the first use compiles it: seconds for the larger files);
+/// the tuning file's entries per operation (GEMM; convolution per direction).
+fn print_caches(c: &Config, cc: Option<(i32, i32)>) {
+    match (c.kernel_cache_dir(), cc) {
+        (None, _) => println!(
+            "{:<10} no disk cache (NNFUSE_KERNEL_CACHE or NNFUSE_TUNING_CACHE unset): every \
+             process compiles the kernels it uses",
+            "kernels"
+        ),
+        (Some(dir), None) => println!(
+            "{:<10} disk cache {} ({} files; no device to name the architecture)",
+            "kernels",
+            dir.display(),
+            std::fs::read_dir(&dir).map_or(0, |d| d.count())
+        ),
+        (Some(dir), Some(cc)) => {
+            let arch = kernels::arch_for(cc);
+            let (mut cached, mut missing) = (Vec::new(), Vec::new());
+            for f in kernels::ALL {
+                let hit = kernels::ImageKey::new(f, &arch)
+                    .is_ok_and(|k| dir.join(k.file_name()).is_file());
+                if hit { &mut cached } else { &mut missing }.push(f.name);
+            }
+            println!(
+                "{:<10} disk cache {} for {arch}: {} of {} files cached{}",
+                "kernels",
+                dir.display(),
+                cached.len(),
+                kernels::ALL.len(),
+                if missing.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (compiled at first use: {})", missing.join(", "))
+                }
+            );
+        }
+    }
+    let Some(path) = &c.tuning_cache else {
+        println!(
+            "{:<10} no tuning file (NNFUSE_TUNING_CACHE unset)",
+            "tuning"
+        );
+        return;
+    };
+    let doc = std::fs::read_to_string(path)
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
+    let Some(doc) = doc else {
+        println!(
+            "{:<10} {} (absent or unreadable: written after the first measurement)",
+            "tuning",
+            path.display()
+        );
+        return;
+    };
+    let entries = |sections: Option<&serde_json::Value>| -> Vec<serde_json::Value> {
+        sections
+            .and_then(|s| s.as_array())
+            .into_iter()
+            .flatten()
+            .filter_map(|sec| sec.get("entries").and_then(|e| e.as_array()))
+            .flatten()
+            .cloned()
+            .collect()
+    };
+    let gemm = entries(doc.get("sections")).len();
+    let conv = entries(doc.get("conv").and_then(|c| c.get("sections")));
+    let per = |d: &str| {
+        conv.iter()
+            .filter(|e| e.pointer("/key/direction").and_then(|v| v.as_str()) == Some(d))
+            .count()
+    };
+    println!(
+        "{:<10} {}: gemm {gemm} entries; conv {} entries (forward {}, backward_data {}, \
+         backward_filter {}), all devices",
+        "tuning",
+        path.display(),
+        conv.len(),
+        per("forward"),
+        per("backward_data"),
+        per("backward_filter")
+    );
 }
 
 fn indent(s: &str) -> String {

@@ -1,0 +1,121 @@
+//! The first call's decision budget: how long (host wall time) one direction of a new
+//! convolution problem may spend deciding — finalizing cuDNN engine configs, checking the
+//! candidates, timing the survivors — and the pure rules that spend it ([`keep_checking`],
+//! [`timing_deadline`]). Candidates are taken in the plan's measuring order (the incumbent
+//! first), so what the budget cuts is the tail of that order.
+//!
+//! Pure apart from reading the clock in [`Budget`]; the rules take plain numbers and are tested
+//! on the CPU.
+
+use std::time::{Duration, Instant};
+
+/// Share of the budget the checks may use before the remaining candidates are skipped; the
+/// rest is left for timing the survivors.
+pub(crate) const CHECK_SHARE: f64 = 0.6;
+
+/// Candidates always checked, whatever the budget: the incumbent and one challenger.
+pub(crate) const MIN_CHECKED: usize = 2;
+
+/// A decision's budget: its start and, unless exhaustive, its length.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Budget {
+    start: Instant,
+    total: Option<Duration>,
+}
+
+impl Budget {
+    /// A budget of `ms` milliseconds from now; `0` is exhaustive (no limit).
+    pub(crate) fn new(ms: usize) -> Budget {
+        Budget {
+            start: Instant::now(),
+            total: (ms > 0).then(|| Duration::from_millis(ms as u64)),
+        }
+    }
+
+    /// No limit: every candidate is measured.
+    pub(crate) fn exhaustive(&self) -> bool {
+        self.total.is_none()
+    }
+
+    /// The budget in milliseconds (`None`: exhaustive).
+    pub(crate) fn total_ms(&self) -> Option<f64> {
+        self.total.map(|d| d.as_secs_f64() * 1e3)
+    }
+
+    /// Milliseconds spent since the decision began.
+    pub(crate) fn spent_ms(&self) -> f64 {
+        self.start.elapsed().as_secs_f64() * 1e3
+    }
+
+    /// When the whole budget is spent (`None`: never).
+    pub(crate) fn deadline(&self) -> Option<Instant> {
+        self.total.map(|d| self.start + d)
+    }
+}
+
+/// Whether the next candidate is checked, `checked` candidates having been checked (run once
+/// and compared) with `spent_ms` of a budget of `total_ms` (`None`: exhaustive) gone: always
+/// the first [`MIN_CHECKED`], then while the checks have used less than [`CHECK_SHARE`] of it.
+pub(crate) fn keep_checking(checked: usize, spent_ms: f64, total_ms: Option<f64>) -> bool {
+    match total_ms {
+        None => true,
+        Some(total) => checked < MIN_CHECKED || spent_ms < CHECK_SHARE * total,
+    }
+}
+
+/// The deadline of the timing rounds: the budget's end (the timing keeps its minimum rounds
+/// past it). Exhaustive budgets have none.
+pub(crate) fn timing_deadline(b: &Budget) -> Option<Instant> {
+    b.deadline()
+}
+
+/// The note of a measurement that skipped `skipped` (labels) for the budget.
+pub(crate) fn skipped_note(skipped: &[String], total_ms: f64) -> String {
+    format!(
+        "decision budget of {total_ms:.0} ms (NNFUSE_CONV_TUNE_BUDGET_MS) spent before {} \
+         candidate(s) could be checked, not measured: {}",
+        skipped.len(),
+        skipped.join(", ")
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checks_stop_at_their_share_but_never_before_two() {
+        assert!(keep_checking(0, 1e9, Some(70.0)));
+        assert!(keep_checking(1, 1e9, Some(70.0)));
+        assert!(!keep_checking(2, 42.0, Some(70.0)));
+        assert!(keep_checking(2, 41.9, Some(70.0)));
+        assert!(keep_checking(50, 1e9, None));
+    }
+
+    #[test]
+    fn zero_is_exhaustive() {
+        let b = Budget::new(0);
+        assert!(b.exhaustive());
+        assert!(b.deadline().is_none());
+        assert_eq!(b.total_ms(), None);
+        let b = Budget::new(70);
+        assert!(!b.exhaustive());
+        assert_eq!(b.total_ms(), Some(70.0));
+        assert!(timing_deadline(&b).is_some());
+        let spent = Budget {
+            start: Instant::now() - Duration::from_millis(100),
+            total: Some(Duration::from_millis(1)),
+        };
+        assert!(spent.deadline().is_some_and(|d| d <= Instant::now()));
+        assert!(spent.spent_ms() >= 100.0);
+    }
+
+    #[test]
+    fn the_note_names_what_was_skipped() {
+        let n = skipped_note(&["im2col_gemm".into(), "direct".into()], 70.0);
+        assert!(
+            n.contains("70 ms") && n.contains("im2col_gemm, direct"),
+            "{n}"
+        );
+    }
+}
