@@ -9,8 +9,11 @@
 //! is valid there; cudarc orders the streams), and a NaN GEMM alpha (IEEE semantics, as BLAS:
 //! the result is NaN, not an error). An f16-compute alpha that overflows f16 is bad input.
 //!
-//! Rows with a buffer on another device run when a second GPU exists; on one GPU the pure device
-//! check (`validate::expect_device`, which every operation calls) is tested instead.
+//! Rows with a buffer on another device are their own test,
+//! `buffers_on_a_second_gpu_are_refused_and_change_nothing`: it needs two visible GPUs, and with
+//! fewer it says SKIPPED (on stderr) and passes, unless `NNFUSE_REQUIRE_TWO_GPUS=1`, which makes
+//! that a failure. The pure device check (`validate::expect_device`, which every operation calls)
+//! is tested on any machine by the table's test.
 //!
 //! GPU test, ignored without a GPU (`.gpu/run` runs it). On failure it lists every failing row
 //! with what it got, and the buffers that changed with their first differing element.
@@ -89,7 +92,7 @@ struct Aliases {
 
 /// Buffers on a second device, when there is one.
 struct Device1 {
-    _ctx: Context,
+    ctx: Context,
     g: CudaSlice<f32>,
     ay: CudaSlice<f32>,
     gb: CudaSlice<f32>,
@@ -268,7 +271,7 @@ impl Fx {
                     g: s1.clone_htod(&[1.0f32; C]).unwrap(),
                     ay: s1.alloc_zeros::<f32>(A).unwrap(),
                     gb: s1.alloc_zeros::<f32>(G).unwrap(),
-                    _ctx: c1,
+                    ctx: c1,
                 })
             }
             _ => None,
@@ -449,6 +452,24 @@ impl Fx {
                     .map(|x| x.to_bits())
                     .collect(),
             ));
+        }
+        // The second GPU's buffers, read through its own Context's stream.
+        if let Some(d) = &self.dev1 {
+            let s1 = d.ctx.stream();
+            for (name, v) in [
+                ("device 1 g", &d.g),
+                ("device 1 ay", &d.ay),
+                ("device 1 gb", &d.gb),
+            ] {
+                out.push((
+                    name,
+                    s1.clone_dtoh(v)
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect(),
+                ));
+            }
         }
         out
     }
@@ -1063,13 +1084,8 @@ fn every_bad_call_is_named_and_changes_nothing() {
         .expect("good conv backward_filter");
     drop(saved);
 
-    let mut rows = table();
+    let rows = table();
     let gpu_rows = rows.len();
-    if f.dev1.is_some() {
-        rows.extend(device1_rows());
-    } else {
-        println!("one GPU: the other-device rows are replaced by the pure check below");
-    }
     println!("{:<52} {:<13} error", "row", "argument");
     let failures: Vec<String> = rows.iter().filter_map(|r| check_row(&mut f, r)).collect();
 
@@ -1089,6 +1105,40 @@ fn every_bad_call_is_named_and_changes_nothing() {
         gpu_rows >= 40,
         "the table has {gpu_rows} rows; the issue asks for at least 40"
     );
+    assert!(
+        failures.is_empty(),
+        "{} of {} rows failed:\n{}",
+        failures.len(),
+        rows.len(),
+        failures.join("\n")
+    );
+}
+
+/// The rows with a buffer on a second GPU (device 1 while the operation runs on device 0): each a
+/// typed error naming the argument, every buffer of both devices unchanged. Needs two visible
+/// GPUs; with fewer it says SKIPPED and passes, unless `NNFUSE_REQUIRE_TWO_GPUS=1`.
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn buffers_on_a_second_gpu_are_refused_and_change_nothing() {
+    let n = cudarc::driver::CudaContext::device_count().unwrap_or(0);
+    if n < 2 {
+        let required = std::env::var("NNFUSE_REQUIRE_TWO_GPUS").is_ok_and(|v| v == "1");
+        assert!(
+            !required,
+            "NNFUSE_REQUIRE_TWO_GPUS=1 but {n} GPU(s) are visible"
+        );
+        eprintln!("SKIPPED: {n} GPU(s) visible; the other-device rows need two");
+        return;
+    }
+    let mut rng = Rng::fresh("bad input on a second GPU");
+    let mut f = Fx::new(&mut rng);
+    assert!(
+        f.dev1.is_some(),
+        "{n} GPUs visible but no buffers on device 1"
+    );
+    let rows = device1_rows();
+    println!("{:<52} {:<13} error", "row", "argument");
+    let failures: Vec<String> = rows.iter().filter_map(|r| check_row(&mut f, r)).collect();
     assert!(
         failures.is_empty(),
         "{} of {} rows failed:\n{}",

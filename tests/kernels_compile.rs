@@ -47,3 +47,31 @@ fn compile_errors_carry_the_log() {
         "{msg}"
     );
 }
+
+/// `build.rs` embeds every `kernels/*.cu` on disk, so a new kernel file cannot be forgotten
+/// (and the NVRTC test above compiles it): each one is in `ALL` once, its source starting with
+/// the prelude and ending with the file's bytes; no entry of `ALL` names a file that is gone.
+/// Needs no NVRTC.
+#[test]
+fn every_kernel_file_on_disk_is_in_all() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+    let prelude = std::fs::read_to_string(dir.join("prelude.cuh")).unwrap();
+    let mut on_disk: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.ends_with(".cu"))
+        .collect();
+    on_disk.sort();
+    let listed: Vec<&str> = kernels::ALL.iter().map(|f| f.name).collect();
+    assert_eq!(listed, on_disk, "kernels::ALL against kernels/*.cu");
+    for f in kernels::ALL {
+        let text = std::fs::read_to_string(dir.join(f.name)).unwrap();
+        assert!(f.source.starts_with(&prelude), "{}: no prelude", f.name);
+        let tail = format!("\n#line 1 \"{}\"\n{text}", f.name);
+        assert!(
+            f.source.ends_with(&tail),
+            "{}: not the file on disk",
+            f.name
+        );
+    }
+}

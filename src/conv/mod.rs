@@ -20,7 +20,9 @@
 //! - [`plan`](mod@plan): the pure decision — every path's eligibility (by its rule), the
 //!   policy, the candidates `auto` measures, Winograd's engine, reasons;
 //! - `cudnn`: owned cuDNN descriptors and thin wrappers of its convolution calls;
-//! - `im2col` / `direct`: launchers of `kernels/im2col.cu` and `kernels/conv_direct.cu`;
+//! - `im2col` / `direct`: launchers of `kernels/im2col.cu` and `kernels/conv_direct.cu`
+//!   (`direct`, `cudnn_run` and `cudnn_graph_run` are declared by their entries in
+//!   `conv_paths!`, see `launcher_modules!` below);
 //! - `winograd` / `winograd_gemm`: launchers of `kernels/winograd.cu` (transforms) and
 //!   `kernels/winograd_gemm.cu` (the Direct batched multiply);
 //! - `call`: what a path's `raw_run` receives (`PathCall`: problem, completed route, operands);
@@ -38,8 +40,6 @@
 //! device, aliasing, overflow); they are `unsafe` for that reason and never seen by users.
 
 pub(crate) mod cudnn;
-mod cudnn_graph_run;
-mod cudnn_run;
 pub(crate) mod paths;
 pub mod plan;
 pub(crate) mod problem;
@@ -49,12 +49,26 @@ mod api;
 mod call;
 mod choice;
 mod decide;
-mod direct;
 pub(crate) mod im2col;
 mod route;
 mod state;
 mod winograd;
 mod winograd_gemm;
+
+/// Declares the launcher module of every `conv_paths!` entry with a `mod` clause (`cudnn_run`,
+/// `direct`, `cudnn_graph_run`: `src/conv/<module>.rs`), so that registering a path declares
+/// its launcher. Modules that more than one entry or file shares (`im2col`, `winograd`) are
+/// declared above.
+macro_rules! launcher_modules {
+    ($(
+        $(#[$doc:meta])*
+        $variant:ident = $name:literal $(| $alias:literal)*, auto $rank:literal,
+            $(mod $module:ident,)? run $($run:ident)::+, rule $rule:expr;
+    )*) => {
+        $($(mod $module;)?)*
+    };
+}
+paths::conv_paths!(launcher_modules);
 
 pub use api::{Conv2d, Epilogue, FilterLayout, PreparedFilter};
 pub use choice::{

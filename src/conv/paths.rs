@@ -24,16 +24,19 @@ pub const INT_MAX: usize = i32::MAX as usize;
 
 /// The registered convolution paths, one entry each, in the order plans list them (the order of
 /// [`ConvPath`]'s variants): the variant and its documentation, its name and parse aliases, its
-/// rank in `auto`'s measuring order (lower first; the first is the incumbent), its run function
+/// rank in `auto`'s measuring order (lower first; the first is the incumbent), optionally its
+/// launcher module (`mod m`: `src/conv/m.rs`, declared by `conv/mod.rs`'s expansion of this
+/// list; a module several entries share is declared there by hand instead), its run function
 /// (`raw_run` of its launcher module, relative to `conv`, `unsafe fn(&PathCall) -> Result<()>`)
 /// and its pure rule (a [`PathRule`] value of this file). Adding a path is one entry here.
 ///
-/// Expanded by a callback macro: `conv_paths!(m)` calls `m! { entries }`.
+/// Expanded by a callback macro: `conv_paths!(m)` calls `m! { entries }` (here: the enum and
+/// rules; `conv/mod.rs`: the launcher modules; `route.rs`: the run functions).
 macro_rules! conv_paths {
     ($then:ident) => {
         $then! {
             /// cuDNN (`cudnnConvolutionForward` / `BackwardData` / `BackwardFilter`).
-            Cudnn = "cudnn", auto 10, run cudnn_run::raw_run, rule CudnnRule;
+            Cudnn = "cudnn", auto 10, mod cudnn_run, run cudnn_run::raw_run, rule CudnnRule;
             /// nnfuse's im2col (col2im for the data gradient) and a strided batched GEMM.
             Im2colGemm = "im2col_gemm" | "im2col", auto 20, run im2col::raw_run, rule Im2colRule;
             /// Winograd F(2x2, 3x3) through one batched multiply.
@@ -43,12 +46,12 @@ macro_rules! conv_paths {
             WinogradF4x3 = "winograd_f4x3" | "winograd_f4", auto 30, run winograd::raw_run,
                 rule WinogradRule(WinogradTile::F4x3);
             /// nnfuse's direct convolution kernel (forward only).
-            Direct = "direct", auto 90, run direct::raw_run, rule DirectRule;
+            Direct = "direct", auto 90, mod direct, run direct::raw_run, rule DirectRule;
             /// cuDNN through its graph (backend) API: an execution plan per problem and engine
             /// config, built once and cached. Measured through the `cudnn` candidate (which API
             /// that candidate uses is the plan's `cudnn_api`), so listed last.
-            CudnnGraph = "cudnn_graph" | "graph", auto 10, run cudnn_graph_run::raw_run,
-                rule CudnnGraphRule;
+            CudnnGraph = "cudnn_graph" | "graph", auto 10, mod cudnn_graph_run,
+                run cudnn_graph_run::raw_run, rule CudnnGraphRule;
         }
     };
 }
@@ -59,7 +62,7 @@ macro_rules! declare_paths {
     ($(
         $(#[$doc:meta])*
         $variant:ident = $name:literal $(| $alias:literal)*, auto $rank:literal,
-            run $($run:ident)::+, rule $rule:expr;
+            $(mod $module:ident,)? run $($run:ident)::+, rule $rule:expr;
     )*) => {
         /// How a convolution is computed (one variant per entry of the registered list).
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

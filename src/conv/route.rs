@@ -16,7 +16,7 @@ macro_rules! run_fns {
     ($(
         $(#[$doc:meta])*
         $variant:ident = $name:literal $(| $alias:literal)*, auto $rank:literal,
-            run $($run:ident)::+, rule $rule:expr;
+            $(mod $module:ident,)? run $($run:ident)::+, rule $rule:expr;
     )*) => {
         /// The run function of `path`.
         fn run_fn(path: ConvPath) -> RunFn {
