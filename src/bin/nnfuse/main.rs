@@ -15,7 +15,7 @@ use clap::{Parser, Subcommand};
     about = "Fast GPU paths for BatchNorm, batched GEMM and convolution",
     after_help = "Exit status: 0 done, 1 a check failed (demo) or a result was not stored (tune), \
                   2 invalid arguments or a failed call, 3 no GPU (no driver, no device or a CUDA \
-                  library missing)."
+                  library missing), 4 the step of demo --graph could not be captured."
 )]
 struct Cli {
     #[command(subcommand)]
