@@ -355,6 +355,49 @@ fn help_documents_the_exit_statuses() {
     }
 }
 
+#[test]
+fn graph_is_a_flag_that_needs_a_gpu_and_adds_nothing_without_one() {
+    let out = Command::new(binary())
+        .args(["demo", "--help"])
+        .output()
+        .expect("runs");
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains("--graph"), "{help}");
+    assert!(help.contains("CUDA graph"), "{help}");
+    let out = Command::new(binary()).arg("--help").output().expect("runs");
+    let top = String::from_utf8_lossy(&out.stdout);
+    assert!(top.contains("demo"), "{top}");
+    // Without a GPU: the plans, exit 3, and neither a graph nor a headline in the JSON.
+    let v = no_gpu_json(&["--graph"], &[]);
+    assert_eq!(v["status"], "no_gpu");
+    assert!(v["graph"].is_null(), "{}", v["graph"]);
+    assert!(v["headline"].is_null(), "{}", v["headline"]);
+    let out = demo(&["--graph"], &[]);
+    let (stdout, _) = text(&out);
+    assert_eq!(out.status.code(), Some(3));
+    assert!(!stdout.contains("nnfuse step: loop"), "{stdout}");
+    // A value is not taken.
+    let out = demo(&["--graph=yes"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
+fn docs_list_every_exit_status_the_demo_uses() {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/DEMO.md"))
+        .expect("docs/DEMO.md is readable");
+    let table = doc
+        .split("## Exit statuses")
+        .nth(1)
+        .expect("DEMO.md has an exit-status table");
+    for status in ["| 0 |", "| 1 |", "| 2 |", "| 3 |", "| 4 |"] {
+        assert!(
+            table.contains(status),
+            "{status} missing from DEMO.md's table"
+        );
+    }
+    assert!(table.contains("--graph"), "{table}");
+}
+
 /// Runs `nnfuse demo ARGS --json` on the GPU (nnfuse's variables cleared) and returns the JSON;
 /// on a failure, prints every comparison that failed and the stderr.
 fn on_gpu(args: &[&str]) -> Value {
@@ -466,6 +509,84 @@ fn on_a_gpu_every_variant_is_checked_and_timed() {
     }
 }
 
+/// The loop and host times of every variant, and the headline built from them.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn on_a_gpu_every_variant_reports_its_loop_and_host_time() {
+    let v = on_gpu(&["--batch", "4", "--steps", "3"]);
+    for variant in ["nnfuse", "cudnn_spatial", "cudnn_persistent"] {
+        let r = &v["runs"][variant];
+        assert_eq!(r["loops"], 7, "{variant}");
+        assert_eq!(r["steps_per_loop"], 3, "{variant}");
+        let lp = r["loop_median_us"].as_f64().unwrap_or(f64::NAN);
+        let host = r["host_step_median_us"].as_f64().unwrap_or(f64::NAN);
+        let gpu = r["step_median_us"].as_f64().unwrap();
+        assert!(lp.is_finite() && lp > 0.0, "{variant}: {r}");
+        assert!(host.is_finite() && host > 0.0, "{variant}: {r}");
+        // A loop cannot beat the GPU's own time, nor its host time (margins: separate samples,
+        // medians, the events between the timed steps' operations).
+        assert!(lp >= 0.5 * gpu, "{variant}: loop {lp} us, GPU {gpu} us");
+        assert!(lp >= 0.5 * host, "{variant}: loop {lp} us, host {host} us");
+    }
+    assert!(v["runs"]["nnfuse"]["loop_speedup_of_nnfuse"].is_null());
+    let s = &v["runs"]["cudnn_spatial"]["loop_speedup_of_nnfuse"];
+    assert!(s["median"].as_f64().unwrap() > 0.0, "{s}");
+    assert_eq!(s["loops"], 7);
+    let h = &v["headline"];
+    let line = h["text"][0].as_str().expect("a headline");
+    assert!(line.starts_with("nnfuse step: loop "), "{line}");
+    assert!(line.contains("cuDNN SPATIAL loop"), "{line}");
+    assert_eq!(h["loop_us"], v["runs"]["nnfuse"]["loop_median_us"]);
+    assert!(v["graph"].is_null());
+}
+
+/// `--graph` in every dtype and format the demo runs: captured, every output of a replay
+/// bit-identical to eager (or, where two eager steps differ, within the tolerance), replays
+/// timed, and the headline's second line.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn on_a_gpu_the_graph_replays_bit_identical_to_eager() {
+    for (dtype, format) in [("f16", "nhwc"), ("bf16", "nhwc"), ("f32", "nchw")] {
+        let what = format!("{dtype} {format}");
+        let v = on_gpu(&[
+            "--batch", "4", "--steps", "3", "--dtype", dtype, "--format", format, "--graph",
+        ]);
+        let g = &v["graph"];
+        assert_eq!(v["status"], "ok", "{what}: {g}");
+        assert_eq!(g["captured"], true, "{what}: {}", g["not_capturable"]);
+        assert_eq!(g["passed"], true, "{what}: {g}");
+        let outputs = g["outputs"].as_array().unwrap();
+        assert_eq!(outputs.len(), 31, "{what}");
+        for o in outputs {
+            assert_eq!(o["ok"], true, "{what}: {o}");
+            if o["verdict"] != "identical" {
+                assert_eq!(o["verdict"], "eager_not_reproducible", "{what}: {o}");
+                assert!(
+                    o["eager_differing_elements"].as_u64().unwrap() > 0,
+                    "{what}: {o}"
+                );
+            }
+        }
+        for k in ["loop", "host", "gpu"] {
+            let us = g["replay"][k]["median_us"].as_f64().unwrap_or(f64::NAN);
+            assert!(us.is_finite() && us > 0.0, "{what} {k}: {g}");
+        }
+        assert_eq!(g["replay"]["loop"]["samples"], 7, "{what}");
+        // One launch costs far less host time than queueing the step's calls.
+        let host = g["replay"]["host"]["median_us"].as_f64().unwrap();
+        let eager_host = v["runs"]["nnfuse"]["host_step_median_us"].as_f64().unwrap();
+        assert!(
+            host < eager_host,
+            "{what}: replay host {host} us, eager {eager_host} us"
+        );
+        let line = v["headline"]["text"][1].as_str().expect("a graph headline");
+        assert!(
+            line.starts_with("nnfuse graph: replay loop "),
+            "{what}: {line}"
+        );
+    }
+}
+
 /// The text a user reads: the check passed, every table, the speed-ups.
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -490,9 +611,12 @@ fn on_a_gpu_the_text_report_is_complete() {
         "speed-up over cuDNN SPATIAL (cudnn_spatial)",
         "speed-up over cuDNN persistent (cudnn_persistent)",
         "host time to queue one step",
+        "loop time per step (2 steps queued back to back",
     ] {
         assert!(stdout.contains(needle), "missing {needle:?}:\n{stdout}");
     }
+    let last = stdout.trim_end().lines().last().unwrap_or_default();
+    assert!(last.starts_with("nnfuse step: loop "), "{last}");
 }
 
 /// The operations `docs/DEMO.md` lists as "queued in this order", in its order.

@@ -8,11 +8,14 @@
 //! Files: `block` (the block and its step as data, FLOPs, bytes, floors), `variants` (nnfuse
 //! and the plain-cuDNN compositions as configurations), `plans` (every layer's plan without a
 //! GPU), `reference` (f64 convolution gradients and GEMMs), `check` (the per-operation
-//! comparison), `report` (text and JSON) — all pure — and `gpu` (buffers, steps, timing).
+//! comparison), `bits` (`--graph`'s bit-for-bit comparison), `report` (text and JSON) — all
+//! pure — and `gpu` (buffers, steps, timing) and `graph` (`--graph`: capture, replay).
 
+mod bits;
 mod block;
 mod check;
 mod gpu;
+mod graph;
 mod plans;
 mod reference;
 mod report;
@@ -85,7 +88,15 @@ pub struct DemoArgs {
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0, allow_negative_numbers = true, value_parser = crate::non_negative::<usize>)]
     device: usize,
+    /// Also capture nnfuse's whole step into a CUDA graph, check a replay bit for bit against
+    /// eager and time the replays (exit status 1 when the bits differ, 4 when the step cannot
+    /// be captured). Turns cudarc's event tracking off for every variant.
+    #[arg(long)]
+    graph: bool,
 }
+
+/// Loops of `--steps` steps per variant for the loop time (and of replays with `--graph`).
+const LOOPS: usize = 7;
 
 fn parse_format(s: &str) -> nnfuse::Result<TensorFormat> {
     match s.trim().to_ascii_lowercase().as_str() {
@@ -205,8 +216,9 @@ fn progress(json: bool, total: u64) -> ProgressBar {
     bar
 }
 
-/// Runs the demo; the exit status is 0 (checked and timed), 1 (check failed), 3 (no GPU: plans
-/// printed); errors (invalid arguments, a failing library call) exit 2 from `main`.
+/// Runs the demo; the exit status is 0 (checked and timed), 1 (check failed, or `--graph`'s
+/// replay differs from eager), 3 (no GPU: plans printed), 4 (`--graph`: the step could not be
+/// captured); errors (invalid arguments, a failing library call) exit 2 from `main`.
 pub fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let dtype: DType = args.dtype.parse().map_err(|_| {
         Error::invalid(
@@ -280,6 +292,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         runs: Vec::new(),
         check: None,
         head_start: None,
+        graph: None,
         status: Status::Ok,
     };
     let ctx = match probed {
@@ -296,13 +309,25 @@ pub fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
             return Ok(ExitCode::from(Status::NoGpu.code()));
         }
     };
+    if args.graph {
+        // cudarc records an event on every use of a tracked buffer (tracking is on because the
+        // Context owns a stream of its own). An event recorded during a capture can no longer be
+        // waited for or synchronized outside it, so every buffer the captured step touches must
+        // be untracked: the step's buffers, and the library's own (workspace, scratch, saved
+        // BatchNorm state), which are all allocated after this point. Off only under --graph,
+        // so that a plain run measures what a caller gets by default; every variant shares
+        // this CUDA context, so the eager numbers of a --graph run are all untracked.
+        // SAFETY: every buffer lives on the Context's one stream (all variants share it), so
+        // no cross-stream synchronisation is lost; none has been allocated yet.
+        unsafe { ctx.cuda().disable_event_tracking() };
+    }
     if !args.json {
         print!("{}", report.head_text(args.explain));
     }
     let result = match dtype {
-        DType::F32 => on_gpu::<f32>(&ctx, &mut report, args.json),
-        DType::F16 => on_gpu::<f16>(&ctx, &mut report, args.json),
-        DType::BF16 => on_gpu::<bf16>(&ctx, &mut report, args.json),
+        DType::F32 => on_gpu::<f32>(&ctx, &mut report, args.json, args.graph),
+        DType::F16 => on_gpu::<f16>(&ctx, &mut report, args.json, args.graph),
+        DType::BF16 => on_gpu::<bf16>(&ctx, &mut report, args.json, args.graph),
     };
     result?;
     if args.json {
@@ -313,12 +338,19 @@ pub fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::from(report.status.code()))
 }
 
-/// The GPU part: warm-up, check, timed steps; fills `report`.
-fn on_gpu<T: Element>(ctx: &Context, report: &mut Report, json: bool) -> anyhow::Result<()> {
+/// The GPU part: warm-up, check, timed steps, loops, graph; fills `report`.
+fn on_gpu<T: Element>(
+    ctx: &Context,
+    report: &mut Report,
+    json: bool,
+    graph: bool,
+) -> anyhow::Result<()> {
     let n = Variant::ALL.len() as u64;
-    let total = n * (1 + u64::from(report.check_batch.is_some()) + report.steps as u64);
+    let total = n * (1 + u64::from(report.check_batch.is_some()) + report.steps as u64)
+        + n * LOOPS as u64
+        + u64::from(graph);
     let bar = progress(json, total);
-    let result = run_phases::<T>(ctx, report, &bar);
+    let result = run_phases::<T>(ctx, report, &bar, graph);
     // Cleared on failure too, so that an error message is not drawn over.
     bar.finish_and_clear();
     let runs = result?;
@@ -326,11 +358,13 @@ fn on_gpu<T: Element>(ctx: &Context, report: &mut Report, json: bool) -> anyhow:
     Ok(())
 }
 
-/// Warm-up, check, then (when the check passed) the timed steps; the runs of every variant.
+/// Warm-up, check, then (when the check passed) the timed steps and loops, and with `graph`
+/// the capture; the runs of every variant.
 fn run_phases<T: Element>(
     ctx: &Context,
     report: &mut Report,
     bar: &ProgressBar,
+    graph: bool,
 ) -> anyhow::Result<Vec<report::VariantRun>> {
     let mut session = gpu::Session::<T>::new(ctx, &report.def, report.seed)?;
     let (mut runs, host_ms) = session.warm_up(bar)?;
@@ -343,6 +377,18 @@ fn run_phases<T: Element>(
     }
     if report.status == Status::Ok {
         report.head_start = Some(session.time(report.steps, host_ms, &mut runs, bar)?);
+        session.loops(report.steps, LOOPS, &mut runs, bar)?;
+    }
+    if report.status == Status::Ok && graph {
+        bar.set_message("--graph: capture, bit check, replays");
+        let g = session.graph(report.steps, LOOPS)?;
+        if g.not_capturable.is_some() {
+            report.status = Status::NotCapturable;
+        } else if !g.passed() {
+            report.status = Status::GraphDiffers;
+        }
+        report.graph = Some(g);
+        bar.inc(1);
     }
     Ok(runs)
 }

@@ -15,7 +15,7 @@ use clap::{Parser, Subcommand};
     about = "Fast GPU paths for BatchNorm, batched GEMM and convolution",
     after_help = "Exit status: 0 done, 1 a check failed (demo) or a result was not stored (tune), \
                   2 invalid arguments or a failed call, 3 no GPU (no driver, no device or a CUDA \
-                  library missing)."
+                  library missing), 4 the step of demo --graph could not be captured."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -35,8 +35,9 @@ enum Command {
     /// 3 no GPU.
     Tune(tune::TuneArgs),
     /// A ResNet-50 bottleneck block's training step through nnfuse, checked against f64 and
-    /// timed against plain cuDNN. Exit status: 0 checked and timed, 1 check failed, 2 error,
-    /// 3 no GPU (the plans are printed).
+    /// timed against plain cuDNN. Exit status: 0 checked and timed, 1 check failed (or the
+    /// --graph replay differs from eager), 2 error, 3 no GPU (the plans are printed), 4 --graph:
+    /// the step could not be captured.
     Demo(demo::DemoArgs),
 }
 

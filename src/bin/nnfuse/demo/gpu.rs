@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context as _, Result};
-use cudarc::driver::{sys as drv, CudaEvent, CudaSlice};
+use cudarc::driver::{sys as drv, CudaEvent, CudaSlice, DeviceRepr};
 use nnfuse::activation;
 use nnfuse::batchnorm::{BackwardArgs, BatchNorm, BnSaved, Fuse, TrainArgs};
 use nnfuse::conv::{Conv2d, Direction, Route};
@@ -13,11 +13,12 @@ use nnfuse::gemm::{self, Algo};
 use nnfuse::internals::util;
 use nnfuse::{Context, Element};
 
+use super::bits::OUTPUTS;
 use super::block::{direction_index, BlockDef, Op, EPS, MOMENTUM, STEP};
 use super::check::{
     check_classifier, check_step, random_inputs, tolerance, StepInputs, StepOutputs,
 };
-use super::report::{CheckReport, Decision, StepTimes, VariantRun};
+use super::report::{CheckReport, Decision, GraphReport, StepTimes, VariantRun};
 use super::variants::Variant;
 
 /// `[f(0)?, f(1)?, f(2)?]`.
@@ -142,7 +143,7 @@ impl<T: Element> Buffers<T> {
     }
 
     /// NaN into every output of a step.
-    fn poison(&mut self, ctx: &Context) -> Result<()> {
+    pub fn poison(&mut self, ctx: &Context) -> Result<()> {
         let nan = T::from_f64(f64::NAN);
         for b in self
             .a
@@ -166,6 +167,59 @@ impl<T: Element> Buffers<T> {
             util::fill(ctx, b, f32::NAN)?;
         }
         Ok(())
+    }
+
+    /// The running means and variances of the three BatchNorms (`[mean 1..3, var 1..3]`;
+    /// waits for the stream): a step updates them in place, so steps compared with each other
+    /// start from the same ones.
+    pub fn running_stats(&self, ctx: &Context) -> Result<Vec<Vec<f32>>> {
+        let s = ctx.stream();
+        self.rm
+            .iter()
+            .chain(&self.rv)
+            .map(|b| Ok(s.clone_dtoh(b)?))
+            .collect()
+    }
+
+    /// Writes back what [`Buffers::running_stats`] read (into the same buffers: a captured
+    /// graph keeps their addresses).
+    pub fn set_running_stats(&mut self, ctx: &Context, stats: &[Vec<f32>]) -> Result<()> {
+        if stats.len() != 6 {
+            bail!("{} running statistics given, 6 expected", stats.len());
+        }
+        let s = ctx.stream();
+        for (b, v) in self.rm.iter_mut().chain(&mut self.rv).zip(stats) {
+            s.memcpy_htod(v, b)?;
+        }
+        Ok(())
+    }
+
+    /// The raw bytes of every output of a step, in [`super::bits::OUTPUTS`]' order (waits for
+    /// the stream).
+    pub fn raw_outputs(&self, ctx: &Context) -> Result<Vec<Vec<u8>>> {
+        let mut out = Vec::with_capacity(OUTPUTS.len());
+        for b in self.a.iter().chain(&self.h) {
+            out.push(raw(ctx, b)?);
+        }
+        for b in self.rm.iter().chain(&self.rv) {
+            out.push(raw(ctx, b)?);
+        }
+        for b in &self.da {
+            out.push(raw(ctx, b)?);
+        }
+        for b in self.dgamma.iter().chain(&self.dbeta) {
+            out.push(raw(ctx, b)?);
+        }
+        for b in self
+            .dh
+            .iter()
+            .chain([&self.dx_conv, &self.dx])
+            .chain(&self.dw)
+            .chain([&self.logits, &self.fc_dw, &self.dfeat])
+        {
+            out.push(raw(ctx, b)?);
+        }
+        Ok(out)
     }
 
     /// NaN into the classifier's outputs only.
@@ -249,6 +303,18 @@ impl<T: Element> Buffers<T> {
             ..Default::default()
         })
     }
+}
+
+/// The bytes of `b` as the GPU holds them (waits for the stream).
+fn raw<X: DeviceRepr>(ctx: &Context, b: &CudaSlice<X>) -> Result<Vec<u8>> {
+    // SAFETY: every byte pattern is a valid u8, and the view covers exactly `b`'s bytes.
+    let bytes = unsafe { b.transmute::<u8>(b.num_bytes()) }.ok_or_else(|| {
+        anyhow!(
+            "a buffer of {} bytes cannot be read as bytes",
+            b.num_bytes()
+        )
+    })?;
+    Ok(ctx.stream().clone_dtoh(&bytes)?)
 }
 
 /// `n` values uniform in `[lo, hi)` (SplitMix64 of `seed`).
@@ -509,7 +575,21 @@ pub fn host_queue_ms<T: Element>(l: &Layers<T>, b: &mut Buffers<T>) -> Result<f6
     Ok(ms)
 }
 
-fn new_event(ctx: &Context) -> Result<CudaEvent> {
+/// Wall-clock time per step (ms) of `steps` steps queued back to back with no synchronisation
+/// between them and one at the end: what a training loop runs at (the slower of the host's
+/// queueing and the GPU's work, plus the first step's queueing spread over the loop).
+pub fn loop_ms<T: Element>(l: &Layers<T>, b: &mut Buffers<T>, steps: usize) -> Result<f64> {
+    l.ctx.synchronize()?;
+    let t = Instant::now();
+    for _ in 0..steps {
+        run_step(l, b, &mut |_| Ok(()))?;
+    }
+    l.ctx.synchronize()?;
+    Ok(t.elapsed().as_secs_f64() * 1e3 / steps.max(1) as f64)
+}
+
+/// A CUDA event that records timing.
+pub fn new_event(ctx: &Context) -> Result<CudaEvent> {
     Ok(ctx
         .cuda()
         .new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT))?)
@@ -546,7 +626,8 @@ impl HeadStart {
         })
     }
 
-    fn queue(&mut self, ctx: &Context) -> Result<()> {
+    /// Queues the fills.
+    pub fn queue(&mut self, ctx: &Context) -> Result<()> {
         for _ in 0..self.fills {
             util::fill(ctx, &mut self.buf, 0.0)?;
         }
@@ -761,6 +842,8 @@ impl<T: Element> Session<T> {
                 conv_measure_ms,
                 decisions: decisions(l, &self.big),
                 times: Vec::new(),
+                loop_ms: Vec::new(),
+                host_step_ms: Vec::new(),
             });
             bar.inc(1);
         }
@@ -820,6 +903,56 @@ impl<T: Element> Session<T> {
             bar.inc(1);
         }
         Ok(report)
+    }
+
+    /// What a training loop runs at, per variant (interleaved, the order rotating): one loop
+    /// of `steps` steps not counted, then `loops` loops each giving the wall-clock time per
+    /// step; and the host time to queue one step, `steps` times, each right after a synchronize
+    /// (the GPU idle, so no call waits for it). Into `runs`.
+    pub fn loops(
+        &mut self,
+        steps: usize,
+        loops: usize,
+        runs: &mut [VariantRun],
+        bar: &indicatif::ProgressBar,
+    ) -> Result<()> {
+        let n = self.layers.len();
+        for l in &self.layers {
+            loop_ms(l, &mut self.big, steps)?;
+        }
+        for k in 0..loops {
+            bar.set_message(format!("loop {}/{loops} of {steps} steps", k + 1));
+            for j in 0..n {
+                let l = &self.layers[(k + j) % n];
+                let ms = loop_ms(l, &mut self.big, steps)?;
+                if let Some(r) = runs.iter_mut().find(|r| r.variant == l.variant) {
+                    r.loop_ms.push(ms);
+                }
+                bar.inc(1);
+            }
+        }
+        bar.set_message("host time per step");
+        for s in 0..steps {
+            for j in 0..n {
+                let l = &self.layers[(s + j) % n];
+                let ms = host_queue_ms(l, &mut self.big)?;
+                if let Some(r) = runs.iter_mut().find(|r| r.variant == l.variant) {
+                    r.host_step_ms.push(ms);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `--graph`: nnfuse's step captured, replayed, checked bit for bit against eager steps
+    /// and (when identical) timed; see [`super::graph::run`].
+    pub fn graph(&mut self, steps: usize, loops: usize) -> Result<GraphReport> {
+        let l = self
+            .layers
+            .iter()
+            .find(|l| l.variant == Variant::Nnfuse)
+            .ok_or_else(|| anyhow!("no nnfuse layers"))?;
+        super::graph::run(l, &mut self.big, steps, loops)
     }
 
     /// `steps` timed steps of every variant, interleaved (the order rotates every step); the

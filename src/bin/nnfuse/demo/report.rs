@@ -5,6 +5,7 @@ use nnfuse::internals::timing::{Paired, Timing};
 use nnfuse::Config;
 use serde_json::{json, Value};
 
+use super::bits::BitRow;
 use super::block::{direction_index, step_floor_us, step_flops, BlockDef, Op, STEP};
 use super::check::Row;
 use super::plans::{bn_line, conv_line, BlockPlans};
@@ -17,6 +18,11 @@ pub enum Status {
     Ok,
     /// An output exceeded its tolerance: 1 (nothing timed).
     CheckFailed,
+    /// `--graph`: the replay's outputs differ from an eager step's: 1 (replays not timed).
+    GraphDiffers,
+    /// `--graph`: the step could not be captured into a CUDA graph (the driver's error is
+    /// printed): 4.
+    NotCapturable,
     /// No GPU, or a CUDA library missing: the plans were printed: 3.
     NoGpu,
 }
@@ -26,17 +32,20 @@ impl Status {
     pub const fn code(self) -> u8 {
         match self {
             Status::Ok => 0,
-            Status::CheckFailed => 1,
+            Status::CheckFailed | Status::GraphDiffers => 1,
             Status::NoGpu => 3,
+            Status::NotCapturable => 4,
         }
     }
 
-    /// `ok`, `check_failed`, `no_gpu`.
+    /// `ok`, `check_failed`, `graph_differs`, `no_gpu`, `not_capturable`.
     pub const fn name(self) -> &'static str {
         match self {
             Status::Ok => "ok",
             Status::CheckFailed => "check_failed",
+            Status::GraphDiffers => "graph_differs",
             Status::NoGpu => "no_gpu",
+            Status::NotCapturable => "not_capturable",
         }
     }
 }
@@ -76,6 +85,35 @@ pub struct VariantRun {
     pub decisions: Vec<Decision>,
     /// The timed steps (empty when nothing was timed).
     pub times: Vec<StepTimes>,
+    /// Wall-clock time per step (ms) of each loop of steps queued back to back, one
+    /// synchronize at its end (loop `k` of every variant ran back to back).
+    pub loop_ms: Vec<f64>,
+    /// Host time (ms) to queue one step right after a synchronize, one per sample.
+    pub host_step_ms: Vec<f64>,
+}
+
+/// `--graph`: nnfuse's step captured into a CUDA graph and replayed.
+#[derive(Debug, Clone, Default)]
+pub struct GraphReport {
+    /// Why the step could not be captured (the failing call's and the driver's errors).
+    pub not_capturable: Option<String>,
+    /// Wall time of the capture, instantiation and upload (ms).
+    pub capture_ms: f64,
+    /// Every output of the replay against an eager step (empty when not captured).
+    pub rows: Vec<BitRow>,
+    /// Wall-clock time per replay (ms) of each loop of replays (one synchronize per loop).
+    pub loop_ms: Vec<f64>,
+    /// Host time (ms) of one replay queued on an idle GPU, one per sample.
+    pub host_ms: Vec<f64>,
+    /// GPU time (ms) of one replay behind a head start, one per sample.
+    pub gpu_ms: Vec<f64>,
+}
+
+impl GraphReport {
+    /// Captured, and every output matched (see [`BitRow::ok`]).
+    pub fn passed(&self) -> bool {
+        self.not_capturable.is_none() && !self.rows.is_empty() && self.rows.iter().all(BitRow::ok)
+    }
 }
 
 /// The correctness check.
@@ -128,6 +166,8 @@ pub struct Report {
     pub check: Option<CheckReport>,
     /// Fills of the head start and the GPU time of one (ms).
     pub head_start: Option<(usize, f64)>,
+    /// `--graph`'s result (None without `--graph`, or when nothing was timed).
+    pub graph: Option<GraphReport>,
     /// The outcome.
     pub status: Status,
 }
@@ -202,6 +242,31 @@ pub fn step_timing(times: &[StepTimes]) -> Option<Timing> {
 /// The same for the host's queueing time.
 pub fn host_timing(times: &[StepTimes]) -> Option<Timing> {
     Timing::from_samples(times.iter().map(|t| t.host_ms).collect())
+}
+
+/// The same for the loops' wall-clock time per step.
+pub fn loop_timing(r: &VariantRun) -> Option<Timing> {
+    Timing::from_samples(r.loop_ms.clone())
+}
+
+/// The host's time to queue one step on an idle GPU; without those samples, the host time
+/// measured while queueing the timed steps (between their events).
+pub fn host_step_timing(r: &VariantRun) -> Option<Timing> {
+    Timing::from_samples(r.host_step_ms.clone()).or_else(|| host_timing(&r.times))
+}
+
+/// `other`'s loop time over `nnfuse`'s, loop by loop (loops of one index ran back to back).
+pub fn loop_speedup(nnfuse: &VariantRun, other: &VariantRun) -> Option<Paired> {
+    Paired::of(&nnfuse.loop_ms, &other.loop_ms)
+}
+
+/// Milliseconds for a headline: two decimals, three below 0.1 ms.
+fn ms(v: f64) -> String {
+    if v < 0.1 {
+        format!("{v:.3}")
+    } else {
+        format!("{v:.2}")
+    }
 }
 
 /// `other`'s step time over `nnfuse`'s, step by step (steps of one index ran back to back):
@@ -361,6 +426,168 @@ impl Report {
             s.push_str("nothing was timed: the check failed (exit status 1)\n");
         }
         s.push_str(&self.timing_text());
+        if let Some(g) = &self.graph {
+            s.push_str(&self.graph_text(g));
+        }
+        let head = self.headline();
+        if !head.is_empty() {
+            s.push('\n');
+            for line in head {
+                s.push_str(&line);
+                s.push('\n');
+            }
+        }
+        s
+    }
+
+    /// The summary a reader looks for: what a training loop runs at with nnfuse (host and GPU
+    /// time beside it) against each baseline's loop, and with `--graph` the replay's. Empty
+    /// when nothing was timed.
+    pub fn headline(&self) -> Vec<String> {
+        let mut lines = Vec::new();
+        let Some(nn) = self.run(Variant::Nnfuse) else {
+            return lines;
+        };
+        let Some(lp) = loop_timing(nn) else {
+            return lines;
+        };
+        let mut line = format!(
+            "nnfuse step: loop {} ms (host {} ms, GPU {} ms)",
+            ms(lp.median_ms),
+            host_step_timing(nn).map_or("-".into(), |t| ms(t.median_ms)),
+            step_timing(&nn.times).map_or("-".into(), |t| ms(t.median_ms))
+        );
+        let others: Vec<String> = self
+            .runs
+            .iter()
+            .filter(|r| r.variant != Variant::Nnfuse)
+            .filter_map(|r| {
+                let t = loop_timing(r)?;
+                let p = loop_speedup(nn, r)?;
+                Some(format!(
+                    "{} loop {} ms: {:.2}x",
+                    r.variant.title(),
+                    ms(t.median_ms),
+                    p.median
+                ))
+            })
+            .collect();
+        if !others.is_empty() {
+            line.push_str(" — ");
+            line.push_str(&others.join(", "));
+        }
+        lines.push(line);
+        if let Some(g) = &self.graph {
+            if let Some(t) = Timing::from_samples(g.loop_ms.clone()) {
+                lines.push(format!(
+                    "nnfuse graph: replay loop {} ms (host {} ms, GPU {} ms), {}",
+                    ms(t.median_ms),
+                    Timing::from_samples(g.host_ms.clone()).map_or("-".into(), |t| ms(t.median_ms)),
+                    Timing::from_samples(g.gpu_ms.clone()).map_or("-".into(), |t| ms(t.median_ms)),
+                    graph_match(g)
+                ));
+            }
+        }
+        lines
+    }
+
+    fn graph_text(&self, g: &GraphReport) -> String {
+        if let Some(why) = &g.not_capturable {
+            return format!(
+                "\ngraph (--graph): nnfuse's step could not be captured into a CUDA graph \
+                 ({:.1} ms): {why} (exit status 4)\n",
+                g.capture_ms
+            );
+        }
+        let mut s = format!(
+            "\ngraph (--graph): nnfuse's whole step captured into one CUDA graph ({:.1} ms to \
+             capture, instantiate and upload); a replay against eager steps on the same inputs \
+             and running statistics, every output poisoned first, raw bits of {} outputs:\n",
+            g.capture_ms,
+            g.rows.len()
+        );
+        let loose: Vec<&BitRow> = g.rows.iter().filter(|r| r.eager_differs > 0).collect();
+        if !loose.is_empty() {
+            let rows: Vec<Vec<String>> = loose
+                .iter()
+                .map(|r| {
+                    vec![
+                        r.label(),
+                        format!("{}/{}", r.eager_differs, r.elements),
+                        format!("{}/{}", r.graph_differs, r.elements),
+                        r.compared.as_ref().map_or("-".into(), |c| sci(c.rel_l2)),
+                        sci(r.tol),
+                    ]
+                })
+                .collect();
+            s.push_str(
+                " outputs two eager steps do not reproduce bit for bit (held to the tolerance):
+",
+            );
+            s.push_str(&table(
+                &[
+                    "output",
+                    "eager vs eager differ",
+                    "graph vs eager differ",
+                    "rel L2",
+                    "tolerance",
+                ],
+                &rows,
+                &[false, true, true, true, true],
+            ));
+        }
+        let failed: Vec<String> = g
+            .rows
+            .iter()
+            .filter(|r| !r.ok())
+            .map(|r| {
+                format!(
+                    "{}: {} of {} elements differ (first at {}){}",
+                    r.label(),
+                    r.graph_differs,
+                    r.elements,
+                    r.first_differing.map_or("-".into(), |i| i.to_string()),
+                    r.compared.as_ref().map_or(String::new(), |c| format!(
+                        ", relative L2 {}",
+                        sci(c.rel_l2)
+                    ))
+                )
+            })
+            .collect();
+        if failed.is_empty() {
+            s.push_str(&format!("graph check PASSED: {}\n", graph_match(g)));
+        } else {
+            s.push_str(&format!(
+                "graph check FAILED ({} of {} outputs differ from eager; replays not timed, exit \
+                 status 1):\n",
+                failed.len(),
+                g.rows.len()
+            ));
+            for f in failed {
+                s.push_str(&format!("  {f}\n"));
+            }
+        }
+        if let Some(t) = Timing::from_samples(g.loop_ms.clone()) {
+            let eager = self.run(Variant::Nnfuse);
+            s.push_str(&format!(
+                "graph replay: loop {} ms per step (median of {} loops of {} replays, p10 {}, \
+                 p90 {}), host {} ms per replay (queued on an idle GPU), GPU {} ms per replay \
+                 (CUDA events behind a head start); eager nnfuse: loop {} ms, GPU {} ms\n",
+                ms(t.median_ms),
+                t.iters,
+                self.steps,
+                ms(t.p10_ms),
+                ms(t.p90_ms),
+                Timing::from_samples(g.host_ms.clone()).map_or("-".into(), |t| ms(t.median_ms)),
+                Timing::from_samples(g.gpu_ms.clone()).map_or("-".into(), |t| ms(t.median_ms)),
+                eager
+                    .and_then(loop_timing)
+                    .map_or("-".into(), |t| ms(t.median_ms)),
+                eager
+                    .and_then(|r| step_timing(&r.times))
+                    .map_or("-".into(), |t| ms(t.median_ms)),
+            ));
+        }
         s
     }
 
@@ -497,14 +724,38 @@ impl Report {
             .runs
             .iter()
             .filter_map(|r| {
-                host_timing(&r.times)
-                    .map(|t| format!("{} {:.2} ms", r.variant.title(), t.median_ms))
+                host_step_timing(r).map(|t| format!("{} {:.2} ms", r.variant.title(), t.median_ms))
             })
             .collect();
         s.push_str(&format!(
-            "host time to queue one step (validation, dispatch, library calls): {}\n",
+            "host time to queue one step (validation, dispatch, library calls; each queued right \
+             after a synchronize, median of {}): {}\n",
+            nn.host_step_ms.len(),
             hosts.join(", ")
         ));
+        let loops: Vec<String> = self
+            .runs
+            .iter()
+            .filter_map(|r| {
+                let t = loop_timing(r)?;
+                let mut cell = format!("{} {:.2} ms", r.variant.title(), t.median_ms);
+                if r.variant != Variant::Nnfuse {
+                    if let Some(p) = loop_speedup(nn, r) {
+                        cell.push_str(&format!(" ({:.2}x)", p.median));
+                    }
+                }
+                Some(cell)
+            })
+            .collect();
+        if !loops.is_empty() {
+            s.push_str(&format!(
+                "loop time per step ({} steps queued back to back, one synchronize at the end; \
+                 median of {} loops): {}\n",
+                self.steps,
+                nn.loop_ms.len(),
+                loops.join(", ")
+            ));
+        }
         for r in &self.runs {
             if r.variant == Variant::Nnfuse {
                 continue;
@@ -576,6 +827,73 @@ impl Report {
             "runs": Value::Object(runs),
             "check": self.check.as_ref().map(check_json),
             "head_start": self.head_start.map(|(n, ms)| json!({"fills": n, "fill_ms": ms})),
+            "graph": self.graph.as_ref().map(|g| self.graph_json(g)),
+            "headline": self.headline_json(),
+        })
+    }
+
+    fn headline_json(&self) -> Value {
+        let text = self.headline();
+        if text.is_empty() {
+            return Value::Null;
+        }
+        let nn = self.run(Variant::Nnfuse);
+        let med = |t: Option<Timing>| t.map(|t| t.median_ms * 1e3);
+        let baselines: serde_json::Map<String, Value> = self
+            .runs
+            .iter()
+            .filter(|r| r.variant != Variant::Nnfuse)
+            .map(|r| {
+                (
+                    r.variant.name().to_string(),
+                    json!({
+                        "loop_us": med(loop_timing(r)),
+                        "speedup_of_nnfuse": nn.and_then(|n| loop_speedup(n, r)).map(|p| p.median),
+                    }),
+                )
+            })
+            .collect();
+        json!({
+            "text": text,
+            "loop_us": med(nn.and_then(loop_timing)),
+            "host_us": med(nn.and_then(host_step_timing)),
+            "gpu_us": med(nn.and_then(|r| step_timing(&r.times))),
+            "baselines": Value::Object(baselines),
+            "graph_loop_us": med(self.graph.as_ref().and_then(|g| Timing::from_samples(g.loop_ms.clone()))),
+        })
+    }
+
+    fn graph_json(&self, g: &GraphReport) -> Value {
+        let t = |v: &[f64]| {
+            Timing::from_samples(v.to_vec()).map(|t| {
+                json!({"median_us": t.median_ms * 1e3, "p10_us": t.p10_ms * 1e3,
+                       "p90_us": t.p90_ms * 1e3, "samples": t.iters})
+            })
+        };
+        json!({
+            "captured": g.not_capturable.is_none(),
+            "not_capturable": g.not_capturable,
+            "capture_ms": g.capture_ms,
+            "passed": g.passed(),
+            "outputs": g.rows.iter().map(|r| json!({
+                "op": r.op.name(),
+                "output": r.quantity,
+                "dtype": r.dtype.name(),
+                "elements": r.elements,
+                "verdict": r.verdict(),
+                "ok": r.ok(),
+                "graph_differing_elements": r.graph_differs,
+                "first_differing": r.first_differing,
+                "eager_differing_elements": r.eager_differs,
+                "rel_l2": r.compared.as_ref().map(|c| finite(c.rel_l2)),
+                "tolerance": r.tol,
+            })).collect::<Vec<_>>(),
+            "replay": {
+                "loop": t(&g.loop_ms),
+                "host": t(&g.host_ms),
+                "gpu": t(&g.gpu_ms),
+                "steps_per_loop": self.steps,
+            },
         })
     }
 
@@ -610,6 +928,21 @@ impl Report {
             "step_p10_us": step.map(|t| t.p10_ms * 1e3),
             "step_p90_us": step.map(|t| t.p90_ms * 1e3),
             "host_queue_median_us": host_timing(&r.times).map(|t| t.median_ms * 1e3),
+            "host_step_median_us": host_step_timing(r).map(|t| t.median_ms * 1e3),
+            "host_step_p10_us": host_step_timing(r).map(|t| t.p10_ms * 1e3),
+            "host_step_p90_us": host_step_timing(r).map(|t| t.p90_ms * 1e3),
+            "loop_median_us": loop_timing(r).map(|t| t.median_ms * 1e3),
+            "loop_p10_us": loop_timing(r).map(|t| t.p10_ms * 1e3),
+            "loop_p90_us": loop_timing(r).map(|t| t.p90_ms * 1e3),
+            "loops": r.loop_ms.len(),
+            "steps_per_loop": self.steps,
+            "loop_speedup_of_nnfuse": nn
+                .filter(|n| n.variant != r.variant)
+                .and_then(|n| loop_speedup(n, r))
+                .map(|p| json!({
+                    "median": p.median, "p10": p.p10, "p90": p.p90,
+                    "nnfuse_faster_loops": p.rounds - p.faster_rounds, "loops": p.rounds,
+                })),
             "steps_timed": r.times.len(),
             "speedup_of_nnfuse": sp.map(|p| json!({
                 "median": p.median, "p10": p.p10, "p90": p.p90,
@@ -725,6 +1058,22 @@ fn check_json(c: &CheckReport) -> Value {
     })
 }
 
+/// How the replay matched: `outputs bit-identical to eager (31)`, or with the outputs eager
+/// itself does not reproduce counted apart.
+fn graph_match(g: &GraphReport) -> String {
+    let same = g.rows.iter().filter(|r| r.graph_differs == 0).count();
+    let loose = g.rows.len() - same;
+    if loose == 0 {
+        format!("outputs bit-identical to eager ({same} outputs)")
+    } else {
+        format!(
+            "{same} of {} outputs bit-identical to eager, {loose} that two eager steps do not \
+             reproduce bit for bit compared within the tolerance",
+            g.rows.len()
+        )
+    }
+}
+
 /// JSON has no NaN: non-finite numbers become null.
 fn finite(v: f64) -> Value {
     if v.is_finite() {
@@ -761,6 +1110,7 @@ mod tests {
             runs: Vec::new(),
             check: None,
             head_start: Some((10, 0.1)),
+            graph: None,
             status,
         }
     }
@@ -823,6 +1173,8 @@ mod tests {
                     })
                     .collect(),
                 times: vec![times(t), times(t * 1.1), times(t * 0.9)],
+                loop_ms: vec![t * 1.2, t * 1.3, t * 1.1],
+                host_step_ms: vec![0.4, 0.5, 0.3],
             });
         }
         let text = r.to_text(false);
@@ -841,6 +1193,170 @@ mod tests {
         );
         assert!(j["runs"]["nnfuse"]["speedup_of_nnfuse"].is_null());
         assert!((j["runs"]["nnfuse"]["step_median_us"].as_f64().unwrap() - 1000.0).abs() < 1e-9);
+    }
+
+    fn timed_report() -> Report {
+        let mut r = report(Status::Ok);
+        for (v, t) in [
+            (Variant::Nnfuse, 1.0),
+            (Variant::CudnnSpatial, 4.0),
+            (Variant::CudnnPersistent, 2.0),
+        ] {
+            r.runs.push(VariantRun {
+                variant: v,
+                first_step_ms: 100.0,
+                conv_measure_ms: 0.0,
+                decisions: Vec::new(),
+                times: vec![times(t), times(t), times(t)],
+                loop_ms: vec![t * 1.25, t * 1.5, t * 1.5],
+                host_step_ms: vec![0.375, 0.375, 0.5],
+            });
+        }
+        r
+    }
+
+    fn bit_rows(graph: &[u8]) -> Vec<BitRow> {
+        let eager = [0u8, 60, 0, 64];
+        crate::demo::bits::OUTPUTS
+            .iter()
+            .map(|&(op, q, _)| BitRow::of((op, q, DType::F16), &eager, &eager, graph, 1e-2))
+            .collect()
+    }
+
+    #[test]
+    fn the_headline_is_the_loop_time_against_each_baselines_loop() {
+        let r = timed_report();
+        let head = r.headline();
+        assert_eq!(
+            head,
+            [
+                "nnfuse step: loop 1.50 ms (host 0.38 ms, GPU 1.00 ms) — cuDNN SPATIAL loop 6.00 \
+              ms: 4.00x, cuDNN persistent loop 3.00 ms: 2.00x"
+            ]
+        );
+        let text = r.to_text(false);
+        assert!(text.trim_end().ends_with(&head[0]), "{text}");
+        assert!(
+            text.contains(
+                "loop time per step (3 steps queued back to back, one synchronize at \
+                           the end; median of 3 loops): nnfuse 1.50 ms, cuDNN SPATIAL 6.00 ms \
+                           (4.00x)"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("host time to queue one step"), "{text}");
+        let j = r.to_json();
+        assert_eq!(j["headline"]["text"][0], head[0].as_str());
+        assert!((j["headline"]["loop_us"].as_f64().unwrap() - 1500.0).abs() < 1e-9);
+        assert!((j["headline"]["host_us"].as_f64().unwrap() - 375.0).abs() < 1e-9);
+        assert!((j["headline"]["gpu_us"].as_f64().unwrap() - 1000.0).abs() < 1e-9);
+        let sp = &j["headline"]["baselines"]["cudnn_spatial"];
+        assert!(
+            (sp["speedup_of_nnfuse"].as_f64().unwrap() - 4.0).abs() < 1e-12,
+            "{sp}"
+        );
+        let nn = &j["runs"]["nnfuse"];
+        assert!((nn["loop_median_us"].as_f64().unwrap() - 1500.0).abs() < 1e-9);
+        assert!((nn["host_step_median_us"].as_f64().unwrap() - 375.0).abs() < 1e-9);
+        assert_eq!(nn["loops"], 3);
+        assert_eq!(nn["steps_per_loop"], 3);
+        assert!(nn["loop_speedup_of_nnfuse"].is_null());
+        let lsp = &j["runs"]["cudnn_persistent"]["loop_speedup_of_nnfuse"];
+        assert!(
+            (lsp["median"].as_f64().unwrap() - 2.0).abs() < 1e-12,
+            "{lsp}"
+        );
+        assert!(j["graph"].is_null());
+        // Nothing timed: no headline.
+        assert!(report(Status::CheckFailed).headline().is_empty());
+        assert!(report(Status::CheckFailed).to_json()["headline"].is_null());
+    }
+
+    #[test]
+    fn a_graph_that_replays_bit_identical_is_timed_and_headlined() {
+        let mut r = timed_report();
+        r.graph = Some(GraphReport {
+            not_capturable: None,
+            capture_ms: 12.0,
+            rows: bit_rows(&[0, 60, 0, 64]),
+            loop_ms: vec![0.9, 0.95, 0.92],
+            host_ms: vec![0.007, 0.008, 0.006],
+            gpu_ms: vec![0.9, 0.9, 0.9],
+        });
+        assert!(r.graph.as_ref().unwrap().passed());
+        let head = r.headline();
+        assert_eq!(
+            head[1],
+            "nnfuse graph: replay loop 0.92 ms (host 0.007 ms, GPU 0.90 ms), outputs \
+             bit-identical to eager (31 outputs)"
+        );
+        let text = r.to_text(false);
+        assert!(
+            text.contains("graph check PASSED: outputs bit-identical to eager (31 outputs)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("graph replay: loop 0.92 ms per step"),
+            "{text}"
+        );
+        let j = r.to_json();
+        let g = &j["graph"];
+        assert_eq!(g["captured"], true);
+        assert_eq!(g["passed"], true);
+        assert_eq!(g["outputs"].as_array().unwrap().len(), 31);
+        assert_eq!(g["outputs"][0]["verdict"], "identical");
+        assert!((g["replay"]["host"]["median_us"].as_f64().unwrap() - 7.0).abs() < 1e-9);
+        assert!((j["headline"]["graph_loop_us"].as_f64().unwrap() - 920.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_graph_that_differs_or_cannot_be_captured_says_why() {
+        let mut r = timed_report();
+        r.status = Status::GraphDiffers;
+        r.graph = Some(GraphReport {
+            capture_ms: 12.0,
+            rows: bit_rows(&[0, 60, 1, 64]),
+            ..GraphReport::default()
+        });
+        assert!(!r.graph.as_ref().unwrap().passed());
+        let text = r.to_text(false);
+        assert!(
+            text.contains("graph check FAILED (31 of 31 outputs"),
+            "{text}"
+        );
+        assert!(
+            text.contains("conv2.wgrad dw: 1 of 2 elements differ (first at 1)"),
+            "{text}"
+        );
+        assert_eq!(r.headline().len(), 1, "no replay timing, no graph headline");
+        let j = r.to_json();
+        assert_eq!(j["status"], "graph_differs");
+        assert_eq!(j["exit_code"], 1);
+        assert_eq!(j["graph"]["outputs"][0]["verdict"], "differs");
+        assert_eq!(j["graph"]["outputs"][0]["first_differing"], 1);
+        assert!(j["graph"]["replay"]["loop"].is_null());
+
+        r.status = Status::NotCapturable;
+        r.graph = Some(GraphReport {
+            not_capturable: Some("a call failed under capture: conv2.fwd (nnfuse): X".into()),
+            ..GraphReport::default()
+        });
+        let text = r.to_text(false);
+        assert!(
+            text.contains(
+                "could not be captured into a CUDA graph (0.0 ms): a call failed under \
+                           capture: conv2.fwd (nnfuse): X (exit status 4)"
+            ),
+            "{text}"
+        );
+        let j = r.to_json();
+        assert_eq!(j["exit_code"], 4);
+        assert_eq!(j["status"], "not_capturable");
+        assert_eq!(j["graph"]["captured"], false);
+        assert!(j["graph"]["not_capturable"]
+            .as_str()
+            .unwrap()
+            .contains("conv2.fwd"));
     }
 
     #[test]
