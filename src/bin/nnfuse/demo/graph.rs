@@ -1,12 +1,10 @@
 //! `nnfuse demo --graph`: one whole nnfuse training step captured into a CUDA graph on the
 //! Context's stream, replayed, checked bit for bit against eager steps on the same inputs, and
-//! timed. [`capture`] is the only code that talks to cudarc's graph API, so that the library's
-//! own capture API can replace it in one place.
+//! timed, through the library's `Context::capture`.
 
 use std::time::Instant;
 
 use anyhow::Result;
-use cudarc::driver::{sys as drv, CudaGraph};
 use nnfuse::{Context, Element};
 
 use super::bits::{BitRow, OUTPUTS};
@@ -16,54 +14,32 @@ use super::report::GraphReport;
 
 /// A captured step, ready to be replayed on the stream it was captured on.
 pub struct CapturedStep {
-    graph: CudaGraph,
+    graph: nnfuse::capture::CapturedGraph,
 }
 
 impl CapturedStep {
     /// Queues one replay of the whole step (one `cuGraphLaunch`).
     pub fn replay(&self) -> Result<()> {
-        Ok(self.graph.launch()?)
+        Ok(self.graph.replay()?)
     }
 }
 
-/// Captures everything `queue` puts on `ctx`'s stream into a CUDA graph (instantiated and
-/// uploaded; nothing runs). `Err` carries, in words, why the step could not be captured: the
-/// failing call's error, and the driver's when it ended the capture. The stream is usable
-/// again either way (the capture is always ended).
+/// Captures everything `queue` puts on `ctx`'s stream into a CUDA graph through the library's
+/// [`Context::capture`] (instantiated and uploaded; nothing runs). `Err` carries, in words, why
+/// the step could not be captured: the failing call's error (an undecided call's typed
+/// capture error, or the driver's). The stream is usable again either way.
 ///
-/// cudarc's per-buffer event tracking must be off for every buffer `queue` touches (see
-/// `demo::run`): an event recorded during a capture can no longer be waited for outside it.
+/// cudarc's per-buffer event tracking must be off (see `demo::run`): `Context::capture`
+/// refuses otherwise, saying so.
 pub fn capture(
     ctx: &Context,
     queue: impl FnOnce(&Context) -> Result<()>,
 ) -> std::result::Result<CapturedStep, String> {
-    let stream = ctx.stream();
     ctx.synchronize()
         .map_err(|e| format!("before the capture: {e}"))?;
-    // Thread-local: calls from this thread that are unsafe under capture (a synchronous
-    // allocation, a synchronize, a copy to the host) fail instead of joining the graph.
-    stream
-        .begin_capture(drv::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-        .map_err(|e| format!("cuStreamBeginCapture failed: {e}"))?;
-    let queued = queue(ctx);
-    let ended = stream.end_capture(drv::CUgraphInstantiate_flags(0));
-    let graph = match (queued, ended) {
-        (Ok(()), Ok(Some(g))) => g,
-        (Ok(()), Ok(None)) => return Err("cuStreamEndCapture returned no graph".into()),
-        (Ok(()), Err(e)) => {
-            return Err(format!(
-                "every call queued, but ending the capture (cuStreamEndCapture, \
-                 cuGraphInstantiate) failed: {e}"
-            ))
-        }
-        (Err(q), ended) => {
-            let end = match ended {
-                Ok(_) => "the capture ended without error (graph discarded)".to_string(),
-                Err(e) => format!("ending the capture then reported {e}"),
-            };
-            return Err(format!("a call failed under capture: {q:#}; {end}"));
-        }
-    };
+    let graph = ctx
+        .capture(|c| queue(c).map_err(|e| nnfuse::Error::NotSupported(format!("{e:#}"))))
+        .map_err(|e| format!("the step could not be captured: {e}"))?;
     graph
         .upload()
         .map_err(|e| format!("cuGraphUpload failed: {e}"))?;
