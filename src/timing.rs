@@ -610,6 +610,50 @@ impl HeadStart {
     }
 }
 
+/// Diagnostics of the head start on this GPU, for the GPU test that checks it: (the spin
+/// kernel's own GPU time for `spin_ms`, the GPU time of `work` queued `host_us` µs of host time
+/// after a head start of `spin_ms`), both in ms. The first should be `spin_ms`; the second the
+/// work's GPU time alone when `spin_ms` covers `host_us`.
+#[doc(hidden)]
+pub fn head_start_probe(
+    ctx: &Context,
+    spin_ms: f64,
+    host_us: u64,
+    mut work: impl FnMut() -> Result<()>,
+) -> Result<(f64, f64)> {
+    let Some(head) = HeadStart::new(ctx) else {
+        return Err(crate::error::Error::NotSupported(
+            "the head-start kernel did not load".into(),
+        ));
+    };
+    let stream = ctx.stream();
+    let (s0, s1, a, b) = (
+        new_event(ctx)?,
+        new_event(ctx)?,
+        new_event(ctx)?,
+        new_event(ctx)?,
+    );
+    ctx.synchronize()?;
+    s0.record(stream).call("cuEventRecord")?;
+    // head.queue covers `host_ms` 1.5 times plus slack: ask for the spin length itself.
+    head.queue(
+        ctx,
+        (spin_ms - HEAD_START_SLACK_MS).max(0.0) / HEAD_START_FACTOR,
+    )?;
+    s1.record(stream).call("cuEventRecord")?;
+    a.record(stream).call("cuEventRecord")?;
+    let t = Instant::now();
+    while t.elapsed() < std::time::Duration::from_micros(host_us) {
+        std::hint::spin_loop();
+    }
+    work()?;
+    b.record(stream).call("cuEventRecord")?;
+    b.synchronize().call("cuEventSynchronize")?;
+    let spin = s0.elapsed_ms(&s1).call("cuEventElapsedTime")? as f64;
+    let sample = a.elapsed_ms(&b).call("cuEventElapsedTime")? as f64;
+    Ok((spin, sample))
+}
+
 /// One round in which every live variant runs one burst between its own pair of events,
 /// behind a head start covering the burst's host time; one synchronisation at the end. Returns
 /// each variant's time per launch (ms) in this round (empty for a variant that did not run).

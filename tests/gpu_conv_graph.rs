@@ -503,6 +503,18 @@ fn head_start_timing_measures_gpu_time_only() {
         max_rounds: 11,
         budget_ms: 30.0,
     };
+    // What the head start does on this GPU, printed for the record: the spin kernel's own
+    // length, and a fill queued 300 µs of host time after a 2 ms head start.
+    for _ in 0..3 {
+        let probe = nnfuse::internals::timing::head_start_probe(&ctx, 2.0, 300, || {
+            nnfuse::internals::util::fill(&ctx, &mut buf, 2.0f32)
+        })
+        .expect("probe");
+        eprintln!(
+            "head start probe: spin of 2 ms took {:.3} ms; fill behind it {:.4} ms",
+            probe.0, probe.1
+        );
+    }
     let mut launch = |v: usize, _i: usize| {
         if v == 1 {
             let t = std::time::Instant::now();
