@@ -384,6 +384,28 @@ where
     launch(ctx, Kernel::Bwd, T::DTYPE, n, &[gp, mp, xp, 0], &[gp, xp])
 }
 
+/// [`relu_mask_bwd`] on addresses its caller has bound and checked itself (BatchNorm's
+/// fallback backward, whose one validation covers `dy` and `dx`, and whose mask is its own
+/// forward's): no second binding of the buffers (cudarc's event wait and record per buffer).
+///
+/// # Safety
+/// `dy` and `dx` hold `n` elements of `dt`, `mask` at least [`mask_words`]`(n)` words, all on
+/// the Context's device and valid until the queued work completes; `dx` is exactly `dy` or
+/// overlaps neither `dy` nor `mask`.
+pub(crate) unsafe fn relu_mask_bwd_raw(
+    ctx: &Context,
+    dt: DType,
+    n: usize,
+    dy: u64,
+    mask: u64,
+    dx: u64,
+) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    launch(ctx, Kernel::Bwd, dt, n, &[dy, mask, dx, 0], &[dy, dx])
+}
+
 /// The backward of Add+ReLU: writes the same gradient to `dx` and to `dz` (the addend's). Either
 /// may be exactly the same memory as `dy`; `dx` and `dz` must not overlap.
 pub fn relu_mask_bwd_dual<T, G, M, DX, DZ>(
