@@ -2,13 +2,17 @@
 //! facts (SM count, shared memory, cooperative launch), the occupancy of a kernel at a block size
 //! and dynamic shared memory, and one wave of resident blocks. Answers are cached per device for
 //! the life of the process (they never change), so a cached launch asks the driver nothing.
-//! The grid rules themselves stay pure in the launchers' own files.
+//! The grid rules themselves stay pure in the launchers' own files. Also the launch itself
+//! ([`launch_kernel`], [`launch_cooperative`]): `cuLaunchKernel` with the arguments' addresses
+//! in an array on the caller's stack, where cudarc's launch builder collects them in a `Vec`
+//! allocated per launch.
 
 use std::collections::HashMap;
+use std::ffi::c_void;
 use std::sync::{Mutex, MutexGuard};
 
 use cudarc::driver::sys::CUdevice_attribute;
-use cudarc::driver::{CudaFunction, LaunchConfig};
+use cudarc::driver::{result as drv, CudaFunction, DeviceRepr, DriverError, LaunchConfig};
 use once_cell::sync::Lazy;
 
 use crate::context::Context;
@@ -113,9 +117,78 @@ pub(crate) fn grid_stride_config(ctx: &Context, n: usize, threads: u32) -> Launc
     }
 }
 
+/// A kernel argument's address, as the parameter array of [`launch_kernel`] holds it (the
+/// value must outlive the launch call; the driver copies it when the launch is queued).
+#[inline(always)]
+pub(crate) fn arg<T: DeviceRepr>(v: &T) -> *mut c_void {
+    std::ptr::from_ref(v).cast_mut().cast()
+}
+
+/// Queues `f` on the Context's stream with `cfg`'s grid, block and dynamic shared memory and the
+/// kernel parameters `params` (one [`arg`] per parameter, in order): what cudarc's launch builder
+/// does (its context's sticky error checked and the context made current, then
+/// `cuLaunchKernel`), without its per-launch allocation. Either status is an error naming `call`.
+///
+/// # Safety
+/// `params` has one entry per kernel parameter, each the address of a value of that
+/// parameter's type; every device address among them is valid for what the kernel does with
+/// it until the queued work completes.
+pub(crate) unsafe fn launch_kernel(
+    ctx: &Context,
+    f: &CudaFunction,
+    cfg: LaunchConfig,
+    params: &mut [*mut c_void],
+    call: &'static str,
+) -> Result<()> {
+    ctx.cuda().bind_to_thread().call(call)?;
+    // SAFETY: the caller's contract; the stream is the Context's, live.
+    unsafe {
+        drv::launch_kernel(
+            f.cu_function(),
+            cfg.grid_dim,
+            cfg.block_dim,
+            cfg.shared_mem_bytes,
+            ctx.stream().cu_stream(),
+            params,
+        )
+    }
+    .call(call)
+}
+
+/// [`launch_kernel`] as a cooperative launch (`cuLaunchCooperativeKernel`), returning the
+/// driver's error itself so that the caller can tell a grid refused as too large.
+///
+/// # Safety
+/// As [`launch_kernel`]; every block of the grid can be resident at once.
+pub(crate) unsafe fn launch_cooperative(
+    ctx: &Context,
+    f: &CudaFunction,
+    cfg: LaunchConfig,
+    params: &mut [*mut c_void],
+) -> std::result::Result<(), DriverError> {
+    ctx.cuda().bind_to_thread()?;
+    // SAFETY: the caller's contract; the stream is the Context's, live.
+    unsafe {
+        drv::launch_cooperative_kernel(
+            f.cu_function(),
+            cfg.grid_dim,
+            cfg.block_dim,
+            cfg.shared_mem_bytes,
+            ctx.stream().cu_stream(),
+            params,
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_argument_is_its_value_address() {
+        let v = 7u64;
+        assert_eq!(arg(&v) as usize, std::ptr::from_ref(&v) as usize);
+    }
 
     #[test]
     fn a_wave_is_never_empty() {

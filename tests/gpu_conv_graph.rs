@@ -421,6 +421,94 @@ fn graph_and_legacy_agree() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// A `Conv2d` keeps the graph plan its calls ran per direction and tag (alignment class,
+/// engine config, accumulation), so a cached call skips the plan-cache lookup; a call whose
+/// pointers fall in another alignment class must not run the kept plan (it was built for
+/// 16-byte-aligned operands) but its own, and the aligned calls after it run the kept plan again,
+/// bit-identical to the first. Also an accumulating filter gradient after an overwriting one
+/// (another tag): dw0 + the gradient.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn kept_graph_plans_follow_the_alignment_class_and_accumulation() {
+    let ctx = gpu();
+    let s = shapes(TensorFormat::Nhwc)[0];
+    let conv = Conv2d::<f16>::new(&ctx, &s).expect("plan");
+    let mut rng = Rng::fresh("kept graph plans");
+    let v = data::<f16>(&ctx, &s, &mut rng);
+    let graph = Route::path(ConvPath::CudnnGraph);
+    let d = Direction::Forward;
+    let tol = DType::F16.tolerance();
+    let want = reference(&s, d, &v);
+    let first = match run(&ctx, &conv, d, Some(graph), &v) {
+        Ok(y) => y,
+        Err(e) => {
+            eprintln!(
+                "{}: no graph route here ({e}); nothing to test",
+                describe(&s)
+            );
+            return;
+        }
+    };
+    compare("aligned forward vs f64", &first, &want, tol).unwrap();
+    // The same data one element into larger buffers: 2-byte alignment class.
+    let shifted = |host: &[f64]| -> CudaSlice<f16> {
+        let mut h = vec![f16::from_f32(0.0)];
+        h.extend(host.iter().map(|&x| f16::from_f64(x)));
+        upload(&ctx, &h)
+    };
+    let (xs, ws) = (shifted(&v.x), shifted(&v.w));
+    let y_len = s.y_len().unwrap();
+    let mut ys = poisoned::<f16>(&ctx, y_len + 1);
+    let r = {
+        let mut yv = ys.slice_mut(1..);
+        conv.forward_with(graph, &xs.slice(1..), &ws.slice(1..), &mut yv)
+    };
+    match r {
+        Ok(()) => {
+            let got = f64s(&download(&ctx, &ys)[1..]);
+            compare("2-byte-aligned forward vs f64", &got, &want, tol).unwrap();
+        }
+        Err(e) => eprintln!("{}: no graph plan for 2-byte alignment: {e}", describe(&s)),
+    }
+    for round in 0..3 {
+        let again = run(&ctx, &conv, d, Some(graph), &v).expect("aligned again");
+        let same = again
+            .iter()
+            .zip(&first)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(
+            same,
+            "round {round}: the aligned forward changed after another alignment class"
+        );
+    }
+    // Filter gradient: overwrite, then accumulate onto dw0 (another tag of the same direction).
+    let dw0: Vec<f16> = rng.vec(s.w_len().unwrap(), -1.0, 1.0);
+    let grad = reference(&s, Direction::BackwardFilter, &v);
+    let mut dw = poisoned::<f16>(&ctx, s.w_len().unwrap());
+    conv.backward_filter_with(graph, &v.xb, &v.dyb, &mut dw, false)
+        .expect("filter gradient");
+    compare(
+        "filter gradient vs f64",
+        &f64s(&download(&ctx, &dw)),
+        &grad,
+        tol,
+    )
+    .unwrap();
+    for round in 0..2 {
+        let mut dw = upload(&ctx, &dw0);
+        conv.backward_filter_with(graph, &v.xb, &v.dyb, &mut dw, true)
+            .expect("accumulating filter gradient");
+        let want: Vec<f64> = f64s(&dw0).iter().zip(&grad).map(|(a, g)| a + g).collect();
+        compare(
+            &format!("round {round}: dw0 + filter gradient vs f64"),
+            &f64s(&download(&ctx, &dw)),
+            &want,
+            tol,
+        )
+        .unwrap();
+    }
+}
+
 /// The tuning file keeps the chosen engine config (not an index); a later process (here: the
 /// choice cache cleared) reads it back and runs it; an entry whose config no longer finalizes
 /// is measured again.

@@ -51,11 +51,11 @@
 
 mod launch_rules;
 
-use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DevicePtrMut};
 
 use crate::context::Context;
 use crate::dtype::{DType, Element};
-use crate::error::{CallExt, Result};
+use crate::error::Result;
 use crate::kernels;
 use crate::launch;
 use crate::validate::{Binder, Need};
@@ -214,20 +214,35 @@ fn launch(
         blocks_per_sm = per_sm,
         "bitmask kernel launch"
     );
-    let n64 = n as u64;
-    let stream = ctx.stream();
-    let mut b = stream.launch_builder(&f);
-    for p in args {
-        b.arg(p);
-    }
-    b.arg(&n64);
+    // The kernel's parameters by value (device pointers, then u64 n) and their addresses, on
+    // the stack: no allocation per launch.
+    let k = args.len();
+    let mut vals = [0u64; MAX_ARGS + 1];
+    let Some(slot) = vals.get_mut(..k) else {
+        return Err(crate::error::Error::NotSupported(format!(
+            "{name}: {k} pointer arguments, at most {MAX_ARGS}"
+        )));
+    };
+    slot.copy_from_slice(args);
+    vals[k] = n as u64;
+    let mut params = vals.each_ref().map(launch::arg);
     // SAFETY: `args` + `n` match the kernel's parameters (device pointers then u64 n, see
     // kernels/bitmask.cu), the caller validated that every data buffer holds n elements and
     // every mask at least mask_words(n) words, that optional pointers are null only where the
     // kernel allows it, and that no two buffers overlap in a way the kernel does not support.
-    unsafe { b.launch(lp.config()) }.call(kernel.launch_call())?;
-    Ok(())
+    unsafe {
+        launch::launch_kernel(
+            ctx,
+            &f,
+            lp.config(),
+            &mut params[..=k],
+            kernel.launch_call(),
+        )
+    }
 }
+
+/// Most device-pointer arguments of a bitmask kernel.
+const MAX_ARGS: usize = 4;
 
 /// `y = max(x, 0)` and, when `mask` is given, its bit of `x > 0` for every element.
 ///
@@ -367,6 +382,28 @@ where
         return Ok(());
     }
     launch(ctx, Kernel::Bwd, T::DTYPE, n, &[gp, mp, xp, 0], &[gp, xp])
+}
+
+/// [`relu_mask_bwd`] on addresses its caller has bound and checked itself (BatchNorm's
+/// fallback backward, whose one validation covers `dy` and `dx`, and whose mask is its own
+/// forward's): no second binding of the buffers (cudarc's event wait and record per buffer).
+///
+/// # Safety
+/// `dy` and `dx` hold `n` elements of `dt`, `mask` at least [`mask_words`]`(n)` words, all on
+/// the Context's device and valid until the queued work completes; `dx` is exactly `dy` or
+/// overlaps neither `dy` nor `mask`.
+pub(crate) unsafe fn relu_mask_bwd_raw(
+    ctx: &Context,
+    dt: DType,
+    n: usize,
+    dy: u64,
+    mask: u64,
+    dx: u64,
+) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    launch(ctx, Kernel::Bwd, dt, n, &[dy, mask, dx, 0], &[dy, dx])
 }
 
 /// The backward of Add+ReLU: writes the same gradient to `dx` and to `dz` (the addend's). Either

@@ -8,7 +8,7 @@ use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::CudaSlice;
 
 use crate::activation;
 use crate::batchnorm::args::{BackwardArgs, InferenceArgs, TrainArgs};
@@ -67,6 +67,22 @@ struct CoreKey {
     dtype: DType,
     fuse: Fuse,
     options: BnOptions,
+}
+
+/// The caller's buffers of one backward, bound once (by `check_backward`, whose binder holds
+/// their stream events until the work is queued): device addresses.
+#[derive(Debug, Clone, Copy)]
+struct Bound {
+    x: u64,
+    y: u64,
+    dy: u64,
+    gamma: u64,
+    beta: u64,
+    dx: u64,
+    dgamma: u64,
+    dbeta: u64,
+    /// The addend's gradient (Add+ReLU only).
+    dz: Option<u64>,
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -718,7 +734,6 @@ impl<T: Element> BatchNorm<T> {
     pub fn backward(&self, mut a: BackwardArgs<'_, T>) -> Result<()> {
         crate::profile::stage!(Call);
         let core = &*self.core;
-        let ctx = &self.ctx;
         let saved = a.saved;
         // 1. The state is this BatchNorm's; the addend gradient matches the fusion.
         if saved.owner != core.id {
@@ -729,45 +744,18 @@ impl<T: Element> BatchNorm<T> {
             ));
         }
         check_addend(core.fuse, a.d_addend.is_some(), "d_addend")?;
-        // 2. Every buffer validated before any launch.
-        self.check_backward(&mut a)?;
+        // 2. Every buffer validated before any launch, and bound once: the binder's guards
+        //    record the buffers' use (cudarc's events) when it drops, after the work below.
+        let (_bound, b) = self.check_backward(&mut a)?;
         // 3. The path the forward took.
         let reserve = saved.reserve.as_ref();
         match (saved.path, &saved.mask) {
-            (BnPath::Own, mask) => self.run_backward_own(&mut a, mask.as_ref()),
-            (BnPath::CudnnFused, _) => self.run_backward(&mut a, BnPath::CudnnFused, None, reserve),
-            (BnPath::Plain, _) => self.run_backward(&mut a, BnPath::Plain, None, reserve),
-            (BnPath::Fallback, Some(mask)) => {
-                if let Some(dz) = a.d_addend.as_mut() {
-                    // d_addend = dy ⊙ mask is also the gradient that enters BN.
-                    activation::relu_mask_bwd(ctx, &a.dy, &mask.buf, dz)?;
-                    self.run_backward(&mut a, BnPath::Fallback, None, reserve)
-                } else {
-                    // Fully written by the mask backward before BN reads it; a recycled
-                    // temporary, given back once both are queued (stream order).
-                    let n = self.numel();
-                    let mut tmp = {
-                        crate::profile::stage!(Alloc);
-                        core.spares.bytes(ctx.stream(), n * T::DTYPE.size())?
-                    };
-                    let dpre = tmp.ptr;
-                    // SAFETY: the bytes hold exactly n elements of T (plain numbers).
-                    let view = unsafe { tmp.buf.transmute_mut::<T>(n) };
-                    let r = match view {
-                        Some(mut view) => activation::relu_mask_bwd(
-                            ctx, &a.dy, &mask.buf, &mut view,
-                        )
-                        .and_then(|()| {
-                            self.run_backward(&mut a, BnPath::Fallback, Some(dpre), reserve)
-                        }),
-                        None => Err(Error::NotSupported(
-                            "BatchNorm's temporary is smaller than the tensor".into(),
-                        )),
-                    };
-                    core.spares.give_bytes(tmp);
-                    r
-                }
+            (BnPath::Own, mask) => self.run_backward_own(saved, &b, mask.as_ref()),
+            (BnPath::CudnnFused, _) => {
+                self.run_backward(saved, &b, BnPath::CudnnFused, None, reserve)
             }
+            (BnPath::Plain, _) => self.run_backward(saved, &b, BnPath::Plain, None, reserve),
+            (BnPath::Fallback, Some(mask)) => self.run_backward_fallback(saved, &b, mask),
             (BnPath::Fallback, _) => Err(Error::invalid(
                 "saved",
                 "is a fallback-path state without its bitmask (corrupted state)",
@@ -776,8 +764,9 @@ impl<T: Element> BatchNorm<T> {
     }
 
     /// The backward's buffers: `x` is the forward's, and every buffer has the plan's length,
-    /// lives on the Context's device, and no output overlaps another buffer.
-    fn check_backward(&self, a: &mut BackwardArgs<'_, T>) -> Result<()> {
+    /// lives on the Context's device, and no output overlaps another buffer. Returns the binder
+    /// (keep it until the work is queued) and the addresses.
+    fn check_backward<'b>(&'b self, a: &'b mut BackwardArgs<'_, T>) -> Result<(Binder<'b>, Bound)> {
         let numel = Need::Exactly(self.numel(), "the plan's shape");
         let param = Need::Exactly(self.core.param_len(Phase::Training), "the plan's shape");
         let mut ops = Binder::new(&self.ctx);
@@ -788,63 +777,99 @@ impl<T: Element> BatchNorm<T> {
                 "is not the buffer the forward that produced `saved` read",
             ));
         }
-        ops.input("y", &a.y, numel)?;
-        ops.input("dy", &a.dy, numel)?;
-        ops.input("gamma", &a.gamma, param)?;
-        ops.input("beta", &a.beta, param)?;
-        ops.output("dx", &mut a.dx, numel)?;
-        ops.output("dgamma", &mut a.dgamma, param)?;
-        ops.output("dbeta", &mut a.dbeta, param)?;
-        if let Some(dz) = a.d_addend.as_mut() {
-            ops.output("d_addend", dz, numel)?;
-        }
+        let b = Bound {
+            x,
+            y: ops.input("y", &a.y, numel)?,
+            dy: ops.input("dy", &a.dy, numel)?,
+            gamma: ops.input("gamma", &a.gamma, param)?,
+            beta: ops.input("beta", &a.beta, param)?,
+            dx: ops.output("dx", &mut a.dx, numel)?,
+            dgamma: ops.output("dgamma", &mut a.dgamma, param)?,
+            dbeta: ops.output("dbeta", &mut a.dbeta, param)?,
+            dz: match a.d_addend.as_mut() {
+                Some(dz) => Some(ops.output("d_addend", dz, numel)?),
+                None => None,
+            },
+        };
         ops.check(Aliasing::Distinct)?;
-        Ok(())
+        Ok((ops, b))
+    }
+
+    /// The fallback's backward: the mask backward (dy → d_addend for Add+ReLU, else into a
+    /// recycled temporary), then cuDNN's BN backward from it.
+    fn run_backward_fallback(&self, saved: &BnSaved, b: &Bound, mask: &Owned<u32>) -> Result<()> {
+        let core = &*self.core;
+        let ctx = &self.ctx;
+        let n = self.numel();
+        let reserve = saved.reserve.as_ref();
+        if mask.buf.len() < activation::mask_words(n) {
+            return Err(Error::invalid(
+                "saved",
+                "holds a bitmask shorter than the tensor needs (corrupted state)",
+            ));
+        }
+        if let Some(dz) = b.dz {
+            // d_addend = dy ⊙ mask is also the gradient that enters BN.
+            // SAFETY: dy and d_addend hold n elements (checked, d_addend overlapping nothing);
+            // the mask is the forward's own, of mask_words(n) words (checked above).
+            unsafe { activation::relu_mask_bwd_raw(ctx, T::DTYPE, n, b.dy, mask.ptr, dz) }?;
+            return self.run_backward(saved, b, BnPath::Fallback, None, reserve);
+        }
+        // Fully written by the mask backward before BN reads it; a recycled temporary, given
+        // back once both are queued (stream order).
+        let tmp = {
+            crate::profile::stage!(Alloc);
+            core.spares.bytes(ctx.stream(), n * T::DTYPE.size())?
+        };
+        let dpre = tmp.ptr;
+        let r = if tmp.buf.len() < n * T::DTYPE.size() {
+            Err(Error::NotSupported(
+                "BatchNorm's temporary is smaller than the tensor".into(),
+            ))
+        } else {
+            // SAFETY: dy holds n elements (checked); the temporary n elements of T, nnfuse's
+            // own, overlapping nothing; the mask as above.
+            unsafe { activation::relu_mask_bwd_raw(ctx, T::DTYPE, n, b.dy, mask.ptr, dpre) }
+                .and_then(|()| self.run_backward(saved, b, BnPath::Fallback, Some(dpre), reserve))
+        };
+        core.spares.give_bytes(tmp);
+        r
     }
 
     /// The own backward (the mask, if any, is the own forward's).
     fn run_backward_own(
         &self,
-        a: &mut BackwardArgs<'_, T>,
+        saved: &BnSaved,
+        b: &Bound,
         mask: Option<&Owned<u32>>,
     ) -> Result<()> {
         let core = &*self.core;
         let ctx = &self.ctx;
-        let stream = ctx.stream();
         if core.fuse != Fuse::None && mask.is_none() {
             return Err(Error::invalid(
                 "saved",
                 "is an own-path state of an activation without its bitmask (corrupted state)",
             ));
         }
-        let saved = a.saved;
         let Some(mean_lo) = saved.mean_lo.as_ref() else {
             return Err(Error::invalid(
                 "saved",
                 "is an own-path state without its mean remainder (corrupted state)",
             ));
         };
-        let (x, _g1) = a.x.device_ptr(stream);
-        let (dy, _g2) = a.dy.device_ptr(stream);
-        let (gamma, _g3) = a.gamma.device_ptr(stream);
         // nnfuse's own buffers: their addresses, no stream events (see `state.rs`).
-        let (lo, sm, si) = (mean_lo.ptr, saved.mean.ptr, saved.inv_var.ptr);
-        let (dx, _g6) = a.dx.device_ptr_mut(stream);
-        let (dgamma, _g7) = a.dgamma.device_ptr_mut(stream);
-        let (dbeta, _g8) = a.dbeta.device_ptr_mut(stream);
-        let dz = a.d_addend.as_mut().map(|v| v.device_ptr_mut(stream));
         let bufs = BwdBufs {
-            x,
-            dy,
+            x: b.x,
+            dy: b.dy,
             mask: mask.map_or(0, |m| m.ptr),
-            dx,
-            dz: dz.as_ref().map_or(0, |(p, _)| *p),
-            gamma,
-            saved_mean: sm,
-            saved_mean_lo: lo,
-            saved_invstd: si,
-            dgamma,
-            dbeta,
+            dx: b.dx,
+            dz: b.dz.unwrap_or(0),
+            gamma: b.gamma,
+            saved_mean: saved.mean.ptr,
+            saved_mean_lo: mean_lo.ptr,
+            saved_invstd: saved.inv_var.ptr,
+            dgamma: b.dgamma,
+            dbeta: b.dbeta,
         };
         let want = core.train.own_backward.unwrap_or(OwnVariant::TwoPass);
         let v = {
@@ -861,45 +886,34 @@ impl<T: Element> BatchNorm<T> {
     /// or `d_addend` (Add+ReLU, already masked).
     fn run_backward(
         &self,
-        a: &mut BackwardArgs<'_, T>,
+        saved: &BnSaved,
+        b: &Bound,
         path: BnPath,
         dpre: Option<u64>,
         reserve: Option<&Owned<u8>>,
     ) -> Result<()> {
         let core = &*self.core;
         let ctx = &self.ctx;
-        let stream = ctx.stream();
-        let saved = a.saved;
-        let (x, _g1) = a.x.device_ptr(stream);
-        let (y, _g2) = a.y.device_ptr(stream);
-        let (dy_user, _g3) = a.dy.device_ptr(stream);
-        let (gamma, _g4) = a.gamma.device_ptr(stream);
-        let (beta, _g5) = a.beta.device_ptr(stream);
-        let (dx, _g6) = a.dx.device_ptr_mut(stream);
-        let (dgamma, _g7) = a.dgamma.device_ptr_mut(stream);
-        let (dbeta, _g8) = a.dbeta.device_ptr_mut(stream);
-        let dz = a.d_addend.as_mut().map(|v| v.device_ptr_mut(stream));
-        let dz_ptr = dz.as_ref().map_or(0, |(p, _)| *p);
-        // nnfuse's own buffers: their addresses, no stream events (see `state.rs`).
-        let (sm, si) = (saved.mean.ptr, saved.inv_var.ptr);
+        let dz_ptr = b.dz.unwrap_or(0);
         // The gradient entering BN: the user's dy (plain, fused), the masked copy (fallback).
         let dy = match (path, dpre) {
             (BnPath::Fallback, Some(p)) => p,
             (BnPath::Fallback, None) => dz_ptr,
-            _ => dy_user,
+            _ => b.dy,
         };
+        // nnfuse's own buffers: their addresses, no stream events (see `state.rs`).
         let ptrs = BwdPtrs {
-            x,
-            y,
+            x: b.x,
+            y: b.y,
             dy,
             dz: dz_ptr,
-            dx,
-            gamma,
-            beta,
-            dgamma,
-            dbeta,
-            saved_mean: sm,
-            saved_inv_var: si,
+            dx: b.dx,
+            gamma: b.gamma,
+            beta: b.beta,
+            dgamma: b.dgamma,
+            dbeta: b.dbeta,
+            saved_mean: saved.mean.ptr,
+            saved_inv_var: saved.inv_var.ptr,
         };
         let cu = core.cudnn()?;
         let ws_stage = crate::profile::enter(crate::profile::Stage::Workspace);

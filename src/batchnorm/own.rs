@@ -14,7 +14,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use cudarc::driver::sys::{CUfunction_attribute, CUresult};
 use cudarc::driver::{
-    CudaFunction, CudaSlice, DevicePtrMut, DeviceRepr, DriverError, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, DevicePtrMut, DeviceRepr, DriverError, LaunchConfig,
 };
 
 use crate::batchnorm::own_launch::{
@@ -282,13 +282,10 @@ fn launch<A: DeviceRepr>(
     cfg: LaunchConfig,
     call: &'static str,
 ) -> Result<()> {
-    let mut b = ctx.stream().launch_builder(f);
-    b.arg(args);
     // SAFETY: `args` is the kernel's argument struct (layout checked by the tests), and every
     // pointer in it was validated by the dispatcher against the plan's shape; scratch and
     // counters are sized by own_launch for this launch.
-    unsafe { b.launch(cfg) }.call(call)?;
-    Ok(())
+    unsafe { launch::launch_kernel(ctx, f, cfg, &mut [launch::arg(args)], call) }
 }
 
 // ----- counters ---------------------------------------------------------------------------------
@@ -955,14 +952,13 @@ fn fit_persistent(op: &Op<'_>, tiles: u64, k: K) -> Result<Option<Fit>> {
 /// Launches cooperatively; `false` when the driver refuses the grid as too large (then the
 /// caller runs the two-pass kernels: nothing was written, and later calls do not try again).
 fn launch_persistent(op: &Op<'_>, p: &Persistent, args: &PersistArgs, tiles: u64) -> Result<bool> {
-    let mut b = op.ctx.stream().launch_builder(&p.f);
-    b.arg(args);
+    let cfg = config(p.grid, PTHREADS, p.smem);
     // SAFETY: as `launch`; the grid was sized from the occupancy query so that every block is
     // co-resident (the kernel's grid barrier needs it; the driver refuses the launch otherwise),
     // and the dynamic shared memory is within the attribute set in prepare_persistent.
-    let r = unsafe { b.launch_cooperative(config(p.grid, PTHREADS, p.smem)) };
+    let r = unsafe { launch::launch_cooperative(op.ctx, &p.f, cfg, &mut [launch::arg(args)]) };
     match r {
-        Ok(_) => Ok(true),
+        Ok(()) => Ok(true),
         Err(DriverError(CUresult::CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE)) => {
             tracing::warn!(
                 kernel = p.name,

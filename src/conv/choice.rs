@@ -1270,6 +1270,7 @@ impl<'a> Bench<'a> {
                 shape: inp.shape,
                 dtype: inp.dtype,
                 cudnn: inp.cudnn,
+                graph_plans: None,
             },
             out_role,
             out_len,

@@ -1,10 +1,10 @@
-//! The cuDNN graph path: its run function (a completed graph route onto the Context's cached
-//! [`GraphConv`] plan of the problem, direction and engine config: one cache lookup, then the
-//! pinned variant pack and `cudnnBackendExecute`), the engine configs the `cudnn` candidate
+//! The cuDNN graph path: its run function (a completed graph route onto the [`GraphConv`] plan
+//! of the problem, direction, engine config and alignment class — the one the problem kept, else
+//! the Context's plan cache — then the pinned variant pack and `cudnnBackendExecute`), the engine configs the `cudnn` candidate
 //! stands for at the first call, and the check of a cached or tuning-file graph route (its
 //! engine config rebuilt and finalized). The graph layer itself is `crate::cudnn_graph`.
 
-use super::call::{PathCall, Target};
+use super::call::{GraphPlanTag, PathCall, Target};
 use super::choice::CudnnSearch;
 use super::plan::{ConvPath, ConvPlan, Direction, Route};
 use super::problem::GraphEngine;
@@ -63,7 +63,11 @@ pub(crate) fn key(
 }
 
 /// Runs a graph route (registered in `paths.rs`): the plan of its engine config (the first
-/// admitted one when the route names none), built on first use and cached per Context.
+/// admitted one when the route names none) for the pointers' alignment class. A dispatcher's
+/// call takes the plan its problem kept for the same Context, engine config, alignment class and
+/// accumulation ([`GraphPlans`](super::call::GraphPlans)); otherwise (first call, another
+/// alignment class or engine config, the measurement) it looks the plan up in the Context's plan
+/// cache, building it on first use, and the problem keeps it.
 ///
 /// # Safety
 /// As [`super::route::run`].
@@ -74,17 +78,27 @@ pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
     let ptrs = [p.x, p.w, p.y];
     let plan = {
         crate::profile::stage!(Lookup);
-        let k = key(
-            t,
-            c.direction,
-            c.exec.route.graph_engine,
-            alignment_of(&ptrs),
-            c.accumulate,
-        );
-        GraphConv::cached(t.ctx, k)?
+        let tag = GraphPlanTag {
+            ctx: GraphPlanTag::context_id(t.ctx),
+            engine: c.exec.route.graph_engine,
+            alignment: alignment_of(&ptrs).max(t.dtype.size() as u8),
+            accumulate: c.accumulate,
+        };
+        let kept = t.graph_plans.map(|all| &all[c.direction.index()]);
+        match kept.and_then(|k| k.get(&tag)) {
+            Some(plan) => plan,
+            None => {
+                let k = key(t, c.direction, tag.engine, tag.alignment, tag.accumulate);
+                let plan = GraphConv::cached(t.ctx, k)?;
+                if let Some(kept) = kept {
+                    kept.keep(tag, plan.clone());
+                }
+                plan
+            }
+        }
     };
     // SAFETY: the caller's contract (operands checked, on the Context's device, output
-    // disjoint); the key's alignment is the pointers' own.
+    // disjoint); the plan's key has the pointers' own alignment class.
     unsafe { plan.execute_raw(t.ctx, ptrs) }
 }
 

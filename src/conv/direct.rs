@@ -7,14 +7,14 @@
 //! in the filter's memory order (`c, r, s` for KCRS, `r, s, c` for KRSC) in f32: deterministic,
 //! one rounding at the end (none for the f32 output).
 
-use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DeviceRepr, LaunchConfig};
 
 use super::call::PathCall;
 use super::paths::direct_limits;
 use super::{ConvShape, Direction, FwdPtrs};
 use crate::context::Context;
 use crate::dtype::DType;
-use crate::error::{CallExt, Error, Result};
+use crate::error::{Error, Result};
 use crate::kernels;
 use crate::layout::TensorFormat;
 
@@ -140,12 +140,13 @@ unsafe fn launch(
         "direct convolution"
     );
     let f = ctx.function(&kernels::CONV_DIRECT, name)?;
-    let mut b = ctx.stream().launch_builder(&f);
-    b.arg(&x).arg(&w).arg(&y).arg(&g);
+    use crate::launch::arg;
+    let mut params = [arg(&x), arg(&w), arg(&y), arg(&g)];
     // SAFETY: (const T*, const T*, O*, DirectGeom) is the kernel's signature; DirectGeom is laid
     // out as the kernel's; the caller guarantees the extents.
-    unsafe { b.launch(cfg) }.call("cuLaunchKernel(conv_direct)")?;
-    Ok(())
+    unsafe {
+        crate::launch::launch_kernel(ctx, &f, cfg, &mut params, "cuLaunchKernel(conv_direct)")
+    }
 }
 
 /// Runs a direct route (registered in `paths.rs`): the forward only.

@@ -41,13 +41,13 @@ pub(crate) mod gpu_tests;
 pub(crate) mod launch;
 pub(crate) mod steps;
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 
 use super::call::PathCall;
 use super::{BwdDataPtrs, BwdFilterPtrs, ConvShape, Direction, FwdPtrs};
 use crate::context::Context;
 use crate::dtype::{DType, Element};
-use crate::error::{CallExt, Error, Result};
+use crate::error::{Error, Result};
 use crate::kernels;
 use crate::validate::{Aliasing, Binder, Need};
 use steps::{At, Buf, Plan, Step};
@@ -69,13 +69,12 @@ struct Operands {
 /// `src` and `dst` hold what `l` reads and writes (the launch was planned for them).
 unsafe fn launch_cols(ctx: &Context, l: &launch::Launch, src: u64, dst: u64) -> Result<()> {
     let f = ctx.function(&kernels::IM2COL, l.kernel)?;
-    let stream = ctx.stream();
-    let mut b = stream.launch_builder(&f);
-    b.arg(&src).arg(&dst).arg(&l.geom).arg(&l.images);
+    use crate::launch::arg;
+    let mut params = [arg(&src), arg(&dst), arg(&l.geom), arg(&l.images)];
+    let call = "cuLaunchKernel(im2col.cu)";
     // SAFETY: (const E*, E*, ColGeom, u32) is every im2col/col2im kernel's signature; ColGeom is
     // laid out as the kernel's; the caller guarantees the extents.
-    unsafe { b.launch(l.config()) }.call("cuLaunchKernel(im2col.cu)")?;
-    Ok(())
+    unsafe { crate::launch::launch_kernel(ctx, &f, l.config(), &mut params, call) }
 }
 
 /// Runs `plan` on the Context's stream.
@@ -166,11 +165,12 @@ unsafe fn execute(ctx: &Context, dtype: DType, plan: &Plan, ops: Operands) -> Re
                 let cfg = crate::launch::grid_stride_config(ctx, *len, launch::THREADS);
                 let (p, a, o) = (addr(*part)?, addr(*acc)?, addr(*out)?);
                 let (n, bits) = (*len as u64, mode.bits());
-                let mut b = ctx.stream().launch_builder(&f);
-                b.arg(&p).arg(&a).arg(&o).arg(&n).arg(&bits);
+                use crate::launch::arg;
+                let mut params = [arg(&p), arg(&a), arg(&o), arg(&n), arg(&bits)];
+                let call = "cuLaunchKernel(conv_accumulate)";
                 // SAFETY: conv_accumulate_<t>(const T*, float*, T*, u64, u32); each buffer holds
                 // `len` elements.
-                unsafe { b.launch(cfg) }.call("cuLaunchKernel(conv_accumulate)")?;
+                unsafe { crate::launch::launch_kernel(ctx, &f, cfg, &mut params, call) }?;
             }
         }
     }

@@ -1,12 +1,13 @@
 //! The per-problem state of a [`Conv2d`]: its plans, its cuDNN descriptors, the decision per
 //! direction once made, and the caches that keep cuDNN's queries off the cached path (workspace
-//! sizes, the first usable algorithm of a forced `cudnn` route). Also how a route is completed
-//! into an [`Exec`] (its cuDNN workspace checked against the cap).
+//! sizes, the first usable algorithm of a forced `cudnn` route, the graph plans its calls ran).
+//! Also how a route is completed into an [`Exec`] (its cuDNN workspace checked against the cap).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use super::call::GraphPlans;
 use super::choice::{AutoReport, ConvChoice, CudnnSearch};
 use super::cudnn::CudnnConv;
 use super::plan::{ConvPath, DirectionPlans, Route};
@@ -59,6 +60,9 @@ pub(super) struct Core {
     /// Per direction: cuDNN's first usable algorithm, once asked for by a forced `cudnn` route
     /// (cuDNN 9's heuristic query costs milliseconds of host time: never per call).
     pub(super) cudnn_first: [Mutex<Option<CudnnAlgo>>; 3],
+    /// Per direction: the graph plans its calls ran (the cached call's plan without the
+    /// Context's plan-cache lookup; alive as long as this state).
+    pub(super) graph_plans: [GraphPlans; 3],
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -117,6 +121,7 @@ impl Core {
             state: Default::default(),
             ws_sizes: Mutex::new(HashMap::new()),
             cudnn_first: Default::default(),
+            graph_plans: Default::default(),
         })
     }
 }
@@ -128,6 +133,7 @@ impl Core {
             shape: &self.shape,
             dtype: self.dtype,
             cudnn: self.cudnn.as_deref(),
+            graph_plans: Some(&self.graph_plans),
         }
     }
 

@@ -21,7 +21,7 @@ pub(crate) mod fused;
 pub(crate) mod launch;
 pub mod stages;
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 use super::call::PathCall;
 use super::problem::{
@@ -30,7 +30,7 @@ use super::problem::{
 use super::{BwdDataPtrs, ConvShape, Direction, FwdPtrs, WinogradEngine, WinogradTile};
 use crate::context::Context;
 use crate::dtype::DType;
-use crate::error::{CallExt, Error, Result};
+use crate::error::{Error, Result};
 use crate::gemm::{Compute, Problem};
 pub use launch::Chunking;
 use launch::Stage;
@@ -139,17 +139,28 @@ pub(crate) unsafe fn input_transform(
         blocks,
         "Winograd input transform"
     );
-    let mut b = ctx.stream().launch_builder(&f);
-    b.arg(&x).arg(&u);
-    for a in &args {
-        b.arg(a);
-    }
-    b.arg(&tiles64);
+    use crate::launch::arg;
+    let [a0, a1, a2, a3, a4, a5, a6] = &args;
+    let mut params = [
+        arg(&x),
+        arg(&u),
+        arg(a0),
+        arg(a1),
+        arg(a2),
+        arg(a3),
+        arg(a4),
+        arg(a5),
+        arg(a6),
+        arg(&tiles64),
+    ];
+    let (lc, call) = (
+        cfg((blocks, 1), launch::THREADS),
+        "cuLaunchKernel(winograd_input)",
+    );
     // SAFETY: the arguments match winograd_input_* (x, u, h, w, c, pad_h, pad_w, tiles_h,
     // tiles_w, tiles); the caller guarantees the extents; c_in % vec == 0 and both pointers are
     // aligned to vec elements (checked above).
-    unsafe { b.launch(cfg((blocks, 1), launch::THREADS)) }
-        .call("cuLaunchKernel(winograd_input)")?;
+    unsafe { crate::launch::launch_kernel(ctx, &f, lc, &mut params, call) }?;
     Ok(vec)
 }
 
@@ -213,17 +224,26 @@ pub(crate) unsafe fn output_transform(
         blocks,
         "Winograd output transform"
     );
-    let mut b = ctx.stream().launch_builder(&f);
-    b.arg(&m).arg(&y);
-    for a in &args {
-        b.arg(a);
-    }
-    b.arg(&tiles64);
+    use crate::launch::arg;
+    let [a0, a1, a2, a3, a4] = &args;
+    let mut params = [
+        arg(&m),
+        arg(&y),
+        arg(a0),
+        arg(a1),
+        arg(a2),
+        arg(a3),
+        arg(a4),
+        arg(&tiles64),
+    ];
+    let (lc, call) = (
+        cfg((blocks, 1), launch::THREADS),
+        "cuLaunchKernel(winograd_output)",
+    );
     // SAFETY: the arguments match winograd_output_* (m, y, oh, ow, k, tiles_h, tiles_w, tiles);
     // the caller guarantees the extents; c_out % vec == 0 and both pointers are aligned to vec
     // elements (checked above).
-    unsafe { b.launch(cfg((blocks, 1), launch::THREADS)) }
-        .call("cuLaunchKernel(winograd_output)")?;
+    unsafe { crate::launch::launch_kernel(ctx, &f, lc, &mut params, call) }?;
     Ok(vec)
 }
 
@@ -255,17 +275,17 @@ unsafe fn filter_transform(
     let name = launch::filter_kernel(dtype, tile, rotated);
     let f = ctx.function(launch::filter_unit(dtype, tile), name)?;
     tracing::debug!(kernel = name, kout, cin, ?grid, "Winograd filter transform");
-    let mut b = ctx.stream().launch_builder(&f);
-    b.arg(&w).arg(&v).arg(&k32).arg(&c32);
+    use crate::launch::arg;
+    let mut params = [arg(&w), arg(&v), arg(&k32), arg(&c32)];
     let cfg = LaunchConfig {
         grid_dim: grid,
         block_dim: (launch::THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
+    let call = "cuLaunchKernel(winograd_filter)";
     // SAFETY: the arguments match winograd_filter_* (w, v, kout, cin); the caller guarantees the
     // extents; the grid covers every (k, c) pair and every row (filter_grid).
-    unsafe { b.launch(cfg) }.call("cuLaunchKernel(winograd_filter)")?;
-    Ok(())
+    unsafe { crate::launch::launch_kernel(ctx, &f, cfg, &mut params, call) }
 }
 
 /// The batched multiply of one chunk of `tiles` tiles: `M_pos = U_pos · V_pos` for every

@@ -10,12 +10,12 @@
 //! [`crate::gemm::Compute::F16`] is accepted for f16 data but accumulated in f32 (more accurate
 //! than asked, never less).
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 use super::winograd::launch::{direct_grid, direct_kernel, direct_unit, DIRECT_THREADS};
 use crate::context::Context;
 use crate::dtype::DType;
-use crate::error::{CallExt, Result};
+use crate::error::Result;
 use crate::gemm::{check_pointers, Problem, Validated};
 
 /// Runs `p` (column-major, as [`crate::gemm::strided_batched`]; alpha/beta honoured) with the
@@ -53,22 +53,35 @@ pub(crate) unsafe fn batched_direct(
     let (m, n, k, batch) = (p.m as u32, p.n as u32, p.k as u32, p.batch as u32);
     let (lda, ldb, ldc) = (p.lda as u64, p.ldb as u64, p.ldc as u64);
     let (sa, sb, sc) = (p.stride_a as u64, p.stride_b as u64, p.stride_c as u64);
-    let mut l = ctx.stream().launch_builder(&f);
-    l.arg(&a).arg(&b).arg(&c);
-    l.arg(&m).arg(&n).arg(&k);
-    l.arg(&lda).arg(&ldb).arg(&ldc);
-    l.arg(&sa).arg(&sb).arg(&sc);
-    l.arg(&batch).arg(&p.alpha).arg(&p.beta).arg(&mblocks);
+    use crate::launch::arg;
+    let mut params = [
+        arg(&a),
+        arg(&b),
+        arg(&c),
+        arg(&m),
+        arg(&n),
+        arg(&k),
+        arg(&lda),
+        arg(&ldb),
+        arg(&ldc),
+        arg(&sa),
+        arg(&sb),
+        arg(&sc),
+        arg(&batch),
+        arg(&p.alpha),
+        arg(&p.beta),
+        arg(&mblocks),
+    ];
     let cfg = LaunchConfig {
         grid_dim: (gx, gy, 1),
         block_dim: (DIRECT_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
+    let call = "cuLaunchKernel(winograd_gemm_direct)";
     // SAFETY: the arguments match winograd_gemm_direct_* (a, b, c, m, n, k, lda, ldb, ldc, sa,
     // sb, sc, batch, alpha, beta, mblocks); the problem was checked and the caller guarantees
     // the extents; C does not overlap A or B (checked) nor itself across batches (checked).
-    unsafe { l.launch(cfg) }.call("cuLaunchKernel(winograd_gemm_direct)")?;
-    Ok(())
+    unsafe { crate::launch::launch_kernel(ctx, &f, cfg, &mut params, call) }
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@
 //! `docs/WINOGRAD.md` ("The fused engine").
 
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 use crate::context::Context;
 use crate::conv::problem::{fused_eligible, WinogradGeometry, WinogradTile};
@@ -318,11 +318,23 @@ pub(crate) unsafe fn forward(
             "Winograd fused forward"
         );
         let (xc, yc) = (x + first * x_image, y + first * y_image);
-        let mut b = ctx.stream().launch_builder(&f);
-        b.arg(&xc).arg(&v).arg(&yc);
-        b.arg(&h32).arg(&w32).arg(&c32).arg(&k32);
-        b.arg(&ph).arg(&pw).arg(&oh32).arg(&ow32);
-        b.arg(&th32).arg(&tw32).arg(&tiles32);
+        use crate::launch::arg;
+        let mut params = [
+            arg(&xc),
+            arg(&v),
+            arg(&yc),
+            arg(&h32),
+            arg(&w32),
+            arg(&c32),
+            arg(&k32),
+            arg(&ph),
+            arg(&pw),
+            arg(&oh32),
+            arg(&ow32),
+            arg(&th32),
+            arg(&tw32),
+            arg(&tiles32),
+        ];
         let lc = LaunchConfig {
             grid_dim: (gx, gy, 1),
             block_dim: (THREADS, 1, 1),
@@ -332,7 +344,9 @@ pub(crate) unsafe fn forward(
         // ow, tiles_h, tiles_w, tiles); the caller guarantees the extents; channel counts are
         // multiples of 8 and the pointers aligned (checked), so every 16-byte piece the kernel
         // copies is in range or zero-filled; the dynamic shared memory was opted in above.
-        unsafe { b.launch(lc) }.call("cuLaunchKernel(winograd_fused)")?;
+        unsafe {
+            crate::launch::launch_kernel(ctx, &f, lc, &mut params, "cuLaunchKernel(winograd_fused)")
+        }?;
         first += images as u64;
     }
     Ok(())
