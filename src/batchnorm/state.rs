@@ -137,6 +137,9 @@ pub struct BnSaved {
     pub(crate) mask: Option<Owned<u32>>,
     /// Own path: the variant the forward ran.
     pub(crate) own_variant: Option<OwnVariant>,
+    /// The forward's BatchNorm ran through cuDNN's graph API (the backward then tries it too,
+    /// and otherwise takes the legacy call that needs no reserve space).
+    pub(crate) graph: bool,
     /// Where the buffers go when the state is dropped.
     pub(crate) spares: Arc<Spares>,
 }

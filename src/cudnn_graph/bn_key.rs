@@ -348,7 +348,11 @@ mod tests {
         assert_eq!(s.strides, [64, 1, 64, 64]);
         let e = k.spec(BnRole::Epsilon);
         assert!(e.by_value && e.dims == [1; 4] && e.dtype == DType::F32);
-        let k = GraphBnKey::new(layout(TensorFormat::Nchw), DType::F32, BnDirection::Backward);
+        let k = GraphBnKey::new(
+            layout(TensorFormat::Nchw),
+            DType::F32,
+            BnDirection::Backward,
+        );
         assert_eq!(k.spec(BnRole::Dx).strides, [64 * 196, 196, 1, 1]);
         assert_eq!(k.roles(), &BACKWARD_ROLES);
         assert_eq!(k.specs().len(), 8);

@@ -266,9 +266,18 @@ impl GraphBn {
     /// the layout's elements of the key's type; the rest one f32 per channel), is aligned to the
     /// key's alignment; outputs do not overlap inputs (the running statistics excepted: updated
     /// in place); all stay valid until the queued work completes.
-    pub unsafe fn forward(&self, ctx: &Context, a: &BnFwdAddrs, eps: f64, momentum: f64) -> Result<()> {
+    pub unsafe fn forward(
+        &self,
+        ctx: &Context,
+        a: &BnFwdAddrs,
+        eps: f64,
+        momentum: f64,
+    ) -> Result<()> {
         if self.key.direction != BnDirection::Forward {
-            return Err(Error::invalid("plan", "is a backward plan, not a forward one"));
+            return Err(Error::invalid(
+                "plan",
+                "is a backward plan, not a forward one",
+            ));
         }
         let addr = |r: BnRole| match r {
             BnRole::X => a.x,
@@ -290,7 +299,10 @@ impl GraphBn {
     /// As [`GraphBn::forward`], for the backward's tensors.
     pub unsafe fn backward(&self, ctx: &Context, a: &BnBwdAddrs) -> Result<()> {
         if self.key.direction != BnDirection::Backward {
-            return Err(Error::invalid("plan", "is a forward plan, not a backward one"));
+            return Err(Error::invalid(
+                "plan",
+                "is a forward plan, not a backward one",
+            ));
         }
         let addr = |r: BnRole| match r {
             BnRole::X => a.x,
