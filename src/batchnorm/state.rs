@@ -202,6 +202,12 @@ impl BnSaved {
         self.reserve.as_ref().map_or(0, |r| r.buf.len())
     }
 
+    /// Whether the forward's BatchNorm ran through cuDNN's graph API (`NNFUSE_CUDNN_API`; the
+    /// plan's `cudnn_api_used`), rather than a legacy cuDNN call or nnfuse's own kernels.
+    pub fn ran_graph(&self) -> bool {
+        self.graph
+    }
+
     /// The epsilon the forward used (the backward reuses it).
     pub fn eps(&self) -> f64 {
         self.eps
