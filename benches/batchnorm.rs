@@ -25,7 +25,7 @@ use nnfuse::batchnorm::{
     OwnVariantChoice, TrainArgs,
 };
 use nnfuse::internals::timing::{copy_bandwidth, time_gpu, TimingOptions};
-use nnfuse::{BnImpl, BnModePolicy, Config, Context, Element};
+use nnfuse::{BnImpl, BnModePolicy, Config, Context, CudnnApi, Element};
 
 const L2_BYTES: usize = 50 << 20;
 
@@ -1126,6 +1126,38 @@ fn run() -> Result<()> {
                     &mut report,
                 )?;
             }
+        }
+    }
+
+    // The cuDNN API for plain training BatchNorm: the graph's NORM_FORWARD / NORM_BACKWARD plans
+    // (NNFUSE_CUDNN_API=graph) against the legacy Ex calls, on channels-last halves (cuDNN's
+    // documented support). Where cuDNN cannot build the graph the legacy calls run instead (a
+    // `tracing` warning says so): run with RUST_LOG=nnfuse=warn to see it.
+    println!("\n## Plain BatchNorm by cuDNN API (channels-last, training)\n\n{HEADER}");
+    for api in [CudnnApi::Legacy, CudnnApi::Graph] {
+        let actx = ctx.with_config_override(
+            Config::default()
+                .with_bn_impl(BnImpl::Cudnn)
+                .with_cudnn_api(api),
+        );
+        for shape in [[16, 112, 112, 32], [64, 56, 56, 256]] {
+            let tag = format!("cudnn_api={api}");
+            bench_plain::<f16>(
+                &actx,
+                &shape,
+                3,
+                bw,
+                &format!("{tag} f16 NHWC"),
+                &mut report,
+            )?;
+            bench_plain::<bf16>(
+                &actx,
+                &shape,
+                3,
+                bw,
+                &format!("{tag} bf16 NHWC"),
+                &mut report,
+            )?;
         }
     }
 

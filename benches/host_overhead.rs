@@ -35,7 +35,7 @@ use nnfuse::batchnorm::{BackwardArgs, BatchNorm, Fuse, TrainArgs};
 use nnfuse::conv::{Conv2d, ConvPath, Route, WinogradEngine, WinogradTile};
 use nnfuse::gemm::{self, Problem};
 use nnfuse::internals::profile::{self, Stage, Totals};
-use nnfuse::{BnImpl, Config, Context};
+use nnfuse::{BnImpl, Config, Context, CudnnApi};
 
 use host_time::{gpu_us, loop_us, queue_us};
 
@@ -370,6 +370,46 @@ fn run() -> anyhow::Result<()> {
             bn_floor,
             measure(&c2, || step.run(&bn)),
             None,
+        );
+    }
+
+    // BatchNorm through cuDNN's graph API (NNFUSE_CUDNN_API=graph) against the legacy Ex pair,
+    // plain BN and BN+ReLU (graph BN + nnfuse's bitmask kernels). Target: the graph's plain
+    // fwd+bwd at least 1.5x cheaper on the host than the legacy Ex pair (issue 19).
+    let mut plain = [None, None];
+    for (i, (name, api, fuse)) in [
+        ("legacy Ex", CudnnApi::Legacy, Fuse::None),
+        ("graph API", CudnnApi::Graph, Fuse::None),
+        ("graph API + bitmask ReLU", CudnnApi::Graph, Fuse::Relu),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let config = Config::default()
+            .with_bn_impl(BnImpl::Cudnn)
+            .with_cudnn_api(api);
+        let c2 = ctx.with_config_override(config);
+        let bn = BatchNorm::<f16>::new(&c2, &bn_shape, 3, fuse)?;
+        let mut step = BnStep::new(&s, &bn_shape)?;
+        let m = measure(&c2, || step.run(&bn));
+        if let (Some(slot), Ok(m)) = (plain.get_mut(i), &m) {
+            *slot = Some(m.host);
+        }
+        row(
+            &format!(
+                "BN {} train fwd+bwd 2x8x8x64 f16, cuDNN {name}",
+                fuse.describe()
+            ),
+            bn_floor,
+            m,
+            None,
+        );
+    }
+    if let [Some(legacy), Some(graph)] = plain {
+        println!(
+            "BN plain fwd+bwd host: legacy Ex {legacy:.1} µs, graph {graph:.1} µs: {:.2}x \
+             (target >= 1.5x)",
+            legacy / graph
         );
     }
 

@@ -14,7 +14,7 @@
 //! | `NNFUSE_WINOGRAD_GEMM` | `auto`, `seed`, `tensor_core`, `direct`, `fused` | `auto` | how Winograd's batched multiply runs (see [`WinogradGemmPolicy`]) |
 //! | `NNFUSE_CONV_WORKSPACE_MB` | integer, 1 to 1048576 (1 TiB) | 256 | cap on the scratch memory of nnfuse's own convolution paths |
 //! | `NNFUSE_DETERMINISTIC` | boolean | false | only deterministic algorithms (cuDNN convolution backward) |
-//! | `NNFUSE_CUDNN_API` | `auto`, `graph`, `legacy` | `auto` | which cuDNN API runs convolutions (see [`CudnnApi`]) |
+//! | `NNFUSE_CUDNN_API` | `auto`, `graph`, `legacy` | `auto` | which cuDNN API runs convolutions and BatchNorm (see [`CudnnApi`]) |
 //! | `NNFUSE_CONV_TUNE_BUDGET_MS` | integer, 0 to 600000 | 70 | host milliseconds the first call of a convolution direction may spend deciding; 0 = exhaustive (see [`Config::conv_tune_budget_ms`]) |
 //!
 //! Booleans parse like OneFlow's `ParseBooleanFromEnv`: `1/0`, `true/false`, `yes/no`, `on/off`

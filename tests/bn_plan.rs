@@ -7,12 +7,12 @@ use nnfuse::batchnorm::{
     OwnVariant, OwnVariantChoice, Phase, PlanRequest, DEPARTS_FROM_ONEFLOW,
 };
 use nnfuse::internals::batchnorm::{
-    AutoCase, OWN_FOR_CHANNELS_FIRST, OWN_FOR_CHANNELS_FIRST_SHORT_RUNS,
-    OWN_FOR_CHANNELS_LAST_FUSED, OWN_FOR_CHANNELS_LAST_ON_CHIP, OWN_FOR_CHANNELS_LAST_PLAIN,
-    OWN_FOR_CHANNELS_LAST_UNFUSED, OWN_FOR_INFERENCE, OWN_FOR_TWO_D, OWN_PERSISTENT_MAX_BYTES,
-    OWN_PER_CHANNEL_MAX_M, PREFER_PERSISTENT,
+    graph_supported, AutoCase, GRAPH_FOR_AUTO, OWN_FOR_CHANNELS_FIRST,
+    OWN_FOR_CHANNELS_FIRST_SHORT_RUNS, OWN_FOR_CHANNELS_LAST_FUSED, OWN_FOR_CHANNELS_LAST_ON_CHIP,
+    OWN_FOR_CHANNELS_LAST_PLAIN, OWN_FOR_CHANNELS_LAST_UNFUSED, OWN_FOR_INFERENCE, OWN_FOR_TWO_D,
+    OWN_PERSISTENT_MAX_BYTES, OWN_PER_CHANNEL_MAX_M, PREFER_PERSISTENT,
 };
-use nnfuse::{BnImpl, BnModePolicy, Config, DType, TensorFormat};
+use nnfuse::{BnImpl, BnModePolicy, Config, CudnnApi, DType, TensorFormat};
 use proptest::prelude::*;
 
 use BnMode::*;
@@ -568,7 +568,25 @@ fn check_one(
             );
         }
     }
-    let expected_len = 5 + departures + if own { own_lines } else { p.refusals.len() };
+    // One `cuDNN API:` line (graph or legacy; under the default `auto` the graph route is
+    // taken only where GRAPH_FOR_AUTO is on).
+    let api_lines: Vec<&String> = p
+        .reasons
+        .iter()
+        .filter(|r| r.starts_with("cuDNN API: "))
+        .collect();
+    assert_eq!(api_lines.len(), 1, "{ctx}");
+    if !available {
+        assert_eq!(
+            api_lines[0], "cuDNN API: none — cuDNN cannot be loaded",
+            "{ctx}"
+        );
+    }
+    if !GRAPH_FOR_AUTO {
+        assert!(!p.cudnn_graph, "{ctx}");
+        assert!(!p.refusals.contains(&FusedRefusal::GraphApi), "{ctx}");
+    }
+    let expected_len = 6 + departures + if own { own_lines } else { p.refusals.len() };
     assert_eq!(p.reasons.len(), expected_len, "{ctx}");
 
     // JSON says the same.
@@ -1458,5 +1476,215 @@ proptest! {
             .map(|r| order.iter().position(|c| *c == r.code()).unwrap_or(usize::MAX)).collect();
         prop_assert!(idx.windows(2).all(|w| w[0] < w[1]), "{:?}", p.refusals);
         prop_assert_eq!(p.layout.numel(), shape.iter().product::<usize>());
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The cuDNN API (NNFUSE_CUDNN_API) for BatchNorm: graph or legacy, and why.
+
+fn api_plan(
+    shape: &[usize],
+    axis: usize,
+    dtype: DType,
+    fuse: Fuse,
+    phase: Phase,
+    api: CudnnApi,
+    bn_impl: BnImpl,
+) -> BnPlan {
+    let cfg = Config::default().with_cudnn_api(api).with_bn_impl(bn_impl);
+    make(shape, axis, dtype, fuse, phase, &cfg, 91900)
+}
+
+fn api_line(p: &BnPlan) -> &str {
+    p.reasons
+        .iter()
+        .find(|r| r.starts_with("cuDNN API: "))
+        .map(String::as_str)
+        .unwrap_or_else(|| panic!("no cuDNN API line: {p}"))
+}
+
+#[test]
+fn forced_graph_runs_cudnn_training_through_the_graph() {
+    let nhwc: &[usize] = &[16, 56, 56, 64];
+    for dtype in [DType::F16, DType::BF16, DType::F32] {
+        for fuse in Fuse::ALL {
+            let p = api_plan(
+                nhwc,
+                3,
+                dtype,
+                fuse,
+                Phase::Training,
+                CudnnApi::Graph,
+                BnImpl::Cudnn,
+            );
+            assert!(p.cudnn_graph, "{p}");
+            assert_eq!(p.cudnn_api, CudnnApi::Graph);
+            assert_eq!(p.cudnn_api_used(), Some("graph"), "{p}");
+            assert!(
+                api_line(&p).starts_with("cuDNN API: graph (graph) — forced"),
+                "{p}"
+            );
+            // The legacy entry point stays planned: it runs if cuDNN cannot build the graph.
+            assert_eq!(p.api, BnApi::Ex, "{p}");
+            let j = p.to_json();
+            assert_eq!(j["cudnn_api"], "graph");
+            assert_eq!(j["cudnn_api_used"], "graph");
+            assert!(
+                p.to_string()
+                    .contains("  cuDNN  : graph API (NNFUSE_CUDNN_API graph)"),
+                "{p}"
+            );
+            match fuse {
+                // No epilogue graphs: graph BatchNorm, then nnfuse's bitmask kernels.
+                Fuse::None => assert_eq!(p.path, BnPath::Plain, "{p}"),
+                _ => {
+                    assert_eq!(p.path, BnPath::Fallback, "{p}");
+                    assert!(p.refusals.contains(&FusedRefusal::GraphApi), "{p}");
+                    assert!(p.to_json()["refusals"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .any(|c| c == "graph_api"));
+                    assert!(p.reasons.iter().any(|r| r
+                        .starts_with("not fused: the BatchNorm runs through cuDNN's graph API")));
+                }
+            }
+        }
+    }
+    // Forced graph is tried on channels-first input too (falls back at run time if cuDNN has
+    // no engine for it).
+    let p = api_plan(
+        &[8, 32, 28, 28],
+        1,
+        DType::F32,
+        Fuse::None,
+        Phase::Training,
+        CudnnApi::Graph,
+        BnImpl::Cudnn,
+    );
+    assert!(p.cudnn_graph, "{p}");
+}
+
+#[test]
+fn graph_is_refused_with_a_reason_where_it_cannot_apply() {
+    // Inference: not built.
+    let p = api_plan(
+        &[16, 56, 56, 64],
+        3,
+        DType::F16,
+        Fuse::Relu,
+        Phase::Inference,
+        CudnnApi::Graph,
+        BnImpl::Cudnn,
+    );
+    assert!(!p.cudnn_graph, "{p}");
+    assert!(
+        api_line(&p).starts_with("cuDNN API: legacy (graph) — inference"),
+        "{p}"
+    );
+    assert_eq!(p.cudnn_api_used(), Some("legacy"));
+    // PER_ACTIVATION (the oneflow policy's 2-D mode) has no graph form.
+    let cfg = Config::default()
+        .with_cudnn_api(CudnnApi::Graph)
+        .with_bn_mode_policy(BnModePolicy::OneFlow);
+    let p = make(
+        &[256, 1024],
+        1,
+        DType::F16,
+        Fuse::None,
+        Phase::Training,
+        &cfg,
+        91900,
+    );
+    assert_eq!(p.mode, PerActivation, "{p}");
+    assert!(
+        !p.cudnn_graph && api_line(&p).contains("PER_ACTIVATION"),
+        "{p}"
+    );
+    // cuDNN 8 has no libcudnn_graph route here.
+    let cfg = Config::default().with_cudnn_api(CudnnApi::Graph);
+    let p = make(
+        &[16, 56, 56, 64],
+        3,
+        DType::F16,
+        Fuse::None,
+        Phase::Training,
+        &cfg,
+        8907,
+    );
+    assert!(!p.cudnn_graph && api_line(&p).contains("predates"), "{p}");
+    // Legacy keeps today's plan bit for bit (but for the API line itself).
+    for api in [CudnnApi::Legacy, CudnnApi::Auto] {
+        let p = api_plan(
+            &[16, 56, 56, 64],
+            3,
+            DType::F16,
+            Fuse::AddRelu,
+            Phase::Training,
+            api,
+            BnImpl::Cudnn,
+        );
+        if api == CudnnApi::Legacy || !GRAPH_FOR_AUTO {
+            assert!(!p.cudnn_graph, "{p}");
+            assert_eq!((p.api, p.path), (BnApi::Ex, BnPath::CudnnFused), "{p}");
+            assert!(p.refusals.is_empty(), "{p}");
+            assert_eq!(p.to_json()["cudnn_api_used"], "legacy");
+        }
+    }
+    // Without cuDNN: no API; on the own path: cuDNN does not run.
+    let cfg = Config::default().with_cudnn_api(CudnnApi::Graph);
+    let p = make_with(
+        &[16, 56, 56, 64],
+        3,
+        DType::F16,
+        Fuse::Relu,
+        Phase::Training,
+        &cfg,
+        91900,
+        false,
+    );
+    assert!(!p.cudnn_graph && p.cudnn_api_used().is_none(), "{p}");
+    assert!(p.to_string().contains("  cuDNN  : no API"), "{p}");
+    let p = api_plan(
+        &[16, 56, 56, 64],
+        3,
+        DType::F16,
+        Fuse::Relu,
+        Phase::Training,
+        CudnnApi::Graph,
+        BnImpl::Own,
+    );
+    assert_eq!(p.path, BnPath::Own, "{p}");
+    assert!(p.cudnn_api_used().is_none(), "{p}");
+    assert!(p.to_json()["cudnn_api_used"].is_null());
+    assert!(!p.refusals.contains(&FusedRefusal::GraphApi), "{p}");
+}
+
+#[test]
+fn auto_takes_the_graph_only_when_switched_on_and_documented() {
+    for (shape, axis, dtype) in [
+        (&[16usize, 56, 56, 64][..], 3, DType::F16),
+        (&[16, 56, 56, 64], 3, DType::F32),
+        (&[16, 64, 56, 56], 1, DType::BF16),
+    ] {
+        let p = api_plan(
+            shape,
+            axis,
+            dtype,
+            Fuse::None,
+            Phase::Training,
+            CudnnApi::Auto,
+            BnImpl::Cudnn,
+        );
+        let want = GRAPH_FOR_AUTO && graph_supported(&p.layout, dtype).is_ok();
+        assert_eq!(p.cudnn_graph, want, "{p}");
+        assert!(
+            api_line(&p).starts_with(if want {
+                "cuDNN API: graph (auto)"
+            } else {
+                "cuDNN API: legacy (auto)"
+            }),
+            "{p}"
+        );
     }
 }

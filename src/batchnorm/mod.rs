@@ -7,11 +7,16 @@
 //!   without cuDNN; see `docs/BATCHNORM.md`), cuDNN's fused BN+ReLU / BN+Add+ReLU where cuDNN
 //!   allows it, otherwise cuDNN BN followed by nnfuse's bitmask kernels;
 //! - [`BnSaved`]: the state a forward hands to its backward;
-//! - `probe`: asks the installed cuDNN whether it runs a fused combination (internals).
+//! - `probe`: asks the installed cuDNN whether it runs a fused combination (internals);
+//! - `graph_rule`: the pure choice of cuDNN API (graph or legacy) for the BatchNorm;
+//! - `graph_route`: runs the BatchNorm through cuDNN's graph API (`cudnn_graph::graph_bn`)
+//!   where the plan says so, with the legacy calls as the fallback.
 
 mod args;
 mod cudnn_calls;
 mod descriptor;
+mod graph_route;
+mod graph_rule;
 mod ops;
 mod own;
 mod own_launch;
@@ -36,6 +41,7 @@ pub use types::{
 /// measured thresholds, and the cuDNN fusion probe. Not a stable API.
 #[doc(hidden)]
 pub mod internals {
+    pub use super::graph_rule::{graph_supported, GRAPH_FOR_AUTO};
     pub use super::plan::{
         auto_case, choose_impl, AutoCase, OWN_FOR_CHANNELS_FIRST,
         OWN_FOR_CHANNELS_FIRST_SHORT_RUNS, OWN_FOR_CHANNELS_LAST_FUSED,

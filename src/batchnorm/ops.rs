@@ -14,6 +14,7 @@ use crate::activation;
 use crate::batchnorm::args::{BackwardArgs, InferenceArgs, TrainArgs};
 use crate::batchnorm::cudnn_calls::{self as calls, BwdPtrs, ExSizes, FwdPtrs, Ops};
 use crate::batchnorm::descriptor::{ParamDesc, ReluDesc, TensorDesc};
+use crate::batchnorm::graph_route::GraphRoute;
 use crate::batchnorm::own::{self, BwdBufs, Counters, FwdBufs, InferBufs};
 use crate::batchnorm::own_launch::OwnShape;
 use crate::batchnorm::plan::{plan, BnPlan, PlanRequest, ASSUMED_CUDNN_VERSION};
@@ -41,6 +42,8 @@ struct Core {
     last_backward: AtomicU8,
     /// Set once cuDNN refused the fused path at run time: later calls go straight to fallback.
     fused_refused: AtomicBool,
+    /// The BatchNorm through cuDNN's graph API, where the training plan says so.
+    graph: GraphRoute,
     /// Buffers of dropped training states, for the next forward (a cached step allocates
     /// nothing).
     spares: Arc<Spares>,
@@ -123,6 +126,7 @@ impl Core {
         } else {
             None
         };
+        let graph = GraphRoute::new(&train, ctx.config());
         let core = Core {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             fuse: key.fuse,
@@ -133,6 +137,7 @@ impl Core {
             counters: Counters::default(),
             last_backward: AtomicU8::new(0),
             fused_refused: AtomicBool::new(false),
+            graph,
             spares: Arc::default(),
         };
         if let Some(c) = &core.cudnn {
@@ -143,6 +148,7 @@ impl Core {
         tracing::info!(
             shape = ?key.shape, axis = key.axis, dtype = %key.dtype, fuse = ?key.fuse,
             mode = ?core.train.mode, path = ?core.train.path, api = ?core.train.api,
+            cudnn_api = ?core.train.cudnn_api_used(),
             inference_path = ?core.infer.path, own_forward = ?core.train.own_forward,
             own_backward = ?core.train.own_backward, layout = %core.train.layout,
             reasons = ?core.train.reasons,
@@ -530,6 +536,13 @@ impl<T: Element> BatchNorm<T> {
     ) -> Result<BnSaved> {
         let ctx = &self.ctx;
         let mut own_variant = None;
+        // Graph BatchNorm leaves no reserve; its activation (if any) follows as the fallback's.
+        let graph = matches!(ran, Ran::Graph(_));
+        let ran = match ran {
+            Ran::Graph(None) => Ran::Plain(None),
+            Ran::Graph(Some(mask)) => Ran::BnOnlyForFallback(None, mask),
+            r => r,
+        };
         let (path, reserve, mask) = match ran {
             Ran::Own(v) => {
                 own_variant = Some(v);
@@ -537,6 +550,11 @@ impl<T: Element> BatchNorm<T> {
             }
             Ran::Fused(reserve) => (BnPath::CudnnFused, reserve, None),
             Ran::Plain(reserve) => (BnPath::Plain, reserve, None),
+            Ran::Graph(_) => {
+                return Err(Error::NotSupported(
+                    "internal: graph forward not mapped".into(),
+                ))
+            }
             Ran::BnOnlyForFallback(reserve, mut mask) => {
                 let m = &mut mask.buf;
                 match &a.addend {
@@ -557,6 +575,7 @@ impl<T: Element> BatchNorm<T> {
             reserve,
             mask,
             own_variant,
+            graph,
             spares: self.core.spares.clone(),
         })
     }
@@ -663,6 +682,10 @@ impl<T: Element> BatchNorm<T> {
         let core = &*self.core;
         let cu = core.cudnn()?;
         let ctx = &self.ctx;
+        if core.graph.active() && core.graph.forward(ctx, p, momentum, eps)? {
+            tracing::debug!(api = "graph", fuse = ?core.fuse, "BatchNorm forward (cuDNN BN)");
+            return Ok(Ran::Graph(mask));
+        }
         let api = if core.train.path == BnPath::CudnnFused {
             BnApi::Ex
         } else {
@@ -915,12 +938,19 @@ impl<T: Element> BatchNorm<T> {
             saved_mean: saved.mean.ptr,
             saved_inv_var: saved.inv_var.ptr,
         };
+        if saved.graph && core.graph.backward(ctx, &ptrs)? {
+            tracing::debug!(?path, api = "graph", "BatchNorm backward");
+            return Ok(());
+        }
         let cu = core.cudnn()?;
         let ws_stage = crate::profile::enter(crate::profile::Stage::Workspace);
         let mut guard = ctx.lock()?;
         let h = guard.cudnn()?;
         let mode = core.train.mode;
-        let api = if core.train.path == BnPath::CudnnFused {
+        // After a graph forward (no reserve space) the legacy fallback is the call without one.
+        let api = if saved.graph {
+            BnApi::Legacy
+        } else if core.train.path == BnPath::CudnnFused {
             BnApi::Ex
         } else {
             core.train.api
@@ -1072,6 +1102,9 @@ enum Ran {
     Plain(Option<Owned<u8>>),
     /// Plain BN; the activation is still to do, into the mask prepared before BN ran.
     BnOnlyForFallback(Option<Owned<u8>>, Owned<u32>),
+    /// BN through cuDNN's graph API (no reserve space), with the fallback's prepared mask when
+    /// an activation is still to do.
+    Graph(Option<Owned<u32>>),
 }
 
 #[cfg(test)]

@@ -34,12 +34,13 @@ use std::fmt;
 
 use serde_json::{json, Value};
 
+use crate::batchnorm::graph_rule::infer_cudnn_api;
 use crate::batchnorm::own_launch::{persistent_structure, OwnShape, VECTOR_BYTES};
 use crate::batchnorm::types::{
     BnApi, BnMode, BnPath, Fuse, FusedRefusal, OwnVariant, OwnVariantChoice, Phase,
     CUDNN_EX_API_MIN_VERSION,
 };
-use crate::config::{BnImpl, BnModePolicy, Config};
+use crate::config::{BnImpl, BnModePolicy, Config, CudnnApi};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::layout::{infer_channel_layout, ChannelLayout, TensorFormat};
@@ -79,8 +80,14 @@ pub struct BnPlan {
     pub layout: ChannelLayout,
     /// cuDNN mode.
     pub mode: BnMode,
-    /// cuDNN entry point for the BatchNorm.
+    /// cuDNN entry point for the BatchNorm through the legacy API (also what runs when the graph
+    /// route cannot be built at the first call).
     pub api: BnApi,
+    /// The BatchNorm itself runs through cuDNN's graph API (`NORM_FORWARD` / `NORM_BACKWARD`
+    /// execution plans) instead of [`BnPlan::api`]'s legacy entry point: training on cuDNN only.
+    pub cudnn_graph: bool,
+    /// The cuDNN API setting the plan was made under ([`Config::cudnn_api`]).
+    pub cudnn_api: CudnnApi,
     /// How the whole operation runs.
     pub path: BnPath,
     /// Requested fusion.
@@ -796,6 +803,18 @@ pub fn plan(req: &PlanRequest<'_>) -> Result<BnPlan> {
         req.config,
         req.cudnn_available,
     );
+    let (cudnn_graph, graph_reason) = infer_cudnn_api(
+        &layout,
+        mode,
+        req.phase,
+        req.dtype,
+        req.config,
+        req.cudnn_version,
+        req.cudnn_available,
+    );
+    if cudnn_graph && !own && req.fuse != Fuse::None {
+        refusals.push(FusedRefusal::GraphApi);
+    }
     let path = if own {
         BnPath::Own
     } else {
@@ -816,10 +835,11 @@ pub fn plan(req: &PlanRequest<'_>) -> Result<BnPlan> {
         (None, None, Vec::new())
     };
 
-    let mut reasons = Vec::with_capacity(6 + mode_reasons.len() + refusals.len());
+    let mut reasons = Vec::with_capacity(7 + mode_reasons.len() + refusals.len());
     reasons.push(layout_reason(req.shape, req.axis, &layout));
     reasons.extend(mode_reasons);
     reasons.push(api_reason);
+    reasons.push(graph_reason);
     reasons.push(impl_reason);
     reasons.push(path_reason(path, req.fuse, refusals.len()));
     if own {
@@ -831,6 +851,8 @@ pub fn plan(req: &PlanRequest<'_>) -> Result<BnPlan> {
         layout,
         mode,
         api,
+        cudnn_graph,
+        cudnn_api: req.config.cudnn_api,
         path,
         fuse: req.fuse,
         phase: req.phase,
@@ -852,7 +874,8 @@ impl BnPlan {
     /// `api`, `fuse`, `phase`, `dtype`, `refusals` (short codes, see
     /// [`FusedRefusal::code`]), `reasons`, `policy`, `enable_nhwc`, `cudnn_version`, `impl`
     /// (`own` | `cudnn`), `bn_impl` (the setting), `cudnn_available`, `own_forward` and
-    /// `own_backward` ([`OwnVariant::name`] or null).
+    /// `own_backward` ([`OwnVariant::name`] or null), `cudnn_api` (the setting) and
+    /// `cudnn_api_used` (`graph` | `legacy`, null when cuDNN does not run).
     pub fn to_json(&self) -> Value {
         json!({
             "mode": self.mode.name(),
@@ -877,7 +900,18 @@ impl BnPlan {
             "cudnn_available": self.cudnn_available,
             "own_forward": self.own_forward.map(OwnVariant::name),
             "own_backward": self.own_backward.map(OwnVariant::name),
+            "cudnn_api": self.cudnn_api.name(),
+            "cudnn_api_used": self.cudnn_api_used(),
         })
+    }
+
+    /// `graph` or `legacy`: the cuDNN API the BatchNorm runs through; `None` when cuDNN does not
+    /// run it (own path, or cuDNN missing).
+    pub fn cudnn_api_used(&self) -> Option<&'static str> {
+        if self.path.is_own() || !self.cudnn_available {
+            return None;
+        }
+        Some(if self.cudnn_graph { "graph" } else { "legacy" })
     }
 
     /// Whether the plan's mode departs from OneFlow's rule (then one of its reasons says so).
@@ -906,6 +940,12 @@ impl fmt::Display for BnPlan {
         writeln!(f, "  layout : {}", self.layout)?;
         writeln!(f, "  mode   : {}", self.mode.cudnn_name())?;
         writeln!(f, "  api    : {}", self.api)?;
+        writeln!(
+            f,
+            "  cuDNN  : {} API (NNFUSE_CUDNN_API {})",
+            self.cudnn_api_used().unwrap_or("no"),
+            self.cudnn_api
+        )?;
         writeln!(f, "  path   : {}", self.path)?;
         if let Some(fwd) = self.own_forward {
             match self.own_backward {

@@ -137,6 +137,9 @@ pub struct BnSaved {
     pub(crate) mask: Option<Owned<u32>>,
     /// Own path: the variant the forward ran.
     pub(crate) own_variant: Option<OwnVariant>,
+    /// The forward's BatchNorm ran through cuDNN's graph API (the backward then tries it too,
+    /// and otherwise takes the legacy call that needs no reserve space).
+    pub(crate) graph: bool,
     /// Where the buffers go when the state is dropped.
     pub(crate) spares: Arc<Spares>,
 }
@@ -197,6 +200,12 @@ impl BnSaved {
     /// Bytes of cuDNN reserve space this state holds.
     pub fn reserve_bytes(&self) -> usize {
         self.reserve.as_ref().map_or(0, |r| r.buf.len())
+    }
+
+    /// Whether the forward's BatchNorm ran through cuDNN's graph API (`NNFUSE_CUDNN_API`; the
+    /// plan's `cudnn_api_used`), rather than a legacy cuDNN call or nnfuse's own kernels.
+    pub fn ran_graph(&self) -> bool {
+        self.graph
     }
 
     /// The epsilon the forward used (the backward reuses it).

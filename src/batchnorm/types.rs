@@ -229,6 +229,9 @@ pub enum FusedRefusal {
     CudnnTooOld(usize),
     /// cuDNN cannot be loaded.
     CudnnMissing,
+    /// The BatchNorm runs through cuDNN's graph API, whose BN + (add +) ReLU epilogue graphs
+    /// nnfuse does not build: graph BatchNorm, then nnfuse's bitmask kernels.
+    GraphApi,
 }
 
 impl FusedRefusal {
@@ -244,6 +247,7 @@ impl FusedRefusal {
             FusedRefusal::DTypeUnsupported(_) => "dtype_unsupported",
             FusedRefusal::CudnnTooOld(_) => "cudnn_too_old",
             FusedRefusal::CudnnMissing => "cudnn_missing",
+            FusedRefusal::GraphApi => "graph_api",
         }
     }
 }
@@ -289,6 +293,11 @@ impl fmt::Display for FusedRefusal {
                  cudnnBatchNormalizationForwardTrainingEx / BackwardEx"
             ),
             FusedRefusal::CudnnMissing => f.write_str("cuDNN cannot be loaded on this machine"),
+            FusedRefusal::GraphApi => f.write_str(
+                "the BatchNorm runs through cuDNN's graph API, and nnfuse does not build its BN + \
+                 (add +) ReLU epilogue graphs (their ReLU mask is a cuDNN BOOLEAN tensor, not yet \
+                 checked against nnfuse's bitmask layout; docs/CUDNN-GRAPH.md)",
+            ),
         }
     }
 }

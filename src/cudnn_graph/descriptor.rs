@@ -68,6 +68,10 @@ desc_kinds! {
     /// The filter-gradient convolution operation.
     ConvBackwardFilter => CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR,
         "OPERATION_CONVOLUTION_BACKWARD_FILTER";
+    /// The normalization forward operation (BatchNorm training or inference).
+    NormForward => CUDNN_BACKEND_OPERATION_NORM_FORWARD_DESCRIPTOR, "OPERATION_NORM_FORWARD";
+    /// The normalization backward operation (dx, dscale, dbias).
+    NormBackward => CUDNN_BACKEND_OPERATION_NORM_BACKWARD_DESCRIPTOR, "OPERATION_NORM_BACKWARD";
     /// A graph of operations.
     OperationGraph => CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, "OPERATIONGRAPH";
     /// Engine heuristics of an operation graph.
@@ -146,6 +150,29 @@ attrs! {
     CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DW;
     CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_X;
     CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DY;
+    CUDNN_ATTR_OPERATION_NORM_FWD_MODE;
+    CUDNN_ATTR_OPERATION_NORM_FWD_PHASE;
+    CUDNN_ATTR_OPERATION_NORM_FWD_XDESC;
+    CUDNN_ATTR_OPERATION_NORM_FWD_MEAN_DESC;
+    CUDNN_ATTR_OPERATION_NORM_FWD_INV_VARIANCE_DESC;
+    CUDNN_ATTR_OPERATION_NORM_FWD_SCALE_DESC;
+    CUDNN_ATTR_OPERATION_NORM_FWD_BIAS_DESC;
+    CUDNN_ATTR_OPERATION_NORM_FWD_EPSILON_DESC;
+    CUDNN_ATTR_OPERATION_NORM_FWD_EXP_AVG_FACTOR_DESC;
+    CUDNN_ATTR_OPERATION_NORM_FWD_INPUT_RUNNING_MEAN_DESC;
+    CUDNN_ATTR_OPERATION_NORM_FWD_INPUT_RUNNING_VAR_DESC;
+    CUDNN_ATTR_OPERATION_NORM_FWD_OUTPUT_RUNNING_MEAN_DESC;
+    CUDNN_ATTR_OPERATION_NORM_FWD_OUTPUT_RUNNING_VAR_DESC;
+    CUDNN_ATTR_OPERATION_NORM_FWD_YDESC;
+    CUDNN_ATTR_OPERATION_NORM_BWD_MODE;
+    CUDNN_ATTR_OPERATION_NORM_BWD_XDESC;
+    CUDNN_ATTR_OPERATION_NORM_BWD_MEAN_DESC;
+    CUDNN_ATTR_OPERATION_NORM_BWD_INV_VARIANCE_DESC;
+    CUDNN_ATTR_OPERATION_NORM_BWD_DYDESC;
+    CUDNN_ATTR_OPERATION_NORM_BWD_SCALE_DESC;
+    CUDNN_ATTR_OPERATION_NORM_BWD_DSCALE_DESC;
+    CUDNN_ATTR_OPERATION_NORM_BWD_DBIAS_DESC;
+    CUDNN_ATTR_OPERATION_NORM_BWD_DXDESC;
     CUDNN_ATTR_OPERATIONGRAPH_HANDLE;
     CUDNN_ATTR_OPERATIONGRAPH_OPS;
     CUDNN_ATTR_OPERATIONGRAPH_ENGINE_GLOBAL_COUNT;
@@ -224,6 +251,8 @@ attr_value! {
     sys::cudnnDataType_t => CUDNN_TYPE_DATA_TYPE;
     sys::cudnnConvolutionMode_t => CUDNN_TYPE_CONVOLUTION_MODE;
     sys::cudnnBackendHeurMode_t => CUDNN_TYPE_HEUR_MODE;
+    sys::cudnnBackendNormMode_t => CUDNN_TYPE_NORM_MODE;
+    sys::cudnnBackendNormFwdPhase_t => CUDNN_TYPE_NORM_FWD_PHASE;
     sys::cudnnHandle_t => CUDNN_TYPE_HANDLE;
     DescHandle => CUDNN_TYPE_BACKEND_DESCRIPTOR;
     DevPtr => CUDNN_TYPE_VOID_PTR;
@@ -466,6 +495,8 @@ mod tests {
         assert_eq!(size_of::<sys::cudnnDataType_t>(), 4);
         assert_eq!(size_of::<sys::cudnnConvolutionMode_t>(), 4);
         assert_eq!(size_of::<sys::cudnnBackendHeurMode_t>(), 4);
+        assert_eq!(size_of::<sys::cudnnBackendNormMode_t>(), 4);
+        assert_eq!(size_of::<sys::cudnnBackendNormFwdPhase_t>(), 4);
         assert_eq!(size_of::<RawNumericalNote>(), 4);
         assert_eq!(size_of::<RawBehaviorNote>(), 4);
         assert_eq!(size_of::<RawKnobType>(), 4);

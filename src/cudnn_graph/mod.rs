@@ -15,13 +15,22 @@
 //!   operation graph, heuristics, engine configs, execution plan, variant pack);
 //! - [`graph_conv`]: [`GraphConv`] — one problem's plan, chosen engine and pinned variant pack,
 //!   checked execution, and the per-Context plan cache.
+//! - [`bn_key`]: pure — a BatchNorm graph's tensor roles, unique ids, dims and strides, and the
+//!   key of its plan cache;
+//! - [`bn_build`]: the builders of one BatchNorm graph (`NORM_FORWARD` training /
+//!   `NORM_BACKWARD`) and its variant pack;
+//! - [`graph_bn`]: [`graph_bn::GraphBn`] — one BatchNorm problem's plan, pinned variant pack
+//!   (by-value epsilon and momentum) and the per-Context plan cache.
 //!
 //! The convolution dispatcher runs it as the path `cudnn_graph` (`conv/cudnn_graph_run.rs`);
 //! this layer returns typed errors where the graph cannot be built so that the dispatcher can
 //! fall back to the legacy calls.
 
+pub mod bn_build;
+pub mod bn_key;
 pub mod build;
 pub mod descriptor;
+pub mod graph_bn;
 pub mod graph_conv;
 pub mod key;
 pub mod layout;
@@ -31,12 +40,14 @@ pub mod notes;
 /// `nnfuse::internals::cudnn_graph`); not part of the public API.
 #[doc(hidden)]
 pub mod internals {
+    pub use super::bn_key::{BnDirection, BnRole, GraphBnKey};
     pub use super::build::{
         available, engine_config_by_index, engine_config_of, engine_configs, engine_count,
         engine_info, execute, EngineConfig, ExecutionPlan, GraphParts, VariantPack,
         MIN_CUDNN_VERSION,
     };
     pub use super::descriptor::{last_error_string, Attr, DescKind, Descriptor};
+    pub use super::graph_bn::{BnBwdAddrs, BnFwdAddrs, GraphBn};
     pub use super::graph_conv::{
         argument_names, pack_order, run_cached, Admitted, GraphConv, Skipped,
     };

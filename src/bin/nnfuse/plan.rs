@@ -14,10 +14,10 @@ use serde_json::json;
 
 use nnfuse::batchnorm::{plan, Fuse, OwnVariantChoice, Phase, PlanRequest, ASSUMED_CUDNN_VERSION};
 use nnfuse::config::{
-    parse_bool, ENV_BN_IMPL, ENV_BN_MODE_POLICY, ENV_DISABLE_CUDNN_FUSION, ENV_ENABLE_NHWC,
-    ENV_ONEFLOW_ENABLE_NHWC,
+    parse_bool, ENV_BN_IMPL, ENV_BN_MODE_POLICY, ENV_CUDNN_API, ENV_DISABLE_CUDNN_FUSION,
+    ENV_ENABLE_NHWC, ENV_ONEFLOW_ENABLE_NHWC,
 };
-use nnfuse::{BnImpl, BnModePolicy, Config, DType, Error};
+use nnfuse::{BnImpl, BnModePolicy, Config, CudnnApi, DType, Error};
 
 /// Arguments of `nnfuse plan`.
 #[derive(Args, Debug)]
@@ -261,6 +261,14 @@ pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
     if args.no_fusion {
         config.disable_cudnn_fusion = true;
     }
+    if let Some(v) = &args.conv.cudnn_api {
+        config.cudnn_api = v.parse::<CudnnApi>().map_err(|_| {
+            Error::invalid(
+                "--cudnn-api",
+                format!("{v:?} is not one of auto, graph, legacy"),
+            )
+        })?;
+    }
     if let Some(i) = &args.bn_impl {
         config.bn_impl = i.parse::<BnImpl>().map_err(|_| {
             Error::invalid("--impl", format!("{i:?} is not one of auto, cudnn, own"))
@@ -303,6 +311,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
         "enable_nhwc": source(args.nhwc.is_some(), "--nhwc", &[ENV_ENABLE_NHWC, ENV_ONEFLOW_ENABLE_NHWC]),
         "disable_cudnn_fusion": source(args.no_fusion, "--no-fusion", &[ENV_DISABLE_CUDNN_FUSION]),
         "bn_impl": source(args.bn_impl.is_some(), "--impl", &[ENV_BN_IMPL]),
+        "cudnn_api": source(args.conv.cudnn_api.is_some(), "--cudnn-api", &[ENV_CUDNN_API]),
         "cudnn_version": version_source,
     });
     if args.json {
@@ -340,6 +349,11 @@ pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
                 "allowed"
             },
             sources["disable_cudnn_fusion"].as_str().unwrap_or_default(),
+        );
+        println!(
+            "cuDNN API: {} ({})",
+            config.cudnn_api,
+            sources["cudnn_api"].as_str().unwrap_or_default()
         );
         println!("{p}");
     }
