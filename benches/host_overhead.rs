@@ -235,6 +235,25 @@ fn run() -> anyhow::Result<()> {
     let (calls, rounds) = calls_rounds();
     println!("# Host overhead per call ({calls} calls a round, median of {rounds} rounds)\n");
     println!("{}\n", ctx.info());
+    println!("## cudarc's event tracking on (the default: the Context owns a second stream)\n");
+    per_call_table(&ctx, &s)?;
+    // SAFETY: every buffer of the second pass is used on the Context's stream only (what a
+    // single-stream framework guarantees when it turns tracking off); tracking is restored
+    // before the rows after it.
+    unsafe { ctx.cuda().disable_event_tracking() };
+    println!("\n## cudarc's event tracking off (a single-stream framework: docs/CAPTURE.md)\n");
+    let off = per_call_table(&ctx, &s);
+    // SAFETY: as above; buffers made from here on are tracked again.
+    unsafe { ctx.cuda().enable_event_tracking() };
+    off?;
+    let mut buf = s.alloc_zeros::<f16>(4096)?;
+    after_sync_rows(&ctx, &s, &mut buf)
+}
+
+/// nnfuse's host time per cached call next to the bare vendor call, one row per operation.
+fn per_call_table(ctx: &Context, s: &Arc<CudaStream>) -> anyhow::Result<()> {
+    let ctx = ctx.clone();
+    let s = s.clone();
     println!(
         "| case | nnfuse host µs per call | bare vendor call µs | nnfuse's share µs (target ≤ 3) \
          | GPU µs per call | floor µs | nnfuse's stages, µs per call (profiled pass) |\n\
@@ -412,8 +431,7 @@ fn run() -> anyhow::Result<()> {
             legacy / graph
         );
     }
-
-    after_sync_rows(&ctx, &s, &mut buf)
+    Ok(())
 }
 
 /// The demo's shapes, each call queued right after the GPU went idle, and the memory pool's

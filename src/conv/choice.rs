@@ -1137,6 +1137,17 @@ pub(crate) fn measure(inp: &MeasureInput<'_>) -> Result<(usize, AutoReport)> {
     ))
 }
 
+/// Puts the failed check of a tuning file's route (`line`, from [`verify`]) into the report of
+/// the measurement that replaced it: in place of that route's line when the measurement did
+/// not run it (skipped for its budget), else appended. Pure: tested on the CPU.
+pub(crate) fn with_refused(report: &mut AutoReport, line: CandidateReport) {
+    match report.candidates.iter_mut().find(|c| c.route == line.route) {
+        Some(c) if c.rel_l2.is_none() => *c = line,
+        Some(_) => {}
+        None => report.candidates.push(line),
+    }
+}
+
 /// Whether a cached `choice` must pass [`verify`] before it is used: a Winograd route read
 /// from the tuning file. Its error depends on the data's range, which the measurement that
 /// wrote it judged (or not: a file is editable and may come from elsewhere), so it is held to
@@ -1487,6 +1498,67 @@ fn raw_ptr_f64(s: &CudaSlice<f64>, ctx: &Context) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A tuning file's route that failed its check shows in the report of the measurement that
+    /// replaced it: in place of a line the budget skipped, appended when absent, and a line the
+    /// measurement ran itself is kept.
+    #[test]
+    fn a_refused_file_route_shows_in_the_new_report() {
+        let route = |path: ConvPath| Route {
+            path,
+            engine: path.winograd_tile().map(|_| WinogradEngine::TensorCore),
+            cudnn_algo: None,
+            graph_engine: None,
+        };
+        let line = |path, rel: Option<f64>, outcome| CandidateReport {
+            route: route(path),
+            rel_l2: rel,
+            outcome,
+            median_ms: None,
+            vs_incumbent: None,
+        };
+        let failed = || {
+            line(
+                ConvPath::WinogradF4x3,
+                Some(3e-3),
+                Outcome::Failed("over the allowance".into()),
+            )
+        };
+        let report = |cands: Vec<CandidateReport>| AutoReport {
+            direction: Direction::Forward,
+            candidates: cands,
+            incumbent: 0,
+            winner: 0,
+            reference: "direct_f32".into(),
+            operands: "caller".into(),
+            baseline_error: Some(1e-4),
+            winograd_allowance: 4.9e-4,
+            rounds: 3,
+            wall_ms: 1.0,
+            check_ms: 0.5,
+            timing_ms: 0.5,
+        };
+        let skipped = Outcome::Skipped("decision budget of 70 ms spent".into());
+        let mut r = report(vec![
+            line(ConvPath::Im2colGemm, Some(1e-4), Outcome::Passed),
+            line(ConvPath::WinogradF4x3, None, skipped),
+        ]);
+        with_refused(&mut r, failed());
+        assert_eq!(r.candidates.len(), 2);
+        assert_eq!(r.candidates[1], failed());
+        let mut r = report(vec![line(
+            ConvPath::Im2colGemm,
+            Some(1e-4),
+            Outcome::Passed,
+        )]);
+        with_refused(&mut r, failed());
+        assert_eq!(r.candidates.len(), 2);
+        assert_eq!(r.candidates[1], failed());
+        let ran = line(ConvPath::WinogradF4x3, Some(2e-4), Outcome::Passed);
+        let mut r = report(vec![ran.clone()]);
+        with_refused(&mut r, failed());
+        assert_eq!(r.candidates, vec![ran]);
+    }
 
     /// Only a Winograd route read from the tuning file is checked before use: a measured one
     /// was checked when it was measured, and the other paths' error does not depend on it.

@@ -10,8 +10,8 @@ use cudarc::driver::DevicePtr;
 
 use super::api::Conv2d;
 use super::choice::{
-    self, AutoReport, ChoiceKey, ChoiceOrigin, ConvChoice, CudnnSearch, MeasureInput,
-    MAX_CUDNN_CANDIDATES,
+    self, with_refused, AutoReport, CandidateReport, ChoiceKey, ChoiceOrigin, ConvChoice,
+    CudnnSearch, MeasureInput, MAX_CUDNN_CANDIDATES,
 };
 use super::cudnn::usable;
 use super::cudnn_graph_run;
@@ -126,9 +126,12 @@ impl<T: Element> Conv2d<T> {
         let plan = self.plan_for(d);
         let key = ChoiceKey::of(self.ctx.info().ordinal as u32, plan, self.core.search);
         let costly = plan.measured || plan.candidates.iter().any(|r| r.path == ConvPath::Cudnn);
+        // A tuning-file route that failed its check: shown in the new measurement's report.
+        let mut refused = None;
         if costly && !budget.exhaustive() {
-            if let Some(dec) = self.cached(d, p, plan, &key) {
-                return Ok(dec);
+            match self.cached(d, p, plan, &key) {
+                Ok(dec) => return Ok(dec),
+                Err(r) => refused = r,
             }
         }
         let (execs, notes, origin) = self.candidate_execs(d, p, plan, &budget)?;
@@ -148,19 +151,26 @@ impl<T: Element> Conv2d<T> {
                     report: None,
                 })
             }
-            _ => Ok(self.measured(d, p, &key, &execs, notes, budget)),
+            _ => {
+                let mut dec = self.measured(d, p, &key, &execs, notes, budget);
+                if let (Some(r), Some(rep)) = (refused, dec.report.as_mut()) {
+                    with_refused(Arc::make_mut(rep), *r);
+                }
+                Ok(dec)
+            }
         }
     }
 
     /// The process cache's (or the tuning file's) route for `key`, when it fits this object's
-    /// plan and can be completed; `None` to decide afresh.
+    /// plan and can be completed; `Err` to decide afresh, with the file route's failed check
+    /// when that was why.
     fn cached(
         &self,
         d: Direction,
         p: CudnnPtrs,
         plan: &ConvPlan,
         key: &ChoiceKey,
-    ) -> Option<Decided> {
+    ) -> std::result::Result<Decided, Option<Box<CandidateReport>>> {
         let ctx = &self.ctx;
         let cfg = ctx.config();
         if let Some(path) = &cfg.tuning_cache {
@@ -169,11 +179,11 @@ impl<T: Element> Conv2d<T> {
                 Err(e) => tracing::warn!(error = %e, "convolution tuning cache not read"),
             }
         }
-        let mut c = choice::lookup(key)?;
+        let mut c = choice::lookup(key).ok_or(None)?;
         if !self.acceptable(plan, &c.route) {
             tracing::warn!(route = %c.route, direction = %d,
                 "cached convolution choice does not fit this problem's plan; deciding again");
-            return None;
+            return Err(None);
         }
         match self.core.exec_of(ctx, d, c.route) {
             Ok(exec) => {
@@ -189,7 +199,7 @@ impl<T: Element> Conv2d<T> {
                 }
                 tracing::debug!(problem = ?self.core.shape, direction = %d,
                     route = %c.route, origin = c.origin.name(), "convolution choice cached");
-                Some(Decided {
+                Ok(Decided {
                     exec,
                     choice: c,
                     report,
@@ -198,31 +208,32 @@ impl<T: Element> Conv2d<T> {
             Err(e) => {
                 tracing::warn!(route = %c.route, error = %e,
                     "cached convolution choice cannot run; deciding again");
-                None
+                Err(None)
             }
         }
     }
 
     /// `exec`, a Winograd route read from the tuning file, checked as a measurement would with
     /// the plan's other candidates as the baseline ([`choice::verify`]): its report when it
-    /// passes, `None` (with a warning: the problem is measured again) when it does not.
+    /// passes; when it does not (with a warning: the problem is measured again), its line of
+    /// the check when it ran.
     fn verified(
         &self,
         d: Direction,
         p: CudnnPtrs,
         plan: &ConvPlan,
         exec: Exec,
-    ) -> Option<AutoReport> {
-        let fail = |why: String| -> Option<AutoReport> {
+    ) -> std::result::Result<AutoReport, Option<Box<CandidateReport>>> {
+        let fail = |why: String, line: Option<Box<CandidateReport>>| {
             tracing::warn!(route = %exec.route, direction = %d, why = %why,
                 "tuning-file Winograd choice failed the accuracy check; measuring again");
-            None
+            Err(line)
         };
         // Every candidate is the baseline's: no budget cuts the check.
         let budget = Budget::new(0);
         let mut execs = match self.candidate_execs(d, p, plan, &budget) {
             Ok((v, _, _)) => v,
-            Err(e) => return fail(e.to_string()),
+            Err(e) => return fail(e.to_string(), None),
         };
         execs.retain(|e| e.route.path.winograd_tile().is_none());
         execs.push(exec);
@@ -238,9 +249,12 @@ impl<T: Element> Conv2d<T> {
             budget,
         };
         match choice::verify(&inp) {
-            Ok((true, report)) => Some(report),
-            Ok((false, report)) => fail(format!("{report}")),
-            Err(e) => fail(e.to_string()),
+            Ok((true, report)) => Ok(report),
+            Ok((false, report)) => {
+                let line = report.candidates.last().cloned().map(Box::new);
+                fail(format!("{report}"), line)
+            }
+            Err(e) => fail(e.to_string(), None),
         }
     }
 
