@@ -8,8 +8,10 @@
 //! Files: `block` (the block and its step as data, FLOPs, bytes, floors), `variants` (nnfuse
 //! and the plain-cuDNN compositions as configurations), `plans` (every layer's plan without a
 //! GPU), `reference` (f64 convolution gradients and GEMMs), `check` (the per-operation
-//! comparison), `bits` (`--graph`'s bit-for-bit comparison), `report` (text and JSON) — all
-//! pure — and `gpu` (buffers, steps, timing) and `graph` (`--graph`: capture, replay).
+//! comparison), `bits` (`--graph`'s bit-for-bit comparison), `report` (text and JSON),
+//! `host_profile` (`--profile-host`'s breakdown, text and JSON) — all pure — and `gpu`
+//! (buffers, steps, timing), `host` (host time while the GPU is busy, the profiled steps) and
+//! `graph` (`--graph`: capture, replay).
 
 mod bits;
 mod block;
