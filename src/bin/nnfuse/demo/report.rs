@@ -1387,6 +1387,35 @@ mod tests {
     }
 
     #[test]
+    fn the_host_profile_follows_the_timing_and_is_in_the_json() {
+        let mut r = timed_report();
+        let mut p = HostProfile::new();
+        for o in &mut p.ops {
+            o.wall_ms.push(0.01);
+        }
+        r.host_profile = Some(p);
+        let text = r.to_text(false);
+        let at = |needle: &str| {
+            text.find(needle)
+                .unwrap_or_else(|| panic!("{needle}: {text}"))
+        };
+        assert!(at("loop time per step") < at("host profile (--profile-host)"));
+        assert!(at("host profile (--profile-host)") < at("nnfuse step: loop"));
+        // The profiled step (19 operations of 10 µs) beside the unprofiled busy-GPU median.
+        assert!(
+            text.contains("profiled step: 190.0 µs median")
+                && text.contains("unprofiled, while the GPU is busy: 250.0 µs"),
+            "{text}"
+        );
+        let j = r.to_json();
+        assert_eq!(j["host_profile"]["steps"], 1);
+        assert_eq!(
+            j["host_profile"]["ops"].as_array().unwrap().len(),
+            STEP.len()
+        );
+    }
+
+    #[test]
     fn a_graph_that_replays_bit_identical_is_timed_and_headlined() {
         let mut r = timed_report();
         r.graph = Some(GraphReport {
