@@ -382,6 +382,26 @@ fn graph_is_a_flag_that_needs_a_gpu_and_adds_nothing_without_one() {
 }
 
 #[test]
+fn profile_host_is_a_flag_that_needs_a_gpu_and_adds_nothing_without_one() {
+    let out = Command::new(binary())
+        .args(["demo", "--help"])
+        .output()
+        .expect("runs");
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(help.contains("--profile-host"), "{help}");
+    // Without a GPU: the plans, exit 3, no profile.
+    let v = no_gpu_json(&["--profile-host"], &[]);
+    assert_eq!(v["status"], "no_gpu");
+    assert!(v["host_profile"].is_null(), "{}", v["host_profile"]);
+    let out = demo(&["--profile-host"], &[]);
+    let (stdout, _) = text(&out);
+    assert_eq!(out.status.code(), Some(3));
+    assert!(!stdout.contains("host profile"), "{stdout}");
+    let out = demo(&["--profile-host=yes"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
 fn docs_list_every_exit_status_the_demo_uses() {
     let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/DEMO.md"))
         .expect("docs/DEMO.md is readable");
@@ -535,6 +555,25 @@ fn on_a_gpu_every_variant_reports_its_loop_and_host_time() {
             eprintln!("{variant}: loop {lp} us below half its GPU time {gpu} us (see above)");
         }
         assert!(lp >= 0.5 * host, "{variant}: loop {lp} us, host {host} us");
+        // The host time while the GPU is busy: one sample per step, each checked busy at the
+        // end (a sample the GPU outran is counted, and should not happen: the head start covers
+        // twice the longest host time measured after a synchronize, doubled on a miss).
+        let busy = r["host_busy_median_us"].as_f64().unwrap_or(f64::NAN);
+        assert!(busy.is_finite() && busy > 0.0, "{variant}: {r}");
+        assert_eq!(r["host_busy_samples"], 3, "{variant}");
+        let idle = r["host_busy_gpu_went_idle"].as_u64().unwrap();
+        // Busy or idle, it is the same calls: within a factor of 3 of each other (a call that
+        // waits for the GPU would read the head start into the busy time; nnfuse's must not).
+        let close = busy < 3.0 * host && host < 3.0 * busy;
+        if variant == "nnfuse" {
+            assert!(
+                close && idle == 0,
+                "{variant}: busy {busy} us ({idle} samples the GPU outran), after a \
+                 synchronize {host} us"
+            );
+        } else if !close {
+            eprintln!("{variant}: busy {busy} us, after a synchronize {host} us");
+        }
     }
     assert!(v["runs"]["nnfuse"]["loop_speedup_of_nnfuse"].is_null());
     let s = &v["runs"]["cudnn_spatial"]["loop_speedup_of_nnfuse"];
@@ -545,7 +584,94 @@ fn on_a_gpu_every_variant_reports_its_loop_and_host_time() {
     assert!(line.starts_with("nnfuse step: loop "), "{line}");
     assert!(line.contains("cuDNN SPATIAL loop"), "{line}");
     assert_eq!(h["loop_us"], v["runs"]["nnfuse"]["loop_median_us"]);
+    // The headline's host time is the busy-GPU one; the after-synchronize one is kept beside.
+    assert_eq!(h["host_us"], v["runs"]["nnfuse"]["host_busy_median_us"]);
+    assert_eq!(
+        h["host_busy_us"],
+        v["runs"]["nnfuse"]["host_busy_median_us"]
+    );
+    assert_eq!(
+        h["host_after_sync_us"],
+        v["runs"]["nnfuse"]["host_step_median_us"]
+    );
     assert!(v["graph"].is_null());
+    assert!(v["host_profile"].is_null());
+}
+
+/// `--profile-host`: nnfuse's host time per step by the library's stages and by operation; the
+/// stages add up to roughly the measured host time, and the operations to the profiled step.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn on_a_gpu_profile_host_breaks_the_host_time_down() {
+    let v = on_gpu(&["--batch", "4", "--steps", "3", "--profile-host"]);
+    let p = &v["host_profile"];
+    assert_eq!(p["steps"], 3, "{p}");
+    let ops = p["ops"].as_array().expect("ops");
+    assert_eq!(ops.len(), OPS.len());
+    let mut wall = 0.0;
+    for (o, name) in ops.iter().zip(OPS) {
+        assert_eq!(o["op"], name);
+        let us = o["host_us"].as_f64().unwrap();
+        assert!(us > 0.0 && us.is_finite(), "{name}: {o}");
+        let stages = o["stages_us"].as_f64().unwrap();
+        // The stages run inside the call timed around them (separate clocks: a margin).
+        assert!(
+            stages <= 1.05 * us + 0.5,
+            "{name}: stages {stages} us of {us} us"
+        );
+        wall += us;
+    }
+    let step = p["step_mean_us"].as_f64().unwrap();
+    assert!((step - wall).abs() <= 1e-6 * step, "{step} vs {wall}");
+    let stage_sum: f64 = p["stages"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|s| s["us_per_step"].as_f64().unwrap())
+        .sum();
+    let stages_us = p["stages_us"].as_f64().unwrap();
+    assert!((stage_sum - stages_us).abs() <= 1e-6 * stages_us.max(1.0));
+    // Every stage the library names is in the breakdown, the vendor calls among them.
+    for st in [
+        "call",
+        "validate",
+        "events",
+        "lookup",
+        "workspace",
+        "pack",
+        "alloc",
+        "vendor",
+        "launch",
+    ] {
+        assert!(p["stages"][st]["us_per_step"].is_number(), "{st}: {p}");
+        assert!(p["stages"][st]["entries_per_step"].is_number(), "{st}: {p}");
+    }
+    assert!(
+        p["stages"]["vendor"]["us_per_step"].as_f64().unwrap() > 0.0,
+        "{p}"
+    );
+    assert!(
+        p["stages"]["call"]["entries_per_step"].as_f64().unwrap() >= 1.0,
+        "{p}"
+    );
+    // The stages cover the step's host time, measured unprofiled while the GPU is busy, to
+    // within half of it.
+    let host = v["runs"]["nnfuse"]["host_busy_median_us"].as_f64().unwrap();
+    assert!(
+        stages_us >= 0.5 * host && stages_us <= 1.5 * host,
+        "stages {stages_us} us per step, host time {host} us (while the GPU is busy)"
+    );
+    // And the profiled step (the profiler's clock reads on top) is the same calls.
+    assert!(
+        step >= 0.5 * host && step <= 2.0 * host,
+        "profiled step {step} us, unprofiled {host} us"
+    );
+    if p["gpu_went_idle"] != 0 {
+        eprintln!(
+            "the GPU outran the head start in {} profiled steps",
+            p["gpu_went_idle"]
+        );
+    }
 }
 
 /// `--graph` in every dtype and format the demo runs: captured, every output of a replay
@@ -600,7 +726,7 @@ fn on_a_gpu_the_graph_replays_bit_identical_to_eager() {
 #[ignore = "needs a CUDA GPU"]
 fn on_a_gpu_the_text_report_is_complete() {
     let out = Command::new(binary())
-        .args(["demo", "--batch", "4", "--steps", "2"])
+        .args(["demo", "--batch", "4", "--steps", "2", "--profile-host"])
         .output()
         .expect("runs");
     let (stdout, stderr) = text(&out);
@@ -619,7 +745,12 @@ fn on_a_gpu_the_text_report_is_complete() {
         "speed-up over cuDNN SPATIAL (cudnn_spatial)",
         "speed-up over cuDNN persistent (cudnn_persistent)",
         "host time to queue one step",
+        "  while the GPU is busy (queued behind a head start",
+        "  right after a synchronize (GPU idle): nnfuse ",
         "loop time per step (2 steps queued back to back",
+        "host profile (--profile-host): nnfuse's step queued 2 more times",
+        "stage entries per step: call ",
+        "profiled step: ",
     ] {
         assert!(stdout.contains(needle), "missing {needle:?}:\n{stdout}");
     }

@@ -8,14 +8,18 @@
 //! Files: `block` (the block and its step as data, FLOPs, bytes, floors), `variants` (nnfuse
 //! and the plain-cuDNN compositions as configurations), `plans` (every layer's plan without a
 //! GPU), `reference` (f64 convolution gradients and GEMMs), `check` (the per-operation
-//! comparison), `bits` (`--graph`'s bit-for-bit comparison), `report` (text and JSON) — all
-//! pure — and `gpu` (buffers, steps, timing) and `graph` (`--graph`: capture, replay).
+//! comparison), `bits` (`--graph`'s bit-for-bit comparison), `report` (text and JSON),
+//! `host_profile` (`--profile-host`'s breakdown, text and JSON) — all pure — and `gpu`
+//! (buffers, steps, timing), `host` (host time while the GPU is busy, the profiled steps) and
+//! `graph` (`--graph`: capture, replay).
 
 mod bits;
 mod block;
 mod check;
 mod gpu;
 mod graph;
+mod host;
+mod host_profile;
 mod plans;
 mod reference;
 mod report;
@@ -93,6 +97,21 @@ pub struct DemoArgs {
     /// be captured). Turns cudarc's event tracking off for every variant.
     #[arg(long)]
     graph: bool,
+    /// After the timing, queue nnfuse's step --steps more times while the GPU is busy with the
+    /// library's host-time profiler on, and print nnfuse's host time per step by stage
+    /// (validation, events, lookups, workspace, packs, allocation, vendor call, launches) and
+    /// by operation (JSON: `host_profile`).
+    #[arg(long)]
+    profile_host: bool,
+}
+
+/// What the GPU part runs besides the check and the timing.
+#[derive(Debug, Clone, Copy)]
+struct Extras {
+    /// `--graph`.
+    graph: bool,
+    /// `--profile-host`.
+    profile_host: bool,
 }
 
 /// Loops of `--steps` steps per variant for the loop time (and of replays with `--graph`).
@@ -293,6 +312,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         check: None,
         head_start: None,
         graph: None,
+        host_profile: None,
         status: Status::Ok,
     };
     let ctx = match probed {
@@ -324,10 +344,14 @@ pub fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     if !args.json {
         print!("{}", report.head_text(args.explain));
     }
+    let extras = Extras {
+        graph: args.graph,
+        profile_host: args.profile_host,
+    };
     let result = match dtype {
-        DType::F32 => on_gpu::<f32>(&ctx, &mut report, args.json, args.graph),
-        DType::F16 => on_gpu::<f16>(&ctx, &mut report, args.json, args.graph),
-        DType::BF16 => on_gpu::<bf16>(&ctx, &mut report, args.json, args.graph),
+        DType::F32 => on_gpu::<f32>(&ctx, &mut report, args.json, extras),
+        DType::F16 => on_gpu::<f16>(&ctx, &mut report, args.json, extras),
+        DType::BF16 => on_gpu::<bf16>(&ctx, &mut report, args.json, extras),
     };
     result?;
     if args.json {
@@ -338,19 +362,22 @@ pub fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::from(report.status.code()))
 }
 
-/// The GPU part: warm-up, check, timed steps, loops, graph; fills `report`.
+/// The GPU part: warm-up, check, timed steps, loops, host times, profile, graph; fills
+/// `report`.
 fn on_gpu<T: Element>(
     ctx: &Context,
     report: &mut Report,
     json: bool,
-    graph: bool,
+    extras: Extras,
 ) -> anyhow::Result<()> {
     let n = Variant::ALL.len() as u64;
     let total = n * (1 + u64::from(report.check_batch.is_some()) + report.steps as u64)
         + n * LOOPS as u64
-        + u64::from(graph);
+        + 1
+        + u64::from(extras.profile_host)
+        + u64::from(extras.graph);
     let bar = progress(json, total);
-    let result = run_phases::<T>(ctx, report, &bar, graph);
+    let result = run_phases::<T>(ctx, report, &bar, extras);
     // Cleared on failure too, so that an error message is not drawn over.
     bar.finish_and_clear();
     let runs = result?;
@@ -358,13 +385,14 @@ fn on_gpu<T: Element>(
     Ok(())
 }
 
-/// Warm-up, check, then (when the check passed) the timed steps and loops, and with `graph`
-/// the capture; the runs of every variant.
+/// Warm-up, check, then (when the check passed) the timed steps, loops and host times, with
+/// `--profile-host` the profiled steps and with `--graph` the capture; the runs of every
+/// variant.
 fn run_phases<T: Element>(
     ctx: &Context,
     report: &mut Report,
     bar: &ProgressBar,
-    graph: bool,
+    extras: Extras,
 ) -> anyhow::Result<Vec<report::VariantRun>> {
     let mut session = gpu::Session::<T>::new(ctx, &report.def, report.seed)?;
     let (mut runs, host_ms) = session.warm_up(bar)?;
@@ -378,8 +406,16 @@ fn run_phases<T: Element>(
     if report.status == Status::Ok {
         report.head_start = Some(session.time(report.steps, host_ms, &mut runs, bar)?);
         session.loops(report.steps, LOOPS, &mut runs, bar)?;
+        bar.set_message("host time per step while the GPU is busy");
+        let mut busy = session.busy_host(report.steps, &mut runs)?;
+        bar.inc(1);
+        if extras.profile_host {
+            bar.set_message("--profile-host: profiled steps");
+            report.host_profile = Some(session.profile_host(report.steps, &mut busy)?);
+            bar.inc(1);
+        }
     }
-    if report.status == Status::Ok && graph {
+    if report.status == Status::Ok && extras.graph {
         bar.set_message("--graph: capture, bit check, replays");
         let g = session.graph(report.steps, LOOPS)?;
         if g.not_capturable.is_some() {

@@ -18,6 +18,8 @@ use super::block::{direction_index, BlockDef, Op, EPS, MOMENTUM, STEP};
 use super::check::{
     check_classifier, check_step, random_inputs, tolerance, StepInputs, StepOutputs,
 };
+use super::host::{busy_step_ms, profile_steps, BusyGpu};
+use super::host_profile::HostProfile;
 use super::report::{CheckReport, Decision, GraphReport, StepTimes, VariantRun};
 use super::variants::Variant;
 
@@ -607,6 +609,9 @@ pub struct HeadStart {
 }
 
 impl HeadStart {
+    /// The most fills of one head start.
+    pub const MAX_FILLS: usize = 5000;
+
     /// A 256 MiB buffer, one fill timed, and enough fills to cover `host_ms` of queueing twice
     /// over (plus 0.5 ms).
     pub fn new(ctx: &Context, host_ms: f64) -> Result<HeadStart> {
@@ -618,7 +623,9 @@ impl HeadStart {
         b.record(ctx.stream())?;
         b.synchronize()?;
         let fill_ms = (a.elapsed_ms(&b)? as f64).max(1e-3);
-        let fills = ((2.0 * host_ms + 0.5) / fill_ms).ceil().clamp(1.0, 5000.0) as usize;
+        let fills = ((2.0 * host_ms + 0.5) / fill_ms)
+            .ceil()
+            .clamp(1.0, Self::MAX_FILLS as f64) as usize;
         Ok(HeadStart {
             buf,
             fills,
@@ -635,18 +642,26 @@ impl HeadStart {
     }
 }
 
+/// The events of one timed step: one before the step and one after each operation (created
+/// once and reused by every timed step: creating and destroying 20 events per step is driver
+/// work between the steps that a training loop does not do).
+pub fn step_events(ctx: &Context) -> Result<Vec<CudaEvent>> {
+    (0..=STEP.len()).map(|_| new_event(ctx)).collect()
+}
+
 /// One timed step: waits for the GPU, queues the head start, then the step with an event after
-/// every operation, and reads the events.
+/// every operation (`events`, from [`step_events`]), and reads the events.
 pub fn timed_step<T: Element>(
     l: &Layers<T>,
     b: &mut Buffers<T>,
     head: &mut HeadStart,
+    events: &[CudaEvent],
 ) -> Result<StepTimes> {
     let ctx = &l.ctx;
     let stream = ctx.stream();
-    let events: Vec<CudaEvent> = (0..=STEP.len())
-        .map(|_| new_event(ctx))
-        .collect::<Result<_>>()?;
+    if events.len() != STEP.len() + 1 {
+        bail!("{} events for {} operations", events.len(), STEP.len());
+    }
     ctx.synchronize()?;
     head.queue(ctx)?;
     events[0].record(stream)?;
@@ -844,6 +859,8 @@ impl<T: Element> Session<T> {
                 times: Vec::new(),
                 loop_ms: Vec::new(),
                 host_step_ms: Vec::new(),
+                host_busy_ms: Vec::new(),
+                host_busy_idle: 0,
             });
             bar.inc(1);
         }
@@ -944,6 +961,41 @@ impl<T: Element> Session<T> {
         Ok(())
     }
 
+    /// The host time to queue one step while the GPU is busy, per variant (interleaved, the
+    /// order rotating), `steps` samples each, behind a head start covering the longest host
+    /// time measured after a synchronize (see [`super::host::BusyGpu`]). Into `runs`; returns
+    /// the head start for the profiled pass.
+    pub fn busy_host(&mut self, steps: usize, runs: &mut [VariantRun]) -> Result<BusyGpu> {
+        let host_ms = runs
+            .iter()
+            .flat_map(|r| r.host_step_ms.iter().copied())
+            .fold(0.0, f64::max);
+        let mut busy = BusyGpu::new(&self.ctx, host_ms)?;
+        let n = self.layers.len();
+        for s in 0..steps {
+            for j in 0..n {
+                let l = &self.layers[(s + j) % n];
+                let (ms, stayed) = busy_step_ms(&mut busy, l, &mut self.big)?;
+                if let Some(r) = runs.iter_mut().find(|r| r.variant == l.variant) {
+                    r.host_busy_ms.push(ms);
+                    r.host_busy_idle += usize::from(!stayed);
+                }
+            }
+        }
+        Ok(busy)
+    }
+
+    /// `--profile-host`: `steps` more steps of nnfuse's variant while the GPU is busy, with the
+    /// library's stage profiler on; see [`super::host::profile_steps`].
+    pub fn profile_host(&mut self, steps: usize, busy: &mut BusyGpu) -> Result<HostProfile> {
+        let l = self
+            .layers
+            .iter()
+            .find(|l| l.variant == Variant::Nnfuse)
+            .ok_or_else(|| anyhow!("no nnfuse layers"))?;
+        profile_steps(busy, l, &mut self.big, steps)
+    }
+
     /// `--graph`: nnfuse's step captured, replayed, checked bit for bit against eager steps
     /// and (when identical) timed; see [`super::graph::run`].
     pub fn graph(&mut self, steps: usize, loops: usize) -> Result<GraphReport> {
@@ -965,12 +1017,13 @@ impl<T: Element> Session<T> {
         bar: &indicatif::ProgressBar,
     ) -> Result<(usize, f64)> {
         let mut head = HeadStart::new(&self.ctx, host_ms)?;
+        let events = step_events(&self.ctx)?;
         let n = self.layers.len();
         for s in 0..steps {
             bar.set_message(format!("timed step {}/{steps}", s + 1));
             for k in 0..n {
                 let v = (s + k) % n;
-                let t = timed_step(&self.layers[v], &mut self.big, &mut head)?;
+                let t = timed_step(&self.layers[v], &mut self.big, &mut head, &events)?;
                 if let Some(r) = runs
                     .iter_mut()
                     .find(|r| r.variant == self.layers[v].variant)

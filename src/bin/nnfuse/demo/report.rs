@@ -8,6 +8,7 @@ use serde_json::{json, Value};
 use super::bits::BitRow;
 use super::block::{direction_index, step_floor_us, step_flops, BlockDef, Op, STEP};
 use super::check::Row;
+use super::host_profile::HostProfile;
 use super::plans::{bn_line, conv_line, BlockPlans};
 use super::variants::Variant;
 
@@ -90,6 +91,12 @@ pub struct VariantRun {
     pub loop_ms: Vec<f64>,
     /// Host time (ms) to queue one step right after a synchronize, one per sample.
     pub host_step_ms: Vec<f64>,
+    /// Host time (ms) to queue one step while the GPU is busy (behind a head start), one per
+    /// sample: what a loop that keeps the GPU busy pays.
+    pub host_busy_ms: Vec<f64>,
+    /// Of those samples, how many the GPU finished its head start before the step was queued
+    /// (after the head start was doubled twice): a call may have waited for the GPU.
+    pub host_busy_idle: usize,
 }
 
 /// `--graph`: nnfuse's step captured into a CUDA graph and replayed.
@@ -168,6 +175,9 @@ pub struct Report {
     pub head_start: Option<(usize, f64)>,
     /// `--graph`'s result (None without `--graph`, or when nothing was timed).
     pub graph: Option<GraphReport>,
+    /// `--profile-host`'s breakdown of nnfuse's host time (None without it, or when nothing
+    /// was timed).
+    pub host_profile: Option<HostProfile>,
     /// The outcome.
     pub status: Status,
 }
@@ -253,6 +263,17 @@ pub fn loop_timing(r: &VariantRun) -> Option<Timing> {
 /// measured while queueing the timed steps (between their events).
 pub fn host_step_timing(r: &VariantRun) -> Option<Timing> {
     Timing::from_samples(r.host_step_ms.clone()).or_else(|| host_timing(&r.times))
+}
+
+/// The host's time to queue one step while the GPU is busy; `None` without samples.
+pub fn host_busy_timing(r: &VariantRun) -> Option<Timing> {
+    Timing::from_samples(r.host_busy_ms.clone())
+}
+
+/// The host time of the headline: while the GPU is busy (what a loop that keeps the GPU busy
+/// pays), else right after a synchronize.
+pub fn headline_host_timing(r: &VariantRun) -> Option<Timing> {
+    host_busy_timing(r).or_else(|| host_step_timing(r))
 }
 
 /// `other`'s loop time over `nnfuse`'s, loop by loop (loops of one index ran back to back).
@@ -426,6 +447,10 @@ impl Report {
             s.push_str("nothing was timed: the check failed (exit status 1)\n");
         }
         s.push_str(&self.timing_text());
+        if let Some(p) = &self.host_profile {
+            let busy = self.run(Variant::Nnfuse).and_then(host_busy_timing);
+            s.push_str(&p.to_text(busy.map(|t| t.median_ms)));
+        }
         if let Some(g) = &self.graph {
             s.push_str(&self.graph_text(g));
         }
@@ -454,7 +479,7 @@ impl Report {
         let mut line = format!(
             "nnfuse step: loop {} ms (host {} ms, GPU {} ms)",
             ms(lp.median_ms),
-            host_step_timing(nn).map_or("-".into(), |t| ms(t.median_ms)),
+            headline_host_timing(nn).map_or("-".into(), |t| ms(t.median_ms)),
             step_timing(&nn.times).map_or("-".into(), |t| ms(t.median_ms))
         );
         let others: Vec<String> = self
@@ -720,19 +745,7 @@ impl Report {
                 100.0 * step_floor_us(&self.def) * 1e-3 / t.median_ms
             ));
         }
-        let hosts: Vec<String> = self
-            .runs
-            .iter()
-            .filter_map(|r| {
-                host_step_timing(r).map(|t| format!("{} {:.2} ms", r.variant.title(), t.median_ms))
-            })
-            .collect();
-        s.push_str(&format!(
-            "host time to queue one step (validation, dispatch, library calls; each queued right \
-             after a synchronize, median of {}): {}\n",
-            nn.host_step_ms.len(),
-            hosts.join(", ")
-        ));
+        s.push_str(&self.host_text(nn));
         let loops: Vec<String> = self
             .runs
             .iter()
@@ -774,6 +787,57 @@ impl Report {
                 ));
             }
         }
+        s
+    }
+
+    /// The host's time to queue one step per variant, both ways: while the GPU is busy (the
+    /// headline's) and right after a synchronize (GPU idle).
+    fn host_text(&self, nn: &VariantRun) -> String {
+        let per_variant = |f: fn(&VariantRun) -> Option<Timing>| -> String {
+            self.runs
+                .iter()
+                .filter_map(|r| {
+                    f(r).map(|t| format!("{} {:.3} ms", r.variant.title(), t.median_ms))
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let mut s = format!(
+            "host time to queue one step (validation, dispatch, library calls; median of {} \
+             each):\n",
+            nn.host_step_ms.len().max(nn.host_busy_ms.len())
+        );
+        if !nn.host_busy_ms.is_empty() {
+            s.push_str(&format!(
+                "  while the GPU is busy (queued behind a head start, checked still running at \
+                 the end; what a loop that keeps the GPU busy pays, the headline's): {}\n",
+                per_variant(host_busy_timing)
+            ));
+            let idle: Vec<String> = self
+                .runs
+                .iter()
+                .filter(|r| r.host_busy_idle > 0)
+                .map(|r| {
+                    format!(
+                        "{} {}/{}",
+                        r.variant.title(),
+                        r.host_busy_idle,
+                        r.host_busy_ms.len()
+                    )
+                })
+                .collect();
+            if !idle.is_empty() {
+                s.push_str(&format!(
+                    "  note: the GPU finished its head start before the step was queued in {} \
+                     samples (a call may wait for the GPU)\n",
+                    idle.join(", ")
+                ));
+            }
+        }
+        s.push_str(&format!(
+            "  right after a synchronize (GPU idle): {}\n",
+            per_variant(host_step_timing)
+        ));
         s
     }
 
@@ -828,6 +892,7 @@ impl Report {
             "check": self.check.as_ref().map(check_json),
             "head_start": self.head_start.map(|(n, ms)| json!({"fills": n, "fill_ms": ms})),
             "graph": self.graph.as_ref().map(|g| self.graph_json(g)),
+            "host_profile": self.host_profile.as_ref().map(HostProfile::to_json),
             "headline": self.headline_json(),
         })
     }
@@ -856,7 +921,9 @@ impl Report {
         json!({
             "text": text,
             "loop_us": med(nn.and_then(loop_timing)),
-            "host_us": med(nn.and_then(host_step_timing)),
+            "host_us": med(nn.and_then(headline_host_timing)),
+            "host_busy_us": med(nn.and_then(host_busy_timing)),
+            "host_after_sync_us": med(nn.and_then(host_step_timing)),
             "gpu_us": med(nn.and_then(|r| step_timing(&r.times))),
             "baselines": Value::Object(baselines),
             "graph_loop_us": med(self.graph.as_ref().and_then(|g| Timing::from_samples(g.loop_ms.clone()))),
@@ -931,6 +998,11 @@ impl Report {
             "host_step_median_us": host_step_timing(r).map(|t| t.median_ms * 1e3),
             "host_step_p10_us": host_step_timing(r).map(|t| t.p10_ms * 1e3),
             "host_step_p90_us": host_step_timing(r).map(|t| t.p90_ms * 1e3),
+            "host_busy_median_us": host_busy_timing(r).map(|t| t.median_ms * 1e3),
+            "host_busy_p10_us": host_busy_timing(r).map(|t| t.p10_ms * 1e3),
+            "host_busy_p90_us": host_busy_timing(r).map(|t| t.p90_ms * 1e3),
+            "host_busy_samples": r.host_busy_ms.len(),
+            "host_busy_gpu_went_idle": r.host_busy_idle,
             "loop_median_us": loop_timing(r).map(|t| t.median_ms * 1e3),
             "loop_p10_us": loop_timing(r).map(|t| t.p10_ms * 1e3),
             "loop_p90_us": loop_timing(r).map(|t| t.p90_ms * 1e3),
@@ -1111,6 +1183,7 @@ mod tests {
             check: None,
             head_start: Some((10, 0.1)),
             graph: None,
+            host_profile: None,
             status,
         }
     }
@@ -1175,6 +1248,8 @@ mod tests {
                 times: vec![times(t), times(t * 1.1), times(t * 0.9)],
                 loop_ms: vec![t * 1.2, t * 1.3, t * 1.1],
                 host_step_ms: vec![0.4, 0.5, 0.3],
+                host_busy_ms: Vec::new(),
+                host_busy_idle: 0,
             });
         }
         let text = r.to_text(false);
@@ -1193,6 +1268,26 @@ mod tests {
         );
         assert!(j["runs"]["nnfuse"]["speedup_of_nnfuse"].is_null());
         assert!((j["runs"]["nnfuse"]["step_median_us"].as_f64().unwrap() - 1000.0).abs() < 1e-9);
+        // Without busy-GPU samples the headline falls back on the after-synchronize host time.
+        assert!((j["headline"]["host_us"].as_f64().unwrap() - 400.0).abs() < 1e-9);
+        assert!(j["headline"]["host_busy_us"].is_null());
+        assert!(!text.contains("while the GPU is busy"), "{text}");
+        // A busy sample whose head start ran out is reported.
+        r.runs[1].host_busy_ms = vec![0.5, 0.6];
+        r.runs[1].host_busy_idle = 1;
+        r.runs[0].host_busy_ms = vec![0.2, 0.2];
+        let text = r.to_text(false);
+        assert!(
+            text.contains(
+                "note: the GPU finished its head start before the step was queued in cuDNN \
+                 SPATIAL 1/2 samples"
+            ),
+            "{text}"
+        );
+        assert_eq!(
+            r.to_json()["runs"]["cudnn_spatial"]["host_busy_gpu_went_idle"],
+            1
+        );
     }
 
     fn timed_report() -> Report {
@@ -1210,6 +1305,8 @@ mod tests {
                 times: vec![times(t), times(t), times(t)],
                 loop_ms: vec![t * 1.25, t * 1.5, t * 1.5],
                 host_step_ms: vec![0.375, 0.375, 0.5],
+                host_busy_ms: vec![0.25, 0.25, 0.3],
+                host_busy_idle: 0,
             });
         }
         r
@@ -1230,7 +1327,7 @@ mod tests {
         assert_eq!(
             head,
             [
-                "nnfuse step: loop 1.50 ms (host 0.38 ms, GPU 1.00 ms) — cuDNN SPATIAL loop 6.00 \
+                "nnfuse step: loop 1.50 ms (host 0.25 ms, GPU 1.00 ms) — cuDNN SPATIAL loop 6.00 \
               ms: 4.00x, cuDNN persistent loop 3.00 ms: 2.00x"
             ]
         );
@@ -1248,7 +1345,20 @@ mod tests {
         let j = r.to_json();
         assert_eq!(j["headline"]["text"][0], head[0].as_str());
         assert!((j["headline"]["loop_us"].as_f64().unwrap() - 1500.0).abs() < 1e-9);
-        assert!((j["headline"]["host_us"].as_f64().unwrap() - 375.0).abs() < 1e-9);
+        // The headline's host time is the busy-GPU one; the after-synchronize one is kept.
+        assert!((j["headline"]["host_us"].as_f64().unwrap() - 250.0).abs() < 1e-9);
+        assert!((j["headline"]["host_busy_us"].as_f64().unwrap() - 250.0).abs() < 1e-9);
+        assert!((j["headline"]["host_after_sync_us"].as_f64().unwrap() - 375.0).abs() < 1e-9);
+        assert!(
+            text.contains(
+                "  while the GPU is busy (queued behind a head start, checked still running at \
+                 the end; what a loop that keeps the GPU busy pays, the headline's): nnfuse \
+                 0.250 ms, cuDNN SPATIAL 0.250 ms, cuDNN persistent 0.250 ms\n  right after a \
+                 synchronize (GPU idle): nnfuse 0.375 ms,"
+            ),
+            "{text}"
+        );
+        assert!(!text.contains("note: the GPU finished"), "{text}");
         assert!((j["headline"]["gpu_us"].as_f64().unwrap() - 1000.0).abs() < 1e-9);
         let sp = &j["headline"]["baselines"]["cudnn_spatial"];
         assert!(
@@ -1258,6 +1368,10 @@ mod tests {
         let nn = &j["runs"]["nnfuse"];
         assert!((nn["loop_median_us"].as_f64().unwrap() - 1500.0).abs() < 1e-9);
         assert!((nn["host_step_median_us"].as_f64().unwrap() - 375.0).abs() < 1e-9);
+        assert!((nn["host_busy_median_us"].as_f64().unwrap() - 250.0).abs() < 1e-9);
+        assert_eq!(nn["host_busy_samples"], 3);
+        assert_eq!(nn["host_busy_gpu_went_idle"], 0);
+        assert!(j["host_profile"].is_null());
         assert_eq!(nn["loops"], 3);
         assert_eq!(nn["steps_per_loop"], 3);
         assert!(nn["loop_speedup_of_nnfuse"].is_null());
@@ -1270,6 +1384,35 @@ mod tests {
         // Nothing timed: no headline.
         assert!(report(Status::CheckFailed).headline().is_empty());
         assert!(report(Status::CheckFailed).to_json()["headline"].is_null());
+    }
+
+    #[test]
+    fn the_host_profile_follows_the_timing_and_is_in_the_json() {
+        let mut r = timed_report();
+        let mut p = HostProfile::new();
+        for o in &mut p.ops {
+            o.wall_ms.push(0.01);
+        }
+        r.host_profile = Some(p);
+        let text = r.to_text(false);
+        let at = |needle: &str| {
+            text.find(needle)
+                .unwrap_or_else(|| panic!("{needle}: {text}"))
+        };
+        assert!(at("loop time per step") < at("host profile (--profile-host)"));
+        assert!(at("host profile (--profile-host)") < at("nnfuse step: loop"));
+        // The profiled step (19 operations of 10 µs) beside the unprofiled busy-GPU median.
+        assert!(
+            text.contains("profiled step: 190.0 µs median")
+                && text.contains("unprofiled, while the GPU is busy: 250.0 µs"),
+            "{text}"
+        );
+        let j = r.to_json();
+        assert_eq!(j["host_profile"]["steps"], 1);
+        assert_eq!(
+            j["host_profile"]["ops"].as_array().unwrap().len(),
+            STEP.len()
+        );
     }
 
     #[test]
