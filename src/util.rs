@@ -117,6 +117,7 @@ pub fn add_assign<T: Element, D: DevicePtrMut<T>, S: DevicePtr<T>>(
     y: &mut D,
     x: &S,
 ) -> Result<()> {
+    crate::profile::stage!(Call);
     let yl = y.len();
     let mut ops = Binder::new(ctx);
     let xp = ops.input("x", x, Need::Exactly(yl, "y's length"))?;
@@ -129,6 +130,7 @@ pub fn add_assign<T: Element, D: DevicePtrMut<T>, S: DevicePtr<T>>(
     let f = ctx.function(&kernels::UTIL, name("add_assign", T::DTYPE))?;
     let cfg = grid_stride_config(ctx, yl, 256);
     let n64 = yl as u64;
+    crate::profile::stage!(Launch);
     let mut b = stream.launch_builder(&f);
     b.arg(&yp).arg(&xp).arg(&n64);
     // SAFETY: add_assign_<t>(T* y, const T* x, u64 n) matches; both hold n elements and do not
