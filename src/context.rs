@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::hash::Hash;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 
 use cudarc::cublas::{result as cublas_result, sys as cublas_sys};
 use cudarc::cublaslt::{result as lt_result, sys as lt_sys};
@@ -280,10 +280,168 @@ const BEFORE_CAPTURE: &str = "make the same call once before the capture (same s
      Context and objects): it then decides, compiles and allocates what it needs, and the \
      captured call does none of that (docs/CAPTURE.md)";
 
-/// Images compiled per (architecture, file), shared by every Context of the process so that a
-/// second Context on the same kind of device does not compile again.
-type ImageCache = HashMap<(String, &'static str), Arc<kernels::Image>>;
+/// One (architecture, file)'s image in the process: ready, being compiled (by a background
+/// thread or another caller: wait on it), or failed in the background.
+enum Slot {
+    Ready(Arc<kernels::Image>),
+    Compiling(Arc<Pending>),
+    Failed(String),
+}
+
+/// A compile in progress; its waiters sleep until `finish`.
+#[derive(Default)]
+struct Pending {
+    done: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Pending {
+    fn wait(&self) {
+        let mut done = lock_poisoned(&self.done);
+        while !*done {
+            done = match self.cv.wait(done) {
+                Ok(g) => g,
+                Err(p) => p.into_inner(),
+            };
+        }
+    }
+
+    fn finish(&self) {
+        *lock_poisoned(&self.done) = true;
+        self.cv.notify_all();
+    }
+}
+
+/// Images per (architecture, file), shared by every Context of the process so that a second
+/// Context on the same kind of device does not compile again. Never held while compiling: a
+/// compile marks its slot `Compiling` and works unlocked, so other files load meanwhile.
+type ImageCache = HashMap<(String, &'static str), Slot>;
 static IMAGES: Lazy<Mutex<ImageCache>> = Lazy::new(|| Mutex::new(HashMap::new()));
+
+/// Background compiles running at once: NVRTC is single-threaded per file, and the caller's
+/// own thread keeps a core (at most 4, at least 1).
+fn background_permits() -> usize {
+    std::thread::available_parallelism()
+        .map_or(2, |n| n.get())
+        .saturating_sub(1)
+        .clamp(1, 4)
+}
+
+/// The background compiles' queue: running now, tickets handed out, tickets admitted. First
+/// come, first compiled, so that what a first call wants soonest (the check's kernels, asked
+/// for first) is not queued behind a later candidate's files.
+#[derive(Default)]
+struct Queue {
+    running: usize,
+    next: u64,
+    admitted: u64,
+    /// Tickets whose compile never started (no thread): passed over.
+    cancelled: Vec<u64>,
+}
+
+impl Queue {
+    /// Moves `admitted` past cancelled tickets.
+    fn skip_cancelled(&mut self) {
+        while let Some(i) = self.cancelled.iter().position(|&t| t == self.admitted) {
+            self.cancelled.swap_remove(i);
+            self.admitted += 1;
+        }
+    }
+}
+
+static QUEUE: Lazy<(Mutex<Queue>, Condvar)> = Lazy::new(Default::default);
+
+/// Holds one background-compile permit until dropped.
+struct Permit;
+
+impl Permit {
+    /// Waits for this compile's turn (in the order of [`Permit::ticket`]) and a free permit.
+    fn take(ticket: u64) -> Permit {
+        let (m, cv) = &*QUEUE;
+        let mut q = lock_poisoned(m);
+        q.skip_cancelled();
+        while !(q.admitted == ticket && q.running < background_permits()) {
+            q = match cv.wait(q) {
+                Ok(g) => g,
+                Err(p) => p.into_inner(),
+            };
+            q.skip_cancelled();
+        }
+        q.admitted += 1;
+        q.running += 1;
+        cv.notify_all();
+        Permit
+    }
+
+    /// A place in the queue (taken when the compile is asked for, on the caller's thread).
+    fn ticket() -> u64 {
+        let mut q = lock_poisoned(&QUEUE.0);
+        q.next += 1;
+        q.next - 1
+    }
+
+    /// Gives up `ticket` (its compile never started).
+    fn cancel(ticket: u64) {
+        let (m, cv) = &*QUEUE;
+        lock_poisoned(m).cancelled.push(ticket);
+        cv.notify_all();
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        let (m, cv) = &*QUEUE;
+        lock_poisoned(m).running -= 1;
+        cv.notify_all();
+    }
+}
+
+/// Ends the compile of `key`: the image goes in, or on error the slot is
+/// emptied (a foreground caller retries and gets the typed error) or, from the background,
+/// keeps the error's text; waiters wake either way.
+fn finish_compile(
+    key: (String, &'static str),
+    pending: &Pending,
+    result: std::result::Result<Arc<kernels::Image>, String>,
+    background: bool,
+) {
+    {
+        let mut images = lock_poisoned(&IMAGES);
+        match result {
+            Ok(image) => {
+                images.insert(key, Slot::Ready(image));
+            }
+            Err(why) if background => {
+                images.insert(key, Slot::Failed(why));
+            }
+            Err(_) => {
+                images.remove(&key);
+            }
+        }
+    }
+    pending.finish();
+}
+
+/// Compiles (or reads from the disk cache) `file` for `arch`; the `info` trace says which file,
+/// where it came from and how long it took.
+fn compile_traced(
+    file: &'static KernelFile,
+    arch: &str,
+    dir: Option<&std::path::Path>,
+    background: bool,
+) -> Result<Arc<kernels::Image>> {
+    let t = std::time::Instant::now();
+    let (image, origin) = kernels::load_or_compile(file, arch, dir)?;
+    tracing::info!(
+        file = file.name,
+        %arch,
+        ?origin,
+        background,
+        ms = t.elapsed().as_secs_f64() * 1e3,
+        "kernel image ready"
+    );
+    Ok(Arc::new(image))
+}
 
 /// The size an arena (scratch or workspace) asked for `bytes` is allocated with: the next power
 /// of two, at least 1 MiB, so that slowly growing requests do not reallocate every time. A
@@ -702,35 +860,17 @@ impl Context {
     }
 
     fn module(&self, file: &'static KernelFile) -> Result<Arc<CudaModule>> {
-        // Held across compile + load: two threads asking for the same file compile it once.
+        if let Some(m) = lock_poisoned(&self.inner.modules).get(file.name) {
+            return Ok(m.clone());
+        }
+        // Not under the modules lock: a compile takes seconds, and other files load meanwhile;
+        // the image slot makes two callers of the same file compile it once.
+        let arch = kernels::arch_for(self.inner.info.compute_capability);
+        let image = self.image(file, &arch)?;
         let mut modules = lock_poisoned(&self.inner.modules);
         if let Some(m) = modules.get(file.name) {
             return Ok(m.clone());
         }
-        let arch = kernels::arch_for(self.inner.info.compute_capability);
-        let image = {
-            let mut images = lock_poisoned(&IMAGES);
-            match images.get(&(arch.clone(), file.name)) {
-                Some(i) => i.clone(),
-                None => {
-                    // The disk cache (if configured) spares the NVRTC compile across processes;
-                    // it never fails the call (a bad cache file is recompiled with a warning).
-                    let dir = self.inner.config.kernel_cache_dir();
-                    let t = std::time::Instant::now();
-                    let (image, origin) = kernels::load_or_compile(file, &arch, dir.as_deref())?;
-                    tracing::info!(
-                        file = file.name,
-                        %arch,
-                        ?origin,
-                        ms = t.elapsed().as_secs_f64() * 1e3,
-                        "kernel image ready"
-                    );
-                    let i = Arc::new(image);
-                    images.insert((arch.clone(), file.name), i.clone());
-                    i
-                }
-            }
-        };
         // cuModuleLoadData takes no length: it trusts the image's own offsets (ELF) or its NUL
         // (PTX). Checked here for every image, whichever way it came.
         kernels::check_image(&image).map_err(|why| Error::Nvrtc {
@@ -743,6 +883,133 @@ impl Context {
         let module = self.inner.cuda.load_module(ptx).call("cuModuleLoadData")?;
         modules.insert(file.name, module.clone());
         Ok(module)
+    }
+
+    /// The image of `file` for `arch`: the process's, else (waiting for a compile in progress,
+    /// whoever started it) compiled or read from the disk cache here.
+    fn image(&self, file: &'static KernelFile, arch: &str) -> Result<Arc<kernels::Image>> {
+        let key = (arch.to_string(), file.name);
+        let pending = loop {
+            let waiting = {
+                let mut images = lock_poisoned(&IMAGES);
+                match images.get(&key) {
+                    Some(Slot::Ready(i)) => return Ok(i.clone()),
+                    Some(Slot::Compiling(p)) => p.clone(),
+                    Some(Slot::Failed(why)) => {
+                        tracing::warn!(file = file.name, %arch, error = %why,
+                            "the background compile of this kernel file failed; compiling it \
+                             again in the foreground");
+                        let p = Arc::new(Pending::default());
+                        images.insert(key.clone(), Slot::Compiling(p.clone()));
+                        break p;
+                    }
+                    None => {
+                        let p = Arc::new(Pending::default());
+                        images.insert(key.clone(), Slot::Compiling(p.clone()));
+                        break p;
+                    }
+                }
+            };
+            waiting.wait();
+        };
+        // The disk cache (if configured) spares the NVRTC compile across processes; it never
+        // fails the call (a bad cache file is recompiled with a warning).
+        let dir = self.inner.config.kernel_cache_dir();
+        let r = compile_traced(file, arch, dir.as_deref(), false);
+        let kept = r.as_ref().map(Arc::clone).map_err(|e| e.to_string());
+        finish_compile(key, &pending, kept, false);
+        r
+    }
+
+    /// Where `file` stands for this Context's device, without compiling: loaded here, in the
+    /// process's images, being compiled, failed in the background, or in the kernel disk cache
+    /// (read into the process's images now, so that its use only loads it).
+    pub(crate) fn kernel_state(&self, file: &'static KernelFile) -> kernels::KernelState {
+        use kernels::KernelState;
+        if lock_poisoned(&self.inner.modules).contains_key(file.name) {
+            return KernelState::Ready;
+        }
+        let arch = kernels::arch_for(self.inner.info.compute_capability);
+        let key = (arch, file.name);
+        match lock_poisoned(&IMAGES).get(&key) {
+            Some(Slot::Ready(_)) => return KernelState::Ready,
+            Some(Slot::Compiling(_)) => return KernelState::Compiling,
+            Some(Slot::Failed(why)) => return KernelState::Failed(why.clone()),
+            None => {}
+        }
+        let Some(dir) = self.inner.config.kernel_cache_dir() else {
+            return KernelState::Missing;
+        };
+        let Some(image) = kernels::read_disk(file, &key.0, &dir) else {
+            return KernelState::Missing;
+        };
+        // Another thread may have filled the slot meanwhile: keep what is there.
+        lock_poisoned(&IMAGES)
+            .entry(key)
+            .or_insert_with(|| Slot::Ready(Arc::new(image)));
+        KernelState::Ready
+    }
+
+    /// Whether using `file` compiles nothing ([`Context::kernel_state`] is `Ready`).
+    pub(crate) fn kernel_ready(&self, file: &'static KernelFile) -> bool {
+        self.kernel_state(file) == kernels::KernelState::Ready
+    }
+
+    /// Starts compiling, on background threads (one per file, at most a few at once), the
+    /// files of `files` that are neither ready nor being compiled; returns how many it started.
+    /// The images go into the process's images (and the disk cache when configured); nothing
+    /// is loaded into a device (a later [`Context::function`] loads, so no module ever lands
+    /// in a capturing stream's context from here). A failure is a warning now and is kept: the
+    /// file's next use compiles it in the foreground and returns the typed error.
+    pub(crate) fn prepare_kernels(&self, files: &[&'static KernelFile]) -> usize {
+        let arch = kernels::arch_for(self.inner.info.compute_capability);
+        let mut started = 0;
+        for &file in files {
+            if self.kernel_state(file) != kernels::KernelState::Missing {
+                continue;
+            }
+            let key = (arch.clone(), file.name);
+            let pending = {
+                let mut images = lock_poisoned(&IMAGES);
+                if images.contains_key(&key) {
+                    continue;
+                }
+                let p = Arc::new(Pending::default());
+                images.insert(key.clone(), Slot::Compiling(p.clone()));
+                p
+            };
+            let dir = self.inner.config.kernel_cache_dir();
+            let (k, p) = (key.clone(), pending.clone());
+            kernels::background_started();
+            let ticket = Permit::ticket();
+            let spawned = std::thread::Builder::new()
+                .name(format!("nnfuse-nvrtc-{}", file.name))
+                .spawn(move || {
+                    let _permit = Permit::take(ticket);
+                    let r = compile_traced(file, &k.0, dir.as_deref(), true);
+                    if let Err(e) = &r {
+                        tracing::warn!(file = file.name, arch = %k.0, error = %e,
+                            "background kernel compile failed; its next use compiles it again");
+                    }
+                    finish_compile(k, &p, r.map_err(|e| e.to_string()), true);
+                    kernels::background_finished();
+                });
+            match spawned {
+                Ok(_) => {
+                    tracing::info!(file = file.name, %arch, "kernel file compiling in the background");
+                    started += 1;
+                }
+                Err(e) => {
+                    tracing::warn!(file = file.name, error = %e,
+                        "no thread for a background compile; its first use compiles it");
+                    Permit::cancel(ticket);
+                    lock_poisoned(&IMAGES).remove(&key);
+                    pending.finish();
+                    kernels::background_finished();
+                }
+            }
+        }
+        started
     }
 }
 
@@ -894,6 +1161,28 @@ mod tests {
             let e = arena_size(bytes, "workspace").unwrap_err();
             assert_eq!(e.argument(), Some("workspace"), "{e}");
         }
+    }
+
+    /// A background compile whose thread never started gives its turn up: the queue moves on.
+    #[test]
+    fn cancelled_tickets_are_passed_over_in_order() {
+        let mut q = Queue {
+            next: 5,
+            admitted: 1,
+            cancelled: vec![3, 1, 2],
+            ..Queue::default()
+        };
+        q.skip_cancelled();
+        assert_eq!((q.admitted, q.cancelled.len()), (4, 0));
+        let mut q = Queue {
+            next: 5,
+            admitted: 1,
+            cancelled: vec![3],
+            ..Queue::default()
+        };
+        q.skip_cancelled();
+        assert_eq!((q.admitted, q.cancelled.clone()), (1, vec![3]));
+        assert!((1..=4).contains(&background_permits()));
     }
 
     #[test]

@@ -564,6 +564,84 @@ pub fn write_cached(dir: &Path, key: &ImageKey, image: &Image) -> std::io::Resul
     Ok(path)
 }
 
+/// Where a kernel file stands in a process, as [`crate::Context`] sees it before using it: what
+/// a first call may run without waiting for NVRTC (docs/CONV.md, "Kernels not compiled yet").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KernelState {
+    /// Loaded, compiled in this process, or in the disk cache: using it compiles nothing.
+    Ready,
+    /// Being compiled on a background thread now.
+    Compiling,
+    /// A background compile failed (the error's text); the next use compiles in the
+    /// foreground and returns the typed error.
+    Failed(String),
+    /// Neither compiled nor cached: its first use compiles it.
+    Missing,
+}
+
+/// Background compiles started and not finished yet ([`wait_for_background_compiles`]).
+static BACKGROUND: (std::sync::Mutex<usize>, std::sync::Condvar) =
+    (std::sync::Mutex::new(0), std::sync::Condvar::new());
+
+fn background_count() -> std::sync::MutexGuard<'static, usize> {
+    match BACKGROUND.0.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+/// Counts a background compile in (the Context's `prepare_kernels`).
+pub(crate) fn background_started() {
+    *background_count() += 1;
+}
+
+/// Counts a background compile out, waking [`wait_for_background_compiles`].
+pub(crate) fn background_finished() {
+    let mut n = background_count();
+    *n = n.saturating_sub(1);
+    BACKGROUND.1.notify_all();
+}
+
+/// Background compiles running or queued now (tests, benchmarks, `tracing`).
+pub fn background_compiles() -> usize {
+    *background_count()
+}
+
+/// Waits until no background compile is running or queued (tests and benchmarks that need
+/// every kernel a first call started compiling).
+pub fn wait_for_background_compiles() {
+    let mut n = background_count();
+    while *n > 0 {
+        n = match BACKGROUND.1.wait(n) {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+    }
+}
+
+/// The image of `file` for `arch` from the disk cache in `dir`, when it holds a usable one
+/// (counted as a disk hit); a file that cannot be used is a warning and `None`, as is a missing
+/// one or a folder that is not private. Never compiles.
+pub fn read_disk(file: &KernelFile, arch: &str, dir: &Path) -> Option<Image> {
+    let key = ImageKey::new(file, arch).ok()?;
+    let t = Instant::now();
+    match read_cached(dir, &key) {
+        Ok(Some(image)) => {
+            STATS.disk_hits.fetch_add(1, Ordering::Relaxed);
+            STATS.disk_read_ns.fetch_add(nanos(t), Ordering::Relaxed);
+            Some(image)
+        }
+        Ok(None) => None,
+        Err(reason) => {
+            tracing::warn!(
+                path = %dir.join(key.file_name()).display(),
+                "kernel cache file ignored ({reason}); its first use compiles it again"
+            );
+            None
+        }
+    }
+}
+
 /// The image of `file` for `arch`: read from the disk cache in `dir` when it holds a usable one,
 /// else compiled (and then written there). Only a compile error is an error: every problem with
 /// the cache (a folder another user could write, an unreadable or corrupt file, an unwritable

@@ -168,12 +168,21 @@ impl<T: Element> Conv2d<T> {
             search: search_for(ctx.config()),
             hide_cudnn: HIDE_CUDNN.load(Ordering::Relaxed),
         };
-        let core = ctx.memo(key, || Core::new(ctx, &key).map(Arc::new))?;
-        Ok(Conv2d {
+        let mut made = false;
+        let core = ctx.memo(key, || {
+            made = true;
+            Core::new(ctx, &key).map(Arc::new)
+        })?;
+        let conv = Conv2d {
             ctx: ctx.clone(),
             core,
             _t: PhantomData,
-        })
+        };
+        if made {
+            // A new problem: its first calls' kernels start compiling in the background now.
+            conv.prepare_first_calls();
+        }
+        Ok(conv)
     }
 
     /// [`Conv2d::new`] for a caller that states its filter layout: an error naming

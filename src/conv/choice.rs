@@ -58,7 +58,7 @@ use crate::config::{Config, ConvAlgoPolicy, CudnnApi, WinogradGemmPolicy};
 use crate::context::Context;
 use crate::dtype::DType;
 use crate::error::{CallExt, Error, Result};
-use crate::kernels;
+use crate::kernels::{self, KernelFile};
 use crate::layout::TensorFormat;
 use crate::timing::{InterleavedOptions, Paired};
 use crate::tune::budget::{keep_checking, skipped_note, timing_deadline, Budget};
@@ -252,7 +252,8 @@ pub enum Outcome {
     /// Correct, but Winograd's error exceeded the allowance.
     Refused(String),
     /// Not checked or timed: the first call's decision budget was spent before its turn
-    /// ([`crate::Config::conv_tune_budget_ms`]).
+    /// ([`crate::Config::conv_tune_budget_ms`]), or its kernels were not compiled yet ("kernels
+    /// not compiled yet (compiling in the background)").
     Skipped(String),
 }
 
@@ -976,6 +977,27 @@ pub(crate) struct MeasureInput<'a> {
     /// The decision's budget (begun with the decision: finalizing cuDNN's engine configs
     /// counted against it already).
     pub budget: Budget,
+    /// Whether the forward's reference may be the direct kernel's f32 output; `false` when
+    /// `conv_direct.cu` is not compiled yet under a budget (the incumbent's result then is).
+    pub direct_reference: bool,
+}
+
+/// What a `Conv2d`'s first call may need besides its candidates' own kernels: the check's
+/// comparisons and the timing's head start (small: waited for when not ready), the forward's
+/// reference (`conv_direct.cu`) and the pseudo-random operands and GEMM search
+/// (`gemm_search.cu`). Compiled in the background when a problem is planned, so that they are
+/// ready by its first call.
+pub(crate) static FIRST_CALL_KERNELS: [&KernelFile; 4] = [
+    &kernels::CONV_CHECK,
+    &kernels::TIMING,
+    &kernels::GEMM_SEARCH,
+    &kernels::CONV_DIRECT,
+];
+
+/// Starts compiling [`FIRST_CALL_KERNELS`] in the background (those neither ready nor in
+/// progress); cheap when they are.
+pub(crate) fn prepare_first_call_kernels(ctx: &Context) {
+    ctx.prepare_kernels(&FIRST_CALL_KERNELS);
 }
 
 /// Which role (0 = x, 1 = w, 2 = y) is the output of `d`.
@@ -1148,6 +1170,21 @@ pub(crate) fn with_refused(report: &mut AutoReport, line: CandidateReport) {
     }
 }
 
+/// Appends the candidates a first call did not run (`routes`, each with why) to its report, as
+/// `Outcome::Skipped` lines after the ones it measured (indices of the incumbent and winner
+/// unchanged). Pure: tested on the CPU.
+pub(crate) fn with_not_run(report: &mut AutoReport, routes: &[(Route, &str)]) {
+    for (route, why) in routes {
+        report.candidates.push(CandidateReport {
+            route: *route,
+            rel_l2: None,
+            outcome: Outcome::Skipped((*why).to_string()),
+            median_ms: None,
+            vs_incumbent: None,
+        });
+    }
+}
+
 /// Whether a cached `choice` must pass [`verify`] before it is used: a Winograd route read
 /// from the tuning file. Its error depends on the data's range, which the measurement that
 /// wrote it judged (or not: a file is editable and may come from elsewhere), so it is held to
@@ -1310,7 +1347,7 @@ impl<'a> Bench<'a> {
     /// The reference on operands `p`, into the f32 reference buffer; returns its description.
     fn reference(&self, p: CudnnPtrs) -> Result<String> {
         let (ctx, dtype) = (self.inp.ctx, self.inp.dtype);
-        if self.inp.direction == Direction::Forward {
+        if self.inp.direction == Direction::Forward && self.inp.direct_reference {
             // SAFETY: as `run`; ref_buf holds out_len f32.
             match unsafe {
                 direct::forward_f32_out(ctx, self.inp.shape, dtype, p.x, p.w, self.refp)
@@ -1558,6 +1595,38 @@ mod tests {
         let mut r = report(vec![ran.clone()]);
         with_refused(&mut r, failed());
         assert_eq!(r.candidates, vec![ran]);
+    }
+
+    /// Candidates not run for want of compiled kernels follow the measured lines as Skipped,
+    /// leaving the winner and the incumbent where they were.
+    #[test]
+    fn candidates_not_run_are_skipped_lines_after_the_measured_ones() {
+        let mut r = AutoReport {
+            direction: Direction::Forward,
+            candidates: vec![CandidateReport {
+                route: Route::path(ConvPath::Im2colGemm),
+                rel_l2: Some(1e-4),
+                outcome: Outcome::Passed,
+                median_ms: Some(0.1),
+                vs_incumbent: None,
+            }],
+            incumbent: 0,
+            winner: 0,
+            reference: "im2col_gemm".into(),
+            operands: "caller".into(),
+            baseline_error: Some(1e-4),
+            winograd_allowance: 4.9e-4,
+            rounds: 0,
+            wall_ms: 1.0,
+            check_ms: 1.0,
+            timing_ms: 0.0,
+        };
+        let why = crate::tune::budget::NOT_COMPILED;
+        with_not_run(&mut r, &[(Route::path(ConvPath::Direct), why)]);
+        assert_eq!((r.winner, r.incumbent, r.candidates.len()), (0, 0, 2));
+        assert_eq!(r.candidates[1].outcome, Outcome::Skipped(why.into()));
+        assert_eq!(r.candidates[1].rel_l2, None);
+        assert!(format!("{r}").contains("skipped: kernels not compiled yet"));
     }
 
     /// Only a Winograd route read from the tuning file is checked before use: a measured one

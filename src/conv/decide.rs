@@ -10,18 +10,20 @@ use cudarc::driver::DevicePtr;
 
 use super::api::Conv2d;
 use super::choice::{
-    self, with_refused, AutoReport, CandidateReport, ChoiceKey, ChoiceOrigin, ConvChoice,
-    CudnnSearch, MeasureInput, MAX_CUDNN_CANDIDATES,
+    self, with_not_run, with_refused, AutoReport, CandidateReport, ChoiceKey, ChoiceOrigin,
+    ConvChoice, CudnnSearch, MeasureInput, MAX_CUDNN_CANDIDATES,
 };
 use super::cudnn::usable;
 use super::cudnn_graph_run;
 use super::plan::{ConvPath, ConvPlan, Route};
-use super::problem::{CudnnPtrs, Direction};
+use super::problem::{CudnnPtrs, Direction, WinogradEngine};
 use super::route::{self, Exec};
 use super::state::{lock, Decided};
+use super::winograd::{fused, launch as wg};
 use crate::dtype::Element;
 use crate::error::{CallExt, Error, Result};
-use crate::tune::budget::Budget;
+use crate::kernels::{self, KernelFile, KernelState};
+use crate::tune::budget::{not_now, Budget, NOT_COMPILED};
 
 impl<T: Element> Conv2d<T> {
     /// cuDNN's usable algorithms for `d` as routes: the heuristic list's first
@@ -134,10 +136,13 @@ impl<T: Element> Conv2d<T> {
                 Err(r) => refused = r,
             }
         }
-        let (execs, notes, origin) = self.candidate_execs(d, p, plan, &budget)?;
+        let (execs, mut notes, origin) = self.candidate_execs(d, p, plan, &budget)?;
+        let (execs, not_run) = self.runnable_now(d, p, execs, &budget, &mut notes);
         match execs.len() {
             0 => self.no_candidate(d, plan, notes),
-            1 => {
+            // Alone only because the others' kernels are not compiled: still checked (a few
+            // ms), so that the choice is a measured one with its report.
+            1 if not_run.is_empty() => {
                 let mut c = ConvChoice::planned(execs[0].route, origin);
                 c.notes = notes;
                 if origin == ChoiceOrigin::CudnnFind {
@@ -152,7 +157,7 @@ impl<T: Element> Conv2d<T> {
                 })
             }
             _ => {
-                let mut dec = self.measured(d, p, &key, &execs, notes, budget);
+                let mut dec = self.measured(d, p, &key, &execs, notes, budget, &not_run);
                 if let (Some(r), Some(rep)) = (refused, dec.report.as_mut()) {
                     with_refused(Arc::make_mut(rep), *r);
                 }
@@ -247,6 +252,7 @@ impl<T: Element> Conv2d<T> {
             operands: p,
             lens: self.core.lens,
             budget,
+            direct_reference: true,
         };
         match choice::verify(&inp) {
             Ok((true, report)) => Ok(report),
@@ -320,7 +326,10 @@ impl<T: Element> Conv2d<T> {
 
     /// Several candidates: `auto`'s measurement on the caller's operands picks one (remembered);
     /// when nothing could be checked, the incumbent runs unmeasured. Candidates the budget left
-    /// unmeasured are named in the choice's notes, the report and a trace.
+    /// unmeasured are named in the choice's notes, the report and a trace; those not run for
+    /// want of compiled kernels (`not_run`) are Skipped lines of the report (the choice is kept
+    /// and written as any measured one: the best of what could run).
+    #[allow(clippy::too_many_arguments)] // one decision's inputs
     fn measured(
         &self,
         d: Direction,
@@ -329,7 +338,21 @@ impl<T: Element> Conv2d<T> {
         execs: &[Exec],
         mut notes: Vec<String>,
         budget: Budget,
+        not_run: &[(Route, &'static str)],
     ) -> Decided {
+        // NVRTC is not waited for under a budget: without conv_direct.cu the incumbent's own
+        // result is the forward's reference (the report names it).
+        let direct_reference = budget.exhaustive()
+            || d != Direction::Forward
+            || self.ctx.kernel_ready(&kernels::CONV_DIRECT);
+        if !direct_reference {
+            self.ctx.prepare_kernels(&[&kernels::CONV_DIRECT]);
+            notes.push(
+                "reference: the incumbent's result (conv_direct.cu, the direct f32 reference, \
+                 is not compiled yet)"
+                    .into(),
+            );
+        }
         let inp = MeasureInput {
             ctx: &self.ctx,
             shape: &self.core.shape,
@@ -340,14 +363,16 @@ impl<T: Element> Conv2d<T> {
             operands: p,
             lens: self.core.lens,
             budget,
+            direct_reference,
         };
         match choice::measure(&inp) {
-            Ok((w, report)) => {
+            Ok((w, mut report)) => {
                 if let Some(n) = choice::budget_note(&report, &budget) {
                     tracing::info!(problem = ?self.core.shape, dtype = %self.core.dtype,
                         direction = %d, spent_ms = budget.spent_ms(), "{n}");
                     notes.push(n);
                 }
+                with_not_run(&mut report, not_run);
                 let win = &report.candidates[w];
                 let inc = &report.candidates[report.incumbent];
                 let c = ConvChoice {
@@ -383,6 +408,144 @@ impl<T: Element> Conv2d<T> {
                 }
             }
         }
+    }
+
+    /// The kernel files route `e` of `d` uses (none for cuDNN), `gemm_search.cu` with the tuned
+    /// GEMM. A Winograd transform's width depends on the pointers: the widths of the aligned
+    /// case and of the caller's operands `p` (when known) are both listed.
+    pub(super) fn route_kernels(
+        &self,
+        d: Direction,
+        e: &Exec,
+        p: Option<CudnnPtrs>,
+    ) -> Vec<&'static KernelFile> {
+        let dtype = self.core.dtype;
+        let gemm = self.ctx.config().gemm_search;
+        let mut v: Vec<&'static KernelFile> = Vec::new();
+        match e.route.path {
+            ConvPath::Cudnn | ConvPath::CudnnGraph => {}
+            ConvPath::Direct => v.push(&kernels::CONV_DIRECT),
+            ConvPath::Im2colGemm => {
+                v.push(&kernels::IM2COL);
+                if gemm {
+                    v.push(&kernels::GEMM_SEARCH);
+                }
+            }
+            ConvPath::WinogradF2x3 | ConvPath::WinogradF4x3 => {
+                let Some(g) = e.winograd.as_ref() else {
+                    return v;
+                };
+                let tile = g.tile;
+                v.push(wg::filter_unit(dtype, tile));
+                // The equivalent forward problem reads x (the data gradient's: dy), writes y
+                // (dx); the scratch tensors between the stages are aligned.
+                let (input, output) = match p {
+                    Some(p) if d == Direction::Forward => (vec![0, p.x], vec![0, p.y]),
+                    Some(p) => (vec![0, p.y], vec![0, p.x]),
+                    None => (vec![0], vec![0]),
+                };
+                match e.route.engine {
+                    Some(WinogradEngine::Fused) => v.extend(fused::unit(dtype, Some(tile))),
+                    engine => {
+                        for (stage, ch, ptrs) in [
+                            (wg::Stage::Input, g.problem.c_in, &input),
+                            (wg::Stage::Output, g.problem.c_out, &output),
+                        ] {
+                            for &ptr in ptrs {
+                                let vec = wg::choose_vec(stage, tile, dtype, ch, &[ptr]);
+                                v.extend(wg::transform_unit(stage, dtype, tile, vec));
+                            }
+                        }
+                        match engine {
+                            Some(WinogradEngine::Direct) => v.push(wg::direct_unit(dtype)),
+                            _ if gemm => v.push(&kernels::GEMM_SEARCH),
+                            _ => {}
+                        }
+                    }
+                }
+            }
+        }
+        v.sort_by_key(|f| f.name);
+        v.dedup_by_key(|f| f.name);
+        v
+    }
+
+    /// Under a budget, the candidates a first call runs now ([`not_now`]: those whose kernels
+    /// are compiled) and those it leaves out (with why); the left-out ones' kernels start
+    /// compiling in the background, and a note names them.
+    fn runnable_now(
+        &self,
+        d: Direction,
+        p: CudnnPtrs,
+        execs: Vec<Exec>,
+        budget: &Budget,
+        notes: &mut Vec<String>,
+    ) -> (Vec<Exec>, Vec<(Route, &'static str)>) {
+        if budget.exhaustive() || execs.len() < 2 {
+            return (execs, Vec::new());
+        }
+        let ctx = &self.ctx;
+        choice::prepare_first_call_kernels(ctx);
+        let files: Vec<Vec<&'static KernelFile>> = execs
+            .iter()
+            .map(|e| self.route_kernels(d, e, Some(p)))
+            .collect();
+        let states: Vec<KernelState> = files
+            .iter()
+            .map(|fs| {
+                fs.iter()
+                    .map(|f| ctx.kernel_state(f))
+                    .find(|s| *s != KernelState::Ready)
+                    .unwrap_or(KernelState::Ready)
+            })
+            .collect();
+        let skip = not_now(&states, false);
+        let (mut run, mut left) = (Vec::new(), Vec::new());
+        let mut waiting: Vec<&'static KernelFile> = Vec::new();
+        for ((e, skip), fs) in execs.into_iter().zip(skip).zip(&files) {
+            if skip {
+                waiting.extend(fs.iter().copied());
+                left.push((e.route, NOT_COMPILED));
+            } else {
+                run.push(e);
+            }
+        }
+        if !left.is_empty() {
+            ctx.prepare_kernels(&waiting);
+            let labels: Vec<String> = left.iter().map(|(r, _)| r.label()).collect();
+            let n = format!("{NOT_COMPILED}: {}", labels.join(", "));
+            tracing::info!(problem = ?self.core.shape, dtype = %self.core.dtype,
+                direction = %d, "{n}");
+            notes.push(n);
+        }
+        (run, left)
+    }
+
+    /// After a new problem is planned: starts compiling, in the background, what its first
+    /// calls under a budget will want (the check's kernels, the reference and every non-cuDNN
+    /// candidate's kernels, for aligned operands), so that they are ready as early as possible.
+    /// Nothing when no direction has several candidates or the budget is exhaustive.
+    pub(super) fn prepare_first_calls(&self) {
+        if self.ctx.config().conv_tune_budget_ms == 0 {
+            return;
+        }
+        let mut files: Vec<&'static KernelFile> = Vec::new();
+        for d in Direction::ALL {
+            let plan = self.plan_for(d);
+            if plan.candidates.len() < 2 {
+                continue;
+            }
+            for r in plan.candidates.iter().filter(|r| !r.path.is_cudnn()) {
+                if let Ok(e) = self.core.exec_of(&self.ctx, d, *r) {
+                    files.extend(self.route_kernels(d, &e, None));
+                }
+            }
+        }
+        if files.is_empty() {
+            return;
+        }
+        choice::prepare_first_call_kernels(&self.ctx);
+        self.ctx.prepare_kernels(&files);
     }
 
     /// Keeps a costly decision in the process cache and, when configured, in the file.

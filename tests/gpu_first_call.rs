@@ -1,0 +1,213 @@
+//! The first call of a new convolution problem in a cold process (issue 20: ≤ 1 s, the process's
+//! first convolution included): candidates whose kernels NVRTC has not compiled yet are skipped
+//! and compiled in the background, the choice says so, and the results stay right. Each test
+//! runs its body in a child process (this executable, re-run with `FIRST_CALL_CHILD` set), so
+//! that the process-wide image and choice caches start empty.
+
+mod common;
+mod conv_ref;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use half::f16;
+use nnfuse::conv::{self, Conv2d, ConvShape, Direction, Outcome};
+use nnfuse::internals::kernels;
+use nnfuse::reference::conv::conv2d;
+use nnfuse::{Config, Context, TensorFormat};
+
+use common::{conv_tolerance, download, f64s, gpu_with, poisoned, square_conv, upload, Rng};
+use conv_ref::{backward_data, backward_filter, compare, describe};
+
+const CHILD: &str = "FIRST_CALL_CHILD";
+const NOT_COMPILED: &str = "kernels not compiled yet";
+
+/// Runs test `name` of this executable in a child process with `CHILD` = a fresh, empty
+/// folder (its kernel disk cache); panics with the child's output when it fails.
+fn in_child(name: &str) {
+    let dir = std::env::temp_dir().join(format!("nnfuse-first-call-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let exe = std::env::current_exe().expect("test executable");
+    let out = Command::new(exe)
+        .args([
+            name,
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, &dir)
+        .output()
+        .expect("child process");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(out.status.success(), "child failed:\n{text}");
+    assert!(text.contains("1 passed"), "the child ran no test:\n{text}");
+}
+
+/// The child's folder, when this process is the child.
+fn child_dir() -> Option<PathBuf> {
+    std::env::var_os(CHILD).map(PathBuf::from)
+}
+
+/// A cold configuration: the default budget, an empty kernel disk cache in `dir`, no tuning
+/// file.
+fn cold(dir: &Path) -> Config {
+    Config::default().with_kernel_cache(Some(dir.join("kernels")))
+}
+
+/// Forward, data and filter gradient of `s` (f16) on `ctx`, each compared with the f64
+/// reference; returns the wall time of `Conv2d::new` through the three calls (synchronised).
+fn three_directions(ctx: &Context, s: &ConvShape, rng: &mut Rng) -> (Conv2d<f16>, f64) {
+    let xs: Vec<f16> = rng.vec(s.x_len().unwrap(), -1.0, 1.0);
+    let ws: Vec<f16> = rng.vec(s.w_len().unwrap(), -1.0, 1.0);
+    let dys: Vec<f16> = rng.vec(s.y_len().unwrap(), -1.0, 1.0);
+    let (x, w, dy) = (upload(ctx, &xs), upload(ctx, &ws), upload(ctx, &dys));
+    // Poisoned before the clock starts (the fill kernel is not the convolution's).
+    let mut y = poisoned::<f16>(ctx, s.y_len().unwrap());
+    let mut dx = poisoned::<f16>(ctx, s.x_len().unwrap());
+    let mut dw = poisoned::<f16>(ctx, s.w_len().unwrap());
+    ctx.synchronize().expect("sync");
+    let t = Instant::now();
+    let conv = Conv2d::<f16>::new(ctx, s).expect("plan");
+    conv.forward(&x, &w, &mut y).expect("forward");
+    conv.backward_data(&dy, &w, &mut dx).expect("backward data");
+    conv.backward_filter(&x, &dy, &mut dw, false)
+        .expect("backward filter");
+    ctx.synchronize().expect("sync");
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    let (xf, wf, dyf) = (f64s(&xs), f64s(&ws), f64s(&dys));
+    for (d, got, want) in [
+        (
+            Direction::Forward,
+            &y,
+            conv2d(s, &xf, &wf).expect("reference"),
+        ),
+        (Direction::BackwardData, &dx, backward_data(s, &dyf, &wf)),
+        (
+            Direction::BackwardFilter,
+            &dw,
+            backward_filter(s, &xf, &dyf),
+        ),
+    ] {
+        let c = conv.choice(d).expect("decided");
+        let what = format!("{} f16 {d} -> {c}", describe(s));
+        compare(
+            &what,
+            &f64s(&download(ctx, got)),
+            &want,
+            conv_tolerance(c.route.path, nnfuse::DType::F16),
+        )
+        .unwrap_or_else(|m| panic!("{m}"));
+        eprintln!("{what}; notes: {:?}", c.notes);
+        if let Some(r) = conv.report(d) {
+            eprintln!("{r}");
+        }
+    }
+    (conv, ms)
+}
+
+/// Whether `d`'s decision left candidates out for their kernels (note and report agree).
+fn skipped_for_compilation(conv: &Conv2d<f16>, d: Direction) -> bool {
+    let c = conv.choice(d).expect("decided");
+    let noted = c.notes.iter().any(|n| n.contains(NOT_COMPILED));
+    if let Some(r) = conv.report(d) {
+        let lines = r
+            .candidates
+            .iter()
+            .filter(|k| matches!(&k.outcome, Outcome::Skipped(w) if w.contains(NOT_COMPILED)))
+            .count();
+        assert_eq!(noted, lines > 0, "{d}: notes {:?}\n{r}", c.notes);
+    }
+    noted
+}
+
+/// A cold process's first 3x3 f16 NHWC problem, forward and both gradients: within 2 s (the
+/// target is 1 s; printed), right against f64, the candidates NVRTC had not compiled named as
+/// skipped; once the background compiles finish, an exhaustive decision (a tuning run) skips
+/// nothing.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_cold_first_call_skips_uncompiled_candidates() {
+    let Some(dir) = child_dir() else {
+        return in_child("a_cold_first_call_skips_uncompiled_candidates");
+    };
+    let s = square_conv(8, 64, 28, 64, 3, TensorFormat::Nhwc);
+    let mut rng = Rng::fresh("cold first call");
+    let ctx = gpu_with(cold(&dir));
+    let before = kernels::stats();
+    let (conv, ms) = three_directions(&ctx, &s, &mut rng);
+    println!(
+        "FIRST_CALL {}: {ms:.1} ms for Conv2d::new + three directions (target 1000 ms); \
+         {} background compiles pending",
+        describe(&s),
+        kernels::background_compiles()
+    );
+    assert!(ms < 2000.0, "the cold first call took {ms:.1} ms");
+    let skipped: Vec<Direction> = Direction::ALL
+        .into_iter()
+        .filter(|&d| skipped_for_compilation(&conv, d))
+        .collect();
+    let plan = conv.plan();
+    if plan.candidates.iter().any(|r| !r.path.is_cudnn()) && plan.candidates.len() > 1 {
+        assert!(
+            !skipped.is_empty(),
+            "a cold process compiled every candidate within the budget?\n{plan}"
+        );
+    }
+
+    // After the background compiles: an exhaustive decision on a new Context (its own
+    // Conv2d) skips nothing.
+    kernels::wait_for_background_compiles();
+    let compiled = kernels::stats().compiled;
+    eprintln!(
+        "background: {} files compiled in this process",
+        compiled - before.compiled
+    );
+    let tuning = gpu_with(cold(&dir).with_conv_tune_budget_ms(0));
+    conv::clear_choices();
+    let (again, _) = three_directions(&tuning, &s, &mut rng);
+    for d in Direction::ALL {
+        assert!(!skipped_for_compilation(&again, d), "{d}");
+    }
+    // Printed, not asserted: a Winograd transform's width follows the pointers, which the
+    // background's list covers for aligned and the caller's operands only.
+    println!(
+        "FIRST_CALL exhaustive re-decision compiled {} more files",
+        kernels::stats().compiled - compiled
+    );
+}
+
+/// A second problem in the same cold process (the check's kernels and the first problem's
+/// compiles under way or done) is no slower than the first and still right.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_second_problem_in_a_cold_process_is_fast() {
+    let Some(dir) = child_dir() else {
+        return in_child("a_second_problem_in_a_cold_process_is_fast");
+    };
+    let mut rng = Rng::fresh("cold second problem");
+    let ctx = gpu_with(cold(&dir));
+    let (_, first) = three_directions(
+        &ctx,
+        &square_conv(4, 32, 28, 32, 3, TensorFormat::Nhwc),
+        &mut rng,
+    );
+    let (_, second) = three_directions(
+        &ctx,
+        &square_conv(4, 64, 14, 64, 3, TensorFormat::Nhwc),
+        &mut rng,
+    );
+    println!("FIRST_CALL first problem {first:.1} ms, second {second:.1} ms (target 300 ms p95)");
+    assert!(
+        first < 2000.0 && second < 2000.0,
+        "{first:.1} / {second:.1} ms"
+    );
+}
