@@ -19,10 +19,13 @@ pub const EPS: f64 = 1e-5;
 /// sees).
 pub struct Inputs<T> {
     pub x: Vec<T>,
+    /// The addend of Add+ReLU (unused by the other fusions).
     pub z: Vec<T>,
+    /// The gradient entering the backward.
     pub dy: Vec<T>,
     pub gamma: Vec<f32>,
     pub beta: Vec<f32>,
+    /// Running mean and variance before the forward (inference reads these).
     pub rm: Vec<f32>,
     pub rv: Vec<f32>,
 }
@@ -57,16 +60,21 @@ pub struct Outputs {
     pub graph: bool,
     pub fwd_variant: Option<OwnVariant>,
     pub bwd_variant: Option<OwnVariant>,
+    /// The training forward's y.
     pub y: Vec<f64>,
+    /// Running mean and variance after the forward's update.
     pub rm: Vec<f64>,
     pub rv: Vec<f64>,
     pub saved_mean: Vec<f64>,
     pub saved_inv_std: Vec<f64>,
+    /// The saved ReLU bitmask, where the path keeps one.
     pub mask: Option<Vec<u32>>,
     pub dx: Vec<f64>,
+    /// The addend's gradient (Add+ReLU only).
     pub dz: Option<Vec<f64>>,
     pub dgamma: Vec<f64>,
     pub dbeta: Vec<f64>,
+    /// Inference with the running statistics of [`Inputs`].
     pub y_inference: Vec<f64>,
 }
 
