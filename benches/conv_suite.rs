@@ -17,6 +17,8 @@
 //! `cargo bench --bench conv_suite [-- --filter NAME] [--json FILE]` (on a GPU). JSON lines
 //! (one per problem-direction) go to `--json FILE` for `compare_conv.py`.
 
+#[path = "support/conv_problems.rs"]
+mod conv_problems;
 #[path = "support/exit.rs"]
 mod exit;
 
@@ -25,10 +27,11 @@ use std::time::Instant;
 
 use std::sync::Arc;
 
+use conv_problems::ConvProblem;
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
 use half::{bf16, f16};
 use nnfuse::conv::{Conv2d, ConvShape, Direction};
-use nnfuse::{Context, Element, TensorFormat};
+use nnfuse::{Context, Element};
 use serde_json::json;
 
 /// H100 SXM datasheet dense peaks: f16/bf16 tensor cores, f32 FMA (nnfuse's f32 never uses
@@ -41,50 +44,6 @@ const COPY_TBPS: f64 = 3.0;
 const HEAD_START_ELEMS: usize = 256 << 20;
 /// Samples per problem-direction (median taken).
 const SAMPLES: usize = 15;
-
-/// One line of `conv_problems.txt`.
-#[derive(Debug, Clone)]
-struct Problem {
-    name: String,
-    shape: ConvShape,
-    dtype: String,
-}
-
-fn parse_problems(text: &str) -> anyhow::Result<Vec<Problem>> {
-    let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let f: Vec<&str> = line.split_whitespace().collect();
-        anyhow::ensure!(f.len() == 13, "conv_problems.txt:{}: 13 fields", i + 1);
-        let u = |k: usize| -> anyhow::Result<usize> { Ok(f[k].parse()?) };
-        let format = if f[12] == "f32" {
-            TensorFormat::Nchw
-        } else {
-            TensorFormat::Nhwc
-        };
-        out.push(Problem {
-            name: f[0].to_string(),
-            shape: ConvShape {
-                n: u(1)?,
-                c_in: u(2)?,
-                h: u(3)?,
-                w: u(4)?,
-                c_out: u(5)?,
-                kh: u(6)?,
-                kw: u(7)?,
-                stride: (u(8)?, u(8)?),
-                pad: (u(9)?, u(10)?),
-                dilation: (u(11)?, u(11)?),
-                format,
-            },
-            dtype: f[12].to_string(),
-        });
-    }
-    Ok(out)
-}
 
 /// Deterministic uniform values in [-1, 1) (a 64-bit LCG): fresh per buffer, never zeros.
 fn uniform(len: usize, seed: u64) -> Vec<f32> {
@@ -183,7 +142,7 @@ fn floor_us(shape: &ConvShape, elem: usize, half: bool) -> anyhow::Result<f64> {
 
 fn run_problem<T: Element + DeviceRepr>(
     ctx: &Context,
-    p: &Problem,
+    p: &ConvProblem,
     head: &mut CudaSlice<f32>,
 ) -> anyhow::Result<Vec<(Direction, Measured)>> {
     let s = ctx.stream();
@@ -249,7 +208,8 @@ fn run() -> anyhow::Result<()> {
         Some(path) => Some(std::fs::File::create(path)?),
         None => None,
     };
-    let problems = parse_problems(include_str!("conv_problems.txt"))?;
+    let problems =
+        conv_problems::parse(include_str!("conv_problems.txt")).map_err(anyhow::Error::msg)?;
     let ctx = Context::new(0)?;
     println!(
         "# Convolution suite: nnfuse auto, {} problems\n",

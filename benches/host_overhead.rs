@@ -314,8 +314,7 @@ fn per_call_table(ctx: &Context, s: &Arc<CudaStream>) -> anyhow::Result<()> {
     let auto_path = conv
         .choice(nnfuse::conv::Direction::Forward)
         .map(|c| c.route.path);
-    let bare_graph = bare_graph_execute(&ctx, &shape, &cx, &cw, &mut cy);
-    let bare_legacy = bare_legacy_conv(&ctx, &shape, &cx, &cw, &mut cy);
+    let (bare_graph, bare_legacy) = bare_convs(&ctx, &shape, &cx, &cw, &mut cy);
     let auto_bare = match auto_path {
         Some(ConvPath::CudnnGraph) => Some(clone_result(&bare_graph)),
         Some(ConvPath::Cudnn) => Some(clone_result(&bare_legacy)),
@@ -570,45 +569,53 @@ fn bare_gemm(
     })
 }
 
-/// Bare `cudnnBackendExecute` of a graph plan of the problem with a variant pack built once.
-fn bare_graph_execute(
+/// The bare convolutions of the problem on the buffers' device addresses: the graph plan's
+/// `cudnnBackendExecute` and the legacy `cudnnConvolutionForward`, in that order.
+fn bare_convs(
     ctx: &Context,
     shape: &nnfuse::conv::ConvShape,
     x: &CudaSlice<f16>,
     w: &CudaSlice<f16>,
     y: &mut CudaSlice<f16>,
+) -> (nnfuse::Result<f64>, nnfuse::Result<f64>) {
+    let st = ctx.stream();
+    let (px, _a) = x.device_ptr(st);
+    let (pw, _b) = w.device_ptr(st);
+    let (py, _c) = y.device_ptr_mut(st);
+    (
+        bare_graph_execute(ctx, shape, [px, pw, py]),
+        bare_legacy_conv(ctx, shape, [px, pw, py]),
+    )
+}
+
+/// Bare `cudnnBackendExecute` of a graph plan of the problem with a variant pack built once
+/// (`ptrs`: x, w, y).
+fn bare_graph_execute(
+    ctx: &Context,
+    shape: &nnfuse::conv::ConvShape,
+    ptrs: [u64; 3],
 ) -> nnfuse::Result<f64> {
     use nnfuse::internals::cudnn_graph::{execute, GraphConv, GraphConvKey, VariantPack};
     let plan = GraphConv::cached(
         ctx,
         GraphConvKey::new(*shape, nnfuse::DType::F16, nnfuse::conv::Direction::Forward),
     )?;
-    let st = ctx.stream();
-    let (px, _a) = x.device_ptr(st);
-    let (pw, _b) = w.device_ptr(st);
-    let (py, _c) = y.device_ptr_mut(st);
     let (h, ws) = {
         let mut g = ctx.lock()?;
         (g.cudnn()?, g.workspace(plan.workspace_bytes())?)
     };
-    let pack = VariantPack::new([px, pw, py], ws)?;
+    let pack = VariantPack::new(ptrs, ws)?;
     // SAFETY: buffers and workspace outlive the measurement; one thread; the Context's stream.
     measure_bare(ctx, || unsafe { execute(h, plan.plan(), &pack) })
 }
 
-/// Bare legacy `cudnnConvolutionForward` with descriptors built once.
+/// Bare legacy `cudnnConvolutionForward` with descriptors built once (`ptrs`: x, w, y).
 fn bare_legacy_conv(
     ctx: &Context,
     shape: &nnfuse::conv::ConvShape,
-    x: &CudaSlice<f16>,
-    w: &CudaSlice<f16>,
-    y: &mut CudaSlice<f16>,
+    [px, pw, py]: [u64; 3],
 ) -> nnfuse::Result<f64> {
     let legacy = bare::LegacyConv::new(ctx, shape)?;
-    let st = ctx.stream();
-    let (px, _a) = x.device_ptr(st);
-    let (pw, _b) = w.device_ptr(st);
-    let (py, _c) = y.device_ptr_mut(st);
     // SAFETY: the buffers hold the problem and outlive the measurement; one thread.
     measure_bare(ctx, || unsafe { legacy.run(px, pw, py) })
 }

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Mutex, MutexGuard};
 
-use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::sys::{self, CUdevice_attribute};
 use cudarc::driver::{result as drv, CudaFunction, DeviceRepr, DriverError, LaunchConfig};
 use once_cell::sync::Lazy;
 
@@ -140,19 +140,8 @@ pub(crate) unsafe fn launch_kernel(
     params: &mut [*mut c_void],
     call: &'static str,
 ) -> Result<()> {
-    ctx.cuda().bind_to_thread().call(call)?;
-    // SAFETY: the caller's contract; the stream is the Context's, live.
-    unsafe {
-        drv::launch_kernel(
-            f.cu_function(),
-            cfg.grid_dim,
-            cfg.block_dim,
-            cfg.shared_mem_bytes,
-            ctx.stream().cu_stream(),
-            params,
-        )
-    }
-    .call(call)
+    // SAFETY: the caller's contract.
+    unsafe { launch_on_stream(ctx, f, cfg, params, drv::launch_kernel) }.call(call)
 }
 
 /// [`launch_kernel`] as a cooperative launch (`cuLaunchCooperativeKernel`), returning the
@@ -166,10 +155,36 @@ pub(crate) unsafe fn launch_cooperative(
     cfg: LaunchConfig,
     params: &mut [*mut c_void],
 ) -> std::result::Result<(), DriverError> {
+    // SAFETY: the caller's contract.
+    unsafe { launch_on_stream(ctx, f, cfg, params, drv::launch_cooperative_kernel) }
+}
+
+/// The driver's launch entry points (`cuLaunchKernel`, `cuLaunchCooperativeKernel`) share
+/// this signature.
+type DriverLaunch = unsafe fn(
+    sys::CUfunction,
+    (u32, u32, u32),
+    (u32, u32, u32),
+    u32,
+    sys::CUstream,
+    &mut [*mut c_void],
+) -> std::result::Result<(), DriverError>;
+
+/// What both launches do: the Context made current, then `launch` on its stream.
+///
+/// # Safety
+/// As [`launch_kernel`] (and, for a cooperative `launch`, [`launch_cooperative`]).
+unsafe fn launch_on_stream(
+    ctx: &Context,
+    f: &CudaFunction,
+    cfg: LaunchConfig,
+    params: &mut [*mut c_void],
+    launch: DriverLaunch,
+) -> std::result::Result<(), DriverError> {
     ctx.cuda().bind_to_thread()?;
     // SAFETY: the caller's contract; the stream is the Context's, live.
     unsafe {
-        drv::launch_cooperative_kernel(
+        launch(
             f.cu_function(),
             cfg.grid_dim,
             cfg.block_dim,

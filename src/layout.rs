@@ -76,6 +76,22 @@ impl ChannelLayout {
     }
 }
 
+#[cfg(test)]
+impl ChannelLayout {
+    /// The unit tests' example: 8 images of 64 channels of 14 x 14 in `format`, as
+    /// [`infer_channel_layout`] views them.
+    pub(crate) fn example(format: TensorFormat) -> ChannelLayout {
+        ChannelLayout {
+            n: 8,
+            c: 64,
+            h: 196,
+            w: 1,
+            format,
+            rank: 4,
+        }
+    }
+}
+
 impl fmt::Display for ChannelLayout {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(

@@ -339,29 +339,12 @@ pub fn time_interleaved(
         rounds,
         keep_estimate,
     } = Sampling::of(&opts, &r, &estimate);
-    let mut samples: Vec<Vec<f64>> = vec![Vec::with_capacity(rounds); n];
-    if keep_estimate {
-        for v in 0..n {
-            if r.alive(v) {
-                samples[v].push(estimate[v]);
-            }
-        }
-    }
+    let mut samples = r.first_samples(&estimate, rounds, keep_estimate);
     let remaining = if keep_estimate { rounds - 1 } else { rounds };
     if remaining > 0 {
         timed_rounds(ctx, &mut r, &bursts, remaining, &mut samples)?;
     }
-    for (s, e) in samples.iter_mut().zip(&r.errors) {
-        if e.is_some() {
-            s.clear();
-        }
-    }
-    Ok(Interleaved {
-        samples,
-        bursts,
-        errors: r.errors,
-        rounds,
-    })
+    Ok(r.into_interleaved(samples, bursts, rounds))
 }
 
 /// How the timed rounds sample, decided from the estimate round's ms per launch of each
@@ -456,6 +439,40 @@ impl<F: FnMut(usize, usize) -> Result<()>> Runner<F> {
             for v in 0..self.errors.len() {
                 self.run(v, 1);
             }
+        }
+    }
+
+    /// Room for `rounds` samples per variant, holding the estimate round of every live variant
+    /// where it is kept as the first timed round.
+    fn first_samples(&self, estimate: &[f64], rounds: usize, keep_estimate: bool) -> Vec<Vec<f64>> {
+        let mut samples: Vec<Vec<f64>> = vec![Vec::with_capacity(rounds); self.errors.len()];
+        if keep_estimate {
+            for (v, s) in samples.iter_mut().enumerate() {
+                if self.alive(v) {
+                    s.push(estimate[v]);
+                }
+            }
+        }
+        samples
+    }
+
+    /// The measurement, failed variants' samples discarded.
+    fn into_interleaved(
+        self,
+        mut samples: Vec<Vec<f64>>,
+        bursts: Vec<usize>,
+        rounds: usize,
+    ) -> Interleaved {
+        for (s, e) in samples.iter_mut().zip(&self.errors) {
+            if e.is_some() {
+                s.clear();
+            }
+        }
+        Interleaved {
+            samples,
+            bursts,
+            errors: self.errors,
+            rounds,
         }
     }
 }
@@ -734,16 +751,8 @@ pub(crate) fn time_interleaved_gpu_until(
         rounds,
         keep_estimate,
     } = Sampling::of(&opts, &r, &estimate);
-    let mut samples: Vec<Vec<f64>> = vec![Vec::with_capacity(rounds); n];
-    let mut done = 0;
-    if keep_estimate {
-        for (v, s) in samples.iter_mut().enumerate() {
-            if r.alive(v) {
-                s.push(estimate[v]);
-            }
-        }
-        done = 1;
-    }
+    let mut samples = r.first_samples(&estimate, rounds, keep_estimate);
+    let mut done = usize::from(keep_estimate);
     while done < rounds && !past(deadline, done, opts.min_rounds) {
         for (v, t) in head_start_round(ctx, &mut r, &head, &bursts)?
             .into_iter()
@@ -755,17 +764,7 @@ pub(crate) fn time_interleaved_gpu_until(
         }
         done += 1;
     }
-    for (s, e) in samples.iter_mut().zip(&r.errors) {
-        if e.is_some() {
-            s.clear();
-        }
-    }
-    Ok(Interleaved {
-        samples,
-        bursts,
-        errors: r.errors,
-        rounds: done,
-    })
+    Ok(r.into_interleaved(samples, bursts, done))
 }
 
 /// Whether timing stops before another round: the deadline has passed and `done` rounds

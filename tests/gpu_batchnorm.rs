@@ -6,155 +6,20 @@
 
 mod common;
 
+use common::bn::{self, dx_away_from_kinks, Inputs, Outputs, Run};
 use common::*;
 use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
-use nnfuse::batchnorm::{
-    BackwardArgs, BatchNorm, BnMode, BnPath, BnSaved, Fuse, InferenceArgs, TrainArgs,
-};
+use nnfuse::batchnorm::{BackwardArgs, BatchNorm, BnMode, BnPath, BnSaved, Fuse, TrainArgs};
 use nnfuse::internals::batchnorm::{probe_fused, Support};
 use nnfuse::internals::util;
 use nnfuse::reference::activation::relu_mask_fwd;
-use nnfuse::reference::batchnorm::{self as rb, Activation, ActivationBackward, BnShape};
+use nnfuse::reference::batchnorm::BnShape;
 use nnfuse::{BnImpl, Config, Context, Element, TensorFormat};
 
-/// Host copies of one case's inputs (already rounded to T, so the reference sees what the GPU
-/// sees).
-struct Inputs<T> {
-    x: Vec<T>,
-    z: Vec<T>,
-    dy: Vec<T>,
-    gamma: Vec<f32>,
-    beta: Vec<f32>,
-    rm: Vec<f32>,
-    rv: Vec<f32>,
-}
-
-fn inputs<T: Element>(rng: &mut Rng, n: usize, c: usize) -> Inputs<T> {
-    Inputs {
-        x: rng.vec(n, -2.0, 3.0),
-        z: rng.vec(n, -1.0, 1.0),
-        dy: rng.vec(n, -1.0, 1.0),
-        gamma: rng.vec(c, 0.5, 1.5),
-        beta: rng.vec(c, -0.5, 0.5),
-        rm: rng.vec(c, -0.1, 0.1),
-        rv: rng.vec(c, 0.5, 1.5),
-    }
-}
-
-/// Everything one GPU run produced, as f64.
-#[derive(Debug)]
-struct Outputs {
-    path: BnPath,
-    y: Vec<f64>,
-    rm: Vec<f64>,
-    rv: Vec<f64>,
-    saved_mean: Vec<f64>,
-    saved_inv_std: Vec<f64>,
-    mask: Option<Vec<u32>>,
-    dx: Vec<f64>,
-    dz: Option<Vec<f64>>,
-    dgamma: Vec<f64>,
-    dbeta: Vec<f64>,
-    y_inference: Vec<f64>,
-}
-
 const MOMENTUM: f64 = 0.1;
-const EPS: f64 = 1e-5;
 
-fn run_gpu<T: Element>(
-    ctx: &Context,
-    shape: &[usize],
-    axis: usize,
-    fuse: Fuse,
-    inp: &Inputs<T>,
-) -> Outputs {
-    let s = ctx.stream();
-    let n = inp.x.len();
-    let c = inp.gamma.len();
-    let bn = BatchNorm::<T>::new(ctx, shape, axis, fuse).unwrap();
-    let x = s.clone_htod(&inp.x).unwrap();
-    let z = s.clone_htod(&inp.z).unwrap();
-    let dy = s.clone_htod(&inp.dy).unwrap();
-    let g = s.clone_htod(&inp.gamma).unwrap();
-    let b = s.clone_htod(&inp.beta).unwrap();
-    let mut rm = s.clone_htod(&inp.rm).unwrap();
-    let mut rv = s.clone_htod(&inp.rv).unwrap();
-    let poison = |len| {
-        let mut v: CudaSlice<T> = s.alloc_zeros(len).unwrap();
-        util::fill(ctx, &mut v, T::from_f64(f64::NAN)).unwrap();
-        v
-    };
-    let poison32 = |len| {
-        let mut v: CudaSlice<f32> = s.alloc_zeros(len).unwrap();
-        util::fill(ctx, &mut v, f32::NAN).unwrap();
-        v
-    };
-    let mut y = poison(n);
-    let add = fuse == Fuse::AddRelu;
-    let saved: BnSaved = bn
-        .forward_train(TrainArgs {
-            x: x.as_view(),
-            addend: add.then(|| z.as_view()),
-            gamma: g.as_view(),
-            beta: b.as_view(),
-            running_mean: rm.as_view_mut(),
-            running_var: rv.as_view_mut(),
-            y: y.as_view_mut(),
-            momentum: MOMENTUM,
-            eps: EPS,
-        })
-        .unwrap();
-    let (mut dx, mut dz, mut dg, mut db) = (poison(n), poison(n), poison32(c), poison32(c));
-    bn.backward(BackwardArgs {
-        x: x.as_view(),
-        y: y.as_view(),
-        dy: dy.as_view(),
-        gamma: g.as_view(),
-        beta: b.as_view(),
-        saved: &saved,
-        dx: dx.as_view_mut(),
-        d_addend: add.then(|| dz.as_view_mut()),
-        dgamma: dg.as_view_mut(),
-        dbeta: db.as_view_mut(),
-    })
-    .unwrap();
-    // Inference with the original running statistics.
-    let rm0 = s.clone_htod(&inp.rm).unwrap();
-    let rv0 = s.clone_htod(&inp.rv).unwrap();
-    let mut yi = poison(n);
-    bn.forward_inference(InferenceArgs {
-        x: x.as_view(),
-        addend: add.then(|| z.as_view()),
-        gamma: g.as_view(),
-        beta: b.as_view(),
-        running_mean: rm0.as_view(),
-        running_var: rv0.as_view(),
-        y: yi.as_view_mut(),
-        eps: EPS,
-    })
-    .unwrap();
-    let h = |v: &CudaSlice<T>| f64s(&s.clone_dtoh(v).unwrap());
-    let h32 = |v: &CudaSlice<f32>| f64s(&s.clone_dtoh(v).unwrap());
-    Outputs {
-        path: saved.path(),
-        y: h(&y),
-        rm: h32(&rm),
-        rv: h32(&rv),
-        saved_mean: h32(saved.saved_mean()),
-        saved_inv_std: h32(saved.saved_inv_std()),
-        mask: saved.mask().map(|m| s.clone_dtoh(m).unwrap()),
-        dx: h(&dx),
-        dz: add.then(|| h(&dz)),
-        dgamma: h32(&dg),
-        dbeta: h32(&db),
-        y_inference: h(&yi),
-    }
-}
-
-/// Checks one GPU run against the f64 reference. The activation mask of the reference backward
-/// is taken from the GPU's own y (y > 0 exactly when the pre-activation was > 0), so that an
-/// element whose pre-activation rounds across zero does not flip a whole gradient entry.
+/// [`bn::check_against_reference`] at [`MOMENTUM`], and a saved bitmask equal to (y > 0).
 fn check_against_reference<T: Element>(
     what: &str,
     shape: &[usize],
@@ -163,97 +28,25 @@ fn check_against_reference<T: Element>(
     inp: &Inputs<T>,
     out: &Outputs,
 ) {
-    let tol = T::DTYPE.tolerance();
-    let sh = BnShape::new(shape, axis).unwrap();
-    let x = f64s(&inp.x);
-    let z = f64s(&inp.z);
-    let dy = f64s(&inp.dy);
-    let (g, b) = (f64s(&inp.gamma), f64s(&inp.beta));
-    let (rm, rv) = (f64s(&inp.rm), f64s(&inp.rv));
-    let act = match fuse {
-        Fuse::None => Activation::None,
-        Fuse::Relu => Activation::Relu,
-        Fuse::AddRelu => Activation::AddRelu(&z),
-    };
-    let f = rb::train_forward(&sh, &x, &g, &b, &rm, &rv, MOMENTUM, EPS, act).unwrap();
-    let w = |s: &str| format!("{what}: {s}");
-    assert_close(&w("y"), &out.y, &f.y, tol);
-    // Statistics are computed in f32 from exactly the inputs the reference sees.
-    assert_close(&w("saved_mean"), &out.saved_mean, &f.saved_mean, 1e-5);
-    assert_close(
-        &w("saved_inv_std"),
-        &out.saved_inv_std,
-        &f.saved_inv_std,
-        1e-5,
-    );
-    assert_close(&w("running_mean"), &out.rm, &f.running_mean, 1e-5);
-    assert_close(&w("running_var"), &out.rv, &f.running_var, 1e-5);
-    let gpu_mask = relu_mask_fwd(&out.y).1;
     if let Some(m) = &out.mask {
-        assert_eq!(m, &gpu_mask, "{what}: saved bitmask differs from (y > 0)");
+        assert_eq!(
+            m,
+            &relu_mask_fwd(&out.y).1,
+            "{what}: saved bitmask differs from (y > 0)"
+        );
     }
-    let act_bwd = match fuse {
-        Fuse::None => ActivationBackward::None,
-        Fuse::Relu => ActivationBackward::Relu { mask: &gpu_mask },
-        Fuse::AddRelu => ActivationBackward::AddRelu { mask: &gpu_mask },
-    };
-    let gr = rb::backward(&sh, &x, &dy, &g, &f.saved_mean, &f.saved_inv_std, act_bwd).unwrap();
-    assert_close_stored(&w("dx"), T::DTYPE, &out.dx, &gr.dx, tol);
-    assert_close(&w("dgamma"), &out.dgamma, &gr.dgamma, tol.max(1e-5));
-    assert_close(&w("dbeta"), &out.dbeta, &gr.dbeta, tol.max(1e-5));
-    if let (Some(dz), Some(want)) = (&out.dz, &gr.d_addend) {
-        assert_close(&w("d_addend"), dz, want, tol);
-    }
-    let yi = rb::inference_forward(&sh, &x, &g, &b, &rm, &rv, EPS, act).unwrap();
-    assert_close(&w("y (inference)"), &out.y_inference, &yi, tol);
+    bn::check_against_reference(what, shape, axis, fuse, inp, MOMENTUM, out);
 }
 
 /// Two paths on identical inputs agree: y within tolerance; the ReLU masks (y > 0) agree except
-/// at a few kinks, where the pre-activation is within rounding of zero (cuDNN's fused op adds
-/// the addend before rounding to T, the fallback after, so an element an ulp from zero may land
-/// on either side); dx agrees within tolerance away from those kinks.
+/// at a few kinks; dx agrees within tolerance away from those kinks ([`dx_away_from_kinks`]).
 fn compare_paths(what: &str, tol: f64, sh: &BnShape, a: &Outputs, b: &Outputs) {
     assert_close(&format!("{what}: y fused vs fallback"), &a.y, &b.y, tol);
-    let n = a.y.len();
-    let rms = (a.y.iter().map(|v| v * v).sum::<f64>() / n as f64).sqrt();
-    let flips: Vec<usize> = (0..n)
-        .filter(|&i| (a.y[i] > 0.0) != (b.y[i] > 0.0))
-        .collect();
-    // A flip needs the pre-activation within about one rounding step of T (relative `tol`) of
-    // zero: expected count ~ n * tol * density near zero (< 1), so bound it by 1 + n * tol.
-    let max_flips = 1 + (n as f64 * tol) as usize;
-    assert!(
-        flips.len() <= max_flips,
-        "{what}: the paths' ReLU masks differ at {} of {n} elements (at most {max_flips} kinks)",
-        flips.len()
-    );
-    for &i in &flips {
-        let kink = a.y[i].abs().max(b.y[i].abs());
-        assert!(
-            kink <= 4.0 * tol * rms,
-            "{what}: masks differ at element {i} where y = {} / {} is not near zero",
-            a.y[i],
-            b.y[i]
-        );
-    }
-    // A flip changes its channel's sums (dbeta, dgamma), hence dx of the whole channel (in
-    // proportion 1/M): compare dx over the channels without a flip.
-    let channel = |i: usize| (i / sh.inner) % sh.c;
-    let flipped: Vec<usize> = flips.iter().map(|&i| channel(i)).collect();
-    let away = |v: &[f64]| -> Vec<f64> {
-        v.iter()
-            .enumerate()
-            .filter(|(i, _)| !flipped.contains(&channel(*i)))
-            .map(|(_, x)| *x)
-            .collect()
-    };
+    let (a_dx, b_dx, kinks) = dx_away_from_kinks(what, tol, sh, a, b);
     assert_close(
-        &format!(
-            "{what}: dx fused vs fallback (away from the channels of {} kinks)",
-            flips.len()
-        ),
-        &away(&a.dx),
-        &away(&b.dx),
+        &format!("{what}: dx fused vs fallback (away from the channels of {kinks} kinks)"),
+        &a_dx,
+        &b_dx,
         tol,
     );
 }
@@ -297,9 +90,9 @@ fn grid_for<T: Element>(tag: &str, own: bool) {
         let n: usize = shape.iter().product();
         let c = shape[axis];
         for fuse in [Fuse::None, Fuse::Relu, Fuse::AddRelu] {
-            let inp = inputs::<T>(&mut rng, n, c);
+            let inp = Inputs::<T>::uniform(&mut rng, n, c);
             let what = format!("{:?} {shape:?} axis {axis} {fuse:?}", T::DTYPE);
-            let a = run_gpu(&fused, shape, axis, fuse, &inp);
+            let a = bn::run(&fused, shape, axis, Run::plain(fuse, MOMENTUM), &inp);
             if own {
                 assert_eq!(a.path, BnPath::Own, "{what}: bn_impl = own");
             }
@@ -312,7 +105,7 @@ fn grid_for<T: Element>(tag: &str, own: bool) {
                 &a,
             );
             if fuse != Fuse::None || own {
-                let b = run_gpu(&fallback, shape, axis, fuse, &inp);
+                let b = bn::run(&fallback, shape, axis, Run::plain(fuse, MOMENTUM), &inp);
                 let want = if fuse == Fuse::None {
                     BnPath::Plain
                 } else {
@@ -378,8 +171,8 @@ fn channels_last_f16_takes_the_fused_path() {
     let mut rng = Rng::fresh("fused");
     for fuse in [Fuse::Relu, Fuse::AddRelu] {
         let shape = [8, 28, 28, 64];
-        let inp = inputs::<f16>(&mut rng, shape.iter().product(), 64);
-        let out = run_gpu(&ctx, &shape, 3, fuse, &inp);
+        let inp = Inputs::<f16>::uniform(&mut rng, shape.iter().product(), 64);
+        let out = bn::run(&ctx, &shape, 3, Run::plain(fuse, MOMENTUM), &inp);
         assert_eq!(out.path, BnPath::CudnnFused, "{fuse:?}");
         check_against_reference("fused", &shape, 3, fuse, &inp, &out);
     }
@@ -438,8 +231,8 @@ fn policies_and_env_flags_choose_the_mode_and_agree() {
         let bn = BatchNorm::<f32>::new(&ctx, shape, axis, Fuse::Relu).unwrap();
         assert_eq!(bn.plan().mode, mode, "{env:?} {shape:?}");
         let n: usize = shape.iter().product();
-        let inp = inputs::<f32>(&mut rng, n, shape[axis]);
-        let out = run_gpu(&ctx, shape, axis, Fuse::Relu, &inp);
+        let inp = Inputs::<f32>::uniform(&mut rng, n, shape[axis]);
+        let out = bn::run(&ctx, shape, axis, Run::plain(Fuse::Relu, MOMENTUM), &inp);
         // Every policy's path agrees with the reference (hence with every other policy).
         check_against_reference(
             &format!("{env:?} {shape:?} {mode:?}"),

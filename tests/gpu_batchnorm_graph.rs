@@ -11,53 +11,11 @@
 
 mod common;
 
+use common::bn::{self, check_against_reference, Inputs, Run};
 use common::*;
-use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
-use nnfuse::batchnorm::{BackwardArgs, BatchNorm, BnPath, Fuse, InferenceArgs, TrainArgs};
-use nnfuse::reference::activation::relu_mask_fwd;
-use nnfuse::reference::batchnorm::{self as rb, Activation, ActivationBackward, BnShape};
+use nnfuse::batchnorm::{BatchNorm, BnPath, Fuse};
 use nnfuse::{BnImpl, Config, Context, CudnnApi, Element};
-
-const EPS: f64 = 1e-5;
-
-struct Inputs<T> {
-    x: Vec<T>,
-    z: Vec<T>,
-    dy: Vec<T>,
-    gamma: Vec<f32>,
-    beta: Vec<f32>,
-    rm: Vec<f32>,
-    rv: Vec<f32>,
-}
-
-fn inputs<T: Element>(rng: &mut Rng, n: usize, c: usize) -> Inputs<T> {
-    Inputs {
-        x: rng.vec(n, -2.0, 3.0),
-        z: rng.vec(n, -1.0, 1.0),
-        dy: rng.vec(n, -1.0, 1.0),
-        gamma: rng.vec(c, 0.5, 1.5),
-        beta: rng.vec(c, -0.5, 0.5),
-        rm: rng.vec(c, -0.1, 0.1),
-        rv: rng.vec(c, 0.5, 1.5),
-    }
-}
-
-#[derive(Debug)]
-struct Outputs {
-    path: BnPath,
-    graph: bool,
-    y: Vec<f64>,
-    rm: Vec<f64>,
-    rv: Vec<f64>,
-    saved_mean: Vec<f64>,
-    saved_inv_std: Vec<f64>,
-    dx: Vec<f64>,
-    dz: Option<Vec<f64>>,
-    dgamma: Vec<f64>,
-    dbeta: Vec<f64>,
-    y_inference: Vec<f64>,
-}
 
 fn ctx_for(api: CudnnApi) -> Context {
     gpu_with(
@@ -65,136 +23,6 @@ fn ctx_for(api: CudnnApi) -> Context {
             .with_bn_impl(BnImpl::Cudnn)
             .with_cudnn_api(api),
     )
-}
-
-fn run<T: Element>(
-    ctx: &Context,
-    shape: &[usize],
-    axis: usize,
-    fuse: Fuse,
-    inp: &Inputs<T>,
-    momentum: f64,
-) -> Outputs {
-    let s = ctx.stream();
-    let (n, c) = (inp.x.len(), inp.gamma.len());
-    let bn = BatchNorm::<T>::new(ctx, shape, axis, fuse).unwrap();
-    let x = upload(ctx, &inp.x);
-    let z = upload(ctx, &inp.z);
-    let dy = upload(ctx, &inp.dy);
-    let g = upload(ctx, &inp.gamma);
-    let b = upload(ctx, &inp.beta);
-    let mut rm = upload(ctx, &inp.rm);
-    let mut rv = upload(ctx, &inp.rv);
-    let add = fuse == Fuse::AddRelu;
-    let mut y = poisoned::<T>(ctx, n);
-    let saved = bn
-        .forward_train(TrainArgs {
-            x: x.as_view(),
-            addend: add.then(|| z.as_view()),
-            gamma: g.as_view(),
-            beta: b.as_view(),
-            running_mean: rm.as_view_mut(),
-            running_var: rv.as_view_mut(),
-            y: y.as_view_mut(),
-            momentum,
-            eps: EPS,
-        })
-        .unwrap();
-    let (mut dx, mut dz) = (poisoned::<T>(ctx, n), poisoned::<T>(ctx, n));
-    let (mut dg, mut db) = (poisoned::<f32>(ctx, c), poisoned::<f32>(ctx, c));
-    bn.backward(BackwardArgs {
-        x: x.as_view(),
-        y: y.as_view(),
-        dy: dy.as_view(),
-        gamma: g.as_view(),
-        beta: b.as_view(),
-        saved: &saved,
-        dx: dx.as_view_mut(),
-        d_addend: add.then(|| dz.as_view_mut()),
-        dgamma: dg.as_view_mut(),
-        dbeta: db.as_view_mut(),
-    })
-    .unwrap();
-    let (rm0, rv0) = (upload(ctx, &inp.rm), upload(ctx, &inp.rv));
-    let mut yi = poisoned::<T>(ctx, n);
-    bn.forward_inference(InferenceArgs {
-        x: x.as_view(),
-        addend: add.then(|| z.as_view()),
-        gamma: g.as_view(),
-        beta: b.as_view(),
-        running_mean: rm0.as_view(),
-        running_var: rv0.as_view(),
-        y: yi.as_view_mut(),
-        eps: EPS,
-    })
-    .unwrap();
-    let h = |v: &CudaSlice<T>| f64s(&s.clone_dtoh(v).unwrap());
-    let h32 = |v: &CudaSlice<f32>| f64s(&s.clone_dtoh(v).unwrap());
-    Outputs {
-        path: saved.path(),
-        graph: saved.ran_graph(),
-        y: h(&y),
-        rm: h32(&rm),
-        rv: h32(&rv),
-        saved_mean: h32(saved.saved_mean()),
-        saved_inv_std: h32(saved.saved_inv_std()),
-        dx: h(&dx),
-        dz: add.then(|| h(&dz)),
-        dgamma: h32(&dg),
-        dbeta: h32(&db),
-        y_inference: h(&yi),
-    }
-}
-
-/// One run against the f64 reference (the ReLU mask of the reference backward is the GPU's
-/// own y > 0, as in tests/gpu_batchnorm.rs).
-#[allow(clippy::too_many_arguments)]
-fn check<T: Element>(
-    what: &str,
-    shape: &[usize],
-    axis: usize,
-    fuse: Fuse,
-    inp: &Inputs<T>,
-    momentum: f64,
-    out: &Outputs,
-) {
-    let tol = T::DTYPE.tolerance();
-    let sh = BnShape::new(shape, axis).unwrap();
-    let (x, z, dy) = (f64s(&inp.x), f64s(&inp.z), f64s(&inp.dy));
-    let (g, b) = (f64s(&inp.gamma), f64s(&inp.beta));
-    let (rm, rv) = (f64s(&inp.rm), f64s(&inp.rv));
-    let act = match fuse {
-        Fuse::None => Activation::None,
-        Fuse::Relu => Activation::Relu,
-        Fuse::AddRelu => Activation::AddRelu(&z),
-    };
-    let f = rb::train_forward(&sh, &x, &g, &b, &rm, &rv, momentum, EPS, act).unwrap();
-    let w = |s: &str| format!("{what}: {s}");
-    assert_close(&w("y"), &out.y, &f.y, tol);
-    assert_close(&w("saved_mean"), &out.saved_mean, &f.saved_mean, 1e-5);
-    assert_close(
-        &w("saved_inv_std"),
-        &out.saved_inv_std,
-        &f.saved_inv_std,
-        1e-5,
-    );
-    assert_close(&w("running_mean"), &out.rm, &f.running_mean, 1e-5);
-    assert_close(&w("running_var"), &out.rv, &f.running_var, 1e-5);
-    let mask = relu_mask_fwd(&out.y).1;
-    let act_bwd = match fuse {
-        Fuse::None => ActivationBackward::None,
-        Fuse::Relu => ActivationBackward::Relu { mask: &mask },
-        Fuse::AddRelu => ActivationBackward::AddRelu { mask: &mask },
-    };
-    let gr = rb::backward(&sh, &x, &dy, &g, &f.saved_mean, &f.saved_inv_std, act_bwd).unwrap();
-    assert_close_stored(&w("dx"), T::DTYPE, &out.dx, &gr.dx, tol);
-    assert_close(&w("dgamma"), &out.dgamma, &gr.dgamma, tol.max(1e-5));
-    assert_close(&w("dbeta"), &out.dbeta, &gr.dbeta, tol.max(1e-5));
-    if let (Some(dz), Some(want)) = (&out.dz, &gr.d_addend) {
-        assert_close(&w("d_addend"), dz, want, tol);
-    }
-    let yi = rb::inference_forward(&sh, &x, &g, &b, &rm, &rv, EPS, act).unwrap();
-    assert_close(&w("y (inference)"), &out.y_inference, &yi, tol);
 }
 
 /// Channels-last shapes (cuDNN's documented layout for its graph BatchNorm), C % 4 != 0 and
@@ -219,9 +47,9 @@ fn grid<T: Element>(tag: &str, shapes: &[(&[usize], usize)]) -> (usize, usize) {
         let n: usize = shape.iter().product();
         let c = shape[axis];
         for fuse in Fuse::ALL {
-            let inp = inputs::<T>(&mut rng, n, c);
+            let inp = Inputs::<T>::uniform(&mut rng, n, c);
             let what = format!("{:?} {shape:?} axis {axis} {fuse:?}", T::DTYPE);
-            let a = run(&graph, shape, axis, fuse, &inp, 0.1);
+            let a = bn::run(&graph, shape, axis, Run::plain(fuse, 0.1), &inp);
             println!("{what}: graph ran: {}, path {:?}", a.graph, a.path);
             // Measured on the H100 (cuDNN 9.19, 2026-11-25): NORM_FORWARD finalizes for NHWC
             // halves when the channel count is a multiple of 8 (30 channels: no engine); those
@@ -237,10 +65,10 @@ fn grid<T: Element>(tag: &str, shapes: &[(&[usize], usize)]) -> (usize, usize) {
             if a.graph && fuse != Fuse::None {
                 assert_eq!(a.path, BnPath::Fallback, "{what}");
             }
-            check(&format!("{what} [graph]"), shape, axis, fuse, &inp, 0.1, &a);
-            let b = run(&legacy, shape, axis, fuse, &inp, 0.1);
+            check_against_reference(&format!("{what} [graph]"), shape, axis, fuse, &inp, 0.1, &a);
+            let b = bn::run(&legacy, shape, axis, Run::plain(fuse, 0.1), &inp);
             assert!(!b.graph, "{what}: legacy must not run the graph");
-            check(
+            check_against_reference(
                 &format!("{what} [legacy]"),
                 shape,
                 axis,
@@ -312,13 +140,13 @@ fn graph_route_uses_each_calls_momentum() {
     let mut rng = Rng::fresh("graph_momentum");
     let n: usize = shape.iter().product();
     for momentum in [0.1, 0.5, 1.0, 0.0] {
-        let inp = inputs::<f16>(&mut rng, n, 64);
-        let out = run(&ctx, shape, axis, Fuse::None, &inp, momentum);
+        let inp = Inputs::<f16>::uniform(&mut rng, n, 64);
+        let out = bn::run(&ctx, shape, axis, Run::plain(Fuse::None, momentum), &inp);
         assert!(
             out.graph,
             "momentum {momentum}: the graph must run (f16 NHWC)"
         );
-        check(
+        check_against_reference(
             &format!("momentum {momentum}"),
             shape,
             axis,
@@ -339,8 +167,8 @@ fn legacy_never_runs_the_graph() {
     let bn = BatchNorm::<f16>::new(&ctx, &[4, 14, 14, 32], 3, Fuse::Relu).unwrap();
     assert_eq!(bn.plan().cudnn_api_used(), Some("legacy"), "{}", bn.plan());
     let mut rng = Rng::fresh("legacy_api");
-    let inp = inputs::<f16>(&mut rng, 4 * 14 * 14 * 32, 32);
-    let out = run(&ctx, &[4, 14, 14, 32], 3, Fuse::Relu, &inp, 0.1);
+    let inp = Inputs::<f16>::uniform(&mut rng, 4 * 14 * 14 * 32, 32);
+    let out = bn::run(&ctx, &[4, 14, 14, 32], 3, Run::plain(Fuse::Relu, 0.1), &inp);
     assert!(!out.graph);
     assert_eq!(out.path, BnPath::CudnnFused);
 }

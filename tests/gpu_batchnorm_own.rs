@@ -10,20 +10,17 @@
 
 mod common;
 
-use common::*;
-use cudarc::driver::CudaSlice;
-use half::{bf16, f16};
-use nnfuse::batchnorm::{
-    BackwardArgs, BatchNorm, BnOptions, BnPath, Fuse, InferenceArgs, OwnVariant, OwnVariantChoice,
-    TrainArgs,
+use common::bn::{
+    self, activation, activation_backward, check_forward, dx_away_from_kinks, Inputs, Outputs, Run,
+    EPS,
 };
+use common::*;
+use half::{bf16, f16};
+use nnfuse::batchnorm::{BatchNorm, BnOptions, BnPath, Fuse, OwnVariant, OwnVariantChoice};
 use nnfuse::internals::batchnorm::OWN_PER_CHANNEL_MAX_M;
-use nnfuse::internals::util;
 use nnfuse::reference::activation::relu_mask_fwd;
-use nnfuse::reference::batchnorm::{self as rb, Activation, ActivationBackward, BnShape};
+use nnfuse::reference::batchnorm::{self as rb, BnShape};
 use nnfuse::{BnImpl, BnModePolicy, Config, Context, DType, Element};
-
-const EPS: f64 = 1e-5;
 
 /// What a case's inputs look like.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -34,17 +31,6 @@ enum Data {
     Offset,
     /// Positive values log-uniform over [1e-3, 1e3].
     Wide,
-}
-
-/// Host copies of one case's inputs, already rounded to T.
-struct Inputs<T> {
-    x: Vec<T>,
-    z: Vec<T>,
-    dy: Vec<T>,
-    gamma: Vec<f32>,
-    beta: Vec<f32>,
-    rm: Vec<f32>,
-    rv: Vec<f32>,
 }
 
 fn inputs<T: Element>(rng: &mut Rng, sh: &BnShape, data: Data) -> Inputs<T> {
@@ -73,34 +59,7 @@ fn inputs<T: Element>(rng: &mut Rng, sh: &BnShape, data: Data) -> Inputs<T> {
             .map(|_| T::from_f64(10f64.powf(rng.uniform(-3.0, 3.0))))
             .collect(),
     };
-    Inputs {
-        x,
-        z: rng.vec(n, -1.0, 1.0),
-        dy: rng.vec(n, -1.0, 1.0),
-        gamma: rng.vec(c, 0.5, 1.5),
-        beta: rng.vec(c, -0.5, 0.5),
-        rm: rng.vec(c, -0.1, 0.1),
-        rv: rng.vec(c, 0.5, 1.5),
-    }
-}
-
-/// Everything one GPU run produced, as f64.
-#[derive(Debug, Clone)]
-struct Outputs {
-    path: BnPath,
-    fwd_variant: Option<OwnVariant>,
-    bwd_variant: Option<OwnVariant>,
-    y: Vec<f64>,
-    rm: Vec<f64>,
-    rv: Vec<f64>,
-    saved_mean: Vec<f64>,
-    saved_inv_std: Vec<f64>,
-    mask: Option<Vec<u32>>,
-    dx: Vec<f64>,
-    dz: Option<Vec<f64>>,
-    dgamma: Vec<f64>,
-    dbeta: Vec<f64>,
-    y_inference: Vec<f64>,
+    Inputs::with_x(rng, x, c)
 }
 
 impl Outputs {
@@ -130,122 +89,6 @@ impl Outputs {
     }
 }
 
-/// One case: where it runs and how.
-#[derive(Debug, Clone, Copy)]
-struct Run {
-    fuse: Fuse,
-    variant: OwnVariantChoice,
-    /// Elements every data buffer is offset by (a view at an odd element takes the element path
-    /// and never the persistent kernel).
-    offset: usize,
-    momentum: f64,
-}
-
-/// A device buffer holding `offset` poison elements, then `data`.
-fn upload<T: Element>(ctx: &Context, data: &[T], offset: usize) -> CudaSlice<T> {
-    let s = ctx.stream();
-    let mut host = vec![T::from_f64(f64::NAN); offset];
-    host.extend_from_slice(data);
-    s.clone_htod(&host).unwrap()
-}
-
-fn poisoned<T: Element>(ctx: &Context, len: usize) -> CudaSlice<T> {
-    let mut v: CudaSlice<T> = ctx.stream().alloc_zeros(len).unwrap();
-    util::fill(ctx, &mut v, T::from_f64(f64::NAN)).unwrap();
-    v
-}
-
-fn run_gpu<T: Element>(
-    ctx: &Context,
-    shape: &[usize],
-    axis: usize,
-    r: Run,
-    inp: &Inputs<T>,
-) -> Outputs {
-    let s = ctx.stream();
-    let n = inp.x.len();
-    let c = inp.gamma.len();
-    let off = r.offset;
-    let opts = BnOptions {
-        own_variant: r.variant,
-    };
-    let bn = BatchNorm::<T>::with_options(ctx, shape, axis, r.fuse, opts).unwrap();
-    let x = upload(ctx, &inp.x, off);
-    let z = upload(ctx, &inp.z, off);
-    let dy = upload(ctx, &inp.dy, off);
-    let g = s.clone_htod(&inp.gamma).unwrap();
-    let b = s.clone_htod(&inp.beta).unwrap();
-    let mut rm = s.clone_htod(&inp.rm).unwrap();
-    let mut rv = s.clone_htod(&inp.rv).unwrap();
-    let poison32 = |len| {
-        let mut v: CudaSlice<f32> = s.alloc_zeros(len).unwrap();
-        util::fill(ctx, &mut v, f32::NAN).unwrap();
-        v
-    };
-    let mut y = poisoned::<T>(ctx, n + off);
-    let add = r.fuse == Fuse::AddRelu;
-    let saved = bn
-        .forward_train(TrainArgs {
-            x: x.slice(off..),
-            addend: add.then(|| z.slice(off..)),
-            gamma: g.as_view(),
-            beta: b.as_view(),
-            running_mean: rm.as_view_mut(),
-            running_var: rv.as_view_mut(),
-            y: y.slice_mut(off..),
-            momentum: r.momentum,
-            eps: EPS,
-        })
-        .unwrap();
-    let (mut dx, mut dz) = (poisoned::<T>(ctx, n + off), poisoned::<T>(ctx, n + off));
-    let (mut dg, mut db) = (poison32(c), poison32(c));
-    bn.backward(BackwardArgs {
-        x: x.slice(off..),
-        y: y.slice(off..),
-        dy: dy.slice(off..),
-        gamma: g.as_view(),
-        beta: b.as_view(),
-        saved: &saved,
-        dx: dx.slice_mut(off..),
-        d_addend: add.then(|| dz.slice_mut(off..)),
-        dgamma: dg.as_view_mut(),
-        dbeta: db.as_view_mut(),
-    })
-    .unwrap();
-    let rm0 = s.clone_htod(&inp.rm).unwrap();
-    let rv0 = s.clone_htod(&inp.rv).unwrap();
-    let mut yi = poisoned::<T>(ctx, n + off);
-    bn.forward_inference(InferenceArgs {
-        x: x.slice(off..),
-        addend: add.then(|| z.slice(off..)),
-        gamma: g.as_view(),
-        beta: b.as_view(),
-        running_mean: rm0.as_view(),
-        running_var: rv0.as_view(),
-        y: yi.slice_mut(off..),
-        eps: EPS,
-    })
-    .unwrap();
-    let h = |v: &CudaSlice<T>| f64s(&s.clone_dtoh(v).unwrap()[off..]);
-    let h32 = |v: &CudaSlice<f32>| f64s(&s.clone_dtoh(v).unwrap());
-    Outputs {
-        path: saved.path(),
-        fwd_variant: saved.own_variant(),
-        bwd_variant: bn.last_own_backward(),
-        y: h(&y),
-        rm: h32(&rm),
-        rv: h32(&rv),
-        saved_mean: h32(saved.saved_mean()),
-        saved_inv_std: h32(saved.saved_inv_std()),
-        mask: saved.mask().map(|m| s.clone_dtoh(m).unwrap()),
-        dx: h(&dx),
-        dz: add.then(|| h(&dz)),
-        dgamma: h32(&dg),
-        dbeta: h32(&db),
-        y_inference: h(&yi),
-    }
-}
-
 /// The f64 reference of one case (forward with the given momentum, inference with the
 /// original running statistics).
 struct Reference {
@@ -258,11 +101,7 @@ fn reference<T: Element>(sh: &BnShape, fuse: Fuse, inp: &Inputs<T>, momentum: f6
     let z = f64s(&inp.z);
     let (g, b) = (f64s(&inp.gamma), f64s(&inp.beta));
     let (rm, rv) = (f64s(&inp.rm), f64s(&inp.rv));
-    let act = match fuse {
-        Fuse::None => Activation::None,
-        Fuse::Relu => Activation::Relu,
-        Fuse::AddRelu => Activation::AddRelu(&z),
-    };
+    let act = activation(fuse, &z);
     Reference {
         fwd: rb::train_forward(sh, &x, &g, &b, &rm, &rv, momentum, EPS, act).unwrap(),
         y_inference: rb::inference_forward(sh, &x, &g, &b, &rm, &rv, EPS, act).unwrap(),
@@ -292,16 +131,7 @@ fn check<T: Element>(
     let w = |s: &str| format!("{what}: {s}");
     let f = &rf.fwd;
     assert_eq!(out.path, BnPath::Own, "{what}: path");
-    assert_close(&w("y"), &out.y, &f.y, tol);
-    assert_close(&w("saved_mean"), &out.saved_mean, &f.saved_mean, 2e-6);
-    assert_close(
-        &w("saved_inv_std"),
-        &out.saved_inv_std,
-        &f.saved_inv_std,
-        2e-6,
-    );
-    assert_close(&w("running_mean"), &out.rm, &f.running_mean, 2e-6);
-    assert_close(&w("running_var"), &out.rv, &f.running_var, 2e-6);
+    check_forward(w, out, f, tol, 2e-6);
     let gpu_mask = relu_mask_fwd(&out.y).1;
     match (&out.mask, fuse) {
         (None, Fuse::None) => {}
@@ -341,11 +171,7 @@ fn backward_ref<T: Element>(
     rf: &Reference,
     mask: &[u32],
 ) -> rb::BnGrads {
-    let act_bwd = match fuse {
-        Fuse::None => ActivationBackward::None,
-        Fuse::Relu => ActivationBackward::Relu { mask },
-        Fuse::AddRelu => ActivationBackward::AddRelu { mask },
-    };
+    let act_bwd = activation_backward(fuse, mask);
     let (x, dy, g) = (f64s(&inp.x), f64s(&inp.dy), f64s(&inp.gamma));
     let f = &rf.fwd;
     rb::backward(sh, &x, &dy, &g, &f.saved_mean, &f.saved_inv_std, act_bwd).unwrap()
@@ -400,39 +226,11 @@ fn compare_paths(
             .sum::<f64>()
             .sqrt();
     assert_close(&format!("{what}: y"), &a.y, &b.y, tol + units / norm);
-    let n = a.y.len();
-    let rms = (a.y.iter().map(|v| v * v).sum::<f64>() / n as f64).sqrt();
-    let flips: Vec<usize> = (0..n)
-        .filter(|&i| (a.y[i] > 0.0) != (b.y[i] > 0.0))
-        .collect();
-    let max_flips = 1 + (n as f64 * tol) as usize;
-    assert!(
-        flips.len() <= max_flips,
-        "{what}: the paths' ReLU masks differ at {} of {n} elements (at most {max_flips})",
-        flips.len()
-    );
-    for &i in &flips {
-        let kink = a.y[i].abs().max(b.y[i].abs());
-        assert!(
-            kink <= 4.0 * tol * rms,
-            "{what}: masks differ at element {i} where y = {} / {} is not near zero",
-            a.y[i],
-            b.y[i]
-        );
-    }
-    let channel = |i: usize| (i / sh.inner) % sh.c;
-    let flipped: Vec<usize> = flips.iter().map(|&i| channel(i)).collect();
-    let away = |v: &[f64]| -> Vec<f64> {
-        v.iter()
-            .enumerate()
-            .filter(|(i, _)| !flipped.contains(&channel(*i)))
-            .map(|(_, x)| *x)
-            .collect()
-    };
+    let (a_dx, b_dx, kinks) = dx_away_from_kinks(what, tol, sh, a, b);
     assert_close(
-        &format!("{what}: dx (away from {} kinks)", flips.len()),
-        &away(&a.dx),
-        &away(&b.dx),
+        &format!("{what}: dx (away from {kinks} kinks)"),
+        &a_dx,
+        &b_dx,
         dx_tol,
     );
     assert_close(
@@ -508,7 +306,7 @@ fn grid<T: Element>(tag: &str) {
                         "{:?} {shape:?} axis {axis} {fuse:?} {variant:?} offset {offset}",
                         T::DTYPE
                     );
-                    let out = run_gpu(&own, shape, axis, r, &inp);
+                    let out = bn::run(&own, shape, axis, r, &inp);
                     check(&what, &sh, fuse, &inp, &rf, &out);
                     // The variants that ran: the plan's, except that an unaligned view runs
                     // two-pass where persistent was planned (these tensors all fit an H100);
@@ -559,7 +357,7 @@ fn grid<T: Element>(tag: &str) {
                 offset: 0,
                 momentum: 0.1,
             };
-            let cu = run_gpu(&cudnn, shape, axis, r, &inp);
+            let cu = bn::run(&cudnn, shape, axis, r, &inp);
             // With few values per channel dx is mostly cancellation: own's is checked against
             // f64 above (per channel in f64 there); cuDNN's may itself be further than tol from
             // f64, and then the two can only agree to within cuDNN's distance.
@@ -581,7 +379,7 @@ fn grid<T: Element>(tag: &str) {
                 &cu,
             );
             if fuse != Fuse::None && cu.path == BnPath::CudnnFused {
-                let fb = run_gpu(&fallback, shape, axis, r, &inp);
+                let fb = bn::run(&fallback, shape, axis, r, &inp);
                 assert_eq!(fb.path, BnPath::Fallback, "{what}");
                 let fb_tol = dx_tol_vs(&fb, "fallback");
                 compare_paths(
@@ -654,7 +452,7 @@ fn few_values_per_channel_match_f64() {
                         offset: 0,
                         momentum: 0.1,
                     };
-                    let out = run_gpu(own, shape, axis, r, &inp);
+                    let out = bn::run(own, shape, axis, r, &inp);
                     let what = format!("{:?} {shape:?} {data:?} {fuse:?}", T::DTYPE);
                     let want_bwd = if sh.per_channel() <= OWN_PER_CHANNEL_MAX_M as usize {
                         OwnVariant::PerChannel
@@ -696,7 +494,7 @@ fn ten_million_elements_per_channel() {
             offset: 0,
             momentum: 0.1,
         };
-        let out = run_gpu(&own, shape, axis, r, &inp);
+        let out = bn::run(&own, shape, axis, r, &inp);
         let e = check(
             &format!("f32 {shape:?} relu"),
             &sh,
@@ -765,7 +563,7 @@ fn accuracy_beats_cudnn_spatial_on_hard_inputs() {
                 offset: 0,
                 momentum: 1.0,
             };
-            let cu = run_gpu(&spatial, shape, axis, r, &inp);
+            let cu = bn::run(&spatial, shape, axis, r, &inp);
             let bn = BatchNorm::<f32>::new(&spatial, shape, axis, Fuse::None).unwrap();
             // 2-D input: OneFlow's PER_ACTIVATION, which for rank 2 is the same per-channel
             // statistics through cuDNN's plain (not persistent) kernels.
@@ -780,7 +578,7 @@ fn accuracy_beats_cudnn_spatial_on_hard_inputs() {
                 dx_error(&sh, Fuse::None, &inp, &rf, &cu),
             );
             for variant in [OwnVariantChoice::TwoPass, OwnVariantChoice::Persistent] {
-                let out = run_gpu(&own, shape, axis, Run { variant, ..r }, &inp);
+                let out = bn::run(&own, shape, axis, Run { variant, ..r }, &inp);
                 let what = format!("{data:?} f32 {shape:?} {variant:?}");
                 let e = check(&what, &sh, Fuse::None, &inp, &rf, &out);
                 let mean_rel = max_rel(&out.saved_mean, &rf.fwd.saved_mean);
@@ -832,7 +630,7 @@ fn nan_in_nan_out() {
                 offset: 0,
                 momentum: 0.1,
             };
-            let out = run_gpu(&own, shape, axis, r, &inp);
+            let out = bn::run(&own, shape, axis, r, &inp);
             let rf = reference(&sh, Fuse::Relu, &inp, 0.1);
             let what = format!("{shape:?} {variant:?}");
             let channel = |i: usize| (i / sh.inner) % sh.c;
@@ -899,8 +697,8 @@ fn deterministic() {
                     offset: 0,
                     momentum: 0.1,
                 };
-                let a = run_gpu(&own, shape, axis, r, &inp);
-                let b = run_gpu(&own, shape, axis, r, &inp);
+                let a = bn::run(&own, shape, axis, r, &inp);
+                let b = bn::run(&own, shape, axis, r, &inp);
                 let (ba, bb) = (a.bits(), b.bits());
                 if let Some(i) = (0..ba.len()).find(|&i| ba[i] != bb[i]) {
                     panic!(
@@ -936,7 +734,7 @@ fn default_configuration_on_the_issue_shapes() {
             offset: 0,
             momentum: 0.1,
         };
-        let out = run_gpu(&ctx, shape, axis, r, &inp);
+        let out = bn::run(&ctx, shape, axis, r, &inp);
         let bn = BatchNorm::<f16>::new(&ctx, shape, axis, fuse).unwrap();
         assert_eq!(out.path, bn.plan().path, "{shape:?}");
         if out.path == BnPath::Own {

@@ -41,22 +41,15 @@ impl LegacyConv {
         let e = |c| move |err| cudnn_err(c, err);
         // SAFETY: fresh descriptors set once; destroyed in Drop.
         unsafe {
-            let x = cudnn_result::create_tensor_descriptor().map_err(e("create"))?;
-            cudnn_result::set_tensor4d_descriptor(
-                x,
-                CUDNN_TENSOR_NHWC,
-                CUDNN_DATA_HALF,
-                [i(s.n), i(s.c_in), i(s.h), i(s.w)],
-            )
-            .map_err(e("cudnnSetTensor4dDescriptor"))?;
-            let y = cudnn_result::create_tensor_descriptor().map_err(e("create"))?;
-            cudnn_result::set_tensor4d_descriptor(
-                y,
-                CUDNN_TENSOR_NHWC,
-                CUDNN_DATA_HALF,
-                [i(s.n), i(s.c_out), i(oh), i(ow)],
-            )
-            .map_err(e("cudnnSetTensor4dDescriptor"))?;
+            // An NHWC f16 tensor of logical dims [n, c, h, w].
+            let tensor = |dims: [i32; 4]| -> nnfuse::Result<cudnn_sys::cudnnTensorDescriptor_t> {
+                let t = cudnn_result::create_tensor_descriptor().map_err(e("create"))?;
+                cudnn_result::set_tensor4d_descriptor(t, CUDNN_TENSOR_NHWC, CUDNN_DATA_HALF, dims)
+                    .map_err(e("cudnnSetTensor4dDescriptor"))?;
+                Ok(t)
+            };
+            let x = tensor([i(s.n), i(s.c_in), i(s.h), i(s.w)])?;
+            let y = tensor([i(s.n), i(s.c_out), i(oh), i(ow)])?;
             let w = cudnn_result::create_filter_descriptor().map_err(e("create"))?;
             cudnn_result::set_filter4d_descriptor(
                 w,

@@ -12,9 +12,10 @@ use crate::batchnorm::plan::BnPlan;
 use crate::config::Config;
 use crate::context::Context;
 use crate::cudnn_graph::bn_key::{BnDirection, GraphBnKey};
-use crate::cudnn_graph::graph_bn::{is_unsupported, BnBwdAddrs, BnFwdAddrs, GraphBn};
+use crate::cudnn_graph::graph_bn::{BnBwdAddrs, BnFwdAddrs, GraphBn};
 use crate::cudnn_graph::layout::alignment_of;
 use crate::cudnn_graph::notes::GraphPolicy;
+use crate::cudnn_graph::plans::is_unsupported;
 use crate::error::Result;
 use crate::layout::ChannelLayout;
 

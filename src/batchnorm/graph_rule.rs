@@ -122,17 +122,6 @@ pub fn infer_cudnn_api(
 mod tests {
     use super::*;
 
-    fn layout(format: TensorFormat) -> ChannelLayout {
-        ChannelLayout {
-            n: 8,
-            c: 64,
-            h: 196,
-            w: 1,
-            format,
-            rank: 4,
-        }
-    }
-
     #[test]
     fn the_version_matches_the_graph_layer() {
         assert_eq!(
@@ -143,7 +132,7 @@ mod tests {
 
     #[test]
     fn graph_is_taken_only_where_it_applies() {
-        let nhwc = layout(TensorFormat::Nhwc);
+        let nhwc = ChannelLayout::example(TensorFormat::Nhwc);
         let sp = BnMode::SpatialPersistent;
         let t = Phase::Training;
         let v = 91900;
@@ -154,7 +143,7 @@ mod tests {
             "{why}"
         );
         // Forced graph is tried on any layout and type.
-        let nchw = layout(TensorFormat::Nchw);
+        let nchw = ChannelLayout::example(TensorFormat::Nchw);
         assert!(infer_cudnn_api(&nchw, BnMode::Spatial, t, DType::F32, &graph, v, true).0);
         for (mode, phase, version, what) in [
             (sp, Phase::Inference, v, "inference"),
@@ -183,13 +172,13 @@ mod tests {
 
     #[test]
     fn documented_support_is_nhwc_halves() {
-        let nhwc = layout(TensorFormat::Nhwc);
+        let nhwc = ChannelLayout::example(TensorFormat::Nhwc);
         assert!(graph_supported(&nhwc, DType::F16).is_ok());
         assert!(graph_supported(&nhwc, DType::BF16).is_ok());
         assert!(graph_supported(&nhwc, DType::F32)
             .unwrap_err()
             .contains("f32"));
-        let nchw = layout(TensorFormat::Nchw);
+        let nchw = ChannelLayout::example(TensorFormat::Nchw);
         assert!(graph_supported(&nchw, DType::F16)
             .unwrap_err()
             .contains("NCHW"));

@@ -313,14 +313,7 @@ mod tests {
     use std::collections::HashSet;
 
     fn layout(format: TensorFormat) -> ChannelLayout {
-        ChannelLayout {
-            n: 8,
-            c: 64,
-            h: 196,
-            w: 1,
-            format,
-            rank: 4,
-        }
+        ChannelLayout::example(format)
     }
 
     #[test]

@@ -9,7 +9,7 @@
 //! changed since the previous call. The caller (the BatchNorm dispatcher) has validated every
 //! buffer; this layer takes raw addresses.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 use cudarc::cudnn::sys;
 use cudarc::driver::CudaContext;
@@ -23,13 +23,7 @@ use super::build::{self, ExecutionPlan};
 use super::descriptor::{check, Descriptor};
 use super::graph_conv::Skipped;
 use super::notes::{admit, EngineInfo};
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    match m.lock() {
-        Ok(g) => g,
-        Err(p) => p.into_inner(),
-    }
-}
+use super::plans::{self, handle_and_workspace, lock};
 
 /// The by-value scalars of a forward, at a fixed host address for the variant pack (cuDNN reads
 /// them when the plan is executed).
@@ -108,15 +102,6 @@ pub struct GraphBn {
     /// Keeps the CUDA context alive until the plan is destroyed.
     _cuda: Arc<CudaContext>,
 }
-
-/// Whether a build failure means "cuDNN cannot do this problem" (cached, so that the caller's
-/// fallback does not pay a rebuild every call).
-pub fn is_unsupported(e: &Error) -> bool {
-    matches!(e, Error::NotSupported(_)) || e.is_cudnn_not_supported()
-}
-
-/// The plan cache's value: the plan, or why cuDNN cannot build one.
-struct Slot(std::result::Result<Arc<GraphBn>, String>);
 
 impl GraphBn {
     /// Builds the plan of `key` on `ctx`: the graph, the heuristics' engine configs, and the
@@ -209,29 +194,21 @@ impl GraphBn {
     /// Must not be called while the caller holds the Context's memo (lock order: memo, then
     /// the handle).
     pub fn cached(ctx: &Context, key: GraphBnKey) -> Result<Arc<GraphBn>> {
-        let mut built = false;
-        let slot = ctx.memo(key, || {
-            built = true;
-            match GraphBn::new(ctx, key) {
-                Ok(g) => Ok(Arc::new(Slot(Ok(Arc::new(g))))),
-                Err(e) if is_unsupported(&e) => {
-                    tracing::info!(key = ?key, error = %e,
-                        "cuDNN BatchNorm graph plan cannot be built; remembered");
-                    Ok(Arc::new(Slot(Err(e.to_string()))))
-                }
-                Err(e) => Err(e),
-            }
-        })?;
-        if !built {
-            tracing::trace!(
-                direction = key.direction.name(),
-                "cuDNN BatchNorm graph plan cache hit"
-            );
-        }
-        match &slot.0 {
-            Ok(g) => Ok(g.clone()),
-            Err(why) => Err(Error::NotSupported(why.clone())),
-        }
+        plans::cached(
+            ctx,
+            key,
+            || GraphBn::new(ctx, key),
+            |e| {
+                tracing::info!(key = ?key, error = %e,
+                    "cuDNN BatchNorm graph plan cannot be built; remembered");
+            },
+            || {
+                tracing::trace!(
+                    direction = key.direction.name(),
+                    "cuDNN BatchNorm graph plan cache hit"
+                );
+            },
+        )
     }
 
     /// The problem.
@@ -328,14 +305,7 @@ impl GraphBn {
     ) -> Result<()> {
         let ws_stage = crate::profile::enter(crate::profile::Stage::Workspace);
         let mut g = ctx.lock()?;
-        let handle = g.cudnn()?;
-        if handle as usize != self.handle {
-            return Err(Error::invalid(
-                "ctx",
-                "this plan was built on another Context's cuDNN handle",
-            ));
-        }
-        let ws = g.workspace(self.plan.workspace())?;
+        let (handle, ws) = handle_and_workspace(&mut g, self.handle, self.plan.workspace())?;
         drop(ws_stage);
         let pack_stage = crate::profile::enter(crate::profile::Stage::Pack);
         let mut st = lock(&self.state);
@@ -378,20 +348,6 @@ impl GraphBn {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::CudnnStatus;
-
-    #[test]
-    fn unsupported_errors_are_the_cacheable_ones() {
-        assert!(is_unsupported(&Error::NotSupported("x".into())));
-        assert!(is_unsupported(&Error::Cudnn {
-            call: "c",
-            status: CudnnStatus(sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED),
-        }));
-        assert!(!is_unsupported(&Error::Cudnn {
-            call: "c",
-            status: CudnnStatus(sys::cudnnStatus_t::CUDNN_STATUS_BAD_PARAM),
-        }));
-    }
 
     #[test]
     fn scalars_sit_at_an_aligned_host_address() {

@@ -8,7 +8,7 @@
 //! `cudnnBackendExecute`; the variant pack is rebuilt only when a data pointer or the workspace
 //! changed since the previous call.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
@@ -25,13 +25,7 @@ use super::descriptor::Descriptor;
 use super::key::GraphConvKey;
 use super::layout::{alignment_of, Operand};
 use super::notes::{admit, pass_over, EngineInfo, GraphLimits, GraphPolicy, HeurSource};
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    match m.lock() {
-        Ok(g) => g,
-        Err(p) => p.into_inner(),
-    }
-}
+use super::plans::{self, handle_and_workspace, lock, Slot};
 
 /// One engine config that was listed but not chosen, and why.
 #[derive(Debug, Clone)]
@@ -96,12 +90,6 @@ fn operand_len(shape: &ConvShape, op: Operand) -> Result<usize> {
     })
 }
 
-/// Whether a build failure means "cuDNN cannot do this problem" (cached, so that the caller's
-/// fallback is not slowed down by a rebuild every call) rather than a transient or a bug.
-fn is_unsupported(e: &Error) -> bool {
-    matches!(e, Error::NotSupported(_)) || e.is_cudnn_not_supported()
-}
-
 /// The error of a problem none of whose `listed` engine configs runs.
 fn none_runs(version: usize, key: &GraphConvKey, listed: usize, skipped: &[Skipped]) -> Error {
     let why: Vec<String> = skipped
@@ -119,9 +107,6 @@ fn none_runs(version: usize, key: &GraphConvKey, listed: usize, skipped: &[Skipp
         why.join("; ")
     ))
 }
-
-/// The plan cache's value: the plan, or why cuDNN cannot build one.
-struct Slot(std::result::Result<Arc<GraphConv>, String>);
 
 /// What [`GraphConv::admitted`] found: a plan per admitted engine config that finalized within
 /// the workspace cap, every config passed over and why, and how many were listed.
@@ -350,27 +335,19 @@ impl GraphConv {
     /// The plan of `key` from the Context's plan cache, built on first use. A key cuDNN cannot
     /// run is remembered too: later lookups return the same [`Error::NotSupported`] at once.
     pub fn cached(ctx: &Context, key: GraphConvKey) -> Result<Arc<GraphConv>> {
-        let mut built = false;
-        let slot = ctx.memo(key, || {
-            built = true;
-            match GraphConv::new(ctx, key) {
-                Ok(g) => Ok(Arc::new(Slot(Ok(Arc::new(g))))),
-                Err(e) if is_unsupported(&e) => {
-                    tracing::debug!(key = ?key, error = %e,
-                        "cuDNN graph plan cannot be built; remembered");
-                    Ok(Arc::new(Slot(Err(e.to_string()))))
-                }
-                Err(e) => Err(e),
-            }
-        })?;
-        if !built {
-            tracing::trace!(engine = ?key.engine.map(|e| e.label()), direction = %key.direction,
-                "cuDNN graph plan cache hit");
-        }
-        match &slot.0 {
-            Ok(g) => Ok(g.clone()),
-            Err(why) => Err(Error::NotSupported(why.clone())),
-        }
+        plans::cached(
+            ctx,
+            key,
+            || GraphConv::new(ctx, key),
+            |e| {
+                tracing::debug!(key = ?key, error = %e,
+                    "cuDNN graph plan cannot be built; remembered");
+            },
+            || {
+                tracing::trace!(engine = ?key.engine.map(|e| e.label()), direction = %key.direction,
+                    "cuDNN graph plan cache hit");
+            },
+        )
     }
 
     /// The problem.
@@ -413,14 +390,7 @@ impl GraphConv {
     pub unsafe fn execute_raw(&self, ctx: &Context, ptrs: [u64; 3]) -> Result<()> {
         let ws_stage = crate::profile::enter(crate::profile::Stage::Workspace);
         let mut g = ctx.lock()?;
-        let handle = g.cudnn()?;
-        if handle as usize != self.handle {
-            return Err(Error::invalid(
-                "ctx",
-                "this plan was built on another Context's cuDNN handle",
-            ));
-        }
-        let ws = g.workspace(self.plan.workspace())?;
+        let (handle, ws) = handle_and_workspace(&mut g, self.handle, self.plan.workspace())?;
         drop(ws_stage);
         let pack_stage = crate::profile::enter(crate::profile::Stage::Pack);
         let mut pack = lock(&self.pack);
@@ -563,7 +533,6 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cudarc::cudnn::sys;
 
     #[test]
     fn arguments_map_to_the_pack_order() {
@@ -593,20 +562,5 @@ mod tests {
             }
             assert_eq!(seen, [true; 3]);
         }
-    }
-
-    #[test]
-    fn unsupported_errors_are_the_cacheable_ones() {
-        use crate::error::CudnnStatus;
-        assert!(is_unsupported(&Error::NotSupported("x".into())));
-        assert!(is_unsupported(&Error::Cudnn {
-            call: "c",
-            status: CudnnStatus(sys::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED_SHAPE),
-        }));
-        assert!(!is_unsupported(&Error::Cudnn {
-            call: "c",
-            status: CudnnStatus(sys::cudnnStatus_t::CUDNN_STATUS_BAD_PARAM),
-        }));
-        assert!(!is_unsupported(&Error::invalid("x", "y")));
     }
 }

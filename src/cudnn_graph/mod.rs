@@ -21,6 +21,8 @@
 //!   `NORM_BACKWARD`) and its variant pack;
 //! - [`graph_bn`]: [`graph_bn::GraphBn`] — one BatchNorm problem's plan, pinned variant pack
 //!   (by-value epsilon and momentum) and the per-Context plan cache.
+//! - [`plans`]: what both plans share — the plan cache's lookup and remembered failures, and
+//!   the start of an execution (the plan's own handle, the workspace).
 //!
 //! The convolution dispatcher runs it as the path `cudnn_graph` (`conv/cudnn_graph_run.rs`);
 //! this layer returns typed errors where the graph cannot be built so that the dispatcher can
@@ -35,6 +37,7 @@ pub mod graph_conv;
 pub mod key;
 pub mod layout;
 pub mod notes;
+pub mod plans;
 
 /// Items that only nnfuse's own tests and benches use (reached as
 /// `nnfuse::internals::cudnn_graph`); not part of the public API.

@@ -1,6 +1,8 @@
 //! Shared helpers for the integration tests: a GPU Context, random data, comparisons.
 #![allow(dead_code)]
 
+pub mod bn;
+
 use cudarc::driver::CudaSlice;
 use nnfuse::conv::ConvPath;
 use nnfuse::{Config, Context, DType, Element};
