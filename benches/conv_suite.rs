@@ -171,6 +171,16 @@ fn run_problem<T: Element + DeviceRepr>(
             .choice(d)
             .map(|c| c.route.to_string())
             .unwrap_or_else(|| "?".into());
+        // Where a slow first call went: the choice (notes) and its measurement's phases.
+        if std::env::var_os("NNFUSE_SUITE_REPORTS").is_some() {
+            if let Some(c) = conv.choice(d) {
+                println!("<!-- {} {:?} first {first_ms:.1} ms: {c}", p.name, d);
+                if let Some(r) = conv.report(d) {
+                    println!("{r}");
+                }
+                println!("-->");
+            }
+        }
         out.push((
             d,
             Measured {
