@@ -1035,6 +1035,21 @@ impl Scratch<'_> {
     }
 }
 
+/// A library handle made by `create` and bound to a stream by `bind`; destroyed by `destroy`
+/// when binding fails, so that a failed creation leaks nothing.
+fn created_on_stream<H: Copy>(
+    create: impl FnOnce() -> Result<H>,
+    bind: impl FnOnce(H) -> Result<()>,
+    destroy: impl FnOnce(H),
+) -> Result<H> {
+    let h = create()?;
+    if let Err(e) = bind(h) {
+        destroy(h);
+        return Err(e);
+    }
+    Ok(h)
+}
+
 /// Exclusive access to the Context's library handles and workspace (see `Context::lock`). Raw
 /// handles for nnfuse's own operations and tests: not a stable API.
 #[doc(hidden)]
@@ -1054,17 +1069,19 @@ impl Locked<'_> {
             .refuse_under_capture("creating the cuDNN handle", "create a library handle")?;
         let version = cudnn_version()?;
         cudnn_result::version_check().call("cudnnVersionCheck (sub-library versions differ)")?;
-        let h = cudnn_result::create_handle().call("cudnnCreate")?;
-        // SAFETY: fresh handle, live stream.
-        if let Err(e) = unsafe {
-            cudnn_result::set_stream(h, self.ctx.stream().cu_stream() as cudnn_sys::cudaStream_t)
-        }
-        .call("cudnnSetStream")
-        {
-            // SAFETY: destroy the handle we just made.
-            let _ = unsafe { cudnn_result::destroy_handle(h) };
-            return Err(e);
-        }
+        let stream = self.ctx.stream().cu_stream();
+        let h = created_on_stream(
+            || cudnn_result::create_handle().call("cudnnCreate"),
+            // SAFETY: fresh handle, live stream.
+            |h| {
+                unsafe { cudnn_result::set_stream(h, stream as cudnn_sys::cudaStream_t) }
+                    .call("cudnnSetStream")
+            },
+            // SAFETY: destroys the handle just made, once.
+            |h| {
+                let _ = unsafe { cudnn_result::destroy_handle(h) };
+            },
+        )?;
         tracing::info!(version, "cuDNN handle created");
         self.shared.cudnn = Some(Handle(h));
         Ok(h)
@@ -1078,17 +1095,19 @@ impl Locked<'_> {
         self.ctx
             .refuse_under_capture("creating the cuBLAS handle", "create a library handle")?;
         let version = cublas_version()?;
-        let h = cublas_result::create_handle().call("cublasCreate")?;
-        // SAFETY: fresh handle, live stream.
-        if let Err(e) = unsafe {
-            cublas_result::set_stream(h, self.ctx.stream().cu_stream() as cublas_sys::cudaStream_t)
-        }
-        .call("cublasSetStream")
-        {
-            // SAFETY: destroy the handle we just made.
-            let _ = unsafe { cublas_result::destroy_handle(h) };
-            return Err(e);
-        }
+        let stream = self.ctx.stream().cu_stream();
+        let h = created_on_stream(
+            || cublas_result::create_handle().call("cublasCreate"),
+            // SAFETY: fresh handle, live stream.
+            |h| {
+                unsafe { cublas_result::set_stream(h, stream as cublas_sys::cudaStream_t) }
+                    .call("cublasSetStream")
+            },
+            // SAFETY: destroys the handle just made, once.
+            |h| {
+                let _ = unsafe { cublas_result::destroy_handle(h) };
+            },
+        )?;
         tracing::info!(?version, "cuBLAS handle created");
         self.shared.cublas = Some(Handle(h));
         Ok(h)

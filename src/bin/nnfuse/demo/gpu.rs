@@ -235,14 +235,7 @@ impl<T: Element> Buffers<T> {
 
     /// Everything a step wrote, widened to f64 (waits for the stream).
     pub fn download_outputs(&self, ctx: &Context) -> Result<StepOutputs> {
-        let t = |b: &CudaSlice<T>| -> Result<Vec<f64>> {
-            Ok(ctx
-                .stream()
-                .clone_dtoh(b)?
-                .iter()
-                .map(|v| v.to_f64())
-                .collect())
-        };
+        let t = |b: &CudaSlice<T>| widened(ctx, b);
         let f = |b: &CudaSlice<f32>| -> Result<Vec<f64>> {
             Ok(ctx
                 .stream()
@@ -272,14 +265,7 @@ impl<T: Element> Buffers<T> {
     /// The classifier's outputs, widened (the other fields are left empty; waits for the
     /// stream).
     pub fn download_classifier_outputs(&self, ctx: &Context) -> Result<StepOutputs> {
-        let t = |b: &CudaSlice<T>| -> Result<Vec<f64>> {
-            Ok(ctx
-                .stream()
-                .clone_dtoh(b)?
-                .iter()
-                .map(|v| v.to_f64())
-                .collect())
-        };
+        let t = |b: &CudaSlice<T>| widened(ctx, b);
         Ok(StepOutputs {
             logits: t(&self.logits)?,
             fc_dw: t(&self.fc_dw)?,
@@ -290,14 +276,7 @@ impl<T: Element> Buffers<T> {
 
     /// The classifier's inputs, widened (the other fields are left empty).
     pub fn download_classifier_inputs(&self, ctx: &Context) -> Result<StepInputs> {
-        let t = |b: &CudaSlice<T>| -> Result<Vec<f64>> {
-            Ok(ctx
-                .stream()
-                .clone_dtoh(b)?
-                .iter()
-                .map(|v| v.to_f64())
-                .collect())
-        };
+        let t = |b: &CudaSlice<T>| widened(ctx, b);
         Ok(StepInputs {
             feat: t(&self.feat)?,
             fc_w: t(&self.fc_w)?,
@@ -305,6 +284,16 @@ impl<T: Element> Buffers<T> {
             ..Default::default()
         })
     }
+}
+
+/// `b`'s values widened to f64 (waits for the stream).
+fn widened<T: Element>(ctx: &Context, b: &CudaSlice<T>) -> Result<Vec<f64>> {
+    Ok(ctx
+        .stream()
+        .clone_dtoh(b)?
+        .iter()
+        .map(|v| v.to_f64())
+        .collect())
 }
 
 /// The bytes of `b` as the GPU holds them (waits for the stream).
