@@ -980,13 +980,30 @@ impl Context {
             };
             let dir = self.inner.config.kernel_cache_dir();
             let (k, p) = (key.clone(), pending.clone());
+            kernels::wait_for_background_compiles_at_exit();
             kernels::background_started();
             let ticket = Permit::ticket();
             let spawned = std::thread::Builder::new()
                 .name(format!("nnfuse-nvrtc-{}", file.name))
                 .spawn(move || {
                     let _permit = Permit::take(ticket);
-                    let r = compile_traced(file, &k.0, dir.as_deref(), true);
+                    // A panic inside NVRTC's binding must still finish the slot and the count
+                    // (the exit handler and later callers wait on them).
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        if kernels::exiting() {
+                            return Err(Error::NotSupported(format!(
+                                "{}: not compiled, the process is exiting",
+                                file.name
+                            )));
+                        }
+                        compile_traced(file, &k.0, dir.as_deref(), true)
+                    }))
+                    .unwrap_or_else(|_| {
+                        Err(Error::NotSupported(format!(
+                            "compiling {} panicked on its background thread",
+                            file.name
+                        )))
+                    });
                     if let Err(e) = &r {
                         tracing::warn!(file = file.name, arch = %k.0, error = %e,
                             "background kernel compile failed; its next use compiles it again");

@@ -602,6 +602,37 @@ pub(crate) fn background_finished() {
     BACKGROUND.1.notify_all();
 }
 
+/// Set when the process exits: a queued background compile then gives up instead of starting.
+static EXITING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether the process is exiting (a queued background compile checks before it starts).
+pub(crate) fn exiting() -> bool {
+    EXITING.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+/// Makes the process's exit wait for the background compiles still running (registered once,
+/// with the first background compile). Without it a process that ends while NVRTC runs on a
+/// background thread crashed in NVRTC (segmentation fault at exit, measured on the H100):
+/// `exit` tears the shared libraries down under the thread. `atexit` handlers run before the
+/// shared libraries' destructors, so waiting there lets the compiles finish (their images then
+/// reach the disk cache when one is configured).
+pub(crate) fn wait_for_background_compiles_at_exit() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    extern "C" fn at_exit() {
+        // Compiles still queued are dropped; those running are waited for.
+        EXITING.store(true, std::sync::atomic::Ordering::SeqCst);
+        wait_for_background_compiles();
+    }
+    ONCE.call_once(|| {
+        // SAFETY: registers a plain extern "C" function that only waits on a condition
+        // variable; a failure to register (the table is full) leaves today's behaviour.
+        let rc = unsafe { libc::atexit(at_exit) };
+        if rc != 0 {
+            tracing::warn!("could not register the exit wait for background kernel compiles");
+        }
+    });
+}
+
 /// Background compiles running or queued now (tests, benchmarks, `tracing`).
 pub fn background_compiles() -> usize {
     *background_count()
