@@ -1012,7 +1012,8 @@ impl Context {
                     kernels::background_finished();
                 });
             match spawned {
-                Ok(_) => {
+                Ok(t) => {
+                    kernels::keep_background_thread(t);
                     tracing::info!(file = file.name, %arch, "kernel file compiling in the background");
                     started += 1;
                 }

@@ -610,6 +610,29 @@ pub(crate) fn exiting() -> bool {
     EXITING.load(std::sync::atomic::Ordering::SeqCst)
 }
 
+/// The background compile threads not joined yet (the exit joins them).
+static THREADS: std::sync::Mutex<Vec<std::thread::JoinHandle<()>>> =
+    std::sync::Mutex::new(Vec::new());
+
+fn background_threads() -> std::sync::MutexGuard<'static, Vec<std::thread::JoinHandle<()>>> {
+    match THREADS.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+/// Keeps a background compile's thread for the exit to join (finished ones are joined now).
+pub(crate) fn keep_background_thread(t: std::thread::JoinHandle<()>) {
+    let mut threads = background_threads();
+    let (done, running): (Vec<_>, Vec<_>) = threads.drain(..).partition(|t| t.is_finished());
+    *threads = running;
+    threads.push(t);
+    drop(threads);
+    for t in done {
+        let _ = t.join();
+    }
+}
+
 /// Makes the process's exit wait for the background compiles still running (registered once,
 /// with the first background compile). Without it a process that ends while NVRTC runs on a
 /// background thread crashed in NVRTC (segmentation fault at exit, measured on the H100):
@@ -619,9 +642,15 @@ pub(crate) fn exiting() -> bool {
 pub(crate) fn wait_for_background_compiles_at_exit() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     extern "C" fn at_exit() {
-        // Compiles still queued are dropped; those running are waited for.
+        // Compiles still queued are dropped; those running are waited for, and their threads
+        // joined: a thread's own exit (NVRTC's thread-local state) must also finish before the
+        // libraries go ("free(): invalid pointer" at exit when only the count was awaited).
         EXITING.store(true, std::sync::atomic::Ordering::SeqCst);
         wait_for_background_compiles();
+        let threads = std::mem::take(&mut *background_threads());
+        for t in threads {
+            let _ = t.join();
+        }
     }
     ONCE.call_once(|| {
         // SAFETY: registers a plain extern "C" function that only waits on a condition
