@@ -980,7 +980,7 @@ impl Context {
             };
             let dir = self.inner.config.kernel_cache_dir();
             let (k, p) = (key.clone(), pending.clone());
-            kernels::wait_for_background_compiles_at_exit();
+            kernels::wait_for_background_compiles_at_exit(&arch);
             kernels::background_started();
             let ticket = Permit::ticket();
             let spawned = std::thread::Builder::new()

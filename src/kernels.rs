@@ -639,7 +639,7 @@ pub(crate) fn keep_background_thread(t: std::thread::JoinHandle<()>) {
 /// `exit` tears the shared libraries down under the thread. `atexit` handlers run before the
 /// shared libraries' destructors, so waiting there lets the compiles finish (their images then
 /// reach the disk cache when one is configured).
-pub(crate) fn wait_for_background_compiles_at_exit() {
+pub(crate) fn wait_for_background_compiles_at_exit(arch: &str) {
     static ONCE: std::sync::Once = std::sync::Once::new();
     extern "C" fn at_exit() {
         // Compiles still queued are dropped; those running are waited for, and their threads
@@ -653,6 +653,16 @@ pub(crate) fn wait_for_background_compiles_at_exit() {
         }
     }
     ONCE.call_once(|| {
+        // NVRTC registers its own exit-time destructors lazily, during its first compile; exit
+        // runs them in reverse order of registration, so ours must come after them to run
+        // first: a first compile on this thread, then the registration.
+        let warm = KernelFile {
+            name: "nvrtc_warm_up.cu",
+            source: "extern \"C\" __global__ void nnfuse_nvrtc_warm_up() {}\n",
+        };
+        if let Err(e) = compile(&warm, arch) {
+            tracing::debug!(error = %e, "NVRTC warm-up compile failed");
+        }
         // SAFETY: registers a plain extern "C" function that only waits on a condition
         // variable; a failure to register (the table is full) leaves today's behaviour.
         let rc = unsafe { libc::atexit(at_exit) };

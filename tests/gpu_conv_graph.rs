@@ -622,6 +622,10 @@ fn head_start_timing_measures_gpu_time_only() {
         gpu_only.timing(1).map(|t| t.median_ms),
         chained.timing(1).map(|t| t.median_ms)
     );
+    eprintln!(
+        "head start: bursts {:?}, rounds {}, samples (ms per launch) {:?}",
+        gpu_only.bursts, gpu_only.rounds, gpu_only.samples
+    );
     // Fixed: the head start was many short fills that cost the host nearly as much to queue
     // as they kept the GPU busy (52x with kernel fills, 29x with memsets); it is now one launch
     // of a GPU-side wait of the needed length (src/timing.rs, `HeadStart`).
