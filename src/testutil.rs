@@ -113,19 +113,7 @@ pub(crate) fn square_conv(
     r: usize,
     format: crate::TensorFormat,
 ) -> crate::conv::ConvShape {
-    crate::conv::ConvShape {
-        n,
-        c_in,
-        h,
-        w: h,
-        c_out,
-        kh: r,
-        kw: r,
-        stride: (1, 1),
-        pad: (r / 2, r / 2),
-        dilation: (1, 1),
-        format,
-    }
+    crate::conv::ConvShape::square(n, c_in, h, c_out, r, format)
 }
 
 /// A 3×3 NHWC convolution, stride 1, dilation 1, padding `pad`: the shape of the Winograd

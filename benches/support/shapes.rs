@@ -5,17 +5,5 @@ use nnfuse::TensorFormat;
 
 /// A 3x3 pad-1 NHWC convolution of `n` images of `c_in` channels, `hw`×`hw`, to `c_out` channels.
 pub fn square3x3(n: usize, c_in: usize, hw: usize, c_out: usize) -> ConvShape {
-    ConvShape {
-        n,
-        c_in,
-        h: hw,
-        w: hw,
-        c_out,
-        kh: 3,
-        kw: 3,
-        stride: (1, 1),
-        pad: (1, 1),
-        dilation: (1, 1),
-        format: TensorFormat::Nhwc,
-    }
+    ConvShape::square(n, c_in, hw, c_out, 3, TensorFormat::Nhwc)
 }

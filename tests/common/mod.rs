@@ -56,19 +56,7 @@ pub fn square_conv(
     r: usize,
     format: nnfuse::TensorFormat,
 ) -> nnfuse::conv::ConvShape {
-    nnfuse::conv::ConvShape {
-        n,
-        c_in,
-        h,
-        w: h,
-        c_out,
-        kh: r,
-        kw: r,
-        stride: (1, 1),
-        pad: (r / 2, r / 2),
-        dilation: (1, 1),
-        format,
-    }
+    nnfuse::conv::ConvShape::square(n, c_in, h, c_out, r, format)
 }
 
 /// SplitMix64: small, deterministic per seed, good enough for test data.

@@ -69,6 +69,39 @@ fn product(dims: &[usize]) -> Option<usize> {
 }
 
 impl ConvShape {
+    /// A square `r`×`r` convolution of `n` images of `h`×`h` with `c_in` channels into `c_out`
+    /// channels: stride 1, dilation 1, padding `r / 2` (the output keeps the input's size for
+    /// odd `r`).
+    ///
+    /// ```
+    /// use nnfuse::conv::ConvShape;
+    /// use nnfuse::TensorFormat;
+    /// let s = ConvShape::square(32, 64, 56, 64, 3, TensorFormat::Nhwc);
+    /// assert_eq!(s.out_hw().unwrap(), (56, 56));
+    /// ```
+    pub fn square(
+        n: usize,
+        c_in: usize,
+        h: usize,
+        c_out: usize,
+        r: usize,
+        format: crate::TensorFormat,
+    ) -> ConvShape {
+        ConvShape {
+            n,
+            c_in,
+            h,
+            w: h,
+            c_out,
+            kh: r,
+            kw: r,
+            stride: (1, 1),
+            pad: (r / 2, r / 2),
+            dilation: (1, 1),
+            format,
+        }
+    }
+
     /// Validates every parameter and returns the output size `(oh, ow)`.
     ///
     /// Errors (as [`Error::InvalidArgument`], naming the field): a zero `n`, `c_in`, `h`, `w`,
