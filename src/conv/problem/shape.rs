@@ -77,7 +77,8 @@ impl ConvShape {
     /// use nnfuse::conv::ConvShape;
     /// use nnfuse::TensorFormat;
     /// let s = ConvShape::square(32, 64, 56, 64, 3, TensorFormat::Nhwc);
-    /// assert_eq!(s.out_hw().unwrap(), (56, 56));
+    /// assert_eq!(s.out_hw()?, (56, 56));
+    /// # Ok::<(), nnfuse::Error>(())
     /// ```
     pub fn square(
         n: usize,
