@@ -34,133 +34,45 @@ struct Case {
     layout: (i32, i32, i32, i32, TensorFormat),
 }
 
+/// One row of [`CASES`].
+const fn case(
+    what: &'static str,
+    shape: &'static [usize],
+    axis: usize,
+    layout: (i32, i32, i32, i32, TensorFormat),
+) -> Case {
+    Case {
+        what,
+        shape,
+        axis,
+        layout,
+    }
+}
+
+// One row per case: a data table, kept one line a row.
+#[rustfmt::skip]
 const CASES: &[Case] = &[
-    Case {
-        what: "2-D (N, C)",
-        shape: &[256, 1024],
-        axis: 1,
-        layout: (256, 1024, 1, 1, Nhwc),
-    },
-    Case {
-        what: "2-D, C = 30",
-        shape: &[64, 30],
-        axis: 1,
-        layout: (64, 30, 1, 1, Nhwc),
-    },
-    Case {
-        what: "2-D, axis 0, (C, M)",
-        shape: &[30, 7],
-        axis: 0,
-        layout: (1, 30, 7, 1, Nchw),
-    },
-    Case {
-        what: "2-D, axis 0, (C, 1)",
-        shape: &[32, 1],
-        axis: 0,
-        layout: (1, 32, 1, 1, Nhwc),
-    },
-    Case {
-        what: "1-D",
-        shape: &[32],
-        axis: 0,
-        layout: (1, 32, 1, 1, Nhwc),
-    },
-    Case {
-        what: "3-D channels-first",
-        shape: &[8, 32, 100],
-        axis: 1,
-        layout: (8, 32, 100, 1, Nchw),
-    },
-    Case {
-        what: "3-D channels-last",
-        shape: &[8, 100, 32],
-        axis: 2,
-        layout: (8, 32, 100, 1, Nhwc),
-    },
-    Case {
-        what: "4-D channels-first",
-        shape: &[16, 32, 112, 112],
-        axis: 1,
-        layout: (16, 32, 12544, 1, Nchw),
-    },
-    Case {
-        what: "4-D channels-last",
-        shape: &[64, 56, 56, 256],
-        axis: 3,
-        layout: (64, 256, 3136, 1, Nhwc),
-    },
-    Case {
-        what: "4-D channels-first, C = 30",
-        shape: &[16, 30, 56, 56],
-        axis: 1,
-        layout: (16, 30, 3136, 1, Nchw),
-    },
-    Case {
-        what: "4-D channels-last, C = 30",
-        shape: &[16, 56, 56, 30],
-        axis: 3,
-        layout: (16, 30, 3136, 1, Nhwc),
-    },
-    Case {
-        what: "5-D channels-first",
-        shape: &[2, 16, 4, 8, 8],
-        axis: 1,
-        layout: (2, 16, 256, 1, Nchw),
-    },
-    Case {
-        what: "5-D channels-last",
-        shape: &[2, 4, 8, 8, 16],
-        axis: 4,
-        layout: (2, 16, 256, 1, Nhwc),
-    },
-    Case {
-        what: "axis 0",
-        shape: &[32, 4, 4],
-        axis: 0,
-        layout: (1, 32, 16, 1, Nchw),
-    },
-    Case {
-        what: "axis 0, trailing ones",
-        shape: &[32, 1, 1],
-        axis: 0,
-        layout: (1, 32, 1, 1, Nhwc),
-    },
-    Case {
-        what: "axis in the middle",
-        shape: &[4, 6, 32, 5],
-        axis: 2,
-        layout: (24, 32, 5, 1, Nchw),
-    },
-    Case {
-        what: "axis in the middle, inner 1",
-        shape: &[4, 6, 32, 1],
-        axis: 2,
-        layout: (4, 32, 6, 1, Nhwc),
-    },
-    Case {
-        what: "N = 1 channels-first",
-        shape: &[1, 32, 56, 56],
-        axis: 1,
-        layout: (1, 32, 3136, 1, Nchw),
-    },
-    Case {
-        what: "N = 1 channels-last",
-        shape: &[1, 56, 56, 32],
-        axis: 3,
-        layout: (1, 32, 3136, 1, Nhwc),
-    },
-    Case {
-        what: "H = W = 1 (N, C, 1, 1) infers NHWC",
-        shape: &[64, 32, 1, 1],
-        axis: 1,
-        layout: (64, 32, 1, 1, Nhwc),
-    },
-    Case {
-        what: "H = W = 1, C = 30",
-        shape: &[64, 30, 1, 1],
-        axis: 1,
-        layout: (64, 30, 1, 1, Nhwc),
-    },
+    case("2-D (N, C)", &[256, 1024], 1, (256, 1024, 1, 1, Nhwc)),
+    case("2-D, C = 30", &[64, 30], 1, (64, 30, 1, 1, Nhwc)),
+    case("2-D, axis 0, (C, M)", &[30, 7], 0, (1, 30, 7, 1, Nchw)),
+    case("2-D, axis 0, (C, 1)", &[32, 1], 0, (1, 32, 1, 1, Nhwc)),
+    case("1-D", &[32], 0, (1, 32, 1, 1, Nhwc)),
+    case("3-D channels-first", &[8, 32, 100], 1, (8, 32, 100, 1, Nchw)),
+    case("3-D channels-last", &[8, 100, 32], 2, (8, 32, 100, 1, Nhwc)),
+    case("4-D channels-first", &[16, 32, 112, 112], 1, (16, 32, 12544, 1, Nchw)),
+    case("4-D channels-last", &[64, 56, 56, 256], 3, (64, 256, 3136, 1, Nhwc)),
+    case("4-D channels-first, C = 30", &[16, 30, 56, 56], 1, (16, 30, 3136, 1, Nchw)),
+    case("4-D channels-last, C = 30", &[16, 56, 56, 30], 3, (16, 30, 3136, 1, Nhwc)),
+    case("5-D channels-first", &[2, 16, 4, 8, 8], 1, (2, 16, 256, 1, Nchw)),
+    case("5-D channels-last", &[2, 4, 8, 8, 16], 4, (2, 16, 256, 1, Nhwc)),
+    case("axis 0", &[32, 4, 4], 0, (1, 32, 16, 1, Nchw)),
+    case("axis 0, trailing ones", &[32, 1, 1], 0, (1, 32, 1, 1, Nhwc)),
+    case("axis in the middle", &[4, 6, 32, 5], 2, (24, 32, 5, 1, Nchw)),
+    case("axis in the middle, inner 1", &[4, 6, 32, 1], 2, (4, 32, 6, 1, Nhwc)),
+    case("N = 1 channels-first", &[1, 32, 56, 56], 1, (1, 32, 3136, 1, Nchw)),
+    case("N = 1 channels-last", &[1, 56, 56, 32], 3, (1, 32, 3136, 1, Nhwc)),
+    case("H = W = 1 (N, C, 1, 1) infers NHWC", &[64, 32, 1, 1], 1, (64, 32, 1, 1, Nhwc)),
+    case("H = W = 1, C = 30", &[64, 30, 1, 1], 1, (64, 30, 1, 1, Nhwc)),
 ];
 
 fn config(policy: BnModePolicy, nhwc: bool, fusion_disabled: bool) -> Config {

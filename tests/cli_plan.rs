@@ -328,34 +328,18 @@ fn bad_input_exits_2_naming_the_argument() {
     fails_naming(&nnfuse_plan(&["--shape", "2,0,3"], &[]), "shape[1]");
     fails_naming(&nnfuse_plan(&["--shape", "2,x3"], &[]), "shape[1]");
     fails_naming(&nnfuse_plan(&["--shape", ""], &[]), "shape");
-    fails_naming(
-        &nnfuse_plan(&["--shape", "2,3", "--axis", "2"], &[]),
-        "axis",
-    );
-    fails_naming(
-        &nnfuse_plan(&["--shape", "2,3", "--axis", "-3"], &[]),
-        "axis",
-    );
-    fails_naming(
-        &nnfuse_plan(&["--shape", "2,3", "--dtype", "f64"], &[]),
-        "dtype",
-    );
-    fails_naming(
-        &nnfuse_plan(&["--shape", "2,3", "--fuse", "gelu"], &[]),
-        "fuse",
-    );
-    fails_naming(
-        &nnfuse_plan(&["--shape", "2,3", "--policy", "quick"], &[]),
-        "--policy",
-    );
-    fails_naming(
-        &nnfuse_plan(&["--shape", "2,3", "--nhwc", "maybe"], &[]),
-        "--nhwc",
-    );
-    fails_naming(
-        &nnfuse_plan(&["--shape", "2,3", "--cudnn-version", "nine"], &[]),
-        "--cudnn-version",
-    );
+    // A valid shape with one bad flag: the error names the flag's argument.
+    for (flag, value, named) in [
+        ("--axis", "2", "axis"),
+        ("--axis", "-3", "axis"),
+        ("--dtype", "f64", "dtype"),
+        ("--fuse", "gelu", "fuse"),
+        ("--policy", "quick", "--policy"),
+        ("--nhwc", "maybe", "--nhwc"),
+        ("--cudnn-version", "nine", "--cudnn-version"),
+    ] {
+        fails_naming(&nnfuse_plan(&["--shape", "2,3", flag, value], &[]), named);
+    }
     fails_naming(&nnfuse_plan(&["--shape", "65536,65536"], &[]), "shape");
     for var in [
         "NNFUSE_BN_MODE_POLICY",
