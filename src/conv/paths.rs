@@ -413,6 +413,19 @@ fn winograd_limits(s: &ConvShape) -> std::result::Result<(), String> {
 }
 
 /// An eligible path that needs no scratch and runs the whole batch in one call.
+/// An eligible path that runs `n` images in chunks of `chunk` with `scratch` bytes of scratch.
+fn info_chunked(path: ConvPath, scratch: usize, chunk: usize, n: usize) -> PathInfo {
+    PathInfo {
+        path,
+        eligible: true,
+        why_not: None,
+        scratch_bytes: scratch,
+        chunk: Some(chunk),
+        chunks: n.div_ceil(chunk.max(1)),
+        winograd: None,
+    }
+}
+
 fn info_whole(path: ConvPath) -> PathInfo {
     PathInfo {
         path,
@@ -553,15 +566,7 @@ impl PathRule for Im2colRule {
         } else {
             chunk.saturating_mul(d.per_image).saturating_mul(elem)
         };
-        Ok(PathInfo {
-            path,
-            eligible: true,
-            why_not: None,
-            scratch_bytes: scratch,
-            chunk: Some(chunk),
-            chunks: s.n.div_ceil(chunk.max(1)),
-            winograd: None,
-        })
+        Ok(info_chunked(path, scratch, chunk, s.n))
     }
 
     fn reasons(&self, req: &ConvPlanRequest, p: &PathInfo, reasons: &mut Vec<String>) {
@@ -709,12 +714,6 @@ impl PathRule for WinogradRule {
             d.v.saturating_add(chunk.saturating_mul(d.u_per_image.saturating_add(d.m_per_image)))
                 .saturating_mul(elem);
         Ok(PathInfo {
-            path,
-            eligible: true,
-            why_not: None,
-            scratch_bytes: scratch,
-            chunk: Some(chunk),
-            chunks: s.n.div_ceil(chunk.max(1)),
             winograd: Some(WinogradInfo {
                 tile,
                 tiles,
@@ -726,6 +725,7 @@ impl PathRule for WinogradRule {
                 decided_by,
                 fused_why_not,
             }),
+            ..info_chunked(path, scratch, chunk, s.n)
         })
     }
 

@@ -11,34 +11,22 @@ use cudarc::cudnn::sys;
 use crate::error::{Error, Result};
 
 use super::bn_key::{BnDirection, BnRole, BnTensorSpec, GraphBnKey};
-use super::build::operation_graph;
+use super::build::{in_part, operation_graph, tensor_of, TensorAttrs};
 use super::descriptor::{attr, Attr, DescKind, Descriptor, DevPtr};
 
-/// Logs which part of the graph a failed builder step was building, then passes the error on.
-fn in_part<T>(r: Result<T>, part: &str) -> Result<T> {
-    if let Err(e) = &r {
-        tracing::warn!(part, error = %e, "cuDNN graph (BatchNorm): building a descriptor failed");
-    }
-    r
-}
-
-/// A finalized tensor descriptor of `spec`.
+/// A finalized tensor descriptor of `spec` (never virtual: a BatchNorm graph has no
+/// intermediates).
 pub fn bn_tensor(spec: &BnTensorSpec) -> Result<Descriptor> {
-    let build = || -> Result<Descriptor> {
-        let mut d = Descriptor::new(DescKind::Tensor)?;
-        d.set_one(attr::CUDNN_ATTR_TENSOR_DATA_TYPE, spec.dtype.cudnn())?;
-        d.set(attr::CUDNN_ATTR_TENSOR_DIMENSIONS, &spec.dims)?;
-        d.set(attr::CUDNN_ATTR_TENSOR_STRIDES, &spec.strides)?;
-        d.set_one(attr::CUDNN_ATTR_TENSOR_UNIQUE_ID, spec.uid)?;
-        d.set_one(attr::CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, spec.alignment)?;
-        d.set_one(attr::CUDNN_ATTR_TENSOR_IS_VIRTUAL, false)?;
-        if spec.by_value {
-            d.set_one(attr::CUDNN_ATTR_TENSOR_IS_BY_VALUE, true)?;
-        }
-        d.finalize()?;
-        Ok(d)
-    };
-    in_part(build(), spec.role.name())
+    tensor_of(&TensorAttrs {
+        uid: spec.uid,
+        dims: spec.dims,
+        strides: spec.strides,
+        dtype: spec.dtype,
+        alignment: spec.alignment,
+        is_virtual: false,
+        by_value: spec.by_value,
+        part: spec.role.name(),
+    })
 }
 
 /// The tensors of one graph, in the key's role order.

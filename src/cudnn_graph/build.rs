@@ -10,6 +10,7 @@ use cudarc::cudnn::sys;
 
 use crate::conv::problem::GraphEngine;
 use crate::conv::Direction;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::reference::conv::Conv2d as ConvShape;
 
@@ -62,31 +63,58 @@ pub fn available() -> Result<usize> {
 }
 
 /// Logs which part of the graph a failed builder step was building, then passes the error on.
-fn in_part<T>(r: Result<T>, part: &str) -> Result<T> {
+pub(super) fn in_part<T>(r: Result<T>, part: &str) -> Result<T> {
     if let Err(e) = &r {
         tracing::warn!(part, error = %e, "cuDNN graph: building a descriptor failed");
     }
     r
 }
 
-/// A finalized tensor descriptor of `spec`: data type, logical dims, strides, unique id, byte
-/// alignment, virtual / by-value flags.
-pub fn tensor(spec: &TensorSpec) -> Result<Descriptor> {
+/// What every tensor descriptor is built from (a convolution's `TensorSpec` and a BatchNorm's
+/// `BnTensorSpec` both say it), and the part a failure is logged under.
+pub(super) struct TensorAttrs<'a> {
+    pub uid: i64,
+    pub dims: [i64; 4],
+    pub strides: [i64; 4],
+    pub dtype: DType,
+    pub alignment: i64,
+    pub is_virtual: bool,
+    pub by_value: bool,
+    pub part: &'a str,
+}
+
+/// A finalized tensor descriptor: data type, logical dims, strides, unique id, byte alignment,
+/// virtual / by-value flags.
+pub(super) fn tensor_of(t: &TensorAttrs<'_>) -> Result<Descriptor> {
     let build = || -> Result<Descriptor> {
         let mut d = Descriptor::new(DescKind::Tensor)?;
-        d.set_one(attr::CUDNN_ATTR_TENSOR_DATA_TYPE, spec.dtype.cudnn())?;
-        d.set(attr::CUDNN_ATTR_TENSOR_DIMENSIONS, &spec.dims)?;
-        d.set(attr::CUDNN_ATTR_TENSOR_STRIDES, &spec.strides)?;
-        d.set_one(attr::CUDNN_ATTR_TENSOR_UNIQUE_ID, spec.uid)?;
-        d.set_one(attr::CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, spec.alignment)?;
-        d.set_one(attr::CUDNN_ATTR_TENSOR_IS_VIRTUAL, spec.is_virtual)?;
-        if spec.by_value {
+        d.set_one(attr::CUDNN_ATTR_TENSOR_DATA_TYPE, t.dtype.cudnn())?;
+        d.set(attr::CUDNN_ATTR_TENSOR_DIMENSIONS, &t.dims)?;
+        d.set(attr::CUDNN_ATTR_TENSOR_STRIDES, &t.strides)?;
+        d.set_one(attr::CUDNN_ATTR_TENSOR_UNIQUE_ID, t.uid)?;
+        d.set_one(attr::CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, t.alignment)?;
+        d.set_one(attr::CUDNN_ATTR_TENSOR_IS_VIRTUAL, t.is_virtual)?;
+        if t.by_value {
             d.set_one(attr::CUDNN_ATTR_TENSOR_IS_BY_VALUE, true)?;
         }
         d.finalize()?;
         Ok(d)
     };
-    in_part(build(), spec.operand.name())
+    in_part(build(), t.part)
+}
+
+/// A finalized tensor descriptor of a convolution operand's `spec`.
+pub fn tensor(spec: &TensorSpec) -> Result<Descriptor> {
+    tensor_of(&TensorAttrs {
+        uid: spec.uid,
+        dims: spec.dims,
+        strides: spec.strides,
+        dtype: spec.dtype,
+        alignment: spec.alignment,
+        is_virtual: spec.is_virtual,
+        by_value: spec.by_value,
+        part: spec.operand.name(),
+    })
 }
 
 /// A finalized convolution descriptor of `shape`: f32 compute, cross-correlation, two spatial
