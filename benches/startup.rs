@@ -106,6 +106,10 @@ struct Measured {
     /// `conv` children: background compiles still running or queued after the last problem.
     #[serde(default)]
     background_pending: usize,
+    /// `conv` children: the decisions' reports (every direction) of the problems whose first
+    /// call took longer than the p95 target: where their time went, candidate by candidate.
+    #[serde(default)]
+    conv_slow_reports: Vec<String>,
 }
 
 fn ms(t: Instant) -> f64 {
@@ -140,7 +144,7 @@ fn uploaded<T: nnfuse::Element + cudarc::driver::DeviceRepr>(
 fn conv_first_call<T: nnfuse::Element + cudarc::driver::DeviceRepr>(
     ctx: &Context,
     s: &nnfuse::conv::ConvShape,
-) -> nnfuse::Result<(f64, usize, f64)> {
+) -> nnfuse::Result<(f64, usize, f64, String)> {
     let x = uploaded::<T>(ctx, s.x_len()?, 1)?;
     let w = uploaded::<T>(ctx, s.w_len()?, 2)?;
     let dy = uploaded::<T>(ctx, s.y_len()?, 3)?;
@@ -171,7 +175,16 @@ fn conv_first_call<T: nnfuse::Element + cudarc::driver::DeviceRepr>(
         .into_iter()
         .filter_map(|d| conv.report(d).map(|r| r.wall_ms))
         .sum();
-    Ok((t, skipped, measuring))
+    let reports = if t > CONV_P95_TARGET_MS {
+        nnfuse::conv::Direction::ALL
+            .into_iter()
+            .filter_map(|d| conv.report(d).map(|r| r.to_string()))
+            .collect::<Vec<_>>()
+            .join("")
+    } else {
+        String::new()
+    };
+    Ok((t, skipped, measuring, reports))
 }
 
 /// The `conv` child: every problem's first call in one fresh Context (caches as `spec` says).
@@ -190,7 +203,7 @@ fn conv_child(spec: &Spec) -> nnfuse::Result<Measured> {
     let problems = conv_problems::parse(include_str!("conv_problems.txt"))
         .map_err(|e| nnfuse::Error::invalid("conv_problems.txt", e))?;
     for p in &problems {
-        let (t, skipped, measuring) = match p.dtype.as_str() {
+        let (t, skipped, measuring, reports) = match p.dtype.as_str() {
             "f16" => conv_first_call::<f16>(&ctx, &p.shape)?,
             "bf16" => conv_first_call::<half::bf16>(&ctx, &p.shape)?,
             _ => conv_first_call::<f32>(&ctx, &p.shape)?,
@@ -198,6 +211,10 @@ fn conv_child(spec: &Spec) -> nnfuse::Result<Measured> {
         out.conv.push((format!("{} {}", p.name, p.dtype), t));
         out.conv_skipped.push(skipped);
         out.conv_measuring.push(measuring);
+        if !reports.is_empty() {
+            out.conv_slow_reports
+                .push(format!("{} {} ({t:.1} ms):\n{reports}", p.name, p.dtype));
+        }
     }
     out.background_pending = kernels::background_compiles();
     let k = kernels::stats();
@@ -541,6 +558,15 @@ fn print_conv(m: &Measured) {
          compiled yet were skipped); {} background compiles still pending at the end.",
         m.context_ms, m.nvrtc_compiled, m.nvrtc_compile_ms, m.background_pending
     );
+    if !m.conv_slow_reports.is_empty() {
+        println!(
+            "\n### First calls over {CONV_P95_TARGET_MS:.0} ms: the decisions' reports\n\n```"
+        );
+        for r in &m.conv_slow_reports {
+            println!("{r}");
+        }
+        println!("```");
+    }
 }
 
 fn main() -> ExitCode {

@@ -294,6 +294,13 @@ pub struct Interleaved {
     pub errors: Vec<Option<String>>,
     /// Timed rounds.
     pub rounds: usize,
+    /// Per variant, the host time (ms) its latest launch took to queue.
+    pub host_ms: Vec<f64>,
+    /// GPU time (ms) of the head starts queued before the samples, all rounds together.
+    pub head_start_ms: f64,
+    /// Per variant, whether it stopped being timed after the estimate round because it was
+    /// clearly slower than the fastest ([`hopeless`]); its one sample is the estimate.
+    pub pruned: Vec<bool>,
 }
 
 impl Interleaved {
@@ -396,6 +403,8 @@ struct Runner<F> {
     launches: Vec<usize>,
     errors: Vec<Option<String>>,
     host_ms: Vec<f64>,
+    /// GPU time (ms) of the head starts queued so far.
+    head_start_ms: f64,
 }
 
 impl<F: FnMut(usize, usize) -> Result<()>> Runner<F> {
@@ -405,6 +414,7 @@ impl<F: FnMut(usize, usize) -> Result<()>> Runner<F> {
             launches: vec![0usize; n],
             errors: vec![None; n],
             host_ms: vec![0.0; n],
+            head_start_ms: 0.0,
         }
     }
 
@@ -468,11 +478,15 @@ impl<F: FnMut(usize, usize) -> Result<()>> Runner<F> {
                 s.clear();
             }
         }
+        let n = self.errors.len();
         Interleaved {
             samples,
             bursts,
             errors: self.errors,
             rounds,
+            host_ms: self.host_ms,
+            head_start_ms: self.head_start_ms,
+            pruned: vec![false; n],
         }
     }
 }
@@ -611,8 +625,9 @@ impl HeadStart {
         }
     }
 
-    /// Holds the stream long enough for `host_ms` of queuing (with margin).
-    fn queue(&self, ctx: &Context, host_ms: f64) -> Result<()> {
+    /// Holds the stream long enough for `host_ms` of queuing (with margin); returns the
+    /// head start's length in ms.
+    fn queue(&self, ctx: &Context, host_ms: f64) -> Result<f64> {
         let ns = head_start_ns(host_ms);
         let cfg = LaunchConfig {
             grid_dim: (1, 1, 1),
@@ -623,7 +638,7 @@ impl HeadStart {
         l.arg(&ns);
         // SAFETY: timing_spin_ns(u64) reads no memory.
         unsafe { l.launch(cfg) }.call("cuLaunchKernel(timing_spin_ns)")?;
-        Ok(())
+        Ok(ns as f64 * 1e-6)
     }
 }
 
@@ -684,12 +699,12 @@ fn head_start_round<F: FnMut(usize, usize) -> Result<()>>(
     let n = bursts.len();
     let mut spans = Vec::with_capacity(n);
     for (v, &burst) in bursts.iter().enumerate() {
-        if !r.alive(v) {
+        if !r.alive(v) || burst == 0 {
             continue;
         }
         // Events are made before the head start, so that making them is not queuing time.
         let (a, b) = (new_event(ctx)?, new_event(ctx)?);
-        head.queue(ctx, r.host_ms[v] * burst as f64)?;
+        r.head_start_ms += head.queue(ctx, r.host_ms[v] * burst as f64)?;
         a.record(stream).call("cuEventRecord")?;
         if !r.run(v, burst) {
             continue;
@@ -747,14 +762,27 @@ pub(crate) fn time_interleaved_gpu_until(
         .map(|t| t.unwrap_or(f64::NAN))
         .collect();
     let Sampling {
-        bursts,
+        mut bursts,
         rounds,
         keep_estimate,
     } = Sampling::of(&opts, &r, &estimate);
     let mut samples = r.first_samples(&estimate, rounds, keep_estimate);
+    // Under a deadline (a first call's budget) a variant far slower than the fastest cannot
+    // win: its estimate is its only sample and it is not run again.
+    let pruned = if deadline.is_some() {
+        hopeless(&estimate)
+    } else {
+        vec![false; n]
+    };
+    let timed: Vec<usize> = (0..n)
+        .map(|v| if pruned[v] { 0 } else { bursts[v] })
+        .collect();
+    for v in (0..n).filter(|&v| pruned[v] && !keep_estimate && r.alive(v)) {
+        samples[v].push(estimate[v]);
+    }
     let mut done = usize::from(keep_estimate);
     while done < rounds && !past(deadline, done, opts.min_rounds) {
-        for (v, t) in head_start_round(ctx, &mut r, &head, &bursts)?
+        for (v, t) in head_start_round(ctx, &mut r, &head, &timed)?
             .into_iter()
             .enumerate()
         {
@@ -764,7 +792,34 @@ pub(crate) fn time_interleaved_gpu_until(
         }
         done += 1;
     }
-    Ok(r.into_interleaved(samples, bursts, done))
+    for v in (0..n).filter(|&v| pruned[v]) {
+        bursts[v] = 1;
+    }
+    let mut out = r.into_interleaved(samples, bursts, done);
+    out.pruned = pruned;
+    Ok(out)
+}
+
+/// A variant whose estimate is this many times the fastest's is not timed further under a
+/// deadline: the incumbent rule asks a challenger to be clearly faster, and a slow incumbent is
+/// beaten by the fastest anyway.
+pub(crate) const HOPELESS_FACTOR: f64 = 2.0;
+
+/// Which variants (by the estimate round's ms per launch) are [`HOPELESS_FACTOR`] times slower
+/// than the fastest: never the incumbent (variant 0, which every challenger is compared with)
+/// nor a variant without a usable estimate. Pure: tested on the CPU.
+pub(crate) fn hopeless(estimate: &[f64]) -> Vec<bool> {
+    let usable = |t: f64| t.is_finite() && t > 0.0;
+    let best = estimate
+        .iter()
+        .copied()
+        .filter(|&t| usable(t))
+        .fold(f64::INFINITY, f64::min);
+    estimate
+        .iter()
+        .enumerate()
+        .map(|(v, &t)| v > 0 && usable(t) && t > HOPELESS_FACTOR * best)
+        .collect()
 }
 
 /// Whether timing stops before another round: the deadline has passed and `done` rounds
@@ -795,6 +850,20 @@ pub fn copy_bandwidth(ctx: &Context, bytes: usize) -> Result<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_clearly_slower_challengers_are_hopeless() {
+        assert_eq!(hopeless(&[1.0, 1.7, 2.1, 0.9]), [false, false, true, false]);
+        // The incumbent stays even when it is the slowest.
+        assert_eq!(hopeless(&[9.0, 1.0, 1.5]), [false, false, false]);
+        // Unusable estimates are never pruned, nor do they set the best.
+        assert_eq!(
+            hopeless(&[f64::NAN, 1.0, 0.0, 3.0]),
+            [false, false, false, true]
+        );
+        assert_eq!(hopeless(&[]), Vec::<bool>::new());
+        assert_eq!(hopeless(&[f64::NAN, f64::INFINITY]), [false, false]);
+    }
 
     #[test]
     fn bursts_cover_the_minimum_sample() {

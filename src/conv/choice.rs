@@ -270,6 +270,13 @@ pub struct CandidateReport {
     pub median_ms: Option<f64>,
     /// Its per-round time ratio to the incumbent, when timed (not for the incumbent itself).
     pub vs_incumbent: Option<Paired>,
+    /// Host time (ms) its latest timed launch took to queue, when timed.
+    pub host_ms: Option<f64>,
+    /// Wall time (ms) of its check run under a budget, its first-call costs (plan building,
+    /// kernel loads) included; `None` when not checked or not waited for (exhaustive).
+    pub check_ms: Option<f64>,
+    /// Timed once only: its estimate was far slower than the fastest's under a budget.
+    pub pruned: bool,
 }
 
 /// Everything one measurement did.
@@ -300,19 +307,22 @@ pub struct AutoReport {
     pub check_ms: f64,
     /// Of which: the interleaved timing.
     pub timing_ms: f64,
+    /// Of the timing: GPU time (ms) of the head starts queued before its samples.
+    pub head_start_ms: f64,
 }
 
 impl fmt::Display for AutoReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "{} measured in {:.1} ms (check {:.1}, timing {:.1}, {} rounds); reference {}, {} \
-             operands; Winograd allowance {:.2e} (baseline {})",
+            "{} measured in {:.1} ms (check {:.1}, timing {:.1}: {} rounds, head starts {:.1}); \
+             reference {}, {} operands; Winograd allowance {:.2e} (baseline {})",
             self.direction,
             self.wall_ms,
             self.check_ms,
             self.timing_ms,
             self.rounds,
+            self.head_start_ms,
             self.reference,
             self.operands,
             self.winograd_allowance,
@@ -337,6 +347,15 @@ impl fmt::Display for AutoReport {
             }
             if let Some(p) = &c.vs_incumbent {
                 write!(f, " {:.3}x", p.median)?;
+            }
+            if let Some(h) = c.host_ms {
+                write!(f, " (host {:.0} us)", h * 1e3)?;
+            }
+            if let Some(t) = c.check_ms {
+                write!(f, " [check {t:.1} ms]")?;
+            }
+            if c.pruned {
+                write!(f, " timed once: over twice the fastest")?;
             }
             match &c.outcome {
                 Outcome::Passed => writeln!(f)?,
@@ -1122,7 +1141,10 @@ pub(crate) fn measure(inp: &MeasureInput<'_>) -> Result<(usize, AutoReport)> {
     let mut reports = bench.check_routes(operands)?;
     let check_ms = ms_since(t0);
     let (baseline, allowance) = refuse_inaccurate_winograd(&mut reports, inp.dtype);
-    let report = |reports: Vec<CandidateReport>, incumbent, winner, rounds, timing_ms| AutoReport {
+    let report = |reports: Vec<CandidateReport>,
+                  incumbent,
+                  winner,
+                  (rounds, timing_ms, head_ms)| AutoReport {
         direction: inp.direction,
         candidates: reports,
         incumbent,
@@ -1135,6 +1157,7 @@ pub(crate) fn measure(inp: &MeasureInput<'_>) -> Result<(usize, AutoReport)> {
         wall_ms: ms_since(t0),
         check_ms,
         timing_ms,
+        head_start_ms: head_ms,
     };
     let alive: Vec<usize> = (0..reports.len())
         .filter(|&i| passed(&reports[i]))
@@ -1142,20 +1165,20 @@ pub(crate) fn measure(inp: &MeasureInput<'_>) -> Result<(usize, AutoReport)> {
     let Some(&incumbent) = alive.first() else {
         return Err(Error::NotSupported(format!(
             "no route passed the numerical check:\n{}",
-            report(reports, 0, 0, 0, 0.0)
+            report(reports, 0, 0, (0, 0.0, 0.0))
         )));
     };
     // 3. Time the survivors against each other; the incumbent is kept unless clearly beaten.
     let t1 = Instant::now();
-    let (winner, rounds) = if alive.len() > 1 {
+    let (winner, rounds, head_ms) = if alive.len() > 1 {
         bench.time_routes(operands, &alive, &mut reports)?
     } else {
-        (incumbent, 0)
+        (incumbent, 0, 0.0)
     };
     let timing_ms = ms_since(t1);
     Ok((
         winner,
-        report(reports, incumbent, winner, rounds, timing_ms),
+        report(reports, incumbent, winner, (rounds, timing_ms, head_ms)),
     ))
 }
 
@@ -1181,6 +1204,9 @@ pub(crate) fn with_not_run(report: &mut AutoReport, routes: &[(Route, &str)]) {
             outcome: Outcome::Skipped((*why).to_string()),
             median_ms: None,
             vs_incumbent: None,
+            host_ms: None,
+            check_ms: None,
+            pruned: false,
         });
     }
 }
@@ -1230,6 +1256,7 @@ pub(crate) fn verify(inp: &MeasureInput<'_>) -> Result<(bool, AutoReport)> {
             wall_ms: ms_since(t0),
             check_ms,
             timing_ms: 0.0,
+            head_start_ms: 0.0,
         },
     ))
 }
@@ -1417,6 +1444,8 @@ impl<'a> Bench<'a> {
         let budget = &self.inp.budget;
         let mut failed: Vec<Option<String>> = vec![None; n];
         let mut skipped = vec![false; n];
+        let mut check_ms: Vec<Option<f64>> = vec![None; n];
+        let mut started = Instant::now();
         for (i, e) in self.inp.execs.iter().enumerate() {
             if !keep_checking(i, budget.spent_ms(), budget.total_ms()) {
                 skipped[i..].iter_mut().for_each(|s| *s = true);
@@ -1424,7 +1453,10 @@ impl<'a> Bench<'a> {
             }
             if !budget.exhaustive() && i > 0 {
                 ctx.synchronize()?;
+                // The previous check, waited for: its wall time is what it cost the budget.
+                check_ms[i - 1] = Some(ms_since(started));
             }
+            started = Instant::now();
             poison(ctx, self.out, out_len * self.elem)?;
             match self.run(*e, operands) {
                 Ok(()) => launch3(
@@ -1439,6 +1471,11 @@ impl<'a> Bench<'a> {
             }
         }
         let a = read_acc(ctx, &self.acc)?;
+        if let Some(last) = (0..n).rev().find(|&i| !skipped[i]) {
+            if !budget.exhaustive() {
+                check_ms[last] = Some(ms_since(started));
+            }
+        }
         let tol = check_tolerance(dtype);
         let mut reports: Vec<CandidateReport> = Vec::with_capacity(n);
         for (i, e) in self.inp.execs.iter().enumerate() {
@@ -1471,6 +1508,9 @@ impl<'a> Bench<'a> {
                 outcome,
                 median_ms: None,
                 vs_incumbent: None,
+                host_ms: None,
+                check_ms: check_ms[i],
+                pruned: false,
             });
         }
         Ok(reports)
@@ -1479,13 +1519,13 @@ impl<'a> Bench<'a> {
     /// Times the routes `alive` (the incumbent first) against each other and fills their
     /// reports. The winner: a route that beats the incumbent by the incumbent rule, else the
     /// incumbent; if the incumbent failed while timed, the fastest survivor by median. Returns
-    /// the winner and the timed rounds.
+    /// the winner, the timed rounds and the head starts' GPU time (ms).
     fn time_routes(
         &self,
         operands: CudnnPtrs,
         alive: &[usize],
         reports: &mut [CandidateReport],
-    ) -> Result<(usize, usize)> {
+    ) -> Result<(usize, usize, f64)> {
         // GPU time only: a legacy cuDNN call queues for 60-100 us of host time, more than many
         // kernels take; each burst waits behind a head start that covers its queuing.
         let deadline = timing_deadline(&self.inp.budget);
@@ -1500,6 +1540,8 @@ impl<'a> Bench<'a> {
         for (v, &i) in alive.iter().enumerate() {
             let rep = &mut reports[i];
             rep.median_ms = res.timing(v).map(|t| t.median_ms);
+            rep.host_ms = res.host_ms.get(v).copied();
+            rep.pruned = res.pruned.get(v).copied().unwrap_or(false);
             if let Some(err) = &res.errors[v] {
                 rep.outcome = Outcome::Failed(format!("failed while timed: {err}"));
                 continue;
@@ -1519,11 +1561,11 @@ impl<'a> Bench<'a> {
                 .min_by(|a, b| a.1.total_cmp(&b.1));
         }
         match best {
-            Some((i, _)) => Ok((i, res.rounds)),
+            Some((i, _)) => Ok((i, res.rounds, res.head_start_ms)),
             None if !passed(&reports[incumbent]) => Err(Error::NotSupported(
                 "every route failed while being timed".into(),
             )),
-            None => Ok((incumbent, res.rounds)),
+            None => Ok((incumbent, res.rounds, res.head_start_ms)),
         }
     }
 }
@@ -1553,6 +1595,9 @@ mod tests {
             outcome,
             median_ms: None,
             vs_incumbent: None,
+            host_ms: None,
+            check_ms: None,
+            pruned: false,
         };
         let failed = || {
             line(
@@ -1574,6 +1619,7 @@ mod tests {
             wall_ms: 1.0,
             check_ms: 0.5,
             timing_ms: 0.5,
+            head_start_ms: 0.0,
         };
         let skipped = Outcome::Skipped("decision budget of 70 ms spent".into());
         let mut r = report(vec![
@@ -1609,6 +1655,9 @@ mod tests {
                 outcome: Outcome::Passed,
                 median_ms: Some(0.1),
                 vs_incumbent: None,
+                host_ms: None,
+                check_ms: None,
+                pruned: false,
             }],
             incumbent: 0,
             winner: 0,
@@ -1620,6 +1669,7 @@ mod tests {
             wall_ms: 1.0,
             check_ms: 1.0,
             timing_ms: 0.0,
+            head_start_ms: 0.0,
         };
         let why = crate::tune::budget::NOT_COMPILED;
         with_not_run(&mut r, &[(Route::path(ConvPath::Direct), why)]);
