@@ -19,8 +19,8 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::{bf16, f16};
 use nnfuse::conv::{ConvShape, Direction};
 use nnfuse::internals::cudnn_graph::{
-    admit, available, engine_configs, execute, run_cached, GraphConv, GraphConvKey, GraphParts,
-    GraphPolicy, NumericalNote, VariantPack,
+    admit, available, engine_config_of, engine_configs, engine_info, execute, run_cached,
+    GraphConv, GraphConvKey, GraphParts, GraphPolicy, HeurSource, NumericalNote, VariantPack,
 };
 use nnfuse::reference::conv::{conv2d, conv2d_backward_data, conv2d_backward_filter};
 use nnfuse::{Context, DType, Element, Error, TensorFormat};
@@ -249,6 +249,51 @@ fn engine_configs_are_listed_with_notes() {
                     "f32 must not run on TF32 tensor cores"
                 );
             }
+        }
+    }
+}
+
+/// The heuristics' engine configs carry knob choices (tile sizes, stages, split-K), and an
+/// engine config rebuilt from a route's engine index and knobs (how a tuning file's or another
+/// Conv2d's route is rebuilt) has the same knobs: a route rebuilt without them ran cuDNN's
+/// default tiles at 6x the time.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn engine_configs_keep_their_knobs_when_rebuilt() {
+    let Some(ctx) = gpu() else { return };
+    let s = common::square_conv(32, 64, 56, 64, 3, TensorFormat::Nhwc);
+    for (dtype, d) in [
+        (DType::F16, Direction::Forward),
+        (DType::BF16, Direction::BackwardData),
+        (DType::F16, Direction::BackwardFilter),
+    ] {
+        let key = GraphConvKey::new(s, dtype, d);
+        let handle = ctx.lock().unwrap().cudnn().unwrap();
+        let parts = GraphParts::build(handle, &key).expect("graph");
+        let configs = engine_configs(&parts.graph).expect("engine configs");
+        let with_knobs = configs.iter().filter(|c| !c.info.knobs.is_empty()).count();
+        eprintln!(
+            "{d} {dtype}: {} engine configs, {with_knobs} with knob choices",
+            configs.len()
+        );
+        assert!(
+            with_knobs > 0,
+            "{d} {dtype}: no listed engine config has knob choices: {:?}",
+            configs
+                .iter()
+                .map(|c| c.info.to_string())
+                .collect::<Vec<_>>()
+        );
+        for c in &configs {
+            let Some(e) = c.info.engine() else { continue };
+            let rebuilt = engine_config_of(&parts.graph, &e).expect("rebuilt engine config");
+            let info = engine_info(&rebuilt, HeurSource::Given, 0).expect("rebuilt info");
+            assert_eq!(
+                (info.global_index, &info.knobs),
+                (c.info.global_index, &c.info.knobs),
+                "{d} {dtype}: {} rebuilt with other knobs",
+                c.info
+            );
         }
     }
 }

@@ -4,9 +4,10 @@
 
 use std::fmt;
 
-/// Most knob choices a [`GraphEngine`] holds (cuDNN 9.19's convolution engines listed none to a
-/// few; a config with more is not a candidate, said where it is listed).
-pub const MAX_GRAPH_KNOBS: usize = 8;
+/// Most knob choices a [`GraphEngine`] holds (one per knob type an engine has; cuDNN 9 knows
+/// 37 to 44 types, an engine uses a few); a config with more is not a candidate, said where it
+/// is listed.
+pub const MAX_GRAPH_KNOBS: usize = 16;
 
 /// One cuDNN graph engine configuration: `CUDNN_ATTR_ENGINE_GLOBAL_INDEX` and its knob choices
 /// `(cudnnBackendKnobType_t value, value)`, sorted by knob type.
