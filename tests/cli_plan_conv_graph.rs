@@ -99,3 +99,43 @@ fn bad_cudnn_api_values_exit_2_naming_them() {
         .expect("runs");
     assert!(String::from_utf8_lossy(&help.stdout).contains("--cudnn-api"));
 }
+
+/// `nnfuse plan --conv --dtype f32` on a cuDNN with the graph API: the cuDNN candidate goes
+/// through it for f32 too, and the reasons say what that means (true f32, each engine config
+/// checked against a true-f32 route within a bound), in the text and the JSON.
+#[test]
+fn f32_plans_take_the_graph_api_and_say_it_means_true_f32() {
+    let f32_problem: Vec<&str> = PROBLEM
+        .iter()
+        .map(|&a| if a == "f16" { "f32" } else { a })
+        .collect();
+    for direction in ["forward", "backward-data", "backward-filter"] {
+        let args = [&f32_problem[..], &["--direction", direction, "--json"]].concat();
+        let out = nnfuse_plan(&args, &[]);
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+        assert_eq!(v["dtype"], "f32", "{v}");
+        let reasons = v["reasons"].to_string();
+        if graph_here() {
+            assert_eq!(v["cudnn_api_used"], "graph", "{direction}: {v}");
+            assert_eq!(v["api_paths"][0]["eligible"], true, "{direction}: {v}");
+            assert!(
+                reasons.contains("cudnn_graph f32 means true f32"),
+                "{direction}: {reasons}"
+            );
+            assert!(reasons.contains("true-f32 route"), "{direction}: {reasons}");
+        }
+        let text = nnfuse_plan(
+            &[&f32_problem[..], &["--direction", direction]].concat(),
+            &[],
+        );
+        let text = String::from_utf8_lossy(&text.stdout);
+        if graph_here() {
+            assert!(text.contains("cudnn_graph f32 means true f32"), "{text}");
+        }
+    }
+}

@@ -841,6 +841,91 @@ fn the_cudnn_candidate_goes_through_the_graph_api_where_it_can() {
     assert!(!p.eligible(ConvPath::CudnnGraph) && !p.cudnn_graph, "{p}");
 }
 
+/// f32 takes the graph API like the halves (it used to be refused for an engine config that
+/// measured 6.6e-4 from f64): the plan says what f32 on the graph route means — true f32, each
+/// engine config checked against a true-f32 route within a bound that grows with the sum's
+/// length — and only the graph API's own conditions refuse it.
+#[test]
+fn f32_takes_the_graph_api_and_the_plan_says_it_means_true_f32() {
+    use nnfuse::config::CudnnApi;
+    // Direction, shape, the bound the reasons name: 1e-5 for short sums, more for the filter
+    // gradient of a large batch (n*oh*ow products per element).
+    let cases = [
+        (
+            Direction::Forward,
+            shape(32, 512, 7, 512, 3, NCHW),
+            "1.0e-5",
+        ),
+        (
+            Direction::BackwardData,
+            shape(8, 128, 28, 128, 3, NCHW),
+            "1.0e-5",
+        ),
+        (
+            Direction::BackwardFilter,
+            shape(5, 64, 31, 1, 5, NCHW),
+            "1.0e-5",
+        ),
+        (
+            Direction::BackwardFilter,
+            shape(16, 256, 56, 256, 3, NCHW),
+            "2.7e-5",
+        ),
+        (
+            Direction::BackwardFilter,
+            shape(256, 64, 56, 64, 3, NHWC),
+            "5.0e-5",
+        ),
+    ];
+    for (d, s, bound) in cases {
+        let p = plan_of(s, DType::F32, d, &Config::default(), true);
+        assert!(
+            p.cudnn_graph && p.eligible(ConvPath::CudnnGraph),
+            "{d}:\n{p}"
+        );
+        assert_eq!(p.cudnn_api_used(), Some("graph"), "{d}");
+        assert_eq!(p.candidates[0].path, ConvPath::Cudnn, "{d}");
+        assert!(
+            has_reason(&p, "cudnn_graph f32 means true f32"),
+            "{d}:\n{p}"
+        );
+        assert!(
+            has_reason(&p, &format!("relative L2 error of {bound}")),
+            "{d} {s:?}: bound {bound}:\n{p}"
+        );
+        assert!(
+            !why(&p, ConvPath::CudnnGraph).starts_with("f32"),
+            "{d}:\n{p}"
+        );
+        // The halves' plans do not carry the f32 line.
+        let h = plan_of(s, DType::F16, d, &Config::default(), true);
+        assert!(!has_reason(&h, "cudnn_graph f32"), "{d}:\n{h}");
+        // legacy still refuses the graph API for f32, with its own reason.
+        let legacy = Config::default().with_cudnn_api(CudnnApi::Legacy);
+        let p = plan_of(s, DType::F32, d, &legacy, true);
+        assert!(!p.eligible(ConvPath::CudnnGraph), "{d}:\n{p}");
+        assert!(
+            why(&p, ConvPath::CudnnGraph).contains("legacy"),
+            "{d}:\n{p}"
+        );
+    }
+    // A cuDNN without the graph API: refused for f32 as for the halves.
+    let s = shape(8, 128, 28, 128, 3, NCHW);
+    let p = plan(&ConvPlanRequest {
+        shape: s,
+        dtype: DType::F32,
+        direction: Direction::BackwardFilter,
+        config: &Config::default(),
+        cudnn_present: true,
+        cudnn_graph: false,
+    })
+    .unwrap();
+    assert!(
+        why(&p, ConvPath::CudnnGraph).contains("no graph API"),
+        "{p}"
+    );
+}
+
 #[test]
 fn graph_routes_name_their_engine_config() {
     use nnfuse::conv::{GraphEngine, Route};

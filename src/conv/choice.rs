@@ -53,6 +53,7 @@ use serde_json::{json, Map, Value};
 use super::cudnn::{CudnnAlgo, CudnnConv, CudnnMath, CudnnPtrs};
 use super::plan::{ConvPath, ConvPlan, Direction, Route};
 use super::route::{self, Exec};
+use super::sizes::{reduction_len, true_f32_bound};
 use super::{direct, ConvShape, GraphEngine, WinogradEngine};
 use crate::config::{Config, ConvAlgoPolicy, CudnnApi, WinogradGemmPolicy};
 use crate::context::Context;
@@ -147,6 +148,97 @@ pub const fn check_tolerance(dtype: DType) -> f64 {
         DType::F32 => 1e-4,
         DType::F16 => 1e-2,
         DType::BF16 => 2e-2,
+    }
+}
+
+/// Whether `r` computes f32 data in true single precision: nnfuse's im2col + GEMM
+/// (`CUBLAS_COMPUTE_32F`, never TF32) and direct kernel, and cuDNN's legacy algorithms with
+/// `CUDNN_FMA_MATH` (the only math [`usable`](super::cudnn::usable) keeps for f32, non-fused
+/// Winograd excluded). Not a graph engine config (its notes do not prove it) nor nnfuse's
+/// Winograd (its transforms round). Pure.
+pub(crate) fn is_true_f32(r: &Route) -> bool {
+    match r.path {
+        ConvPath::Im2colGemm | ConvPath::Direct => true,
+        ConvPath::Cudnn => r.cudnn_algo.is_some_and(|a| a.math == CudnnMath::Fma),
+        ConvPath::CudnnGraph | ConvPath::WinogradF2x3 | ConvPath::WinogradF4x3 => false,
+    }
+}
+
+/// The order in which routes are tried for the check's reference (the first that runs gives
+/// it): `execs` as measured, except that for f32 the true-f32 routes ([`is_true_f32`]) come
+/// first, so that a graph engine config is never the reference of f32 routes while a true-f32
+/// route runs. Pure.
+pub(crate) fn reference_order(execs: &[Exec], dtype: DType) -> Vec<Exec> {
+    if dtype != DType::F32 {
+        return execs.to_vec();
+    }
+    let (exact, rest): (Vec<Exec>, Vec<Exec>) = execs.iter().partition(|e| is_true_f32(&e.route));
+    exact.into_iter().chain(rest).collect()
+}
+
+/// Whether `e` is an f32 graph engine config, which runs only once checked against a true-f32
+/// route. Pure.
+pub(crate) fn needs_true_f32_check(e: &Exec, dtype: DType) -> bool {
+    dtype == DType::F32 && e.route.path == ConvPath::CudnnGraph
+}
+
+/// Drops the f32 graph engine configs of `execs` when no true-f32 route is among them to hold
+/// them to (they would all be refused); returns why, when it dropped any. Pure.
+pub(crate) fn drop_uncheckable_f32_graph(execs: &mut Vec<Exec>, dtype: DType) -> Option<String> {
+    let graph = execs.iter().any(|e| needs_true_f32_check(e, dtype));
+    if !graph || execs.iter().any(|e| is_true_f32(&e.route)) {
+        return None;
+    }
+    execs.retain(|e| !needs_true_f32_check(e, dtype));
+    Some(
+        "f32: no true-f32 route (legacy cuDNN with FMA math, im2col + GEMM) can run beside \
+         cuDNN's graph engine configs to check them, so they are not measured"
+            .into(),
+    )
+}
+
+/// The route a measurement that could check nothing runs unmeasured: the first of `execs`
+/// that is no f32 graph engine config (those run only once checked), else the first. Pure.
+pub(crate) fn unmeasured_incumbent(execs: &[Exec], dtype: DType) -> usize {
+    execs
+        .iter()
+        .position(|e| !needs_true_f32_check(e, dtype))
+        .unwrap_or(0)
+}
+
+/// Holds f32 graph engine configs to true f32: each that passed the check is refused when the
+/// reference was not true f32 (`reference_true_f32`: nothing to hold it to) or its error exceeds
+/// `bound` ([`true_f32_bound`]). No effect for f16/bf16 (their graph configs are meant to use
+/// tensor cores). Pure: tested on the CPU.
+pub(crate) fn refuse_untrue_f32_graph(
+    reports: &mut [CandidateReport],
+    dtype: DType,
+    reference_true_f32: bool,
+    bound: f64,
+) {
+    if dtype != DType::F32 {
+        return;
+    }
+    for r in reports.iter_mut() {
+        if !passed(r) || r.route.path != ConvPath::CudnnGraph {
+            continue;
+        }
+        let why = match r.rel_l2 {
+            _ if !reference_true_f32 => Some(
+                "f32 through the graph API is checked against a true-f32 reference (im2col + \
+                 GEMM, direct or legacy cuDNN with FMA math), and none ran"
+                    .to_string(),
+            ),
+            Some(e) if e.is_nan() || e > bound => Some(format!(
+                "relative L2 error {e:.2e} against the true-f32 reference exceeds the true-f32 \
+                 bound {bound:.1e} (TF32 gives ~3e-4): not true f32"
+            )),
+            Some(_) => None,
+            None => Some("no error measured against the true-f32 reference".to_string()),
+        };
+        if let Some(why) = why {
+            r.outcome = Outcome::Refused(why);
+        }
     }
 }
 
@@ -1001,6 +1093,19 @@ pub(crate) struct MeasureInput<'a> {
     pub direct_reference: bool,
 }
 
+/// The operands a measurement checks on and the reference computed on them.
+struct Checked {
+    operands: CudnnPtrs,
+    /// What the reference was (`direct_f32` or a route's label).
+    reference: String,
+    /// Whether it was computed in true f32 (f32 data; [`is_true_f32`]).
+    true_f32: bool,
+    /// Which operands (`caller`, or `random (why)`).
+    note: String,
+    /// The pseudo-random operands' buffers, alive as long as the measurement.
+    _random: Vec<CudaSlice<u8>>,
+}
+
 /// What a `Conv2d`'s first call may need besides its candidates' own kernels: the check's
 /// comparisons and the timing's head start (small: waited for when not ready), the forward's
 /// reference (`conv_direct.cu`) and the pseudo-random operands and GEMM search
@@ -1136,10 +1241,17 @@ pub(crate) fn measure(inp: &MeasureInput<'_>) -> Result<(usize, AutoReport)> {
     let t0 = Instant::now();
     let bench = Bench::new(inp)?;
     // 1. The reference, on the caller's operands or, when they cannot tell, random ones.
-    let (operands, reference, operands_note, _random) = bench.reference_operands()?;
-    // 2. Check every route against it; Winograd is also held to its allowance.
+    let checked = bench.reference_operands()?;
+    let (operands, reference, operands_note) = (
+        checked.operands,
+        checked.reference.clone(),
+        checked.note.clone(),
+    );
+    // 2. Check every route against it; f32 graph configs are held to true f32, Winograd to
+    // its allowance.
     let mut reports = bench.check_routes(operands)?;
     let check_ms = ms_since(t0);
+    hold_to_true_f32(inp, &checked, &mut reports);
     let (baseline, allowance) = refuse_inaccurate_winograd(&mut reports, inp.dtype);
     let report = |reports: Vec<CandidateReport>,
                   incumbent,
@@ -1211,12 +1323,17 @@ pub(crate) fn with_not_run(report: &mut AutoReport, routes: &[(Route, &str)]) {
     }
 }
 
-/// Whether a cached `choice` must pass [`verify`] before it is used: a Winograd route read
-/// from the tuning file. Its error depends on the data's range, which the measurement that
-/// wrote it judged (or not: a file is editable and may come from elsewhere), so it is held to
-/// the same allowance as a measured one. Pure: tested on the CPU.
-pub(crate) fn verify_before_use(choice: &ConvChoice) -> bool {
-    choice.origin == ChoiceOrigin::File && choice.route.path.winograd_tile().is_some()
+/// Whether a cached `choice` for `dtype` data must pass [`verify`] before it is used: a
+/// Winograd route or an f32 graph route read from the tuning file. A Winograd route's error
+/// depends on the data's range, which the measurement that wrote it judged (or not: a file is
+/// editable and may come from elsewhere), so it is held to the same allowance as a measured
+/// one; an f32 graph engine config is held to true f32 ([`refuse_untrue_f32_graph`]) whatever
+/// wrote the file (another cuDNN, or nnfuse before the check existed). Routes this process
+/// measured passed those checks already. Pure: tested on the CPU.
+pub(crate) fn verify_before_use(choice: &ConvChoice, dtype: DType) -> bool {
+    choice.origin == ChoiceOrigin::File
+        && (choice.route.path.winograd_tile().is_some()
+            || (dtype == DType::F32 && choice.route.path == ConvPath::CudnnGraph))
 }
 
 /// Checks the last of `inp.execs` as [`measure`] would (steps 1 and 2: the reference, the
@@ -1232,9 +1349,10 @@ pub(crate) fn verify(inp: &MeasureInput<'_>) -> Result<(bool, AutoReport)> {
     };
     let inp = &unbudgeted;
     let bench = Bench::new(inp)?;
-    let (operands, reference, operands_note, _random) = bench.reference_operands()?;
-    let mut reports = bench.check_routes(operands)?;
+    let checked = bench.reference_operands()?;
+    let mut reports = bench.check_routes(checked.operands)?;
     let check_ms = ms_since(t0);
+    hold_to_true_f32(inp, &checked, &mut reports);
     let (baseline, allowance) = refuse_inaccurate_winograd(&mut reports, inp.dtype);
     let tested = reports.len().saturating_sub(1);
     let ok = reports.last().is_some_and(passed);
@@ -1248,8 +1366,8 @@ pub(crate) fn verify(inp: &MeasureInput<'_>) -> Result<(bool, AutoReport)> {
             candidates: reports,
             incumbent,
             winner: tested,
-            reference,
-            operands: operands_note,
+            reference: checked.reference.clone(),
+            operands: checked.note.clone(),
             baseline_error: baseline,
             winograd_allowance: allowance,
             rounds: 0,
@@ -1271,6 +1389,12 @@ pub(crate) fn budget_note(report: &AutoReport, budget: &Budget) -> Option<String
         .map(|c| c.route.label())
         .collect();
     (!skipped.is_empty()).then(|| skipped_note(&skipped, budget.total_ms().unwrap_or(0.0)))
+}
+
+/// [`refuse_untrue_f32_graph`] with the measurement's reference and its problem's bound.
+fn hold_to_true_f32(inp: &MeasureInput<'_>, checked: &Checked, reports: &mut [CandidateReport]) {
+    let bound = true_f32_bound(reduction_len(inp.shape, inp.direction));
+    refuse_untrue_f32_graph(reports, inp.dtype, checked.true_f32, bound);
 }
 
 fn passed(r: &CandidateReport) -> bool {
@@ -1371,25 +1495,27 @@ impl<'a> Bench<'a> {
         unsafe { route::run(&self.target, self.inp.direction, e, out, false) }
     }
 
-    /// The reference on operands `p`, into the f32 reference buffer; returns its description.
-    fn reference(&self, p: CudnnPtrs) -> Result<String> {
+    /// The reference on operands `p`, into the f32 reference buffer; returns its description
+    /// and whether it is true f32 (f32 data computed by a true-f32 route: [`is_true_f32`]).
+    fn reference(&self, p: CudnnPtrs) -> Result<(String, bool)> {
         let (ctx, dtype) = (self.inp.ctx, self.inp.dtype);
         if self.inp.direction == Direction::Forward && self.inp.direct_reference {
             // SAFETY: as `run`; ref_buf holds out_len f32.
             match unsafe {
                 direct::forward_f32_out(ctx, self.inp.shape, dtype, p.x, p.w, self.refp)
             } {
-                Ok(()) => return Ok("direct_f32".into()),
+                Ok(()) => return Ok(("direct_f32".into(), dtype == DType::F32)),
                 Err(e) => tracing::debug!(error = %e, "direct f32 reference unavailable"),
             }
         }
         let mut last = None;
-        for e in self.inp.execs {
-            match self.run(*e, p) {
+        for e in reference_order(self.inp.execs, dtype) {
+            match self.run(e, p) {
                 Ok(()) => {
                     let widen = widen_kernel(dtype);
                     launch3(ctx, widen, self.out, self.refp, self.out_len, None)?;
-                    return Ok(e.route.label());
+                    let exact = dtype == DType::F32 && is_true_f32(&e.route);
+                    return Ok((e.route.label(), exact));
                 }
                 Err(err) => last = Some(err),
             }
@@ -1399,17 +1525,22 @@ impl<'a> Bench<'a> {
 
     /// The operands of the check and the reference on them: the caller's, unless the reference
     /// there is not finite everywhere or mostly zero; then pseudo-random inputs (their buffers
-    /// are returned, to live as long as the measurement). Returns the operands, the reference's
-    /// description, which operands (and why) and the random buffers.
-    fn reference_operands(&self) -> Result<(CudnnPtrs, String, String, Vec<CudaSlice<u8>>)> {
+    /// are kept in the result, to live as long as the measurement).
+    fn reference_operands(&self) -> Result<Checked> {
         let (ctx, dtype, out_len) = (self.inp.ctx, self.inp.dtype, self.out_len);
         let mut operands = self.inp.operands;
-        let ref_name = self.reference(operands)?;
+        let (ref_name, true_f32) = self.reference(operands)?;
         stats(ctx, self.refp, out_len, self.acc_at(0))?;
         let a = read_acc(ctx, &self.acc)?;
         let (nonfinite, nonzero) = (a[0], a[1]);
         if !(nonfinite > 0.0 || nonzero < MIN_NONZERO_FRACTION * out_len as f64) {
-            return Ok((operands, ref_name, "caller".to_string(), Vec::new()));
+            return Ok(Checked {
+                operands,
+                reference: ref_name,
+                true_f32,
+                note: "caller".to_string(),
+                _random: Vec::new(),
+            });
         }
         let why = if nonfinite > 0.0 {
             format!("the reference on the caller's data has {nonfinite} non-finite elements")
@@ -1429,8 +1560,14 @@ impl<'a> Bench<'a> {
             operands = with_role(operands, r, ptr);
             random.push(buf);
         }
-        let ref_name = self.reference(operands)?;
-        Ok((operands, ref_name, format!("random ({why})"), random))
+        let (ref_name, true_f32) = self.reference(operands)?;
+        Ok(Checked {
+            operands,
+            reference: ref_name,
+            true_f32,
+            note: format!("random ({why})"),
+            _random: random,
+        })
     }
 
     /// Runs every route once into a NaN-poisoned output and compares it with the reference on
@@ -1577,6 +1714,8 @@ fn raw_ptr_f64(s: &CudaSlice<f64>, ctx: &Context) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::conv::problem::WinogradTile;
+    use crate::conv::sizes::{TRUE_F32_BOUND_CAP, TRUE_F32_BOUND_FLOOR};
 
     /// A tuning file's route that failed its check shows in the report of the measurement that
     /// replaced it: in place of a line the budget skipped, appended when absent, and a line the
@@ -1679,10 +1818,11 @@ mod tests {
         assert!(format!("{r}").contains("skipped: kernels not compiled yet"));
     }
 
-    /// Only a Winograd route read from the tuning file is checked before use: a measured one
-    /// was checked when it was measured, and the other paths' error does not depend on it.
+    /// Only a Winograd route, or an f32 graph route, read from the tuning file is checked
+    /// before use: a measured one was checked when it was measured, and the other paths' error
+    /// does not depend on it.
     #[test]
-    fn only_a_winograd_route_from_the_file_is_verified_before_use() {
+    fn only_winograd_and_f32_graph_routes_from_the_file_are_verified_before_use() {
         let route = |path: ConvPath| Route {
             path,
             engine: path.winograd_tile().map(|_| WinogradEngine::TensorCore),
@@ -1697,14 +1837,170 @@ mod tests {
             ChoiceOrigin::File,
             ChoiceOrigin::Fallback,
         ];
-        for path in ConvPath::ALL {
-            for origin in origins {
-                let c = ConvChoice::planned(route(path), origin);
-                let want = origin == ChoiceOrigin::File
-                    && matches!(path, ConvPath::WinogradF2x3 | ConvPath::WinogradF4x3);
-                assert_eq!(verify_before_use(&c), want, "{path} {origin:?}");
+        for dtype in DType::ALL {
+            for path in ConvPath::ALL {
+                for origin in origins {
+                    let c = ConvChoice::planned(route(path), origin);
+                    let want = origin == ChoiceOrigin::File
+                        && (matches!(path, ConvPath::WinogradF2x3 | ConvPath::WinogradF4x3)
+                            || (path == ConvPath::CudnnGraph && dtype == DType::F32));
+                    assert_eq!(
+                        verify_before_use(&c, dtype),
+                        want,
+                        "{path} {origin:?} {dtype}"
+                    );
+                }
             }
         }
+    }
+
+    fn exec(route: Route) -> Exec {
+        Exec {
+            route,
+            cudnn_ws: 0,
+            winograd: None,
+        }
+    }
+
+    fn graph_route(index: i64) -> Route {
+        Route::graph(GraphEngine::new(index, &[]).unwrap())
+    }
+
+    fn legacy_route(math: CudnnMath) -> Route {
+        Route::cudnn(CudnnAlgo {
+            direction: Direction::BackwardFilter,
+            id: 1,
+            math,
+        })
+    }
+
+    fn checked(route: Route, rel: f64) -> CandidateReport {
+        CandidateReport {
+            route,
+            rel_l2: Some(rel),
+            outcome: Outcome::Passed,
+            median_ms: None,
+            vs_incumbent: None,
+        }
+    }
+
+    /// The bound grows with the sum's length from 1e-5 and stays at 5e-5, far below TF32's
+    /// ~3e-4 and the 6.6e-4 of the engine config that had no TF32 note.
+    #[test]
+    fn the_true_f32_bound_follows_the_reduction_length() {
+        assert_eq!(true_f32_bound(0), TRUE_F32_BOUND_FLOOR);
+        assert_eq!(true_f32_bound(64 * 9), TRUE_F32_BOUND_FLOOR);
+        let vgg_wgrad = true_f32_bound(16 * 56 * 56);
+        assert!(
+            vgg_wgrad > TRUE_F32_BOUND_FLOOR && vgg_wgrad < 3e-5,
+            "{vgg_wgrad}"
+        );
+        assert_eq!(true_f32_bound(usize::MAX), TRUE_F32_BOUND_CAP);
+        // TF32 (~3e-4) and the 6.6e-4 config stay out whatever the length.
+        let tf32 = 3e-4;
+        assert!(tf32 / true_f32_bound(1 << 20) > 5.9);
+        assert!(true_f32_bound(1 << 20) < check_tolerance(DType::F32));
+    }
+
+    /// Which routes compute f32 in true single precision, and that the reference of f32 data
+    /// is taken from one of them first (graph engine configs and Winograd last).
+    #[test]
+    fn an_f32_reference_comes_from_a_true_f32_route() {
+        let im2col = Route::path(ConvPath::Im2colGemm);
+        let wino = Route::winograd(WinogradTile::F4x3, WinogradEngine::Direct);
+        assert!(is_true_f32(&im2col) && is_true_f32(&Route::path(ConvPath::Direct)));
+        assert!(is_true_f32(&legacy_route(CudnnMath::Fma)));
+        assert!(!is_true_f32(&legacy_route(CudnnMath::TensorOp)));
+        assert!(!is_true_f32(&legacy_route(CudnnMath::Default)));
+        assert!(!is_true_f32(&graph_route(0)) && !is_true_f32(&wino));
+        assert!(!is_true_f32(&Route::path(ConvPath::CudnnGraph)));
+        let execs = [
+            exec(graph_route(45)),
+            exec(graph_route(0)),
+            exec(wino),
+            exec(im2col),
+            exec(legacy_route(CudnnMath::Fma)),
+        ];
+        let order: Vec<Route> = reference_order(&execs, DType::F32)
+            .iter()
+            .map(|e| e.route)
+            .collect();
+        assert_eq!(
+            order,
+            vec![
+                im2col,
+                legacy_route(CudnnMath::Fma),
+                graph_route(45),
+                graph_route(0),
+                wino
+            ]
+        );
+        // Halves keep the measuring order (the incumbent's result).
+        let halves: Vec<Route> = reference_order(&execs, DType::F16)
+            .iter()
+            .map(|e| e.route)
+            .collect();
+        assert_eq!(halves[0], graph_route(45));
+    }
+
+    /// The gate: an f32 graph engine config is refused beyond the true-f32 bound (TF32's
+    /// ~3e-4, the 6.6e-4 seen on the H100) or when the reference was not true f32; within it,
+    /// or for the halves, or for other paths, nothing changes.
+    #[test]
+    fn the_gate_refuses_f32_graph_configs_that_are_not_true_f32() {
+        let bound = true_f32_bound(5 * 31 * 13);
+        let im2col = Route::path(ConvPath::Im2colGemm);
+        let mut reports = vec![
+            checked(graph_route(1), 1.2e-7),
+            checked(graph_route(2), 3.0e-4),
+            checked(graph_route(3), 6.6e-4),
+            checked(graph_route(4), bound * 1.01),
+            checked(graph_route(5), f64::NAN),
+            checked(im2col, 3.0e-4),
+        ];
+        refuse_untrue_f32_graph(&mut reports, DType::F32, true, bound);
+        assert_eq!(reports[0].outcome, Outcome::Passed);
+        for r in &reports[1..5] {
+            match &r.outcome {
+                Outcome::Refused(why) => assert!(why.contains("not true f32"), "{why}"),
+                o => panic!("{}: {o:?}", r.route),
+            }
+        }
+        // Not a graph route: the check's own tolerance judged it.
+        assert_eq!(reports[5].outcome, Outcome::Passed);
+        // Without a true-f32 reference even an accurate-looking config is refused.
+        let mut alone = vec![checked(graph_route(1), 1.2e-7)];
+        refuse_untrue_f32_graph(&mut alone, DType::F32, false, bound);
+        assert!(matches!(&alone[0].outcome, Outcome::Refused(w) if w.contains("none ran")));
+        // Halves are not held to it.
+        let mut half = vec![checked(graph_route(2), 3.0e-4)];
+        refuse_untrue_f32_graph(&mut half, DType::F16, false, bound);
+        assert_eq!(half[0].outcome, Outcome::Passed);
+        // A failed route stays failed (not turned into a refusal).
+        let mut failed = vec![checked(graph_route(2), 3.0e-4)];
+        failed[0].outcome = Outcome::Failed("x".into());
+        refuse_untrue_f32_graph(&mut failed, DType::F32, true, bound);
+        assert_eq!(failed[0].outcome, Outcome::Failed("x".into()));
+    }
+
+    /// f32 graph configs are measured only beside a true-f32 route, and a measurement that
+    /// checked nothing runs a route that needs no check.
+    #[test]
+    fn f32_graph_configs_never_run_unchecked() {
+        let im2col = exec(Route::path(ConvPath::Im2colGemm));
+        let mut only_graph = vec![exec(graph_route(1)), exec(graph_route(2))];
+        let why = drop_uncheckable_f32_graph(&mut only_graph, DType::F32);
+        assert!(only_graph.is_empty() && why.is_some());
+        let mut with_ref = vec![exec(graph_route(1)), im2col];
+        assert_eq!(drop_uncheckable_f32_graph(&mut with_ref, DType::F32), None);
+        assert_eq!(with_ref.len(), 2);
+        let mut halves = vec![exec(graph_route(1))];
+        assert_eq!(drop_uncheckable_f32_graph(&mut halves, DType::BF16), None);
+        assert_eq!(halves.len(), 1);
+        assert_eq!(unmeasured_incumbent(&with_ref, DType::F32), 1);
+        assert_eq!(unmeasured_incumbent(&with_ref, DType::F16), 0);
+        assert!(needs_true_f32_check(&with_ref[0], DType::F32));
+        assert!(!needs_true_f32_check(&with_ref[1], DType::F32));
     }
 
     /// `v` with `v[at[0]][at[1]] = value` is refused by `entry_from_json`, saying `why`.

@@ -2,7 +2,9 @@
 //! of the problem, direction, engine config and alignment class — the one the problem kept, else
 //! the Context's plan cache — then the pinned variant pack and `cudnnBackendExecute`), the engine configs the `cudnn` candidate
 //! stands for at the first call, and the check of a cached or tuning-file graph route (its
-//! engine config rebuilt and finalized). The graph layer itself is `crate::cudnn_graph`.
+//! engine config rebuilt and finalized). The numerical check of f32 engine configs against a
+//! true-f32 route is the measurement's (`choice`, driven by `decide`). The graph layer itself
+//! is `crate::cudnn_graph`.
 
 use super::call::{GraphPlanTag, PathCall, Target};
 use super::choice::CudnnSearch;
@@ -103,11 +105,9 @@ pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
 }
 
 /// The engine configs the plan's `cudnn` candidate of `core`'s problem stands for through the
-/// graph API, as routes (each plan finalized and cached now, within `budget`'s limits and
-/// deadline); notes on the configs passed over
-/// go to `notes`. `None` when the candidate goes through the legacy API (the plan's
-/// [`ConvPlan::cudnn_graph`] is false, or the search is cuDNN's Find, which only the legacy API
-/// has) or no config finalized: the caller then measures the legacy algorithms.
+/// graph API, as routes ([`engine_execs`]). `None` when the candidate goes through the legacy
+/// API (the plan's [`ConvPlan::cudnn_graph`] is false, or the search is cuDNN's Find, which only
+/// the legacy API has) or no config finalized: the caller then measures the legacy algorithms.
 pub(super) fn candidates(
     core: &Core,
     ctx: &Context,
@@ -119,8 +119,29 @@ pub(super) fn candidates(
         return None;
     }
     let target = core.target(ctx);
-    let t = &target;
-    let d = plan.direction;
+    let execs = engine_execs(&target, plan.direction, budget, notes);
+    if execs.is_empty() {
+        tracing::warn!(direction = %plan.direction, problem = ?target.shape,
+            dtype = %target.dtype, notes = ?notes,
+            "no cuDNN graph engine config finalizes; the legacy cuDNN algorithms are measured");
+        notes.push(
+            "no cuDNN graph engine config finalizes for this problem: the legacy algorithms \
+             are measured instead"
+                .into(),
+        );
+    }
+    (!execs.is_empty()).then_some(execs)
+}
+
+/// The engine configs the graph API admits for direction `d` of `t`'s problem, as routes (each
+/// plan finalized and cached now, within `budget`'s limits and deadline); notes on the configs
+/// passed over, or on why none could be listed, go to `notes`.
+pub(super) fn engine_execs(
+    t: &Target<'_>,
+    d: Direction,
+    budget: &Budget,
+    notes: &mut Vec<String>,
+) -> Vec<Exec> {
     // Finalizing counts against the decision budget (it began with the decision).
     let admitted = GraphConv::admitted_within(
         t.ctx,
@@ -128,7 +149,7 @@ pub(super) fn candidates(
         limits(budget),
         budget.deadline(),
     );
-    let execs: Vec<Exec> = match admitted {
+    match admitted {
         Ok(a) => {
             if !a.skipped.is_empty() {
                 notes.push(format!(
@@ -156,17 +177,7 @@ pub(super) fn candidates(
             notes.push(format!("cudnn_graph: {e}"));
             Vec::new()
         }
-    };
-    if execs.is_empty() {
-        tracing::warn!(direction = %d, problem = ?t.shape, dtype = %t.dtype, notes = ?notes,
-            "no cuDNN graph engine config finalizes; the legacy cuDNN algorithms are measured");
-        notes.push(
-            "no cuDNN graph engine config finalizes for this problem: the legacy algorithms \
-             are measured instead"
-                .into(),
-        );
     }
-    (!execs.is_empty()).then_some(execs)
 }
 
 /// Whether a cached or tuning-file graph route fits `plan` and still runs here: the plan's

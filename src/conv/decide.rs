@@ -11,16 +11,16 @@ use cudarc::driver::DevicePtr;
 use super::api::Conv2d;
 use super::choice::{
     self, with_not_run, with_refused, AutoReport, CandidateReport, ChoiceKey, ChoiceOrigin,
-    ConvChoice, CudnnSearch, MeasureInput, MAX_CUDNN_CANDIDATES,
+    ConvChoice, CudnnSearch, MeasureInput, Outcome, MAX_CUDNN_CANDIDATES,
 };
 use super::cudnn::usable;
 use super::cudnn_graph_run;
 use super::plan::{ConvPath, ConvPlan, Route};
-use super::problem::{CudnnPtrs, Direction, WinogradEngine};
+use super::problem::{CudnnPtrs, Direction, GraphEngine, WinogradEngine};
 use super::route::{self, Exec};
 use super::state::{lock, Decided};
 use super::winograd::{fused, launch as wg};
-use crate::dtype::Element;
+use crate::dtype::{DType, Element};
 use crate::error::{CallExt, Error, Result};
 use crate::kernels::{self, KernelFile, KernelState};
 use crate::tune::budget::{not_now, Budget, NOT_COMPILED};
@@ -137,7 +137,11 @@ impl<T: Element> Conv2d<T> {
             }
         }
         let (execs, mut notes, origin) = self.candidate_execs(d, p, plan, &budget)?;
-        let (execs, not_run) = self.runnable_now(d, p, execs, &budget, &mut notes);
+        let (mut execs, not_run) = self.runnable_now(d, p, execs, &budget, &mut notes);
+        notes.extend(choice::drop_uncheckable_f32_graph(
+            &mut execs,
+            self.core.dtype,
+        ));
         match execs.len() {
             0 => self.no_candidate(d, plan, notes),
             // Alone only because the others' kernels are not compiled: still checked (a few
@@ -192,7 +196,7 @@ impl<T: Element> Conv2d<T> {
         }
         match self.core.exec_of(ctx, d, c.route) {
             Ok(exec) => {
-                let report = if choice::verify_before_use(&c) {
+                let report = if choice::verify_before_use(&c, self.core.dtype) {
                     Some(Arc::new(self.verified(d, p, plan, exec)?))
                 } else {
                     None
@@ -219,9 +223,9 @@ impl<T: Element> Conv2d<T> {
     }
 
     /// `exec`, a Winograd route read from the tuning file, checked as a measurement would with
-    /// the plan's other candidates as the baseline ([`choice::verify`]): its report when it
-    /// passes; when it does not (with a warning: the problem is measured again), its line of
-    /// the check when it ran.
+    /// the plan's other candidates as the baseline, or an f32 graph route checked against a
+    /// true-f32 route ([`choice::verify`]): its report when it passes; when it does not (with a
+    /// warning: the problem is measured again), its line of the check when it ran.
     fn verified(
         &self,
         d: Direction,
@@ -231,14 +235,19 @@ impl<T: Element> Conv2d<T> {
     ) -> std::result::Result<AutoReport, Option<Box<CandidateReport>>> {
         let fail = |why: String, line: Option<Box<CandidateReport>>| {
             tracing::warn!(route = %exec.route, direction = %d, why = %why,
-                "tuning-file Winograd choice failed the accuracy check; measuring again");
+                "tuning-file choice failed the accuracy check; measuring again");
             Err(line)
         };
         // Every candidate is the baseline's: no budget cuts the check.
         let budget = Budget::new(0);
-        let mut execs = match self.candidate_execs(d, p, plan, &budget) {
-            Ok((v, _, _)) => v,
-            Err(e) => return fail(e.to_string(), None),
+        let mut execs = if choice::needs_true_f32_check(&exec, self.core.dtype) {
+            // A graph route is held to true f32 only: a true-f32 route is its reference.
+            self.true_f32_companion(d, p, &mut Vec::new())
+        } else {
+            match self.candidate_execs(d, p, plan, &budget) {
+                Ok((v, _, _)) => v,
+                Err(e) => return fail(e.to_string(), None),
+            }
         };
         execs.retain(|e| e.route.path.winograd_tile().is_none());
         execs.push(exec);
@@ -286,6 +295,9 @@ impl<T: Element> Conv2d<T> {
                 cudnn_graph_run::candidates(&self.core, &self.ctx, plan, budget, &mut notes)
             {
                 execs.extend(v);
+                if self.core.dtype == DType::F32 {
+                    execs.extend(self.true_f32_companion(d, p, &mut notes));
+                }
                 continue;
             }
             // One cuDNN algorithm when nothing else competes and the search is Find; the
@@ -398,11 +410,12 @@ impl<T: Element> Conv2d<T> {
                 // policy would run), remembered only here.
                 tracing::warn!(direction = %d, error = %e,
                     "convolution measurement failed; running the incumbent unmeasured");
-                let mut c = ConvChoice::planned(execs[0].route, ChoiceOrigin::Fallback);
+                let i = choice::unmeasured_incumbent(execs, self.core.dtype);
+                let mut c = ConvChoice::planned(execs[i].route, ChoiceOrigin::Fallback);
                 notes.push(format!("measurement failed: {e}"));
                 c.notes = notes;
                 Decided {
-                    exec: execs[0],
+                    exec: execs[i],
                     choice: c,
                     report: None,
                 }
@@ -618,6 +631,9 @@ impl<T: Element> Conv2d<T> {
                     ));
                 }
             }
+            ConvPath::CudnnGraph if r.graph_engine.is_none() && self.core.dtype == DType::F32 => {
+                r.graph_engine = Some(self.checked_graph_engine(d, p)?);
+            }
             ConvPath::WinogradF2x3 | ConvPath::WinogradF4x3 if r.engine.is_none() => {
                 r.engine = info
                     .winograd
@@ -650,6 +666,92 @@ impl<T: Element> Conv2d<T> {
             return Err(e);
         }
         self.core.exec_of(&self.ctx, d, r)
+    }
+
+    /// A true-f32 route to run beside f32 graph engine configs, the reference they are held to:
+    /// cuDNN's first usable legacy algorithm (FMA math), else the plan's im2col + GEMM when
+    /// eligible; none (said in `notes`) when neither can be completed.
+    fn true_f32_companion(&self, d: Direction, p: CudnnPtrs, notes: &mut Vec<String>) -> Vec<Exec> {
+        let legacy = match self.cudnn_execs(d, p, 1) {
+            Ok((v, _, _)) => v.into_iter().take(1).collect::<Vec<_>>(),
+            Err(e) => {
+                notes.push(format!("f32: cuDNN's legacy algorithms: {e}"));
+                Vec::new()
+            }
+        };
+        if !legacy.is_empty() {
+            notes.push(
+                "f32: cuDNN's first legacy algorithm (FMA math, true f32) is measured beside \
+                 the graph engine configs, which are held to it"
+                    .into(),
+            );
+            return legacy;
+        }
+        let im2col = Route::path(ConvPath::Im2colGemm);
+        if self.plan_for(d).eligible(ConvPath::Im2colGemm) {
+            if let Ok(e) = self.core.exec_of(&self.ctx, d, im2col) {
+                return vec![e];
+            }
+        }
+        Vec::new()
+    }
+
+    /// The engine config a forced f32 `cudnn_graph` route without one runs: the decided route's
+    /// when it is a graph route (it passed the check), else the first admitted config that
+    /// passes the check against a true-f32 route ([`choice::verify`]; remembered per
+    /// direction). An error when none passes: a forced f32 graph route never runs unchecked.
+    fn checked_graph_engine(&self, d: Direction, p: CudnnPtrs) -> Result<GraphEngine> {
+        let decided = lock(&self.core.state[d.index()])
+            .as_ref()
+            .and_then(|s| s.exec.route.graph_engine);
+        if let Some(e) = decided.or(*lock(&self.core.graph_first[d.index()])) {
+            return Ok(e);
+        }
+        self.ctx.refuse_under_capture(
+            "a forced f32 cudnn_graph route's first call",
+            "check its engine configs against a true-f32 route",
+        )?;
+        let budget = Budget::new(self.ctx.config().conv_tune_budget_ms);
+        let mut notes = Vec::new();
+        let target = self.core.target(&self.ctx);
+        let mut execs = cudnn_graph_run::engine_execs(&target, d, &budget, &mut notes);
+        if execs.is_empty() {
+            return Err(Error::NotSupported(format!(
+                "no cuDNN graph engine config finalizes for this f32 {}: {}",
+                d.describe(),
+                notes.join("; ")
+            )));
+        }
+        execs.extend(self.true_f32_companion(d, p, &mut notes));
+        let inp = MeasureInput {
+            ctx: &self.ctx,
+            shape: &self.core.shape,
+            dtype: self.core.dtype,
+            direction: d,
+            cudnn: self.core.cudnn.as_deref(),
+            execs: &execs,
+            operands: p,
+            lens: self.core.lens,
+            budget,
+            direct_reference: true,
+        };
+        let (_, report) = choice::verify(&inp)?;
+        let passed = report
+            .candidates
+            .iter()
+            .find(|c| c.outcome == Outcome::Passed && c.route.graph_engine.is_some())
+            .and_then(|c| c.route.graph_engine);
+        let Some(engine) = passed else {
+            return Err(Error::NotSupported(format!(
+                "no engine config of cuDNN's graph API passed the true-f32 check for this f32 \
+                 {}:\n{report}",
+                d.describe()
+            )));
+        };
+        tracing::info!(problem = ?self.core.shape, direction = %d, engine = %engine,
+            "forced f32 cudnn_graph route: engine config checked against a true-f32 route:\n{report}");
+        *lock(&self.core.graph_first[d.index()]) = Some(engine);
+        Ok(engine)
     }
 
     /// Runs `d` on checked operands: the forced route, or the decided one with a fallback when

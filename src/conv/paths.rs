@@ -14,7 +14,10 @@ use super::problem::{
     fused_eligible, winograd_backward_data_eligible, winograd_dims, winograd_equivalent,
     winograd_forward_eligible, ConvShape, Direction, WinogradEngine, WinogradTile,
 };
-use super::sizes::{im2col_chunk, im2col_dims, is_pointwise, tensor_core_rule, winograd_chunk};
+use super::sizes::{
+    im2col_chunk, im2col_dims, is_pointwise, reduction_len, tensor_core_rule, true_f32_bound,
+    winograd_chunk,
+};
 use crate::config::{Config, ConvAlgoPolicy, CudnnApi, WinogradGemmPolicy};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -829,21 +832,14 @@ pub(crate) fn graph_refusal(req: &ConvPlanRequest, out_hw: (usize, usize)) -> Op
                 .into(),
         );
     }
-    if req.dtype == DType::F32 {
-        return Some(
-            "f32: an engine config of the graph API that carries no tensor-core or \
-             down-conversion note computed a 5x5 filter gradient 6.6e-4 from f64 (H100, cuDNN \
-             9.19; true f32 is ~1e-7), so f32 keeps the legacy calls with FMA math"
-                .into(),
-        );
-    }
     cudnn_int_limits(&req.shape, out_hw)
 }
 
 /// cuDNN's graph API: cuDNN loads, has the graph API (9 or newer), the API policy is not
-/// `legacy`, and every size fits cuDNN's `int`. f16 and bf16 (f32 keeps the legacy calls, whose
-/// FMA math is true f32), NCHW and NHWC, every direction (the filter gradient may accumulate:
-/// `beta = 1`).
+/// `legacy`, and every size fits cuDNN's `int`. f32, f16 and bf16, NCHW and NHWC, every
+/// direction (the filter gradient may accumulate: `beta = 1`). f32 engine configs run only
+/// once checked against a true-f32 route (`choice::refuse_untrue_f32_graph`): their notes do
+/// not prove true f32.
 pub(crate) struct CudnnGraphRule;
 
 impl PathRule for CudnnGraphRule {
@@ -876,6 +872,19 @@ impl PathRule for CudnnGraphRule {
             },
             mib(cfg.conv_workspace_bytes())
         ));
+        if req.dtype == DType::F32 {
+            let bound = true_f32_bound(reduction_len(&req.shape, req.direction));
+            reasons.push(format!(
+                "cudnn_graph f32 means true f32: engine notes do not prove it (a config with no \
+                 TF32 note measured 6.6e-4 from f64 on the H100), so besides the notes (no \
+                 TF32, no Winograd filter gradient) each f32 engine config is run once against \
+                 a true-f32 route (the direct kernel for the forward, else cuDNN's legacy \
+                 algorithm with FMA math or im2col + GEMM, measured beside it) and refused \
+                 above a relative L2 error of {bound:.1e} (true f32 ~1e-7 to 1e-6, TF32 \
+                 ~3e-4); a tuning-file or forced graph route is checked the same way before it \
+                 runs"
+            ));
+        }
     }
 
     fn forced_by(&self, policy: ConvAlgoPolicy) -> bool {

@@ -2,7 +2,7 @@
 //! intermediate tensors are, how the batch is split so that they fit under the workspace cap, and
 //! the seed's tensor-core shape rule for Winograd's batched multiply. No GPU; tested on the CPU.
 
-use super::problem::{ConvShape, WinogradDims};
+use super::problem::{ConvShape, Direction, WinogradDims};
 use crate::error::{Error, Result};
 
 /// `Some(product)` or `None` on overflow.
@@ -30,6 +30,41 @@ pub struct Im2colDims {
     pub taps: usize,
     /// Elements of one image's column matrix (`pixels * taps`).
     pub per_image: usize,
+}
+
+/// How many products one output element of direction `d` sums: `c_in*kh*kw` (forward),
+/// `c_out*kh*kw` (data gradient; an upper bound under stride or padding), `n*oh*ow` (filter
+/// gradient). Saturates; 1 for an invalid shape. A true-f32 sum's rounding error grows with it.
+pub fn reduction_len(s: &ConvShape, d: Direction) -> usize {
+    let taps = s.kh.saturating_mul(s.kw);
+    match d {
+        Direction::Forward => s.c_in.saturating_mul(taps),
+        Direction::BackwardData => s.c_out.saturating_mul(taps),
+        Direction::BackwardFilter => s
+            .out_hw()
+            .map_or(1, |(oh, ow)| s.n.saturating_mul(oh).saturating_mul(ow)),
+    }
+    .max(1)
+}
+
+/// Least bound of [`true_f32_bound`]: an f32 graph engine config within `1e-5` (relative L2) of
+/// a true-f32 reference computes in true f32. True f32 measures ~1e-7 to 1e-6 from f64; TF32
+/// ~3e-4; the graph engine config that had no TF32 note 6.6e-4 (docs/CUDNN-GRAPH.md).
+pub const TRUE_F32_BOUND_FLOOR: f64 = 1e-5;
+
+/// Largest bound of [`true_f32_bound`]: six times below TF32's ~3e-4, however long the sum.
+pub const TRUE_F32_BOUND_CAP: f64 = 5e-5;
+
+/// The relative L2 error against a true-f32 reference above which an f32 graph engine config is
+/// not true f32, for outputs that each sum `reduction` products
+/// ([`reduction_len`]): `2 * 2^-24 * sqrt(reduction)` within
+/// [`TRUE_F32_BOUND_FLOOR`, `TRUE_F32_BOUND_CAP`]. Two correct f32 sums of `L` terms differ by
+/// about `0.6 * 2^-24 * sqrt(L)` when each accumulates sequentially (a long filter gradient:
+/// `L = n*oh*ow` = 50,176 gives ~8e-6), so the bound leaves 3x for that and stays far below
+/// TF32's input rounding (~3e-4, independent of `L`). Pure.
+pub fn true_f32_bound(reduction: usize) -> f64 {
+    let unit = f64::from(f32::EPSILON) / 2.0;
+    (2.0 * unit * (reduction as f64).sqrt()).clamp(TRUE_F32_BOUND_FLOOR, TRUE_F32_BOUND_CAP)
 }
 
 /// The column matrix's dimensions; errors on an invalid shape or an overflow.

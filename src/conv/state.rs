@@ -11,7 +11,7 @@ use super::call::GraphPlans;
 use super::choice::{AutoReport, ConvChoice, CudnnSearch};
 use super::cudnn::CudnnConv;
 use super::plan::{ConvPath, DirectionPlans, Route};
-use super::problem::{ConvShape, CudnnAlgo, Direction, WinogradGeometry};
+use super::problem::{ConvShape, CudnnAlgo, Direction, GraphEngine, WinogradGeometry};
 use super::route::{self, Exec};
 use crate::context::{cudnn_present, Context};
 use crate::dtype::DType;
@@ -60,6 +60,9 @@ pub(super) struct Core {
     /// Per direction: cuDNN's first usable algorithm, once asked for by a forced `cudnn` route
     /// (cuDNN 9's heuristic query costs milliseconds of host time: never per call).
     pub(super) cudnn_first: [Mutex<Option<CudnnAlgo>>; 3],
+    /// Per direction (f32 only): the engine config a forced `cudnn_graph` route without one
+    /// runs, once it passed the check against a true-f32 route.
+    pub(super) graph_first: [Mutex<Option<GraphEngine>>; 3],
     /// Per direction: the graph plans its calls ran (the cached call's plan without the
     /// Context's plan-cache lookup; alive as long as this state).
     pub(super) graph_plans: [GraphPlans; 3],
@@ -121,6 +124,7 @@ impl Core {
             state: Default::default(),
             ws_sizes: Mutex::new(HashMap::new()),
             cudnn_first: Default::default(),
+            graph_first: Default::default(),
             graph_plans: Default::default(),
         })
     }

@@ -24,7 +24,7 @@ use super::build::{self, ExecutionPlan, GraphParts, VariantPack};
 use super::descriptor::Descriptor;
 use super::key::GraphConvKey;
 use super::layout::{alignment_of, Operand};
-use super::notes::{admit, pass_over, EngineInfo, GraphLimits, GraphPolicy, HeurSource};
+use super::notes::{admit_conv, pass_over, EngineInfo, GraphLimits, GraphPolicy, HeurSource};
 use super::plans::{self, handle_and_workspace, lock, Slot};
 
 /// One engine config that was listed but not chosen, and why.
@@ -128,7 +128,7 @@ fn try_plan(
     key: &GraphConvKey,
     cap: usize,
 ) -> std::result::Result<ExecutionPlan, String> {
-    if let Err(r) = admit(&cfg.info, key.dtype, &key.policy) {
+    if let Err(r) = admit_conv(&cfg.info, key.dtype, key.direction, &key.policy) {
         return Err(r.to_string());
     }
     match ExecutionPlan::new(handle, &cfg.desc) {

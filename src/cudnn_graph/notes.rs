@@ -7,7 +7,7 @@
 
 use std::fmt;
 
-use crate::conv::problem::GraphEngine;
+use crate::conv::problem::{Direction, GraphEngine};
 use crate::dtype::DType;
 
 /// `cudnnBackendNumericalNote_t`: how an engine computes.
@@ -246,6 +246,10 @@ pub enum Rejection {
     Tf32,
     /// f32 data through a non-fused Winograd (tile notes): not true f32 (docs/CUDNN-FACTS.md).
     WinogradF32,
+    /// An f32 filter gradient through Winograd (any Winograd note): cuDNN's only filter-gradient
+    /// Winograd is the non-fused one, which measured 4.1e-4 to 7.3e-4 from f64 in f32
+    /// (docs/CUDNN-FACTS.md), so a Winograd note without a tile note is no fused Winograd here.
+    WinogradFilterGradientF32,
     /// Accumulates below f32.
     ReducedPrecisionReduction,
     /// Nondeterministic where determinism was asked for.
@@ -262,6 +266,9 @@ impl Rejection {
         match self {
             Rejection::Tf32 => "tensor cores / down-converted inputs on f32 data (TF32)",
             Rejection::WinogradF32 => "non-fused Winograd on f32 data (not true f32)",
+            Rejection::WinogradFilterGradientF32 => {
+                "Winograd filter gradient on f32 data (cuDNN's is the non-fused one: not true f32)"
+            }
             Rejection::ReducedPrecisionReduction => "accumulates below f32",
             Rejection::Nondeterministic => "nondeterministic",
             Rejection::RuntimeCompilation => "compiles at run time",
@@ -305,6 +312,28 @@ pub fn admit(e: &EngineInfo, dtype: DType, policy: &GraphPolicy) -> Result<(), R
         && !policy.allow_runtime_compilation
     {
         return Err(Rejection::RuntimeCompilation);
+    }
+    Ok(())
+}
+
+/// [`admit`] for a convolution of direction `d`: also refuses an f32 filter gradient with any
+/// Winograd note (unless TF32 is allowed, which lifts every f32 refusal). Notes cannot prove true
+/// f32 (an engine without any of these notes measured 6.6e-4 from f64: docs/CUDNN-GRAPH.md), so
+/// an admitted f32 engine config is still checked against a true-f32 reference before use
+/// (`conv::choice`); this refuses the class a note does identify before it is finalized.
+pub fn admit_conv(
+    e: &EngineInfo,
+    dtype: DType,
+    d: Direction,
+    policy: &GraphPolicy,
+) -> Result<(), Rejection> {
+    admit(e, dtype, policy)?;
+    if dtype == DType::F32
+        && !policy.allow_tf32
+        && d == Direction::BackwardFilter
+        && e.numerical.has(NumericalNote::Winograd)
+    {
+        return Err(Rejection::WinogradFilterGradientF32);
     }
     Ok(())
 }
@@ -473,6 +502,49 @@ mod tests {
         let fused = engine(3, &[NumericalNote::Winograd], &[]);
         assert_eq!(admit(&fused, DType::F32, &strict), Ok(()));
         assert_eq!(admit(&engine(4, &[], &[]), DType::F32, &strict), Ok(()));
+    }
+
+    #[test]
+    fn an_f32_filter_gradient_refuses_any_winograd_note() {
+        let strict = GraphPolicy::default();
+        let plain_winograd = engine(5, &[NumericalNote::Winograd], &[]);
+        let wgrad = Direction::BackwardFilter;
+        assert_eq!(
+            admit_conv(&plain_winograd, DType::F32, wgrad, &strict),
+            Err(Rejection::WinogradFilterGradientF32)
+        );
+        // The forward and the data gradient have a fused Winograd: left to the accuracy check.
+        for d in [Direction::Forward, Direction::BackwardData] {
+            assert_eq!(admit_conv(&plain_winograd, DType::F32, d, &strict), Ok(()));
+        }
+        assert_eq!(
+            admit_conv(&plain_winograd, DType::F16, wgrad, &strict),
+            Ok(())
+        );
+        let loose = GraphPolicy {
+            allow_tf32: true,
+            ..strict
+        };
+        assert_eq!(
+            admit_conv(&plain_winograd, DType::F32, wgrad, &loose),
+            Ok(())
+        );
+        // admit's own refusals come first; no note at all is admitted (the check decides).
+        let tc = engine(1, &[NumericalNote::TensorCore], &[]);
+        assert_eq!(
+            admit_conv(&tc, DType::F32, wgrad, &strict),
+            Err(Rejection::Tf32)
+        );
+        for n in [
+            &[][..],
+            &[NumericalNote::StrictNanProp],
+            &[NumericalNote::Fft],
+        ] {
+            assert_eq!(
+                admit_conv(&engine(0, n, &[]), DType::F32, wgrad, &strict),
+                Ok(())
+            );
+        }
     }
 
     #[test]
