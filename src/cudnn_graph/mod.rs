@@ -43,14 +43,14 @@ pub mod plans;
 /// `nnfuse::internals::cudnn_graph`); not part of the public API.
 #[doc(hidden)]
 pub mod internals {
-    pub use super::bn_key::{BnDirection, BnRole, GraphBnKey};
+    pub use super::bn_key::{BnDirection, BnEpilogue, BnRole, GraphBnKey};
     pub use super::build::{
         available, engine_config_by_index, engine_config_of, engine_configs, engine_count,
         engine_info, execute, EngineConfig, ExecutionPlan, GraphParts, VariantPack,
         MIN_CUDNN_VERSION,
     };
     pub use super::descriptor::{last_error_string, Attr, DescKind, Descriptor};
-    pub use super::graph_bn::{BnBwdAddrs, BnFwdAddrs, GraphBn};
+    pub use super::graph_bn::{BnBwdAddrs, BnFwdAddrs, BnInferAddrs, GraphBn};
     pub use super::graph_conv::{
         argument_names, pack_order, run_cached, Admitted, GraphConv, Skipped,
     };
