@@ -84,7 +84,8 @@ pub struct BnPlan {
     /// route cannot be built at the first call).
     pub api: BnApi,
     /// The BatchNorm itself runs through cuDNN's graph API (`NORM_FORWARD` / `NORM_BACKWARD`
-    /// execution plans) instead of [`BnPlan::api`]'s legacy entry point: training on cuDNN only.
+    /// execution plans; training and inference on cuDNN, the activation inside the graph where
+    /// an `epilogue:` reason says so) instead of [`BnPlan::api`]'s legacy entry point.
     pub cudnn_graph: bool,
     /// The cuDNN API setting the plan was made under ([`Config::cudnn_api`]).
     pub cudnn_api: CudnnApi,
