@@ -50,7 +50,7 @@ pub mod internals {
         MIN_CUDNN_VERSION,
     };
     pub use super::descriptor::{last_error_string, Attr, DescKind, Descriptor};
-    pub use super::graph_bn::{BnBwdAddrs, BnFwdAddrs, BnInferAddrs, GraphBn};
+    pub use super::graph_bn::{BnBwdAddrs, BnFwdAddrs, GraphBn};
     pub use super::graph_conv::{
         argument_names, pack_order, run_cached, Admitted, GraphConv, Skipped,
     };
