@@ -30,3 +30,10 @@ __device__ void add_assign_impl(T* __restrict__ y, const T* __restrict__ x, u64 
 extern "C" __global__ void add_assign_f32(float* y, const float* x, u64 n) { add_assign_impl(y, x, n); }
 extern "C" __global__ void add_assign_f16(nnf_f16* y, const nnf_f16* x, u64 n) { add_assign_impl(y, x, n); }
 extern "C" __global__ void add_assign_bf16(nnf_bf16* y, const nnf_bf16* x, u64 n) { add_assign_impl(y, x, n); }
+
+// inv_std[i] = 1 / sqrt(var[i] + eps), IEEE-rounded (no rsqrtf): the inverse standard
+// deviation cuDNN's graph BatchNorm inference (NORM_FORWARD, phase INFERENCE) reads in place of
+// the running variance. One value per channel.
+extern "C" __global__ void inv_std_f32(const float* __restrict__ var, float* __restrict__ out, float eps, u64 n) {
+    for (u64 i = global_thread(); i < n; i += grid_threads()) out[i] = 1.0f / sqrtf(var[i] + eps);
+}

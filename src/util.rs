@@ -139,6 +139,33 @@ pub fn add_assign<T: Element, D: DevicePtrMut<T>, S: DevicePtr<T>>(
     Ok(())
 }
 
+/// `out[i] = 1 / sqrt(var[i] + eps)` for `n` f32 values (the inverse standard deviation of a
+/// BatchNorm inference through cuDNN's graph API, from the running variance).
+///
+/// # Safety
+/// `var` and `out` hold `n` f32 values on the Context's device, `out` overlapping nothing the
+/// queued work reads, both valid until it completes.
+pub(crate) unsafe fn inv_std_raw(
+    ctx: &Context,
+    var: u64,
+    out: u64,
+    eps: f32,
+    n: usize,
+) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let f = ctx.function(&kernels::UTIL, "inv_std_f32")?;
+    let cfg = grid_stride_config(ctx, n, 256);
+    let n64 = n as u64;
+    let mut b = ctx.stream().launch_builder(&f);
+    b.arg(&var).arg(&out).arg(&eps).arg(&n64);
+    // SAFETY: inv_std_f32(const float*, float*, float, u64) matches; the caller's contract for
+    // the addresses.
+    unsafe { b.launch(cfg) }.call("cuLaunchKernel(inv_std_f32)")?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1446,19 +1446,24 @@ fn forced_graph_runs_cudnn_training_through_the_graph() {
                     .contains("  cuDNN  : graph API (NNFUSE_CUDNN_API graph)"),
                 "{p}"
             );
+            let epilogue = p.reasons.iter().find(|r| r.starts_with("epilogue: "));
             match fuse {
-                // No epilogue graphs: graph BatchNorm, then nnfuse's bitmask kernels.
-                Fuse::None => assert_eq!(p.path, BnPath::Plain, "{p}"),
+                Fuse::None => {
+                    assert_eq!(p.path, BnPath::Plain, "{p}");
+                    assert!(epilogue.is_none(), "{p}");
+                }
+                // The activation inside the graph (cuDNN's fused path, through the graph):
+                // the legacy Ex call's refusals do not apply, the epilogue line says what
+                // runs and what follows if cuDNN cannot build it.
                 _ => {
-                    assert_eq!(p.path, BnPath::Fallback, "{p}");
-                    assert!(p.refusals.contains(&FusedRefusal::GraphApi), "{p}");
-                    assert!(p.to_json()["refusals"]
-                        .as_array()
-                        .unwrap()
-                        .iter()
-                        .any(|c| c == "graph_api"));
-                    assert!(p.reasons.iter().any(|r| r
-                        .starts_with("not fused: the BatchNorm runs through cuDNN's graph API")));
+                    assert_eq!(p.path, BnPath::CudnnFused, "{p}");
+                    assert!(p.refusals.is_empty(), "{p}");
+                    assert!(!p.refusals.contains(&FusedRefusal::GraphApi), "{p}");
+                    let e = epilogue.unwrap_or_else(|| panic!("no epilogue line: {p}"));
+                    assert!(e.starts_with("epilogue: graph — NORM_FORWARD → "), "{e}");
+                    assert!(e.contains("RELU_BWD from y"), "{e}");
+                    assert!(e.contains("bitmask kernels (the fallback path)"), "{e}");
+                    assert_eq!(e.contains("ADD (addend)"), fuse == Fuse::AddRelu, "{e}");
                 }
             }
         }
@@ -1477,24 +1482,76 @@ fn forced_graph_runs_cudnn_training_through_the_graph() {
     assert!(p.cudnn_graph, "{p}");
 }
 
+/// Inference through the graph (NORM_FORWARD, phase INFERENCE, after nnfuse's inv_std kernel),
+/// with the activation in the graph; the path keeps saying that the legacy fused call does not
+/// exist for inference (what runs if cuDNN cannot build the graph).
+#[test]
+fn forced_graph_runs_inference_through_the_graph() {
+    for dtype in [DType::F16, DType::BF16, DType::F32] {
+        for fuse in Fuse::ALL {
+            let p = api_plan(
+                &[16, 56, 56, 64],
+                3,
+                dtype,
+                fuse,
+                Phase::Inference,
+                CudnnApi::Graph,
+                BnImpl::Cudnn,
+            );
+            assert!(p.cudnn_graph, "{p}");
+            assert_eq!(p.cudnn_api_used(), Some("graph"), "{p}");
+            let api = api_line(&p);
+            assert!(api.starts_with("cuDNN API: graph (graph) — forced"), "{p}");
+            assert!(api.contains("NORM_FORWARD (inference"), "{api}");
+            assert!(api.contains("inv_std kernel"), "{api}");
+            let epilogue = p.reasons.iter().find(|r| r.starts_with("epilogue: "));
+            if fuse == Fuse::None {
+                assert_eq!(p.path, BnPath::Plain, "{p}");
+                assert!(epilogue.is_none(), "{p}");
+            } else {
+                assert_eq!(p.path, BnPath::Fallback, "{p}");
+                assert!(p.refusals.contains(&FusedRefusal::Inference), "{p}");
+                let e = epilogue.unwrap_or_else(|| panic!("no epilogue line: {p}"));
+                assert!(
+                    e.starts_with("epilogue: graph — NORM_FORWARD (inference) → "),
+                    "{e}"
+                );
+                assert!(e.contains("activation kernel"), "{e}");
+            }
+        }
+    }
+}
+
+/// NNFUSE_DISABLE_CUDNN_FUSION keeps the activation out of the graph too: graph BatchNorm, then
+/// the bitmask kernels (the fallback path, refused by the config).
+#[test]
+fn disabled_fusion_keeps_the_epilogue_out_of_the_graph() {
+    for phase in [Phase::Training, Phase::Inference] {
+        let cfg = Config::default()
+            .with_cudnn_api(CudnnApi::Graph)
+            .with_bn_impl(BnImpl::Cudnn)
+            .with_cudnn_fusion_disabled(true);
+        let p = make(
+            &[16, 56, 56, 64],
+            3,
+            DType::F16,
+            Fuse::Relu,
+            phase,
+            &cfg,
+            91900,
+        );
+        assert!(p.cudnn_graph, "{p}");
+        assert_eq!(p.path, BnPath::Fallback, "{p}");
+        assert!(p.refusals.contains(&FusedRefusal::DisabledByConfig), "{p}");
+        assert!(
+            !p.reasons.iter().any(|r| r.starts_with("epilogue: ")),
+            "{p}"
+        );
+    }
+}
+
 #[test]
 fn graph_is_refused_with_a_reason_where_it_cannot_apply() {
-    // Inference: not built.
-    let p = api_plan(
-        &[16, 56, 56, 64],
-        3,
-        DType::F16,
-        Fuse::Relu,
-        Phase::Inference,
-        CudnnApi::Graph,
-        BnImpl::Cudnn,
-    );
-    assert!(!p.cudnn_graph, "{p}");
-    assert!(
-        api_line(&p).starts_with("cuDNN API: legacy (graph) — inference"),
-        "{p}"
-    );
-    assert_eq!(p.cudnn_api_used(), Some("legacy"));
     // PER_ACTIVATION (the oneflow policy's 2-D mode) has no graph form.
     let cfg = Config::default()
         .with_cudnn_api(CudnnApi::Graph)

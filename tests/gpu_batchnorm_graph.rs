@@ -1,21 +1,26 @@
 //! BatchNorm through cuDNN's graph API (`NNFUSE_CUDNN_API=graph`, `Config::cudnn_api`) on the
 //! GPU: training forward (y, saved mean and inverse std, the running statistics' in-place
-//! update), backward (dx, dgamma, dbeta, d_addend) and inference (which keeps the legacy call)
+//! update), backward (dx, dgamma, dbeta, d_addend) and inference (NORM_FORWARD's inference
+//! phase after nnfuse's inv_std kernel), with the ReLU / Add+ReLU epilogue inside the graph,
 //! against the f64 reference, and against the legacy route within the data type's tolerance.
 //! Outputs are poisoned with NaN first; inputs are fresh random per case. Ignored without a GPU.
 //!
 //! Which ones to watch: `graph_route_runs_nhwc_halves` asserts that the graph actually ran for
-//! f16/bf16 NHWC (cuDNN's documented support); `graph_route_matches_reference_everywhere` runs
-//! f32 and NCHW too and prints whether the graph or the legacy fallback ran there (the support
-//! matrix for docs/CUDNN-GRAPH.md).
+//! f16/bf16 NHWC (cuDNN's documented support); `graph_epilogue_runs_nhwc_halves` that the
+//! forward and backward epilogue graphs build there and that the forward kept no mask;
+//! `graph_inference_runs_nhwc_halves` that the inference plan builds there;
+//! `graph_route_matches_reference_everywhere` runs f32 and NCHW too and prints which route ran
+//! (the support matrix for docs/CUDNN-GRAPH.md).
 
 mod common;
 
-use common::bn::{self, check_against_reference, Inputs, Run};
+use common::bn::{self, check_against_reference, dx_away_from_kinks, Inputs, Run};
 use common::*;
 use half::{bf16, f16};
 use nnfuse::batchnorm::{BatchNorm, BnPath, Fuse};
-use nnfuse::{BnImpl, Config, Context, CudnnApi, Element};
+use nnfuse::internals::cudnn_graph::{BnDirection, BnEpilogue, GraphBn, GraphBnKey, GraphPolicy};
+use nnfuse::reference::batchnorm::BnShape;
+use nnfuse::{BnImpl, Config, Context, CudnnApi, DType, Element};
 
 fn ctx_for(api: CudnnApi) -> Context {
     gpu_with(
@@ -61,9 +66,18 @@ fn grid<T: Element>(tag: &str, shapes: &[(&[usize], usize)]) -> (usize, usize) {
             } else {
                 println!("{what}: {} channels, graph ran: {}", shape[axis], a.graph);
             }
-            // Epilogues run as nnfuse's bitmask kernels after graph BatchNorm.
+            // The epilogue graph keeps no mask (its backward reads y); where cuDNN does not
+            // build it, graph BatchNorm + nnfuse's bitmask kernels (the fallback, with a mask).
             if a.graph && fuse != Fuse::None {
-                assert_eq!(a.path, BnPath::Fallback, "{what}");
+                match a.path {
+                    BnPath::CudnnFused => assert!(a.mask.is_none(), "{what}"),
+                    BnPath::Fallback => assert!(a.mask.is_some(), "{what}"),
+                    p => panic!("{what}: path {p:?} after a graph forward with an activation"),
+                }
+                println!(
+                    "{what}: epilogue in the graph: {}",
+                    a.path == BnPath::CudnnFused
+                );
             }
             check_against_reference(&format!("{what} [graph]"), shape, axis, fuse, &inp, 0.1, &a);
             let b = bn::run(&legacy, shape, axis, Run::plain(fuse, 0.1), &inp);
@@ -171,4 +185,243 @@ fn legacy_never_runs_the_graph() {
     let out = bn::run(&ctx, &[4, 14, 14, 32], 3, Run::plain(Fuse::Relu, 0.1), &inp);
     assert!(!out.graph);
     assert_eq!(out.path, BnPath::CudnnFused);
+}
+
+/// The graph plan of `direction` with `epilogue` that the dispatcher of a `shape`/`axis`
+/// BatchNorm on `ctx` uses for 16-byte-aligned buffers (the tests' allocations): from the plan
+/// cache, so `true` means the dispatcher found (or would find) it built, `false` that cuDNN
+/// refused it (remembered).
+fn plan_built(
+    ctx: &Context,
+    shape: &[usize],
+    axis: usize,
+    dtype: DType,
+    direction: BnDirection,
+    epilogue: BnEpilogue,
+) -> bool {
+    let layout = BatchNorm::<f32>::new(ctx, shape, axis, Fuse::None)
+        .unwrap()
+        .plan()
+        .layout;
+    let policy = GraphPolicy {
+        allow_runtime_compilation: true,
+        ..GraphPolicy::default()
+    };
+    let key = GraphBnKey::new(layout, dtype, direction)
+        .with_epilogue(epilogue)
+        .with_policy(policy);
+    match GraphBn::cached(ctx, key) {
+        Ok(_) => true,
+        Err(e) => {
+            println!(
+                "{shape:?} {dtype} {} {}: {e}",
+                direction.name(),
+                epilogue.name()
+            );
+            false
+        }
+    }
+}
+
+fn epilogue_of(fuse: Fuse) -> BnEpilogue {
+    match fuse {
+        Fuse::None => BnEpilogue::None,
+        Fuse::Relu => BnEpilogue::Relu,
+        Fuse::AddRelu => BnEpilogue::AddRelu,
+    }
+}
+
+/// The training epilogues inside the graph for `T` on the NHWC shapes whose channel count is a
+/// multiple of 8 (where cuDNN's graph BatchNorm finalizes): the forward ran BN + (add +) ReLU as
+/// one graph and kept no mask, the backward graph (RELU_BWD from y → NORM_BACKWARD, d_addend)
+/// builds, and every output matches the f64 reference and the legacy fused route (dx away from
+/// ReLU kinks, where the two routes' roundings may put an element on either side of zero).
+fn epilogue_grid<T: Element>(tag: &str) {
+    let graph = ctx_for(CudnnApi::Graph);
+    let legacy = ctx_for(CudnnApi::Legacy);
+    let mut rng = Rng::fresh(tag);
+    let tol = T::DTYPE.tolerance();
+    for &(shape, axis) in NHWC.iter().filter(|(s, a)| s[*a] % 8 == 0) {
+        let n: usize = shape.iter().product();
+        let c = shape[axis];
+        for fuse in [Fuse::Relu, Fuse::AddRelu] {
+            let what = format!("{:?} {shape:?} {fuse:?} epilogue", T::DTYPE);
+            let bn = BatchNorm::<T>::new(&graph, shape, axis, fuse).unwrap();
+            assert_eq!(bn.plan().path, BnPath::CudnnFused, "{}", bn.plan());
+            assert!(
+                bn.plan()
+                    .reasons
+                    .iter()
+                    .any(|r| r.starts_with("epilogue: graph")),
+                "{}",
+                bn.plan()
+            );
+            let inp = Inputs::<T>::uniform(&mut rng, n, c);
+            let a = bn::run(&graph, shape, axis, Run::plain(fuse, 0.1), &inp);
+            assert!(a.graph, "{what}: the graph must run");
+            assert_eq!(
+                a.path,
+                BnPath::CudnnFused,
+                "{what}: the epilogue graph must run"
+            );
+            assert!(a.mask.is_none(), "{what}: the epilogue graph keeps no mask");
+            let e = epilogue_of(fuse);
+            assert!(
+                plan_built(&graph, shape, axis, T::DTYPE, BnDirection::Backward, e),
+                "{what}: the backward epilogue graph must build"
+            );
+            check_against_reference(&what, shape, axis, fuse, &inp, 0.1, &a);
+            let b = bn::run(&legacy, shape, axis, Run::plain(fuse, 0.1), &inp);
+            assert!(!b.graph, "{what}");
+            assert_close(&format!("{what}: y graph vs legacy"), &a.y, &b.y, tol);
+            assert_close(
+                &format!("{what}: running_var graph vs legacy"),
+                &a.rv,
+                &b.rv,
+                1e-5,
+            );
+            let sh = BnShape::new(shape, axis).unwrap();
+            let (ga, gb, kinks) = dx_away_from_kinks(&what, tol, &sh, &a, &b);
+            println!("{what}: {kinks} ReLU kinks between the routes");
+            assert_close(&format!("{what}: dx graph vs legacy"), &ga, &gb, tol);
+            if let (Some(za), Some(zb)) = (&a.dz, &b.dz) {
+                if kinks == 0 {
+                    assert_close(&format!("{what}: d_addend graph vs legacy"), za, zb, tol);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn graph_epilogue_runs_nhwc_halves() {
+    epilogue_grid::<f16>("graph_epilogue_f16");
+    epilogue_grid::<bf16>("graph_epilogue_bf16");
+}
+
+/// Inference through the graph for `T` on `shapes`, every fusion: y against the f64 reference
+/// (inside `bn::run`'s checks) and against the legacy inference call; returns how many cases
+/// had their plain inference plan built, and in how many the epilogue plan built too.
+fn inference_grid<T: Element>(tag: &str, shapes: &[(&[usize], usize)]) -> (usize, usize, usize) {
+    let graph = ctx_for(CudnnApi::Graph);
+    let legacy = ctx_for(CudnnApi::Legacy);
+    let mut rng = Rng::fresh(tag);
+    let tol = T::DTYPE.tolerance();
+    let (mut plain, mut epilogue, mut all) = (0, 0, 0);
+    for &(shape, axis) in shapes {
+        let n: usize = shape.iter().product();
+        let c = shape[axis];
+        for fuse in Fuse::ALL {
+            let what = format!("{:?} {shape:?} axis {axis} {fuse:?} inference", T::DTYPE);
+            let bn = BatchNorm::<T>::new(&graph, shape, axis, fuse).unwrap();
+            assert_eq!(
+                bn.inference_plan().cudnn_api_used(),
+                Some("graph"),
+                "{}",
+                bn.inference_plan()
+            );
+            let inp = Inputs::<T>::uniform(&mut rng, n, c);
+            let a = bn::run(&graph, shape, axis, Run::plain(fuse, 0.1), &inp);
+            check_against_reference(&what, shape, axis, fuse, &inp, 0.1, &a);
+            let b = bn::run(&legacy, shape, axis, Run::plain(fuse, 0.1), &inp);
+            assert_close(
+                &format!("{what}: y graph vs legacy"),
+                &a.y_inference,
+                &b.y_inference,
+                tol,
+            );
+            let d = BnDirection::Inference;
+            let p = plan_built(&graph, shape, axis, T::DTYPE, d, BnEpilogue::None);
+            let e = fuse != Fuse::None
+                && plan_built(&graph, shape, axis, T::DTYPE, d, epilogue_of(fuse));
+            println!("{what}: graph plan built: {p}, epilogue inside: {e}");
+            plain += p as usize;
+            epilogue += e as usize;
+            all += 1;
+        }
+    }
+    (plain, epilogue, all)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn graph_inference_runs_nhwc_halves() {
+    let shapes: Vec<(&[usize], usize)> = NHWC
+        .iter()
+        .copied()
+        .filter(|(s, a)| s[*a] % 8 == 0)
+        .collect();
+    for (what, (plain, epilogue, all)) in [
+        ("f16", inference_grid::<f16>("graph_infer_f16", &shapes)),
+        ("bf16", inference_grid::<bf16>("graph_infer_bf16", &shapes)),
+    ] {
+        println!("support: {what} NHWC inference: plan {plain} of {all}, epilogue {epilogue}");
+        assert_eq!(
+            plain, all,
+            "{what}: the inference graph must build for every case"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn graph_inference_matches_reference_everywhere() {
+    // Whichever route ran (graph, or the legacy call where no plan builds) is checked.
+    let r = [
+        (
+            "f32 NHWC",
+            inference_grid::<f32>("graph_infer_f32_nhwc", NHWC),
+        ),
+        (
+            "f32 NCHW",
+            inference_grid::<f32>("graph_infer_f32_nchw", NCHW),
+        ),
+        (
+            "f16 NHWC C%8!=0",
+            inference_grid::<f16>("graph_infer_f16_odd", &NHWC[2..3]),
+        ),
+        (
+            "bf16 NCHW",
+            inference_grid::<bf16>("graph_infer_bf16_nchw", NCHW),
+        ),
+    ];
+    for (what, (plain, epilogue, all)) in r {
+        println!("support: {what} inference: plan {plain} of {all}, epilogue {epilogue}");
+    }
+}
+
+/// The inverse standard deviation is computed per call from the running variance given: two
+/// inferences on the same cached plan with different running statistics give each one's result.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn graph_inference_reads_each_calls_running_statistics() {
+    let ctx = ctx_for(CudnnApi::Graph);
+    let (shape, axis) = (&[8usize, 7, 7, 64][..], 3);
+    let mut rng = Rng::fresh("graph_infer_stats");
+    let n: usize = shape.iter().product();
+    for scale in [1.0f32, 4.0, 0.25] {
+        let mut inp = Inputs::<f16>::uniform(&mut rng, n, 64);
+        for v in inp.rv.iter_mut() {
+            *v *= scale;
+        }
+        let out = bn::run(&ctx, shape, axis, Run::plain(Fuse::None, 0.1), &inp);
+        check_against_reference(
+            &format!("running_var x{scale}"),
+            shape,
+            axis,
+            Fuse::None,
+            &inp,
+            0.1,
+            &out,
+        );
+    }
+    assert!(plan_built(
+        &ctx,
+        shape,
+        axis,
+        DType::F16,
+        BnDirection::Inference,
+        BnEpilogue::None
+    ));
 }

@@ -406,6 +406,27 @@ pub(crate) unsafe fn relu_mask_bwd_raw(
     launch(ctx, Kernel::Bwd, dt, n, &[dy, mask, dx, 0], &[dy, dx])
 }
 
+/// The y-based ReLU backward on addresses its caller has bound and checked: `dx = dy` where
+/// `y > 0`, else 0. BatchNorm's graph epilogue keeps no mask (its backward graph reads y); when
+/// that backward graph cannot be built, this kernel masks dy instead.
+///
+/// # Safety
+/// `dy`, `y` and `dx` hold `n` elements of `dt` on the Context's device, valid until the queued
+/// work completes; `dx` is exactly `dy` or overlaps neither `dy` nor `y`.
+pub(crate) unsafe fn relu_bwd_from_y_raw(
+    ctx: &Context,
+    dt: DType,
+    n: usize,
+    dy: u64,
+    y: u64,
+    dx: u64,
+) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    launch(ctx, Kernel::BwdFromY, dt, n, &[dy, y, dx], &[dy, y, dx])
+}
+
 /// The backward of Add+ReLU: writes the same gradient to `dx` and to `dz` (the addend's). Either
 /// may be exactly the same memory as `dy`; `dx` and `dz` must not overlap.
 pub fn relu_mask_bwd_dual<T, G, M, DX, DZ>(

@@ -1,16 +1,19 @@
 //! Which cuDNN API runs a BatchNorm planned on cuDNN: the graph (backend) API's execution plans
-//! (`NORM_FORWARD` / `NORM_BACKWARD`, `src/cudnn_graph/graph_bn.rs`) or the legacy entry points
+//! (`NORM_FORWARD` training / inference, `NORM_BACKWARD`, with the ReLU / Add+ReLU epilogue
+//! inside the graph: `src/cudnn_graph/graph_bn.rs`) or the legacy entry points
 //! (`cudnnBatchNormalization*`, deprecated in cuDNN 9), with the reason. Pure: no GPU calls.
 //!
 //! `NNFUSE_CUDNN_API` / [`Config::cudnn_api`]: `legacy` keeps the legacy calls; `graph` takes the
-//! graph wherever it can be expressed (training, per-channel statistics, cuDNN 9 or newer) and
-//! falls back to the legacy calls at the first call when no engine config finalizes; `auto`
+//! graph wherever it can be expressed (per-channel statistics, cuDNN 9 or newer; training and
+//! inference) and falls back at the first call when no engine config finalizes (an epilogue
+//! graph to graph BatchNorm + nnfuse's activation kernels, graph BatchNorm to the legacy calls:
+//! [`graph_epilogue`]); `auto`
 //! takes the graph only where [`GRAPH_FOR_AUTO`] is on and the layout and type are ones cuDNN
 //! documents for its BatchNorm engines ([`graph_supported`]). [`GRAPH_FOR_AUTO`] is off until
 //! the graph route is measured on the GPU (accuracy against the f64 reference and the legacy
 //! route, host and GPU time): `docs/CUDNN-GRAPH.md`, "BatchNorm".
 
-use crate::batchnorm::types::{BnMode, Phase};
+use crate::batchnorm::types::{BnMode, Fuse, Phase};
 use crate::config::{Config, CudnnApi};
 use crate::dtype::DType;
 use crate::layout::{ChannelLayout, TensorFormat};
@@ -75,14 +78,6 @@ pub fn infer_cudnn_api(
             "cuDNN {cudnn_version} predates the graph API of cuDNN 9 (libcudnn_graph)"
         ));
     }
-    if phase == Phase::Inference {
-        return legacy(
-            "inference: cuDNN's graph BatchNorm inference (NORM_FORWARD, phase INFERENCE) takes \
-             the mean and the inverse standard deviation, not the running variance; not built \
-             (docs/CUDNN-GRAPH.md)"
-                .into(),
-        );
-    }
     if mode == BnMode::PerActivation {
         return legacy(
             "CUDNN_BATCHNORM_PER_ACTIVATION keeps statistics per (c, h, w); the graph's \
@@ -90,15 +85,21 @@ pub fn infer_cudnn_api(
                 .into(),
         );
     }
+    let ops = match phase {
+        Phase::Training => "NORM_FORWARD (training) / NORM_BACKWARD",
+        Phase::Inference => {
+            "NORM_FORWARD (inference; nnfuse's inv_std kernel turns the running variance into \
+             the inverse standard deviation it reads)"
+        }
+    };
     let graph = |why: &str| {
         (
             true,
             format!(
-                "cuDNN API: graph ({api}) — {why}: NORM_FORWARD (training) / NORM_BACKWARD \
-                 execution plans built once per shape and cached, a cached call sets only the \
-                 variant pack's pointers and scalars; cuDNN's BatchNorm engines compile at run \
-                 time (the first call of a shape waits for it); if no engine config finalizes, \
-                 the legacy calls run instead (logged)"
+                "cuDNN API: graph ({api}) — {why}: {ops} execution plans built once per shape \
+                 and cached, a cached call sets only the variant pack's pointers and scalars; \
+                 cuDNN's BatchNorm engines compile at run time (the first call of a shape waits \
+                 for it); if no engine config finalizes, the legacy calls run instead (logged)"
             ),
         )
     };
@@ -116,6 +117,43 @@ pub fn infer_cudnn_api(
             Err(why) => legacy(why),
         },
     }
+}
+
+/// Whether the activation of a graph-route BatchNorm (`graph`: [`infer_cudnn_api`] said graph,
+/// on cuDNN, not the own path) goes into the graph, with the plan's `epilogue:` line; `None`
+/// without an activation or off the graph route.
+///
+/// Training: `NORM_FORWARD → (ADD addend →) RELU_FWD` as one graph, and `RELU_BWD (dy, y) →
+/// NORM_BACKWARD` (cudnn-frontend's "BN + add + ReLU" / "dBN + add + ReLU" patterns) — the
+/// backward reads y instead of a mask (y > 0 exactly where the ReLU's input was), so the forward
+/// writes no mask at all; cuDNN's BOOLEAN mask tensor of those patterns (its bit order unverified
+/// against nnfuse's bitmask) is not needed. Both graphs are built at the first forward; if either
+/// does not finalize, the fallback path runs: graph BatchNorm, then nnfuse's bitmask kernels.
+/// Inference: the epilogue after `NORM_FORWARD (inference)`, else nnfuse's activation kernel.
+pub fn graph_epilogue(graph: bool, phase: Phase, fuse: Fuse) -> Option<String> {
+    if !graph || fuse == Fuse::None {
+        return None;
+    }
+    let chain = match fuse {
+        Fuse::AddRelu => "ADD (addend) → RELU_FWD",
+        _ => "RELU_FWD",
+    };
+    Some(match phase {
+        Phase::Training => format!(
+            "epilogue: graph — NORM_FORWARD → {chain} as one graph, backward RELU_BWD from y \
+             → NORM_BACKWARD{} (no mask kept: the backward reads y); if either graph does not \
+             finalize, graph BatchNorm + nnfuse's bitmask kernels (the fallback path)",
+            if fuse == Fuse::AddRelu {
+                ", writing d_addend"
+            } else {
+                ""
+            }
+        ),
+        Phase::Inference => format!(
+            "epilogue: graph — NORM_FORWARD (inference) → {chain} as one graph; if it does not \
+             finalize, graph BatchNorm + nnfuse's activation kernel"
+        ),
+    })
 }
 
 #[cfg(test)]
@@ -145,8 +183,11 @@ mod tests {
         // Forced graph is tried on any layout and type.
         let nchw = ChannelLayout::example(TensorFormat::Nchw);
         assert!(infer_cudnn_api(&nchw, BnMode::Spatial, t, DType::F32, &graph, v, true).0);
+        // Inference through the graph too (the inverse standard deviation computed first).
+        let (on, why) = infer_cudnn_api(&nhwc, sp, Phase::Inference, DType::F16, &graph, v, true);
+        assert!(on && why.contains("NORM_FORWARD (inference"), "{why}");
         for (mode, phase, version, what) in [
-            (sp, Phase::Inference, v, "inference"),
+            (BnMode::PerActivation, Phase::Inference, v, "PER_ACTIVATION"),
             (BnMode::PerActivation, t, v, "PER_ACTIVATION"),
             (sp, t, 8907, "predates"),
         ] {
@@ -182,5 +223,29 @@ mod tests {
         assert!(graph_supported(&nchw, DType::F16)
             .unwrap_err()
             .contains("NCHW"));
+    }
+
+    #[test]
+    fn epilogues_go_into_the_graph_with_a_reason() {
+        for phase in [Phase::Training, Phase::Inference] {
+            assert_eq!(graph_epilogue(true, phase, Fuse::None), None);
+            assert_eq!(graph_epilogue(false, phase, Fuse::Relu), None);
+            let relu = graph_epilogue(true, phase, Fuse::Relu).unwrap();
+            assert!(relu.starts_with("epilogue: graph — NORM_FORWARD"), "{relu}");
+            assert!(relu.contains("RELU_FWD") && !relu.contains("ADD"), "{relu}");
+            let add = graph_epilogue(true, phase, Fuse::AddRelu).unwrap();
+            assert!(add.contains("ADD (addend) → RELU_FWD"), "{add}");
+        }
+        let t = graph_epilogue(true, Phase::Training, Fuse::AddRelu).unwrap();
+        assert!(
+            t.contains("RELU_BWD from y") && t.contains("d_addend"),
+            "{t}"
+        );
+        assert!(t.contains("bitmask kernels"), "{t}");
+        let i = graph_epilogue(true, Phase::Inference, Fuse::Relu).unwrap();
+        assert!(
+            i.contains("(inference)") && i.contains("activation kernel"),
+            "{i}"
+        );
     }
 }

@@ -14,7 +14,7 @@ use crate::activation;
 use crate::batchnorm::args::{BackwardArgs, InferenceArgs, TrainArgs};
 use crate::batchnorm::cudnn_calls::{self as calls, BwdPtrs, ExSizes, FwdPtrs, Ops};
 use crate::batchnorm::descriptor::{ParamDesc, ReluDesc, TensorDesc};
-use crate::batchnorm::graph_route::GraphRoute;
+use crate::batchnorm::graph_route::{GraphRoute, InferPtrs, InferRan};
 use crate::batchnorm::own::{self, BwdBufs, Counters, FwdBufs, InferBufs};
 use crate::batchnorm::own_launch::OwnShape;
 use crate::batchnorm::plan::{plan, BnPlan, PlanRequest, ASSUMED_CUDNN_VERSION};
@@ -126,7 +126,7 @@ impl Core {
         } else {
             None
         };
-        let graph = GraphRoute::new(&train, ctx.config());
+        let graph = GraphRoute::new(&train, &infer, ctx.config());
         let core = Core {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             fuse: key.fuse,
@@ -141,7 +141,11 @@ impl Core {
             spares: Arc::default(),
         };
         if let Some(c) = &core.cudnn {
-            if core.train.path == BnPath::CudnnFused && c.fused_sizes.is_none() {
+            // The graph route's fused path has no legacy sizes (it falls back at run time).
+            if core.train.path == BnPath::CudnnFused
+                && !core.train.cudnn_graph
+                && c.fused_sizes.is_none()
+            {
                 core.fused_refused.store(true, Ordering::Relaxed);
             }
         }
@@ -206,7 +210,9 @@ impl CudnnParts {
         let x_desc = TensorDesc::activation(&train.layout, key.dtype)?;
         let train_param = ParamDesc::derive(&x_desc, train.mode)?;
         let infer_param = ParamDesc::derive(&x_desc, infer.mode)?;
-        let relu = if train.path == BnPath::CudnnFused {
+        // The legacy fused Ex path's descriptors; the graph route fuses in its own graph.
+        let legacy_fused = train.path == BnPath::CudnnFused && !train.cudnn_graph;
+        let relu = if legacy_fused {
             Some(ReluDesc::new()?)
         } else {
             None
@@ -234,7 +240,7 @@ impl CudnnParts {
                     None,
                 )
             }?);
-            if train.path == BnPath::CudnnFused {
+            if legacy_fused {
                 let ops = fused_ops(key.fuse);
                 // SAFETY: as above.
                 let sizes = unsafe {
@@ -537,7 +543,7 @@ impl<T: Element> BatchNorm<T> {
         let ctx = &self.ctx;
         let mut own_variant = None;
         // Graph BatchNorm leaves no reserve; its activation (if any) follows as the fallback's.
-        let graph = matches!(ran, Ran::Graph(_));
+        let graph = matches!(ran, Ran::Graph(_) | Ran::GraphFused);
         let ran = match ran {
             Ran::Graph(None) => Ran::Plain(None),
             Ran::Graph(Some(mask)) => Ran::BnOnlyForFallback(None, mask),
@@ -549,6 +555,8 @@ impl<T: Element> BatchNorm<T> {
                 (BnPath::Own, None, st.own_mask)
             }
             Ran::Fused(reserve) => (BnPath::CudnnFused, reserve, None),
+            // The epilogue graph keeps no mask: its backward reads y.
+            Ran::GraphFused => (BnPath::CudnnFused, None, None),
             Ran::Plain(reserve) => (BnPath::Plain, reserve, None),
             Ran::Graph(_) => {
                 return Err(Error::NotSupported(
@@ -583,7 +591,15 @@ impl<T: Element> BatchNorm<T> {
     /// Runs the BN part of the forward: fused (retrying as fallback when cuDNN refuses) or plain
     /// BN through the plan's API.
     fn run_forward(&self, path: BnPath, p: &FwdPtrs, momentum: f64, eps: f64) -> Result<Ran> {
-        if path == BnPath::CudnnFused {
+        let core = &*self.core;
+        if path == BnPath::CudnnFused && core.graph.planned_epilogue() {
+            if core.graph.forward_fused(&self.ctx, p, momentum, eps)? {
+                tracing::debug!(api = "graph", fuse = ?core.fuse, "BatchNorm forward (epilogue graph)");
+                return Ok(Ran::GraphFused);
+            }
+            // Refused (logged by the route): graph BatchNorm + bitmask kernels from now on.
+            core.fused_refused.store(true, Ordering::Relaxed);
+        } else if path == BnPath::CudnnFused {
             if let Some(ran) = self.run_fused_forward(p, momentum, eps)? {
                 return Ok(ran);
             }
@@ -774,11 +790,20 @@ impl<T: Element> BatchNorm<T> {
         let reserve = saved.reserve.as_ref();
         match (saved.path, &saved.mask) {
             (BnPath::Own, mask) => self.run_backward_own(saved, &b, mask.as_ref()),
+            (BnPath::CudnnFused, _) if saved.graph => self.run_backward_graph_fused(saved, &b),
             (BnPath::CudnnFused, _) => {
                 self.run_backward(saved, &b, BnPath::CudnnFused, None, reserve)
             }
             (BnPath::Plain, _) => self.run_backward(saved, &b, BnPath::Plain, None, reserve),
-            (BnPath::Fallback, Some(mask)) => self.run_backward_fallback(saved, &b, mask),
+            (BnPath::Fallback, Some(mask)) => {
+                if mask.buf.len() < activation::mask_words(self.numel()) {
+                    return Err(Error::invalid(
+                        "saved",
+                        "holds a bitmask shorter than the tensor needs (corrupted state)",
+                    ));
+                }
+                self.run_backward_fallback(saved, &b, MaskOf::Bits(mask.ptr))
+            }
             (BnPath::Fallback, _) => Err(Error::invalid(
                 "saved",
                 "is a fallback-path state without its bitmask (corrupted state)",
@@ -818,24 +843,59 @@ impl<T: Element> BatchNorm<T> {
         Ok((ops, b))
     }
 
+    /// The backward of a forward that ran BN and its activation as one cuDNN graph: the
+    /// backward graph (ReLU backward from y, d_addend, BN backward); where cuDNN cannot build it
+    /// for these pointers, dy masked from y by nnfuse's kernel, then BN's backward.
+    fn run_backward_graph_fused(&self, saved: &BnSaved, b: &Bound) -> Result<()> {
+        let ptrs = BwdPtrs {
+            x: b.x,
+            y: b.y,
+            dy: b.dy,
+            dz: b.dz.unwrap_or(0),
+            dx: b.dx,
+            gamma: b.gamma,
+            beta: b.beta,
+            dgamma: b.dgamma,
+            dbeta: b.dbeta,
+            saved_mean: saved.mean.ptr,
+            saved_inv_var: saved.inv_var.ptr,
+        };
+        if self.core.graph.backward_fused(&self.ctx, &ptrs)? {
+            tracing::debug!(api = "graph", fuse = ?self.core.fuse, "BatchNorm backward (epilogue graph)");
+            return Ok(());
+        }
+        self.run_backward_fallback(saved, b, MaskOf::Y(b.y))
+    }
+
+    /// dy masked by the forward's ReLU into `out`: from the fallback's bitmask, or from y (the
+    /// epilogue graph keeps no mask).
+    ///
+    /// # Safety
+    /// dy and `out` hold numel elements (checked by the caller, `out` overlapping nothing);
+    /// the mask holds mask_words(numel) words, or y numel elements.
+    unsafe fn mask_dy(&self, src: MaskOf, dy: u64, out: u64) -> Result<()> {
+        let (ctx, n) = (&self.ctx, self.numel());
+        // SAFETY: the caller's contract.
+        unsafe {
+            match src {
+                MaskOf::Bits(m) => activation::relu_mask_bwd_raw(ctx, T::DTYPE, n, dy, m, out),
+                MaskOf::Y(y) => activation::relu_bwd_from_y_raw(ctx, T::DTYPE, n, dy, y, out),
+            }
+        }
+    }
+
     /// The fallback's backward: the mask backward (dy → d_addend for Add+ReLU, else into a
     /// recycled temporary), then cuDNN's BN backward from it.
-    fn run_backward_fallback(&self, saved: &BnSaved, b: &Bound, mask: &Owned<u32>) -> Result<()> {
+    fn run_backward_fallback(&self, saved: &BnSaved, b: &Bound, mask: MaskOf) -> Result<()> {
         let core = &*self.core;
         let ctx = &self.ctx;
         let n = self.numel();
         let reserve = saved.reserve.as_ref();
-        if mask.buf.len() < activation::mask_words(n) {
-            return Err(Error::invalid(
-                "saved",
-                "holds a bitmask shorter than the tensor needs (corrupted state)",
-            ));
-        }
         if let Some(dz) = b.dz {
             // d_addend = dy ⊙ mask is also the gradient that enters BN.
             // SAFETY: dy and d_addend hold n elements (checked, d_addend overlapping nothing);
-            // the mask is the forward's own, of mask_words(n) words (checked above).
-            unsafe { activation::relu_mask_bwd_raw(ctx, T::DTYPE, n, b.dy, mask.ptr, dz) }?;
+            // the mask is the forward's own (its length checked by the caller) or y.
+            unsafe { self.mask_dy(mask, b.dy, dz) }?;
             return self.run_backward(saved, b, BnPath::Fallback, None, reserve);
         }
         // Fully written by the mask backward before BN reads it; a recycled temporary, given
@@ -852,7 +912,7 @@ impl<T: Element> BatchNorm<T> {
         } else {
             // SAFETY: dy holds n elements (checked); the temporary n elements of T, nnfuse's
             // own, overlapping nothing; the mask as above.
-            unsafe { activation::relu_mask_bwd_raw(ctx, T::DTYPE, n, b.dy, mask.ptr, dpre) }
+            unsafe { self.mask_dy(mask, b.dy, dpre) }
                 .and_then(|()| self.run_backward(saved, b, BnPath::Fallback, Some(dpre), reserve))
         };
         core.spares.give_bytes(tmp);
@@ -1003,8 +1063,10 @@ impl<T: Element> BatchNorm<T> {
         // 1. Scalars and the addend.
         check_scalars(a.eps, None)?;
         check_addend(core.fuse, a.addend.is_some(), "addend")?;
-        // 2. Every buffer validated, then BatchNorm (the own kernels do the activation too).
-        if self.run_inference(&mut a)? == BnPath::Own {
+        // 2. Every buffer validated, then BatchNorm (the own kernels and the graph's epilogue
+        //    do the activation too).
+        let (path, activated) = self.run_inference(&mut a)?;
+        if path == BnPath::Own || activated {
             return Ok(());
         }
         // 3. cuDNN's BatchNorm ran: the activation, in place.
@@ -1026,8 +1088,9 @@ impl<T: Element> BatchNorm<T> {
     }
 
     /// Validates the inference buffers and runs the BatchNorm part: the own kernels (whole
-    /// operation) or cuDNN's inference forward. Returns the path that ran.
-    fn run_inference(&self, a: &mut InferenceArgs<'_, T>) -> Result<BnPath> {
+    /// operation), cuDNN's graph (with the activation where it fused it) or cuDNN's legacy
+    /// inference forward. Returns the path that ran and whether the activation ran too.
+    fn run_inference(&self, a: &mut InferenceArgs<'_, T>) -> Result<(BnPath, bool)> {
         let core = &*self.core;
         let ctx = &self.ctx;
         let numel = Need::Exactly(self.numel(), "the plan's shape");
@@ -1056,7 +1119,35 @@ impl<T: Element> BatchNorm<T> {
             };
             own::forward_inference(&core.own_op(ctx, T::DTYPE), &bufs, a.eps)?;
             tracing::debug!(path = "own", fuse = ?core.fuse, "BatchNorm inference");
-            return Ok(BnPath::Own);
+            return Ok((BnPath::Own, true));
+        }
+        if core.graph.infer_active() {
+            let p = InferPtrs {
+                x,
+                z,
+                y,
+                gamma: g,
+                beta: b,
+                running_mean: m,
+                running_var: v,
+            };
+            // The inverse standard deviation's scratch: recycled, given back once the plan that
+            // reads it is queued (stream order).
+            let scratch = {
+                crate::profile::stage!(Alloc);
+                core.spares
+                    .f32s(ctx.stream(), core.param_len(Phase::Inference))?
+            };
+            let ran = core.graph.inference(ctx, &p, a.eps, scratch.ptr);
+            core.spares.give_f32s(scratch);
+            match ran? {
+                InferRan::NotRun => {}
+                r => {
+                    let fused = r == InferRan::WithEpilogue;
+                    tracing::debug!(api = "graph", fuse = ?core.fuse, epilogue = fused, "BatchNorm inference");
+                    return Ok((core.infer.path, fused));
+                }
+            }
         }
         let cu = core.cudnn()?;
         let mut guard = ctx.lock()?;
@@ -1077,8 +1168,17 @@ impl<T: Element> BatchNorm<T> {
                 a.eps,
             )
         }?;
-        Ok(core.infer.path)
+        Ok((core.infer.path, false))
     }
+}
+
+/// Where the fallback's backward reads the forward's ReLU from.
+#[derive(Clone, Copy)]
+enum MaskOf {
+    /// The fallback's bitmask (its address).
+    Bits(u64),
+    /// The forward's y (after the epilogue graph, which keeps no mask).
+    Y(u64),
 }
 
 /// The buffers a training forward saves for its backward.
@@ -1105,6 +1205,8 @@ enum Ran {
     /// BN through cuDNN's graph API (no reserve space), with the fallback's prepared mask when
     /// an activation is still to do.
     Graph(Option<Owned<u32>>),
+    /// BN and its activation as one cuDNN graph (no reserve space, no mask).
+    GraphFused,
 }
 
 #[cfg(test)]

@@ -34,7 +34,7 @@ use std::fmt;
 
 use serde_json::{json, Value};
 
-use crate::batchnorm::graph_rule::infer_cudnn_api;
+use crate::batchnorm::graph_rule::{graph_epilogue, infer_cudnn_api};
 use crate::batchnorm::own_launch::{persistent_structure, OwnShape, VECTOR_BYTES};
 use crate::batchnorm::types::{
     BnApi, BnMode, BnPath, Fuse, FusedRefusal, OwnVariant, OwnVariantChoice, Phase,
@@ -84,7 +84,8 @@ pub struct BnPlan {
     /// route cannot be built at the first call).
     pub api: BnApi,
     /// The BatchNorm itself runs through cuDNN's graph API (`NORM_FORWARD` / `NORM_BACKWARD`
-    /// execution plans) instead of [`BnPlan::api`]'s legacy entry point: training on cuDNN only.
+    /// execution plans; training and inference on cuDNN, the activation inside the graph where
+    /// an `epilogue:` reason says so) instead of [`BnPlan::api`]'s legacy entry point.
     pub cudnn_graph: bool,
     /// The cuDNN API setting the plan was made under ([`Config::cudnn_api`]).
     pub cudnn_api: CudnnApi,
@@ -812,8 +813,14 @@ pub fn plan(req: &PlanRequest<'_>) -> Result<BnPlan> {
         req.cudnn_version,
         req.cudnn_available,
     );
-    if cudnn_graph && !own && req.fuse != Fuse::None {
-        refusals.push(FusedRefusal::GraphApi);
+    // The graph route fuses the activation in its own graph unless fusion is switched off
+    // (training: the path is cuDNN's fused one, and the legacy Ex call's refusals do not apply
+    // to it).
+    let graph_epilogue_on = cudnn_graph && !own && !req.config.disable_cudnn_fusion;
+    let epilogue_reason = graph_epilogue(graph_epilogue_on, req.phase, req.fuse);
+    let graph_fused = epilogue_reason.is_some() && req.phase == Phase::Training;
+    if graph_fused {
+        refusals.clear();
     }
     let path = if own {
         BnPath::Own
@@ -835,11 +842,12 @@ pub fn plan(req: &PlanRequest<'_>) -> Result<BnPlan> {
         (None, None, Vec::new())
     };
 
-    let mut reasons = Vec::with_capacity(7 + mode_reasons.len() + refusals.len());
+    let mut reasons = Vec::with_capacity(8 + mode_reasons.len() + refusals.len());
     reasons.push(layout_reason(req.shape, req.axis, &layout));
     reasons.extend(mode_reasons);
     reasons.push(api_reason);
     reasons.push(graph_reason);
+    reasons.extend(epilogue_reason);
     reasons.push(impl_reason);
     reasons.push(path_reason(path, req.fuse, refusals.len()));
     if own {

@@ -138,7 +138,9 @@ pub struct BnSaved {
     /// Own path: the variant the forward ran.
     pub(crate) own_variant: Option<OwnVariant>,
     /// The forward's BatchNorm ran through cuDNN's graph API (the backward then tries it too,
-    /// and otherwise takes the legacy call that needs no reserve space).
+    /// and otherwise takes the legacy call that needs no reserve space). With path
+    /// `CudnnFused`: the activation ran inside the graph, which keeps no mask (the backward
+    /// graph reads y).
     pub(crate) graph: bool,
     /// Where the buffers go when the state is dropped.
     pub(crate) spares: Arc<Spares>,
@@ -203,7 +205,8 @@ impl BnSaved {
     }
 
     /// Whether the forward's BatchNorm ran through cuDNN's graph API (`NNFUSE_CUDNN_API`; the
-    /// plan's `cudnn_api_used`), rather than a legacy cuDNN call or nnfuse's own kernels.
+    /// plan's `cudnn_api_used`), rather than a legacy cuDNN call or nnfuse's own kernels. With
+    /// [`BnSaved::path`] `CudnnFused`, its activation ran inside the graph too (no mask kept).
     pub fn ran_graph(&self) -> bool {
         self.graph
     }

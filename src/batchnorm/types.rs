@@ -229,8 +229,10 @@ pub enum FusedRefusal {
     CudnnTooOld(usize),
     /// cuDNN cannot be loaded.
     CudnnMissing,
-    /// The BatchNorm runs through cuDNN's graph API, whose BN + (add +) ReLU epilogue graphs
-    /// nnfuse does not build: graph BatchNorm, then nnfuse's bitmask kernels.
+    /// The BatchNorm runs through cuDNN's graph API without its epilogue graphs: graph
+    /// BatchNorm, then nnfuse's bitmask kernels. No longer produced by the planner (the graph
+    /// route fuses the activation in its own graph and falls back at run time, logged); kept so
+    /// that matching code keeps compiling.
     GraphApi,
 }
 
@@ -294,9 +296,8 @@ impl fmt::Display for FusedRefusal {
             ),
             FusedRefusal::CudnnMissing => f.write_str("cuDNN cannot be loaded on this machine"),
             FusedRefusal::GraphApi => f.write_str(
-                "the BatchNorm runs through cuDNN's graph API, and nnfuse does not build its BN + \
-                 (add +) ReLU epilogue graphs (their ReLU mask is a cuDNN BOOLEAN tensor, not yet \
-                 checked against nnfuse's bitmask layout; docs/CUDNN-GRAPH.md)",
+                "the BatchNorm runs through cuDNN's graph API without its BN + (add +) ReLU \
+                 epilogue graph (docs/CUDNN-GRAPH.md)",
             ),
         }
     }

@@ -1,6 +1,7 @@
 //! Builders of one BatchNorm graph through cuDNN's backend API: the tensors of
-//! [`super::bn_key`], the `NORM_FORWARD` (batch norm, training phase) or `NORM_BACKWARD`
-//! operation, the operation graph, and the variant pack of one execution (any number of
+//! [`super::bn_key`], the `NORM_FORWARD` (batch norm, training or inference phase) or
+//! `NORM_BACKWARD` operation, the pointwise epilogue (`ADD`, `RELU_FWD`; `RELU_BWD` before the
+//! backward), the operation graph, and the variant pack of one execution (any number of
 //! tensors, by-value scalars included). Every attribute set is checked; no decisions here (the
 //! engine choice lives in [`super::graph_bn`]).
 
@@ -10,12 +11,11 @@ use cudarc::cudnn::sys;
 
 use crate::error::{Error, Result};
 
-use super::bn_key::{BnDirection, BnRole, BnTensorSpec, GraphBnKey};
+use super::bn_key::{BnDirection, BnEpilogue, BnRole, BnTensorSpec, GraphBnKey};
 use super::build::{in_part, operation_graph, tensor_of, TensorAttrs};
 use super::descriptor::{attr, Attr, DescKind, Descriptor, DevPtr};
 
-/// A finalized tensor descriptor of `spec` (never virtual: a BatchNorm graph has no
-/// intermediates).
+/// A finalized tensor descriptor of `spec` (virtual for the epilogue's intermediates).
 pub fn bn_tensor(spec: &BnTensorSpec) -> Result<Descriptor> {
     tensor_of(&TensorAttrs {
         uid: spec.uid,
@@ -23,23 +23,23 @@ pub fn bn_tensor(spec: &BnTensorSpec) -> Result<Descriptor> {
         strides: spec.strides,
         dtype: spec.dtype,
         alignment: spec.alignment,
-        is_virtual: false,
+        is_virtual: spec.is_virtual,
         by_value: spec.by_value,
         part: spec.role.name(),
     })
 }
 
-/// The tensors of one graph, in the key's role order.
+/// The tensors of one graph: the key's roles in variant-pack order, then its virtual ones.
 #[derive(Debug)]
 pub struct BnTensors {
-    roles: &'static [BnRole],
+    roles: Vec<BnRole>,
     descs: Vec<Descriptor>,
 }
 
 impl BnTensors {
     /// Builds every tensor of `key`.
     pub fn build(key: &GraphBnKey) -> Result<BnTensors> {
-        let roles = key.roles();
+        let roles: Vec<BnRole> = key.roles().iter().chain(key.virtuals()).copied().collect();
         let descs = roles
             .iter()
             .map(|&r| bn_tensor(&key.spec(r)))
@@ -67,20 +67,43 @@ fn link(op: &mut Descriptor, t: &BnTensors, attr: Attr, role: BnRole) -> Result<
     op.set_descs(attr, &[t.get(role)?])
 }
 
-/// The finalized `NORM_FORWARD` operation: batch norm, training phase, with the running
-/// statistics' update when the tensors include it.
-pub fn norm_forward(t: &BnTensors) -> Result<Descriptor> {
+/// The finalized `NORM_FORWARD` operation, batch norm, writing `out` (y, or the epilogue's
+/// virtual input): the training phase (with the running statistics' update when the tensors
+/// include it) or, with `inference`, the inference phase reading the running mean and an
+/// inverse standard deviation.
+pub fn norm_forward(t: &BnTensors, inference: bool, out: BnRole) -> Result<Descriptor> {
     let build = || -> Result<Descriptor> {
         let mut d = Descriptor::new(DescKind::NormForward)?;
         d.set_one(
             attr::CUDNN_ATTR_OPERATION_NORM_FWD_MODE,
             sys::cudnnBackendNormMode_t::CUDNN_BATCH_NORM,
         )?;
-        d.set_one(
-            attr::CUDNN_ATTR_OPERATION_NORM_FWD_PHASE,
-            sys::cudnnBackendNormFwdPhase_t::CUDNN_NORM_FWD_TRAINING,
-        )?;
+        use sys::cudnnBackendNormFwdPhase_t as P;
+        let phase = if inference {
+            P::CUDNN_NORM_FWD_INFERENCE
+        } else {
+            P::CUDNN_NORM_FWD_TRAINING
+        };
+        d.set_one(attr::CUDNN_ATTR_OPERATION_NORM_FWD_PHASE, phase)?;
         use BnRole as R;
+        if inference {
+            let all = [
+                (attr::CUDNN_ATTR_OPERATION_NORM_FWD_XDESC, R::X),
+                (attr::CUDNN_ATTR_OPERATION_NORM_FWD_MEAN_DESC, R::Mean),
+                (
+                    attr::CUDNN_ATTR_OPERATION_NORM_FWD_INV_VARIANCE_DESC,
+                    R::InvStd,
+                ),
+                (attr::CUDNN_ATTR_OPERATION_NORM_FWD_SCALE_DESC, R::Scale),
+                (attr::CUDNN_ATTR_OPERATION_NORM_FWD_BIAS_DESC, R::Bias),
+                (attr::CUDNN_ATTR_OPERATION_NORM_FWD_YDESC, out),
+            ];
+            for (a, r) in all {
+                link(&mut d, t, a, r)?;
+            }
+            d.finalize()?;
+            return Ok(d);
+        }
         let always = [
             (attr::CUDNN_ATTR_OPERATION_NORM_FWD_XDESC, R::X),
             (attr::CUDNN_ATTR_OPERATION_NORM_FWD_MEAN_DESC, R::SavedMean),
@@ -91,7 +114,7 @@ pub fn norm_forward(t: &BnTensors) -> Result<Descriptor> {
             (attr::CUDNN_ATTR_OPERATION_NORM_FWD_SCALE_DESC, R::Scale),
             (attr::CUDNN_ATTR_OPERATION_NORM_FWD_BIAS_DESC, R::Bias),
             (attr::CUDNN_ATTR_OPERATION_NORM_FWD_EPSILON_DESC, R::Epsilon),
-            (attr::CUDNN_ATTR_OPERATION_NORM_FWD_YDESC, R::Y),
+            (attr::CUDNN_ATTR_OPERATION_NORM_FWD_YDESC, out),
         ];
         for (a, r) in always {
             link(&mut d, t, a, r)?;
@@ -129,9 +152,10 @@ pub fn norm_forward(t: &BnTensors) -> Result<Descriptor> {
     in_part(build(), "norm forward")
 }
 
-/// The finalized `NORM_BACKWARD` operation: batch norm, dx, dscale and dbias from dy, x, the
-/// scale and the saved mean and inverse standard deviation.
-pub fn norm_backward(t: &BnTensors) -> Result<Descriptor> {
+/// The finalized `NORM_BACKWARD` operation: batch norm, dx, dscale and dbias from `dy` (the
+/// caller's dy, or the ReLU backward's output), x, the scale and the saved mean and inverse
+/// standard deviation.
+pub fn norm_backward(t: &BnTensors, dy: BnRole) -> Result<Descriptor> {
     let build = || -> Result<Descriptor> {
         let mut d = Descriptor::new(DescKind::NormBackward)?;
         d.set_one(
@@ -141,7 +165,7 @@ pub fn norm_backward(t: &BnTensors) -> Result<Descriptor> {
         use BnRole as R;
         let all = [
             (attr::CUDNN_ATTR_OPERATION_NORM_BWD_XDESC, R::X),
-            (attr::CUDNN_ATTR_OPERATION_NORM_BWD_DYDESC, R::Dy),
+            (attr::CUDNN_ATTR_OPERATION_NORM_BWD_DYDESC, dy),
             (attr::CUDNN_ATTR_OPERATION_NORM_BWD_SCALE_DESC, R::Scale),
             (attr::CUDNN_ATTR_OPERATION_NORM_BWD_MEAN_DESC, R::SavedMean),
             (
@@ -161,14 +185,124 @@ pub fn norm_backward(t: &BnTensors) -> Result<Descriptor> {
     in_part(build(), "norm backward")
 }
 
+/// A finalized pointwise function of `mode`, computed in f32.
+fn pointwise_fn(mode: sys::cudnnPointwiseMode_t) -> Result<Descriptor> {
+    let mut d = Descriptor::new(DescKind::Pointwise)?;
+    d.set_one(attr::CUDNN_ATTR_POINTWISE_MODE, mode)?;
+    d.set_one(
+        attr::CUDNN_ATTR_POINTWISE_MATH_PREC,
+        crate::dtype::DType::F32.cudnn(),
+    )?;
+    d.finalize()?;
+    Ok(d)
+}
+
+/// A finalized forward pointwise operation `y = mode(x[, b])` (`ADD`, `RELU_FWD`), with the
+/// function descriptor it refers to (kept alive together).
+pub fn pointwise_fwd(
+    t: &BnTensors,
+    mode: sys::cudnnPointwiseMode_t,
+    x: BnRole,
+    b: Option<BnRole>,
+    y: BnRole,
+) -> Result<[Descriptor; 2]> {
+    let build = || -> Result<[Descriptor; 2]> {
+        let f = pointwise_fn(mode)?;
+        let mut d = Descriptor::new(DescKind::OperationPointwise)?;
+        d.set_descs(attr::CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, &[&f])?;
+        link(&mut d, t, attr::CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x)?;
+        if let Some(b) = b {
+            link(&mut d, t, attr::CUDNN_ATTR_OPERATION_POINTWISE_BDESC, b)?;
+        }
+        link(&mut d, t, attr::CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y)?;
+        d.finalize()?;
+        Ok([d, f])
+    };
+    in_part(build(), "pointwise epilogue")
+}
+
+/// A finalized `RELU_BWD` operation: `dx = dy` where `x > 0`, else 0 (`x` is the forward's y:
+/// positive exactly where the ReLU's input was).
+pub fn relu_backward(t: &BnTensors, dy: BnRole, x: BnRole, dx: BnRole) -> Result<[Descriptor; 2]> {
+    let build = || -> Result<[Descriptor; 2]> {
+        let f = pointwise_fn(sys::cudnnPointwiseMode_t::CUDNN_POINTWISE_RELU_BWD)?;
+        let mut d = Descriptor::new(DescKind::OperationPointwise)?;
+        d.set_descs(attr::CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, &[&f])?;
+        link(&mut d, t, attr::CUDNN_ATTR_OPERATION_POINTWISE_DYDESC, dy)?;
+        link(&mut d, t, attr::CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x)?;
+        link(&mut d, t, attr::CUDNN_ATTR_OPERATION_POINTWISE_DXDESC, dx)?;
+        d.finalize()?;
+        Ok([d, f])
+    };
+    in_part(build(), "ReLU backward")
+}
+
+/// The operations of `key`'s graph, in data-flow order (each pointwise operation followed by
+/// its function descriptor, which only needs to stay alive).
+fn operations(key: &GraphBnKey, t: &BnTensors) -> Result<Vec<Descriptor>> {
+    use sys::cudnnPointwiseMode_t as M;
+    use BnEpilogue as E;
+    use BnRole as R;
+    let mut ops = Vec::with_capacity(5);
+    match key.direction {
+        BnDirection::Backward => {
+            let dy = match key.epilogue {
+                E::None => R::Dy,
+                E::Relu => R::DRelu,
+                E::AddRelu => R::DAddend,
+            };
+            if dy != R::Dy {
+                ops.extend(relu_backward(t, R::Dy, R::Y, dy)?);
+            }
+            ops.push(norm_backward(t, dy)?);
+        }
+        d => {
+            let inference = d == BnDirection::Inference;
+            let out = if key.epilogue == E::None {
+                R::Y
+            } else {
+                R::BnOut
+            };
+            ops.push(norm_forward(t, inference, out)?);
+            match key.epilogue {
+                E::None => {}
+                E::Relu => ops.extend(pointwise_fwd(
+                    t,
+                    M::CUDNN_POINTWISE_RELU_FWD,
+                    R::BnOut,
+                    None,
+                    R::Y,
+                )?),
+                E::AddRelu => {
+                    ops.extend(pointwise_fwd(
+                        t,
+                        M::CUDNN_POINTWISE_ADD,
+                        R::BnOut,
+                        Some(R::Addend),
+                        R::AddOut,
+                    )?);
+                    ops.extend(pointwise_fwd(
+                        t,
+                        M::CUDNN_POINTWISE_RELU_FWD,
+                        R::AddOut,
+                        None,
+                        R::Y,
+                    )?);
+                }
+            }
+        }
+    }
+    Ok(ops)
+}
+
 /// Every descriptor of one BatchNorm graph, kept alive together (the operation graph and the
 /// plans made from it refer to them).
 #[derive(Debug)]
 pub struct BnGraphParts {
-    /// The tensors (kept alive: the operation refers to them).
+    /// The tensors (kept alive: the operations refer to them).
     _tensors: BnTensors,
-    /// The one operation (kept alive: the graph refers to it).
-    _op: Descriptor,
+    /// The operations and the pointwise functions (kept alive: the graph refers to them).
+    _ops: Vec<Descriptor>,
     /// The finalized operation graph.
     pub graph: Descriptor,
 }
@@ -177,14 +311,15 @@ impl BnGraphParts {
     /// Builds the graph of `key` on `handle`.
     pub fn build(handle: sys::cudnnHandle_t, key: &GraphBnKey) -> Result<BnGraphParts> {
         let tensors = BnTensors::build(key)?;
-        let op = match key.direction {
-            BnDirection::Forward => norm_forward(&tensors)?,
-            BnDirection::Backward => norm_backward(&tensors)?,
-        };
-        let graph = operation_graph(handle, &[&op])?;
+        let ops = operations(key, &tensors)?;
+        let graph_ops: Vec<&Descriptor> = ops
+            .iter()
+            .filter(|d| d.kind() != DescKind::Pointwise)
+            .collect();
+        let graph = operation_graph(handle, &graph_ops)?;
         Ok(BnGraphParts {
             _tensors: tensors,
-            _op: op,
+            _ops: ops,
             graph,
         })
     }

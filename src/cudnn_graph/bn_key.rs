@@ -1,12 +1,18 @@
 //! The plain data of a BatchNorm graph: the tensors' roles (with fixed unique ids, so that a
-//! variant pack's id array is a constant per direction), their dimensions and strides, and the
-//! key of the BatchNorm plan cache (shape, layout, element type, direction, running-statistics
-//! update, pointer alignment, engine policy). Pure; tested on the CPU.
+//! variant pack's id array is a constant per graph shape), their dimensions and strides, and the
+//! key of the BatchNorm plan cache (shape, layout, element type, direction, epilogue,
+//! running-statistics update, pointer alignment, engine policy). Pure; tested on the CPU.
 //!
 //! cuDNN's `NORM_FORWARD` / `NORM_BACKWARD` take the activations as logical `[n, c, h, w]`
 //! (the format lives in the strides, as for convolutions) and every per-channel tensor (scale,
 //! bias, statistics, their gradients) as `[1, c, 1, 1]` f32; epsilon and the exponential-average
 //! factor (momentum) are f32 scalars passed by value.
+//!
+//! Epilogues (cudnn-frontend's "BN + add + ReLU" / "dBN + add + ReLU" patterns): the forward's
+//! normalised output becomes a virtual f32 tensor fed to a pointwise `ADD` (the addend) and
+//! `RELU_FWD` whose output is y; the backward's `RELU_BWD` reads dy and the forward's y (y > 0
+//! exactly where the ReLU's input was, so no mask is kept) and feeds `NORM_BACKWARD`'s dy —
+//! virtual for ReLU, the written `d_addend` for Add+ReLU (the same gradient reaches the addend).
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -16,21 +22,48 @@ use super::layout::{packed_strides, MAX_ALIGNMENT};
 use super::notes::GraphPolicy;
 
 /// Which BatchNorm graph: the training forward (batch statistics, saved mean and inverse
-/// standard deviation, running statistics) or the backward (dx, dscale, dbias).
+/// standard deviation, running statistics), the backward (dx, dscale, dbias), or the inference
+/// forward (running mean and an inverse standard deviation computed from the running variance).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BnDirection {
     /// `NORM_FORWARD`, phase `TRAINING`.
     Forward,
     /// `NORM_BACKWARD`.
     Backward,
+    /// `NORM_FORWARD`, phase `INFERENCE`: mean and inverse standard deviation are inputs.
+    Inference,
 }
 
 impl BnDirection {
-    /// `forward` / `backward`.
+    /// `forward` / `backward` / `inference`.
     pub const fn name(self) -> &'static str {
         match self {
             BnDirection::Forward => "forward",
             BnDirection::Backward => "backward",
+            BnDirection::Inference => "inference",
+        }
+    }
+}
+
+/// The pointwise operations fused after (forward) or before (backward) the normalisation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum BnEpilogue {
+    /// The normalisation alone.
+    #[default]
+    None,
+    /// `RELU_FWD` after it; `RELU_BWD` (from y) before the backward.
+    Relu,
+    /// `ADD` (the addend) then `RELU_FWD`; the backward also writes the addend's gradient.
+    AddRelu,
+}
+
+impl BnEpilogue {
+    /// `none` / `relu` / `add_relu`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            BnEpilogue::None => "none",
+            BnEpilogue::Relu => "relu",
+            BnEpilogue::AddRelu => "add_relu",
         }
     }
 }
@@ -70,6 +103,20 @@ pub enum BnRole {
     Dbias,
     /// The gradient of x.
     Dx,
+    /// The tensor added before the ReLU (Add+ReLU).
+    Addend,
+    /// The addend's gradient (Add+ReLU backward: dy where y > 0, also NORM_BACKWARD's dy).
+    DAddend,
+    /// The running mean an inference reads.
+    Mean,
+    /// `1 / sqrt(running_var + eps)`, computed per call into a scratch buffer (inference).
+    InvStd,
+    /// Virtual: the normalised output before the epilogue (f32).
+    BnOut,
+    /// Virtual: the normalised output plus the addend (f32).
+    AddOut,
+    /// Virtual: dy masked by the ReLU, entering NORM_BACKWARD (ReLU backward, f32).
+    DRelu,
 }
 
 impl BnRole {
@@ -92,6 +139,13 @@ impl BnRole {
             BnRole::Dscale => 114,
             BnRole::Dbias => 115,
             BnRole::Dx => 116,
+            BnRole::Addend => 117,
+            BnRole::DAddend => 118,
+            BnRole::Mean => 119,
+            BnRole::InvStd => 120,
+            BnRole::BnOut => 121,
+            BnRole::AddOut => 122,
+            BnRole::DRelu => 123,
         }
     }
 
@@ -114,13 +168,36 @@ impl BnRole {
             BnRole::Dscale => "dgamma",
             BnRole::Dbias => "dbeta",
             BnRole::Dx => "dx",
+            BnRole::Addend => "addend",
+            BnRole::DAddend => "d_addend",
+            BnRole::Mean => "running_mean",
+            BnRole::InvStd => "inv_std (from running_var)",
+            BnRole::BnOut => "normalised (virtual)",
+            BnRole::AddOut => "normalised + addend (virtual)",
+            BnRole::DRelu => "dy after the ReLU (virtual)",
         }
     }
 
     /// Whether the tensor has the activations' shape (otherwise one value per channel, or a
     /// scalar).
     pub const fn is_activation(self) -> bool {
-        matches!(self, BnRole::X | BnRole::Y | BnRole::Dy | BnRole::Dx)
+        matches!(
+            self,
+            BnRole::X
+                | BnRole::Y
+                | BnRole::Dy
+                | BnRole::Dx
+                | BnRole::Addend
+                | BnRole::DAddend
+                | BnRole::BnOut
+                | BnRole::AddOut
+                | BnRole::DRelu
+        )
+    }
+
+    /// Whether the tensor is an intermediate of the graph (never in a variant pack).
+    pub const fn is_virtual(self) -> bool {
+        matches!(self, BnRole::BnOut | BnRole::AddOut | BnRole::DRelu)
     }
 
     /// Whether the tensor is a scalar passed by value (a host address in the variant pack).
@@ -168,6 +245,86 @@ pub const BACKWARD_ROLES: [BnRole; 8] = [
     BnRole::Dx,
 ];
 
+/// The forward with an addend (Add+ReLU epilogue) and the running-statistics update.
+pub const FORWARD_ADD_ROLES: [BnRole; 13] = [
+    BnRole::X,
+    BnRole::Scale,
+    BnRole::Bias,
+    BnRole::Epsilon,
+    BnRole::Momentum,
+    BnRole::RunningMeanIn,
+    BnRole::RunningVarIn,
+    BnRole::RunningMeanOut,
+    BnRole::RunningVarOut,
+    BnRole::SavedMean,
+    BnRole::SavedInvVar,
+    BnRole::Y,
+    BnRole::Addend,
+];
+
+/// The forward with an addend, without the running-statistics update.
+pub const FORWARD_ADD_ROLES_NO_RUNNING: [BnRole; 8] = [
+    BnRole::X,
+    BnRole::Scale,
+    BnRole::Bias,
+    BnRole::Epsilon,
+    BnRole::SavedMean,
+    BnRole::SavedInvVar,
+    BnRole::Y,
+    BnRole::Addend,
+];
+
+/// The backward behind a ReLU: y (the forward's output) tells where the ReLU passed dy.
+pub const BACKWARD_RELU_ROLES: [BnRole; 9] = [
+    BnRole::X,
+    BnRole::Dy,
+    BnRole::Scale,
+    BnRole::SavedMean,
+    BnRole::SavedInvVar,
+    BnRole::Dscale,
+    BnRole::Dbias,
+    BnRole::Dx,
+    BnRole::Y,
+];
+
+/// The backward behind an Add+ReLU: also writes the addend's gradient.
+pub const BACKWARD_ADD_RELU_ROLES: [BnRole; 10] = [
+    BnRole::X,
+    BnRole::Dy,
+    BnRole::Scale,
+    BnRole::SavedMean,
+    BnRole::SavedInvVar,
+    BnRole::Dscale,
+    BnRole::Dbias,
+    BnRole::Dx,
+    BnRole::Y,
+    BnRole::DAddend,
+];
+
+/// The inference forward's tensors.
+pub const INFERENCE_ROLES: [BnRole; 6] = [
+    BnRole::X,
+    BnRole::Scale,
+    BnRole::Bias,
+    BnRole::Mean,
+    BnRole::InvStd,
+    BnRole::Y,
+];
+
+/// The inference forward with an addend (Add+ReLU epilogue).
+pub const INFERENCE_ADD_ROLES: [BnRole; 7] = [
+    BnRole::X,
+    BnRole::Scale,
+    BnRole::Bias,
+    BnRole::Mean,
+    BnRole::InvStd,
+    BnRole::Y,
+    BnRole::Addend,
+];
+
+/// The most tensors one variant pack holds.
+pub const MAX_PACK_ROLES: usize = FORWARD_ADD_ROLES.len();
+
 /// Everything one BatchNorm tensor descriptor is built from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct BnTensorSpec {
@@ -185,6 +342,8 @@ pub struct BnTensorSpec {
     pub alignment: i64,
     /// A scalar passed by value.
     pub by_value: bool,
+    /// An intermediate of the graph (no memory of its own).
+    pub is_virtual: bool,
 }
 
 /// One cached BatchNorm execution plan's identity (per Context).
@@ -194,8 +353,10 @@ pub struct GraphBnKey {
     pub layout: ChannelLayout,
     /// Element type of x, y, dy, dx.
     pub dtype: DType,
-    /// Training forward or backward.
+    /// Training forward, backward, or inference.
     pub direction: BnDirection,
+    /// The pointwise epilogue fused into the graph.
+    pub epilogue: BnEpilogue,
     /// The forward updates the running statistics (exponential-average factor given).
     pub running: bool,
     /// Byte alignment every data pointer is guaranteed to have (a power of two up to 16).
@@ -205,13 +366,14 @@ pub struct GraphBnKey {
 }
 
 impl GraphBnKey {
-    /// The key of `layout` for `dtype` and `direction`, updating the running statistics, with
-    /// 16-byte pointers and the strict policy.
+    /// The key of `layout` for `dtype` and `direction`, without an epilogue, updating the
+    /// running statistics, with 16-byte pointers and the strict policy.
     pub fn new(layout: ChannelLayout, dtype: DType, direction: BnDirection) -> GraphBnKey {
         GraphBnKey {
             layout,
             dtype,
             direction,
+            epilogue: BnEpilogue::None,
             running: true,
             alignment: MAX_ALIGNMENT,
             policy: GraphPolicy::default(),
@@ -228,17 +390,42 @@ impl GraphBnKey {
         GraphBnKey { policy, ..self }
     }
 
+    /// The same key with `epilogue` fused.
+    pub fn with_epilogue(self, epilogue: BnEpilogue) -> GraphBnKey {
+        GraphBnKey { epilogue, ..self }
+    }
+
     /// The same key with or without the running-statistics update.
     pub fn with_running(self, running: bool) -> GraphBnKey {
         GraphBnKey { running, ..self }
     }
 
-    /// The graph's tensors in variant-pack order.
+    /// The graph's tensors in variant-pack order (the virtual ones excluded).
     pub fn roles(&self) -> &'static [BnRole] {
-        match (self.direction, self.running) {
-            (BnDirection::Forward, true) => &FORWARD_ROLES,
-            (BnDirection::Forward, false) => &FORWARD_ROLES_NO_RUNNING,
-            (BnDirection::Backward, _) => &BACKWARD_ROLES,
+        use BnDirection as D;
+        use BnEpilogue as E;
+        match (self.direction, self.epilogue, self.running) {
+            (D::Forward, E::AddRelu, true) => &FORWARD_ADD_ROLES,
+            (D::Forward, E::AddRelu, false) => &FORWARD_ADD_ROLES_NO_RUNNING,
+            (D::Forward, _, true) => &FORWARD_ROLES,
+            (D::Forward, _, false) => &FORWARD_ROLES_NO_RUNNING,
+            (D::Backward, E::None, _) => &BACKWARD_ROLES,
+            (D::Backward, E::Relu, _) => &BACKWARD_RELU_ROLES,
+            (D::Backward, E::AddRelu, _) => &BACKWARD_ADD_RELU_ROLES,
+            (D::Inference, E::AddRelu, _) => &INFERENCE_ADD_ROLES,
+            (D::Inference, _, _) => &INFERENCE_ROLES,
+        }
+    }
+
+    /// The graph's virtual intermediates (between the normalisation and its epilogue).
+    pub fn virtuals(&self) -> &'static [BnRole] {
+        match (self.direction, self.epilogue) {
+            (_, BnEpilogue::None) => &[],
+            (BnDirection::Backward, BnEpilogue::Relu) => &[BnRole::DRelu],
+            // The Add+ReLU backward's masked dy is the written d_addend.
+            (BnDirection::Backward, BnEpilogue::AddRelu) => &[],
+            (_, BnEpilogue::Relu) => &[BnRole::BnOut],
+            (_, BnEpilogue::AddRelu) => &[BnRole::BnOut, BnRole::AddOut],
         }
     }
 
@@ -283,7 +470,13 @@ impl GraphBnKey {
         );
         let (dims, strides, dtype) = if role.is_activation() {
             let dims = [n, c, h, w];
-            (dims, packed_strides(l.format, dims), self.dtype)
+            // Intermediates stay f32 (cudnn-frontend's intermediate type for these patterns).
+            let dtype = if role.is_virtual() {
+                DType::F32
+            } else {
+                self.dtype
+            };
+            (dims, packed_strides(l.format, dims), dtype)
         } else if role.by_value() {
             ([1; 4], [1; 4], DType::F32)
         } else {
@@ -298,6 +491,7 @@ impl GraphBnKey {
             dtype,
             alignment: i64::from(self.alignment),
             by_value: role.by_value(),
+            is_virtual: role.is_virtual(),
         }
     }
 
@@ -370,6 +564,12 @@ mod tests {
                 ..base
             },
             base.with_running(false),
+            base.with_epilogue(BnEpilogue::Relu),
+            base.with_epilogue(BnEpilogue::AddRelu),
+            GraphBnKey {
+                direction: BnDirection::Inference,
+                ..base
+            },
             base.with_alignment(8),
             base.with_policy(GraphPolicy {
                 deterministic: true,
@@ -396,5 +596,103 @@ mod tests {
         let mut bad = k;
         bad.layout.c = 0;
         assert_eq!(bad.validate().unwrap_err().argument(), Some("shape"));
+    }
+
+    /// Every combination of direction, epilogue and update: the pack holds only real tensors,
+    /// each once, the virtual ones are exactly the epilogue's intermediates, and every graph
+    /// reads what its operations need.
+    #[test]
+    fn roles_follow_direction_and_epilogue() {
+        let base = GraphBnKey::new(layout(TensorFormat::Nhwc), DType::F16, BnDirection::Forward);
+        let all = [
+            FORWARD_ROLES.as_slice(),
+            &FORWARD_ADD_ROLES,
+            &BACKWARD_ADD_RELU_ROLES,
+            &INFERENCE_ADD_ROLES,
+            &[BnRole::BnOut, BnRole::AddOut, BnRole::DRelu, BnRole::Dx],
+        ]
+        .concat();
+        let uids: HashSet<i64> = all.iter().map(|r| r.uid()).collect();
+        let roles: HashSet<BnRole> = all.iter().copied().collect();
+        assert_eq!(uids.len(), roles.len(), "one uid per role");
+        for d in [
+            BnDirection::Forward,
+            BnDirection::Backward,
+            BnDirection::Inference,
+        ] {
+            for e in [BnEpilogue::None, BnEpilogue::Relu, BnEpilogue::AddRelu] {
+                for running in [true, false] {
+                    let k = GraphBnKey {
+                        direction: d,
+                        running,
+                        ..base.with_epilogue(e)
+                    };
+                    let r = k.roles();
+                    let set: HashSet<BnRole> = r.iter().copied().collect();
+                    assert_eq!(set.len(), r.len(), "{d:?} {e:?}: a role twice");
+                    assert!(r.len() <= MAX_PACK_ROLES);
+                    assert!(r.iter().all(|x| !x.is_virtual()), "{d:?} {e:?}");
+                    assert!(k.virtuals().iter().all(|x| x.is_virtual()));
+                    assert_eq!(
+                        r.contains(&BnRole::Addend),
+                        e == BnEpilogue::AddRelu && d != BnDirection::Backward,
+                        "{d:?} {e:?}"
+                    );
+                    assert_eq!(
+                        r.contains(&BnRole::DAddend),
+                        e == BnEpilogue::AddRelu && d == BnDirection::Backward
+                    );
+                    // The ReLU backward reads the forward's y; no graph keeps a mask.
+                    if d == BnDirection::Backward {
+                        assert_eq!(r.contains(&BnRole::Y), e != BnEpilogue::None);
+                    }
+                    if d == BnDirection::Inference {
+                        assert!(r.contains(&BnRole::Mean) && r.contains(&BnRole::InvStd));
+                        assert!(!r.contains(&BnRole::Epsilon) && !r.contains(&BnRole::SavedMean));
+                    }
+                    let v = k.virtuals();
+                    match (d, e) {
+                        (_, BnEpilogue::None) => assert!(v.is_empty()),
+                        (BnDirection::Backward, BnEpilogue::Relu) => {
+                            assert_eq!(v, &[BnRole::DRelu])
+                        }
+                        (BnDirection::Backward, BnEpilogue::AddRelu) => assert!(v.is_empty()),
+                        (_, BnEpilogue::Relu) => assert_eq!(v, &[BnRole::BnOut]),
+                        (_, BnEpilogue::AddRelu) => {
+                            assert_eq!(v, &[BnRole::BnOut, BnRole::AddOut])
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn intermediates_are_f32_activations_and_inference_stats_per_channel() {
+        let k = GraphBnKey::new(
+            layout(TensorFormat::Nhwc),
+            DType::BF16,
+            BnDirection::Forward,
+        )
+        .with_epilogue(BnEpilogue::AddRelu);
+        for r in [BnRole::BnOut, BnRole::AddOut, BnRole::DRelu] {
+            let s = k.spec(r);
+            assert!(s.is_virtual && s.dtype == DType::F32, "{r:?}");
+            assert_eq!(s.dims, [8, 64, 196, 1]);
+            assert_eq!(s.strides, [196 * 64, 1, 64, 64]);
+        }
+        for r in [BnRole::Addend, BnRole::DAddend, BnRole::Y] {
+            let s = k.spec(r);
+            assert!(!s.is_virtual && s.dtype == DType::BF16, "{r:?}");
+        }
+        for r in [BnRole::Mean, BnRole::InvStd] {
+            let s = k.spec(r);
+            assert_eq!(
+                (s.dims, s.dtype, s.is_virtual),
+                ([1, 64, 1, 1], DType::F32, false)
+            );
+        }
+        assert_eq!(BnDirection::Inference.name(), "inference");
+        assert_eq!(BnEpilogue::AddRelu.name(), "add_relu");
     }
 }

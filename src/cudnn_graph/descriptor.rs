@@ -72,6 +72,10 @@ desc_kinds! {
     NormForward => CUDNN_BACKEND_OPERATION_NORM_FORWARD_DESCRIPTOR, "OPERATION_NORM_FORWARD";
     /// The normalization backward operation (dx, dscale, dbias).
     NormBackward => CUDNN_BACKEND_OPERATION_NORM_BACKWARD_DESCRIPTOR, "OPERATION_NORM_BACKWARD";
+    /// A pointwise function (mode, math precision): the BatchNorm epilogues' ADD / RELU.
+    Pointwise => CUDNN_BACKEND_POINTWISE_DESCRIPTOR, "POINTWISE";
+    /// A pointwise operation on tensors.
+    OperationPointwise => CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR, "OPERATION_POINTWISE";
     /// A graph of operations.
     OperationGraph => CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, "OPERATIONGRAPH";
     /// Engine heuristics of an operation graph.
@@ -173,6 +177,14 @@ attrs! {
     CUDNN_ATTR_OPERATION_NORM_BWD_DSCALE_DESC;
     CUDNN_ATTR_OPERATION_NORM_BWD_DBIAS_DESC;
     CUDNN_ATTR_OPERATION_NORM_BWD_DXDESC;
+    CUDNN_ATTR_POINTWISE_MODE;
+    CUDNN_ATTR_POINTWISE_MATH_PREC;
+    CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR;
+    CUDNN_ATTR_OPERATION_POINTWISE_XDESC;
+    CUDNN_ATTR_OPERATION_POINTWISE_BDESC;
+    CUDNN_ATTR_OPERATION_POINTWISE_YDESC;
+    CUDNN_ATTR_OPERATION_POINTWISE_DXDESC;
+    CUDNN_ATTR_OPERATION_POINTWISE_DYDESC;
     CUDNN_ATTR_OPERATIONGRAPH_HANDLE;
     CUDNN_ATTR_OPERATIONGRAPH_OPS;
     CUDNN_ATTR_OPERATIONGRAPH_ENGINE_GLOBAL_COUNT;
@@ -253,6 +265,7 @@ attr_value! {
     sys::cudnnBackendHeurMode_t => CUDNN_TYPE_HEUR_MODE;
     sys::cudnnBackendNormMode_t => CUDNN_TYPE_NORM_MODE;
     sys::cudnnBackendNormFwdPhase_t => CUDNN_TYPE_NORM_FWD_PHASE;
+    sys::cudnnPointwiseMode_t => CUDNN_TYPE_POINTWISE_MODE;
     sys::cudnnHandle_t => CUDNN_TYPE_HANDLE;
     DescHandle => CUDNN_TYPE_BACKEND_DESCRIPTOR;
     DevPtr => CUDNN_TYPE_VOID_PTR;
@@ -497,6 +510,7 @@ mod tests {
         assert_eq!(size_of::<sys::cudnnBackendHeurMode_t>(), 4);
         assert_eq!(size_of::<sys::cudnnBackendNormMode_t>(), 4);
         assert_eq!(size_of::<sys::cudnnBackendNormFwdPhase_t>(), 4);
+        assert_eq!(size_of::<sys::cudnnPointwiseMode_t>(), 4);
         assert_eq!(size_of::<RawNumericalNote>(), 4);
         assert_eq!(size_of::<RawBehaviorNote>(), 4);
         assert_eq!(size_of::<RawKnobType>(), 4);

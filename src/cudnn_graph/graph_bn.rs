@@ -1,5 +1,5 @@
-//! [`GraphBn`]: one BatchNorm problem (layout, element type, direction, running-statistics
-//! update, pointer alignment, engine policy) as a cuDNN execution plan — graph built, engine
+//! [`GraphBn`]: one BatchNorm problem (layout, element type, direction, epilogue,
+//! running-statistics update, pointer alignment, engine policy) as a cuDNN execution plan — graph built, engine
 //! configs listed (heuristics INSTANT then FALLBACK, de-duplicated), the first config the
 //! policy admits that finalizes chosen — with its pinned variant pack and the per-Context plan
 //! cache ([`GraphBn::cached`]).
@@ -18,7 +18,7 @@ use crate::context::Context;
 use crate::error::{Error, Result};
 
 use super::bn_build::{BnGraphParts, BnVariantPack};
-use super::bn_key::{BnDirection, BnRole, GraphBnKey};
+use super::bn_key::{BnDirection, BnRole, GraphBnKey, MAX_PACK_ROLES};
 use super::build::{self, ExecutionPlan};
 use super::descriptor::{check, Descriptor};
 use super::graph_conv::Skipped;
@@ -61,6 +61,27 @@ pub struct BnFwdAddrs {
     pub saved_inv_var: u64,
     /// y (written).
     pub y: u64,
+    /// The addend of an Add+ReLU epilogue (0 without one).
+    pub addend: u64,
+}
+
+/// Device addresses of an inference forward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BnInferAddrs {
+    /// x.
+    pub x: u64,
+    /// gamma.
+    pub scale: u64,
+    /// beta.
+    pub bias: u64,
+    /// Running mean.
+    pub mean: u64,
+    /// `1 / sqrt(running_var + eps)`, one f32 per channel.
+    pub inv_std: u64,
+    /// y (written).
+    pub y: u64,
+    /// The addend of an Add+ReLU epilogue (0 without one).
+    pub addend: u64,
 }
 
 /// Device addresses of a backward.
@@ -82,6 +103,10 @@ pub struct BnBwdAddrs {
     pub dbias: u64,
     /// dx (written).
     pub dx: u64,
+    /// The forward's y (read by a ReLU epilogue's backward; 0 without one).
+    pub y: u64,
+    /// The addend's gradient (written by an Add+ReLU epilogue's backward; 0 without one).
+    pub daddend: u64,
 }
 
 /// One BatchNorm problem's execution plan through cuDNN's graph API (see the module docs).
@@ -149,9 +174,10 @@ impl GraphBn {
                 .collect();
             return Err(Error::NotSupported(format!(
                 "cuDNN {version} graph API: none of the {} engine configs listed for BatchNorm \
-                 {} {} {} under {:?} runs: [{}]",
+                 {} (epilogue {}) {} {} under {:?} runs: [{}]",
                 listed.len(),
                 key.direction.name(),
+                key.epilogue.name(),
                 key.layout,
                 key.dtype,
                 key.policy,
@@ -160,6 +186,7 @@ impl GraphBn {
         };
         tracing::info!(
             direction = key.direction.name(),
+            epilogue = key.epilogue.name(),
             dtype = %key.dtype,
             layout = %key.layout,
             engine = %cfg.info,
@@ -205,6 +232,7 @@ impl GraphBn {
             || {
                 tracing::trace!(
                     direction = key.direction.name(),
+                    epilogue = key.epilogue.name(),
                     "cuDNN BatchNorm graph plan cache hit"
                 );
             },
@@ -251,10 +279,7 @@ impl GraphBn {
         momentum: f64,
     ) -> Result<()> {
         if self.key.direction != BnDirection::Forward {
-            return Err(Error::invalid(
-                "plan",
-                "is a backward plan, not a forward one",
-            ));
+            return Err(Error::invalid("plan", "is not a training forward plan"));
         }
         let addr = |r: BnRole| match r {
             BnRole::X => a.x,
@@ -265,9 +290,31 @@ impl GraphBn {
             BnRole::SavedMean => a.saved_mean,
             BnRole::SavedInvVar => a.saved_inv_var,
             BnRole::Y => a.y,
+            BnRole::Addend => a.addend,
             _ => 0,
         };
         self.execute(ctx, addr, Some((eps as f32, momentum as f32)))
+    }
+
+    /// Runs the inference plan (no scalars: the inverse standard deviation already holds eps).
+    ///
+    /// # Safety
+    /// As [`GraphBn::forward`], for the inference's tensors.
+    pub unsafe fn inference(&self, ctx: &Context, a: &BnInferAddrs) -> Result<()> {
+        if self.key.direction != BnDirection::Inference {
+            return Err(Error::invalid("plan", "is not an inference plan"));
+        }
+        let addr = |r: BnRole| match r {
+            BnRole::X => a.x,
+            BnRole::Scale => a.scale,
+            BnRole::Bias => a.bias,
+            BnRole::Mean => a.mean,
+            BnRole::InvStd => a.inv_std,
+            BnRole::Y => a.y,
+            BnRole::Addend => a.addend,
+            _ => 0,
+        };
+        self.execute(ctx, addr, None)
     }
 
     /// Runs the backward plan.
@@ -276,10 +323,7 @@ impl GraphBn {
     /// As [`GraphBn::forward`], for the backward's tensors.
     pub unsafe fn backward(&self, ctx: &Context, a: &BnBwdAddrs) -> Result<()> {
         if self.key.direction != BnDirection::Backward {
-            return Err(Error::invalid(
-                "plan",
-                "is a forward plan, not a backward one",
-            ));
+            return Err(Error::invalid("plan", "is not a backward plan"));
         }
         let addr = |r: BnRole| match r {
             BnRole::X => a.x,
@@ -290,6 +334,8 @@ impl GraphBn {
             BnRole::Dscale => a.dscale,
             BnRole::Dbias => a.dbias,
             BnRole::Dx => a.dx,
+            BnRole::Y => a.y,
+            BnRole::DAddend => a.daddend,
             _ => 0,
         };
         self.execute(ctx, addr, None)
@@ -315,8 +361,8 @@ impl GraphBn {
         }
         let eps_at = &st.scalars.eps as *const f32 as u64;
         let momentum_at = &st.scalars.momentum as *const f32 as u64;
-        // At most 12 tensors: a fixed array, no allocation per call.
-        let mut ptrs = [0u64; 16];
+        // At most MAX_PACK_ROLES tensors: a fixed array, no allocation per call.
+        let mut ptrs = [0u64; MAX_PACK_ROLES];
         let roles = self.key.roles();
         for (p, &r) in ptrs.iter_mut().zip(roles) {
             *p = match r {
@@ -353,6 +399,6 @@ mod tests {
     fn scalars_sit_at_an_aligned_host_address() {
         let s: Box<Scalars> = Box::default();
         assert_eq!(&*s as *const Scalars as usize % 16, 0);
-        assert!(super::super::bn_key::FORWARD_ROLES.len() <= 16);
+        assert!(super::super::bn_key::FORWARD_ROLES.len() <= MAX_PACK_ROLES);
     }
 }

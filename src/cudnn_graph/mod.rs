@@ -15,10 +15,10 @@
 //!   operation graph, heuristics, engine configs, execution plan, variant pack);
 //! - [`graph_conv`]: [`GraphConv`] — one problem's plan, chosen engine and pinned variant pack,
 //!   checked execution, and the per-Context plan cache.
-//! - [`bn_key`]: pure — a BatchNorm graph's tensor roles, unique ids, dims and strides, and the
-//!   key of its plan cache;
-//! - [`bn_build`]: the builders of one BatchNorm graph (`NORM_FORWARD` training /
-//!   `NORM_BACKWARD`) and its variant pack;
+//! - [`bn_key`]: pure — a BatchNorm graph's tensor roles, unique ids, dims and strides, its
+//!   epilogue's virtual intermediates, and the key of its plan cache;
+//! - [`bn_build`]: the builders of one BatchNorm graph (`NORM_FORWARD` training / inference,
+//!   `NORM_BACKWARD`, the pointwise ReLU / Add+ReLU epilogue) and its variant pack;
 //! - [`graph_bn`]: [`graph_bn::GraphBn`] — one BatchNorm problem's plan, pinned variant pack
 //!   (by-value epsilon and momentum) and the per-Context plan cache.
 //! - [`plans`]: what both plans share — the plan cache's lookup and remembered failures, and
@@ -43,7 +43,7 @@ pub mod plans;
 /// `nnfuse::internals::cudnn_graph`); not part of the public API.
 #[doc(hidden)]
 pub mod internals {
-    pub use super::bn_key::{BnDirection, BnRole, GraphBnKey};
+    pub use super::bn_key::{BnDirection, BnEpilogue, BnRole, GraphBnKey};
     pub use super::build::{
         available, engine_config_by_index, engine_config_of, engine_configs, engine_count,
         engine_info, execute, EngineConfig, ExecutionPlan, GraphParts, VariantPack,
