@@ -1881,6 +1881,9 @@ mod tests {
             outcome: Outcome::Passed,
             median_ms: None,
             vs_incumbent: None,
+            host_ms: None,
+            check_ms: None,
+            pruned: false,
         }
     }
 
