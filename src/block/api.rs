@@ -284,7 +284,10 @@ impl<T: Element> ConvBnInference<T> {
             Some(r) => r,
             None => return self.decide(x, shortcut, relu, y),
         };
-        if route == BlockRoute::Unfused {
+        // Misaligned operands cannot take the GEMM's algorithm: this call only runs unfused.
+        if route == BlockRoute::Unfused
+            || (route == BlockRoute::GemmEpilogue && !self.gemm_aligned(x, shortcut, y))
+        {
             return self.run_unfused(x, shortcut, relu, y);
         }
         match self.run_fused(route, x, shortcut, relu, y) {

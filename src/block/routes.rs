@@ -80,6 +80,20 @@ impl<T: Element> ConvBnInference<T> {
         Ok(())
     }
 
+    /// Whether the operands have the alignment the GEMM route's algorithm assumes.
+    pub(super) fn gemm_aligned(
+        &self,
+        x: &CudaView<'_, T>,
+        shortcut: Option<&CudaView<'_, T>>,
+        y: &CudaViewMut<'_, T>,
+    ) -> bool {
+        let stream = self.ctx.stream();
+        let ok = |p: u64| p % OPERAND_ALIGNMENT == 0;
+        ok(x.device_ptr(stream).0)
+            && ok(y.device_ptr(stream).0)
+            && shortcut.is_none_or(|z| ok(z.device_ptr(stream).0))
+    }
+
     /// A fused route (GEMM epilogue or cuDNN) into `y`.
     pub(super) fn run_fused(
         &self,
