@@ -12,8 +12,8 @@ measured the way the demo measures nnfuse's GPU time:
 Also, as a second row, PyTorch's own folded form (torch.fx's conv-BN fusion: BN folded into
 the convolution's weight and bias, the add and ReLU still separate), for reference.
 
-cudnn.benchmark = True; channels_last for every dtype (NHWC, as nnfuse's f16/bf16 demo), and
-with --nchw also channels-first; TF32 off (nnfuse's f32 is true f32). Run with any CUDA
+cudnn.benchmark = True; channels_last for every dtype (NHWC, as nnfuse's f16/bf16 demo), f32
+also channels-first (f32_nchw); TF32 off (nnfuse's f32 is true f32). Run with any CUDA
 PyTorch:
     python3 benches/pytorch/block_inference.py [--batch 32] [--only f16_nhwc] [--json FILE]
 """
