@@ -2,6 +2,8 @@
 //! BatchNorm of the convolution, the reference's argument errors, and the plan's eligibility
 //! and reasons.
 
+mod common;
+
 use nnfuse::block::{fold, plan, reference_forward, BlockRoute, BnHost};
 use nnfuse::conv::ConvShape;
 use nnfuse::internals::block::{tolerance, MAX_COLUMN_BYTES};
@@ -219,4 +221,13 @@ fn route_names_round_trip() {
     );
     assert_eq!(tolerance(DType::F32), 1e-5);
     assert_eq!(tolerance(DType::F16), 1e-2);
+}
+
+/// `demo --inference` runs alone: with the training step's extras it exits 2 naming the flag.
+#[test]
+fn demo_inference_runs_alone() {
+    for extra in ["--graph", "--profile-host"] {
+        let out = common::run_nnfuse(&["demo", "--inference", extra], &[], &[]);
+        common::exits_2_naming(&out, "--inference");
+    }
 }
