@@ -133,8 +133,9 @@ fn shapes(format: TensorFormat) -> Vec<ConvShape> {
 }
 
 /// Every eligible route forced, every (shortcut, ReLU) combination, against f64. A cuDNN
-/// status from `cudnn_fused` (cuDNN refusing a configuration of its fused call) is printed and
-/// tolerated: the first call's check drops such a route (see `first_call_decides`).
+/// status from `cudnn_fused` (cuDNN refusing a configuration of its fused call), and cuBLASLt
+/// finding no algorithm on the odd-channel shape, are printed and tolerated: the first call's
+/// check drops such a route (see `first_call_decides`).
 fn every_route<T: Element>(format: TensorFormat) {
     let ctx = gpu();
     let mut rng = Rng::fresh("block_inference");
@@ -152,6 +153,12 @@ fn every_route<T: Element>(format: TensorFormat) {
                 );
                 match u.run(&ctx, Some(r), shortcut, relu) {
                     Ok(got) => assert_close(&what, &got, &u.want(shortcut, relu), tol),
+                    // cuBLASLt may have no algorithm for leading dimensions of 3 or 27 halves.
+                    Err(e @ Error::NotSupported(_))
+                        if r == BlockRoute::GemmEpilogue && shape.c_in == 3 =>
+                    {
+                        eprintln!("{what}: cuBLASLt refused: {e}")
+                    }
                     Err(e @ Error::Cudnn { .. }) if r == BlockRoute::CudnnFused => {
                         eprintln!("{what}: cuDNN refused: {e}")
                     }

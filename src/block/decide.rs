@@ -66,6 +66,11 @@ impl<T: Element> ConvBnInference<T> {
                     Ok(line) => {
                         notes.push(line);
                         passed.push(r);
+                        if r == BlockRoute::GemmEpilogue {
+                            let line =
+                                self.choose_gemm_algo(x, shortcut, relu, &reference, &mut probe)?;
+                            notes.push(line);
+                        }
                     }
                     Err(why) => notes.push(format!("{r}: dropped: {why}")),
                 }
@@ -103,6 +108,62 @@ impl<T: Element> ConvBnInference<T> {
             times_us,
             notes,
         });
+    }
+
+    /// Checks cuBLASLt's other heuristic candidates for the GEMM route like the route itself,
+    /// times those that pass against the first (interleaved, GPU time) and keeps the fastest by
+    /// the incumbent rule: a line saying which.
+    fn choose_gemm_algo(
+        &self,
+        x: &CudaView<'_, T>,
+        shortcut: Option<&CudaView<'_, T>>,
+        relu: bool,
+        reference: &[f64],
+        probe: &mut CudaSlice<T>,
+    ) -> Result<String> {
+        let gemm = match &lock(&self.gemm)[relu as usize] {
+            Some(Ok(g)) => g.clone(),
+            _ => return Ok("gemm_epilogue: no cuBLASLt candidates to time".into()),
+        };
+        let n = gemm.algos();
+        let mut ok = vec![0usize];
+        for i in 1..n {
+            crate::util::fill(&self.ctx, probe, T::from_f64(f64::NAN))?;
+            if self
+                .run_gemm(x, shortcut, relu, &mut probe.as_view_mut(), Some(i))
+                .is_err()
+            {
+                continue;
+            }
+            let got: Vec<f64> = self
+                .ctx
+                .stream()
+                .clone_dtoh(&*probe)
+                .call("cuMemcpyDtoH")?
+                .into_iter()
+                .map(Element::to_f64)
+                .collect();
+            if judge(reference, &got, T::DTYPE).passed {
+                ok.push(i);
+            }
+        }
+        if ok.len() < 2 {
+            return Ok(format!(
+                "gemm_epilogue: cuBLASLt candidate 1 of {n} ({} passed the check)",
+                ok.len()
+            ));
+        }
+        let timed = time_interleaved_gpu(&self.ctx, RACE, ok.len(), |v, _| {
+            self.run_gemm(x, shortcut, relu, &mut probe.as_view_mut(), Some(ok[v]))
+        })?;
+        let best = best_challenger((1..ok.len()).map(|v| (v, timed.paired(0, v))));
+        let (pick, ratio) = best.map_or((0, 1.0), |(v, r)| (ok[v], r));
+        gemm.choose(pick);
+        Ok(format!(
+            "gemm_epilogue: cuBLASLt candidate {} of {n} ({} passed the check; {ratio:.3}x the first's time)",
+            pick + 1,
+            ok.len()
+        ))
     }
 
     /// Runs `r` into the poisoned probe buffer and compares it with `reference`: a line saying

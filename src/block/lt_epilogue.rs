@@ -10,6 +10,7 @@
 
 use std::ffi::{c_int, c_void};
 use std::mem::size_of;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublaslt::{result as lt, sys};
@@ -90,14 +91,18 @@ pub(crate) struct GemmPtrs {
     pub d: u64,
 }
 
-/// One problem's descriptors and the algorithm cuBLASLt's heuristic ranks first.
+/// Heuristic candidates asked of cuBLASLt; the first call times them (`decide`).
+pub(crate) const MAX_ALGOS: usize = 4;
+
+/// One problem's descriptors, cuBLASLt's heuristic candidates (in its order) and the one in
+/// use (the first until the first call's timing chooses).
 pub(crate) struct EpilogueGemm {
     desc: Desc,
     a: Layout,
     b: Layout,
     cd: Layout,
-    algo: sys::cublasLtMatmulAlgo_t,
-    workspace: usize,
+    algos: Vec<sys::cublasLtMatmulAlgo_t>,
+    chosen: AtomicUsize,
 }
 
 // SAFETY: the descriptors are opaque host objects written only in `new`; afterwards they are
@@ -174,9 +179,10 @@ impl EpilogueGemm {
             }
         }
         // SAFETY: a plain C struct of integers, floats and a status enum whose 0 is SUCCESS.
-        let mut result: sys::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
+        let zero: sys::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
+        let mut results = vec![zero; MAX_ALGOS];
         let mut returned: c_int = 0;
-        // SAFETY: live descriptors; one result slot.
+        // SAFETY: live descriptors; MAX_ALGOS result slots.
         let status = unsafe {
             sys::cublasLtMatmulAlgoGetHeuristic(
                 h,
@@ -186,8 +192,8 @@ impl EpilogueGemm {
                 cd.0,
                 cd.0,
                 pref.0,
-                1,
-                &mut result,
+                MAX_ALGOS as c_int,
+                results.as_mut_ptr(),
                 &mut returned,
             )
         };
@@ -201,33 +207,53 @@ impl EpilogueGemm {
             )));
         }
         status.result().call("cublasLtMatmulAlgoGetHeuristic")?;
-        result
-            .state
-            .result()
-            .call("cublasLtMatmulAlgoGetHeuristic (result state)")?;
+        results.truncate((returned.max(0) as usize).min(MAX_ALGOS));
+        let algos: Vec<_> = results
+            .into_iter()
+            .filter(|r| {
+                r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+                    && r.workspaceSize <= WORKSPACE_BYTES
+            })
+            .map(|r| r.algo)
+            .collect();
+        if algos.is_empty() {
+            return Err(Error::NotSupported(
+                "cuBLASLt's heuristic returned no usable algorithm".into(),
+            ));
+        }
         Ok(EpilogueGemm {
             desc,
             a,
             b,
             cd,
-            algo: result.algo,
-            workspace: result.workspaceSize,
+            algos,
+            chosen: AtomicUsize::new(0),
         })
     }
 
-    /// Bytes of workspace the algorithm needs (at most [`WORKSPACE_BYTES`]).
-    pub(crate) fn workspace(&self) -> usize {
-        self.workspace
+    /// The heuristic's candidates.
+    pub(crate) fn algos(&self) -> usize {
+        self.algos.len()
     }
 
-    /// Queues the matmul: `D = epilogue(op(A) B + beta C)`.
+    /// Makes candidate `i` the one [`EpilogueGemm::run`] uses (out of range: ignored).
+    pub(crate) fn choose(&self, i: usize) {
+        if i < self.algos.len() {
+            self.chosen.store(i, Ordering::Relaxed);
+        }
+    }
+
+    /// Queues the matmul with candidate `algo` (None: the chosen one):
+    /// `D = epilogue(op(A) B + beta C)`.
     ///
     /// # Safety
     /// Live handle; the pointers hold the problem's extents for the queued work and are
     /// [`OPERAND_ALIGNMENT`]-aligned, D disjoint from A, B and C; `ws` holds `ws_bytes >=`
-    /// [`EpilogueGemm::workspace`] bytes; the bias given to `new` still lives.
+    /// [`WORKSPACE_BYTES`] bytes; the bias given to `new` still lives.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn run(
         &self,
+        algo: Option<usize>,
         h: sys::cublasLtHandle_t,
         p: GemmPtrs,
         beta: f32,
@@ -236,6 +262,10 @@ impl EpilogueGemm {
         stream: sys::cudaStream_t,
     ) -> Result<()> {
         let alpha = 1.0f32;
+        let i = algo.unwrap_or_else(|| self.chosen.load(Ordering::Relaxed));
+        let Some(raw) = self.algos.get(i) else {
+            return Err(Error::NotSupported(format!("no cuBLASLt candidate {i}")));
+        };
         lt::matmul(
             h,
             self.desc.0,
@@ -249,7 +279,7 @@ impl EpilogueGemm {
             self.cd.0,
             p.d as *mut c_void,
             self.cd.0,
-            &self.algo,
+            raw,
             ws as *mut c_void,
             ws_bytes,
             stream,

@@ -104,14 +104,18 @@ impl<T: Element> ConvBnInference<T> {
         y: &mut CudaViewMut<'_, T>,
     ) -> Result<()> {
         match route {
-            BlockRoute::GemmEpilogue => self.run_gemm(x, shortcut, relu, y),
+            BlockRoute::GemmEpilogue => self.run_gemm(x, shortcut, relu, y, None),
             BlockRoute::CudnnFused => self.run_cudnn(x, shortcut, relu, y),
             BlockRoute::Unfused => self.run_unfused(x, shortcut, relu, y),
         }
     }
 
     /// The GEMM route's descriptors for `relu`, made on first use (a failure is kept).
-    fn gemm_for(&self, relu: bool, h: lt_sys::cublasLtHandle_t) -> Result<Arc<EpilogueGemm>> {
+    pub(super) fn gemm_for(
+        &self,
+        relu: bool,
+        h: lt_sys::cublasLtHandle_t,
+    ) -> Result<Arc<EpilogueGemm>> {
         let mut slots = lock(&self.gemm);
         let slot = &mut slots[relu as usize];
         if slot.is_none() {
@@ -133,12 +137,14 @@ impl<T: Element> ConvBnInference<T> {
         }
     }
 
-    fn run_gemm(
+    /// The GEMM route with cuBLASLt candidate `algo` (None: the chosen one).
+    pub(super) fn run_gemm(
         &self,
         x: &CudaView<'_, T>,
         shortcut: Option<&CudaView<'_, T>>,
         relu: bool,
         y: &mut CudaViewMut<'_, T>,
+        algo: Option<usize>,
     ) -> Result<()> {
         let geometry = self.plan.gemm.ok_or_else(|| {
             Error::NotSupported(self.plan.info(BlockRoute::GemmEpilogue).reason.clone())
@@ -191,11 +197,10 @@ impl<T: Element> ConvBnInference<T> {
         let ws = g.workspace(WORKSPACE_BYTES)?;
         let beta = if zp.is_some() { 1.0 } else { 0.0 };
         let cu = stream.cu_stream() as lt_sys::cudaStream_t;
-        debug_assert!(gemm.workspace() <= WORKSPACE_BYTES);
         // SAFETY: operands validated (lengths, device, y disjoint from x and the shortcut),
         // aligned as checked; the filter, bias and columns are this object's and live; the
         // workspace holds WORKSPACE_BYTES while the guard lives.
-        unsafe { gemm.run(h, p, beta, ws, WORKSPACE_BYTES, cu) }
+        unsafe { gemm.run(algo, h, p, beta, ws, WORKSPACE_BYTES, cu) }
     }
 
     /// The cuDNN route's descriptors for `relu`, made on first use (a failure is kept).
