@@ -364,3 +364,38 @@ fn bad_arguments_are_named() {
     .unwrap_err();
     assert_eq!(e.argument(), Some("running_var"), "{e}");
 }
+
+/// Capture-safe once decided: after the first call, a unit's forward (whatever route it chose)
+/// captures into a CUDA graph whose replay writes the f64-close result into a poisoned output;
+/// an undecided combination refuses under capture with a typed error.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decided_units_capture() {
+    let ctx = gpu();
+    // SAFETY: one stream; nothing allocated on this Context yet (as tests/gpu_capture.rs).
+    unsafe { ctx.cuda().disable_event_tracking() };
+    let mut rng = Rng::fresh("block_inference_capture");
+    for shape in shapes(TensorFormat::Nhwc).into_iter().take(2) {
+        let u = Unit::<f16>::new(&ctx, shape, &mut rng);
+        let want = u.want(true, true);
+        let _ = u.run(&ctx, None, true, true).unwrap();
+        let mut y = poisoned::<f16>(&ctx, shape.y_len().unwrap());
+        let (x, z) = (u.dx.as_view(), u.dz.as_view());
+        let graph = ctx
+            .capture(|_| u.unit.forward(&x, Some(&z), true, &mut y.as_view_mut()))
+            .unwrap();
+        graph.replay().unwrap();
+        ctx.synchronize().unwrap();
+        let route = u.unit.choice(true, true).unwrap().route;
+        assert_close(
+            &format!("{shape:?} captured {route}"),
+            &f64s(&download(&ctx, &y)),
+            &want,
+            tolerance(DType::F16),
+        );
+        let e = ctx
+            .capture(|_| u.unit.forward(&x, None, false, &mut y.as_view_mut()))
+            .unwrap_err();
+        assert!(matches!(e, Error::Capture { .. }), "{e}");
+    }
+}

@@ -292,7 +292,8 @@ impl<T: Element> ConvBnInference<T> {
         }
         match self.run_fused(route, x, shortcut, relu, y) {
             Ok(()) => Ok(()),
-            Err(e) if matches!(e, Error::InvalidArgument { .. }) => Err(e),
+            // Bad input and capture refusals are the caller's to see, not the route's failure.
+            Err(e) if matches!(e, Error::InvalidArgument { .. } | Error::Capture { .. }) => Err(e),
             Err(e) => {
                 self.fall_back(shortcut.is_some(), relu, route, &e);
                 self.run_unfused(x, shortcut, relu, y)
