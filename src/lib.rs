@@ -21,6 +21,7 @@
 
 pub mod activation;
 pub mod batchnorm;
+pub mod block;
 mod cache_fs;
 pub mod capture;
 pub mod config;
@@ -51,6 +52,7 @@ mod testutil;
 pub mod internals {
     pub use crate::activation::internals as activation;
     pub use crate::batchnorm::internals as batchnorm;
+    pub use crate::block::internals as block;
     pub use crate::conv::internals as conv;
     pub use crate::cudnn_graph::internals as cudnn_graph;
     pub use crate::gemm::internals as gemm;

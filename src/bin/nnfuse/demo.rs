@@ -20,6 +20,7 @@ mod gpu;
 mod graph;
 mod host;
 mod host_profile;
+mod inference;
 mod plans;
 mod reference;
 mod report;
@@ -103,6 +104,12 @@ pub struct DemoArgs {
     /// by operation (JSON: `host_profile`).
     #[arg(long)]
     profile_host: bool,
+    /// Run the block forward-only for inference instead (docs/DEMO.md, "--inference"): each
+    /// conv → BN → (+x) → ReLU unit folded into one convolution with a fused epilogue
+    /// (nnfuse::block::ConvBnInference) against the same units unfused, both checked against
+    /// f64 and timed against each other (GPU time per block; --steps sets the rounds).
+    #[arg(long)]
+    inference: bool,
 }
 
 /// What the GPU part runs besides the check and the timing.
@@ -271,6 +278,13 @@ pub fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         }
         Some(b)
     };
+    if args.inference && (args.graph || args.profile_host) {
+        return Err(Error::invalid(
+            "--inference",
+            "runs alone: --graph and --profile-host measure the training step",
+        )
+        .into());
+    }
     let config = Config::from_env()?;
     let def = BlockDef::resnet50(batch, dtype, format);
     let present = cudnn_present();
@@ -329,6 +343,9 @@ pub fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
             return Ok(ExitCode::from(Status::NoGpu.code()));
         }
     };
+    if args.inference {
+        return run_inference(&ctx, &report, &args);
+    }
     if args.graph {
         // cudarc records an event on every use of a tracked buffer (tracking is on because the
         // Context owns a stream of its own). An event recorded during a capture can no longer be
@@ -427,4 +444,37 @@ fn run_phases<T: Element>(
         bar.inc(1);
     }
     Ok(runs)
+}
+
+/// `--inference`: the forward-only block, folded against unfused; exit status 0 or 1 (check
+/// failed).
+fn run_inference(ctx: &Context, report: &Report, args: &DemoArgs) -> anyhow::Result<ExitCode> {
+    let def = &report.def;
+    let run = match def.dtype {
+        DType::F32 => {
+            inference::run::<f32>(ctx, def, report.check_batch, report.seed, report.steps)
+        }
+        DType::F16 => {
+            inference::run::<f16>(ctx, def, report.check_batch, report.seed, report.steps)
+        }
+        DType::BF16 => {
+            inference::run::<bf16>(ctx, def, report.check_batch, report.seed, report.steps)
+        }
+    }?;
+    if args.json {
+        println!("{}", serde_json::to_string(&run.json)?);
+    } else {
+        for l in environment(Some(ctx)) {
+            println!("{l}");
+        }
+        for l in &run.lines {
+            println!("{l}");
+        }
+    }
+    let status = if run.passed {
+        Status::Ok
+    } else {
+        Status::CheckFailed
+    };
+    Ok(ExitCode::from(status.code()))
 }

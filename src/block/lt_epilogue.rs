@@ -1,0 +1,289 @@
+//! The GEMM route's cuBLASLt matmul: `D = epilogue(alpha · op(A) · B + beta · C)` with the
+//! epilogue `BIAS` or `RELU_BIAS` (cuBLASLt API reference, `cublasLtEpilogue_t`: the bias
+//! vector has one entry per row of D, is broadcast over the columns and added before the
+//! ReLU; its type defaults to D's). C (the shortcut, beta = 1) and D (the output) are separate
+//! matrices of one layout. Compute `CUBLAS_COMPUTE_32F` with f32 scale for every data type: f32
+//! data stays true f32 (no TF32).
+//!
+//! Descriptors are owned (destroyed on drop; a failed destroy only leaks), built once per
+//! problem and ReLU flag with the bias pointer fixed (the block owns the bias).
+
+use std::ffi::{c_int, c_void};
+use std::mem::size_of;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use cudarc::cublas::sys::cublasOperation_t;
+use cudarc::cublaslt::{result as lt, sys};
+
+use super::plan::GemmGeometry;
+use crate::dtype::DType;
+use crate::error::{CallExt, Error, Result};
+use crate::gemm::WORKSPACE_BYTES;
+
+/// Alignment (bytes) the chosen algorithm may assume of every operand; calls with operands
+/// aligned less take the unfused route.
+pub(crate) const OPERAND_ALIGNMENT: u64 = 16;
+
+fn data_type(d: DType) -> sys::cudaDataType {
+    match d {
+        DType::F32 => sys::cudaDataType::CUDA_R_32F,
+        DType::F16 => sys::cudaDataType::CUDA_R_16F,
+        DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
+    }
+}
+
+struct Desc(sys::cublasLtMatmulDesc_t);
+impl Drop for Desc {
+    fn drop(&mut self) {
+        // SAFETY: created by cublasLtMatmulDescCreate, destroyed once here.
+        let _ = unsafe { lt::destroy_matmul_desc(self.0) };
+    }
+}
+
+struct Layout(sys::cublasLtMatrixLayout_t);
+impl Drop for Layout {
+    fn drop(&mut self) {
+        // SAFETY: created by cublasLtMatrixLayoutCreate, destroyed once here.
+        let _ = unsafe { lt::destroy_matrix_layout(self.0) };
+    }
+}
+
+struct Pref(sys::cublasLtMatmulPreference_t);
+impl Drop for Pref {
+    fn drop(&mut self) {
+        // SAFETY: created by cublasLtMatmulPreferenceCreate, destroyed once here.
+        let _ = unsafe { lt::destroy_matmul_pref(self.0) };
+    }
+}
+
+/// # Safety
+/// `d` live; `T` the attribute's documented type.
+unsafe fn set_desc<T>(
+    d: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatmulDescAttributes_t,
+    v: &T,
+) -> Result<()> {
+    lt::set_matmul_desc_attribute(d, a, v as *const T as *const c_void, size_of::<T>())
+        .call("cublasLtMatmulDescSetAttribute")
+}
+
+/// # Safety
+/// As [`set_desc`].
+unsafe fn set_pref<T>(
+    p: sys::cublasLtMatmulPreference_t,
+    a: sys::cublasLtMatmulPreferenceAttributes_t,
+    v: &T,
+) -> Result<()> {
+    lt::set_matmul_pref_attribute(p, a, v as *const T as *const c_void, size_of::<T>())
+        .call("cublasLtMatmulPreferenceSetAttribute")
+}
+
+/// The operands of one call (device addresses).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct GemmPtrs {
+    /// The folded filter.
+    pub a: u64,
+    /// The input (pointwise) or its columns.
+    pub b: u64,
+    /// The shortcut; read only when `beta != 0`.
+    pub c: u64,
+    /// The output.
+    pub d: u64,
+}
+
+/// Heuristic candidates asked of cuBLASLt; the first call times them (`decide`).
+pub(crate) const MAX_ALGOS: usize = 4;
+
+/// One problem's descriptors, cuBLASLt's heuristic candidates (in its order) and the one in
+/// use (the first until the first call's timing chooses).
+pub(crate) struct EpilogueGemm {
+    desc: Desc,
+    a: Layout,
+    b: Layout,
+    cd: Layout,
+    algos: Vec<sys::cublasLtMatmulAlgo_t>,
+    chosen: AtomicUsize,
+}
+
+// SAFETY: the descriptors are opaque host objects written only in `new`; afterwards they are
+// read-only inputs of `cublasLtMatmul` (as `gemm::lt::LtDescriptors`), destroyed once in Drop.
+unsafe impl Send for EpilogueGemm {}
+// SAFETY: see Send.
+unsafe impl Sync for EpilogueGemm {}
+
+impl EpilogueGemm {
+    /// Describes `g` in `dtype` with the bias at `bias` (`m` elements of `dtype`) and ReLU when
+    /// `relu`, and asks the heuristic for an algorithm. [`Error::NotSupported`] when cuBLASLt
+    /// has none.
+    pub(crate) fn new(
+        h: sys::cublasLtHandle_t,
+        g: &GemmGeometry,
+        dtype: DType,
+        relu: bool,
+        bias: u64,
+    ) -> Result<EpilogueGemm> {
+        use sys::cublasLtMatmulDescAttributes_t as D;
+        let desc = Desc(
+            lt::create_matmul_desc(
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                sys::cudaDataType::CUDA_R_32F,
+            )
+            .call("cublasLtMatmulDescCreate")?,
+        );
+        let epilogue = if relu {
+            sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_RELU_BIAS
+        } else {
+            sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS
+        };
+        let bias_ptr = bias as *const c_void;
+        // SAFETY: live descriptor; TRANSA/B int32_t, EPILOGUE uint32_t, BIAS_POINTER void*.
+        unsafe {
+            set_desc(
+                desc.0,
+                D::CUBLASLT_MATMUL_DESC_TRANSA,
+                &(cublasOperation_t::CUBLAS_OP_T as i32),
+            )?;
+            set_desc(
+                desc.0,
+                D::CUBLASLT_MATMUL_DESC_TRANSB,
+                &(cublasOperation_t::CUBLAS_OP_N as i32),
+            )?;
+            set_desc(desc.0, D::CUBLASLT_MATMUL_DESC_EPILOGUE, &(epilogue as u32))?;
+            set_desc(desc.0, D::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr)?;
+        }
+        let layout = |rows: usize, cols: usize, ld: usize| -> Result<Layout> {
+            Ok(Layout(
+                lt::create_matrix_layout(data_type(dtype), rows as u64, cols as u64, ld as i64)
+                    .call("cublasLtMatrixLayoutCreate")?,
+            ))
+        };
+        let a = layout(g.k, g.m, g.k)?;
+        let b = layout(g.k, g.n, g.k)?;
+        let cd = layout(g.m, g.n, g.m)?;
+        let pref = Pref(lt::create_matmul_pref().call("cublasLtMatmulPreferenceCreate")?);
+        use sys::cublasLtMatmulPreferenceAttributes_t as P;
+        // SAFETY: live preference; MAX_WORKSPACE_BYTES uint64_t, MIN_ALIGNMENT_* uint32_t.
+        unsafe {
+            set_pref(
+                pref.0,
+                P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &(WORKSPACE_BYTES as u64),
+            )?;
+            for attr in [
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+            ] {
+                set_pref(pref.0, attr, &(OPERAND_ALIGNMENT as u32))?;
+            }
+        }
+        // SAFETY: a plain C struct of integers, floats and a status enum whose 0 is SUCCESS.
+        let zero: sys::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
+        let mut results = vec![zero; MAX_ALGOS];
+        let mut returned: c_int = 0;
+        // SAFETY: live descriptors; MAX_ALGOS result slots.
+        let status = unsafe {
+            sys::cublasLtMatmulAlgoGetHeuristic(
+                h,
+                desc.0,
+                a.0,
+                b.0,
+                cd.0,
+                cd.0,
+                pref.0,
+                MAX_ALGOS as c_int,
+                results.as_mut_ptr(),
+                &mut returned,
+            )
+        };
+        if status == sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED || returned < 1 {
+            return Err(Error::NotSupported(format!(
+                "cuBLASLt has no algorithm for the {}x{}x{} {dtype} GEMM with the {} epilogue",
+                g.m,
+                g.n,
+                g.k,
+                if relu { "RELU_BIAS" } else { "BIAS" }
+            )));
+        }
+        status.result().call("cublasLtMatmulAlgoGetHeuristic")?;
+        results.truncate((returned.max(0) as usize).min(MAX_ALGOS));
+        let algos: Vec<_> = results
+            .into_iter()
+            .filter(|r| {
+                r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+                    && r.workspaceSize <= WORKSPACE_BYTES
+            })
+            .map(|r| r.algo)
+            .collect();
+        if algos.is_empty() {
+            return Err(Error::NotSupported(
+                "cuBLASLt's heuristic returned no usable algorithm".into(),
+            ));
+        }
+        Ok(EpilogueGemm {
+            desc,
+            a,
+            b,
+            cd,
+            algos,
+            chosen: AtomicUsize::new(0),
+        })
+    }
+
+    /// The heuristic's candidates.
+    pub(crate) fn algos(&self) -> usize {
+        self.algos.len()
+    }
+
+    /// Makes candidate `i` the one [`EpilogueGemm::run`] uses (out of range: ignored).
+    pub(crate) fn choose(&self, i: usize) {
+        if i < self.algos.len() {
+            self.chosen.store(i, Ordering::Relaxed);
+        }
+    }
+
+    /// Queues the matmul with candidate `algo` (None: the chosen one):
+    /// `D = epilogue(op(A) B + beta C)`.
+    ///
+    /// # Safety
+    /// Live handle; the pointers hold the problem's extents for the queued work and are
+    /// [`OPERAND_ALIGNMENT`]-aligned, D disjoint from A, B and C; `ws` holds `ws_bytes >=`
+    /// [`WORKSPACE_BYTES`] bytes; the bias given to `new` still lives.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn run(
+        &self,
+        algo: Option<usize>,
+        h: sys::cublasLtHandle_t,
+        p: GemmPtrs,
+        beta: f32,
+        ws: u64,
+        ws_bytes: usize,
+        stream: sys::cudaStream_t,
+    ) -> Result<()> {
+        let alpha = 1.0f32;
+        let i = algo.unwrap_or_else(|| self.chosen.load(Ordering::Relaxed));
+        let Some(raw) = self.algos.get(i) else {
+            return Err(Error::NotSupported(format!("no cuBLASLt candidate {i}")));
+        };
+        lt::matmul(
+            h,
+            self.desc.0,
+            &alpha as *const f32 as *const c_void,
+            &beta as *const f32 as *const c_void,
+            p.a as *const c_void,
+            self.a.0,
+            p.b as *const c_void,
+            self.b.0,
+            p.c as *const c_void,
+            self.cd.0,
+            p.d as *mut c_void,
+            self.cd.0,
+            raw,
+            ws as *mut c_void,
+            ws_bytes,
+            stream,
+        )
+        .call("cublasLtMatmul")
+    }
+}

@@ -1,0 +1,37 @@
+//! Fused blocks of convolutional networks. Today: the inference unit
+//! `conv → BatchNorm (running statistics) → (+ shortcut) → ReLU` with the BatchNorm folded into
+//! the convolution ([`ConvBnInference`]), `docs/BLOCK.md` describes it.
+//!
+//! Files and what they may touch (lowest first):
+//! - `fold`: the folding math in f64 ([`fold()`]), pure;
+//! - `check`: a fused route's verdict against the unfused composition, pure;
+//! - `plan`: every route's eligibility and reason ([`plan()`]), pure;
+//! - `reference`: the f64 CPU reference of the whole unit ([`reference_forward`]), pure;
+//! - `lt_epilogue`: the cuBLASLt matmul with a bias/ReLU epilogue (owned descriptors);
+//! - `cudnn_fused`: `cudnnConvolutionBiasActivationForward` (owned descriptors);
+//! - `api`: [`ConvBnInference`], its parameters and validation;
+//! - `routes`: the three routes on validated operands;
+//! - `decide`: the first call's check and race.
+
+mod api;
+mod check;
+mod cudnn_fused;
+mod decide;
+mod fold;
+mod lt_epilogue;
+mod plan;
+mod reference;
+mod routes;
+
+pub use api::{BlockChoice, ConvBnInference, ConvBnParams};
+pub use fold::{fold, BnHost, Folded};
+pub use plan::{plan, BlockPlan, BlockRoute, RouteInfo};
+pub use reference::reference_forward;
+
+/// What only nnfuse's own tests, benches and CLI use: the check's tolerance per data type and
+/// the GEMM route's column cap. Not a stable API.
+#[doc(hidden)]
+pub mod internals {
+    pub use super::check::tolerance;
+    pub use super::plan::MAX_COLUMN_BYTES;
+}
