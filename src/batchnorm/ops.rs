@@ -140,6 +140,15 @@ impl Core {
             graph,
             spares: Arc::default(),
         };
+        // The own kernels the plans launch start compiling now, in the background.
+        own::prepare(
+            ctx,
+            &core.own_shape,
+            key.dtype,
+            key.fuse,
+            &core.train,
+            &core.infer,
+        );
         if let Some(c) = &core.cudnn {
             if core.train.path == BnPath::CudnnFused && c.fused_sizes.is_none() {
                 core.fused_refused.store(true, Ordering::Relaxed);
