@@ -1245,6 +1245,19 @@ mod tests {
         }
     }
 
+    /// A queued compile runs once: whoever claims it first (the background thread at its turn,
+    /// or a caller that needs it sooner) compiles it; the other one waits or stands down.
+    #[test]
+    fn a_pending_compile_is_claimed_once() {
+        let queued = Pending::default();
+        assert!(queued.claim(), "the first claim runs it");
+        assert!(!queued.claim(), "a second claim does not");
+        assert!(
+            !Pending::claimed().claim(),
+            "a caller's own compile is claimed already"
+        );
+    }
+
     /// A background compile whose thread never started gives its turn up: the queue moves on.
     #[test]
     fn cancelled_tickets_are_passed_over_in_order() {

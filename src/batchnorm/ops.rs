@@ -141,13 +141,20 @@ impl Core {
             spares: Arc::default(),
         };
         // The own kernels the plans launch start compiling now, in the background.
+        let own_train = core.train.path.is_own().then(|| {
+            (
+                core.train.own_forward.unwrap_or(OwnVariant::TwoPass),
+                core.train.own_backward.unwrap_or(OwnVariant::TwoPass),
+            )
+        });
+        let own_infer = core.infer.path.is_own();
         own::prepare(
             ctx,
             &core.own_shape,
             key.dtype,
             key.fuse,
-            &core.train,
-            &core.infer,
+            own_train,
+            own_infer,
         );
         if let Some(c) = &core.cudnn {
             if core.train.path == BnPath::CudnnFused && c.fused_sizes.is_none() {

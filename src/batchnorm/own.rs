@@ -24,7 +24,6 @@ use crate::batchnorm::own_launch::{
     PTHREADS, REDUCE_PART_FLOATS, STATS_PART_FLOATS, THREADS,
 };
 use crate::batchnorm::own_units::{self, name, planned_kernels, K};
-use crate::batchnorm::plan::BnPlan;
 use crate::batchnorm::types::{Fuse, OwnVariant};
 use crate::context::Context;
 use crate::dtype::DType;
@@ -359,27 +358,22 @@ impl Op<'_> {
     }
 }
 
-/// Starts compiling, in the background, the kernel units the own path will launch for `train`
-/// and `infer` (on aligned data): a BatchNorm's plan calls it, so that the compiles overlap
-/// whatever the caller does before the first call (other layers' planning, the first
-/// convolutions). Returns how many compiles it started (0 when the plans do not take the own
-/// path, or every unit is ready or compiling already).
+/// Starts compiling, in the background, the kernel units the own path will launch (on aligned
+/// data) for a plan whose training takes the own path with `train`'s (forward, backward)
+/// variants and whose inference does when `inference`: a BatchNorm's plan calls it, so that the
+/// compiles overlap whatever the caller does before the first call (other layers' planning, the
+/// first convolutions). Returns how many compiles it started (0 without the own path or NVRTC,
+/// or when every unit is ready or compiling already).
 pub(crate) fn prepare(
     ctx: &Context,
     shape: &OwnShape,
     dtype: DType,
     fuse: Fuse,
-    train: &BnPlan,
-    infer: &BnPlan,
+    train: Option<(OwnVariant, OwnVariant)>,
+    inference: bool,
 ) -> usize {
-    let variants = train.path.is_own().then(|| {
-        (
-            train.own_forward.unwrap_or(OwnVariant::TwoPass),
-            train.own_backward.unwrap_or(OwnVariant::TwoPass),
-        )
-    });
-    let ks = planned_kernels(shape.arr, fuse, variants, infer.path.is_own());
-    if ks.is_empty() {
+    let ks = planned_kernels(shape.arr, fuse, train, inference);
+    if ks.is_empty() || !kernels::nvrtc_present() {
         return 0;
     }
     let units = own_units::units_of(&ks, dtype);
