@@ -44,6 +44,24 @@ constexpr int MODE_LAST = 1;     // channels-last vector path, any C: coefficien
 constexpr int MODE_ELEMENT = 2;  // element path (scalar tiles), whatever the alignment
 constexpr int MODE_SPLIT = 3;    // channels-first vector path, hw >= N: up to two runs per vector
 
+// Kernel kinds of the compilation units (NNF_BN_KERNEL, batchnorm_common.cuh): one entry point
+// per unit, with the type-free kernel that runs beside it (bn_stats_finalize with bn_stats_cl,
+// bn_bwd_finalize with bn_bwd_reduce_cl, bn_fold with the channels-first apply). Keep in sync
+// with src/batchnorm/own_units.rs (a CPU test compares them).
+#define NNF_BN_K_STATS_CF 1
+#define NNF_BN_K_STATS_CL 2
+#define NNF_BN_K_REDUCE_CF 3
+#define NNF_BN_K_REDUCE_CL 4
+#define NNF_BN_K_APPLY_FWD_NONE 5
+#define NNF_BN_K_APPLY_FWD_RELU 6
+#define NNF_BN_K_APPLY_FWD_ADD_RELU 7
+#define NNF_BN_K_APPLY_FWD_NONE_LAST 8
+#define NNF_BN_K_APPLY_FWD_RELU_LAST 9
+#define NNF_BN_K_APPLY_FWD_ADD_RELU_LAST 10
+#define NNF_BN_K_APPLY_BWD 11
+#define NNF_BN_K_APPLY_BWD_LAST 12
+#define NNF_BN_K_CHANNEL_BWD 13
+
 // ===== statistics ============================================================================
 
 struct Geom {
@@ -247,6 +265,7 @@ template <typename T, int V> __device__ __forceinline__ void reduce_cl(const Red
     }
 }
 
+#if NNF_BN_PICK(NNF_BN_K_REDUCE_CL)
 extern "C" __global__ void __launch_bounds__(THREADS) bn_bwd_finalize(ReduceArgs a) {
     __shared__ float sh[96];
     const u64 P = a.g.parts, C = a.g.channels, ch = blockIdx.x;
@@ -256,6 +275,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) bn_bwd_finalize(ReduceArgs
         finish_bwd(ch, C, t1, t2, a.inv_count, a.saved_mean, a.saved_mean_lo, a.saved_invstd,
                    a.gamma, a.dgamma, a.dbeta, a.coef);
 }
+#endif
 
 // ===== forward apply (training second pass, inference) =======================================
 
@@ -326,10 +346,13 @@ __device__ __forceinline__ void fwd_fold(const ApplyFwdArgs& a, float* dst, u64 
     }
 }
 
+#if NNF_BN_PICK(NNF_BN_K_APPLY_FWD_NONE) || NNF_BN_PICK(NNF_BN_K_APPLY_FWD_RELU) || \
+    NNF_BN_PICK(NNF_BN_K_APPLY_FWD_ADD_RELU)
 // Writes the [4][C] coefficients to a.coef, for channels-first launches that cannot stage them.
 extern "C" __global__ void __launch_bounds__(THREADS) bn_fold(ApplyFwdArgs a) {
     fwd_fold(a, const_cast<float*>(a.coef), global_thread(), grid_threads());
 }
+#endif
 
 // The channel of element e.
 __device__ __forceinline__ u64 channel_of(const FastDiv& inner, const FastDiv& chans, u64 e) {
@@ -1017,48 +1040,94 @@ template <typename T> __device__ __forceinline__ void reduce_cl_any(const Reduce
     NNF_VEC_DISPATCH(reduce_cl, a, red)
 }
 
-// The forward apply kernels of one activation: channels-first / element, and channels-last.
-#define NNF_BN_APPLY(T, S, A, ACT)                                                                \
-    extern "C" __global__ void __launch_bounds__(THREADS) bn_apply_fwd_##A##_##S(ApplyFwdArgs a) {  \
-        apply_fwd<T, ACT>(a);                                                                     \
-    }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(THREADS)                                         \
-        bn_apply_fwd_##A##_last_##S(ApplyFwdArgs a) {                                             \
-        apply_fwd_last<T, ACT>(a);                                                                \
-    }
-
-// Register caps where ptxas would otherwise lose a block per SM: the channels-first dx kernel at
-// 64 (4 blocks of 256 threads), the backward reductions at 85 / 128 (3 / 2 blocks).
-#define NNF_BN_KERNELS(T, S)                                                                      \
+// One macro per kernel kind, M(T, S) for NNF_BN_FOR_TYPES. Register caps where ptxas would
+// otherwise lose a block per SM: the channels-first dx kernel at 64 (4 blocks of 256 threads),
+// the backward reductions at 85 / 128 (3 / 2 blocks).
+#define NNF_BN_STATS_CF(T, S)                                                                     \
     extern "C" __global__ void __launch_bounds__(THREADS) bn_stats_cf_##S(StatsArgs a) {          \
         stats_cf_any<T>(a);                                                                       \
-    }                                                                                             \
+    }
+#define NNF_BN_STATS_CL(T, S)                                                                     \
     extern "C" __global__ void __launch_bounds__(THREADS) bn_stats_finalize_##S(StatsArgs a) {    \
         stats_finalize<T>(a);                                                                     \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(THREADS) bn_stats_cl_##S(StatsArgs a) {          \
         stats_cl_any<T>(a);                                                                       \
-    }                                                                                             \
+    }
+#define NNF_BN_REDUCE_CF(T, S)                                                                    \
     extern "C" __global__ void __launch_bounds__(THREADS, 3) bn_bwd_reduce_cf_##S(ReduceArgs a) { \
         reduce_cf_any<T>(a);                                                                      \
-    }                                                                                             \
+    }
+#define NNF_BN_REDUCE_CL(T, S)                                                                    \
     extern "C" __global__ void __launch_bounds__(THREADS, 2) bn_bwd_reduce_cl_##S(ReduceArgs a) { \
         reduce_cl_any<T>(a);                                                                      \
-    }                                                                                             \
-    NNF_BN_APPLY(T, S, none, ACT_NONE)                                                            \
-    NNF_BN_APPLY(T, S, relu, ACT_RELU)                                                            \
-    NNF_BN_APPLY(T, S, add_relu, ACT_ADD_RELU)                                                    \
+    }
+// The forward apply kernels of one activation: channels-first / element, and channels-last.
+#define NNF_BN_APPLY(T, S, A, ACT)                                                                \
+    extern "C" __global__ void __launch_bounds__(THREADS) bn_apply_fwd_##A##_##S(ApplyFwdArgs a) {  \
+        apply_fwd<T, ACT>(a);                                                                     \
+    }
+#define NNF_BN_APPLY_LAST(T, S, A, ACT)                                                           \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                         \
+        bn_apply_fwd_##A##_last_##S(ApplyFwdArgs a) {                                             \
+        apply_fwd_last<T, ACT>(a);                                                                \
+    }
+#define NNF_BN_APPLY_NONE(T, S) NNF_BN_APPLY(T, S, none, ACT_NONE)
+#define NNF_BN_APPLY_RELU(T, S) NNF_BN_APPLY(T, S, relu, ACT_RELU)
+#define NNF_BN_APPLY_ADD_RELU(T, S) NNF_BN_APPLY(T, S, add_relu, ACT_ADD_RELU)
+#define NNF_BN_APPLY_NONE_LAST(T, S) NNF_BN_APPLY_LAST(T, S, none, ACT_NONE)
+#define NNF_BN_APPLY_RELU_LAST(T, S) NNF_BN_APPLY_LAST(T, S, relu, ACT_RELU)
+#define NNF_BN_APPLY_ADD_RELU_LAST(T, S) NNF_BN_APPLY_LAST(T, S, add_relu, ACT_ADD_RELU)
+#define NNF_BN_APPLY_BWD(T, S)                                                                    \
     extern "C" __global__ void __launch_bounds__(THREADS, 4) bn_apply_bwd_##S(ApplyBwdArgs a) {   \
         apply_bwd<T>(a);                                                                          \
-    }                                                                                             \
+    }
+#define NNF_BN_APPLY_BWD_LAST(T, S)                                                               \
     extern "C" __global__ void __launch_bounds__(THREADS)                                         \
         bn_apply_bwd_last_##S(ApplyBwdArgs a) {                                                   \
         apply_bwd_last<T>(a);                                                                     \
-    }                                                                                             \
+    }
+#define NNF_BN_CHANNEL_BWD(T, S)                                                                  \
     extern "C" __global__ void __launch_bounds__(CTHREADS) bn_bwd_channel_##S(ChannelBwdArgs a) { \
         channel_bwd<T>(a);                                                                        \
     }
 
-NNF_BN_KERNELS(float, f32)
-NNF_BN_KERNELS(nnf_f16, f16)
-NNF_BN_KERNELS(nnf_bf16, bf16)
+#if NNF_BN_PICK(NNF_BN_K_STATS_CF)
+NNF_BN_FOR_TYPES(NNF_BN_STATS_CF)
+#endif
+#if NNF_BN_PICK(NNF_BN_K_STATS_CL)
+NNF_BN_FOR_TYPES(NNF_BN_STATS_CL)
+#endif
+#if NNF_BN_PICK(NNF_BN_K_REDUCE_CF)
+NNF_BN_FOR_TYPES(NNF_BN_REDUCE_CF)
+#endif
+#if NNF_BN_PICK(NNF_BN_K_REDUCE_CL)
+NNF_BN_FOR_TYPES(NNF_BN_REDUCE_CL)
+#endif
+#if NNF_BN_PICK(NNF_BN_K_APPLY_FWD_NONE)
+NNF_BN_FOR_TYPES(NNF_BN_APPLY_NONE)
+#endif
+#if NNF_BN_PICK(NNF_BN_K_APPLY_FWD_RELU)
+NNF_BN_FOR_TYPES(NNF_BN_APPLY_RELU)
+#endif
+#if NNF_BN_PICK(NNF_BN_K_APPLY_FWD_ADD_RELU)
+NNF_BN_FOR_TYPES(NNF_BN_APPLY_ADD_RELU)
+#endif
+#if NNF_BN_PICK(NNF_BN_K_APPLY_FWD_NONE_LAST)
+NNF_BN_FOR_TYPES(NNF_BN_APPLY_NONE_LAST)
+#endif
+#if NNF_BN_PICK(NNF_BN_K_APPLY_FWD_RELU_LAST)
+NNF_BN_FOR_TYPES(NNF_BN_APPLY_RELU_LAST)
+#endif
+#if NNF_BN_PICK(NNF_BN_K_APPLY_FWD_ADD_RELU_LAST)
+NNF_BN_FOR_TYPES(NNF_BN_APPLY_ADD_RELU_LAST)
+#endif
+#if NNF_BN_PICK(NNF_BN_K_APPLY_BWD)
+NNF_BN_FOR_TYPES(NNF_BN_APPLY_BWD)
+#endif
+#if NNF_BN_PICK(NNF_BN_K_APPLY_BWD_LAST)
+NNF_BN_FOR_TYPES(NNF_BN_APPLY_BWD_LAST)
+#endif
+#if NNF_BN_PICK(NNF_BN_K_CHANNEL_BWD)
+NNF_BN_FOR_TYPES(NNF_BN_CHANNEL_BWD)
+#endif

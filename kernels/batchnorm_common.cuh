@@ -22,6 +22,33 @@
 //    reached by all 32 lanes: loop bounds around them depend on the warp or block only).
 
 
+// Compilation units: src/batchnorm/own_units.rs compiles kernels/batchnorm.cu and
+// kernels/batchnorm_persistent.cu once per (kernel, type), with NNF_BN_KERNEL (one of the files'
+// NNF_BN_K_* values) and NNF_BN_DT (1 f32, 2 f16, 3 bf16) defined before the prelude, so that
+// NVRTC compiles only the kernels a call launches: the whole batchnorm.cu takes it seconds, one
+// unit a few hundred milliseconds. Undefined (0) selects everything (CI compiles whole files).
+// Only which entry points are defined changes: each kernel's code is the same in every unit.
+#ifndef NNF_BN_KERNEL
+#define NNF_BN_KERNEL 0
+#endif
+#ifndef NNF_BN_DT
+#define NNF_BN_DT 0
+#endif
+// Whether the unit holds kernel kind k.
+#define NNF_BN_PICK(k) (NNF_BN_KERNEL == 0 || NNF_BN_KERNEL == (k))
+// M(T, S) for each selected type T with its name suffix S.
+#if NNF_BN_DT == 0
+#define NNF_BN_FOR_TYPES(M) M(float, f32) M(nnf_f16, f16) M(nnf_bf16, bf16)
+#elif NNF_BN_DT == 1
+#define NNF_BN_FOR_TYPES(M) M(float, f32)
+#elif NNF_BN_DT == 2
+#define NNF_BN_FOR_TYPES(M) M(nnf_f16, f16)
+#elif NNF_BN_DT == 3
+#define NNF_BN_FOR_TYPES(M) M(nnf_bf16, bf16)
+#else
+#error "NNF_BN_DT must be 0 (every type), 1 (f32), 2 (f16) or 3 (bf16)"
+#endif
+
 // Keep these in sync with src/batchnorm/own_launch.rs (a CPU test compares them).
 constexpr int THREADS = 256;       // block of the two-pass and inference kernels
 constexpr int PTHREADS = 512;      // block of the persistent kernels

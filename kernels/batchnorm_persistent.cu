@@ -461,20 +461,39 @@ template <typename T> __device__ __forceinline__ void pbwd_cl(const PersistArgs&
 
 // ----- entry points -----------------------------------------------------------------------------
 
-#define NNF_BN_PERSISTENT_KERNELS(T, S)                                                           \
+// Kernel kinds of the compilation units (NNF_BN_KERNEL, batchnorm_common.cuh), numbered after
+// kernels/batchnorm.cu's. Keep in sync with src/batchnorm/own_units.rs (a CPU test compares them).
+#define NNF_BN_K_PERSIST_FWD_CF 14
+#define NNF_BN_K_PERSIST_FWD_CL 15
+#define NNF_BN_K_PERSIST_BWD_CF 16
+#define NNF_BN_K_PERSIST_BWD_CL 17
+
+#define NNF_BN_PERSIST_FWD_CF(T, S)                                                               \
     extern "C" __global__ void __launch_bounds__(PTHREADS, 1) bn_persist_fwd_cf_##S(PersistArgs a) { \
         pfwd_cf<T>(a);                                                                        \
-    }                                                                                             \
+    }
+#define NNF_BN_PERSIST_FWD_CL(T, S)                                                               \
     extern "C" __global__ void __launch_bounds__(PTHREADS, 1) bn_persist_fwd_cl_##S(PersistArgs a) { \
         pfwd_cl<T>(a);                                                                            \
-    }                                                                                             \
+    }
+#define NNF_BN_PERSIST_BWD_CF(T, S)                                                               \
     extern "C" __global__ void __launch_bounds__(PTHREADS, 1) bn_persist_bwd_cf_##S(PersistArgs a) { \
         pbwd_cf<T>(a);                                                                        \
-    }                                                                                             \
+    }
+#define NNF_BN_PERSIST_BWD_CL(T, S)                                                               \
     extern "C" __global__ void __launch_bounds__(PTHREADS, 1) bn_persist_bwd_cl_##S(PersistArgs a) { \
         pbwd_cl<T>(a);                                                                            \
     }
 
-NNF_BN_PERSISTENT_KERNELS(float, f32)
-NNF_BN_PERSISTENT_KERNELS(nnf_f16, f16)
-NNF_BN_PERSISTENT_KERNELS(nnf_bf16, bf16)
+#if NNF_BN_PICK(NNF_BN_K_PERSIST_FWD_CF)
+NNF_BN_FOR_TYPES(NNF_BN_PERSIST_FWD_CF)
+#endif
+#if NNF_BN_PICK(NNF_BN_K_PERSIST_FWD_CL)
+NNF_BN_FOR_TYPES(NNF_BN_PERSIST_FWD_CL)
+#endif
+#if NNF_BN_PICK(NNF_BN_K_PERSIST_BWD_CF)
+NNF_BN_FOR_TYPES(NNF_BN_PERSIST_BWD_CF)
+#endif
+#if NNF_BN_PICK(NNF_BN_K_PERSIST_BWD_CL)
+NNF_BN_FOR_TYPES(NNF_BN_PERSIST_BWD_CL)
+#endif

@@ -288,14 +288,29 @@ enum Slot {
     Failed(String),
 }
 
-/// A compile in progress; its waiters sleep until `finish`.
+/// A compile in progress; its waiters sleep until `finish`. Whoever claims it compiles it: a
+/// background thread when its turn comes, or a caller that needs the image before then (a
+/// queued compile is taken over instead of waited for behind other files).
 #[derive(Default)]
 struct Pending {
     done: Mutex<bool>,
     cv: Condvar,
+    claimed: std::sync::atomic::AtomicBool,
 }
 
 impl Pending {
+    /// A compile its creator runs itself (already claimed).
+    fn claimed() -> Arc<Pending> {
+        let p = Pending::default();
+        p.claimed.store(true, std::sync::atomic::Ordering::SeqCst);
+        Arc::new(p)
+    }
+
+    /// Claims the compile: `true` for the one caller that is to run it.
+    fn claim(&self) -> bool {
+        !self.claimed.swap(true, std::sync::atomic::Ordering::SeqCst)
+    }
+
     fn wait(&self) {
         let mut done = lock_poisoned(&self.done);
         while !*done {
@@ -725,6 +740,18 @@ impl Context {
         })
     }
 
+    /// The kernel `name` from `file` when this Context has loaded it already (never compiles
+    /// nor loads: the cached path of [`Context::function`]).
+    pub(crate) fn loaded_function(
+        &self,
+        file: &'static KernelFile,
+        name: &'static str,
+    ) -> Option<CudaFunction> {
+        lock_poisoned(&self.inner.functions)
+            .get(&(file.name, name))
+            .cloned()
+    }
+
     /// The kernel `name` from `file`, compiling and loading the file on first use (once per
     /// architecture per process, once per Context for loading) and caching the function.
     pub fn function(&self, file: &'static KernelFile, name: &'static str) -> Result<CudaFunction> {
@@ -894,23 +921,36 @@ impl Context {
                 let mut images = lock_poisoned(&IMAGES);
                 match images.get(&key) {
                     Some(Slot::Ready(i)) => return Ok(i.clone()),
+                    Some(Slot::Compiling(p)) if p.claim() => {
+                        tracing::info!(file = file.name, %arch,
+                            "kernel file compiling in the foreground: its background compile \
+                             was still queued");
+                        break p.clone();
+                    }
                     Some(Slot::Compiling(p)) => p.clone(),
                     Some(Slot::Failed(why)) => {
                         tracing::warn!(file = file.name, %arch, error = %why,
                             "the background compile of this kernel file failed; compiling it \
                              again in the foreground");
-                        let p = Arc::new(Pending::default());
+                        let p = Pending::claimed();
                         images.insert(key.clone(), Slot::Compiling(p.clone()));
                         break p;
                     }
                     None => {
-                        let p = Arc::new(Pending::default());
+                        let p = Pending::claimed();
                         images.insert(key.clone(), Slot::Compiling(p.clone()));
                         break p;
                     }
                 }
             };
+            let t = std::time::Instant::now();
             waiting.wait();
+            tracing::info!(
+                file = file.name,
+                %arch,
+                waited_ms = t.elapsed().as_secs_f64() * 1e3,
+                "waited for a kernel file's compile in progress"
+            );
         };
         // The disk cache (if configured) spares the NVRTC compile across processes; it never
         // fails the call (a bad cache file is recompiled with a warning).
@@ -987,6 +1027,11 @@ impl Context {
                 .name(format!("nnfuse-nvrtc-{}", file.name))
                 .spawn(move || {
                     let _permit = Permit::take(ticket);
+                    if !p.claim() {
+                        // A caller needed it first and compiled it in the foreground.
+                        kernels::background_finished();
+                        return;
+                    }
                     // A panic inside NVRTC's binding must still finish the slot and the count
                     // (the exit handler and later callers wait on them).
                     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -1198,6 +1243,19 @@ mod tests {
             let e = arena_size(bytes, "workspace").unwrap_err();
             assert_eq!(e.argument(), Some("workspace"), "{e}");
         }
+    }
+
+    /// A queued compile runs once: whoever claims it first (the background thread at its turn,
+    /// or a caller that needs it sooner) compiles it; the other one waits or stands down.
+    #[test]
+    fn a_pending_compile_is_claimed_once() {
+        let queued = Pending::default();
+        assert!(queued.claim(), "the first claim runs it");
+        assert!(!queued.claim(), "a second claim does not");
+        assert!(
+            !Pending::claimed().claim(),
+            "a caller's own compile is claimed already"
+        );
     }
 
     /// A background compile whose thread never started gives its turn up: the queue moves on.

@@ -59,6 +59,24 @@ pub struct KernelFile {
 // kernel file needs no line here.
 include!(concat!(env!("OUT_DIR"), "/kernel_files.rs"));
 
+/// A compilation unit of `file`: its source after `#define NAME VALUE` lines (selection macros
+/// the file reads, so that NVRTC compiles only the kernels they select) and a `#line 1`, named
+/// `<file>[<label>]`. The disk cache keys it by that source, so every unit has its own image.
+/// The strings are made once per unit and kept for the process (callers build each unit once,
+/// from a fixed table: src/batchnorm/own_units.rs).
+pub(crate) fn unit(file: &KernelFile, label: &str, defines: &[(&str, u32)]) -> KernelFile {
+    let mut source = String::new();
+    for (name, value) in defines {
+        source.push_str(&format!("#define {name} {value}\n"));
+    }
+    source.push_str("#line 1\n");
+    source.push_str(file.source);
+    KernelFile {
+        name: Box::leak(format!("{}[{label}]", file.name).into_boxed_str()),
+        source: Box::leak(source.into_boxed_str()),
+    }
+}
+
 /// Architectures CI compiles every kernel for (A100, H100).
 pub const CI_ARCHS: &[&str] = &["sm_80", "sm_90"];
 

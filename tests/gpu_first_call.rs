@@ -12,11 +12,13 @@ use std::process::Command;
 use std::time::Instant;
 
 use half::f16;
+use nnfuse::batchnorm::{BnPath, Fuse};
 use nnfuse::conv::{self, Conv2d, ConvShape, Direction, Outcome};
 use nnfuse::internals::kernels;
 use nnfuse::reference::conv::conv2d;
-use nnfuse::{Config, Context, TensorFormat};
+use nnfuse::{BnImpl, Config, Context, TensorFormat};
 
+use common::bn;
 use common::{conv_tolerance, download, f64s, gpu_with, poisoned, square_conv, upload, Rng};
 use conv_ref::{backward_data, backward_filter, compare, describe};
 
@@ -232,4 +234,55 @@ fn a_process_ending_during_background_compiles_exits_cleanly() {
         pending > 0,
         "Conv2d::new started no background compile: nothing tested"
     );
+}
+
+/// A cold process's first BatchNorm on nnfuse's own kernels (f32 NCHW, ReLU, as `nnfuse demo
+/// --dtype f32 --format nchw`): `BatchNorm::new` starts compiling the units its plan launches
+/// in the background, the first forward, backward and inference wait for those units only
+/// (never for the whole `batchnorm.cu`, which took NVRTC seconds), and the results match the
+/// f64 reference. Afterwards the kernel disk cache holds exactly the four units the plan names.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_cold_own_batchnorm_compiles_only_its_units() {
+    let Some(dir) = child_dir() else {
+        return in_child("a_cold_own_batchnorm_compiles_only_its_units");
+    };
+    let ctx = gpu_with(cold(&dir).with_bn_impl(BnImpl::Own));
+    let (shape, axis, c) = ([8usize, 64, 28, 28], 1, 64);
+    let mut rng = Rng::fresh("cold own batchnorm");
+    let inp = bn::Inputs::<f32>::uniform(&mut rng, shape.iter().product(), c);
+    let t = Instant::now();
+    let out = bn::run(&ctx, &shape, axis, bn::Run::plain(Fuse::Relu, 0.1), &inp);
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    println!("FIRST_CALL own BatchNorm f32 NCHW: forward, backward and inference {ms:.1} ms");
+    assert_eq!(out.path, BnPath::Own);
+    bn::check_against_reference(
+        "cold own f32 NCHW",
+        &shape,
+        axis,
+        Fuse::Relu,
+        &inp,
+        0.1,
+        &out,
+    );
+    kernels::wait_for_background_compiles();
+    let mut cached: Vec<String> = std::fs::read_dir(dir.join("kernels"))
+        .expect("the kernel disk cache folder")
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.starts_with("batchnorm"))
+        .map(|n| n.split(".sm_").next().unwrap().to_string())
+        .collect();
+    cached.sort();
+    assert_eq!(
+        cached,
+        [
+            "batchnorm.cu[apply_bwd,f32]",
+            "batchnorm.cu[apply_fwd_relu,f32]",
+            "batchnorm.cu[bwd_reduce_cf,f32]",
+            "batchnorm.cu[stats_cf,f32]",
+        ],
+        "the BatchNorm kernel images compiled in this process"
+    );
+    // Whole batchnorm.cu took NVRTC 7 s on the 2-core build machine; its four units ~1.3 s.
+    assert!(ms < 2000.0, "{ms:.1} ms");
 }

@@ -20,6 +20,7 @@ mod graph_rule;
 mod ops;
 mod own;
 mod own_launch;
+mod own_units;
 mod plan;
 mod probe;
 mod state;

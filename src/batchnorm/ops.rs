@@ -140,6 +140,22 @@ impl Core {
             graph,
             spares: Arc::default(),
         };
+        // The own kernels the plans launch start compiling now, in the background.
+        let own_train = core.train.path.is_own().then(|| {
+            (
+                core.train.own_forward.unwrap_or(OwnVariant::TwoPass),
+                core.train.own_backward.unwrap_or(OwnVariant::TwoPass),
+            )
+        });
+        let own_infer = core.infer.path.is_own();
+        own::prepare(
+            ctx,
+            &core.own_shape,
+            key.dtype,
+            key.fuse,
+            own_train,
+            own_infer,
+        );
         if let Some(c) = &core.cudnn {
             // The graph route's fused path has no legacy sizes (it falls back at run time).
             if core.train.path == BnPath::CudnnFused

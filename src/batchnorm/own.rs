@@ -11,6 +11,7 @@
 //! whether (and how) the persistent kernels fit the device.
 
 use std::sync::{Mutex, MutexGuard};
+use std::time::Instant;
 
 use cudarc::driver::sys::{CUfunction_attribute, CUresult};
 use cudarc::driver::{
@@ -22,6 +23,7 @@ use crate::batchnorm::own_launch::{
     staged_bytes, vec_width, ApplyMode, Arrangement, FastDiv, Geom, OwnShape, PGeom, CTHREADS,
     PTHREADS, REDUCE_PART_FLOATS, STATS_PART_FLOATS, THREADS,
 };
+use crate::batchnorm::own_units::{self, name, planned_kernels, K};
 use crate::batchnorm::types::{Fuse, OwnVariant};
 use crate::context::Context;
 use crate::dtype::DType;
@@ -180,88 +182,6 @@ fn act(fuse: Fuse) -> u32 {
     }
 }
 
-// ----- kernel names ---------------------------------------------------------------------------
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum K {
-    StatsCf,
-    StatsCl,
-    StatsFinalize,
-    ReduceCf,
-    ReduceCl,
-    ApplyFwd(Fuse),
-    ApplyFwdLast(Fuse),
-    ApplyBwd,
-    ApplyBwdLast,
-    ChannelBwd,
-    PersistFwdCf,
-    PersistFwdCl,
-    PersistBwdCf,
-    PersistBwdCl,
-}
-
-/// The entry point of kernel `k` for `dt` (`kernels/batchnorm*.cu`).
-fn name(k: K, dt: DType) -> &'static str {
-    use DType::*;
-    use K::*;
-    match (k, dt) {
-        (StatsCf, F32) => "bn_stats_cf_f32",
-        (StatsCf, F16) => "bn_stats_cf_f16",
-        (StatsCf, BF16) => "bn_stats_cf_bf16",
-        (StatsCl, F32) => "bn_stats_cl_f32",
-        (StatsCl, F16) => "bn_stats_cl_f16",
-        (StatsCl, BF16) => "bn_stats_cl_bf16",
-        (StatsFinalize, F32) => "bn_stats_finalize_f32",
-        (StatsFinalize, F16) => "bn_stats_finalize_f16",
-        (StatsFinalize, BF16) => "bn_stats_finalize_bf16",
-        (ReduceCf, F32) => "bn_bwd_reduce_cf_f32",
-        (ReduceCf, F16) => "bn_bwd_reduce_cf_f16",
-        (ReduceCf, BF16) => "bn_bwd_reduce_cf_bf16",
-        (ReduceCl, F32) => "bn_bwd_reduce_cl_f32",
-        (ReduceCl, F16) => "bn_bwd_reduce_cl_f16",
-        (ReduceCl, BF16) => "bn_bwd_reduce_cl_bf16",
-        (ApplyFwd(Fuse::None), F32) => "bn_apply_fwd_none_f32",
-        (ApplyFwd(Fuse::None), F16) => "bn_apply_fwd_none_f16",
-        (ApplyFwd(Fuse::None), BF16) => "bn_apply_fwd_none_bf16",
-        (ApplyFwd(Fuse::Relu), F32) => "bn_apply_fwd_relu_f32",
-        (ApplyFwd(Fuse::Relu), F16) => "bn_apply_fwd_relu_f16",
-        (ApplyFwd(Fuse::Relu), BF16) => "bn_apply_fwd_relu_bf16",
-        (ApplyFwd(Fuse::AddRelu), F32) => "bn_apply_fwd_add_relu_f32",
-        (ApplyFwd(Fuse::AddRelu), F16) => "bn_apply_fwd_add_relu_f16",
-        (ApplyFwd(Fuse::AddRelu), BF16) => "bn_apply_fwd_add_relu_bf16",
-        (ApplyFwdLast(Fuse::None), F32) => "bn_apply_fwd_none_last_f32",
-        (ApplyFwdLast(Fuse::None), F16) => "bn_apply_fwd_none_last_f16",
-        (ApplyFwdLast(Fuse::None), BF16) => "bn_apply_fwd_none_last_bf16",
-        (ApplyFwdLast(Fuse::Relu), F32) => "bn_apply_fwd_relu_last_f32",
-        (ApplyFwdLast(Fuse::Relu), F16) => "bn_apply_fwd_relu_last_f16",
-        (ApplyFwdLast(Fuse::Relu), BF16) => "bn_apply_fwd_relu_last_bf16",
-        (ApplyFwdLast(Fuse::AddRelu), F32) => "bn_apply_fwd_add_relu_last_f32",
-        (ApplyFwdLast(Fuse::AddRelu), F16) => "bn_apply_fwd_add_relu_last_f16",
-        (ApplyFwdLast(Fuse::AddRelu), BF16) => "bn_apply_fwd_add_relu_last_bf16",
-        (ApplyBwdLast, F32) => "bn_apply_bwd_last_f32",
-        (ApplyBwdLast, F16) => "bn_apply_bwd_last_f16",
-        (ApplyBwdLast, BF16) => "bn_apply_bwd_last_bf16",
-        (ApplyBwd, F32) => "bn_apply_bwd_f32",
-        (ApplyBwd, F16) => "bn_apply_bwd_f16",
-        (ApplyBwd, BF16) => "bn_apply_bwd_bf16",
-        (ChannelBwd, F32) => "bn_bwd_channel_f32",
-        (ChannelBwd, F16) => "bn_bwd_channel_f16",
-        (ChannelBwd, BF16) => "bn_bwd_channel_bf16",
-        (PersistFwdCf, F32) => "bn_persist_fwd_cf_f32",
-        (PersistFwdCf, F16) => "bn_persist_fwd_cf_f16",
-        (PersistFwdCf, BF16) => "bn_persist_fwd_cf_bf16",
-        (PersistFwdCl, F32) => "bn_persist_fwd_cl_f32",
-        (PersistFwdCl, F16) => "bn_persist_fwd_cl_f16",
-        (PersistFwdCl, BF16) => "bn_persist_fwd_cl_bf16",
-        (PersistBwdCf, F32) => "bn_persist_bwd_cf_f32",
-        (PersistBwdCf, F16) => "bn_persist_bwd_cf_f16",
-        (PersistBwdCf, BF16) => "bn_persist_bwd_cf_bf16",
-        (PersistBwdCl, F32) => "bn_persist_bwd_cl_f32",
-        (PersistBwdCl, F16) => "bn_persist_bwd_cl_f16",
-        (PersistBwdCl, BF16) => "bn_persist_bwd_cl_bf16",
-    }
-}
-
 /// A poisoned lock still guards valid state (every write is whole).
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     match m.lock() {
@@ -391,13 +311,29 @@ impl Op<'_> {
         self.shape.c
     }
 
-    fn function(
-        &self,
-        file: &'static kernels::KernelFile,
-        k: K,
-    ) -> Result<(CudaFunction, &'static str)> {
+    /// Kernel `k` for this type, from its compilation unit (`own_units`). Its first use on the
+    /// Context waits for the unit's compile if it is not ready (started in the background when
+    /// the BatchNorm was planned, [`prepare`]), and says so: the call never switches to
+    /// another implementation meanwhile (docs/BATCHNORM.md, "First call").
+    fn function(&self, k: K) -> Result<(CudaFunction, &'static str)> {
         let n = name(k, self.dtype);
-        Ok((self.ctx.function(file, n)?, n))
+        let unit = own_units::unit(k, self.dtype);
+        if let Some(f) = self.ctx.loaded_function(unit, n) {
+            return Ok((f, n));
+        }
+        let state = self.ctx.kernel_state(unit);
+        let t = Instant::now();
+        let f = self.ctx.function(unit, n)?;
+        if state != kernels::KernelState::Ready {
+            tracing::info!(
+                kernel = n,
+                unit = unit.name,
+                state = ?state,
+                waited_ms = t.elapsed().as_secs_f64() * 1e3,
+                "own BatchNorm: the first call waited for its kernel's compile"
+            );
+        }
+        Ok((f, n))
     }
 
     /// The lengths whose multiples a reduction's vector width must divide.
@@ -420,6 +356,34 @@ impl Op<'_> {
             self.ctx.info().l2_bytes.max(0) as u64,
         )
     }
+}
+
+/// Starts compiling, in the background, the kernel units the own path will launch (on aligned
+/// data) for a plan whose training takes the own path with `train`'s (forward, backward)
+/// variants and whose inference does when `inference`: a BatchNorm's plan calls it, so that the
+/// compiles overlap whatever the caller does before the first call (other layers' planning, the
+/// first convolutions). Returns how many compiles it started (0 without the own path or NVRTC,
+/// or when every unit is ready or compiling already).
+pub(crate) fn prepare(
+    ctx: &Context,
+    shape: &OwnShape,
+    dtype: DType,
+    fuse: Fuse,
+    train: Option<(OwnVariant, OwnVariant)>,
+    inference: bool,
+) -> usize {
+    let ks = planned_kernels(shape.arr, fuse, train, inference);
+    if ks.is_empty() || !kernels::nvrtc_present() {
+        return 0;
+    }
+    let units = own_units::units_of(&ks, dtype);
+    let started = ctx.prepare_kernels(&units);
+    tracing::debug!(
+        units = ?units.iter().map(|u| u.name).collect::<Vec<_>>(),
+        started,
+        "own BatchNorm: kernel units prepared"
+    );
+    started
 }
 
 /// Training forward: statistics, running statistics, saved mean and inverse std, y and (with an
@@ -480,10 +444,7 @@ fn forward_two_pass(op: &Op<'_>, b: &FwdBufs, momentum: f64, eps: f64) -> Result
     let eb = op.eb();
     let c = op.c();
     let first = matches!(op.shape.arr, Arrangement::First { .. });
-    let (stats_f, stats_name) = op.function(
-        &kernels::BATCHNORM,
-        if first { K::StatsCf } else { K::StatsCl },
-    )?;
+    let (stats_f, stats_name) = op.function(if first { K::StatsCf } else { K::StatsCl })?;
     let vec = vec_width(eb, &op.vector_lens(), &[b.x]);
     let g = reduce_geom(&op.shape, vec, wave(op.ctx, &stats_f, stats_name, 0)?);
     let mode = apply_mode(&op.shape, eb, &[b.x, b.y, b.z]);
@@ -526,7 +487,7 @@ fn forward_two_pass(op: &Op<'_>, b: &FwdBufs, momentum: f64, eps: f64) -> Result
             "cuLaunchKernel(bn_stats)",
         )?;
         if !g.channels_first() {
-            let (f, _) = op.function(&kernels::BATCHNORM, K::StatsFinalize)?;
+            let (f, _) = op.function(K::StatsFinalize)?;
             launch(
                 op.ctx,
                 &f,
@@ -606,7 +567,7 @@ fn apply_forward(op: &Op<'_>, mut a: ApplyFwdArgs, staged: u32) -> Result<()> {
     a.staged = u32::from(staged > 0);
     if staged == 0 && !last {
         // Too many channels to stage: fold the coefficients once into the scratch buffer.
-        let f = op.ctx.function(&kernels::BATCHNORM, "bn_fold")?;
+        let (f, _) = op.function(K::Fold(op.fuse))?;
         let blocks = c.div_ceil(u64::from(THREADS)).clamp(1, 65535) as u32;
         launch(
             op.ctx,
@@ -621,7 +582,7 @@ fn apply_forward(op: &Op<'_>, mut a: ApplyFwdArgs, staged: u32) -> Result<()> {
     } else {
         K::ApplyFwd(op.fuse)
     };
-    let (f, fname) = op.function(&kernels::BATCHNORM, k)?;
+    let (f, fname) = op.function(k)?;
     let l = apply_launch(mode, &op.shape, eb, wave(op.ctx, &f, fname, staged)?);
     a.res = l.res;
     a.wpr = l.wpr;
@@ -663,7 +624,7 @@ pub(crate) fn backward(op: &Op<'_>, b: &BwdBufs, want: OwnVariant, eps: f64) -> 
 fn backward_per_channel(op: &Op<'_>, b: &BwdBufs, eps: f64) -> Result<()> {
     let c = op.c();
     let m = op.shape.per_channel();
-    let (f, fname) = op.function(&kernels::BATCHNORM, K::ChannelBwd)?;
+    let (f, fname) = op.function(K::ChannelBwd)?;
     tracing::debug!(
         kernel = fname,
         blocks = c,
@@ -736,10 +697,7 @@ fn backward_two_pass(op: &Op<'_>, b: &BwdBufs, inv_count: f32) -> Result<()> {
     let c = op.c();
     let eb = op.eb();
     let first = matches!(op.shape.arr, Arrangement::First { .. });
-    let (rf, rname) = op.function(
-        &kernels::BATCHNORM,
-        if first { K::ReduceCf } else { K::ReduceCl },
-    )?;
+    let (rf, rname) = op.function(if first { K::ReduceCf } else { K::ReduceCl })?;
     let vec = vec_width(eb, &op.vector_lens(), &[b.x, b.dy, b.dz]);
     let g = reduce_geom(&op.shape, vec, wave(op.ctx, &rf, rname, 0)?);
     let (coef_at, total) = scratch_floats(c, g.parts.into(), REDUCE_PART_FLOATS, 5);
@@ -787,7 +745,7 @@ fn backward_two_pass(op: &Op<'_>, b: &BwdBufs, inv_count: f32) -> Result<()> {
             "cuLaunchKernel(bn_bwd_reduce)",
         )?;
         if !g.channels_first() {
-            let f = op.ctx.function(&kernels::BATCHNORM, "bn_bwd_finalize")?;
+            let (f, _) = op.function(K::BwdFinalize)?;
             launch(
                 op.ctx,
                 &f,
@@ -798,10 +756,7 @@ fn backward_two_pass(op: &Op<'_>, b: &BwdBufs, inv_count: f32) -> Result<()> {
         }
         Ok(())
     })?;
-    let (af, aname) = op.function(
-        &kernels::BATCHNORM,
-        if last { K::ApplyBwdLast } else { K::ApplyBwd },
-    )?;
+    let (af, aname) = op.function(if last { K::ApplyBwdLast } else { K::ApplyBwd })?;
     let n = op.shape.numel();
     let l = apply_launch(mode, &op.shape, eb, wave(op.ctx, &af, aname, staged)?);
     let args = ApplyBwdArgs {
@@ -877,7 +832,7 @@ fn prepare_persistent(op: &Op<'_>, tiles: u64, aligned: bool) -> Result<Option<P
     };
     match fit {
         Some(fit) => {
-            let (f, name) = op.function(&kernels::BATCHNORM_PERSISTENT, k)?;
+            let (f, name) = op.function(k)?;
             Ok(Some(Persistent {
                 f,
                 name,
@@ -904,7 +859,7 @@ fn fit_persistent(op: &Op<'_>, tiles: u64, k: K) -> Result<Option<Fit>> {
         why_not("the device has no cooperative launch");
         return Ok(None);
     }
-    let (f, fname) = op.function(&kernels::BATCHNORM_PERSISTENT, k)?;
+    let (f, fname) = op.function(k)?;
     let static_smem = f.shared_size_bytes().call("cuFuncGetAttribute")?.max(0) as u32;
     let limit = facts.smem_optin.saturating_sub(static_smem);
     f.set_attribute(
@@ -1172,61 +1127,7 @@ mod tests {
     }
 
     #[test]
-    fn every_kernel_name_is_in_its_file() {
-        for dt in DType::ALL {
-            // The forward apply kernels come from NNF_BN_APPLY(T, S, <act>, ...).
-            for (f, a) in [
-                (Fuse::None, "none"),
-                (Fuse::Relu, "relu"),
-                (Fuse::AddRelu, "add_relu"),
-            ] {
-                let src = crate::kernels::BATCHNORM.source;
-                assert!(src.contains(&format!("NNF_BN_APPLY(T, S, {a}, ")), "{a}");
-                assert!(
-                    src.contains("bn_apply_fwd_##A##_##S(")
-                        && src.contains("bn_apply_fwd_##A##_last_##S(")
-                );
-                assert_eq!(
-                    name(K::ApplyFwd(f), dt),
-                    format!("bn_apply_fwd_{a}_{}", dt.name())
-                );
-                assert_eq!(
-                    name(K::ApplyFwdLast(f), dt),
-                    format!("bn_apply_fwd_{a}_last_{}", dt.name())
-                );
-            }
-            for k in [
-                K::StatsCf,
-                K::StatsCl,
-                K::StatsFinalize,
-                K::ReduceCf,
-                K::ReduceCl,
-                K::ApplyBwd,
-                K::ApplyBwdLast,
-                K::ChannelBwd,
-            ] {
-                let n = name(k, dt);
-                let stem = n.trim_end_matches(&format!("_{}", dt.name()));
-                assert!(
-                    crate::kernels::BATCHNORM.source.contains(stem),
-                    "{n} not in kernels/batchnorm.cu"
-                );
-            }
-            for k in [
-                K::PersistFwdCf,
-                K::PersistFwdCl,
-                K::PersistBwdCf,
-                K::PersistBwdCl,
-            ] {
-                let n = name(k, dt);
-                let stem = n.trim_end_matches(&format!("_{}", dt.name()));
-                assert!(crate::kernels::BATCHNORM_PERSISTENT.source.contains(stem));
-            }
-        }
-        assert!(crate::kernels::BATCHNORM
-            .source
-            .contains("bn_bwd_finalize("));
-        assert!(crate::kernels::BATCHNORM.source.contains("bn_fold("));
+    fn activation_codes() {
         assert_eq!(act(Fuse::AddRelu), 2);
     }
 }
