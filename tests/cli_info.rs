@@ -37,4 +37,10 @@ fn an_invalid_configuration_exits_2_naming_the_variable() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(2), "{stdout}");
     assert!(stdout.contains("NNFUSE_BN_IMPL"), "{stdout}");
+    // Where errors go, too (on a GPU machine nothing else is printed there).
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("invalid configuration") && stderr.contains("NNFUSE_BN_IMPL"),
+        "{stderr}"
+    );
 }

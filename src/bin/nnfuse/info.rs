@@ -93,6 +93,8 @@ pub fn run() -> anyhow::Result<ExitCode> {
         }
         Err(e) => {
             println!("config     INVALID: {e}");
+            // The exit status is 2: say why where errors go, not only in the report.
+            eprintln!("nnfuse: invalid configuration: {e}");
             false
         }
     };
