@@ -658,6 +658,7 @@ pub(crate) fn keep_background_thread(t: std::thread::JoinHandle<()>) {
 /// shared libraries' destructors, so waiting there lets the compiles finish (their images then
 /// reach the disk cache when one is configured).
 pub(crate) fn wait_for_background_compiles_at_exit(arch: &str) {
+    guard_this_thread();
     static ONCE: std::sync::Once = std::sync::Once::new();
     extern "C" fn at_exit() {
         // Compiles still queued are dropped; those running are waited for, and their threads
@@ -688,6 +689,35 @@ pub(crate) fn wait_for_background_compiles_at_exit(arch: &str) {
             tracing::warn!("could not register the exit wait for background kernel compiles");
         }
     });
+}
+
+/// Waits, when its thread ends, for the background compiles (see [`guard_this_thread`]).
+struct ThreadEndWait;
+
+impl Drop for ThreadEndWait {
+    fn drop(&mut self) {
+        wait_for_background_compiles();
+        // Finished threads are joined now; running ones were just waited for.
+        let threads = std::mem::take(&mut *background_threads());
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+}
+
+thread_local! {
+    static THREAD_END_WAIT: ThreadEndWait = const { ThreadEndWait };
+}
+
+/// Makes the end of the calling thread wait for the background compiles it may have started.
+/// A thread-local destructor of the thread that calls `exit` runs before every `atexit`
+/// handler, NVRTC's own included, whereas the `atexit` wait runs after any handler NVRTC
+/// registered later (lazily, during a background compile): with only that wait a test
+/// executable hung at exit with a background compile still running (H100), another crashed
+/// there (segmentation fault). A thread that queued compiles and ends waits for them.
+fn guard_this_thread() {
+    // Touching the value registers its destructor for this thread.
+    THREAD_END_WAIT.with(|_| {});
 }
 
 /// Background compiles running or queued now (tests, benchmarks, `tracing`).
