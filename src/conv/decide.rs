@@ -294,9 +294,12 @@ impl<T: Element> Conv2d<T> {
             if let Some(v) =
                 cudnn_graph_run::candidates(&self.core, &self.ctx, plan, budget, &mut notes)
             {
+                let graph_configs = v.len();
                 execs.extend(v);
                 if self.core.dtype == DType::F32 {
                     execs.extend(self.true_f32_companion(d, p, &mut notes));
+                } else if graph_configs < 2 {
+                    execs.extend(self.legacy_companion(d, p, graph_configs, &mut notes));
                 }
                 continue;
             }
@@ -666,6 +669,34 @@ impl<T: Element> Conv2d<T> {
             return Err(e);
         }
         self.core.exec_of(&self.ctx, d, r)
+    }
+
+    /// cuDNN's first legacy algorithm, measured beside a graph listing that finalized fewer
+    /// than 2 engine configs (`graph_configs`): with one config there is nothing to compare, and
+    /// on the H100 a lone heuristic config ran the ResNet-50 stem's forward at 191 µs where the
+    /// legacy IMPLICIT_PRECOMP_GEMM took 89. Its host cost (50-120 µs per call) does not count:
+    /// the measurement times GPU work only.
+    fn legacy_companion(
+        &self,
+        d: Direction,
+        p: CudnnPtrs,
+        graph_configs: usize,
+        notes: &mut Vec<String>,
+    ) -> Vec<Exec> {
+        match self.cudnn_execs(d, p, 1) {
+            Ok((v, _, _)) if !v.is_empty() => {
+                notes.push(format!(
+                    "{graph_configs} graph engine config(s) finalized: cuDNN's first legacy \
+                     algorithm is measured beside"
+                ));
+                v.into_iter().take(1).collect()
+            }
+            Ok(_) => Vec::new(),
+            Err(e) => {
+                notes.push(format!("cuDNN's legacy algorithms: {e}"));
+                Vec::new()
+            }
+        }
     }
 
     /// A true-f32 route to run beside f32 graph engine configs, the reference they are held to:
