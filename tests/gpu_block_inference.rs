@@ -13,6 +13,14 @@ use nnfuse::conv::ConvShape;
 use nnfuse::internals::block::tolerance;
 use nnfuse::{Context, DType, Element, Error, TensorFormat};
 
+/// One test at a time: a CUDA graph capture (`decided_units_capture`) makes another thread's
+/// synchronizing call fail (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, seen on the H100), and the
+/// first-call timings should not share the GPU.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// One unit's host data (rounded to `T` where the GPU sees `T`) and its device copies.
 struct Unit<T: Element> {
     shape: ConvShape,
@@ -172,24 +180,28 @@ fn every_route<T: Element>(format: TensorFormat) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn every_route_f32_nchw() {
+    let _serial = serial();
     every_route::<f32>(TensorFormat::Nchw);
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn every_route_f32_nhwc() {
+    let _serial = serial();
     every_route::<f32>(TensorFormat::Nhwc);
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn every_route_f16_nhwc() {
+    let _serial = serial();
     every_route::<f16>(TensorFormat::Nhwc);
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn every_route_bf16_nhwc() {
+    let _serial = serial();
     every_route::<bf16>(TensorFormat::Nhwc);
 }
 
@@ -230,18 +242,21 @@ fn first_call_decides<T: Element>(format: TensorFormat) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn first_call_decides_f32_nchw() {
+    let _serial = serial();
     first_call_decides::<f32>(TensorFormat::Nchw);
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn first_call_decides_f16_nhwc() {
+    let _serial = serial();
     first_call_decides::<f16>(TensorFormat::Nhwc);
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn first_call_decides_bf16_nhwc() {
+    let _serial = serial();
     first_call_decides::<bf16>(TensorFormat::Nhwc);
 }
 
@@ -250,6 +265,7 @@ fn first_call_decides_bf16_nhwc() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn refused_routes_say_why_and_fall_back() {
+    let _serial = serial();
     let ctx = gpu();
     let mut rng = Rng::fresh("block_inference_refused");
     let shape = shapes(TensorFormat::Nchw)[0];
@@ -277,6 +293,7 @@ fn refused_routes_say_why_and_fall_back() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn misaligned_operands_run_unfused() {
+    let _serial = serial();
     let ctx = gpu();
     let mut rng = Rng::fresh("block_inference_misaligned");
     let shape = shapes(TensorFormat::Nhwc)[0];
@@ -305,6 +322,7 @@ fn misaligned_operands_run_unfused() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn bad_arguments_are_named() {
+    let _serial = serial();
     let ctx = gpu();
     let mut rng = Rng::fresh("block_inference_bad");
     let shape = shapes(TensorFormat::Nhwc)[1];
@@ -371,6 +389,7 @@ fn bad_arguments_are_named() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn decided_units_capture() {
+    let _serial = serial();
     let ctx = gpu();
     // SAFETY: one stream; nothing allocated on this Context yet (as tests/gpu_capture.rs).
     unsafe { ctx.cuda().disable_event_tracking() };
