@@ -152,7 +152,10 @@ fn a_cold_first_call_skips_uncompiled_candidates() {
         describe(&s),
         kernels::background_compiles()
     );
-    assert!(ms < 2000.0, "the cold first call took {ms:.1} ms");
+    assert!(
+        ms < 2000.0 || common::under_sanitizer(),
+        "the cold first call took {ms:.1} ms"
+    );
     let skipped: Vec<Direction> = Direction::ALL
         .into_iter()
         .filter(|&d| skipped_for_compilation(&conv, d))
@@ -209,7 +212,7 @@ fn a_second_problem_in_a_cold_process_is_fast() {
     );
     println!("FIRST_CALL first problem {first:.1} ms, second {second:.1} ms (target 300 ms p95)");
     assert!(
-        first < 2000.0 && second < 2000.0,
+        (first < 2000.0 && second < 2000.0) || common::under_sanitizer(),
         "{first:.1} / {second:.1} ms"
     );
 }
@@ -284,5 +287,5 @@ fn a_cold_own_batchnorm_compiles_only_its_units() {
         "the BatchNorm kernel images compiled in this process"
     );
     // Whole batchnorm.cu took NVRTC 7 s on the 2-core build machine; its four units ~1.3 s.
-    assert!(ms < 2000.0, "{ms:.1} ms");
+    assert!(ms < 2000.0 || common::under_sanitizer(), "{ms:.1} ms");
 }
