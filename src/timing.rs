@@ -299,7 +299,7 @@ pub struct Interleaved {
     /// GPU time (ms) of the head starts queued before the samples, all rounds together.
     pub head_start_ms: f64,
     /// Per variant, whether it stopped being timed after the estimate round because it was
-    /// clearly slower than the fastest ([`hopeless`]); its one sample is the estimate.
+    /// over twice the fastest (under a first call's budget); its one sample is the estimate.
     pub pruned: Vec<bool>,
 }
 
