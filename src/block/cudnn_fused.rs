@@ -10,42 +10,14 @@ use std::mem::MaybeUninit;
 
 use cudarc::cudnn::sys as cudnn;
 
-use crate::conv::ConvShape;
+use crate::conv::cudnn::{Conv, Filter, Tensor4d};
+use crate::conv::{ConvShape, CudnnMath};
 use crate::dtype::DType;
-use crate::error::{cudnn_check, Error, Result};
+use crate::error::{cudnn_check, Result};
 use crate::layout::TensorFormat;
 
 const ALGO: cudnn::cudnnConvolutionFwdAlgo_t =
     cudnn::cudnnConvolutionFwdAlgo_t::CUDNN_CONVOLUTION_FWD_ALGO_IMPLICIT_PRECOMP_GEMM;
-
-fn int(v: usize, what: &str) -> Result<i32> {
-    i32::try_from(v)
-        .map_err(|_| Error::NotSupported(format!("{what} = {v} exceeds cuDNN's int sizes")))
-}
-
-struct Tensor(cudnn::cudnnTensorDescriptor_t);
-impl Drop for Tensor {
-    fn drop(&mut self) {
-        // SAFETY: created once, destroyed once; a failure only leaks.
-        let _ = unsafe { cudnn::cudnnDestroyTensorDescriptor(self.0) };
-    }
-}
-
-struct Filter(cudnn::cudnnFilterDescriptor_t);
-impl Drop for Filter {
-    fn drop(&mut self) {
-        // SAFETY: as Tensor.
-        let _ = unsafe { cudnn::cudnnDestroyFilterDescriptor(self.0) };
-    }
-}
-
-struct Conv(cudnn::cudnnConvolutionDescriptor_t);
-impl Drop for Conv {
-    fn drop(&mut self) {
-        // SAFETY: as Tensor.
-        let _ = unsafe { cudnn::cudnnDestroyConvolutionDescriptor(self.0) };
-    }
-}
 
 struct Act(cudnn::cudnnActivationDescriptor_t);
 impl Drop for Act {
@@ -55,36 +27,11 @@ impl Drop for Act {
     }
 }
 
-fn tensor(format: TensorFormat, dtype: DType, dims: [usize; 4]) -> Result<Tensor> {
-    let mut d = MaybeUninit::uninit();
-    // SAFETY: valid out-pointer.
-    cudnn_check(
-        unsafe { cudnn::cudnnCreateTensorDescriptor(d.as_mut_ptr()) },
-        "cudnnCreateTensorDescriptor",
-    )?;
-    // SAFETY: initialised by the successful call.
-    let t = Tensor(unsafe { d.assume_init() });
-    let [n, c, h, w] = [
-        int(dims[0], "n")?,
-        int(dims[1], "channels")?,
-        int(dims[2], "height")?,
-        int(dims[3], "width")?,
-    ];
-    // SAFETY: fresh descriptor.
-    cudnn_check(
-        unsafe {
-            cudnn::cudnnSetTensor4dDescriptor(t.0, format.cudnn(), dtype.cudnn(), n, c, h, w)
-        },
-        "cudnnSetTensor4dDescriptor",
-    )?;
-    Ok(t)
-}
-
 /// Every descriptor of one problem, data type and activation.
 pub(crate) struct CudnnFused {
-    x: Tensor,
-    y: Tensor,
-    bias: Tensor,
+    x: Tensor4d,
+    y: Tensor4d,
+    bias: Tensor4d,
     w: Filter,
     conv: Conv,
     act: Act,
@@ -102,66 +49,16 @@ impl CudnnFused {
     /// Builds the descriptors of `s` in `dtype` with ReLU when `relu` (no GPU work).
     pub(crate) fn new(s: &ConvShape, dtype: DType, relu: bool) -> Result<CudnnFused> {
         let (oh, ow) = s.out_hw()?;
-        let x = tensor(s.format, dtype, [s.n, s.c_in, s.h, s.w])?;
-        let y = tensor(s.format, dtype, [s.n, s.c_out, oh, ow])?;
-        let bias = tensor(TensorFormat::Nchw, dtype, [1, s.c_out, 1, 1])?;
-        let mut d = MaybeUninit::uninit();
-        // SAFETY: valid out-pointer.
-        cudnn_check(
-            unsafe { cudnn::cudnnCreateFilterDescriptor(d.as_mut_ptr()) },
-            "cudnnCreateFilterDescriptor",
-        )?;
-        // SAFETY: initialised by the successful call.
-        let w = Filter(unsafe { d.assume_init() });
-        // SAFETY: fresh descriptor; the format names the filter layout (NHWC = KRSC).
-        cudnn_check(
-            unsafe {
-                cudnn::cudnnSetFilter4dDescriptor(
-                    w.0,
-                    dtype.cudnn(),
-                    s.format.cudnn(),
-                    int(s.c_out, "c_out")?,
-                    int(s.c_in, "c_in")?,
-                    int(s.kh, "kh")?,
-                    int(s.kw, "kw")?,
-                )
-            },
-            "cudnnSetFilter4dDescriptor",
-        )?;
-        let mut d = MaybeUninit::uninit();
-        // SAFETY: valid out-pointer.
-        cudnn_check(
-            unsafe { cudnn::cudnnCreateConvolutionDescriptor(d.as_mut_ptr()) },
-            "cudnnCreateConvolutionDescriptor",
-        )?;
-        // SAFETY: initialised by the successful call.
-        let conv = Conv(unsafe { d.assume_init() });
-        // SAFETY: fresh descriptor.
-        cudnn_check(
-            unsafe {
-                cudnn::cudnnSetConvolution2dDescriptor(
-                    conv.0,
-                    int(s.pad.0, "pad")?,
-                    int(s.pad.1, "pad")?,
-                    int(s.stride.0, "stride")?,
-                    int(s.stride.1, "stride")?,
-                    int(s.dilation.0, "dilation")?,
-                    int(s.dilation.1, "dilation")?,
-                    cudnn::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
-                    cudnn::cudnnDataType_t::CUDNN_DATA_FLOAT,
-                )
-            },
-            "cudnnSetConvolution2dDescriptor",
-        )?;
+        let x = Tensor4d::new(s.format, dtype, [s.n, s.c_in, s.h, s.w])?;
+        let y = Tensor4d::new(s.format, dtype, [s.n, s.c_out, oh, ow])?;
+        let bias = Tensor4d::new(TensorFormat::Nchw, dtype, [1, s.c_out, 1, 1])?;
+        let w = Filter::new(s, dtype)?;
+        // FMA for f32 (true f32, no TF32), tensor ops for f16/bf16.
         let math = match dtype {
-            DType::F32 => cudnn::cudnnMathType_t::CUDNN_FMA_MATH,
-            DType::F16 | DType::BF16 => cudnn::cudnnMathType_t::CUDNN_TENSOR_OP_MATH,
+            DType::F32 => CudnnMath::Fma,
+            DType::F16 | DType::BF16 => CudnnMath::TensorOp,
         };
-        // SAFETY: valid descriptor.
-        cudnn_check(
-            unsafe { cudnn::cudnnSetConvolutionMathType(conv.0, math) },
-            "cudnnSetConvolutionMathType",
-        )?;
+        let conv = Conv::new(s, math)?;
         let mut d = MaybeUninit::uninit();
         // SAFETY: valid out-pointer.
         cudnn_check(

@@ -9,7 +9,6 @@
 //! problem and ReLU flag with the bias pointer fixed (the block owns the bias).
 
 use std::ffi::{c_int, c_void};
-use std::mem::size_of;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::cublas::sys::cublasOperation_t;
@@ -18,65 +17,14 @@ use cudarc::cublaslt::{result as lt, sys};
 use super::plan::GemmGeometry;
 use crate::dtype::DType;
 use crate::error::{CallExt, Error, Result};
+use crate::gemm::lt::{
+    data_type, set_desc, set_pref, Layout, MatmulDesc as Desc, Preference as Pref,
+};
 use crate::gemm::WORKSPACE_BYTES;
 
 /// Alignment (bytes) the chosen algorithm may assume of every operand; calls with operands
 /// aligned less take the unfused route.
 pub(crate) const OPERAND_ALIGNMENT: u64 = 16;
-
-fn data_type(d: DType) -> sys::cudaDataType {
-    match d {
-        DType::F32 => sys::cudaDataType::CUDA_R_32F,
-        DType::F16 => sys::cudaDataType::CUDA_R_16F,
-        DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
-    }
-}
-
-struct Desc(sys::cublasLtMatmulDesc_t);
-impl Drop for Desc {
-    fn drop(&mut self) {
-        // SAFETY: created by cublasLtMatmulDescCreate, destroyed once here.
-        let _ = unsafe { lt::destroy_matmul_desc(self.0) };
-    }
-}
-
-struct Layout(sys::cublasLtMatrixLayout_t);
-impl Drop for Layout {
-    fn drop(&mut self) {
-        // SAFETY: created by cublasLtMatrixLayoutCreate, destroyed once here.
-        let _ = unsafe { lt::destroy_matrix_layout(self.0) };
-    }
-}
-
-struct Pref(sys::cublasLtMatmulPreference_t);
-impl Drop for Pref {
-    fn drop(&mut self) {
-        // SAFETY: created by cublasLtMatmulPreferenceCreate, destroyed once here.
-        let _ = unsafe { lt::destroy_matmul_pref(self.0) };
-    }
-}
-
-/// # Safety
-/// `d` live; `T` the attribute's documented type.
-unsafe fn set_desc<T>(
-    d: sys::cublasLtMatmulDesc_t,
-    a: sys::cublasLtMatmulDescAttributes_t,
-    v: &T,
-) -> Result<()> {
-    lt::set_matmul_desc_attribute(d, a, v as *const T as *const c_void, size_of::<T>())
-        .call("cublasLtMatmulDescSetAttribute")
-}
-
-/// # Safety
-/// As [`set_desc`].
-unsafe fn set_pref<T>(
-    p: sys::cublasLtMatmulPreference_t,
-    a: sys::cublasLtMatmulPreferenceAttributes_t,
-    v: &T,
-) -> Result<()> {
-    lt::set_matmul_pref_attribute(p, a, v as *const T as *const c_void, size_of::<T>())
-        .call("cublasLtMatmulPreferenceSetAttribute")
-}
 
 /// The operands of one call (device addresses).
 #[derive(Debug, Clone, Copy)]

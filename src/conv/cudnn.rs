@@ -144,7 +144,7 @@ fn unknown_algo(d: Direction, id: u32) -> Error {
 
 /// An owned 4-D `cudnnTensorDescriptor_t`.
 #[derive(Debug)]
-struct Tensor4d(cudnn::cudnnTensorDescriptor_t);
+pub(crate) struct Tensor4d(pub(crate) cudnn::cudnnTensorDescriptor_t);
 
 // SAFETY: written once at creation, only read afterwards; cuDNN allows concurrent reads.
 unsafe impl Send for Tensor4d {}
@@ -163,7 +163,7 @@ fn int(v: usize, what: &str) -> Result<i32> {
 }
 
 impl Tensor4d {
-    fn new(format: TensorFormat, dtype: DType, dims: [usize; 4]) -> Result<Tensor4d> {
+    pub(crate) fn new(format: TensorFormat, dtype: DType, dims: [usize; 4]) -> Result<Tensor4d> {
         let [n, c, h, w] = [
             int(dims[0], "n")?,
             int(dims[1], "channels")?,
@@ -201,14 +201,14 @@ impl Drop for Tensor4d {
 
 /// An owned `cudnnFilterDescriptor_t` (KCRS for NCHW, KRSC for NHWC).
 #[derive(Debug)]
-struct Filter(cudnn::cudnnFilterDescriptor_t);
+pub(crate) struct Filter(pub(crate) cudnn::cudnnFilterDescriptor_t);
 
 // SAFETY: as Tensor4d.
 unsafe impl Send for Filter {}
 unsafe impl Sync for Filter {}
 
 impl Filter {
-    fn new(s: &ConvShape, dtype: DType) -> Result<Filter> {
+    pub(crate) fn new(s: &ConvShape, dtype: DType) -> Result<Filter> {
         let (k, c, r, q) = (
             int(s.c_out, "c_out")?,
             int(s.c_in, "c_in")?,
@@ -246,14 +246,14 @@ impl Drop for Filter {
 
 /// An owned `cudnnConvolutionDescriptor_t` of one math type.
 #[derive(Debug)]
-struct Conv(cudnn::cudnnConvolutionDescriptor_t);
+pub(crate) struct Conv(pub(crate) cudnn::cudnnConvolutionDescriptor_t);
 
 // SAFETY: as Tensor4d (the math type is set at creation, never changed).
 unsafe impl Send for Conv {}
 unsafe impl Sync for Conv {}
 
 impl Conv {
-    fn new(s: &ConvShape, math: CudnnMath) -> Result<Conv> {
+    pub(crate) fn new(s: &ConvShape, math: CudnnMath) -> Result<Conv> {
         let mut d = MaybeUninit::uninit();
         // SAFETY: valid out-pointer.
         cudnn_check(

@@ -30,7 +30,7 @@ use crate::error::{CallExt, Error, Result};
 /// `cublasLtMatmul`).
 pub const WORKSPACE_BYTES: usize = 32 << 20;
 
-fn data_type(d: DType) -> sys::cudaDataType {
+pub(crate) fn data_type(d: DType) -> sys::cudaDataType {
     match d {
         DType::F32 => sys::cudaDataType::CUDA_R_32F,
         DType::F16 => sys::cudaDataType::CUDA_R_16F,
@@ -90,7 +90,7 @@ pub(crate) struct Ptrs {
     pub c: u64,
 }
 
-struct MatmulDesc(sys::cublasLtMatmulDesc_t);
+pub(crate) struct MatmulDesc(pub(crate) sys::cublasLtMatmulDesc_t);
 
 impl Drop for MatmulDesc {
     fn drop(&mut self) {
@@ -99,7 +99,7 @@ impl Drop for MatmulDesc {
     }
 }
 
-struct Layout(sys::cublasLtMatrixLayout_t);
+pub(crate) struct Layout(pub(crate) sys::cublasLtMatrixLayout_t);
 
 impl Drop for Layout {
     fn drop(&mut self) {
@@ -108,7 +108,7 @@ impl Drop for Layout {
     }
 }
 
-struct Preference(sys::cublasLtMatmulPreference_t);
+pub(crate) struct Preference(pub(crate) sys::cublasLtMatmulPreference_t);
 
 impl Drop for Preference {
     fn drop(&mut self) {
@@ -119,7 +119,7 @@ impl Drop for Preference {
 
 /// # Safety
 /// `desc` must be live; `T` must be the attribute's documented type.
-unsafe fn set_desc<T>(
+pub(crate) unsafe fn set_desc<T>(
     desc: sys::cublasLtMatmulDesc_t,
     attr: sys::cublasLtMatmulDescAttributes_t,
     v: &T,
@@ -130,7 +130,7 @@ unsafe fn set_desc<T>(
 
 /// # Safety
 /// As [`set_desc`].
-unsafe fn set_layout<T>(
+pub(crate) unsafe fn set_layout<T>(
     l: sys::cublasLtMatrixLayout_t,
     attr: sys::cublasLtMatrixLayoutAttribute_t,
     v: &T,
@@ -141,7 +141,7 @@ unsafe fn set_layout<T>(
 
 /// # Safety
 /// As [`set_desc`].
-unsafe fn set_pref<T>(
+pub(crate) unsafe fn set_pref<T>(
     p: sys::cublasLtMatmulPreference_t,
     attr: sys::cublasLtMatmulPreferenceAttributes_t,
     v: &T,

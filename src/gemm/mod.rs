@@ -79,7 +79,7 @@ mod algo;
 mod choices;
 mod cublas;
 mod entry;
-mod lt;
+pub(crate) mod lt;
 mod names;
 mod problem;
 mod scratch;
