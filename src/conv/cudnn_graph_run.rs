@@ -24,7 +24,7 @@ use crate::tune::budget::Budget;
 /// Most engine configs of the graph API that an exhaustive decision
 /// ([`Config::conv_tune_budget_ms`] = 0) measures per problem and direction (the heuristics
 /// list about 5 to 10; those the policy refuses do not count). A budgeted first call takes
-/// [`GraphLimits::FIRST_CALL`]: the heuristics' top 3 (the fallback list's best only when they gave fewer than 2).
+/// [`GraphLimits::FIRST_CALL`]: the heuristics' top 5 (the fallback list's best only when they gave fewer than 2).
 pub const MAX_GRAPH_CANDIDATES: usize = 8;
 
 /// The engine policy of `config`: true f32 (no TF32), f32 accumulation, deterministic engines
