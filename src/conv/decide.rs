@@ -251,18 +251,7 @@ impl<T: Element> Conv2d<T> {
         };
         execs.retain(|e| e.route.path.winograd_tile().is_none());
         execs.push(exec);
-        let inp = MeasureInput {
-            ctx: &self.ctx,
-            shape: &self.core.shape,
-            dtype: self.core.dtype,
-            direction: d,
-            cudnn: self.core.cudnn.as_deref(),
-            execs: &execs,
-            operands: p,
-            lens: self.core.lens,
-            budget,
-            direct_reference: true,
-        };
+        let inp = self.measure_input(d, &execs, p, budget, true);
         match choice::verify(&inp) {
             Ok((true, report)) => Ok(report),
             Ok((false, report)) => {
@@ -368,18 +357,7 @@ impl<T: Element> Conv2d<T> {
                     .into(),
             );
         }
-        let inp = MeasureInput {
-            ctx: &self.ctx,
-            shape: &self.core.shape,
-            dtype: self.core.dtype,
-            direction: d,
-            cudnn: self.core.cudnn.as_deref(),
-            execs,
-            operands: p,
-            lens: self.core.lens,
-            budget,
-            direct_reference,
-        };
+        let inp = self.measure_input(d, execs, p, budget, direct_reference);
         match choice::measure(&inp) {
             Ok((w, mut report)) => {
                 if let Some(n) = choice::budget_note(&report, &budget) {
@@ -671,6 +649,30 @@ impl<T: Element> Conv2d<T> {
         self.core.exec_of(&self.ctx, d, r)
     }
 
+    /// The input of a measurement of direction `d` of this problem: `execs` in measuring order
+    /// on operands `p`, under `budget`.
+    fn measure_input<'a>(
+        &'a self,
+        d: Direction,
+        execs: &'a [Exec],
+        p: CudnnPtrs,
+        budget: Budget,
+        direct_reference: bool,
+    ) -> MeasureInput<'a> {
+        MeasureInput {
+            ctx: &self.ctx,
+            shape: &self.core.shape,
+            dtype: self.core.dtype,
+            direction: d,
+            cudnn: self.core.cudnn.as_deref(),
+            execs,
+            operands: p,
+            lens: self.core.lens,
+            budget,
+            direct_reference,
+        }
+    }
+
     /// cuDNN's first legacy algorithm, measured beside a graph listing that finalized fewer
     /// than 2 engine configs (`graph_configs`): with one config there is nothing to compare, and
     /// on the H100 a lone heuristic config ran the ResNet-50 stem's forward at 191 µs where the
@@ -754,18 +756,7 @@ impl<T: Element> Conv2d<T> {
             )));
         }
         execs.extend(self.true_f32_companion(d, p, &mut notes));
-        let inp = MeasureInput {
-            ctx: &self.ctx,
-            shape: &self.core.shape,
-            dtype: self.core.dtype,
-            direction: d,
-            cudnn: self.core.cudnn.as_deref(),
-            execs: &execs,
-            operands: p,
-            lens: self.core.lens,
-            budget,
-            direct_reference: true,
-        };
+        let inp = self.measure_input(d, &execs, p, budget, true);
         let (_, report) = choice::verify(&inp)?;
         let passed = report
             .candidates
