@@ -8,7 +8,7 @@
 //! Descriptors are owned (destroyed on drop; a failed destroy only leaks), built once per
 //! problem and ReLU flag with the bias pointer fixed (the block owns the bias).
 
-use std::ffi::{c_int, c_void};
+use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::cublas::sys::cublasOperation_t;
@@ -17,9 +17,8 @@ use cudarc::cublaslt::{result as lt, sys};
 use super::plan::GemmGeometry;
 use crate::dtype::DType;
 use crate::error::{CallExt, Error, Result};
-use crate::gemm::lt::{
-    data_type, set_desc, set_pref, Layout, MatmulDesc as Desc, Preference as Pref,
-};
+use crate::gemm::lt::{data_type, heuristic, set_desc, Layout, MatmulDesc as Desc};
+use crate::gemm::Alignment;
 use crate::gemm::WORKSPACE_BYTES;
 
 /// Alignment (bytes) the chosen algorithm may assume of every operand; calls with operands
@@ -108,44 +107,20 @@ impl EpilogueGemm {
         let a = layout(g.k, g.m, g.k)?;
         let b = layout(g.k, g.n, g.k)?;
         let cd = layout(g.m, g.n, g.m)?;
-        let pref = Pref(lt::create_matmul_pref().call("cublasLtMatmulPreferenceCreate")?);
-        use sys::cublasLtMatmulPreferenceAttributes_t as P;
-        // SAFETY: live preference; MAX_WORKSPACE_BYTES uint64_t, MIN_ALIGNMENT_* uint32_t.
-        unsafe {
-            set_pref(
-                pref.0,
-                P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                &(WORKSPACE_BYTES as u64),
-            )?;
-            for attr in [
-                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-            ] {
-                set_pref(pref.0, attr, &(OPERAND_ALIGNMENT as u32))?;
-            }
-        }
-        // SAFETY: a plain C struct of integers, floats and a status enum whose 0 is SUCCESS.
-        let zero: sys::cublasLtMatmulHeuristicResult_t = unsafe { std::mem::zeroed() };
-        let mut results = vec![zero; MAX_ALGOS];
-        let mut returned: c_int = 0;
-        // SAFETY: live descriptors; MAX_ALGOS result slots.
-        let status = unsafe {
-            sys::cublasLtMatmulAlgoGetHeuristic(
-                h,
-                desc.0,
-                a.0,
-                b.0,
-                cd.0,
-                cd.0,
-                pref.0,
-                MAX_ALGOS as c_int,
-                results.as_mut_ptr(),
-                &mut returned,
-            )
-        };
-        if status == sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED || returned < 1 {
+        let all = OPERAND_ALIGNMENT as u16;
+        let found = heuristic(
+            h,
+            &desc,
+            [&a, &b, &cd],
+            Alignment {
+                a: all,
+                b: all,
+                c: all,
+            },
+            WORKSPACE_BYTES,
+            MAX_ALGOS,
+        )?;
+        if found.is_empty() {
             return Err(Error::NotSupported(format!(
                 "cuBLASLt has no algorithm for the {}x{}x{} {dtype} GEMM with the {} epilogue",
                 g.m,
@@ -154,15 +129,10 @@ impl EpilogueGemm {
                 if relu { "RELU_BIAS" } else { "BIAS" }
             )));
         }
-        status.result().call("cublasLtMatmulAlgoGetHeuristic")?;
-        results.truncate((returned.max(0) as usize).min(MAX_ALGOS));
-        let algos: Vec<_> = results
+        let algos: Vec<_> = found
             .into_iter()
-            .filter(|r| {
-                r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS
-                    && r.workspaceSize <= WORKSPACE_BYTES
-            })
-            .map(|r| r.algo)
+            .filter(|&(_, ws)| ws <= WORKSPACE_BYTES)
+            .map(|(algo, _)| algo)
             .collect();
         if algos.is_empty() {
             return Err(Error::NotSupported(

@@ -108,7 +108,7 @@ impl Drop for Layout {
     }
 }
 
-pub(crate) struct Preference(pub(crate) sys::cublasLtMatmulPreference_t);
+struct Preference(sys::cublasLtMatmulPreference_t);
 
 impl Drop for Preference {
     fn drop(&mut self) {
@@ -130,7 +130,7 @@ pub(crate) unsafe fn set_desc<T>(
 
 /// # Safety
 /// As [`set_desc`].
-pub(crate) unsafe fn set_layout<T>(
+unsafe fn set_layout<T>(
     l: sys::cublasLtMatrixLayout_t,
     attr: sys::cublasLtMatrixLayoutAttribute_t,
     v: &T,
@@ -141,7 +141,7 @@ pub(crate) unsafe fn set_layout<T>(
 
 /// # Safety
 /// As [`set_desc`].
-pub(crate) unsafe fn set_pref<T>(
+unsafe fn set_pref<T>(
     p: sys::cublasLtMatmulPreference_t,
     attr: sys::cublasLtMatmulPreferenceAttributes_t,
     v: &T,
@@ -154,6 +154,64 @@ fn zeroed_result() -> sys::cublasLtMatmulHeuristicResult_t {
     // SAFETY: a plain C struct of integers, floats and a status enum whose 0 is
     // CUBLAS_STATUS_SUCCESS: all-zero bytes are a valid value.
     unsafe { std::mem::zeroed() }
+}
+
+/// Up to `count` (1 to 64) candidates of `cublasLtMatmulAlgoGetHeuristic` for the matmul
+/// descriptor `desc` and the layouts of A, B and C (= D), with operands aligned to `align`
+/// bytes and a workspace of at most `max_workspace` bytes: `(algorithm, workspace bytes)` in the
+/// heuristic's order, only those it reports usable; empty when cuBLASLt supports none. The one
+/// heuristic query of the GEMM search and of the folded block's epilogue GEMM.
+pub(crate) fn heuristic(
+    handle: sys::cublasLtHandle_t,
+    desc: &MatmulDesc,
+    [a, b, c]: [&Layout; 3],
+    align: Alignment,
+    max_workspace: usize,
+    count: usize,
+) -> Result<Vec<(sys::cublasLtMatmulAlgo_t, usize)>> {
+    let pref = Preference(lt::create_matmul_pref().call("cublasLtMatmulPreferenceCreate")?);
+    use sys::cublasLtMatmulPreferenceAttributes_t as P;
+    let ws = max_workspace as u64;
+    // SAFETY: live preference; MAX_WORKSPACE_BYTES is uint64_t, MIN_ALIGNMENT_* uint32_t.
+    unsafe {
+        set_pref(pref.0, P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws)?;
+        for (attr, bytes) in [
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align.a),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align.b),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align.c),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align.c),
+        ] {
+            set_pref(pref.0, attr, &(bytes as u32))?;
+        }
+    }
+    let count = count.clamp(1, 64);
+    let mut results = vec![zeroed_result(); count];
+    let mut returned: c_int = 0;
+    // SAFETY: the caller's descriptors are live; `results` holds `count` entries.
+    let status = unsafe {
+        sys::cublasLtMatmulAlgoGetHeuristic(
+            handle,
+            desc.0,
+            a.0,
+            b.0,
+            c.0,
+            c.0,
+            pref.0,
+            count as c_int,
+            results.as_mut_ptr(),
+            &mut returned,
+        )
+    };
+    if status == sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED {
+        return Ok(Vec::new());
+    }
+    status.result().call("cublasLtMatmulAlgoGetHeuristic")?;
+    results.truncate((returned.max(0) as usize).min(count));
+    Ok(results
+        .into_iter()
+        .filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
+        .map(|r| (r.algo, r.workspaceSize))
+        .collect())
 }
 
 /// The descriptors of one problem: a matmul descriptor and the layouts of A, B and C (= D).
@@ -231,60 +289,17 @@ impl LtDescriptors {
         max_workspace: usize,
         count: usize,
     ) -> Result<Vec<(LtAlgo, usize)>> {
-        let pref = Preference(lt::create_matmul_pref().call("cublasLtMatmulPreferenceCreate")?);
-        use sys::cublasLtMatmulPreferenceAttributes_t as P;
-        let ws = max_workspace as u64;
-        // SAFETY: live preference; MAX_WORKSPACE_BYTES is uint64_t, MIN_ALIGNMENT_* uint32_t.
-        unsafe {
-            set_pref(pref.0, P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws)?;
-            set_pref(
-                pref.0,
-                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                &(align.a as u32),
-            )?;
-            set_pref(
-                pref.0,
-                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                &(align.b as u32),
-            )?;
-            set_pref(
-                pref.0,
-                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                &(align.c as u32),
-            )?;
-            set_pref(
-                pref.0,
-                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                &(align.c as u32),
-            )?;
-        }
-        let count = count.clamp(1, 64);
-        let mut results = vec![zeroed_result(); count];
-        let mut returned: c_int = 0;
-        // SAFETY: live descriptors; `results` holds `count` entries.
-        let status = unsafe {
-            sys::cublasLtMatmulAlgoGetHeuristic(
-                handle,
-                self.desc.0,
-                self.a.0,
-                self.b.0,
-                self.c.0,
-                self.c.0,
-                pref.0,
-                count as c_int,
-                results.as_mut_ptr(),
-                &mut returned,
-            )
-        };
-        if status == sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED {
-            return Ok(Vec::new());
-        }
-        status.result().call("cublasLtMatmulAlgoGetHeuristic")?;
-        results.truncate((returned.max(0) as usize).min(count));
-        Ok(results
+        let found = heuristic(
+            handle,
+            &self.desc,
+            [&self.a, &self.b, &self.c],
+            align,
+            max_workspace,
+            count,
+        )?;
+        Ok(found
             .into_iter()
-            .filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
-            .map(|r| (LtAlgo(r.algo.data), r.workspaceSize))
+            .map(|(algo, ws)| (LtAlgo(algo.data), ws))
             .collect())
     }
 
