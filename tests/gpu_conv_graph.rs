@@ -140,6 +140,37 @@ fn admitted<T: Element>(ctx: &Context, s: &ConvShape, d: Direction) -> Vec<Route
         .collect()
 }
 
+/// The graph path's filter gradient added to what dw holds (beta = 1 through the graph),
+/// against the f64 gradient plus the old dw; a failure is pushed onto `failures`.
+fn accumulated_dw<T: Element>(
+    ctx: &Context,
+    conv: &Conv2d<T>,
+    s: &ConvShape,
+    v: &Data<T>,
+    rng: &mut Rng,
+    tol: f64,
+    failures: &mut Vec<String>,
+) {
+    let base: Vec<T> = rng.vec(s.w_len().unwrap(), -1.0, 1.0);
+    let mut dw = upload(ctx, &base);
+    let r = Route::path(ConvPath::CudnnGraph);
+    let what = format!("{} {} accumulated dw {}", describe(s), T::DTYPE, r.label());
+    match conv.backward_filter_with(r, &v.xb, &v.dyb, &mut dw, true) {
+        Ok(()) => {
+            let want: Vec<f64> = reference(s, Direction::BackwardFilter, v)
+                .iter()
+                .zip(f64s(&base))
+                .map(|(g, b)| g + b)
+                .collect();
+            let got = f64s(&download(ctx, &dw));
+            if let Err(m) = compare(&what, &got, &want, tol) {
+                failures.push(m);
+            }
+        }
+        Err(e) => failures.push(format!("{what}: failed to run: {e}")),
+    }
+}
+
 /// Every direction of every problem of `format` in `T`: the graph path forced (its first admitted
 /// engine config) and each admitted config, against f64; the filter gradient accumulating.
 fn every_direction<T: Element>(format: TensorFormat) {
@@ -182,25 +213,7 @@ fn every_direction<T: Element>(format: TensorFormat) {
                 }
             }
         }
-        // The filter gradient added to what dw holds (beta = 1 through the graph).
-        let base: Vec<T> = rng.vec(s.w_len().unwrap(), -1.0, 1.0);
-        let mut dw = upload(&ctx, &base);
-        let r = Route::path(ConvPath::CudnnGraph);
-        let what = format!("{} {} accumulated dw {}", describe(&s), T::DTYPE, r.label());
-        match conv.backward_filter_with(r, &v.xb, &v.dyb, &mut dw, true) {
-            Ok(()) => {
-                let want: Vec<f64> = reference(&s, Direction::BackwardFilter, &v)
-                    .iter()
-                    .zip(f64s(&base))
-                    .map(|(g, b)| g + b)
-                    .collect();
-                let got = f64s(&download(&ctx, &dw));
-                if let Err(m) = compare(&what, &got, &want, tol) {
-                    failures.push(m);
-                }
-            }
-            Err(e) => failures.push(format!("{what}: failed to run: {e}")),
-        }
+        accumulated_dw(&ctx, &conv, &s, &v, &mut rng, tol, &mut failures);
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
@@ -292,25 +305,7 @@ fn f32_every_direction(format: TensorFormat) {
                 Err(e) => failures.push(format!("{what}: failed to run: {e}")),
             }
         }
-        // The filter gradient added to what dw holds (beta = 1 through the graph).
-        let base: Vec<f32> = rng.vec(s.w_len().unwrap(), -1.0, 1.0);
-        let mut dw = upload(&ctx, &base);
-        let r = Route::path(ConvPath::CudnnGraph);
-        let what = format!("{} f32 accumulated dw {}", describe(&s), r.label());
-        match conv.backward_filter_with(r, &v.xb, &v.dyb, &mut dw, true) {
-            Ok(()) => {
-                let want: Vec<f64> = reference(&s, Direction::BackwardFilter, &v)
-                    .iter()
-                    .zip(f64s(&base))
-                    .map(|(g, b)| g + b)
-                    .collect();
-                let got = f64s(&download(&ctx, &dw));
-                if let Err(m) = compare(&what, &got, &want, F32_TOL) {
-                    failures.push(m);
-                }
-            }
-            Err(e) => failures.push(format!("{what}: failed to run: {e}")),
-        }
+        accumulated_dw(&ctx, &conv, &s, &v, &mut rng, F32_TOL, &mut failures);
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
