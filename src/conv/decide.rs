@@ -36,7 +36,7 @@ impl<T: Element> Conv2d<T> {
     ) -> Result<(Vec<Exec>, Vec<String>, ChoiceOrigin)> {
         let conv = self.core.cudnn_conv()?.clone();
         let cfg = self.ctx.config();
-        let cap = cfg.conv_workspace_bytes();
+        let cap = cfg.cudnn_workspace_bytes();
         let det = cfg.deterministic && d != Direction::Forward;
         let list = {
             let mut g = self.ctx.lock()?;

@@ -170,7 +170,7 @@ impl Core {
         let cudnn_ws = match (r.path, r.cudnn_algo) {
             (ConvPath::Cudnn, Some(a)) => {
                 let ws = self.cudnn_ws(ctx, a)?;
-                let cap = ctx.config().conv_workspace_bytes();
+                let cap = ctx.config().cudnn_workspace_bytes();
                 if ws > cap {
                     return Err(Error::NotSupported(format!(
                         "cuDNN algorithm {} needs {ws} B of workspace, over the cap of {cap} B",
