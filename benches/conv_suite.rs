@@ -175,6 +175,9 @@ fn run_problem<T: Element + DeviceRepr>(
         if std::env::var_os("NNFUSE_SUITE_REPORTS").is_some() {
             if let Some(c) = conv.choice(d) {
                 println!("<!-- {} {:?} first {first_ms:.1} ms: {c}", p.name, d);
+                for n in &c.notes {
+                    println!("note: {n}");
+                }
                 if let Some(r) = conv.report(d) {
                     println!("{r}");
                 }

@@ -14,7 +14,7 @@ use super::route::Exec;
 use super::state::Core;
 use crate::config::Config;
 use crate::context::Context;
-use crate::cudnn_graph::graph_conv::GraphConv;
+use crate::cudnn_graph::graph_conv::{Admitted, GraphConv};
 use crate::cudnn_graph::key::GraphConvKey;
 use crate::cudnn_graph::layout::{alignment_of, MAX_ALIGNMENT};
 use crate::cudnn_graph::notes::{GraphLimits, GraphPolicy};
@@ -23,9 +23,10 @@ use crate::tune::budget::Budget;
 
 /// Most engine configs of the graph API that an exhaustive decision
 /// ([`Config::conv_tune_budget_ms`] = 0) measures per problem and direction (the heuristics
-/// list about 5 to 10; those the policy refuses do not count). A budgeted first call takes
-/// [`GraphLimits::FIRST_CALL`]: the heuristics' top 5 (the fallback list's best only when they gave fewer than 2).
-pub const MAX_GRAPH_CANDIDATES: usize = 8;
+/// list 3 to 40 on the H100; those the policy refuses do not count). A budgeted first call takes
+/// [`GraphLimits::FIRST_CALL`]: the first 10 of the heuristics' and the fallback list's, without
+/// cuDNN's reference engine.
+pub const MAX_GRAPH_CANDIDATES: usize = 16;
 
 /// The engine policy of `config`: true f32 (no TF32), f32 accumulation, deterministic engines
 /// only under [`Config::deterministic`], and no run-time compilation (finalizing such an engine
@@ -151,6 +152,7 @@ pub(super) fn engine_execs(
     );
     match admitted {
         Ok(a) => {
+            notes.push(finalize_note(&a));
             if !a.skipped.is_empty() {
                 notes.push(format!(
                     "cudnn_graph: {} of {} listed engine configs passed over: {}",
@@ -178,6 +180,26 @@ pub(super) fn engine_execs(
             Vec::new()
         }
     }
+}
+
+/// Where a first call's host time before measuring went: the listing, then the finalizations
+/// (engines differ by 100x here, and a first call's budget pays for every one).
+fn finalize_note(a: &Admitted) -> String {
+    let total: f64 = a.finalize_ms.iter().map(|t| t.1).sum();
+    let slowest = a
+        .finalize_ms
+        .iter()
+        .max_by(|x, y| x.1.total_cmp(&y.1))
+        .map(|(label, ms, ok)| {
+            let outcome = if *ok { "" } else { ", not admitted" };
+            format!("; slowest {label} {ms:.1} ms{outcome}")
+        })
+        .unwrap_or_default();
+    format!(
+        "cudnn_graph: listing {:.1} ms; {} finalizations {total:.1} ms{slowest}",
+        a.listing_ms,
+        a.finalize_ms.len()
+    )
 }
 
 /// Whether a cached or tuning-file graph route fits `plan` and still runs here: the plan's

@@ -118,6 +118,11 @@ pub struct Admitted {
     pub skipped: Vec<Skipped>,
     /// Configs the heuristics listed.
     pub listed: usize,
+    /// Host ms of building the graph and listing its engine configs.
+    pub listing_ms: f64,
+    /// Host ms of each finalization tried (configs the policy refused cost none), in list
+    /// order: the config's label and whether it became a plan.
+    pub finalize_ms: Vec<(String, f64, bool)>,
 }
 
 /// Why a plan of `cfg` cannot serve: the policy's reason, the workspace cap, or the
@@ -133,12 +138,34 @@ fn try_plan(
     }
     match ExecutionPlan::new(handle, &cfg.desc) {
         Ok(plan) if plan.workspace() > cap => Err(format!(
-            "workspace {} bytes above the cap of {cap} (conv_workspace_mb)",
+            "workspace {} bytes above the cap of {cap} (cudnn_workspace_mb)",
             plan.workspace()
         )),
         Ok(plan) => Ok(plan),
         Err(e) => Err(format!("{e} ({})", build::last_message())),
     }
+}
+
+/// [`try_plan`], with the host time of a finalization it tried added to `times` (a config the
+/// policy refuses is not finalized and adds nothing).
+fn timed_plan(
+    handle: cudarc::cudnn::sys::cudnnHandle_t,
+    cfg: &build::EngineConfig,
+    key: &GraphConvKey,
+    cap: usize,
+    times: &mut Vec<(String, f64, bool)>,
+) -> std::result::Result<ExecutionPlan, String> {
+    if let Err(r) = admit_conv(&cfg.info, key.dtype, key.direction, &key.policy) {
+        return Err(r.to_string());
+    }
+    let started = Instant::now();
+    let plan = try_plan(handle, cfg, key, cap);
+    times.push((
+        cfg.info.label(),
+        started.elapsed().as_secs_f64() * 1e3,
+        plan.is_ok(),
+    ));
+    plan
 }
 
 impl GraphConv {
@@ -159,7 +186,7 @@ impl GraphConv {
         let mut g = ctx.lock()?;
         let handle = g.cudnn()?;
         let parts = Arc::new(GraphParts::build(handle, &key)?);
-        let cap = ctx.config().conv_workspace_bytes();
+        let cap = ctx.config().cudnn_workspace_bytes();
         let (listed, skipped, cfg, plan) = match key.engine {
             Some(e) => {
                 let desc = build::engine_config_of(&parts.graph, &e)?;
@@ -251,28 +278,32 @@ impl GraphConv {
         build::available()?;
         let key = key.with_engine(None);
         key.validate()?;
-        let cap = ctx.config().conv_workspace_bytes();
+        let cap = ctx.config().cudnn_workspace_bytes();
         let mut built = Vec::new();
         let mut skipped = Vec::new();
+        let mut finalize_ms = Vec::new();
         let listed;
+        let listing_ms;
         {
             let mut g = ctx.lock()?;
             let handle = g.cudnn()?;
+            let started = Instant::now();
             let parts = Arc::new(GraphParts::build(handle, &key)?);
             let configs = build::engine_configs(&parts.graph)?;
+            listing_ms = started.elapsed().as_secs_f64() * 1e3;
             listed = configs.len();
             let all: Vec<EngineInfo> = configs.iter().map(|c| c.info.clone()).collect();
             let mut per_list = (0usize, 0usize);
             for cfg in configs {
                 let out_of_time = deadline.is_some_and(|d| Instant::now() >= d);
-                let passed = pass_over(cfg.info.source, per_list, limits, out_of_time);
+                let passed = pass_over(&cfg.info, per_list, limits, out_of_time);
                 let reason = match (cfg.info.engine(), passed) {
                     (None, _) => Some(format!(
                         "more than {} knob choices",
                         crate::conv::problem::MAX_GRAPH_KNOBS
                     )),
                     (Some(_), Some(why)) => Some(why),
-                    (Some(e), None) => match try_plan(handle, &cfg, &key, cap) {
+                    (Some(e), None) => match timed_plan(handle, &cfg, &key, cap, &mut finalize_ms) {
                         Ok(plan) => {
                             match cfg.info.source {
                                 HeurSource::Fallback => per_list.1 += 1,
@@ -323,12 +354,16 @@ impl GraphConv {
             admitted = plans.len(),
             engines = ?plans.iter().map(|p| p.chosen.label()).collect::<Vec<_>>(),
             passed_over = ?skipped.iter().map(|s| format!("{}: {}", s.engine.label(), s.reason)).collect::<Vec<_>>(),
+            listing_ms,
+            finalize_ms = ?finalize_ms,
             "cuDNN graph engine configs prepared for measurement"
         );
         Ok(Admitted {
             plans,
             skipped,
             listed,
+            listing_ms,
+            finalize_ms,
         })
     }
 
