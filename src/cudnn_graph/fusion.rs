@@ -5,7 +5,7 @@
 //! variant pack of the named real tensors. Each attribute set is checked (errors name it).
 //!
 //! The patterns themselves (which operations, which tensors) live in
-//! [`super::fusion_patterns`]; this file knows no pattern. Tensor specs are pure and tested on
+//! `fusion_patterns.rs`; this file knows no pattern. Tensor specs are pure and tested on
 //! the CPU; everything else calls cuDNN (no device work before an execution).
 
 use std::time::Instant;
@@ -495,7 +495,7 @@ impl FusionBuilder {
         Ok(())
     }
 
-    /// Adds an operation built elsewhere (e.g. a `NORM_FORWARD` of [`super::bn_build`]) with
+    /// Adds an operation built elsewhere (e.g. a `NORM_FORWARD` of `bn_build.rs`) with
     /// the descriptors it refers to, which must stay alive with the graph.
     pub fn push_op(&mut self, op: Descriptor, keep: Vec<Descriptor>) {
         self.ops.push(op);

@@ -4,7 +4,7 @@
 //! Graph", "scale-bias-relu-wgrad", "Dgrad Drelu DBNweight"): NHWC data, f32 intermediates, f32
 //! math; per-channel statistics in f32.
 //!
-//! Also the BatchNorm epilogue graphs of [`super::bn_build`] rebuilt with a choice of ReLU
+//! Also the BatchNorm epilogue graphs of `bn_build.rs` rebuilt with a choice of ReLU
 //! attributes, to find out why they do not finalize.
 
 use cudarc::cudnn::sys;
@@ -202,7 +202,7 @@ pub fn dgrad_accumulate(
     b.finish(handle)
 }
 
-/// A BatchNorm forward graph with a ReLU / Add+ReLU epilogue as [`super::bn_build`] builds it,
+/// A BatchNorm forward graph with a ReLU / Add+ReLU epilogue as `bn_build.rs` builds it,
 /// except for the ReLU's attributes (`relu`); for probing only (no variant pack).
 #[derive(Debug)]
 pub struct BnEpilogueGraph {
