@@ -149,7 +149,7 @@ pub fn convolution(shape: &ConvShape) -> Result<Descriptor> {
 pub fn operation(
     direction: Direction,
     conv: &Descriptor,
-    tensors: &[Descriptor; 3],
+    tensors: [&Descriptor; 3],
     accumulate: bool,
 ) -> Result<Descriptor> {
     let beta = if accumulate { 1.0f32 } else { 0.0f32 };
@@ -239,7 +239,8 @@ impl GraphParts {
         let [x, w, y] = specs;
         let tensors = [tensor(&x)?, tensor(&w)?, tensor(&y)?];
         let conv = convolution(&key.shape)?;
-        let op = operation(key.direction, &conv, &tensors, key.accumulate)?;
+        let [x, w, y] = &tensors;
+        let op = operation(key.direction, &conv, [x, w, y], key.accumulate)?;
         let graph = operation_graph(handle, &[&op])?;
         if let Ok(n) = engine_count(&graph) {
             tracing::debug!(engines = n, "cuDNN operation graph finalized");

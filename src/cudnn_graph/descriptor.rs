@@ -76,6 +76,15 @@ desc_kinds! {
     Pointwise => CUDNN_BACKEND_POINTWISE_DESCRIPTOR, "POINTWISE";
     /// A pointwise operation on tensors.
     OperationPointwise => CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR, "OPERATION_POINTWISE";
+    /// Per-channel sum and sum of squares of a tensor (`GEN_STATS`, mode `SUM_SQSUM`).
+    GenStats => CUDNN_BACKEND_OPERATION_GEN_STATS_DESCRIPTOR, "OPERATION_GEN_STATS";
+    /// BatchNorm's statistics finalize: sums to mean, inverse std, equivalent scale and bias,
+    /// running statistics.
+    BnFinalize => CUDNN_BACKEND_OPERATION_BN_FINALIZE_STATISTICS_DESCRIPTOR,
+        "OPERATION_BN_FINALIZE_STATISTICS";
+    /// BatchNorm's backward weights: dscale, dbias and the equivalent dx coefficients.
+    BnBwdWeights => CUDNN_BACKEND_OPERATION_BN_BWD_WEIGHTS_DESCRIPTOR,
+        "OPERATION_BN_BWD_WEIGHTS";
     /// A graph of operations.
     OperationGraph => CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, "OPERATIONGRAPH";
     /// Engine heuristics of an operation graph.
@@ -179,6 +188,43 @@ attrs! {
     CUDNN_ATTR_OPERATION_NORM_BWD_DXDESC;
     CUDNN_ATTR_POINTWISE_MODE;
     CUDNN_ATTR_POINTWISE_MATH_PREC;
+    CUDNN_ATTR_POINTWISE_NAN_PROPAGATION;
+    CUDNN_ATTR_POINTWISE_RELU_LOWER_CLIP;
+    CUDNN_ATTR_POINTWISE_RELU_UPPER_CLIP;
+    CUDNN_ATTR_POINTWISE_RELU_LOWER_CLIP_SLOPE;
+    CUDNN_ATTR_OPERATION_GENSTATS_MODE;
+    CUDNN_ATTR_OPERATION_GENSTATS_MATH_PREC;
+    CUDNN_ATTR_OPERATION_GENSTATS_XDESC;
+    CUDNN_ATTR_OPERATION_GENSTATS_SUMDESC;
+    CUDNN_ATTR_OPERATION_GENSTATS_SQSUMDESC;
+    CUDNN_ATTR_OPERATION_BN_FINALIZE_STATS_MODE;
+    CUDNN_ATTR_OPERATION_BN_FINALIZE_MATH_PREC;
+    CUDNN_ATTR_OPERATION_BN_FINALIZE_Y_SUM_DESC;
+    CUDNN_ATTR_OPERATION_BN_FINALIZE_Y_SQ_SUM_DESC;
+    CUDNN_ATTR_OPERATION_BN_FINALIZE_SCALE_DESC;
+    CUDNN_ATTR_OPERATION_BN_FINALIZE_BIAS_DESC;
+    CUDNN_ATTR_OPERATION_BN_FINALIZE_PREV_RUNNING_MEAN_DESC;
+    CUDNN_ATTR_OPERATION_BN_FINALIZE_PREV_RUNNING_VAR_DESC;
+    CUDNN_ATTR_OPERATION_BN_FINALIZE_UPDATED_RUNNING_MEAN_DESC;
+    CUDNN_ATTR_OPERATION_BN_FINALIZE_UPDATED_RUNNING_VAR_DESC;
+    CUDNN_ATTR_OPERATION_BN_FINALIZE_SAVED_MEAN_DESC;
+    CUDNN_ATTR_OPERATION_BN_FINALIZE_SAVED_INV_STD_DESC;
+    CUDNN_ATTR_OPERATION_BN_FINALIZE_EQ_SCALE_DESC;
+    CUDNN_ATTR_OPERATION_BN_FINALIZE_EQ_BIAS_DESC;
+    CUDNN_ATTR_OPERATION_BN_FINALIZE_ACCUM_COUNT_DESC;
+    CUDNN_ATTR_OPERATION_BN_FINALIZE_EPSILON_DESC;
+    CUDNN_ATTR_OPERATION_BN_FINALIZE_EXP_AVERATE_FACTOR_DESC;
+    CUDNN_ATTR_OPERATION_BN_BWD_WEIGHTS_MATH_PREC;
+    CUDNN_ATTR_OPERATION_BN_BWD_WEIGHTS_MEAN_DESC;
+    CUDNN_ATTR_OPERATION_BN_BWD_WEIGHTS_INVSTD_DESC;
+    CUDNN_ATTR_OPERATION_BN_BWD_WEIGHTS_BN_SCALE_DESC;
+    CUDNN_ATTR_OPERATION_BN_BWD_WEIGHTS_X_DESC;
+    CUDNN_ATTR_OPERATION_BN_BWD_WEIGHTS_DY_DESC;
+    CUDNN_ATTR_OPERATION_BN_BWD_WEIGHTS_DBN_SCALE_DESC;
+    CUDNN_ATTR_OPERATION_BN_BWD_WEIGHTS_DBN_BIAS_DESC;
+    CUDNN_ATTR_OPERATION_BN_BWD_WEIGHTS_EQ_DY_SCALE_DESC;
+    CUDNN_ATTR_OPERATION_BN_BWD_WEIGHTS_EQ_X_SCALE_DESC;
+    CUDNN_ATTR_OPERATION_BN_BWD_WEIGHTS_EQ_BIAS;
     CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR;
     CUDNN_ATTR_OPERATION_POINTWISE_XDESC;
     CUDNN_ATTR_OPERATION_POINTWISE_BDESC;
@@ -266,6 +312,9 @@ attr_value! {
     sys::cudnnBackendNormMode_t => CUDNN_TYPE_NORM_MODE;
     sys::cudnnBackendNormFwdPhase_t => CUDNN_TYPE_NORM_FWD_PHASE;
     sys::cudnnPointwiseMode_t => CUDNN_TYPE_POINTWISE_MODE;
+    sys::cudnnNanPropagation_t => CUDNN_TYPE_NAN_PROPOGATION;
+    sys::cudnnGenStatsMode_t => CUDNN_TYPE_GENSTATS_MODE;
+    sys::cudnnBnFinalizeStatsMode_t => CUDNN_TYPE_BN_FINALIZE_STATS_MODE;
     sys::cudnnHandle_t => CUDNN_TYPE_HANDLE;
     DescHandle => CUDNN_TYPE_BACKEND_DESCRIPTOR;
     DevPtr => CUDNN_TYPE_VOID_PTR;
@@ -511,6 +560,9 @@ mod tests {
         assert_eq!(size_of::<sys::cudnnBackendNormMode_t>(), 4);
         assert_eq!(size_of::<sys::cudnnBackendNormFwdPhase_t>(), 4);
         assert_eq!(size_of::<sys::cudnnPointwiseMode_t>(), 4);
+        assert_eq!(size_of::<sys::cudnnNanPropagation_t>(), 4);
+        assert_eq!(size_of::<sys::cudnnGenStatsMode_t>(), 4);
+        assert_eq!(size_of::<sys::cudnnBnFinalizeStatsMode_t>(), 4);
         assert_eq!(size_of::<RawNumericalNote>(), 4);
         assert_eq!(size_of::<RawBehaviorNote>(), 4);
         assert_eq!(size_of::<RawKnobType>(), 4);
@@ -552,6 +604,14 @@ mod tests {
         assert_eq!(
             DescKind::ConvBackwardFilter.create_call(),
             "cudnnBackendCreateDescriptor(OPERATION_CONVOLUTION_BACKWARD_FILTER)"
+        );
+        assert_eq!(
+            DescKind::BnFinalize.create_call(),
+            "cudnnBackendCreateDescriptor(OPERATION_BN_FINALIZE_STATISTICS)"
+        );
+        assert_eq!(
+            attr::CUDNN_ATTR_OPERATION_GENSTATS_SQSUMDESC.set_call,
+            "cudnnBackendSetAttribute(CUDNN_ATTR_OPERATION_GENSTATS_SQSUMDESC)"
         );
         assert_eq!(
             DescKind::VariantPack.sys(),

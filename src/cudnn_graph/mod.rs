@@ -21,6 +21,12 @@
 //!   `NORM_BACKWARD`, the pointwise ReLU / Add+ReLU epilogue) and its variant pack;
 //! - [`graph_bn`]: [`graph_bn::GraphBn`] — one BatchNorm problem's plan, pinned variant pack
 //!   (by-value epsilon and momentum) and the per-Context plan cache.
+//! - [`fusion`]: a general fused operation graph — named tensors (by-value int64 / double
+//!   scalars included), pointwise, convolution, `GEN_STATS`, `BN_FINALIZE_STATISTICS`,
+//!   `BN_BWD_WEIGHTS` — the search over its engine configs that records every finalize status,
+//!   and its variant pack;
+//! - [`fusion_patterns`]: the training block's fusion patterns (docs/BLOCK-TRAINING.md §2) as
+//!   such graphs, and the BatchNorm epilogue graphs rebuilt for probing;
 //! - [`plans`]: what both plans share — the plan cache's lookup and remembered failures, and
 //!   the start of an execution (the plan's own handle, the workspace).
 //!
@@ -32,6 +38,8 @@ pub mod bn_build;
 pub mod bn_key;
 pub mod build;
 pub mod descriptor;
+pub mod fusion;
+pub mod fusion_patterns;
 pub mod graph_bn;
 pub mod graph_conv;
 pub mod key;
@@ -43,6 +51,7 @@ pub mod plans;
 /// `nnfuse::internals::cudnn_graph`); not part of the public API.
 #[doc(hidden)]
 pub mod internals {
+    pub use super::bn_build::BnGraphParts;
     pub use super::bn_key::{BnDirection, BnEpilogue, BnRole, GraphBnKey};
     pub use super::build::{
         available, engine_config_by_index, engine_config_of, engine_configs, engine_count,
@@ -50,6 +59,15 @@ pub mod internals {
         MIN_CUDNN_VERSION,
     };
     pub use super::descriptor::{last_error_string, Attr, DescKind, Descriptor};
+    pub use super::fusion::{
+        execute as fusion_execute, search_plans, variant_pack as fusion_variant_pack,
+        BnBwdWeightsRefs, BnFinalizeRefs, ElemType, FusionBuilder, FusionGraph, FusionTensorSpec,
+        PlanAttempt, PlanSearch, ReluAttrs, TensorRef,
+    };
+    pub use super::fusion_patterns::{
+        bn_epilogue, bn_finalize, dgrad_accumulate, dgrad_drelu_dbn_weight, wgrad_prologue,
+        BnEpilogueGraph, ConvGenStats, Prologue,
+    };
     pub use super::graph_bn::{BnBwdAddrs, BnFwdAddrs, GraphBn};
     pub use super::graph_conv::{
         argument_names, pack_order, run_cached, Admitted, GraphConv, Skipped,

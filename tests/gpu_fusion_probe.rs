@@ -1,0 +1,853 @@
+//! GPU probes of cuDNN's runtime-fusion patterns for a fused training block
+//! (docs/BLOCK-TRAINING.md §2 and §5): ConvBNfprop (conv → GEN_STATS, with and without the
+//! scale-bias-ReLU prologue), BN finalize, ConvBNwgrad, DgradDreluBNBwdWeight, the data gradient
+//! with beta = 1, and a re-probe of nnfuse's BatchNorm ReLU / Add+ReLU epilogue graphs.
+//!
+//! Each probe builds the pattern at the demo's shapes (N = 4, 56x56, C = 64 / 256; finalize
+//! only) and at a small shape (N = 2, 8x8), for f16, bf16 and f32 I/O; prints the heuristics'
+//! config counts and every tried config's finalize status (engine, knobs, notes, cuDNN's
+//! message, finalize time); and, where a plan finalized at the small shape, runs it once on
+//! fresh random inputs (outputs NaN-poisoned) against an f64 reference. A pattern cuDNN refuses
+//! prints `NOT SUPPORTED: <reason>` and passes; a wrong result of a pattern that ran fails.
+//!
+//! Run (the lead): `cargo test --test gpu_fusion_probe -- --ignored --nocapture --test-threads 1`
+//! and grep the lines starting with `PROBE `.
+
+mod common;
+
+use std::collections::HashMap;
+
+use cudarc::driver::{CudaSlice, DevicePtrMut};
+use half::{bf16, f16};
+use nnfuse::conv::ConvShape;
+use nnfuse::internals::cudnn_graph::{
+    available, bn_epilogue, bn_finalize, dgrad_accumulate, dgrad_drelu_dbn_weight, fusion_execute,
+    fusion_variant_pack, search_plans, wgrad_prologue, BnDirection, BnEpilogue, BnGraphParts,
+    ConvGenStats, ElemType, FusionGraph, GraphBnKey, PlanSearch, Prologue, ReluAttrs,
+};
+use nnfuse::reference::conv::{conv2d, conv2d_backward_data, conv2d_backward_filter};
+use nnfuse::{ChannelLayout, Context, DType, Element, Error, TensorFormat};
+
+use common::{download, f64s, poisoned, rel_l2, upload, Rng};
+
+/// Plans finalized per graph at most (each may compile an engine: about 1.5 s).
+const MAX_PLANS: usize = 2;
+
+fn gpu() -> Option<Context> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("nnfuse=error")),
+        )
+        .with_test_writer()
+        .try_init();
+    let must = ["GPU_STAGE_RUN", "NNFUSE_GPU_RUN"]
+        .iter()
+        .any(|v| std::env::var(v).is_ok_and(|s| s == "1"));
+    let ctx = if nnfuse::context::driver_present() {
+        Context::with_config(0, nnfuse::Config::default())
+    } else {
+        Err(Error::NoDevice("no CUDA driver".into()))
+    };
+    match (ctx, available()) {
+        (Ok(c), Ok(v)) => {
+            println!("cuDNN {v}, {}", c.info());
+            Some(c)
+        }
+        (Err(e), _) | (_, Err(e)) if must => panic!("the probe needs a GPU and cuDNN 9: {e}"),
+        (Err(e), _) | (_, Err(e)) => {
+            println!("skipped: {e}");
+            None
+        }
+    }
+}
+
+fn nhwc(n: usize, c: usize, hw: usize, k: usize, r: usize) -> ConvShape {
+    ConvShape::square(n, c, hw, k, r, TensorFormat::Nhwc)
+}
+
+fn label(s: &ConvShape) -> String {
+    format!(
+        "n{} {}x{} c{}->{} {}x{}",
+        s.n, s.h, s.w, s.c_in, s.c_out, s.kh, s.kw
+    )
+}
+
+/// Prints `search` (counts, every attempt) under `title`.
+fn print_search(title: &str, s: &PlanSearch) {
+    println!(
+        "  {title}: heuristics INSTANT {:?}, FALLBACK {:?}; {} distinct configs",
+        s.instant, s.fallback, s.listed
+    );
+    for (i, a) in s.attempts.iter().enumerate() {
+        match &a.outcome {
+            Ok(ws) => println!(
+                "    [{i}] {} -> FINALIZED, workspace {ws} B, {:.1} ms",
+                a.info, a.finalize_ms
+            ),
+            Err(m) => println!(
+                "    [{i}] {} -> FAILED {:.1} ms: {m}",
+                a.info, a.finalize_ms
+            ),
+        }
+    }
+}
+
+/// The summary of one probe: `PROBE <pattern> <dtype> <shape>: ...`.
+fn summary(pattern: &str, dt: DType, shape: &str, s: &PlanSearch, ran: Option<f64>) -> String {
+    let eng = s
+        .plan
+        .as_ref()
+        .map_or("none".to_string(), |(i, _)| i.label());
+    let err = ran.map_or("not run".to_string(), |e| format!("{e:.3e}"));
+    format!(
+        "PROBE {pattern} {} {shape}: finalized {} of {} configs tried ({} listed); ran {eng}; max rel err {err}",
+        dt.name(),
+        s.finalized(),
+        s.attempts.len(),
+        s.listed
+    )
+}
+
+/// Host inputs and device buffers of one execution, by tensor name: data of type `T`,
+/// per-channel f32 vectors, and by-value scalars (host addresses, kept alive by the caller).
+struct Io<T: Element> {
+    data: HashMap<&'static str, CudaSlice<T>>,
+    stats: HashMap<&'static str, CudaSlice<f32>>,
+    scalars: HashMap<&'static str, u64>,
+}
+
+impl<T: Element> Io<T> {
+    fn new() -> Self {
+        Io {
+            data: HashMap::new(),
+            stats: HashMap::new(),
+            scalars: HashMap::new(),
+        }
+    }
+    fn input(&mut self, ctx: &Context, name: &'static str, v: &[T]) {
+        self.data.insert(name, upload(ctx, v));
+    }
+    fn output(&mut self, ctx: &Context, name: &'static str, n: usize) {
+        self.data.insert(name, poisoned::<T>(ctx, n));
+    }
+    fn stat_in(&mut self, ctx: &Context, name: &'static str, v: &[f32]) {
+        self.stats.insert(name, upload(ctx, v));
+    }
+    fn stat_out(&mut self, ctx: &Context, name: &'static str, n: usize) {
+        self.stats.insert(name, poisoned::<f32>(ctx, n));
+    }
+    fn get(&self, ctx: &Context, name: &str) -> Vec<f64> {
+        match (self.data.get(name), self.stats.get(name)) {
+            (Some(b), _) => f64s(&download(ctx, b)),
+            (_, Some(b)) => f64s(&download(ctx, b)),
+            _ => panic!("no buffer {name}"),
+        }
+    }
+}
+
+/// Builds the graph with `build` on the Context's handle, searches its plans (printed), and
+/// with `io` runs the first plan once. Returns the search and whether it ran; the build's
+/// failure is returned as the reason.
+fn probe<T: Element>(
+    ctx: &Context,
+    title: &str,
+    build: impl FnOnce(nnfuse::cudarc::cudnn::sys::cudnnHandle_t) -> nnfuse::Result<FusionGraph>,
+    io: Option<&mut Io<T>>,
+) -> Result<(PlanSearch, bool), String> {
+    let stream = ctx.stream().clone();
+    let mut g = ctx.lock().unwrap();
+    let h = g.cudnn().unwrap();
+    let graph = build(h).map_err(|e| {
+        format!(
+            "graph build: {e} ({})",
+            nnfuse::internals::cudnn_graph::last_error_string()
+        )
+    })?;
+    let search = search_plans(h, &graph.graph, MAX_PLANS);
+    print_search(title, &search);
+    let (Some(io), Some((_, plan))) = (io, &search.plan) else {
+        return Ok((search, false));
+    };
+    let ws = g.workspace(plan.workspace()).unwrap();
+    let mut addrs: HashMap<&str, u64> = io.scalars.clone();
+    let mut guards = Vec::new();
+    for (name, b) in io.data.iter_mut() {
+        let (p, guard) = b.device_ptr_mut(&stream);
+        addrs.insert(name, p);
+        guards.push(guard);
+    }
+    for (name, b) in io.stats.iter_mut() {
+        let (p, guard) = b.device_ptr_mut(&stream);
+        addrs.insert(name, p);
+        guards.push(guard);
+    }
+    let (uids, ptrs) = graph
+        .pack_of(|n| addrs.get(n).copied())
+        .unwrap_or_else(|e| panic!("{title}: {e}"));
+    let pack = fusion_variant_pack(&uids, &ptrs, ws).unwrap();
+    // SAFETY: every buffer is sized for the graph's tensors and lives on the Context's stream;
+    // the scalars outlive the call.
+    let r = unsafe { fusion_execute(h, plan, &pack) };
+    drop(guards);
+    drop(g);
+    stream.synchronize().unwrap();
+    match r {
+        Ok(()) => Ok((search, true)),
+        Err(e) => Err(format!(
+            "execute: {e} ({})",
+            nnfuse::internals::cudnn_graph::last_error_string()
+        )),
+    }
+}
+
+/// Prints the outcome of a probe that does not run (the demo's shapes).
+fn finalize_only<T: Element>(
+    ctx: &Context,
+    pattern: &str,
+    shape: &str,
+    build: impl FnOnce(nnfuse::cudarc::cudnn::sys::cudnnHandle_t) -> nnfuse::Result<FusionGraph>,
+) {
+    println!("== {pattern} {} {shape} (finalize only)", T::DTYPE.name());
+    match probe::<T>(ctx, pattern, build, None) {
+        Ok((s, _)) if s.plan.is_some() => {
+            println!("{}", summary(pattern, T::DTYPE, shape, &s, None))
+        }
+        Ok((s, _)) => println!(
+            "{} NOT SUPPORTED: no config finalized",
+            summary(pattern, T::DTYPE, shape, &s, None)
+        ),
+        Err(m) => println!(
+            "PROBE {pattern} {} {shape}: NOT SUPPORTED: {m}",
+            T::DTYPE.name()
+        ),
+    }
+}
+
+/// The tolerance of a data output (relative L2): f16/bf16 storage; for f32 data the probe
+/// applies no engine policy, so a TF32 engine may run.
+const DATA_TOL: f64 = 1e-2;
+
+/// The tolerance of f32 statistics computed from data stored in `T`: the rounding of `T`
+/// (whether cuDNN sums the stored or the unrounded values is not documented), at least 1e-4.
+fn stat_tol<T: Element>() -> f64 {
+    match T::DTYPE {
+        DType::F32 => 1e-4,
+        DType::F16 => 1e-3,
+        DType::BF16 => 8e-3,
+    }
+}
+
+/// Checks `got` against `want` within `tol`, recording the error in `max`.
+fn check(what: &str, got: &[f64], want: &[f64], tol: f64, max: &mut f64) {
+    let e = rel_l2(got, want);
+    let bad = got.iter().position(|v| !v.is_finite());
+    println!("    {what}: rel L2 {e:.3e} (tol {tol:.0e})");
+    assert!(
+        bad.is_none() && e <= tol,
+        "{what}: relative L2 error {e:.3e} > {tol:.1e} (first non-finite at {bad:?}); got {:?} want {:?}",
+        &got[..got.len().min(6)],
+        &want[..want.len().min(6)]
+    );
+    *max = max.max(e);
+}
+
+/// Per-channel sum and sum of squares of NHWC data with `c` channels.
+fn channel_sums(y: &[f64], c: usize) -> (Vec<f64>, Vec<f64>) {
+    let (mut s, mut q) = (vec![0.0; c], vec![0.0; c]);
+    for (i, v) in y.iter().enumerate() {
+        s[i % c] += v;
+        q[i % c] += v * v;
+    }
+    (s, q)
+}
+
+/// `relu(x · s + b)` per channel of NHWC `x`.
+fn prologue_ref(x: &[f64], s: &[f64], b: &[f64]) -> Vec<f64> {
+    let c = s.len();
+    x.iter()
+        .enumerate()
+        .map(|(i, v)| (v * s[i % c] + b[i % c]).max(0.0))
+        .collect()
+}
+
+// ---------------------------------------------------------------- ConvBNfprop (conv → genstats)
+
+fn conv_genstats_case<T: Element>(ctx: &Context, shape: ConvShape, prologue: bool) {
+    let pattern = if prologue {
+        "ConvBNfprop-SBRCS"
+    } else {
+        "ConvGenStats"
+    };
+    let dt = T::DTYPE;
+    let spec = |shape| ConvGenStats {
+        shape,
+        dtype: dt,
+        prologue: prologue.then_some(Prologue {
+            affine: dt,
+            relu: ReluAttrs::Frontend,
+        }),
+        genstats_prec: DType::F32,
+    };
+    let mut rng = Rng::fresh(pattern);
+    // Positive-leaning data: the per-channel sums stay away from zero.
+    let x: Vec<T> = rng.vec(shape.x_len().unwrap(), -0.5, 1.0);
+    let w: Vec<T> = rng.vec(shape.w_len().unwrap(), -0.5, 1.0);
+    let s: Vec<T> = rng.vec(shape.c_in, 0.5, 1.5);
+    let b: Vec<T> = rng.vec(shape.c_in, -0.5, 0.5);
+    let k = shape.c_out;
+    let mut io = Io::<T>::new();
+    io.input(ctx, "x", &x);
+    io.input(ctx, "w", &w);
+    io.output(ctx, "y", shape.y_len().unwrap());
+    io.stat_out(ctx, "sum", k);
+    io.stat_out(ctx, "sqsum", k);
+    if prologue {
+        io.input(ctx, "scale", &s);
+        io.input(ctx, "bias", &b);
+    }
+    let sl = label(&shape);
+    println!("== {pattern} {} {sl}", dt.name());
+    let mut r = probe(ctx, pattern, |h| spec(shape).build(h), Some(&mut io));
+    if let Ok((search, false)) = &r {
+        if search.plan.is_none() {
+            // The frontend's node computes GEN_STATS in y's type: try that too.
+            let alt = ConvGenStats {
+                genstats_prec: dt,
+                ..spec(shape)
+            };
+            println!("  (retry with GEN_STATS math precision {})", dt.name());
+            r = probe(ctx, pattern, |h| alt.build(h), Some(&mut io));
+        }
+    }
+    let (search, ran) = match r {
+        Err(m) => return println!("PROBE {pattern} {} {sl}: NOT SUPPORTED: {m}", dt.name()),
+        Ok(v) => v,
+    };
+    if !ran {
+        return println!(
+            "{} NOT SUPPORTED: no config finalized",
+            summary(pattern, dt, &sl, &search, None)
+        );
+    }
+    let xin = if prologue {
+        prologue_ref(&f64s(&x), &f64s(&s), &f64s(&b))
+    } else {
+        f64s(&x)
+    };
+    let y_ref = conv2d(&shape, &xin, &f64s(&w)).unwrap();
+    let y = io.get(ctx, "y");
+    let mut max = 0.0;
+    check("y", &y, &y_ref, DATA_TOL, &mut max);
+    let (sum_ref, sq_ref) = channel_sums(&y, k);
+    check(
+        "sum (of stored y)",
+        &io.get(ctx, "sum"),
+        &sum_ref,
+        stat_tol::<T>(),
+        &mut max,
+    );
+    check(
+        "sqsum (of stored y)",
+        &io.get(ctx, "sqsum"),
+        &sq_ref,
+        stat_tol::<T>(),
+        &mut max,
+    );
+    println!("{}", summary(pattern, dt, &sl, &search, Some(max)));
+}
+
+fn conv_genstats_all<T: Element>(ctx: &Context, prologue: bool) {
+    let pattern = if prologue {
+        "ConvBNfprop-SBRCS"
+    } else {
+        "ConvGenStats"
+    };
+    // conv1 (1x1 256->64, no prologue); conv2 (3x3 64->64) and conv3 (1x1 64->256) after a BN.
+    let demo: Vec<ConvShape> = if prologue {
+        vec![nhwc(4, 64, 56, 64, 3), nhwc(4, 64, 56, 256, 1)]
+    } else {
+        vec![nhwc(4, 256, 56, 64, 1), nhwc(4, 64, 56, 64, 3)]
+    };
+    for s in demo {
+        let spec = ConvGenStats {
+            shape: s,
+            dtype: T::DTYPE,
+            prologue: prologue.then_some(Prologue {
+                affine: T::DTYPE,
+                relu: ReluAttrs::Frontend,
+            }),
+            genstats_prec: DType::F32,
+        };
+        finalize_only::<T>(ctx, pattern, &label(&s), |h| spec.build(h));
+    }
+    let small: Vec<ConvShape> = if prologue {
+        vec![nhwc(2, 64, 8, 64, 3), nhwc(2, 64, 8, 256, 1)]
+    } else {
+        vec![nhwc(2, 256, 8, 64, 1), nhwc(2, 64, 8, 64, 3)]
+    };
+    for s in small {
+        conv_genstats_case::<T>(ctx, s, prologue);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn probe_conv_genstats() {
+    let Some(ctx) = gpu() else { return };
+    conv_genstats_all::<f16>(&ctx, false);
+    conv_genstats_all::<bf16>(&ctx, false);
+    conv_genstats_all::<f32>(&ctx, false);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn probe_conv_bn_fprop_sbrcs() {
+    let Some(ctx) = gpu() else { return };
+    conv_genstats_all::<f16>(&ctx, true);
+    conv_genstats_all::<bf16>(&ctx, true);
+    conv_genstats_all::<f32>(&ctx, true);
+}
+
+// ------------------------------------------------------------------------------ BN finalize
+
+fn bn_finalize_case(ctx: &Context, c: usize, scalar: ElemType) {
+    let pattern = "BNFinalize";
+    let m: i64 = 2 * 8 * 8;
+    let (eps, momentum) = (1e-5f64, 0.1f64);
+    let mut rng = Rng::fresh(pattern);
+    let mean: Vec<f64> = (0..c).map(|_| rng.uniform(-1.0, 1.0)).collect();
+    let var: Vec<f64> = (0..c).map(|_| rng.uniform(0.5, 2.0)).collect();
+    let mf = m as f64;
+    let sum: Vec<f32> = mean.iter().map(|u| (mf * u) as f32).collect();
+    let sqsum: Vec<f32> = mean
+        .iter()
+        .zip(&var)
+        .map(|(u, v)| (mf * (v + u * u)) as f32)
+        .collect();
+    let scale: Vec<f32> = rng.vec(c, 0.5, 1.5);
+    let bias: Vec<f32> = rng.vec(c, -0.5, 0.5);
+    let prev_mean: Vec<f32> = rng.vec(c, -0.5, 0.5);
+    let prev_var: Vec<f32> = rng.vec(c, 0.5, 1.5);
+    let mut io = Io::<f32>::new();
+    for (n, v) in [
+        ("sum", &sum),
+        ("sqsum", &sqsum),
+        ("scale", &scale),
+        ("bias", &bias),
+        ("prev_mean", &prev_mean),
+        ("prev_var", &prev_var),
+    ] {
+        io.stat_in(ctx, n, v);
+    }
+    for n in [
+        "next_mean",
+        "next_var",
+        "saved_mean",
+        "saved_inv_std",
+        "eq_scale",
+        "eq_bias",
+    ] {
+        io.stat_out(ctx, n, c);
+    }
+    let (eps32, mom32) = (eps as f32, momentum as f32);
+    let accum = m;
+    let scalar_name = match scalar {
+        ElemType::Double => {
+            io.scalars.insert("epsilon", &eps as *const f64 as u64);
+            io.scalars
+                .insert("momentum", &momentum as *const f64 as u64);
+            "double"
+        }
+        _ => {
+            io.scalars.insert("epsilon", &eps32 as *const f32 as u64);
+            io.scalars.insert("momentum", &mom32 as *const f32 as u64);
+            "float"
+        }
+    };
+    io.scalars
+        .insert("accum_count", &accum as *const i64 as u64);
+    let sl = format!("c{c} m{m} scalars-{scalar_name}");
+    println!("== {pattern} f32 {sl}");
+    let (search, ran) = match probe(
+        ctx,
+        pattern,
+        |h| bn_finalize(h, c as i64, scalar),
+        Some(&mut io),
+    ) {
+        Err(e) => return println!("PROBE {pattern} f32 {sl}: NOT SUPPORTED: {e}"),
+        Ok(v) => v,
+    };
+    if !ran {
+        return println!(
+            "{} NOT SUPPORTED: no config finalized",
+            summary(pattern, DType::F32, &sl, &search, None)
+        );
+    }
+    // The reference from the f32 sums as stored.
+    let (s64, q64) = (f64s(&sum), f64s(&sqsum));
+    let mu: Vec<f64> = s64.iter().map(|s| s / mf).collect();
+    let v_b: Vec<f64> = q64.iter().zip(&mu).map(|(q, u)| q / mf - u * u).collect();
+    let inv: Vec<f64> = v_b.iter().map(|v| 1.0 / (v + eps).sqrt()).collect();
+    let eq_s: Vec<f64> = (0..c).map(|i| scale[i] as f64 * inv[i]).collect();
+    let eq_b: Vec<f64> = (0..c).map(|i| bias[i] as f64 - mu[i] * eq_s[i]).collect();
+    let next_m: Vec<f64> = (0..c)
+        .map(|i| (1.0 - momentum) * prev_mean[i] as f64 + momentum * mu[i])
+        .collect();
+    let next_v = |unbiased: bool| -> Vec<f64> {
+        let f = if unbiased { mf / (mf - 1.0) } else { 1.0 };
+        (0..c)
+            .map(|i| (1.0 - momentum) * prev_var[i] as f64 + momentum * v_b[i] * f)
+            .collect()
+    };
+    let mut max = 0.0;
+    let tol = 1e-4;
+    check("saved_mean", &io.get(ctx, "saved_mean"), &mu, tol, &mut max);
+    check(
+        "saved_inv_std",
+        &io.get(ctx, "saved_inv_std"),
+        &inv,
+        tol,
+        &mut max,
+    );
+    check("eq_scale", &io.get(ctx, "eq_scale"), &eq_s, tol, &mut max);
+    check("eq_bias", &io.get(ctx, "eq_bias"), &eq_b, tol, &mut max);
+    check(
+        "next_mean",
+        &io.get(ctx, "next_mean"),
+        &next_m,
+        tol,
+        &mut max,
+    );
+    let got_v = io.get(ctx, "next_var");
+    let (eu, eb) = (
+        rel_l2(&got_v, &next_v(true)),
+        rel_l2(&got_v, &next_v(false)),
+    );
+    println!(
+        "    next_var: rel L2 {eu:.3e} against the unbiased update, {eb:.3e} against the biased"
+    );
+    assert!(
+        eu.min(eb) <= tol,
+        "next_var matches neither the unbiased ({eu:.3e}) nor the biased ({eb:.3e}) update"
+    );
+    max = f64::max(max, eu.min(eb));
+    println!("{}", summary(pattern, DType::F32, &sl, &search, Some(max)));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn probe_bn_finalize() {
+    let Some(ctx) = gpu() else { return };
+    for c in [64, 256] {
+        bn_finalize_case(&ctx, c, ElemType::Data(DType::F32));
+        bn_finalize_case(&ctx, c, ElemType::Double);
+    }
+}
+
+// ------------------------------------------------------------------------------ ConvBNwgrad
+
+fn wgrad_case<T: Element>(ctx: &Context, shape: ConvShape) {
+    let pattern = "ConvBNwgrad";
+    let dt = T::DTYPE;
+    let p = Prologue {
+        affine: dt,
+        relu: ReluAttrs::Frontend,
+    };
+    let mut rng = Rng::fresh(pattern);
+    let x: Vec<T> = rng.vec(shape.x_len().unwrap(), -1.0, 1.0);
+    let dy: Vec<T> = rng.vec(shape.y_len().unwrap(), -1.0, 1.0);
+    let s: Vec<T> = rng.vec(shape.c_in, 0.5, 1.5);
+    let b: Vec<T> = rng.vec(shape.c_in, -0.5, 0.5);
+    let mut io = Io::<T>::new();
+    io.input(ctx, "x", &x);
+    io.input(ctx, "dy", &dy);
+    io.input(ctx, "scale", &s);
+    io.input(ctx, "bias", &b);
+    io.output(ctx, "dw", shape.w_len().unwrap());
+    let sl = label(&shape);
+    println!("== {pattern} {} {sl}", dt.name());
+    let (search, ran) = match probe(
+        ctx,
+        pattern,
+        |h| wgrad_prologue(h, &shape, dt, p),
+        Some(&mut io),
+    ) {
+        Err(m) => return println!("PROBE {pattern} {} {sl}: NOT SUPPORTED: {m}", dt.name()),
+        Ok(v) => v,
+    };
+    if !ran {
+        return println!(
+            "{} NOT SUPPORTED: no config finalized",
+            summary(pattern, dt, &sl, &search, None)
+        );
+    }
+    let r = prologue_ref(&f64s(&x), &f64s(&s), &f64s(&b));
+    let dw_ref = conv2d_backward_filter(&shape, &r, &f64s(&dy)).unwrap();
+    let mut max = 0.0;
+    check("dw", &io.get(ctx, "dw"), &dw_ref, DATA_TOL, &mut max);
+    println!("{}", summary(pattern, dt, &sl, &search, Some(max)));
+}
+
+fn wgrad_all<T: Element>(ctx: &Context) {
+    for s in [nhwc(4, 64, 56, 64, 3), nhwc(4, 64, 56, 256, 1)] {
+        let p = Prologue {
+            affine: T::DTYPE,
+            relu: ReluAttrs::Frontend,
+        };
+        finalize_only::<T>(ctx, "ConvBNwgrad", &label(&s), |h| {
+            wgrad_prologue(h, &s, T::DTYPE, p)
+        });
+    }
+    for s in [nhwc(2, 64, 8, 64, 3), nhwc(2, 64, 8, 256, 1)] {
+        wgrad_case::<T>(ctx, s);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn probe_conv_bn_wgrad() {
+    let Some(ctx) = gpu() else { return };
+    wgrad_all::<f16>(&ctx);
+    wgrad_all::<bf16>(&ctx);
+    wgrad_all::<f32>(&ctx);
+}
+
+// ------------------------------------------------------------------- DgradDreluBNBwdWeight
+
+fn dgrad_drelu_case<T: Element>(ctx: &Context, shape: ConvShape) {
+    let pattern = "DgradDreluBNBwdWeight";
+    let dt = T::DTYPE;
+    let c = shape.c_in;
+    let mut rng = Rng::fresh(pattern);
+    let dy: Vec<T> = rng.vec(shape.y_len().unwrap(), -1.0, 1.0);
+    let w: Vec<T> = rng.vec(shape.w_len().unwrap(), -1.0, 1.0);
+    let x: Vec<T> = rng.vec(shape.x_len().unwrap(), -1.0, 1.0);
+    let mean: Vec<f32> = rng.vec(c, -0.2, 0.2);
+    let inv_std: Vec<f32> = rng.vec(c, 0.5, 2.0);
+    let scale: Vec<f32> = rng.vec(c, 0.5, 1.5);
+    let bias: Vec<f32> = rng.vec(c, -0.5, 0.5);
+    let mut io = Io::<T>::new();
+    io.input(ctx, "dy", &dy);
+    io.input(ctx, "w", &w);
+    io.input(ctx, "x", &x);
+    io.output(ctx, "drelu", shape.x_len().unwrap());
+    for (n, v) in [
+        ("mean", &mean),
+        ("inv_std", &inv_std),
+        ("scale", &scale),
+        ("bias", &bias),
+    ] {
+        io.stat_in(ctx, n, v);
+    }
+    for n in ["dscale", "dbias", "eq_scale_dy", "eq_scale_x", "eq_bias"] {
+        io.stat_out(ctx, n, c);
+    }
+    let sl = label(&shape);
+    println!("== {pattern} {} {sl}", dt.name());
+    let build = |h| dgrad_drelu_dbn_weight(h, &shape, dt, ReluAttrs::Frontend);
+    let (search, ran) = match probe(ctx, pattern, build, Some(&mut io)) {
+        Err(m) => return println!("PROBE {pattern} {} {sl}: NOT SUPPORTED: {m}", dt.name()),
+        Ok(v) => v,
+    };
+    if !ran {
+        return println!(
+            "{} NOT SUPPORTED: no config finalized",
+            summary(pattern, dt, &sl, &search, None)
+        );
+    }
+    let xs = f64s(&x);
+    let (mu, is, sc, bi) = (f64s(&mean), f64s(&inv_std), f64s(&scale), f64s(&bias));
+    let dgrad = conv2d_backward_data(&shape, &f64s(&dy), &f64s(&w)).unwrap();
+    let drelu_ref: Vec<f64> = dgrad
+        .iter()
+        .enumerate()
+        .map(|(i, g)| {
+            let ch = i % c;
+            let bn = (xs[i] - mu[ch]) * is[ch] * sc[ch] + bi[ch];
+            if bn > 0.0 {
+                *g
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mut max = 0.0;
+    let drelu = io.get(ctx, "drelu");
+    check("drelu", &drelu, &drelu_ref, DATA_TOL, &mut max);
+    // BN's backward weights from the stored drelu (the operation's own input).
+    let m = (xs.len() / c) as f64;
+    let (mut ds, mut db) = (vec![0.0; c], vec![0.0; c]);
+    for (i, d) in drelu.iter().enumerate() {
+        let ch = i % c;
+        ds[ch] += d * (xs[i] - mu[ch]) * is[ch];
+        db[ch] += d;
+    }
+    let tol = stat_tol::<T>().max(1e-3);
+    check("dscale", &io.get(ctx, "dscale"), &ds, tol, &mut max);
+    check("dbias", &io.get(ctx, "dbias"), &db, tol, &mut max);
+    // The equivalent coefficients, checked by what they mean: dx = a·dy + b·x + c equals BN's
+    // data gradient with the given statistics.
+    let (a, bx, c0) = (
+        io.get(ctx, "eq_scale_dy"),
+        io.get(ctx, "eq_scale_x"),
+        io.get(ctx, "eq_bias"),
+    );
+    let (mut dx_eq, mut dx_ref) = (Vec::new(), Vec::new());
+    for (i, d) in drelu.iter().enumerate() {
+        let ch = i % c;
+        dx_eq.push(a[ch] * d + bx[ch] * xs[i] + c0[ch]);
+        let xhat = (xs[i] - mu[ch]) * is[ch];
+        dx_ref.push(sc[ch] * is[ch] * (d - db[ch] / m - xhat * ds[ch] / m));
+    }
+    check(
+        "dx from eq_scale_dy/eq_scale_x/eq_bias",
+        &dx_eq,
+        &dx_ref,
+        tol,
+        &mut max,
+    );
+    println!("{}", summary(pattern, dt, &sl, &search, Some(max)));
+}
+
+fn dgrad_drelu_all<T: Element>(ctx: &Context) {
+    for s in [nhwc(4, 64, 56, 64, 3), nhwc(4, 64, 56, 256, 1)] {
+        finalize_only::<T>(ctx, "DgradDreluBNBwdWeight", &label(&s), |h| {
+            dgrad_drelu_dbn_weight(h, &s, T::DTYPE, ReluAttrs::Frontend)
+        });
+    }
+    for s in [nhwc(2, 64, 8, 64, 3), nhwc(2, 64, 8, 256, 1)] {
+        dgrad_drelu_case::<T>(ctx, s);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn probe_dgrad_drelu_bn_bwd_weight() {
+    let Some(ctx) = gpu() else { return };
+    dgrad_drelu_all::<f16>(&ctx);
+    dgrad_drelu_all::<bf16>(&ctx);
+    dgrad_drelu_all::<f32>(&ctx);
+}
+
+// ----------------------------------------------------------------- data gradient, beta = 1
+
+fn dgrad_accumulate_case<T: Element>(ctx: &Context, shape: ConvShape) {
+    let pattern = "DgradAccumulate";
+    let dt = T::DTYPE;
+    let mut rng = Rng::fresh(pattern);
+    let dy: Vec<T> = rng.vec(shape.y_len().unwrap(), -1.0, 1.0);
+    let w: Vec<T> = rng.vec(shape.w_len().unwrap(), -1.0, 1.0);
+    let dx0: Vec<T> = rng.vec(shape.x_len().unwrap(), -4.0, 4.0);
+    let mut io = Io::<T>::new();
+    io.input(ctx, "dy", &dy);
+    io.input(ctx, "w", &w);
+    // Accumulation reads dx: it starts as data, not poison.
+    io.input(ctx, "dx", &dx0);
+    let sl = label(&shape);
+    println!("== {pattern} {} {sl}", dt.name());
+    let (search, ran) = match probe(
+        ctx,
+        pattern,
+        |h| dgrad_accumulate(h, &shape, dt),
+        Some(&mut io),
+    ) {
+        Err(m) => return println!("PROBE {pattern} {} {sl}: NOT SUPPORTED: {m}", dt.name()),
+        Ok(v) => v,
+    };
+    if !ran {
+        return println!(
+            "{} NOT SUPPORTED: no config finalized",
+            summary(pattern, dt, &sl, &search, None)
+        );
+    }
+    let g = conv2d_backward_data(&shape, &f64s(&dy), &f64s(&w)).unwrap();
+    let want: Vec<f64> = g.iter().zip(f64s(&dx0)).map(|(a, b)| a + b).collect();
+    let mut max = 0.0;
+    check("dx0 + dgrad", &io.get(ctx, "dx"), &want, DATA_TOL, &mut max);
+    println!("{}", summary(pattern, dt, &sl, &search, Some(max)));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn probe_dgrad_accumulate() {
+    let Some(ctx) = gpu() else { return };
+    for s in [nhwc(2, 256, 8, 64, 1), nhwc(2, 64, 8, 64, 3)] {
+        dgrad_accumulate_case::<f16>(&ctx, s);
+        dgrad_accumulate_case::<bf16>(&ctx, s);
+        dgrad_accumulate_case::<f32>(&ctx, s);
+    }
+}
+
+// ------------------------------------------------- nnfuse's BatchNorm epilogue graphs, again
+
+/// The plan search of `key`'s training graph as nnfuse builds it (`relu` none) or with the
+/// ReLU described by `relu`; the graph's parts live until the search is done.
+fn search_bn(
+    ctx: &Context,
+    title: &str,
+    key: &GraphBnKey,
+    relu: Option<ReluAttrs>,
+) -> Result<PlanSearch, String> {
+    let mut g = ctx.lock().unwrap();
+    let h = g.cudnn().unwrap();
+    let failed = |e: Error| {
+        format!(
+            "graph build: {e} ({})",
+            nnfuse::internals::cudnn_graph::last_error_string()
+        )
+    };
+    let s = match relu {
+        None => {
+            let parts = BnGraphParts::build(h, key).map_err(failed)?;
+            search_plans(h, &parts.graph, MAX_PLANS)
+        }
+        Some(r) => {
+            let parts = bn_epilogue(h, key, false, r).map_err(failed)?;
+            search_plans(h, &parts.graph, MAX_PLANS)
+        }
+    };
+    print_search(title, &s);
+    Ok(s)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn probe_bn_epilogue_graphs() {
+    let Some(ctx) = gpu() else { return };
+    let layout = ChannelLayout {
+        n: 4,
+        c: 64,
+        h: 56 * 56,
+        w: 1,
+        format: TensorFormat::Nhwc,
+        rank: 4,
+    };
+    for dt in [DType::F16, DType::BF16, DType::F32] {
+        for epi in [BnEpilogue::None, BnEpilogue::Relu, BnEpilogue::AddRelu] {
+            let key = GraphBnKey::new(layout, dt, BnDirection::Forward).with_epilogue(epi);
+            let sl = format!("n4 c64 56x56 training {epi:?}");
+            // As nnfuse builds it (bn_build.rs), then with cudnn-frontend's ReLU attributes.
+            let variants: [(&str, Option<ReluAttrs>); 2] = [
+                ("nnfuse", None),
+                ("frontend-relu", Some(ReluAttrs::Frontend)),
+            ];
+            for (name, relu) in variants {
+                if relu.is_some() && epi == BnEpilogue::None {
+                    continue;
+                }
+                let pattern = format!("BN-epilogue-{name}");
+                println!("== {pattern} {} {sl}", dt.name());
+                let r = search_bn(&ctx, &pattern, &key, relu);
+                match r {
+                    Err(m) => println!("PROBE {pattern} {} {sl}: NOT SUPPORTED: {m}", dt.name()),
+                    Ok(s) if s.plan.is_none() => println!(
+                        "{} NOT SUPPORTED: no config finalized",
+                        summary(&pattern, dt, &sl, &s, None)
+                    ),
+                    Ok(s) => println!("{}", summary(&pattern, dt, &sl, &s, None)),
+                }
+            }
+        }
+    }
+}
