@@ -206,6 +206,14 @@ fn direction_name(d: Direction) -> &'static str {
 }
 
 fn main() -> std::process::ExitCode {
+    // Decisions' traces (timestamped, on stderr) where NNFUSE_LOG asks for them.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("NNFUSE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     exit::finish("conv_suite", run())
 }
 

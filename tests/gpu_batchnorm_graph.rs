@@ -440,3 +440,31 @@ fn graph_inference_reads_each_calls_running_statistics() {
     );
     println!("inference graph plan built: {built}");
 }
+
+/// Why the epilogue graphs are refused where they are (printed for docs/CUDNN-GRAPH.md): each
+/// direction's plan with each epilogue on one NHWC shape. The plain graphs build there (the
+/// grids above run them), so a refused epilogue plan must carry cuDNN's reason, not nothing.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn epilogue_plans_say_why_they_are_refused() {
+    let ctx = ctx_for(CudnnApi::Graph);
+    let (shape, axis) = (&[4usize, 14, 14, 32][..], 3);
+    for dtype in [DType::F16, DType::BF16] {
+        for direction in [BnDirection::Forward, BnDirection::Backward] {
+            assert!(
+                plan_built(&ctx, shape, axis, dtype, direction, BnEpilogue::None),
+                "{dtype} {}: the plain graph builds",
+                direction.name()
+            );
+            for e in [BnEpilogue::Relu, BnEpilogue::AddRelu] {
+                let built = plan_built(&ctx, shape, axis, dtype, direction, e);
+                println!(
+                    "EPILOGUE {dtype} {} {}: {}",
+                    direction.name(),
+                    e.name(),
+                    if built { "built" } else { "refused (reason above)" }
+                );
+            }
+        }
+    }
+}
