@@ -312,7 +312,9 @@ fn col2im_kernel_matches_the_reference() {
                         ptr(ctx, &cols) + cskew as u64 * es,
                         ptr_mut(ctx, &mut x) + skew as u64 * es,
                     );
-                    let kernel = launch::col2im(&s, T::DTYPE, s.n, ca, xa, false).unwrap().kernel;
+                    let kernel = launch::col2im(&s, T::DTYPE, s.n, ca, xa, false)
+                        .unwrap()
+                        .kernel;
                     let mut view = x.slice_mut(skew..skew + s.x_len().unwrap());
                     super::col2im(ctx, &s, &cols.slice(cskew..cskew + n_cols), &mut view).unwrap();
                     let got = download(ctx, &x);

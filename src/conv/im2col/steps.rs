@@ -1028,7 +1028,13 @@ mod tests {
             ..s
         };
         assert_eq!(forward(&p1, DType::F16, 1).unwrap().scratch.bytes, 0);
-        assert_eq!(backward_data(&p1, DType::F16, 1, false).unwrap().scratch.bytes, 0);
+        assert_eq!(
+            backward_data(&p1, DType::F16, 1, false)
+                .unwrap()
+                .scratch
+                .bytes,
+            0
+        );
         assert_eq!(
             backward_filter(&p1, DType::F16, 1, false)
                 .unwrap()
