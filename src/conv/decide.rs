@@ -1082,4 +1082,59 @@ mod tests {
             1e-5,
         );
     }
+
+    /// The data gradient likewise: an accumulating call on a chunked im2col route (col2im adds
+    /// chunk by chunk) that fails at run time is not re-run on the fallback: dx holds the
+    /// gradient added once, the error says dx may be partly updated, and the next accumulating
+    /// call runs the fallback and adds it once more.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn a_failed_accumulating_data_gradient_is_not_added_twice() {
+        let config = Config {
+            conv_algo: ConvAlgoPolicy::Im2col,
+            conv_workspace_mb: 1,
+            ..Config::default()
+        };
+        let ctx = gpu_with(config);
+        let s = crate::testutil::square_conv(7, 16, 32, 24, 3, TensorFormat::Nchw);
+        let conv = Conv2d::<f32>::new(&ctx, &s).unwrap();
+        let plan = conv.plan_for(Direction::BackwardData);
+        assert_eq!(plan.path, ConvPath::Im2colGemm, "{plan}");
+        assert!(plan.info(ConvPath::Im2colGemm).chunks > 1, "{plan}");
+        if plan.fallback_route(ConvPath::Im2colGemm).is_none() {
+            println!("no cuDNN: im2col has no fallback here, nothing to test");
+            return;
+        }
+        let mut rng = Rng::fresh("a_failed_accumulating_data_gradient_is_not_added_twice");
+        let w = upload::<f32>(&ctx, &quantized(&mut rng, s.w_len().unwrap()));
+        let dy = upload::<f32>(&ctx, &quantized(&mut rng, s.y_len().unwrap()));
+        let dx0 = quantized(&mut rng, s.x_len().unwrap());
+        let mut g = upload::<f32>(&ctx, &dx0);
+        conv.backward_data(&dy, &w, &mut g).unwrap();
+        let g = download(&ctx, &g);
+        let once: Vec<f64> = dx0.iter().zip(&g).map(|(a, b)| a + b).collect();
+
+        let mut dx = upload::<f32>(&ctx, &dx0);
+        FAIL_NEXT_RUN.with(|f| f.set(true));
+        let e = conv.backward_data_into(&dy, &w, &mut dx, true).unwrap_err();
+        assert!(
+            matches!(e, Error::NotSupported(_))
+                && e.to_string().contains("dx may be partly updated"),
+            "{e}"
+        );
+        check(
+            "dx after the failed call",
+            &download(&ctx, &dx),
+            &once,
+            1e-5,
+        );
+        let c = conv.choice(Direction::BackwardData).unwrap();
+        assert_eq!(
+            (c.route.path, c.origin),
+            (ConvPath::Cudnn, ChoiceOrigin::Fallback)
+        );
+        conv.backward_data_into(&dy, &w, &mut dx, true).unwrap();
+        let twice: Vec<f64> = once.iter().zip(&g).map(|(a, b)| a + b).collect();
+        check("dx after the next call", &download(&ctx, &dx), &twice, 1e-5);
+    }
 }
