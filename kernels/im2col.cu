@@ -87,7 +87,8 @@ struct ColGeom {
     u32 tgroup;   // NCHW im2col: taps per gridDim.z group (even)
     u32 rstep;    // col2im: sh / gcd(sh, dh), the step between filter rows that reach an input row
     u32 sstep;    // col2im: sw / gcd(sw, dw), likewise along the width
-    u32 flags;    // bit 0, NCHW im2col: every column offset within an image fits 32 bits
+    u32 flags;    // bit 0, NCHW im2col: every column offset within an image fits 32 bits;
+                  // bit 1, col2im: add to x's old value (dx +=)
     u32 unused;   // no implicit padding in the layout
     int sh, sw, ph, pw, dh, dw;
     FastDiv d_ow, d_cin, d_pixels, d_kwc, d_w, d_hw, d_sh, d_sw, d_taps, d_tiles, d_kw;
@@ -433,6 +434,19 @@ template <u32 W> __device__ __forceinline__ void store_words(void* base, u32 at,
     }
 }
 
+// W 32-bit words loaded from unit index `at` of `base` (col2im's old dx when it adds).
+template <u32 W> __device__ __forceinline__ Words<W> load_words(const void* base, u32 at) {
+    if constexpr (W == 4) {
+        const uint4 v = reinterpret_cast<const uint4*>(base)[at];
+        return Words<W>{{v.x, v.y, v.z, v.w}};
+    } else if constexpr (W == 2) {
+        const uint2 v = reinterpret_cast<const uint2*>(base)[at];
+        return Words<W>{{v.x, v.y}};
+    } else {
+        return Words<W>{{reinterpret_cast<const u32*>(base)[at]}};
+    }
+}
+
 // A work item's value as stored (Raw: one element of T for W = 0, else W words) and the number
 // of f32 sums it needs (N). NVRTC has no <type_traits>, hence the specialisation.
 template <typename T, u32 W> struct Acc {
@@ -580,9 +594,17 @@ __device__ __forceinline__ void col2im(const T* __restrict__ cols, T* __restrict
             }
         }
         T* xb = x + (u64)b * g.x_img * (W == 0 ? 1 : W * 4 / sizeof(T));
+        // flags bit 1 (launch.rs: COL2IM_ADD): dx += the sum, added in f32, rounded once.
+        const bool add = (g.flags & 2u) != 0u;
         if constexpr (W == 0) {
+            if (add) acc[0] += to_float(xb[e]);
             xb[e] = from_float<T>(acc[0]);
         } else {
+            if (add) {
+                const Words<W> old = load_words<W>(xb, e);
+#pragma unroll
+                for (u32 i = 0; i < W; ++i) Word<T>::add(acc + i * Word<T>::N, old.w[i]);
+            }
             Words<W> out;
 #pragma unroll
             for (u32 i = 0; i < W; ++i) out.w[i] = Word<T>::pack(acc + i * Word<T>::N);

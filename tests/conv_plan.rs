@@ -1012,3 +1012,41 @@ fn own_kernels_refuse_what_their_launchers_refuse() {
     let p = plan_of(s, DType::F16, Direction::Forward, &big_cap, false);
     assert!(p.eligible(ConvPath::WinogradF2x3), "{p}");
 }
+
+/// Which paths can run an accumulating gradient (added to dx or dw), with the reason for those
+/// that cannot: Winograd's data gradient cannot (its output transform has no beta); cuDNN, the
+/// graph API and im2col + GEMM can, in both gradients; the forward never accumulates. Every
+/// fallback a gradient can take accumulates (an accumulating call's substitute and fallback).
+#[test]
+fn accumulating_gradients_refuse_winograd_with_a_reason() {
+    let cfg = Config::default();
+    let s = shape(8, 64, 28, 64, 3, NHWC);
+    for dtype in [DType::F16, DType::BF16, DType::F32] {
+        for cudnn in [true, false] {
+            let data = plan_of(s, dtype, Direction::BackwardData, &cfg, cudnn);
+            for tile in [ConvPath::WinogradF2x3, ConvPath::WinogradF4x3] {
+                let why = data.accumulate_refusal(tile).unwrap_or_default();
+                assert!(why.contains("cannot add to dx"), "{tile} {dtype}: {why:?}");
+            }
+            for path in [ConvPath::Cudnn, ConvPath::CudnnGraph, ConvPath::Im2colGemm] {
+                assert_eq!(data.accumulate_refusal(path), None, "{path} {dtype}");
+            }
+            for failed in ConvPath::ALL {
+                if let Some(fb) = data.fallback_route(failed) {
+                    assert_eq!(data.accumulate_refusal(fb.path), None, "{failed} -> {fb}");
+                }
+            }
+            let filter = plan_of(s, dtype, Direction::BackwardFilter, &cfg, cudnn);
+            for path in [ConvPath::Cudnn, ConvPath::CudnnGraph, ConvPath::Im2colGemm] {
+                assert_eq!(filter.accumulate_refusal(path), None, "{path} {dtype}");
+            }
+            let fwd = plan_of(s, dtype, Direction::Forward, &cfg, cudnn);
+            for path in ConvPath::ALL {
+                assert!(fwd.accumulate_refusal(path).is_some(), "{path}");
+            }
+            assert!(data
+                .accumulate_refusal(ConvPath::Direct)
+                .is_some_and(|w| w.contains("forward only")));
+        }
+    }
+}

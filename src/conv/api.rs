@@ -328,14 +328,15 @@ impl<T: Element> Conv2d<T> {
         self.run(Direction::Forward, p, false, route)
     }
 
-    /// The data gradient `dx` from `dy` (the output's gradient) and `w`, overwriting `dx`.
+    /// The data gradient `dx` from `dy` (the output's gradient) and `w`, overwriting `dx`
+    /// ([`Conv2d::backward_data_into`] with `accumulate = false`).
     pub fn backward_data<D, W, X>(&self, dy: &D, w: &W, dx: &mut X) -> Result<()>
     where
         D: DevicePtr<T>,
         W: DevicePtr<T>,
         X: DevicePtrMut<T>,
     {
-        self.backward_data_impl(dy, w, dx, None)
+        self.backward_data_impl(dy, w, dx, false, None)
     }
 
     /// [`Conv2d::backward_data`] on a given route (see [`Conv2d::forward_with`]).
@@ -345,7 +346,69 @@ impl<T: Element> Conv2d<T> {
         W: DevicePtr<T>,
         X: DevicePtrMut<T>,
     {
-        self.backward_data_impl(dy, w, dx, Some(route))
+        self.backward_data_impl(dy, w, dx, false, Some(route))
+    }
+
+    /// The data gradient from `dy` and `w`: written to `dx`, or added to it with `accumulate`
+    /// (`dx += bwd_data(dy, w)`: an input that also feeds a shortcut, whose gradient `dx`
+    /// already holds). The sum is formed in f32 and rounded once. cuDNN and im2col + GEMM add
+    /// in place; a decided Winograd route cannot ([`ConvPlan::accumulate_refusal`]), so
+    /// accumulating calls then run another route, chosen once and named in the decision's
+    /// notes ([`Conv2d::choice`]). When the route fails at run time, an accumulating call is
+    /// not re-run on the fallback (the failed route may have added to `dx` already): it returns
+    /// [`Error::NotSupported`] saying `dx` may be partly updated, and later calls take the
+    /// fallback.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use nnfuse::conv::{Conv2d, ConvShape};
+    /// use nnfuse::TensorFormat;
+    /// let ctx = nnfuse::Context::new(0)?;
+    /// let shape = ConvShape {
+    ///     n: 32, c_in: 256, h: 56, w: 56, c_out: 64, kh: 1, kw: 1,
+    ///     stride: (1, 1), pad: (0, 0), dilation: (1, 1), format: TensorFormat::Nhwc,
+    /// };
+    /// let conv = Conv2d::<half::f16>::new(&ctx, &shape)?;
+    /// let s = ctx.stream();
+    /// let dy = s.alloc_zeros::<half::f16>(shape.y_len()?)?;
+    /// let w = s.alloc_zeros::<half::f16>(shape.w_len()?)?;
+    /// // dx already holds the shortcut's gradient; the convolution's is added to it.
+    /// let mut dx = s.alloc_zeros::<half::f16>(shape.x_len()?)?;
+    /// conv.backward_data_into(&dy, &w, &mut dx, true)?;
+    /// # Ok(()) }
+    /// ```
+    pub fn backward_data_into<D, W, X>(
+        &self,
+        dy: &D,
+        w: &W,
+        dx: &mut X,
+        accumulate: bool,
+    ) -> Result<()>
+    where
+        D: DevicePtr<T>,
+        W: DevicePtr<T>,
+        X: DevicePtrMut<T>,
+    {
+        self.backward_data_impl(dy, w, dx, accumulate, None)
+    }
+
+    /// [`Conv2d::backward_data_into`] on a given route (see [`Conv2d::forward_with`]): an
+    /// accumulating call on a route that cannot add is an [`Error::NotSupported`] with the
+    /// plan's reason.
+    pub fn backward_data_with_into<D, W, X>(
+        &self,
+        route: Route,
+        dy: &D,
+        w: &W,
+        dx: &mut X,
+        accumulate: bool,
+    ) -> Result<()>
+    where
+        D: DevicePtr<T>,
+        W: DevicePtr<T>,
+        X: DevicePtrMut<T>,
+    {
+        self.backward_data_impl(dy, w, dx, accumulate, Some(route))
     }
 
     fn backward_data_impl<D, W, X>(
@@ -353,6 +416,7 @@ impl<T: Element> Conv2d<T> {
         dy: &D,
         w: &W,
         dx: &mut X,
+        accumulate: bool,
         route: Option<Route>,
     ) -> Result<()>
     where
@@ -371,7 +435,7 @@ impl<T: Element> Conv2d<T> {
             w: wp,
             y: dyp,
         };
-        self.run(Direction::BackwardData, p, false, route)
+        self.run(Direction::BackwardData, p, accumulate, route)
     }
 
     /// The filter gradient from `x` and `dy`: written to `dw`, or added to it with

@@ -45,7 +45,7 @@ pub(crate) struct Target<'a> {
 
 /// What, beyond the problem and the direction, selects a graph plan in the Context's plan
 /// cache: the Context (its cuDNN handle and engine policy), the engine config, the pointers'
-/// alignment class, and whether the filter gradient accumulates.
+/// alignment class, and whether the gradient accumulates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct GraphPlanTag {
     /// The Context's identity (see [`GraphPlanTag::context_id`]).
@@ -54,7 +54,7 @@ pub(crate) struct GraphPlanTag {
     pub engine: Option<GraphEngine>,
     /// Bytes every pointer is aligned to, at least the element size (the key's alignment).
     pub alignment: u8,
-    /// The filter gradient adds to dw.
+    /// The gradient adds to dx or dw.
     pub accumulate: bool,
 }
 
@@ -130,7 +130,7 @@ pub(crate) struct PathCall<'a> {
     pub exec: Exec,
     /// The operands by cuDNN's roles: `x` is x or dx, `w` is w or dw, `y` is y or dy.
     pub ptrs: CudnnPtrs,
-    /// Add to dw instead of overwriting it (filter gradient only; false otherwise).
+    /// Add to dx or dw instead of overwriting it (the gradients only; false for the forward).
     pub accumulate: bool,
 }
 

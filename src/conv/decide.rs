@@ -777,7 +777,9 @@ impl<T: Element> Conv2d<T> {
     }
 
     /// Runs `d` on checked operands: the forced route, or the decided one with a fallback when
-    /// it fails at run time.
+    /// it fails at run time. An accumulating call (a gradient added to its output) runs only a
+    /// route that can add ([`ConvPlan::accumulate_refusal`]): a forced one that cannot is an
+    /// error, a decided one that cannot is replaced by [`Conv2d::accumulating`]'s route.
     pub(super) fn run(
         &self,
         d: Direction,
@@ -785,6 +787,7 @@ impl<T: Element> Conv2d<T> {
         accumulate: bool,
         forced: Option<Route>,
     ) -> Result<()> {
+        let accumulate = accumulate && d != Direction::Forward;
         let plan = self.plan_for(d);
         if !plan.runnable {
             return Err(Error::NotSupported(format!(
@@ -795,12 +798,23 @@ impl<T: Element> Conv2d<T> {
         }
         let target = self.core.target(&self.ctx);
         if let Some(r) = forced {
+            if let Some(why) = plan.accumulate_refusal(r.path).filter(|_| accumulate) {
+                return Err(Error::NotSupported(format!(
+                    "{} cannot run this accumulating {}: {why}",
+                    r.path,
+                    d.describe()
+                )));
+            }
             let e = self.forced(d, r, p)?;
             tracing::debug!(direction = %d, route = %e.route, "convolution (forced route)");
             // SAFETY: operands checked by `check`; the route was checked against the plan.
             return unsafe { route::run(&target, d, e, p, accumulate) };
         }
-        let e = self.decided(d, p)?;
+        let (e, substitute) = if accumulate {
+            self.accumulating(d, p)?
+        } else {
+            (self.decided(d, p)?, false)
+        };
         tracing::trace!(direction = %d, route = %e.route, "convolution");
         // SAFETY: as above.
         let first = unsafe { route::run(&target, d, e, p, accumulate) };
@@ -809,21 +823,133 @@ impl<T: Element> Conv2d<T> {
         let Err(err) = first else {
             return Ok(());
         };
-        let Some(fb_exec) = self.fall_back(d, plan, e, &err, p)? else {
+        let fb = if substitute {
+            self.substitute_fall_back(d, plan, e, &err, p)?
+        } else {
+            self.fall_back(d, plan, e, &err, p)?
+        };
+        let Some(fb_exec) = fb else {
             return Err(err);
         };
-        if accumulate && d == Direction::BackwardFilter {
-            // The failed route may have added part (or all) of the gradient to dw already; a
-            // second run would add it again. Later calls take the fallback.
+        if accumulate {
+            // The failed route may have added part (or all) of the gradient to the output
+            // already; a second run would add it again. Later calls take the fallback.
+            let out = if d == Direction::BackwardData {
+                "dx"
+            } else {
+                "dw"
+            };
             return Err(Error::NotSupported(format!(
-                "the filter gradient's route {} failed at run time ({err}); dw may be partly \
-                 updated, so this accumulating call is not re-run on the fallback {} (later \
-                 calls take it)",
-                e.route, fb_exec.route
+                "the {}'s route {} failed at run time ({err}); {out} may be partly updated, so \
+                 this accumulating call is not re-run on the fallback {} (later calls take it)",
+                d.describe(),
+                e.route,
+                fb_exec.route
             )));
         }
         // SAFETY: as above.
         unsafe { route::run(&target, d, fb_exec, p, accumulate) }
+    }
+
+    /// The route an accumulating call of `d` runs, and whether it replaces the decided one: the
+    /// decided route when it can add to the output, else (Winograd's data gradient) one chosen
+    /// once for such calls: the fastest route of the first call's measurement that passed and
+    /// can add, else the plan's fallback. The decision's notes say which, and why.
+    fn accumulating(&self, d: Direction, p: CudnnPtrs) -> Result<(Exec, bool)> {
+        let e = self.decided(d, p)?;
+        let plan = self.plan_for(d);
+        let Some(why) = plan.accumulate_refusal(e.route.path) else {
+            return Ok((e, false));
+        };
+        let mut slot = lock(&self.core.accumulating[d.index()]);
+        if let Some(s) = *slot {
+            return Ok((s, true));
+        }
+        self.ctx.refuse_under_capture(
+            "a convolution's first accumulating call on a route that cannot add",
+            "choose the route such calls run",
+        )?;
+        let measured = self.report(d).and_then(|r| {
+            r.candidates
+                .iter()
+                .filter(|c| {
+                    c.outcome == Outcome::Passed && plan.accumulate_refusal(c.route.path).is_none()
+                })
+                .filter_map(|c| c.median_ms.map(|m| (c.route, m)))
+                .min_by(|a, b| a.1.total_cmp(&b.1))
+                .map(|(r, _)| r)
+        });
+        let (route, how) = match measured {
+            Some(r) => (Some(r), "the fastest of the measured routes that can"),
+            None => (plan.fallback_route(e.route.path), "the plan's fallback"),
+        };
+        let exec = match route {
+            Some(r) => self.complete(d, r, p)?,
+            None => None,
+        };
+        let Some(exec) = exec else {
+            return Err(Error::NotSupported(format!(
+                "{} cannot add to this {}'s output ({why}), and no other route can run it",
+                e.route.path,
+                d.describe()
+            )));
+        };
+        let note = format!(
+            "accumulating calls run {} ({how}): {} cannot add ({why})",
+            exec.route, e.route.path
+        );
+        tracing::info!(problem = ?self.core.shape, direction = %d, route = %exec.route,
+            "{note}");
+        if let Some(dec) = lock(&self.core.state[d.index()]).as_mut() {
+            dec.choice.notes.push(note);
+        }
+        *slot = Some(exec);
+        Ok((exec, true))
+    }
+
+    /// Route `r` of `d` completed: a cuDNN route without an algorithm takes cuDNN's first
+    /// usable one; `None` when cuDNN offers none.
+    fn complete(&self, d: Direction, r: Route, p: CudnnPtrs) -> Result<Option<Exec>> {
+        match (r.path, r.cudnn_algo) {
+            (ConvPath::Cudnn, None) => match self.cudnn_execs(d, p, 1) {
+                Ok((v, _, _)) => Ok(v.first().copied()),
+                Err(_) => Ok(None),
+            },
+            _ => self.core.exec_of(&self.ctx, d, r).map(Some),
+        }
+    }
+
+    /// After `e`, the route accumulating calls of `d` run in place of the decided one
+    /// ([`Conv2d::accumulating`]), failed at run time with `err`: the plan's fallback for it,
+    /// which such calls take from now on (the decision itself is kept), or `None`.
+    fn substitute_fall_back(
+        &self,
+        d: Direction,
+        plan: &ConvPlan,
+        e: Exec,
+        err: &Error,
+        p: CudnnPtrs,
+    ) -> Result<Option<Exec>> {
+        let Some(fb) = plan.fallback_route(e.route.path) else {
+            return Ok(None);
+        };
+        let Some(fb_exec) = self.complete(d, fb, p)? else {
+            return Ok(None);
+        };
+        tracing::warn!(
+            problem = ?self.core.shape, dtype = %self.core.dtype, direction = %d,
+            failed = %e.route, fallback = %fb_exec.route, error = %err,
+            "accumulating convolution route failed at run time; such calls use the fallback \
+             from now on"
+        );
+        *lock(&self.core.accumulating[d.index()]) = Some(fb_exec);
+        if let Some(dec) = lock(&self.core.state[d.index()]).as_mut() {
+            dec.choice.notes.push(format!(
+                "accumulating calls: {} failed at run time ({err}); they run {} now",
+                e.route, fb_exec.route
+            ));
+        }
+        Ok(Some(fb_exec))
     }
 
     /// After `e` failed at run time with `err`: the plan's fallback for `d`, completed and
@@ -841,12 +967,8 @@ impl<T: Element> Conv2d<T> {
         let Some(fb) = plan.fallback_route(e.route.path) else {
             return Ok(None);
         };
-        let fb_exec = match fb.path {
-            ConvPath::Cudnn => match self.cudnn_execs(d, p, 1) {
-                Ok((v, _, _)) if !v.is_empty() => v[0],
-                _ => return Ok(None),
-            },
-            _ => core.exec_of(&self.ctx, d, fb)?,
+        let Some(fb_exec) = self.complete(d, fb, p)? else {
+            return Ok(None);
         };
         tracing::warn!(
             problem = ?core.shape, dtype = %core.dtype, direction = %d, failed = %e.route,
@@ -959,5 +1081,60 @@ mod tests {
             &g,
             1e-5,
         );
+    }
+
+    /// The data gradient likewise: an accumulating call on a chunked im2col route (col2im adds
+    /// chunk by chunk) that fails at run time is not re-run on the fallback: dx holds the
+    /// gradient added once, the error says dx may be partly updated, and the next accumulating
+    /// call runs the fallback and adds it once more.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn a_failed_accumulating_data_gradient_is_not_added_twice() {
+        let config = Config {
+            conv_algo: ConvAlgoPolicy::Im2col,
+            conv_workspace_mb: 1,
+            ..Config::default()
+        };
+        let ctx = gpu_with(config);
+        let s = crate::testutil::square_conv(7, 16, 32, 24, 3, TensorFormat::Nchw);
+        let conv = Conv2d::<f32>::new(&ctx, &s).unwrap();
+        let plan = conv.plan_for(Direction::BackwardData);
+        assert_eq!(plan.path, ConvPath::Im2colGemm, "{plan}");
+        assert!(plan.info(ConvPath::Im2colGemm).chunks > 1, "{plan}");
+        if plan.fallback_route(ConvPath::Im2colGemm).is_none() {
+            println!("no cuDNN: im2col has no fallback here, nothing to test");
+            return;
+        }
+        let mut rng = Rng::fresh("a_failed_accumulating_data_gradient_is_not_added_twice");
+        let w = upload::<f32>(&ctx, &quantized(&mut rng, s.w_len().unwrap()));
+        let dy = upload::<f32>(&ctx, &quantized(&mut rng, s.y_len().unwrap()));
+        let dx0 = quantized(&mut rng, s.x_len().unwrap());
+        let mut g = upload::<f32>(&ctx, &dx0);
+        conv.backward_data(&dy, &w, &mut g).unwrap();
+        let g = download(&ctx, &g);
+        let once: Vec<f64> = dx0.iter().zip(&g).map(|(a, b)| a + b).collect();
+
+        let mut dx = upload::<f32>(&ctx, &dx0);
+        FAIL_NEXT_RUN.with(|f| f.set(true));
+        let e = conv.backward_data_into(&dy, &w, &mut dx, true).unwrap_err();
+        assert!(
+            matches!(e, Error::NotSupported(_))
+                && e.to_string().contains("dx may be partly updated"),
+            "{e}"
+        );
+        check(
+            "dx after the failed call",
+            &download(&ctx, &dx),
+            &once,
+            1e-5,
+        );
+        let c = conv.choice(Direction::BackwardData).unwrap();
+        assert_eq!(
+            (c.route.path, c.origin),
+            (ConvPath::Cudnn, ChoiceOrigin::Fallback)
+        );
+        conv.backward_data_into(&dy, &w, &mut dx, true).unwrap();
+        let twice: Vec<f64> = once.iter().zip(&g).map(|(a, b)| a + b).collect();
+        check("dx after the next call", &download(&ctx, &dx), &twice, 1e-5);
     }
 }

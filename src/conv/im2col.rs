@@ -133,9 +133,10 @@ unsafe fn execute(ctx: &Context, dtype: DType, plan: &Plan, ops: Operands) -> Re
                 dst,
                 shape,
                 images,
+                add,
             } => {
                 let (s, d) = (addr(*src)?, addr(*dst)?);
-                let l = launch::col2im(shape, dtype, *images, s, d)?;
+                let l = launch::col2im(shape, dtype, *images, s, d, *add)?;
                 tracing::trace!(kernel = l.kernel, grid = ?l.grid, images = l.images, "col2im step");
                 // SAFETY: as above, for the columns and dx.
                 unsafe { launch_cols(ctx, &l, s, d)? };
@@ -203,7 +204,7 @@ pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
     unsafe {
         match c.direction {
             Direction::Forward => forward(ctx, s, dtype, c.fwd()),
-            Direction::BackwardData => backward_data(ctx, s, dtype, c.bwd_data()),
+            Direction::BackwardData => backward_data(ctx, s, dtype, c.bwd_data(), c.accumulate),
             Direction::BackwardFilter => {
                 backward_filter(ctx, s, dtype, c.bwd_filter(), c.accumulate)
             }
@@ -232,7 +233,8 @@ pub(crate) unsafe fn forward(ctx: &Context, s: &ConvShape, dtype: DType, p: FwdP
     unsafe { execute(ctx, dtype, &plan, ops) }
 }
 
-/// Data gradient: GEMM of the filter with dy into column matrices, then col2im (gather).
+/// Data gradient: GEMM of the filter with dy into column matrices, then col2im (gather);
+/// written to `dx` or (with `accumulate`) added to it.
 ///
 /// Takes the Context's scratch arena (the caller must not hold it).
 ///
@@ -244,8 +246,9 @@ pub(crate) unsafe fn backward_data(
     s: &ConvShape,
     dtype: DType,
     p: BwdDataPtrs,
+    accumulate: bool,
 ) -> Result<()> {
-    let plan = steps::backward_data(s, dtype, ctx.config().conv_workspace_bytes())?;
+    let plan = steps::backward_data(s, dtype, ctx.config().conv_workspace_bytes(), accumulate)?;
     log("backward_data", s, dtype, &plan);
     let ops = Operands {
         dy: p.dy,
@@ -318,7 +321,7 @@ pub fn kernel_names(s: &ConvShape, dtype: DType) -> Result<(&'static str, &'stat
     let d = super::sizes::im2col_dims(s)?;
     let layout = launch::ColLayout::standard(d.pixels, d.taps);
     let a = launch::im2col(s, layout, dtype.size(), s.n, 0, 0)?;
-    let b = launch::col2im(s, dtype, s.n, 0, 0)?;
+    let b = launch::col2im(s, dtype, s.n, 0, 0, false)?;
     Ok((a.kernel, b.kernel))
 }
 
@@ -375,7 +378,7 @@ where
     let cp = bind.input("cols", cols, cols_need)?;
     let xp = bind.output("x", x, x_need)?;
     bind.check(Aliasing::Distinct)?;
-    let l = launch::col2im(s, T::DTYPE, s.n, cp, xp)?;
+    let l = launch::col2im(s, T::DTYPE, s.n, cp, xp, false)?;
     tracing::debug!(kernel = l.kernel, shape = ?s, grid = ?l.grid, "col2im");
     // SAFETY: both buffers were checked to hold the problem's extents and not to overlap.
     unsafe { launch_cols(ctx, &l, cp, xp) }

@@ -179,6 +179,12 @@ pub(crate) trait PathRule: Sync {
     fn standalone(&self) -> bool {
         true
     }
+
+    /// Why the path cannot add its gradient of direction `d` to the output (an accumulating
+    /// call, `beta = 1`), or `None` when it can. Only the gradients accumulate.
+    fn accumulate_refusal(&self, _d: Direction) -> Option<&'static str> {
+        None
+    }
 }
 
 /// How Winograd's engine was decided.
@@ -642,6 +648,12 @@ fn engines(
 pub(crate) struct WinogradRule(pub WinogradTile);
 
 impl PathRule for WinogradRule {
+    fn accumulate_refusal(&self, d: Direction) -> Option<&'static str> {
+        (d == Direction::BackwardData).then_some(
+            "its output transform writes dx tile by tile with no beta: it cannot add to dx",
+        )
+    }
+
     fn info(
         &self,
         path: ConvPath,
@@ -900,6 +912,10 @@ impl PathRule for CudnnGraphRule {
 pub(crate) struct DirectRule;
 
 impl PathRule for DirectRule {
+    fn accumulate_refusal(&self, d: Direction) -> Option<&'static str> {
+        (d != Direction::Forward).then_some("it computes the forward only")
+    }
+
     fn info(
         &self,
         path: ConvPath,

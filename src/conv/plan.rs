@@ -196,6 +196,19 @@ impl ConvPlan {
         self.info(path).eligible
     }
 
+    /// Why `path` cannot run an accumulating call of this plan's direction (a gradient added
+    /// to its output, as [`crate::conv::Conv2d::backward_data_into`] and
+    /// [`crate::conv::Conv2d::backward_filter`] with `accumulate`), or `None` when it can.
+    /// Winograd's data gradient cannot (its output transform has no beta); cuDNN (legacy
+    /// `beta = 1`, the graph API's beta attribute) and im2col + GEMM (col2im or the GEMM's
+    /// beta adds) can. The forward never accumulates.
+    pub fn accumulate_refusal(&self, path: ConvPath) -> Option<&'static str> {
+        match self.direction {
+            Direction::Forward => Some("the forward never accumulates"),
+            d => path.rule().accumulate_refusal(d),
+        }
+    }
+
     /// The route the plan starts with (the incumbent when measured).
     pub fn route(&self) -> Route {
         self.candidates

@@ -30,7 +30,8 @@ conv_paths!(run_fns);
 
 /// Queues `e` for direction `d` on the Context's stream. `p` holds the operands by cuDNN's
 /// roles: `p.x` is x (forward, filter gradient) or dx (data gradient), `p.w` is w or dw, `p.y`
-/// is y or dy. `accumulate` (filter gradient only) adds to dw instead of overwriting it.
+/// is y or dy. `accumulate` (the gradients only) adds to dx or dw instead of overwriting it; the
+/// caller checked that the route can ([`super::plan::ConvPlan::accumulate_refusal`]).
 ///
 /// # Safety
 /// The addresses are on the Context's device and hold the problem's extents of `dtype`
@@ -48,7 +49,7 @@ pub(crate) unsafe fn run(
         direction: d,
         exec: e,
         ptrs: p,
-        accumulate: accumulate && d == Direction::BackwardFilter,
+        accumulate: accumulate && d != Direction::Forward,
     };
     // nnfuse's own paths: scratch, grids, launches (a vendor path times its own stages inside).
     crate::profile::stage!(Launch);

@@ -55,6 +55,9 @@ pub(super) struct Core {
     pub(super) cudnn: Option<Arc<CudnnConv>>,
     /// Per direction: the decision, once made.
     pub(super) state: [Mutex<Option<Decided>>; 3],
+    /// Per direction: the route accumulating calls run when the decided one cannot add to its
+    /// output (Winograd's data gradient), once chosen.
+    pub(super) accumulating: [Mutex<Option<Exec>>; 3],
     /// cuDNN workspace sizes already asked for.
     pub(super) ws_sizes: Mutex<HashMap<CudnnAlgo, usize>>,
     /// Per direction: cuDNN's first usable algorithm, once asked for by a forced `cudnn` route
@@ -122,6 +125,7 @@ impl Core {
             lens,
             cudnn,
             state: Default::default(),
+            accumulating: Default::default(),
             ws_sizes: Mutex::new(HashMap::new()),
             cudnn_first: Default::default(),
             graph_first: Default::default(),

@@ -26,8 +26,9 @@ pub struct GraphConvKey {
     /// The engine config to run: `None` takes the first listed config the policy admits that
     /// finalizes; `Some` exactly that one (rebuilt from its index and knobs).
     pub engine: Option<GraphEngine>,
-    /// Add to the output instead of overwriting it (`beta = 1`; the filter gradient of a
-    /// weight shared by several layers).
+    /// Add to the output instead of overwriting it (`beta = 1`: the filter gradient of a
+    /// weight shared by several layers, the data gradient of a tensor that also feeds a
+    /// shortcut).
     pub accumulate: bool,
 }
 

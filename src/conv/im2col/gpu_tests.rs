@@ -312,7 +312,9 @@ fn col2im_kernel_matches_the_reference() {
                         ptr(ctx, &cols) + cskew as u64 * es,
                         ptr_mut(ctx, &mut x) + skew as u64 * es,
                     );
-                    let kernel = launch::col2im(&s, T::DTYPE, s.n, ca, xa).unwrap().kernel;
+                    let kernel = launch::col2im(&s, T::DTYPE, s.n, ca, xa, false)
+                        .unwrap()
+                        .kernel;
                     let mut view = x.slice_mut(skew..skew + s.x_len().unwrap());
                     super::col2im(ctx, &s, &cols.slice(cskew..cskew + n_cols), &mut view).unwrap();
                     let got = download(ctx, &x);
@@ -343,7 +345,7 @@ fn col2im_kernel_matches_the_reference() {
     run::<bf16>(&ctx, &mut rng);
 }
 
-/// Forward, data gradient and filter gradient (overwrite and accumulate) of the path against
+/// Forward, data gradient and filter gradient (each overwrite and accumulate) of the path against
 /// the f64 references, on poisoned outputs; data and filter gradients run twice and must agree
 /// bit for bit (col2im's gather and the f32 chunk accumulation are deterministic).
 fn path_case<T: Element>(ctx: &Context, c: &Case, label: &str) -> usize {
@@ -364,20 +366,32 @@ fn path_case<T: Element>(ctx: &Context, c: &Case, label: &str) -> usize {
     // SAFETY: buffers of the problem's extents, y disjoint.
     unsafe { forward(ctx, s, dt, fp) }.unwrap_or_else(|e| panic!("{}: {e}", what("forward")));
     check(&what("forward y"), &download(ctx, &y), &c.y, tol);
-    // Data gradient, twice.
+    // Data gradient: overwrite (twice) and accumulate (onto x's values, nonzero and of dx's
+    // length).
     let mut runs = Vec::new();
-    for _ in 0..2 {
-        let mut dx = poisoned::<T>(ctx, c.dx.len());
+    for accumulate in [false, false, true] {
+        let mut dx = if accumulate {
+            upload::<T>(ctx, &c.x)
+        } else {
+            poisoned::<T>(ctx, c.dx.len())
+        };
         let p = BwdDataPtrs {
             dy: ptr(ctx, &dy),
             w: ptr(ctx, &w),
             dx: ptr_mut(ctx, &mut dx),
         };
         // SAFETY: as above.
-        unsafe { backward_data(ctx, s, dt, p) }
+        unsafe { backward_data(ctx, s, dt, p, accumulate) }
             .unwrap_or_else(|e| panic!("{}: {e}", what("backward_data")));
         runs.push(download(ctx, &dx));
     }
+    let want_acc: Vec<f64> = c.dx.iter().zip(&c.x).map(|(a, b)| a + b).collect();
+    check(
+        &what("backward_data dx += (accumulate)"),
+        &runs[2],
+        &want_acc,
+        tol,
+    );
     check(&what("backward_data dx"), &runs[0], &c.dx, tol);
     assert!(
         runs[0]

@@ -29,6 +29,9 @@ pub(crate) const ITEMS: u32 = 4;
 pub(crate) const TGROUP: u32 = 4;
 /// [`ColGeom::flags`] bit: the NCHW im2col kernel's column offsets fit 32 bits.
 pub(crate) const NCHW_OFFSETS_32: u32 = 1;
+/// [`ColGeom::flags`] bit: col2im adds the sum to x's old value (`dx +=`, one rounding) instead
+/// of overwriting it.
+pub(crate) const COL2IM_ADD: u32 = 2;
 /// col2im: taps of a filter row loaded together (`SGROUP` there).
 #[cfg(test)]
 pub(crate) const SGROUP: u32 = 4;
@@ -594,13 +597,14 @@ pub(crate) fn col2im_unit_bytes(
 }
 
 /// The col2im launch for `images` images of `s`: columns in the reference layout at
-/// `cols_addr`, the input gradient at `x_addr`.
+/// `cols_addr`, the input gradient at `x_addr`, overwritten or (`add`) added to.
 pub(crate) fn col2im(
     s: &ConvShape,
     dtype: DType,
     images: usize,
     cols_addr: u64,
     x_addr: u64,
+    add: bool,
 ) -> Result<Launch> {
     let elem = dtype.size();
     let unit_bytes = col2im_unit_bytes(s.format, s.c_in, elem, &[cols_addr, x_addr]);
@@ -609,6 +613,9 @@ pub(crate) fn col2im(
     let layout = ColLayout::standard(oh * ow, s.c_in * s.kh * s.kw);
     let mut geom = geometry(s, layout, unit)?;
     geom.count = geom.c_in * geom.h * geom.w; // c_in*h*w (in units) was checked in geometry()
+    if add {
+        geom.flags |= COL2IM_ADD;
+    }
     let blocks = geom.count.div_ceil(THREADS);
     let kernel = match (s.format, unit_bytes, dtype) {
         (TensorFormat::Nchw, _, DType::F32) => "col2im_nchw_f32",
@@ -1184,8 +1191,10 @@ pub(crate) mod emulate {
                             }
                             row = row.wrapping_add(da);
                         }
+                        let add = g.flags & COL2IM_ADD != 0;
                         for (k, a) in acc.iter().enumerate() {
-                            x[xb + e as usize * u + k] = *a;
+                            let old = &mut x[xb + e as usize * u + k];
+                            *old = if add { *old + *a } else { *a };
                         }
                         b += l.grid.1;
                     }
@@ -1377,14 +1386,14 @@ mod tests {
             (56, 2),
             "32 KiB of output a block"
         );
-        let l = col2im(&shape(Nhwc, 3, 64, 7, 7), DType::F16, 3, 0, 0).unwrap();
+        let l = col2im(&shape(Nhwc, 3, 64, 7, 7), DType::F16, 3, 0, 0, false).unwrap();
         assert_eq!((l.kernel, l.unit), ("col2im_nhwc_v16_f16", 8));
         assert_eq!(l.geom.count, 7 * 7 * 8);
         assert_eq!(l.geom.c_in, 8);
         assert_eq!(l.geom.taps, 9 * 8);
         assert_eq!(l.grid, (2, 3, 1), "an item per thread");
         assert_eq!(l.config().block_dim, (THREADS, 1, 1));
-        let l = col2im(&shape(Nhwc, 3, 6, 7, 7), DType::BF16, 3, 0, 0).unwrap();
+        let l = col2im(&shape(Nhwc, 3, 6, 7, 7), DType::BF16, 3, 0, 0, false).unwrap();
         assert_eq!((l.kernel, l.unit), ("col2im_nhwc_v4_bf16", 2));
     }
 
@@ -1681,7 +1690,7 @@ mod tests {
                     if addr % dtype.size() as u64 != 0 {
                         continue;
                     }
-                    let l = col2im(&s, dtype, s.n, 0, addr).unwrap();
+                    let l = col2im(&s, dtype, s.n, 0, addr, false).unwrap();
                     kernels.insert(l.kernel);
                     let mut x = vec![f64::NAN; s.x_len().unwrap()];
                     emulate::col2im(&l, &cols, &mut x);

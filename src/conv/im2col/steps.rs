@@ -126,12 +126,14 @@ pub(crate) enum Step {
         b: At,
         c: At,
     },
-    /// col2im (gather) of `images` images' reference-layout columns at `src` into x-shaped `dst`.
+    /// col2im (gather) of `images` images' reference-layout columns at `src` into x-shaped `dst`,
+    /// overwriting it or (`add`) adding to it.
     Col2im {
         src: At,
         dst: At,
         shape: ConvShape,
         images: usize,
+        add: bool,
     },
     /// The accumulation kernel over `len` elements.
     Accumulate {
@@ -386,8 +388,15 @@ pub(crate) fn forward(s: &ConvShape, dtype: DType, cap: usize) -> Result<Plan> {
     })
 }
 
-/// The data gradient: columns from the filter and dy, then col2im.
-pub(crate) fn backward_data(s: &ConvShape, dtype: DType, cap: usize) -> Result<Plan> {
+/// The data gradient: columns from the filter and dy, then col2im; written to `dx` or (with
+/// `accumulate`) added to it: by col2im, or for a pointwise problem (the GEMM writes dx) by the
+/// GEMM's beta. Every chunk writes its own images of dx, so each element is added to once.
+pub(crate) fn backward_data(
+    s: &ConvShape,
+    dtype: DType,
+    cap: usize,
+    accumulate: bool,
+) -> Result<Plan> {
     let d = dims(s)?;
     let elem = dtype.size();
     let pointwise = is_pointwise(s);
@@ -409,6 +418,8 @@ pub(crate) fn backward_data(s: &ConvShape, dtype: DType, cap: usize) -> Result<P
         let dy = at(Buf::Dy, b0 * d.y_img);
         let dx = at(Buf::Dx, b0 * d.x_img);
         let cols = if pointwise { dx } else { at(Buf::Cols, 0) };
+        // A pointwise GEMM writes dx itself: it adds through beta.
+        let beta = if pointwise && accumulate { 1.0 } else { 0.0 };
         steps.push(match s.format {
             // cols_b[P x K] = dy_b[P x c_out] * op(w), op(w) = the stored K x c_out filter
             // transposed.
@@ -419,7 +430,7 @@ pub(crate) fn backward_data(s: &ConvShape, dtype: DType, cap: usize) -> Result<P
                     (p, k, p),
                     (p * c_out, 0, p * k),
                     nb,
-                    0.0,
+                    beta,
                 ),
                 a: dy,
                 b: at(Buf::W, 0),
@@ -433,7 +444,7 @@ pub(crate) fn backward_data(s: &ConvShape, dtype: DType, cap: usize) -> Result<P
                     (k, c_out, k),
                     (0, 0, nb * p * k),
                     1,
-                    0.0,
+                    beta,
                 ),
                 a: at(Buf::W, 0),
                 b: dy,
@@ -446,6 +457,7 @@ pub(crate) fn backward_data(s: &ConvShape, dtype: DType, cap: usize) -> Result<P
                 dst: dx,
                 shape: *s,
                 images: nb,
+                add: accumulate,
             });
         }
     }
@@ -727,8 +739,10 @@ mod tests {
                     dst,
                     shape,
                     images,
+                    add,
                 } => {
-                    let l = launch::col2im(shape, dtype, *images, addr(*src), addr(*dst)).unwrap();
+                    let l = launch::col2im(shape, dtype, *images, addr(*src), addr(*dst), *add)
+                        .unwrap();
                     let cols = bufs[&src.buf][src.offset..].to_vec();
                     let out = bufs.get_mut(&dst.buf).unwrap();
                     emulate::col2im(&l, &cols, &mut out[dst.offset..]);
@@ -858,20 +872,29 @@ mod tests {
             let dy = values(i as u64 + 1, s.y_len().unwrap());
             let w = values(i as u64 + 100, s.w_len().unwrap());
             let want = r::conv2d_backward_data(&s, &dy, &w).unwrap();
+            let dx0 = values(i as u64 + 200, want.len());
+            let added: Vec<f64> = dx0.iter().zip(&want).map(|(a, b)| a + b).collect();
             for dtype in [DType::F32, DType::BF16] {
                 for cap in caps(&s, dtype.size()) {
-                    let plan = backward_data(&s, dtype, cap).unwrap();
-                    let bufs = HashMap::from([
-                        (Buf::Dy, dy.clone()),
-                        (Buf::W, w.clone()),
-                        (Buf::Dx, vec![f64::NAN; want.len()]),
-                    ]);
-                    let out = run(&plan, dtype, bufs, 0);
-                    close(
-                        &out[&Buf::Dx],
-                        &want,
-                        &format!("{s:?} {dtype} cap {cap}: dx"),
-                    );
+                    for accumulate in [false, true] {
+                        let plan = backward_data(&s, dtype, cap, accumulate).unwrap();
+                        let init = if accumulate {
+                            dx0.clone()
+                        } else {
+                            vec![f64::NAN; want.len()]
+                        };
+                        let bufs = HashMap::from([
+                            (Buf::Dy, dy.clone()),
+                            (Buf::W, w.clone()),
+                            (Buf::Dx, init),
+                        ]);
+                        let out = run(&plan, dtype, bufs, 0);
+                        close(
+                            &out[&Buf::Dx],
+                            if accumulate { &added } else { &want },
+                            &format!("{s:?} {dtype} cap {cap} accumulate {accumulate}: dx"),
+                        );
+                    }
                 }
             }
         }
@@ -975,7 +998,7 @@ mod tests {
             "{msg}"
         );
         for f in [
-            backward_data(&s, DType::F16, 1 << 20),
+            backward_data(&s, DType::F16, 1 << 20, false),
             backward_filter(&s, DType::F16, 1 << 20, false),
         ] {
             assert!(matches!(f, Err(Error::NotSupported(_))));
@@ -989,7 +1012,7 @@ mod tests {
             for cap in [per - 1, per, per + 1, 3 * per] {
                 let ok = im2col_chunk(&q, 2, cap).unwrap().is_some();
                 assert_eq!(forward(&q, DType::F16, cap).is_ok(), ok);
-                assert_eq!(backward_data(&q, DType::F16, cap).is_ok(), ok);
+                assert_eq!(backward_data(&q, DType::F16, cap, false).is_ok(), ok);
                 assert_eq!(backward_filter(&q, DType::F16, cap, true).is_ok(), ok);
                 if let Ok(p) = backward_filter(&q, DType::F16, cap, true) {
                     let over = p.scratch.cols.1 * 2 + p.scratch.dyt.1 * 2;
@@ -1005,7 +1028,13 @@ mod tests {
             ..s
         };
         assert_eq!(forward(&p1, DType::F16, 1).unwrap().scratch.bytes, 0);
-        assert_eq!(backward_data(&p1, DType::F16, 1).unwrap().scratch.bytes, 0);
+        assert_eq!(
+            backward_data(&p1, DType::F16, 1, false)
+                .unwrap()
+                .scratch
+                .bytes,
+            0
+        );
         assert_eq!(
             backward_filter(&p1, DType::F16, 1, false)
                 .unwrap()

@@ -181,11 +181,15 @@ fn conv_input<'a>(inp: &'a StepInputs, out: &'a StepOutputs, i: usize) -> &'a [f
 
 /// The rows of the block's step (every op of [`STEP`] but the classifier's) and of the
 /// classifier's GEMMs, in step order; `tol(op)` is the tolerance of each op.
+///
+/// `dx_in_place`: `conv1.dgrad` added its gradient into dx (which held the shortcut's), so its
+/// row is dx against the shortcut's gradient plus the data gradient, and `dx.add` has none.
 pub fn check_step(
     def: &BlockDef,
     inp: &StepInputs,
     out: &StepOutputs,
     tol: &dyn Fn(Op) -> f64,
+    dx_in_place: bool,
 ) -> nnfuse::Result<Vec<Row>> {
     let mut rows = Vec::new();
     let mut push = |op: Op, quantity: &'static str, got: &[f64], want: &[f64]| {
@@ -258,13 +262,23 @@ pub fn check_step(
             }
             Op::ConvDgrad(i) => {
                 let want = conv_backward_data(&def.conv(i), &out.da[i], &inp.w[i]);
-                let got = if i == 0 { &out.dx_conv } else { &out.dh[i - 1] };
-                push(op, "dx", got, &want);
+                match (&d_shortcut, i == 0 && dx_in_place) {
+                    (Some(ds), true) => {
+                        let want: Vec<f64> = ds.iter().zip(&want).map(|(a, b)| a + b).collect();
+                        push(op, "dx (block input)", &out.dx, &want);
+                    }
+                    (None, true) => {}
+                    (_, false) => {
+                        let got = if i == 0 { &out.dx_conv } else { &out.dh[i - 1] };
+                        push(op, "dx", got, &want);
+                    }
+                }
             }
             Op::ConvWgrad(i) => {
                 let want = conv_backward_filter(&def.conv(i), conv_input(inp, out, i), &out.da[i]);
                 push(op, "dw", &out.dw[i], &want);
             }
+            Op::AddDx if dx_in_place => {}
             Op::AddDx => {
                 if let Some(ds) = &d_shortcut {
                     let want: Vec<f64> = ds.iter().zip(&out.dx_conv).map(|(a, b)| a + b).collect();
@@ -447,7 +461,7 @@ mod tests {
             let def = tiny(format);
             let inp = inputs(&def);
             let out = cpu_step(&def, &inp);
-            let rows = check_step(&def, &inp, &out, &|_| 1e-12).unwrap();
+            let rows = check_step(&def, &inp, &out, &|_| 1e-12, false).unwrap();
             // 3 conv fwd + 3 BN fwd (3 each) + 3 BN bwd (3 each) + 3 dgrad + 3 wgrad + dx + 3 fc.
             assert_eq!(rows.len(), 3 + 9 + 9 + 3 + 3 + 1 + 3, "{format}");
             for r in &rows {
@@ -468,7 +482,7 @@ mod tests {
         let inp = inputs(&def);
         let good = cpu_step(&def, &inp);
         let failing = |out: &StepOutputs| -> Vec<String> {
-            check_step(&def, &inp, out, &|_| 1e-9)
+            check_step(&def, &inp, out, &|_| 1e-9, false)
                 .unwrap()
                 .iter()
                 .filter(|r| !r.ok())
@@ -546,16 +560,42 @@ mod tests {
         let inp = inputs(&def);
         let mut out = cpu_step(&def, &inp);
         out.a[0][0] += 1e-3;
-        let rows = check_step(&def, &inp, &out, &|op| {
-            if op == Op::ConvFwd(0) {
-                1.0
-            } else {
-                1e-12
-            }
-        })
+        let rows = check_step(
+            &def,
+            &inp,
+            &out,
+            &|op| {
+                if op == Op::ConvFwd(0) {
+                    1.0
+                } else {
+                    1e-12
+                }
+            },
+            false,
+        )
         .unwrap();
         let r = rows.iter().find(|r| r.op == Op::ConvFwd(0)).unwrap();
         assert_eq!(r.tol, 1.0);
         assert!(r.ok());
+    }
+
+    /// With dx added in place (nnfuse's composition), conv1.dgrad's row is the block input's
+    /// dx against the shortcut's gradient plus the data gradient, and dx.add has no row; a wrong
+    /// dx still fails there.
+    #[test]
+    fn an_in_place_dx_is_checked_at_conv1_dgrad() {
+        let def = tiny(TensorFormat::Nchw);
+        let inp = inputs(&def);
+        let out = cpu_step(&def, &inp);
+        let rows = check_step(&def, &inp, &out, &|_| 1e-12, true).unwrap();
+        assert!(rows.iter().all(|r| r.ok()));
+        assert!(rows.iter().all(|r| r.op != Op::AddDx));
+        let r = rows.iter().find(|r| r.op == Op::ConvDgrad(0)).unwrap();
+        assert_eq!(r.quantity, "dx (block input)");
+        let mut bad = out.clone();
+        bad.dx = bad.dx_conv.clone();
+        let rows = check_step(&def, &inp, &bad, &|_| 1e-9, true).unwrap();
+        let failing: Vec<_> = rows.iter().filter(|r| !r.ok()).map(|r| r.op).collect();
+        assert_eq!(failing, [Op::ConvDgrad(0)]);
     }
 }

@@ -412,6 +412,16 @@ fn run_op<T: Element>(
                 None => l.convs[i].forward(x, &b.w[i], &mut b.a[i]),
             }
         }
+        Op::ConvDgrad(0) if l.variant.adds_dx_in_place() => {
+            // dx holds the shortcut's gradient (bn3.bwd's d_addend): add conv1's to it. A
+            // forced route that cannot add gives way to the dispatcher's accumulating route.
+            let conv = &l.convs[0];
+            let plan = conv.plan_for(Direction::BackwardData);
+            match forced.filter(|r| plan.accumulate_refusal(r.path).is_none()) {
+                Some(r) => conv.backward_data_with_into(r, &b.da[0], &b.w[0], &mut b.dx, true),
+                None => conv.backward_data_into(&b.da[0], &b.w[0], &mut b.dx, true),
+            }
+        }
         Op::ConvDgrad(i) => {
             let dx = if i == 0 {
                 &mut b.dx_conv
@@ -494,6 +504,8 @@ fn run_op<T: Element>(
                 })
             }
         }
+        // conv1.dgrad added into dx already.
+        Op::AddDx if l.variant.adds_dx_in_place() => Ok(()),
         Op::AddDx => util::add_assign(ctx, &mut b.dx, &b.dx_conv),
         Op::FcFwd => {
             gemm::strided_batched(ctx, &l.def.fc_problem(op), &b.fc_w, &b.feat, &mut b.logits)
@@ -898,7 +910,7 @@ impl<T: Element> Session<T> {
             }
             let out = small.download_outputs(&ctx)?;
             let tol = |op: Op| tolerance(op, T::DTYPE, op.conv().and_then(|(i, d)| cl.route(i, d)));
-            let mut rows = check_step(&cdef, &inp, &out, &tol)?;
+            let mut rows = check_step(&cdef, &inp, &out, &tol, l.variant.adds_dx_in_place())?;
             // The classifier at the timed batch (its GEMM algorithms are chosen per shape).
             self.big.poison_classifier(&ctx)?;
             run_classifier(l, &mut self.big)?;

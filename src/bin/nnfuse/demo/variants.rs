@@ -38,6 +38,14 @@ impl Variant {
         }
     }
 
+    /// Whether `conv1.dgrad` adds its gradient straight into dx, which `bn3.bwd` filled with
+    /// the shortcut's gradient (`Conv2d::backward_data_into` with `accumulate`), so that
+    /// `dx.add` has nothing left to do: nnfuse's composition. The plain cuDNN compositions
+    /// keep the separate add pass (`conv1.dgrad` into a temporary, then `dx.add`).
+    pub const fn adds_dx_in_place(self) -> bool {
+        matches!(self, Variant::Nnfuse)
+    }
+
     /// A column title.
     pub const fn title(self) -> &'static str {
         match self {
