@@ -38,12 +38,17 @@ impl<T: Element> Conv2d<T> {
         let cfg = self.ctx.config();
         let cap = cfg.cudnn_workspace_bytes();
         let det = cfg.deterministic && d != Direction::Forward;
+        let started = std::time::Instant::now();
         let list = {
             let mut g = self.ctx.lock()?;
             let h = g.cudnn()?;
             // SAFETY: live handle under the lock.
             unsafe { conv.heuristics(h, d) }?
         };
+        // A process's first query of a kind loads cuDNN's legacy engines (the time a first
+        // call's budget pays before measuring).
+        tracing::debug!(direction = %d, ms = started.elapsed().as_secs_f64() * 1e3,
+            listed = list.len(), "cuDNN legacy algorithm heuristics");
         let (mut ok, excluded, mut notes) = usable(&list, self.core.dtype, cap, det);
         let mut origin = ChoiceOrigin::Planned;
         if self.core.search == CudnnSearch::Find && limit > 1 {
