@@ -141,7 +141,9 @@ impl<T: Element> Conv2d<T> {
                 Err(r) => refused = r,
             }
         }
+        let listing = std::time::Instant::now();
         let (execs, mut notes, origin) = self.candidate_execs(d, p, plan, &budget)?;
+        let budget = budget.past_library_start(listing.elapsed());
         let (mut execs, not_run) = self.runnable_now(d, p, execs, &budget, &mut notes);
         notes.extend(choice::drop_uncheckable_f32_graph(
             &mut execs,

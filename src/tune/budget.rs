@@ -19,6 +19,9 @@ use crate::kernels::KernelState;
 /// rest is left for timing the survivors.
 pub(crate) const CHECK_SHARE: f64 = 0.6;
 
+/// Milliseconds a candidate listing is charged at most ([`Budget::past_library_start`]).
+pub(crate) const LISTING_MS: u64 = 20;
+
 /// Candidates always checked, whatever the budget: the incumbent and one challenger.
 pub(crate) const MIN_CHECKED: usize = 2;
 
@@ -51,6 +54,20 @@ impl Budget {
     /// Milliseconds spent since the decision began.
     pub(crate) fn spent_ms(&self) -> f64 {
         self.start.elapsed().as_secs_f64() * 1e3
+    }
+
+    /// This budget with the part of `listing` (the time its candidates took to list: cuDNN's
+    /// heuristics, finalizations, workspace queries) beyond [`LISTING_MS`] not charged. A
+    /// process's first cuDNN graph listing or legacy algorithm query of a data type loads
+    /// cuDNN's engines (91 ms for the first f32 legacy query, 146 ms for the first graph
+    /// listing, measured on the H100 with cuDNN 9.19), which left the measurement of that
+    /// problem no time for its candidates; a listing takes 2–4 ms otherwise.
+    pub(crate) fn past_library_start(self, listing: Duration) -> Budget {
+        let start_up = listing.saturating_sub(Duration::from_millis(LISTING_MS));
+        Budget {
+            start: self.start + start_up,
+            total: self.total,
+        }
     }
 
     /// When the whole budget is spent (`None`: never).
@@ -117,6 +134,20 @@ mod tests {
         assert!(!keep_checking(2, 42.0, Some(70.0)));
         assert!(keep_checking(2, 41.9, Some(70.0)));
         assert!(keep_checking(50, 1e9, None));
+    }
+
+    #[test]
+    fn a_listing_is_charged_its_first_20_ms_only() {
+        let b = Budget::new(70);
+        let d0 = b.deadline().unwrap();
+        // A normal listing: charged in full.
+        assert_eq!(b.past_library_start(Duration::from_millis(3)).deadline(), Some(d0));
+        // cuDNN's engines loading (91 ms): all but 20 ms moved out of the budget.
+        let later = b.past_library_start(Duration::from_millis(91)).deadline().unwrap();
+        assert_eq!(later - d0, Duration::from_millis(71));
+        assert!(Budget::new(0)
+            .past_library_start(Duration::from_secs(1))
+            .exhaustive());
     }
 
     #[test]
