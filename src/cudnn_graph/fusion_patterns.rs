@@ -252,6 +252,16 @@ pub fn bn_epilogue(
             relu,
         )?);
     }
+    // The mask form's training forward also writes the mask, as `bn_build.rs` builds it.
+    if key.has_mask() && !inference {
+        ops.extend(pointwise_op(
+            M::CUDNN_POINTWISE_CMP_GT,
+            t.get(BnRole::Y)?,
+            Some(t.get(BnRole::Zero)?),
+            t.get(BnRole::Mask)?,
+            relu,
+        )?);
+    }
     let graph_ops: Vec<&Descriptor> = ops
         .iter()
         .filter(|d| d.kind() != super::descriptor::DescKind::Pointwise)
