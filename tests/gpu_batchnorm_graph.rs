@@ -6,8 +6,9 @@
 //! Outputs are poisoned with NaN first; inputs are fresh random per case. Ignored without a GPU.
 //!
 //! Which ones to watch: `graph_route_runs_nhwc_halves` asserts that the graph actually ran for
-//! f16/bf16 NHWC (cuDNN's documented support); `graph_epilogue_runs_nhwc_halves` that the
-//! forward and backward epilogue graphs build there and that the forward kept no mask;
+//! f16/bf16 NHWC (cuDNN's documented support); `graph_epilogue_runs_nhwc_halves` that where
+//! the forward epilogue graph ran it kept cuDNN's ReLU mask (1 byte per element) and its
+//! backward graph (dy · mask → NORM_BACKWARD) builds, and prints cuDNN's reason where not;
 //! `graph_inference_runs_nhwc_halves` that the inference plan builds there;
 //! `graph_route_matches_reference_everywhere` runs f32 and NCHW too and prints which route ran
 //! (the support matrix for docs/CUDNN-GRAPH.md).
@@ -18,7 +19,9 @@ use common::bn::{self, check_against_reference, dx_away_from_kinks, Inputs, Run}
 use common::*;
 use half::{bf16, f16};
 use nnfuse::batchnorm::{BatchNorm, BnPath, Fuse};
-use nnfuse::internals::cudnn_graph::{BnDirection, BnEpilogue, GraphBn, GraphBnKey, GraphPolicy};
+use nnfuse::internals::cudnn_graph::{
+    BnDirection, BnEpilogue, GraphBn, GraphBnKey, GraphPolicy, ReluGrad,
+};
 use nnfuse::reference::batchnorm::BnShape;
 use nnfuse::{BnImpl, Config, Context, CudnnApi, DType, Element};
 
@@ -66,12 +69,18 @@ fn grid<T: Element>(tag: &str, shapes: &[(&[usize], usize)]) -> (usize, usize) {
             } else {
                 println!("{what}: {} channels, graph ran: {}", shape[axis], a.graph);
             }
-            // The epilogue graph keeps no mask (its backward reads y); where cuDNN does not
+            // The epilogue graph keeps cuDNN's mask, not nnfuse's bitmask; where cuDNN does not
             // build it, graph BatchNorm + nnfuse's bitmask kernels (the fallback, with a mask).
             if a.graph && fuse != Fuse::None {
                 match a.path {
-                    BnPath::CudnnFused => assert!(a.mask.is_none(), "{what}"),
-                    BnPath::Fallback => assert!(a.mask.is_some(), "{what}"),
+                    BnPath::CudnnFused => {
+                        assert!(a.mask.is_none(), "{what}");
+                        assert_eq!(a.graph_mask_bytes, n, "{what}: 1 mask byte per element");
+                    }
+                    BnPath::Fallback => {
+                        assert!(a.mask.is_some(), "{what}");
+                        assert_eq!(a.graph_mask_bytes, 0, "{what}");
+                    }
                     p => panic!("{what}: path {p:?} after a graph forward with an activation"),
                 }
                 println!(
@@ -199,6 +208,20 @@ fn plan_built(
     direction: BnDirection,
     epilogue: BnEpilogue,
 ) -> bool {
+    let g = ReluGrad::default();
+    plan_built_as(ctx, shape, axis, dtype, direction, epilogue, g)
+}
+
+/// [`plan_built`] with the ReLU backward's form `relu_grad` (the dispatcher's is the default).
+fn plan_built_as(
+    ctx: &Context,
+    shape: &[usize],
+    axis: usize,
+    dtype: DType,
+    direction: BnDirection,
+    epilogue: BnEpilogue,
+    relu_grad: ReluGrad,
+) -> bool {
     let layout = BatchNorm::<f32>::new(ctx, shape, axis, Fuse::None)
         .unwrap()
         .plan()
@@ -209,6 +232,7 @@ fn plan_built(
     };
     let key = GraphBnKey::new(layout, dtype, direction)
         .with_epilogue(epilogue)
+        .with_relu_grad(relu_grad)
         .with_policy(policy);
     match GraphBn::cached(ctx, key) {
         Ok(_) => true,
@@ -233,9 +257,11 @@ fn epilogue_of(fuse: Fuse) -> BnEpilogue {
 
 /// The training epilogues inside the graph for `T` on the NHWC shapes whose channel count is a
 /// multiple of 8 (where cuDNN's graph BatchNorm finalizes): the forward ran BN + (add +) ReLU as
-/// one graph and kept no mask, the backward graph (RELU_BWD from y → NORM_BACKWARD, d_addend)
-/// builds, and every output matches the f64 reference and the legacy fused route (dx away from
-/// ReLU kinks, where the two routes' roundings may put an element on either side of zero).
+/// one graph and kept cuDNN's BOOLEAN ReLU mask (1 byte per element), the backward graph
+/// (dy · mask → NORM_BACKWARD, d_addend) builds, and every output matches the f64 reference and
+/// the legacy fused route (dx away from ReLU kinks, where the two routes' roundings may put an
+/// element on either side of zero). Where cuDNN refuses either graph, the fallback runs, held to
+/// the same checks, and cuDNN's reason for each refused plan is printed.
 fn epilogue_grid<T: Element>(tag: &str) {
     let graph = ctx_for(CudnnApi::Graph);
     let legacy = ctx_for(CudnnApi::Legacy);
@@ -259,12 +285,20 @@ fn epilogue_grid<T: Element>(tag: &str) {
             let inp = Inputs::<T>::uniform(&mut rng, n, c);
             let a = bn::run(&graph, shape, axis, Run::plain(fuse, 0.1), &inp);
             assert!(a.graph, "{what}: the graph must run");
-            // cuDNN 9.19 on the H100 finalized none of these epilogue graphs (measured): the
-            // plan's fallback then runs — graph BatchNorm and nnfuse's bitmask kernels, with a
-            // mask — and is held to the same checks.
+            // cuDNN 9.19 on the H100 finalized the forward epilogue graphs but listed no engine
+            // for the backward that read y (measured); the mask form is what this measures.
+            // Where cuDNN refuses either graph, the plan's fallback runs — graph BatchNorm and
+            // nnfuse's bitmask kernels, with a mask — held to the same checks.
+            let e = epilogue_of(fuse);
             if a.path == BnPath::CudnnFused {
-                assert!(a.mask.is_none(), "{what}: the epilogue graph keeps no mask");
-                let e = epilogue_of(fuse);
+                assert!(
+                    a.mask.is_none(),
+                    "{what}: the epilogue graph keeps no bitmask"
+                );
+                assert_eq!(
+                    a.graph_mask_bytes, n,
+                    "{what}: the epilogue graph keeps cuDNN's mask, 1 byte per element"
+                );
                 assert!(
                     plan_built(&graph, shape, axis, T::DTYPE, BnDirection::Backward, e),
                     "{what}: the forward's epilogue graph ran, so its backward must build"
@@ -276,7 +310,13 @@ fn epilogue_grid<T: Element>(tag: &str) {
                     a.mask.is_some(),
                     "{what}: the fallback keeps nnfuse's bitmask"
                 );
-                println!("{what}: cuDNN did not finalize the epilogue graph; the fallback ran");
+                assert_eq!(a.graph_mask_bytes, 0, "{what}");
+                // cuDNN's reason, from the plan cache (printed by `plan_built`).
+                for d in [BnDirection::Forward, BnDirection::Backward] {
+                    let built = plan_built(&graph, shape, axis, T::DTYPE, d, e);
+                    println!("{what}: {} epilogue plan built: {built}", d.name());
+                }
+                println!("{what}: cuDNN did not finalize the epilogue graphs; the fallback ran");
             }
             check_against_reference(&what, shape, axis, fuse, &inp, 0.1, &a);
             let b = bn::run(&legacy, shape, axis, Run::plain(fuse, 0.1), &inp);
@@ -442,8 +482,11 @@ fn graph_inference_reads_each_calls_running_statistics() {
 }
 
 /// Why the epilogue graphs are refused where they are (printed for docs/CUDNN-GRAPH.md): each
-/// direction's plan with each epilogue on one NHWC shape. The plain graphs build there (the
-/// grids above run them), so a refused epilogue plan must carry cuDNN's reason, not nothing.
+/// direction's plan with each epilogue on one NHWC shape, in both ReLU backward forms — the
+/// mask form the dispatcher builds (the forward writes cuDNN's BOOLEAN mask, the backward reads
+/// it; it may print "built") and the form reading y (0 engine configs for the backward on
+/// cuDNN 9.19, measured). The plain graphs build there (the grids above run them), so a refused
+/// epilogue plan must carry cuDNN's reason, not nothing.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn epilogue_plans_say_why_they_are_refused() {
@@ -457,13 +500,20 @@ fn epilogue_plans_say_why_they_are_refused() {
                 direction.name()
             );
             for e in [BnEpilogue::Relu, BnEpilogue::AddRelu] {
-                let built = plan_built(&ctx, shape, axis, dtype, direction, e);
-                println!(
-                    "EPILOGUE {dtype} {} {}: {}",
-                    direction.name(),
-                    e.name(),
-                    if built { "built" } else { "refused (reason above)" }
-                );
+                for g in [ReluGrad::Mask, ReluGrad::FromY] {
+                    let built = plan_built_as(&ctx, shape, axis, dtype, direction, e, g);
+                    println!(
+                        "EPILOGUE {dtype} {} {} relu backward {}: {}",
+                        direction.name(),
+                        e.name(),
+                        g.name(),
+                        if built {
+                            "built"
+                        } else {
+                            "refused (reason above)"
+                        }
+                    );
+                }
             }
         }
     }

@@ -1,7 +1,9 @@
 //! GPU probes of cuDNN's runtime-fusion patterns for a fused training block
 //! (docs/BLOCK-TRAINING.md §2 and §5): ConvBNfprop (conv → GEN_STATS, with and without the
 //! scale-bias-ReLU prologue), BN finalize, ConvBNwgrad, DgradDreluBNBwdWeight, the data gradient
-//! with beta = 1, and a re-probe of nnfuse's BatchNorm ReLU / Add+ReLU epilogue graphs.
+//! with beta = 1, a re-probe of nnfuse's BatchNorm ReLU / Add+ReLU epilogue graphs, and the
+//! epilogue in cudnn-frontend's mask form (`probe_bn_relu_mask`: the forward writing a BOOLEAN
+//! ReLU mask with CMP_GT, the backward reading it with MUL before NORM_BACKWARD).
 //!
 //! Each probe builds the pattern at the demo's shapes (N = 4, 56x56, C = 64 / 256; finalize
 //! only) and at a small shape (N = 2, 8x8), for f16, bf16 and f32 I/O; prints the heuristics'
@@ -21,9 +23,10 @@ use cudarc::driver::{CudaSlice, DevicePtrMut};
 use half::{bf16, f16};
 use nnfuse::conv::ConvShape;
 use nnfuse::internals::cudnn_graph::{
-    available, bn_epilogue, bn_finalize, dgrad_accumulate, dgrad_drelu_dbn_weight, fusion_execute,
-    fusion_variant_pack, search_plans, wgrad_prologue, BnDirection, BnEpilogue, BnGraphParts,
-    ConvGenStats, ElemType, FusionGraph, GraphBnKey, PlanSearch, Prologue, ReluAttrs,
+    available, bn_epilogue, bn_finalize, bn_mask_backward, dgrad_accumulate,
+    dgrad_drelu_dbn_weight, fusion_execute, fusion_variant_pack, search_plans, wgrad_prologue,
+    BnDirection, BnEpilogue, BnGraphParts, BnMaskForward, ConvGenStats, ElemType, FusionGraph,
+    GraphBnKey, MaskComparand, MaskSource, PlanSearch, Prologue, ReluAttrs,
 };
 use nnfuse::reference::conv::{conv2d, conv2d_backward_data, conv2d_backward_filter};
 use nnfuse::{ChannelLayout, Context, DType, Element, Error, TensorFormat};
@@ -114,6 +117,8 @@ fn summary(pattern: &str, dt: DType, shape: &str, s: &PlanSearch, ran: Option<f6
 struct Io<T: Element> {
     data: HashMap<&'static str, CudaSlice<T>>,
     stats: HashMap<&'static str, CudaSlice<f32>>,
+    /// Byte tensors (cuDNN's BOOLEAN masks).
+    bytes: HashMap<&'static str, CudaSlice<u8>>,
     scalars: HashMap<&'static str, u64>,
 }
 
@@ -122,8 +127,24 @@ impl<T: Element> Io<T> {
         Io {
             data: HashMap::new(),
             stats: HashMap::new(),
+            bytes: HashMap::new(),
             scalars: HashMap::new(),
         }
+    }
+    fn bytes_in(&mut self, ctx: &Context, name: &'static str, v: &[u8]) {
+        self.bytes.insert(name, ctx.stream().clone_htod(v).unwrap());
+    }
+    /// `n` bytes of poison 0x5A: neither a 0/1 byte nor all-equal bits, so an unwritten
+    /// byte fails either mask layout.
+    fn bytes_out(&mut self, ctx: &Context, name: &'static str, n: usize) {
+        self.bytes_in(ctx, name, &vec![0x5A; n]);
+    }
+    fn get_bytes(&self, ctx: &Context, name: &str) -> Vec<u8> {
+        let b = self
+            .bytes
+            .get(name)
+            .unwrap_or_else(|| panic!("no buffer {name}"));
+        ctx.stream().clone_dtoh(b).unwrap()
     }
     fn input(&mut self, ctx: &Context, name: &'static str, v: &[T]) {
         self.data.insert(name, upload(ctx, v));
@@ -178,6 +199,11 @@ fn probe<T: Element>(
         guards.push(guard);
     }
     for (name, b) in io.stats.iter_mut() {
+        let (p, guard) = b.device_ptr_mut(&stream);
+        addrs.insert(name, p);
+        guards.push(guard);
+    }
+    for (name, b) in io.bytes.iter_mut() {
         let (p, guard) = b.device_ptr_mut(&stream);
         addrs.insert(name, p);
         guards.push(guard);
@@ -850,4 +876,454 @@ fn probe_bn_epilogue_graphs() {
             }
         }
     }
+}
+
+// ------------------------------------- BatchNorm + (Add +) ReLU with cuDNN's BOOLEAN mask
+//
+// cudnn-frontend's "SGBN Add Relu" forward with `CMP_GT` writing the ReLU mask as a real
+// BOOLEAN tensor (test_batchnorm.py's `test_bn_relu_with_mask`), and its "DBN Add Relu"
+// backward (`dy · mask → NORM_BACKWARD`, the masked dy written as d_addend with Add+ReLU). The
+// mask buffer is 1 byte per element; which layout cuDNN uses (a byte per element, or bits packed
+// LSB first as the DBN sample's numel/8 allocation suggests) is what the probe reports.
+
+const EPS: f64 = 1e-5;
+const MOMENTUM: f64 = 0.1;
+
+fn label_dims(d: [i64; 4]) -> String {
+    format!("n{} c{} {}x{}", d[0], d[1], d[2], d[3])
+}
+
+fn mask_pattern(add: bool, source: MaskSource, comparand: MaskComparand) -> String {
+    let src = match source {
+        MaskSource::Y => "y",
+        MaskSource::PreRelu => "prerelu",
+    };
+    let cmp = match comparand {
+        MaskComparand::ScalarZero => "scalar0",
+        MaskComparand::ZerosTensor => "zeros",
+    };
+    let epi = if add { "add_relu" } else { "relu" };
+    format!("BNMaskFwd-{epi}-cmp_{src}-{cmp}")
+}
+
+/// The f64 reference of a training BatchNorm (+ addend) + ReLU over NHWC data with `c`
+/// channels: pre-activation, y, batch mean, biased variance, inverse std.
+struct BnFwdRef {
+    pre: Vec<f64>,
+    y: Vec<f64>,
+    mean: Vec<f64>,
+    var: Vec<f64>,
+    inv: Vec<f64>,
+}
+
+fn bn_forward_ref(x: &[f64], z: Option<&[f64]>, g: &[f64], b: &[f64]) -> BnFwdRef {
+    let c = g.len();
+    let m = (x.len() / c) as f64;
+    let (mut mean, mut var) = (vec![0.0; c], vec![0.0; c]);
+    for (i, v) in x.iter().enumerate() {
+        mean[i % c] += v / m;
+    }
+    for (i, v) in x.iter().enumerate() {
+        let d = v - mean[i % c];
+        var[i % c] += d * d / m;
+    }
+    let inv: Vec<f64> = var.iter().map(|v| 1.0 / (v + EPS).sqrt()).collect();
+    let pre: Vec<f64> = x
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let ch = i % c;
+            (v - mean[ch]) * inv[ch] * g[ch] + b[ch] + z.map_or(0.0, |z| z[i])
+        })
+        .collect();
+    let y = pre.iter().map(|p| p.max(0.0)).collect();
+    BnFwdRef {
+        pre,
+        y,
+        mean,
+        var,
+        inv,
+    }
+}
+
+/// Which layout `got` holds the mask `want` in, over the elements not `skip`ped: one byte per
+/// element (non-zero = set), or bits packed LSB first. `Err` gives both mismatch counts.
+fn mask_layout(got: &[u8], want: &[bool], skip: &[bool]) -> Result<&'static str, String> {
+    let idx = || (0..want.len()).filter(|&i| !skip[i]);
+    let byte_bad = idx().filter(|&i| (got[i] != 0) != want[i]).count();
+    let bit_bad = idx()
+        .filter(|&i| ((got[i / 8] >> (i % 8)) & 1 == 1) != want[i])
+        .count();
+    match (byte_bad, bit_bad) {
+        (0, _) => Ok("bytes (1 per element)"),
+        (_, 0) => Ok("packed bits (LSB first)"),
+        (a, b) => Err(format!(
+            "the mask matches neither layout: {a} mismatches as bytes, {b} as packed bits, of {} \
+             elements",
+            want.len()
+        )),
+    }
+}
+
+/// `want` as a mask of `layout` (bytes or packed bits), `n` bytes long.
+fn encode_mask(want: &[bool], packed: bool) -> Vec<u8> {
+    let mut v = vec![0u8; want.len()];
+    for (i, &w) in want.iter().enumerate() {
+        if packed {
+            v[i / 8] |= u8::from(w) << (i % 8);
+        } else {
+            v[i] = u8::from(w);
+        }
+    }
+    v
+}
+
+/// What a forward that ran hands to the chained backward: its x, saved statistics, the mask
+/// cuDNN wrote, and which elements it must have set.
+struct MaskFwdRun<T> {
+    x: Vec<T>,
+    saved_mean: Vec<f32>,
+    saved_inv: Vec<f32>,
+    mask: Vec<u8>,
+    want: Vec<bool>,
+}
+
+fn mask_fwd_case<T: Element>(
+    ctx: &Context,
+    dims: [i64; 4],
+    add: bool,
+    source: MaskSource,
+    comparand: MaskComparand,
+) -> Option<MaskFwdRun<T>> {
+    let pattern = mask_pattern(add, source, comparand);
+    let dt = T::DTYPE;
+    let c = dims[1] as usize;
+    let n = dims.iter().product::<i64>() as usize;
+    let mut rng = Rng::fresh(&pattern);
+    let x: Vec<T> = rng.vec(n, -1.0, 1.5);
+    let z: Vec<T> = rng.vec(n, -1.0, 1.0);
+    let g: Vec<f32> = rng.vec(c, 0.5, 1.5);
+    let b: Vec<f32> = rng.vec(c, -0.5, 0.5);
+    let pm: Vec<f32> = rng.vec(c, -0.5, 0.5);
+    let pv: Vec<f32> = rng.vec(c, 0.5, 1.5);
+    let (eps, momentum, zero) = (EPS as f32, MOMENTUM as f32, 0.0f32);
+    let mut io = Io::<T>::new();
+    io.input(ctx, "x", &x);
+    for (name, v) in [
+        ("scale", &g),
+        ("bias", &b),
+        ("prev_mean", &pm),
+        ("prev_var", &pv),
+    ] {
+        io.stat_in(ctx, name, v);
+    }
+    for name in ["next_mean", "next_var", "saved_mean", "saved_inv_var"] {
+        io.stat_out(ctx, name, c);
+    }
+    io.output(ctx, "y", n);
+    io.bytes_out(ctx, "mask", n);
+    if add {
+        io.input(ctx, "addend", &z);
+    }
+    match comparand {
+        MaskComparand::ScalarZero => {
+            io.scalars.insert("zero", &zero as *const f32 as u64);
+        }
+        MaskComparand::ZerosTensor => io.input(ctx, "zeros", &vec![T::from_f64(0.0); n]),
+    }
+    io.scalars.insert("epsilon", &eps as *const f32 as u64);
+    io.scalars
+        .insert("momentum", &momentum as *const f32 as u64);
+    let spec = BnMaskForward {
+        dims,
+        dtype: dt,
+        add,
+        source,
+        comparand,
+    };
+    let sl = label_dims(dims);
+    println!("== {pattern} {} {sl}", dt.name());
+    let (search, ran) = match probe(ctx, &pattern, |h| spec.build(h), Some(&mut io)) {
+        Err(m) => {
+            println!("PROBE {pattern} {} {sl}: NOT SUPPORTED: {m}", dt.name());
+            return None;
+        }
+        Ok(v) => v,
+    };
+    if !ran {
+        println!(
+            "{} NOT SUPPORTED: no config finalized",
+            summary(&pattern, dt, &sl, &search, None)
+        );
+        return None;
+    }
+    let zs = f64s(&z);
+    let r = bn_forward_ref(
+        &f64s(&x),
+        add.then_some(zs.as_slice()),
+        &f64s(&g),
+        &f64s(&b),
+    );
+    let mut max = 0.0;
+    let y = io.get(ctx, "y");
+    check("y", &y, &r.y, DATA_TOL, &mut max);
+    let st = stat_tol::<T>();
+    let saved_mean = io.get(ctx, "saved_mean");
+    let saved_inv = io.get(ctx, "saved_inv_var");
+    check("saved_mean", &saved_mean, &r.mean, st, &mut max);
+    check("saved_inv_var", &saved_inv, &r.inv, st, &mut max);
+    let mf = (n / c) as f64;
+    let next_mean: Vec<f64> = (0..c)
+        .map(|i| (1.0 - MOMENTUM) * pm[i] as f64 + MOMENTUM * r.mean[i])
+        .collect();
+    check(
+        "next_mean",
+        &io.get(ctx, "next_mean"),
+        &next_mean,
+        st,
+        &mut max,
+    );
+    let next_var = |unbiased: bool| -> Vec<f64> {
+        let f = if unbiased { mf / (mf - 1.0) } else { 1.0 };
+        (0..c)
+            .map(|i| (1.0 - MOMENTUM) * pv[i] as f64 + MOMENTUM * r.var[i] * f)
+            .collect()
+    };
+    let got_v = io.get(ctx, "next_var");
+    let (eu, eb) = (
+        rel_l2(&got_v, &next_var(true)),
+        rel_l2(&got_v, &next_var(false)),
+    );
+    println!("    next_var: rel L2 {eu:.3e} against the unbiased update, {eb:.3e} the biased");
+    assert!(
+        eu.min(eb) <= st,
+        "{pattern}: next_var matches neither update ({eu:.3e}, {eb:.3e})"
+    );
+    // The mask: y > 0, except where the pre-activation is within rounding of zero (either
+    // side is right there).
+    let rms = (r.pre.iter().map(|v| v * v).sum::<f64>() / n as f64).sqrt();
+    let near = rms * T::DTYPE.tolerance();
+    let skip: Vec<bool> = r.pre.iter().map(|p| p.abs() <= near).collect();
+    let want: Vec<bool> = r.pre.iter().map(|&p| p > 0.0).collect();
+    let mask = io.get_bytes(ctx, "mask");
+    let layout = mask_layout(&mask, &want, &skip).unwrap_or_else(|e| panic!("{pattern}: {e}"));
+    println!(
+        "    mask: {layout}, {} elements within rounding of 0 skipped",
+        skip.iter().filter(|&&k| k).count()
+    );
+    println!(
+        "{}; mask layout {layout}",
+        summary(&pattern, dt, &sl, &search, Some(max))
+    );
+    // The chained backward sees the GPU's own mask: where an element was skipped, the
+    // reference follows what cuDNN wrote.
+    let packed = layout.starts_with("packed");
+    let want = (0..n)
+        .map(|i| match (skip[i], packed) {
+            (false, _) => want[i],
+            (true, false) => mask[i] != 0,
+            (true, true) => (mask[i / 8] >> (i % 8)) & 1 == 1,
+        })
+        .collect();
+    let f32s = |v: &[f64]| v.iter().map(|&u| u as f32).collect::<Vec<f32>>();
+    Some(MaskFwdRun {
+        x,
+        saved_mean: f32s(&saved_mean),
+        saved_inv: f32s(&saved_inv),
+        mask,
+        want,
+    })
+}
+
+/// The backward's outputs for one mask candidate, and their errors against the reference.
+struct MaskBwdTry {
+    label: &'static str,
+    search: PlanSearch,
+    errs: Vec<(&'static str, f64, f64, bool)>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn mask_bwd_try<T: Element>(
+    ctx: &Context,
+    pattern: &str,
+    dims: [i64; 4],
+    add: bool,
+    label: &'static str,
+    x: &[T],
+    stats: (&[f32], &[f32], &[f32]),
+    dy: &[T],
+    mask: &[u8],
+    want: &[bool],
+) -> Result<Option<MaskBwdTry>, String> {
+    let (scale, mean, inv) = stats;
+    let c = dims[1] as usize;
+    let n = x.len();
+    let mut io = Io::<T>::new();
+    io.input(ctx, "x", x);
+    io.input(ctx, "dy", dy);
+    io.bytes_in(ctx, "mask", mask);
+    io.output(ctx, "dx", n);
+    if add {
+        io.output(ctx, "d_addend", n);
+    }
+    for (name, v) in [("scale", scale), ("mean", mean), ("inv_var", inv)] {
+        io.stat_in(ctx, name, v);
+    }
+    io.stat_out(ctx, "dscale", c);
+    io.stat_out(ctx, "dbias", c);
+    let build = |h| bn_mask_backward(h, dims, T::DTYPE, add);
+    let (search, ran) = probe(ctx, pattern, build, Some(&mut io))?;
+    if !ran {
+        return Ok(None);
+    }
+    let (xs, dys) = (f64s(x), f64s(dy));
+    let (sc, mu, is) = (f64s(scale), f64s(mean), f64s(inv));
+    let g: Vec<f64> = (0..n).map(|i| if want[i] { dys[i] } else { 0.0 }).collect();
+    let m = (n / c) as f64;
+    let (mut ds, mut db) = (vec![0.0; c], vec![0.0; c]);
+    for i in 0..n {
+        let ch = i % c;
+        ds[ch] += g[i] * (xs[i] - mu[ch]) * is[ch];
+        db[ch] += g[i];
+    }
+    let dx: Vec<f64> = (0..n)
+        .map(|i| {
+            let ch = i % c;
+            let xhat = (xs[i] - mu[ch]) * is[ch];
+            sc[ch] * is[ch] * (g[i] - db[ch] / m - xhat * ds[ch] / m)
+        })
+        .collect();
+    let st = stat_tol::<T>().max(1e-3);
+    let mut outs = vec![
+        ("dx", io.get(ctx, "dx"), dx, DATA_TOL),
+        ("dscale", io.get(ctx, "dscale"), ds, st),
+        ("dbias", io.get(ctx, "dbias"), db, st),
+    ];
+    if add {
+        outs.push(("d_addend", io.get(ctx, "d_addend"), g, DATA_TOL));
+    }
+    let errs = outs
+        .iter()
+        .map(|(w, got, want, tol)| {
+            let e = rel_l2(got, want);
+            let finite = got.iter().all(|v| v.is_finite());
+            println!("    [{label}] {w}: rel L2 {e:.3e} (tol {tol:.0e}), finite {finite}");
+            (*w, e, *tol, finite && e <= *tol)
+        })
+        .collect();
+    Ok(Some(MaskBwdTry {
+        label,
+        search,
+        errs,
+    }))
+}
+
+/// The backward at `dims`: with the mask a forward wrote (`fwd`), else with a random mask fed
+/// as bytes and then as packed bits (whichever cuDNN reads is reported; neither matching fails).
+fn mask_bwd_case<T: Element>(ctx: &Context, dims: [i64; 4], add: bool, fwd: Option<MaskFwdRun<T>>) {
+    let dt = T::DTYPE;
+    let pattern = format!("DBNMask-{}", if add { "add_relu" } else { "relu" });
+    let c = dims[1] as usize;
+    let n = dims.iter().product::<i64>() as usize;
+    let mut rng = Rng::fresh(&pattern);
+    let dy: Vec<T> = rng.vec(n, -1.0, 1.0);
+    let scale: Vec<f32> = rng.vec(c, 0.5, 1.5);
+    let sl = label_dims(dims);
+    println!("== {pattern} {} {sl}", dt.name());
+    type Candidate = (&'static str, Vec<u8>, Vec<bool>);
+    let (x, mean, inv, candidates): (Vec<T>, Vec<f32>, Vec<f32>, Vec<Candidate>) = match fwd {
+        Some(f) => {
+            let cand = vec![("mask from the forward", f.mask, f.want)];
+            (f.x, f.saved_mean, f.saved_inv, cand)
+        }
+        None => {
+            let x: Vec<T> = rng.vec(n, -1.0, 1.5);
+            let r = bn_forward_ref(&f64s(&x), None, &vec![1.0; c], &vec![0.0; c]);
+            let want: Vec<bool> = (0..n).map(|_| rng.uniform(0.0, 1.0) > 0.4).collect();
+            let f32s = |v: &[f64]| v.iter().map(|&u| u as f32).collect::<Vec<f32>>();
+            let cand = vec![
+                ("mask fed as bytes", encode_mask(&want, false), want.clone()),
+                ("mask fed as packed bits", encode_mask(&want, true), want),
+            ];
+            (x, f32s(&r.mean), f32s(&r.inv), cand)
+        }
+    };
+    let mut tries = Vec::new();
+    for (label, mask, want) in &candidates {
+        let stats = (scale.as_slice(), mean.as_slice(), inv.as_slice());
+        match mask_bwd_try(ctx, &pattern, dims, add, label, &x, stats, &dy, mask, want) {
+            Err(m) => return println!("PROBE {pattern} {} {sl}: NOT SUPPORTED: {m}", dt.name()),
+            Ok(None) => {
+                return println!(
+                    "PROBE {pattern} {} {sl}: NOT SUPPORTED: no config finalized",
+                    dt.name()
+                )
+            }
+            Ok(Some(t)) => tries.push(t),
+        }
+    }
+    let Some(ok) = tries.iter().find(|t| t.errs.iter().all(|e| e.3)) else {
+        let why: Vec<String> = tries
+            .iter()
+            .map(|t| format!("{}: {:?}", t.label, t.errs))
+            .collect();
+        panic!(
+            "{pattern} {} {sl}: wrong result with every mask: {why:?}",
+            dt.name()
+        );
+    };
+    let max = ok.errs.iter().map(|e| e.1).fold(0.0, f64::max);
+    println!(
+        "{}; {}",
+        summary(&pattern, dt, &sl, &ok.search, Some(max)),
+        ok.label
+    );
+}
+
+/// The forward forms probed: what nnfuse builds first (CMP_GT of y against a by-value zero),
+/// then the python test's zeros tensor, then the pre-ReLU value.
+const MASK_FORMS: [(MaskSource, MaskComparand); 3] = [
+    (MaskSource::Y, MaskComparand::ScalarZero),
+    (MaskSource::Y, MaskComparand::ZerosTensor),
+    (MaskSource::PreRelu, MaskComparand::ScalarZero),
+];
+
+fn mask_all<T: Element>(ctx: &Context) {
+    let demo = [4, 64, 56, 56];
+    let small = [2, 64, 8, 8];
+    for add in [false, true] {
+        for (source, comparand) in MASK_FORMS {
+            let spec = BnMaskForward {
+                dims: demo,
+                dtype: T::DTYPE,
+                add,
+                source,
+                comparand,
+            };
+            let p = mask_pattern(add, source, comparand);
+            finalize_only::<T>(ctx, &p, &label_dims(demo), |h| spec.build(h));
+        }
+        let pattern = format!("DBNMask-{}", if add { "add_relu" } else { "relu" });
+        finalize_only::<T>(ctx, &pattern, &label_dims(demo), |h| {
+            bn_mask_backward(h, demo, T::DTYPE, add)
+        });
+        // Executed: every form's forward; the backward chained to the first that ran.
+        let mut first = None;
+        for (source, comparand) in MASK_FORMS {
+            let r = mask_fwd_case::<T>(ctx, small, add, source, comparand);
+            if first.is_none() {
+                first = r;
+            }
+        }
+        mask_bwd_case::<T>(ctx, small, add, first);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn probe_bn_relu_mask() {
+    let Some(ctx) = gpu() else { return };
+    mask_all::<f16>(&ctx);
+    mask_all::<bf16>(&ctx);
+    mask_all::<f32>(&ctx);
 }

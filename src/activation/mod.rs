@@ -407,8 +407,8 @@ pub(crate) unsafe fn relu_mask_bwd_raw(
 }
 
 /// The y-based ReLU backward on addresses its caller has bound and checked: `dx = dy` where
-/// `y > 0`, else 0. BatchNorm's graph epilogue keeps no mask (its backward graph reads y); when
-/// that backward graph cannot be built, this kernel masks dy instead.
+/// `y > 0`, else 0. BatchNorm's graph epilogue keeps cuDNN's own mask for its backward graph;
+/// when that backward graph cannot be built, this kernel masks dy from y instead.
 ///
 /// # Safety
 /// `dy`, `y` and `dx` hold `n` elements of `dt` on the Context's device, valid until the queued

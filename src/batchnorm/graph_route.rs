@@ -7,9 +7,11 @@
 //! - epilogue graph refused (forward or backward) → graph BatchNorm + nnfuse's bitmask kernels;
 //! - graph BatchNorm refused → the legacy calls.
 //!
-//! A forward that ran the epilogue graph keeps no mask: its backward graph reads y. If that
-//! backward graph cannot be built later (another pointer alignment), the y-based ReLU backward
-//! kernel masks dy and the plain backward follows. Buffers are validated by the caller.
+//! A forward that ran the epilogue graph also wrote cuDNN's ReLU mask (`CMP_GT(y, 0)`, a
+//! `BOOLEAN` tensor; nnfuse keeps 1 byte per element in the saved state); its backward graph
+//! reads it (`dy · mask → NORM_BACKWARD`). If that backward graph cannot be built later
+//! (another pointer alignment), the y-based ReLU backward kernel masks dy (y > 0 exactly where
+//! the mask is set) and the plain backward follows. Buffers are validated by the caller.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -197,26 +199,28 @@ impl GraphRoute {
         momentum: f64,
         eps: f64,
     ) -> Result<bool> {
-        self.forward_with(ctx, p, momentum, eps, BnEpilogue::None)
+        self.forward_with(ctx, p, 0, momentum, eps, BnEpilogue::None)
     }
 
-    /// The training forward with its epilogue inside the graph; `false` (nothing queued) when
+    /// The training forward with its epilogue inside the graph, writing the ReLU mask to
+    /// `mask` (x's element count in bytes, nnfuse's own buffer); `false` (nothing queued) when
     /// either the forward or the backward epilogue graph does not finalize — both are built
-    /// here, so that a forward that keeps no mask has a backward that needs none. The caller
-    /// then runs the fallback path (graph BatchNorm, bitmask kernels).
+    /// here, so that a forward whose mask only cuDNN can read has a backward that reads it. The
+    /// caller then runs the fallback path (graph BatchNorm, bitmask kernels).
     pub(crate) fn forward_fused(
         &self,
         ctx: &Context,
         p: &FwdPtrs,
+        mask: u64,
         momentum: f64,
         eps: f64,
     ) -> Result<bool> {
-        if !self.train_epilogue.active() || !self.train.active() {
+        if !self.epilogue_active() {
             return Ok(false);
         }
         // The backward's pointers are not known yet: its plan is built for the forward's
         // alignment (a backward with other pointers builds its own, or masks dy from y).
-        let bwd_probe = [p.x, p.y, p.gamma, p.saved_mean, p.saved_inv_var];
+        let bwd_probe = [p.x, p.y, p.gamma, p.saved_mean, p.saved_inv_var, mask];
         let sw = &self.train_epilogue;
         if self
             .plan(ctx, BnDirection::Backward, self.epilogue, &bwd_probe, sw)?
@@ -224,13 +228,19 @@ impl GraphRoute {
         {
             return Ok(false);
         }
-        self.forward_with(ctx, p, momentum, eps, self.epilogue)
+        self.forward_with(ctx, p, mask, momentum, eps, self.epilogue)
+    }
+
+    /// Whether the next training forward tries the epilogue graph (planned, not refused).
+    pub(crate) fn epilogue_active(&self) -> bool {
+        self.train_epilogue.active() && self.train.active()
     }
 
     fn forward_with(
         &self,
         ctx: &Context,
         p: &FwdPtrs,
+        mask: u64,
         momentum: f64,
         eps: f64,
         epilogue: BnEpilogue,
@@ -249,6 +259,7 @@ impl GraphRoute {
             } else {
                 0
             },
+            mask,
         };
         let ptrs = [
             a.x,
@@ -260,6 +271,7 @@ impl GraphRoute {
             a.saved_inv_var,
             a.y,
             a.addend,
+            a.mask,
         ];
         let sw = if epilogue == BnEpilogue::None {
             &self.train
@@ -278,24 +290,25 @@ impl GraphRoute {
     /// The backward through the graph, BatchNorm alone (`p.dy` is the gradient entering
     /// BatchNorm); `false` when the caller must run the legacy calls instead.
     pub(crate) fn backward(&self, ctx: &Context, p: &BwdPtrs) -> Result<bool> {
-        self.backward_with(ctx, p, BnEpilogue::None, &self.train)
+        self.backward_with(ctx, p, 0, BnEpilogue::None, &self.train)
     }
 
-    /// The backward of a forward that ran the epilogue graph: ReLU backward from y (and the
-    /// addend's gradient) inside the graph (`p.dy` is the caller's dy, `p.y` the forward's
-    /// output). `false` when that graph cannot be built for these pointers: the caller masks
-    /// dy from y itself and runs [`GraphRoute::backward`].
-    pub(crate) fn backward_fused(&self, ctx: &Context, p: &BwdPtrs) -> Result<bool> {
+    /// The backward of a forward that ran the epilogue graph: dy times the forward's ReLU
+    /// `mask` (and the addend's gradient) inside the graph (`p.dy` is the caller's dy). `false`
+    /// when that graph cannot be built for these pointers: the caller masks dy from y itself
+    /// and runs [`GraphRoute::backward`].
+    pub(crate) fn backward_fused(&self, ctx: &Context, p: &BwdPtrs, mask: u64) -> Result<bool> {
         // A separate switch: refusing this one must not stop the forward's epilogue graphs
         // already known to build for the forward's pointers.
         let sw = Switch::new(true);
-        self.backward_with(ctx, p, self.epilogue, &sw)
+        self.backward_with(ctx, p, mask, self.epilogue, &sw)
     }
 
     fn backward_with(
         &self,
         ctx: &Context,
         p: &BwdPtrs,
+        mask: u64,
         epilogue: BnEpilogue,
         sw: &Switch,
     ) -> Result<bool> {
@@ -308,7 +321,13 @@ impl GraphRoute {
             dscale: p.dgamma,
             dbias: p.dbeta,
             dx: p.dx,
-            y: if epilogue == BnEpilogue::None { 0 } else { p.y },
+            // The mask form reads the mask, not y (`GraphBnKey::relu_grad`'s default).
+            y: 0,
+            mask: if epilogue == BnEpilogue::None {
+                0
+            } else {
+                mask
+            },
             daddend: if epilogue == BnEpilogue::AddRelu {
                 p.dz
             } else {
@@ -324,7 +343,7 @@ impl GraphRoute {
             a.dscale,
             a.dbias,
             a.dx,
-            a.y,
+            a.mask,
             a.daddend,
         ];
         let Some(plan) = self.plan(ctx, BnDirection::Backward, epilogue, &ptrs, sw)? else {

@@ -121,16 +121,20 @@ pub fn infer_cudnn_api(
 
 /// Whether the activation of a graph-route BatchNorm (`graph`: [`infer_cudnn_api`] said graph,
 /// on cuDNN, not the own path) goes into the graph, with the plan's `epilogue:` line; `None`
-/// without an activation or off the graph route.
+/// without an activation or off the graph route. `numel` is the tensor's element count (the
+/// mask's memory cost).
 ///
-/// Training: `NORM_FORWARD → (ADD addend →) RELU_FWD` as one graph, and `RELU_BWD (dy, y) →
-/// NORM_BACKWARD` (cudnn-frontend's "BN + add + ReLU" / "dBN + add + ReLU" patterns) — the
-/// backward reads y instead of a mask (y > 0 exactly where the ReLU's input was), so the forward
-/// writes no mask at all; cuDNN's BOOLEAN mask tensor of those patterns (its bit order unverified
-/// against nnfuse's bitmask) is not needed. Both graphs are built at the first forward; if either
-/// does not finalize, the fallback path runs: graph BatchNorm, then nnfuse's bitmask kernels.
-/// Inference: the epilogue after `NORM_FORWARD (inference)`, else nnfuse's activation kernel.
-pub fn graph_epilogue(graph: bool, phase: Phase, fuse: Fuse) -> Option<String> {
+/// Training: `NORM_FORWARD → (ADD addend →) RELU_FWD → y`, and `CMP_GT(y, 0)` written as a real
+/// `BOOLEAN` mask, as one graph; the backward `dy · mask (MUL) → NORM_BACKWARD` (cudnn-frontend's
+/// "SGBN Add Relu" / "DBN Add Relu" samples; for Add+ReLU the masked dy is also written as
+/// d_addend). The saved state keeps the mask between the two: 1 byte per element allocated
+/// (cuDNN's `BOOLEAN` layout is cuDNN's own; 1 byte per element holds it packed or not), where
+/// the fallback keeps 1 bit per element. The backward form that reads y instead (`RELU_BWD`)
+/// lists 0 engine configs on cuDNN 9.19 (H100, measured). Both graphs are built at the first
+/// forward; if either does not finalize, the fallback path runs: graph BatchNorm, then
+/// nnfuse's bitmask kernels. Inference: the epilogue after `NORM_FORWARD (inference)`, no mask,
+/// else nnfuse's activation kernel.
+pub fn graph_epilogue(graph: bool, phase: Phase, fuse: Fuse, numel: usize) -> Option<String> {
     if !graph || fuse == Fuse::None {
         return None;
     }
@@ -140,9 +144,10 @@ pub fn graph_epilogue(graph: bool, phase: Phase, fuse: Fuse) -> Option<String> {
     };
     Some(match phase {
         Phase::Training => format!(
-            "epilogue: graph — NORM_FORWARD → {chain} as one graph, backward RELU_BWD from y \
-             → NORM_BACKWARD{} (no mask kept: the backward reads y); if either graph does not \
-             finalize, graph BatchNorm + nnfuse's bitmask kernels (the fallback path)",
+            "epilogue: graph — NORM_FORWARD → {chain} → y, CMP_GT(y, 0) → BOOLEAN mask, as one \
+             graph; backward dy · mask → NORM_BACKWARD{} (the mask costs 1 byte per element, \
+             {numel} bytes per saved state, against the fallback's 1 bit); if either graph does \
+             not finalize, graph BatchNorm + nnfuse's bitmask kernels (the fallback path)",
             if fuse == Fuse::AddRelu {
                 ", writing d_addend"
             } else {
@@ -228,21 +233,24 @@ mod tests {
     #[test]
     fn epilogues_go_into_the_graph_with_a_reason() {
         for phase in [Phase::Training, Phase::Inference] {
-            assert_eq!(graph_epilogue(true, phase, Fuse::None), None);
-            assert_eq!(graph_epilogue(false, phase, Fuse::Relu), None);
-            let relu = graph_epilogue(true, phase, Fuse::Relu).unwrap();
+            assert_eq!(graph_epilogue(true, phase, Fuse::None, 64), None);
+            assert_eq!(graph_epilogue(false, phase, Fuse::Relu, 64), None);
+            let relu = graph_epilogue(true, phase, Fuse::Relu, 64).unwrap();
             assert!(relu.starts_with("epilogue: graph — NORM_FORWARD"), "{relu}");
             assert!(relu.contains("RELU_FWD") && !relu.contains("ADD"), "{relu}");
-            let add = graph_epilogue(true, phase, Fuse::AddRelu).unwrap();
+            let add = graph_epilogue(true, phase, Fuse::AddRelu, 64).unwrap();
             assert!(add.contains("ADD (addend) → RELU_FWD"), "{add}");
         }
-        let t = graph_epilogue(true, Phase::Training, Fuse::AddRelu).unwrap();
+        // The backward reads the forward's BOOLEAN mask (RELU_BWD from y: 0 engines on
+        // cuDNN 9.19, measured), and the line names the mask's memory.
+        let t = graph_epilogue(true, Phase::Training, Fuse::AddRelu, 64).unwrap();
         assert!(
-            t.contains("RELU_BWD from y") && t.contains("d_addend"),
+            t.contains("dy · mask → NORM_BACKWARD") && t.contains("d_addend"),
             "{t}"
         );
+        assert!(t.contains("BOOLEAN mask") && t.contains("64 bytes"), "{t}");
         assert!(t.contains("bitmask kernels"), "{t}");
-        let i = graph_epilogue(true, Phase::Inference, Fuse::Relu).unwrap();
+        let i = graph_epilogue(true, Phase::Inference, Fuse::Relu, 64).unwrap();
         assert!(
             i.contains("(inference)") && i.contains("activation kernel"),
             "{i}"

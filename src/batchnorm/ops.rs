@@ -559,7 +559,8 @@ impl<T: Element> BatchNorm<T> {
         let ctx = &self.ctx;
         let mut own_variant = None;
         // Graph BatchNorm leaves no reserve; its activation (if any) follows as the fallback's.
-        let graph = matches!(ran, Ran::Graph(_) | Ran::GraphFused);
+        let graph = matches!(ran, Ran::Graph(_) | Ran::GraphFused(_));
+        let mut graph_mask = None;
         let ran = match ran {
             Ran::Graph(None) => Ran::Plain(None),
             Ran::Graph(Some(mask)) => Ran::BnOnlyForFallback(None, mask),
@@ -571,8 +572,11 @@ impl<T: Element> BatchNorm<T> {
                 (BnPath::Own, None, st.own_mask)
             }
             Ran::Fused(reserve) => (BnPath::CudnnFused, reserve, None),
-            // The epilogue graph keeps no mask: its backward reads y.
-            Ran::GraphFused => (BnPath::CudnnFused, None, None),
+            // The epilogue graph wrote cuDNN's mask: its backward graph reads it.
+            Ran::GraphFused(m) => {
+                graph_mask = Some(m);
+                (BnPath::CudnnFused, None, None)
+            }
             Ran::Plain(reserve) => (BnPath::Plain, reserve, None),
             Ran::Graph(_) => {
                 return Err(Error::NotSupported(
@@ -598,6 +602,7 @@ impl<T: Element> BatchNorm<T> {
             inv_var: ManuallyDrop::new(st.inv_var),
             reserve,
             mask,
+            graph_mask,
             own_variant,
             graph,
             spares: self.core.spares.clone(),
@@ -609,10 +614,16 @@ impl<T: Element> BatchNorm<T> {
     fn run_forward(&self, path: BnPath, p: &FwdPtrs, momentum: f64, eps: f64) -> Result<Ran> {
         let core = &*self.core;
         if path == BnPath::CudnnFused && core.graph.planned_epilogue() {
-            if core.graph.forward_fused(&self.ctx, p, momentum, eps)? {
+            // cuDNN's mask, ready before cuDNN moves the running statistics (as below).
+            let mask = self.graph_mask()?;
+            if core
+                .graph
+                .forward_fused(&self.ctx, p, mask.ptr, momentum, eps)?
+            {
                 tracing::debug!(api = "graph", fuse = ?core.fuse, "BatchNorm forward (epilogue graph)");
-                return Ok(Ran::GraphFused);
+                return Ok(Ran::GraphFused(mask));
             }
+            core.spares.give_bytes(mask);
             // Refused (logged by the route): graph BatchNorm + bitmask kernels from now on.
             core.fused_refused.store(true, Ordering::Relaxed);
         } else if path == BnPath::CudnnFused {
@@ -637,6 +648,14 @@ impl<T: Element> BatchNorm<T> {
         (bytes > 0)
             .then(|| self.core.spares.bytes(self.ctx.stream(), bytes))
             .transpose()
+    }
+
+    /// The buffer of cuDNN's ReLU mask for the epilogue graph: 1 byte per element (cuDNN's
+    /// `BOOLEAN`; enough whether cuDNN packs it in bits or not), recycled or allocated. The
+    /// forward graph writes all of it that the backward graph reads.
+    fn graph_mask(&self) -> Result<Owned<u8>> {
+        crate::profile::stage!(Alloc);
+        self.core.spares.bytes(self.ctx.stream(), self.numel())
     }
 
     /// The fallback's activation made ready: its kernel loaded and its mask allocated.
@@ -806,7 +825,19 @@ impl<T: Element> BatchNorm<T> {
         let reserve = saved.reserve.as_ref();
         match (saved.path, &saved.mask) {
             (BnPath::Own, mask) => self.run_backward_own(saved, &b, mask.as_ref()),
-            (BnPath::CudnnFused, _) if saved.graph => self.run_backward_graph_fused(saved, &b),
+            (BnPath::CudnnFused, _) if saved.graph => {
+                let mask = match &saved.graph_mask {
+                    Some(m) if m.buf.len() >= self.numel() => m.ptr,
+                    _ => {
+                        return Err(Error::invalid(
+                            "saved",
+                            "is an epilogue-graph state without cuDNN's ReLU mask of one byte \
+                             per element (corrupted state)",
+                        ))
+                    }
+                };
+                self.run_backward_graph_fused(saved, &b, mask)
+            }
             (BnPath::CudnnFused, _) => {
                 self.run_backward(saved, &b, BnPath::CudnnFused, None, reserve)
             }
@@ -860,9 +891,9 @@ impl<T: Element> BatchNorm<T> {
     }
 
     /// The backward of a forward that ran BN and its activation as one cuDNN graph: the
-    /// backward graph (ReLU backward from y, d_addend, BN backward); where cuDNN cannot build it
-    /// for these pointers, dy masked from y by nnfuse's kernel, then BN's backward.
-    fn run_backward_graph_fused(&self, saved: &BnSaved, b: &Bound) -> Result<()> {
+    /// backward graph (dy times the forward's `mask`, d_addend, BN backward); where cuDNN cannot
+    /// build it for these pointers, dy masked from y by nnfuse's kernel, then BN's backward.
+    fn run_backward_graph_fused(&self, saved: &BnSaved, b: &Bound, mask: u64) -> Result<()> {
         let ptrs = BwdPtrs {
             x: b.x,
             y: b.y,
@@ -876,7 +907,7 @@ impl<T: Element> BatchNorm<T> {
             saved_mean: saved.mean.ptr,
             saved_inv_var: saved.inv_var.ptr,
         };
-        if self.core.graph.backward_fused(&self.ctx, &ptrs)? {
+        if self.core.graph.backward_fused(&self.ctx, &ptrs, mask)? {
             tracing::debug!(api = "graph", fuse = ?self.core.fuse, "BatchNorm backward (epilogue graph)");
             return Ok(());
         }
@@ -884,7 +915,7 @@ impl<T: Element> BatchNorm<T> {
     }
 
     /// dy masked by the forward's ReLU into `out`: from the fallback's bitmask, or from y (the
-    /// epilogue graph keeps no mask).
+    /// epilogue graph's mask is cuDNN's, read only by its backward graph).
     ///
     /// # Safety
     /// dy and `out` hold numel elements (checked by the caller, `out` overlapping nothing);
@@ -1193,7 +1224,7 @@ impl<T: Element> BatchNorm<T> {
 enum MaskOf {
     /// The fallback's bitmask (its address).
     Bits(u64),
-    /// The forward's y (after the epilogue graph, which keeps no mask).
+    /// The forward's y (after the epilogue graph, whose mask only cuDNN reads).
     Y(u64),
 }
 
@@ -1221,8 +1252,8 @@ enum Ran {
     /// BN through cuDNN's graph API (no reserve space), with the fallback's prepared mask when
     /// an activation is still to do.
     Graph(Option<Owned<u32>>),
-    /// BN and its activation as one cuDNN graph (no reserve space, no mask).
-    GraphFused,
+    /// BN and its activation as one cuDNN graph (no reserve space), with cuDNN's ReLU mask.
+    GraphFused(Owned<u8>),
 }
 
 #[cfg(test)]

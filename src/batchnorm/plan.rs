@@ -817,7 +817,7 @@ pub fn plan(req: &PlanRequest<'_>) -> Result<BnPlan> {
     // (training: the path is cuDNN's fused one, and the legacy Ex call's refusals do not apply
     // to it).
     let graph_epilogue_on = cudnn_graph && !own && !req.config.disable_cudnn_fusion;
-    let epilogue_reason = graph_epilogue(graph_epilogue_on, req.phase, req.fuse);
+    let epilogue_reason = graph_epilogue(graph_epilogue_on, req.phase, req.fuse, layout.numel());
     let graph_fused = epilogue_reason.is_some() && req.phase == Phase::Training;
     if graph_fused {
         refusals.clear();

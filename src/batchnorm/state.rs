@@ -135,12 +135,14 @@ pub struct BnSaved {
     pub(crate) reserve: Option<Owned<u8>>,
     /// nnfuse's bitmask of the positive outputs (fallback and own paths with an activation).
     pub(crate) mask: Option<Owned<u32>>,
+    /// cuDNN's ReLU mask (`BOOLEAN`, 1 byte per element allocated) that the epilogue graph's
+    /// forward wrote and its backward graph reads (graph route, path `CudnnFused`).
+    pub(crate) graph_mask: Option<Owned<u8>>,
     /// Own path: the variant the forward ran.
     pub(crate) own_variant: Option<OwnVariant>,
     /// The forward's BatchNorm ran through cuDNN's graph API (the backward then tries it too,
     /// and otherwise takes the legacy call that needs no reserve space). With path
-    /// `CudnnFused`: the activation ran inside the graph, which keeps no mask (the backward
-    /// graph reads y).
+    /// `CudnnFused`: the activation ran inside the graph, which wrote `graph_mask`.
     pub(crate) graph: bool,
     /// Where the buffers go when the state is dropped.
     pub(crate) spares: Arc<Spares>,
@@ -166,6 +168,9 @@ impl Drop for BnSaved {
         }
         if let Some(o) = self.mask.take() {
             s.give_u32s(o);
+        }
+        if let Some(o) = self.graph_mask.take() {
+            s.give_bytes(o);
         }
     }
 }
@@ -204,9 +209,17 @@ impl BnSaved {
         self.reserve.as_ref().map_or(0, |r| r.buf.len())
     }
 
+    /// Bytes of cuDNN's ReLU mask this state holds: x's element count when the activation ran
+    /// inside cuDNN's graph (the mask its backward graph reads), else 0.
+    #[doc(hidden)]
+    pub fn graph_mask_bytes(&self) -> usize {
+        self.graph_mask.as_ref().map_or(0, |m| m.buf.len())
+    }
+
     /// Whether the forward's BatchNorm ran through cuDNN's graph API (`NNFUSE_CUDNN_API`; the
     /// plan's `cudnn_api_used`), rather than a legacy cuDNN call or nnfuse's own kernels. With
-    /// [`BnSaved::path`] `CudnnFused`, its activation ran inside the graph too (no mask kept).
+    /// [`BnSaved::path`] `CudnnFused`, its activation ran inside the graph too, which wrote
+    /// cuDNN's ReLU mask (1 byte per element) for the backward graph.
     pub fn ran_graph(&self) -> bool {
         self.graph
     }

@@ -1,7 +1,8 @@
 //! Builders of one BatchNorm graph through cuDNN's backend API: the tensors of
 //! [`super::bn_key`], the `NORM_FORWARD` (batch norm, training or inference phase) or
-//! `NORM_BACKWARD` operation, the pointwise epilogue (`ADD`, `RELU_FWD`; `RELU_BWD` before the
-//! backward), the operation graph, and the variant pack of one execution (any number of
+//! `NORM_BACKWARD` operation, the pointwise epilogue (`ADD`, `RELU_FWD`, the mask's `CMP_GT`;
+//! `MUL` by the mask, or `RELU_BWD` from y, before the backward), the operation graph, and the
+//! variant pack of one execution (any number of
 //! tensors, by-value scalars included). Every attribute set is checked; no decisions here (the
 //! engine choice lives in [`super::graph_bn`]).
 
@@ -11,7 +12,7 @@ use cudarc::cudnn::sys;
 
 use crate::error::{Error, Result};
 
-use super::bn_key::{BnDirection, BnEpilogue, BnRole, BnTensorSpec, GraphBnKey};
+use super::bn_key::{BnDirection, BnElem, BnEpilogue, BnRole, BnTensorSpec, GraphBnKey, ReluGrad};
 use super::build::{in_part, operation_graph, tensor_of, TensorAttrs};
 use super::descriptor::{attr, Attr, DescKind, Descriptor, DevPtr};
 
@@ -21,7 +22,10 @@ pub fn bn_tensor(spec: &BnTensorSpec) -> Result<Descriptor> {
         uid: spec.uid,
         dims: spec.dims,
         strides: spec.strides,
-        dtype: spec.dtype,
+        data_type: match spec.elem {
+            BnElem::Data(d) => d.cudnn(),
+            BnElem::Boolean => sys::cudnnDataType_t::CUDNN_DATA_BOOLEAN,
+        },
         alignment: spec.alignment,
         is_virtual: spec.is_virtual,
         by_value: spec.by_value,
@@ -67,84 +71,21 @@ fn link(op: &mut Descriptor, t: &BnTensors, attr: Attr, role: BnRole) -> Result<
     op.set_descs(attr, &[t.get(role)?])
 }
 
-/// The finalized `NORM_FORWARD` operation, batch norm, writing `out` (y, or the epilogue's
-/// virtual input): the training phase (with the running statistics' update when the tensors
-/// include it) or, with `inference`, the inference phase reading the running mean and an
-/// inverse standard deviation.
-pub fn norm_forward(t: &BnTensors, inference: bool, out: BnRole) -> Result<Descriptor> {
+/// A finalized `NORM_FORWARD` batch norm of `phase` with its tensors `links` (attribute,
+/// tensor); the role-based [`norm_forward`] and the fused-graph builder share it.
+pub fn norm_forward_op(
+    phase: sys::cudnnBackendNormFwdPhase_t,
+    links: &[(Attr, &Descriptor)],
+) -> Result<Descriptor> {
     let build = || -> Result<Descriptor> {
         let mut d = Descriptor::new(DescKind::NormForward)?;
         d.set_one(
             attr::CUDNN_ATTR_OPERATION_NORM_FWD_MODE,
             sys::cudnnBackendNormMode_t::CUDNN_BATCH_NORM,
         )?;
-        use sys::cudnnBackendNormFwdPhase_t as P;
-        let phase = if inference {
-            P::CUDNN_NORM_FWD_INFERENCE
-        } else {
-            P::CUDNN_NORM_FWD_TRAINING
-        };
         d.set_one(attr::CUDNN_ATTR_OPERATION_NORM_FWD_PHASE, phase)?;
-        use BnRole as R;
-        if inference {
-            let all = [
-                (attr::CUDNN_ATTR_OPERATION_NORM_FWD_XDESC, R::X),
-                (attr::CUDNN_ATTR_OPERATION_NORM_FWD_MEAN_DESC, R::Mean),
-                (
-                    attr::CUDNN_ATTR_OPERATION_NORM_FWD_INV_VARIANCE_DESC,
-                    R::InvStd,
-                ),
-                (attr::CUDNN_ATTR_OPERATION_NORM_FWD_SCALE_DESC, R::Scale),
-                (attr::CUDNN_ATTR_OPERATION_NORM_FWD_BIAS_DESC, R::Bias),
-                (attr::CUDNN_ATTR_OPERATION_NORM_FWD_YDESC, out),
-            ];
-            for (a, r) in all {
-                link(&mut d, t, a, r)?;
-            }
-            d.finalize()?;
-            return Ok(d);
-        }
-        let always = [
-            (attr::CUDNN_ATTR_OPERATION_NORM_FWD_XDESC, R::X),
-            (attr::CUDNN_ATTR_OPERATION_NORM_FWD_MEAN_DESC, R::SavedMean),
-            (
-                attr::CUDNN_ATTR_OPERATION_NORM_FWD_INV_VARIANCE_DESC,
-                R::SavedInvVar,
-            ),
-            (attr::CUDNN_ATTR_OPERATION_NORM_FWD_SCALE_DESC, R::Scale),
-            (attr::CUDNN_ATTR_OPERATION_NORM_FWD_BIAS_DESC, R::Bias),
-            (attr::CUDNN_ATTR_OPERATION_NORM_FWD_EPSILON_DESC, R::Epsilon),
-            (attr::CUDNN_ATTR_OPERATION_NORM_FWD_YDESC, out),
-        ];
-        for (a, r) in always {
-            link(&mut d, t, a, r)?;
-        }
-        if t.roles.contains(&R::Momentum) {
-            let running = [
-                (
-                    attr::CUDNN_ATTR_OPERATION_NORM_FWD_EXP_AVG_FACTOR_DESC,
-                    R::Momentum,
-                ),
-                (
-                    attr::CUDNN_ATTR_OPERATION_NORM_FWD_INPUT_RUNNING_MEAN_DESC,
-                    R::RunningMeanIn,
-                ),
-                (
-                    attr::CUDNN_ATTR_OPERATION_NORM_FWD_INPUT_RUNNING_VAR_DESC,
-                    R::RunningVarIn,
-                ),
-                (
-                    attr::CUDNN_ATTR_OPERATION_NORM_FWD_OUTPUT_RUNNING_MEAN_DESC,
-                    R::RunningMeanOut,
-                ),
-                (
-                    attr::CUDNN_ATTR_OPERATION_NORM_FWD_OUTPUT_RUNNING_VAR_DESC,
-                    R::RunningVarOut,
-                ),
-            ];
-            for (a, r) in running {
-                link(&mut d, t, a, r)?;
-            }
+        for &(a, t) in links {
+            d.set_descs(a, &[t])?;
         }
         d.finalize()?;
         Ok(d)
@@ -152,37 +93,107 @@ pub fn norm_forward(t: &BnTensors, inference: bool, out: BnRole) -> Result<Descr
     in_part(build(), "norm forward")
 }
 
-/// The finalized `NORM_BACKWARD` operation: batch norm, dx, dscale and dbias from `dy` (the
-/// caller's dy, or the ReLU backward's output), x, the scale and the saved mean and inverse
-/// standard deviation.
-pub fn norm_backward(t: &BnTensors, dy: BnRole) -> Result<Descriptor> {
+/// A finalized `NORM_BACKWARD` batch norm with its tensors `links` (attribute, tensor).
+pub fn norm_backward_op(links: &[(Attr, &Descriptor)]) -> Result<Descriptor> {
     let build = || -> Result<Descriptor> {
         let mut d = Descriptor::new(DescKind::NormBackward)?;
         d.set_one(
             attr::CUDNN_ATTR_OPERATION_NORM_BWD_MODE,
             sys::cudnnBackendNormMode_t::CUDNN_BATCH_NORM,
         )?;
-        use BnRole as R;
-        let all = [
-            (attr::CUDNN_ATTR_OPERATION_NORM_BWD_XDESC, R::X),
-            (attr::CUDNN_ATTR_OPERATION_NORM_BWD_DYDESC, dy),
-            (attr::CUDNN_ATTR_OPERATION_NORM_BWD_SCALE_DESC, R::Scale),
-            (attr::CUDNN_ATTR_OPERATION_NORM_BWD_MEAN_DESC, R::SavedMean),
-            (
-                attr::CUDNN_ATTR_OPERATION_NORM_BWD_INV_VARIANCE_DESC,
-                R::SavedInvVar,
-            ),
-            (attr::CUDNN_ATTR_OPERATION_NORM_BWD_DSCALE_DESC, R::Dscale),
-            (attr::CUDNN_ATTR_OPERATION_NORM_BWD_DBIAS_DESC, R::Dbias),
-            (attr::CUDNN_ATTR_OPERATION_NORM_BWD_DXDESC, R::Dx),
-        ];
-        for (a, r) in all {
-            link(&mut d, t, a, r)?;
+        for &(a, t) in links {
+            d.set_descs(a, &[t])?;
         }
         d.finalize()?;
         Ok(d)
     };
     in_part(build(), "norm backward")
+}
+
+/// The `(attribute, tensor)` pairs of `roles`.
+fn links<'t>(t: &'t BnTensors, roles: &[(Attr, BnRole)]) -> Result<Vec<(Attr, &'t Descriptor)>> {
+    roles.iter().map(|&(a, r)| Ok((a, t.get(r)?))).collect()
+}
+
+/// The finalized `NORM_FORWARD` operation, batch norm, writing `out` (y, or the epilogue's
+/// virtual input): the training phase (with the running statistics' update when the tensors
+/// include it) or, with `inference`, the inference phase reading the running mean and an
+/// inverse standard deviation.
+pub fn norm_forward(t: &BnTensors, inference: bool, out: BnRole) -> Result<Descriptor> {
+    use sys::cudnnBackendNormFwdPhase_t as P;
+    use BnRole as R;
+    if inference {
+        let all = [
+            (attr::CUDNN_ATTR_OPERATION_NORM_FWD_XDESC, R::X),
+            (attr::CUDNN_ATTR_OPERATION_NORM_FWD_MEAN_DESC, R::Mean),
+            (
+                attr::CUDNN_ATTR_OPERATION_NORM_FWD_INV_VARIANCE_DESC,
+                R::InvStd,
+            ),
+            (attr::CUDNN_ATTR_OPERATION_NORM_FWD_SCALE_DESC, R::Scale),
+            (attr::CUDNN_ATTR_OPERATION_NORM_FWD_BIAS_DESC, R::Bias),
+            (attr::CUDNN_ATTR_OPERATION_NORM_FWD_YDESC, out),
+        ];
+        return norm_forward_op(P::CUDNN_NORM_FWD_INFERENCE, &links(t, &all)?);
+    }
+    let mut all = vec![
+        (attr::CUDNN_ATTR_OPERATION_NORM_FWD_XDESC, R::X),
+        (attr::CUDNN_ATTR_OPERATION_NORM_FWD_MEAN_DESC, R::SavedMean),
+        (
+            attr::CUDNN_ATTR_OPERATION_NORM_FWD_INV_VARIANCE_DESC,
+            R::SavedInvVar,
+        ),
+        (attr::CUDNN_ATTR_OPERATION_NORM_FWD_SCALE_DESC, R::Scale),
+        (attr::CUDNN_ATTR_OPERATION_NORM_FWD_BIAS_DESC, R::Bias),
+        (attr::CUDNN_ATTR_OPERATION_NORM_FWD_EPSILON_DESC, R::Epsilon),
+        (attr::CUDNN_ATTR_OPERATION_NORM_FWD_YDESC, out),
+    ];
+    if t.roles.contains(&R::Momentum) {
+        all.extend([
+            (
+                attr::CUDNN_ATTR_OPERATION_NORM_FWD_EXP_AVG_FACTOR_DESC,
+                R::Momentum,
+            ),
+            (
+                attr::CUDNN_ATTR_OPERATION_NORM_FWD_INPUT_RUNNING_MEAN_DESC,
+                R::RunningMeanIn,
+            ),
+            (
+                attr::CUDNN_ATTR_OPERATION_NORM_FWD_INPUT_RUNNING_VAR_DESC,
+                R::RunningVarIn,
+            ),
+            (
+                attr::CUDNN_ATTR_OPERATION_NORM_FWD_OUTPUT_RUNNING_MEAN_DESC,
+                R::RunningMeanOut,
+            ),
+            (
+                attr::CUDNN_ATTR_OPERATION_NORM_FWD_OUTPUT_RUNNING_VAR_DESC,
+                R::RunningVarOut,
+            ),
+        ]);
+    }
+    norm_forward_op(P::CUDNN_NORM_FWD_TRAINING, &links(t, &all)?)
+}
+
+/// The finalized `NORM_BACKWARD` operation: batch norm, dx, dscale and dbias from `dy` (the
+/// caller's dy, or the masked dy of a ReLU epilogue), x, the scale and the saved mean and
+/// inverse standard deviation.
+pub fn norm_backward(t: &BnTensors, dy: BnRole) -> Result<Descriptor> {
+    use BnRole as R;
+    let all = [
+        (attr::CUDNN_ATTR_OPERATION_NORM_BWD_XDESC, R::X),
+        (attr::CUDNN_ATTR_OPERATION_NORM_BWD_DYDESC, dy),
+        (attr::CUDNN_ATTR_OPERATION_NORM_BWD_SCALE_DESC, R::Scale),
+        (attr::CUDNN_ATTR_OPERATION_NORM_BWD_MEAN_DESC, R::SavedMean),
+        (
+            attr::CUDNN_ATTR_OPERATION_NORM_BWD_INV_VARIANCE_DESC,
+            R::SavedInvVar,
+        ),
+        (attr::CUDNN_ATTR_OPERATION_NORM_BWD_DSCALE_DESC, R::Dscale),
+        (attr::CUDNN_ATTR_OPERATION_NORM_BWD_DBIAS_DESC, R::Dbias),
+        (attr::CUDNN_ATTR_OPERATION_NORM_BWD_DXDESC, R::Dx),
+    ];
+    norm_backward_op(&links(t, &all)?)
 }
 
 /// A finalized pointwise function of `mode`, computed in f32.
@@ -197,8 +208,8 @@ fn pointwise_fn(mode: sys::cudnnPointwiseMode_t) -> Result<Descriptor> {
     Ok(d)
 }
 
-/// A finalized forward pointwise operation `y = mode(x[, b])` (`ADD`, `RELU_FWD`), with the
-/// function descriptor it refers to (kept alive together).
+/// A finalized forward pointwise operation `y = mode(x[, b])` (`ADD`, `RELU_FWD`, `CMP_GT`,
+/// `MUL`), with the function descriptor it refers to (kept alive together).
 pub fn pointwise_fwd(
     t: &BnTensors,
     mode: sys::cudnnPointwiseMode_t,
@@ -240,59 +251,88 @@ pub fn relu_backward(t: &BnTensors, dy: BnRole, x: BnRole, dx: BnRole) -> Result
 /// The operations of `key`'s graph, in data-flow order (each pointwise operation followed by
 /// its function descriptor, which only needs to stay alive).
 fn operations(key: &GraphBnKey, t: &BnTensors) -> Result<Vec<Descriptor>> {
+    let mut ops = Vec::with_capacity(7);
+    match key.direction {
+        BnDirection::Backward => backward_operations(key, t, &mut ops)?,
+        d => forward_operations(key, t, d == BnDirection::Inference, &mut ops)?,
+    }
+    Ok(ops)
+}
+
+/// The backward: the ReLU's gradient (`dy · mask`, or `RELU_BWD` from y) into the masked dy,
+/// then `NORM_BACKWARD`.
+fn backward_operations(key: &GraphBnKey, t: &BnTensors, ops: &mut Vec<Descriptor>) -> Result<()> {
+    use BnEpilogue as E;
+    use BnRole as R;
+    let dy = match key.epilogue {
+        E::None => R::Dy,
+        E::Relu => R::DRelu,
+        E::AddRelu => R::DAddend,
+    };
+    if dy != R::Dy {
+        match key.relu_grad {
+            ReluGrad::Mask => ops.extend(pointwise_fwd(
+                t,
+                sys::cudnnPointwiseMode_t::CUDNN_POINTWISE_MUL,
+                R::Dy,
+                Some(R::Mask),
+                dy,
+            )?),
+            ReluGrad::FromY => ops.extend(relu_backward(t, R::Dy, R::Y, dy)?),
+        }
+    }
+    ops.push(norm_backward(t, dy)?);
+    Ok(())
+}
+
+/// The forward (training or inference): `NORM_FORWARD`, the epilogue (`ADD`, `RELU_FWD`), and
+/// the training mask `CMP_GT(y, 0)` where the key keeps one.
+fn forward_operations(
+    key: &GraphBnKey,
+    t: &BnTensors,
+    inference: bool,
+    ops: &mut Vec<Descriptor>,
+) -> Result<()> {
     use sys::cudnnPointwiseMode_t as M;
     use BnEpilogue as E;
     use BnRole as R;
-    let mut ops = Vec::with_capacity(5);
-    match key.direction {
-        BnDirection::Backward => {
-            let dy = match key.epilogue {
-                E::None => R::Dy,
-                E::Relu => R::DRelu,
-                E::AddRelu => R::DAddend,
-            };
-            if dy != R::Dy {
-                ops.extend(relu_backward(t, R::Dy, R::Y, dy)?);
-            }
-            ops.push(norm_backward(t, dy)?);
+    let out = if key.epilogue == E::None {
+        R::Y
+    } else {
+        R::BnOut
+    };
+    ops.push(norm_forward(t, inference, out)?);
+    let relu_in = match key.epilogue {
+        E::None => return Ok(()),
+        E::Relu => R::BnOut,
+        E::AddRelu => {
+            ops.extend(pointwise_fwd(
+                t,
+                M::CUDNN_POINTWISE_ADD,
+                R::BnOut,
+                Some(R::Addend),
+                R::AddOut,
+            )?);
+            R::AddOut
         }
-        d => {
-            let inference = d == BnDirection::Inference;
-            let out = if key.epilogue == E::None {
-                R::Y
-            } else {
-                R::BnOut
-            };
-            ops.push(norm_forward(t, inference, out)?);
-            match key.epilogue {
-                E::None => {}
-                E::Relu => ops.extend(pointwise_fwd(
-                    t,
-                    M::CUDNN_POINTWISE_RELU_FWD,
-                    R::BnOut,
-                    None,
-                    R::Y,
-                )?),
-                E::AddRelu => {
-                    ops.extend(pointwise_fwd(
-                        t,
-                        M::CUDNN_POINTWISE_ADD,
-                        R::BnOut,
-                        Some(R::Addend),
-                        R::AddOut,
-                    )?);
-                    ops.extend(pointwise_fwd(
-                        t,
-                        M::CUDNN_POINTWISE_RELU_FWD,
-                        R::AddOut,
-                        None,
-                        R::Y,
-                    )?);
-                }
-            }
-        }
+    };
+    ops.extend(pointwise_fwd(
+        t,
+        M::CUDNN_POINTWISE_RELU_FWD,
+        relu_in,
+        None,
+        R::Y,
+    )?);
+    if key.has_mask() {
+        ops.extend(pointwise_fwd(
+            t,
+            M::CUDNN_POINTWISE_CMP_GT,
+            R::Y,
+            Some(R::Zero),
+            R::Mask,
+        )?);
     }
-    Ok(ops)
+    Ok(())
 }
 
 /// Every descriptor of one BatchNorm graph, kept alive together (the operation graph and the

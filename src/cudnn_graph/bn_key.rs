@@ -8,11 +8,15 @@
 //! bias, statistics, their gradients) as `[1, c, 1, 1]` f32; epsilon and the exponential-average
 //! factor (momentum) are f32 scalars passed by value.
 //!
-//! Epilogues (cudnn-frontend's "BN + add + ReLU" / "dBN + add + ReLU" patterns): the forward's
+//! Epilogues (cudnn-frontend's "SGBN Add Relu" / "DBN Add Relu" samples): the forward's
 //! normalised output becomes a virtual f32 tensor fed to a pointwise `ADD` (the addend) and
-//! `RELU_FWD` whose output is y; the backward's `RELU_BWD` reads dy and the forward's y (y > 0
-//! exactly where the ReLU's input was, so no mask is kept) and feeds `NORM_BACKWARD`'s dy —
-//! virtual for ReLU, the written `d_addend` for Add+ReLU (the same gradient reaches the addend).
+//! `RELU_FWD` whose output is y. How the backward learns where the ReLU passed is the key's
+//! [`ReluGrad`]: by default ([`ReluGrad::Mask`]) the forward also writes `CMP_GT(y, 0)` as a
+//! real `BOOLEAN` tensor (the mask, by-value f32 zero as the comparand) and the backward computes
+//! `dy · mask` (`MUL`) into `NORM_BACKWARD`'s dy; with [`ReluGrad::FromY`] the backward's
+//! `RELU_BWD` reads dy and the forward's y instead (no mask; cuDNN 9.19 lists 0 engine configs
+//! for that backward on the H100, measured). The masked dy is virtual for ReLU, the written
+//! `d_addend` for Add+ReLU (the same gradient reaches the addend).
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -68,6 +72,38 @@ impl BnEpilogue {
     }
 }
 
+/// How a training epilogue's backward finds where the forward's ReLU passed dy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum ReluGrad {
+    /// The forward writes `CMP_GT(y, 0)` as a real `BOOLEAN` tensor (the saved state keeps it:
+    /// nnfuse allocates 1 byte per element); the backward computes `dy · mask` (cudnn-frontend's
+    /// "DBN Add Relu" form).
+    #[default]
+    Mask,
+    /// No mask: the backward's `RELU_BWD` reads the forward's y (0 engine configs on cuDNN 9.19,
+    /// H100, measured; kept to re-measure).
+    FromY,
+}
+
+impl ReluGrad {
+    /// `mask` / `from_y`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            ReluGrad::Mask => "mask",
+            ReluGrad::FromY => "from_y",
+        }
+    }
+}
+
+/// The element type of a BatchNorm graph's tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BnElem {
+    /// f32, f16 or bf16.
+    Data(DType),
+    /// cuDNN's `BOOLEAN` (the ReLU mask).
+    Boolean,
+}
+
 /// One tensor of a BatchNorm graph, by its role.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BnRole {
@@ -117,6 +153,11 @@ pub enum BnRole {
     AddOut,
     /// Virtual: dy masked by the ReLU, entering NORM_BACKWARD (ReLU backward, f32).
     DRelu,
+    /// The ReLU mask `y > 0` (`BOOLEAN`): written by the forward, read by the backward
+    /// ([`ReluGrad::Mask`]).
+    Mask,
+    /// The mask's comparand: f32 zero, by value.
+    Zero,
 }
 
 impl BnRole {
@@ -146,6 +187,8 @@ impl BnRole {
             BnRole::BnOut => 121,
             BnRole::AddOut => 122,
             BnRole::DRelu => 123,
+            BnRole::Mask => 124,
+            BnRole::Zero => 125,
         }
     }
 
@@ -175,6 +218,8 @@ impl BnRole {
             BnRole::BnOut => "normalised (virtual)",
             BnRole::AddOut => "normalised + addend (virtual)",
             BnRole::DRelu => "dy after the ReLU (virtual)",
+            BnRole::Mask => "relu mask",
+            BnRole::Zero => "zero (relu mask comparand)",
         }
     }
 
@@ -192,6 +237,7 @@ impl BnRole {
                 | BnRole::BnOut
                 | BnRole::AddOut
                 | BnRole::DRelu
+                | BnRole::Mask
         )
     }
 
@@ -202,7 +248,7 @@ impl BnRole {
 
     /// Whether the tensor is a scalar passed by value (a host address in the variant pack).
     pub const fn by_value(self) -> bool {
-        matches!(self, BnRole::Epsilon | BnRole::Momentum)
+        matches!(self, BnRole::Epsilon | BnRole::Momentum | BnRole::Zero)
     }
 }
 
@@ -301,6 +347,97 @@ pub const BACKWARD_ADD_RELU_ROLES: [BnRole; 10] = [
     BnRole::DAddend,
 ];
 
+/// The forward behind a ReLU writing its mask ([`ReluGrad::Mask`]), with the update.
+pub const FORWARD_MASK_ROLES: [BnRole; 14] = [
+    BnRole::X,
+    BnRole::Scale,
+    BnRole::Bias,
+    BnRole::Epsilon,
+    BnRole::Momentum,
+    BnRole::RunningMeanIn,
+    BnRole::RunningVarIn,
+    BnRole::RunningMeanOut,
+    BnRole::RunningVarOut,
+    BnRole::SavedMean,
+    BnRole::SavedInvVar,
+    BnRole::Y,
+    BnRole::Mask,
+    BnRole::Zero,
+];
+
+/// The forward behind a ReLU writing its mask, without the update.
+pub const FORWARD_MASK_ROLES_NO_RUNNING: [BnRole; 9] = [
+    BnRole::X,
+    BnRole::Scale,
+    BnRole::Bias,
+    BnRole::Epsilon,
+    BnRole::SavedMean,
+    BnRole::SavedInvVar,
+    BnRole::Y,
+    BnRole::Mask,
+    BnRole::Zero,
+];
+
+/// The forward behind an Add+ReLU writing its mask, with the update.
+pub const FORWARD_ADD_MASK_ROLES: [BnRole; 15] = [
+    BnRole::X,
+    BnRole::Scale,
+    BnRole::Bias,
+    BnRole::Epsilon,
+    BnRole::Momentum,
+    BnRole::RunningMeanIn,
+    BnRole::RunningVarIn,
+    BnRole::RunningMeanOut,
+    BnRole::RunningVarOut,
+    BnRole::SavedMean,
+    BnRole::SavedInvVar,
+    BnRole::Y,
+    BnRole::Addend,
+    BnRole::Mask,
+    BnRole::Zero,
+];
+
+/// The forward behind an Add+ReLU writing its mask, without the update.
+pub const FORWARD_ADD_MASK_ROLES_NO_RUNNING: [BnRole; 10] = [
+    BnRole::X,
+    BnRole::Scale,
+    BnRole::Bias,
+    BnRole::Epsilon,
+    BnRole::SavedMean,
+    BnRole::SavedInvVar,
+    BnRole::Y,
+    BnRole::Addend,
+    BnRole::Mask,
+    BnRole::Zero,
+];
+
+/// The backward behind a ReLU reading the forward's mask ([`ReluGrad::Mask`]).
+pub const BACKWARD_MASK_ROLES: [BnRole; 9] = [
+    BnRole::X,
+    BnRole::Dy,
+    BnRole::Scale,
+    BnRole::SavedMean,
+    BnRole::SavedInvVar,
+    BnRole::Dscale,
+    BnRole::Dbias,
+    BnRole::Dx,
+    BnRole::Mask,
+];
+
+/// The backward behind an Add+ReLU reading the mask, also writing the addend's gradient.
+pub const BACKWARD_ADD_MASK_ROLES: [BnRole; 10] = [
+    BnRole::X,
+    BnRole::Dy,
+    BnRole::Scale,
+    BnRole::SavedMean,
+    BnRole::SavedInvVar,
+    BnRole::Dscale,
+    BnRole::Dbias,
+    BnRole::Dx,
+    BnRole::Mask,
+    BnRole::DAddend,
+];
+
 /// The inference forward's tensors.
 pub const INFERENCE_ROLES: [BnRole; 6] = [
     BnRole::X,
@@ -323,7 +460,7 @@ pub const INFERENCE_ADD_ROLES: [BnRole; 7] = [
 ];
 
 /// The most tensors one variant pack holds.
-pub const MAX_PACK_ROLES: usize = FORWARD_ADD_ROLES.len();
+pub const MAX_PACK_ROLES: usize = FORWARD_ADD_MASK_ROLES.len();
 
 /// Everything one BatchNorm tensor descriptor is built from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -336,8 +473,8 @@ pub struct BnTensorSpec {
     pub dims: [i64; 4],
     /// Element strides.
     pub strides: [i64; 4],
-    /// Element type (activations: the key's; everything else f32).
-    pub dtype: DType,
+    /// Element type (activations: the key's; the mask `BOOLEAN`; everything else f32).
+    pub elem: BnElem,
     /// Guaranteed byte alignment of the data pointer.
     pub alignment: i64,
     /// A scalar passed by value.
@@ -357,6 +494,9 @@ pub struct GraphBnKey {
     pub direction: BnDirection,
     /// The pointwise epilogue fused into the graph.
     pub epilogue: BnEpilogue,
+    /// How a training epilogue's backward finds where the ReLU passed (a training forward with
+    /// [`ReluGrad::Mask`] writes the mask; ignored without an epilogue and for inference).
+    pub relu_grad: ReluGrad,
     /// The forward updates the running statistics (exponential-average factor given).
     pub running: bool,
     /// Byte alignment every data pointer is guaranteed to have (a power of two up to 16).
@@ -374,6 +514,7 @@ impl GraphBnKey {
             dtype,
             direction,
             epilogue: BnEpilogue::None,
+            relu_grad: ReluGrad::default(),
             running: true,
             alignment: MAX_ALIGNMENT,
             policy: GraphPolicy::default(),
@@ -395,6 +536,22 @@ impl GraphBnKey {
         GraphBnKey { epilogue, ..self }
     }
 
+    /// The same key with the ReLU backward's form `relu_grad`.
+    pub fn with_relu_grad(self, relu_grad: ReluGrad) -> GraphBnKey {
+        GraphBnKey { relu_grad, ..self }
+    }
+
+    /// Whether the graph has the ReLU mask: a training epilogue in the [`ReluGrad::Mask`] form
+    /// (the forward writes it, the backward reads it).
+    pub fn has_mask(&self) -> bool {
+        self.has_relu_grad() && self.relu_grad == ReluGrad::Mask
+    }
+
+    /// Whether [`GraphBnKey::relu_grad`] shapes the graph: a training epilogue.
+    pub fn has_relu_grad(&self) -> bool {
+        self.epilogue != BnEpilogue::None && self.direction != BnDirection::Inference
+    }
+
     /// The same key with or without the running-statistics update.
     pub fn with_running(self, running: bool) -> GraphBnKey {
         GraphBnKey { running, ..self }
@@ -404,16 +561,23 @@ impl GraphBnKey {
     pub fn roles(&self) -> &'static [BnRole] {
         use BnDirection as D;
         use BnEpilogue as E;
-        match (self.direction, self.epilogue, self.running) {
-            (D::Forward, E::AddRelu, true) => &FORWARD_ADD_ROLES,
-            (D::Forward, E::AddRelu, false) => &FORWARD_ADD_ROLES_NO_RUNNING,
-            (D::Forward, _, true) => &FORWARD_ROLES,
-            (D::Forward, _, false) => &FORWARD_ROLES_NO_RUNNING,
-            (D::Backward, E::None, _) => &BACKWARD_ROLES,
-            (D::Backward, E::Relu, _) => &BACKWARD_RELU_ROLES,
-            (D::Backward, E::AddRelu, _) => &BACKWARD_ADD_RELU_ROLES,
-            (D::Inference, E::AddRelu, _) => &INFERENCE_ADD_ROLES,
-            (D::Inference, _, _) => &INFERENCE_ROLES,
+        let mask = self.has_mask();
+        match (self.direction, self.epilogue, mask, self.running) {
+            (D::Forward, E::AddRelu, true, true) => &FORWARD_ADD_MASK_ROLES,
+            (D::Forward, E::AddRelu, true, false) => &FORWARD_ADD_MASK_ROLES_NO_RUNNING,
+            (D::Forward, E::AddRelu, false, true) => &FORWARD_ADD_ROLES,
+            (D::Forward, E::AddRelu, false, false) => &FORWARD_ADD_ROLES_NO_RUNNING,
+            (D::Forward, _, true, true) => &FORWARD_MASK_ROLES,
+            (D::Forward, _, true, false) => &FORWARD_MASK_ROLES_NO_RUNNING,
+            (D::Forward, _, false, true) => &FORWARD_ROLES,
+            (D::Forward, _, false, false) => &FORWARD_ROLES_NO_RUNNING,
+            (D::Backward, E::None, _, _) => &BACKWARD_ROLES,
+            (D::Backward, E::Relu, true, _) => &BACKWARD_MASK_ROLES,
+            (D::Backward, E::Relu, false, _) => &BACKWARD_RELU_ROLES,
+            (D::Backward, E::AddRelu, true, _) => &BACKWARD_ADD_MASK_ROLES,
+            (D::Backward, E::AddRelu, false, _) => &BACKWARD_ADD_RELU_ROLES,
+            (D::Inference, E::AddRelu, _, _) => &INFERENCE_ADD_ROLES,
+            (D::Inference, _, _, _) => &INFERENCE_ROLES,
         }
     }
 
@@ -468,27 +632,28 @@ impl GraphBnKey {
             i64::from(l.h),
             i64::from(l.w),
         );
-        let (dims, strides, dtype) = if role.is_activation() {
+        let f32 = BnElem::Data(DType::F32);
+        let (dims, strides, elem) = if role.is_activation() {
             let dims = [n, c, h, w];
             // Intermediates stay f32 (cudnn-frontend's intermediate type for these patterns).
-            let dtype = if role.is_virtual() {
-                DType::F32
-            } else {
-                self.dtype
+            let elem = match role {
+                BnRole::Mask => BnElem::Boolean,
+                r if r.is_virtual() => f32,
+                _ => BnElem::Data(self.dtype),
             };
-            (dims, packed_strides(l.format, dims), dtype)
+            (dims, packed_strides(l.format, dims), elem)
         } else if role.by_value() {
-            ([1; 4], [1; 4], DType::F32)
+            ([1; 4], [1; 4], f32)
         } else {
             let dims = [1, c, 1, 1];
-            (dims, packed_strides(TensorFormat::Nhwc, dims), DType::F32)
+            (dims, packed_strides(TensorFormat::Nhwc, dims), f32)
         };
         BnTensorSpec {
             role,
             uid: role.uid(),
             dims,
             strides,
-            dtype,
+            elem,
             alignment: i64::from(self.alignment),
             by_value: role.by_value(),
             is_virtual: role.is_virtual(),
@@ -529,12 +694,12 @@ mod tests {
         let x = k.spec(BnRole::X);
         assert_eq!(x.dims, [8, 64, 196, 1]);
         assert_eq!(x.strides, [196 * 64, 1, 64, 64]);
-        assert_eq!(x.dtype, DType::F16);
+        assert_eq!(x.elem, BnElem::Data(DType::F16));
         let s = k.spec(BnRole::Scale);
-        assert_eq!((s.dims, s.dtype), ([1, 64, 1, 1], DType::F32));
+        assert_eq!((s.dims, s.elem), ([1, 64, 1, 1], BnElem::Data(DType::F32)));
         assert_eq!(s.strides, [64, 1, 64, 64]);
         let e = k.spec(BnRole::Epsilon);
-        assert!(e.by_value && e.dims == [1; 4] && e.dtype == DType::F32);
+        assert!(e.by_value && e.dims == [1; 4] && e.elem == BnElem::Data(DType::F32));
         let k = GraphBnKey::new(
             layout(TensorFormat::Nchw),
             DType::F32,
@@ -566,6 +731,8 @@ mod tests {
             base.with_running(false),
             base.with_epilogue(BnEpilogue::Relu),
             base.with_epilogue(BnEpilogue::AddRelu),
+            base.with_epilogue(BnEpilogue::Relu)
+                .with_relu_grad(ReluGrad::FromY),
             GraphBnKey {
                 direction: BnDirection::Inference,
                 ..base
@@ -598,7 +765,21 @@ mod tests {
         assert_eq!(bad.validate().unwrap_err().argument(), Some("shape"));
     }
 
-    /// Every combination of direction, epilogue and update: the pack holds only real tensors,
+    /// Every epilogue, ReLU backward form and update.
+    fn combinations() -> Vec<(BnEpilogue, ReluGrad, bool)> {
+        let mut v = Vec::new();
+        for e in [BnEpilogue::None, BnEpilogue::Relu, BnEpilogue::AddRelu] {
+            for g in [ReluGrad::Mask, ReluGrad::FromY] {
+                for running in [true, false] {
+                    v.push((e, g, running));
+                }
+            }
+        }
+        v
+    }
+
+    /// Every combination of direction, epilogue, ReLU backward form and update: the pack holds
+    /// only real tensors,
     /// each once, the virtual ones are exactly the epilogue's intermediates, and every graph
     /// reads what its operations need.
     #[test]
@@ -609,6 +790,7 @@ mod tests {
             &FORWARD_ADD_ROLES,
             &BACKWARD_ADD_RELU_ROLES,
             &INFERENCE_ADD_ROLES,
+            &FORWARD_ADD_MASK_ROLES,
             &[BnRole::BnOut, BnRole::AddOut, BnRole::DRelu, BnRole::Dx],
         ]
         .concat();
@@ -620,47 +802,57 @@ mod tests {
             BnDirection::Backward,
             BnDirection::Inference,
         ] {
-            for e in [BnEpilogue::None, BnEpilogue::Relu, BnEpilogue::AddRelu] {
-                for running in [true, false] {
-                    let k = GraphBnKey {
-                        direction: d,
-                        running,
-                        ..base.with_epilogue(e)
-                    };
-                    let r = k.roles();
-                    let set: HashSet<BnRole> = r.iter().copied().collect();
-                    assert_eq!(set.len(), r.len(), "{d:?} {e:?}: a role twice");
-                    assert!(r.len() <= MAX_PACK_ROLES);
-                    assert!(r.iter().all(|x| !x.is_virtual()), "{d:?} {e:?}");
-                    assert!(k.virtuals().iter().all(|x| x.is_virtual()));
-                    assert_eq!(
-                        r.contains(&BnRole::Addend),
-                        e == BnEpilogue::AddRelu && d != BnDirection::Backward,
-                        "{d:?} {e:?}"
-                    );
-                    assert_eq!(
-                        r.contains(&BnRole::DAddend),
-                        e == BnEpilogue::AddRelu && d == BnDirection::Backward
-                    );
-                    // The ReLU backward reads the forward's y; no graph keeps a mask.
-                    if d == BnDirection::Backward {
-                        assert_eq!(r.contains(&BnRole::Y), e != BnEpilogue::None);
+            for (e, g, running) in combinations() {
+                let k = GraphBnKey {
+                    direction: d,
+                    running,
+                    ..base.with_epilogue(e).with_relu_grad(g)
+                };
+                let r = k.roles();
+                let set: HashSet<BnRole> = r.iter().copied().collect();
+                assert_eq!(set.len(), r.len(), "{d:?} {e:?}: a role twice");
+                assert!(r.len() <= MAX_PACK_ROLES);
+                assert!(r.iter().all(|x| !x.is_virtual()), "{d:?} {e:?}");
+                assert!(k.virtuals().iter().all(|x| x.is_virtual()));
+                assert_eq!(
+                    r.contains(&BnRole::Addend),
+                    e == BnEpilogue::AddRelu && d != BnDirection::Backward,
+                    "{d:?} {e:?}"
+                );
+                assert_eq!(
+                    r.contains(&BnRole::DAddend),
+                    e == BnEpilogue::AddRelu && d == BnDirection::Backward
+                );
+                // The mask form: the training forward writes the mask (comparing with a
+                // by-value zero) and the backward reads it; the other form's backward
+                // reads y; inference keeps no mask.
+                let mask =
+                    e != BnEpilogue::None && g == ReluGrad::Mask && d != BnDirection::Inference;
+                assert_eq!(k.has_mask(), mask, "{d:?} {e:?} {g:?}");
+                assert_eq!(r.contains(&BnRole::Mask), mask, "{d:?} {e:?} {g:?}");
+                assert_eq!(
+                    r.contains(&BnRole::Zero),
+                    mask && d == BnDirection::Forward,
+                    "{d:?} {e:?} {g:?}"
+                );
+                if d == BnDirection::Backward {
+                    let from_y = e != BnEpilogue::None && g == ReluGrad::FromY;
+                    assert_eq!(r.contains(&BnRole::Y), from_y, "{e:?} {g:?}");
+                }
+                if d == BnDirection::Inference {
+                    assert!(r.contains(&BnRole::Mean) && r.contains(&BnRole::InvStd));
+                    assert!(!r.contains(&BnRole::Epsilon) && !r.contains(&BnRole::SavedMean));
+                }
+                let v = k.virtuals();
+                match (d, e) {
+                    (_, BnEpilogue::None) => assert!(v.is_empty()),
+                    (BnDirection::Backward, BnEpilogue::Relu) => {
+                        assert_eq!(v, &[BnRole::DRelu])
                     }
-                    if d == BnDirection::Inference {
-                        assert!(r.contains(&BnRole::Mean) && r.contains(&BnRole::InvStd));
-                        assert!(!r.contains(&BnRole::Epsilon) && !r.contains(&BnRole::SavedMean));
-                    }
-                    let v = k.virtuals();
-                    match (d, e) {
-                        (_, BnEpilogue::None) => assert!(v.is_empty()),
-                        (BnDirection::Backward, BnEpilogue::Relu) => {
-                            assert_eq!(v, &[BnRole::DRelu])
-                        }
-                        (BnDirection::Backward, BnEpilogue::AddRelu) => assert!(v.is_empty()),
-                        (_, BnEpilogue::Relu) => assert_eq!(v, &[BnRole::BnOut]),
-                        (_, BnEpilogue::AddRelu) => {
-                            assert_eq!(v, &[BnRole::BnOut, BnRole::AddOut])
-                        }
+                    (BnDirection::Backward, BnEpilogue::AddRelu) => assert!(v.is_empty()),
+                    (_, BnEpilogue::Relu) => assert_eq!(v, &[BnRole::BnOut]),
+                    (_, BnEpilogue::AddRelu) => {
+                        assert_eq!(v, &[BnRole::BnOut, BnRole::AddOut])
                     }
                 }
             }
@@ -677,19 +869,39 @@ mod tests {
         .with_epilogue(BnEpilogue::AddRelu);
         for r in [BnRole::BnOut, BnRole::AddOut, BnRole::DRelu] {
             let s = k.spec(r);
-            assert!(s.is_virtual && s.dtype == DType::F32, "{r:?}");
+            assert!(s.is_virtual && s.elem == BnElem::Data(DType::F32), "{r:?}");
             assert_eq!(s.dims, [8, 64, 196, 1]);
             assert_eq!(s.strides, [196 * 64, 1, 64, 64]);
         }
         for r in [BnRole::Addend, BnRole::DAddend, BnRole::Y] {
             let s = k.spec(r);
-            assert!(!s.is_virtual && s.dtype == DType::BF16, "{r:?}");
+            assert!(
+                !s.is_virtual && s.elem == BnElem::Data(DType::BF16),
+                "{r:?}"
+            );
         }
+        // The mask: a real BOOLEAN activation in x's layout; its comparand an f32 by value.
+        let m = k.spec(BnRole::Mask);
+        assert_eq!(
+            (m.elem, m.is_virtual, m.by_value),
+            (BnElem::Boolean, false, false)
+        );
+        assert_eq!(
+            (m.dims, m.strides),
+            ([8, 64, 196, 1], [196 * 64, 1, 64, 64])
+        );
+        let z = k.spec(BnRole::Zero);
+        assert!(z.by_value && z.elem == BnElem::Data(DType::F32) && z.dims == [1; 4]);
+        assert_eq!(ReluGrad::default(), ReluGrad::Mask);
+        assert_eq!(
+            (ReluGrad::Mask.name(), ReluGrad::FromY.name()),
+            ("mask", "from_y")
+        );
         for r in [BnRole::Mean, BnRole::InvStd] {
             let s = k.spec(r);
             assert_eq!(
-                (s.dims, s.dtype, s.is_virtual),
-                ([1, 64, 1, 1], DType::F32, false)
+                (s.dims, s.elem, s.is_virtual),
+                ([1, 64, 1, 1], BnElem::Data(DType::F32), false)
             );
         }
         assert_eq!(BnDirection::Inference.name(), "inference");

@@ -10,7 +10,6 @@ use cudarc::cudnn::sys;
 
 use crate::conv::problem::GraphEngine;
 use crate::conv::Direction;
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::reference::conv::Conv2d as ConvShape;
 
@@ -76,7 +75,7 @@ pub(super) struct TensorAttrs<'a> {
     pub uid: i64,
     pub dims: [i64; 4],
     pub strides: [i64; 4],
-    pub dtype: DType,
+    pub data_type: sys::cudnnDataType_t,
     pub alignment: i64,
     pub is_virtual: bool,
     pub by_value: bool,
@@ -88,7 +87,7 @@ pub(super) struct TensorAttrs<'a> {
 pub(super) fn tensor_of(t: &TensorAttrs<'_>) -> Result<Descriptor> {
     let build = || -> Result<Descriptor> {
         let mut d = Descriptor::new(DescKind::Tensor)?;
-        d.set_one(attr::CUDNN_ATTR_TENSOR_DATA_TYPE, t.dtype.cudnn())?;
+        d.set_one(attr::CUDNN_ATTR_TENSOR_DATA_TYPE, t.data_type)?;
         d.set(attr::CUDNN_ATTR_TENSOR_DIMENSIONS, &t.dims)?;
         d.set(attr::CUDNN_ATTR_TENSOR_STRIDES, &t.strides)?;
         d.set_one(attr::CUDNN_ATTR_TENSOR_UNIQUE_ID, t.uid)?;
@@ -109,7 +108,7 @@ pub fn tensor(spec: &TensorSpec) -> Result<Descriptor> {
         uid: spec.uid,
         dims: spec.dims,
         strides: spec.strides,
-        dtype: spec.dtype,
+        data_type: spec.dtype.cudnn(),
         alignment: spec.alignment,
         is_virtual: spec.is_virtual,
         by_value: spec.by_value,

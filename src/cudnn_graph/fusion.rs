@@ -1,6 +1,7 @@
 //! A general fused operation graph through cuDNN's backend API: named tensors (real, virtual or
 //! by-value, of any element type cuDNN takes, int64 and double scalars included), pointwise
-//! operations, convolutions, `GEN_STATS`, `BN_FINALIZE_STATISTICS` and `BN_BWD_WEIGHTS` in one
+//! operations, convolutions, `GEN_STATS`, `BN_FINALIZE_STATISTICS`, `BN_BWD_WEIGHTS` and the
+//! `NORM_FORWARD` / `NORM_BACKWARD` batch norms in one
 //! graph; the search over its engine configs that records every finalize status; and the
 //! variant pack of the named real tensors. Each attribute set is checked (errors name it).
 //!
@@ -33,6 +34,8 @@ pub enum ElemType {
     Int64,
     /// `CUDNN_DATA_DOUBLE` (the legacy samples' BN finalize epsilon and momentum).
     Double,
+    /// `CUDNN_DATA_BOOLEAN` (a ReLU mask written by `CMP_GT`).
+    Boolean,
 }
 
 impl ElemType {
@@ -42,6 +45,7 @@ impl ElemType {
             ElemType::Data(d) => d.cudnn(),
             ElemType::Int64 => sys::cudnnDataType_t::CUDNN_DATA_INT64,
             ElemType::Double => sys::cudnnDataType_t::CUDNN_DATA_DOUBLE,
+            ElemType::Boolean => sys::cudnnDataType_t::CUDNN_DATA_BOOLEAN,
         }
     }
 }
@@ -81,6 +85,14 @@ impl FusionTensorSpec {
     pub fn intermediate(name: &'static str, dims: [i64; 4]) -> FusionTensorSpec {
         FusionTensorSpec {
             is_virtual: true,
+            ..FusionTensorSpec::activation(name, dims, DType::F32)
+        }
+    }
+
+    /// A real NHWC `BOOLEAN` tensor `[n, c, h, w]` (a ReLU mask).
+    pub fn mask(name: &'static str, dims: [i64; 4]) -> FusionTensorSpec {
+        FusionTensorSpec {
+            elem: ElemType::Boolean,
             ..FusionTensorSpec::activation(name, dims, DType::F32)
         }
     }
@@ -495,6 +507,75 @@ impl FusionBuilder {
         Ok(())
     }
 
+    /// `NORM_FORWARD` batch norm, training phase, with the running statistics' update, over
+    /// `t` (built by `bn_build.rs`).
+    pub fn norm_forward_training(&mut self, t: &NormFwdRefs) -> Result<()> {
+        use attr as a;
+        let links = [
+            (a::CUDNN_ATTR_OPERATION_NORM_FWD_XDESC, t.x),
+            (a::CUDNN_ATTR_OPERATION_NORM_FWD_MEAN_DESC, t.saved_mean),
+            (
+                a::CUDNN_ATTR_OPERATION_NORM_FWD_INV_VARIANCE_DESC,
+                t.saved_inv_var,
+            ),
+            (a::CUDNN_ATTR_OPERATION_NORM_FWD_SCALE_DESC, t.scale),
+            (a::CUDNN_ATTR_OPERATION_NORM_FWD_BIAS_DESC, t.bias),
+            (a::CUDNN_ATTR_OPERATION_NORM_FWD_EPSILON_DESC, t.epsilon),
+            (a::CUDNN_ATTR_OPERATION_NORM_FWD_YDESC, t.y),
+            (
+                a::CUDNN_ATTR_OPERATION_NORM_FWD_EXP_AVG_FACTOR_DESC,
+                t.momentum,
+            ),
+            (
+                a::CUDNN_ATTR_OPERATION_NORM_FWD_INPUT_RUNNING_MEAN_DESC,
+                t.prev_mean,
+            ),
+            (
+                a::CUDNN_ATTR_OPERATION_NORM_FWD_INPUT_RUNNING_VAR_DESC,
+                t.prev_var,
+            ),
+            (
+                a::CUDNN_ATTR_OPERATION_NORM_FWD_OUTPUT_RUNNING_MEAN_DESC,
+                t.next_mean,
+            ),
+            (
+                a::CUDNN_ATTR_OPERATION_NORM_FWD_OUTPUT_RUNNING_VAR_DESC,
+                t.next_var,
+            ),
+        ];
+        let links: Vec<(Attr, &Descriptor)> =
+            links.iter().map(|&(at, r)| (at, self.desc(r))).collect();
+        let op = super::bn_build::norm_forward_op(
+            sys::cudnnBackendNormFwdPhase_t::CUDNN_NORM_FWD_TRAINING,
+            &links,
+        )?;
+        self.ops.push(op);
+        Ok(())
+    }
+
+    /// `NORM_BACKWARD` batch norm over `t` (built by `bn_build.rs`).
+    pub fn norm_backward(&mut self, t: &NormBwdRefs) -> Result<()> {
+        use attr as a;
+        let links = [
+            (a::CUDNN_ATTR_OPERATION_NORM_BWD_XDESC, t.x),
+            (a::CUDNN_ATTR_OPERATION_NORM_BWD_DYDESC, t.dy),
+            (a::CUDNN_ATTR_OPERATION_NORM_BWD_SCALE_DESC, t.scale),
+            (a::CUDNN_ATTR_OPERATION_NORM_BWD_MEAN_DESC, t.mean),
+            (
+                a::CUDNN_ATTR_OPERATION_NORM_BWD_INV_VARIANCE_DESC,
+                t.inv_var,
+            ),
+            (a::CUDNN_ATTR_OPERATION_NORM_BWD_DSCALE_DESC, t.dscale),
+            (a::CUDNN_ATTR_OPERATION_NORM_BWD_DBIAS_DESC, t.dbias),
+            (a::CUDNN_ATTR_OPERATION_NORM_BWD_DXDESC, t.dx),
+        ];
+        let links: Vec<(Attr, &Descriptor)> =
+            links.iter().map(|&(at, r)| (at, self.desc(r))).collect();
+        let op = super::bn_build::norm_backward_op(&links)?;
+        self.ops.push(op);
+        Ok(())
+    }
+
     /// Adds an operation built elsewhere (e.g. a `NORM_FORWARD` of `bn_build.rs`) with
     /// the descriptors it refers to, which must stay alive with the graph.
     pub fn push_op(&mut self, op: Descriptor, keep: Vec<Descriptor>) {
@@ -538,6 +619,38 @@ pub struct BnFinalizeRefs {
     pub accum_count: TensorRef,
     pub epsilon: TensorRef,
     pub momentum: TensorRef,
+}
+
+/// The tensors of a training `NORM_FORWARD` with the running statistics' update.
+#[derive(Debug, Clone, Copy)]
+#[allow(missing_docs)]
+pub struct NormFwdRefs {
+    pub x: TensorRef,
+    pub scale: TensorRef,
+    pub bias: TensorRef,
+    pub epsilon: TensorRef,
+    pub momentum: TensorRef,
+    pub prev_mean: TensorRef,
+    pub prev_var: TensorRef,
+    pub next_mean: TensorRef,
+    pub next_var: TensorRef,
+    pub saved_mean: TensorRef,
+    pub saved_inv_var: TensorRef,
+    pub y: TensorRef,
+}
+
+/// The tensors of a `NORM_BACKWARD` operation.
+#[derive(Debug, Clone, Copy)]
+#[allow(missing_docs)]
+pub struct NormBwdRefs {
+    pub x: TensorRef,
+    pub dy: TensorRef,
+    pub scale: TensorRef,
+    pub mean: TensorRef,
+    pub inv_var: TensorRef,
+    pub dscale: TensorRef,
+    pub dbias: TensorRef,
+    pub dx: TensorRef,
 }
 
 /// The tensors of a `BN_BWD_WEIGHTS` operation.
@@ -730,6 +843,13 @@ mod tests {
         assert_eq!(
             ElemType::Double.cudnn(),
             sys::cudnnDataType_t::CUDNN_DATA_DOUBLE
+        );
+        let m = FusionTensorSpec::mask("mask", [2, 64, 8, 8]);
+        assert_eq!((m.elem, m.strides), (ElemType::Boolean, a.strides));
+        assert!(!m.is_virtual && !m.by_value);
+        assert_eq!(
+            ElemType::Boolean.cudnn(),
+            sys::cudnnDataType_t::CUDNN_DATA_BOOLEAN
         );
     }
 

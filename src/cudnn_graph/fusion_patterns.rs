@@ -5,7 +5,9 @@
 //! math; per-channel statistics in f32.
 //!
 //! Also the BatchNorm epilogue graphs of `bn_build.rs` rebuilt with a choice of ReLU
-//! attributes, to find out why they do not finalize.
+//! attributes, to find out why they do not finalize, and the epilogue in cudnn-frontend's
+//! mask form ("SGBN Add Relu" writing a `BOOLEAN` mask, "DBN Add Relu" reading it) with
+//! named tensors, to run and check.
 
 use cudarc::cudnn::sys;
 
@@ -20,7 +22,7 @@ use super::build::operation_graph;
 use super::descriptor::Descriptor;
 use super::fusion::{
     pointwise_op, BnBwdWeightsRefs, BnFinalizeRefs, ElemType, FusionBuilder, FusionGraph,
-    FusionTensorSpec as T, ReluAttrs, TensorRef,
+    FusionTensorSpec as T, NormBwdRefs, NormFwdRefs, ReluAttrs, TensorRef,
 };
 
 use sys::cudnnPointwiseMode_t as M;
@@ -252,6 +254,16 @@ pub fn bn_epilogue(
             relu,
         )?);
     }
+    // The mask form's training forward also writes the mask, as `bn_build.rs` builds it.
+    if key.has_mask() && !inference {
+        ops.extend(pointwise_op(
+            M::CUDNN_POINTWISE_CMP_GT,
+            t.get(BnRole::Y)?,
+            Some(t.get(BnRole::Zero)?),
+            t.get(BnRole::Mask)?,
+            relu,
+        )?);
+    }
     let graph_ops: Vec<&Descriptor> = ops
         .iter()
         .filter(|d| d.kind() != super::descriptor::DescKind::Pointwise)
@@ -262,4 +274,140 @@ pub fn bn_epilogue(
         _ops: ops,
         graph,
     })
+}
+
+/// Which value the ReLU mask of [`BnMaskForward`] compares with zero.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MaskSource {
+    /// The real output y (cudnn-frontend's `test_bn_relu_with_mask`; what nnfuse builds).
+    Y,
+    /// The virtual pre-ReLU value (the normalised output, plus the addend).
+    PreRelu,
+}
+
+/// What the mask's `CMP_GT` compares with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MaskComparand {
+    /// A by-value f32 zero, `zero` (the LayerNorm bitmask sample; what nnfuse builds).
+    ScalarZero,
+    /// A real tensor of zeros shaped and typed like x, `zeros` (cudnn-frontend's
+    /// `test_bn_relu_with_mask`).
+    ZerosTensor,
+}
+
+/// The training forward "SGBN Add Relu" with the ReLU mask: `NORM_FORWARD` (running statistics
+/// updated) → (`ADD` addend) → `RELU_FWD` → y, and `CMP_GT(source, comparand)` → `mask`
+/// (`BOOLEAN`, real). Real tensors `x`, `scale`, `bias`, `prev_mean`, `prev_var`, `next_mean`,
+/// `next_var`, `saved_mean`, `saved_inv_var` (f32 per channel), `y`, `mask`, `addend` with
+/// `add`, `zeros` (or the by-value `zero`); by-value f32 `epsilon` and `momentum`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BnMaskForward {
+    /// `[n, c, h, w]`, NHWC.
+    pub dims: [i64; 4],
+    /// Element type of x, y, addend.
+    pub dtype: DType,
+    /// Add+ReLU (else ReLU).
+    pub add: bool,
+    /// What the mask compares.
+    pub source: MaskSource,
+    /// What it compares with.
+    pub comparand: MaskComparand,
+}
+
+impl BnMaskForward {
+    /// The graph on `handle`.
+    pub fn build(&self, handle: sys::cudnnHandle_t) -> Result<FusionGraph> {
+        let (dims, c) = (self.dims, self.dims[1]);
+        let mut b = FusionBuilder::new();
+        let x = b.tensor(T::activation("x", dims, self.dtype))?;
+        let mut v = |name| b.tensor(T::per_channel(name, c, DType::F32));
+        let (scale, bias) = (v("scale")?, v("bias")?);
+        let (prev_mean, prev_var) = (v("prev_mean")?, v("prev_var")?);
+        let (next_mean, next_var) = (v("next_mean")?, v("next_var")?);
+        let (saved_mean, saved_inv_var) = (v("saved_mean")?, v("saved_inv_var")?);
+        let f32s = ElemType::Data(DType::F32);
+        let epsilon = b.tensor(T::scalar("epsilon", f32s))?;
+        let momentum = b.tensor(T::scalar("momentum", f32s))?;
+        let bn_out = b.tensor(T::intermediate("bn_out", dims))?;
+        b.norm_forward_training(&NormFwdRefs {
+            x,
+            scale,
+            bias,
+            epsilon,
+            momentum,
+            prev_mean,
+            prev_var,
+            next_mean,
+            next_var,
+            saved_mean,
+            saved_inv_var,
+            y: bn_out,
+        })?;
+        let relu = ReluAttrs::Bare;
+        let pre = if self.add {
+            let addend = b.tensor(T::activation("addend", dims, self.dtype))?;
+            let sum = b.tensor(T::intermediate("add_out", dims))?;
+            b.pointwise(M::CUDNN_POINTWISE_ADD, bn_out, Some(addend), sum, relu)?;
+            sum
+        } else {
+            bn_out
+        };
+        let y = b.tensor(T::activation("y", dims, self.dtype))?;
+        b.pointwise(M::CUDNN_POINTWISE_RELU_FWD, pre, None, y, relu)?;
+        let cmp = match self.comparand {
+            MaskComparand::ScalarZero => b.tensor(T::scalar("zero", f32s))?,
+            MaskComparand::ZerosTensor => b.tensor(T::activation("zeros", dims, self.dtype))?,
+        };
+        let mask = b.tensor(T::mask("mask", dims))?;
+        let source = match self.source {
+            MaskSource::Y => y,
+            MaskSource::PreRelu => pre,
+        };
+        b.pointwise(M::CUDNN_POINTWISE_CMP_GT, source, Some(cmp), mask, relu)?;
+        b.finish(handle)
+    }
+}
+
+/// The backward "DBN Add Relu": `dy · mask` (`MUL` by the `BOOLEAN` mask) → `NORM_BACKWARD`
+/// with the saved statistics → `dx`, `dscale`, `dbias`; with `add` the masked dy is the real
+/// `d_addend` (the add's gradient, "DADD"), else virtual. Real tensors `dy`, `mask`, `x`, `dx`
+/// (and `d_addend`) of the data type, `scale`, `mean`, `inv_var`, `dscale`, `dbias` f32 per
+/// channel.
+pub fn bn_mask_backward(
+    handle: sys::cudnnHandle_t,
+    dims: [i64; 4],
+    dtype: DType,
+    add: bool,
+) -> Result<FusionGraph> {
+    let c = dims[1];
+    let mut b = FusionBuilder::new();
+    let dy = b.tensor(T::activation("dy", dims, dtype))?;
+    let mask = b.tensor(T::mask("mask", dims))?;
+    let masked = if add {
+        b.tensor(T::activation("d_addend", dims, dtype))?
+    } else {
+        b.tensor(T::intermediate("drelu", dims))?
+    };
+    b.pointwise(
+        M::CUDNN_POINTWISE_MUL,
+        dy,
+        Some(mask),
+        masked,
+        ReluAttrs::Bare,
+    )?;
+    let x = b.tensor(T::activation("x", dims, dtype))?;
+    let dx = b.tensor(T::activation("dx", dims, dtype))?;
+    let mut v = |name| b.tensor(T::per_channel(name, c, DType::F32));
+    let refs = NormBwdRefs {
+        x,
+        dy: masked,
+        scale: v("scale")?,
+        mean: v("mean")?,
+        inv_var: v("inv_var")?,
+        dscale: v("dscale")?,
+        dbias: v("dbias")?,
+        dx,
+    };
+    b.norm_backward(&refs)?;
+    b.finish(handle)
 }

@@ -32,6 +32,8 @@ use super::plans::{self, handle_and_workspace, lock};
 struct Scalars {
     eps: f32,
     momentum: f32,
+    /// The ReLU mask's comparand (`CMP_GT(y, 0)`), always 0.
+    zero: f32,
 }
 
 /// The pack and the scalars it points to, changed together under one lock.
@@ -63,6 +65,8 @@ pub struct BnFwdAddrs {
     pub y: u64,
     /// The addend of an Add+ReLU epilogue (0 without one).
     pub addend: u64,
+    /// The ReLU mask the epilogue writes (`BOOLEAN`, x's element count; 0 without one).
+    pub mask: u64,
 }
 
 /// Device addresses of an inference forward.
@@ -103,8 +107,10 @@ pub struct BnBwdAddrs {
     pub dbias: u64,
     /// dx (written).
     pub dx: u64,
-    /// The forward's y (read by a ReLU epilogue's backward; 0 without one).
+    /// The forward's y (read by the `RELU_BWD`-from-y form's backward; 0 otherwise).
     pub y: u64,
+    /// The forward's ReLU mask (read by the mask form's backward; 0 otherwise).
+    pub mask: u64,
     /// The addend's gradient (written by an Add+ReLU epilogue's backward; 0 without one).
     pub daddend: u64,
 }
@@ -174,10 +180,15 @@ impl GraphBn {
                 .collect();
             return Err(Error::NotSupported(format!(
                 "cuDNN {version} graph API: none of the {} engine configs listed for BatchNorm \
-                 {} (epilogue {}) {} {} under {:?} runs: [{}]",
+                 {} (epilogue {}{}) {} {} under {:?} runs: [{}]",
                 listed.len(),
                 key.direction.name(),
                 key.epilogue.name(),
+                if key.has_relu_grad() {
+                    format!(", relu backward {}", key.relu_grad.name())
+                } else {
+                    String::new()
+                },
                 key.layout,
                 key.dtype,
                 key.policy,
@@ -291,6 +302,7 @@ impl GraphBn {
             BnRole::SavedInvVar => a.saved_inv_var,
             BnRole::Y => a.y,
             BnRole::Addend => a.addend,
+            BnRole::Mask => a.mask,
             _ => 0,
         };
         self.execute(ctx, addr, Some((eps as f32, momentum as f32)))
@@ -335,6 +347,7 @@ impl GraphBn {
             BnRole::Dbias => a.dbias,
             BnRole::Dx => a.dx,
             BnRole::Y => a.y,
+            BnRole::Mask => a.mask,
             BnRole::DAddend => a.daddend,
             _ => 0,
         };
@@ -361,6 +374,8 @@ impl GraphBn {
         }
         let eps_at = &st.scalars.eps as *const f32 as u64;
         let momentum_at = &st.scalars.momentum as *const f32 as u64;
+        st.scalars.zero = 0.0;
+        let zero_at = &st.scalars.zero as *const f32 as u64;
         // At most MAX_PACK_ROLES tensors: a fixed array, no allocation per call.
         let mut ptrs = [0u64; MAX_PACK_ROLES];
         let roles = self.key.roles();
@@ -368,6 +383,7 @@ impl GraphBn {
             *p = match r {
                 BnRole::Epsilon => eps_at,
                 BnRole::Momentum => momentum_at,
+                BnRole::Zero => zero_at,
                 _ => addr(r),
             };
         }
@@ -400,5 +416,7 @@ mod tests {
         let s: Box<Scalars> = Box::default();
         assert_eq!(&*s as *const Scalars as usize % 16, 0);
         assert!(super::super::bn_key::FORWARD_ROLES.len() <= MAX_PACK_ROLES);
+        assert!(super::super::bn_key::FORWARD_ADD_MASK_ROLES.len() <= MAX_PACK_ROLES);
+        assert_eq!(s.zero, 0.0);
     }
 }

@@ -52,7 +52,7 @@ pub mod plans;
 #[doc(hidden)]
 pub mod internals {
     pub use super::bn_build::BnGraphParts;
-    pub use super::bn_key::{BnDirection, BnEpilogue, BnRole, GraphBnKey};
+    pub use super::bn_key::{BnDirection, BnElem, BnEpilogue, BnRole, GraphBnKey, ReluGrad};
     pub use super::build::{
         available, engine_config_by_index, engine_config_of, engine_configs, engine_count,
         engine_info, execute, EngineConfig, ExecutionPlan, GraphParts, VariantPack,
@@ -62,11 +62,12 @@ pub mod internals {
     pub use super::fusion::{
         execute as fusion_execute, search_plans, variant_pack as fusion_variant_pack,
         BnBwdWeightsRefs, BnFinalizeRefs, ElemType, FusionBuilder, FusionGraph, FusionTensorSpec,
-        PlanAttempt, PlanSearch, ReluAttrs, TensorRef,
+        NormBwdRefs, NormFwdRefs, PlanAttempt, PlanSearch, ReluAttrs, TensorRef,
     };
     pub use super::fusion_patterns::{
-        bn_epilogue, bn_finalize, dgrad_accumulate, dgrad_drelu_dbn_weight, wgrad_prologue,
-        BnEpilogueGraph, ConvGenStats, Prologue,
+        bn_epilogue, bn_finalize, bn_mask_backward, dgrad_accumulate, dgrad_drelu_dbn_weight,
+        wgrad_prologue, BnEpilogueGraph, BnMaskForward, ConvGenStats, MaskComparand, MaskSource,
+        Prologue,
     };
     pub use super::graph_bn::{BnBwdAddrs, BnFwdAddrs, GraphBn};
     pub use super::graph_conv::{

@@ -69,6 +69,8 @@ pub struct Outputs {
     pub saved_inv_std: Vec<f64>,
     /// The saved ReLU bitmask, where the path keeps one.
     pub mask: Option<Vec<u32>>,
+    /// Bytes of cuDNN's ReLU mask the saved state held (the graph epilogue's), else 0.
+    pub graph_mask_bytes: usize,
     pub dx: Vec<f64>,
     /// The addend's gradient (Add+ReLU only).
     pub dz: Option<Vec<f64>>,
@@ -189,6 +191,7 @@ pub fn run<T: Element>(
         saved_mean: h32(saved.saved_mean()),
         saved_inv_std: h32(saved.saved_inv_std()),
         mask: saved.mask().map(|m| s.clone_dtoh(m).unwrap()),
+        graph_mask_bytes: saved.graph_mask_bytes(),
         dx: h(&dx),
         dz: add.then(|| h(&dz)),
         dgamma: h32(&dg),
