@@ -462,7 +462,11 @@ fn epilogue_plans_say_why_they_are_refused() {
                     "EPILOGUE {dtype} {} {}: {}",
                     direction.name(),
                     e.name(),
-                    if built { "built" } else { "refused (reason above)" }
+                    if built {
+                        "built"
+                    } else {
+                        "refused (reason above)"
+                    }
                 );
             }
         }

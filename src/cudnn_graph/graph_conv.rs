@@ -303,28 +303,30 @@ impl GraphConv {
                         crate::conv::problem::MAX_GRAPH_KNOBS
                     )),
                     (Some(_), Some(why)) => Some(why),
-                    (Some(e), None) => match timed_plan(handle, &cfg, &key, cap, &mut finalize_ms) {
-                        Ok(plan) => {
-                            match cfg.info.source {
-                                HeurSource::Fallback => per_list.1 += 1,
-                                _ => per_list.0 += 1,
+                    (Some(e), None) => {
+                        match timed_plan(handle, &cfg, &key, cap, &mut finalize_ms) {
+                            Ok(plan) => {
+                                match cfg.info.source {
+                                    HeurSource::Fallback => per_list.1 += 1,
+                                    _ => per_list.0 += 1,
+                                }
+                                built.push(GraphConv {
+                                    key: key.with_engine(Some(e)),
+                                    listed: all.clone(),
+                                    skipped: Vec::new(),
+                                    chosen: cfg.info.clone(),
+                                    plan,
+                                    pack: Mutex::new(None),
+                                    handle: handle as usize,
+                                    _config: cfg.desc,
+                                    _parts: parts.clone(),
+                                    _cuda: ctx.cuda().clone(),
+                                });
+                                continue;
                             }
-                            built.push(GraphConv {
-                                key: key.with_engine(Some(e)),
-                                listed: all.clone(),
-                                skipped: Vec::new(),
-                                chosen: cfg.info.clone(),
-                                plan,
-                                pack: Mutex::new(None),
-                                handle: handle as usize,
-                                _config: cfg.desc,
-                                _parts: parts.clone(),
-                                _cuda: ctx.cuda().clone(),
-                            });
-                            continue;
+                            Err(why) => Some(why),
                         }
-                        Err(why) => Some(why),
-                    },
+                    }
                 };
                 if let Some(reason) = reason {
                     skipped.push(Skipped {

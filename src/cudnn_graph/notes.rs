@@ -633,7 +633,10 @@ mod tests {
         // cuDNN's reference engine never, at a first call; an exhaustive decision measures it.
         let why = pass_over(&reference, (1, 0), l, false).unwrap();
         assert!(why.contains("reference"), "{why}");
-        assert_eq!(pass_over(&reference, (1, 0), GraphLimits::at_most(16), false), None);
+        assert_eq!(
+            pass_over(&reference, (1, 0), GraphLimits::at_most(16), false),
+            None
+        );
         // The budget stops finalizing, but never before the first plan.
         assert_eq!(pass_over(&i, (0, 0), l, true), None);
         let spent = pass_over(&i, (1, 0), l, true).unwrap();
