@@ -10,8 +10,9 @@ mod common;
 
 use half::{bf16, f16};
 use nnfuse::batchnorm::{BackwardArgs, BatchNorm, BnPath, Fuse, TrainArgs};
-use nnfuse::block::{stats_error, stats_tolerance, ConvStats, StatsRoute};
+use nnfuse::block::{ConvStats, StatsRoute};
 use nnfuse::conv::ConvShape;
+use nnfuse::internals::block::{stats_error, stats_tolerance};
 use nnfuse::reference::activation::relu_mask_fwd;
 use nnfuse::reference::batchnorm::{self as rb, BnShape};
 use nnfuse::reference::conv::conv2d;

@@ -50,7 +50,7 @@ pub(super) type GraphSlot = Option<std::result::Result<Arc<GraphGenStats>, Strin
 /// own reduction. The first call runs the unfused route into the caller's buffers, finalizes
 /// the graph's first engine configs, runs each into NaN-poisoned buffers and checks y
 /// (relative L2: f32 1e-5, halves 1e-2) and the statistics
-/// ([`stats_tolerance`](crate::block::stats_tolerance)) against it, times those that pass
+/// (8·u/sqrt(M) relative, at least 1e-5 for f32 and 1e-4 for halves) against it, times those that pass
 /// against the unfused route (GPU time, interleaved) and keeps the fastest by the incumbent
 /// rule (unfused is the incumbent). That call synchronises, allocates and copies to the host:
 /// make it outside CUDA graph capture. A decided graph route that fails at run time falls back

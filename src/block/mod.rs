@@ -40,12 +40,13 @@ pub use conv_stats::{ConvStats, StatsChoice};
 pub use fold::{fold, BnHost, Folded};
 pub use plan::{plan, BlockPlan, BlockRoute, RouteInfo};
 pub use reference::reference_forward;
-pub use stats_plan::{stats_error, stats_plan, stats_tolerance, StatsPlan, StatsRoute};
+pub use stats_plan::{StatsPlan, StatsRoute};
 
-/// What only nnfuse's own tests, benches and CLI use: the check's tolerance per data type and
-/// the GEMM route's column cap. Not a stable API.
+/// What only nnfuse's own tests, benches and CLI use: the check's tolerance per data type, the
+/// GEMM route's column cap, and ConvStats' pure plan and statistics check. Not a stable API.
 #[doc(hidden)]
 pub mod internals {
     pub use super::check::tolerance;
     pub use super::plan::MAX_COLUMN_BYTES;
+    pub use super::stats_plan::{stats_error, stats_plan, stats_tolerance};
 }

@@ -123,6 +123,7 @@ fn graph_refusal(shape: &ConvShape, cudnn: Option<usize>) -> Option<String> {
 
 /// Plans `shape` in `dtype` given the loaded cuDNN's version (`None`: not found): every
 /// route's eligibility and reason. Pure. Errors: an invalid shape, naming the field.
+#[doc(hidden)] // reached through `internals`
 pub fn stats_plan(shape: &ConvShape, dtype: DType, cudnn: Option<usize>) -> Result<StatsPlan> {
     shape.y_len()?;
     shape.w_len()?;
@@ -165,6 +166,7 @@ const fn unit_roundoff(dtype: DType) -> f64 {
 /// stays meaningful where a channel's sum cancels). Two routes may round y differently (or sum
 /// it before rounding), which moves a sum by about `u·sqrt(3/count)` relative: the bound is
 /// 8·u/sqrt(count), at least 1e-5 (f32) / 1e-4 (f16, bf16).
+#[doc(hidden)] // reached through `internals`
 pub fn stats_tolerance(dtype: DType, count: usize) -> f64 {
     let floor = match dtype {
         DType::F32 => 1e-5,
@@ -176,6 +178,7 @@ pub fn stats_tolerance(dtype: DType, count: usize) -> f64 {
 /// The two errors [`stats_tolerance`] bounds: `(sum error, sqsum error)` of `got` against
 /// `want` (`(sum, sqsum)` per channel) over `count` values per channel. Non-finite values give
 /// infinity.
+#[doc(hidden)] // reached through `internals`
 pub fn stats_error(want: (&[f64], &[f64]), got: (&[f64], &[f64]), count: usize) -> (f64, f64) {
     let l2 = |v: &mut dyn Iterator<Item = f64>| v.map(|d| d * d).sum::<f64>().sqrt();
     if got.0.iter().chain(got.1).any(|v| !v.is_finite()) || want.0.len() != got.0.len() {
