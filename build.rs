@@ -14,6 +14,7 @@ use std::path::Path;
 /// order. A file not listed here is compiled after the prelude alone.
 const SHARED_HEADERS: &[(&str, &[&str])] = &[
     ("batchnorm.cu", &["common.cuh", "batchnorm_common.cuh"]),
+    ("block_stats.cu", &["common.cuh", "batchnorm_common.cuh"]),
     (
         "batchnorm_persistent.cu",
         &["common.cuh", "batchnorm_common.cuh"],

@@ -7,6 +7,8 @@
 //!   without cuDNN; see `docs/BATCHNORM.md`), cuDNN's fused BN+ReLU / BN+Add+ReLU where cuDNN
 //!   allows it, otherwise cuDNN BN followed by nnfuse's bitmask kernels;
 //! - [`BnSaved`]: the state a forward hands to its backward;
+//! - `from_sums`: the own training forward from per-channel sums computed elsewhere
+//!   ([`BatchNorm::forward_train_from_sums`]);
 //! - `probe`: asks the installed cuDNN whether it runs a fused combination (internals);
 //! - `graph_rule`: the pure choice of cuDNN API (graph or legacy) for the BatchNorm;
 //! - `graph_route`: runs the BatchNorm through cuDNN's graph API (`cudnn_graph::graph_bn`)
@@ -15,6 +17,7 @@
 mod args;
 mod cudnn_calls;
 mod descriptor;
+mod from_sums;
 mod graph_route;
 mod graph_rule;
 mod ops;

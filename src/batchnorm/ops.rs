@@ -27,15 +27,15 @@ use crate::validate::{Aliasing, Binder, Need};
 
 /// Everything derived once per (shape, axis, dtype, fusion, options) on one Context.
 #[derive(Debug)]
-struct Core {
-    id: u64,
-    fuse: Fuse,
-    train: BnPlan,
+pub(super) struct Core {
+    pub(super) id: u64,
+    pub(super) fuse: Fuse,
+    pub(super) train: BnPlan,
     infer: BnPlan,
     /// cuDNN's descriptors and sizes, when cuDNN runs one of the phases.
     cudnn: Option<CudnnParts>,
     /// The tensor as the own kernels see it.
-    own_shape: OwnShape,
+    pub(super) own_shape: OwnShape,
     /// The own kernels' arrival counters.
     counters: Counters,
     /// The own variant the last backward ran (0 none, 1 two-pass, 2 persistent): diagnostics.
@@ -196,7 +196,7 @@ impl Core {
 
     /// Elements every parameter tensor holds for `phase`: C, or what cuDNN derived (C·H·W under
     /// PER_ACTIVATION, which only keeps per-channel statistics when H·W = 1).
-    fn param_len(&self, phase: Phase) -> usize {
+    pub(super) fn param_len(&self, phase: Phase) -> usize {
         let (p, own) = match phase {
             Phase::Training => (&self.train, self.train.path.is_own()),
             Phase::Inference => (&self.infer, self.infer.path.is_own()),
@@ -210,7 +210,7 @@ impl Core {
         }
     }
 
-    fn own_op<'a>(&'a self, ctx: &'a Context, dtype: DType) -> own::Op<'a> {
+    pub(super) fn own_op<'a>(&'a self, ctx: &'a Context, dtype: DType) -> own::Op<'a> {
         own::Op {
             ctx,
             shape: self.own_shape,
@@ -351,8 +351,8 @@ pub(crate) fn check_addend(fuse: Fuse, given: bool, name: &'static str) -> Resul
 /// # Ok(()) }
 /// ```
 pub struct BatchNorm<T: Element> {
-    ctx: Context,
-    core: Arc<Core>,
+    pub(super) ctx: Context,
+    pub(super) core: Arc<Core>,
     _t: PhantomData<fn() -> T>,
 }
 
@@ -422,7 +422,7 @@ impl<T: Element> BatchNorm<T> {
         }
     }
 
-    fn numel(&self) -> usize {
+    pub(super) fn numel(&self) -> usize {
         self.core.train.layout.numel()
     }
 
@@ -451,7 +451,7 @@ impl<T: Element> BatchNorm<T> {
 
     /// The buffers a training forward saves for its backward, for `path`: recycled from dropped
     /// states, allocated only when none is spare.
-    fn alloc_train_state(&self, path: BnPath) -> Result<TrainState> {
+    pub(super) fn alloc_train_state(&self, path: BnPath) -> Result<TrainState> {
         crate::profile::stage!(Alloc);
         let stream = self.ctx.stream();
         let spares = &self.core.spares;
@@ -549,7 +549,7 @@ impl<T: Element> BatchNorm<T> {
     }
 
     /// After BatchNorm ran: the fallback's activation (writing the mask), and the saved state.
-    fn finish_train(
+    pub(super) fn finish_train(
         &self,
         a: &mut TrainArgs<'_, T>,
         ran: Ran,
@@ -1229,18 +1229,18 @@ enum MaskOf {
 }
 
 /// The buffers a training forward saves for its backward.
-struct TrainState {
-    mean: Owned<f32>,
-    inv_var: Owned<f32>,
+pub(super) struct TrainState {
+    pub(super) mean: Owned<f32>,
+    pub(super) inv_var: Owned<f32>,
     /// Own path: the mean's remainder.
-    mean_lo: Option<Owned<f32>>,
+    pub(super) mean_lo: Option<Owned<f32>>,
     /// Own path with an activation: the mask the own forward writes.
-    own_mask: Option<Owned<u32>>,
+    pub(super) own_mask: Option<Owned<u32>>,
 }
 
 /// What the forward's cuDNN half did, with the reserve space cuDNN asked to keep (or which own
 /// variant ran).
-enum Ran {
+pub(super) enum Ran {
     /// nnfuse's own kernels ran everything.
     Own(OwnVariant),
     /// cuDNN's fused op ran.

@@ -520,6 +520,34 @@ fn forward_two_pass(op: &Op<'_>, b: &FwdBufs, momentum: f64, eps: f64) -> Result
     )
 }
 
+/// The training forward's elementwise pass alone (y and, with an activation, the mask), on
+/// saved statistics a finalize already wrote to `b.saved_mean`, `b.saved_mean_lo` and
+/// `b.saved_invstd`: the same launch as the two-pass forward's second pass.
+pub(crate) fn apply_train(op: &Op<'_>, b: &FwdBufs, eps: f64) -> Result<()> {
+    let staged = staged_bytes(op.c(), 4);
+    let coef_floats = if staged > 0 { 0 } else { 4 * op.c() };
+    let scratch = op.ctx.scratch(coef_floats as usize * 4)?;
+    apply_forward(
+        op,
+        ApplyFwdArgs {
+            x: b.x,
+            z: b.z,
+            y: b.y,
+            mask: b.mask,
+            mean: b.saved_mean,
+            mean_lo: b.saved_mean_lo,
+            inv: b.saved_invstd,
+            gamma: b.gamma,
+            beta: b.beta,
+            coef: scratch.ptr(),
+            from_var: 0,
+            eps: eps as f32,
+            ..ApplyFwdArgs::default()
+        },
+        staged,
+    )
+}
+
 /// Inference forward: one elementwise pass with the running statistics.
 pub(crate) fn forward_inference(op: &Op<'_>, b: &InferBufs, eps: f64) -> Result<()> {
     let staged = staged_bytes(op.c(), 4);

@@ -12,9 +12,19 @@
 //! - `api`: [`ConvBnInference`], its parameters and validation;
 //! - `routes`: the three routes on validated operands;
 //! - `decide`: the first call's check and race.
+//!
+//! The training block's first piece, [`ConvStats`] (a convolution that also writes its output's
+//! per-channel sum and sum of squares, docs/BLOCK-TRAINING.md):
+//! - `stats_plan`: its routes' eligibility and the check's tolerances, pure;
+//! - `stats_kernel`: the launchers of `kernels/block_stats.cu` (per-channel sums, and the
+//!   BatchNorm finalize from them), with their pure grid arithmetic;
+//! - `conv_stats`: [`ConvStats`], validation, the two routes and the run-time fallback;
+//! - `conv_stats_decide`: its first call's check and race.
 
 mod api;
 mod check;
+mod conv_stats;
+mod conv_stats_decide;
 mod cudnn_fused;
 mod decide;
 mod fold;
@@ -22,16 +32,21 @@ mod lt_epilogue;
 mod plan;
 mod reference;
 mod routes;
+mod stats_kernel;
+mod stats_plan;
 
 pub use api::{BlockChoice, ConvBnInference, ConvBnParams};
+pub use conv_stats::{ConvStats, StatsChoice};
 pub use fold::{fold, BnHost, Folded};
 pub use plan::{plan, BlockPlan, BlockRoute, RouteInfo};
 pub use reference::reference_forward;
+pub use stats_plan::{StatsPlan, StatsRoute};
 
-/// What only nnfuse's own tests, benches and CLI use: the check's tolerance per data type and
-/// the GEMM route's column cap. Not a stable API.
+/// What only nnfuse's own tests, benches and CLI use: the check's tolerance per data type, the
+/// GEMM route's column cap, and ConvStats' pure plan and statistics check. Not a stable API.
 #[doc(hidden)]
 pub mod internals {
     pub use super::check::tolerance;
     pub use super::plan::MAX_COLUMN_BYTES;
+    pub use super::stats_plan::{stats_error, stats_plan, stats_tolerance};
 }

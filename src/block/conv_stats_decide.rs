@@ -1,0 +1,262 @@
+//! The first call of a [`ConvStats`]: the unfused route into the caller's buffers (the
+//! reference), the graph route's first engine configs each checked against it in NaN-poisoned
+//! buffers, those that pass timed against it (GPU time, interleaved rounds behind a head start),
+//! and the incumbent rule.
+
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+
+use super::api::lock;
+use super::check::judge;
+use super::conv_stats::{ConvStats, StatsChoice};
+use super::stats_plan::{stats_error, stats_tolerance, StatsRoute};
+use crate::dtype::Element;
+use crate::error::{CallExt, Result};
+use crate::timing::{time_interleaved_gpu, InterleavedOptions};
+use crate::tune::rule::best_challenger;
+
+/// The race's options: a first call's budget, not a benchmark's.
+const RACE: InterleavedOptions = InterleavedOptions {
+    warmup_rounds: 1,
+    min_sample_ms: 0.2,
+    max_burst: 64,
+    min_rounds: 6,
+    max_rounds: 20,
+    budget_ms: 60.0,
+};
+
+/// Median GPU µs per timed variant, by name.
+type Times = Vec<(String, f64)>;
+
+/// The reference outputs on the host.
+struct Reference {
+    y: Vec<f64>,
+    sum: Vec<f64>,
+    sqsum: Vec<f64>,
+}
+
+/// The measurement's own outputs (the caller's keep the unfused result).
+struct Probe<T> {
+    y: CudaSlice<T>,
+    sum: CudaSlice<f32>,
+    sqsum: CudaSlice<f32>,
+}
+
+fn host<E: Element>(ctx: &crate::context::Context, v: &CudaView<'_, E>) -> Result<Vec<f64>> {
+    Ok(ctx
+        .stream()
+        .clone_dtoh(v)
+        .call("cuMemcpyDtoH")?
+        .into_iter()
+        .map(Element::to_f64)
+        .collect())
+}
+
+impl<T: Element> ConvStats<T> {
+    /// Decides the route on this call's operands (see the type's documentation); the caller's
+    /// buffers receive the unfused route's result.
+    pub(super) fn decide(
+        &self,
+        x: &CudaView<'_, T>,
+        w: &CudaView<'_, T>,
+        y: &mut CudaViewMut<'_, T>,
+        sum: &mut CudaViewMut<'_, f32>,
+        sqsum: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        self.ctx.refuse_under_capture(
+            "the first call of a conv+stats problem",
+            "measure the routes (make the first call outside capture)",
+        )?;
+        self.run_unfused(x, w, y, sum, sqsum)?;
+        let mut notes = Vec::new();
+        if !self.plan.eligible(StatsRoute::GraphGenstats) {
+            notes.push(format!(
+                "graph_genstats: refused by the plan: {}",
+                self.plan.reason(StatsRoute::GraphGenstats)
+            ));
+            {
+                self.record(StatsRoute::Unfused, None, Vec::new(), notes);
+                return Ok(());
+            }
+        }
+        let graph = match self.graph() {
+            Ok(g) => g,
+            Err(e) => {
+                notes.push(format!("graph_genstats: no plan: {e}"));
+                {
+                    self.record(StatsRoute::Unfused, None, Vec::new(), notes);
+                    return Ok(());
+                }
+            }
+        };
+        let reference = Reference {
+            y: host(&self.ctx, &y.slice(..))?,
+            sum: host(&self.ctx, &sum.slice(..))?,
+            sqsum: host(&self.ctx, &sqsum.slice(..))?,
+        };
+        let s = self.ctx.stream();
+        // SAFETY: every measured route writes these buffers (poisoned first) before any read.
+        let mut probe = Probe {
+            y: unsafe { s.alloc::<T>(reference.y.len().max(1)) }.call("cuMemAllocAsync")?,
+            sum: unsafe { s.alloc::<f32>(reference.sum.len().max(1)) }.call("cuMemAllocAsync")?,
+            sqsum: unsafe { s.alloc::<f32>(reference.sum.len().max(1)) }.call("cuMemAllocAsync")?,
+        };
+        let mut passed = Vec::new();
+        notes.push(format!(
+            "graph_genstats: {} engine configs listed, {} finalized",
+            graph.listed(),
+            graph.plans().len()
+        ));
+        for (i, p) in graph.plans().iter().enumerate() {
+            let label = format!(
+                "{} (workspace {} B, finalize {:.1} ms)",
+                p.info.label(),
+                p.workspace(),
+                p.finalize_ms
+            );
+            match self.check_plan(i, x, w, &reference, &mut probe) {
+                Ok(line) => {
+                    notes.push(format!("graph_genstats [{i}] {label}: {line}"));
+                    passed.push(i);
+                }
+                Err(why) => notes.push(format!("graph_genstats [{i}] {label}: dropped: {why}")),
+            }
+        }
+        for s in graph.skipped() {
+            notes.push(format!("graph_genstats: not finalized: {s}"));
+        }
+        if passed.is_empty() {
+            {
+                self.record(StatsRoute::Unfused, None, Vec::new(), notes);
+                return Ok(());
+            }
+        }
+        let (best, times) = self.race(&passed, x, w, y, sum, sqsum, &mut probe, &mut notes)?;
+        match best {
+            Some(i) => {
+                graph.choose(i);
+                let label = graph.plans()[i].info.label();
+                self.record(StatsRoute::GraphGenstats, Some(label), times, notes);
+            }
+            None => self.record(StatsRoute::Unfused, None, times, notes),
+        }
+        Ok(())
+    }
+
+    /// Stores the decision.
+    fn record(
+        &self,
+        route: StatsRoute,
+        engine: Option<String>,
+        times_us: Vec<(String, f64)>,
+        notes: Vec<String>,
+    ) {
+        tracing::info!(%route, ?engine, ?times_us, ?notes, "conv+stats route decided");
+        *lock(&self.decision) = Some(StatsChoice {
+            route,
+            engine,
+            times_us,
+            notes,
+        });
+    }
+
+    /// Runs graph plan `i` into the poisoned probe and compares y, sum and sqsum with the
+    /// reference: a line saying what passed, or why not.
+    fn check_plan(
+        &self,
+        i: usize,
+        x: &CudaView<'_, T>,
+        w: &CudaView<'_, T>,
+        reference: &Reference,
+        probe: &mut Probe<T>,
+    ) -> std::result::Result<String, String> {
+        let got = (|| -> Result<Reference> {
+            crate::util::fill(&self.ctx, &mut probe.y, T::from_f64(f64::NAN))?;
+            crate::util::fill(&self.ctx, &mut probe.sum, f32::NAN)?;
+            crate::util::fill(&self.ctx, &mut probe.sqsum, f32::NAN)?;
+            self.run_graph(
+                Some(i),
+                x,
+                w,
+                &mut probe.y.as_view_mut(),
+                &mut probe.sum.as_view_mut(),
+                &mut probe.sqsum.as_view_mut(),
+            )?;
+            Ok(Reference {
+                y: host(&self.ctx, &probe.y.as_view())?,
+                sum: host(&self.ctx, &probe.sum.as_view())?,
+                sqsum: host(&self.ctx, &probe.sqsum.as_view())?,
+            })
+        })()
+        .map_err(|e| e.to_string())?;
+        let dt = T::DTYPE;
+        let v = judge(&reference.y, &got.y, dt);
+        let count = self.rows().map_err(|e| e.to_string())?;
+        let (es, eq) = stats_error(
+            (&reference.sum, &reference.sqsum),
+            (&got.sum, &got.sqsum),
+            count,
+        );
+        let tol = stats_tolerance(dt, count);
+        let line = format!(
+            "y relative L2 {:.2e} ({} non-finite mismatches), sum {es:.2e}, sqsum {eq:.2e} \
+             (bound {tol:.1e})",
+            v.rel_l2, v.nonfinite
+        );
+        if v.passed && es <= tol && eq <= tol {
+            Ok(format!("matches unfused: {line}"))
+        } else {
+            Err(format!("differs from unfused: {line}"))
+        }
+    }
+
+    /// Times the unfused route (variant 0, into the caller's buffers) and the graph plans that
+    /// passed (into the probe) against each other: the winning plan by the incumbent rule
+    /// (None: unfused) and every median.
+    #[allow(clippy::too_many_arguments)]
+    fn race(
+        &self,
+        passed: &[usize],
+        x: &CudaView<'_, T>,
+        w: &CudaView<'_, T>,
+        y: &mut CudaViewMut<'_, T>,
+        sum: &mut CudaViewMut<'_, f32>,
+        sqsum: &mut CudaViewMut<'_, f32>,
+        probe: &mut Probe<T>,
+        notes: &mut Vec<String>,
+    ) -> Result<(Option<usize>, Times)> {
+        let n = passed.len() + 1;
+        let timed = time_interleaved_gpu(&self.ctx, RACE, n, |v, _| {
+            if v == 0 {
+                self.run_unfused(x, w, y, sum, sqsum)
+            } else {
+                self.run_graph(
+                    Some(passed[v - 1]),
+                    x,
+                    w,
+                    &mut probe.y.as_view_mut(),
+                    &mut probe.sum.as_view_mut(),
+                    &mut probe.sqsum.as_view_mut(),
+                )
+            }
+        })?;
+        let name = |v: usize| {
+            if v == 0 {
+                "unfused".to_string()
+            } else {
+                format!("graph_genstats [{}]", passed[v - 1])
+            }
+        };
+        let times = (0..n)
+            .filter_map(|v| timed.timing(v).map(|t| (name(v), t.median_us())))
+            .collect();
+        for v in 1..n {
+            if let Some(e) = &timed.errors[v] {
+                notes.push(format!("{}: failed while timed: {e}", name(v)));
+            } else if let Some(p) = timed.paired(0, v) {
+                notes.push(format!("{}: {p} against unfused", name(v)));
+            }
+        }
+        let best = best_challenger((1..n).map(|v| (v, timed.paired(0, v))));
+        Ok((best.map(|(v, _)| passed[v - 1]), times))
+    }
+}

@@ -1,0 +1,253 @@
+//! Launcher of `kernels/block_stats.cu`'s per-channel sum and sum of squares (ConvStats'
+//! unfused route; the BatchNorm finalize from such sums is launched by
+//! `batchnorm/from_sums.rs`). The grid arithmetic is pure and CPU-tested; the launchers take
+//! device addresses their callers validated.
+
+use cudarc::driver::{DeviceRepr, LaunchConfig};
+
+use crate::context::Context;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::kernels;
+use crate::launch;
+
+/// Rows a block reduces at least (so that its 8 row lanes each read several rows).
+const MIN_ROWS_PER_PART: u64 = 64;
+/// Blocks per SM the grid aims at.
+const BLOCKS_PER_SM: u64 = 4;
+/// Values of a channel a channels-first block reduces at least.
+const MIN_VALUES_PER_PART: u64 = 2048;
+/// Most parts per channel slab (the finish kernel adds them one by one).
+const MAX_PARTS: u64 = 1024;
+
+/// The grid of `channel_sums_<t>` over `rows` rows of `channels` channels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SumsGeom {
+    /// Slabs of 32 channels (grid x).
+    pub slabs: u32,
+    /// Parts of the rows (grid y).
+    pub parts: u32,
+    /// Rows per part.
+    pub rows_per_part: u64,
+}
+
+/// The grid for `rows` x `channels` on `sms` SMs: about [`BLOCKS_PER_SM`] blocks per SM, each
+/// part at least [`MIN_ROWS_PER_PART`] rows (pure).
+pub(crate) fn sums_geom(rows: u64, channels: u64, sms: u64) -> SumsGeom {
+    let slabs = channels.div_ceil(32).max(1);
+    let want = (sms.max(1) * BLOCKS_PER_SM).div_ceil(slabs).max(1);
+    let most = rows.div_ceil(MIN_ROWS_PER_PART).max(1);
+    let parts = want.min(most).min(MAX_PARTS);
+    let rows_per_part = rows.div_ceil(parts).max(1);
+    SumsGeom {
+        slabs: slabs as u32,
+        parts: rows.div_ceil(rows_per_part).max(1) as u32,
+        rows_per_part,
+    }
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct SumsArgs {
+    y: u64,
+    part: u64,
+    rows: u64,
+    rpp: u64,
+    hw: u64,
+    channels: u32,
+    parts: u32,
+}
+
+// SAFETY: plain old data laid out as the kernels' structs (checked by the tests below).
+unsafe impl DeviceRepr for SumsArgs {}
+
+fn sums_kernel(dtype: DType, channels_first: bool) -> &'static str {
+    match (dtype, channels_first) {
+        (DType::F32, false) => "channel_sums_f32",
+        (DType::F16, false) => "channel_sums_f16",
+        (DType::BF16, false) => "channel_sums_bf16",
+        (DType::F32, true) => "channel_sums_cf_f32",
+        (DType::F16, true) => "channel_sums_cf_f16",
+        (DType::BF16, true) => "channel_sums_cf_bf16",
+    }
+}
+
+/// The grid of `channel_sums_cf_<t>` over `channels` channels of `count` values each: one
+/// slab per channel (grid x), parts of at least [`MIN_VALUES_PER_PART`] values (pure).
+pub(crate) fn sums_geom_cf(count: u64, channels: u64, sms: u64) -> SumsGeom {
+    let want = (sms.max(1) * BLOCKS_PER_SM)
+        .div_ceil(channels.max(1))
+        .max(1);
+    let most = count.div_ceil(MIN_VALUES_PER_PART).max(1);
+    let parts = want.min(most).min(MAX_PARTS);
+    let per = count.div_ceil(parts).max(1);
+    SumsGeom {
+        slabs: channels.max(1) as u32,
+        parts: count.div_ceil(per).max(1) as u32,
+        rows_per_part: per,
+    }
+}
+
+/// `sum[c]`, `sqsum[c]` (f32) of `y` of `dtype`, in f64 per thread and per part, rounded once:
+/// channels-last (`hw = 0`: `rows` rows of `channels` elements) or channels-first (`rows / hw`
+/// runs of `hw` elements per channel).
+///
+/// # Safety
+/// `y` holds `rows * channels` elements of `dtype` (`hw` divides `rows`), `sum` and `sqsum` `channels` f32s each, all
+/// on the Context's device, the outputs overlapping nothing else, valid until the queued work
+/// completes.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn channel_sums(
+    ctx: &Context,
+    dtype: DType,
+    y: u64,
+    rows: u64,
+    hw: u64,
+    channels: u64,
+    sum: u64,
+    sqsum: u64,
+) -> Result<()> {
+    let ch = u32::try_from(channels)
+        .map_err(|_| Error::invalid("channels", format!("{channels} exceeds u32")))?;
+    let sms = launch::sm_count(ctx).into();
+    let cf = hw > 0;
+    let g = if cf {
+        sums_geom_cf(rows, channels, sms)
+    } else {
+        sums_geom(rows, channels, sms)
+    };
+    let f = ctx.function(&kernels::BLOCK_STATS, sums_kernel(dtype, cf))?;
+    let fin = ctx.function(&kernels::BLOCK_STATS, "channel_sums_finish")?;
+    let scratch = ctx.scratch(2 * channels as usize * g.parts as usize * 8)?;
+    let args = SumsArgs {
+        y,
+        part: scratch.ptr(),
+        rows,
+        rpp: g.rows_per_part,
+        hw,
+        channels: ch,
+        parts: g.parts,
+    };
+    tracing::debug!(
+        slabs = g.slabs,
+        parts = g.parts,
+        rows_per_part = g.rows_per_part,
+        kernel = sums_kernel(dtype, cf),
+        "per-channel sums"
+    );
+    let cfg = LaunchConfig {
+        grid_dim: (g.slabs, g.parts, 1),
+        block_dim: (32, 8, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: SumsArgs is the kernel's struct; y and the scratch partials (2*C*P f64) are sized
+    // as the caller's contract and the line above say.
+    unsafe {
+        launch::launch_kernel(
+            ctx,
+            &f,
+            cfg,
+            &mut [launch::arg(&args)],
+            "cuLaunchKernel(channel_sums)",
+        )
+    }?;
+    let part = scratch.ptr();
+    let parts = g.parts;
+    let c32 = ch;
+    let (s, q) = (sum, sqsum);
+    // SAFETY: channel_sums_finish(const double*, u32, u32, float*, float*) matches; the
+    // partials were written above, sum and sqsum hold C floats (the caller's contract).
+    unsafe {
+        launch::launch_kernel(
+            ctx,
+            &fin,
+            launch_1d(channels),
+            &mut [
+                launch::arg(&part),
+                launch::arg(&c32),
+                launch::arg(&parts),
+                launch::arg(&s),
+                launch::arg(&q),
+            ],
+            "cuLaunchKernel(channel_sums_finish)",
+        )
+    }
+}
+
+/// One thread per item, 128 per block.
+pub(crate) fn launch_1d(n: u64) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(128).max(1) as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_grid_covers_every_row_once_and_fills_the_device() {
+        for (rows, c, sms) in [
+            (100_352u64, 64u64, 132u64),
+            (100_352, 256, 132),
+            (392, 64, 132),
+            (128, 3, 132),
+            (1, 1, 1),
+            (7, 33, 2),
+        ] {
+            let g = sums_geom(rows, c, sms);
+            assert_eq!(u64::from(g.slabs), c.div_ceil(32));
+            assert!(g.parts >= 1 && u64::from(g.parts) <= MAX_PARTS);
+            // Parts tile the rows: the last one starts before the end, none is empty.
+            assert!(u64::from(g.parts) * g.rows_per_part >= rows, "{g:?}");
+            assert!(u64::from(g.parts - 1) * g.rows_per_part < rows, "{g:?}");
+            if rows >= MIN_ROWS_PER_PART * 2 {
+                assert!(g.rows_per_part >= MIN_ROWS_PER_PART / 2, "{g:?}");
+            }
+        }
+        for (count, c) in [(392u64, 64u64), (100_352, 3), (1, 1), (5000, 1)] {
+            let g = sums_geom_cf(count, c, 132);
+            assert_eq!(u64::from(g.slabs), c);
+            assert!(u64::from(g.parts) * g.rows_per_part >= count, "{g:?}");
+            assert!(u64::from(g.parts - 1) * g.rows_per_part < count, "{g:?}");
+        }
+        // The demo's conv1 output: 2 slabs, enough blocks for 4 per SM.
+        let g = sums_geom(32 * 56 * 56, 64, 132);
+        assert!(
+            u64::from(g.slabs) * u64::from(g.parts) >= 4 * 132 - 2,
+            "{g:?}"
+        );
+    }
+
+    /// The field names, in order, of `struct name { ... };` in the CUDA source.
+    fn cuda_fields(src: &str, name: &str) -> Vec<String> {
+        let start = src
+            .find(&format!("struct {name} {{"))
+            .expect("struct in source");
+        let body = &src[start..];
+        let body = &body[body.find('{').unwrap() + 1..body.find("};").unwrap()];
+        body.lines()
+            .map(|l| l.split("//").next().unwrap().trim())
+            .filter(|l| !l.is_empty())
+            .map(|l| {
+                l.trim_end_matches(';')
+                    .rsplit([' ', '*'])
+                    .next()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn argument_structs_match_the_kernels() {
+        let src = kernels::BLOCK_STATS.source;
+        assert_eq!(
+            cuda_fields(src, "SumsArgs"),
+            ["y", "part", "rows", "rpp", "hw", "channels", "parts"]
+        );
+        assert_eq!(std::mem::size_of::<SumsArgs>(), 48);
+    }
+}
