@@ -845,6 +845,15 @@ impl<T: Element> Conv2d<T> {
             return unsafe { route::run(&target, d, e, p, accumulate) };
         }
         let e = self.decided(d, p, accumulate)?;
+        // The accumulating decision is made among routes that can add; checked again here (one
+        // comparison) so that no route ever overwrites a gradient it was asked to add to.
+        if let Some(why) = plan.accumulate_refusal(e.route.path).filter(|_| accumulate) {
+            return Err(Error::NotSupported(format!(
+                "the decided route {} cannot run this accumulating {}: {why}",
+                e.route,
+                d.describe()
+            )));
+        }
         tracing::trace!(direction = %d, accumulate, route = %e.route, "convolution");
         // SAFETY: as above.
         let first = unsafe { route::run(&target, d, e, p, accumulate) };
