@@ -223,18 +223,41 @@ impl<T: Element> Conv2d<T> {
         self.core.plans.get(d)
     }
 
-    /// The decision for `d`, once the first call of that direction made it.
+    /// The decision for `d`'s overwriting calls once one made it, else (only accumulating calls
+    /// so far) the decision for its accumulating calls ([`Conv2d::choice_for`] asks for a
+    /// mode).
     pub fn choice(&self, d: Direction) -> Option<ConvChoice> {
-        lock(&self.core.state[d.index()])
+        self.choice_for(d, self.shown_mode(d))
+    }
+
+    /// The decision for `d`'s calls that overwrite their output (`accumulate = false`) or add
+    /// to it (`true`: a gradient accumulated, [`Conv2d::backward_data_into`],
+    /// [`Conv2d::backward_filter`]), once a call of that mode made it. Each mode is decided on
+    /// its own first call, measured in that mode; the forward's calls always overwrite.
+    pub fn choice_for(&self, d: Direction, accumulate: bool) -> Option<ConvChoice> {
+        lock(self.core.decision(d, accumulate))
             .as_ref()
             .map(|s| s.choice.clone())
     }
 
-    /// The measurement behind the decision for `d`, when this object measured.
+    /// The measurement behind the decision for `d` ([`Conv2d::choice`]'s), when this object
+    /// measured.
     pub fn report(&self, d: Direction) -> Option<Arc<AutoReport>> {
-        lock(&self.core.state[d.index()])
+        self.report_for(d, self.shown_mode(d))
+    }
+
+    /// The measurement behind the decision for `d`'s calls of one mode
+    /// ([`Conv2d::choice_for`]), when this object measured ([`AutoReport::accumulate`] says
+    /// the mode it ran in).
+    pub fn report_for(&self, d: Direction, accumulate: bool) -> Option<Arc<AutoReport>> {
+        lock(self.core.decision(d, accumulate))
             .as_ref()
             .and_then(|s| s.report.clone())
+    }
+
+    /// The mode [`Conv2d::choice`] shows for `d`: overwriting once decided, else accumulating.
+    fn shown_mode(&self, d: Direction) -> bool {
+        lock(self.core.decision(d, false)).is_none() && lock(self.core.decision(d, true)).is_some()
     }
 
     /// The cuDNN search mode this object was planned under.
@@ -352,9 +375,10 @@ impl<T: Element> Conv2d<T> {
     /// The data gradient from `dy` and `w`: written to `dx`, or added to it with `accumulate`
     /// (`dx += bwd_data(dy, w)`: an input that also feeds a shortcut, whose gradient `dx`
     /// already holds). The sum is formed in f32 and rounded once. cuDNN and im2col + GEMM add
-    /// in place; a decided Winograd route cannot ([`ConvPlan::accumulate_refusal`]), so
-    /// accumulating calls then run another route, chosen once and named in the decision's
-    /// notes ([`Conv2d::choice`]). When the route fails at run time, an accumulating call is
+    /// in place; Winograd cannot ([`ConvPlan::accumulate_refusal`]). Accumulating calls have
+    /// their own decision, made on the first of them among the routes that can add, each
+    /// measured adding ([`Conv2d::choice_for`]); when none of the plan's candidates can, the
+    /// plan's fallback runs them. When the route fails at run time, an accumulating call is
     /// not re-run on the fallback (the failed route may have added to `dx` already): it returns
     /// [`Error::NotSupported`] saying `dx` may be partly updated, and later calls take the
     /// fallback.
@@ -519,7 +543,7 @@ impl<T: Element> Conv2d<T> {
             raw,
             transformed: Mutex::new([None, None]),
         };
-        let decided = lock(&self.core.state[Direction::Forward.index()])
+        let decided = lock(self.core.decision(Direction::Forward, false))
             .as_ref()
             .map(|s| s.exec);
         // The decided route's geometry; before the first forward, the planned route's.
@@ -588,7 +612,7 @@ impl<T: Element> Conv2d<T> {
         if !plan.runnable {
             return self.run(Direction::Forward, p, false, None);
         }
-        let e = self.decided(Direction::Forward, p)?;
+        let e = self.decided(Direction::Forward, p, false)?;
         if let (Some(g), Some(engine)) = (e.winograd.as_ref(), e.route.engine) {
             let v = self.transformed(w, g)?;
             // SAFETY: operands checked; v holds the transformed filter of this problem and tile.

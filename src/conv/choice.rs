@@ -344,8 +344,9 @@ pub enum Outcome {
     /// Correct, but Winograd's error exceeded the allowance.
     Refused(String),
     /// Not checked or timed: the first call's decision budget was spent before its turn
-    /// ([`crate::Config::conv_tune_budget_ms`]), or its kernels were not compiled yet ("kernels
-    /// not compiled yet (compiling in the background)").
+    /// ([`crate::Config::conv_tune_budget_ms`]), its kernels were not compiled yet ("kernels
+    /// not compiled yet (compiling in the background)"), or (a decision for accumulating
+    /// calls) it cannot add to the output ("cannot add: ...").
     Skipped(String),
 }
 
@@ -401,15 +402,23 @@ pub struct AutoReport {
     pub timing_ms: f64,
     /// Of the timing: GPU time (ms) of the head starts queued before its samples.
     pub head_start_ms: f64,
+    /// Whether the routes ran adding to the output (the decision of accumulating calls: each
+    /// checked adding into a zero-filled output, timed adding), else overwriting it.
+    pub accumulate: bool,
 }
 
 impl fmt::Display for AutoReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "{} measured in {:.1} ms (check {:.1}, timing {:.1}: {} rounds, head starts {:.1}); \
+            "{}{} measured in {:.1} ms (check {:.1}, timing {:.1}: {} rounds, head starts {:.1}); \
              reference {}, {} operands; Winograd allowance {:.2e} (baseline {})",
             self.direction,
+            if self.accumulate {
+                " (accumulating: each route adds into a zero-filled output)"
+            } else {
+                ""
+            },
             self.wall_ms,
             self.check_ms,
             self.timing_ms,
@@ -486,6 +495,10 @@ pub struct ChoiceKey {
     pub cudnn_search: SearchKey,
     /// cuDNN API policy ([`crate::config::CudnnApi`]).
     pub cudnn_api: ApiKey,
+    /// The calls' mode: `true` for a gradient added to its output (measured in that mode: the
+    /// routes that can add, each timed adding), `false` for overwriting calls. Never `true`
+    /// for the forward.
+    pub accumulate: bool,
 }
 
 /// [`ConvShape`] as an ordered key.
@@ -552,8 +565,9 @@ pub struct SearchKey(pub &'static str);
 pub struct ApiKey(pub &'static str);
 
 impl ChoiceKey {
-    /// The key of a plan under a search mode on a device.
-    pub fn of(device: u32, plan: &ConvPlan, search: CudnnSearch) -> ChoiceKey {
+    /// The key of a plan's calls that overwrite (`accumulate = false`) or add to their output,
+    /// under a search mode on a device (the forward's calls always overwrite).
+    pub fn of(device: u32, plan: &ConvPlan, search: CudnnSearch, accumulate: bool) -> ChoiceKey {
         ChoiceKey {
             device,
             direction: plan.direction,
@@ -565,6 +579,7 @@ impl ChoiceKey {
             workspace_mb: plan.workspace_cap_bytes >> 20,
             cudnn_search: SearchKey(search.name()),
             cudnn_api: ApiKey(plan.cudnn_api.name()),
+            accumulate: accumulate && plan.direction != Direction::Forward,
         }
     }
 }
@@ -713,6 +728,7 @@ pub fn entry_to_json(key: &ChoiceKey, c: &ConvChoice) -> Value {
             "workspace_mb": key.workspace_mb,
             "cudnn_search": key.cudnn_search.0,
             "cudnn_api": key.cudnn_api.0,
+            "accumulate": key.accumulate,
         },
         "choice": {
             "path": c.route.path.name(),
@@ -829,6 +845,14 @@ fn key_from_json(k: &Value, ordinal: u32) -> std::result::Result<ChoiceKey, Stri
         .get("deterministic")
         .and_then(Value::as_bool)
         .ok_or("deterministic is not a boolean")?;
+    // Entries written before decisions were made per mode were measured overwriting.
+    let accumulate = match k.get("accumulate") {
+        None | Some(Value::Null) => false,
+        Some(v) => v.as_bool().ok_or("accumulate is not a boolean")?,
+    };
+    if accumulate && direction == Direction::Forward {
+        return Err("a forward entry never accumulates".into());
+    }
     Ok(ChoiceKey {
         device: ordinal,
         direction,
@@ -840,6 +864,7 @@ fn key_from_json(k: &Value, ordinal: u32) -> std::result::Result<ChoiceKey, Stri
         workspace_mb: num("workspace_mb")?,
         cudnn_search: SearchKey(search.name()),
         cudnn_api: ApiKey(cudnn_api),
+        accumulate,
     })
 }
 
@@ -1091,6 +1116,10 @@ pub(crate) struct MeasureInput<'a> {
     /// Whether the forward's reference may be the direct kernel's f32 output; `false` when
     /// `conv_direct.cu` is not compiled yet under a budget (the incumbent's result then is).
     pub direct_reference: bool,
+    /// Whether the routes are checked and timed adding their gradient to the output (the
+    /// decision of accumulating calls; every route given can add): the output is zero-filled
+    /// before each check instead of NaN-poisoned. The reference is computed overwriting.
+    pub accumulate: bool,
 }
 
 /// The operands a measurement checks on and the reference computed on them.
@@ -1222,11 +1251,16 @@ fn uniform(ctx: &Context, dtype: DType, out: u64, n: usize, seed: u64) -> Result
 }
 
 fn poison(ctx: &Context, ptr: u64, bytes: usize) -> Result<()> {
+    // 0xFF bytes are NaN in f32, f16 and bf16 alike.
+    fill_bytes(ctx, ptr, bytes, 0xFF)
+}
+
+/// Sets `bytes` bytes at `ptr` to `byte` (0: zeros in f32, f16 and bf16 alike).
+fn fill_bytes(ctx: &Context, ptr: u64, bytes: usize, byte: u8) -> Result<()> {
     // A raw driver call: the Context must be current on this thread.
     ctx.cuda().bind_to_thread().call("cuCtxSetCurrent")?;
-    // 0xFF bytes are NaN in f32, f16 and bf16 alike.
     // SAFETY: `ptr` holds `bytes` bytes allocated on this stream.
-    unsafe { cudarc::driver::result::memset_d8_async(ptr, 0xFF, bytes, ctx.stream().cu_stream()) }
+    unsafe { cudarc::driver::result::memset_d8_async(ptr, byte, bytes, ctx.stream().cu_stream()) }
         .call("cuMemsetD8Async")
 }
 
@@ -1270,6 +1304,7 @@ pub(crate) fn measure(inp: &MeasureInput<'_>) -> Result<(usize, AutoReport)> {
         check_ms,
         timing_ms,
         head_start_ms: head_ms,
+        accumulate: inp.accumulate,
     };
     let alive: Vec<usize> = (0..reports.len())
         .filter(|&i| passed(&reports[i]))
@@ -1308,12 +1343,12 @@ pub(crate) fn with_refused(report: &mut AutoReport, line: CandidateReport) {
 /// Appends the candidates a first call did not run (`routes`, each with why) to its report, as
 /// `Outcome::Skipped` lines after the ones it measured (indices of the incumbent and winner
 /// unchanged). Pure: tested on the CPU.
-pub(crate) fn with_not_run(report: &mut AutoReport, routes: &[(Route, &str)]) {
+pub(crate) fn with_not_run<S: AsRef<str>>(report: &mut AutoReport, routes: &[(Route, S)]) {
     for (route, why) in routes {
         report.candidates.push(CandidateReport {
             route: *route,
             rel_l2: None,
-            outcome: Outcome::Skipped((*why).to_string()),
+            outcome: Outcome::Skipped(why.as_ref().to_string()),
             median_ms: None,
             vs_incumbent: None,
             host_ms: None,
@@ -1375,6 +1410,7 @@ pub(crate) fn verify(inp: &MeasureInput<'_>) -> Result<(bool, AutoReport)> {
             check_ms,
             timing_ms: 0.0,
             head_start_ms: 0.0,
+            accumulate: inp.accumulate,
         },
     ))
 }
@@ -1487,12 +1523,19 @@ impl<'a> Bench<'a> {
         self.accp + (3 * i * std::mem::size_of::<f64>()) as u64
     }
 
-    /// Runs route `e` on operands `p` into the measurement's output.
+    /// Runs route `e` on operands `p` into the measurement's output, in the measurement's
+    /// mode (adding to the output when it measures accumulating calls).
     fn run(&self, e: Exec, p: CudnnPtrs) -> Result<()> {
+        self.run_mode(e, p, self.inp.accumulate)
+    }
+
+    /// Runs route `e` on operands `p` into the measurement's output, adding to it with
+    /// `accumulate`.
+    fn run_mode(&self, e: Exec, p: CudnnPtrs, accumulate: bool) -> Result<()> {
         let out = with_role(p, self.out_role, self.out);
         // SAFETY: the caller's inputs were validated by the dispatcher (extents, device); the
         // output is this measurement's own buffer of the output's extent.
-        unsafe { route::run(&self.target, self.inp.direction, e, out, false) }
+        unsafe { route::run(&self.target, self.inp.direction, e, out, accumulate) }
     }
 
     /// The reference on operands `p`, into the f32 reference buffer; returns its description
@@ -1510,7 +1553,8 @@ impl<'a> Bench<'a> {
         }
         let mut last = None;
         for e in reference_order(self.inp.execs, dtype) {
-            match self.run(e, p) {
+            // Overwriting: the plain gradient, whatever the measurement's mode.
+            match self.run_mode(e, p, false) {
                 Ok(()) => {
                     let widen = widen_kernel(dtype);
                     launch3(ctx, widen, self.out, self.refp, self.out_len, None)?;
@@ -1572,7 +1616,11 @@ impl<'a> Bench<'a> {
 
     /// Runs every route once into a NaN-poisoned output and compares it with the reference on
     /// the device (one read-back for all); a route fails when it cannot run, has a non-finite
-    /// element, or its relative L2 error exceeds [`check_tolerance`]. Under a budget, routes
+    /// element, or its relative L2 error exceeds [`check_tolerance`]. When measuring
+    /// accumulating calls, each route adds into a zero-filled output instead (its result then
+    /// is the plain gradient, compared alike): the check proves the adding mode, but an element
+    /// a route leaves unwritten reads 0 rather than NaN, so it is caught by the error bound
+    /// only (an unwritten region of a nonzero reference), not by the non-finite count. Under a budget, routes
     /// whose turn comes after the checks' share of it is spent are skipped
     /// ([`keep_checking`]; each check waits for the GPU so that the clock sees its cost).
     fn check_routes(&self, operands: CudnnPtrs) -> Result<Vec<CandidateReport>> {
@@ -1594,7 +1642,11 @@ impl<'a> Bench<'a> {
                 check_ms[i - 1] = Some(ms_since(started));
             }
             started = Instant::now();
-            poison(ctx, self.out, out_len * self.elem)?;
+            if self.inp.accumulate {
+                fill_bytes(ctx, self.out, out_len * self.elem, 0)?;
+            } else {
+                poison(ctx, self.out, out_len * self.elem)?;
+            }
             match self.run(*e, operands) {
                 Ok(()) => launch3(
                     ctx,
@@ -1759,6 +1811,7 @@ mod tests {
             check_ms: 0.5,
             timing_ms: 0.5,
             head_start_ms: 0.0,
+            accumulate: false,
         };
         let skipped = Outcome::Skipped("decision budget of 70 ms spent".into());
         let mut r = report(vec![
@@ -1809,6 +1862,7 @@ mod tests {
             check_ms: 1.0,
             timing_ms: 0.0,
             head_start_ms: 0.0,
+            accumulate: false,
         };
         let why = crate::tune::budget::NOT_COMPILED;
         with_not_run(&mut r, &[(Route::path(ConvPath::Direct), why)]);
@@ -2053,6 +2107,7 @@ mod tests {
             workspace_mb: 64,
             cudnn_search: SearchKey("find"),
             cudnn_api: ApiKey("auto"),
+            accumulate: false,
         }
     }
 
@@ -2137,6 +2192,86 @@ mod tests {
         }
     }
 
+    /// The calls' mode is part of the key and of the file's entry: an accumulating entry and an
+    /// overwriting one of the same problem round-trip as different keys; an entry written before
+    /// the flag existed reads as overwriting; a forward entry never accumulates.
+    #[test]
+    fn the_accumulate_flag_is_keyed_and_round_trips() {
+        let c = ConvChoice::planned(Route::path(ConvPath::Im2colGemm), ChoiceOrigin::Measured);
+        for accumulate in [false, true] {
+            let k = ChoiceKey {
+                accumulate,
+                ..key()
+            };
+            let v = entry_to_json(&k, &c);
+            assert_eq!(v["key"]["accumulate"], json!(accumulate));
+            let (k2, _) = entry_from_json(&v, 0).unwrap();
+            assert_eq!(k2, k);
+        }
+        assert_ne!(
+            ChoiceKey {
+                accumulate: true,
+                ..key()
+            },
+            key()
+        );
+        // Old format: no flag (or null) means overwriting calls.
+        let acc = ChoiceKey {
+            accumulate: true,
+            ..key()
+        };
+        for old in [None, Some(Value::Null)] {
+            let mut v = entry_to_json(&acc, &c);
+            match (v["key"].as_object_mut(), old) {
+                (Some(o), None) => {
+                    o.remove("accumulate");
+                }
+                (Some(o), Some(n)) => {
+                    o.insert("accumulate".into(), n);
+                }
+                (None, _) => unreachable!(),
+            }
+            assert!(!entry_from_json(&v, 0).unwrap().0.accumulate);
+        }
+        let good = entry_to_json(&acc, &c);
+        assert_refused(&good, ["key", "accumulate"], json!("yes"), "accumulate");
+        assert_refused(
+            &good,
+            ["key", "direction"],
+            json!("forward"),
+            "never accumulates",
+        );
+    }
+
+    /// The key of a plan carries the mode, and the forward's is always overwriting.
+    #[test]
+    fn a_plans_key_carries_the_mode() {
+        let s = crate::testutil::square_conv(2, 16, 8, 16, 3, TensorFormat::Nhwc);
+        let cfg = Config::default();
+        for d in Direction::ALL {
+            let p = crate::conv::plan(&crate::conv::ConvPlanRequest {
+                shape: s,
+                dtype: DType::F16,
+                direction: d,
+                config: &cfg,
+                cudnn_present: true,
+                cudnn_graph: true,
+            })
+            .unwrap();
+            let over = ChoiceKey::of(0, &p, CudnnSearch::Heuristic, false);
+            let acc = ChoiceKey::of(0, &p, CudnnSearch::Heuristic, true);
+            assert!(!over.accumulate);
+            assert_eq!(acc.accumulate, d != Direction::Forward, "{d}");
+            assert_eq!(
+                ChoiceKey {
+                    accumulate: false,
+                    ..acc
+                },
+                over
+            );
+        }
+    }
+
     #[test]
     fn malformed_entries_say_why() {
         let k = key();
@@ -2202,15 +2337,28 @@ mod tests {
             notes: vec![],
         };
         insert(k, c.clone(), 16);
+        // The same problem's accumulating calls: a decision of their own, kept beside it.
+        let k_acc = ChoiceKey {
+            accumulate: true,
+            ..k
+        };
+        let c_acc = ConvChoice {
+            route: Route::graph(GraphEngine::new(3, &[]).unwrap()),
+            ..c.clone()
+        };
+        insert(k_acc, c_acc.clone(), 16);
         save_file(&path, &tag, 77).unwrap();
         let doc: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         assert_eq!(doc["sections"][0]["device"], json!("gemm stuff"));
         assert_eq!(doc["conv"]["sections"].as_array().unwrap().len(), 2);
-        let (entries, warnings) = load_file(&path, &tag, 5);
+        let (mut entries, warnings) = load_file(&path, &tag, 5);
         assert!(warnings.is_empty(), "{warnings:?}");
-        assert_eq!(entries.len(), 1);
+        entries.sort_by_key(|e| e.0);
+        assert_eq!(entries.len(), 2);
         assert_eq!(entries[0].0, ChoiceKey { device: 5, ..k });
         assert_eq!(entries[0].1.route, c.route);
+        assert_eq!(entries[1].0, ChoiceKey { device: 5, ..k_acc });
+        assert_eq!(entries[1].1.route, c_acc.route);
         // Another device's tag sees nothing.
         assert!(load_file(&path, &other, 0).0.is_empty());
         let _ = std::fs::remove_dir_all(&dir);

@@ -123,15 +123,20 @@ impl<T: Element> Conv2d<T> {
         }
     }
 
-    /// Decides the route of `d` (first call): the process cache or the file, else the plan's
-    /// candidates, measured when there are several.
+    /// Decides the route of `d`'s calls that overwrite (`accumulate = false`) or add to their
+    /// output (first call of that mode): the process cache or the file (keyed by the mode),
+    /// else the plan's candidates, measured when there are several. Accumulating calls are
+    /// decided among the candidates that can add ([`ConvPlan::accumulate_refusal`]; the others
+    /// are named in the notes and the report), each checked and timed adding
+    /// ([`choice::MeasureInput::accumulate`]); when none can, the plan's fallback runs them.
     /// An exhaustive budget ([`crate::Config::conv_tune_budget_ms`] = 0, an explicit tuning run)
     /// measures afresh, over what the process cache or the file holds, and replaces it.
-    pub(super) fn decide(&self, d: Direction, p: CudnnPtrs) -> Result<Decided> {
+    pub(super) fn decide(&self, d: Direction, p: CudnnPtrs, accumulate: bool) -> Result<Decided> {
         // The budget begins here: finalizing cuDNN's engine configs counts against it.
         let budget = Budget::new(self.ctx.config().conv_tune_budget_ms);
         let plan = self.plan_for(d);
-        let key = ChoiceKey::of(self.ctx.info().ordinal as u32, plan, self.core.search);
+        let ordinal = self.ctx.info().ordinal as u32;
+        let key = ChoiceKey::of(ordinal, plan, self.core.search, accumulate);
         let costly = plan.measured || plan.candidates.iter().any(|r| r.path == ConvPath::Cudnn);
         // A tuning-file route that failed its check: shown in the new measurement's report.
         let mut refused = None;
@@ -144,6 +149,10 @@ impl<T: Element> Conv2d<T> {
         let listing = std::time::Instant::now();
         let (execs, mut notes, origin) = self.candidate_execs(d, p, plan, &budget)?;
         let budget = budget.past_library_start(listing.elapsed());
+        let (execs, cannot_add) = can_add(plan, execs, key.accumulate, &mut notes);
+        if execs.is_empty() && !cannot_add.is_empty() {
+            return self.adding_fallback(d, p, plan, &cannot_add, notes);
+        }
         let (mut execs, not_run) = self.runnable_now(d, p, execs, &budget, &mut notes);
         notes.extend(choice::drop_uncheckable_f32_graph(
             &mut execs,
@@ -168,7 +177,12 @@ impl<T: Element> Conv2d<T> {
                 })
             }
             _ => {
-                let mut dec = self.measured(d, p, &key, &execs, notes, budget, &not_run);
+                let skipped: Vec<(Route, String)> = not_run
+                    .iter()
+                    .map(|(r, why)| (*r, (*why).to_string()))
+                    .chain(cannot_add)
+                    .collect();
+                let mut dec = self.measured(d, p, &key, &execs, notes, budget, &skipped);
                 if let (Some(r), Some(rep)) = (refused, dec.report.as_mut()) {
                     with_refused(Arc::make_mut(rep), *r);
                 }
@@ -196,7 +210,8 @@ impl<T: Element> Conv2d<T> {
             }
         }
         let mut c = choice::lookup(key).ok_or(None)?;
-        if !self.acceptable(plan, &c.route) {
+        let adds = !key.accumulate || plan.accumulate_refusal(c.route.path).is_none();
+        if !adds || !self.acceptable(plan, &c.route) {
             tracing::warn!(route = %c.route, direction = %d,
                 "cached convolution choice does not fit this problem's plan; deciding again");
             return Err(None);
@@ -204,7 +219,7 @@ impl<T: Element> Conv2d<T> {
         match self.core.exec_of(ctx, d, c.route) {
             Ok(exec) => {
                 let report = if choice::verify_before_use(&c, self.core.dtype) {
-                    Some(Arc::new(self.verified(d, p, plan, exec)?))
+                    Some(Arc::new(self.verified(d, p, plan, exec, key.accumulate)?))
                 } else {
                     None
                 };
@@ -231,7 +246,8 @@ impl<T: Element> Conv2d<T> {
 
     /// `exec`, a Winograd route read from the tuning file, checked as a measurement would with
     /// the plan's other candidates as the baseline, or an f32 graph route checked against a
-    /// true-f32 route ([`choice::verify`]): its report when it passes; when it does not (with a
+    /// true-f32 route ([`choice::verify`]), in the mode of the calls it is for (`accumulate`:
+    /// adding, among the routes that can): its report when it passes; when it does not (with a
     /// warning: the problem is measured again), its line of the check when it ran.
     fn verified(
         &self,
@@ -239,6 +255,7 @@ impl<T: Element> Conv2d<T> {
         p: CudnnPtrs,
         plan: &ConvPlan,
         exec: Exec,
+        accumulate: bool,
     ) -> std::result::Result<AutoReport, Option<Box<CandidateReport>>> {
         let fail = |why: String, line: Option<Box<CandidateReport>>| {
             tracing::warn!(route = %exec.route, direction = %d, why = %why,
@@ -257,8 +274,11 @@ impl<T: Element> Conv2d<T> {
             }
         };
         execs.retain(|e| e.route.path.winograd_tile().is_none());
+        if accumulate {
+            execs.retain(|e| plan.accumulate_refusal(e.route.path).is_none());
+        }
         execs.push(exec);
-        let inp = self.measure_input(d, &execs, p, budget, true);
+        let inp = self.measure_input(d, &execs, p, budget, true, accumulate);
         match choice::verify(&inp) {
             Ok((true, report)) => Ok(report),
             Ok((false, report)) => {
@@ -339,7 +359,8 @@ impl<T: Element> Conv2d<T> {
     /// when nothing could be checked, the incumbent runs unmeasured. Candidates the budget left
     /// unmeasured are named in the choice's notes, the report and a trace; those not run for
     /// want of compiled kernels (`not_run`) are Skipped lines of the report (the choice is kept
-    /// and written as any measured one: the best of what could run).
+    /// and written as any measured one: the best of what could run), and so are those an
+    /// accumulating decision excluded because they cannot add. The mode is `key`'s.
     #[allow(clippy::too_many_arguments)] // one decision's inputs
     fn measured(
         &self,
@@ -349,7 +370,7 @@ impl<T: Element> Conv2d<T> {
         execs: &[Exec],
         mut notes: Vec<String>,
         budget: Budget,
-        not_run: &[(Route, &'static str)],
+        not_run: &[(Route, String)],
     ) -> Decided {
         // NVRTC is not waited for under a budget: without conv_direct.cu the incumbent's own
         // result is the forward's reference (the report names it).
@@ -364,7 +385,7 @@ impl<T: Element> Conv2d<T> {
                     .into(),
             );
         }
-        let inp = self.measure_input(d, execs, p, budget, direct_reference);
+        let inp = self.measure_input(d, execs, p, budget, direct_reference, key.accumulate);
         match choice::measure(&inp) {
             Ok((w, mut report)) => {
                 if let Some(n) = choice::budget_note(&report, &budget) {
@@ -384,8 +405,8 @@ impl<T: Element> Conv2d<T> {
                     notes,
                 };
                 tracing::info!(problem = ?self.core.shape, dtype = %self.core.dtype,
-                    direction = %d, route = %c.route, wall_ms = report.wall_ms,
-                    "convolution measured:\n{report}");
+                    direction = %d, accumulate = key.accumulate, route = %c.route,
+                    wall_ms = report.wall_ms, "convolution measured:\n{report}");
                 self.remember(key, &c);
                 Decided {
                     exec: execs[w],
@@ -566,16 +587,23 @@ impl<T: Element> Conv2d<T> {
         }
     }
 
-    /// The decided route of `d`, deciding on the first call.
-    pub(super) fn decided(&self, d: Direction, p: CudnnPtrs) -> Result<Exec> {
+    /// The decided route of `d`'s calls that overwrite (`accumulate = false`) or add to their
+    /// output, deciding on the first call of that mode.
+    pub(super) fn decided(&self, d: Direction, p: CudnnPtrs, accumulate: bool) -> Result<Exec> {
         crate::profile::stage!(Lookup);
-        let mut st = lock(&self.core.state[d.index()]);
+        let accumulate = accumulate && d != Direction::Forward;
+        let mut st = lock(self.core.decision(d, accumulate));
         if let Some(s) = st.as_ref() {
             return Ok(s.exec);
         }
+        let first = if accumulate {
+            "a convolution's first accumulating call"
+        } else {
+            "a convolution's first call"
+        };
         self.ctx
-            .refuse_under_capture("a convolution's first call", "decide its route (measure)")?;
-        let dec = self.decide(d, p)?;
+            .refuse_under_capture(first, "decide its route (measure)")?;
+        let dec = self.decide(d, p, accumulate)?;
         let exec = dec.exec;
         *st = Some(dec);
         Ok(exec)
@@ -597,9 +625,7 @@ impl<T: Element> Conv2d<T> {
         let mut r = r;
         match r.path {
             ConvPath::Cudnn if r.cudnn_algo.is_none() => {
-                let decided = lock(&self.core.state[d.index()])
-                    .as_ref()
-                    .and_then(|s| s.exec.route.cudnn_algo);
+                let decided = self.core.any_decided_route(d).and_then(|r| r.cudnn_algo);
                 let cached = *lock(&self.core.cudnn_first[d.index()]);
                 r.cudnn_algo = match decided.or(cached) {
                     Some(a) => Some(a),
@@ -657,7 +683,7 @@ impl<T: Element> Conv2d<T> {
     }
 
     /// The input of a measurement of direction `d` of this problem: `execs` in measuring order
-    /// on operands `p`, under `budget`.
+    /// on operands `p`, under `budget`, run overwriting or (`accumulate`) adding.
     fn measure_input<'a>(
         &'a self,
         d: Direction,
@@ -665,6 +691,7 @@ impl<T: Element> Conv2d<T> {
         p: CudnnPtrs,
         budget: Budget,
         direct_reference: bool,
+        accumulate: bool,
     ) -> MeasureInput<'a> {
         MeasureInput {
             ctx: &self.ctx,
@@ -677,6 +704,7 @@ impl<T: Element> Conv2d<T> {
             lens: self.core.lens,
             budget,
             direct_reference,
+            accumulate,
         }
     }
 
@@ -741,9 +769,7 @@ impl<T: Element> Conv2d<T> {
     /// passes the check against a true-f32 route ([`choice::verify`]; remembered per
     /// direction). An error when none passes: a forced f32 graph route never runs unchecked.
     fn checked_graph_engine(&self, d: Direction, p: CudnnPtrs) -> Result<GraphEngine> {
-        let decided = lock(&self.core.state[d.index()])
-            .as_ref()
-            .and_then(|s| s.exec.route.graph_engine);
+        let decided = self.core.any_decided_route(d).and_then(|r| r.graph_engine);
         if let Some(e) = decided.or(*lock(&self.core.graph_first[d.index()])) {
             return Ok(e);
         }
@@ -763,7 +789,7 @@ impl<T: Element> Conv2d<T> {
             )));
         }
         execs.extend(self.true_f32_companion(d, p, &mut notes));
-        let inp = self.measure_input(d, &execs, p, budget, true);
+        let inp = self.measure_input(d, &execs, p, budget, true, false);
         let (_, report) = choice::verify(&inp)?;
         let passed = report
             .candidates
@@ -783,10 +809,11 @@ impl<T: Element> Conv2d<T> {
         Ok(engine)
     }
 
-    /// Runs `d` on checked operands: the forced route, or the decided one with a fallback when
+    /// Runs `d` on checked operands: the forced route, or the decided one of the call's mode
+    /// (overwriting or accumulating: each decided on its own first call) with a fallback when
     /// it fails at run time. An accumulating call (a gradient added to its output) runs only a
     /// route that can add ([`ConvPlan::accumulate_refusal`]): a forced one that cannot is an
-    /// error, a decided one that cannot is replaced by [`Conv2d::accumulating`]'s route.
+    /// error; the accumulating decision is made among those that can.
     pub(super) fn run(
         &self,
         d: Direction,
@@ -817,12 +844,17 @@ impl<T: Element> Conv2d<T> {
             // SAFETY: operands checked by `check`; the route was checked against the plan.
             return unsafe { route::run(&target, d, e, p, accumulate) };
         }
-        let (e, substitute) = if accumulate {
-            self.accumulating(d, p)?
-        } else {
-            (self.decided(d, p)?, false)
-        };
-        tracing::trace!(direction = %d, route = %e.route, "convolution");
+        let e = self.decided(d, p, accumulate)?;
+        // The accumulating decision is made among routes that can add; checked again here (one
+        // comparison) so that no route ever overwrites a gradient it was asked to add to.
+        if let Some(why) = plan.accumulate_refusal(e.route.path).filter(|_| accumulate) {
+            return Err(Error::NotSupported(format!(
+                "the decided route {} cannot run this accumulating {}: {why}",
+                e.route,
+                d.describe()
+            )));
+        }
+        tracing::trace!(direction = %d, accumulate, route = %e.route, "convolution");
         // SAFETY: as above.
         let first = unsafe { route::run(&target, d, e, p, accumulate) };
         #[cfg(test)]
@@ -830,12 +862,7 @@ impl<T: Element> Conv2d<T> {
         let Err(err) = first else {
             return Ok(());
         };
-        let fb = if substitute {
-            self.substitute_fall_back(d, plan, e, &err, p)?
-        } else {
-            self.fall_back(d, plan, e, &err, p)?
-        };
-        let Some(fb_exec) = fb else {
+        let Some(fb_exec) = self.fall_back(d, plan, e, &err, p, accumulate)? else {
             return Err(err);
         };
         if accumulate {
@@ -858,60 +885,56 @@ impl<T: Element> Conv2d<T> {
         unsafe { route::run(&target, d, fb_exec, p, accumulate) }
     }
 
-    /// The route an accumulating call of `d` runs, and whether it replaces the decided one: the
-    /// decided route when it can add to the output, else (Winograd's data gradient) one chosen
-    /// once for such calls: the fastest route of the first call's measurement that passed and
-    /// can add, else the plan's fallback. The decision's notes say which, and why.
-    fn accumulating(&self, d: Direction, p: CudnnPtrs) -> Result<(Exec, bool)> {
-        let e = self.decided(d, p)?;
-        let plan = self.plan_for(d);
-        let Some(why) = plan.accumulate_refusal(e.route.path) else {
-            return Ok((e, false));
-        };
-        let mut slot = lock(&self.core.accumulating[d.index()]);
-        if let Some(s) = *slot {
-            return Ok((s, true));
+    /// Accumulating calls of `d` when no candidate can add (`cannot_add`: each with why; a
+    /// plan of Winograd routes only, whose data gradient has no beta): the plan's fallback
+    /// (cuDNN's first usable algorithm, else im2col + GEMM), unmeasured; the notes say why.
+    fn adding_fallback(
+        &self,
+        d: Direction,
+        p: CudnnPtrs,
+        plan: &ConvPlan,
+        cannot_add: &[(Route, String)],
+        mut notes: Vec<String>,
+    ) -> Result<Decided> {
+        let refused = cannot_add.first().map_or(ConvPath::Cudnn, |(r, _)| r.path);
+        let mut exec = None;
+        for r in [
+            plan.fallback_route(refused),
+            plan.fallback_route(ConvPath::Cudnn),
+        ]
+        .into_iter()
+        .flatten()
+        .filter(|r| plan.accumulate_refusal(r.path).is_none())
+        {
+            exec = self.complete(d, r, p)?;
+            if exec.is_some() {
+                break;
+            }
         }
-        self.ctx.refuse_under_capture(
-            "a convolution's first accumulating call on a route that cannot add",
-            "choose the route such calls run",
-        )?;
-        let measured = self.report(d).and_then(|r| {
-            r.candidates
-                .iter()
-                .filter(|c| {
-                    c.outcome == Outcome::Passed && plan.accumulate_refusal(c.route.path).is_none()
-                })
-                .filter_map(|c| c.median_ms.map(|m| (c.route, m)))
-                .min_by(|a, b| a.1.total_cmp(&b.1))
-                .map(|(r, _)| r)
-        });
-        let (route, how) = match measured {
-            Some(r) => (Some(r), "the fastest of the measured routes that can"),
-            None => (plan.fallback_route(e.route.path), "the plan's fallback"),
-        };
-        let exec = match route {
-            Some(r) => self.complete(d, r, p)?,
-            None => None,
-        };
+        let labels: Vec<String> = cannot_add.iter().map(|(r, _)| r.label()).collect();
+        let why = cannot_add.first().map_or("", |(_, w)| w.as_str());
         let Some(exec) = exec else {
             return Err(Error::NotSupported(format!(
                 "{} cannot add to this {}'s output ({why}), and no other route can run it",
-                e.route.path,
+                labels.join(", "),
                 d.describe()
             )));
         };
         let note = format!(
-            "accumulating calls run {} ({how}): {} cannot add ({why})",
-            exec.route, e.route.path
+            "accumulating calls run {} (the plan's fallback): {} {why}",
+            exec.route,
+            labels.join(", ")
         );
         tracing::info!(problem = ?self.core.shape, direction = %d, route = %exec.route,
             "{note}");
-        if let Some(dec) = lock(&self.core.state[d.index()]).as_mut() {
-            dec.choice.notes.push(note);
-        }
-        *slot = Some(exec);
-        Ok((exec, true))
+        notes.push(note);
+        let mut c = ConvChoice::planned(exec.route, ChoiceOrigin::Planned);
+        c.notes = notes;
+        Ok(Decided {
+            exec,
+            choice: c,
+            report: None,
+        })
     }
 
     /// Route `r` of `d` completed: a cuDNN route without an algorithm takes cuDNN's first
@@ -926,42 +949,11 @@ impl<T: Element> Conv2d<T> {
         }
     }
 
-    /// After `e`, the route accumulating calls of `d` run in place of the decided one
-    /// ([`Conv2d::accumulating`]), failed at run time with `err`: the plan's fallback for it,
-    /// which such calls take from now on (the decision itself is kept), or `None`.
-    fn substitute_fall_back(
-        &self,
-        d: Direction,
-        plan: &ConvPlan,
-        e: Exec,
-        err: &Error,
-        p: CudnnPtrs,
-    ) -> Result<Option<Exec>> {
-        let Some(fb) = plan.fallback_route(e.route.path) else {
-            return Ok(None);
-        };
-        let Some(fb_exec) = self.complete(d, fb, p)? else {
-            return Ok(None);
-        };
-        tracing::warn!(
-            problem = ?self.core.shape, dtype = %self.core.dtype, direction = %d,
-            failed = %e.route, fallback = %fb_exec.route, error = %err,
-            "accumulating convolution route failed at run time; such calls use the fallback \
-             from now on"
-        );
-        *lock(&self.core.accumulating[d.index()]) = Some(fb_exec);
-        if let Some(dec) = lock(&self.core.state[d.index()]).as_mut() {
-            dec.choice.notes.push(format!(
-                "accumulating calls: {} failed at run time ({err}); they run {} now",
-                e.route, fb_exec.route
-            ));
-        }
-        Ok(Some(fb_exec))
-    }
-
-    /// After `e` failed at run time with `err`: the plan's fallback for `d`, completed and
-    /// remembered (this object, and the process cache so that other Contexts take it too; never
-    /// the file), or `None` when there is none.
+    /// After `e`, the decided route of `d`'s calls of mode `accumulate`, failed at run time
+    /// with `err`: the plan's fallback for it, completed and remembered (this object, and the
+    /// process cache so that other Contexts take it too; never the file), or `None` when there
+    /// is none. The other mode's decision takes it too when it is the same route (the failure
+    /// is the route's on this problem, whichever mode ran it).
     fn fall_back(
         &self,
         d: Direction,
@@ -969,6 +961,7 @@ impl<T: Element> Conv2d<T> {
         e: Exec,
         err: &Error,
         p: CudnnPtrs,
+        accumulate: bool,
     ) -> Result<Option<Exec>> {
         let core = &*self.core;
         let Some(fb) = plan.fallback_route(e.route.path) else {
@@ -978,22 +971,61 @@ impl<T: Element> Conv2d<T> {
             return Ok(None);
         };
         tracing::warn!(
-            problem = ?core.shape, dtype = %core.dtype, direction = %d, failed = %e.route,
-            fallback = %fb_exec.route, error = %err,
+            problem = ?core.shape, dtype = %core.dtype, direction = %d, accumulate,
+            failed = %e.route, fallback = %fb_exec.route, error = %err,
             "convolution route failed at run time; this problem uses the fallback from now on"
         );
         let mut c = ConvChoice::planned(fb_exec.route, ChoiceOrigin::Fallback);
         c.notes
             .push(format!("{} failed at run time: {err}", e.route));
-        let key = ChoiceKey::of(self.ctx.info().ordinal as u32, plan, core.search);
-        choice::insert(key, c.clone(), self.ctx.config().plan_cache_capacity);
-        *lock(&core.state[d.index()]) = Some(Decided {
-            exec: fb_exec,
-            choice: c,
-            report: None,
-        });
+        let modes: &[bool] = if d == Direction::Forward {
+            &[false]
+        } else {
+            &[accumulate, !accumulate]
+        };
+        for &mode in modes {
+            let mut slot = lock(core.decision(d, mode));
+            if mode != accumulate && slot.as_ref().is_none_or(|s| s.exec.route != e.route) {
+                continue;
+            }
+            let key = ChoiceKey::of(self.ctx.info().ordinal as u32, plan, core.search, mode);
+            choice::insert(key, c.clone(), self.ctx.config().plan_cache_capacity);
+            *slot = Some(Decided {
+                exec: fb_exec,
+                choice: c.clone(),
+                report: None,
+            });
+        }
         Ok(Some(fb_exec))
     }
+}
+
+/// For a decision of accumulating calls (`accumulate`), `execs` without the routes that cannot
+/// add to the output, and those (each with why, a note naming them); all of `execs` otherwise.
+fn can_add(
+    plan: &ConvPlan,
+    execs: Vec<Exec>,
+    accumulate: bool,
+    notes: &mut Vec<String>,
+) -> (Vec<Exec>, Vec<(Route, String)>) {
+    if !accumulate {
+        return (execs, Vec::new());
+    }
+    let (mut keep, mut out) = (Vec::new(), Vec::new());
+    for e in execs {
+        match plan.accumulate_refusal(e.route.path) {
+            Some(why) => out.push((e.route, format!("cannot add: {why}"))),
+            None => keep.push(e),
+        }
+    }
+    if !out.is_empty() {
+        let labels: Vec<String> = out.iter().map(|(r, _)| r.label()).collect();
+        notes.push(format!(
+            "accumulating calls: {} not measured (cannot add to the output)",
+            labels.join(", ")
+        ));
+    }
+    (keep, out)
 }
 
 #[cfg(test)]

@@ -1,6 +1,8 @@
 //! The per-problem state of a [`Conv2d`]: its plans, its cuDNN descriptors, the decision per
 //! direction once made, and the caches that keep cuDNN's queries off the cached path (workspace
 //! sizes, the first usable algorithm of a forced `cudnn` route, the graph plans its calls ran).
+//! A direction's decisions are per mode: its overwriting calls and its accumulating calls each
+//! have their own (measured in that mode).
 //! Also how a route is completed into an [`Exec`] (its cuDNN workspace checked against the cap).
 
 use std::collections::HashMap;
@@ -53,11 +55,9 @@ pub(super) struct Core {
     /// Elements of x, w, y.
     pub(super) lens: [usize; 3],
     pub(super) cudnn: Option<Arc<CudnnConv>>,
-    /// Per direction: the decision, once made.
-    pub(super) state: [Mutex<Option<Decided>>; 3],
-    /// Per direction: the route accumulating calls run when the decided one cannot add to its
-    /// output (Winograd's data gradient), once chosen.
-    pub(super) accumulating: [Mutex<Option<Exec>>; 3],
+    /// Per direction and mode (`[d][0]` overwriting calls, `[d][1]` accumulating ones: a
+    /// gradient added to its output): the decision, once made. Use [`Core::decision`].
+    pub(super) state: [[Mutex<Option<Decided>>; 2]; 3],
     /// cuDNN workspace sizes already asked for.
     pub(super) ws_sizes: Mutex<HashMap<CudnnAlgo, usize>>,
     /// Per direction: cuDNN's first usable algorithm, once asked for by a forced `cudnn` route
@@ -125,7 +125,6 @@ impl Core {
             lens,
             cudnn,
             state: Default::default(),
-            accumulating: Default::default(),
             ws_sizes: Mutex::new(HashMap::new()),
             cudnn_first: Default::default(),
             graph_first: Default::default(),
@@ -135,6 +134,21 @@ impl Core {
 }
 
 impl Core {
+    /// The decision slot of `d`'s calls that overwrite (`accumulate = false`) or add to
+    /// (`true`) their output; the forward never accumulates (its one slot is the overwriting
+    /// one).
+    pub(super) fn decision(&self, d: Direction, accumulate: bool) -> &Mutex<Option<Decided>> {
+        let mode = usize::from(accumulate && d != Direction::Forward);
+        &self.state[d.index()][mode]
+    }
+
+    /// The route a decision of `d` (either mode, the overwriting one first) runs, when made.
+    pub(super) fn any_decided_route(&self, d: Direction) -> Option<Route> {
+        [false, true]
+            .into_iter()
+            .find_map(|acc| lock(self.decision(d, acc)).as_ref().map(|s| s.exec.route))
+    }
+
     pub(super) fn target<'a>(&'a self, ctx: &'a Context) -> route::Target<'a> {
         route::Target {
             ctx,

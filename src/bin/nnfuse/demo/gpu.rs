@@ -2,13 +2,14 @@
 //! training step through nnfuse's dispatchers (or the plain cuDNN compositions), the check run,
 //! and the timed steps with CUDA events.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context as _, Result};
 use cudarc::driver::{sys as drv, CudaEvent, CudaSlice, DeviceRepr};
 use nnfuse::activation;
 use nnfuse::batchnorm::{BackwardArgs, BatchNorm, BnSaved, Fuse, TrainArgs};
-use nnfuse::conv::{Conv2d, Direction, Route};
+use nnfuse::conv::{AutoReport, Conv2d, ConvChoice, Direction, Route};
 use nnfuse::gemm::{self, Algo};
 use nnfuse::internals::util;
 use nnfuse::{Context, Element};
@@ -368,12 +369,28 @@ impl<T: Element> Layers<T> {
         })
     }
 
+    /// Whether the step's call of convolution `i`'s `d` accumulates (nnfuse's conv1.dgrad,
+    /// added into dx in place): its decision is the accumulating one.
+    pub fn accumulates(&self, i: usize, d: Direction) -> bool {
+        i == 0 && d == Direction::BackwardData && self.variant.adds_dx_in_place()
+    }
+
+    /// The decision convolution `i`'s `d` runs in the step (the mode of its call), when made.
+    pub fn decision(&self, i: usize, d: Direction) -> Option<ConvChoice> {
+        self.convs[i].choice_for(d, self.accumulates(i, d))
+    }
+
+    /// The measurement behind [`Layers::decision`], when one was made.
+    pub fn measurement(&self, i: usize, d: Direction) -> Option<Arc<AutoReport>> {
+        self.convs[i].report_for(d, self.accumulates(i, d))
+    }
+
     /// The routes the convolutions decided (after a first step), `[conv][direction]`.
     pub fn decided_routes(&self) -> [[Option<Route>; 3]; 3] {
         let mut r = [[None; 3]; 3];
-        for (i, c) in self.convs.iter().enumerate() {
+        for (i, row) in r.iter_mut().enumerate() {
             for d in Direction::ALL {
-                r[i][direction_index(d)] = c.choice(d).map(|c| c.route);
+                row[direction_index(d)] = self.decision(i, d).map(|c| c.route);
             }
         }
         r
@@ -386,7 +403,7 @@ impl<T: Element> Layers<T> {
 
     /// The route convolution `i` runs for `d`: the forced one, else the decided one.
     pub fn route(&self, i: usize, d: Direction) -> Option<Route> {
-        self.forced[i][direction_index(d)].or_else(|| self.convs[i].choice(d).map(|c| c.route))
+        self.forced[i][direction_index(d)].or_else(|| self.decision(i, d).map(|c| c.route))
     }
 
     fn conv_route(&self, op: Op) -> Option<Route> {
@@ -702,10 +719,13 @@ pub fn decisions<T: Element>(l: &Layers<T>, b: &Buffers<T>) -> Vec<Decision> {
 
 fn decide_text<T: Element>(l: &Layers<T>, b: &Buffers<T>, op: Op) -> (String, String) {
     if let Some((i, d)) = op.conv() {
-        return match l.convs[i].choice(d) {
+        return match l.decision(i, d) {
             Some(c) => {
                 let mut detail = format!("{} ({})", c.origin.name(), c);
-                if let Some(r) = l.convs[i].report(d) {
+                if l.accumulates(i, d) {
+                    detail.push_str("; decided for accumulating calls (added into dx)");
+                }
+                if let Some(r) = l.measurement(i, d) {
                     detail.push_str(&format!("; measured in {:.1} ms", r.wall_ms));
                 }
                 for n in &c.notes {
@@ -849,7 +869,9 @@ impl<T: Element> Session<T> {
             let mut conv_measure_ms = 0.0;
             for c in &l.convs {
                 for d in Direction::ALL {
-                    conv_measure_ms += c.report(d).map_or(0.0, |r| r.wall_ms);
+                    for accumulate in [false, true] {
+                        conv_measure_ms += c.report_for(d, accumulate).map_or(0.0, |r| r.wall_ms);
+                    }
                 }
             }
             runs.push(VariantRun {
