@@ -141,9 +141,15 @@ mod tests {
         let b = Budget::new(70);
         let d0 = b.deadline().unwrap();
         // A normal listing: charged in full.
-        assert_eq!(b.past_library_start(Duration::from_millis(3)).deadline(), Some(d0));
+        assert_eq!(
+            b.past_library_start(Duration::from_millis(3)).deadline(),
+            Some(d0)
+        );
         // cuDNN's engines loading (91 ms): all but 20 ms moved out of the budget.
-        let later = b.past_library_start(Duration::from_millis(91)).deadline().unwrap();
+        let later = b
+            .past_library_start(Duration::from_millis(91))
+            .deadline()
+            .unwrap();
         assert_eq!(later - d0, Duration::from_millis(71));
         assert!(Budget::new(0)
             .past_library_start(Duration::from_secs(1))
