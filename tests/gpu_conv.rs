@@ -275,12 +275,17 @@ fn every_path_matches_the_f64_reference_on_the_grid() {
 fn winograd_error_against_cudnn() {
     let ctx = gpu();
     let mut rng = Rng::fresh("winograd error");
-    let layers = [
+    let mut layers = vec![
         (1, 64, 28, 64),
         (1, 128, 14, 128),
         (1, 256, 7, 256),
         (1, 512, 4, 512),
     ];
+    // racecheck's host memory grows with every launch (188 GB and more for these four layers,
+    // killed by the OOM killer: docs/RELIABILITY.md); two layers run the same kernels.
+    if common::under_sanitizer() {
+        layers.truncate(2);
+    }
     let mut problems = Vec::new();
     let mut dtypes = Vec::new();
     for (n, c, hw, k) in layers {
