@@ -24,6 +24,7 @@ mod inference;
 mod plans;
 mod reference;
 mod report;
+mod units;
 mod variants;
 
 /// Deterministic test data for the demo's unit tests: xorshift64 values uniform in `[lo, hi)`.
