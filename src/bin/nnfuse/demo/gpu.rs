@@ -1204,6 +1204,17 @@ impl<T: Element> Session<T> {
                 small.upload_and_poison(&ctx, &inp)?;
                 run_step(&cl, &mut small, &mut |_| Ok(()))?;
             }
+            let fused: Vec<String> = (0..3)
+                .filter(|&i| cl.fused_unit(i).is_some())
+                .map(|i| format!("conv{n}+bn{n}", n = i + 1))
+                .collect();
+            if !fused.is_empty() {
+                report.notes.push(format!(
+                    "{}: fused units {} checked as they ran (ConvStats, then BatchNorm from its                      sums); ConvStats' convolution decides at batch {batch} itself (it takes no                      forced route), its route gives conv.fwd's tolerance",
+                    l.variant.title(),
+                    fused.join(", ")
+                ));
+            }
             let out = small.download_outputs(&ctx)?;
             let tol = |op: Op| tolerance(op, T::DTYPE, op.conv().and_then(|(i, d)| cl.route(i, d)));
             let mut rows = check_step(&cdef, &inp, &out, &tol, l.variant.adds_dx_in_place())?;
