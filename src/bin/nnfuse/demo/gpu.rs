@@ -418,7 +418,11 @@ impl<T: Element> Layers<T> {
             if let Some(c) = from.unit_choice(i) {
                 // A fresh Layers has no choice yet; a second give keeps the first.
                 let _ = self.choices[i].set(c.clone());
-                self.forced_stats[i] = c.stats.as_ref().map(|s| s.route);
+                // ConvStats' live decision: a graph route that failed at run time fell back.
+                self.forced_stats[i] = match &from.units[i] {
+                    Ok(u) => u.stats.choice().map(|s| s.route),
+                    Err(_) => None,
+                };
             }
         }
     }
