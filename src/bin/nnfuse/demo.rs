@@ -9,8 +9,9 @@
 //! and the plain-cuDNN compositions as configurations), `plans` (every layer's plan without a
 //! GPU), `reference` (f64 convolution gradients and GEMMs), `check` (the per-operation
 //! comparison), `bits` (`--graph`'s bit-for-bit comparison), `report` (text and JSON),
-//! `host_profile` (`--profile-host`'s breakdown, text and JSON) — all pure — and `gpu`
-//! (buffers, steps, timing), `host` (host time while the GPU is busy, the profiled steps) and
+//! `host_profile` (`--profile-host`'s breakdown, text and JSON) — all pure — `units` (nnfuse's
+//! fused forward units: ConvStats then BatchNorm from its sums, and their decision's rule), and
+//! `gpu` (buffers, steps, the units' first-step timing, timing), `host` (host time while the GPU is busy, the profiled steps) and
 //! `graph` (`--graph`: capture, replay).
 
 mod bits;
@@ -24,6 +25,7 @@ mod inference;
 mod plans;
 mod reference;
 mod report;
+mod units;
 mod variants;
 
 /// Deterministic test data for the demo's unit tests: xorshift64 values uniform in `[lo, hi)`.

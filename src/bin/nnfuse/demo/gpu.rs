@@ -2,13 +2,14 @@
 //! training step through nnfuse's dispatchers (or the plain cuDNN compositions), the check run,
 //! and the timed steps with CUDA events.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context as _, Result};
 use cudarc::driver::{sys as drv, CudaEvent, CudaSlice, DeviceRepr};
 use nnfuse::activation;
 use nnfuse::batchnorm::{BackwardArgs, BatchNorm, BnSaved, Fuse, TrainArgs};
+use nnfuse::block::StatsRoute;
 use nnfuse::conv::{AutoReport, Conv2d, ConvChoice, Direction, Route};
 use nnfuse::gemm::{self, Algo};
 use nnfuse::internals::util;
@@ -22,6 +23,7 @@ use super::check::{
 use super::host::{busy_step_ms, profile_steps, BusyGpu};
 use super::host_profile::HostProfile;
 use super::report::{CheckReport, Decision, GraphReport, StepTimes, VariantRun};
+use super::units::{self, FusedUnit, Unit, UnitChoice};
 use super::variants::Variant;
 
 /// `[f(0)?, f(1)?, f(2)?]`.
@@ -56,6 +58,10 @@ pub struct Buffers<T: Element> {
     dbeta: [CudaSlice<f32>; 3],
     /// The plain compositions' ReLU gradient before BatchNorm 1 and 2's backward.
     relu_grad: CudaSlice<T>,
+    /// The fused units' per-channel sums of `a[i]` (ConvStats to BatchNorm from sums).
+    sum: [CudaSlice<f32>; 3],
+    /// The fused units' per-channel sums of squares of `a[i]`.
+    sqsum: [CudaSlice<f32>; 3],
     feat: CudaSlice<T>,
     fc_w: CudaSlice<T>,
     logits: CudaSlice<T>,
@@ -88,6 +94,8 @@ impl<T: Element> Buffers<T> {
             dgamma: three(|i| zeros(ctx, bn_ch(i)))?,
             dbeta: three(|i| zeros(ctx, bn_ch(i)))?,
             relu_grad: zeros(ctx, act(def.mid))?,
+            sum: three(|i| zeros(ctx, bn_ch(i)))?,
+            sqsum: three(|i| zeros(ctx, bn_ch(i)))?,
             feat: zeros(ctx, def.n * def.fc_in)?,
             fc_w: zeros(ctx, def.fc_out * def.fc_in)?,
             logits: zeros(ctx, def.n * def.fc_out)?,
@@ -166,7 +174,14 @@ impl<T: Element> Buffers<T> {
         {
             util::fill(ctx, b, nan)?;
         }
-        for b in self.dgamma.iter_mut().chain(&mut self.dbeta) {
+        // The fused units' sums too: a unit that read sums nobody wrote shows in its outputs.
+        for b in self
+            .dgamma
+            .iter_mut()
+            .chain(&mut self.dbeta)
+            .chain(&mut self.sum)
+            .chain(&mut self.sqsum)
+        {
             util::fill(ctx, b, f32::NAN)?;
         }
         Ok(())
@@ -348,6 +363,12 @@ pub struct Layers<T: Element> {
     /// Routes forced on the convolutions (`[conv][direction]`): the check runs the routes the
     /// timed batch decided; `None`: the dispatcher decides.
     forced: [[Option<Route>; 3]; 3],
+    /// nnfuse's fused forward units (conv+stats, then BatchNorm from the sums), or why none.
+    units: [Unit<T>; 3],
+    /// Whether each unit runs fused: decided on the first step (timed), or given (the check).
+    choices: [OnceLock<UnitChoice>; 3],
+    /// ConvStats routes forced on the units (the check runs the timed batch's).
+    forced_stats: [Option<StatsRoute>; 3],
 }
 
 impl<T: Element> Layers<T> {
@@ -366,7 +387,49 @@ impl<T: Element> Layers<T> {
             convs,
             bns,
             forced: [[None; 3]; 3],
+            units: units::build(ctx, def, variant),
+            choices: [OnceLock::new(), OnceLock::new(), OnceLock::new()],
+            forced_stats: [None; 3],
         })
+    }
+
+    /// Unit `i` when it runs fused (built, and decided or given fused).
+    pub fn fused_unit(&self, i: usize) -> Option<&FusedUnit<T>> {
+        match (&self.units[i], self.choices[i].get()) {
+            (Ok(u), Some(c)) if c.fused => Some(u),
+            _ => None,
+        }
+    }
+
+    /// Unit `i`: built, or why not.
+    pub fn unit(&self, i: usize) -> &Unit<T> {
+        &self.units[i]
+    }
+
+    /// How unit `i` was decided, once it was.
+    pub fn unit_choice(&self, i: usize) -> Option<&UnitChoice> {
+        self.choices[i].get()
+    }
+
+    /// The timed batch's unit decisions given to these layers (the check's), with the
+    /// ConvStats routes they ran forced.
+    pub fn give_units(&mut self, from: &Layers<T>) {
+        for i in 0..3 {
+            if let Some(c) = from.unit_choice(i) {
+                // A fresh Layers has no choice yet; a second give keeps the first.
+                let _ = self.choices[i].set(c.clone());
+                // ConvStats' live decision: a graph route that failed at run time fell back.
+                self.forced_stats[i] = match &from.units[i] {
+                    Ok(u) => u.stats.choice().map(|s| s.route),
+                    Err(_) => None,
+                };
+            }
+        }
+    }
+
+    /// Lets ConvStats decide its route again (the check's retry at its own batch).
+    pub fn unforce_stats(&mut self) {
+        self.forced_stats = [None; 3];
     }
 
     /// Whether the step's call of convolution `i`'s `d` accumulates (nnfuse's conv1.dgrad,
@@ -401,8 +464,30 @@ impl<T: Element> Layers<T> {
         self.forced = routes;
     }
 
-    /// The route convolution `i` runs for `d`: the forced one, else the decided one.
+    /// The route convolution `i` runs for `d`: the forced one, else the decided one. A fused
+    /// unit's forward runs inside ConvStats: on its graph route no Conv2d route (None), on its
+    /// unfused route the decision ConvStats' own Conv2d made (the process-wide decision of this
+    /// problem and configuration, which a forced route does not reach).
     pub fn route(&self, i: usize, d: Direction) -> Option<Route> {
+        if d == Direction::Forward {
+            if let Some(u) = self.fused_unit(i) {
+                let route = self.forced_stats[i]
+                    .or_else(|| u.stats.choice().map(|c| c.route))
+                    .unwrap_or(StatsRoute::Unfused);
+                if route == StatsRoute::GraphGenstats {
+                    return None;
+                }
+                let key = nnfuse::conv::internals::ChoiceKey::of(
+                    self.ctx.info().ordinal as u32,
+                    self.convs[i].plan_for(d),
+                    self.convs[i].cudnn_search(),
+                    false,
+                );
+                if let Some(c) = nnfuse::conv::internals::lookup_choice(&key) {
+                    return Some(c.route);
+                }
+            }
+        }
         self.forced[i][direction_index(d)].or_else(|| self.decision(i, d).map(|c| c.route))
     }
 
@@ -412,8 +497,156 @@ impl<T: Element> Layers<T> {
     }
 }
 
-/// Runs one operation of the step. `saved` carries BatchNorm's forward state to its backward.
+/// Convolution `i`'s forward into `a[i]`: through `unit` (ConvStats, which also writes the
+/// unit's sums) or through the Conv2d.
+fn conv_fwd<T: Element>(
+    l: &Layers<T>,
+    b: &mut Buffers<T>,
+    i: usize,
+    unit: Option<&FusedUnit<T>>,
+) -> nnfuse::Result<()> {
+    let x = if i == 0 { &b.x } else { &b.h[i - 1] };
+    if let Some(u) = unit {
+        let (x, w) = (x.as_view(), b.w[i].as_view());
+        let (y, sum, sqsum) = (
+            &mut b.a[i].as_view_mut(),
+            &mut b.sum[i].as_view_mut(),
+            &mut b.sqsum[i].as_view_mut(),
+        );
+        return match l.forced_stats[i] {
+            Some(r) => u.stats.forward_with(r, &x, &w, y, sum, sqsum),
+            None => u.stats.forward(&x, &w, y, sum, sqsum),
+        };
+    }
+    match l.conv_route(Op::ConvFwd(i)) {
+        Some(r) => l.convs[i].forward_with(r, x, &b.w[i], &mut b.a[i]),
+        None => l.convs[i].forward(x, &b.w[i], &mut b.a[i]),
+    }
+}
+
+/// BatchNorm `i`'s training forward (with the plain compositions' activation kernels): from
+/// `unit`'s sums on the own path, or the layer's BatchNorm. Returns the state for its backward.
+fn bn_fwd<T: Element>(
+    l: &Layers<T>,
+    b: &mut Buffers<T>,
+    i: usize,
+    unit: Option<&FusedUnit<T>>,
+) -> nnfuse::Result<BnSaved> {
+    let ctx = &l.ctx;
+    let fused = l.variant.fuse(i);
+    let args = TrainArgs {
+        x: b.a[i].as_view(),
+        addend: (fused == Fuse::AddRelu).then(|| b.x.as_view()),
+        gamma: b.gamma[i].as_view(),
+        beta: b.beta[i].as_view(),
+        running_mean: b.rm[i].as_view_mut(),
+        running_var: b.rv[i].as_view_mut(),
+        y: b.h[i].as_view_mut(),
+        momentum: MOMENTUM,
+        eps: EPS,
+    };
+    let s = match unit {
+        Some(u) => {
+            u.bn.forward_train_from_sums(args, &b.sum[i].as_view(), &b.sqsum[i].as_view())?
+        }
+        None => l.bns[i].forward_train(args)?,
+    };
+    if fused == Fuse::None {
+        // The plain composition: the shortcut's add, then the ReLU, each a kernel.
+        if BlockDef::bn_fuse(i) == Fuse::AddRelu {
+            util::add_assign(ctx, &mut b.h[i], &b.x)?;
+        }
+        activation::relu_mask_fwd_inplace(ctx, &mut b.h[i], None::<&mut CudaSlice<u32>>)?;
+    }
+    Ok(s)
+}
+
+/// Decides unit `i` on this step's buffers (its input as the step left it): one untimed run of
+/// each composition (their first calls decide), then [`units::ROUNDS`] runs of each,
+/// alternating, each behind a head start and timed with CUDA events; the faster composition
+/// runs from then on. BatchNorm `i`'s running statistics are restored afterwards (every run
+/// moves them); the step then runs the chosen composition as usual. Synchronises: the first
+/// step only, never under capture (the check's layers are given the timed batch's choices).
+fn decide_unit<T: Element>(
+    l: &Layers<T>,
+    b: &mut Buffers<T>,
+    i: usize,
+    unit: &FusedUnit<T>,
+) -> Result<()> {
+    let ctx = &l.ctx;
+    let s = ctx.stream();
+    let (rm, rv) = (s.clone_dtoh(&b.rm[i])?, s.clone_dtoh(&b.rv[i])?);
+    let run = |b: &mut Buffers<T>, fused: bool| -> Result<()> {
+        let u = fused.then_some(unit);
+        conv_fwd(l, b, i, u)?;
+        drop(bn_fwd(l, b, i, u)?);
+        Ok(())
+    };
+    let mut host_ms: f64 = 0.0;
+    for pass in 0..2 {
+        for fused in [false, true] {
+            ctx.synchronize()?;
+            let t = Instant::now();
+            match run(b, fused) {
+                Ok(()) => {}
+                // The fused unit's own failure keeps the composition that works, saying why.
+                Err(e) if fused => {
+                    ctx.synchronize()?;
+                    s.memcpy_htod(&rm, &mut b.rm[i])?;
+                    s.memcpy_htod(&rv, &mut b.rv[i])?;
+                    let _ = l.choices[i].set(UnitChoice::failed(format!("{e:#}")));
+                    return Ok(());
+                }
+                Err(e) => return Err(e.context(format!("unit {} (conv then BN)", i + 1))),
+            }
+            if pass == 1 {
+                host_ms = host_ms.max(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+    }
+    let mut head = HeadStart::new(ctx, host_ms)?;
+    let (a, z) = (new_event(ctx)?, new_event(ctx)?);
+    let mut times: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+    for k in 0..units::ROUNDS {
+        for j in 0..2 {
+            let fused = (k + j) % 2 == 1;
+            ctx.synchronize()?;
+            head.queue(ctx)?;
+            a.record(s)?;
+            run(b, fused)?;
+            z.record(s)?;
+            z.synchronize()?;
+            times[usize::from(fused)].push(a.elapsed_ms(&z)? as f64 * 1e3);
+        }
+    }
+    s.memcpy_htod(&rm, &mut b.rm[i])?;
+    s.memcpy_htod(&rv, &mut b.rv[i])?;
+    ctx.synchronize()?;
+    let choice = UnitChoice::from_times(&times[1], &times[0], unit.stats.choice());
+    // Decided once per Layers: a second set (none happens) would keep the first.
+    let _ = l.choices[i].set(choice);
+    Ok(())
+}
+
+/// Runs one operation of the step, deciding its unit first where a fused unit is built and
+/// undecided (the first step's `convN.fwd`). `saved` carries BatchNorm's forward state to its
+/// backward.
 fn run_op<T: Element>(
+    l: &Layers<T>,
+    b: &mut Buffers<T>,
+    op: Op,
+    saved: &mut [Option<BnSaved>; 3],
+) -> Result<()> {
+    if let Op::ConvFwd(i) = op {
+        if let (Ok(u), None) = (&l.units[i], l.choices[i].get()) {
+            decide_unit(l, b, i, u)?;
+        }
+    }
+    Ok(queue_op(l, b, op, saved)?)
+}
+
+/// Queues one operation of the step (decided: no measurement of its own here).
+fn queue_op<T: Element>(
     l: &Layers<T>,
     b: &mut Buffers<T>,
     op: Op,
@@ -422,13 +655,7 @@ fn run_op<T: Element>(
     let ctx = &l.ctx;
     let forced = l.conv_route(op);
     match op {
-        Op::ConvFwd(i) => {
-            let x = if i == 0 { &b.x } else { &b.h[i - 1] };
-            match forced {
-                Some(r) => l.convs[i].forward_with(r, x, &b.w[i], &mut b.a[i]),
-                None => l.convs[i].forward(x, &b.w[i], &mut b.a[i]),
-            }
-        }
+        Op::ConvFwd(i) => conv_fwd(l, b, i, l.fused_unit(i)),
         Op::ConvDgrad(0) if l.variant.adds_dx_in_place() => {
             // dx holds the shortcut's gradient (bn3.bwd's d_addend): add conv1's to it. A
             // forced route that cannot add gives way to the dispatcher's accumulating route.
@@ -458,26 +685,7 @@ fn run_op<T: Element>(
             }
         }
         Op::BnFwd(i) => {
-            let fused = l.variant.fuse(i);
-            let s = l.bns[i].forward_train(TrainArgs {
-                x: b.a[i].as_view(),
-                addend: (fused == Fuse::AddRelu).then(|| b.x.as_view()),
-                gamma: b.gamma[i].as_view(),
-                beta: b.beta[i].as_view(),
-                running_mean: b.rm[i].as_view_mut(),
-                running_var: b.rv[i].as_view_mut(),
-                y: b.h[i].as_view_mut(),
-                momentum: MOMENTUM,
-                eps: EPS,
-            })?;
-            if fused == Fuse::None {
-                // The plain composition: the shortcut's add, then the ReLU, each a kernel.
-                if BlockDef::bn_fuse(i) == Fuse::AddRelu {
-                    util::add_assign(ctx, &mut b.h[i], &b.x)?;
-                }
-                activation::relu_mask_fwd_inplace(ctx, &mut b.h[i], None::<&mut CudaSlice<u32>>)?;
-            }
-            saved[i] = Some(s);
+            saved[i] = Some(bn_fwd(l, b, i, l.fused_unit(i))?);
             Ok(())
         }
         Op::BnBwd(i) => {
@@ -490,7 +698,9 @@ fn run_op<T: Element>(
             let last = i == 2;
             let dy = if last { &b.dout } else { &b.dh[i] };
             if l.variant.fuse(i) != Fuse::None {
-                l.bns[i].backward(BackwardArgs {
+                // A fused unit's state is the own path's: its own BatchNorm's backward.
+                let bn = l.fused_unit(i).map_or(&l.bns[i], |u| &u.bn);
+                bn.backward(BackwardArgs {
                     x: b.a[i].as_view(),
                     y: b.h[i].as_view(),
                     dy: dy.as_view(),
@@ -711,10 +921,74 @@ pub fn timed_step<T: Element>(
 pub fn decisions<T: Element>(l: &Layers<T>, b: &Buffers<T>) -> Vec<Decision> {
     STEP.iter()
         .map(|&op| {
-            let (route, detail) = decide_text(l, b, op);
+            let (route, detail) = with_unit(l, op, decide_text(l, b, op));
             Decision { op, route, detail }
         })
         .collect()
+}
+
+/// nnfuse's fused units in `op`'s decision (`convN.fwd`, `bnN.fwd`, `bnN.bwd`): where unit N
+/// runs fused, what runs instead of the layer's own decision (`route`, `detail`), with both
+/// timings; where it does not, the layer's decision with why not.
+fn with_unit<T: Element>(
+    l: &Layers<T>,
+    op: Op,
+    (route, detail): (String, String),
+) -> (String, String) {
+    let i = match op {
+        Op::ConvFwd(i) | Op::BnFwd(i) | Op::BnBwd(i) if l.variant == Variant::Nnfuse => i,
+        _ => return (route, detail),
+    };
+    let (Some(u), Some(c)) = (l.fused_unit(i), l.unit_choice(i)) else {
+        let why = match (l.unit(i), l.unit_choice(i)) {
+            (Err(why), _) => format!("no fused unit: {why}"),
+            (Ok(_), Some(c)) => c.describe(i),
+            (Ok(_), None) => "fused unit not decided yet".into(),
+        };
+        return match op {
+            Op::BnBwd(_) => (route, detail),
+            _ => (route, format!("{detail}; {why}")),
+        };
+    };
+    let n = i + 1;
+    let p = u.bn.plan();
+    let fuse = BlockDef::bn_fuse(i).describe();
+    match op {
+        Op::ConvFwd(_) => {
+            let sc = u.stats.choice();
+            let r = sc.as_ref().map_or(StatsRoute::Unfused, |s| s.route);
+            let mut d = format!(
+                "{}; ConvStats: conv{n} and its output's per-channel sum and sum of squares",
+                c.describe(i)
+            );
+            if let Some(sc) = sc.filter(|s| !s.times_us.is_empty()) {
+                let t: Vec<String> = sc
+                    .times_us
+                    .iter()
+                    .map(|(name, us)| format!("{name} {us:.1} us"))
+                    .collect();
+                d.push_str(&format!(" (its routes measured: {})", t.join(", ")));
+            }
+            if r == StatsRoute::Unfused {
+                d.push_str(&format!("; its convolution: {route}, {detail}"));
+            }
+            (format!("conv_stats/{r}"), d)
+        }
+        Op::BnFwd(_) => (
+            format!("own_from_sums/{}", p.mode.name()),
+            format!(
+                "nnfuse's own {fuse} from conv{n}'s sums: statistics finalized per channel, then                  normalisation, activation and bitmask in one pass (BnImpl::Own; {}, {} API)",
+                p.mode.name(),
+                p.api
+            ),
+        ),
+        _ => (
+            format!("own/{}", p.mode.name()),
+            format!(
+                "nnfuse's own {fuse} backward: the fused unit's BatchNorm (own path), whose                  state forward_train_from_sums made"
+            ),
+        ),
+    }
 }
 
 fn decide_text<T: Element>(l: &Layers<T>, b: &Buffers<T>, op: Op) -> (String, String) {
@@ -917,6 +1191,9 @@ impl<T: Element> Session<T> {
             bar.set_message(format!("check at batch {batch}, {}", l.variant.title()));
             let mut cl = Layers::<T>::new(&l.ctx, &cdef, l.variant)?;
             cl.force(l.decided_routes());
+            // The fused units as the timed batch decided, on its ConvStats routes (ConvStats'
+            // inner convolution decides at this batch: it takes no forced route).
+            cl.give_units(l);
             small.upload_and_poison(&ctx, &inp)?;
             if let Err(e) = run_step(&cl, &mut small, &mut |_| Ok(())) {
                 // A route of the timed batch that this batch cannot take: check the dispatcher's
@@ -927,8 +1204,20 @@ impl<T: Element> Session<T> {
                     l.variant.title()
                 ));
                 cl.force([[None; 3]; 3]);
+                cl.unforce_stats();
                 small.upload_and_poison(&ctx, &inp)?;
                 run_step(&cl, &mut small, &mut |_| Ok(()))?;
+            }
+            let fused: Vec<String> = (0..3)
+                .filter(|&i| cl.fused_unit(i).is_some())
+                .map(|i| format!("conv{n}+bn{n}", n = i + 1))
+                .collect();
+            if !fused.is_empty() {
+                report.notes.push(format!(
+                    "{}: fused units {} checked as they ran (ConvStats, then BatchNorm from its                      sums); ConvStats' convolution decides at batch {batch} itself (it takes no                      forced route), its route gives conv.fwd's tolerance",
+                    l.variant.title(),
+                    fused.join(", ")
+                ));
             }
             let out = small.download_outputs(&ctx)?;
             let tol = |op: Op| tolerance(op, T::DTYPE, op.conv().and_then(|(i, d)| cl.route(i, d)));

@@ -11,7 +11,8 @@ use super::block::BlockDef;
 pub enum Variant {
     /// nnfuse's dispatchers under the user's configuration (environment variables): `auto`
     /// convolutions, fused BatchNorm+activation where cuDNN allows it (else cuDNN BN plus the
-    /// bitmask kernels), the GEMM search.
+    /// bitmask kernels), the GEMM search; and each conv → BN unit's forward as ConvStats then
+    /// BatchNorm from its sums (own kernels) where the first step measures that faster.
     Nnfuse,
     /// The baseline to beat: plain cuDNN calls, no fusion, cuDNN `SPATIAL` BatchNorm —
     /// OneFlow's rule without its NHWC flag (`NNFUSE_BN_MODE_POLICY=oneflow`).
@@ -62,7 +63,11 @@ impl Variant {
                 "nnfuse's dispatchers as configured: conv auto (measured on the first call), \
                  BatchNorm as NNFUSE_BN_IMPL decides per layer (nnfuse's own kernels, or cuDNN \
                  fused with its activation where cuDNN allows it, else cuDNN BN + nnfuse's \
-                 bitmask ReLU/Add+ReLU), GEMM algorithm search"
+                 bitmask ReLU/Add+ReLU), GEMM algorithm search; each conv → BN unit's forward \
+                 fused where the first step measures it faster: ConvStats (the convolution and \
+                 its output's per-channel sums, one cuDNN graph or conv + reduction) then \
+                 BatchNorm finalized from those sums on nnfuse's own kernels (whose backward \
+                 then runs)"
             }
             Variant::CudnnSpatial => {
                 "plain cuDNN, no fusion: conv cuDNN only (the fastest of \
