@@ -107,7 +107,7 @@ impl<T: Element> ConvStats<T> {
         } else {
             None
         };
-        let plan = stats_plan(shape, T::DTYPE, cudnn)?;
+        let plan = stats_plan(shape, T::DTYPE, cudnn, ctx.config().deterministic)?;
         let unit = ConvStats {
             ctx: ctx.clone(),
             conv: Conv2d::<T>::new(ctx, shape)?,

@@ -105,8 +105,17 @@ impl fmt::Display for StatsPlan {
 }
 
 /// Why the graph route cannot run `shape`, or `None` when it may (pure). `cudnn`: the loaded
-/// cuDNN's version, `None` without cuDNN.
-fn graph_refusal(shape: &ConvShape, cudnn: Option<usize>) -> Option<String> {
+/// cuDNN's version, `None` without cuDNN; `deterministic`: results must repeat bit for bit.
+fn graph_refusal(shape: &ConvShape, cudnn: Option<usize>, deterministic: bool) -> Option<String> {
+    if deterministic {
+        // No engine note says so, but the sums are not reduced in a fixed order: on the H100
+        // (cuDNN 9.19) two eager steps of `nnfuse demo` with this route agreed bit for bit in
+        // 9 of 31 outputs, against 31 of 31 without it.
+        return Some(
+            "NNFUSE_DETERMINISTIC: cuDNN's GEN_STATS sums do not repeat bit for bit (measured);              the unfused route's reduction has a fixed order"
+                .into(),
+        );
+    }
     if shape.format != TensorFormat::Nhwc {
         return Some(
             "NCHW: the conv+GEN_STATS graph is built and was probed for NHWC data only".into(),
@@ -124,10 +133,15 @@ fn graph_refusal(shape: &ConvShape, cudnn: Option<usize>) -> Option<String> {
 /// Plans `shape` in `dtype` given the loaded cuDNN's version (`None`: not found): every
 /// route's eligibility and reason. Pure. Errors: an invalid shape, naming the field.
 #[doc(hidden)] // reached through `internals`
-pub fn stats_plan(shape: &ConvShape, dtype: DType, cudnn: Option<usize>) -> Result<StatsPlan> {
+pub fn stats_plan(
+    shape: &ConvShape,
+    dtype: DType,
+    cudnn: Option<usize>,
+    deterministic: bool,
+) -> Result<StatsPlan> {
     shape.y_len()?;
     shape.w_len()?;
-    let graph = match graph_refusal(shape, cudnn) {
+    let graph = match graph_refusal(shape, cudnn, deterministic) {
         Some(why) => (StatsRoute::GraphGenstats, false, why),
         None => (
             StatsRoute::GraphGenstats,
@@ -210,20 +224,22 @@ mod tests {
 
     #[test]
     fn the_graph_route_needs_nhwc_and_cudnn_9() {
-        let p = stats_plan(&shape(TensorFormat::Nhwc), DType::F16, Some(91900)).unwrap();
+        let p = stats_plan(&shape(TensorFormat::Nhwc), DType::F16, Some(91900), false).unwrap();
         assert!(p.eligible(StatsRoute::GraphGenstats), "{p}");
         assert!(p.eligible(StatsRoute::Unfused));
-        let p = stats_plan(&shape(TensorFormat::Nchw), DType::F16, Some(91900)).unwrap();
+        let p = stats_plan(&shape(TensorFormat::Nchw), DType::F16, Some(91900), false).unwrap();
         assert!(!p.eligible(StatsRoute::GraphGenstats));
         assert!(p.reason(StatsRoute::GraphGenstats).contains("NCHW"), "{p}");
-        let p = stats_plan(&shape(TensorFormat::Nhwc), DType::F32, None).unwrap();
+        let p = stats_plan(&shape(TensorFormat::Nhwc), DType::F32, None, false).unwrap();
         assert!(p.reason(StatsRoute::GraphGenstats).contains("not found"));
-        let p = stats_plan(&shape(TensorFormat::Nhwc), DType::BF16, Some(8907)).unwrap();
+        let p = stats_plan(&shape(TensorFormat::Nhwc), DType::BF16, Some(8907), false).unwrap();
         assert!(!p.eligible(StatsRoute::GraphGenstats));
         assert!(p.to_string().contains("refused"), "{p}");
         let mut bad = shape(TensorFormat::Nhwc);
         bad.stride = (0, 1);
-        assert!(stats_plan(&bad, DType::F16, Some(91900)).is_err());
+        assert!(stats_plan(&bad, DType::F16, Some(91900), false).is_err());
+        let det = stats_plan(&shape(TensorFormat::Nhwc), DType::F16, Some(91900), true).unwrap();
+        assert!(det.to_string().contains("NNFUSE_DETERMINISTIC"), "{det}");
     }
 
     #[test]
