@@ -28,6 +28,10 @@ use crate::tune::budget::Budget;
 /// cuDNN's reference engine.
 pub const MAX_GRAPH_CANDIDATES: usize = 16;
 
+/// Workspace above which a first call measures a graph engine config after the others
+/// (nnfuse's own scratch cap by default, 256 MiB).
+const LARGE_WORKSPACE: usize = 256 << 20;
+
 /// The engine policy of `config`: true f32 (no TF32), f32 accumulation, deterministic engines
 /// only under [`Config::deterministic`], and no run-time compilation (finalizing such an engine
 /// takes ~1.5 s: a first call must not stall for it) unless the decision is exhaustive
@@ -165,7 +169,15 @@ pub(super) fn engine_execs(
                         .join("; ")
                 ));
             }
-            a.plans
+            let mut plans: Vec<_> = a.plans.iter().collect();
+            if !budget.exhaustive() {
+                // Stable: cuDNN's order otherwise. A config whose workspace is large (FFT
+                // engines, 0.4-2.3 GB) is checked last: its first run grows the Context's
+                // workspace, which cost a first call 16 ms on the H100 and left the fastest
+                // config (7th, from the fallback list) unmeasured.
+                plans.sort_by_key(|p| p.workspace_bytes() > LARGE_WORKSPACE);
+            }
+            plans
                 .iter()
                 .filter_map(|p| p.key().engine)
                 .map(|e| Exec {
