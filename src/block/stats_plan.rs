@@ -112,7 +112,8 @@ fn graph_refusal(shape: &ConvShape, cudnn: Option<usize>, deterministic: bool) -
         // (cuDNN 9.19) two eager steps of `nnfuse demo` with this route agreed bit for bit in
         // 9 of 31 outputs, against 31 of 31 without it.
         return Some(
-            "NNFUSE_DETERMINISTIC: cuDNN's GEN_STATS sums do not repeat bit for bit (measured);              the unfused route's reduction has a fixed order"
+            "NNFUSE_DETERMINISTIC: cuDNN's GEN_STATS sums do not repeat bit for bit (measured); \
+             the unfused route's reduction has a fixed order"
                 .into(),
         );
     }

@@ -75,16 +75,19 @@ impl fmt::Display for Unsuitable {
         match self {
             Unsuitable::NonFinite { count } => write!(
                 f,
-                "the cuBLAS default's result has {count} non-finite elements (NaN or Inf in the                  inputs, or overflow)"
+                "the cuBLAS default's result has {count} non-finite elements (NaN or Inf in the \
+                 inputs, or overflow)"
             ),
             Unsuitable::MostlyZero { nonzero, elements } => write!(
                 f,
-                "only {nonzero} of the {elements} elements of the cuBLAS default's result are                  nonzero (fewer than {:.0}%)",
+                "only {nonzero} of the {elements} elements of the cuBLAS default's result are \
+                 nonzero (fewer than {:.0}%)",
                 MIN_NONZERO_FRACTION * 100.0
             ),
             Unsuitable::ProductNegligible { share } => write!(
                 f,
-                "alpha * op(A) op(B) is only {share:.3} of the result's norm (beta * C                  dominates; at least {MIN_PRODUCT_SHARE} needed)"
+                "alpha * op(A) op(B) is only {share:.3} of the result's norm (beta * C \
+                 dominates; at least {MIN_PRODUCT_SHARE} needed)"
             ),
         }
     }

@@ -977,7 +977,8 @@ fn with_unit<T: Element>(
         Op::BnFwd(_) => (
             format!("own_from_sums/{}", p.mode.name()),
             format!(
-                "nnfuse's own {fuse} from conv{n}'s sums: statistics finalized per channel, then                  normalisation, activation and bitmask in one pass (BnImpl::Own; {}, {} API)",
+                "nnfuse's own {fuse} from conv{n}'s sums: statistics finalized per channel, then \
+                 normalisation, activation and bitmask in one pass (BnImpl::Own; {}, {} API)",
                 p.mode.name(),
                 p.api
             ),
@@ -985,7 +986,8 @@ fn with_unit<T: Element>(
         _ => (
             format!("own/{}", p.mode.name()),
             format!(
-                "nnfuse's own {fuse} backward: the fused unit's BatchNorm (own path), whose                  state forward_train_from_sums made"
+                "nnfuse's own {fuse} backward: the fused unit's BatchNorm (own path), whose \
+                 state forward_train_from_sums made"
             ),
         ),
     }
@@ -1214,7 +1216,9 @@ impl<T: Element> Session<T> {
                 .collect();
             if !fused.is_empty() {
                 report.notes.push(format!(
-                    "{}: fused units {} checked as they ran (ConvStats, then BatchNorm from its                      sums); ConvStats' convolution decides at batch {batch} itself (it takes no                      forced route), its route gives conv.fwd's tolerance",
+                    "{}: fused units {} checked as they ran (ConvStats, then BatchNorm from its \
+                     sums); ConvStats' convolution decides at batch {batch} itself (it takes no \
+                     forced route), its route gives conv.fwd's tolerance",
                     l.variant.title(),
                     fused.join(", ")
                 ));
