@@ -501,23 +501,31 @@ fn forward_two_pass(op: &Op<'_>, b: &FwdBufs, momentum: f64, eps: f64) -> Result
     apply_forward(
         op,
         ApplyFwdArgs {
-            x: b.x,
-            z: b.z,
-            y: b.y,
-            mask: b.mask,
-            mean: b.saved_mean,
-            mean_lo: b.saved_mean_lo,
-            inv: b.saved_invstd,
-            gamma: b.gamma,
-            beta: b.beta,
-            coef: scratch.ptr() + coef_at * 4,
-            from_var: 0,
-            eps: eps as f32,
             hint: u32::from(op.x_fits_l2()),
-            ..ApplyFwdArgs::default()
+            ..train_apply_args(b, scratch.ptr() + coef_at * 4, eps)
         },
         staged,
     )
+}
+
+/// The training forward's elementwise pass on the saved statistics in `b`, its per-channel
+/// coefficients staged at `coef` (the two-pass forward's second pass and [`apply_train`]).
+fn train_apply_args(b: &FwdBufs, coef: u64, eps: f64) -> ApplyFwdArgs {
+    ApplyFwdArgs {
+        x: b.x,
+        z: b.z,
+        y: b.y,
+        mask: b.mask,
+        mean: b.saved_mean,
+        mean_lo: b.saved_mean_lo,
+        inv: b.saved_invstd,
+        gamma: b.gamma,
+        beta: b.beta,
+        coef,
+        from_var: 0,
+        eps: eps as f32,
+        ..ApplyFwdArgs::default()
+    }
 }
 
 /// The training forward's elementwise pass alone (y and, with an activation, the mask), on
@@ -527,25 +535,7 @@ pub(crate) fn apply_train(op: &Op<'_>, b: &FwdBufs, eps: f64) -> Result<()> {
     let staged = staged_bytes(op.c(), 4);
     let coef_floats = if staged > 0 { 0 } else { 4 * op.c() };
     let scratch = op.ctx.scratch(coef_floats as usize * 4)?;
-    apply_forward(
-        op,
-        ApplyFwdArgs {
-            x: b.x,
-            z: b.z,
-            y: b.y,
-            mask: b.mask,
-            mean: b.saved_mean,
-            mean_lo: b.saved_mean_lo,
-            inv: b.saved_invstd,
-            gamma: b.gamma,
-            beta: b.beta,
-            coef: scratch.ptr(),
-            from_var: 0,
-            eps: eps as f32,
-            ..ApplyFwdArgs::default()
-        },
-        staged,
-    )
+    apply_forward(op, train_apply_args(b, scratch.ptr(), eps), staged)
 }
 
 /// Inference forward: one elementwise pass with the running statistics.
