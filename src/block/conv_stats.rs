@@ -142,22 +142,50 @@ impl<T: Element> ConvStats<T> {
         sum: &mut CudaViewMut<'_, f32>,
         sqsum: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
-        let ptrs = self.validate(x, w, y, sum, sqsum)?;
         let decided = lock(&self.decision).as_ref().map(|c| c.route);
-        let route = match decided {
-            Some(r) => r,
-            None => return self.decide(x, w, y, sum, sqsum),
-        };
-        if route == StatsRoute::Unfused || !aligned(&ptrs) {
-            return self.run_unfused(x, w, y, sum, sqsum);
+        if decided == Some(StatsRoute::GraphGenstats)
+            && self.run_decided_graph(x, w, y, sum, sqsum)?
+        {
+            return Ok(());
         }
-        match self.run_graph(None, x, w, y, sum, sqsum) {
-            Ok(()) => Ok(()),
-            Err(e) if matches!(e, Error::InvalidArgument { .. } | Error::Capture { .. }) => Err(e),
-            Err(e) => {
+        // The unfused route writes y before it binds the sums: every operand is checked first.
+        self.validate(x, w, y, sum, sqsum)?;
+        match decided {
+            None => self.decide(x, w, y, sum, sqsum),
+            Some(_) => self.run_unfused(x, w, y, sum, sqsum),
+        }
+    }
+
+    /// The decided graph route, its operands checked once (by its own binding, before the
+    /// launch): `Ok(true)` when it ran; `Ok(false)` when they are not 16-byte aligned, or when
+    /// the route failed here and fell back for good — the caller then runs the unfused route.
+    fn run_decided_graph(
+        &self,
+        x: &CudaView<'_, T>,
+        w: &CudaView<'_, T>,
+        y: &CudaViewMut<'_, T>,
+        sum: &CudaViewMut<'_, f32>,
+        sqsum: &CudaViewMut<'_, f32>,
+    ) -> Result<bool> {
+        let failed = |e: Error| match e {
+            Error::InvalidArgument { .. } | Error::Capture { .. } => Err(e),
+            e => {
                 self.fall_back(&e);
-                self.run_unfused(x, w, y, sum, sqsum)
+                Ok(false)
             }
+        };
+        let g = match self.graph() {
+            Ok(g) => g,
+            Err(e) => return failed(e),
+        };
+        let (_bound, p) = self.bind(x, w, y, sum, sqsum)?;
+        if !aligned(&p) {
+            return Ok(false);
+        }
+        // SAFETY: checked by `bind` (lengths, device, outputs disjoint) and aligned above.
+        match unsafe { g.execute(&self.ctx, None, p) } {
+            Ok(()) => Ok(true),
+            Err(e) => failed(e),
         }
     }
 
