@@ -46,7 +46,7 @@ fn routes<T: Element>(conv: &Conv2d<T>, ctx: &Context, d: Direction) -> Vec<Rout
             ConvPath::Cudnn => {
                 out.push(Route::path(p));
                 let list = conv.cudnn_heuristics(d).expect("cuDNN heuristics");
-                let cap = ctx.config().conv_workspace_bytes();
+                let cap = ctx.config().cudnn_workspace_bytes();
                 let (ok, _, _) = usable(&list, T::DTYPE, cap, false);
                 out.extend(ok.iter().map(|q| Route::cudnn(q.algo)));
             }

@@ -64,7 +64,7 @@ fn routes<T: Element>(conv: &Conv2d<T>, ctx: &Context) -> Vec<Route> {
                 out.push(Route::path(p));
                 let list = conv.cudnn_heuristics(d).expect("cuDNN heuristics");
                 let (ok, _, _) =
-                    usable(&list, T::DTYPE, ctx.config().conv_workspace_bytes(), false);
+                    usable(&list, T::DTYPE, ctx.config().cudnn_workspace_bytes(), false);
                 out.extend(ok.iter().map(|q| Route::cudnn(q.algo)));
             }
             ConvPath::WinogradF2x3 | ConvPath::WinogradF4x3 => {
