@@ -100,8 +100,11 @@ impl<T: Element> std::fmt::Debug for ConvStats<T> {
 pub(super) type Ptrs = [u64; 5];
 
 impl<T: Element> ConvStats<T> {
-    /// Plans `shape` for `T` (pure: no GPU work; the graph is built on the first call).
+    /// Plans `shape` for `T` (no GPU work; the graph is built on the first call). Starts
+    /// compiling `kernels/block_stats.cu` in the background: the first call's unfused route
+    /// needs its reduction, and NVRTC compiled it on that call's critical path.
     pub fn new(ctx: &Context, shape: &ConvShape) -> Result<Self> {
+        ctx.prepare_kernels(&[&crate::kernels::BLOCK_STATS]);
         let cudnn = if cudnn_present() {
             Some(cudnn_version()?)
         } else {
