@@ -28,6 +28,7 @@ pub mod config;
 pub mod context;
 pub mod conv;
 mod cudnn_graph;
+mod device_check;
 pub mod dtype;
 pub mod error;
 pub mod gemm;

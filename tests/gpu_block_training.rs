@@ -235,6 +235,40 @@ fn conv_stats_nchw_refuses_the_graph_route_and_runs_unfused() {
     assert!(c.notes.iter().any(|n| n.contains("NCHW")), "{:?}", c.notes);
 }
 
+/// A first call on data whose unfused result is not finite cannot check the graph route
+/// (the comparison runs on the device, against a finite reference only): it keeps the unfused
+/// route and says why, and the sums carry the non-finite value as the f64 sums would.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv_stats_first_call_on_non_finite_data_keeps_unfused_and_says_why() {
+    let ctx = gpu();
+    let s = ConvShape::square(2, 64, 8, 64, 3, TensorFormat::Nhwc);
+    let unit = ConvStats::<f16>::new(&ctx, &s).unwrap();
+    let mut rng = Rng::fresh("non-finite");
+    let mut x: Vec<f16> = rng.vec(s.x_len().unwrap(), -1.0, 1.5);
+    x[5] = f16::INFINITY;
+    let w: Vec<f16> = rng.vec(s.w_len().unwrap(), -0.5, 0.5);
+    let got = run(&ctx, &unit, None, &x, &w).unwrap();
+    assert!(
+        got.y.iter().any(|v| !v.is_finite()),
+        "the infinity reached no output"
+    );
+    assert!(
+        got.sum.iter().any(|v| !v.is_finite()),
+        "the sums hid the infinity"
+    );
+    let c = unit.choice().unwrap();
+    assert_eq!(c.route, StatsRoute::Unfused, "{:?}", c.notes);
+    let no_plan = c.notes.iter().any(|n| n.contains("no plan"));
+    if unit.plan().eligible(StatsRoute::GraphGenstats) && !no_plan {
+        assert!(
+            c.notes.iter().any(|n| n.contains("non-finite")),
+            "no reason given: {:?}",
+            c.notes
+        );
+    }
+}
+
 /// Bad operands come back as errors naming the argument, before anything runs.
 #[test]
 #[ignore = "needs a CUDA GPU"]

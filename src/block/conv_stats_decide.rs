@@ -3,12 +3,13 @@
 //! buffers, those that pass timed against it (GPU time, interleaved rounds behind a head start),
 //! and the incumbent rule.
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr};
 
 use super::api::lock;
-use super::check::judge;
+use super::check::tolerance;
 use super::conv_stats::{ConvStats, StatsChoice};
 use super::stats_plan::{stats_error, stats_tolerance, StatsRoute};
+use crate::device_check::DeviceCompare;
 use crate::dtype::Element;
 use crate::error::{CallExt, Result};
 use crate::timing::{time_interleaved_gpu, InterleavedOptions};
@@ -27,9 +28,9 @@ const RACE: InterleavedOptions = InterleavedOptions {
 /// Median GPU µs per timed variant, by name.
 type Times = Vec<(String, f64)>;
 
-/// The reference outputs on the host.
+/// The reference: y widened on the device (compared there), the sums on the host (c_out each).
 struct Reference {
-    y: Vec<f64>,
+    y: DeviceCompare,
     sum: Vec<f64>,
     sqsum: Vec<f64>,
 }
@@ -88,15 +89,30 @@ impl<T: Element> ConvStats<T> {
                 }
             }
         };
+        let s = self.ctx.stream();
+        let y_len = y.len();
+        let y_ptr = y.device_ptr(s).0;
         let reference = Reference {
-            y: host(&self.ctx, &y.slice(..))?,
+            // SAFETY: y holds y_len elements of T on the Context's device (validated), written
+            // above on this stream.
+            y: unsafe {
+                DeviceCompare::new(&self.ctx, T::DTYPE, y_ptr, y_len, graph.plans().len())
+            }?,
             sum: host(&self.ctx, &sum.slice(..))?,
             sqsum: host(&self.ctx, &sqsum.slice(..))?,
         };
-        let s = self.ctx.stream();
+        let reference_bad = DeviceCompare::verdicts(&reference.y.read()?, 0).0;
+        if reference_bad != 0.0 {
+            notes.push(format!(
+                "graph_genstats: not checked: the unfused result has {reference_bad} non-finite \
+                 elements on this call's data"
+            ));
+            self.record(StatsRoute::Unfused, None, Vec::new(), notes);
+            return Ok(());
+        }
         // SAFETY: every measured route writes these buffers (poisoned first) before any read.
         let mut probe = Probe {
-            y: unsafe { s.alloc::<T>(reference.y.len().max(1)) }.call("cuMemAllocAsync")?,
+            y: unsafe { s.alloc::<T>(y_len.max(1)) }.call("cuMemAllocAsync")?,
             sum: unsafe { s.alloc::<f32>(reference.sum.len().max(1)) }.call("cuMemAllocAsync")?,
             sqsum: unsafe { s.alloc::<f32>(reference.sum.len().max(1)) }.call("cuMemAllocAsync")?,
         };
@@ -169,7 +185,7 @@ impl<T: Element> ConvStats<T> {
         reference: &Reference,
         probe: &mut Probe<T>,
     ) -> std::result::Result<String, String> {
-        let got = (|| -> Result<Reference> {
+        let got = (|| -> Result<((f64, f64), Vec<f64>, Vec<f64>)> {
             crate::util::fill(&self.ctx, &mut probe.y, T::from_f64(f64::NAN))?;
             crate::util::fill(&self.ctx, &mut probe.sum, f32::NAN)?;
             crate::util::fill(&self.ctx, &mut probe.sqsum, f32::NAN)?;
@@ -181,28 +197,32 @@ impl<T: Element> ConvStats<T> {
                 &mut probe.sum.as_view_mut(),
                 &mut probe.sqsum.as_view_mut(),
             )?;
-            Ok(Reference {
-                y: host(&self.ctx, &probe.y.as_view())?,
-                sum: host(&self.ctx, &probe.sum.as_view())?,
-                sqsum: host(&self.ctx, &probe.sqsum.as_view())?,
-            })
+            let y_ptr = probe.y.device_ptr(self.ctx.stream()).0;
+            // SAFETY: the probe's y holds the reference's element count of T.
+            unsafe { reference.y.compare(i, y_ptr) }?;
+            let sums = reference.y.read()?;
+            Ok((
+                DeviceCompare::verdicts(&sums, i).1,
+                host(&self.ctx, &probe.sum.as_view())?,
+                host(&self.ctx, &probe.sqsum.as_view())?,
+            ))
         })()
         .map_err(|e| e.to_string())?;
+        let ((rel_l2, nonfinite), got_sum, got_sqsum) = got;
         let dt = T::DTYPE;
-        let v = judge(&reference.y, &got.y, dt);
+        let passed_y = nonfinite == 0.0 && rel_l2 <= tolerance(dt);
         let count = self.rows().map_err(|e| e.to_string())?;
         let (es, eq) = stats_error(
             (&reference.sum, &reference.sqsum),
-            (&got.sum, &got.sqsum),
+            (&got_sum, &got_sqsum),
             count,
         );
         let tol = stats_tolerance(dt, count);
         let line = format!(
-            "y relative L2 {:.2e} ({} non-finite mismatches), sum {es:.2e}, sqsum {eq:.2e} \
-             (bound {tol:.1e})",
-            v.rel_l2, v.nonfinite
+            "y relative L2 {rel_l2:.2e} ({nonfinite} non-finite), sum {es:.2e}, sqsum {eq:.2e} \
+             (bound {tol:.1e})"
         );
-        if v.passed && es <= tol && eq <= tol {
+        if passed_y && es <= tol && eq <= tol {
             Ok(format!("matches unfused: {line}"))
         } else {
             Err(format!("differs from unfused: {line}"))

@@ -57,6 +57,7 @@ use super::sizes::{reduction_len, true_f32_bound};
 use super::{direct, ConvShape, GraphEngine, WinogradEngine};
 use crate::config::{Config, ConvAlgoPolicy, CudnnApi, WinogradGemmPolicy};
 use crate::context::Context;
+use crate::device_check::{diff_kernel, launch3, read_acc, stats, widen_kernel};
 use crate::dtype::DType;
 use crate::error::{CallExt, Error, Result};
 use crate::kernels::{self, KernelFile};
@@ -1180,63 +1181,12 @@ fn alloc_bytes(ctx: &Context, bytes: usize) -> Result<CudaSlice<u8>> {
     unsafe { ctx.stream().alloc::<u8>(bytes.max(256)) }.call("cuMemAllocAsync")
 }
 
-const fn diff_kernel(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "conv_check_diff_f32",
-        DType::F16 => "conv_check_diff_f16",
-        DType::BF16 => "conv_check_diff_bf16",
-    }
-}
-
-const fn widen_kernel(d: DType) -> &'static str {
-    match d {
-        DType::F32 => "conv_check_widen_f32",
-        DType::F16 => "conv_check_widen_f16",
-        DType::BF16 => "conv_check_widen_bf16",
-    }
-}
-
 const fn uniform_kernel(d: DType) -> &'static str {
     match d {
         DType::F32 => "gemm_uniform_f32",
         DType::F16 => "gemm_uniform_f16",
         DType::BF16 => "gemm_uniform_bf16",
     }
-}
-
-/// Launches `name(a, b, n, c)`-style kernels of `conv_check.cu` on raw addresses.
-fn launch3(
-    ctx: &Context,
-    name: &'static str,
-    a: u64,
-    b: u64,
-    n: usize,
-    c: Option<u64>,
-) -> Result<()> {
-    let f = ctx.function(&kernels::CONV_CHECK, name)?;
-    let cfg = crate::util::grid_stride_config(ctx, n, 256);
-    let stream = ctx.stream();
-    let n64 = n as u64;
-    let mut l = stream.launch_builder(&f);
-    l.arg(&a).arg(&b).arg(&n64);
-    if let Some(c) = &c {
-        l.arg(c);
-    }
-    // SAFETY: the conv_check kernels take (in, in-or-out, u64 n[, double* acc]) with n elements
-    // behind each pointer; the callers pass buffers of those extents.
-    unsafe { l.launch(cfg) }.call("cuLaunchKernel(conv_check)")?;
-    Ok(())
-}
-
-fn stats(ctx: &Context, r: u64, n: usize, acc: u64) -> Result<()> {
-    let f = ctx.function(&kernels::CONV_CHECK, "conv_check_stats")?;
-    let cfg = crate::util::grid_stride_config(ctx, n, 256);
-    let n64 = n as u64;
-    let mut l = ctx.stream().launch_builder(&f);
-    l.arg(&r).arg(&n64).arg(&acc);
-    // SAFETY: conv_check_stats(const float*, u64, double*): n floats, 3 doubles.
-    unsafe { l.launch(cfg) }.call("cuLaunchKernel(conv_check_stats)")?;
-    Ok(())
 }
 
 fn uniform(ctx: &Context, dtype: DType, out: u64, n: usize, seed: u64) -> Result<()> {
@@ -1262,10 +1212,6 @@ fn fill_bytes(ctx: &Context, ptr: u64, bytes: usize, byte: u8) -> Result<()> {
     // SAFETY: `ptr` holds `bytes` bytes allocated on this stream.
     unsafe { cudarc::driver::result::memset_d8_async(ptr, byte, bytes, ctx.stream().cu_stream()) }
         .call("cuMemsetD8Async")
-}
-
-fn read_acc(ctx: &Context, acc: &CudaSlice<f64>) -> Result<Vec<f64>> {
-    ctx.stream().clone_dtoh(acc).call("cuMemcpyDtoH")
 }
 
 /// Measures `inp.execs` (see the module documentation) and returns the index of the winner
