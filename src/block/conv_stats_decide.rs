@@ -35,6 +35,10 @@ struct Reference {
     sqsum: Vec<f64>,
 }
 
+/// One graph config's check: y's (relative L2, non-finite count) from the device, and its sum
+/// and sqsum on the host.
+type Checked = ((f64, f64), Vec<f64>, Vec<f64>);
+
 /// The measurement's own outputs (the caller's keep the unfused result).
 struct Probe<T> {
     y: CudaSlice<T>,
@@ -185,7 +189,7 @@ impl<T: Element> ConvStats<T> {
         reference: &Reference,
         probe: &mut Probe<T>,
     ) -> std::result::Result<String, String> {
-        let got = (|| -> Result<((f64, f64), Vec<f64>, Vec<f64>)> {
+        let got = (|| -> Result<Checked> {
             crate::util::fill(&self.ctx, &mut probe.y, T::from_f64(f64::NAN))?;
             crate::util::fill(&self.ctx, &mut probe.sum, f32::NAN)?;
             crate::util::fill(&self.ctx, &mut probe.sqsum, f32::NAN)?;
