@@ -394,6 +394,11 @@ impl<T: Element> BatchNorm<T> {
         })
     }
 
+    /// Whether `saved` came from a forward of this BatchNorm's plan (its backward takes it).
+    pub(crate) fn owns(&self, saved: &BnSaved) -> bool {
+        saved.owner == self.core.id
+    }
+
     /// The training plan (mode, layout, path and why).
     pub fn plan(&self) -> &BnPlan {
         &self.core.train

@@ -1,6 +1,7 @@
-//! Fused blocks of convolutional networks. Today: the inference unit
+//! Fused blocks of convolutional networks: the inference unit
 //! `conv → BatchNorm (running statistics) → (+ shortcut) → ReLU` with the BatchNorm folded into
-//! the convolution ([`ConvBnInference`]), `docs/BLOCK.md` describes it.
+//! the convolution ([`ConvBnInference`], `docs/BLOCK.md`), and the training unit
+//! `conv → BatchNorm(+ReLU | +Add+ReLU)` ([`ConvBnTrain`], `docs/BLOCK-TRAINING.md`).
 //!
 //! Files and what they may touch (lowest first):
 //! - `fold`: the folding math in f64 ([`fold()`]), pure;
@@ -20,6 +21,12 @@
 //!   BatchNorm finalize from them), with their pure grid arithmetic;
 //! - `conv_stats`: [`ConvStats`], validation, the two routes and the run-time fallback;
 //! - `conv_stats_decide`: its first call's check and race.
+//!
+//! The training unit, [`ConvBnTrain`] (`conv → BatchNorm(+ReLU | +Add+ReLU)` forward and
+//! backward, fused through ConvStats and the BatchNorm from its sums, or unfused):
+//! - `train_plan`: its routes' eligibility and reasons, pure;
+//! - `train`: [`ConvBnTrain`], its arguments, the routes, the stages and the backward;
+//! - `train_decide`: its first call's check and race (forward plus the BatchNorm's backward).
 
 mod api;
 mod check;
@@ -34,6 +41,9 @@ mod reference;
 mod routes;
 mod stats_kernel;
 mod stats_plan;
+mod train;
+mod train_decide;
+mod train_plan;
 
 pub use api::{BlockChoice, ConvBnInference, ConvBnParams};
 pub use conv_stats::{ConvStats, StatsChoice};
@@ -41,6 +51,8 @@ pub use fold::{fold, BnHost, Folded};
 pub use plan::{plan, BlockPlan, BlockRoute, RouteInfo};
 pub use reference::reference_forward;
 pub use stats_plan::{StatsPlan, StatsRoute};
+pub use train::{ConvBnArgs, ConvBnBackwardArgs, ConvBnTrain, ConvDone, TrainChoice, TrainSaved};
+pub use train_plan::{TrainPlan, TrainRoute};
 
 /// What only nnfuse's own tests, benches and CLI use: the check's tolerance per data type, the
 /// GEMM route's column cap, and ConvStats' pure plan and statistics check. Not a stable API.

@@ -1,0 +1,215 @@
+//! The pure decision behind [`super::ConvBnTrain`]: which compositions of `conv → BatchNorm`
+//! can train a problem and why the other cannot, from facts its constructor gathered (the
+//! BatchNorm's own-path plan, ConvStats' plan). No GPU calls.
+
+use std::fmt;
+use std::str::FromStr;
+
+use super::stats_plan::StatsPlan;
+use crate::batchnorm::Fuse;
+use crate::conv::ConvShape;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+/// How one training step of `conv → BatchNorm(+ReLU | +Add+ReLU)` runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TrainRoute {
+    /// [`super::ConvStats`] (the convolution and its output's per-channel sums, in one cuDNN
+    /// graph or followed by nnfuse's reduction), then
+    /// [`BatchNorm::forward_train_from_sums`](crate::batchnorm::BatchNorm::forward_train_from_sums)
+    /// on nnfuse's own BatchNorm kernels (no statistics pass over the convolution's output);
+    /// the backward is the own path's.
+    Fused,
+    /// `Conv2d` forward, then `BatchNorm::forward_train` as its plan decides (cuDNN's fused
+    /// BN+ReLU / BN+Add+ReLU, the graph API, or the own kernels). Always eligible.
+    Unfused,
+}
+
+impl TrainRoute {
+    /// Every route, the fused one first.
+    pub const ALL: [TrainRoute; 2] = [TrainRoute::Fused, TrainRoute::Unfused];
+
+    /// `fused` / `unfused`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            TrainRoute::Fused => "fused",
+            TrainRoute::Unfused => "unfused",
+        }
+    }
+
+    const fn index(self) -> usize {
+        match self {
+            TrainRoute::Fused => 0,
+            TrainRoute::Unfused => 1,
+        }
+    }
+}
+
+impl fmt::Display for TrainRoute {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for TrainRoute {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<TrainRoute> {
+        TrainRoute::ALL
+            .into_iter()
+            .find(|r| r.name() == s.trim().to_ascii_lowercase())
+            .ok_or_else(|| Error::invalid("route", format!("{s:?} is not fused or unfused")))
+    }
+}
+
+/// Every route's eligibility for one training unit, and the plans of its parts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainPlan {
+    /// The convolution.
+    pub shape: ConvShape,
+    /// The element type.
+    pub dtype: DType,
+    /// The BatchNorm's activation.
+    pub fuse: Fuse,
+    /// One entry per route ([`TrainRoute::ALL`]'s order): the route, whether it may run the
+    /// problem, and why (not).
+    pub routes: Vec<(TrainRoute, bool, String)>,
+    /// The fused route's convolution with statistics (its own routes and reasons).
+    pub stats: Option<StatsPlan>,
+    /// The unfused route's BatchNorm: its path and reasons, as its plan prints them.
+    pub bn: Vec<String>,
+}
+
+impl TrainPlan {
+    /// Whether `r` may run this problem.
+    pub fn eligible(&self, r: TrainRoute) -> bool {
+        self.routes[r.index()].1
+    }
+
+    /// Why `r` may (not) run this problem.
+    pub fn reason(&self, r: TrainRoute) -> &str {
+        &self.routes[r.index()].2
+    }
+}
+
+impl fmt::Display for TrainPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = &self.shape;
+        writeln!(
+            f,
+            "conv+BN training unit {} {}: n={} c_in={} {}x{} -> c_out={} kernel {}x{} stride {:?} \
+             pad {:?}, BatchNorm {}",
+            self.dtype,
+            s.format,
+            s.n,
+            s.c_in,
+            s.h,
+            s.w,
+            s.c_out,
+            s.kh,
+            s.kw,
+            s.stride,
+            s.pad,
+            self.fuse.name()
+        )?;
+        for (r, ok, why) in &self.routes {
+            let mark = if *ok { "eligible" } else { "refused" };
+            writeln!(f, "  {:<8} {mark}: {why}", r.name())?;
+        }
+        Ok(())
+    }
+}
+
+/// What the constructor learned about the fused route's parts.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum FusedParts {
+    /// ConvStats planned and a BatchNorm planned with `BnImpl::Own` takes the own path.
+    Ready,
+    /// Why not (a plan refused, or the own BatchNorm took another path).
+    Refused(String),
+}
+
+/// Plans a unit from its parts' facts (pure).
+pub(crate) fn train_plan(
+    shape: &ConvShape,
+    dtype: DType,
+    fuse: Fuse,
+    fused: FusedParts,
+    stats: Option<StatsPlan>,
+    bn: Vec<String>,
+) -> TrainPlan {
+    let fused_entry = match fused {
+        FusedParts::Ready => (
+            TrainRoute::Fused,
+            true,
+            "conv with per-channel sums (ConvStats), then BatchNorm from the sums on nnfuse's \
+             own kernels: no statistics pass over the convolution's output; measured against \
+             the unfused route (forward and BatchNorm backward) at the first call"
+                .to_string(),
+        ),
+        FusedParts::Refused(why) => (TrainRoute::Fused, false, why),
+    };
+    TrainPlan {
+        shape: *shape,
+        dtype,
+        fuse,
+        routes: vec![
+            fused_entry,
+            (
+                TrainRoute::Unfused,
+                true,
+                "Conv2d, then BatchNorm as its plan decides (the incumbent)".to_string(),
+            ),
+        ],
+        stats,
+        bn,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::TensorFormat;
+
+    #[test]
+    fn routes_parse_print_and_refuse_unknown_names() {
+        for r in TrainRoute::ALL {
+            assert_eq!(r.name().parse::<TrainRoute>().unwrap(), r);
+            assert_eq!(r.to_string(), r.name());
+        }
+        assert_eq!(" Fused ".parse::<TrainRoute>().unwrap(), TrainRoute::Fused);
+        let e = "graph".parse::<TrainRoute>().unwrap_err().to_string();
+        assert!(e.contains("route") && e.contains("graph"), "{e}");
+    }
+
+    #[test]
+    fn a_refused_fused_route_keeps_its_reason_and_unfused_stays_eligible() {
+        let s = ConvShape::square(2, 8, 8, 8, 3, TensorFormat::Nhwc);
+        let p = train_plan(
+            &s,
+            DType::F16,
+            Fuse::Relu,
+            FusedParts::Refused("BatchNorm on the own path: no".into()),
+            None,
+            vec!["path cudnn_fused".into()],
+        );
+        assert!(!p.eligible(TrainRoute::Fused));
+        assert_eq!(p.reason(TrainRoute::Fused), "BatchNorm on the own path: no");
+        assert!(p.eligible(TrainRoute::Unfused));
+        let text = p.to_string();
+        assert!(
+            text.contains("fused    refused: BatchNorm on the own path"),
+            "{text}"
+        );
+        assert!(text.contains("unfused  eligible"), "{text}");
+        let ok = train_plan(
+            &s,
+            DType::F16,
+            Fuse::Relu,
+            FusedParts::Ready,
+            None,
+            Vec::new(),
+        );
+        assert!(ok.eligible(TrainRoute::Fused) && ok.eligible(TrainRoute::Unfused));
+        assert!(ok.reason(TrainRoute::Fused).contains("ConvStats"));
+    }
+}

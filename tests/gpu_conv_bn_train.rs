@@ -1,0 +1,469 @@
+//! GPU tests of the training unit `block::ConvBnTrain` (`conv → BatchNorm(+ReLU | +Add+ReLU)`
+//! forward and backward as one planned unit, docs/BLOCK-TRAINING.md): every route, forced and
+//! decided, for f16, bf16, f32 NHWC and f32 NCHW, against f64 (the convolution against the f64
+//! convolution, the BatchNorm and the gradients against the f64 references fed the GPU's own
+//! stored intermediates), the routes against each other, the staged calls against the whole
+//! one, an accumulating data gradient, and the refusals. Fresh random inputs per run (the seed
+//! is printed), every output NaN-poisoned first.
+//!
+//! Run: `cargo test --test gpu_conv_bn_train -- --ignored --nocapture --test-threads 1`.
+
+mod common;
+
+use half::{bf16, f16};
+use nnfuse::batchnorm::{BackwardArgs, Fuse, TrainArgs};
+use nnfuse::block::{ConvBnArgs, ConvBnBackwardArgs, ConvBnTrain, TrainRoute};
+use nnfuse::conv::ConvShape;
+use nnfuse::cudarc::driver::CudaSlice;
+use nnfuse::reference::activation::relu_mask_fwd;
+use nnfuse::reference::batchnorm::{self as rb, BnShape};
+use nnfuse::reference::conv::{conv2d, conv2d_backward_data, conv2d_backward_filter};
+use nnfuse::{Context, Element, Error, TensorFormat};
+
+use common::bn::{activation, activation_backward, EPS};
+use common::{assert_close, assert_close_stored, download, f64s, gpu, poisoned, upload, Rng};
+
+/// The demo's three units scaled down (n 2, 8x8), NHWC.
+fn units() -> Vec<(ConvShape, Fuse)> {
+    vec![
+        (
+            ConvShape::square(2, 256, 8, 64, 1, TensorFormat::Nhwc),
+            Fuse::Relu,
+        ),
+        (
+            ConvShape::square(2, 64, 8, 64, 3, TensorFormat::Nhwc),
+            Fuse::Relu,
+        ),
+        (
+            ConvShape::square(2, 64, 8, 256, 1, TensorFormat::Nhwc),
+            Fuse::AddRelu,
+        ),
+    ]
+}
+
+/// One case's host inputs (rounded to T).
+struct Inputs<T> {
+    x: Vec<T>,
+    w: Vec<T>,
+    addend: Vec<T>,
+    dy: Vec<T>,
+    gamma: Vec<f32>,
+    beta: Vec<f32>,
+    rm: Vec<f32>,
+    rv: Vec<f32>,
+    /// What dx holds before an accumulating backward.
+    dx0: Vec<T>,
+}
+
+impl<T: Element> Inputs<T> {
+    fn new(rng: &mut Rng, s: &ConvShape) -> Inputs<T> {
+        let (xn, wn, yn, c) = (
+            s.x_len().unwrap(),
+            s.w_len().unwrap(),
+            s.y_len().unwrap(),
+            s.c_out,
+        );
+        Inputs {
+            x: rng.vec(xn, -1.0, 1.5),
+            w: rng.vec(wn, -0.5, 0.5),
+            addend: rng.vec(yn, -1.0, 1.0),
+            dy: rng.vec(yn, -1.0, 1.0),
+            gamma: rng.vec(c, 0.5, 1.5),
+            beta: rng.vec(c, -0.5, 0.5),
+            rm: rng.vec(c, -0.1, 0.1),
+            rv: rng.vec(c, 0.5, 1.5),
+            dx0: rng.vec(xn, -1.0, 1.0),
+        }
+    }
+}
+
+/// Everything one forward + backward wrote, as f64.
+struct Out {
+    route: TrainRoute,
+    z: Vec<f64>,
+    y: Vec<f64>,
+    rm: Vec<f64>,
+    rv: Vec<f64>,
+    dz: Vec<f64>,
+    dx: Vec<f64>,
+    dw: Vec<f64>,
+    dgamma: Vec<f64>,
+    dbeta: Vec<f64>,
+    d_addend: Option<Vec<f64>>,
+}
+
+/// How one run calls the unit.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Call {
+    /// `forward_train` (the decided route).
+    Decided,
+    /// `forward_train_with(route)`.
+    Forced(TrainRoute),
+    /// `forward_conv` then `forward_bn`, `backward_bn` then the convolution's gradients.
+    Staged,
+}
+
+/// Runs the unit once on `inp` (every output poisoned; dx holds `dx0` when `accumulate`).
+fn run<T: Element>(
+    ctx: &Context,
+    unit: &ConvBnTrain<T>,
+    inp: &Inputs<T>,
+    call: Call,
+    accumulate: bool,
+) -> nnfuse::Result<Out> {
+    let s = unit.plan().shape;
+    let fuse = unit.plan().fuse;
+    let add = fuse == Fuse::AddRelu;
+    let (yn, wn, c) = (s.y_len().unwrap(), s.w_len().unwrap(), s.c_out);
+    let (x, w, addend, dy) = (
+        upload(ctx, &inp.x),
+        upload(ctx, &inp.w),
+        upload(ctx, &inp.addend),
+        upload(ctx, &inp.dy),
+    );
+    let (g, b) = (upload(ctx, &inp.gamma), upload(ctx, &inp.beta));
+    let (mut rm, mut rv) = (upload(ctx, &inp.rm), upload(ctx, &inp.rv));
+    let (mut z, mut y) = (poisoned::<T>(ctx, yn), poisoned::<T>(ctx, yn));
+    let saved = match call {
+        Call::Staged => {
+            let done = unit.forward_conv(&x.as_view(), &w.as_view(), &mut z.as_view_mut())?;
+            unit.forward_bn(
+                done,
+                TrainArgs {
+                    x: z.as_view(),
+                    addend: add.then(|| addend.as_view()),
+                    gamma: g.as_view(),
+                    beta: b.as_view(),
+                    running_mean: rm.as_view_mut(),
+                    running_var: rv.as_view_mut(),
+                    y: y.as_view_mut(),
+                    momentum: 0.1,
+                    eps: EPS,
+                },
+            )?
+        }
+        _ => {
+            let args = ConvBnArgs {
+                x: x.as_view(),
+                w: w.as_view(),
+                z: z.as_view_mut(),
+                addend: add.then(|| addend.as_view()),
+                gamma: g.as_view(),
+                beta: b.as_view(),
+                running_mean: rm.as_view_mut(),
+                running_var: rv.as_view_mut(),
+                y: y.as_view_mut(),
+                momentum: 0.1,
+                eps: EPS,
+            };
+            match call {
+                Call::Forced(r) => unit.forward_train_with(r, args)?,
+                _ => unit.forward_train(args)?,
+            }
+        }
+    };
+    let mut dz = poisoned::<T>(ctx, yn);
+    let mut dx: CudaSlice<T> = if accumulate {
+        upload(ctx, &inp.dx0)
+    } else {
+        poisoned::<T>(ctx, inp.x.len())
+    };
+    let mut dw = poisoned::<T>(ctx, wn);
+    let (mut dg, mut db) = (poisoned::<f32>(ctx, c), poisoned::<f32>(ctx, c));
+    let mut da = poisoned::<T>(ctx, yn);
+    if call == Call::Staged {
+        unit.backward_bn(BackwardArgs {
+            x: z.as_view(),
+            y: y.as_view(),
+            dy: dy.as_view(),
+            gamma: g.as_view(),
+            beta: b.as_view(),
+            saved: saved.bn(),
+            dx: dz.as_view_mut(),
+            d_addend: add.then(|| da.as_view_mut()),
+            dgamma: dg.as_view_mut(),
+            dbeta: db.as_view_mut(),
+        })?;
+        unit.conv()
+            .backward_data_into(&dz.as_view(), &w.as_view(), &mut dx, accumulate)?;
+        unit.conv()
+            .backward_filter(&x.as_view(), &dz.as_view(), &mut dw, false)?;
+    } else {
+        unit.backward(ConvBnBackwardArgs {
+            x: x.as_view(),
+            w: w.as_view(),
+            z: z.as_view(),
+            y: y.as_view(),
+            dy: dy.as_view(),
+            gamma: g.as_view(),
+            beta: b.as_view(),
+            saved: &saved,
+            dz: dz.as_view_mut(),
+            dx: Some(dx.as_view_mut()),
+            accumulate_dx: accumulate,
+            dw: dw.as_view_mut(),
+            dgamma: dg.as_view_mut(),
+            dbeta: db.as_view_mut(),
+            d_addend: add.then(|| da.as_view_mut()),
+        })?;
+    }
+    let h = |v: &CudaSlice<T>| f64s(&download(ctx, v));
+    let h32 = |v: &CudaSlice<f32>| f64s(&download(ctx, v));
+    Ok(Out {
+        route: saved.route(),
+        z: h(&z),
+        y: h(&y),
+        rm: h32(&rm),
+        rv: h32(&rv),
+        dz: h(&dz),
+        dx: h(&dx),
+        dw: h(&dw),
+        dgamma: h32(&dg),
+        dbeta: h32(&db),
+        d_addend: add.then(|| h(&da)),
+    })
+}
+
+/// Every output of `got` against f64: z against the f64 convolution; the BatchNorm and its
+/// gradients against the f64 references fed the GPU's stored z (and its y's mask); the
+/// convolution's gradients against the f64 ones of the GPU's stored dz.
+fn check<T: Element>(what: &str, s: &ConvShape, fuse: Fuse, inp: &Inputs<T>, got: &Out, acc: bool) {
+    let dt = T::DTYPE;
+    let tol = dt.tolerance();
+    let w = |n: &str| format!("{what}: {n}");
+    let (x, wt) = (f64s(&inp.x), f64s(&inp.w));
+    let z_ref = conv2d(s, &x, &wt).unwrap();
+    assert_close(&w("z"), &got.z, &z_ref, tol);
+    let (oh, ow) = s.out_hw().unwrap();
+    let (dims, axis) = match s.format {
+        TensorFormat::Nhwc => (vec![s.n, oh, ow, s.c_out], 3),
+        TensorFormat::Nchw => (vec![s.n, s.c_out, oh, ow], 1),
+    };
+    let sh = BnShape::new(&dims, axis).unwrap();
+    let addend = f64s(&inp.addend);
+    let (g, b, rm, rv) = (
+        f64s(&inp.gamma),
+        f64s(&inp.beta),
+        f64s(&inp.rm),
+        f64s(&inp.rv),
+    );
+    let f = rb::train_forward(
+        &sh,
+        &got.z,
+        &g,
+        &b,
+        &rm,
+        &rv,
+        0.1,
+        EPS,
+        activation(fuse, &addend),
+    )
+    .unwrap();
+    assert_close(&w("y"), &got.y, &f.y, tol);
+    assert_close(&w("running_mean"), &got.rm, &f.running_mean, tol.max(1e-5));
+    assert_close(&w("running_var"), &got.rv, &f.running_var, tol.max(1e-5));
+    let mask = relu_mask_fwd(&got.y).1;
+    let gr = rb::backward(
+        &sh,
+        &got.z,
+        &f64s(&inp.dy),
+        &g,
+        &f.saved_mean,
+        &f.saved_inv_std,
+        activation_backward(fuse, &mask),
+    )
+    .unwrap();
+    assert_close_stored(&w("dz"), dt, &got.dz, &gr.dx, tol);
+    assert_close(&w("dgamma"), &got.dgamma, &gr.dgamma, tol.max(1e-5));
+    assert_close(&w("dbeta"), &got.dbeta, &gr.dbeta, tol.max(1e-5));
+    if let (Some(d), Some(want)) = (&got.d_addend, &gr.d_addend) {
+        assert_close(&w("d_addend"), d, want, tol);
+    }
+    let mut dx_ref = conv2d_backward_data(s, &got.dz, &wt).unwrap();
+    if acc {
+        for (r, a) in dx_ref.iter_mut().zip(f64s(&inp.dx0)) {
+            *r += a;
+        }
+    }
+    assert_close(&w("dx"), &got.dx, &dx_ref, tol);
+    let dw_ref = conv2d_backward_filter(s, &x, &got.dz).unwrap();
+    assert_close(&w("dw"), &got.dw, &dw_ref, tol);
+}
+
+/// Every route forced, then decided (twice), staged and accumulating, on one unit.
+fn unit_case<T: Element>(ctx: &Context, s: ConvShape, fuse: Fuse) {
+    let what = format!("{} {:?} {}", T::DTYPE.name(), s, fuse.name());
+    let mut rng = Rng::fresh(&what);
+    let inp = Inputs::<T>::new(&mut rng, &s);
+    let unit = ConvBnTrain::<T>::new(ctx, &s, fuse).unwrap();
+    println!("{}", unit.plan());
+    let mut outs = Vec::new();
+    for r in TrainRoute::ALL {
+        if !unit.plan().eligible(r) {
+            let e = run(ctx, &unit, &inp, Call::Forced(r), false).err();
+            match e {
+                Some(Error::NotSupported(why)) => {
+                    assert!(why.contains(unit.plan().reason(r)), "{what}: {why}");
+                    println!("  {r}: refused: {why}");
+                }
+                other => panic!("{what}: forced {r} on a refused route gave {other:?}"),
+            }
+            continue;
+        }
+        let got = run(ctx, &unit, &inp, Call::Forced(r), false).unwrap();
+        assert_eq!(got.route, r);
+        check(&format!("{what} {r}"), &s, fuse, &inp, &got, false);
+        outs.push(got);
+    }
+    if outs.len() == 2 {
+        let tol = T::DTYPE.tolerance();
+        assert_close(
+            &format!("{what}: fused y vs unfused"),
+            &outs[0].y,
+            &outs[1].y,
+            tol,
+        );
+        assert_close(
+            &format!("{what}: fused dz vs unfused"),
+            &outs[0].dz,
+            &outs[1].dz,
+            tol,
+        );
+    }
+    assert!(unit.choice().is_none(), "{what}: forced calls decided");
+    let got = run(ctx, &unit, &inp, Call::Decided, false).unwrap();
+    let choice = unit.choice().expect("the first forward_train decides");
+    println!("  decided: {}", choice.describe());
+    for n in &choice.notes {
+        println!("    {n}");
+    }
+    assert_eq!(
+        got.route,
+        TrainRoute::Unfused,
+        "the first call's result is unfused"
+    );
+    check(&format!("{what} first call"), &s, fuse, &inp, &got, false);
+    if unit.plan().eligible(TrainRoute::Fused) {
+        assert!(
+            choice.notes.iter().any(|n| n.starts_with("fused:")),
+            "{what}: the decision says nothing of the fused route: {:?}",
+            choice.notes
+        );
+    } else {
+        assert_eq!(choice.route, TrainRoute::Unfused);
+    }
+    let again = run(ctx, &unit, &inp, Call::Decided, true).unwrap();
+    assert_eq!(
+        again.route, choice.route,
+        "{what}: later calls take the decision"
+    );
+    check(
+        &format!("{what} decided, accumulating dx"),
+        &s,
+        fuse,
+        &inp,
+        &again,
+        true,
+    );
+    let staged = run(ctx, &unit, &inp, Call::Staged, false).unwrap();
+    assert_eq!(staged.route, choice.route);
+    check(&format!("{what} staged"), &s, fuse, &inp, &staged, false);
+}
+
+fn all<T: Element>() {
+    let ctx = gpu();
+    for (s, fuse) in units() {
+        unit_case::<T>(&ctx, s, fuse);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv_bn_train_f16_every_route_matches_f64() {
+    all::<f16>();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv_bn_train_bf16_every_route_matches_f64() {
+    all::<bf16>();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv_bn_train_f32_every_route_matches_f64() {
+    all::<f32>();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv_bn_train_f32_nchw_matches_f64() {
+    let ctx = gpu();
+    for (s, fuse) in [
+        (
+            ConvShape::square(2, 64, 8, 64, 3, TensorFormat::Nchw),
+            Fuse::Relu,
+        ),
+        (
+            ConvShape::square(2, 64, 8, 128, 1, TensorFormat::Nchw),
+            Fuse::AddRelu,
+        ),
+    ] {
+        unit_case::<f32>(&ctx, s, fuse);
+    }
+}
+
+/// A receipt of another unit, and a missing addend, are errors naming the argument.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv_bn_train_names_bad_arguments() {
+    let ctx = gpu();
+    let s = ConvShape::square(2, 64, 8, 64, 3, TensorFormat::Nhwc);
+    let a = ConvBnTrain::<f16>::new(&ctx, &s, Fuse::Relu).unwrap();
+    let b = ConvBnTrain::<f16>::new(&ctx, &s, Fuse::Relu).unwrap();
+    let mut rng = Rng::fresh("bad");
+    let inp = Inputs::<f16>::new(&mut rng, &s);
+    let (x, w) = (upload(&ctx, &inp.x), upload(&ctx, &inp.w));
+    let yn = s.y_len().unwrap();
+    let (mut z, mut y) = (poisoned::<f16>(&ctx, yn), poisoned::<f16>(&ctx, yn));
+    let (g, bt) = (upload(&ctx, &inp.gamma), upload(&ctx, &inp.beta));
+    let (mut rm, mut rv) = (upload(&ctx, &inp.rm), upload(&ctx, &inp.rv));
+    let done = a
+        .forward_conv(&x.as_view(), &w.as_view(), &mut z.as_view_mut())
+        .unwrap();
+    let e = b
+        .forward_bn(
+            done,
+            TrainArgs {
+                x: z.as_view(),
+                addend: None,
+                gamma: g.as_view(),
+                beta: bt.as_view(),
+                running_mean: rm.as_view_mut(),
+                running_var: rv.as_view_mut(),
+                y: y.as_view_mut(),
+                momentum: 0.1,
+                eps: EPS,
+            },
+        )
+        .unwrap_err();
+    assert_eq!(e.argument(), Some("done"), "{e}");
+    let add = ConvBnTrain::<f16>::new(&ctx, &s, Fuse::AddRelu).unwrap();
+    let e = add
+        .forward_train(ConvBnArgs {
+            x: x.as_view(),
+            w: w.as_view(),
+            z: z.as_view_mut(),
+            addend: None,
+            gamma: g.as_view(),
+            beta: bt.as_view(),
+            running_mean: rm.as_view_mut(),
+            running_var: rv.as_view_mut(),
+            y: y.as_view_mut(),
+            momentum: 0.1,
+            eps: EPS,
+        })
+        .unwrap_err();
+    assert_eq!(e.argument(), Some("addend"), "{e}");
+    assert!(add.choice().is_none(), "a refused call decided nothing");
+}
