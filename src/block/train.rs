@@ -334,9 +334,19 @@ impl<T: Element> ConvBnTrain<T> {
         &self.conv
     }
 
-    /// The unfused route's BatchNorm (its plan).
-    pub fn batchnorm(&self) -> &BatchNorm<T> {
-        &self.bn
+    /// The BatchNorm `route` runs (its plan): the own-path one of the fused route (None where
+    /// the plan refuses that route), or the unfused route's.
+    pub fn batchnorm(&self, route: TrainRoute) -> Option<&BatchNorm<T>> {
+        match route {
+            TrainRoute::Fused => self.fused.as_ref().map(|f| &f.bn),
+            TrainRoute::Unfused => Some(&self.bn),
+        }
+    }
+
+    /// The fused route's ConvStats decision as it stands now (a decided graph route that
+    /// failed at run time has fallen back since [`TrainChoice::stats`] was taken).
+    pub fn stats_choice(&self) -> Option<StatsChoice> {
+        self.fused.as_ref().and_then(|f| f.stats.choice())
     }
 
     /// The training forward: z = conv(x, w), y = BatchNorm(z) (+ addend, ReLU) on the decided

@@ -2,14 +2,16 @@
 //! training step through nnfuse's dispatchers (or the plain cuDNN compositions), the check run,
 //! and the timed steps with CUDA events.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context as _, Result};
 use cudarc::driver::{sys as drv, CudaEvent, CudaSlice, DeviceRepr};
 use nnfuse::activation;
 use nnfuse::batchnorm::{BackwardArgs, BatchNorm, BnSaved, Fuse, TrainArgs};
-use nnfuse::block::StatsRoute;
+use nnfuse::block::{
+    ConvBnArgs, ConvBnTrain, ConvDone, StatsRoute, TrainChoice, TrainRoute, TrainSaved,
+};
 use nnfuse::conv::{AutoReport, Conv2d, ConvChoice, Direction, Route};
 use nnfuse::gemm::{self, Algo};
 use nnfuse::internals::util;
@@ -23,7 +25,7 @@ use super::check::{
 use super::host::{busy_step_ms, profile_steps, BusyGpu};
 use super::host_profile::HostProfile;
 use super::report::{CheckReport, Decision, GraphReport, StepTimes, VariantRun};
-use super::units::{self, FusedUnit, Unit, UnitChoice};
+use super::units::{self, Unit};
 use super::variants::Variant;
 
 /// `[f(0)?, f(1)?, f(2)?]`.
@@ -363,12 +365,12 @@ pub struct Layers<T: Element> {
     /// Routes forced on the convolutions (`[conv][direction]`): the check runs the routes the
     /// timed batch decided; `None`: the dispatcher decides.
     forced: [[Option<Route>; 3]; 3],
-    /// nnfuse's fused forward units (conv+stats, then BatchNorm from the sums), or why none.
+    /// nnfuse's training units (conv then BatchNorm, fused or not as each decides on its first
+    /// forward), or why none.
     units: [Unit<T>; 3],
-    /// Whether each unit runs fused: decided on the first step (timed), or given (the check).
-    choices: [OnceLock<UnitChoice>; 3],
-    /// ConvStats routes forced on the units (the check runs the timed batch's).
-    forced_stats: [Option<StatsRoute>; 3],
+    /// Unit routes given to these layers, with the ConvStats route of a fused one (the check
+    /// runs the timed batch's); `None`: the unit decides.
+    given: [Option<(TrainRoute, Option<StatsRoute>)>; 3],
 }
 
 impl<T: Element> Layers<T> {
@@ -388,15 +390,30 @@ impl<T: Element> Layers<T> {
             bns,
             forced: [[None; 3]; 3],
             units: units::build(ctx, def, variant),
-            choices: [OnceLock::new(), OnceLock::new(), OnceLock::new()],
-            forced_stats: [None; 3],
+            given: [None; 3],
+        })
+    }
+
+    /// Unit `i`'s route: given (the check's), else decided; `None` before its first forward.
+    pub fn unit_route(&self, i: usize) -> Option<TrainRoute> {
+        self.given[i].map(|g| g.0).or_else(|| {
+            let u = self.units[i].as_ref().ok()?;
+            u.choice().map(|c| c.route)
         })
     }
 
     /// Unit `i` when it runs fused (built, and decided or given fused).
-    pub fn fused_unit(&self, i: usize) -> Option<&FusedUnit<T>> {
-        match (&self.units[i], self.choices[i].get()) {
-            (Ok(u), Some(c)) if c.fused => Some(u),
+    pub fn fused_unit(&self, i: usize) -> Option<&ConvBnTrain<T>> {
+        match &self.units[i] {
+            Ok(u) if self.unit_route(i) == Some(TrainRoute::Fused) => Some(u),
+            _ => None,
+        }
+    }
+
+    /// Unit `i` while it still has to decide (built, nothing given, no first forward yet).
+    fn undecided_unit(&self, i: usize) -> Option<&ConvBnTrain<T>> {
+        match &self.units[i] {
+            Ok(u) if self.given[i].is_none() && u.choice().is_none() => Some(u),
             _ => None,
         }
     }
@@ -406,30 +423,27 @@ impl<T: Element> Layers<T> {
         &self.units[i]
     }
 
-    /// How unit `i` was decided, once it was.
-    pub fn unit_choice(&self, i: usize) -> Option<&UnitChoice> {
-        self.choices[i].get()
+    /// How unit `i` decided, once it did.
+    pub fn unit_choice(&self, i: usize) -> Option<TrainChoice> {
+        self.units[i].as_ref().ok()?.choice()
     }
 
-    /// The timed batch's unit decisions given to these layers (the check's), with the
-    /// ConvStats routes they ran forced.
+    /// The timed batch's unit routes given to these layers (the check's), with the ConvStats
+    /// routes they run now forced.
     pub fn give_units(&mut self, from: &Layers<T>) {
         for i in 0..3 {
-            if let Some(c) = from.unit_choice(i) {
-                // A fresh Layers has no choice yet; a second give keeps the first.
-                let _ = self.choices[i].set(c.clone());
-                // ConvStats' live decision: a graph route that failed at run time fell back.
-                self.forced_stats[i] = match &from.units[i] {
-                    Ok(u) => u.stats.choice().map(|s| s.route),
-                    Err(_) => None,
-                };
+            if let Some(r) = from.unit_route(i) {
+                let stats = from.units[i].as_ref().ok().and_then(|u| u.stats_choice());
+                self.given[i] = Some((r, stats.map(|c| c.route)));
             }
         }
     }
 
     /// Lets ConvStats decide its route again (the check's retry at its own batch).
     pub fn unforce_stats(&mut self) {
-        self.forced_stats = [None; 3];
+        for g in self.given.iter_mut().flatten() {
+            g.1 = None;
+        }
     }
 
     /// Whether the step's call of convolution `i`'s `d` accumulates (nnfuse's conv1.dgrad,
@@ -471,8 +485,9 @@ impl<T: Element> Layers<T> {
     pub fn route(&self, i: usize, d: Direction) -> Option<Route> {
         if d == Direction::Forward {
             if let Some(u) = self.fused_unit(i) {
-                let route = self.forced_stats[i]
-                    .or_else(|| u.stats.choice().map(|c| c.route))
+                let route = self.given[i]
+                    .and_then(|g| g.1)
+                    .or_else(|| u.stats_choice().map(|c| c.route))
                     .unwrap_or(StatsRoute::Unfused);
                 if route == StatsRoute::GraphGenstats {
                     return None;
@@ -497,46 +512,56 @@ impl<T: Element> Layers<T> {
     }
 }
 
-/// Convolution `i`'s forward into `a[i]`: through `unit` (ConvStats, which also writes the
-/// unit's sums) or through the Conv2d.
+/// BatchNorm's forward state, carried to its backward: the layer's BatchNorm's, or a unit's.
+enum Saved {
+    Plain(BnSaved),
+    Unit(TrainSaved),
+}
+
+/// What one step carries between its operations.
+#[derive(Default)]
+pub struct StepState {
+    /// BatchNorm `i`'s forward state for its backward.
+    saved: [Option<Saved>; 3],
+    /// A fused unit's receipt from `convN.fwd` for `bnN.fwd`.
+    done: [Option<ConvDone>; 3],
+    /// `bnN.fwd` already ran inside `convN.fwd` (a unit's deciding first forward).
+    bn_ran: [bool; 3],
+}
+
+/// Convolution `i`'s forward into `a[i]`: through `unit` (the fused route's first stage,
+/// which also writes the unit's sums; the receipt goes to `bnN.fwd`) or through the Conv2d.
 fn conv_fwd<T: Element>(
     l: &Layers<T>,
     b: &mut Buffers<T>,
     i: usize,
-    unit: Option<&FusedUnit<T>>,
-) -> nnfuse::Result<()> {
+    unit: Option<&ConvBnTrain<T>>,
+) -> nnfuse::Result<Option<ConvDone>> {
     let x = if i == 0 { &b.x } else { &b.h[i - 1] };
     if let Some(u) = unit {
-        let (x, w) = (x.as_view(), b.w[i].as_view());
-        let (y, sum, sqsum) = (
+        let stats = l.given[i].and_then(|g| g.1);
+        let (xv, wv) = (x.as_view(), b.w[i].as_view());
+        let done = u.forward_conv_with(
+            TrainRoute::Fused,
+            stats,
+            &xv,
+            &wv,
             &mut b.a[i].as_view_mut(),
-            &mut b.sum[i].as_view_mut(),
-            &mut b.sqsum[i].as_view_mut(),
-        );
-        return match l.forced_stats[i] {
-            Some(r) => u.stats.forward_with(r, &x, &w, y, sum, sqsum),
-            None => u.stats.forward(&x, &w, y, sum, sqsum),
-        };
+        )?;
+        return Ok(Some(done));
     }
     match l.conv_route(Op::ConvFwd(i)) {
-        Some(r) => l.convs[i].forward_with(r, x, &b.w[i], &mut b.a[i]),
-        None => l.convs[i].forward(x, &b.w[i], &mut b.a[i]),
+        Some(r) => l.convs[i].forward_with(r, x, &b.w[i], &mut b.a[i])?,
+        None => l.convs[i].forward(x, &b.w[i], &mut b.a[i])?,
     }
+    Ok(None)
 }
 
-/// BatchNorm `i`'s training forward (with the plain compositions' activation kernels): from
-/// `unit`'s sums on the own path, or the layer's BatchNorm. Returns the state for its backward.
-fn bn_fwd<T: Element>(
-    l: &Layers<T>,
-    b: &mut Buffers<T>,
-    i: usize,
-    unit: Option<&FusedUnit<T>>,
-) -> nnfuse::Result<BnSaved> {
-    let ctx = &l.ctx;
-    let fused = l.variant.fuse(i);
-    let args = TrainArgs {
+/// The BatchNorm arguments of layer `i`'s training forward.
+fn train_args<T: Element>(b: &mut Buffers<T>, i: usize, add: bool) -> TrainArgs<'_, T> {
+    TrainArgs {
         x: b.a[i].as_view(),
-        addend: (fused == Fuse::AddRelu).then(|| b.x.as_view()),
+        addend: add.then(|| b.x.as_view()),
         gamma: b.gamma[i].as_view(),
         beta: b.beta[i].as_view(),
         running_mean: b.rm[i].as_view_mut(),
@@ -544,13 +569,24 @@ fn bn_fwd<T: Element>(
         y: b.h[i].as_view_mut(),
         momentum: MOMENTUM,
         eps: EPS,
-    };
-    let s = match unit {
-        Some(u) => {
-            u.bn.forward_train_from_sums(args, &b.sum[i].as_view(), &b.sqsum[i].as_view())?
-        }
-        None => l.bns[i].forward_train(args)?,
-    };
+    }
+}
+
+/// BatchNorm `i`'s training forward (with the plain compositions' activation kernels): the
+/// unit's second stage after its receipt `done`, or the layer's BatchNorm.
+fn bn_fwd<T: Element>(
+    l: &Layers<T>,
+    b: &mut Buffers<T>,
+    i: usize,
+    done: Option<ConvDone>,
+) -> nnfuse::Result<Saved> {
+    let ctx = &l.ctx;
+    let fused = l.variant.fuse(i);
+    let add = fused == Fuse::AddRelu;
+    if let (Some(done), Ok(u)) = (done, &l.units[i]) {
+        return Ok(Saved::Unit(u.forward_bn(done, train_args(b, i, add))?));
+    }
+    let s = l.bns[i].forward_train(train_args(b, i, add))?;
     if fused == Fuse::None {
         // The plain composition: the shortcut's add, then the ReLU, each a kernel.
         if BlockDef::bn_fuse(i) == Fuse::AddRelu {
@@ -558,91 +594,57 @@ fn bn_fwd<T: Element>(
         }
         activation::relu_mask_fwd_inplace(ctx, &mut b.h[i], None::<&mut CudaSlice<u32>>)?;
     }
-    Ok(s)
+    Ok(Saved::Plain(s))
 }
 
-/// Decides unit `i` on this step's buffers (its input as the step left it): one untimed run of
-/// each composition (their first calls decide), then [`units::ROUNDS`] runs of each,
-/// alternating, each behind a head start and timed with CUDA events; the faster composition
-/// runs from then on. BatchNorm `i`'s running statistics are restored afterwards (every run
-/// moves them); the step then runs the chosen composition as usual. Synchronises: the first
-/// step only, never under capture (the check's layers are given the timed batch's choices).
+/// Unit `i`'s first forward, on this step's buffers (its input as the step left it): conv `i`
+/// and BatchNorm `i` in one `forward_train`, which runs the unfused route into the buffers,
+/// checks and times both routes (forward plus the BatchNorm's backward) and keeps its choice.
+/// Synchronises: the first step only, never under capture (the check's layers are given the
+/// timed batch's routes).
 fn decide_unit<T: Element>(
     l: &Layers<T>,
     b: &mut Buffers<T>,
     i: usize,
-    unit: &FusedUnit<T>,
-) -> Result<()> {
-    let ctx = &l.ctx;
-    let s = ctx.stream();
-    let (rm, rv) = (s.clone_dtoh(&b.rm[i])?, s.clone_dtoh(&b.rv[i])?);
-    let run = |b: &mut Buffers<T>, fused: bool| -> Result<()> {
-        let u = fused.then_some(unit);
-        conv_fwd(l, b, i, u)?;
-        drop(bn_fwd(l, b, i, u)?);
-        Ok(())
+    unit: &ConvBnTrain<T>,
+) -> nnfuse::Result<TrainSaved> {
+    let add = l.variant.fuse(i) == Fuse::AddRelu;
+    // The unit's input h[i-1] (or x) and its output h[i] are different buffers.
+    let (before, rest) = b.h.split_at_mut(i);
+    let x = if i == 0 {
+        b.x.as_view()
+    } else {
+        before[i - 1].as_view()
     };
-    let mut host_ms: f64 = 0.0;
-    for pass in 0..2 {
-        for fused in [false, true] {
-            ctx.synchronize()?;
-            let t = Instant::now();
-            match run(b, fused) {
-                Ok(()) => {}
-                // The fused unit's own failure keeps the composition that works, saying why.
-                Err(e) if fused => {
-                    ctx.synchronize()?;
-                    s.memcpy_htod(&rm, &mut b.rm[i])?;
-                    s.memcpy_htod(&rv, &mut b.rv[i])?;
-                    let _ = l.choices[i].set(UnitChoice::failed(format!("{e:#}")));
-                    return Ok(());
-                }
-                Err(e) => return Err(e.context(format!("unit {} (conv then BN)", i + 1))),
-            }
-            if pass == 1 {
-                host_ms = host_ms.max(t.elapsed().as_secs_f64() * 1e3);
-            }
-        }
-    }
-    let mut head = HeadStart::new(ctx, host_ms)?;
-    let (a, z) = (new_event(ctx)?, new_event(ctx)?);
-    let mut times: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
-    for k in 0..units::ROUNDS {
-        for j in 0..2 {
-            let fused = (k + j) % 2 == 1;
-            ctx.synchronize()?;
-            head.queue(ctx)?;
-            a.record(s)?;
-            run(b, fused)?;
-            z.record(s)?;
-            z.synchronize()?;
-            times[usize::from(fused)].push(a.elapsed_ms(&z)? as f64 * 1e3);
-        }
-    }
-    s.memcpy_htod(&rm, &mut b.rm[i])?;
-    s.memcpy_htod(&rv, &mut b.rv[i])?;
-    ctx.synchronize()?;
-    let choice = UnitChoice::from_times(&times[1], &times[0], unit.stats.choice());
-    // Decided once per Layers: a second set (none happens) would keep the first.
-    let _ = l.choices[i].set(choice);
-    Ok(())
+    let args = ConvBnArgs {
+        x,
+        w: b.w[i].as_view(),
+        z: b.a[i].as_view_mut(),
+        addend: add.then(|| b.x.as_view()),
+        gamma: b.gamma[i].as_view(),
+        beta: b.beta[i].as_view(),
+        running_mean: b.rm[i].as_view_mut(),
+        running_var: b.rv[i].as_view_mut(),
+        y: rest[0].as_view_mut(),
+        momentum: MOMENTUM,
+        eps: EPS,
+    };
+    unit.forward_train(args)
 }
 
-/// Runs one operation of the step, deciding its unit first where a fused unit is built and
-/// undecided (the first step's `convN.fwd`). `saved` carries BatchNorm's forward state to its
-/// backward.
-fn run_op<T: Element>(
-    l: &Layers<T>,
-    b: &mut Buffers<T>,
-    op: Op,
-    saved: &mut [Option<BnSaved>; 3],
-) -> Result<()> {
+/// Runs one operation of the step, letting an undecided unit decide at its `convN.fwd` (the
+/// first step's). `st` carries BatchNorm's forward state to its backward.
+fn run_op<T: Element>(l: &Layers<T>, b: &mut Buffers<T>, op: Op, st: &mut StepState) -> Result<()> {
     if let Op::ConvFwd(i) = op {
-        if let (Ok(u), None) = (&l.units[i], l.choices[i].get()) {
-            decide_unit(l, b, i, u)?;
+        if let Some(u) = l.undecided_unit(i) {
+            let saved = decide_unit(l, b, i, u)
+                .with_context(|| format!("unit {} (conv{} and bn{})", i + 1, i + 1, i + 1))?;
+            st.saved[i] = Some(Saved::Unit(saved));
+            st.bn_ran[i] = true;
+            return Ok(());
         }
     }
-    Ok(queue_op(l, b, op, saved)?)
+    Ok(queue_op(l, b, op, st)?)
 }
 
 /// Queues one operation of the step (decided: no measurement of its own here).
@@ -650,12 +652,15 @@ fn queue_op<T: Element>(
     l: &Layers<T>,
     b: &mut Buffers<T>,
     op: Op,
-    saved: &mut [Option<BnSaved>; 3],
+    st: &mut StepState,
 ) -> nnfuse::Result<()> {
     let ctx = &l.ctx;
     let forced = l.conv_route(op);
     match op {
-        Op::ConvFwd(i) => conv_fwd(l, b, i, l.fused_unit(i)),
+        Op::ConvFwd(i) => {
+            st.done[i] = conv_fwd(l, b, i, l.fused_unit(i))?;
+            Ok(())
+        }
         Op::ConvDgrad(0) if l.variant.adds_dx_in_place() => {
             // dx holds the shortcut's gradient (bn3.bwd's d_addend): add conv1's to it. A
             // forced route that cannot add gives way to the dispatcher's accumulating route.
@@ -684,12 +689,14 @@ fn queue_op<T: Element>(
                 None => l.convs[i].backward_filter(x, &b.da[i], &mut b.dw[i], false),
             }
         }
+        // A unit's deciding first forward ran this BatchNorm already.
+        Op::BnFwd(i) if std::mem::take(&mut st.bn_ran[i]) => Ok(()),
         Op::BnFwd(i) => {
-            saved[i] = Some(bn_fwd(l, b, i, l.fused_unit(i))?);
+            st.saved[i] = Some(bn_fwd(l, b, i, st.done[i].take())?);
             Ok(())
         }
         Op::BnBwd(i) => {
-            let Some(s) = saved[i].take() else {
+            let Some(s) = st.saved[i].take() else {
                 return Err(nnfuse::Error::invalid(
                     "saved",
                     format!("{} ran without its forward", op.name()),
@@ -698,21 +705,35 @@ fn queue_op<T: Element>(
             let last = i == 2;
             let dy = if last { &b.dout } else { &b.dh[i] };
             if l.variant.fuse(i) != Fuse::None {
-                // A fused unit's state is the own path's: its own BatchNorm's backward.
-                let bn = l.fused_unit(i).map_or(&l.bns[i], |u| &u.bn);
-                bn.backward(BackwardArgs {
+                let (saved, unit) = match &s {
+                    Saved::Plain(s) => (s, None),
+                    Saved::Unit(t) => (t.bn(), l.units[i].as_ref().ok()),
+                };
+                let args = BackwardArgs {
                     x: b.a[i].as_view(),
                     y: b.h[i].as_view(),
                     dy: dy.as_view(),
                     gamma: b.gamma[i].as_view(),
                     beta: b.beta[i].as_view(),
-                    saved: &s,
+                    saved,
                     dx: b.da[i].as_view_mut(),
                     d_addend: last.then(|| b.dx.as_view_mut()),
                     dgamma: b.dgamma[i].as_view_mut(),
                     dbeta: b.dbeta[i].as_view_mut(),
-                })
+                };
+                // A unit's state goes back to the unit (the fused route's is its own
+                // BatchNorm's).
+                match unit {
+                    Some(u) => u.backward_bn(args),
+                    None => l.bns[i].backward(args),
+                }
             } else {
+                let Saved::Plain(s) = s else {
+                    return Err(nnfuse::Error::invalid(
+                        "saved",
+                        "a unit's state in a composition without units",
+                    ));
+                };
                 // ReLU's backward from y (into the shortcut's gradient for the last BN), then
                 // BatchNorm's.
                 let g = if last { &mut b.dx } else { &mut b.relu_grad };
@@ -767,9 +788,9 @@ pub fn run_step<T: Element>(
             l.def.n
         );
     }
-    let mut saved: [Option<BnSaved>; 3] = [None, None, None];
+    let mut st = StepState::default();
     for op in STEP {
-        run_op(l, b, op, &mut saved)
+        run_op(l, b, op, &mut st)
             .with_context(|| format!("{} ({})", op.name(), l.variant.name()))?;
         mark(op)?;
     }
@@ -778,9 +799,9 @@ pub fn run_step<T: Element>(
 
 /// Queues the classifier's three GEMMs alone.
 pub fn run_classifier<T: Element>(l: &Layers<T>, b: &mut Buffers<T>) -> Result<()> {
-    let mut saved: [Option<BnSaved>; 3] = [None, None, None];
+    let mut st = StepState::default();
     for op in [Op::FcFwd, Op::FcWgrad, Op::FcDgrad] {
-        run_op(l, b, op, &mut saved)
+        run_op(l, b, op, &mut st)
             .with_context(|| format!("{} ({})", op.name(), l.variant.name()))?;
     }
     Ok(())
@@ -942,7 +963,7 @@ fn with_unit<T: Element>(
     let (Some(u), Some(c)) = (l.fused_unit(i), l.unit_choice(i)) else {
         let why = match (l.unit(i), l.unit_choice(i)) {
             (Err(why), _) => format!("no fused unit: {why}"),
-            (Ok(_), Some(c)) => c.describe(i),
+            (Ok(_), Some(c)) => units::describe(&c, i),
             (Ok(_), None) => "fused unit not decided yet".into(),
         };
         return match op {
@@ -951,15 +972,17 @@ fn with_unit<T: Element>(
         };
     };
     let n = i + 1;
-    let p = u.bn.plan();
+    let Some(p) = u.batchnorm(TrainRoute::Fused).map(|bn| bn.plan()) else {
+        return (route, detail);
+    };
     let fuse = BlockDef::bn_fuse(i).describe();
     match op {
         Op::ConvFwd(_) => {
-            let sc = u.stats.choice();
+            let sc = u.stats_choice();
             let r = sc.as_ref().map_or(StatsRoute::Unfused, |s| s.route);
             let mut d = format!(
                 "{}; ConvStats: conv{n} and its output's per-channel sum and sum of squares",
-                c.describe(i)
+                units::describe(&c, i)
             );
             if let Some(sc) = sc.filter(|s| !s.times_us.is_empty()) {
                 let t: Vec<String> = sc
