@@ -886,6 +886,15 @@ impl Context {
         self.inner.pins.retire(old.map(|(buf, _)| buf));
     }
 
+    /// Loads every file of `files` (compiling those not compiled yet, waiting for those
+    /// compiling in the background): for callers that want a first call's candidates ready.
+    pub(crate) fn load_kernels(&self, files: &[&'static KernelFile]) -> Result<()> {
+        for f in files {
+            self.module(f)?;
+        }
+        Ok(())
+    }
+
     fn module(&self, file: &'static KernelFile) -> Result<Arc<CudaModule>> {
         if let Some(m) = lock_poisoned(&self.inner.modules).get(file.name) {
             return Ok(m.clone());

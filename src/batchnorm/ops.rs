@@ -394,6 +394,20 @@ impl<T: Element> BatchNorm<T> {
         })
     }
 
+    /// The own kernel units this plan's training launches (none off the own path).
+    pub(crate) fn own_training_units(&self) -> Vec<&'static crate::kernels::KernelFile> {
+        let core = &*self.core;
+        if !core.train.path.is_own() {
+            return Vec::new();
+        }
+        let train = Some((
+            core.train.own_forward.unwrap_or(OwnVariant::TwoPass),
+            core.train.own_backward.unwrap_or(OwnVariant::TwoPass),
+        ));
+        let ks = super::own_units::planned_kernels(core.own_shape.arr, core.fuse, train, false);
+        super::own_units::units_of(&ks, T::DTYPE)
+    }
+
     /// Whether `saved` came from a forward of this BatchNorm's plan (its backward takes it).
     pub(crate) fn owns(&self, saved: &BnSaved) -> bool {
         saved.owner == self.core.id

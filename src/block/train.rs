@@ -122,6 +122,10 @@ pub struct TrainChoice {
     /// One line per step of the decision: the check, the timing, or why the fused route was
     /// not measured.
     pub notes: Vec<String>,
+    /// Decided without measuring the fused route because its kernels were still compiling in
+    /// the background (a first call under the tuning budget does not wait for them): the first
+    /// `forward_train` after they are ready measures again ([`ConvBnTrain::pending`]).
+    pub provisional: bool,
 }
 
 impl TrainChoice {
@@ -151,6 +155,9 @@ impl TrainChoice {
             if let Some(n) = self.notes.last() {
                 s.push_str(&format!(": {n}"));
             }
+        }
+        if self.provisional {
+            s.push_str(" (provisional)");
         }
         s
     }
@@ -350,14 +357,50 @@ impl<T: Element> ConvBnTrain<T> {
     }
 
     /// The training forward: z = conv(x, w), y = BatchNorm(z) (+ addend, ReLU) on the decided
-    /// route (deciding on the first call, see the type's documentation). Returns the state
+    /// route (deciding on the first call, and again on the first call after a provisional
+    /// decision's kernels are ready; see the type's documentation). Returns the state
     /// [`ConvBnTrain::backward`] needs.
     pub fn forward_train(&self, mut a: ConvBnArgs<'_, T>) -> Result<TrainSaved> {
-        let decided = lock(&self.decision).as_ref().map(|c| c.route);
+        let decided = lock(&self.decision)
+            .as_ref()
+            .map(|c| (c.route, c.provisional));
         match decided {
-            Some(r) => self.run(r, &mut a),
             None => self.decide(&mut a),
+            Some((_, true)) if self.fused_kernels_ready() && !self.ctx.is_capturing()? => {
+                self.decide(&mut a)
+            }
+            Some((r, _)) => self.run(r, &mut a),
         }
+    }
+
+    /// Whether the next [`ConvBnTrain::forward_train`] measures the routes: no decision yet,
+    /// or a provisional one whose fused kernels have compiled since.
+    pub fn pending(&self) -> bool {
+        match lock(&self.decision).as_ref() {
+            None => true,
+            Some(c) => c.provisional && self.fused_kernels_ready(),
+        }
+    }
+
+    /// Waits for (or compiles) the fused route's kernels, so that the next first call, or the
+    /// next call after a provisional decision, measures the fused route: for a caller that
+    /// wants every decision made before it times or captures its steps. Nothing to do where
+    /// the plan refuses the fused route.
+    pub fn load_fused_kernels(&self) -> Result<()> {
+        match &self.fused {
+            Some(f) => self.ctx.load_kernels(&fused_kernel_files(f)),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the fused route can run without waiting for a compile (true where the plan
+    /// refuses it: nothing to wait for).
+    pub(super) fn fused_kernels_ready(&self) -> bool {
+        self.fused.as_ref().is_none_or(|f| {
+            fused_kernel_files(f)
+                .iter()
+                .all(|k| self.ctx.kernel_ready(k))
+        })
     }
 
     /// [`ConvBnTrain::forward_train`] on a given route (tests, benchmarks, a caller that
@@ -539,6 +582,14 @@ impl<T: Element> ConvBnTrain<T> {
         };
         Ok(TrainSaved { route, bn })
     }
+}
+
+/// The kernel files the fused route launches: ConvStats' reduction and the own BatchNorm's
+/// training units.
+fn fused_kernel_files<T: Element>(f: &Fused<T>) -> Vec<&'static crate::kernels::KernelFile> {
+    let mut v = vec![&crate::kernels::BLOCK_STATS];
+    v.extend(f.bn.own_training_units());
+    v
 }
 
 /// The BatchNorm's arguments of a unit's forward: its input is z.

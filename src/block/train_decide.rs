@@ -14,6 +14,7 @@ use crate::device_check::DeviceCompare;
 use crate::dtype::Element;
 use crate::error::{CallExt, Result};
 use crate::timing::{time_interleaved_gpu, InterleavedOptions};
+use crate::tune::budget::NOT_COMPILED;
 use crate::tune::rule::best_challenger;
 
 /// The race's options: a first call's budget, not a benchmark's.
@@ -59,7 +60,17 @@ impl<T: Element> ConvBnTrain<T> {
                 "fused: refused by the plan: {}",
                 self.plan.reason(TrainRoute::Fused)
             ));
-            self.record(TrainRoute::Unfused, Vec::new(), notes);
+            self.record(TrainRoute::Unfused, Vec::new(), notes, false);
+            return Ok(saved);
+        }
+        if !self.fused_kernels_ready() && self.ctx.config().conv_tune_budget_ms > 0 {
+            // Under the first call's budget (NNFUSE_CONV_TUNE_BUDGET_MS) a compile is not
+            // waited for: a traced cold first step spent 0.2-0.9 s per unit in such waits.
+            notes.push(format!(
+                "fused: not measured yet: {NOT_COMPILED}; the first forward_train after they \
+                 are ready measures it"
+            ));
+            self.record(TrainRoute::Unfused, Vec::new(), notes, true);
             return Ok(saved);
         }
         let n = a.z.len();
@@ -84,7 +95,7 @@ impl<T: Element> ConvBnTrain<T> {
             Ok(line) => notes.push(format!("fused: matches unfused: {line}")),
             Err(why) => {
                 notes.push(format!("fused: not taken: {why}"));
-                self.record(TrainRoute::Unfused, Vec::new(), notes);
+                self.record(TrainRoute::Unfused, Vec::new(), notes, false);
                 return Ok(saved);
             }
         }
@@ -94,7 +105,7 @@ impl<T: Element> ConvBnTrain<T> {
         } else {
             TrainRoute::Unfused
         };
-        self.record(route, times, notes);
+        self.record(route, times, notes, false);
         Ok(saved)
     }
 
@@ -197,15 +208,22 @@ impl<T: Element> ConvBnTrain<T> {
         Ok((times, wins))
     }
 
-    /// Stores the decision.
-    fn record(&self, route: TrainRoute, times_us: Vec<(TrainRoute, f64)>, notes: Vec<String>) {
+    /// Stores the decision (`provisional`: made without the fused route's measurement).
+    fn record(
+        &self,
+        route: TrainRoute,
+        times_us: Vec<(TrainRoute, f64)>,
+        notes: Vec<String>,
+        provisional: bool,
+    ) {
         let stats = self.fused.as_ref().and_then(|f| f.stats.choice());
-        tracing::info!(%route, ?times_us, ?notes, "conv+BN training unit decided");
+        tracing::info!(%route, ?times_us, ?notes, provisional, "conv+BN training unit decided");
         *lock(&self.decision) = Some(TrainChoice {
             route,
             times_us,
             stats,
             notes,
+            provisional,
         });
     }
 }

@@ -410,12 +410,22 @@ impl<T: Element> Layers<T> {
         }
     }
 
-    /// Unit `i` while it still has to decide (built, nothing given, no first forward yet).
+    /// Unit `i` while its next forward measures (built, nothing given, and no decision yet or
+    /// a provisional one whose kernels are ready now).
     fn undecided_unit(&self, i: usize) -> Option<&ConvBnTrain<T>> {
         match &self.units[i] {
-            Ok(u) if self.given[i].is_none() && u.choice().is_none() => Some(u),
+            Ok(u) if self.given[i].is_none() && u.pending() => Some(u),
             _ => None,
         }
+    }
+
+    /// Waits for the units' fused kernels, so that a unit decided provisionally on the first
+    /// step (its kernels still compiling) decides for good on the next.
+    pub fn load_unit_kernels(&self) -> nnfuse::Result<()> {
+        for u in self.units.iter().flatten() {
+            u.load_fused_kernels()?;
+        }
+        Ok(())
     }
 
     /// Unit `i`: built, or why not.
@@ -1155,8 +1165,10 @@ impl<T: Element> Session<T> {
     }
 
     /// Every variant's first step (timed by the wall clock: every first-call cost), then two
-    /// more untimed steps each; returns the runs with their decisions, and the longest host
-    /// time to queue a step (ms).
+    /// more untimed steps each (after the units' fused kernels are loaded: a unit decided
+    /// provisionally on the first step decides on the next); returns the runs with their
+    /// decisions as they stand after those steps, and the longest host time to queue a step
+    /// (ms).
     pub fn warm_up(&mut self, bar: &indicatif::ProgressBar) -> Result<(Vec<VariantRun>, f64)> {
         let mut runs = Vec::new();
         for l in &self.layers {
@@ -1177,7 +1189,9 @@ impl<T: Element> Session<T> {
                 variant: l.variant,
                 first_step_ms,
                 conv_measure_ms,
-                decisions: decisions(l, &self.big),
+                // Filled in after the warm-up steps (a unit decided provisionally on the
+                // first step decides for good on the next).
+                decisions: Vec::new(),
                 times: Vec::new(),
                 loop_ms: Vec::new(),
                 host_step_ms: Vec::new(),
@@ -1187,11 +1201,13 @@ impl<T: Element> Session<T> {
             bar.inc(1);
         }
         let mut host_ms: f64 = 0.0;
-        for l in &self.layers {
+        for (l, run) in self.layers.iter().zip(runs.iter_mut()) {
             bar.set_message(format!("warm-up steps, {}", l.variant.title()));
+            l.load_unit_kernels()?;
             for _ in 0..2 {
                 wall_step(l, &mut self.big)?;
             }
+            run.decisions = decisions(l, &self.big);
             host_ms = host_ms.max(host_queue_ms(l, &mut self.big)?);
         }
         Ok((runs, host_ms))

@@ -49,6 +49,7 @@ mod tests {
             times_us: vec![(TrainRoute::Unfused, 263.0), (TrainRoute::Fused, 229.5)],
             stats: None,
             notes: Vec::new(),
+            provisional: false,
         };
         let t = describe(&c, 2);
         assert!(t.starts_with("fused unit taken (conv3+stats"), "{t}");
@@ -58,9 +59,11 @@ mod tests {
             times_us: Vec::new(),
             stats: None,
             notes: vec!["fused: refused by the plan: NCHW".into()],
+            provisional: true,
         };
         let t = describe(&n, 0);
         assert!(t.starts_with("fused unit not taken (conv1 then bn1"), "{t}");
         assert!(t.contains("refused by the plan: NCHW"), "{t}");
+        assert!(t.ends_with("(provisional)"), "{t}");
     }
 }
