@@ -606,3 +606,47 @@ pub(super) fn bn_args<'s, T>(a: &'s mut ConvBnArgs<'_, T>) -> TrainArgs<'s, T> {
         eps: a.eps,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn choice(route: TrainRoute, times: &[(TrainRoute, f64)], provisional: bool) -> TrainChoice {
+        TrainChoice {
+            route,
+            times_us: times.to_vec(),
+            stats: None,
+            notes: vec!["fused: refused by the plan: NCHW".into()],
+            provisional,
+        }
+    }
+
+    #[test]
+    fn a_choice_reads_as_its_route_and_times_or_its_reason() {
+        let t = choice(
+            TrainRoute::Fused,
+            &[(TrainRoute::Unfused, 249.5), (TrainRoute::Fused, 229.0)],
+            false,
+        )
+        .describe();
+        assert_eq!(
+            t,
+            "fused route (unfused 249.5 us, fused 229.0 us: forward + BatchNorm backward, GPU \
+             time, median)"
+        );
+        let t = choice(TrainRoute::Unfused, &[], true).describe();
+        assert_eq!(
+            t,
+            "unfused route (nothing timed): fused: refused by the plan: NCHW (provisional)"
+        );
+    }
+
+    #[test]
+    fn the_batchnorm_sees_the_convolution_output_in_the_data_layout() {
+        let nhwc = ConvShape::square(2, 8, 6, 4, 3, TensorFormat::Nhwc);
+        assert_eq!(bn_shape(&nhwc).unwrap(), (vec![2, 6, 6, 4], 3));
+        let mut nchw = ConvShape::square(2, 8, 6, 4, 3, TensorFormat::Nchw);
+        nchw.pad = (0, 0);
+        assert_eq!(bn_shape(&nchw).unwrap(), (vec![2, 4, 4, 4], 1));
+    }
+}
