@@ -52,7 +52,7 @@ pub use plan::{plan, BlockPlan, BlockRoute, RouteInfo};
 pub use reference::reference_forward;
 pub use stats_plan::{StatsPlan, StatsRoute};
 pub use train::{ConvBnArgs, ConvBnBackwardArgs, ConvBnTrain, ConvDone, TrainChoice, TrainSaved};
-pub use train_plan::{TrainPlan, TrainRoute};
+pub use train_plan::{plan_train, TrainPlan, TrainPlanRequest, TrainRoute};
 
 /// What only nnfuse's own tests, benches and CLI use: the check's tolerance per data type, the
 /// GEMM route's column cap, and ConvStats' pure plan and statistics check. Not a stable API.

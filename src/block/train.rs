@@ -9,14 +9,13 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use super::api::lock;
 use super::conv_stats::{ConvStats, StatsChoice};
 use super::stats_plan::StatsRoute;
-use super::train_plan::{train_plan, FusedParts, TrainPlan, TrainRoute};
+use super::train_plan::{bn_shape, plan_train, TrainPlan, TrainPlanRequest, TrainRoute};
 use crate::batchnorm::{BackwardArgs, BatchNorm, BnPath, BnSaved, Fuse, TrainArgs};
 use crate::config::BnImpl;
-use crate::context::Context;
+use crate::context::{cudnn_present, cudnn_version, Context};
 use crate::conv::{Conv2d, ConvShape};
 use crate::dtype::Element;
 use crate::error::{CallExt, Error, Result};
-use crate::layout::TensorFormat;
 
 /// The forward's operands: the convolution's (`x`, `w`, its output `z`) and the BatchNorm's
 /// (as [`TrainArgs`], whose input is `z`).
@@ -248,35 +247,37 @@ impl<T: Element> std::fmt::Debug for ConvBnTrain<T> {
     }
 }
 
-/// The BatchNorm's shape and channel axis for the convolution's output.
-fn bn_shape(s: &ConvShape) -> Result<(Vec<usize>, usize)> {
-    let (oh, ow) = s.out_hw()?;
-    Ok(match s.format {
-        TensorFormat::Nhwc => (vec![s.n, oh, ow, s.c_out], 3),
-        TensorFormat::Nchw => (vec![s.n, s.c_out, oh, ow], 1),
-    })
-}
-
 impl<T: Element> ConvBnTrain<T> {
     /// Plans the unit for `shape` with the BatchNorm's activation `fuse` (no GPU work beyond
     /// the parts' background kernel compiles and two small allocations). The fused route is
     /// refused, with the reason in the plan, where its parts cannot be planned.
     pub fn new(ctx: &Context, shape: &ConvShape, fuse: Fuse) -> Result<Self> {
+        let cudnn = if cudnn_present() {
+            Some(cudnn_version()?)
+        } else {
+            None
+        };
+        let mut plan = plan_train(&TrainPlanRequest {
+            shape,
+            dtype: T::DTYPE,
+            fuse,
+            config: ctx.config(),
+            cudnn,
+        })?;
         let (bn_dims, axis) = bn_shape(shape)?;
         let conv = Conv2d::<T>::new(ctx, shape)?;
         let bn = BatchNorm::<T>::new(ctx, &bn_dims, axis, fuse)?;
-        let (fused, parts) = match Self::fused_parts(ctx, shape, &bn_dims, axis, fuse) {
-            Ok(f) => (Some(f), FusedParts::Ready),
-            Err(why) => (None, FusedParts::Refused(why)),
+        let fused = if plan.eligible(TrainRoute::Fused) {
+            match Self::fused_parts(ctx, shape, &bn_dims, axis, fuse) {
+                Ok(f) => Some(f),
+                Err(why) => {
+                    plan.refuse(TrainRoute::Fused, why);
+                    None
+                }
+            }
+        } else {
+            None
         };
-        let plan = train_plan(
-            shape,
-            T::DTYPE,
-            fuse,
-            parts,
-            fused.as_ref().map(|f| f.stats.plan().clone()),
-            bn.plan().reasons.clone(),
-        );
         tracing::info!(plan = %plan, "conv+BN training unit planned");
         static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
         Ok(ConvBnTrain {
@@ -639,14 +640,5 @@ mod tests {
             t,
             "unfused route (nothing timed): fused: refused by the plan: NCHW (provisional)"
         );
-    }
-
-    #[test]
-    fn the_batchnorm_sees_the_convolution_output_in_the_data_layout() {
-        let nhwc = ConvShape::square(2, 8, 6, 4, 3, TensorFormat::Nhwc);
-        assert_eq!(bn_shape(&nhwc).unwrap(), (vec![2, 6, 6, 4], 3));
-        let mut nchw = ConvShape::square(2, 8, 6, 4, 3, TensorFormat::Nchw);
-        nchw.pad = (0, 0);
-        assert_eq!(bn_shape(&nchw).unwrap(), (vec![2, 4, 4, 4], 1));
     }
 }

@@ -5,11 +5,13 @@
 use std::fmt;
 use std::str::FromStr;
 
-use super::stats_plan::StatsPlan;
-use crate::batchnorm::Fuse;
+use super::stats_plan::{stats_plan, StatsPlan};
+use crate::batchnorm::{self, BnPath, Fuse, OwnVariantChoice, Phase, PlanRequest};
+use crate::config::{BnImpl, Config};
 use crate::conv::ConvShape;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::layout::TensorFormat;
 
 /// How one training step of `conv → BatchNorm(+ReLU | +Add+ReLU)` runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -89,6 +91,11 @@ impl TrainPlan {
     pub fn reason(&self, r: TrainRoute) -> &str {
         &self.routes[r.index()].2
     }
+
+    /// Refuses `r` for `why` (its parts could not be built at run time).
+    pub(crate) fn refuse(&mut self, r: TrainRoute, why: String) {
+        self.routes[r.index()] = (r, false, why);
+    }
 }
 
 impl fmt::Display for TrainPlan {
@@ -117,6 +124,71 @@ impl fmt::Display for TrainPlan {
         }
         Ok(())
     }
+}
+
+/// What a unit is planned from (plain values, as `nnfuse plan` takes them).
+#[derive(Debug, Clone, Copy)]
+pub struct TrainPlanRequest<'a> {
+    /// The convolution.
+    pub shape: &'a ConvShape,
+    /// The element type.
+    pub dtype: DType,
+    /// The BatchNorm's activation.
+    pub fuse: Fuse,
+    /// The configuration (the unfused BatchNorm's policy; the fused route's BatchNorm is
+    /// planned with it and `BnImpl::Own`).
+    pub config: &'a Config,
+    /// The loaded cuDNN's version; `None` without cuDNN.
+    pub cudnn: Option<usize>,
+}
+
+/// The BatchNorm's shape and channel axis for the convolution's output (pure).
+pub(crate) fn bn_shape(s: &ConvShape) -> Result<(Vec<usize>, usize)> {
+    let (oh, ow) = s.out_hw()?;
+    Ok(match s.format {
+        TensorFormat::Nhwc => (vec![s.n, oh, ow, s.c_out], 3),
+        TensorFormat::Nchw => (vec![s.n, s.c_out, oh, ow], 1),
+    })
+}
+
+/// Plans a training unit without a GPU: ConvStats' plan, the BatchNorm's plan under the
+/// configuration (the unfused route) and under `BnImpl::Own` (the fused route needs the own
+/// path), and so every route's eligibility and reason. Errors: a shape neither the
+/// convolution nor the BatchNorm can plan, naming the field.
+pub fn plan_train(req: &TrainPlanRequest<'_>) -> Result<TrainPlan> {
+    let (dims, axis) = bn_shape(req.shape)?;
+    let bn = |config: &Config| {
+        batchnorm::plan(&PlanRequest {
+            shape: &dims,
+            axis,
+            dtype: req.dtype,
+            fuse: req.fuse,
+            phase: Phase::Training,
+            config,
+            cudnn_version: req.cudnn.unwrap_or(0),
+            cudnn_available: req.cudnn.is_some(),
+            own_variant: OwnVariantChoice::Auto,
+        })
+    };
+    let unfused = bn(req.config)?;
+    let own = bn(&req.config.clone().with_bn_impl(BnImpl::Own))?;
+    let stats = stats_plan(req.shape, req.dtype, req.cudnn, req.config.deterministic);
+    let parts = match (&stats, own.path) {
+        (Err(e), _) => FusedParts::Refused(format!("ConvStats: {e}")),
+        (Ok(_), BnPath::Own) => FusedParts::Ready,
+        (Ok(_), path) => FusedParts::Refused(format!(
+            "a BatchNorm planned with BnImpl::Own takes the {path} path here: {}",
+            own.reasons.join("; ")
+        )),
+    };
+    Ok(train_plan(
+        req.shape,
+        req.dtype,
+        req.fuse,
+        parts,
+        stats.ok(),
+        unfused.reasons,
+    ))
 }
 
 /// What the constructor learned about the fused route's parts.
@@ -179,6 +251,47 @@ mod tests {
         assert_eq!(" Fused ".parse::<TrainRoute>().unwrap(), TrainRoute::Fused);
         let e = "graph".parse::<TrainRoute>().unwrap_err().to_string();
         assert!(e.contains("route") && e.contains("graph"), "{e}");
+    }
+
+    #[test]
+    fn the_demo_units_plan_without_a_gpu() {
+        let config = Config::default();
+        for (c_in, c_out, k, fuse) in [
+            (256, 64, 1, Fuse::Relu),
+            (64, 64, 3, Fuse::Relu),
+            (64, 256, 1, Fuse::AddRelu),
+        ] {
+            let s = ConvShape::square(32, c_in, 56, c_out, k, TensorFormat::Nhwc);
+            for cudnn in [Some(91900), None] {
+                let p = plan_train(&TrainPlanRequest {
+                    shape: &s,
+                    dtype: DType::F16,
+                    fuse,
+                    config: &config,
+                    cudnn,
+                })
+                .unwrap();
+                assert!(p.eligible(TrainRoute::Fused), "{p}");
+                assert!(p.eligible(TrainRoute::Unfused));
+                assert!(!p.bn.is_empty());
+                let stats = p.stats.as_ref().expect("ConvStats plans");
+                assert_eq!(stats.shape, s);
+            }
+        }
+        // BatchNorm's shape follows the layout; a shape the convolution cannot take is an
+        // error naming it.
+        let nchw = ConvShape::square(2, 8, 6, 4, 3, TensorFormat::Nchw);
+        assert_eq!(bn_shape(&nchw).unwrap(), (vec![2, 4, 6, 6], 1));
+        let mut bad = nchw;
+        bad.stride = (0, 1);
+        let req = TrainPlanRequest {
+            shape: &bad,
+            dtype: DType::F32,
+            fuse: Fuse::Relu,
+            config: &config,
+            cudnn: None,
+        };
+        assert!(plan_train(&req).unwrap_err().argument().is_some());
     }
 
     #[test]

@@ -1,8 +1,10 @@
 //! The plan of every layer of the block under one variant's configuration, without a GPU: the
-//! convolution plans of all three directions (`nnfuse::conv::plan`) and the BatchNorm training
-//! plans (`nnfuse::batchnorm::plan`), as `nnfuse plan` would print them one by one.
+//! convolution plans of all three directions (`nnfuse::conv::plan`), the BatchNorm training
+//! plans (`nnfuse::batchnorm::plan`), as `nnfuse plan` would print them one by one, and for
+//! nnfuse the training units' plans (`nnfuse::block::plan_train`).
 
 use nnfuse::batchnorm::{self, BnPlan, Phase, PlanRequest};
+use nnfuse::block::{plan_train, TrainPlan, TrainPlanRequest, TrainRoute};
 use nnfuse::conv::{self, ConvPlan, ConvPlanRequest, Direction};
 use nnfuse::Config;
 use serde_json::{json, Value};
@@ -21,6 +23,8 @@ pub struct BlockPlans {
     pub convs: Vec<[ConvPlan; 3]>,
     /// Per BatchNorm: the training plan.
     pub bns: Vec<BnPlan>,
+    /// Per conv → BN unit (nnfuse only; empty for the plain compositions): its routes.
+    pub units: Vec<TrainPlan>,
 }
 
 /// Plans the block. `cudnn_present` and `cudnn_version` are what the machine has (or what is
@@ -66,12 +70,37 @@ pub fn plan_block(
             own_variant: batchnorm::OwnVariantChoice::Auto,
         })?);
     }
+    let mut units = Vec::new();
+    if variant == Variant::Nnfuse {
+        for i in 0..3 {
+            units.push(plan_train(&TrainPlanRequest {
+                shape: &def.conv(i),
+                dtype: def.dtype,
+                fuse: BlockDef::bn_fuse(i),
+                config: &config,
+                cudnn: cudnn_present.then_some(cudnn_version),
+            })?);
+        }
+    }
     Ok(BlockPlans {
         variant,
         config,
         convs,
         bns,
+        units,
     })
+}
+
+/// One line for a unit's plan: the fused route's eligibility and why.
+pub fn unit_line(p: &TrainPlan) -> String {
+    let r = TrainRoute::Fused;
+    if p.eligible(r) {
+        "fused route eligible: measured against conv then BN (forward + BN backward) at the \
+         first step"
+            .to_string()
+    } else {
+        format!("fused route refused: {}; conv then BN", p.reason(r))
+    }
 }
 
 /// One line for a convolution plan: the path, or what `auto` measures at the first call.
@@ -138,6 +167,16 @@ impl BlockPlans {
         for (i, b) in self.bns.iter().enumerate() {
             layers.insert(format!("bn{}", i + 1), b.to_json());
         }
+        for (i, u) in self.units.iter().enumerate() {
+            let routes: serde_json::Map<String, Value> = TrainRoute::ALL
+                .iter()
+                .map(|&r| {
+                    let v = json!({"eligible": u.eligible(r), "reason": u.reason(r)});
+                    (r.name().to_string(), v)
+                })
+                .collect();
+            layers.insert(format!("unit{}", i + 1), Value::Object(routes));
+        }
         json!({
             "variant": self.variant.name(),
             "describe": self.variant.describe(),
@@ -167,6 +206,16 @@ mod tests {
                     .unwrap();
                 assert_eq!(p.convs.len(), 3);
                 assert_eq!(p.bns.len(), 3);
+                // Units only where they run (nnfuse), each with both routes in the JSON.
+                assert_eq!(p.units.len(), if v == Variant::Nnfuse { 3 } else { 0 });
+                for (i, u) in p.units.iter().enumerate() {
+                    assert!(u.eligible(TrainRoute::Unfused));
+                    assert!(!unit_line(u).is_empty());
+                    let j = p.to_json();
+                    let unit = &j["layers"][format!("unit{}", i + 1)];
+                    assert!(unit["fused"]["eligible"].is_boolean(), "{unit}");
+                    assert!(unit["unfused"]["reason"].is_string(), "{unit}");
+                }
                 for c in &p.convs {
                     for (d, plan) in Direction::ALL.iter().zip(c) {
                         assert_eq!(plan.direction, *d);

@@ -9,7 +9,7 @@ use super::bits::BitRow;
 use super::block::{direction_index, step_floor_us, step_flops, BlockDef, Op, STEP};
 use super::check::Row;
 use super::host_profile::HostProfile;
-use super::plans::{bn_line, conv_line, BlockPlans};
+use super::plans::{bn_line, conv_line, unit_line, BlockPlans};
 use super::variants::Variant;
 
 /// The exit status of a demo run, as documented in `docs/DEMO.md`.
@@ -394,6 +394,13 @@ impl Report {
             rows.push(vec![name, op.describe(&self.def), line]);
         }
         s.push_str(&table(&["op", "what", "plan"], &rows, &[]));
+        for (i, u) in p.units.iter().enumerate() {
+            s.push_str(&format!(
+                "unit conv{n}+bn{n} (block::ConvBnTrain): {}\n",
+                unit_line(u),
+                n = i + 1
+            ));
+        }
         for v in [Variant::CudnnSpatial, Variant::CudnnPersistent] {
             if let Some(b) = self.plans(v) {
                 s.push_str(&format!(
@@ -414,6 +421,9 @@ impl Report {
                 }
                 for (i, b) in pl.bns.iter().enumerate() {
                     s.push_str(&format!("[bn{}] {b}\n", i + 1));
+                }
+                for (i, u) in pl.units.iter().enumerate() {
+                    s.push_str(&format!("[unit{}] {u}", i + 1));
                 }
             }
         }
