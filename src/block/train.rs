@@ -418,8 +418,10 @@ impl<T: Element> ConvBnTrain<T> {
 
     /// [`ConvBnTrain::forward_train`]'s first stage: z = conv(x, w) on the decided route (the
     /// fused route also writes the unit's per-channel sums of z). Before the first
-    /// `forward_train` has decided, the unfused route runs. Pass the receipt to
-    /// [`ConvBnTrain::forward_bn`], with z, before the next `forward_conv` of this unit.
+    /// `forward_train` has decided, the unfused route runs: the stages never measure, so a
+    /// caller that runs only them decides with one `forward_train` first (and again while
+    /// [`ConvBnTrain::pending`] says so). Pass the receipt to [`ConvBnTrain::forward_bn`], with
+    /// z, before the next `forward_conv` of this unit.
     pub fn forward_conv(
         &self,
         x: &CudaView<'_, T>,
