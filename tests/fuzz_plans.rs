@@ -1,6 +1,6 @@
 //! Fuzz properties of the pure planning and validation surface: the BatchNorm plan, the
-//! convolution plan and its size arithmetic, GEMM's problem checks and keys, and OneFlow's
-//! layout inference, over arbitrary shapes, axes, strides, paddings, dilations, data types,
+//! convolution plan and its size arithmetic, the training unit's plan, GEMM's problem checks
+//! and keys, and OneFlow's layout inference, over arbitrary shapes, axes, strides, paddings, dilations, data types,
 //! policies and library versions (every integer field includes 0, 1 and values up to
 //! `usize::MAX`).
 //!
@@ -14,6 +14,7 @@ mod fuzz_common;
 
 use fuzz_common::{cases, check_all, dim, in_child, small_dim, Outcome};
 use nnfuse::batchnorm::{plan as bn_plan, BnPath, Fuse, OwnVariantChoice, Phase, PlanRequest};
+use nnfuse::block::{plan_train, TrainPlanRequest, TrainRoute};
 use nnfuse::conv::WinogradTile;
 use nnfuse::conv::{plan as conv_plan, ConvPath, ConvPlanRequest, ConvShape, Direction};
 use nnfuse::gemm::{Alignment, Compute, Key, Problem, Validated};
@@ -377,6 +378,51 @@ fn conv_plan_sizes_fit_or_name_the_argument() {
         2000,
         (conv_shape(), conv_rest()),
         |(shape, rest)| check_conv_plan(shape, rest),
+    );
+}
+
+/// A training unit's plan (`block::plan_train`): a typed error naming the argument, or a plan
+/// whose unfused route is eligible, whose every route has a reason, and whose fused route,
+/// where eligible, has ConvStats' plan for the same problem.
+#[test]
+fn training_unit_plan_is_whole_or_names_the_argument() {
+    let fuse = prop::sample::select(Fuse::ALL.to_vec());
+    let cudnn = prop_oneof![
+        Just(None),
+        Just(Some(91900usize)),
+        (0usize..100_000).prop_map(Some)
+    ];
+    check_all(
+        "training unit plan",
+        1000,
+        (conv_shape(), conv_rest(), fuse, cudnn),
+        |(shape, (dtype, _, config, _), fuse, cudnn)| {
+            let req = TrainPlanRequest {
+                shape: &shape,
+                dtype,
+                fuse,
+                config: &config,
+                cudnn,
+            };
+            match plan_train(&req) {
+                Err(e) => {
+                    names_an_argument(&e)?;
+                    Ok(Outcome::Rejected)
+                }
+                Ok(p) => {
+                    prop_assert!(p.eligible(TrainRoute::Unfused), "{p}");
+                    for r in TrainRoute::ALL {
+                        prop_assert!(!p.reason(r).is_empty(), "{r}: no reason in {p}");
+                    }
+                    if p.eligible(TrainRoute::Fused) {
+                        let stats = p.stats.as_ref();
+                        prop_assert!(stats.is_some_and(|st| st.shape == shape), "{p}");
+                    }
+                    prop_assert!(!p.to_string().is_empty());
+                    Ok(Outcome::Value)
+                }
+            }
+        },
     );
 }
 
