@@ -72,19 +72,20 @@ pub(crate) fn read_acc(ctx: &Context, acc: &CudaSlice<f64>) -> Result<Vec<f64>> 
     ctx.stream().clone_dtoh(acc).call("cuMemcpyDtoH")
 }
 
-/// A reference of `n` elements of one type, widened to f32 on the device, and `slots`
-/// candidates' comparison sums (slot 0 holds the reference's own statistics).
+/// A reference of `n` elements of one type, widened to f32 on the device once, against which
+/// candidates are compared one at a time (three doubles read back per candidate).
 pub(crate) struct DeviceCompare {
     ctx: Context,
     dtype: DType,
     n: usize,
     reference: CudaSlice<f32>,
     acc: CudaSlice<f64>,
+    reference_nonfinite: f64,
 }
 
 impl DeviceCompare {
     /// Widens the reference at `reference` (`n` elements of `dtype`) and counts its non-finite
-    /// elements into slot 0; room for `candidates` comparisons after it.
+    /// elements (synchronises).
     ///
     /// # Safety
     /// `reference` must address `n` elements of `dtype` on `ctx`'s device, written (or queued to
@@ -94,33 +95,40 @@ impl DeviceCompare {
         dtype: DType,
         reference: u64,
         n: usize,
-        candidates: usize,
     ) -> Result<DeviceCompare> {
         let s = ctx.stream();
         // SAFETY: widened into below before any read.
         let buf = unsafe { s.alloc::<f32>(n.max(1)) }.call("cuMemAllocAsync")?;
-        let acc = s
-            .alloc_zeros::<f64>(3 * (candidates + 1))
-            .call("cuMemAllocAsync")?;
+        let acc = s.alloc_zeros::<f64>(3).call("cuMemAllocAsync")?;
         let refp = buf.device_ptr(s).0;
         launch3(ctx, widen_kernel(dtype), reference, refp, n, None)?;
         stats(ctx, refp, n, acc.device_ptr(s).0)?;
+        let reference_nonfinite = read_acc(ctx, &acc)?.first().copied().unwrap_or(f64::NAN);
         Ok(DeviceCompare {
             ctx: ctx.clone(),
             dtype,
             n,
             reference: buf,
             acc,
+            reference_nonfinite,
         })
     }
 
-    /// Queues the comparison of candidate `i` (slot `i + 1`) at `got` with the reference.
+    /// The reference's non-finite elements (a candidate cannot be judged against those).
+    pub(crate) fn reference_nonfinite(&self) -> f64 {
+        self.reference_nonfinite
+    }
+
+    /// Compares the candidate at `got` with the reference: `(relative L2, non-finite
+    /// positions)` as [`judge`] gives them (synchronises).
     ///
     /// # Safety
-    /// `got` must address `n` elements of the reference's type on the Context's device.
-    pub(crate) unsafe fn compare(&self, i: usize, got: u64) -> Result<()> {
+    /// `got` must address `n` elements of the reference's type on the Context's device, written
+    /// (or queued to be) on the Context's stream.
+    pub(crate) unsafe fn check(&mut self, got: u64) -> Result<(f64, f64)> {
         let s = self.ctx.stream();
-        let acc = self.acc.device_ptr(s).0 + (3 * (i + 1) * std::mem::size_of::<f64>()) as u64;
+        s.memset_zeros(&mut self.acc).call("cuMemsetD8Async")?;
+        let acc = self.acc.device_ptr(s).0;
         let refp = self.reference.device_ptr(s).0;
         launch3(
             &self.ctx,
@@ -129,20 +137,7 @@ impl DeviceCompare {
             refp,
             self.n,
             Some(acc),
-        )
-    }
-
-    /// Every slot's sums (synchronises): slot 0 the reference's (non-finite count, nonzero
-    /// count, Σr²), then three per candidate.
-    pub(crate) fn read(&self) -> Result<Vec<f64>> {
-        read_acc(&self.ctx, &self.acc)
-    }
-
-    /// From [`DeviceCompare::read`]'s sums: the reference's non-finite count, and candidate
-    /// `i`'s relative L2 error and non-finite count ([`judge`]'s; NaN when missing).
-    pub(crate) fn verdicts(sums: &[f64], i: usize) -> (f64, (f64, f64)) {
-        let reference_bad = sums.first().copied().unwrap_or(f64::NAN);
-        let slot = sums.get(3 * (i + 1)..).unwrap_or(&[]);
-        (reference_bad, judge(slot))
+        )?;
+        Ok(judge(&read_acc(&self.ctx, &self.acc)?))
     }
 }

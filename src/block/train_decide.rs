@@ -6,7 +6,7 @@
 use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::api::lock;
-use super::check::tolerance;
+use super::check::{passes, tolerance};
 use super::train::{ConvBnArgs, ConvBnTrain, TrainChoice, TrainSaved};
 use super::train_plan::TrainRoute;
 use crate::batchnorm::{BackwardArgs, Fuse};
@@ -128,12 +128,11 @@ impl<T: Element> ConvBnTrain<T> {
             let y_ptr = a.y.device_ptr(s).0;
             // SAFETY: the caller's y holds z's element count of T on this device (the unit's
             // forward validated it), written by the unfused route on this stream.
-            let cmp = unsafe { DeviceCompare::new(&self.ctx, dt, y_ptr, a.y.len(), 1) }?;
+            let mut cmp = unsafe { DeviceCompare::new(&self.ctx, dt, y_ptr, a.y.len()) }?;
+            let reference_bad = cmp.reference_nonfinite();
             let py = p.y.device_ptr(s).0;
             // SAFETY: the probe's y has the same extent and type.
-            unsafe { cmp.compare(0, py) }?;
-            let sums = cmp.read()?;
-            let (reference_bad, verdict) = DeviceCompare::verdicts(&sums, 0);
+            let verdict = unsafe { cmp.check(py) }?;
             if reference_bad != 0.0 {
                 return Err(crate::error::Error::NotSupported(format!(
                     "the unfused output has {reference_bad} non-finite elements on this call's \
@@ -157,7 +156,7 @@ impl<T: Element> ConvBnTrain<T> {
         );
         // The running statistics are f32 in both routes: the f32 bound at most, or the type's
         // for halves (the statistics come from the rounded z).
-        if bad == 0.0 && rel <= tol && rm_err <= tol && rv_err <= tol {
+        if passes(rel, bad, dt) && rm_err <= tol && rv_err <= tol {
             Ok(line)
         } else {
             Err(format!("it differs from unfused: {line}"))
