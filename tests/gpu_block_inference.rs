@@ -318,6 +318,30 @@ fn misaligned_operands_run_unfused() {
     assert_close("misaligned y", &got, &want, tolerance(DType::F16));
 }
 
+/// A first call whose unfused output has a non-finite element (an infinity in x) cannot judge
+/// a fused route against it: it keeps `unfused` and says why.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_non_finite_first_call_keeps_unfused_and_says_why() {
+    let _serial = serial();
+    let ctx = gpu();
+    let mut rng = Rng::fresh("block_inference_non_finite");
+    let shape = shapes(TensorFormat::Nhwc)[0];
+    let mut u = Unit::<f16>::new(&ctx, shape, &mut rng);
+    assert!(!u.unit.plan().fused_candidates().is_empty());
+    let mut x = download(&ctx, &u.dx);
+    x[3] = f16::INFINITY;
+    u.dx = upload(&ctx, &x);
+    let got = u.run(&ctx, None, true, true).unwrap();
+    assert!(
+        got.iter().any(|v| !v.is_finite()),
+        "the infinity reached no output"
+    );
+    let c = u.unit.choice(true, true).expect("decided");
+    assert_eq!(c.route, BlockRoute::Unfused, "{c:?}");
+    assert!(c.notes.iter().any(|n| n.contains("non-finite")), "{c:?}");
+}
+
 /// Bad arguments never reach the GPU and name themselves.
 #[test]
 #[ignore = "needs a CUDA GPU"]

@@ -42,18 +42,27 @@ impl<T: Element> ConvBnInference<T> {
         let candidates = self.plan.fused_candidates();
         let mut notes = Vec::new();
         let mut passed = Vec::new();
-        let y_len = y.len();
-        let y_ptr = y.device_ptr(self.ctx.stream()).0;
-        // SAFETY: y holds y_len elements of T on the Context's device (validated), written by
-        // the unfused composition above on this stream.
-        let mut reference = unsafe { DeviceCompare::new(&self.ctx, T::DTYPE, y_ptr, y_len) }?;
-        let bad = reference.reference_nonfinite();
-        if !candidates.is_empty() && bad != 0.0 {
-            notes.push(format!(
-                "fused routes not checked: the unfused output has {bad} non-finite elements on \
-                 this call's data"
-            ));
-        } else if !candidates.is_empty() {
+        if !candidates.is_empty() {
+            let y_len = y.len();
+            let y_ptr = y.device_ptr(self.ctx.stream()).0;
+            // SAFETY: y holds y_len elements of T on the Context's device (validated), written
+            // by the unfused composition above on this stream.
+            let mut reference = unsafe { DeviceCompare::new(&self.ctx, T::DTYPE, y_ptr, y_len) }?;
+            let bad = reference.reference_nonfinite();
+            if bad != 0.0 {
+                notes.push(format!(
+                    "fused routes not checked: the unfused output has {bad} non-finite elements \
+                     on this call's data"
+                ));
+                self.record(
+                    shortcut.is_some(),
+                    relu,
+                    BlockRoute::Unfused,
+                    Vec::new(),
+                    notes,
+                );
+                return Ok(());
+            }
             let mut probe = {
                 let mut bufs = lock(&self.buffers);
                 ensure(
