@@ -13,6 +13,15 @@
 //    (hi + lo), the saved inverse std and the running statistics through batchnorm_common.cuh's
 //    finish_stats, the very arithmetic of the own BatchNorm's statistics pass (f64, the unbiased
 //    variance from the exact count).
+//  * bn_finalize_affine_<t>: the same finalize (the same code), plus the BatchNorm as an affine
+//    map of its input in T, eq_scale = gamma * inv_std and eq_bias = beta - mean * eq_scale (f64,
+//    rounded once), for the conv chain (src/block/chain_kernel.rs): the next convolution's cuDNN
+//    graph applies relu(z * eq_scale + eq_bias) to its input, so z's normalized copy is never
+//    written.
+//  * bn_apply_eq_<t>: dz = a * dy + b * x + c per channel (f32, fmaf(a, dy, fmaf(b, x, c)),
+//    rounded to T once), the chain's BatchNorm backward from the coefficients its cuDNN graph
+//    outputs. Bandwidth-bound: 16-byte vectors where the host found every data pointer aligned
+//    and C a multiple of the vector (ApplyEqArgs.vec), one element per step otherwise.
 
 struct SumsArgs {
     const void* y;
@@ -126,9 +135,11 @@ struct FromSumsArgs {
     float momentum;
 };
 
-extern "C" __global__ void bn_finalize_from_sums(FromSumsArgs a) {
-    const u64 ch = global_thread();
-    if (ch >= a.channels) return;
+// Channel ch's finalize from its sums, shared by both finalize kernels (A: FromSumsArgs or
+// FinalizeAffineArgs, whose common fields have the same names). Returns the inverse std and sets
+// `mean` to the f64 mean finish_stats saved (its shift is 0, so its mean is t.m).
+template <typename A>
+__device__ __forceinline__ double finalize_from_sums(u64 ch, const A& a, double& mean) {
     const double s = (double)a.sum[ch], q = (double)a.sqsum[ch];
     Wf t;
     t.n = a.count;
@@ -136,6 +147,130 @@ extern "C" __global__ void bn_finalize_from_sums(FromSumsArgs a) {
     // E[y²] - E[y]² from f32 sums: rounding may leave it a little below zero.
     t.m2 = fmax(q - s * t.m, 0.0);
     float hi, lo;
-    finish_stats(ch, t, 0.0f, a.eps, a.momentum, a.saved_mean, a.saved_mean_lo, a.saved_invstd,
-                 a.running_mean, a.running_var, hi, lo);
+    mean = t.m;
+    return finish_stats(ch, t, 0.0f, a.eps, a.momentum, a.saved_mean, a.saved_mean_lo,
+                        a.saved_invstd, a.running_mean, a.running_var, hi, lo);
+}
+
+extern "C" __global__ void bn_finalize_from_sums(FromSumsArgs a) {
+    const u64 ch = global_thread();
+    if (ch >= a.channels) return;
+    double mean;
+    finalize_from_sums(ch, a, mean);
+}
+
+// --- the conv chain (src/block/chain_kernel.rs) ----------------------------------------------
+
+struct FinalizeAffineArgs {
+    const float* sum;
+    const float* sqsum;
+    const float* gamma;
+    const float* beta;
+    float* saved_mean;
+    float* saved_mean_lo;  // required: finish_stats writes it
+    float* saved_invstd;
+    float* running_mean;  // updated in place
+    float* running_var;   // updated in place
+    void* eq_scale;       // T
+    void* eq_bias;        // T
+    double count;         // values per channel, > 1
+    u32 channels;
+    float eps;
+    float momentum;
+};
+
+// d rounded to T once (nearest even). f64 -> f32 -> 16 bits would round twice; rounding to f32
+// toward zero and setting the last bit when inexact (round to odd) keeps the information the
+// second rounding needs, as f32 has at least 2 more significand bits than f16 or bf16.
+template <typename T> __device__ __forceinline__ T round_once(double d) {
+    if constexpr (sizeof(T) == 4) {
+        return (float)d;
+    } else {
+        float f = __double2float_rz(d);
+        if ((double)f != d) f = __uint_as_float(__float_as_uint(f) | 1u);
+        return from_float<T>(f);
+    }
+}
+
+template <typename T> __device__ __forceinline__ void finalize_affine(const FinalizeAffineArgs& a) {
+    const u64 ch = global_thread();
+    if (ch >= a.channels) return;
+    double mean;
+    const double inv = finalize_from_sums(ch, a, mean);
+    const double scale = (double)a.gamma[ch] * inv;
+    ((T*)a.eq_scale)[ch] = round_once<T>(scale);
+    ((T*)a.eq_bias)[ch] = round_once<T>((double)a.beta[ch] - mean * scale);
+}
+
+extern "C" __global__ void bn_finalize_affine_f32(FinalizeAffineArgs a) { finalize_affine<float>(a); }
+extern "C" __global__ void bn_finalize_affine_f16(FinalizeAffineArgs a) { finalize_affine<nnf_f16>(a); }
+extern "C" __global__ void bn_finalize_affine_bf16(FinalizeAffineArgs a) { finalize_affine<nnf_bf16>(a); }
+
+struct ApplyEqArgs {
+    const void* dy;  // T
+    const void* x;   // T
+    const float* a;
+    const float* b;
+    const float* c;
+    void* dz;  // T, distinct from dy and x
+    u64 len;   // elements, a multiple of channels
+    u32 channels;
+    u32 vec;  // 1: dy, x, dz 16-byte aligned and channels a multiple of 16 / sizeof(T)
+};
+
+// V elements per step (V = 16 / sizeof(T) or 1), consecutive channels ch .. ch + V - 1 (C is a
+// multiple of V). A thread's channel moves by the same step (stride * V) % C every iteration, so
+// it is updated by an add and a compare instead of a 64-bit modulo; where the host made that
+// step 0 (the grid's threads a multiple of C / V), the per-channel values stay in registers.
+template <typename T, int V> __device__ __forceinline__ void apply_eq(const ApplyEqArgs& p) {
+    const u64 nv = p.len / V;
+    const u64 stride = grid_threads();
+    const u64 C = p.channels;
+    u64 v = global_thread();
+    u64 ch = (v * V) % C;
+    const u64 step = (stride * V) % C;
+    const T* dy = (const T*)p.dy;
+    const T* x = (const T*)p.x;
+    T* dz = (T*)p.dz;
+    float ca[V], cb[V], cc[V];
+    bool loaded = false;
+    for (; v < nv; v += stride) {
+        if (!loaded || step != 0) {
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                ca[j] = p.a[ch + j];
+                cb[j] = p.b[ch + j];
+                cc[j] = p.c[ch + j];
+            }
+            loaded = true;
+        }
+        u32 wd[4], wx[4], wz[4] = {0u, 0u, 0u, 0u};
+        load_raw<T, V>(dy + v * V, wd);
+        load_raw<T, V>(x + v * V, wx);
+        float r[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+            r[j] = fmaf(ca[j], bits_float<T>(elem_bits<T>(wd, j)),
+                        fmaf(cb[j], bits_float<T>(elem_bits<T>(wx, j)), cc[j]));
+        if constexpr (sizeof(T) == 2 && V >= 2) {
+#pragma unroll
+            for (int j = 0; j < V; j += 2) wz[j >> 1] = out_bits2<T>(r[j], r[j + 1]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < V; ++j) set_elem_bits<T>(wz, j, out_bits<T>(r[j]));
+        }
+        store_raw<T, V>(dz + v * V, wz);
+        ch += step;
+        if (ch >= C) ch -= C;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) bn_apply_eq_f32(ApplyEqArgs a) {
+    if (a.vec) apply_eq<float, 4>(a); else apply_eq<float, 1>(a);
+}
+extern "C" __global__ void __launch_bounds__(256) bn_apply_eq_f16(ApplyEqArgs a) {
+    if (a.vec) apply_eq<nnf_f16, 8>(a); else apply_eq<nnf_f16, 1>(a);
+}
+extern "C" __global__ void __launch_bounds__(256) bn_apply_eq_bf16(ApplyEqArgs a) {
+    if (a.vec) apply_eq<nnf_bf16, 8>(a); else apply_eq<nnf_bf16, 1>(a);
 }

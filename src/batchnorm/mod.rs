@@ -30,6 +30,7 @@ mod state;
 mod types;
 
 pub use args::{BackwardArgs, InferenceArgs, TrainArgs};
+pub(crate) use ops::check_scalars;
 pub use ops::BatchNorm;
 pub use plan::{
     fused_dtype_supported, fused_refusals, infer_api, infer_mode, infer_path, oneflow_mode,

@@ -12,7 +12,7 @@ use super::stats_kernel::channel_sums;
 use super::stats_plan::{stats_plan, StatsPlan, StatsRoute};
 use crate::context::{cudnn_present, cudnn_version, Context};
 use crate::conv::{Conv2d, ConvShape};
-use crate::cudnn_graph::graph_genstats::{GenStatsKey, GraphGenStats};
+use crate::cudnn_graph::graph_fused::{GenStatsKey, GraphGenStats};
 use crate::cudnn_graph::notes::GraphPolicy;
 use crate::dtype::Element;
 use crate::error::{Error, Result};
@@ -186,7 +186,7 @@ impl<T: Element> ConvStats<T> {
             return Ok(false);
         }
         // SAFETY: checked by `bind` (lengths, device, outputs disjoint) and aligned above.
-        match unsafe { g.execute(&self.ctx, None, p) } {
+        match unsafe { g.execute(&self.ctx, None, &p) } {
             Ok(()) => Ok(true),
             Err(e) => failed(e),
         }
@@ -341,7 +341,7 @@ impl<T: Element> ConvStats<T> {
             ));
         }
         // SAFETY: checked by `bind` (lengths, device, outputs disjoint) and aligned above.
-        unsafe { g.execute(&self.ctx, plan, p) }
+        unsafe { g.execute(&self.ctx, plan, &p) }
     }
 
     /// Makes the unfused route the decision after the graph route failed with `e`.

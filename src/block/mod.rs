@@ -29,6 +29,11 @@
 //! - `train_decide`: its first call's check and race (forward plus the BatchNorm's backward).
 
 mod api;
+mod chain;
+mod chain_decide;
+mod chain_fused;
+mod chain_kernel;
+mod chain_plan;
 mod check;
 mod conv_stats;
 mod conv_stats_decide;
@@ -46,6 +51,11 @@ mod train_decide;
 mod train_plan;
 
 pub use api::{BlockChoice, ConvBnInference, ConvBnParams};
+pub use chain::{
+    AddendGrad, ChainArgs, ChainBackwardArgs, ChainBn, ChainChoice, ChainSaved, ConvBnChain,
+    MAX_CHAIN_UNITS,
+};
+pub use chain_plan::{plan_chain, ChainPlan, ChainPlanRequest, ChainRoute};
 pub use conv_stats::{ConvStats, StatsChoice};
 pub use fold::{fold, BnHost, Folded};
 pub use plan::{plan, BlockPlan, BlockRoute, RouteInfo};

@@ -246,7 +246,7 @@ fn probe_args<'s, T>(a: &'s ConvBnArgs<'_, T>, p: &'s mut Probe<T>) -> ConvBnArg
 
 /// `||got - want|| / ||want||` (0 for two zero vectors; infinite for a length mismatch or a
 /// non-finite value).
-fn rel_l2(want: &[f32], got: &[f32]) -> f64 {
+pub(super) fn rel_l2(want: &[f32], got: &[f32]) -> f64 {
     if want.len() != got.len() {
         return f64::INFINITY;
     }

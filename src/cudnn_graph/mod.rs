@@ -27,9 +27,12 @@
 //!   and its variant pack;
 //! - [`fusion_patterns`]: the training block's fusion patterns (docs/BLOCK-TRAINING.md §2) as
 //!   such graphs, and the BatchNorm epilogue graphs rebuilt for probing;
-//! - [`graph_genstats`]: [`graph_genstats::GraphGenStats`] — a convolution with its output's
-//!   per-channel sum and sum of squares (`conv_fprop → GEN_STATS`) as finalized plans of the
-//!   admitted engine configs, cached per problem, with a pinned variant pack (ConvStats);
+//! - [`graph_fused`]: [`graph_fused::GraphFused`] — one fusion pattern of the training block
+//!   (a convolution with its output's per-channel sums from `GEN_STATS`, optionally with the
+//!   previous BatchNorm's scale·bias·ReLU on its input; the data gradient with that ReLU's and
+//!   BatchNorm's backward weights; the filter gradient with the same prologue) as finalized
+//!   plans of the admitted engine configs, cached per problem, with a pinned variant pack
+//!   (ConvStats, ConvBnChain);
 //! - [`plans`]: what both plans share — the plan cache's lookup and remembered failures, and
 //!   the start of an execution (the plan's own handle, the workspace).
 //!
@@ -45,7 +48,7 @@ pub mod fusion;
 pub mod fusion_patterns;
 pub mod graph_bn;
 pub mod graph_conv;
-pub mod graph_genstats;
+pub mod graph_fused;
 pub mod key;
 pub mod layout;
 pub mod notes;
