@@ -405,6 +405,14 @@ pub(crate) const MAX_PLAN_CACHE_CAPACITY: usize = 1 << 20;
 /// Most MiB `NNFUSE_CONV_WORKSPACE_MB` accepts (1 TiB: more than any GPU holds).
 pub(crate) const MAX_CONV_WORKSPACE_MB: usize = 1 << 20;
 
+/// Whether nnfuse runs under `scripts/sanitize` (`NNFUSE_UNDER_SANITIZER=1`): vendor-written
+/// outputs are zeroed first, because initcheck does not see cuDNN's and cuBLASLt's stores on
+/// the H100 (docs/RELIABILITY.md). Read once.
+pub(crate) fn under_sanitizer() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("NNFUSE_UNDER_SANITIZER").is_ok_and(|v| v == "1"))
+}
+
 /// `NNFUSE_*` variables read elsewhere than [`Config`]: the CLI's log filter, and those of
 /// nnfuse's own tests and benches. Known, so that setting them draws no "unknown variable"
 /// warning.

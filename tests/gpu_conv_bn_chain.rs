@@ -438,8 +438,9 @@ fn chain_case<T: Element>(ctx: &Context, shapes: Vec<ConvShape>, last: Fuse) {
             chain.plan()
         );
     }
-    // End to end against f64 (errors of every unit add up): each route's, and the routes
-    // against each other within four times the type's tolerance (the first call's bound).
+    // End to end against f64 (errors of every unit add up): each route's, no worse than twice
+    // the other's; the routes against each other within the first call's bound (ten times the
+    // type's tolerance).
     let (y64, dx64) = end_to_end(shapes.as_slice(), last, &inp);
     for o in &outs {
         println!(
@@ -461,7 +462,7 @@ fn chain_case<T: Element>(ctx: &Context, shapes: Vec<ConvShape>, last: Fuse) {
             &format!("{what}: prologue dx vs units"),
             &outs[0].dx,
             &outs[1].dx,
-            4.0 * tol,
+            10.0 * tol,
         );
         let (ep, eu) = (rel_l2(&outs[0].dx, &dx64), rel_l2(&outs[1].dx, &dx64));
         assert!(

@@ -14,7 +14,7 @@ use super::problem::{
 use crate::context::Context;
 use crate::cudnn_graph::graph_conv::GraphConv;
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::{CallExt, Error, Result};
 
 /// A route ready to run: with the workspace its cuDNN algorithm needs, and a Winograd route's
 /// geometry (computed once, when the route is completed).
@@ -169,6 +169,32 @@ impl PathCall<'_> {
             dy: p.y,
             dw: p.w,
         }
+    }
+
+    /// Under compute-sanitizer (`NNFUSE_UNDER_SANITIZER=1`) zeroes the output a vendor library
+    /// is about to overwrite: initcheck does not see cuDNN's stores on the H100, so every later
+    /// read of the result (nnfuse's statistics, checks and BatchNorm kernels, cuDNN's own
+    /// kernels) is an "uninitialized" report — floods that ran initcheck runs past their
+    /// timeouts (docs/RELIABILITY.md). Nothing otherwise; nothing for an accumulating call,
+    /// whose output is an input.
+    pub fn zero_vendor_output_under_sanitizer(&self) -> Result<()> {
+        if self.accumulate || !crate::config::under_sanitizer() {
+            return Ok(());
+        }
+        let s = self.target.shape;
+        let (ptr, len) = match self.direction {
+            Direction::Forward => (self.ptrs.y, s.y_len()?),
+            Direction::BackwardData => (self.ptrs.x, s.x_len()?),
+            Direction::BackwardFilter => (self.ptrs.w, s.w_len()?),
+        };
+        let bytes = len
+            .checked_mul(self.target.dtype.size())
+            .ok_or_else(|| Error::invalid("shape", "output bytes overflow"))?;
+        let stream = self.target.ctx.stream().cu_stream();
+        // SAFETY: the caller's contract: the output holds `len` elements of the problem's type
+        // on the Context's device.
+        unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, bytes, stream) }
+            .call("cuMemsetD8Async")
     }
 
     /// The error of a path that has no kernel for this direction.

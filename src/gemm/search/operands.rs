@@ -39,7 +39,7 @@ pub(crate) enum CInit {
 /// comparison of a result then reads "uninitialized" memory: 1.57 million reports per search
 /// test, which slowed eight initcheck runs past 540 s (docs/RELIABILITY.md).
 fn unwritten() -> CInit {
-    if std::env::var("NNFUSE_UNDER_SANITIZER").is_ok_and(|v| v == "1") {
+    if crate::config::under_sanitizer() {
         CInit::Zeros
     } else {
         CInit::Nothing
