@@ -15,7 +15,7 @@ use cudarc::driver::CudaContext;
 
 use crate::context::Context;
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::{CallExt, Error, Result};
 use crate::reference::conv::Conv2d as ConvShape;
 
 use super::bn_build::BnVariantPack;
@@ -77,6 +77,22 @@ impl FusedPattern {
             FusedPattern::ConvBnFprop => &FPROP_TENSORS,
             FusedPattern::DgradDreluDbnWeight => &DGRAD_TENSORS,
             FusedPattern::WgradPrologue => &WGRAD_TENSORS,
+        }
+    }
+
+    /// The tensors the graph writes (a subset of [`FusedPattern::tensors`]).
+    pub fn outputs(self) -> &'static [&'static str] {
+        match self {
+            FusedPattern::ConvGenStats | FusedPattern::ConvBnFprop => &["y", "sum", "sqsum"],
+            FusedPattern::DgradDreluDbnWeight => &[
+                "drelu",
+                "dscale",
+                "dbias",
+                "eq_scale_dy",
+                "eq_scale_x",
+                "eq_bias",
+            ],
+            FusedPattern::WgradPrologue => &["dw"],
         }
     }
 
@@ -189,6 +205,9 @@ pub struct GraphFused {
     /// Variant-pack order: for each real tensor of the graph, its unique id and its index in
     /// the pattern's [`FusedPattern::tensors`].
     order: Vec<(i64, usize)>,
+    /// Bytes of each output (address index in the tensor list, bytes): zeroed first under
+    /// compute-sanitizer ([`crate::config::under_sanitizer`]).
+    outputs: Vec<(usize, usize)>,
     pattern: FusedPattern,
     plans: Vec<FusedPlan>,
     /// Configs listed but not finalized, and why.
@@ -199,6 +218,22 @@ pub struct GraphFused {
     pack: Mutex<Option<BnVariantPack>>,
     handle: usize,
     _cuda: Arc<CudaContext>,
+}
+
+/// Bytes of a real tensor of the graph (its dimensions' product times its element size).
+fn spec_bytes(spec: &super::fusion::FusionTensorSpec) -> Result<usize> {
+    let elems = spec
+        .dims
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(usize::try_from(d).ok()?))
+        .ok_or_else(|| Error::invalid(spec.name, "tensor size overflows"))?;
+    let size = match spec.elem {
+        super::fusion::ElemType::Data(dt) => dt.size(),
+        _ => 8,
+    };
+    elems
+        .checked_mul(size)
+        .ok_or_else(|| Error::invalid(spec.name, "tensor size overflows"))
 }
 
 /// Why cuDNN offers no plan for `key`: every listed config and the reason it was passed over.
@@ -262,12 +297,16 @@ impl GraphFused {
             return Err(none_runs(&key, listed, &skipped));
         }
         let mut order = Vec::new();
+        let mut outputs = Vec::new();
         let names = key.pattern.tensors();
         for (uid, spec) in graph.pack_tensors() {
             let i = names.iter().position(|n| *n == spec.name).ok_or_else(|| {
                 Error::invalid(spec.name, format!("not a tensor of {}", key.pattern.name()))
             })?;
             order.push((uid, i));
+            if key.pattern.outputs().contains(&spec.name) {
+                outputs.push((i, spec_bytes(&spec)?));
+            }
         }
         if order.len() != names.len() {
             return Err(Error::NotSupported(format!(
@@ -292,6 +331,7 @@ impl GraphFused {
         Ok(GraphFused {
             _graph: graph,
             order,
+            outputs,
             pattern: key.pattern,
             plans,
             skipped,
@@ -366,6 +406,16 @@ impl GraphFused {
                     self.pattern.tensors().len()
                 ),
             ));
+        }
+        if crate::config::under_sanitizer() {
+            // initcheck does not see cuDNN's stores on the H100: zero what the graph writes, so
+            // that later reads of it are not reported (docs/RELIABILITY.md).
+            let stream = ctx.stream().cu_stream();
+            for &(i, bytes) in &self.outputs {
+                // SAFETY: the caller's contract: each output holds its tensor's bytes.
+                unsafe { cudarc::driver::result::memset_d8_async(ptrs[i], 0, bytes, stream) }
+                    .call("cuMemsetD8Async")?;
+            }
         }
         let i = plan.unwrap_or_else(|| self.chosen());
         let p = self
