@@ -24,10 +24,10 @@ pub(crate) fn passes(rel_l2: f64, nonfinite: f64, dtype: DType) -> bool {
 
 /// The largest relative L2 difference between two routes' gradients through a chain of
 /// units (each route checked operation by operation against f64 in the tests): ten times
-/// [`tolerance`]. In halves a gradient through three units is itself 2e-2 to 6e-2 from f64 end
-/// to end on either route, so two correct routes differ by up to the sum (measured on the H100,
-/// f16 bottleneck: dx 4.5e-2 apart at batch 2 with each route 1.9e-2 / 2.8e-2 from f64, the
-/// worst gradient 5.3e-2 apart at batch 32); a wrong formula or a broken engine differs by order
+/// [`tolerance`]. In halves a data gradient through three units is itself 1e-2 to 6e-2 from f64
+/// end to end on either route (measured on the H100 over seven seeds, f16 bottleneck at batch
+/// 2), so two correct routes differ by up to the sum (dx 4.5e-2 apart at batch 2, the worst
+/// gradient 5.3e-2 apart at batch 32); a wrong formula or a broken engine differs by order
 /// one. Subtler errors are the tests' to find, against f64 per operation.
 pub(crate) fn chain_gradient_bound(dtype: DType) -> f64 {
     10.0 * tolerance(dtype)
