@@ -26,6 +26,28 @@ fn name(base: &'static str, dt: DType) -> &'static str {
     }
 }
 
+/// Under compute-sanitizer (`NNFUSE_UNDER_SANITIZER=1`) zeroes `out`, which a vendor library is
+/// about to overwrite (initcheck does not see cuDNN's and cuBLASLt's stores on the H100; see
+/// docs/RELIABILITY.md); nothing otherwise.
+pub(crate) fn zero_under_sanitizer<T, D: DevicePtrMut<T>>(
+    ctx: &Context,
+    out: &mut D,
+) -> Result<()> {
+    if !crate::config::under_sanitizer() {
+        return Ok(());
+    }
+    let stream = ctx.stream();
+    let bytes = out
+        .len()
+        .checked_mul(std::mem::size_of::<T>())
+        .ok_or_else(|| Error::invalid("out", "byte length overflows"))?;
+    let (ptr, _guard) = out.device_ptr_mut(stream);
+    // SAFETY: `out` is a live buffer of `bytes` bytes; the memset is ordered on the Context's
+    // stream like the work that overwrites it.
+    unsafe { cudarc::driver::result::memset_d8_async(ptr, 0, bytes, stream.cu_stream()) }
+        .call("cuMemsetD8Async")
+}
+
 /// Sets every element of `out` to `value`. `out` must live on the Context's device (else an
 /// [`Error::InvalidArgument`] naming `out`, and nothing is launched).
 pub fn fill<T: Element, D: DevicePtrMut<T>>(ctx: &Context, out: &mut D, value: T) -> Result<()> {

@@ -103,6 +103,7 @@ impl<T: Element> ConvBnInference<T> {
         relu: bool,
         y: &mut CudaViewMut<'_, T>,
     ) -> Result<()> {
+        crate::util::zero_under_sanitizer(&self.ctx, y)?;
         match route {
             BlockRoute::GemmEpilogue => self.run_gemm(x, shortcut, relu, y, None),
             BlockRoute::CudnnFused => self.run_cudnn(x, shortcut, relu, y),

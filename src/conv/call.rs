@@ -171,13 +171,14 @@ impl PathCall<'_> {
         }
     }
 
-    /// Under compute-sanitizer (`NNFUSE_UNDER_SANITIZER=1`) zeroes the output a vendor library
-    /// is about to overwrite: initcheck does not see cuDNN's stores on the H100, so every later
-    /// read of the result (nnfuse's statistics, checks and BatchNorm kernels, cuDNN's own
-    /// kernels) is an "uninitialized" report — floods that ran initcheck runs past their
-    /// timeouts (docs/RELIABILITY.md). Nothing otherwise; nothing for an accumulating call,
-    /// whose output is an input.
-    pub fn zero_vendor_output_under_sanitizer(&self) -> Result<()> {
+    /// Under compute-sanitizer (`NNFUSE_UNDER_SANITIZER=1`) zeroes the output the route is
+    /// about to overwrite, whichever path it is: initcheck does not see cuDNN's and cuBLASLt's
+    /// stores on the H100 (cuDNN routes, im2col's and Winograd's GEMMs), so every later read of
+    /// the result (nnfuse's statistics, checks and BatchNorm kernels, cuDNN's own kernels) is an
+    /// "uninitialized" report — floods that ran initcheck runs past their timeouts
+    /// (docs/RELIABILITY.md). Nothing otherwise; nothing for an accumulating call, whose output
+    /// is an input.
+    pub fn zero_output_under_sanitizer(&self) -> Result<()> {
         if self.accumulate || !crate::config::under_sanitizer() {
             return Ok(());
         }

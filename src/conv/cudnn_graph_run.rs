@@ -104,7 +104,6 @@ pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
             }
         }
     };
-    c.zero_vendor_output_under_sanitizer()?;
     // SAFETY: the caller's contract (operands checked, on the Context's device, output
     // disjoint); the plan's key has the pointers' own alignment class.
     unsafe { plan.execute_raw(t.ctx, ptrs) }

@@ -29,7 +29,6 @@ pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
             ),
         ));
     }
-    c.zero_vendor_output_under_sanitizer()?;
     // The guard holds the Context's lock across the call.
     let (_lock, h, ws) = {
         crate::profile::stage!(Workspace);

@@ -51,6 +51,7 @@ pub(crate) unsafe fn run(
         ptrs: p,
         accumulate: accumulate && d != Direction::Forward,
     };
+    call.zero_output_under_sanitizer()?;
     // nnfuse's own paths: scratch, grids, launches (a vendor path times its own stages inside).
     crate::profile::stage!(Launch);
     // SAFETY: the caller's contract.
