@@ -3,12 +3,12 @@
 //! ReLU folded into the next convolution, `chain_fused.rs`) or as [`ConvBnTrain`] units: its
 //! arguments, the state a forward leaves for the backward, and the units route.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 
 use super::api::lock;
-use super::chain_fused::LinkGraphs;
+use super::chain_graphs::{self, LinkGraphs};
 use super::chain_plan::{plan_chain, ChainPlan, ChainPlanRequest, ChainRoute};
 use super::train::{ConvBnArgs, ConvBnBackwardArgs, ConvBnTrain, TrainSaved};
 use crate::batchnorm::{BnSaved, Fuse};
@@ -18,7 +18,7 @@ use crate::dtype::Element;
 use crate::error::{CallExt, Error, Result};
 
 /// Most units in a chain (a ResNet bottleneck has three).
-pub const MAX_CHAIN_UNITS: usize = 8;
+pub(crate) const MAX_CHAIN_UNITS: usize = 8;
 
 /// One unit's BatchNorm parameters and running statistics.
 pub struct ChainBn<'a> {
@@ -188,9 +188,10 @@ impl ChainChoice {
 /// device, forward and backward, then both timed), forward and backward.
 ///
 /// ```no_run
-/// # use nnfuse::{Context, ConvShape, TensorFormat};
+/// # use nnfuse::{Context, TensorFormat};
+/// # use nnfuse::conv::ConvShape;
 /// # use nnfuse::batchnorm::Fuse;
-/// # use nnfuse::block::{AddendGrad, ChainArgs, ChainBackwardArgs, ChainBn, ConvBnChain};
+/// # use nnfuse::block::{ChainArgs, ChainBn, ConvBnChain};
 /// # fn main() -> nnfuse::Result<()> {
 /// let ctx = Context::new(0)?;
 /// // A ResNet-50 bottleneck's main path, batch 32, f16 NHWC; the shortcut is x itself.
@@ -200,23 +201,27 @@ impl ChainChoice {
 /// println!("{}", chain.plan());
 /// let st = ctx.stream();
 /// let x = st.alloc_zeros::<half::f16>(shapes[0].x_len()?)?;
-/// let w: Vec<_> = shapes.iter().map(|s| st.alloc_zeros::<half::f16>(s.w_len().unwrap()))
-///     .collect::<Result<_, _>>()?;
+/// let (mut w, mut rm, mut rv) = (Vec::new(), Vec::new(), Vec::new());
+/// for sh in &shapes {
+///     w.push(st.alloc_zeros::<half::f16>(sh.w_len()?)?);
+///     rm.push(st.alloc_zeros::<f32>(sh.c_out)?);
+///     rv.push(st.clone_htod(&vec![1.0f32; sh.c_out])?);
+/// }
 /// let ones = st.clone_htod(&[1.0f32; 256])?;
 /// let zeros = st.alloc_zeros::<f32>(256)?;
-/// let mut rm: Vec<_> = (0..3).map(|_| st.alloc_zeros::<f32>(256)).collect::<Result<_, _>>()?;
-/// let mut rv: Vec<_> = (0..3).map(|_| st.clone_htod(&[1.0f32; 256])).collect::<Result<_, _>>()?;
 /// let mut y = st.alloc_zeros::<half::f16>(shapes[2].y_len()?)?;
 /// let mut saved = chain.new_saved()?;
-/// let bn = rm.iter_mut().zip(rv.iter_mut()).zip(&shapes).map(|((m, v), s)| ChainBn {
-///     gamma: ones.slice(..s.c_out), beta: zeros.slice(..s.c_out),
-///     running_mean: m.slice_mut(..s.c_out), running_var: v.slice_mut(..s.c_out),
+/// let bn = rm.iter_mut().zip(rv.iter_mut()).zip(&shapes).map(|((m, v), sh)| ChainBn {
+///     gamma: ones.slice(..sh.c_out), beta: zeros.slice(..sh.c_out),
+///     running_mean: m.as_view_mut(), running_var: v.as_view_mut(),
 /// }).collect();
 /// chain.forward_train(ChainArgs {
 ///     x: x.as_view(), w: w.iter().map(|w| w.as_view()).collect(), bn,
 ///     addend: Some(x.as_view()), y: y.as_view_mut(), momentum: 0.1, eps: 1e-5,
 /// }, &mut saved)?;
-/// println!("{}", chain.choice().unwrap().describe());
+/// if let Some(c) = chain.choice() {
+///     println!("{}", c.describe());
+/// }
 /// # Ok(()) }
 /// ```
 pub struct ConvBnChain<T: Element> {
@@ -226,7 +231,7 @@ pub struct ConvBnChain<T: Element> {
     pub(super) units: Vec<ConvBnTrain<T>>,
     /// The prologue route's cuDNN graphs per inner link, built at the first call that needs
     /// them (or why they cannot be).
-    pub(super) graphs: Mutex<Option<std::result::Result<std::sync::Arc<Vec<LinkGraphs>>, String>>>,
+    pub(super) graphs: Mutex<Option<std::result::Result<Arc<Vec<LinkGraphs>>, String>>>,
     pub(super) decision: Mutex<Option<ChainChoice>>,
     pub(super) id: usize,
 }
@@ -245,8 +250,8 @@ impl<T: Element> std::fmt::Debug for ConvBnChain<T> {
 impl<T: Element> ConvBnChain<T> {
     /// Plans the chain of `shapes` (unit i + 1 takes unit i's BatchNorm + ReLU output) whose
     /// last BatchNorm has the activation `last`; no GPU work beyond the units' constructors.
-    /// Errors: fewer than two or more than [`MAX_CHAIN_UNITS`] units, units that do not
-    /// connect, a unit that cannot be planned — each naming `shapes`.
+    /// Errors: fewer than two or more than eight units, units that do not connect, a unit
+    /// that cannot be planned — each naming `shapes`.
     pub fn new(ctx: &Context, shapes: &[ConvShape], last: Fuse) -> Result<Self> {
         if shapes.len() > MAX_CHAIN_UNITS {
             return Err(Error::invalid(
@@ -293,6 +298,26 @@ impl<T: Element> ConvBnChain<T> {
             decision: Mutex::new(None),
             id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
+    }
+
+    /// The prologue route's graphs, built on first use, or the remembered reason they cannot
+    /// be.
+    pub(super) fn link_graphs(&self) -> Result<Arc<Vec<LinkGraphs>>> {
+        let mut g = lock(&self.graphs);
+        if g.is_none() {
+            *g = Some(
+                chain_graphs::build(&self.ctx, &self.shapes, T::DTYPE)
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string()),
+            );
+        }
+        match g.as_ref() {
+            Some(Ok(v)) => Ok(v.clone()),
+            Some(Err(why)) => Err(Error::NotSupported(format!(
+                "the prologue route's cuDNN graphs: {why}"
+            ))),
+            None => Err(Error::NotSupported("graphs vanished".into())),
+        }
     }
 
     /// Every route's eligibility and why, and the units' plans.

@@ -9,7 +9,7 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 use super::api::lock;
 use super::chain::ConvBnChain;
 use super::chain::{AddendGrad, ChainArgs, ChainBackwardArgs, ChainBn, ChainChoice, ChainSaved};
-use super::chain_fused::LinkPart;
+use super::chain_graphs::LinkPart;
 use super::chain_plan::ChainRoute;
 use super::check::{chain_gradient_bound, tolerance};
 use super::train_decide::rel_l2;
@@ -202,8 +202,8 @@ impl<T: Element> ConvBnChain<T> {
                     }
                 }
             }
-            self.backward(bwd_args(a, want), saved)?;
-            self.backward(bwd_args(a, got), probe)?;
+            self.backward(bwd_args(a, want, false), saved)?;
+            self.backward(bwd_args(a, got, true), probe)?;
             let (rel, bad) = compare(&self.ctx, &want.dx, &got.dx)?;
             judge("dx".into(), rel, bad);
             for i in 0..self.shapes.len() {
@@ -259,8 +259,8 @@ impl<T: Element> ConvBnChain<T> {
                 }
                 let timed = time_interleaved_gpu(&self.ctx, ENGINES, n, |v, _| match part {
                     LinkPart::Fprop => self.fprop(i, g, a, probe, Some(v)),
-                    LinkPart::Dgrad => self.dgrad(i, g, &mut bwd_args(a, o), probe, Some(v)),
-                    LinkPart::Wgrad => self.wgrad(i, g, &mut bwd_args(a, o), probe, Some(v)),
+                    LinkPart::Dgrad => self.dgrad(i, g, &mut bwd_args(a, o, true), probe, Some(v)),
+                    LinkPart::Wgrad => self.wgrad(i, g, &mut bwd_args(a, o, true), probe, Some(v)),
                 })?;
                 let times: Vec<(usize, f64)> = (0..n)
                     .filter_map(|v| timed.timing(v).map(|t| (v, t.median_us())))
@@ -301,7 +301,7 @@ impl<T: Element> ConvBnChain<T> {
         let timed = time_interleaved_gpu(&self.ctx, RACE, 2, |v, _| {
             let (p, o) = (&mut *probes[v], &mut *outs[v]);
             self.run(ROUTES[v], &mut fwd_args(a, o), p)?;
-            self.backward(bwd_args(a, o), p)
+            self.backward(bwd_args(a, o, true), p)
         })?;
         let times: Vec<(ChainRoute, f64)> = (0..2)
             .filter_map(|v| timed.timing(v).map(|t| (ROUTES[v], t.median_us())))
@@ -354,15 +354,20 @@ fn fwd_args<'s, T>(a: &'s ChainArgs<'_, T>, o: &'s mut Outs<T>) -> ChainArgs<'s,
     }
 }
 
-/// The backward of the caller's forward into `o`'s gradients; the output gradient is the
-/// caller's y (any tensor of y's extent serves to compare and time).
-fn bwd_args<'s, T>(a: &'s ChainArgs<'_, T>, o: &'s mut Outs<T>) -> ChainBackwardArgs<'s, T> {
+/// The backward into `o`'s gradients of the forward that wrote `o.y` (`own_y`) or the caller's
+/// y; the output gradient is the caller's y (any tensor of y's extent serves to compare and
+/// time).
+fn bwd_args<'s, T>(
+    a: &'s ChainArgs<'_, T>,
+    o: &'s mut Outs<T>,
+    own_y: bool,
+) -> ChainBackwardArgs<'s, T> {
     ChainBackwardArgs {
         x: a.x.slice(..),
         w: a.w.iter().map(|w| w.slice(..)).collect(),
         gamma: a.bn.iter().map(|b| b.gamma.slice(..)).collect(),
         beta: a.bn.iter().map(|b| b.beta.slice(..)).collect(),
-        y: a.y.slice(..),
+        y: if own_y { o.y.as_view() } else { a.y.slice(..) },
         dy: a.y.slice(..),
         dx: Some(o.dx.as_view_mut()),
         accumulate_dx: false,

@@ -8,26 +8,14 @@
 //! data gradient from the graph's coefficients (`chain_kernel`); the first convolution's
 //! gradients through its `Conv2d`.
 
-use std::sync::Arc;
-
-use super::api::lock;
 use super::chain::{AddendGrad, ChainArgs, ChainBackwardArgs, ChainSaved, ConvBnChain};
+use super::chain_graphs::LinkGraphs;
 use super::chain_kernel::{apply_eq, finalize_affine, ApplyEq, FinalizeAffine};
 use super::train::Fused;
 use crate::batchnorm::{BackwardArgs, TrainArgs};
-use crate::cudnn_graph::graph_fused::{FusedKey, FusedPattern, GraphFused};
-use crate::cudnn_graph::notes::GraphPolicy;
 use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::validate::{Aliasing, Binder, Need};
-
-/// The cuDNN graphs of one inner link (unit i → unit i + 1), keyed by unit i + 1's convolution.
-#[derive(Debug)]
-pub(crate) struct LinkGraphs {
-    fprop: Arc<GraphFused>,
-    dgrad: Arc<GraphFused>,
-    wgrad: Arc<GraphFused>,
-}
 
 /// Per-unit argument names (errors name the unit's entry).
 const W: [&str; 8] = [
@@ -76,32 +64,6 @@ const DBETA: [&str; 8] = [
     "dbeta[0]", "dbeta[1]", "dbeta[2]", "dbeta[3]", "dbeta[4]", "dbeta[5]", "dbeta[6]", "dbeta[7]",
 ];
 
-/// Engine configs finalized per link graph (the first call times them: the heuristics' first
-/// is not always the fastest).
-const LINK_CANDIDATES: usize = 4;
-
-/// Which of a link's graphs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum LinkPart {
-    /// The forward with the prologue and GEN_STATS.
-    Fprop,
-    /// The data gradient with dReLU and the BatchNorm's backward weights.
-    Dgrad,
-    /// The filter gradient with the prologue.
-    Wgrad,
-}
-
-impl LinkGraphs {
-    /// The graph of `part`.
-    pub(super) fn graph(&self, part: LinkPart) -> &GraphFused {
-        match part {
-            LinkPart::Fprop => &self.fprop,
-            LinkPart::Dgrad => &self.dgrad,
-            LinkPart::Wgrad => &self.wgrad,
-        }
-    }
-}
-
 /// Whether every address is 16-byte aligned (the graphs' tensors are built for it).
 fn aligned(p: &[u64]) -> bool {
     p.iter().all(|a| a % 16 == 0)
@@ -116,48 +78,6 @@ fn misaligned(what: &'static str) -> Error {
 }
 
 impl<T: Element> ConvBnChain<T> {
-    /// The prologue route's graphs, built on first use (one engine config each: the
-    /// heuristics' first the policy admits) or the remembered reason they cannot be.
-    pub(super) fn link_graphs(&self) -> Result<Arc<Vec<LinkGraphs>>> {
-        let mut g = lock(&self.graphs);
-        if g.is_none() {
-            *g = Some(self.build_graphs().map(Arc::new).map_err(|e| e.to_string()));
-        }
-        match g.as_ref() {
-            Some(Ok(v)) => Ok(v.clone()),
-            Some(Err(why)) => Err(Error::NotSupported(format!(
-                "the prologue route's cuDNN graphs: {why}"
-            ))),
-            None => Err(Error::NotSupported("graphs vanished".into())),
-        }
-    }
-
-    fn build_graphs(&self) -> Result<Vec<LinkGraphs>> {
-        let policy = GraphPolicy {
-            deterministic: self.ctx.config().deterministic,
-            ..GraphPolicy::default()
-        };
-        let key = |pattern, i: usize| FusedKey {
-            pattern,
-            shape: self.shapes[i],
-            dtype: T::DTYPE,
-            policy,
-            limit: LINK_CANDIDATES,
-        };
-        (1..self.shapes.len())
-            .map(|i| {
-                Ok(LinkGraphs {
-                    fprop: GraphFused::cached(&self.ctx, key(FusedPattern::ConvBnFprop, i))?,
-                    dgrad: GraphFused::cached(
-                        &self.ctx,
-                        key(FusedPattern::DgradDreluDbnWeight, i),
-                    )?,
-                    wgrad: GraphFused::cached(&self.ctx, key(FusedPattern::WgradPrologue, i))?,
-                })
-            })
-            .collect()
-    }
-
     fn fused_unit(&self, i: usize) -> Result<&Fused<T>> {
         self.units[i].fused.as_ref().ok_or_else(|| {
             Error::NotSupported(format!(

@@ -27,11 +27,22 @@
 //! - `train_plan`: its routes' eligibility and reasons, pure;
 //! - `train`: [`ConvBnTrain`], its arguments, the routes, the stages and the backward;
 //! - `train_decide`: its first call's check and race (forward plus the BatchNorm's backward).
+//!
+//! The training chain, [`ConvBnChain`] (`conv → BN → ReLU → … → BN (+ add) → ReLU`, each inner
+//! BatchNorm and ReLU folded into the next convolution through cuDNN's fused graphs, or as
+//! `ConvBnTrain` units):
+//! - `chain_plan`: which units connect and whether the prologue route may run, pure;
+//! - `chain_graphs`: the prologue route's cuDNN graphs per link, from the plan cache;
+//! - `chain_kernel`: the launchers of the finalize-into-scale-and-bias and apply kernels;
+//! - `chain`: [`ConvBnChain`], its arguments and saved state, and the units route;
+//! - `chain_fused`: the prologue route on validated operands;
+//! - `chain_decide`: its first call's checks, engine race and route race.
 
 mod api;
 mod chain;
 mod chain_decide;
 mod chain_fused;
+mod chain_graphs;
 mod chain_kernel;
 mod chain_plan;
 mod check;
@@ -53,9 +64,8 @@ mod train_plan;
 pub use api::{BlockChoice, ConvBnInference, ConvBnParams};
 pub use chain::{
     AddendGrad, ChainArgs, ChainBackwardArgs, ChainBn, ChainChoice, ChainSaved, ConvBnChain,
-    MAX_CHAIN_UNITS,
 };
-pub use chain_plan::{plan_chain, ChainPlan, ChainPlanRequest, ChainRoute};
+pub use chain_plan::{ChainPlan, ChainRoute};
 pub use conv_stats::{ConvStats, StatsChoice};
 pub use fold::{fold, BnHost, Folded};
 pub use plan::{plan, BlockPlan, BlockRoute, RouteInfo};
@@ -68,6 +78,7 @@ pub use train_plan::{plan_train, TrainPlan, TrainPlanRequest, TrainRoute};
 /// GEMM route's column cap, and ConvStats' pure plan and statistics check. Not a stable API.
 #[doc(hidden)]
 pub mod internals {
+    pub use super::chain_plan::{plan_chain, ChainPlanRequest};
     pub use super::check::tolerance;
     pub use super::plan::MAX_COLUMN_BYTES;
     pub use super::stats_plan::{stats_error, stats_plan, stats_tolerance};
