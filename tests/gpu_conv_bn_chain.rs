@@ -683,3 +683,76 @@ fn conv_bn_chain_names_bad_arguments() {
         .unwrap_err();
     assert_eq!(e.argument(), Some("d_addend"), "{e}");
 }
+
+/// A filter that is not 16-byte aligned (a view two bytes into its buffer) sends a forced
+/// prologue call to the units route for that call, before anything runs; the backward follows
+/// and every output still matches f64.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv_bn_chain_misaligned_filter_takes_the_units_route() {
+    let ctx = gpu();
+    let (shapes, last) = chains().remove(0);
+    let chain = ConvBnChain::<f16>::new(&ctx, &shapes, last).unwrap();
+    if !chain.plan().eligible(ChainRoute::Prologue) {
+        println!("prologue refused here: {}", chain.plan());
+        return;
+    }
+    let mut rng = Rng::fresh("chain misaligned");
+    let inp = Inputs::<f16>::new(&mut rng, &shapes);
+    let x = upload(&ctx, &inp.x);
+    // w[1] one element into a longer buffer.
+    let mut w1 = vec![f16::from_f64(0.0)];
+    w1.extend_from_slice(&inp.w[1]);
+    let w1 = upload(&ctx, &w1);
+    let w: Vec<CudaSlice<f16>> = inp.w.iter().map(|w| upload(&ctx, w)).collect();
+    let g: Vec<CudaSlice<f32>> = inp.gamma.iter().map(|v| upload(&ctx, v)).collect();
+    let b: Vec<CudaSlice<f32>> = inp.beta.iter().map(|v| upload(&ctx, v)).collect();
+    let mut rm: Vec<CudaSlice<f32>> = inp.rm.iter().map(|v| upload(&ctx, v)).collect();
+    let mut rv: Vec<CudaSlice<f32>> = inp.rv.iter().map(|v| upload(&ctx, v)).collect();
+    let addend = upload(&ctx, &inp.addend);
+    let mut y = poisoned::<f16>(&ctx, shapes[2].y_len().unwrap());
+    let mut saved = chain.new_saved().unwrap();
+    let views = vec![w[0].as_view(), w1.slice(1..), w[2].as_view()];
+    chain
+        .forward_train_with(
+            ChainRoute::Prologue,
+            ChainArgs {
+                x: x.as_view(),
+                w: views,
+                bn: g
+                    .iter()
+                    .zip(&b)
+                    .zip(rm.iter_mut().zip(rv.iter_mut()))
+                    .map(|((g, b), (m, v))| ChainBn {
+                        gamma: g.as_view(),
+                        beta: b.as_view(),
+                        running_mean: m.as_view_mut(),
+                        running_var: v.as_view_mut(),
+                    })
+                    .collect(),
+                addend: Some(addend.as_view()),
+                y: y.as_view_mut(),
+                momentum: 0.1,
+                eps: EPS,
+            },
+            &mut saved,
+        )
+        .unwrap();
+    assert_eq!(saved.route(), Some(ChainRoute::Units));
+    // y against the same chain run forced to the units route with aligned filters.
+    let want = run(
+        &ctx,
+        &chain,
+        &shapes,
+        &inp,
+        Some(ChainRoute::Units),
+        Dx::Plain,
+    )
+    .unwrap();
+    assert_close(
+        "misaligned filter: y against the aligned units run",
+        &f64s(&download(&ctx, &y)),
+        &want.y,
+        f16::DTYPE.tolerance(),
+    );
+}

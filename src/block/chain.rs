@@ -431,6 +431,20 @@ impl<T: Element> ConvBnChain<T> {
         saved: &mut ChainSaved<T>,
     ) -> Result<()> {
         saved.route = None;
+        // The prologue's graphs are built for 16-byte aligned tensors: a caller's filter or
+        // BatchNorm parameter that is not takes the units route for this call, before anything
+        // has run (its backward follows the route the state records).
+        let route = match (route, self.forward_misaligned(a)) {
+            (ChainRoute::Prologue, Some(what)) => {
+                tracing::info!(
+                    operand = what,
+                    "chain: prologue route refused for this call \
+                    (not 16-byte aligned); the units route runs"
+                );
+                ChainRoute::Units
+            }
+            (r, _) => r,
+        };
         match route {
             ChainRoute::Prologue => self.forward_prologue(a, saved)?,
             ChainRoute::Units => self.forward_units(a, saved)?,

@@ -14,6 +14,8 @@ use super::chain_kernel::{apply_eq, finalize_affine, ApplyEq, FinalizeAffine};
 use super::train::Fused;
 use crate::batchnorm::{BackwardArgs, TrainArgs};
 use crate::dtype::Element;
+use cudarc::driver::DevicePtr;
+
 use crate::error::{Error, Result};
 use crate::validate::{Aliasing, Binder, Need};
 
@@ -85,6 +87,53 @@ impl<T: Element> ConvBnChain<T> {
                 self.units[i].plan().reason(super::TrainRoute::Fused)
             ))
         })
+    }
+
+    /// The first of the caller's operands the prologue route's graphs read that is not
+    /// 16-byte aligned (a filter after the first, an inner BatchNorm's γ or β), or `None`.
+    pub(super) fn forward_misaligned(&self, a: &ChainArgs<'_, T>) -> Option<&'static str> {
+        let st = self.ctx.stream();
+        let n = self.shapes.len();
+        let w = (1..n).find(|&i| a.w.get(i).is_some_and(|v| v.device_ptr(st).0 % 16 != 0));
+        if let Some(i) = w {
+            return Some(W[i]);
+        }
+        (0..n - 1).find_map(|i| {
+            let b = a.bn.get(i)?;
+            if b.gamma.device_ptr(st).0 % 16 != 0 {
+                Some(GAMMA[i])
+            } else if b.beta.device_ptr(st).0 % 16 != 0 {
+                Some(BETA[i])
+            } else {
+                None
+            }
+        })
+    }
+
+    /// The first of the caller's operands the prologue route's backward graphs read or write
+    /// that is not 16-byte aligned, or `None`.
+    fn backward_misaligned(&self, a: &ChainBackwardArgs<'_, T>) -> Option<&'static str> {
+        let st = self.ctx.stream();
+        let bad = |p: u64| p % 16 != 0;
+        for i in 1..self.shapes.len() {
+            if a.w.get(i).is_some_and(|v| bad(v.device_ptr(st).0)) {
+                return Some(W[i]);
+            }
+            if a.dw.get(i).is_some_and(|v| bad(v.device_ptr(st).0)) {
+                return Some(DW[i]);
+            }
+            let j = i - 1;
+            let vecs: [(&'static str, Option<u64>); 4] = [
+                (GAMMA[j], a.gamma.get(j).map(|v| v.device_ptr(st).0)),
+                (BETA[j], a.beta.get(j).map(|v| v.device_ptr(st).0)),
+                (DGAMMA[j], a.dgamma.get(j).map(|v| v.device_ptr(st).0)),
+                (DBETA[j], a.dbeta.get(j).map(|v| v.device_ptr(st).0)),
+            ];
+            if let Some((name, _)) = vecs.iter().find(|(_, p)| p.is_some_and(bad)) {
+                return Some(name);
+            }
+        }
+        None
     }
 
     /// The prologue route's forward (see the module docs).
@@ -232,6 +281,10 @@ impl<T: Element> ConvBnChain<T> {
         mut a: ChainBackwardArgs<'_, T>,
         saved: &mut ChainSaved<T>,
     ) -> Result<()> {
+        // Refused before anything runs (the forward took this route, so it cannot change).
+        if let Some(what) = self.backward_misaligned(&a) {
+            return Err(misaligned(what));
+        }
         let graphs = self.link_graphs()?;
         let n = self.shapes.len();
         let last_saved = saved
