@@ -406,6 +406,20 @@ fn conv_genstats_all<T: Element>(ctx: &Context, prologue: bool) {
             genstats_prec: DType::F32,
         };
         finalize_only::<T>(ctx, pattern, &label(&s), |h| spec.build(h));
+        if prologue && T::DTYPE != DType::F32 {
+            // The chain's prologue applies a scale and bias rounded to T; f32 ones would keep
+            // its forward ReLU mask equal to the one its backward recomputes in f32.
+            let f32_affine = ConvGenStats {
+                prologue: Some(Prologue {
+                    affine: DType::F32,
+                    relu: ReluAttrs::Frontend,
+                }),
+                ..spec
+            };
+            finalize_only::<T>(ctx, "ConvBNfprop-SBRCS-f32-affine", &label(&s), |h| {
+                f32_affine.build(h)
+            });
+        }
     }
     let small: Vec<ConvShape> = if prologue {
         vec![nhwc(2, 64, 8, 64, 3), nhwc(2, 64, 8, 256, 1)]
@@ -624,6 +638,15 @@ fn wgrad_all<T: Element>(ctx: &Context) {
         finalize_only::<T>(ctx, "ConvBNwgrad", &label(&s), |h| {
             wgrad_prologue(h, &s, T::DTYPE, p)
         });
+        if T::DTYPE != DType::F32 {
+            let f32_affine = Prologue {
+                affine: DType::F32,
+                ..p
+            };
+            finalize_only::<T>(ctx, "ConvBNwgrad-f32-affine", &label(&s), |h| {
+                wgrad_prologue(h, &s, T::DTYPE, f32_affine)
+            });
+        }
     }
     for s in [nhwc(2, 64, 8, 64, 3), nhwc(2, 64, 8, 256, 1)] {
         wgrad_case::<T>(ctx, s);
