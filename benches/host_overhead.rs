@@ -19,6 +19,8 @@
 
 #[path = "support/bare.rs"]
 mod bare;
+#[path = "support/chain_bufs.rs"]
+mod chain_bufs;
 #[path = "support/exit.rs"]
 mod exit;
 #[path = "support/host_time.rs"]
@@ -32,14 +34,13 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use half::f16;
 use nnfuse::batchnorm::{BackwardArgs, BatchNorm, Fuse, TrainArgs};
-use nnfuse::block::{
-    AddendGrad, ChainArgs, ChainBackwardArgs, ChainBn, ChainRoute, ChainSaved, ConvBnChain,
-};
+use nnfuse::block::{ChainRoute, ChainSaved, ConvBnChain};
 use nnfuse::conv::{Conv2d, ConvPath, ConvShape, Route, WinogradEngine, WinogradTile};
 use nnfuse::gemm::{self, Problem};
 use nnfuse::internals::profile::{self, Stage, Totals};
 use nnfuse::{BnImpl, Config, Context, CudnnApi};
 
+use chain_bufs::Bufs;
 use host_time::{gpu_us, loop_us, queue_us};
 
 const PEAK_FLOPS: f64 = 700e12;
@@ -461,18 +462,7 @@ fn chain_rows(ctx: &Context) {
 struct ChainCase {
     chain: ConvBnChain<f16>,
     saved: ChainSaved<f16>,
-    x: CudaSlice<f16>,
-    w: Vec<CudaSlice<f16>>,
-    g: Vec<CudaSlice<f32>>,
-    b: Vec<CudaSlice<f32>>,
-    rm: Vec<CudaSlice<f32>>,
-    rv: Vec<CudaSlice<f32>>,
-    y: CudaSlice<f16>,
-    dy: CudaSlice<f16>,
-    dx: CudaSlice<f16>,
-    dw: Vec<CudaSlice<f16>>,
-    dg: Vec<CudaSlice<f32>>,
-    db: Vec<CudaSlice<f32>>,
+    bufs: Bufs<f16>,
 }
 
 impl ChainCase {
@@ -480,85 +470,18 @@ impl ChainCase {
         let sh = |c, k, r| ConvShape::square(2, c, 8, k, r, nnfuse::TensorFormat::Nhwc);
         let shapes = [sh(256, 64, 1), sh(64, 64, 3), sh(64, 256, 1)];
         let chain = ConvBnChain::<f16>::new(ctx, &shapes, Fuse::AddRelu)?;
-        let s = ctx.stream();
-        let half = |n: usize, v: f32| s.clone_htod(&vec![f16::from_f32(v); n]);
-        let per_c = |v: f32| -> anyhow::Result<Vec<CudaSlice<f32>>> {
-            shapes
-                .iter()
-                .map(|x| Ok(s.clone_htod(&vec![v; x.c_out])?))
-                .collect()
-        };
-        let x: Vec<f16> = (0..shapes[0].x_len()?)
-            .map(|i| f16::from_f32((i % 13) as f32 * 0.1 - 0.6))
-            .collect();
-        let mut w = Vec::new();
-        let mut dw = Vec::new();
-        for x in &shapes {
-            w.push(half(x.w_len()?, 0.02)?);
-            dw.push(s.alloc_zeros(x.w_len()?)?);
-        }
         Ok(ChainCase {
             saved: chain.new_saved()?,
+            bufs: Bufs::new(ctx, &shapes)?,
             chain,
-            x: s.clone_htod(&x)?,
-            w,
-            g: per_c(1.0)?,
-            b: per_c(0.1)?,
-            rm: per_c(0.0)?,
-            rv: per_c(1.0)?,
-            y: s.alloc_zeros(shapes[2].y_len()?)?,
-            dy: half(shapes[2].y_len()?, 0.1)?,
-            dx: s.alloc_zeros(shapes[0].x_len()?)?,
-            dw,
-            dg: per_c(0.0)?,
-            db: per_c(0.0)?,
         })
     }
 
     /// One forward and its backward on `route`.
     fn step(&mut self, route: ChainRoute) -> nnfuse::Result<()> {
-        let bn = self
-            .g
-            .iter()
-            .zip(&self.b)
-            .zip(self.rm.iter_mut().zip(self.rv.iter_mut()))
-            .map(|((g, b), (m, v))| ChainBn {
-                gamma: g.as_view(),
-                beta: b.as_view(),
-                running_mean: m.as_view_mut(),
-                running_var: v.as_view_mut(),
-            })
-            .collect();
-        self.chain.forward_train_with(
-            route,
-            ChainArgs {
-                x: self.x.as_view(),
-                w: self.w.iter().map(|w| w.as_view()).collect(),
-                bn,
-                addend: Some(self.x.as_view()),
-                y: self.y.as_view_mut(),
-                momentum: 0.1,
-                eps: 1e-5,
-            },
-            &mut self.saved,
-        )?;
-        self.chain.backward(
-            ChainBackwardArgs {
-                x: self.x.as_view(),
-                w: self.w.iter().map(|w| w.as_view()).collect(),
-                gamma: self.g.iter().map(|v| v.as_view()).collect(),
-                beta: self.b.iter().map(|v| v.as_view()).collect(),
-                y: self.y.as_view(),
-                dy: self.dy.as_view(),
-                dx: Some(self.dx.as_view_mut()),
-                accumulate_dx: false,
-                dw: self.dw.iter_mut().map(|d| d.as_view_mut()).collect(),
-                dgamma: self.dg.iter_mut().map(|d| d.as_view_mut()).collect(),
-                dbeta: self.db.iter_mut().map(|d| d.as_view_mut()).collect(),
-                d_addend: AddendGrad::IntoDx,
-            },
-            &mut self.saved,
-        )
+        self.chain
+            .forward_train_with(route, self.bufs.fwd(), &mut self.saved)?;
+        self.chain.backward(self.bufs.bwd(), &mut self.saved)
     }
 }
 

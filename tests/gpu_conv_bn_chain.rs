@@ -101,6 +101,25 @@ enum Dx {
     Accumulate,
 }
 
+/// One `ChainBn` per unit from its scale, bias and running statistics.
+fn chain_bn<'a>(
+    g: &'a [CudaSlice<f32>],
+    b: &'a [CudaSlice<f32>],
+    rm: &'a mut [CudaSlice<f32>],
+    rv: &'a mut [CudaSlice<f32>],
+) -> Vec<ChainBn<'a>> {
+    g.iter()
+        .zip(b)
+        .zip(rm.iter_mut().zip(rv.iter_mut()))
+        .map(|((g, b), (m, v))| ChainBn {
+            gamma: g.as_view(),
+            beta: b.as_view(),
+            running_mean: m.as_view_mut(),
+            running_var: v.as_view_mut(),
+        })
+        .collect()
+}
+
 /// Runs the chain once (`route`: forced, or None: decided).
 fn run<T: Element>(
     ctx: &Context,
@@ -131,17 +150,7 @@ fn run<T: Element>(
     let args = ChainArgs {
         x: x.as_view(),
         w: w.iter().map(|w| w.as_view()).collect(),
-        bn: g
-            .iter()
-            .zip(&b)
-            .zip(rm.iter_mut().zip(rv.iter_mut()))
-            .map(|((g, b), (m, v))| ChainBn {
-                gamma: g.as_view(),
-                beta: b.as_view(),
-                running_mean: m.as_view_mut(),
-                running_var: v.as_view_mut(),
-            })
-            .collect(),
+        bn: chain_bn(&g, &b, &mut rm, &mut rv),
         addend: add.then(|| addend.as_view()),
         y: y.as_view_mut(),
         momentum: 0.1,
@@ -622,16 +631,7 @@ fn conv_bn_chain_names_bad_arguments() {
             ChainArgs {
                 x: x.as_view(),
                 w: w.iter().take($nw).map(|w| w.as_view()).collect(),
-                bn: g
-                    .iter()
-                    .zip(rm.iter_mut().zip(rv.iter_mut()))
-                    .map(|(g, (m, v))| ChainBn {
-                        gamma: g.as_view(),
-                        beta: g.as_view(),
-                        running_mean: m.as_view_mut(),
-                        running_var: v.as_view_mut(),
-                    })
-                    .collect(),
+                bn: chain_bn(&g, &g, &mut rm, &mut rv),
                 addend: $with_addend.then(|| addend.as_view()),
                 y: y.as_view_mut(),
                 momentum: 0.1,
@@ -719,17 +719,7 @@ fn conv_bn_chain_misaligned_filter_takes_the_units_route() {
             ChainArgs {
                 x: x.as_view(),
                 w: views,
-                bn: g
-                    .iter()
-                    .zip(&b)
-                    .zip(rm.iter_mut().zip(rv.iter_mut()))
-                    .map(|((g, b), (m, v))| ChainBn {
-                        gamma: g.as_view(),
-                        beta: b.as_view(),
-                        running_mean: m.as_view_mut(),
-                        running_var: v.as_view_mut(),
-                    })
-                    .collect(),
+                bn: chain_bn(&g, &b, &mut rm, &mut rv),
                 addend: Some(addend.as_view()),
                 y: y.as_view_mut(),
                 momentum: 0.1,

@@ -21,18 +21,18 @@ use crate::validate::{Aliasing, Binder, Need};
 /// `bn_finalize_from_sums`' argument (`struct FromSumsArgs` of `kernels/block_stats.cu`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
-struct FromSumsArgs {
-    sum: u64,
-    sqsum: u64,
-    saved_mean: u64,
-    saved_mean_lo: u64,
-    saved_invstd: u64,
-    running_mean: u64,
-    running_var: u64,
-    count: f64,
-    channels: u32,
-    eps: f32,
-    momentum: f32,
+pub(crate) struct FromSumsArgs {
+    pub(crate) sum: u64,
+    pub(crate) sqsum: u64,
+    pub(crate) saved_mean: u64,
+    pub(crate) saved_mean_lo: u64,
+    pub(crate) saved_invstd: u64,
+    pub(crate) running_mean: u64,
+    pub(crate) running_var: u64,
+    pub(crate) count: f64,
+    pub(crate) channels: u32,
+    pub(crate) eps: f32,
+    pub(crate) momentum: f32,
 }
 
 // SAFETY: plain old data laid out as the kernel's struct (checked by the test below).
@@ -43,7 +43,7 @@ unsafe impl DeviceRepr for FromSumsArgs {}
 /// # Safety
 /// Every address in `a` holds `a.channels` f32s on the Context's device, the outputs disjoint
 /// from each other and the inputs, valid until the queued work completes; `a.count > 1`.
-unsafe fn finalize(ctx: &Context, a: &FromSumsArgs) -> Result<()> {
+pub(crate) unsafe fn finalize(ctx: &Context, a: &FromSumsArgs) -> Result<()> {
     let f = ctx.function(&kernels::BLOCK_STATS, "bn_finalize_from_sums")?;
     let cfg = cudarc::driver::LaunchConfig {
         grid_dim: (a.channels.div_ceil(128).max(1), 1, 1),

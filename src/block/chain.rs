@@ -434,7 +434,11 @@ impl<T: Element> ConvBnChain<T> {
         // The prologue's graphs are built for 16-byte aligned tensors: a caller's filter or
         // BatchNorm parameter that is not takes the units route for this call, before anything
         // has run (its backward follows the route the state records).
-        let route = match (route, self.forward_misaligned(a)) {
+        let misaligned = match route {
+            ChainRoute::Prologue => self.forward_misaligned(a),
+            ChainRoute::Units => None,
+        };
+        let route = match (route, misaligned) {
             (ChainRoute::Prologue, Some(what)) => {
                 tracing::info!(
                     operand = what,

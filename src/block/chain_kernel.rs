@@ -648,25 +648,6 @@ mod gpu_tests {
         b.device_ptr(s).0
     }
 
-    /// `bn_finalize_from_sums`' argument (kernels/block_stats.cu `FromSumsArgs`).
-    #[repr(C)]
-    #[derive(Clone, Copy)]
-    struct FromSums {
-        sum: u64,
-        sqsum: u64,
-        saved_mean: u64,
-        saved_mean_lo: u64,
-        saved_invstd: u64,
-        running_mean: u64,
-        running_var: u64,
-        count: f64,
-        channels: u32,
-        eps: f32,
-        momentum: f32,
-    }
-    // SAFETY: plain old data laid out as the kernel's struct (80 bytes, as from_sums.rs checks).
-    unsafe impl DeviceRepr for FromSums {}
-
     /// Significand bits of T after the point (its rounding's relative half-ulp is 2^-(p+1))
     /// and the exponent of its smallest subnormal (the absolute half-ulp below the normals).
     fn rounding(d: DType) -> (i32, i32) {
@@ -702,7 +683,7 @@ mod gpu_tests {
         let scale_d = s.clone_htod(&poison).unwrap();
         let bias_d = s.clone_htod(&poison).unwrap();
         let o = |k: usize, j: usize| addr(s, &outs[k][j]);
-        let old = FromSums {
+        let old = crate::batchnorm::FromSumsArgs {
             sum: addr(s, &sum_d),
             sqsum: addr(s, &sq_d),
             saved_mean: o(0, 0),
@@ -732,19 +713,9 @@ mod gpu_tests {
             eps,
             momentum,
         };
-        let f = ctx
-            .function(&kernels::BLOCK_STATS, "bn_finalize_from_sums")
-            .unwrap();
         // SAFETY: every buffer above holds c values of its type.
         unsafe {
-            launch::launch_kernel(
-                ctx,
-                &f,
-                launch_1d(c as u64),
-                &mut [launch::arg(&old)],
-                "old finalize",
-            )
-            .unwrap();
+            crate::batchnorm::finalize_from_sums(ctx, &old).unwrap();
             finalize_affine(ctx, T::DTYPE, &new).unwrap();
         }
         let down = |b: &CudaSlice<f32>| -> Vec<u32> {

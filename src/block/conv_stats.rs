@@ -12,7 +12,7 @@ use super::stats_kernel::channel_sums;
 use super::stats_plan::{stats_plan, StatsPlan, StatsRoute};
 use crate::context::{cudnn_present, cudnn_version, Context};
 use crate::conv::{Conv2d, ConvShape};
-use crate::cudnn_graph::graph_fused::{GenStatsKey, GraphGenStats};
+use crate::cudnn_graph::graph_fused::{FusedKey, FusedPattern, GraphFused};
 use crate::cudnn_graph::notes::GraphPolicy;
 use crate::dtype::Element;
 use crate::error::{Error, Result};
@@ -37,7 +37,7 @@ pub struct StatsChoice {
 }
 
 /// The graph route's plans: not built yet, built, or why not.
-pub(super) type GraphSlot = Option<std::result::Result<Arc<GraphGenStats>, String>>;
+pub(super) type GraphSlot = Option<std::result::Result<Arc<GraphFused>, String>>;
 
 /// `y = conv(x, w)` for one problem and element type `T` (`f32`, `half::f16`, `half::bf16`),
 /// which also writes the per-channel `sum` and `sqsum` (f32, over N, H, W) of y: what a training
@@ -298,10 +298,11 @@ impl<T: Element> ConvStats<T> {
     }
 
     /// The graph route's plans, built on first use (a failure is kept, with its reason).
-    pub(super) fn graph(&self) -> Result<Arc<GraphGenStats>> {
+    pub(super) fn graph(&self) -> Result<Arc<GraphFused>> {
         let mut slot = lock(&self.graph);
         if slot.is_none() {
-            let key = GenStatsKey {
+            let key = FusedKey {
+                pattern: FusedPattern::ConvGenStats,
                 shape: self.plan.shape,
                 dtype: T::DTYPE,
                 policy: GraphPolicy {
@@ -310,7 +311,7 @@ impl<T: Element> ConvStats<T> {
                 },
                 limit: GRAPH_CANDIDATES,
             };
-            *slot = Some(match GraphGenStats::cached(&self.ctx, key) {
+            *slot = Some(match GraphFused::cached(&self.ctx, key) {
                 Ok(g) => Ok(g),
                 Err(e) if crate::cudnn_graph::plans::is_unsupported(&e) => Err(e.to_string()),
                 Err(e) => return Err(e),

@@ -5,7 +5,7 @@
 //! plans: the heuristics' configs that the engine policy admits, finalized up to a limit, so that
 //! the caller can measure them; cached per problem in the Context (as
 //! [`super::graph_conv::GraphConv`]), with a pinned variant pack rebuilt only when a pointer or
-//! the workspace changes. [`GraphGenStats`] is the pattern without prologue (`block::ConvStats`).
+//! the workspace changes. `block::ConvStats` runs [`FusedPattern::ConvGenStats`].
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -151,34 +151,6 @@ pub struct FusedKey {
     pub limit: usize,
 }
 
-/// The key of a ConvStats graph: problem, element type, engine policy, most plans finalized.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct GenStatsKey {
-    /// The convolution (NHWC).
-    pub shape: ConvShape,
-    /// Element type of x, w, y.
-    pub dtype: DType,
-    /// Which engines may run.
-    pub policy: GraphPolicy,
-    /// Most engine configs finalized (the first call measures them).
-    pub limit: usize,
-}
-
-impl From<GenStatsKey> for FusedKey {
-    fn from(k: GenStatsKey) -> FusedKey {
-        FusedKey {
-            pattern: FusedPattern::ConvGenStats,
-            shape: k.shape,
-            dtype: k.dtype,
-            policy: k.policy,
-            limit: k.limit,
-        }
-    }
-}
-
-/// The conv + GEN_STATS plans of `block::ConvStats`.
-pub type GraphGenStats = GraphFused;
-
 /// One finalized engine config.
 #[derive(Debug)]
 pub struct FusedPlan {
@@ -213,7 +185,7 @@ pub struct GraphFused {
     /// Configs listed but not finalized, and why.
     skipped: Vec<String>,
     listed: usize,
-    /// The plan [`GraphGenStats::execute`] runs by default (the caller's measurement sets it).
+    /// The plan [`GraphFused::execute`] runs by default (the caller's measurement sets it).
     chosen: AtomicUsize,
     pack: Mutex<Option<BnVariantPack>>,
     handle: usize,
@@ -254,8 +226,7 @@ impl GraphFused {
     /// (heuristics INSTANT, then FALLBACK), and finalizes those the policy admits, within the
     /// workspace cap, until `key.limit` have finalized. Errors: the graph cannot be built, or no
     /// config finalized ([`Error::NotSupported`] with every reason).
-    pub fn new(ctx: &Context, key: impl Into<FusedKey>) -> Result<GraphFused> {
-        let key = key.into();
+    pub fn new(ctx: &Context, key: FusedKey) -> Result<GraphFused> {
         ctx.refuse_under_capture("building a fused cuDNN graph", "finalize plans")?;
         build::available()?;
         let cap = ctx.config().cudnn_workspace_bytes();
@@ -345,8 +316,7 @@ impl GraphFused {
 
     /// The plans of `key` from the Context's plan cache, built on first use; a key cuDNN cannot
     /// run is remembered (later lookups return the same [`Error::NotSupported`] at once).
-    pub fn cached(ctx: &Context, key: impl Into<FusedKey>) -> Result<Arc<GraphFused>> {
-        let key = key.into();
+    pub fn cached(ctx: &Context, key: FusedKey) -> Result<Arc<GraphFused>> {
         plans::cached(
             ctx,
             key,
