@@ -1051,6 +1051,28 @@ fn run() -> Result<()> {
     );
     let mut report = Report::default();
     println!("{HEADER}");
+    // NNFUSE_BENCH_BN=demo (or demo64, demo256): only `nnfuse demo`'s BatchNorm shapes (f16
+    // NHWC, batch 32), for a quick comparison of one kernel change (or a profiler run).
+    let only = std::env::var("NNFUSE_BENCH_BN").unwrap_or_default();
+    if only.starts_with("demo") {
+        for (c, fuse) in [(64, Fuse::Relu), (256, Fuse::AddRelu)] {
+            if only != "demo" && only != format!("demo{c}") {
+                continue;
+            }
+            bench_case::<f16>(
+                &ctx,
+                &fallback,
+                &own,
+                &[32, 56, 56, c],
+                3,
+                fuse,
+                bw,
+                "f16 NHWC",
+                &mut report,
+            )?;
+        }
+        return Ok(());
+    }
     const SHAPES: [(usize, usize, usize, usize); 5] = [
         (16, 32, 112, 112),
         (64, 64, 112, 112),

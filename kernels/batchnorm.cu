@@ -300,7 +300,10 @@ struct ApplyFwdArgs {
     u32 from_var;  // scale = gamma / sqrt(inv + eps) (inference) instead of gamma * inv
     float eps;
     u32 hint;  // x is in L2 from the statistics pass: z, y and the mask pass with evict_first
-    u32 pad;
+    // MODE_LAST: each warp takes its chunks last to first, so that the whole grid sweeps the
+    // tensor from its end: x just written by a convolution (BatchNorm from its sums) has its end
+    // still in L2.
+    u32 reverse;
 };
 
 struct Coef3 {
@@ -596,7 +599,10 @@ __device__ __forceinline__ void fwd_last(const ApplyFwdArgs& a) {
             }
             ch = ch + 1 == C ? 0 : ch + 1;
         }
-        for (u64 c0 = rho + S * (warp / S); c0 < nchunks; c0 += step * APPLY_UNROLL) {
+        const u64 base = rho + S * (warp / S), stride = step * APPLY_UNROLL;
+        const u64 groups = base < nchunks ? (nchunks - base + stride - 1) / stride : 0;
+        for (u64 i = 0; i < groups; ++i) {
+            const u64 c0 = base + (a.reverse ? groups - 1 - i : i) * stride;
             u32 xs[APPLY_UNROLL][4], zs[APPLY_UNROLL][4];
 #pragma unroll
             for (int u = 0; u < APPLY_UNROLL; ++u)

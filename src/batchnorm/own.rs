@@ -95,7 +95,8 @@ struct ApplyFwdArgs {
     from_var: u32,
     eps: f32,
     hint: u32,
-    pad: u32,
+    /// Channels-last vector path: sweep the tensor from its end (see the kernel's comment).
+    reverse: u32,
 }
 
 #[repr(C)]
@@ -535,7 +536,14 @@ pub(crate) fn apply_train(op: &Op<'_>, b: &FwdBufs, eps: f64) -> Result<()> {
     let staged = staged_bytes(op.c(), 4);
     let coef_floats = if staged > 0 { 0 } else { 4 * op.c() };
     let scratch = op.ctx.scratch(coef_floats as usize * 4)?;
-    apply_forward(op, train_apply_args(b, scratch.ptr(), eps), staged)
+    // x was just written by the convolution that made its sums: its end is the part still in
+    // L2, so the apply starts there (measured on the H100: 68.1 -> 64.1 us for the demo's
+    // 256-channel BN+Add+ReLU from sums).
+    let a = ApplyFwdArgs {
+        reverse: 1,
+        ..train_apply_args(b, scratch.ptr(), eps)
+    };
+    apply_forward(op, a, staged)
 }
 
 /// Inference forward: one elementwise pass with the running statistics.
@@ -1039,7 +1047,7 @@ mod tests {
                 &[
                     "x", "z", "y", "mask", "mean", "mean_lo", "inv", "gamma", "beta", "coef", "n",
                     "inner", "chans", "res", "wpr", "mode", "staged", "from_var", "eps", "hint",
-                    "pad",
+                    "reverse",
                 ],
                 std::mem::size_of::<ApplyFwdArgs>(),
             ),
