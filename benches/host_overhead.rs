@@ -434,7 +434,41 @@ fn per_call_table(ctx: &Context, s: &Arc<CudaStream>) -> anyhow::Result<()> {
             legacy / graph
         );
     }
+    captured_bn_rows(&ctx, &s, &bn_shape, bn_floor)?;
     chain_rows(&ctx);
+    Ok(())
+}
+
+/// The same plain BatchNorm forward + backward captured once into a CUDA graph
+/// (`Context::capture`, docs/CAPTURE.md) and replayed: the host time per step of a framework
+/// that captures its step, per cuDNN API. Capture needs cudarc's event tracking off: with it on
+/// the row says so instead.
+fn captured_bn_rows(
+    ctx: &Context,
+    s: &Arc<CudaStream>,
+    shape: &[usize],
+    floor: f64,
+) -> anyhow::Result<()> {
+    for (name, api) in [
+        ("legacy Ex", CudnnApi::Legacy),
+        ("graph API", CudnnApi::Graph),
+    ] {
+        let config = Config::default()
+            .with_bn_impl(BnImpl::Cudnn)
+            .with_cudnn_api(api);
+        let c2 = ctx.with_config_override(config);
+        let bn = BatchNorm::<f16>::new(&c2, shape, 3, Fuse::None)?;
+        let mut step = BnStep::new(s, shape)?;
+        let case =
+            format!("BN plain train fwd+bwd 2x8x8x64 f16, cuDNN {name}, captured (one replay)");
+        // The first call plans, allocates and decides: never inside a capture.
+        step.run(&bn)?;
+        c2.synchronize()?;
+        match c2.capture(|_| step.run(&bn)) {
+            Ok(g) => row(&case, floor, measure(&c2, || g.replay()), None),
+            Err(e) => println!("| {case} | not captured: {e} | | | | | |"),
+        }
+    }
     Ok(())
 }
 
