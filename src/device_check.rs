@@ -141,3 +141,41 @@ impl DeviceCompare {
         Ok(judge(&read_acc(&self.ctx, &self.acc)?))
     }
 }
+
+/// `got` against `want` (the same extent of one element type, on the Context's stream): the
+/// relative L2 difference and the non-finite positions, compared on the device. An error where
+/// the extents differ, or where `want` itself holds non-finite elements (no reference to judge
+/// against: `reference` names it in the message).
+pub(crate) fn compare_on_device<T, W, G>(
+    ctx: &Context,
+    want: &W,
+    got: &G,
+    reference: &str,
+) -> Result<(f64, f64)>
+where
+    T: crate::dtype::Element,
+    W: DevicePtr<T>,
+    G: DevicePtr<T>,
+{
+    let s = ctx.stream();
+    if want.len() != got.len() {
+        return Err(crate::error::Error::invalid(
+            "got",
+            "extent differs from the reference",
+        ));
+    }
+    let wp = want.device_ptr(s).0;
+    let gp = got.device_ptr(s).0;
+    // SAFETY: both hold `len` elements of T on the Context's device (device slices of T),
+    // written on its stream.
+    let mut cmp = unsafe { DeviceCompare::new(ctx, T::DTYPE, wp, want.len()) }?;
+    let bad_ref = cmp.reference_nonfinite();
+    if bad_ref != 0.0 {
+        return Err(crate::error::Error::NotSupported(format!(
+            "{reference} has {bad_ref} non-finite elements on this call's data: no reference to \
+             check against"
+        )));
+    }
+    // SAFETY: as above.
+    unsafe { cmp.check(gp) }
+}

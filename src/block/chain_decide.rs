@@ -4,7 +4,7 @@
 //! checked against the units route's (on the device where they are tensors); then both
 //! routes timed, forward plus backward, GPU time, interleaved rounds behind a head start.
 
-use cudarc::driver::{CudaSlice, DevicePtr};
+use cudarc::driver::CudaSlice;
 
 use super::api::lock;
 use super::chain::ConvBnChain;
@@ -14,11 +14,14 @@ use super::chain_plan::ChainRoute;
 use super::check::{chain_gradient_bound, tolerance};
 use super::train_decide::rel_l2;
 use crate::batchnorm::Fuse;
-use crate::device_check::DeviceCompare;
+use crate::device_check::compare_on_device;
 use crate::dtype::Element;
-use crate::error::{CallExt, Error, Result};
+use crate::error::{CallExt, Result};
 use crate::timing::{time_interleaved_gpu, InterleavedOptions};
 use crate::tune::rule::best_challenger;
+
+/// The reference of the prologue route's check, named in its errors.
+const UNITS: &str = "the units route's result";
 
 /// The race's options: a first call's budget, not a benchmark's.
 const RACE: InterleavedOptions = InterleavedOptions {
@@ -187,7 +190,7 @@ impl<T: Element> ConvBnChain<T> {
             let s = self.ctx.stream();
             poison(&self.ctx, got)?;
             self.run(ChainRoute::Prologue, &mut fwd_args(a, got), probe)?;
-            let (rel, bad) = compare(&self.ctx, &a.y, &got.y)?;
+            let (rel, bad) = compare_on_device(&self.ctx, &a.y, &got.y, UNITS)?;
             judge("y".into(), rel, bad);
             for (i, b) in a.bn.iter().enumerate() {
                 for (name, w, g) in [
@@ -204,10 +207,10 @@ impl<T: Element> ConvBnChain<T> {
             }
             self.backward(bwd_args(a, want, false), saved)?;
             self.backward(bwd_args(a, got, true), probe)?;
-            let (rel, bad) = compare(&self.ctx, &want.dx, &got.dx)?;
+            let (rel, bad) = compare_on_device(&self.ctx, &want.dx, &got.dx, UNITS)?;
             judge("dx".into(), rel, bad);
             for i in 0..self.shapes.len() {
-                let (rel, bad) = compare(&self.ctx, &want.dw[i], &got.dw[i])?;
+                let (rel, bad) = compare_on_device(&self.ctx, &want.dw[i], &got.dw[i], UNITS)?;
                 judge(format!("dw[{i}]"), rel, bad);
                 for (name, w, g) in [
                     ("dgamma", &want.dgamma[i], &got.dgamma[i]),
@@ -219,7 +222,7 @@ impl<T: Element> ConvBnChain<T> {
                 }
             }
             if let (Some(w), Some(g)) = (&want.d_addend, &got.d_addend) {
-                let (rel, bad) = compare(&self.ctx, w, g)?;
+                let (rel, bad) = compare_on_device(&self.ctx, w, g, UNITS)?;
                 judge("d_addend".into(), rel, bad);
             }
             Ok(())
@@ -390,30 +393,4 @@ fn poison<T: Element>(ctx: &crate::context::Context, o: &mut Outs<T>) -> Result<
         crate::util::fill(ctx, d, nan)?;
     }
     Ok(())
-}
-
-/// `got` against `want` on the device: relative L2 and non-finite count; an error where the
-/// reference itself is not finite (nothing to check against).
-fn compare<T: Element, W, G>(ctx: &crate::context::Context, want: &W, got: &G) -> Result<(f64, f64)>
-where
-    W: DevicePtr<T>,
-    G: DevicePtr<T>,
-{
-    let s = ctx.stream();
-    if want.len() != got.len() {
-        return Err(Error::invalid("got", "extent differs from the reference"));
-    }
-    let wp = want.device_ptr(s).0;
-    let gp = got.device_ptr(s).0;
-    // SAFETY: both hold `len` elements of T on the Context's device, written on its stream.
-    let mut cmp = unsafe { DeviceCompare::new(ctx, T::DTYPE, wp, want.len()) }?;
-    let bad_ref = cmp.reference_nonfinite();
-    if bad_ref != 0.0 {
-        return Err(Error::NotSupported(format!(
-            "the units route's result has {bad_ref} non-finite elements on this call's data: \
-             no reference to check against"
-        )));
-    }
-    // SAFETY: as above.
-    unsafe { cmp.check(gp) }
 }

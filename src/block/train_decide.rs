@@ -3,14 +3,14 @@
 //! against it on the device, then both timed — forward plus the BatchNorm's backward, GPU
 //! time, interleaved rounds behind a head start — and the incumbent rule.
 
-use cudarc::driver::{CudaSlice, DevicePtr};
+use cudarc::driver::CudaSlice;
 
 use super::api::lock;
 use super::check::{passes, tolerance};
 use super::train::{ConvBnArgs, ConvBnTrain, TrainChoice, TrainSaved};
 use super::train_plan::TrainRoute;
 use crate::batchnorm::{BackwardArgs, Fuse};
-use crate::device_check::DeviceCompare;
+use crate::device_check::compare_on_device;
 use crate::dtype::Element;
 use crate::error::{CallExt, Result};
 use crate::timing::{time_interleaved_gpu, InterleavedOptions};
@@ -125,20 +125,7 @@ impl<T: Element> ConvBnTrain<T> {
             let s = self.ctx.stream();
             let saved = self.run(TrainRoute::Fused, &mut probe_args(a, p))?;
             drop(saved);
-            let y_ptr = a.y.device_ptr(s).0;
-            // SAFETY: the caller's y holds z's element count of T on this device (the unit's
-            // forward validated it), written by the unfused route on this stream.
-            let mut cmp = unsafe { DeviceCompare::new(&self.ctx, dt, y_ptr, a.y.len()) }?;
-            let reference_bad = cmp.reference_nonfinite();
-            let py = p.y.device_ptr(s).0;
-            // SAFETY: the probe's y has the same extent and type.
-            let verdict = unsafe { cmp.check(py) }?;
-            if reference_bad != 0.0 {
-                return Err(crate::error::Error::NotSupported(format!(
-                    "the unfused output has {reference_bad} non-finite elements on this call's \
-                     data: no reference to check against"
-                )));
-            }
+            let verdict = compare_on_device(&self.ctx, &a.y, &p.y, "the unfused output")?;
             let want_rm = s.clone_dtoh(&a.running_mean).call("cuMemcpyDtoH")?;
             let want_rv = s.clone_dtoh(&a.running_var).call("cuMemcpyDtoH")?;
             let got_rm = s.clone_dtoh(&p.rm).call("cuMemcpyDtoH")?;
