@@ -1076,8 +1076,9 @@ mod tests {
     }
 
     /// The schedule of `fwd_last` / `bwd_last`: every chunk once, and each lane's register
-    /// channels (set once per warp) right for every element of every chunk it takes.
-    fn emulate_last(shape: &OwnShape, eb: u64, wave: u64) {
+    /// channels (set once per warp) right for every element of every chunk it takes, in either
+    /// order (`reverse`: `fwd_last`'s sweep from the tensor's end).
+    fn emulate_last(shape: &OwnShape, eb: u64, wave: u64, reverse: bool) {
         let l = apply_launch(ApplyMode::Last, shape, eb, wave);
         let (n, c) = (shape.numel(), shape.c);
         let nv = max_vec(eb);
@@ -1095,8 +1096,14 @@ mod tests {
                     chs.push(ch);
                     ch = if ch + 1 == c { 0 } else { ch + 1 };
                 }
-                let mut c0 = rho + res * (warp / res);
-                while c0 < nchunks {
+                let (base, stride) = (rho + res * (warp / res), step * APPLY_UNROLL);
+                let groups = if base < nchunks {
+                    (nchunks - base).div_ceil(stride)
+                } else {
+                    0
+                };
+                for i in 0..groups {
+                    let c0 = base + if reverse { groups - 1 - i } else { i } * stride;
                     for u in 0..APPLY_UNROLL {
                         let ci = c0 + u * step;
                         if ci < nchunks {
@@ -1110,7 +1117,6 @@ mod tests {
                             }
                         }
                     }
-                    c0 += step * APPLY_UNROLL;
                 }
             }
         }
@@ -1161,7 +1167,8 @@ mod tests {
                     c,
                 };
                 for wave in [1u64, 3, 1056] {
-                    emulate_last(&shape, eb, wave);
+                    emulate_last(&shape, eb, wave, false);
+                    emulate_last(&shape, eb, wave, true);
                 }
             }
         }
