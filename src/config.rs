@@ -416,13 +416,15 @@ pub(crate) fn under_sanitizer() -> bool {
 /// `NNFUSE_*` variables read elsewhere than [`Config`]: the CLI's log filter, and those of
 /// nnfuse's own tests and benches. Known, so that setting them draws no "unknown variable"
 /// warning.
-const OTHER_VARS: [&str; 8] = [
+const OTHER_VARS: [&str; 10] = [
     "NNFUSE_LOG",
     "NNFUSE_REQUIRE_NVRTC",
     "NNFUSE_GPU_RUN",
     "NNFUSE_UNDER_SANITIZER",
     "NNFUSE_BENCH_FILTER",
     "NNFUSE_BENCH_QUICK",
+    "NNFUSE_BENCH_BN",
+    "NNFUSE_SUITE_REPORTS",
     "NNFUSE_STARTUP_CHILD",
     "NNFUSE_STARTUP_RUNS",
 ];
