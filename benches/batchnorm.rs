@@ -4,7 +4,8 @@
 //! the 2-D case; the own persistent variant against its two-pass variant; the 2-D paths under
 //! each mode policy; dispatch overhead. CUDA events, warm-up, median of many, rotating buffers
 //! so that L2 (50 MiB on the H100) does not hold the working set. Prints markdown tables and
-//! JSON lines.
+//! JSON lines. `NNFUSE_BENCH_BN=demo` (or `demo64`, `demo256`): only `nnfuse demo`'s BatchNorm
+//! shapes (f16 NHWC, batch 32), every path, for comparing one kernel change or profiling.
 //!
 //! Floors: bytes the operation must move (each input read once, each output written once; the
 //! backward's activation state counted as the 1-bit mask) over the copy bandwidth measured in

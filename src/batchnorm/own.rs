@@ -537,7 +537,7 @@ pub(crate) fn apply_train(op: &Op<'_>, b: &FwdBufs, eps: f64) -> Result<()> {
     let coef_floats = if staged > 0 { 0 } else { 4 * op.c() };
     let scratch = op.ctx.scratch(coef_floats as usize * 4)?;
     // x was just written by the convolution that made its sums: its end is the part still in
-    // L2, so the apply starts there (measured on the H100: 68.1 -> 64.1 us for the demo's
+    // L2, so the apply starts there (measured on the H100: 68.1 -> 63.8 us for the demo's
     // 256-channel BN+Add+ReLU from sums).
     let a = ApplyFwdArgs {
         reverse: 1,
