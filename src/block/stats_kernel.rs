@@ -15,6 +15,12 @@ use crate::launch;
 const MIN_ROWS_PER_PART: u64 = 64;
 /// Blocks per SM the grid aims at.
 const BLOCKS_PER_SM: u64 = 4;
+/// Rows each thread of the vector kernel reduces at least.
+const MIN_ROWS_PER_THREAD_VEC: u64 = 8;
+/// Threads of a block (`blockDim` 32 x 8).
+const SUMS_THREADS: u64 = 256;
+/// Bytes of the vector kernel's loads.
+const SUMS_VECTOR_BYTES: u64 = 16;
 /// Values of a channel a channels-first block reduces at least.
 const MIN_VALUES_PER_PART: u64 = 2048;
 /// Most parts per channel slab (the finish kernel adds them one by one).
@@ -60,6 +66,41 @@ struct SumsArgs {
 
 // SAFETY: plain old data laid out as the kernels' structs (checked by the tests below).
 unsafe impl DeviceRepr for SumsArgs {}
+
+/// The grid of `channel_sums_vec_<t>` over `rows` rows of `channels` channels in vectors of
+/// `v` elements (`channels` a multiple of `v`): slabs of up to 256 vectors side by side (grid
+/// x), about [`BLOCKS_PER_SM`] blocks per SM, each thread at least
+/// [`MIN_ROWS_PER_THREAD_VEC`] rows (pure; the kernel computes the same `cvs` and `rb`).
+pub(crate) fn sums_geom_vec(rows: u64, channels: u64, v: u64, sms: u64) -> SumsGeom {
+    let cv = (channels / v.max(1)).max(1);
+    let cvs = cv.min(SUMS_THREADS);
+    let rb = SUMS_THREADS / cvs;
+    let slabs = cv.div_ceil(cvs);
+    let want = (sms.max(1) * BLOCKS_PER_SM).div_ceil(slabs).max(1);
+    let most = rows.div_ceil(rb * MIN_ROWS_PER_THREAD_VEC).max(1);
+    let parts = want.min(most).min(MAX_PARTS);
+    let rows_per_part = rows.div_ceil(parts).max(1);
+    SumsGeom {
+        slabs: slabs as u32,
+        parts: rows.div_ceil(rows_per_part).max(1) as u32,
+        rows_per_part,
+    }
+}
+
+/// Whether channels-last data of `dtype` at `y` with `channels` channels takes the vector
+/// kernel (whole 16-byte vectors per row, `y` aligned to them).
+fn vector_sums(dtype: DType, y: u64, channels: u64) -> bool {
+    let v = SUMS_VECTOR_BYTES / dtype.size() as u64;
+    y % SUMS_VECTOR_BYTES == 0 && channels % v == 0
+}
+
+fn sums_vec_kernel(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "channel_sums_vec_f32",
+        DType::F16 => "channel_sums_vec_f16",
+        DType::BF16 => "channel_sums_vec_bf16",
+    }
+}
 
 fn sums_kernel(dtype: DType, channels_first: bool) -> &'static str {
     match (dtype, channels_first) {
@@ -111,12 +152,20 @@ pub(crate) unsafe fn channel_sums(
         .map_err(|_| Error::invalid("channels", format!("{channels} exceeds u32")))?;
     let sms = launch::sm_count(ctx).into();
     let cf = hw > 0;
+    let vec = !cf && vector_sums(dtype, y, channels);
     let g = if cf {
         sums_geom_cf(rows, channels, sms)
+    } else if vec {
+        sums_geom_vec(rows, channels, SUMS_VECTOR_BYTES / dtype.size() as u64, sms)
     } else {
         sums_geom(rows, channels, sms)
     };
-    let f = ctx.function(&kernels::BLOCK_STATS, sums_kernel(dtype, cf))?;
+    let name = if vec {
+        sums_vec_kernel(dtype)
+    } else {
+        sums_kernel(dtype, cf)
+    };
+    let f = ctx.function(&kernels::BLOCK_STATS, name)?;
     let fin = ctx.function(&kernels::BLOCK_STATS, "channel_sums_finish")?;
     let scratch = ctx.scratch(2 * channels as usize * g.parts as usize * 8)?;
     let args = SumsArgs {
@@ -132,7 +181,7 @@ pub(crate) unsafe fn channel_sums(
         slabs = g.slabs,
         parts = g.parts,
         rows_per_part = g.rows_per_part,
-        kernel = sums_kernel(dtype, cf),
+        kernel = name,
         "per-channel sums"
     );
     let cfg = LaunchConfig {
@@ -161,7 +210,7 @@ pub(crate) unsafe fn channel_sums(
         launch::launch_kernel(
             ctx,
             &fin,
-            launch_1d(channels),
+            launch_1d(channels * 32), // a warp per channel
             &mut [
                 launch::arg(&part),
                 launch::arg(&c32),
@@ -212,6 +261,40 @@ mod tests {
             assert_eq!(u64::from(g.slabs), c);
             assert!(u64::from(g.parts) * g.rows_per_part >= count, "{g:?}");
             assert!(u64::from(g.parts - 1) * g.rows_per_part < count, "{g:?}");
+        }
+        for (rows, c, v) in [
+            (100_352u64, 256u64, 8u64),
+            (100_352, 64, 8),
+            (100_352, 64, 4),
+            (392, 2048, 8),
+            (7, 8, 8),
+            (1, 4, 4),
+            (300, 200, 8),
+        ] {
+            let g = sums_geom_vec(rows, c, v, 132);
+            let cv = c / v;
+            let cvs = cv.min(SUMS_THREADS);
+            // Slabs of cvs vectors cover every vector once; parts tile the rows.
+            assert_eq!(u64::from(g.slabs), cv.div_ceil(cvs), "{g:?}");
+            assert!(u64::from(g.slabs) * cvs >= cv);
+            assert!(u64::from(g.parts) * g.rows_per_part >= rows, "{g:?}");
+            assert!(u64::from(g.parts - 1) * g.rows_per_part < rows, "{g:?}");
+            assert!(u64::from(g.parts) <= MAX_PARTS);
+        }
+        // The demo's conv3 output (256 channels, f16): one slab of 32 vectors, 8 rows at a
+        // time, about 4 blocks per SM, every thread at least 8 rows.
+        let g = sums_geom_vec(100_352, 256, 8, 132);
+        assert!(g.slabs == 1 && g.parts >= 520, "{g:?}");
+        assert!(g.rows_per_part >= 8 * MIN_ROWS_PER_THREAD_VEC);
+        assert!(vector_sums(DType::F16, 0x1000, 256));
+        assert!(!vector_sums(DType::F16, 0x1002, 256));
+        assert!(!vector_sums(DType::F32, 0x1000, 6));
+        let src = kernels::BLOCK_STATS.source;
+        for d in [DType::F32, DType::F16, DType::BF16] {
+            assert!(src.contains(&format!(
+                "void __launch_bounds__(256) {}(",
+                sums_vec_kernel(d)
+            )));
         }
         // The demo's conv1 output: 2 slabs, enough blocks for 4 per SM.
         let g = sums_geom(32 * 56 * 56, 64, 132);
