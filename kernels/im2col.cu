@@ -633,6 +633,34 @@ __device__ __forceinline__ void accumulate(const T* __restrict__ part, float* __
     }
 }
 
+// --- pieces of the NCHW pointwise filter gradient (src/conv/im2col/steps.rs: Step::PieceGemm) ---
+
+// The pointer arrays of cublasGemmBatchedEx: piece q = i * split + j (image i, piece j of its
+// pixels) reads A at a + i * a_img + j * a_step and B likewise (bytes), and writes C at
+// c + q * c_step. Written on the device so that the call stays capturable (no host copy).
+extern "C" __global__ void __launch_bounds__(THREADS)
+    conv_piece_ptrs(u64 a, u64 a_img, u64 a_step, u64 b, u64 b_img, u64 b_step, u64 c, u64 c_step,
+                    u64 split, u64 count, u64* __restrict__ out) {
+    for (u64 q = global_thread(); q < count; q += grid_threads()) {
+        const u64 i = q / split, j = q - i * split;
+        out[q] = a + i * a_img + j * a_step;
+        out[count + q] = b + i * b_img + j * b_step;
+        out[2 * count + q] = c + q * c_step;
+    }
+}
+
+// out = (add ? out : 0) + part[0] + part[1] + ... + part[count - 1], element by element, in f32
+// and in that order (deterministic): the pieces' partial filter gradients summed.
+extern "C" __global__ void __launch_bounds__(THREADS)
+    conv_sum_parts_f32(const float* __restrict__ part, float* __restrict__ out, u64 len, u32 count,
+                       u32 add) {
+    for (u64 i = global_thread(); i < len; i += grid_threads()) {
+        float s = add ? out[i] : 0.0f;
+        for (u32 q = 0; q < count; ++q) s += part[(u64)q * len + i];
+        out[i] = s;
+    }
+}
+
 // --- entry points --------------------------------------------------------------------------
 
 #define NNF_IM2COL_UNIT(E, EPT, S)                                                                \

@@ -98,7 +98,7 @@ unsafe fn execute(ctx: &Context, dtype: DType, plan: &Plan, ops: Operands) -> Re
             Buf::Dy => ops.dy,
             Buf::Dx => ops.dx,
             Buf::Dw => ops.dw,
-            Buf::Cols | Buf::DyT | Buf::Partial | Buf::Acc => plan
+            Buf::Cols | Buf::DyT | Buf::Partial | Buf::Acc | Buf::Ptrs => plan
                 .scratch
                 .region(a.buf)
                 .map_or(0, |(off, _)| base + off as u64),
@@ -109,8 +109,7 @@ unsafe fn execute(ctx: &Context, dtype: DType, plan: &Plan, ops: Operands) -> Re
                 a.buf
             )));
         }
-        let size = if a.buf.is_f32() { 4 } else { dtype.size() };
-        Ok(start + (a.offset * size) as u64)
+        Ok(start + (a.offset * a.buf.elem_bytes(dtype.size())) as u64)
     };
     let elem = dtype.size();
     for step in &plan.steps {
@@ -171,6 +170,74 @@ unsafe fn execute(ctx: &Context, dtype: DType, plan: &Plan, ops: Operands) -> Re
                 let call = "cuLaunchKernel(conv_accumulate)";
                 // SAFETY: conv_accumulate_<t>(const T*, float*, T*, u64, u32); each buffer holds
                 // `len` elements.
+                unsafe { crate::launch::launch_kernel(ctx, &f, cfg, &mut params, call) }?;
+            }
+            Step::PieceGemm {
+                problem,
+                a,
+                b,
+                c,
+                ptrs,
+                a_img,
+                b_img,
+                split,
+            } => {
+                let arrays = addr(*ptrs)?;
+                let f = ctx.function(&kernels::IM2COL, "conv_piece_ptrs")?;
+                let count = problem.batch as u64;
+                let cfg = crate::launch::grid_stride_config(ctx, problem.batch, launch::THREADS);
+                let e = elem as u64;
+                let (a0, b0, c0) = (addr(*a)?, addr(*b)?, addr(*c)?);
+                let (a_img, a_step) = (*a_img as u64 * e, problem.stride_a as u64 * e);
+                let (b_img, b_step) = (*b_img as u64 * e, problem.stride_b as u64 * e);
+                let (c_step, split) = (problem.stride_c as u64 * e, *split as u64);
+                use crate::launch::arg;
+                let mut params = [
+                    arg(&a0),
+                    arg(&a_img),
+                    arg(&a_step),
+                    arg(&b0),
+                    arg(&b_img),
+                    arg(&b_step),
+                    arg(&c0),
+                    arg(&c_step),
+                    arg(&split),
+                    arg(&count),
+                    arg(&arrays),
+                ];
+                let call = "cuLaunchKernel(conv_piece_ptrs)";
+                // SAFETY: conv_piece_ptrs(u64 x 10, u64*) writes 3 * count addresses into the
+                // plan's pointer region, sized for them.
+                unsafe { crate::launch::launch_kernel(ctx, &f, cfg, &mut params, call) }?;
+                // SAFETY: the plan's pieces address only x's, dy's and the partials' extents
+                // (checked on the CPU by the plan tests); the arrays were written just before on
+                // the same stream.
+                unsafe { crate::gemm::pointer_arrays_raw(ctx, problem, dtype, arrays)? };
+            }
+            Step::SumParts {
+                part,
+                out,
+                len,
+                count,
+                add,
+            } => {
+                if dtype != DType::F32 {
+                    return Err(Error::NotSupported(format!(
+                        "im2col path: the pieces' sum is f32 only, got {dtype}"
+                    )));
+                }
+                let f = ctx.function(&kernels::IM2COL, "conv_sum_parts_f32")?;
+                let cfg = crate::launch::grid_stride_config(ctx, *len, launch::THREADS);
+                let (p, o) = (addr(*part)?, addr(*out)?);
+                let n = *len as u64;
+                let count = u32::try_from(*count)
+                    .map_err(|_| Error::invalid("count", format!("{count} exceeds u32")))?;
+                let add = u32::from(*add);
+                use crate::launch::arg;
+                let mut params = [arg(&p), arg(&o), arg(&n), arg(&count), arg(&add)];
+                let call = "cuLaunchKernel(conv_sum_parts_f32)";
+                // SAFETY: conv_sum_parts_f32(const float*, float*, u64, u32, u32); the partials
+                // hold count * len elements and out len.
                 unsafe { crate::launch::launch_kernel(ctx, &f, cfg, &mut params, call) }?;
             }
         }

@@ -143,6 +143,57 @@ pub(crate) unsafe fn gemm(
     .call("cublasGemmStridedBatchedEx")
 }
 
+/// Queues `cublasGemmBatchedEx` (the default algorithm) on the handle's stream: `arrays` holds
+/// `p.batch` device addresses of A, then as many of B, then of C. `p`'s strides are not used.
+///
+/// # Safety
+/// As [`gemm`]; `arrays` is a device address of `3 * p.batch` addresses written (in stream
+/// order) before this call, each of a matrix with `p`'s dimensions and leading dimensions.
+pub(crate) unsafe fn gemm_pointer_arrays(
+    handle: sys::cublasHandle_t,
+    p: &Problem,
+    dtype: DType,
+    arrays: u64,
+) -> Result<()> {
+    let g = sys_algo(CublasAlgo::DEFAULT)
+        .ok_or_else(|| Error::invalid("algo", "the default cublasGemmAlgo_t is not mapped"))?;
+    let op = |t: bool| {
+        if t {
+            sys::cublasOperation_t::CUBLAS_OP_T
+        } else {
+            sys::cublasOperation_t::CUBLAS_OP_N
+        }
+    };
+    let scalars = Scalars::of(p);
+    let (alpha, beta) = scalars.ptrs();
+    let t = data_type(dtype);
+    let batch = p.batch as u64;
+    sys::cublasGemmBatchedEx(
+        handle,
+        op(p.trans_a),
+        op(p.trans_b),
+        p.m as i32,
+        p.n as i32,
+        p.k as i32,
+        alpha,
+        arrays as *const *const c_void,
+        t,
+        p.lda as i32,
+        (arrays + 8 * batch) as *const *const c_void,
+        t,
+        p.ldb as i32,
+        beta,
+        (arrays + 16 * batch) as *const *mut c_void,
+        t,
+        p.ldc as i32,
+        p.batch as i32,
+        compute_type(p.compute),
+        g,
+    )
+    .result()
+    .call("cublasGemmBatchedEx")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

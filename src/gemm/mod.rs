@@ -440,6 +440,43 @@ pub(crate) unsafe fn strided_batched_raw(
     run_checked(ctx, p, dtype, spans, Ptrs { a, b, c })
 }
 
+/// A batched GEMM whose matrices are given by pointer arrays on the device (`cublasGemmBatchedEx`,
+/// the default algorithm; no search): for nnfuse's own paths whose batches are not one stride
+/// apart (the convolution's filter-gradient pieces). The problem's dimensions and leading
+/// dimensions are checked; its strides are ignored.
+///
+/// # Safety
+/// `arrays` is a device address on the Context's device of `3 * p.batch` device addresses (A's,
+/// then B's, then C's), written in stream order before the call; each addresses a matrix of
+/// `p`'s dimensions of `dtype` elements, no C overlapping another matrix; all stay valid until
+/// the queued work completes.
+#[allow(dead_code)] // used by the convolution paths
+pub(crate) unsafe fn pointer_arrays_raw(
+    ctx: &Context,
+    p: &Problem,
+    dtype: DType,
+    arrays: u64,
+) -> Result<()> {
+    if let Validated::Empty = p.check(dtype)? {
+        return Ok(());
+    }
+    if arrays == 0 || arrays % 8 != 0 {
+        return Err(Error::invalid(
+            "arrays",
+            format!("{arrays:#x} is not an 8-byte aligned device address"),
+        ));
+    }
+    let (_lock, h) = {
+        crate::profile::stage!(Workspace);
+        let mut g = ctx.lock()?;
+        let h = g.cublas()?;
+        (g, h)
+    };
+    crate::profile::stage!(Vendor);
+    // SAFETY: the caller's contract; the handle is bound to the Context's stream.
+    unsafe { cublas::gemm_pointer_arrays(h, p, dtype, arrays) }
+}
+
 /// The body of [`strided_batched`] once the operands are checked.
 fn run_checked(ctx: &Context, p: &Problem, dtype: DType, spans: Spans, ptrs: Ptrs) -> Result<()> {
     if !ctx.config().gemm_search {

@@ -173,8 +173,9 @@ fn shape(
 
 /// A covering set of problems: channel counts that fill 16-byte units and that do not (1, 3,
 /// 5, 12, 30, 129), odd sizes, stride 2, dilation 2 (also both at once: col2im's tap stepping),
-/// asymmetric padding, 7x7/2, pointwise, and a stem wide enough that the NHWC rows kernel splits
-/// its output rows into two blocks.
+/// asymmetric padding, 7x7/2, pointwise (also over enough pixels that NCHW f32's filter gradient
+/// cuts each image into pieces), and a stem wide enough that the NHWC rows kernel splits its
+/// output rows into two blocks.
 pub(crate) fn shapes(format: TensorFormat) -> Vec<ConvShape> {
     vec![
         shape(5, 32, (20, 20), 24, (3, 3), (1, 1), (1, 1), (1, 1), format),
@@ -186,6 +187,8 @@ pub(crate) fn shapes(format: TensorFormat) -> Vec<ConvShape> {
         shape(1, 1, (5, 1), 1, (3, 1), (1, 1), (1, 0), (1, 1), format),
         shape(2, 12, (9, 10), 5, (3, 2), (2, 1), (0, 2), (1, 2), format),
         shape(2, 5, (11, 12), 3, (3, 3), (2, 2), (1, 2), (2, 2), format),
+        // Pointwise over 3136 pixels: NCHW f32's filter gradient in 4 pieces per image.
+        shape(2, 24, (56, 56), 20, (1, 1), (1, 1), (0, 0), (1, 1), format),
         // Last: path_with_the_gemm_search takes the first shape for its chunked problem.
         shape(2, 3, (9, 250), 4, (7, 7), (2, 2), (3, 3), (1, 1), format),
     ]

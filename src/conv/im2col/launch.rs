@@ -683,6 +683,8 @@ pub(crate) const KERNELS: &[&str] = &[
     "conv_accumulate_f32",
     "conv_accumulate_f16",
     "conv_accumulate_bf16",
+    "conv_piece_ptrs",
+    "conv_sum_parts_f32",
 ];
 
 /// CPU emulations of the kernels, statement for statement, over the whole grid (every block,

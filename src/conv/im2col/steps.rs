@@ -13,7 +13,10 @@
 //! The filter is the `[c_out][K]` row-major matrix it is stored as (KCRS or KRSC), i.e. the
 //! column-major `K x c_out` matrix. Pointwise (1x1, stride 1, no padding) convolutions use x
 //! itself as the columns; their NCHW filter gradient still permutes x and dy when a chunk holds
-//! several images (one image needs no copy).
+//! several images (one image needs no copy) — except in f32, where each image's
+//! `dw_i = x_iᵀ dy_i` reads x and dy in place, cut along P into pieces (one batched GEMM over
+//! pointer arrays, `Step::PieceGemm`) whose f32 partials one kernel sums in order
+//! (`Step::SumParts`), wherever the partials stay small against x and dy and fit the cap.
 //!
 //! # Filter-gradient accumulation
 //! A chunk's GEMM sums its images in f32 inside cuBLAS and rounds the chunk's partial to the
@@ -60,12 +63,18 @@ pub(crate) enum Buf {
     Partial,
     /// Scratch: the filter-gradient accumulator, f32.
     Acc,
+    /// Scratch: the pointer arrays of a [`Step::PieceGemm`] (8-byte device addresses).
+    Ptrs,
 }
 
 impl Buf {
-    /// Whether the buffer holds f32 whatever the data type.
-    pub(crate) fn is_f32(self) -> bool {
-        self == Buf::Acc
+    /// Bytes of one element of the buffer for data of `elem` bytes.
+    pub(crate) fn elem_bytes(self, elem: usize) -> usize {
+        match self {
+            Buf::Acc => 4,
+            Buf::Ptrs => 8,
+            _ => elem,
+        }
     }
 }
 
@@ -143,6 +152,30 @@ pub(crate) enum Step {
         len: usize,
         mode: AccMode,
     },
+    /// A batched GEMM over `problem.batch` pieces, `split` per image: piece `q = i * split + j`
+    /// reads A at `a + i * a_img + j * problem.stride_a`, B at `b + i * b_img + j *
+    /// problem.stride_b`, and writes C at `c + q * problem.stride_c` (elements). The two-level
+    /// offsets are not one stride, so cuBLAS takes pointer arrays (`cublasGemmBatchedEx`),
+    /// written into `ptrs` first by a kernel.
+    PieceGemm {
+        problem: Problem,
+        a: At,
+        b: At,
+        c: At,
+        ptrs: At,
+        a_img: usize,
+        b_img: usize,
+        split: usize,
+    },
+    /// `out = part[0] + ... + part[count - 1]` (f32, in that order), each part `len` elements
+    /// after the previous one; with `add`, `out`'s old value comes first.
+    SumParts {
+        part: At,
+        out: At,
+        len: usize,
+        count: usize,
+        add: bool,
+    },
 }
 
 /// Where each scratch region lies in the arena (bytes) and how many elements it holds.
@@ -156,6 +189,8 @@ pub(crate) struct ScratchLayout {
     pub partial: (usize, usize),
     /// Of [`Buf::Acc`] (f32 elements).
     pub acc: (usize, usize),
+    /// Of [`Buf::Ptrs`] (8-byte elements).
+    pub ptrs: (usize, usize),
     /// Bytes of the arena the plan uses.
     pub bytes: usize,
 }
@@ -164,7 +199,14 @@ pub(crate) struct ScratchLayout {
 const REGION_ALIGN: usize = 256;
 
 impl ScratchLayout {
-    fn new(elem: usize, cols: usize, dyt: usize, partial: usize, acc: usize) -> Result<Self> {
+    fn new(
+        elem: usize,
+        cols: usize,
+        dyt: usize,
+        partial: usize,
+        acc: usize,
+        ptrs: usize,
+    ) -> Result<Self> {
         let mut next = 0usize;
         let mut region = |elems: usize, size: usize| -> Result<(usize, usize)> {
             if elems == 0 {
@@ -184,11 +226,13 @@ impl ScratchLayout {
         let dyt = region(dyt, elem)?;
         let partial = region(partial, elem)?;
         let acc = region(acc, 4)?;
+        let ptrs = region(ptrs, 8)?;
         Ok(ScratchLayout {
             cols,
             dyt,
             partial,
             acc,
+            ptrs,
             bytes: next,
         })
     }
@@ -200,6 +244,7 @@ impl ScratchLayout {
             Buf::DyT => Some(self.dyt),
             Buf::Partial => Some(self.partial),
             Buf::Acc => Some(self.acc),
+            Buf::Ptrs => Some(self.ptrs),
             _ => None,
         }
     }
@@ -332,7 +377,7 @@ pub(crate) fn forward(s: &ConvShape, dtype: DType, cap: usize) -> Result<Plan> {
     } else {
         chunks[0] * d.pixels * d.taps
     };
-    let scratch = ScratchLayout::new(elem, cols_len, 0, 0, 0)?;
+    let scratch = ScratchLayout::new(elem, cols_len, 0, 0, 0, 0)?;
     let (p, k, c_out) = (d.pixels, d.taps, s.c_out);
     let mut steps = Vec::new();
     for (b0, nb) in starts(&chunks) {
@@ -411,7 +456,7 @@ pub(crate) fn backward_data(
     } else {
         chunks[0] * d.pixels * d.taps
     };
-    let scratch = ScratchLayout::new(elem, cols_len, 0, 0, 0)?;
+    let scratch = ScratchLayout::new(elem, cols_len, 0, 0, 0, 0)?;
     let (p, k, c_out) = (d.pixels, d.taps, s.c_out);
     let mut steps = Vec::new();
     for (b0, nb) in starts(&chunks) {
@@ -477,6 +522,9 @@ pub(crate) fn backward_filter(
     accumulate: bool,
 ) -> Result<Plan> {
     let d = dims(s)?;
+    if let Some(plan) = piece_filter(s, &d, dtype, cap, accumulate)? {
+        return Ok(plan);
+    }
     let elem = dtype.size();
     let pointwise = is_pointwise(s);
     let (p, k, c_out) = (d.pixels, d.taps, s.c_out);
@@ -507,7 +555,7 @@ pub(crate) fn backward_filter(
     let dyt_len = if nchw && max > 1 { max * c_out * p } else { 0 };
     let direct_out = dtype == DType::F32 || chunks.len() == 1;
     let fixed = if direct_out { 0 } else { d.w_len };
-    let scratch = ScratchLayout::new(elem, cols_len, dyt_len, fixed, fixed)?;
+    let scratch = ScratchLayout::new(elem, cols_len, dyt_len, fixed, fixed, 0)?;
     let last = chunks.len() - 1;
     let mut steps = Vec::new();
     for (i, (b0, nb)) in starts(&chunks).enumerate() {
@@ -553,6 +601,88 @@ pub(crate) fn backward_filter(
         chunks,
         pointwise,
     })
+}
+
+/// Each piece's GEMM takes at least this many pixels (its k): on the H100, f32 256x64 filter
+/// gradients at 56x56 ran best cut into pieces of 784 (docs/PERFORMANCE.md).
+const MIN_PIECE_K: usize = 768;
+/// Most pieces per image.
+const MAX_SPLIT: usize = 64;
+/// The pieces' partials (written once, read once) stay under this share of the operands' size;
+/// beyond it (wide filters, few pixels) the permuted single GEMM moves fewer bytes.
+const PART_SHARE: usize = 8;
+
+/// Pieces per image of `pixels` pixels: the most that divide them evenly (one k for every piece
+/// of the one GEMM call) and leave each at least [`MIN_PIECE_K`] (1 below `2 * MIN_PIECE_K`).
+fn piece_split(pixels: usize) -> usize {
+    (1..=MAX_SPLIT)
+        .rev()
+        .find(|&s| pixels % s == 0 && pixels / s >= MIN_PIECE_K)
+        .unwrap_or(1)
+}
+
+/// The NCHW pointwise f32 filter gradient without copies: each image's `dw_i = x_i^T dy_i`
+/// straight from x and dy (no permuted copies of both, which moved twice their bytes), its
+/// pixels cut into [`piece_split`] pieces so that the batched GEMM has enough blocks, then one
+/// kernel sums the pieces in a fixed order. `None` where it does not apply: other formats,
+/// kernels or dtypes (16-bit partials would round per piece), partials large against the
+/// operands, or scratch over the cap.
+fn piece_filter(
+    s: &ConvShape,
+    d: &Dims,
+    dtype: DType,
+    cap: usize,
+    accumulate: bool,
+) -> Result<Option<Plan>> {
+    if s.format != TensorFormat::Nchw || !is_pointwise(s) || dtype != DType::F32 {
+        return Ok(None);
+    }
+    let (p, k, c_out) = (d.pixels, d.taps, s.c_out);
+    let split = piece_split(p);
+    let count = s.n.saturating_mul(split);
+    let part_len = count.saturating_mul(d.w_len);
+    let operands = s.n.saturating_mul(d.x_img.saturating_add(d.y_img));
+    if count > INT_MAX || part_len > operands / PART_SHARE {
+        return Ok(None);
+    }
+    let scratch = ScratchLayout::new(dtype.size(), 0, 0, part_len, 0, 3 * count)?;
+    if scratch.bytes > cap {
+        return Ok(None);
+    }
+    let l = p / split;
+    let steps = vec![
+        Step::PieceGemm {
+            // dw_q[K x c_out] = x_q^T * dy_q, each operand a column-major P x _ matrix.
+            problem: gemm(
+                (true, false),
+                (k, c_out, l),
+                (p, p, k),
+                (l, l, d.w_len),
+                count,
+                0.0,
+            ),
+            a: at(Buf::X, 0),
+            b: at(Buf::Dy, 0),
+            c: at(Buf::Partial, 0),
+            ptrs: at(Buf::Ptrs, 0),
+            a_img: d.x_img,
+            b_img: d.y_img,
+            split,
+        },
+        Step::SumParts {
+            part: at(Buf::Partial, 0),
+            out: at(Buf::Dw, 0),
+            len: d.w_len,
+            count,
+            add: accumulate,
+        },
+    ];
+    Ok(Some(Plan {
+        steps,
+        scratch,
+        chunks: vec![s.n],
+        pointwise: true,
+    }))
 }
 
 /// One chunk's operands in the filter gradient's plan.
@@ -709,6 +839,7 @@ mod tests {
             (Buf::DyT, plan.scratch.dyt),
             (Buf::Partial, plan.scratch.partial),
             (Buf::Acc, plan.scratch.acc),
+            (Buf::Ptrs, plan.scratch.ptrs),
         ] {
             bufs.insert(buf, vec![f64::NAN; len]);
         }
@@ -785,6 +916,56 @@ mod tests {
                         }
                     }
                 }
+                Step::PieceGemm {
+                    problem,
+                    a,
+                    b,
+                    c,
+                    ptrs,
+                    a_img,
+                    b_img,
+                    split,
+                } => {
+                    assert!(a.buf != c.buf && b.buf != c.buf && ptrs.buf == Buf::Ptrs);
+                    assert!(bufs[&Buf::Ptrs].len() >= 3 * problem.batch, "{step:?}");
+                    let one = Problem {
+                        batch: 1,
+                        stride_a: 0,
+                        stride_b: 0,
+                        stride_c: 0,
+                        ..*problem
+                    };
+                    for q in 0..problem.batch {
+                        let (i, j) = (q / split, q % split);
+                        let ao = a.offset + i * a_img + j * problem.stride_a;
+                        let bo = b.offset + i * b_img + j * problem.stride_b;
+                        let co = c.offset + q * problem.stride_c;
+                        let av = bufs[&a.buf][ao..].to_vec();
+                        let bv = bufs[&b.buf][bo..].to_vec();
+                        let cv = &mut bufs.get_mut(&c.buf).unwrap()[co..];
+                        one.check_buffers(dtype, av.len(), bv.len(), cv.len())
+                            .unwrap_or_else(|e| panic!("{step:?} piece {q}: {e}"));
+                        gemm_strided_batched(&one.to_reference(), &av, &bv, cv).unwrap();
+                    }
+                }
+                Step::SumParts {
+                    part,
+                    out,
+                    len,
+                    count,
+                    add,
+                } => {
+                    // conv_sum_parts_f32 in kernels/im2col.cu.
+                    let pv = bufs[&part.buf][part.offset..part.offset + count * len].to_vec();
+                    let o = &mut bufs.get_mut(&out.buf).unwrap()[out.offset..out.offset + len];
+                    for (i, v) in o.iter_mut().enumerate() {
+                        let mut s = if *add { *v } else { 0.0 };
+                        for q in 0..*count {
+                            s += pv[q * len + i];
+                        }
+                        *v = s;
+                    }
+                }
             }
         }
         bufs
@@ -802,7 +983,9 @@ mod tests {
     fn problems() -> Vec<ConvShape> {
         let mut v = Vec::new();
         for format in [Nchw, Nhwc] {
-            for (c_in, c_out, h, w) in [(3, 4, 5, 6), (8, 3, 4, 4), (16, 8, 3, 5)] {
+            // (4, 2, 40, 40): 1600 pixels, cut in two pieces by the f32 NCHW pointwise filter
+            // gradient.
+            for (c_in, c_out, h, w) in [(3, 4, 5, 6), (8, 3, 4, 4), (16, 8, 3, 5), (4, 2, 40, 40)] {
                 for (kh, kw, stride, pad, dilation) in [
                     (3, 3, (1, 1), (1, 1), (1, 1)),
                     (1, 1, (1, 1), (0, 0), (1, 1)),
@@ -903,6 +1086,7 @@ mod tests {
     #[test]
     fn emulated_filter_gradient_equals_the_reference() {
         let mut modes = std::collections::BTreeSet::new();
+        let mut pieces = Vec::new();
         for (i, s) in problems().into_iter().enumerate() {
             let x = values(i as u64 + 1, s.x_len().unwrap());
             let dy = values(i as u64 + 50, s.y_len().unwrap());
@@ -913,8 +1097,12 @@ mod tests {
                     for accumulate in [false, true] {
                         let plan = backward_filter(&s, dtype, cap, accumulate).unwrap();
                         for st in &plan.steps {
-                            if let Step::Accumulate { mode, .. } = st {
-                                modes.insert(mode.bits());
+                            match st {
+                                Step::Accumulate { mode, .. } => {
+                                    modes.insert(mode.bits());
+                                }
+                                Step::PieceGemm { split, .. } => pieces.push(*split),
+                                _ => {}
                             }
                         }
                         let init = if accumulate {
@@ -945,8 +1133,60 @@ mod tests {
                 }
             }
         }
-        // Every accumulation mode ran somewhere.
+        // Every accumulation mode ran somewhere, and the pieces (one image per piece and two).
         assert_eq!(modes.into_iter().collect::<Vec<_>>(), vec![0, 1, 3, 7]);
+        assert!(pieces.contains(&1) && pieces.contains(&2), "{pieces:?}");
+    }
+
+    #[test]
+    fn pointwise_nchw_f32_filter_gradient_takes_pieces_where_they_pay() {
+        assert_eq!(piece_split(3136), 4);
+        assert_eq!(piece_split(1600), 2);
+        assert_eq!(piece_split(12544), 16);
+        assert_eq!(piece_split(196), 1);
+        assert_eq!(piece_split(1543), 1); // prime: no even cut
+        assert_eq!(piece_split(1), 1);
+        let gb = 1usize << 30;
+        // The demo's 1x1 convolutions at 56x56, batch 32: 128 pieces of 784 pixels.
+        for (c_in, c_out) in [(256, 64), (64, 256)] {
+            let s = crate::testutil::square_conv(32, c_in, 56, c_out, 1, Nchw);
+            let plan = backward_filter(&s, DType::F32, gb, false).unwrap();
+            let [Step::PieceGemm { problem, split, .. }, Step::SumParts { count, add, .. }] =
+                &plan.steps[..]
+            else {
+                panic!("{:?}", plan.steps);
+            };
+            assert_eq!(
+                (problem.batch, problem.k, *split, *count),
+                (128, 784, 4, 128)
+            );
+            assert!(!add);
+            assert!(plan.scratch.bytes <= 128 * c_in * c_out * 4 + 2 * REGION_ALIGN + 128 * 24);
+            // Not where it does not apply: 16-bit data, NHWC, a cap below its scratch.
+            for (dtype, format, cap) in [
+                (DType::F16, Nchw, gb),
+                (DType::F32, Nhwc, gb),
+                (DType::F32, Nchw, plan.scratch.bytes - 1),
+            ] {
+                let q = ConvShape { format, ..s };
+                let other = backward_filter(&q, dtype, cap, false).unwrap();
+                assert!(
+                    !other
+                        .steps
+                        .iter()
+                        .any(|st| matches!(st, Step::PieceGemm { .. })),
+                    "{dtype} {format:?} cap {cap}: {:?}",
+                    other.steps
+                );
+            }
+        }
+        // Wide filters over few pixels: the partials would outweigh x and dy.
+        let s = crate::testutil::square_conv(32, 2048, 7, 512, 1, Nchw);
+        let plan = backward_filter(&s, DType::F32, gb, false).unwrap();
+        assert!(!plan
+            .steps
+            .iter()
+            .any(|st| matches!(st, Step::PieceGemm { .. })));
     }
 
     #[test]
@@ -1047,9 +1287,9 @@ mod tests {
 
     #[test]
     fn scratch_regions_are_aligned_and_disjoint() {
-        let l = ScratchLayout::new(2, 1001, 17, 33, 33).unwrap();
-        let regions = [l.cols, l.dyt, l.partial, l.acc];
-        let sizes = [2, 2, 2, 4];
+        let l = ScratchLayout::new(2, 1001, 17, 33, 33, 9).unwrap();
+        let regions = [l.cols, l.dyt, l.partial, l.acc, l.ptrs];
+        let sizes = [2, 2, 2, 4, 8];
         for (i, (&(off, n), &sz)) in regions.iter().zip(&sizes).enumerate() {
             assert_eq!(off % REGION_ALIGN, 0);
             if i + 1 < regions.len() {
@@ -1058,6 +1298,6 @@ mod tests {
                 assert!(off + n * sz <= l.bytes);
             }
         }
-        assert_eq!(ScratchLayout::new(2, 0, 0, 0, 0).unwrap().bytes, 0);
+        assert_eq!(ScratchLayout::new(2, 0, 0, 0, 0, 0).unwrap().bytes, 0);
     }
 }
