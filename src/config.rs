@@ -416,9 +416,10 @@ pub(crate) fn under_sanitizer() -> bool {
 /// `NNFUSE_*` variables read elsewhere than [`Config`]: the CLI's log filter, and those of
 /// nnfuse's own tests and benches. Known, so that setting them draws no "unknown variable"
 /// warning.
-const OTHER_VARS: [&str; 10] = [
+const OTHER_VARS: [&str; 11] = [
     "NNFUSE_LOG",
     "NNFUSE_REQUIRE_NVRTC",
+    "NNFUSE_TEST_SEED",
     "NNFUSE_GPU_RUN",
     "NNFUSE_UNDER_SANITIZER",
     "NNFUSE_BENCH_FILTER",

@@ -35,12 +35,18 @@ impl Rng {
         Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
     }
 
-    /// A seed that differs between runs (printed for reproduction).
+    /// A seed that differs between runs (printed for reproduction): `NNFUSE_TEST_SEED=<seed>`
+    /// replays a failure's inputs.
     pub(crate) fn fresh(tag: &str) -> Self {
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(1);
+        let replay = std::env::var("NNFUSE_TEST_SEED")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        let t = replay.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
+        });
         eprintln!("[{tag}] seed = {t}");
         Rng::new(t)
     }
