@@ -332,9 +332,6 @@ impl<T: Element> Conv2d<T> {
                 Err(e) => notes.push(format!("cuDNN: {e}")),
             }
         }
-        let execs = own_routes_early(execs, |e| {
-            matches!(e.route.path, ConvPath::Cudnn | ConvPath::CudnnGraph)
-        });
         Ok((execs, notes, origin))
     }
 
@@ -1005,27 +1002,6 @@ impl<T: Element> Conv2d<T> {
 
 /// For a decision of accumulating calls (`accumulate`), `execs` without the routes that cannot
 /// add to the output, and those (each with why, a note naming them); all of `execs` otherwise.
-/// cuDNN candidates checked before nnfuse's own routes (see [`own_routes_early`]).
-const CUDNN_FIRST: usize = 3;
-
-/// The candidates in the order a first call checks them: cuDNN's first [`CUDNN_FIRST`] (the
-/// incumbent and the heuristics' next picks), then nnfuse's own routes, then cuDNN's others,
-/// each group in its own order. A budget is spent in list order, mostly on the first runs of
-/// cuDNN's engine configs (each loads its kernels); own routes at the end were crowded out (on
-/// the H100, f32's 1x1 64→256 filter gradient at 56x56: 205 µs on cuDNN, 92 µs on im2col +
-/// GEMM, left unmeasured at 70 ms). A list led by an own route (the incumbent: the first to
-/// pass its check) is left as it is. Pure: `is_cudnn` tells the groups apart.
-fn own_routes_early<T>(items: Vec<T>, is_cudnn: impl Fn(&T) -> bool) -> Vec<T> {
-    if !items.first().is_some_and(&is_cudnn) {
-        return items;
-    }
-    let (mut cudnn, own): (Vec<T>, Vec<T>) = items.into_iter().partition(|e| is_cudnn(e));
-    let rest = cudnn.split_off(cudnn.len().min(CUDNN_FIRST));
-    cudnn.extend(own);
-    cudnn.extend(rest);
-    cudnn
-}
-
 fn can_add(
     plan: &ConvPlan,
     execs: Vec<Exec>,
@@ -1078,23 +1054,6 @@ mod tests {
     use crate::layout::TensorFormat;
     use crate::testutil::{gpu_with, Rng};
     use crate::{Config, ConvAlgoPolicy, Error};
-
-    /// cuDNN's first three, then the own routes in their order, then cuDNN's others; fewer than
-    /// three cuDNN candidates all come first; a list led by an own route (the incumbent) stays.
-    #[test]
-    fn own_routes_are_checked_after_cudnns_first_three() {
-        let cudnn = |v: &i32| *v < 100;
-        let order = |v: Vec<i32>| super::own_routes_early(v, cudnn);
-        assert_eq!(
-            order(vec![0, 1, 2, 3, 4, 5, 100, 101]),
-            vec![0, 1, 2, 100, 101, 3, 4, 5]
-        );
-        assert_eq!(order(vec![0, 100, 1, 101]), vec![0, 1, 100, 101]);
-        assert_eq!(order(vec![100, 0, 101]), vec![100, 0, 101]);
-        assert_eq!(order(vec![100, 101]), vec![100, 101]);
-        assert_eq!(order(vec![0, 1, 2, 3]), vec![0, 1, 2, 3]);
-        assert!(order(Vec::new()).is_empty());
-    }
 
     /// A filter gradient that accumulates into dw on a chunked im2col route which fails at run
     /// time (after adding its chunks) is not re-run on the fallback: the call errors saying dw
