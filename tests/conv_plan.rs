@@ -381,6 +381,53 @@ fn backward_plans() {
     assert_eq!((p.path, p.measured), (ConvPath::Im2colGemm, false));
 }
 
+/// The f32 NCHW pointwise filter gradient that im2col + GEMM computes in pieces is measured
+/// first (its incumbent); other directions, dtypes, formats and forced policies keep cuDNN first.
+#[test]
+fn f32_nchw_pointwise_filter_gradient_in_pieces_leads() {
+    let mut s = shape(32, 64, 56, 256, 1, NCHW);
+    s.pad = (0, 0);
+    let cfg = Config::default();
+    let p = plan_of(s, DType::F32, Direction::BackwardFilter, &cfg, true);
+    assert_eq!(
+        p.candidates[0].path,
+        ConvPath::Im2colGemm,
+        "{:?}",
+        p.candidates
+    );
+    assert_eq!(p.path, ConvPath::Im2colGemm);
+    assert!(p.candidates.iter().any(|r| r.path == ConvPath::Cudnn));
+    assert!(has_reason(&p, "in pieces"), "{:?}", p.reasons);
+    for (dtype, format, d) in [
+        (DType::F16, NCHW, Direction::BackwardFilter),
+        (DType::F32, NHWC, Direction::BackwardFilter),
+        (DType::F32, NCHW, Direction::Forward),
+        (DType::F32, NCHW, Direction::BackwardData),
+    ] {
+        let q = ConvShape { format, ..s };
+        let p = plan_of(q, dtype, d, &cfg, true);
+        assert_eq!(
+            p.candidates[0].path,
+            ConvPath::Cudnn,
+            "{dtype} {format:?} {d}"
+        );
+        assert!(!has_reason(&p, "in pieces"));
+    }
+    // Wide filters over few pixels take the permuted GEMM: cuDNN leads.
+    let mut w = shape(32, 2048, 7, 512, 1, NCHW);
+    w.pad = (0, 0);
+    let p = plan_of(w, DType::F32, Direction::BackwardFilter, &cfg, true);
+    assert_eq!(p.candidates[0].path, ConvPath::Cudnn);
+    // A forced policy is not reordered.
+    let forced = Config {
+        conv_algo: nnfuse::ConvAlgoPolicy::Im2col,
+        ..Config::default()
+    };
+    let p = plan_of(s, DType::F32, Direction::BackwardFilter, &forced, true);
+    assert_eq!(p.candidates.len(), 1);
+    assert!(!has_reason(&p, "in pieces"));
+}
+
 #[test]
 fn pointwise_needs_no_columns() {
     let mut s = shape(64, 256, 56, 64, 1, NHWC);
@@ -653,9 +700,22 @@ fn check_invariants(p: &ConvPlan, present: bool) {
             assert_eq!(p.path, expect, "{ctx}");
         }
     } else if p.runnable {
-        // auto: cuDNN leads when it can run.
+        // auto: cuDNN leads when it can run, except before the f32 NCHW pointwise filter
+        // gradient in pieces (which says so).
         if p.eligible(ConvPath::Cudnn) {
-            assert_eq!(p.path, ConvPath::Cudnn, "{ctx}");
+            let lead = if has_reason(p, "in pieces") {
+                assert!(
+                    p.direction == Direction::BackwardFilter
+                        && p.shape.format == TensorFormat::Nchw
+                        && p.shape.kh == 1
+                        && p.shape.kw == 1,
+                    "{ctx}"
+                );
+                ConvPath::Im2colGemm
+            } else {
+                ConvPath::Cudnn
+            };
+            assert_eq!(p.path, lead, "{ctx}");
         }
         for q in [
             ConvPath::Im2colGemm,

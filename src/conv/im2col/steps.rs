@@ -621,6 +621,12 @@ fn piece_split(pixels: usize) -> usize {
         .unwrap_or(1)
 }
 
+/// Whether the filter gradient of `s` in `dtype` under `cap` bytes of workspace is the
+/// in-place one in pieces ([`piece_filter`]; pure, for the plan's candidate order).
+pub(crate) fn filter_takes_pieces(s: &ConvShape, dtype: DType, cap: usize) -> bool {
+    dims(s).is_ok_and(|d| matches!(piece_filter(s, &d, dtype, cap, false), Ok(Some(_))))
+}
+
 /// The NCHW pointwise f32 filter gradient without copies: each image's `dw_i = x_i^T dy_i`
 /// straight from x and dy (no permuted copies of both, which moved twice their bytes), its
 /// pixels cut into [`piece_split`] pieces so that the batched GEMM has enough blocks, then one
