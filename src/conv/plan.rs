@@ -32,8 +32,8 @@
 //!   batched-multiply engines (the rule's first) and then the fused one where it can run.
 //! - **Candidates** are measured in order; the first is the incumbent that a later one must
 //!   clearly beat: cuDNN, then im2col + GEMM, Winograd F(4x4,3x3), F(2x2,3x3), direct — except
-//!   the f32 NCHW pointwise filter gradient that im2col + GEMM computes in pieces
-//!   ([`pieces_lead`]), which leads.
+//!   the f32 NCHW pointwise filter gradient that im2col + GEMM computes in pieces read in place
+//!   (it searches no GEMM at its first call), which leads.
 
 use std::fmt;
 
