@@ -69,14 +69,15 @@ unsafe impl DeviceRepr for SumsArgs {}
 
 /// The grid of `channel_sums_vec_<t>` over `rows` rows of `channels` channels in vectors of
 /// `v` elements (`channels` a multiple of `v`): slabs of up to 256 vectors side by side (grid
-/// x), about [`BLOCKS_PER_SM`] blocks per SM, each thread at least
-/// [`MIN_ROWS_PER_THREAD_VEC`] rows (pure; the kernel computes the same `cvs` and `rb`).
-pub(crate) fn sums_geom_vec(rows: u64, channels: u64, v: u64, sms: u64) -> SumsGeom {
+/// x), `wave` blocks in all (the resident blocks of the whole device: one full wave, no tail
+/// of a second), each thread at least [`MIN_ROWS_PER_THREAD_VEC`] rows (pure; the kernel
+/// computes the same `cvs` and `rb`).
+pub(crate) fn sums_geom_vec(rows: u64, channels: u64, v: u64, wave: u64) -> SumsGeom {
     let cv = (channels / v.max(1)).max(1);
     let cvs = cv.min(SUMS_THREADS);
     let rb = SUMS_THREADS / cvs;
     let slabs = cv.div_ceil(cvs);
-    let want = (sms.max(1) * BLOCKS_PER_SM).div_ceil(slabs).max(1);
+    let want = (wave.max(1) / slabs).max(1);
     let most = rows.div_ceil(rb * MIN_ROWS_PER_THREAD_VEC).max(1);
     let parts = want.min(most).min(MAX_PARTS);
     let rows_per_part = rows.div_ceil(parts).max(1);
@@ -153,19 +154,27 @@ pub(crate) unsafe fn channel_sums(
     let sms = launch::sm_count(ctx).into();
     let cf = hw > 0;
     let vec = !cf && vector_sums(dtype, y, channels);
-    let g = if cf {
-        sums_geom_cf(rows, channels, sms)
-    } else if vec {
-        sums_geom_vec(rows, channels, SUMS_VECTOR_BYTES / dtype.size() as u64, sms)
-    } else {
-        sums_geom(rows, channels, sms)
-    };
     let name = if vec {
         sums_vec_kernel(dtype)
     } else {
         sums_kernel(dtype, cf)
     };
     let f = ctx.function(&kernels::BLOCK_STATS, name)?;
+    let g = if cf {
+        sums_geom_cf(rows, channels, sms)
+    } else if vec {
+        // One full wave at the occupancy the driver reports (32 KB of f64 staging and ~76
+        // registers a thread hold it to 3 blocks of 256 per SM on the H100, not 4).
+        let per_sm = launch::blocks_per_sm(ctx, &f, name, SUMS_THREADS as u32, 0)?;
+        sums_geom_vec(
+            rows,
+            channels,
+            SUMS_VECTOR_BYTES / dtype.size() as u64,
+            sms * u64::from(per_sm.max(1)),
+        )
+    } else {
+        sums_geom(rows, channels, sms)
+    };
     let fin = ctx.function(&kernels::BLOCK_STATS, "channel_sums_finish")?;
     let scratch = ctx.scratch(2 * channels as usize * g.parts as usize * 8)?;
     let args = SumsArgs {
@@ -271,7 +280,7 @@ mod tests {
             (1, 4, 4),
             (300, 200, 8),
         ] {
-            let g = sums_geom_vec(rows, c, v, 132);
+            let g = sums_geom_vec(rows, c, v, 3 * 132);
             let cv = c / v;
             let cvs = cv.min(SUMS_THREADS);
             // Slabs of cvs vectors cover every vector once; parts tile the rows.
@@ -280,11 +289,13 @@ mod tests {
             assert!(u64::from(g.parts) * g.rows_per_part >= rows, "{g:?}");
             assert!(u64::from(g.parts - 1) * g.rows_per_part < rows, "{g:?}");
             assert!(u64::from(g.parts) <= MAX_PARTS);
+            // At most one wave (a grid of several slabs may leave a few blocks of it idle).
+            assert!(u64::from(g.parts) * u64::from(g.slabs) <= (3 * 132).max(u64::from(g.slabs)));
         }
         // The demo's conv3 output (256 channels, f16): one slab of 32 vectors, 8 rows at a
-        // time, about 4 blocks per SM, every thread at least 8 rows.
-        let g = sums_geom_vec(100_352, 256, 8, 132);
-        assert!(g.slabs == 1 && g.parts >= 520, "{g:?}");
+        // time, exactly one wave of 3 blocks per SM, every thread at least 8 rows.
+        let g = sums_geom_vec(100_352, 256, 8, 3 * 132);
+        assert!(g.slabs == 1 && g.parts == 396, "{g:?}");
         assert!(g.rows_per_part >= 8 * MIN_ROWS_PER_THREAD_VEC);
         assert!(vector_sums(DType::F16, 0x1000, 256));
         assert!(!vector_sums(DType::F16, 0x1002, 256));

@@ -483,25 +483,27 @@ fn routes_of(info: &PathInfo) -> Vec<Route> {
 /// place, searches no GEMM at its first call (so its check costs the budget little), and
 /// measured 97 µs against cuDNN's best 205 µs (ResNet-50's 1x1 64→256 at 56x56, batch 32, H100),
 /// a cuDNN that the first call's budget, spent on cuDNN's configs first, checked before it.
-/// Whether it moved.
-fn pieces_lead(req: &ConvPlanRequest, candidates: &mut Vec<Route>) -> bool {
+/// Says so in `reasons` when it moved.
+fn pieces_lead(req: &ConvPlanRequest, candidates: &mut Vec<Route>, reasons: &mut Vec<String>) {
     let cap = req.config.conv_workspace_bytes();
     if req.config.conv_algo != ConvAlgoPolicy::Auto
         || req.direction != Direction::BackwardFilter
         || !super::im2col::steps::filter_takes_pieces(&req.shape, req.dtype, cap)
     {
-        return false;
+        return;
     }
-    match candidates
+    let at = candidates
         .iter()
-        .position(|r| r.path == ConvPath::Im2colGemm)
-    {
-        Some(i) if i > 0 => {
-            let r = candidates.remove(i);
-            candidates.insert(0, r);
-            true
-        }
-        _ => false,
+        .position(|r| r.path == ConvPath::Im2colGemm);
+    if let Some(i) = at.filter(|&i| i > 0) {
+        let r = candidates.remove(i);
+        candidates.insert(0, r);
+        reasons.push(
+            "im2col_gemm: measured first (the incumbent): an f32 NCHW pointwise filter gradient \
+             in pieces read in place, no GEMM search at its first call; on the H100 it took half \
+             of cuDNN's best at 56x56, which came after a first call's budget was spent"
+                .into(),
+        );
     }
 }
 
@@ -584,7 +586,7 @@ pub fn plan(req: &ConvPlanRequest) -> Result<ConvPlan> {
         );
     }
 
-    let pieces_first = pieces_lead(req, &mut candidates);
+    pieces_lead(req, &mut candidates, &mut reasons);
 
     let mut fallback = None;
     let mut runnable = true;
@@ -608,14 +610,6 @@ pub fn plan(req: &ConvPlanRequest) -> Result<ConvPlan> {
         measured,
         fallback.is_some(),
     ));
-    if pieces_first {
-        reasons.push(
-            "im2col_gemm: measured first (the incumbent): an f32 NCHW pointwise filter gradient \
-             in pieces read in place, no GEMM search at its first call; on the H100 it took half \
-             of cuDNN's best at 56x56, which came after a first call's budget was spent"
-                .into(),
-        );
-    }
     if skipped_direct {
         reasons.push(format!(
             "direct: eligible but not measured by auto: {:.2} GFLOP exceeds {:.1} GFLOP \
