@@ -86,6 +86,15 @@ fn compute_type(c: Compute) -> sys::cublasComputeType_t {
     }
 }
 
+/// cuBLAS's operation for a transposed (`true`) or plain operand.
+fn op(transposed: bool) -> sys::cublasOperation_t {
+    if transposed {
+        sys::cublasOperation_t::CUBLAS_OP_T
+    } else {
+        sys::cublasOperation_t::CUBLAS_OP_N
+    }
+}
+
 /// Queues `cublasGemmStridedBatchedEx` on the handle's stream.
 ///
 /// # Safety
@@ -104,13 +113,6 @@ pub(crate) unsafe fn gemm(
             format!("{} is not a cublasGemmAlgo_t nnfuse passes", algo.0),
         )
     })?;
-    let op = |t: bool| {
-        if t {
-            sys::cublasOperation_t::CUBLAS_OP_T
-        } else {
-            sys::cublasOperation_t::CUBLAS_OP_N
-        }
-    };
     let scalars = Scalars::of(p);
     let (alpha, beta) = scalars.ptrs();
     let t = data_type(dtype);
@@ -157,13 +159,6 @@ pub(crate) unsafe fn gemm_pointer_arrays(
 ) -> Result<()> {
     let g = sys_algo(CublasAlgo::DEFAULT)
         .ok_or_else(|| Error::invalid("algo", "the default cublasGemmAlgo_t is not mapped"))?;
-    let op = |t: bool| {
-        if t {
-            sys::cublasOperation_t::CUBLAS_OP_T
-        } else {
-            sys::cublasOperation_t::CUBLAS_OP_N
-        }
-    };
     let scalars = Scalars::of(p);
     let (alpha, beta) = scalars.ptrs();
     let t = data_type(dtype);

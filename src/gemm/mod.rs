@@ -199,16 +199,25 @@ fn run_cublas(
             format!("{} is not a cublasGemmAlgo_t value nnfuse passes", algo.0),
         ));
     }
-    let (_lock, h) = {
-        crate::profile::stage!(Workspace);
-        let mut g = ctx.lock()?;
-        let h = g.cublas()?;
-        (g, h)
-    };
+    let (_lock, h) = cublas_handle(ctx)?;
     crate::profile::stage!(Vendor);
     // SAFETY: the problem was checked and the pointers hold its extents; the handle is bound to
     // the Context's stream, where the operands are used.
     unsafe { cublas::gemm(h, p, dtype, algo, ptrs) }
+}
+
+/// The Context's lock and its cuBLAS handle (bound to the Context's stream), held together while
+/// a call is queued.
+fn cublas_handle(
+    ctx: &Context,
+) -> Result<(
+    crate::context::Locked<'_>,
+    cudarc::cublas::sys::cublasHandle_t,
+)> {
+    crate::profile::stage!(Workspace);
+    let mut g = ctx.lock()?;
+    let h = g.cublas()?;
+    Ok((g, h))
 }
 
 /// Queues one `cublasLtMatmul` with prepared descriptors: the whole cost of a cached cuBLASLt
@@ -466,12 +475,7 @@ pub(crate) unsafe fn pointer_arrays_raw(
             format!("{arrays:#x} is not an 8-byte aligned device address"),
         ));
     }
-    let (_lock, h) = {
-        crate::profile::stage!(Workspace);
-        let mut g = ctx.lock()?;
-        let h = g.cublas()?;
-        (g, h)
-    };
+    let (_lock, h) = cublas_handle(ctx)?;
     crate::profile::stage!(Vendor);
     // SAFETY: the caller's contract; the handle is bound to the Context's stream.
     unsafe { cublas::gemm_pointer_arrays(h, p, dtype, arrays) }
