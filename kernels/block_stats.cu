@@ -10,7 +10,8 @@
 //  * channel_sums_vec_<t>: the same with 16-byte vectors (C a multiple of the vector, y 16-byte
 //    aligned): thread t of a 256-thread block is (ro, cvl) = (t / cvs, t % cvs), cvs = min(C/V,
 //    256) vectors of a row side by side and rb = 256 / cvs rows at a time; RED_UNROLL rows in
-//    flight per thread, f64 per thread, then a fixed sum over ro. The scalar kernel read the
+//    flight per thread, f32 (16-bit data) or f64 (f32 data) per thread, then a fixed f64 sum
+//    over ro. The scalar kernel read the
 //    demo's 51 MB output of a 1x1 64->256 convolution at about 1.1 TB/s (2-byte loads).
 //  * channel_sums_cf_<t>: the same of channels-first data (NCHW), block (channel, part).
 //  * channel_sums_finish: a warp per channel adds its partials in a fixed order, rounds to f32.
@@ -70,7 +71,15 @@ template <typename T> __device__ __forceinline__ void channel_sums(const SumsArg
     }
 }
 
+// A thread's own sums over its rows: f32 for 16-bit data (a value has at most 11 significant bits, its
+// square 22, and a thread adds a few dozen rows: f32's 24 bits keep them to about 1e-6, far
+// inside the 16-bit tolerance, and spare the f64 pipe), f64 for f32 data (the statistics'
+// 1e-6 bound). The block's and the finish's sums are f64 for every type.
+template <typename T> struct VecAcc { using type = float; };
+template <> struct VecAcc<float> { using type = double; };
+
 template <typename T> __device__ __forceinline__ void channel_sums_vec(const SumsArgs& a) {
+    using Acc = typename VecAcc<T>::type;
     constexpr int V = 16 / (int)sizeof(T);
     constexpr int U = RED_UNROLL;
     __shared__ double s1[256 * V];
@@ -85,11 +94,11 @@ template <typename T> __device__ __forceinline__ void channel_sums_vec(const Sum
     const u64 p = blockIdx.y;
     const u64 r0 = p * a.rpp;
     const u64 r1 = min(r0 + a.rpp, a.rows);
-    double sum[V], sq[V];
+    Acc sum[V], sq[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-        sum[j] = 0.0;
-        sq[j] = 0.0;
+        sum[j] = 0;
+        sq[j] = 0;
     }
     if (active) {
         const T* y = (const T*)a.y + vec * V;
@@ -102,7 +111,7 @@ template <typename T> __device__ __forceinline__ void channel_sums_vec(const Sum
             for (int u = 0; u < U; ++u)
 #pragma unroll
                 for (int j = 0; j < V; ++j) {
-                    const double v = (double)bits_float<T>(elem_bits<T>(w[u], j));
+                    const Acc v = (Acc)bits_float<T>(elem_bits<T>(w[u], j));
                     sum[j] += v;
                     sq[j] = fma(v, v, sq[j]);
                 }
@@ -112,7 +121,7 @@ template <typename T> __device__ __forceinline__ void channel_sums_vec(const Sum
             load_raw<T, V>(y + r * C, w);
 #pragma unroll
             for (int j = 0; j < V; ++j) {
-                const double v = (double)bits_float<T>(elem_bits<T>(w, j));
+                const Acc v = (Acc)bits_float<T>(elem_bits<T>(w, j));
                 sum[j] += v;
                 sq[j] = fma(v, v, sq[j]);
             }
@@ -120,23 +129,29 @@ template <typename T> __device__ __forceinline__ void channel_sums_vec(const Sum
     }
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-        s1[t * V + j] = sum[j];
-        s2[t * V + j] = sq[j];
+        s1[t * V + j] = (double)sum[j];
+        s2[t * V + j] = (double)sq[j];
     }
     __syncthreads();
     if (active && ro == 0) {
+        double bs[V], bq[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            bs[j] = s1[t * V + j];
+            bq[j] = s2[t * V + j];
+        }
         for (u64 k = 1; k < rb; ++k)
 #pragma unroll
             for (int j = 0; j < V; ++j) {
-                sum[j] += s1[(t + k * cvs) * V + j];
-                sq[j] += s2[(t + k * cvs) * V + j];
+                bs[j] += s1[(t + k * cvs) * V + j];
+                bq[j] += s2[(t + k * cvs) * V + j];
             }
         const u64 cp = C * a.parts;
 #pragma unroll
         for (int j = 0; j < V; ++j) {
             const u64 ch = vec * V + j;
-            a.part[ch * a.parts + p] = sum[j];
-            a.part[cp + ch * a.parts + p] = sq[j];
+            a.part[ch * a.parts + p] = bs[j];
+            a.part[cp + ch * a.parts + p] = bq[j];
         }
     }
 }
