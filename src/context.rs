@@ -171,6 +171,10 @@ struct Shared {
     /// The workspace's address, taken once when it was allocated: only nnfuse uses it, on the
     /// Context's stream, so a cached call needs none of cudarc's per-use stream events.
     workspace_ptr: drv::CUdeviceptr,
+    /// A stream that only captures, never runs work: cuDNN executions are recorded on it for
+    /// replay (`cudnn_graph/replay.rs`), so that no capture takes in work that another thread
+    /// queues on the Context's stream meanwhile. Made at the first capture.
+    capture_stream: Option<Handle<drv::CUstream>>,
 }
 
 /// What the CUDA graphs captured on a stream keep alive, shared by the Contexts on that stream (a
@@ -255,6 +259,9 @@ impl Drop for Inner {
             }
             if let Some(h) = shared.cublaslt.take() {
                 let _ = lt_result::destroy_handle(h.0);
+            }
+            if let Some(s) = shared.capture_stream.take() {
+                let _ = drv_result::stream::destroy(s.0);
             }
         }
     }
@@ -1228,6 +1235,17 @@ impl Locked<'_> {
             self.shared.workspace = Some(buf);
         }
         Ok(self.shared.workspace_ptr)
+    }
+
+    /// The Context's capture-only stream (see `Shared::capture_stream`), made at first use.
+    pub(crate) fn capture_stream(&mut self) -> Result<drv::CUstream> {
+        if let Some(s) = &self.shared.capture_stream {
+            return Ok(s.0);
+        }
+        let s = drv_result::stream::create(drv_result::stream::StreamKind::NonBlocking)
+            .call("cuStreamCreate")?;
+        self.shared.capture_stream = Some(Handle(s));
+        Ok(s)
     }
 
     /// The Context this guard belongs to.

@@ -24,6 +24,8 @@ use super::descriptor::{check, Descriptor};
 use super::graph_conv::Skipped;
 use super::notes::{admit, EngineInfo};
 use super::plans::{self, handle_and_workspace, lock};
+use super::replay::{self, Replayed, Replays};
+use super::replay_rule::ReplayKey;
 
 /// The by-value scalars of a forward, at a fixed host address for the variant pack (cuDNN reads
 /// them when the plan is executed).
@@ -41,6 +43,8 @@ struct Scalars {
 struct PackState {
     pack: Option<BnVariantPack>,
     scalars: Box<Scalars>,
+    /// Executions captured for replay (`replay.rs`).
+    replays: Replays,
 }
 
 /// Device addresses of a training forward (the running statistics are updated in place: the
@@ -123,8 +127,9 @@ pub struct GraphBn {
     listed: Vec<EngineInfo>,
     skipped: Vec<Skipped>,
     chosen: EngineInfo,
-    plan: ExecutionPlan,
+    /// Before `plan`: its captured graphs go before the plan whose kernels they launch.
     state: Mutex<PackState>,
+    plan: ExecutionPlan,
     /// The handle the plan was built on (executions must use the same one).
     handle: usize,
     /// The chosen config and the graph, kept alive with the plan made from them.
@@ -217,6 +222,7 @@ impl GraphBn {
             state: Mutex::new(PackState {
                 pack: None,
                 scalars: Box::default(),
+                replays: Replays::default(),
             }),
             handle: handle as usize,
             _config: cfg.desc,
@@ -355,7 +361,9 @@ impl GraphBn {
     }
 
     /// Fills the pack's pointers in role order (by-value scalars: the addresses of the plan's
-    /// own scalar cells, written first), rebuilds the pack if any changed, executes.
+    /// own scalar cells, written first), then replays the execution when it repeats one
+    /// (`replay.rs`), else rebuilds the pack if any pointer changed and executes (capturing it
+    /// at its second call with the same key).
     unsafe fn execute(
         &self,
         ctx: &Context,
@@ -367,15 +375,20 @@ impl GraphBn {
         let (handle, ws) = handle_and_workspace(&mut g, self.handle, self.plan.workspace())?;
         drop(ws_stage);
         let pack_stage = crate::profile::enter(crate::profile::Stage::Pack);
-        let mut st = lock(&self.state);
+        let mut guard = lock(&self.state);
+        let PackState {
+            pack,
+            scalars: cells,
+            replays,
+        } = &mut *guard;
         if let Some((eps, momentum)) = scalars {
-            st.scalars.eps = eps;
-            st.scalars.momentum = momentum;
+            cells.eps = eps;
+            cells.momentum = momentum;
         }
-        let eps_at = &st.scalars.eps as *const f32 as u64;
-        let momentum_at = &st.scalars.momentum as *const f32 as u64;
-        st.scalars.zero = 0.0;
-        let zero_at = &st.scalars.zero as *const f32 as u64;
+        cells.zero = 0.0;
+        let eps_at = &cells.eps as *const f32 as u64;
+        let momentum_at = &cells.momentum as *const f32 as u64;
+        let zero_at = &cells.zero as *const f32 as u64;
         // At most MAX_PACK_ROLES tensors: a fixed array, no allocation per call.
         let mut ptrs = [0u64; MAX_PACK_ROLES];
         let roles = self.key.roles();
@@ -388,22 +401,37 @@ impl GraphBn {
             };
         }
         let ptrs = &ptrs[..roles.len()];
-        if st.pack.as_ref().is_none_or(|p| !p.matches(ptrs, ws)) {
-            st.pack = None;
-            st.pack = Some(BnVariantPack::new(&self.uids, ptrs, ws)?);
+        let key = ReplayKey::new(ptrs, ws, [cells.eps, cells.momentum]);
+        let on = ctx.config().cudnn_replay;
+        let next = replay::before_execute(&g, replays, key.as_ref(), on, "BatchNorm")?;
+        if let Replayed::Done = next {
+            return Ok(());
         }
-        let Some(pack) = st.pack.as_ref() else {
+        if pack.as_ref().is_none_or(|p| !p.matches(ptrs, ws)) {
+            *pack = None;
+            *pack = Some(BnVariantPack::new(&self.uids, ptrs, ws)?);
+        }
+        let Some(pack) = pack.as_ref() else {
             return Err(Error::NotSupported("variant pack vanished".into()));
         };
         drop(pack_stage);
         crate::profile::stage!(Vendor);
-        // SAFETY: the caller's contract for the data pointers; the scalars live in `st`, locked
-        // until the call returns (cuDNN reads by-value data during the call); the handle is the
-        // plan's, held under the Context's lock.
-        check(
-            sys::cudnnBackendExecute(handle, self.plan.raw(), pack.raw()),
-            "cudnnBackendExecute(BatchNorm)",
-        )
+        // SAFETY: the caller's contract for the data pointers; the scalars live in the plan's
+        // state, locked until the call returns (cuDNN reads by-value data during the call); the
+        // handle is the plan's, held under the Context's lock.
+        let run = || {
+            check(
+                sys::cudnnBackendExecute(handle, self.plan.raw(), pack.raw()),
+                "cudnnBackendExecute(BatchNorm)",
+            )
+        };
+        if let (Replayed::Capture, Some(key)) = (next, key.as_ref()) {
+            // SAFETY: `run` queues through the plan's handle only.
+            if replay::capture_and_launch(&mut g, handle, replays, key, "BatchNorm", run)? {
+                return Ok(());
+            }
+        }
+        run()
     }
 }
 

@@ -26,6 +26,8 @@ use super::key::GraphConvKey;
 use super::layout::{alignment_of, Operand};
 use super::notes::{admit_conv, pass_over, EngineInfo, GraphLimits, GraphPolicy, HeurSource};
 use super::plans::{self, handle_and_workspace, lock, Slot};
+use super::replay::{self, Replayed, Replays};
+use super::replay_rule::ReplayKey;
 
 /// One engine config that was listed but not chosen, and why.
 #[derive(Debug, Clone)]
@@ -36,6 +38,13 @@ pub struct Skipped {
     pub reason: String,
 }
 
+/// The pinned variant pack and the executions captured for replay (`replay.rs`).
+#[derive(Debug, Default)]
+struct PackState {
+    pack: Option<VariantPack>,
+    replays: Replays,
+}
+
 /// One convolution problem's execution plan through cuDNN's graph API (see the module docs).
 #[derive(Debug)]
 pub struct GraphConv {
@@ -43,8 +52,9 @@ pub struct GraphConv {
     listed: Vec<EngineInfo>,
     skipped: Vec<Skipped>,
     chosen: EngineInfo,
+    /// Before `plan`: its captured graphs go before the plan whose kernels they launch.
+    pack: Mutex<PackState>,
     plan: ExecutionPlan,
-    pack: Mutex<Option<VariantPack>>,
     /// The handle the plan was built on (executions must use the same one).
     handle: usize,
     /// The chosen config and the graph, kept alive with the plan made from them.
@@ -245,7 +255,7 @@ impl GraphConv {
             skipped,
             chosen: cfg.info,
             plan,
-            pack: Mutex::new(None),
+            pack: Mutex::new(PackState::default()),
             handle: handle as usize,
             _config: cfg.desc,
             _parts: parts,
@@ -316,7 +326,7 @@ impl GraphConv {
                                     skipped: Vec::new(),
                                     chosen: cfg.info.clone(),
                                     plan,
-                                    pack: Mutex::new(None),
+                                    pack: Mutex::new(PackState::default()),
                                     handle: handle as usize,
                                     _config: cfg.desc,
                                     _parts: parts.clone(),
@@ -430,9 +440,15 @@ impl GraphConv {
         let (handle, ws) = handle_and_workspace(&mut g, self.handle, self.plan.workspace())?;
         drop(ws_stage);
         let pack_stage = crate::profile::enter(crate::profile::Stage::Pack);
-        let mut pack = lock(&self.pack);
-        let stale = pack.as_ref().is_none_or(|p| !p.matches(ptrs, ws));
-        if stale {
+        let mut guard = lock(&self.pack);
+        let PackState { pack, replays } = &mut *guard;
+        let key = ReplayKey::new(&ptrs, ws, [0.0; 2]);
+        let on = ctx.config().cudnn_replay;
+        let next = replay::before_execute(&g, replays, key.as_ref(), on, "convolution")?;
+        if let Replayed::Done = next {
+            return Ok(());
+        }
+        if pack.as_ref().is_none_or(|p| !p.matches(ptrs, ws)) {
             *pack = None;
             *pack = Some(VariantPack::new(ptrs, ws)?);
         }
@@ -441,7 +457,15 @@ impl GraphConv {
         };
         drop(pack_stage);
         crate::profile::stage!(Vendor);
-        build::execute(handle, &self.plan, p)
+        // SAFETY: the caller's contract; the handle is the plan's, under the Context's lock.
+        let run = || build::execute(handle, &self.plan, p);
+        if let (Replayed::Capture, Some(key)) = (next, key.as_ref()) {
+            // SAFETY: `run` queues through the plan's handle only.
+            if replay::capture_and_launch(&mut g, handle, replays, key, "convolution", run)? {
+                return Ok(());
+            }
+        }
+        run()
     }
 
     /// Runs the plan on the caller's buffers: inputs `a`, `b` and output `out` are (x, w, y)

@@ -33,6 +33,9 @@
 //!   BatchNorm's backward weights; the filter gradient with the same prologue) as finalized
 //!   plans of the admitted engine configs, cached per problem, with a pinned variant pack
 //!   (ConvStats, ConvBnChain);
+//! - [`replay_rule`]: pure — which execution of a plan runs eagerly, is captured into a CUDA
+//!   graph, or replays one (the key of baked-in addresses and scalars, the slots per plan);
+//! - `replay`: the capture on the Context's capture-only stream and the replay launch;
 //! - [`plans`]: what both plans share — the plan cache's lookup and remembered failures, and
 //!   the start of an execution (the plan's own handle, the workspace).
 //!
@@ -53,6 +56,8 @@ pub mod key;
 pub mod layout;
 pub mod notes;
 pub mod plans;
+pub(crate) mod replay;
+pub mod replay_rule;
 
 /// Items that only nnfuse's own tests and benches use (reached as
 /// `nnfuse::internals::cudnn_graph`); not part of the public API.

@@ -1,0 +1,166 @@
+//! Replays of a graph-API plan's executions from captured CUDA graphs (the decisions:
+//! `replay_rule.rs`). A capture records one `cudnnBackendExecute` on the Context's capture-only
+//! stream — the plan's cuDNN handle is pointed at it meanwhile, under the Context's lock — so
+//! that work other threads queue on the Context's stream is never taken into it; the graph is
+//! then launched on the Context's stream, in order with everything else there.
+//!
+//! A replay is the execution it was captured from, with the same addresses, workspace and
+//! scalars (the key): the kernels and their arguments are cuDNN's own. While the Context's
+//! stream is itself capturing (`Context::capture`), executions run eagerly, so that the
+//! framework's graph holds them. `NNFUSE_CUDNN_REPLAY=0` turns replays off.
+
+use cudarc::cudnn::{result as cudnn_result, sys};
+use cudarc::driver::{result as drv_result, sys as drv};
+
+use crate::context::Locked;
+use crate::error::{CallExt, Result};
+
+use super::replay_rule::{Next, ReplayKey, ReplaySlots};
+
+/// An instantiated CUDA graph of one execution.
+#[derive(Debug)]
+pub(crate) struct Exec(drv::CUgraphExec);
+
+// SAFETY: a graph exec may be launched and destroyed from any thread; the plan's mutex makes it
+// one thread at a time.
+unsafe impl Send for Exec {}
+
+impl Drop for Exec {
+    fn drop(&mut self) {
+        // CUDA frees an executable graph still in flight once its launches complete.
+        // SAFETY: instantiated once by `capture`, destroyed once here.
+        let _ = unsafe { drv_result::graph::exec_destroy(self.0) };
+    }
+}
+
+/// One plan's replay slots.
+pub(crate) type Replays = ReplaySlots<Exec>;
+
+/// What [`before_execute`] decided.
+pub(crate) enum Replayed {
+    /// Launched: the execution is queued, nothing else to do.
+    Done,
+    /// The caller executes eagerly.
+    Eager,
+    /// The caller captures the execution with [`capture_and_launch`].
+    Capture,
+}
+
+/// Decides an execution of `key` (`None`: never replayed) and launches its graph when one is
+/// kept. `on` is the Context's `cudnn_replay`. `what` names the plan in events.
+///
+/// # Safety
+/// The guard's stream is live; a kept graph's addresses are `key`'s (valid for the call).
+pub(crate) unsafe fn before_execute(
+    g: &Locked<'_>,
+    replays: &mut Replays,
+    key: Option<&ReplayKey>,
+    on: bool,
+    what: &'static str,
+) -> Result<Replayed> {
+    if !on {
+        return Ok(Replayed::Eager);
+    }
+    let next = replays.next(key);
+    if next == Next::Eager {
+        return Ok(Replayed::Eager);
+    }
+    // A framework's own capture must hold the execution itself (it cannot take our launch).
+    let stream = g.context().stream().cu_stream();
+    let status = drv_result::stream::is_capturing(stream).call("cuStreamIsCapturing")?;
+    if status != drv::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+        return Ok(Replayed::Eager);
+    }
+    match next {
+        Next::Replay(i) => {
+            let Some(exec) = replays.graph(i) else {
+                return Ok(Replayed::Eager);
+            };
+            crate::profile::stage!(Vendor);
+            tracing::trace!(plan = what, "cuDNN execution replayed");
+            drv_result::graph::launch(exec.0, stream).call("cuGraphLaunch")?;
+            Ok(Replayed::Done)
+        }
+        _ => Ok(Replayed::Capture),
+    }
+}
+
+/// Captures `execute` (one `cudnnBackendExecute` through `handle`) for `key`, keeps the graph
+/// and launches it. `Ok(false)`: the capture failed — replays are off for this plan from now on
+/// (a warning says why) and the caller executes eagerly; nothing was queued.
+///
+/// # Safety
+/// `handle` is the guard's cuDNN handle; `execute` queues only through it.
+pub(crate) unsafe fn capture_and_launch(
+    g: &mut Locked<'_>,
+    handle: sys::cudnnHandle_t,
+    replays: &mut Replays,
+    key: &ReplayKey,
+    what: &'static str,
+    execute: impl FnOnce() -> Result<()>,
+) -> Result<bool> {
+    let side = g.capture_stream()?;
+    let main = g.context().stream().cu_stream();
+    let exec = match capture_on(handle, side, main, execute)? {
+        Ok(exec) => exec,
+        Err(why) => {
+            tracing::warn!(plan = what, error = %why,
+                "cuDNN execution cannot be captured for replay; it runs eagerly from now on");
+            replays.turn_off("a capture failed (see the warning)");
+            return Ok(false);
+        }
+    };
+    drv_result::graph::launch(exec.0, main).call("cuGraphLaunch")?;
+    replays.keep(key, exec);
+    tracing::debug!(
+        plan = what,
+        captured = replays.captured(),
+        "cuDNN execution captured; later calls with the same buffers replay it"
+    );
+    Ok(true)
+}
+
+/// Points `handle` at `side`, captures `execute` there, points it back at `main`, instantiates.
+/// The outer error: `handle`'s stream could not be set (nothing else may run then); the inner
+/// one: the capture or the instantiation failed.
+unsafe fn capture_on(
+    handle: sys::cudnnHandle_t,
+    side: drv::CUstream,
+    main: drv::CUstream,
+    execute: impl FnOnce() -> Result<()>,
+) -> Result<Result<Exec>> {
+    cudnn_result::set_stream(handle, side as sys::cudaStream_t).call("cudnnSetStream")?;
+    let captured = record(side, execute);
+    cudnn_result::set_stream(handle, main as sys::cudaStream_t).call("cudnnSetStream")?;
+    Ok(captured.and_then(|graph| {
+        let exec = drv_result::graph::instantiate(graph, drv::CUgraphInstantiate_flags(0))
+            .call("cuGraphInstantiate");
+        let _ = drv_result::graph::destroy(graph);
+        exec.map(Exec)
+    }))
+}
+
+/// The graph of what `execute` queues on `side` (the capture always ended).
+unsafe fn record(
+    side: drv::CUstream,
+    execute: impl FnOnce() -> Result<()>,
+) -> Result<drv::CUgraph> {
+    // Thread-local: an unsafe call this thread makes inside fails the capture, not another's.
+    let mode = drv::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    drv_result::stream::begin_capture(side, mode).call("cuStreamBeginCapture")?;
+    let ran = execute();
+    let ended = drv_result::stream::end_capture(side).call("cuStreamEndCapture");
+    if let (Err(_), Ok(graph)) = (&ran, &ended) {
+        if !graph.is_null() {
+            let _ = drv_result::graph::destroy(*graph);
+        }
+    }
+    ran?;
+    let graph = ended?;
+    if graph.is_null() {
+        return Err(crate::error::Error::NotSupported(
+            "cuStreamEndCapture returned no graph".into(),
+        ));
+    }
+    Ok(graph)
+}
