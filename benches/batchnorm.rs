@@ -5,7 +5,8 @@
 //! each mode policy; dispatch overhead. CUDA events, warm-up, median of many, rotating buffers
 //! so that L2 (50 MiB on the H100) does not hold the working set. Prints markdown tables and
 //! JSON lines. `NNFUSE_BENCH_BN=demo` (or `demo64`, `demo256`): only `nnfuse demo`'s BatchNorm
-//! shapes (f16 NHWC, batch 32), every path, for comparing one kernel change or profiling.
+//! shapes (f16 NHWC, batch 32), every path, for comparing one kernel change or profiling;
+//! `NNFUSE_BENCH_BN=api`: only the legacy-against-graph-API section.
 //!
 //! Floors: bytes the operation must move (each input read once, each output written once; the
 //! backward's activation state counted as the 1-bit mask) over the copy bandwidth measured in
@@ -1026,6 +1027,34 @@ fn own_sections(ctx: &Context, own: &Context, bw: f64) -> Result<()> {
     Ok(())
 }
 
+/// The cuDNN API for training BatchNorm: the graph's NORM_FORWARD / NORM_BACKWARD plans
+/// (NNFUSE_CUDNN_API=graph, replayed from CUDA graphs as a framework's repeated calls are) against
+/// the legacy Ex calls, on channels-last halves (cuDNN's documented support): plain, and the
+/// demo's BN+ReLU (64 channels) and BN+Add+ReLU (256) with every path. Where cuDNN cannot build
+/// the graph the legacy calls run instead (a `tracing` warning says so: NNFUSE_LOG=nnfuse=warn).
+/// `NNFUSE_BENCH_BN=api` runs only this section.
+fn api_section(ctx: &Context, own: &Context, bw: f64, report: &mut Report) -> Result<()> {
+    println!("\n## Training BatchNorm by cuDNN API (channels-last)\n\n{HEADER}");
+    for api in [CudnnApi::Legacy, CudnnApi::Graph] {
+        let config = Config::default()
+            .with_bn_impl(BnImpl::Cudnn)
+            .with_cudnn_api(api);
+        let actx = ctx.with_config_override(config.clone());
+        let fallback = ctx.with_config_override(config.with_cudnn_fusion_disabled(true));
+        let tag = format!("cudnn_api={api}");
+        for shape in [[16, 112, 112, 32], [64, 56, 56, 256]] {
+            bench_plain::<f16>(&actx, &shape, 3, bw, &format!("{tag} f16 NHWC"), report)?;
+            bench_plain::<bf16>(&actx, &shape, 3, bw, &format!("{tag} bf16 NHWC"), report)?;
+        }
+        for (c, fuse) in [(64, Fuse::Relu), (256, Fuse::AddRelu)] {
+            let label = format!("{tag} f16 NHWC");
+            let shape = [32, 56, 56, c];
+            bench_case::<f16>(&actx, &fallback, own, &shape, 3, fuse, bw, &label, report)?;
+        }
+    }
+    Ok(())
+}
+
 fn main() -> std::process::ExitCode {
     exit::finish("batchnorm", run())
 }
@@ -1055,6 +1084,9 @@ fn run() -> Result<()> {
     // NNFUSE_BENCH_BN=demo (or demo64, demo256): only `nnfuse demo`'s BatchNorm shapes (f16
     // NHWC, batch 32), for a quick comparison of one kernel change (or a profiler run).
     let only = std::env::var("NNFUSE_BENCH_BN").unwrap_or_default();
+    if only == "api" {
+        return api_section(&ctx, &own, bw, &mut report);
+    }
     if only.starts_with("demo") {
         for (c, fuse) in [(64, Fuse::Relu), (256, Fuse::AddRelu)] {
             if only != "demo" && only != format!("demo{c}") {
@@ -1152,37 +1184,7 @@ fn run() -> Result<()> {
         }
     }
 
-    // The cuDNN API for plain training BatchNorm: the graph's NORM_FORWARD / NORM_BACKWARD plans
-    // (NNFUSE_CUDNN_API=graph) against the legacy Ex calls, on channels-last halves (cuDNN's
-    // documented support). Where cuDNN cannot build the graph the legacy calls run instead (a
-    // `tracing` warning says so): run with RUST_LOG=nnfuse=warn to see it.
-    println!("\n## Plain BatchNorm by cuDNN API (channels-last, training)\n\n{HEADER}");
-    for api in [CudnnApi::Legacy, CudnnApi::Graph] {
-        let actx = ctx.with_config_override(
-            Config::default()
-                .with_bn_impl(BnImpl::Cudnn)
-                .with_cudnn_api(api),
-        );
-        for shape in [[16, 112, 112, 32], [64, 56, 56, 256]] {
-            let tag = format!("cudnn_api={api}");
-            bench_plain::<f16>(
-                &actx,
-                &shape,
-                3,
-                bw,
-                &format!("{tag} f16 NHWC"),
-                &mut report,
-            )?;
-            bench_plain::<bf16>(
-                &actx,
-                &shape,
-                3,
-                bw,
-                &format!("{tag} bf16 NHWC"),
-                &mut report,
-            )?;
-        }
-    }
+    api_section(&ctx, &own, bw, &mut report)?;
 
     own_sections(&ctx, &own, bw)?;
 

@@ -124,6 +124,21 @@ fn measure(
         b.synchronize()?;
         gpu.push(a.elapsed_ms(&b)? as f64 * 1e3 / k as f64);
     }
+    if std::env::var_os("NNFUSE_SUITE_REPORTS").is_some() {
+        // Per-sample figures: a median hides a call that sometimes waits for the GPU.
+        let f = |v: &[f64]| {
+            v.iter()
+                .map(|x| format!("{x:.1}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        println!(
+            "<!-- samples: warm-up host {host_est_us:.1} µs/call, k {k}, fills {fills}; \
+             host µs/call [{}]; GPU µs/call [{}] -->",
+            f(&host),
+            f(&gpu)
+        );
+    }
     Ok((first_ms, median(gpu), median(host)))
 }
 

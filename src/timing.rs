@@ -23,6 +23,7 @@ use std::time::Instant;
 use cudarc::driver::{sys as drv, CudaEvent, CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
 use crate::context::Context;
+use crate::cudnn_graph::replay::suspended;
 use crate::error::{CallExt, Result};
 use crate::kernels;
 
@@ -329,6 +330,16 @@ impl Interleaved {
 /// is reported, its samples are discarded); the others go on. Errors of the events themselves
 /// are returned.
 pub fn time_interleaved(
+    ctx: &Context,
+    opts: InterleavedOptions,
+    n: usize,
+    f: impl FnMut(usize, usize) -> Result<()>,
+) -> Result<Interleaved> {
+    // Candidates run eagerly: capturing each for replay would only cost (`replay::suspended`).
+    suspended(|| interleaved(ctx, opts, n, f))
+}
+
+fn interleaved(
     ctx: &Context,
     opts: InterleavedOptions,
     n: usize,
@@ -757,8 +768,18 @@ pub(crate) fn time_interleaved_gpu_until(
     deadline: Option<Instant>,
     f: impl FnMut(usize, usize) -> Result<()>,
 ) -> Result<Interleaved> {
+    suspended(|| interleaved_gpu_until(ctx, opts, n, deadline, f))
+}
+
+fn interleaved_gpu_until(
+    ctx: &Context,
+    opts: InterleavedOptions,
+    n: usize,
+    deadline: Option<Instant>,
+    f: impl FnMut(usize, usize) -> Result<()>,
+) -> Result<Interleaved> {
     let Some(head) = HeadStart::new(ctx) else {
-        return time_interleaved(ctx, opts, n, f);
+        return interleaved(ctx, opts, n, f);
     };
     let mut r = Runner::new(f, n);
     r.warm_up(opts.warmup_rounds);

@@ -9,6 +9,8 @@
 //! stream is itself capturing (`Context::capture`), executions run eagerly, so that the
 //! framework's graph holds them. `NNFUSE_CUDNN_REPLAY=0` turns replays off.
 
+use std::cell::Cell;
+
 use cudarc::cudnn::{result as cudnn_result, sys};
 use cudarc::driver::{result as drv_result, sys as drv};
 
@@ -33,6 +35,31 @@ impl Drop for Exec {
     }
 }
 
+thread_local! {
+    /// Measurements running on this thread ([`suspended`]).
+    static MEASURING: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Runs `f` with replays suspended on this thread: executions inside run eagerly and are not
+/// remembered. A measurement's candidates (`timing.rs`) run a few times each and most are thrown
+/// away: capturing them would cost host time inside the decision's budget and keep a graph per
+/// candidate. The GPU time of an execution and of its replay are the same kernels'.
+pub(crate) fn suspended<R>(f: impl FnOnce() -> R) -> R {
+    struct Resume;
+    impl Drop for Resume {
+        fn drop(&mut self) {
+            MEASURING.with(|m| m.set(m.get().saturating_sub(1)));
+        }
+    }
+    MEASURING.with(|m| m.set(m.get() + 1));
+    let _resume = Resume;
+    f()
+}
+
+fn is_suspended() -> bool {
+    MEASURING.with(|m| m.get() > 0)
+}
+
 /// One plan's replay slots.
 pub(crate) type Replays = ReplaySlots<Exec>;
 
@@ -47,7 +74,8 @@ pub(crate) enum Replayed {
 }
 
 /// Decides an execution of `key` (`None`: never replayed) and launches its graph when one is
-/// kept. `on` is the Context's `cudnn_replay`. `what` names the plan in events.
+/// kept. `on` is the Context's `cudnn_replay`; inside a measurement ([`suspended`]) every
+/// execution runs eagerly. `what` names the plan in events.
 ///
 /// # Safety
 /// The guard's stream is live; a kept graph's addresses are `key`'s (valid for the call).
@@ -58,7 +86,7 @@ pub(crate) unsafe fn before_execute(
     on: bool,
     what: &'static str,
 ) -> Result<Replayed> {
-    if !on {
+    if !on || is_suspended() {
         return Ok(Replayed::Eager);
     }
     let next = replays.next(key);
@@ -163,4 +191,25 @@ unsafe fn record(
         ));
     }
     Ok(graph)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn measurements_suspend_replays_on_their_thread_only_and_nest() {
+        assert!(!is_suspended());
+        suspended(|| {
+            assert!(is_suspended());
+            suspended(|| assert!(is_suspended()));
+            assert!(is_suspended());
+            std::thread::spawn(|| assert!(!is_suspended()))
+                .join()
+                .unwrap();
+        });
+        assert!(!is_suspended());
+        let _ = std::panic::catch_unwind(|| suspended(|| panic!("a failed measurement")));
+        assert!(!is_suspended(), "a panic inside left replays suspended");
+    }
 }
