@@ -14,7 +14,7 @@
 //! - the **floor**: FLOPs (`2·N·K·C·R·S·OH·OW`) over the tensor/FMA peak, or bytes (each
 //!   operand read or written once) over the 3.0 TB/s copy bandwidth, whichever is larger.
 //!
-//! `cargo bench --bench conv_suite [-- --filter NAME] [--json FILE]` (on a GPU). JSON lines
+//! `cargo bench --bench conv_suite [-- --filter NAME] [--json FILE] [--burst K]` (on a GPU). JSON lines
 //! (one per problem-direction) go to `--json FILE` for `compare_conv.py`.
 
 #[path = "support/conv_problems.rs"]
@@ -94,7 +94,12 @@ fn measure(
     call()?;
     ctx.synchronize()?;
     let first_ms = t.elapsed().as_secs_f64() * 1e3;
-    // Warm-up, and a host-time estimate to size the bursts.
+    // Warm-up (a repeated cuDNN graph-API call is captured for replay at its second call:
+    // hundreds of µs once), then a host-time estimate of the steady state to size the bursts.
+    for _ in 0..3 {
+        call()?;
+    }
+    ctx.synchronize()?;
     let t = Instant::now();
     for _ in 0..3 {
         call()?;
@@ -104,7 +109,11 @@ fn measure(
     // A burst's queuing must fit in the head start (fills of ~350 µs each, kernels as in
     // `nnfuse demo`: device memsets did not hold the GPU back): K calls, and more fills when
     // even one call queues slower than that.
-    let k = ((200.0 / host_est_us.max(1.0)) as usize).clamp(1, 20);
+    let k = BURST
+        .get()
+        .copied()
+        .flatten()
+        .unwrap_or(((200.0 / host_est_us.max(1.0)) as usize).clamp(1, 20));
     let fills = ((host_est_us * k as f64) / 200.0).ceil().max(1.0) as usize;
     let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
     let (mut gpu, mut host) = (Vec::new(), Vec::new());
@@ -220,6 +229,10 @@ fn direction_name(d: Direction) -> &'static str {
     }
 }
 
+/// `--burst K`: K calls per sample whatever the warm-up's host time (how a call's GPU time depends
+/// on whether it follows other GPU work or a call of its own).
+static BURST: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+
 fn main() -> std::process::ExitCode {
     // Decisions' traces (timestamped, on stderr) where NNFUSE_LOG asks for them.
     tracing_subscriber::fmt()
@@ -240,6 +253,8 @@ fn run() -> anyhow::Result<()> {
             .and_then(|i| args.get(i + 1).cloned())
     };
     let filter = arg("--filter").unwrap_or_default();
+    let burst = arg("--burst").map(|k| k.parse::<usize>()).transpose()?;
+    let _ = BURST.set(burst.map(|k| k.max(1)));
     let mut json_out = match arg("--json") {
         Some(path) => Some(std::fs::File::create(path)?),
         None => None,

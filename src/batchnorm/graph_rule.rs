@@ -9,9 +9,9 @@
 //! graph to graph BatchNorm + nnfuse's activation kernels, graph BatchNorm to the legacy calls:
 //! [`graph_epilogue`]); `auto`
 //! takes the graph only where [`GRAPH_FOR_AUTO`] is on and the layout and type are ones cuDNN
-//! documents for its BatchNorm engines ([`graph_supported`]). [`GRAPH_FOR_AUTO`] is off until
-//! the graph route is measured on the GPU (accuracy against the f64 reference and the legacy
-//! route, host and GPU time): `docs/CUDNN-GRAPH.md`, "BatchNorm".
+//! documents for its BatchNorm engines ([`graph_supported`]). [`GRAPH_FOR_AUTO`] is off: on the
+//! H100 the graph's backward is up to 1.6x slower on the GPU than the legacy call (its host cost,
+//! replayed, is half the legacy pair's): `docs/CUDNN-GRAPH.md`, "BatchNorm".
 
 use crate::batchnorm::types::{BnMode, Fuse, Phase};
 use crate::config::{Config, CudnnApi};
@@ -23,9 +23,10 @@ use crate::layout::{ChannelLayout, TensorFormat};
 pub const GRAPH_MIN_CUDNN_VERSION: usize = 90000;
 
 /// Whether `NNFUSE_CUDNN_API=auto` takes the graph route for BatchNorm where it applies. Off: the
-/// route is built and tested against the f64 reference (`tests/gpu_batchnorm_graph.rs`) but not
-/// yet measured on the H100 against the legacy calls; `graph` forces it. Flip it when the GPU
-/// tests pass and `benches/batchnorm.rs` / `benches/host_overhead.rs` show it at least as fast.
+/// route matches the f64 reference and the legacy calls (`tests/gpu_batchnorm_graph.rs`) and,
+/// replayed, costs half the legacy pair's host time, but on the H100 (cuDNN 9.19) its backward
+/// takes up to 1.6x the legacy call's GPU time and BN+ReLU in halves has no backward epilogue
+/// engine (`benches/batchnorm.rs`, `NNFUSE_BENCH_BN=api`); `graph` forces it.
 pub const GRAPH_FOR_AUTO: bool = false;
 
 /// Whether cuDNN documents its BatchNorm engines for `layout` and `dtype` activations: its batch
@@ -106,8 +107,9 @@ pub fn infer_cudnn_api(
     match api {
         CudnnApi::Graph => graph("forced by NNFUSE_CUDNN_API / Config::cudnn_api"),
         _ if !GRAPH_FOR_AUTO => legacy(
-            "the graph route is not yet measured on the GPU against the legacy calls \
-             (GRAPH_FOR_AUTO is off); NNFUSE_CUDNN_API=graph forces it (docs/CUDNN-GRAPH.md)"
+            "the graph route's backward is up to 1.6x slower on the GPU than the legacy call \
+             on the H100 (GRAPH_FOR_AUTO is off; its host cost, replayed, is half the legacy \
+             pair's); NNFUSE_CUDNN_API=graph forces it (docs/CUDNN-GRAPH.md)"
                 .into(),
         ),
         _ => match graph_supported(layout, dtype) {
