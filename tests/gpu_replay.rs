@@ -1,7 +1,8 @@
-//! cuDNN graph-API executions replayed from CUDA graphs captured at their second call with the
-//! same buffers (`Config::cudnn_replay`, on by default): convolutions (every direction, the
-//! filter gradient accumulating too) and BatchNorm training forward and backward (plain and the
-//! Add+ReLU epilogue graph) give bit for bit what executing every call gives, replays read the
+//! cuDNN calls replayed from CUDA graphs captured at their second call with the same buffers
+//! (`Config::cudnn_replay`, on by default), through the graph API and the legacy calls:
+//! convolutions (every direction, the filter gradient accumulating too) and BatchNorm training
+//! forward and backward (plain, the Add+ReLU epilogue graph, the legacy fused Ex calls) give bit
+//! for bit what executing every call gives, replays read the
 //! inputs written since the capture, a changed scalar (momentum) or buffer is not replayed from
 //! a stale graph, and `cudnn_replay = false` captures nothing. Every output is poisoned before
 //! each call and checked against the f64 reference. Ignored without a GPU.
@@ -81,9 +82,13 @@ fn bits<T: Element>(ctx: &Context, b: &CudaSlice<T>) -> Vec<u64> {
 /// A Context whose convolutions run cuDNN's graph route, deterministic (so that eager calls
 /// and replays can be compared bit for bit).
 fn graph_ctx(replay: bool) -> Context {
+    api_ctx(CudnnApi::Graph, replay)
+}
+
+fn api_ctx(api: CudnnApi, replay: bool) -> Context {
     gpu_with(
         Config::default()
-            .with_cudnn_api(CudnnApi::Graph)
+            .with_cudnn_api(api)
             .with_deterministic(true)
             .with_cudnn_replay(replay),
     )
@@ -120,14 +125,19 @@ fn assert_all_equal(what: &str, runs: &[Vec<u64>]) {
     }
 }
 
-fn conv_case<T: Element>(format: TensorFormat, seed_tag: &str) {
+fn conv_case<T: Element>(path: ConvPath, format: TensorFormat, seed_tag: &str) {
     let (counts, _guard) = count_events();
-    let ctx = graph_ctx(true);
+    let api = if path == ConvPath::Cudnn {
+        CudnnApi::Legacy
+    } else {
+        CudnnApi::Graph
+    };
+    let ctx = api_ctx(api, true);
     let mut rng = Rng::fresh(seed_tag);
     let s = ConvShape::square(2, 16, 8, 24, 3, format);
-    let what = |d: &str| format!("{} {} {d}", describe(&s), T::DTYPE);
+    let what = |d: &str| format!("{} {} {path} {d}", describe(&s), T::DTYPE);
     let conv = Conv2d::<T>::new(&ctx, &s).unwrap();
-    let graph = Route::path(ConvPath::CudnnGraph);
+    let graph = Route::path(path);
     let (xl, wl, yl) = (s.x_len().unwrap(), s.w_len().unwrap(), s.y_len().unwrap());
     let (xh, wh, dyh) = (
         rng.vec::<T>(xl, -1.0, 1.0),
@@ -207,8 +217,15 @@ fn conv_case<T: Element>(format: TensorFormat, seed_tag: &str) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn graph_convolutions_replay_bit_identical_and_read_fresh_inputs() {
-    conv_case::<f16>(TensorFormat::Nhwc, "replay_conv_f16");
-    conv_case::<f32>(TensorFormat::Nchw, "replay_conv_f32");
+    conv_case::<f16>(ConvPath::CudnnGraph, TensorFormat::Nhwc, "replay_conv_f16");
+    conv_case::<f32>(ConvPath::CudnnGraph, TensorFormat::Nchw, "replay_conv_f32");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn legacy_convolutions_replay_bit_identical_and_read_fresh_inputs() {
+    conv_case::<f16>(ConvPath::Cudnn, TensorFormat::Nhwc, "replay_legacy_conv_f16");
+    conv_case::<f32>(ConvPath::Cudnn, TensorFormat::Nchw, "replay_legacy_conv_f32");
 }
 
 #[test]
@@ -331,12 +348,12 @@ impl<T: Element> BnBufs<T> {
     }
 }
 
-fn bn_case<T: Element>(fuse: Fuse, tag: &str) {
+fn bn_case<T: Element>(api: CudnnApi, fuse: Fuse, tag: &str) {
     let (counts, _guard) = count_events();
     let config = |replay| {
         Config::default()
             .with_bn_impl(BnImpl::Cudnn)
-            .with_cudnn_api(CudnnApi::Graph)
+            .with_cudnn_api(api)
             .with_deterministic(true)
             .with_cudnn_replay(replay)
     };
@@ -358,7 +375,7 @@ fn bn_case<T: Element>(fuse: Fuse, tag: &str) {
         BnBufs::new(&on, &shape, fuse, &host),
         BnBufs::new(&off, &shape, fuse, &host),
     );
-    let what = format!("BatchNorm {:?} {} {}", fuse, T::DTYPE, tag);
+    let what = format!("BatchNorm {api} {:?} {} {}", fuse, T::DTYPE, tag);
     // Steps 0-3 repeat every buffer and scalar (eager, captured, replayed, replayed; fresh x
     // before step 3); step 4 changes the momentum (a new key: executed, never the stale graph).
     let mut ran_graph = false;
@@ -410,7 +427,16 @@ fn bn_case<T: Element>(fuse: Fuse, tag: &str) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn graph_batchnorm_replays_bit_identical_to_executing_every_call() {
-    bn_case::<f16>(Fuse::None, "replay_bn_f16");
-    bn_case::<f16>(Fuse::AddRelu, "replay_bn_f16_add_relu");
-    bn_case::<f32>(Fuse::None, "replay_bn_f32");
+    bn_case::<f16>(CudnnApi::Graph, Fuse::None, "replay_bn_f16");
+    bn_case::<f16>(CudnnApi::Graph, Fuse::AddRelu, "replay_bn_f16_add_relu");
+    bn_case::<f32>(CudnnApi::Graph, Fuse::None, "replay_bn_f32");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn legacy_batchnorm_replays_bit_identical_to_executing_every_call() {
+    bn_case::<f16>(CudnnApi::Legacy, Fuse::None, "replay_legacy_bn_f16");
+    bn_case::<f16>(CudnnApi::Legacy, Fuse::Relu, "replay_legacy_bn_f16_relu");
+    bn_case::<f16>(CudnnApi::Legacy, Fuse::AddRelu, "replay_legacy_bn_f16_add_relu");
+    bn_case::<f32>(CudnnApi::Legacy, Fuse::None, "replay_legacy_bn_f32");
 }

@@ -13,6 +13,7 @@ use cudarc::driver::sys::CUdeviceptr;
 
 use crate::batchnorm::descriptor::{cudnn_mode, ReluDesc, TensorDesc};
 use crate::batchnorm::types::BnMode;
+use crate::cudnn_graph::replay_rule::ReplayKey;
 use crate::error::{cudnn_check, Result};
 
 /// cuDNN's fused operation selector.
@@ -133,6 +134,62 @@ pub(crate) struct FwdPtrs {
     pub(crate) saved_inv_var: CUdeviceptr,
 }
 
+/// Which legacy BatchNorm call a replay key is of (with the BatchNorm's fixed descriptors, mode
+/// and activation, it names the call).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Call {
+    /// `cudnnBatchNormalizationForwardTrainingEx` with these ops.
+    ForwardEx(Ops),
+    /// `cudnnBatchNormalizationForwardTraining`.
+    Forward,
+    /// `cudnnBatchNormalizationBackwardEx` with these ops.
+    BackwardEx(Ops),
+    /// `cudnnBatchNormalizationBackward`.
+    Backward,
+}
+
+impl Call {
+    fn tag(self) -> u64 {
+        let ops = |o: Ops| o as u64;
+        match self {
+            Call::ForwardEx(o) => 1 + ops(o),
+            Call::Forward => 8,
+            Call::BackwardEx(o) => 16 + ops(o),
+            Call::Backward => 24,
+        }
+    }
+}
+
+impl FwdPtrs {
+    /// The replay key of `call` on these pointers (`cudnn_graph/replay_rule.rs`): workspace and
+    /// reserve (address, bytes), momentum and epsilon.
+    pub(crate) fn replay_key(
+        &self,
+        call: Call,
+        ws: (u64, usize),
+        reserve: (u64, usize),
+        momentum: f64,
+        eps: f64,
+    ) -> Option<ReplayKey> {
+        let all = [
+            self.x,
+            self.z,
+            self.y,
+            self.gamma,
+            self.beta,
+            self.running_mean,
+            self.running_var,
+            self.saved_mean,
+            self.saved_inv_var,
+            call.tag(),
+            ws.1 as u64,
+            reserve.0,
+            reserve.1 as u64,
+        ];
+        ReplayKey::new(&all, ws.0, [momentum, eps])
+    }
+}
+
 /// `cudnnBatchNormalizationForwardTrainingEx`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn forward_training_ex(
@@ -234,6 +291,37 @@ pub(crate) struct BwdPtrs {
     pub(crate) dbeta: CUdeviceptr,
     pub(crate) saved_mean: CUdeviceptr,
     pub(crate) saved_inv_var: CUdeviceptr,
+}
+
+impl BwdPtrs {
+    /// The replay key of `call` on these pointers: workspace and reserve (address, bytes) and
+    /// the forward's epsilon.
+    pub(crate) fn replay_key(
+        &self,
+        call: Call,
+        ws: (u64, usize),
+        reserve: (u64, usize),
+        eps: f64,
+    ) -> Option<ReplayKey> {
+        let all = [
+            self.x,
+            self.y,
+            self.dy,
+            self.dz,
+            self.dx,
+            self.gamma,
+            self.beta,
+            self.dgamma,
+            self.dbeta,
+            self.saved_mean,
+            self.saved_inv_var,
+            call.tag(),
+            ws.1 as u64,
+            reserve.0,
+            reserve.1 as u64,
+        ];
+        ReplayKey::new(&all, ws.0, [eps, 0.0])
+    }
 }
 
 /// `cudnnBatchNormalizationBackwardEx`.

@@ -6,13 +6,13 @@
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::CudaSlice;
 
 use crate::activation;
 use crate::batchnorm::args::{BackwardArgs, InferenceArgs, TrainArgs};
-use crate::batchnorm::cudnn_calls::{self as calls, BwdPtrs, ExSizes, FwdPtrs, Ops};
+use crate::batchnorm::cudnn_calls::{self as calls, BwdPtrs, Call, ExSizes, FwdPtrs, Ops};
 use crate::batchnorm::descriptor::{ParamDesc, ReluDesc, TensorDesc};
 use crate::batchnorm::graph_route::{GraphRoute, InferPtrs, InferRan};
 use crate::batchnorm::own::{self, BwdBufs, Counters, FwdBufs, InferBufs};
@@ -21,6 +21,7 @@ use crate::batchnorm::plan::{plan, BnPlan, PlanRequest, ASSUMED_CUDNN_VERSION};
 use crate::batchnorm::state::{BnSaved, Owned, Spares};
 use crate::batchnorm::types::{BnApi, BnOptions, BnPath, Fuse, OwnVariant, Phase};
 use crate::context::{cudnn_present, cudnn_version, Context};
+use crate::cudnn_graph::replay::{self, Replays};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::validate::{Aliasing, Binder, Need};
@@ -49,6 +50,10 @@ pub(super) struct Core {
     spares: Arc<Spares>,
 }
 
+/// How replay events name the legacy calls.
+const FWD: &str = "legacy BatchNorm forward";
+const BWD: &str = "legacy BatchNorm backward";
+
 /// The cuDNN half of a Core.
 #[derive(Debug)]
 struct CudnnParts {
@@ -61,6 +66,8 @@ struct CudnnParts {
     /// Ex-API sizes for plain BN (plans whose BN runs through the Ex API, and fused plans, which
     /// fall back to it).
     bn_sizes: Option<ExSizes>,
+    /// The legacy calls captured for replay (`cudnn_graph/replay.rs`).
+    replays: Mutex<Replays>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -240,6 +247,7 @@ impl CudnnParts {
             relu,
             fused_sizes: None,
             bn_sizes: None,
+            replays: Mutex::new(Replays::default()),
         };
         if train.api == BnApi::Ex || train.path == BnPath::CudnnFused {
             let mut guard = ctx.lock()?;
@@ -703,23 +711,27 @@ impl<T: Element> BatchNorm<T> {
             let mut guard = ctx.lock()?;
             let h = guard.cudnn()?;
             let ws = guard.workspace(sizes.forward_workspace)?;
-            crate::profile::stage!(Vendor);
+            let ops = fused_ops(core.fuse);
+            let (wsp, rsv) = ((ws, sizes.forward_workspace), (rptr, sizes.reserve));
+            let key = p.replay_key(Call::ForwardEx(ops), wsp, rsv, momentum, eps);
             // SAFETY: pointers validated against the descriptors by the caller; workspace
-            // and reserve sized by cuDNN's queries.
+            // and reserve sized by cuDNN's queries; the call goes through the guard's handle.
             unsafe {
-                calls::forward_training_ex(
-                    h,
-                    mode,
-                    fused_ops(core.fuse),
-                    &cu.x_desc,
-                    &cu.train_param.desc,
-                    cu.relu.as_ref(),
-                    p,
-                    momentum,
-                    eps,
-                    (ws, sizes.forward_workspace),
-                    (rptr, sizes.reserve),
-                )
+                replay::run(&mut guard, h, &cu.replays, key, FWD, || {
+                    calls::forward_training_ex(
+                        h,
+                        mode,
+                        ops,
+                        &cu.x_desc,
+                        &cu.train_param.desc,
+                        cu.relu.as_ref(),
+                        p,
+                        momentum,
+                        eps,
+                        wsp,
+                        rsv,
+                    )
+                })
             }
         };
         match result {
@@ -774,38 +786,43 @@ impl<T: Element> BatchNorm<T> {
                     bn_reserve = self.reserve(sizes.reserve)?;
                     let rptr = bn_reserve.as_ref().map_or(0, |r| r.ptr);
                     drop(ws_stage);
-                    crate::profile::stage!(Vendor);
+                    let (wsp, rsv) = ((ws, sizes.forward_workspace), (rptr, sizes.reserve));
+                    let key = p.replay_key(Call::ForwardEx(Ops::Bn), wsp, rsv, momentum, eps);
                     // SAFETY: as above.
                     unsafe {
-                        calls::forward_training_ex(
-                            h,
-                            core.train.mode,
-                            Ops::Bn,
-                            &cu.x_desc,
-                            &cu.train_param.desc,
-                            None,
-                            p,
-                            momentum,
-                            eps,
-                            (ws, sizes.forward_workspace),
-                            (rptr, sizes.reserve),
-                        )
+                        replay::run(&mut guard, h, &cu.replays, key, FWD, || {
+                            calls::forward_training_ex(
+                                h,
+                                core.train.mode,
+                                Ops::Bn,
+                                &cu.x_desc,
+                                &cu.train_param.desc,
+                                None,
+                                p,
+                                momentum,
+                                eps,
+                                wsp,
+                                rsv,
+                            )
+                        })
                     }?
                 }
                 BnApi::Legacy => {
                     drop(ws_stage);
-                    crate::profile::stage!(Vendor);
+                    let key = p.replay_key(Call::Forward, (0, 0), (0, 0), momentum, eps);
                     // SAFETY: as above.
                     unsafe {
-                        calls::forward_training(
-                            h,
-                            core.train.mode,
-                            &cu.x_desc,
-                            &cu.train_param.desc,
-                            p,
-                            momentum,
-                            eps,
-                        )
+                        replay::run(&mut guard, h, &cu.replays, key, FWD, || {
+                            calls::forward_training(
+                                h,
+                                core.train.mode,
+                                &cu.x_desc,
+                                &cu.train_param.desc,
+                                p,
+                                momentum,
+                                eps,
+                            )
+                        })
                     }?
                 }
                 // A plan without cuDNN runs nnfuse's own kernels and never gets here.
@@ -1093,28 +1110,34 @@ impl<T: Element> BatchNorm<T> {
             let rptr = reserve.map_or(0, |r| r.ptr);
             let rlen = reserve.map_or(0, |r| r.buf.len());
             drop(ws_stage);
-            crate::profile::stage!(Vendor);
-            // SAFETY: validated buffers, cuDNN-sized workspace, the forward's reserve.
+            let (wsp, rsv) = ((ws, sizes.backward_workspace), (rptr, rlen));
+            let key = ptrs.replay_key(Call::BackwardEx(ops), wsp, rsv, saved.eps);
+            // SAFETY: validated buffers, cuDNN-sized workspace, the forward's reserve; the call
+            // goes through the guard's handle.
             unsafe {
-                calls::backward_ex(
-                    h,
-                    mode,
-                    ops,
-                    &cu.x_desc,
-                    &cu.train_param.desc,
-                    relu,
-                    &ptrs,
-                    saved.eps,
-                    (ws, sizes.backward_workspace),
-                    (rptr, rlen),
-                )
+                replay::run(&mut guard, h, &cu.replays, key, BWD, || {
+                    calls::backward_ex(
+                        h,
+                        mode,
+                        ops,
+                        &cu.x_desc,
+                        &cu.train_param.desc,
+                        relu,
+                        &ptrs,
+                        saved.eps,
+                        wsp,
+                        rsv,
+                    )
+                })
             }?;
         } else {
             drop(ws_stage);
-            crate::profile::stage!(Vendor);
+            let key = ptrs.replay_key(Call::Backward, (0, 0), (0, 0), saved.eps);
             // SAFETY: as above.
             unsafe {
-                calls::backward(h, mode, &cu.x_desc, &cu.train_param.desc, &ptrs, saved.eps)
+                replay::run(&mut guard, h, &cu.replays, key, BWD, || {
+                    calls::backward(h, mode, &cu.x_desc, &cu.train_param.desc, &ptrs, saved.eps)
+                })
             }?;
         }
         tracing::debug!(?path, ?api, "BatchNorm backward");

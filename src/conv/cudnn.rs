@@ -15,13 +15,14 @@
 
 use std::ffi::c_void;
 use std::mem::MaybeUninit;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use cudarc::cudnn::sys as cudnn;
 
 pub(crate) use super::problem::CudnnPtrs;
 use super::problem::{ConvShape, Direction};
 pub use super::problem::{CudnnAlgo, CudnnMath, CudnnPerf};
+use crate::cudnn_graph::replay::Replays;
 use crate::dtype::DType;
 use crate::error::{cudnn_check, Error, Result};
 use crate::layout::TensorFormat;
@@ -309,6 +310,8 @@ pub(crate) struct CudnnConv {
     w: Filter,
     /// One convolution descriptor per math type, made on first use (the primary one at once).
     conv: [OnceLock<Conv>; 4],
+    /// The calls captured for replay (`cudnn_graph/replay.rs`; `cudnn_run.rs` keys them).
+    pub(crate) replays: Mutex<Replays>,
 }
 
 static ONE: f32 = 1.0;
@@ -337,6 +340,7 @@ impl CudnnConv {
             y: Tensor4d::new(s.format, dtype, [s.n, s.c_out, oh, ow])?,
             w: Filter::new(s, dtype)?,
             conv: Default::default(),
+            replays: Mutex::new(Replays::default()),
         };
         let primary = this.conv(CudnnMath::primary(dtype))?;
         let (mut n, mut c, mut h, mut w) = (0, 0, 0, 0);

@@ -401,7 +401,7 @@ impl GraphBn {
             };
         }
         let ptrs = &ptrs[..roles.len()];
-        let key = ReplayKey::new(ptrs, ws, [cells.eps, cells.momentum]);
+        let key = ReplayKey::new(ptrs, ws, [f64::from(cells.eps), f64::from(cells.momentum)]);
         let on = ctx.config().cudnn_replay;
         let next = replay::before_execute(&g, replays, key.as_ref(), on, "BatchNorm")?;
         if let Replayed::Done = next {

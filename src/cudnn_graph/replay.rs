@@ -10,6 +10,7 @@
 //! framework's graph holds them. `NNFUSE_CUDNN_REPLAY=0` turns replays off.
 
 use std::cell::Cell;
+use std::sync::Mutex;
 
 use cudarc::cudnn::{result as cudnn_result, sys};
 use cudarc::driver::{result as drv_result, sys as drv};
@@ -17,6 +18,7 @@ use cudarc::driver::{result as drv_result, sys as drv};
 use crate::context::Locked;
 use crate::error::{CallExt, Result};
 
+use super::plans::lock;
 use super::replay_rule::{Next, ReplayKey, ReplaySlots};
 
 /// An instantiated CUDA graph of one execution.
@@ -111,6 +113,38 @@ pub(crate) unsafe fn before_execute(
         }
         _ => Ok(Replayed::Capture),
     }
+}
+
+/// Runs `execute` — one cuDNN call through `handle`, the guard's, that needs nothing prepared
+/// (a legacy call) — replayed when `key` repeats, captured at its second call, else executed
+/// ([`before_execute`]; the Context's `cudnn_replay` decides whether at all).
+///
+/// # Safety
+/// As [`before_execute`] and [`capture_and_launch`]; `execute` is safe to call (its own
+/// contract checked by the caller).
+pub(crate) unsafe fn run(
+    g: &mut Locked<'_>,
+    handle: sys::cudnnHandle_t,
+    replays: &Mutex<Replays>,
+    key: Option<ReplayKey>,
+    what: &'static str,
+    execute: impl Fn() -> Result<()>,
+) -> Result<()> {
+    let on = g.context().config().cudnn_replay;
+    let mut slots = lock(replays);
+    match before_execute(g, &mut slots, key.as_ref(), on, what)? {
+        Replayed::Done => return Ok(()),
+        Replayed::Capture => {
+            if let Some(key) = key.as_ref() {
+                if capture_and_launch(g, handle, &mut slots, key, what, &execute)? {
+                    return Ok(());
+                }
+            }
+        }
+        Replayed::Eager => {}
+    }
+    crate::profile::stage!(Vendor);
+    execute()
 }
 
 /// Captures `execute` (one `cudnnBackendExecute` through `handle`) for `key`, keeps the graph

@@ -29,14 +29,14 @@ pub struct ReplayKey {
     ptrs: [u64; MAX_REPLAY_PTRS],
     len: u8,
     workspace: u64,
-    scalars: [u32; 2],
+    scalars: [u64; 2],
 }
 
 impl ReplayKey {
     /// The key of an execution with pack addresses `ptrs`, workspace `workspace` and by-value
-    /// scalars `scalars` (zeros for a plan without any); `None` when `ptrs` holds more than
-    /// [`MAX_REPLAY_PTRS`] addresses (such an execution always runs eagerly).
-    pub fn new(ptrs: &[u64], workspace: u64, scalars: [f32; 2]) -> Option<ReplayKey> {
+    /// scalars `scalars` (zeros for a call without any; f32 scalars widened exactly); `None` when
+    /// `ptrs` holds more than [`MAX_REPLAY_PTRS`] addresses (such a call always runs eagerly).
+    pub fn new(ptrs: &[u64], workspace: u64, scalars: [f64; 2]) -> Option<ReplayKey> {
         if ptrs.len() > MAX_REPLAY_PTRS {
             return None;
         }
@@ -46,7 +46,7 @@ impl ReplayKey {
             ptrs: all,
             len: ptrs.len() as u8,
             workspace,
-            scalars: scalars.map(f32::to_bits),
+            scalars: scalars.map(f64::to_bits),
         })
     }
 }
