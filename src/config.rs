@@ -16,7 +16,7 @@
 //! | `NNFUSE_CUDNN_WORKSPACE_MB` | integer, 1 to 1048576 (1 TiB) | 2048 | cap on the workspace of one cuDNN convolution algorithm or graph engine config |
 //! | `NNFUSE_DETERMINISTIC` | boolean | false | only deterministic algorithms (cuDNN convolution backward) |
 //! | `NNFUSE_CUDNN_API` | `auto`, `graph`, `legacy` | `auto` | which cuDNN API runs convolutions and BatchNorm (see [`CudnnApi`]) |
-//! | `NNFUSE_CUDNN_REPLAY` | boolean | true | replay a cuDNN graph-API execution repeated with the same buffers from a CUDA graph captured at its second call (see [`Config::cudnn_replay`]) |
+//! | `NNFUSE_CUDNN_REPLAY` | boolean | true | replay a cuDNN call (graph-API execution, legacy convolution or BatchNorm call) repeated with the same buffers from a CUDA graph captured at its second call (see [`Config::cudnn_replay`]) |
 //! | `NNFUSE_CONV_TUNE_BUDGET_MS` | integer, 0 to 600000 | 70 | host milliseconds the first call of a convolution direction may spend deciding; 0 = exhaustive (see [`Config::conv_tune_budget_ms`]) |
 //!
 //! Booleans parse like OneFlow's `ParseBooleanFromEnv`: `1/0`, `true/false`, `yes/no`, `on/off`
@@ -504,10 +504,11 @@ pub struct Config {
     /// report). `0`: exhaustive — no budget, every admitted engine config up to the limit,
     /// engines that compile at run time included (as an explicit tuning run wants).
     pub conv_tune_budget_ms: usize,
-    /// Replay cuDNN graph-API executions (convolutions, BatchNorm) repeated with the same
-    /// buffers: the second call with a plan's addresses, workspace and scalars is captured into
-    /// a CUDA graph, later ones launch it (one `cuGraphLaunch`, about 2 µs of host time, instead
-    /// of `cudnnBackendExecute`'s 5–8 µs). The same kernels run; `false` executes every call.
+    /// Replay cuDNN calls repeated with the same buffers — graph-API executions (convolutions,
+    /// BatchNorm) and the legacy convolution and BatchNorm calls: the second call with the same
+    /// addresses, workspace and scalars is captured into a CUDA graph, later ones launch it (one
+    /// `cuGraphLaunch`, about 2 µs of host time, instead of `cudnnBackendExecute`'s 5–8 µs or a
+    /// legacy call's 10–30). The same kernels run; `false` executes every call.
     pub cudnn_replay: bool,
 }
 

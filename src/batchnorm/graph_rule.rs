@@ -10,8 +10,8 @@
 //! [`graph_epilogue`]); `auto`
 //! takes the graph only where [`GRAPH_FOR_AUTO`] is on and the layout and type are ones cuDNN
 //! documents for its BatchNorm engines ([`graph_supported`]). [`GRAPH_FOR_AUTO`] is off: on the
-//! H100 the graph's backward is up to 1.6x slower on the GPU than the legacy call (its host cost,
-//! replayed, is half the legacy pair's): `docs/CUDNN-GRAPH.md`, "BatchNorm".
+//! H100 the graph's backward is up to 1.6x slower on the GPU than the legacy call (on the host
+//! both, replayed, cost under half the executed legacy pair): `docs/CUDNN-GRAPH.md`, "BatchNorm".
 
 use crate::batchnorm::types::{BnMode, Fuse, Phase};
 use crate::config::{Config, CudnnApi};
@@ -24,7 +24,8 @@ pub const GRAPH_MIN_CUDNN_VERSION: usize = 90000;
 
 /// Whether `NNFUSE_CUDNN_API=auto` takes the graph route for BatchNorm where it applies. Off: the
 /// route matches the f64 reference and the legacy calls (`tests/gpu_batchnorm_graph.rs`) and,
-/// replayed, costs half the legacy pair's host time, but on the H100 (cuDNN 9.19) its backward
+/// replayed, costs under half the executed legacy pair's host time (so do the legacy calls
+/// replayed), but on the H100 (cuDNN 9.19) its backward
 /// takes up to 1.6x the legacy call's GPU time and BN+ReLU in halves has no backward epilogue
 /// engine (`benches/batchnorm.rs`, `NNFUSE_BENCH_BN=api`); `graph` forces it.
 pub const GRAPH_FOR_AUTO: bool = false;
@@ -108,8 +109,8 @@ pub fn infer_cudnn_api(
         CudnnApi::Graph => graph("forced by NNFUSE_CUDNN_API / Config::cudnn_api"),
         _ if !GRAPH_FOR_AUTO => legacy(
             "the graph route's backward is up to 1.6x slower on the GPU than the legacy call \
-             on the H100 (GRAPH_FOR_AUTO is off; its host cost, replayed, is half the legacy \
-             pair's); NNFUSE_CUDNN_API=graph forces it (docs/CUDNN-GRAPH.md)"
+             on the H100 (GRAPH_FOR_AUTO is off; on the host both APIs' repeated calls are \
+             replayed); NNFUSE_CUDNN_API=graph forces it (docs/CUDNN-GRAPH.md)"
                 .into(),
         ),
         _ => match graph_supported(layout, dtype) {
