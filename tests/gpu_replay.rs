@@ -4,9 +4,8 @@
 //! forward and backward (plain, the Add+ReLU epilogue graph, the legacy fused Ex calls) give bit
 //! for bit what executing every call gives, replays read the
 //! inputs written since the capture, a changed scalar (momentum) or buffer is not replayed from
-//! a stale graph, and `cudnn_replay = false` captures nothing; ConvStats' fused graph
-//! (conv + GEN_STATS) likewise. Every output is poisoned before each call and checked against
-//! the f64 reference. Ignored without a GPU.
+//! a stale graph, and `cudnn_replay = false` captures nothing. Every output is poisoned before
+//! each call and checked against the f64 reference. Ignored without a GPU.
 
 mod common;
 mod conv_ref;
@@ -17,7 +16,6 @@ use std::sync::Arc;
 use cudarc::driver::CudaSlice;
 use half::f16;
 use nnfuse::batchnorm::{BackwardArgs, BatchNorm, Fuse, TrainArgs};
-use nnfuse::block::{ConvStats, StatsRoute};
 use nnfuse::config::{BnImpl, Config, CudnnApi};
 use nnfuse::conv::{Conv2d, ConvPath, ConvShape, Route};
 use nnfuse::reference::batchnorm::{self as rb, BnShape};
@@ -454,74 +452,4 @@ fn legacy_batchnorm_replays_bit_identical_to_executing_every_call() {
         "replay_legacy_bn_f16_add_relu",
     );
     bn_case::<f32>(CudnnApi::Legacy, Fuse::None, "replay_legacy_bn_f32");
-}
-
-/// One ConvStats (conv + its output's per-channel sums) on the fused cuDNN graph route, its
-/// outputs poisoned, run `times` times; every call's bits of y, sum and sqsum.
-fn genstats_runs(
-    ctx: &Context,
-    s: &ConvShape,
-    x: &[f16],
-    w: &[f16],
-    times: usize,
-) -> Vec<Vec<u64>> {
-    let unit = ConvStats::<f16>::new(ctx, s).unwrap();
-    let (xd, wd) = (upload(ctx, x), upload(ctx, w));
-    let mut y = poisoned::<f16>(ctx, s.y_len().unwrap());
-    let (mut sum, mut sq) = (poisoned::<f32>(ctx, s.c_out), poisoned::<f32>(ctx, s.c_out));
-    let mut all = Vec::new();
-    for i in 0..times {
-        nnfuse::internals::util::fill(ctx, &mut y, f16::NAN).unwrap();
-        nnfuse::internals::util::fill(ctx, &mut sum, f32::NAN).unwrap();
-        nnfuse::internals::util::fill(ctx, &mut sq, f32::NAN).unwrap();
-        let (xv, wv) = (xd.as_view(), wd.as_view());
-        let (mut yv, mut sv, mut qv) = (y.as_view_mut(), sum.as_view_mut(), sq.as_view_mut());
-        unit.forward_with(
-            StatsRoute::GraphGenstats,
-            &xv,
-            &wv,
-            &mut yv,
-            &mut sv,
-            &mut qv,
-        )
-        .unwrap_or_else(|e| panic!("ConvStats graph route, call {i}: {e}"));
-        let mut bits_all = bits(ctx, &y);
-        bits_all.extend(bits(ctx, &sum));
-        bits_all.extend(bits(ctx, &sq));
-        all.push(bits_all);
-    }
-    all
-}
-
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn fused_graph_executions_replay_bit_identical() {
-    let (counts, _guard) = count_events();
-    let s = ConvShape::square(2, 32, 8, 64, 3, TensorFormat::Nhwc);
-    let mut rng = Rng::fresh("replay_genstats");
-    let x = rng.vec::<f16>(s.x_len().unwrap(), -1.0, 1.0);
-    let w = rng.vec::<f16>(s.w_len().unwrap(), -1.0, 1.0);
-    let on = genstats_runs(&gpu_with(Config::default()), &s, &x, &w, 4);
-    let (captured, replayed) = counts.get();
-    assert!(
-        captured >= 1 && replayed >= 2,
-        "captured {captured}, replayed {replayed}"
-    );
-    let off = genstats_runs(
-        &gpu_with(Config::default().with_cudnn_replay(false)),
-        &s,
-        &x,
-        &w,
-        1,
-    );
-    assert_all_equal("ConvStats graph route", &on);
-    assert_all_equal(
-        "ConvStats graph route, replay off first",
-        &[off[0].clone(), on[3].clone()],
-    );
-    // y (the first elements) against the f64 convolution.
-    let yl = s.y_len().unwrap();
-    let y: Vec<f64> = on[3][..yl].iter().map(|b| f64::from_bits(*b)).collect();
-    let want = conv2d(&s, &f64s(&x), &f64s(&w)).unwrap();
-    compare("ConvStats y", &y, &want, 1e-2).unwrap_or_else(|e| panic!("{e}"));
 }

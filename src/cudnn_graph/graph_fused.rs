@@ -25,8 +25,6 @@ use super::fusion::{self, FusionGraph, ReluAttrs};
 use super::fusion_patterns::{dgrad_drelu_dbn_weight, wgrad_prologue, ConvGenStats, Prologue};
 use super::notes::{admit, EngineInfo, GraphPolicy};
 use super::plans::{self, handle_and_workspace, lock};
-use super::replay::{self, Replayed, Replays};
-use super::replay_rule::{ReplayKey, MAX_REPLAY_PTRS};
 
 /// The tensors of a ConvStats execution, in the order [`GraphFused::execute`] takes their
 /// addresses.
@@ -183,38 +181,15 @@ pub struct GraphFused {
     /// compute-sanitizer ([`crate::config::under_sanitizer`]).
     outputs: Vec<(usize, usize)>,
     pattern: FusedPattern,
-    /// Before `plans`: its captured graphs go before the plans whose kernels they launch.
-    pack: Mutex<FusedPackState>,
     plans: Vec<FusedPlan>,
     /// Configs listed but not finalized, and why.
     skipped: Vec<String>,
     listed: usize,
     /// The plan [`GraphFused::execute`] runs by default (the caller's measurement sets it).
     chosen: AtomicUsize,
+    pack: Mutex<Option<BnVariantPack>>,
     handle: usize,
     _cuda: Arc<CudaContext>,
-}
-
-/// The pinned variant pack (shared by the plans: it names tensors, not engines) and the
-/// executions captured for replay (`replay.rs`; keyed with the plan's index).
-#[derive(Debug, Default)]
-struct FusedPackState {
-    pack: Option<BnVariantPack>,
-    replays: Replays,
-}
-
-/// What an execution bakes into a captured graph: its tensors' addresses, the plan (engine
-/// config) and the workspace; the patterns have no by-value scalars. `None` (never replayed)
-/// past [`MAX_REPLAY_PTRS`].
-fn replay_key(ptrs: &[u64], plan: usize, ws: u64) -> Option<ReplayKey> {
-    let n = ptrs.len();
-    if n + 1 > MAX_REPLAY_PTRS {
-        return None;
-    }
-    let mut all = [0u64; MAX_REPLAY_PTRS];
-    all[..n].copy_from_slice(ptrs);
-    all[n] = plan as u64;
-    ReplayKey::new(&all[..=n], ws, [0.0; 2])
 }
 
 /// Bytes of a real tensor of the graph (its dimensions' product times its element size).
@@ -333,7 +308,7 @@ impl GraphFused {
             skipped,
             listed,
             chosen: AtomicUsize::new(0),
-            pack: Mutex::new(FusedPackState::default()),
+            pack: Mutex::new(None),
             handle: handle as usize,
             _cuda: ctx.cuda().clone(),
         })
@@ -419,14 +394,7 @@ impl GraphFused {
             .ok_or_else(|| Error::invalid("plan", format!("{i} of {}", self.plans.len())))?;
         let mut g = ctx.lock()?;
         let (handle, ws) = handle_and_workspace(&mut g, self.handle, p.plan.workspace())?;
-        let mut guard = lock(&self.pack);
-        let FusedPackState { pack, replays } = &mut *guard;
-        let key = replay_key(ptrs, i, ws);
-        let on = ctx.config().cudnn_replay;
-        let next = replay::before_execute(&g, replays, key.as_ref(), on, "fused graph")?;
-        if let Replayed::Done = next {
-            return Ok(());
-        }
+        let mut pack = lock(&self.pack);
         let (uids, addrs): (Vec<i64>, Vec<u64>) =
             self.order.iter().map(|&(u, k)| (u, ptrs[k])).unzip();
         if pack.as_ref().is_none_or(|v| !v.matches(&addrs, ws)) {
@@ -437,15 +405,6 @@ impl GraphFused {
             return Err(Error::NotSupported("variant pack vanished".into()));
         };
         // SAFETY: the caller's contract; the handle is the plan's, under the Context's lock.
-        let run = || unsafe { fusion::execute(handle, &p.plan, v) };
-        if let (Replayed::Capture, Some(key)) = (next, key.as_ref()) {
-            // SAFETY: `run` queues through the plan's handle only.
-            if unsafe {
-                replay::capture_and_launch(&mut g, handle, replays, key, "fused graph", run)
-            }? {
-                return Ok(());
-            }
-        }
-        run()
+        unsafe { fusion::execute(handle, &p.plan, v) }
     }
 }
