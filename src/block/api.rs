@@ -282,7 +282,9 @@ impl<T: Element> ConvBnInference<T> {
             .map(|c| c.route);
         let route = match decided {
             Some(r) => r,
-            None => return self.decide(x, shortcut, relu, y),
+            None => {
+                return crate::cudnn_graph::replay::suspended(|| self.decide(x, shortcut, relu, y))
+            }
         };
         // Misaligned operands cannot take the GEMM's algorithm: this call only runs unfused.
         if route == BlockRoute::Unfused

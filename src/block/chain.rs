@@ -386,7 +386,7 @@ impl<T: Element> ConvBnChain<T> {
         self.check_args(&a, saved)?;
         let decided = lock(&self.decision).as_ref().map(|c| c.route);
         match decided {
-            None => self.decide(&mut a, saved),
+            None => crate::cudnn_graph::replay::suspended(|| self.decide(&mut a, saved)),
             Some(r) => self.run(r, &mut a, saved),
         }
     }

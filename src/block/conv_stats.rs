@@ -154,7 +154,7 @@ impl<T: Element> ConvStats<T> {
         // The unfused route writes y before it binds the sums: every operand is checked first.
         self.validate(x, w, y, sum, sqsum)?;
         match decided {
-            None => self.decide(x, w, y, sum, sqsum),
+            None => crate::cudnn_graph::replay::suspended(|| self.decide(x, w, y, sum, sqsum)),
             Some(_) => self.run_unfused(x, w, y, sum, sqsum),
         }
     }

@@ -366,9 +366,9 @@ impl<T: Element> ConvBnTrain<T> {
             .as_ref()
             .map(|c| (c.route, c.provisional));
         match decided {
-            None => self.decide(&mut a),
+            None => crate::cudnn_graph::replay::suspended(|| self.decide(&mut a)),
             Some((_, true)) if self.fused_kernels_ready() && !self.ctx.is_capturing()? => {
-                self.decide(&mut a)
+                crate::cudnn_graph::replay::suspended(|| self.decide(&mut a))
             }
             Some((r, _)) => self.run(r, &mut a),
         }

@@ -603,7 +603,8 @@ impl<T: Element> Conv2d<T> {
         };
         self.ctx
             .refuse_under_capture(first, "decide its route (measure)")?;
-        let dec = self.decide(d, p, accumulate)?;
+        // A decision's checks and timings run eagerly (its candidates are thrown away).
+        let dec = crate::cudnn_graph::replay::suspended(|| self.decide(d, p, accumulate))?;
         let exec = dec.exec;
         *st = Some(dec);
         Ok(exec)

@@ -161,6 +161,7 @@ pub(crate) unsafe fn capture_and_launch(
     what: &'static str,
     execute: impl FnOnce() -> Result<()>,
 ) -> Result<bool> {
+    let started = std::time::Instant::now();
     let side = g.capture_stream()?;
     let main = g.context().stream().cu_stream();
     let exec = match capture_on(handle, side, main, execute)? {
@@ -177,6 +178,7 @@ pub(crate) unsafe fn capture_and_launch(
     tracing::debug!(
         plan = what,
         captured = replays.captured(),
+        capture_us = started.elapsed().as_secs_f64() * 1e6,
         "cuDNN execution captured; later calls with the same buffers replay it"
     );
     Ok(true)
