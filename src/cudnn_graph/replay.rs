@@ -1,5 +1,6 @@
-//! Replays of a graph-API plan's executions from captured CUDA graphs (the decisions:
-//! `replay_rule.rs`). A capture records one `cudnnBackendExecute` on the Context's capture-only
+//! Replays of cuDNN calls from captured CUDA graphs — graph-API plans' executions and the legacy
+//! convolution and BatchNorm calls ([`run`]) — (the decisions: `replay_rule.rs`). A capture
+//! records one cuDNN call (`cudnnBackendExecute` or a legacy entry point) on the Context's capture-only
 //! stream — the plan's cuDNN handle is pointed at it meanwhile, under the Context's lock — so
 //! that work other threads queue on the Context's stream is never taken into it; the graph is
 //! then launched on the Context's stream, in order with everything else there.
@@ -38,14 +39,15 @@ impl Drop for Exec {
 }
 
 thread_local! {
-    /// Measurements running on this thread ([`suspended`]).
+    /// Measurements and first-call decisions running on this thread ([`suspended`]).
     static MEASURING: Cell<u32> = const { Cell::new(0) };
 }
 
 /// Runs `f` with replays suspended on this thread: executions inside run eagerly and are not
-/// remembered. A measurement's candidates (`timing.rs`) run a few times each and most are thrown
-/// away: capturing them would cost host time inside the decision's budget and keep a graph per
-/// candidate. The GPU time of an execution and of its replay are the same kernels'.
+/// remembered. A measurement's candidates (`timing.rs`) and a first-call decision's checks run a
+/// few times each and most are thrown away: capturing them would cost host time inside the
+/// decision's budget and keep a graph per candidate. The GPU time of an execution and of its
+/// replay are the same kernels'.
 pub(crate) fn suspended<R>(f: impl FnOnce() -> R) -> R {
     struct Resume;
     impl Drop for Resume {
@@ -76,7 +78,7 @@ pub(crate) enum Replayed {
 }
 
 /// Decides an execution of `key` (`None`: never replayed) and launches its graph when one is
-/// kept. `on` is the Context's `cudnn_replay`; inside a measurement ([`suspended`]) every
+/// kept. `on` is the Context's `cudnn_replay`; inside a measurement or decision ([`suspended`]) every
 /// execution runs eagerly. `what` names the plan in events.
 ///
 /// # Safety
