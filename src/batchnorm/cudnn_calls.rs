@@ -13,7 +13,7 @@ use cudarc::driver::sys::CUdeviceptr;
 
 use crate::batchnorm::descriptor::{cudnn_mode, ReluDesc, TensorDesc};
 use crate::batchnorm::types::BnMode;
-use crate::cudnn_graph::replay_rule::ReplayKey;
+use crate::cudnn_graph::replay_rule::{ReplayKey, MAX_REPLAY_PTRS};
 use crate::error::{cudnn_check, Result};
 
 /// cuDNN's fused operation selector.
@@ -158,6 +158,23 @@ impl Call {
             Call::Backward => 24,
         }
     }
+
+    /// The replay key of this call on `operands`: the call, the workspace and reserve
+    /// (address, bytes) and the by-value `scalars` appended.
+    fn key(
+        self,
+        operands: &[u64],
+        ws: (u64, usize),
+        reserve: (u64, usize),
+        scalars: [f64; 2],
+    ) -> Option<ReplayKey> {
+        let tail = [self.tag(), ws.1 as u64, reserve.0, reserve.1 as u64];
+        let n = operands.len() + tail.len();
+        let mut all = [0u64; MAX_REPLAY_PTRS];
+        all.get_mut(..operands.len())?.copy_from_slice(operands);
+        all.get_mut(operands.len()..n)?.copy_from_slice(&tail);
+        ReplayKey::new(&all[..n], ws.0, scalars)
+    }
 }
 
 impl FwdPtrs {
@@ -171,7 +188,7 @@ impl FwdPtrs {
         momentum: f64,
         eps: f64,
     ) -> Option<ReplayKey> {
-        let all = [
+        let operands = [
             self.x,
             self.z,
             self.y,
@@ -181,12 +198,8 @@ impl FwdPtrs {
             self.running_var,
             self.saved_mean,
             self.saved_inv_var,
-            call.tag(),
-            ws.1 as u64,
-            reserve.0,
-            reserve.1 as u64,
         ];
-        ReplayKey::new(&all, ws.0, [momentum, eps])
+        call.key(&operands, ws, reserve, [momentum, eps])
     }
 }
 
@@ -303,7 +316,7 @@ impl BwdPtrs {
         reserve: (u64, usize),
         eps: f64,
     ) -> Option<ReplayKey> {
-        let all = [
+        let operands = [
             self.x,
             self.y,
             self.dy,
@@ -315,12 +328,8 @@ impl BwdPtrs {
             self.dbeta,
             self.saved_mean,
             self.saved_inv_var,
-            call.tag(),
-            ws.1 as u64,
-            reserve.0,
-            reserve.1 as u64,
         ];
-        ReplayKey::new(&all, ws.0, [eps, 0.0])
+        call.key(&operands, ws, reserve, [eps, 0.0])
     }
 }
 

@@ -402,8 +402,7 @@ impl GraphBn {
         }
         let ptrs = &ptrs[..roles.len()];
         let key = ReplayKey::new(ptrs, ws, [f64::from(cells.eps), f64::from(cells.momentum)]);
-        let on = ctx.config().cudnn_replay;
-        let next = replay::before_execute(&g, replays, key.as_ref(), on, "BatchNorm")?;
+        let next = replay::before_execute(&g, replays, key.as_ref(), "BatchNorm")?;
         if let Replayed::Done = next {
             return Ok(());
         }
@@ -415,23 +414,23 @@ impl GraphBn {
             return Err(Error::NotSupported("variant pack vanished".into()));
         };
         drop(pack_stage);
-        crate::profile::stage!(Vendor);
         // SAFETY: the caller's contract for the data pointers; the scalars live in the plan's
         // state, locked until the call returns (cuDNN reads by-value data during the call); the
-        // handle is the plan's, held under the Context's lock.
-        let run = || {
-            check(
-                sys::cudnnBackendExecute(handle, self.plan.raw(), pack.raw()),
-                "cudnnBackendExecute(BatchNorm)",
-            )
-        };
-        if let (Replayed::Capture, Some(key)) = (next, key.as_ref()) {
-            // SAFETY: `run` queues through the plan's handle only.
-            if replay::capture_and_launch(&mut g, handle, replays, key, "BatchNorm", run)? {
-                return Ok(());
-            }
-        }
-        run()
+        // handle is the plan's, held under the Context's lock, and the only one the call uses.
+        replay::finish(
+            next,
+            &mut g,
+            handle,
+            replays,
+            key.as_ref(),
+            "BatchNorm",
+            || {
+                check(
+                    sys::cudnnBackendExecute(handle, self.plan.raw(), pack.raw()),
+                    "cudnnBackendExecute(BatchNorm)",
+                )
+            },
+        )
     }
 }
 

@@ -443,8 +443,7 @@ impl GraphConv {
         let mut guard = lock(&self.pack);
         let PackState { pack, replays } = &mut *guard;
         let key = ReplayKey::new(&ptrs, ws, [0.0; 2]);
-        let on = ctx.config().cudnn_replay;
-        let next = replay::before_execute(&g, replays, key.as_ref(), on, "convolution")?;
+        let next = replay::before_execute(&g, replays, key.as_ref(), "convolution")?;
         if let Replayed::Done = next {
             return Ok(());
         }
@@ -456,16 +455,17 @@ impl GraphConv {
             return Err(Error::NotSupported("variant pack vanished".into()));
         };
         drop(pack_stage);
-        crate::profile::stage!(Vendor);
-        // SAFETY: the caller's contract; the handle is the plan's, under the Context's lock.
-        let run = || build::execute(handle, &self.plan, p);
-        if let (Replayed::Capture, Some(key)) = (next, key.as_ref()) {
-            // SAFETY: `run` queues through the plan's handle only.
-            if replay::capture_and_launch(&mut g, handle, replays, key, "convolution", run)? {
-                return Ok(());
-            }
-        }
-        run()
+        // SAFETY: the caller's contract; the handle is the plan's, under the Context's lock, and
+        // the only one the call uses.
+        replay::finish(
+            next,
+            &mut g,
+            handle,
+            replays,
+            key.as_ref(),
+            "convolution",
+            || build::execute(handle, &self.plan, p),
+        )
     }
 
     /// Runs the plan on the caller's buffers: inputs `a`, `b` and output `out` are (x, w, y)

@@ -71,15 +71,16 @@ pub(crate) type Replays = ReplaySlots<Exec>;
 pub(crate) enum Replayed {
     /// Launched: the execution is queued, nothing else to do.
     Done,
-    /// The caller executes eagerly.
+    /// To execute eagerly.
     Eager,
-    /// The caller captures the execution with [`capture_and_launch`].
+    /// To capture (its key's second call), then launch.
     Capture,
 }
 
 /// Decides an execution of `key` (`None`: never replayed) and launches its graph when one is
-/// kept. `on` is the Context's `cudnn_replay`; inside a measurement or decision ([`suspended`]) every
-/// execution runs eagerly. `what` names the plan in events.
+/// kept ([`Replayed::Done`]). The guard's Context's `cudnn_replay` says whether at all; inside a
+/// measurement or decision ([`suspended`]) every execution runs eagerly. `what` names the plan
+/// in events. Whatever else it returns goes to [`finish`] with the prepared execution.
 ///
 /// # Safety
 /// The guard's stream is live; a kept graph's addresses are `key`'s (valid for the call).
@@ -87,10 +88,9 @@ pub(crate) unsafe fn before_execute(
     g: &Locked<'_>,
     replays: &mut Replays,
     key: Option<&ReplayKey>,
-    on: bool,
     what: &'static str,
 ) -> Result<Replayed> {
-    if !on || is_suspended() {
+    if !g.context().config().cudnn_replay || is_suspended() {
         return Ok(Replayed::Eager);
     }
     let next = replays.next(key);
@@ -117,13 +117,41 @@ pub(crate) unsafe fn before_execute(
     }
 }
 
-/// Runs `execute` — one cuDNN call through `handle`, the guard's, that needs nothing prepared
-/// (a legacy call) — replayed when `key` repeats, captured at its second call, else executed
-/// ([`before_execute`]; the Context's `cudnn_replay` decides whether at all).
+/// Queues `execute` — one cuDNN call through `handle`, the guard's — as [`before_execute`]
+/// decided: captured for `key` and launched ([`Replayed::Capture`]; executed if the capture
+/// fails), or executed. Nothing for [`Replayed::Done`].
 ///
 /// # Safety
-/// As [`before_execute`] and [`capture_and_launch`]; `execute` is safe to call (its own
+/// As [`before_execute`]; `execute` queues only through `handle` and is safe to call (its own
 /// contract checked by the caller).
+pub(crate) unsafe fn finish(
+    next: Replayed,
+    g: &mut Locked<'_>,
+    handle: sys::cudnnHandle_t,
+    replays: &mut Replays,
+    key: Option<&ReplayKey>,
+    what: &'static str,
+    execute: impl Fn() -> Result<()>,
+) -> Result<()> {
+    let launched = match (next, key) {
+        (Replayed::Done, _) => true,
+        (Replayed::Capture, Some(key)) => {
+            capture_and_launch(g, handle, replays, key, what, &execute)?
+        }
+        _ => false,
+    };
+    if launched {
+        return Ok(());
+    }
+    crate::profile::stage!(Vendor);
+    execute()
+}
+
+/// [`before_execute`] then [`finish`], for a call that needs nothing prepared (a legacy call)
+/// and keeps its slots in `replays`.
+///
+/// # Safety
+/// As [`finish`].
 pub(crate) unsafe fn run(
     g: &mut Locked<'_>,
     handle: sys::cudnnHandle_t,
@@ -132,30 +160,18 @@ pub(crate) unsafe fn run(
     what: &'static str,
     execute: impl Fn() -> Result<()>,
 ) -> Result<()> {
-    let on = g.context().config().cudnn_replay;
     let mut slots = lock(replays);
-    match before_execute(g, &mut slots, key.as_ref(), on, what)? {
-        Replayed::Done => return Ok(()),
-        Replayed::Capture => {
-            if let Some(key) = key.as_ref() {
-                if capture_and_launch(g, handle, &mut slots, key, what, &execute)? {
-                    return Ok(());
-                }
-            }
-        }
-        Replayed::Eager => {}
-    }
-    crate::profile::stage!(Vendor);
-    execute()
+    let next = before_execute(g, &mut slots, key.as_ref(), what)?;
+    finish(next, g, handle, &mut slots, key.as_ref(), what, execute)
 }
 
-/// Captures `execute` (one `cudnnBackendExecute` through `handle`) for `key`, keeps the graph
-/// and launches it. `Ok(false)`: the capture failed — replays are off for this plan from now on
-/// (a warning says why) and the caller executes eagerly; nothing was queued.
+/// Captures `execute` (one cuDNN call through `handle`) for `key`, keeps the graph and launches
+/// it. `Ok(false)`: the capture failed — replays are off for this plan from now on (a warning
+/// says why) and the caller executes eagerly; nothing was queued.
 ///
 /// # Safety
 /// `handle` is the guard's cuDNN handle; `execute` queues only through it.
-pub(crate) unsafe fn capture_and_launch(
+unsafe fn capture_and_launch(
     g: &mut Locked<'_>,
     handle: sys::cudnnHandle_t,
     replays: &mut Replays,
