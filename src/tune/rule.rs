@@ -36,6 +36,56 @@ pub(crate) fn best_challenger(
     best
 }
 
+/// Challengers whose median ratio to the incumbent is within this fraction of the best
+/// challenger's go to a runoff ([`runoff`]): on the H100 the split-K variants of one cuDNN
+/// engine measured 3-6 % apart in a first call's few rounds, and which of them won changed from
+/// run to run (VGG 3x3 512-channel filter gradient: 168 to 184 µs for the chosen config).
+pub(crate) const RUNOFF_SPREAD: f64 = 0.06;
+
+/// Most contenders in a runoff (the best challenger's closest).
+pub(crate) const RUNOFF_MAX: usize = 3;
+
+/// The contenders of a runoff among `(index, ratios to the incumbent)`: every challenger that
+/// beats the incumbent ([`beats_incumbent`]) with a median ratio within [`RUNOFF_SPREAD`] of the
+/// best one's, fastest first (the first of equals), at most [`RUNOFF_MAX`]. Fewer than two:
+/// empty (no runoff: the best challenger wins as it is).
+pub(crate) fn runoff(challengers: impl IntoIterator<Item = (usize, Option<Paired>)>) -> Vec<usize> {
+    let mut beating: Vec<(usize, f64)> = challengers
+        .into_iter()
+        .filter_map(|(i, p)| p.filter(beats_incumbent).map(|p| (i, p.median)))
+        .collect();
+    beating.sort_by(|a, b| a.1.total_cmp(&b.1));
+    let Some(&(_, best)) = beating.first() else {
+        return Vec::new();
+    };
+    let close: Vec<usize> = beating
+        .iter()
+        .filter(|&&(_, m)| m <= best * (1.0 + RUNOFF_SPREAD))
+        .take(RUNOFF_MAX)
+        .map(|&(i, _)| i)
+        .collect();
+    if close.len() < 2 {
+        Vec::new()
+    } else {
+        close
+    }
+}
+
+/// The winner of a runoff: the contender (index into the runoff) with the lowest median time,
+/// the first of equals; contenders without a time (failed while timed) never win. `None` when
+/// none has one.
+pub(crate) fn runoff_winner(medians: &[Option<f64>]) -> Option<usize> {
+    medians
+        .iter()
+        .enumerate()
+        .filter_map(|(v, m)| m.filter(|t| t.is_finite()).map(|t| (v, t)))
+        .fold(None, |acc: Option<(usize, f64)>, (v, t)| match acc {
+            Some((_, bt)) if bt <= t => acc,
+            _ => Some((v, t)),
+        })
+        .map(|(v, _)| v)
+}
+
 /// `(relative L2 difference, non-finite mismatches)` from the device sums of a check:
 /// `[sum of squared differences, sum of squares of the reference, non-finite count, ..]`.
 /// Missing sums read as NaN (a failed check).
@@ -93,6 +143,46 @@ mod tests {
         ];
         assert_eq!(best_challenger(c).map(|b| b.0), Some(4));
         assert_eq!(best_challenger([(1, Some(paired(&[0.99; 3])))]), None);
+    }
+
+    #[test]
+    fn close_challengers_go_to_a_runoff() {
+        let c = || {
+            [
+                (1, Some(paired(&[0.70, 0.70, 0.70]))),
+                (2, Some(paired(&[0.72, 0.72, 0.72]))),
+                (3, Some(paired(&[0.74, 0.74, 0.74]))),
+                (4, Some(paired(&[0.73, 0.73, 0.73]))),
+                (5, Some(paired(&[0.80, 0.80, 0.80]))), // 14 % behind the best: out
+                (6, Some(paired(&[0.71, 0.71, 1.20]))), // does not beat the incumbent: out
+                (7, None),
+            ]
+        };
+        // Fastest first, at most RUNOFF_MAX.
+        assert_eq!(runoff(c()), vec![1, 2, 4]);
+        // One close challenger: no runoff.
+        let alone = [(1, Some(paired(&[0.70; 3]))), (2, Some(paired(&[0.90; 3])))];
+        assert!(runoff(alone).is_empty());
+        assert!(runoff([(1, Some(paired(&[0.99; 3])))]).is_empty());
+        // Exactly at the spread counts.
+        let edge = [
+            (1, Some(paired(&[0.5; 3]))),
+            (2, Some(paired(&[0.5 * (1.0 + RUNOFF_SPREAD); 3]))),
+        ];
+        assert_eq!(runoff(edge), vec![1, 2]);
+    }
+
+    #[test]
+    fn the_runoff_goes_to_the_lowest_median() {
+        assert_eq!(
+            runoff_winner(&[Some(0.171), Some(0.168), Some(0.175)]),
+            Some(1)
+        );
+        // Equals: the first (the first race's best).
+        assert_eq!(runoff_winner(&[Some(0.17), Some(0.17)]), Some(0));
+        // Failed while timed, or no finite time: never.
+        assert_eq!(runoff_winner(&[None, Some(f64::NAN), Some(0.2)]), Some(2));
+        assert_eq!(runoff_winner(&[None, None]), None);
     }
 
     #[test]
