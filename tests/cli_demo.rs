@@ -33,6 +33,9 @@ const OPS: [&str; 19] = [
     "dx.add",
 ];
 
+/// Held while a test's demo runs on the GPU ([`on_gpu`]).
+static GPU_DEMOS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Runs `nnfuse demo ARGS` with no GPU visible, nnfuse's variables cleared, then `env` set.
 fn demo(args: &[&str], env: &[(&str, &str)]) -> Output {
     let cleared = ["NNFUSE_LOG", nnfuse::conv::ENV_CONV_CUDNN_SEARCH];
@@ -422,7 +425,12 @@ fn docs_list_every_exit_status_the_demo_uses() {
 /// on a failure, prints every comparison that failed and the stderr.
 fn on_gpu(args: &[&str]) -> Value {
     let cleared = ["NNFUSE_LOG", nnfuse::conv::ENV_CONV_CUDNN_SEARCH];
-    let out = run_nnfuse(&[&["demo"], args, &["--json"]].concat(), &cleared, &[]);
+    // One demo on the GPU at a time: the tests' timing checks (a step against the sum of its
+    // operations) are meaningless while another demo process shares the GPU.
+    let out = {
+        let _one = GPU_DEMOS.lock().unwrap_or_else(|e| e.into_inner());
+        run_nnfuse(&[&["demo"], args, &["--json"]].concat(), &cleared, &[])
+    };
     let (stdout, stderr) = text(&out);
     let v: Value = serde_json::from_str(&stdout).unwrap_or_else(|e| {
         panic!("{args:?}: stdout is not one JSON value ({e}); exit {:?}\nstdout:\n{stdout}\nstderr:\n{stderr}", out.status.code())
@@ -727,10 +735,13 @@ fn on_a_gpu_the_graph_replays_bit_identical_to_eager() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn on_a_gpu_the_text_report_is_complete() {
-    let out = Command::new(binary())
-        .args(["demo", "--batch", "4", "--steps", "2", "--profile-host"])
-        .output()
-        .expect("runs");
+    let out = {
+        let _one = GPU_DEMOS.lock().unwrap_or_else(|e| e.into_inner());
+        Command::new(binary())
+            .args(["demo", "--batch", "4", "--steps", "2", "--profile-host"])
+            .output()
+            .expect("runs")
+    };
     let (stdout, stderr) = text(&out);
     assert_eq!(
         out.status.code(),
