@@ -16,7 +16,7 @@
 //! | `NNFUSE_CUDNN_WORKSPACE_MB` | integer, 1 to 1048576 (1 TiB) | 2048 | cap on the workspace of one cuDNN convolution algorithm or graph engine config |
 //! | `NNFUSE_DETERMINISTIC` | boolean | false | only deterministic algorithms (cuDNN convolution backward) |
 //! | `NNFUSE_CUDNN_API` | `auto`, `graph`, `legacy` | `auto` | which cuDNN API runs convolutions and BatchNorm (see [`CudnnApi`]) |
-//! | `NNFUSE_CUDNN_REPLAY` | boolean | true | replay a cuDNN call (graph-API execution, legacy convolution or BatchNorm call) repeated with the same buffers from a CUDA graph captured at its second call (see [`Config::cudnn_replay`]) |
+//! | `NNFUSE_CUDNN_REPLAY` | boolean | false | replay a cuDNN call (graph-API execution, legacy convolution or BatchNorm call) repeated with the same buffers from a CUDA graph captured at its second call (see [`Config::cudnn_replay`]) |
 //! | `NNFUSE_CONV_TUNE_BUDGET_MS` | integer, 0 to 600000 | 70 | host milliseconds the first call of a convolution direction may spend deciding; 0 = exhaustive (see [`Config::conv_tune_budget_ms`]) |
 //!
 //! Booleans parse like OneFlow's `ParseBooleanFromEnv`: `1/0`, `true/false`, `yes/no`, `on/off`
@@ -508,7 +508,14 @@ pub struct Config {
     /// BatchNorm) and the legacy convolution and BatchNorm calls: the second call with the same
     /// addresses, workspace and scalars is captured into a CUDA graph, later ones launch it (one
     /// `cuGraphLaunch`, about 2 µs of host time, instead of `cudnnBackendExecute`'s 5–8 µs or a
-    /// legacy call's 10–30). The same kernels run; `false` executes every call.
+    /// legacy call's 10–30). The same kernels run; `false` (the default) executes every call.
+    ///
+    /// Off by default: a capture is refused by CUDA — and fails the other thread's call — when
+    /// another thread synchronizes the whole device meanwhile (`cuCtxSynchronize`,
+    /// `cudaDeviceSynchronize`, a first stream in a new cudarc context): measured on the H100 as
+    /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` in the other thread and, in 1 of 3 such runs, a
+    /// segmentation fault. Turn it on where no other thread synchronizes the device while
+    /// nnfuse's calls run (a training loop on one thread).
     pub cudnn_replay: bool,
 }
 
@@ -532,7 +539,7 @@ impl Default for Config {
             cudnn_api: CudnnApi::Auto,
             cudnn_search: CudnnSearch::Heuristic,
             conv_tune_budget_ms: DEFAULT_CONV_TUNE_BUDGET_MS,
-            cudnn_replay: true,
+            cudnn_replay: false,
         }
     }
 }
@@ -993,17 +1000,18 @@ mod tests {
     }
 
     #[test]
-    fn cudnn_replay_is_on_unless_turned_off() {
-        assert!(Config::default().cudnn_replay);
-        assert!(cfg(&[]).unwrap().cudnn_replay);
+    fn cudnn_replay_is_off_unless_turned_on() {
+        assert!(!Config::default().cudnn_replay);
+        assert!(!cfg(&[]).unwrap().cudnn_replay);
         assert!(!cfg(&[(ENV_CUDNN_REPLAY, "0")]).unwrap().cudnn_replay);
         assert!(cfg(&[(ENV_CUDNN_REPLAY, " on ")]).unwrap().cudnn_replay);
+        assert!(cfg(&[(ENV_CUDNN_REPLAY, "1")]).unwrap().cudnn_replay);
         let e = cfg(&[(ENV_CUDNN_REPLAY, "sometimes")]).unwrap_err();
         assert!(e.to_string().contains(ENV_CUDNN_REPLAY), "{e}");
-        assert!(!Config::default().with_cudnn_replay(false).cudnn_replay);
+        assert!(Config::default().with_cudnn_replay(true).cudnn_replay);
         assert!(Config::default()
             .to_string()
-            .contains("cudnn_replay         = true"));
+            .contains("cudnn_replay         = false"));
     }
 
     #[test]

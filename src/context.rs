@@ -161,10 +161,49 @@ struct Handle<H>(H);
 // Context's mutex guarantees one at a time.
 unsafe impl<H> Send for Handle<H> {}
 
+/// A Context's cuDNN handle, shared with the cuDNN graph plans built on it
+/// ([`Locked::cudnn_owner`]): cuDNN's execution plans hold their handle, and a Context dropped
+/// before a cached plan once destroyed the handle first — the plan's destruction then read
+/// freed memory (segmentation faults at teardown, rare). The handle now goes with the last of
+/// the Context and its plans, on the stream it was made for (kept alive with it).
+pub(crate) struct CudnnHandle {
+    raw: cudnn_sys::cudnnHandle_t,
+    stream: Arc<CudaStream>,
+}
+
+// SAFETY: as `Handle`: used from any thread, one call at a time (the Context's lock for calls;
+// destruction happens once, when the last owner goes).
+unsafe impl Send for CudnnHandle {}
+unsafe impl Sync for CudnnHandle {}
+
+impl fmt::Debug for CudnnHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "CudnnHandle({:p})", self.raw)
+    }
+}
+
+impl CudnnHandle {
+    /// The raw handle.
+    pub(crate) fn raw(&self) -> cudnn_sys::cudnnHandle_t {
+        self.raw
+    }
+}
+
+impl Drop for CudnnHandle {
+    fn drop(&mut self) {
+        // Any thread may drop the last owner: bind the handle's context, let queued work that
+        // uses the handle finish, then destroy it. Failures at teardown can only leak.
+        let _ = self.stream.context().bind_to_thread();
+        let _ = self.stream.synchronize();
+        // SAFETY: created once in `Locked::cudnn`, destroyed once, here, by its last owner.
+        let _ = unsafe { cudnn_result::destroy_handle(self.raw) };
+    }
+}
+
 /// The state behind [`Context::lock`].
 #[derive(Default)]
 struct Shared {
-    cudnn: Option<Handle<cudnn_sys::cudnnHandle_t>>,
+    cudnn: Option<Arc<CudnnHandle>>,
     cublas: Option<Handle<cublas_sys::cublasHandle_t>>,
     cublaslt: Option<Handle<lt_sys::cublasLtHandle_t>>,
     workspace: Option<CudaSlice<u8>>,
@@ -248,12 +287,16 @@ impl Drop for Inner {
             Err(p) => p.into_inner().take(),
         };
         self.pins.retire(scratch.map(|(buf, _)| buf));
+        // The cuDNN handle goes when the last plan built on it does (`CudnnHandle`); the cached
+        // plans go first, while it lives.
+        drop(std::mem::take(match self.memo.get_mut() {
+            Ok(m) => m,
+            Err(p) => p.into_inner(),
+        }));
+        drop(shared.cudnn.take());
         // SAFETY: each handle was created once and is destroyed once, here. Failures to destroy
         // at teardown cannot be reported from Drop and only leak.
         unsafe {
-            if let Some(h) = shared.cudnn.take() {
-                let _ = cudnn_result::destroy_handle(h.0);
-            }
             if let Some(h) = shared.cublas.take() {
                 let _ = cublas_result::destroy_handle(h.0);
             }
@@ -1141,8 +1184,14 @@ impl Locked<'_> {
     /// The cuDNN handle, created on first use, bound to the Context's stream. The first creation
     /// also runs cuDNN's version check, so that two mixed cuDNN versions are an error.
     pub fn cudnn(&mut self) -> Result<cudnn_sys::cudnnHandle_t> {
+        Ok(self.cudnn_owner()?.raw())
+    }
+
+    /// The cuDNN handle (made on first use, as [`Locked::cudnn`]) as its shared owner: what a
+    /// cuDNN graph plan keeps, so that the handle outlives it.
+    pub(crate) fn cudnn_owner(&mut self) -> Result<Arc<CudnnHandle>> {
         if let Some(h) = &self.shared.cudnn {
-            return Ok(h.0);
+            return Ok(h.clone());
         }
         self.ctx
             .refuse_under_capture("creating the cuDNN handle", "create a library handle")?;
@@ -1162,8 +1211,12 @@ impl Locked<'_> {
             },
         )?;
         tracing::info!(version, "cuDNN handle created");
-        self.shared.cudnn = Some(Handle(h));
-        Ok(h)
+        let owner = Arc::new(CudnnHandle {
+            raw: h,
+            stream: self.ctx.stream().clone(),
+        });
+        self.shared.cudnn = Some(owner.clone());
+        Ok(owner)
     }
 
     /// The cuBLAS handle, created on first use, bound to the Context's stream.

@@ -1,5 +1,5 @@
 //! cuDNN calls replayed from CUDA graphs captured at their second call with the same buffers
-//! (`Config::cudnn_replay`, on by default), through the graph API and the legacy calls:
+//! (`Config::cudnn_replay`, off by default; each test turns it on), through the graph API and the legacy calls:
 //! convolutions (every direction, the filter gradient accumulating too) and BatchNorm training
 //! forward and backward (plain, the Add+ReLU epilogue graph, the legacy fused Ex calls) give bit
 //! for bit what executing every call gives, replays read the

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::cudnn::sys;
 use cudarc::driver::CudaContext;
 
-use crate::context::Context;
+use crate::context::{Context, CudnnHandle};
 use crate::error::{Error, Result};
 
 use super::bn_build::{BnGraphParts, BnVariantPack};
@@ -135,6 +135,8 @@ pub struct GraphBn {
     /// The chosen config and the graph, kept alive with the plan made from them.
     _config: Descriptor,
     _parts: BnGraphParts,
+    /// The handle, destroyed after the plan (fields drop in order).
+    _handle: Arc<CudnnHandle>,
     /// Keeps the CUDA context alive until the plan is destroyed.
     _cuda: Arc<CudaContext>,
 }
@@ -152,7 +154,8 @@ impl GraphBn {
         let version = build::available()?;
         key.validate()?;
         let mut g = ctx.lock()?;
-        let handle = g.cudnn()?;
+        let owner = g.cudnn_owner()?;
+        let handle = owner.raw();
         let parts = BnGraphParts::build(handle, &key)?;
         let configs = build::engine_configs(&parts.graph)?;
         let listed: Vec<EngineInfo> = configs.iter().map(|c| c.info.clone()).collect();
@@ -227,6 +230,7 @@ impl GraphBn {
             handle: handle as usize,
             _config: cfg.desc,
             _parts: parts,
+            _handle: owner,
             _cuda: ctx.cuda().clone(),
         })
     }

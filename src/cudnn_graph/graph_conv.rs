@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
 
-use crate::context::Context;
+use crate::context::{Context, CudnnHandle};
 use crate::conv::Direction;
 use crate::dtype::Element;
 use crate::error::{Error, Result};
@@ -60,6 +60,8 @@ pub struct GraphConv {
     /// The chosen config and the graph, kept alive with the plan made from them.
     _config: Descriptor,
     _parts: Arc<GraphParts>,
+    /// The handle, destroyed after the plan (fields drop in order).
+    _handle: Arc<CudnnHandle>,
     /// Keeps the CUDA context alive until the plan is destroyed.
     _cuda: Arc<CudaContext>,
 }
@@ -194,7 +196,8 @@ impl GraphConv {
         let version = build::available()?;
         key.validate()?;
         let mut g = ctx.lock()?;
-        let handle = g.cudnn()?;
+        let owner = g.cudnn_owner()?;
+        let handle = owner.raw();
         let parts = Arc::new(GraphParts::build(handle, &key)?);
         let cap = ctx.config().cudnn_workspace_bytes();
         let (listed, skipped, cfg, plan) = match key.engine {
@@ -259,6 +262,7 @@ impl GraphConv {
             handle: handle as usize,
             _config: cfg.desc,
             _parts: parts,
+            _handle: owner,
             _cuda: ctx.cuda().clone(),
         })
     }
@@ -296,7 +300,8 @@ impl GraphConv {
         let listing_ms;
         {
             let mut g = ctx.lock()?;
-            let handle = g.cudnn()?;
+            let owner = g.cudnn_owner()?;
+            let handle = owner.raw();
             let started = Instant::now();
             let parts = Arc::new(GraphParts::build(handle, &key)?);
             let configs = build::engine_configs(&parts.graph)?;
@@ -330,6 +335,7 @@ impl GraphConv {
                                     handle: handle as usize,
                                     _config: cfg.desc,
                                     _parts: parts.clone(),
+                                    _handle: owner.clone(),
                                     _cuda: ctx.cuda().clone(),
                                 });
                                 continue;

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use cudarc::driver::CudaContext;
 
-use crate::context::Context;
+use crate::context::{Context, CudnnHandle};
 use crate::dtype::DType;
 use crate::error::{CallExt, Error, Result};
 use crate::reference::conv::Conv2d as ConvShape;
@@ -172,8 +172,6 @@ impl FusedPlan {
 /// The graph of one pattern and problem, and its finalized plans (see the module docs).
 #[derive(Debug)]
 pub struct GraphFused {
-    /// Kept alive with the plans made from it.
-    _graph: FusionGraph,
     /// Variant-pack order: for each real tensor of the graph, its unique id and its index in
     /// the pattern's [`FusedPattern::tensors`].
     order: Vec<(i64, usize)>,
@@ -189,6 +187,11 @@ pub struct GraphFused {
     chosen: AtomicUsize,
     pack: Mutex<Option<BnVariantPack>>,
     handle: usize,
+    /// Kept alive with the plans made from it: after `plans` (fields drop in order; it came
+    /// first until the plans were seen to go after the graph they were made from).
+    _graph: FusionGraph,
+    /// The handle, destroyed after the plans and the graph.
+    _handle: Arc<CudnnHandle>,
     _cuda: Arc<CudaContext>,
 }
 
@@ -231,7 +234,8 @@ impl GraphFused {
         build::available()?;
         let cap = ctx.config().cudnn_workspace_bytes();
         let mut g = ctx.lock()?;
-        let handle = g.cudnn()?;
+        let owner = g.cudnn_owner()?;
+        let handle = owner.raw();
         let started = Instant::now();
         let graph = key.pattern.build(&key.shape, key.dtype, handle)?;
         let configs = build::engine_configs(&graph.graph)?;
@@ -310,6 +314,7 @@ impl GraphFused {
             chosen: AtomicUsize::new(0),
             pack: Mutex::new(None),
             handle: handle as usize,
+            _handle: owner,
             _cuda: ctx.cuda().clone(),
         })
     }
