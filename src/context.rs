@@ -162,10 +162,10 @@ struct Handle<H>(H);
 unsafe impl<H> Send for Handle<H> {}
 
 /// A Context's cuDNN handle, shared with the cuDNN graph plans built on it
-/// ([`Locked::cudnn_owner`]): cuDNN's execution plans hold their handle, and a Context dropped
-/// before a cached plan once destroyed the handle first — the plan's destruction then read
-/// freed memory (segmentation faults at teardown, rare). The handle now goes with the last of
-/// the Context and its plans, on the stream it was made for (kept alive with it).
+/// ([`Locked::cudnn_owner`]): cuDNN's execution plans hold their handle, and a Context once
+/// destroyed it before the plans it had cached (or a caller kept), whose destruction then used
+/// a destroyed handle. The handle now goes with the last of the Context and its plans, with the
+/// stream it was made for kept alive until then.
 pub(crate) struct CudnnHandle {
     raw: cudnn_sys::cudnnHandle_t,
     stream: Arc<CudaStream>,
