@@ -1184,6 +1184,10 @@ impl Locked<'_> {
     /// The cuDNN handle, created on first use, bound to the Context's stream. The first creation
     /// also runs cuDNN's version check, so that two mixed cuDNN versions are an error.
     pub fn cudnn(&mut self) -> Result<cudnn_sys::cudnnHandle_t> {
+        // Every cached cuDNN call asks: no reference count touched once the handle exists.
+        if let Some(h) = &self.shared.cudnn {
+            return Ok(h.raw);
+        }
         Ok(self.cudnn_owner()?.raw())
     }
 

@@ -1749,13 +1749,7 @@ impl<'a> Bench<'a> {
         // GPU time only: a legacy cuDNN call queues for 60-100 us of host time, more than many
         // kernels take; each burst waits behind a head start that covers its queuing.
         let deadline = timing_deadline(&self.budget.get());
-        let r = race_gpu(
-            self.inp.ctx,
-            measure_timing(),
-            alive.len(),
-            deadline,
-            |v, _| self.run(self.inp.execs[alive[v]], operands),
-        )?;
+        let r = self.race(operands, alive, measure_timing(), deadline)?;
         let res = &r.timing;
         for (v, &i) in alive.iter().enumerate() {
             let rep = &mut reports[i];
@@ -1793,6 +1787,20 @@ impl<'a> Bench<'a> {
         }
     }
 
+    /// Times the candidates `ids` (report indices, the first as the incumbent) against each
+    /// other on `operands`, GPU time only.
+    fn race(
+        &self,
+        operands: CudnnPtrs,
+        ids: &[usize],
+        opts: InterleavedOptions,
+        deadline: Option<Instant>,
+    ) -> Result<crate::tune::race::Race> {
+        race_gpu(self.inp.ctx, opts, ids.len(), deadline, |v, _| {
+            self.run(self.inp.execs[ids[v]], operands)
+        })
+    }
+
     /// The runoff: when challengers other than `best` beat the incumbent within
     /// [`RUNOFF_SPREAD`](crate::tune::rule::RUNOFF_SPREAD) of it, they and `best` are timed
     /// again among themselves ([`runoff_timing`]) and the lowest median wins. Returns the
@@ -1813,13 +1821,7 @@ impl<'a> Bench<'a> {
         if contenders.len() < 2 {
             return Ok((best, 0));
         }
-        let r = race_gpu(
-            self.inp.ctx,
-            runoff_timing(),
-            contenders.len(),
-            None,
-            |v, _| self.run(self.inp.execs[contenders[v]], operands),
-        )?;
+        let r = self.race(operands, &contenders, runoff_timing(), None)?;
         let medians: Vec<Option<f64>> = (0..contenders.len())
             .map(|v| match &r.timing.errors[v] {
                 Some(_) => None,
