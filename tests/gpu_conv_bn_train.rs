@@ -90,6 +90,8 @@ struct Out {
     dgamma: Vec<f64>,
     dbeta: Vec<f64>,
     d_addend: Option<Vec<f64>>,
+    /// The backward folded (dz not written: the gradients are checked through the f64 chain).
+    folded: bool,
 }
 
 /// How one run calls the unit.
@@ -110,6 +112,18 @@ fn run<T: Element>(
     inp: &Inputs<T>,
     call: Call,
     accumulate: bool,
+) -> nnfuse::Result<Out> {
+    run_with(ctx, unit, inp, call, accumulate, None)
+}
+
+/// [`run`] with the backward's route forced (`Some(folded)`) or decided (`None`).
+fn run_with<T: Element>(
+    ctx: &Context,
+    unit: &ConvBnTrain<T>,
+    inp: &Inputs<T>,
+    call: Call,
+    accumulate: bool,
+    bwd: Option<bool>,
 ) -> nnfuse::Result<Out> {
     let s = unit.plan().shape;
     let fuse = unit.plan().fuse;
@@ -171,6 +185,12 @@ fn run<T: Element>(
     let mut dw = poisoned::<T>(ctx, wn);
     let (mut dg, mut db) = (poisoned::<f32>(ctx, c), poisoned::<f32>(ctx, c));
     let mut da = poisoned::<T>(ctx, yn);
+    // A decided backward folds only once a previous one decided so (the deciding call writes
+    // the composed result), and only on the fused route's forward state.
+    let folds_here = call != Call::Staged
+        && saved.route() == TrainRoute::Fused
+        && unit.fold_refusal().is_none()
+        && bwd.or(unit.backward_folds()).unwrap_or(false);
     if call == Call::Staged {
         unit.backward_bn(BackwardArgs {
             x: z.as_view(),
@@ -189,7 +209,7 @@ fn run<T: Element>(
         unit.conv()
             .backward_filter(&x.as_view(), &dz.as_view(), &mut dw, false)?;
     } else {
-        unit.backward(ConvBnBackwardArgs {
+        let args = ConvBnBackwardArgs {
             x: x.as_view(),
             w: w.as_view(),
             z: z.as_view(),
@@ -205,7 +225,11 @@ fn run<T: Element>(
             dgamma: dg.as_view_mut(),
             dbeta: db.as_view_mut(),
             d_addend: add.then(|| da.as_view_mut()),
-        })?;
+        };
+        match bwd {
+            Some(folded) => unit.backward_with(folded, args)?,
+            None => unit.backward(args)?,
+        }
     }
     let h = |v: &CudaSlice<T>| f64s(&download(ctx, v));
     let h32 = |v: &CudaSlice<f32>| f64s(&download(ctx, v));
@@ -221,6 +245,7 @@ fn run<T: Element>(
         dgamma: h32(&dg),
         dbeta: h32(&db),
         d_addend: add.then(|| h(&da)),
+        folded: folds_here,
     })
 }
 
@@ -273,20 +298,26 @@ fn check<T: Element>(what: &str, s: &ConvShape, fuse: Fuse, inp: &Inputs<T>, got
         activation_backward(fuse, &mask),
     )
     .unwrap();
-    assert_close_stored(&w("dz"), dt, &got.dz, &gr.dx, tol);
+    // Folded: no dz; the convolution's gradients are held to those of the f64 dz.
+    let dz = if got.folded {
+        &gr.dx
+    } else {
+        assert_close_stored(&w("dz"), dt, &got.dz, &gr.dx, tol);
+        &got.dz
+    };
     assert_close(&w("dgamma"), &got.dgamma, &gr.dgamma, tol.max(1e-5));
     assert_close(&w("dbeta"), &got.dbeta, &gr.dbeta, tol.max(1e-5));
     if let (Some(d), Some(want)) = (&got.d_addend, &gr.d_addend) {
         assert_close(&w("d_addend"), d, want, tol);
     }
-    let mut dx_ref = conv2d_backward_data(s, &got.dz, &wt).unwrap();
+    let mut dx_ref = conv2d_backward_data(s, dz, &wt).unwrap();
     if acc {
         for (r, a) in dx_ref.iter_mut().zip(f64s(&inp.dx0)) {
             *r += a;
         }
     }
     assert_close(&w("dx"), &got.dx, &dx_ref, tol);
-    let dw_ref = conv2d_backward_filter(s, &x, &got.dz).unwrap();
+    let dw_ref = conv2d_backward_filter(s, &x, dz).unwrap();
     assert_close(&w("dw"), &got.dw, &dw_ref, tol);
 }
 
@@ -315,7 +346,7 @@ fn unit_case<T: Element>(ctx: &Context, s: ConvShape, fuse: Fuse) {
         check(&format!("{what} {r}"), &s, fuse, &inp, &got, false);
         outs.push(got);
     }
-    if outs.len() == 2 {
+    if outs.len() == 2 && !outs.iter().any(|o| o.folded) {
         let tol = T::DTYPE.tolerance();
         assert_close(
             &format!("{what}: fused y vs unfused"),
@@ -478,4 +509,141 @@ fn conv_bn_train_names_bad_arguments() {
         .unwrap_err();
     assert_eq!(e.argument(), Some("addend"), "{e}");
     assert!(add.choice().is_none(), "a refused call decided nothing");
+}
+
+/// The folded backward (a pointwise BN + add + ReLU unit: dz never written) against the
+/// composed one and against f64, overwriting and accumulating dx, at a size whose sums span
+/// many rows; and the decided backward's record.
+fn folded_case<T: Element>(ctx: &Context) {
+    let s = ConvShape::square(4, 64, 14, 256, 1, TensorFormat::Nhwc);
+    let what = format!("{} folded {:?}", T::DTYPE.name(), s);
+    let mut rng = Rng::fresh(&what);
+    let inp = Inputs::<T>::new(&mut rng, &s);
+    let unit = ConvBnTrain::<T>::new(ctx, &s, Fuse::AddRelu).unwrap();
+    assert_eq!(unit.fold_refusal(), None, "{what}");
+    let fused = Call::Forced(TrainRoute::Fused);
+    let tol = T::DTYPE.tolerance();
+    for acc in [false, true] {
+        let composed = run_with(ctx, &unit, &inp, fused, acc, Some(false)).unwrap();
+        let folded = run_with(ctx, &unit, &inp, fused, acc, Some(true)).unwrap();
+        assert!(folded.folded && !composed.folded);
+        check(
+            &format!("{what} composed acc {acc}"),
+            &s,
+            Fuse::AddRelu,
+            &inp,
+            &composed,
+            acc,
+        );
+        check(
+            &format!("{what} folded acc {acc}"),
+            &s,
+            Fuse::AddRelu,
+            &inp,
+            &folded,
+            acc,
+        );
+        for (n, a, b) in [
+            ("dx", &folded.dx, &composed.dx),
+            ("dw", &folded.dw, &composed.dw),
+            ("dgamma", &folded.dgamma, &composed.dgamma),
+            ("dbeta", &folded.dbeta, &composed.dbeta),
+        ] {
+            assert_close(&format!("{what}: folded {n} vs composed"), a, b, tol);
+        }
+        assert_eq!(
+            folded.d_addend, composed.d_addend,
+            "{what}: the same sums pass"
+        );
+        assert!(
+            folded.dz.iter().all(|v| v.is_nan()),
+            "{what}: dz was written"
+        );
+    }
+    assert!(
+        unit.backward_folds().is_none(),
+        "{what}: forced calls decided"
+    );
+    // The first decided backward runs composed into the caller's buffers and decides.
+    let first = run(ctx, &unit, &inp, fused, false).unwrap();
+    assert!(!first.folded);
+    check(
+        &format!("{what} deciding"),
+        &s,
+        Fuse::AddRelu,
+        &inp,
+        &first,
+        false,
+    );
+    let folds = unit.backward_folds().expect("the first backward decides");
+    let text = unit.backward_decision();
+    println!("  {text}");
+    assert!(text.contains("folded: "), "{what}: {text}");
+    let later = run(ctx, &unit, &inp, fused, false).unwrap();
+    assert_eq!(later.folded, folds);
+    check(
+        &format!("{what} decided"),
+        &s,
+        Fuse::AddRelu,
+        &inp,
+        &later,
+        false,
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv_bn_train_folded_backward_matches_composed_and_f64() {
+    let ctx = gpu();
+    folded_case::<f16>(&ctx);
+    folded_case::<bf16>(&ctx);
+    folded_case::<f32>(&ctx);
+}
+
+/// The fold refused with its reason: a 3x3 unit, and a forward state of the unfused route.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv_bn_train_folded_backward_refusals_say_why() {
+    let ctx = gpu();
+    let s3 = ConvShape::square(2, 64, 8, 64, 3, TensorFormat::Nhwc);
+    let unit = ConvBnTrain::<f16>::new(&ctx, &s3, Fuse::AddRelu).unwrap();
+    let why = unit
+        .fold_refusal()
+        .expect("a 3x3 unit does not fold")
+        .to_string();
+    assert!(why.contains("1x1"), "{why}");
+    let mut rng = Rng::fresh("fold refusals");
+    let inp = Inputs::<f16>::new(&mut rng, &s3);
+    match run_with(
+        &ctx,
+        &unit,
+        &inp,
+        Call::Forced(TrainRoute::Fused),
+        false,
+        Some(true),
+    ) {
+        Err(Error::NotSupported(m)) => assert!(m.contains("1x1"), "{m}"),
+        other => panic!("a 3x3 fold gave {:?}", other.map(|o| o.folded)),
+    }
+    let s1 = ConvShape::square(2, 64, 8, 256, 1, TensorFormat::Nhwc);
+    let unit = ConvBnTrain::<f16>::new(&ctx, &s1, Fuse::AddRelu).unwrap();
+    let inp = Inputs::<f16>::new(&mut rng, &s1);
+    match run_with(
+        &ctx,
+        &unit,
+        &inp,
+        Call::Forced(TrainRoute::Unfused),
+        false,
+        Some(true),
+    ) {
+        Err(Error::NotSupported(m)) => assert!(m.contains("unfused"), "{m}"),
+        other => panic!(
+            "a fold of an unfused forward gave {:?}",
+            other.map(|o| o.folded)
+        ),
+    }
+    // The unfused forward's backward stays composed, undecided.
+    let got = run(&ctx, &unit, &inp, Call::Forced(TrainRoute::Unfused), false).unwrap();
+    assert!(!got.folded && unit.backward_folds().is_none());
+    check("f16 unfused forward", &s1, Fuse::AddRelu, &inp, &got, false);
 }

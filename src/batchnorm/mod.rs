@@ -39,6 +39,7 @@ pub use plan::{
     own_variants, plan, BnPlan, PlanRequest, ASSUMED_CUDNN_VERSION, DEPARTS_FROM_ONEFLOW,
 };
 pub use state::BnSaved;
+pub(crate) use state::OwnParts;
 pub use types::{
     BnApi, BnMode, BnOptions, BnPath, Fuse, FusedRefusal, OwnVariant, OwnVariantChoice, Phase,
     CUDNN_EX_API_MIN_VERSION,

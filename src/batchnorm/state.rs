@@ -175,7 +175,39 @@ impl Drop for BnSaved {
     }
 }
 
+/// The own path's saved state as device addresses, for a backward that reads it outside
+/// [`crate::batchnorm::BatchNorm`] (the folded conv + BatchNorm backward, `block/fold_backward.rs`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct OwnParts {
+    /// Saved mean and its remainder (f32 each, one per channel).
+    pub mean: u64,
+    pub mean_lo: u64,
+    /// Saved inverse standard deviation.
+    pub inv_std: u64,
+    /// The ReLU's bitmask and its length in `u32` words.
+    pub mask: u64,
+    pub mask_words: usize,
+    /// The input the forward read.
+    pub x: u64,
+}
+
 impl BnSaved {
+    /// The own path's state with its mask (None for another path's, or without a mask).
+    pub(crate) fn own_parts(&self) -> Option<OwnParts> {
+        if self.path != BnPath::Own {
+            return None;
+        }
+        let mask = self.mask.as_ref()?;
+        Some(OwnParts {
+            mean: self.mean.ptr,
+            mean_lo: self.mean_lo.as_ref()?.ptr,
+            inv_std: self.inv_var.ptr,
+            mask: mask.ptr,
+            mask_words: mask.buf.len(),
+            x: self.x_ptr,
+        })
+    }
+
     /// The path the forward actually took (a fused plan that cuDNN refused at run time shows
     /// `Fallback` here).
     pub fn path(&self) -> BnPath {

@@ -636,23 +636,28 @@ impl<T: Element> ConvBnChain<T> {
             } else {
                 (None, Some(before[i - 1].as_view_mut()), false)
             };
-            self.units[i].backward(ConvBnBackwardArgs {
-                x,
-                w: a.w[i].slice(..),
-                z: z[i].as_view(),
-                y,
-                dy,
-                gamma: a.gamma[i].slice(..),
-                beta: a.beta[i].slice(..),
-                saved: tsaved,
-                dz: dz[i].as_view_mut(),
-                dx: dx_i,
-                accumulate_dx: acc,
-                dw: a.dw[i].slice_mut(..),
-                dgamma: a.dgamma[i].slice_mut(..),
-                dbeta: a.dbeta[i].slice_mut(..),
-                d_addend,
-            })?;
+            // Composed: the chain's state exposes every unit's dz (`ChainSaved::dz`), which the
+            // folded backward does not write.
+            self.units[i].backward_with(
+                false,
+                ConvBnBackwardArgs {
+                    x,
+                    w: a.w[i].slice(..),
+                    z: z[i].as_view(),
+                    y,
+                    dy,
+                    gamma: a.gamma[i].slice(..),
+                    beta: a.beta[i].slice(..),
+                    saved: tsaved,
+                    dz: dz[i].as_view_mut(),
+                    dx: dx_i,
+                    accumulate_dx: acc,
+                    dw: a.dw[i].slice_mut(..),
+                    dgamma: a.dgamma[i].slice_mut(..),
+                    dbeta: a.dbeta[i].slice_mut(..),
+                    d_addend,
+                },
+            )?;
         }
         Ok(())
     }

@@ -51,6 +51,7 @@ mod conv_stats_decide;
 mod cudnn_fused;
 mod decide;
 mod fold;
+mod fold_backward;
 mod lt_epilogue;
 mod plan;
 mod reference;
@@ -59,6 +60,7 @@ mod stats_kernel;
 mod stats_plan;
 mod train;
 mod train_decide;
+mod train_fold;
 mod train_plan;
 
 pub use api::{BlockChoice, ConvBnInference, ConvBnParams};

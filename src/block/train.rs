@@ -8,8 +8,12 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 
 use super::api::lock;
 use super::conv_stats::{ConvStats, StatsChoice};
+use super::fold_backward::FoldBackward;
 use super::stats_plan::StatsRoute;
-use super::train_plan::{bn_shape, plan_train, TrainPlan, TrainPlanRequest, TrainRoute};
+use super::train_fold::FoldChoice;
+use super::train_plan::{
+    bn_shape, fold_refusal, plan_train, TrainPlan, TrainPlanRequest, TrainRoute,
+};
 use crate::batchnorm::{BackwardArgs, BatchNorm, BnPath, BnSaved, Fuse, TrainArgs};
 use crate::config::BnImpl;
 use crate::context::{cudnn_present, cudnn_version, Context};
@@ -232,6 +236,12 @@ pub struct ConvBnTrain<T: Element> {
     pub(super) bn: BatchNorm<T>,
     pub(super) fused: Option<Fused<T>>,
     pub(super) decision: Mutex<Option<TrainChoice>>,
+    /// The folded backward (`fold_backward.rs`), where the plan admits it.
+    pub(super) fold: Option<FoldBackward<T>>,
+    /// Why the fold cannot run this unit (None: it can).
+    pub(super) fold_why: Option<String>,
+    /// The backward's decision between composed and folded.
+    pub(super) fold_choice: Mutex<Option<FoldChoice>>,
     /// This unit's identity (a [`ConvDone`] belongs to one unit).
     id: usize,
 }
@@ -278,7 +288,18 @@ impl<T: Element> ConvBnTrain<T> {
         } else {
             None
         };
-        tracing::info!(plan = %plan, "conv+BN training unit planned");
+        let mut fold_why = fold_refusal(&plan);
+        let fold = match fold_why {
+            None => match FoldBackward::new(ctx, shape) {
+                Ok(f) => Some(f),
+                Err(e) => {
+                    fold_why = Some(format!("its buffers: {e}"));
+                    None
+                }
+            },
+            Some(_) => None,
+        };
+        tracing::info!(plan = %plan, fold = ?fold_why, "conv+BN training unit planned");
         static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
         Ok(ConvBnTrain {
             ctx: ctx.clone(),
@@ -287,6 +308,9 @@ impl<T: Element> ConvBnTrain<T> {
             bn,
             fused,
             decision: Mutex::new(None),
+            fold,
+            fold_why,
+            fold_choice: Mutex::new(None),
             id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
     }
@@ -468,9 +492,27 @@ impl<T: Element> ConvBnTrain<T> {
         self.bn_stage(done.route, a)
     }
 
-    /// The backward: the BatchNorm's (into `dz`, and the addend's gradient), then the
-    /// convolution's data gradient (into or onto `dx`) and filter gradient.
+    /// The backward. Composed: the BatchNorm's (into `dz`, and the addend's gradient), then the
+    /// convolution's data gradient (into or onto `dx`) and filter gradient. Folded, where the
+    /// unit's plan admits it (a 1x1 NHWC BN + add + ReLU unit whose forward ran the fused route):
+    /// the same outputs without writing dz (`dz` then holds nothing useful;
+    /// docs/BLOCK-TRAINING.md, "The folded backward"). The first backward the fold could run
+    /// decides between the two by a check and a race, as the first forward decides its route
+    /// ([`ConvBnTrain::backward_decision`]); it synchronises and allocates.
     pub fn backward(&self, a: ConvBnBackwardArgs<'_, T>) -> Result<()> {
+        if self.fold_blocked(&a).is_some() {
+            return self.backward_composed(a);
+        }
+        let decided = lock(&self.fold_choice).as_ref().map(|c| c.folded);
+        match decided {
+            None => self.decide_backward(a),
+            Some(true) => self.backward_folded(a),
+            Some(false) => self.backward_composed(a),
+        }
+    }
+
+    /// The composed backward (see [`ConvBnTrain::backward`]).
+    pub(super) fn backward_composed(&self, a: ConvBnBackwardArgs<'_, T>) -> Result<()> {
         let ConvBnBackwardArgs {
             x,
             w,

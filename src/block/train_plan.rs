@@ -5,6 +5,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use super::fold_backward::{FOLD_MAX_CIN, FOLD_MAX_K};
 use super::stats_plan::{stats_plan, StatsPlan};
 use crate::batchnorm::{self, BnPath, Fuse, OwnVariantChoice, Phase, PlanRequest};
 use crate::config::{BnImpl, Config};
@@ -237,6 +238,41 @@ pub(crate) fn train_plan(
     }
 }
 
+/// Why the folded backward (`fold_backward.rs`) cannot run a unit, or `None` when it can: a
+/// 1x1 convolution of stride 1 without padding (z is then a matrix product of x, on which the
+/// fold rests), NHWC, BN + add + ReLU (whose masked gradient the sums pass writes anyway), and
+/// the fused route eligible (its BatchNorm is the own path's, whose sums pass the fold uses).
+pub(crate) fn fold_refusal(plan: &TrainPlan) -> Option<String> {
+    let s = &plan.shape;
+    if !plan.eligible(TrainRoute::Fused) {
+        return Some("it needs the fused route's own BatchNorm, refused here".into());
+    }
+    if plan.fuse != Fuse::AddRelu {
+        return Some(format!(
+            "made for BN + add + ReLU (this unit's activation is {:?})",
+            plan.fuse
+        ));
+    }
+    if (s.kh, s.kw, s.stride, s.pad) != (1, 1, (1, 1), (0, 0)) {
+        return Some(format!(
+            "made for 1x1 convolutions of stride 1 without padding (this one is {}x{}, stride \
+             {:?}, padding {:?})",
+            s.kh, s.kw, s.stride, s.pad
+        ));
+    }
+    if s.format != TensorFormat::Nhwc {
+        return Some("made for NHWC (channels-last) data".into());
+    }
+    if s.c_in > FOLD_MAX_CIN || s.c_out > FOLD_MAX_K {
+        return Some(format!(
+            "its kernels take at most {FOLD_MAX_CIN} input and {FOLD_MAX_K} output channels \
+             ({} and {} here)",
+            s.c_in, s.c_out
+        ));
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -292,6 +328,37 @@ mod tests {
             cudnn: None,
         };
         assert!(plan_train(&req).unwrap_err().argument().is_some());
+    }
+
+    #[test]
+    fn the_fold_takes_pointwise_nhwc_add_relu_units_only() {
+        let config = Config::default();
+        let plan = |s: &ConvShape, fuse: Fuse| {
+            plan_train(&TrainPlanRequest {
+                shape: s,
+                dtype: DType::F16,
+                fuse,
+                config: &config,
+                cudnn: Some(91900),
+            })
+            .unwrap()
+        };
+        let last = ConvShape::square(32, 64, 56, 256, 1, TensorFormat::Nhwc);
+        assert_eq!(fold_refusal(&plan(&last, Fuse::AddRelu)), None);
+        let why = fold_refusal(&plan(&last, Fuse::Relu)).unwrap();
+        assert!(why.contains("add + ReLU"), "{why}");
+        let three = ConvShape::square(32, 64, 56, 64, 3, TensorFormat::Nhwc);
+        let why = fold_refusal(&plan(&three, Fuse::AddRelu)).unwrap();
+        assert!(why.contains("3x3"), "{why}");
+        let mut strided = last;
+        strided.stride = (2, 2);
+        let why = fold_refusal(&plan(&strided, Fuse::AddRelu)).unwrap();
+        assert!(why.contains("stride"), "{why}");
+        let nchw = ConvShape::square(32, 64, 56, 256, 1, TensorFormat::Nchw);
+        assert!(fold_refusal(&plan(&nchw, Fuse::AddRelu)).is_some());
+        let wide = ConvShape::square(2, 512, 7, 2048, 1, TensorFormat::Nhwc);
+        let why = fold_refusal(&plan(&wide, Fuse::AddRelu)).unwrap();
+        assert!(why.contains("at most 256 input"), "{why}");
     }
 
     #[test]

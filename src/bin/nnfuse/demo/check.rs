@@ -190,8 +190,12 @@ pub fn check_step(
     out: &StepOutputs,
     tol: &dyn Fn(Op) -> f64,
     dx_in_place: bool,
+    folded: [bool; 3],
 ) -> nnfuse::Result<Vec<Row>> {
     let mut rows = Vec::new();
+    // A folded unit backward writes no BatchNorm input gradient: its convolution gradients are
+    // checked against the f64 chain (the reference BatchNorm backward, then the convolution's).
+    let mut dz_ref: [Option<Vec<f64>>; 3] = [None, None, None];
     let mut push = |op: Op, quantity: &'static str, got: &[f64], want: &[f64]| {
         rows.push(Row {
             op,
@@ -253,15 +257,21 @@ pub fn check_step(
                     &f.saved_inv_std,
                     act,
                 )?;
-                push(op, "dx", &out.da[i], &g.dx);
+                if !folded[i] {
+                    push(op, "dx", &out.da[i], &g.dx);
+                }
                 push(op, "dgamma", &out.dgamma[i], &g.dgamma);
                 push(op, "dbeta", &out.dbeta[i], &g.dbeta);
                 if i == 2 {
                     d_shortcut = g.d_addend;
                 }
+                if folded[i] {
+                    dz_ref[i] = Some(g.dx);
+                }
             }
             Op::ConvDgrad(i) => {
-                let want = conv_backward_data(&def.conv(i), &out.da[i], &inp.w[i]);
+                let da = dz_ref[i].as_deref().unwrap_or(&out.da[i]);
+                let want = conv_backward_data(&def.conv(i), da, &inp.w[i]);
                 match (&d_shortcut, i == 0 && dx_in_place) {
                     (Some(ds), true) => {
                         let want: Vec<f64> = ds.iter().zip(&want).map(|(a, b)| a + b).collect();
@@ -275,7 +285,8 @@ pub fn check_step(
                 }
             }
             Op::ConvWgrad(i) => {
-                let want = conv_backward_filter(&def.conv(i), conv_input(inp, out, i), &out.da[i]);
+                let da = dz_ref[i].as_deref().unwrap_or(&out.da[i]);
+                let want = conv_backward_filter(&def.conv(i), conv_input(inp, out, i), da);
                 push(op, "dw", &out.dw[i], &want);
             }
             Op::AddDx if dx_in_place => {}
@@ -461,7 +472,7 @@ mod tests {
             let def = tiny(format);
             let inp = inputs(&def);
             let out = cpu_step(&def, &inp);
-            let rows = check_step(&def, &inp, &out, &|_| 1e-12, false).unwrap();
+            let rows = check_step(&def, &inp, &out, &|_| 1e-12, false, [false; 3]).unwrap();
             // 3 conv fwd + 3 BN fwd (3 each) + 3 BN bwd (3 each) + 3 dgrad + 3 wgrad + dx + 3 fc.
             assert_eq!(rows.len(), 3 + 9 + 9 + 3 + 3 + 1 + 3, "{format}");
             for r in &rows {
@@ -482,7 +493,7 @@ mod tests {
         let inp = inputs(&def);
         let good = cpu_step(&def, &inp);
         let failing = |out: &StepOutputs| -> Vec<String> {
-            check_step(&def, &inp, out, &|_| 1e-9, false)
+            check_step(&def, &inp, out, &|_| 1e-9, false, [false; 3])
                 .unwrap()
                 .iter()
                 .filter(|r| !r.ok())
@@ -555,6 +566,28 @@ mod tests {
     }
 
     #[test]
+    fn a_folded_unit_is_checked_through_the_f64_chain() {
+        let def = tiny(TensorFormat::Nhwc);
+        let inp = inputs(&def);
+        let mut out = cpu_step(&def, &inp);
+        // A folded backward writes no BatchNorm input gradient: the rows must not read it.
+        out.da[2].iter_mut().for_each(|v| *v = f64::NAN);
+        let rows = check_step(&def, &inp, &out, &|_| 1e-9, false, [false, false, true]).unwrap();
+        assert!(rows.iter().all(|r| r.ok()), "{rows:?}");
+        assert!(!rows
+            .iter()
+            .any(|r| r.op == Op::BnBwd(2) && r.quantity == "dx"));
+        assert!(rows.iter().any(|r| r.op == Op::ConvWgrad(2)));
+        // Not folded, the poisoned dz fails its own row and the convolutions' that read it.
+        let rows = check_step(&def, &inp, &out, &|_| 1e-9, false, [false; 3]).unwrap();
+        assert!(rows.iter().any(|r| !r.ok()));
+        // And a wrong folded filter gradient is caught.
+        out.dw[2][0] += 1.0;
+        let rows = check_step(&def, &inp, &out, &|_| 1e-9, false, [false, false, true]).unwrap();
+        assert!(rows.iter().any(|r| r.op == Op::ConvWgrad(2) && !r.ok()));
+    }
+
+    #[test]
     fn tolerances_come_from_the_caller_per_op() {
         let def = tiny(TensorFormat::Nchw);
         let inp = inputs(&def);
@@ -572,6 +605,7 @@ mod tests {
                 }
             },
             false,
+            [false; 3],
         )
         .unwrap();
         let r = rows.iter().find(|r| r.op == Op::ConvFwd(0)).unwrap();
@@ -587,14 +621,14 @@ mod tests {
         let def = tiny(TensorFormat::Nchw);
         let inp = inputs(&def);
         let out = cpu_step(&def, &inp);
-        let rows = check_step(&def, &inp, &out, &|_| 1e-12, true).unwrap();
+        let rows = check_step(&def, &inp, &out, &|_| 1e-12, true, [false; 3]).unwrap();
         assert!(rows.iter().all(|r| r.ok()));
         assert!(rows.iter().all(|r| r.op != Op::AddDx));
         let r = rows.iter().find(|r| r.op == Op::ConvDgrad(0)).unwrap();
         assert_eq!(r.quantity, "dx (block input)");
         let mut bad = out.clone();
         bad.dx = bad.dx_conv.clone();
-        let rows = check_step(&def, &inp, &bad, &|_| 1e-9, true).unwrap();
+        let rows = check_step(&def, &inp, &bad, &|_| 1e-9, true, [false; 3]).unwrap();
         let failing: Vec<_> = rows.iter().filter(|r| !r.ok()).map(|r| r.op).collect();
         assert_eq!(failing, [Op::ConvDgrad(0)]);
     }

@@ -10,7 +10,8 @@ use cudarc::driver::{sys as drv, CudaEvent, CudaSlice, DeviceRepr};
 use nnfuse::activation;
 use nnfuse::batchnorm::{BackwardArgs, BatchNorm, BnSaved, Fuse, TrainArgs};
 use nnfuse::block::{
-    ConvBnArgs, ConvBnTrain, ConvDone, StatsRoute, TrainChoice, TrainRoute, TrainSaved,
+    ConvBnArgs, ConvBnBackwardArgs, ConvBnTrain, ConvDone, StatsRoute, TrainChoice, TrainRoute,
+    TrainSaved,
 };
 use nnfuse::conv::{AutoReport, Conv2d, ConvChoice, Direction, Route};
 use nnfuse::gemm::{self, Algo};
@@ -371,6 +372,8 @@ pub struct Layers<T: Element> {
     /// Unit routes given to these layers, with the ConvStats route of a fused one (the check
     /// runs the timed batch's); `None`: the unit decides.
     given: [Option<(TrainRoute, Option<StatsRoute>)>; 3],
+    /// Unit backwards given to these layers (folded or composed; the check's).
+    given_fold: [Option<bool>; 3],
 }
 
 impl<T: Element> Layers<T> {
@@ -391,6 +394,7 @@ impl<T: Element> Layers<T> {
             forced: [[None; 3]; 3],
             units: units::build(ctx, def, variant),
             given: [None; 3],
+            given_fold: [None; 3],
         })
     }
 
@@ -408,6 +412,21 @@ impl<T: Element> Layers<T> {
             Ok(u) if self.unit_route(i) == Some(TrainRoute::Fused) => Some(u),
             _ => None,
         }
+    }
+
+    /// Unit `i` when its whole backward (BatchNorm and both convolution gradients, composed or
+    /// folded as it decides) runs at `bnN.bwd`: fused, and the fold eligible.
+    pub fn unit_backward(&self, i: usize) -> Option<&ConvBnTrain<T>> {
+        self.fused_unit(i).filter(|u| u.fold_refusal().is_none())
+    }
+
+    /// Whether unit `i`'s backward folds (given, else decided).
+    pub fn unit_folds(&self, i: usize) -> bool {
+        self.unit_backward(i).is_some_and(|u| {
+            self.given_fold[i]
+                .or_else(|| u.backward_folds())
+                .unwrap_or(false)
+        })
     }
 
     /// Unit `i` while its next forward measures (built, nothing given, and no decision yet or
@@ -446,6 +465,7 @@ impl<T: Element> Layers<T> {
                 let stats = from.units[i].as_ref().ok().and_then(|u| u.stats_choice());
                 self.given[i] = Some((r, stats.map(|c| c.route)));
             }
+            self.given_fold[i] = from.units[i].as_ref().ok().and_then(|u| u.backward_folds());
         }
     }
 
@@ -537,6 +557,8 @@ pub struct StepState {
     done: [Option<ConvDone>; 3],
     /// `bnN.fwd` already ran inside `convN.fwd` (a unit's deciding first forward).
     bn_ran: [bool; 3],
+    /// `convN.dgrad` and `convN.wgrad` already ran inside `bnN.bwd` (the unit's backward).
+    grads_ran: [bool; 3],
 }
 
 /// Convolution `i`'s forward into `a[i]`: through `unit` (the fused route's first stage,
@@ -642,6 +664,49 @@ fn decide_unit<T: Element>(
     unit.forward_train(args)
 }
 
+/// Unit `i`'s whole backward at `bnN.bwd`: its BatchNorm's (the shortcut's gradient into dx)
+/// and its convolution's two gradients, folded or composed as given or decided (its first
+/// backward decides).
+fn unit_backward<T: Element>(
+    l: &Layers<T>,
+    b: &mut Buffers<T>,
+    i: usize,
+    u: &ConvBnTrain<T>,
+    saved: &TrainSaved,
+) -> nnfuse::Result<()> {
+    let last = i == 2;
+    let (before, rest) = b.h.split_at(i);
+    let x = if i == 0 { &b.x } else { &before[i - 1] };
+    let (dh_lo, dh_hi) = b.dh.split_at_mut(i);
+    let dx = if i == 0 {
+        &mut b.dx_conv
+    } else {
+        &mut dh_lo[i - 1]
+    };
+    let dy = if last { &b.dout } else { &dh_hi[0] };
+    let args = ConvBnBackwardArgs {
+        x: x.as_view(),
+        w: b.w[i].as_view(),
+        z: b.a[i].as_view(),
+        y: rest[0].as_view(),
+        dy: dy.as_view(),
+        gamma: b.gamma[i].as_view(),
+        beta: b.beta[i].as_view(),
+        saved,
+        dz: b.da[i].as_view_mut(),
+        dx: Some(dx.as_view_mut()),
+        accumulate_dx: false,
+        dw: b.dw[i].as_view_mut(),
+        dgamma: b.dgamma[i].as_view_mut(),
+        dbeta: b.dbeta[i].as_view_mut(),
+        d_addend: last.then(|| b.dx.as_view_mut()),
+    };
+    match l.given_fold[i] {
+        Some(folded) => u.backward_with(folded, args),
+        None => u.backward(args),
+    }
+}
+
 /// Runs one operation of the step, letting an undecided unit decide at its `convN.fwd` (the
 /// first step's). `st` carries BatchNorm's forward state to its backward.
 fn run_op<T: Element>(l: &Layers<T>, b: &mut Buffers<T>, op: Op, st: &mut StepState) -> Result<()> {
@@ -671,6 +736,7 @@ fn queue_op<T: Element>(
             st.done[i] = conv_fwd(l, b, i, l.fused_unit(i))?;
             Ok(())
         }
+        Op::ConvDgrad(i) | Op::ConvWgrad(i) if st.grads_ran[i] => Ok(()),
         Op::ConvDgrad(0) if l.variant.adds_dx_in_place() => {
             // dx holds the shortcut's gradient (bn3.bwd's d_addend): add conv1's to it. A
             // forced route that cannot add gives way to the dispatcher's accumulating route.
@@ -713,6 +779,10 @@ fn queue_op<T: Element>(
                 ));
             };
             let last = i == 2;
+            if let (Saved::Unit(t), Some(u)) = (&s, l.unit_backward(i)) {
+                st.grads_ran[i] = true;
+                return unit_backward(l, b, i, u, t);
+            }
             let dy = if last { &b.dout } else { &b.dh[i] };
             if l.variant.fuse(i) != Fuse::None {
                 let (saved, unit) = match &s {
@@ -952,10 +1022,50 @@ pub fn timed_step<T: Element>(
 pub fn decisions<T: Element>(l: &Layers<T>, b: &Buffers<T>) -> Vec<Decision> {
     STEP.iter()
         .map(|&op| {
-            let (route, detail) = with_unit(l, op, decide_text(l, b, op));
+            let (route, detail) =
+                with_unit_backward(l, op, with_unit(l, op, decide_text(l, b, op)));
             Decision { op, route, detail }
         })
         .collect()
+}
+
+/// A unit's whole backward at `bnN.bwd` (its convolution's gradients inside it): what runs and
+/// how the unit decided; `convN.dgrad` / `convN.wgrad` say where their work went.
+fn with_unit_backward<T: Element>(
+    l: &Layers<T>,
+    op: Op,
+    (route, detail): (String, String),
+) -> (String, String) {
+    let i = match op {
+        Op::BnBwd(i) | Op::ConvDgrad(i) | Op::ConvWgrad(i) => i,
+        _ => return (route, detail),
+    };
+    let Some(u) = l.unit_backward(i) else {
+        return (route, detail);
+    };
+    let n = i + 1;
+    let how = if l.unit_folds(i) {
+        "folded"
+    } else {
+        "composed"
+    };
+    match op {
+        Op::BnBwd(_) => (
+            format!("unit_backward/{how}"),
+            format!(
+                "the unit's whole backward (bn{n}.bwd, conv{n}.dgrad, conv{n}.wgrad) at \
+                 bn{n}.bwd: {}; its BatchNorm: {detail}",
+                u.backward_decision()
+            ),
+        ),
+        _ => (
+            format!("in bn{n}.bwd ({how})"),
+            format!(
+                "runs inside bn{n}.bwd's unit backward (its GPU time is counted there); the \
+                 convolution's own decision: {route}: {detail}"
+            ),
+        ),
+    }
 }
 
 /// nnfuse's fused units in `op`'s decision (`convN.fwd`, `bnN.fwd`, `bnN.bwd`): where unit N
@@ -1264,7 +1374,15 @@ impl<T: Element> Session<T> {
             }
             let out = small.download_outputs(&ctx)?;
             let tol = |op: Op| tolerance(op, T::DTYPE, op.conv().and_then(|(i, d)| cl.route(i, d)));
-            let mut rows = check_step(&cdef, &inp, &out, &tol, l.variant.adds_dx_in_place())?;
+            let folded = [0, 1, 2].map(|i| cl.unit_folds(i));
+            let mut rows = check_step(
+                &cdef,
+                &inp,
+                &out,
+                &tol,
+                l.variant.adds_dx_in_place(),
+                folded,
+            )?;
             // The classifier at the timed batch (its GEMM algorithms are chosen per shape).
             self.big.poison_classifier(&ctx)?;
             run_classifier(l, &mut self.big)?;

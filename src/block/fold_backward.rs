@@ -1,0 +1,566 @@
+//! The folded backward of a pointwise `conv → BatchNorm + add + ReLU` unit
+//! (docs/BLOCK-TRAINING.md, "The folded backward"): the BatchNorm's input gradient dz, which the
+//! composed backward writes (51 MB in the demo's last unit) and both convolution gradients read
+//! again, is never written, and z is not read at all. With g = dy through the ReLU's mask (the
+//! shortcut's gradient, which the caller needs anyway) and z the 1x1 convolution of x, every
+//! output follows from g, x and small matrices (`kernels/bn_fold.cu` has the algebra):
+//!
+//! 1. `fold_sums`: g written, per-channel sums of g and of x (one pass over dy, the mask, x);
+//! 2. G = gᵀx and H = xᵀx (cuBLAS, f32 results): G is the filter gradient of g;
+//! 3. `fold_finalize`: dgamma and dbeta (Σ g (z − M) from G and w, no pass over z), the
+//!    BatchNorm's apply coefficients, a ⊙ w and [C ⊙ w | the constant of dz];
+//! 4. [MM | bias] = wᵀ [C ⊙ w | constant] (cuBLAS): MM = wᵀ diag(C) w and the bias;
+//! 5. dx = g · (a ⊙ w) through the convolution's own data gradient, then x · MM + bias added
+//!    in place (cuBLASLt, bias epilogue);
+//! 6. `fold_dw`: dw = a ⊙ G + C ⊙ (w H − M sᵀ) − a b ⊗ s.
+//!
+//! What the backward keeps from the forward: x, the saved statistics and the ReLU's bitmask (z
+//! only for the caller's other uses). Launchers on operands the caller ([`super::ConvBnTrain`])
+//! validated; no decisions here.
+
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use cudarc::cublas::sys as cublas_sys;
+use cudarc::cublaslt::sys as lt_sys;
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr};
+
+use super::api::lock;
+use super::lt_epilogue::{EpilogueGemm, GemmPtrs, OPERAND_ALIGNMENT};
+use super::plan::GemmGeometry;
+use crate::batchnorm::{BnSaved, OwnParts};
+use crate::context::Context;
+use crate::conv::{Conv2d, ConvShape};
+use crate::dtype::{DType, Element};
+use crate::error::{CallExt, Error, Result};
+use crate::gemm::WORKSPACE_BYTES;
+use crate::kernels;
+use crate::launch;
+use cudarc::driver::LaunchConfig;
+
+/// `struct FoldDwArgs` of `kernels/bn_fold.cu`, field for field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct FoldDwArgs {
+    coef: u64,
+    w: u64,
+    h: u64,
+    s: u64,
+    gmat: u64,
+    dw: u64,
+    k: u32,
+    cin: u32,
+}
+
+/// `struct FoldSumsArgs` of `kernels/bn_fold.cu`, field for field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct FoldSumsArgs {
+    dy: u64,
+    mask: u64,
+    g: u64,
+    x: u64,
+    part: u64,
+    rows: u64,
+    rpb: u64,
+    k: u32,
+    cin: u32,
+}
+
+/// `struct FoldFinalizeArgs` of `kernels/bn_fold.cu`, field for field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct FoldFinalizeArgs {
+    part: u64,
+    gmat: u64,
+    w: u64,
+    mean: u64,
+    mean_lo: u64,
+    inv_std: u64,
+    gamma: u64,
+    dgamma: u64,
+    dbeta: u64,
+    coef: u64,
+    s: u64,
+    wa: u64,
+    wc: u64,
+    blocks: u32,
+    k: u32,
+    cin: u32,
+    inv_count: f32,
+}
+
+// SAFETY: plain `repr(C)` structs of integers (and one f32), passed by value as kernel
+// parameters.
+unsafe impl DeviceRepr for FoldDwArgs {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for FoldSumsArgs {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for FoldFinalizeArgs {}
+
+/// The folded backward's own buffers (made once per unit; the bias's address is fixed in the
+/// cuBLASLt descriptor).
+struct Bufs<T> {
+    /// `fold_sums`' partial sums, `[blocks][K + Cin]`.
+    part: CudaSlice<f32>,
+    /// G = gᵀx, column-major `K x Cin`, f32.
+    gmat: CudaSlice<f32>,
+    /// The BatchNorm's `[5][K]` coefficients.
+    coef: CudaSlice<f32>,
+    /// x's per-channel sums, f32.
+    sums: CudaSlice<f32>,
+    /// `H = xᵀx`, f32.
+    gram: CudaSlice<f32>,
+    /// `a ⊙ w`, KRSC like w.
+    wa: CudaSlice<T>,
+    /// `[C ⊙ w | the constant of dz]`, column-major `K x (Cin + 1)`.
+    wc: CudaSlice<T>,
+    /// `[MM | bias] = wᵀ wc`, column-major `Cin x (Cin + 1)` (MM is symmetric; the bias is its
+    /// last column).
+    mm: CudaSlice<T>,
+}
+
+/// The operands of one folded backward, validated by the caller: lengths as the unit's shape
+/// says, every output disjoint from every input.
+pub(crate) struct FoldOperands<'s, T> {
+    pub x: CudaView<'s, T>,
+    pub w: CudaView<'s, T>,
+    pub z: CudaView<'s, T>,
+    pub dy: CudaView<'s, T>,
+    pub gamma: CudaView<'s, f32>,
+    pub saved: &'s BnSaved,
+    pub dx: Option<CudaViewMut<'s, T>>,
+    pub accumulate_dx: bool,
+    pub dw: CudaViewMut<'s, T>,
+    pub dgamma: CudaViewMut<'s, f32>,
+    pub dbeta: CudaViewMut<'s, f32>,
+    pub d_addend: CudaViewMut<'s, T>,
+}
+
+/// The folded backward of one unit.
+pub(crate) struct FoldBackward<T> {
+    ctx: Context,
+    /// Rows of x (N·H·W), output channels K, input channels Cin.
+    rows: usize,
+    k: usize,
+    cin: usize,
+    /// `fold_sums`' blocks.
+    blocks: usize,
+    bufs: Mutex<Bufs<T>>,
+    gemm: Mutex<Option<std::result::Result<Arc<EpilogueGemm>, String>>>,
+}
+
+impl<T: Element> FoldBackward<T> {
+    /// The buffers of `shape`'s unit (a pointwise NHWC convolution, checked by the plan).
+    pub(crate) fn new(ctx: &Context, shape: &ConvShape) -> Result<FoldBackward<T>> {
+        let s = ctx.stream();
+        let (k, cin) = (shape.c_out, shape.c_in);
+        let rows = shape.n * shape.h * shape.w;
+        let f32s = |len: usize| s.alloc_zeros::<f32>(len.max(1)).call("cuMemAllocAsync");
+        let ts = |len: usize| s.alloc_zeros::<T>(len.max(1)).call("cuMemAllocAsync");
+        // Two blocks per SM, each at least 64 rows.
+        let blocks = (2 * launch::sm_count(ctx) as usize)
+            .min(rows.div_ceil(64))
+            .max(1);
+        Ok(FoldBackward {
+            ctx: ctx.clone(),
+            rows,
+            k,
+            cin,
+            blocks,
+            bufs: Mutex::new(Bufs {
+                part: f32s(blocks * (k + cin))?,
+                gmat: f32s(k * cin)?,
+                coef: f32s(5 * k)?,
+                sums: f32s(cin)?,
+                gram: f32s(cin * cin)?,
+                wa: ts(k * cin)?,
+                wc: ts(k * (cin + 1))?,
+                mm: ts(cin * (cin + 1))?,
+            }),
+            gemm: Mutex::new(None),
+        })
+    }
+
+    /// Why these operands cannot fold (16-byte vectors of dy, g and x), or None.
+    pub(crate) fn refusal(&self, dy: u64, g: u64, x: u64) -> Option<String> {
+        let v = 16 / T::DTYPE.size();
+        if self.k % v != 0 || self.cin % v != 0 || self.k / v > FOLD_THREADS {
+            return Some(format!(
+                "its kernels read 16-byte vectors: channels must be multiples of {v}, at most \
+                 {} output channels ({} and {} here)",
+                v * FOLD_THREADS,
+                self.cin,
+                self.k
+            ));
+        }
+        if [dy, g, x].iter().any(|p| p % 16 != 0) {
+            return Some("dy, d_addend or x is not 16-byte aligned".into());
+        }
+        None
+    }
+
+    /// The backward on `o` (see the module documentation).
+    pub(crate) fn run(&self, conv: &Conv2d<T>, o: FoldOperands<'_, T>) -> Result<()> {
+        let st = self.ctx.stream().clone();
+        let Some(parts) = o.saved.own_parts() else {
+            return Err(Error::invalid(
+                "saved",
+                "the folded backward needs the own path's state with its ReLU bitmask",
+            ));
+        };
+        let (zp, _gz) = o.z.device_ptr(&st);
+        if zp != parts.x || parts.mask_words < (self.rows * self.k).div_ceil(32) {
+            return Err(Error::invalid(
+                "saved",
+                "does not belong to this z (its input or its bitmask differ)",
+            ));
+        }
+        let mut b = lock(&self.bufs);
+        let (xp, _gx) = o.x.device_ptr(&st);
+        let (dyp, _gdy) = o.dy.device_ptr(&st);
+        let (wp, _gw) = o.w.device_ptr(&st);
+        let (gp, _gg) = o.d_addend.device_ptr(&st);
+        let (gammap, _gga) = o.gamma.device_ptr(&st);
+        let mut dgamma = o.dgamma;
+        let mut dbeta = o.dbeta;
+        let (dgp, _gdg) = dgamma.device_ptr_mut(&st);
+        let (dbp, _gdb) = dbeta.device_ptr_mut(&st);
+        self.sums(&mut b, dyp, parts.mask, gp, xp)?;
+        self.gemms(&mut b, gp, xp)?;
+        self.finalize(&mut b, wp, &parts, gammap, dgp, dbp)?;
+        self.projection_matrix(&mut b, wp)?;
+        let g = o.d_addend.slice(..);
+        if let Some(mut dx) = o.dx {
+            conv.backward_data_into(&g, &b.wa.as_view(), &mut dx, o.accumulate_dx)?;
+            self.add_projection(&b, &o.x, &mut dx)?;
+        }
+        let mut dw = o.dw;
+        self.finish_dw(&b, wp, &mut dw)
+    }
+
+    /// `fold_sums`: g written, the blocks' partial sums of g and x.
+    fn sums(&self, b: &mut Bufs<T>, dy: u64, mask: u64, g: u64, x: u64) -> Result<()> {
+        let s = self.ctx.stream();
+        let args = FoldSumsArgs {
+            dy,
+            mask,
+            g,
+            x,
+            part: b.part.device_ptr_mut(s).0,
+            rows: self.rows as u64,
+            rpb: self.rows.div_ceil(self.blocks) as u64,
+            k: dim(self.k, "c_out")?,
+            cin: dim(self.cin, "c_in")?,
+        };
+        self.launch("fold_sums", blocks(self.blocks, FOLD_THREADS), &args)
+    }
+
+    /// G = gᵀx and H = xᵀx (cuBLAS, f32 results).
+    fn gemms(&self, b: &mut Bufs<T>, g: u64, x: u64) -> Result<()> {
+        let s = self.ctx.stream();
+        let (k, n) = (dim(self.k, "c_out")? as i32, dim(self.cin, "c_in")? as i32);
+        let rows = dim(self.rows, "rows")? as i32;
+        let products = [
+            (k, g, b.gmat.device_ptr_mut(s).0, "G"),
+            (n, x, b.gram.device_ptr_mut(s).0, "the Gram matrix"),
+        ];
+        let mut guard = self.ctx.lock()?;
+        let h = guard.cublas()?;
+        for (m, a, out, what) in products {
+            // SAFETY: `a` holds rows·m values (column-major m x rows, ld m: g or x), x rows·Cin;
+            // `out` m·Cin f32, this object's; the handle is bound to the Context's stream.
+            unsafe {
+                gemm_ex(
+                    h,
+                    [Trans::CUBLAS_OP_N, Trans::CUBLAS_OP_T],
+                    [m, n, rows],
+                    [(a, m), (x, n), (out, m)],
+                    [T::DTYPE.cuda(), cublas_sys::cudaDataType::CUDA_R_32F],
+                )
+            }
+            .map_err(|e| Error::NotSupported(format!("{what}: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// `fold_finalize`: dgamma, dbeta, the coefficients and x's sums.
+    fn finalize(
+        &self,
+        b: &mut Bufs<T>,
+        w: u64,
+        parts: &OwnParts,
+        gamma: u64,
+        dgamma: u64,
+        dbeta: u64,
+    ) -> Result<()> {
+        let s = self.ctx.stream();
+        let args = FoldFinalizeArgs {
+            part: b.part.device_ptr(s).0,
+            gmat: b.gmat.device_ptr(s).0,
+            w,
+            mean: parts.mean,
+            mean_lo: parts.mean_lo,
+            inv_std: parts.inv_std,
+            gamma,
+            dgamma,
+            dbeta,
+            coef: b.coef.device_ptr_mut(s).0,
+            s: b.sums.device_ptr_mut(s).0,
+            wa: b.wa.device_ptr_mut(s).0,
+            wc: b.wc.device_ptr_mut(s).0,
+            blocks: dim(self.blocks, "blocks")?,
+            k: dim(self.k, "c_out")?,
+            cin: dim(self.cin, "c_in")?,
+            inv_count: (1.0 / self.rows as f64) as f32,
+        };
+        let warps = (self.k + self.cin) as u64;
+        self.launch("fold_finalize", launch_warps(warps), &args)
+    }
+
+    /// `[MM | bias] = wᵀ [C ⊙ w | constant]` (cuBLAS, in T).
+    fn projection_matrix(&self, b: &mut Bufs<T>, w: u64) -> Result<()> {
+        let s = self.ctx.stream();
+        let (k, n) = (dim(self.k, "c_out")? as i32, dim(self.cin, "c_in")? as i32);
+        let (wc, mm) = (b.wc.device_ptr(s).0, b.mm.device_ptr_mut(s).0);
+        let mut guard = self.ctx.lock()?;
+        let h = guard.cublas()?;
+        let t = T::DTYPE.cuda();
+        // SAFETY: w holds K·Cin values (column-major Cin x K), wc K·(Cin + 1), mm
+        // Cin·(Cin + 1), the last two this object's; the handle is bound to the Context's stream.
+        unsafe {
+            gemm_ex(
+                h,
+                [Trans::CUBLAS_OP_N, Trans::CUBLAS_OP_N],
+                [n, n + 1, k],
+                [(w, n), (wc, k), (mm, n)],
+                [t, t],
+            )
+        }
+        .map_err(|e| Error::NotSupported(format!("the projection matrix: {e}")))
+    }
+
+    /// Queues `<base>_<t>` of `kernels/bn_fold.cu` with its one argument struct.
+    fn launch<A: DeviceRepr>(&self, base: &str, cfg: LaunchConfig, args: &A) -> Result<()> {
+        let name = kernel_name(base, T::DTYPE);
+        let f = self.ctx.function(&kernels::BN_FOLD, name)?;
+        // SAFETY: every pointer in `args` holds the extents its kernel reads or writes: the
+        // caller's operands validated by ConvBnTrain (lengths from the unit's shape), the rest
+        // this object's own buffers sized in `new`.
+        unsafe { launch::launch_kernel(&self.ctx, &f, cfg, &mut [launch::arg(args)], name) }
+    }
+
+    /// dx += x · MM + bias (cuBLASLt, in place: C and D are dx with one layout).
+    fn add_projection(
+        &self,
+        b: &Bufs<T>,
+        x: &CudaView<'_, T>,
+        dx: &mut CudaViewMut<'_, T>,
+    ) -> Result<()> {
+        let s = self.ctx.stream();
+        let (xp, _gx) = x.device_ptr(s);
+        let (dp, _gd) = dx.device_ptr_mut(s);
+        let p = GemmPtrs {
+            a: b.mm.device_ptr(s).0,
+            b: xp,
+            c: dp,
+            d: dp,
+        };
+        if [p.a, p.b, p.d].iter().any(|v| v % OPERAND_ALIGNMENT != 0) {
+            return Err(Error::NotSupported(format!(
+                "x or dx is not {OPERAND_ALIGNMENT}-byte aligned (the folded backward's matmul \
+                 assumes it)"
+            )));
+        }
+        let mut g = self.ctx.lock()?;
+        let h = g.cublaslt()?;
+        let gemm = self.gemm_for(h, b)?;
+        let ws = g.workspace(WORKSPACE_BYTES)?;
+        let cu = s.cu_stream() as lt_sys::cudaStream_t;
+        // SAFETY: x and dx validated by the caller (dx disjoint from x), aligned as checked; MM
+        // and the bias are this object's; cuBLASLt multiplies in place when C and D share one
+        // pointer and one layout (cublasLtMatmul's reference); the workspace holds
+        // WORKSPACE_BYTES while the guard lives.
+        unsafe { gemm.run(None, h, p, 1.0, ws, WORKSPACE_BYTES, cu) }
+    }
+
+    /// The matmul's descriptors, made on first use (a failure is kept).
+    fn gemm_for(&self, h: lt_sys::cublasLtHandle_t, b: &Bufs<T>) -> Result<Arc<EpilogueGemm>> {
+        let mut slot = lock(&self.gemm);
+        if slot.is_none() {
+            let geometry = GemmGeometry {
+                m: self.cin,
+                n: self.rows,
+                k: self.cin,
+                pointwise: true,
+                columns: 0,
+            };
+            // The bias is [MM | bias]'s last column.
+            let bias = b.mm.device_ptr(self.ctx.stream()).0
+                + (self.cin * self.cin * T::DTYPE.size()) as u64;
+            *slot = Some(
+                EpilogueGemm::new(h, &geometry, T::DTYPE, false, bias)
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string()),
+            );
+        }
+        match &*slot {
+            Some(Ok(g)) => Ok(g.clone()),
+            Some(Err(why)) => Err(Error::NotSupported(why.clone())),
+            None => Err(Error::NotSupported(
+                "the folded backward's matmul is missing".into(),
+            )),
+        }
+    }
+
+    /// `fold_dw`: dw from G, H and the sums.
+    fn finish_dw(&self, b: &Bufs<T>, w: u64, dw: &mut CudaViewMut<'_, T>) -> Result<()> {
+        let s = self.ctx.stream();
+        let (dwp, _gd) = dw.device_ptr_mut(s);
+        let args = FoldDwArgs {
+            coef: b.coef.device_ptr(s).0,
+            w,
+            h: b.gram.device_ptr(s).0,
+            s: b.sums.device_ptr(s).0,
+            gmat: b.gmat.device_ptr(s).0,
+            dw: dwp,
+            k: dim(self.k, "c_out")?,
+            cin: dim(self.cin, "c_in")?,
+        };
+        self.launch("fold_dw", blocks(self.k, self.cin.div_ceil(32) * 32), &args)
+    }
+}
+
+use cublas_sys::cublasOperation_t as Trans;
+
+/// `C[m x n] = op(A) · op(B)` (column-major; `[(A, lda), (B, ldb), (C, ldc)]`, `[m, n, k]`)
+/// with `types = [A and B's, C's]`, `CUBLAS_COMPUTE_32F`, f32 scalars 1 and 0.
+///
+/// # Safety
+/// Live handle bound to the stream of the operands' work; the pointers hold the extents.
+unsafe fn gemm_ex(
+    h: cublas_sys::cublasHandle_t,
+    ops: [Trans; 2],
+    [m, n, k]: [i32; 3],
+    [(a, lda), (b, ldb), (c, ldc)]: [(u64, i32); 3],
+    [t, tc]: [cublas_sys::cudaDataType; 2],
+) -> Result<()> {
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    cublas_sys::cublasGemmEx(
+        h,
+        ops[0],
+        ops[1],
+        m,
+        n,
+        k,
+        &alpha as *const f32 as *const c_void,
+        a as *const c_void,
+        t,
+        lda,
+        b as *const c_void,
+        t,
+        ldb,
+        &beta as *const f32 as *const c_void,
+        c as *mut c_void,
+        tc,
+        ldc,
+        cublas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        cublas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+    )
+    .result()
+    .call("cublasGemmEx")
+}
+
+/// Threads of a `fold_sums` block (`FOLD_THREADS` of `kernels/bn_fold.cu`).
+const FOLD_THREADS: usize = 256;
+/// Most input channels the kernels take (a thread per channel in one block).
+pub(crate) const FOLD_MAX_CIN: usize = 256;
+/// Most output channels the kernels take (`FOLD_MAX_K`: three f32 arrays in shared memory).
+pub(crate) const FOLD_MAX_K: usize = 2048;
+
+/// `n` blocks of `threads` threads.
+fn blocks(n: usize, threads: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (threads as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// A warp per item, 128 threads a block.
+fn launch_warps(warps: u64) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((warps * 32).div_ceil(128).max(1) as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// `n` as the kernels' u32, or an error naming `what`.
+fn dim(n: usize, what: &str) -> Result<u32> {
+    u32::try_from(n).map_err(|_| Error::invalid(what, format!("{n} exceeds u32")))
+}
+
+/// `<base>_<t>` of `kernels/bn_fold.cu`.
+fn kernel_name(base: &str, dtype: DType) -> &'static str {
+    const NAMES: [[&str; 3]; 3] = [
+        ["fold_sums_f32", "fold_sums_f16", "fold_sums_bf16"],
+        [
+            "fold_finalize_f32",
+            "fold_finalize_f16",
+            "fold_finalize_bf16",
+        ],
+        ["fold_dw_f32", "fold_dw_f16", "fold_dw_bf16"],
+    ];
+    let row = match base {
+        "fold_sums" => 0,
+        "fold_finalize" => 1,
+        _ => 2,
+    };
+    let col = match dtype {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::BF16 => 2,
+    };
+    NAMES[row][col]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn argument_structs_match_the_kernel() {
+        let src = kernels::BN_FOLD.source;
+        for (name, size, want) in [
+            (
+                "FoldDwArgs",
+                std::mem::size_of::<FoldDwArgs>(),
+                6 * 8 + 2 * 4,
+            ),
+            (
+                "FoldSumsArgs",
+                std::mem::size_of::<FoldSumsArgs>(),
+                7 * 8 + 2 * 4,
+            ),
+            (
+                "FoldFinalizeArgs",
+                std::mem::size_of::<FoldFinalizeArgs>(),
+                13 * 8 + 4 * 4,
+            ),
+        ] {
+            assert!(src.contains(&format!("struct {name} {{")), "{name}");
+            assert_eq!(size, want, "{name}");
+        }
+        assert!(src.contains(&format!("#define FOLD_THREADS {FOLD_THREADS}\n")));
+        assert!(src.contains(&format!("#define FOLD_MAX_K {FOLD_MAX_K}\n")));
+        assert!(src.contains(&format!("float wk[{FOLD_MAX_CIN}]")));
+        for t in [DType::F32, DType::F16, DType::BF16] {
+            for base in ["fold_sums", "fold_finalize", "fold_dw"] {
+                let n = kernel_name(base, t);
+                assert!(n.starts_with(base), "{n}");
+                assert!(src.contains(&format!(") {n}(")), "{n}");
+            }
+        }
+    }
+}
