@@ -26,7 +26,10 @@
 //! backward, fused through ConvStats and the BatchNorm from its sums, or unfused):
 //! - `train_plan`: its routes' eligibility and reasons, pure;
 //! - `train`: [`ConvBnTrain`], its arguments, the routes, the stages and the backward;
-//! - `train_decide`: its first call's check and race (forward plus the BatchNorm's backward).
+//! - `train_decide`: its first call's check and race (forward plus the BatchNorm's backward);
+//! - `fold_backward`: the folded backward of a pointwise BN + add + ReLU unit (dz never
+//!   written), launchers on validated operands;
+//! - `train_fold`: the composed and folded backward routes and the first backward's decision.
 //!
 //! The training chain, [`ConvBnChain`] (`conv → BN → ReLU → … → BN (+ add) → ReLU`, each inner
 //! BatchNorm and ReLU folded into the next convolution through cuDNN's fused graphs, or as
