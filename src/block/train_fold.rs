@@ -92,7 +92,12 @@ impl<T: Element> ConvBnTrain<T> {
             return Some("d_addend is required for Fuse::AddRelu".into());
         };
         let s = self.ctx.stream();
-        fold.refusal(a.dy.device_ptr(s).0, d.device_ptr(s).0, a.x.device_ptr(s).0)
+        fold.refusal([
+            a.dy.device_ptr(s).0,
+            d.device_ptr(s).0,
+            a.x.device_ptr(s).0,
+            a.w.device_ptr(s).0,
+        ])
     }
 
     /// Why this unit's backward cannot fold (None: it can, where the forward ran the fused
@@ -298,8 +303,13 @@ impl<T: Element> ConvBnTrain<T> {
             .map(|(n, rel, bad)| format!("{n} {rel:.2e} ({bad} non-finite)"))
             .collect::<Vec<_>>()
             .join(", ");
-        let line = format!("relative L2 {line} (bound {:.0e})", tolerance(dt));
-        if out.iter().all(|&(_, rel, bad)| passes(rel, bad, dt)) {
+        // Each route may be the type's tolerance away from the exact result, so the two may
+        // differ by twice it: the composed dw carries dz rounded to the type (bf16: 2^-9 an
+        // element), which grows against dW with the rows, the folded one does not (G in f32);
+        // at batch 32 with bf16 they differed by 3.9e-3 to 1.0e-2 while both were 1.7e-3 from
+        // f64 at batch 2.
+        let line = format!("relative L2 {line} (bound {:.0e})", 2.0 * tolerance(dt));
+        if out.iter().all(|&(_, rel, bad)| passes(rel / 2.0, bad, dt)) {
             Ok(line)
         } else {
             Err(format!("it differs from composed: {line}"))
