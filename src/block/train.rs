@@ -10,9 +10,8 @@ use super::api::lock;
 use super::conv_stats::{ConvStats, StatsChoice};
 use super::fold_backward::FoldBackward;
 use super::stats_plan::StatsRoute;
-use super::train_fold::FoldChoice;
 use super::train_plan::{
-    bn_shape, fold_refusal, plan_train, TrainPlan, TrainPlanRequest, TrainRoute,
+    bn_shape, fold_refusal, plan_train, FoldChoice, TrainPlan, TrainPlanRequest, TrainRoute,
 };
 use crate::batchnorm::{BackwardArgs, BatchNorm, BnPath, BnSaved, Fuse, TrainArgs};
 use crate::config::BnImpl;
@@ -500,14 +499,14 @@ impl<T: Element> ConvBnTrain<T> {
     /// decides between the two by a check and a race, as the first forward decides its route
     /// ([`ConvBnTrain::backward_decision`]); it synchronises and allocates.
     pub fn backward(&self, a: ConvBnBackwardArgs<'_, T>) -> Result<()> {
-        if self.fold_blocked(&a).is_some() {
+        let decided = lock(&self.fold_choice).as_ref().map(|c| c.folded);
+        // A unit decided composed skips the fold's checks (operand addresses: events).
+        if decided == Some(false) || self.fold_blocked(&a).is_some() {
             return self.backward_composed(a);
         }
-        let decided = lock(&self.fold_choice).as_ref().map(|c| c.folded);
         match decided {
             None => self.decide_backward(a),
-            Some(true) => self.backward_folded(a),
-            Some(false) => self.backward_composed(a),
+            _ => self.backward_folded(a),
         }
     }
 

@@ -11,7 +11,7 @@ use super::check::{passes, tolerance};
 use super::fold_backward::FoldOperands;
 use super::train::{ConvBnBackwardArgs, ConvBnTrain};
 use super::train_decide::rel_l2;
-use super::train_plan::TrainRoute;
+use super::train_plan::{FoldChoice, TrainRoute};
 use crate::device_check::compare_on_device;
 use crate::dtype::Element;
 use crate::error::{CallExt, Error, Result};
@@ -28,40 +28,6 @@ const RACE: InterleavedOptions = InterleavedOptions {
     max_rounds: 20,
     budget_ms: 40.0,
 };
-
-/// How the first backward of a unit the fold can run decided, or a forced route.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct FoldChoice {
-    /// Later backwards fold.
-    pub folded: bool,
-    /// GPU time (median, µs) of the whole backward per route timed: composed, folded.
-    pub times_us: Vec<(&'static str, f64)>,
-    /// The check, the timing, or why the fold was not measured.
-    pub notes: Vec<String>,
-}
-
-impl FoldChoice {
-    /// One sentence: the route and both times, or why.
-    pub fn describe(&self) -> String {
-        let route = if self.folded { "folded" } else { "composed" };
-        let times: Vec<String> = self
-            .times_us
-            .iter()
-            .map(|(r, t)| format!("{r} {t:.1} us"))
-            .collect();
-        let mut s = format!("backward {route}");
-        if !times.is_empty() {
-            s.push_str(&format!(
-                " ({}: the whole backward, GPU time, median)",
-                times.join(", ")
-            ));
-        }
-        if !self.notes.is_empty() {
-            s.push_str(&format!("; {}", self.notes.join("; ")));
-        }
-        s
-    }
-}
 
 /// The probe's outputs of one backward.
 struct Probe<T> {

@@ -238,6 +238,40 @@ pub(crate) fn train_plan(
     }
 }
 
+/// How the first backward of a unit the fold can run decided, or a forced route.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct FoldChoice {
+    /// Later backwards fold.
+    pub folded: bool,
+    /// GPU time (median, µs) of the whole backward per route timed: composed, folded.
+    pub times_us: Vec<(&'static str, f64)>,
+    /// The check, the timing, or why the fold was not measured.
+    pub notes: Vec<String>,
+}
+
+impl FoldChoice {
+    /// One sentence: the route and both times, or why.
+    pub fn describe(&self) -> String {
+        let route = if self.folded { "folded" } else { "composed" };
+        let times: Vec<String> = self
+            .times_us
+            .iter()
+            .map(|(r, t)| format!("{r} {t:.1} us"))
+            .collect();
+        let mut s = format!("backward {route}");
+        if !times.is_empty() {
+            s.push_str(&format!(
+                " ({}: the whole backward, GPU time, median)",
+                times.join(", ")
+            ));
+        }
+        if !self.notes.is_empty() {
+            s.push_str(&format!("; {}", self.notes.join("; ")));
+        }
+        s
+    }
+}
+
 /// Why the folded backward (`fold_backward.rs`) cannot run a unit, or `None` when it can: a
 /// 1x1 convolution of stride 1 without padding (z is then a matrix product of x, on which the
 /// fold rests), NHWC, BN + add + ReLU (whose masked gradient the sums pass writes anyway), and
@@ -328,6 +362,30 @@ mod tests {
             cudnn: None,
         };
         assert!(plan_train(&req).unwrap_err().argument().is_some());
+    }
+
+    #[test]
+    fn a_fold_choice_reads_as_its_route_times_and_notes() {
+        let c = FoldChoice {
+            folded: true,
+            times_us: vec![("composed", 181.5), ("folded", 144.5)],
+            notes: vec!["folded: beats composed".into()],
+        };
+        let t = c.describe();
+        assert!(
+            t.starts_with("backward folded (composed 181.5 us, folded 144.5 us"),
+            "{t}"
+        );
+        assert!(t.ends_with("; folded: beats composed"), "{t}");
+        let n = FoldChoice {
+            folded: false,
+            times_us: Vec::new(),
+            notes: vec!["folded: not taken: it failed".into()],
+        };
+        assert_eq!(
+            n.describe(),
+            "backward composed; folded: not taken: it failed"
+        );
     }
 
     #[test]
