@@ -13,7 +13,7 @@ use crate::batchnorm::{BackwardArgs, Fuse};
 use crate::device_check::compare_on_device;
 use crate::dtype::Element;
 use crate::error::{CallExt, Result};
-use crate::timing::{time_interleaved_gpu, InterleavedOptions};
+use crate::timing::{time_interleaved_gpu, Interleaved, InterleavedOptions};
 use crate::tune::budget::NOT_COMPILED;
 use crate::tune::rule::best_challenger;
 
@@ -176,22 +176,7 @@ impl<T: Element> ConvBnTrain<T> {
                 dbeta: p.dbeta.as_view_mut(),
             })
         })?;
-        let times: Vec<(TrainRoute, f64)> = (0..2)
-            .filter_map(|v| timed.timing(v).map(|t| (ROUTES[v], t.median_us())))
-            .collect();
-        let mut wins = false;
-        if let Some(e) = &timed.errors[1] {
-            notes.push(format!("fused: failed while timed: {e}"));
-        } else if let Some(pd) = timed.paired(0, 1) {
-            wins = best_challenger([(1, Some(pd))]).is_some();
-            let verdict = if wins {
-                "beats unfused"
-            } else {
-                "does not beat unfused"
-            };
-            notes.push(format!("fused: {verdict}: {pd}"));
-        }
-        Ok((times, wins))
+        Ok(two_way_verdict(&timed, ROUTES, ["unfused", "fused"], notes))
     }
 
     /// Stores the decision (`provisional`: made without the fused route's measurement).
@@ -212,6 +197,29 @@ impl<T: Element> ConvBnTrain<T> {
             provisional,
         });
     }
+}
+
+/// A two-way race's outcome (variant 0 the incumbent, 1 the challenger; `labels` their names
+/// in the notes): each timed variant's median as `(ids[v], µs)`, and whether the challenger
+/// beats the incumbent by the crate's rule, with one note saying so or why it was not timed.
+pub(super) fn two_way_verdict<I: Copy>(
+    timed: &Interleaved,
+    ids: [I; 2],
+    [incumbent, challenger]: [&str; 2],
+    notes: &mut Vec<String>,
+) -> (Vec<(I, f64)>, bool) {
+    let times = (0..2)
+        .filter_map(|v| timed.timing(v).map(|t| (ids[v], t.median_us())))
+        .collect();
+    let mut wins = false;
+    if let Some(e) = &timed.errors[1] {
+        notes.push(format!("{challenger}: failed while timed: {e}"));
+    } else if let Some(pd) = timed.paired(0, 1) {
+        wins = best_challenger([(1, Some(pd))]).is_some();
+        let verdict = if wins { "beats" } else { "does not beat" };
+        notes.push(format!("{challenger}: {verdict} {incumbent}: {pd}"));
+    }
+    (times, wins)
 }
 
 /// The caller's inputs with the probe's outputs and running statistics.

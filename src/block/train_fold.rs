@@ -10,13 +10,12 @@ use super::api::lock;
 use super::check::{passes, tolerance};
 use super::fold_backward::FoldOperands;
 use super::train::{ConvBnBackwardArgs, ConvBnTrain};
-use super::train_decide::rel_l2;
+use super::train_decide::{rel_l2, two_way_verdict};
 use super::train_plan::{FoldChoice, TrainRoute};
 use crate::device_check::compare_on_device;
 use crate::dtype::Element;
 use crate::error::{CallExt, Error, Result};
 use crate::timing::{time_interleaved_gpu, InterleavedOptions};
-use crate::tune::rule::best_challenger;
 use crate::validate::{Aliasing, Binder, Need};
 
 /// The race's options: a first call's budget, not a benchmark's.
@@ -202,21 +201,7 @@ impl<T: Element> ConvBnTrain<T> {
             }
         })?;
         let names = ["composed", "folded"];
-        let times: Vec<(&'static str, f64)> = (0..2)
-            .filter_map(|v| timed.timing(v).map(|t| (names[v], t.median_us())))
-            .collect();
-        let mut wins = false;
-        if let Some(e) = &timed.errors[1] {
-            notes.push(format!("folded: failed while timed: {e}"));
-        } else if let Some(pd) = timed.paired(0, 1) {
-            wins = best_challenger([(1, Some(pd))]).is_some();
-            let verdict = if wins {
-                "beats composed"
-            } else {
-                "does not beat composed"
-            };
-            notes.push(format!("folded: {verdict}: {pd}"));
-        }
+        let (times, wins) = two_way_verdict(&timed, names, names, &mut notes);
         self.record_fold(wins, times, notes);
         Ok(())
     }
