@@ -1,5 +1,5 @@
 //! The folded backward of the demo's last unit (conv3 1x1 64→256 + bn3 BN+Add+ReLU, batch 32,
-//! 56x56, NHWC; docs/BLOCK-TRAINING.md, "The folded backward") against the composed one
+//! 56x56, NHWC; docs/BLOCK-TRAINING.md, "Built: the folded backward of a pointwise unit") against the composed one
 //! (the own BatchNorm backward into dz, then the convolution's two gradients of dz), f16 and
 //! bf16, each forced through `ConvBnTrain::backward_with` on the fused route's forward state.
 //!

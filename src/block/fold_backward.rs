@@ -1,5 +1,5 @@
 //! The folded backward of a pointwise `conv → BatchNorm + add + ReLU` unit
-//! (docs/BLOCK-TRAINING.md, "The folded backward"): the BatchNorm's input gradient dz, which the
+//! (docs/BLOCK-TRAINING.md, "Built: the folded backward of a pointwise unit"): the BatchNorm's input gradient dz, which the
 //! composed backward writes (51 MB in the demo's last unit) and both convolution gradients read
 //! again, is never written, and z is not read at all. With g = dy through the ReLU's mask (the
 //! shortcut's gradient, which the caller needs anyway) and z the 1x1 convolution of x, every

@@ -258,8 +258,10 @@ impl<T: Element> std::fmt::Debug for ConvBnTrain<T> {
 
 impl<T: Element> ConvBnTrain<T> {
     /// Plans the unit for `shape` with the BatchNorm's activation `fuse` (no GPU work beyond
-    /// the parts' background kernel compiles and two small allocations). The fused route is
-    /// refused, with the reason in the plan, where its parts cannot be planned.
+    /// the parts' background kernel compiles and small allocations: the fused route's sums, and
+    /// for a unit the backward can fold its buffers, 0.5 MB for the demo's last unit and a few
+    /// MB at most). The fused route is refused, with the reason in the plan, where its parts
+    /// cannot be planned.
     pub fn new(ctx: &Context, shape: &ConvShape, fuse: Fuse) -> Result<Self> {
         let cudnn = if cudnn_present() {
             Some(cudnn_version()?)
@@ -495,9 +497,10 @@ impl<T: Element> ConvBnTrain<T> {
     /// convolution's data gradient (into or onto `dx`) and filter gradient. Folded, where the
     /// unit's plan admits it (a 1x1 NHWC BN + add + ReLU unit whose forward ran the fused route):
     /// the same outputs without writing dz (`dz` then holds nothing useful;
-    /// docs/BLOCK-TRAINING.md, "The folded backward"). The first backward the fold could run
-    /// decides between the two by a check and a race, as the first forward decides its route
-    /// ([`ConvBnTrain::backward_decision`]); it synchronises and allocates.
+    /// docs/BLOCK-TRAINING.md, "Built: the folded backward of a pointwise unit"). The first
+    /// backward the fold could run decides between the two by a check and a race, as the first
+    /// forward decides its route ([`ConvBnTrain::backward_decision`]); it synchronises and
+    /// allocates.
     pub fn backward(&self, a: ConvBnBackwardArgs<'_, T>) -> Result<()> {
         let decided = lock(&self.fold_choice).as_ref().map(|c| c.folded);
         // A unit decided composed skips the fold's checks (operand addresses: events).

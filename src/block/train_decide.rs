@@ -17,8 +17,9 @@ use crate::timing::{time_interleaved_gpu, Interleaved, InterleavedOptions};
 use crate::tune::budget::NOT_COMPILED;
 use crate::tune::rule::best_challenger;
 
-/// The race's options: a first call's budget, not a benchmark's.
-const RACE: InterleavedOptions = InterleavedOptions {
+/// The race's options (the unit's forward and backward decisions): a first call's budget, not
+/// a benchmark's.
+pub(super) const RACE: InterleavedOptions = InterleavedOptions {
     warmup_rounds: 1,
     min_sample_ms: 0.2,
     max_burst: 16,

@@ -10,23 +10,13 @@ use super::api::lock;
 use super::check::{passes, tolerance};
 use super::fold_backward::FoldOperands;
 use super::train::{ConvBnBackwardArgs, ConvBnTrain};
-use super::train_decide::{rel_l2, two_way_verdict};
+use super::train_decide::{rel_l2, two_way_verdict, RACE};
 use super::train_plan::{FoldChoice, TrainRoute};
 use crate::device_check::compare_on_device;
 use crate::dtype::Element;
 use crate::error::{CallExt, Error, Result};
-use crate::timing::{time_interleaved_gpu, InterleavedOptions};
+use crate::timing::time_interleaved_gpu;
 use crate::validate::{Aliasing, Binder, Need};
-
-/// The race's options: a first call's budget, not a benchmark's.
-const RACE: InterleavedOptions = InterleavedOptions {
-    warmup_rounds: 1,
-    min_sample_ms: 0.2,
-    max_burst: 16,
-    min_rounds: 6,
-    max_rounds: 20,
-    budget_ms: 40.0,
-};
 
 /// The probe's outputs of one backward.
 struct Probe<T> {
