@@ -179,6 +179,7 @@ template <typename T> __device__ __forceinline__ void fold_finalize(const FoldFi
     const u64 K = a.k, N = a.cin;
     if (ch >= K + N) return;  // the whole warp
     double total = 0.0;
+#pragma unroll 4
     for (u32 b = lane; b < a.blocks; b += 32) total += a.part[(u64)b * (K + N) + ch];
     total = warp_sum(total);
     if (ch >= K) {
@@ -238,16 +239,344 @@ template <typename T> __device__ __forceinline__ void fold_dw(const FoldDwArgs& 
     if (c < N) wk[c] = to_float(w[(u64)k * N + c]);
     __syncthreads();
     if (c >= N) return;
-    // Q[k,c] = sum_c2 w[k,c2] H[c2,c] - M_k s_c (H symmetric, coalesced over c).
-    float q = 0.0f;
-#pragma unroll 8
-    for (u32 c2 = 0; c2 < N; ++c2) q += wk[c2] * a.h[(u64)c2 * N + c];
+    // Q[k,c] = sum_c2 w[k,c2] H[c,c2] - M_k s_c: H is symmetric, so thread c reads its row in
+    // 16-byte loads, all in flight (N is a multiple of 4; reading column c took 6.5 us, bound
+    // by 64 dependent-latency loads a thread).
+    const float4* hr = (const float4*)(a.h + (u64)c * N);
+    float q4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 4
+    for (u32 c2 = 0; c2 < N / 4; ++c2) {
+        const float4 v = hr[c2];
+        q4[0] = fmaf(wk[4 * c2], v.x, q4[0]);
+        q4[1] = fmaf(wk[4 * c2 + 1], v.y, q4[1]);
+        q4[2] = fmaf(wk[4 * c2 + 2], v.z, q4[2]);
+        q4[3] = fmaf(wk[4 * c2 + 3], v.w, q4[3]);
+    }
+    float q = (q4[0] + q4[1]) + (q4[2] + q4[3]);
     const Terms t = terms(a.coef, K, k);
     const float sc = a.s[c];
     q -= t.m * sc;
     T* dw = (T*)a.dw;
     const u64 i = (u64)k * N + c;
     dw[i] = from_float<T>(t.a * a.gmat[(u64)c * K + k] + t.c * q - t.ab * sc);
+}
+
+// ===== fold_gram: fold_sums with G and H on tensor cores (f16, bf16) =========================
+// For Cin = GRAM_CIN and K a multiple of GRAM_KS, the sums pass also makes G = g^T x and
+// H = x^T x, so that neither product reads g or x again (cuBLAS's two products took 43 us of
+// the demo's 148 us unit). Block (b, s): rows [b rpb, (b+1) rpb), output channels
+// [s GRAM_KS, (s+1) GRAM_KS). Per tile of GRAM_R rows: g (masked dy, written out) and x staged
+// in shared memory, then mma.sync m16n8k16 with f32 accumulators: warp w owns G's channels
+// 16w .. 16w+15 of the slab against all 64 input channels, and the slabs share H's 32 tiles of
+// 16 x 8 (32 / slabs each, at most two a warp: K a multiple of 256); slab 0 makes x's sums. The
+// next tile's loads are issued before the current tile's products. Each block writes its partial G and H
+// ([K][Cin] row-major, then [Cin][Cin]); fold_gram_reduce adds them in a fixed order (no
+// atomics on the data: the result does not depend on timing).
+
+#define GRAM_THREADS 256
+#define GRAM_R 64
+#define GRAM_KS 128
+#define GRAM_CIN 64
+#define GRAM_SEG 16
+#define GRAM_REDUCE_THREADS 256
+
+struct FoldGramArgs {
+    const void* dy;   // T [rows][K]
+    const u32* mask;  // bits of y, element order
+    void* g;          // T [rows][K]
+    const void* x;    // T [rows][GRAM_CIN]
+    float* part;      // [blocks][K + Cin]: sums of g and x, as fold_sums
+    float* gram;      // [blocks][K Cin + Cin Cin]: partial G (row-major k, c), then H
+    u64 rows;
+    u64 rpb;          // rows per block, a multiple of GRAM_R
+    u32 k;
+};
+
+struct FoldGramReduceArgs {
+    const float* gram;  // [blocks][total]
+    float* seg;         // [GRAM_SEG][total]
+    u32* counters;      // one per chunk of 4 GRAM_REDUCE_THREADS outputs, zero between launches
+    float* gmat;        // G, column-major K x Cin
+    float* h;           // H, [Cin][Cin]
+    u32 blocks;
+    u32 k;
+    u32 cin;
+};
+
+__device__ __forceinline__ u32 gram_smem(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// Four 8x8 b16 matrices, transposed (PTX ISA, "ldmatrix"): lanes 8i .. 8i+7 give the row
+// addresses of matrix i; lane l receives of matrix i the elements (row 2 (l % 4) and
+// 2 (l % 4) + 1, column l / 4).
+__device__ __forceinline__ void gram_ldsm_t(u32 (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(gram_smem(p))
+                 : "memory");
+}
+
+template <typename T> __device__ __forceinline__ void gram_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
+template <> __device__ __forceinline__ void gram_mma<nnf_f16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <> __device__ __forceinline__ void gram_mma<nnf_bf16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// The A fragment of S^T for the 16 columns m0 .. of S (a [row][column] tile of pitch P) and
+// rows p0 .. p0+15: A[m][kk] = S[p0 + kk][m0 + m]. Matrix 0: rows p0.., columns m0 (a0);
+// 1: rows p0.., columns m0+8 (a1); 2: rows p0+8.., columns m0 (a2); 3: both +8 (a3).
+template <typename T, int P>
+__device__ __forceinline__ void gram_frag_a(u32 (&a)[4], const T* S, u32 p0, u32 m0, u32 lane) {
+    const u32 mat = lane >> 3, r = lane & 7;
+    gram_ldsm_t(a, S + (p0 + r + ((mat & 2u) ? 8u : 0u)) * P + m0 + ((mat & 1u) ? 8u : 0u));
+}
+
+// The B fragments of two n-tiles (columns n0 .. n0+15 of S, rows p0 .. p0+15):
+// B[kk][n] = S[p0 + kk][n0 + n]; b[0], b[1] the first tile's, b[2], b[3] the second's.
+template <typename T, int P>
+__device__ __forceinline__ void gram_frag_b(u32 (&b)[4], const T* S, u32 p0, u32 n0, u32 lane) {
+    const u32 mat = lane >> 3, r = lane & 7;
+    gram_ldsm_t(b, S + (p0 + r + ((mat & 1u) ? 8u : 0u)) * P + n0 + ((mat & 2u) ? 8u : 0u));
+}
+
+// Block sums of `acc` (lanes threads per row, step rows) into dst[0 .. lanes V).
+template <int V>
+__device__ __forceinline__ void gram_block_sums(const float (&acc)[V], float* red, u32 lanes, u32 step,
+                                                float* dst) {
+    const u32 t = threadIdx.x;
+#pragma unroll
+    for (int j = 0; j < V; ++j) red[t * V + j] = t < lanes * step ? acc[j] : 0.0f;
+    __syncthreads();
+    for (u32 c = t; c < lanes * V; c += GRAM_THREADS) {
+        const u32 l = c / V, j = c % V;
+        float sum = 0.0f;
+        for (u32 q = 0; q < step; ++q) sum += red[(q * lanes + l) * V + j];
+        dst[c] = sum;
+    }
+    __syncthreads();
+}
+
+// How fold_gram makes the channels' sums (measured on the H100, the demo's unit, ncu): f16 from
+// the staged tiles, one register a thread (59-60 us, against 69-72 with V registers a thread
+// summing as they load); bf16 as they load (69.6-70.7 us, against 89.5-90.3 from the tiles).
+template <typename T> struct GramTileSums { static constexpr bool value = false; };
+template <> struct GramTileSums<nnf_f16> { static constexpr bool value = true; };
+
+template <typename T> __device__ __forceinline__ void fold_gram(const FoldGramArgs& a) {
+    constexpr bool TILE_SUMS = GramTileSums<T>::value;
+    constexpr int V = 16 / sizeof(T);
+    constexpr int GP = GRAM_KS + 8, XP = GRAM_CIN + 8;  // +16 bytes: ldmatrix rows on distinct banks
+    constexpr u32 GL = GRAM_KS / V, GSTEP = GRAM_THREADS / GL;    // g: lanes per row, rows per pass
+    constexpr u32 XL = GRAM_CIN / V, XSTEP = GRAM_THREADS / XL;   // x: the same
+    constexpr int GU = GRAM_R / GSTEP, XU = GRAM_R / XSTEP;       // passes per tile
+    __shared__ __align__(16) T gs[GRAM_R * GP];
+    __shared__ __align__(16) T xs[GRAM_R * XP];
+    __shared__ float red[TILE_SUMS ? GRAM_THREADS : GRAM_THREADS * V];
+    const u32 t = threadIdx.x, lane = t & 31u, warp = t >> 5;
+    const u32 gq = lane >> 2, gt = lane & 3u;  // the mma fragments' group and thread
+    const u64 K = a.k, N = GRAM_CIN;
+    const u32 slab = blockIdx.y, slabs = gridDim.y;
+    static_assert(GRAM_THREADS == 2 * GRAM_KS && GRAM_THREADS == 4 * GRAM_CIN, "column sums");
+    const u64 k0 = (u64)slab * GRAM_KS;
+    const bool first = slab == 0;  // x's sums
+    // H's 32 tiles of 16 x 8 shared by the slabs: this slab's tiles hs .. hs + hn - 1, two per
+    // warp at most (slabs >= 2).
+    const u32 hn = 32u / slabs, hs = slab * hn;
+    const u64 r0 = (u64)blockIdx.x * a.rpb;
+    const u64 r1 = min(r0 + a.rpb, a.rows);
+    const u32 gl = t % GL, gro = t / GL, xl = t % XL, xro = t / XL;
+    // The channels' sums. TILE_SUMS: from the staged tiles, one register each (thread t adds
+    // channel t % 128 of g over half the tile's rows, channel t % 64 of x over a quarter);
+    // otherwise V a thread, added as the thread stores its vectors.
+    float gsum = 0.0f, xsum = 0.0f, gv[V], xw[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) gv[j] = xw[j] = 0.0f;
+    float accg[8][4], acch[2][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) accg[i][j] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acch[i][j] = 0.0f;
+    // The next tile's loads, issued before the current tile's products so that they overlap.
+    Vec16<T> d[GU], xv[XU];
+    u32 bits[GU];
+    auto load = [&](u64 rt) {
+#pragma unroll
+        for (int u = 0; u < GU; ++u) {
+            const u64 r = rt + gro + (u64)u * GSTEP;
+            const u64 e = r * K + k0 + (u64)gl * V;
+            bits[u] = 0u;
+            if (r < r1) {
+                d[u] = *(const Vec16<T>*)((const T*)a.dy + e);
+                bits[u] = a.mask[e / 32] >> (e % 32);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < XU; ++u) {
+            const u64 r = rt + xro + (u64)u * XSTEP;
+#pragma unroll
+            for (int j = 0; j < V; ++j) xv[u].v[j] = from_float<T>(0.0f);
+            if (r < r1) xv[u] = *(const Vec16<T>*)((const T*)a.x + r * N + (u64)xl * V);
+        }
+    };
+    if (r0 < r1) load(r0);
+    for (u64 rt = r0; rt < r1; rt += GRAM_R) {
+#pragma unroll
+        for (int u = 0; u < GU; ++u) {
+            const u32 row = gro + u * GSTEP;
+            Vec16<T> o;
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                const bool keep = (bits[u] >> j) & 1u;  // 0 past r1
+                o.v[j] = keep ? d[u].v[j] : from_float<T>(0.0f);
+                if (!TILE_SUMS) gv[j] += keep ? to_float(d[u].v[j]) : 0.0f;
+            }
+            if (rt + row < r1) *(Vec16<T>*)((T*)a.g + (rt + row) * K + k0 + (u64)gl * V) = o;
+            *(Vec16<T>*)(gs + row * GP + gl * V) = o;
+        }
+#pragma unroll
+        for (int u = 0; u < XU; ++u) {
+            *(Vec16<T>*)(xs + (xro + u * XSTEP) * XP + xl * V) = xv[u];
+            if (!TILE_SUMS && first) {
+#pragma unroll
+                for (int j = 0; j < V; ++j) xw[j] += to_float(xv[u].v[j]);
+            }
+        }
+        __syncthreads();
+        if (rt + GRAM_R < r1) load(rt + GRAM_R);
+        if (TILE_SUMS) {
+            const u32 gc = t % GRAM_KS, gr = (t / GRAM_KS) * (GRAM_R / 2);
+#pragma unroll 8
+            for (u32 r = gr; r < gr + GRAM_R / 2; ++r) gsum += to_float(gs[r * GP + gc]);
+            if (first) {
+                const u32 xc = t % GRAM_CIN, xr = (t / GRAM_CIN) * (GRAM_R / 4);
+#pragma unroll 8
+                for (u32 r = xr; r < xr + GRAM_R / 4; ++r) xsum += to_float(xs[r * XP + xc]);
+            }
+        }
+#pragma unroll
+        for (u32 p0 = 0; p0 < GRAM_R; p0 += 16) {
+            u32 fa[4];
+            gram_frag_a<T, GP>(fa, gs, p0, warp * 16, lane);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                u32 fb[4];
+                gram_frag_b<T, XP>(fb, xs, p0, 16 * j, lane);
+                gram_mma<T>(accg[2 * j], fa, fb[0], fb[1]);
+                gram_mma<T>(accg[2 * j + 1], fa, fb[2], fb[3]);
+            }
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const u32 q = warp * 2 + i;  // warp-uniform
+                if (q < hn) {
+                    const u32 tile = hs + q, mt = tile / 8, nt = tile % 8;
+                    u32 ha[4], fb[4];
+                    gram_frag_a<T, XP>(ha, xs, p0, mt * 16, lane);
+                    gram_frag_b<T, XP>(fb, xs, p0, 16 * (nt / 2), lane);
+                    const bool hi = nt & 1u;
+                    gram_mma<T>(acch[i], ha, hi ? fb[2] : fb[0], hi ? fb[3] : fb[1]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+    // The block's partials: C fragment elements (row gq, columns 2 gt, 2 gt + 1) and (row gq + 8).
+    const u64 total = K * N + N * N;
+    float* gp = a.gram + (u64)blockIdx.x * total;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const u64 k = k0 + warp * 16 + gq, c = 8 * i + 2 * gt;
+        *(float2*)(gp + k * N + c) = make_float2(accg[i][0], accg[i][1]);
+        *(float2*)(gp + (k + 8) * N + c) = make_float2(accg[i][2], accg[i][3]);
+    }
+    float* hp = gp + K * N;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const u32 q = warp * 2 + i;
+        if (q < hn) {
+            const u32 tile = hs + q;
+            const u64 m = (tile / 8) * 16 + gq, c = (tile % 8) * 8 + 2 * gt;
+            *(float2*)(hp + m * N + c) = make_float2(acch[i][0], acch[i][1]);
+            *(float2*)(hp + (m + 8) * N + c) = make_float2(acch[i][2], acch[i][3]);
+        }
+    }
+    float* part = a.part + (u64)blockIdx.x * (K + N);
+    if (!TILE_SUMS) {
+        gram_block_sums<V>(gv, red, GL, GSTEP, part + k0);
+        if (first) gram_block_sums<V>(xw, red, XL, XSTEP, part + K);
+        return;
+    }
+    red[t] = gsum;
+    __syncthreads();
+    if (t < GRAM_KS) part[k0 + t] = red[t] + red[t + GRAM_KS];
+    __syncthreads();
+    red[t] = xsum;
+    __syncthreads();
+    if (first && t < GRAM_CIN)
+        part[K + t] = (red[t] + red[t + GRAM_CIN]) + (red[t + 2 * GRAM_CIN] + red[t + 3 * GRAM_CIN]);
+}
+
+// Adds the blocks' partial G and H in a fixed order: block (chunk, s) sums partials
+// [s blocks / SEG, (s+1) blocks / SEG) of 4 GRAM_REDUCE_THREADS outputs into seg[s]; the last of
+// a chunk's GRAM_SEG blocks to arrive adds the segments in order and writes G (column-major)
+// and H.
+extern "C" __global__ void __launch_bounds__(GRAM_REDUCE_THREADS) fold_gram_reduce(FoldGramReduceArgs a) {
+    const u64 K = a.k, N = a.cin, total = K * N + N * N;
+    const u64 i = ((u64)blockIdx.x * GRAM_REDUCE_THREADS + threadIdx.x) * 4;
+    const u32 s = blockIdx.y;
+    const u32 b0 = (u32)((u64)a.blocks * s / GRAM_SEG), b1 = (u32)((u64)a.blocks * (s + 1) / GRAM_SEG);
+    if (i < total) {
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
+        for (u32 b = b0; b < b1; ++b) {
+            const float4 v = __ldcs((const float4*)(a.gram + (u64)b * total + i));
+            acc.x += v.x;
+            acc.y += v.y;
+            acc.z += v.z;
+            acc.w += v.w;
+        }
+        *(float4*)(a.seg + (u64)s * total + i) = acc;
+    }
+    __shared__ u32 last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const u32 prev = atomicAdd(a.counters + blockIdx.x, 1u);
+        last = prev == GRAM_SEG - 1u;
+        if (last) atomicExch(a.counters + blockIdx.x, 0u);  // every block has arrived
+    }
+    __syncthreads();
+    if (!last || i >= total) return;
+    __threadfence();
+    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (u32 q = 0; q < GRAM_SEG; ++q) {
+        const float4 v = __ldcg((const float4*)(a.seg + (u64)q * total + i));
+        sum.x += v.x;
+        sum.y += v.y;
+        sum.z += v.z;
+        sum.w += v.w;
+    }
+    const float out[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const u64 e = i + j;
+        if (e < K * N) {
+            a.gmat[(e % N) * K + e / N] = out[j];  // (k, c) = (e / N, e % N)
+        } else {
+            a.h[e - K * N] = out[j];
+        }
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(FOLD_THREADS) fold_sums_f32(FoldSumsArgs a) { fold_sums<float>(a); }
@@ -259,3 +588,5 @@ extern "C" __global__ void __launch_bounds__(128) fold_finalize_bf16(FoldFinaliz
 extern "C" __global__ void __launch_bounds__(256) fold_dw_f32(FoldDwArgs a) { fold_dw<float>(a); }
 extern "C" __global__ void __launch_bounds__(256) fold_dw_f16(FoldDwArgs a) { fold_dw<nnf_f16>(a); }
 extern "C" __global__ void __launch_bounds__(256) fold_dw_bf16(FoldDwArgs a) { fold_dw<nnf_bf16>(a); }
+extern "C" __global__ void __launch_bounds__(GRAM_THREADS, 2) fold_gram_f16(FoldGramArgs a) { fold_gram<nnf_f16>(a); }
+extern "C" __global__ void __launch_bounds__(GRAM_THREADS, 2) fold_gram_bf16(FoldGramArgs a) { fold_gram<nnf_bf16>(a); }

@@ -514,13 +514,13 @@ fn conv_bn_train_names_bad_arguments() {
 /// The folded backward (a pointwise BN + add + ReLU unit: dz never written) against the
 /// composed one and against f64, overwriting and accumulating dx, at a size whose sums span
 /// many rows; and the decided backward's record.
-fn folded_case<T: Element>(ctx: &Context) {
-    let s = ConvShape::square(4, 64, 14, 256, 1, TensorFormat::Nhwc);
+fn folded_case<T: Element>(ctx: &Context, s: ConvShape, products: &str) {
     let what = format!("{} folded {:?}", T::DTYPE.name(), s);
     let mut rng = Rng::fresh(&what);
     let inp = Inputs::<T>::new(&mut rng, &s);
     let unit = ConvBnTrain::<T>::new(ctx, &s, Fuse::AddRelu).unwrap();
     assert_eq!(unit.fold_refusal(), None, "{what}");
+    assert_eq!(unit.fold_products(), Some(products), "{what}");
     let fused = Call::Forced(TrainRoute::Fused);
     let tol = T::DTYPE.tolerance();
     for acc in [false, true] {
@@ -597,9 +597,23 @@ fn folded_case<T: Element>(ctx: &Context) {
 #[ignore = "needs a CUDA GPU"]
 fn conv_bn_train_folded_backward_matches_composed_and_f64() {
     let ctx = gpu();
-    folded_case::<f16>(&ctx);
-    folded_case::<bf16>(&ctx);
-    folded_case::<f32>(&ctx);
+    // G and H in the sums pass (tensor cores) for the halves: 784 rows (a partial tile), two
+    // slabs of output channels; four slabs at 392 rows.
+    let s = ConvShape::square(4, 64, 14, 256, 1, TensorFormat::Nhwc);
+    let tc = "sums pass (tensor cores)";
+    folded_case::<f16>(&ctx, s, tc);
+    folded_case::<bf16>(&ctx, s, tc);
+    folded_case::<f32>(&ctx, s, "cuBLAS");
+    let s4 = ConvShape::square(2, 64, 14, 512, 1, TensorFormat::Nhwc);
+    folded_case::<f16>(&ctx, s4, tc);
+    folded_case::<bf16>(&ctx, s4, tc);
+    // Sixteen slabs: H's tiles two a slab.
+    let s16 = ConvShape::square(2, 64, 8, 2048, 1, TensorFormat::Nhwc);
+    folded_case::<f16>(&ctx, s16, tc);
+    // cuBLAS's products for the halves: 32 input channels.
+    let s32 = ConvShape::square(4, 32, 14, 128, 1, TensorFormat::Nhwc);
+    folded_case::<f16>(&ctx, s32, "cuBLAS");
+    folded_case::<bf16>(&ctx, s32, "cuBLAS");
 }
 
 /// The fold refused with its reason: a 3x3 unit, and a forward state of the unfused route.

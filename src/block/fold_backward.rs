@@ -6,7 +6,10 @@
 //! output follows from g, x and small matrices (`kernels/bn_fold.cu` has the algebra):
 //!
 //! 1. `fold_sums`: g written, per-channel sums of g and of x (one pass over dy, the mask, x);
-//! 2. G = gᵀx and H = xᵀx (cuBLAS, f32 results): G is the filter gradient of g;
+//! 2. G = gᵀx and H = xᵀx (f32): G is the filter gradient of g. For f16 and bf16 with 64 input
+//!    channels and output channels a multiple of 256 the sums pass makes them on tensor cores
+//!    (`fold_gram`, then `fold_gram_reduce` adds the blocks' partials): neither g nor x is read
+//!    again; otherwise two cuBLAS products;
 //! 3. `fold_finalize`: dgamma and dbeta (Σ g (z − M) from G and w, no pass over z), the
 //!    BatchNorm's apply coefficients, a ⊙ w and [C ⊙ w | the constant of dz];
 //! 4. [MM | bias] = wᵀ [C ⊙ w | constant] (cuBLASLt, `lt_product.rs`): MM = wᵀ diag(C) w and
@@ -90,9 +93,42 @@ struct FoldFinalizeArgs {
     inv_count: f32,
 }
 
+/// `struct FoldGramArgs` of `kernels/bn_fold.cu`, field for field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct FoldGramArgs {
+    dy: u64,
+    mask: u64,
+    g: u64,
+    x: u64,
+    part: u64,
+    gram: u64,
+    rows: u64,
+    rpb: u64,
+    k: u32,
+}
+
+/// `struct FoldGramReduceArgs` of `kernels/bn_fold.cu`, field for field.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct FoldGramReduceArgs {
+    gram: u64,
+    seg: u64,
+    counters: u64,
+    gmat: u64,
+    h: u64,
+    blocks: u32,
+    k: u32,
+    cin: u32,
+}
+
 // SAFETY: plain `repr(C)` structs of integers (and one f32), passed by value as kernel
 // parameters.
 unsafe impl DeviceRepr for FoldDwArgs {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for FoldGramArgs {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for FoldGramReduceArgs {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for FoldSumsArgs {}
 // SAFETY: as above.
@@ -118,6 +154,16 @@ struct Bufs<T> {
     /// `[MM | bias] = wᵀ wc`, column-major `Cin x (Cin + 1)` (MM is symmetric; the bias is its
     /// last column).
     mm: CudaSlice<T>,
+    /// Where the sums pass makes G and H: its blocks' partials `[blocks][K·Cin + Cin²]`, the
+    /// reduction's segments `[GRAM_SEG][K·Cin + Cin²]` and its per-chunk arrival counters.
+    tc: Option<GramBufs>,
+}
+
+/// The buffers of `fold_gram` and `fold_gram_reduce`.
+struct GramBufs {
+    part: CudaSlice<f32>,
+    seg: CudaSlice<f32>,
+    counters: CudaSlice<u32>,
 }
 
 /// The operands of one folded backward, validated by the caller: lengths as the unit's shape
@@ -144,8 +190,12 @@ pub(crate) struct FoldBackward<T> {
     rows: usize,
     k: usize,
     cin: usize,
-    /// `fold_sums`' blocks.
+    /// `fold_sums`' (or `fold_gram`'s) blocks over the rows.
     blocks: usize,
+    /// Rows per block.
+    rpb: usize,
+    /// Whether the sums pass makes G and H ([`gram_in_sums`]).
+    gram: bool,
     bufs: Mutex<Bufs<T>>,
     gemm: Mutex<Option<std::result::Result<Arc<EpilogueGemm>, String>>>,
     products: Mutex<Option<std::result::Result<Arc<[LtProduct; 1]>, String>>>,
@@ -159,16 +209,28 @@ impl<T: Element> FoldBackward<T> {
         let rows = shape.n * shape.h * shape.w;
         let f32s = |len: usize| s.alloc_zeros::<f32>(len.max(1)).call("cuMemAllocAsync");
         let ts = |len: usize| s.alloc_zeros::<T>(len.max(1)).call("cuMemAllocAsync");
-        // Two blocks per SM, each at least 64 rows.
-        let blocks = (2 * launch::sm_count(ctx) as usize)
-            .min(rows.div_ceil(64))
-            .max(1);
+        let gram = gram_in_sums(T::DTYPE, k, cin);
+        let (blocks, rpb) = row_blocks(rows, launch::sm_count(ctx) as usize, gram.then_some(k));
+        let total = k * cin + cin * cin;
+        let gram_bufs = if gram {
+            Some(GramBufs {
+                part: f32s(blocks * total)?,
+                seg: f32s(GRAM_SEG * total)?,
+                counters: s
+                    .alloc_zeros::<u32>(reduce_chunks(total))
+                    .call("cuMemAllocAsync")?,
+            })
+        } else {
+            None
+        };
         Ok(FoldBackward {
             ctx: ctx.clone(),
             rows,
             k,
             cin,
             blocks,
+            rpb,
+            gram,
             bufs: Mutex::new(Bufs {
                 part: f32s(blocks * (k + cin))?,
                 gmat: f32s(k * cin)?,
@@ -178,10 +240,20 @@ impl<T: Element> FoldBackward<T> {
                 wa: ts(k * cin)?,
                 wc: ts(k * (cin + 1))?,
                 mm: ts(cin * (cin + 1))?,
+                tc: gram_bufs,
             }),
             gemm: Mutex::new(None),
             products: Mutex::new(None),
         })
+    }
+
+    /// Where G and H are made (`ConvBnTrain::fold_products`).
+    pub(crate) fn products_route(&self) -> &'static str {
+        if self.gram {
+            "sums pass (tensor cores)"
+        } else {
+            "cuBLAS"
+        }
     }
 
     /// Why these operands cannot fold (16-byte vectors of dy, g and x; w an operand of a
@@ -229,8 +301,12 @@ impl<T: Element> FoldBackward<T> {
         let mut dbeta = o.dbeta;
         let (dgp, _gdg) = dgamma.device_ptr_mut(&st);
         let (dbp, _gdb) = dbeta.device_ptr_mut(&st);
-        self.sums(&mut b, dyp, parts.mask, gp, xp)?;
-        self.gemms(&mut b, gp, xp)?;
+        if self.gram {
+            self.sums_gram(&mut b, dyp, parts.mask, gp, xp)?;
+        } else {
+            self.sums(&mut b, dyp, parts.mask, gp, xp)?;
+            self.gemms(&mut b, gp, xp)?;
+        }
         self.finalize(&mut b, wp, &parts, gammap, dgp, dbp)?;
         self.projection_matrix(&mut b, wp)?;
         let g = o.d_addend.slice(..);
@@ -252,11 +328,61 @@ impl<T: Element> FoldBackward<T> {
             x,
             part: b.part.device_ptr_mut(s).0,
             rows: self.rows as u64,
-            rpb: self.rows.div_ceil(self.blocks) as u64,
+            rpb: self.rpb as u64,
             k: dim(self.k, "c_out")?,
             cin: dim(self.cin, "c_in")?,
         };
         self.launch("fold_sums", blocks(self.blocks, FOLD_THREADS), &args)
+    }
+
+    /// `fold_gram` then `fold_gram_reduce`: g written, the sums of g and x, G and H.
+    fn sums_gram(&self, b: &mut Bufs<T>, dy: u64, mask: u64, g: u64, x: u64) -> Result<()> {
+        let s = self.ctx.stream();
+        let (gmat, h) = (b.gmat.device_ptr_mut(s).0, b.gram.device_ptr_mut(s).0);
+        let part = b.part.device_ptr_mut(s).0;
+        let Some(gb) = b.tc.as_mut() else {
+            return Err(Error::NotSupported(
+                "the folded backward's tensor-core buffers are missing".into(),
+            ));
+        };
+        let args = FoldGramArgs {
+            dy,
+            mask,
+            g,
+            x,
+            part,
+            gram: gb.part.device_ptr_mut(s).0,
+            rows: self.rows as u64,
+            rpb: self.rpb as u64,
+            k: dim(self.k, "c_out")?,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (
+                dim(self.blocks, "blocks")?,
+                dim(self.k / GRAM_KS, "c_out")?,
+                1,
+            ),
+            block_dim: (GRAM_THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch("fold_gram", cfg, &args)?;
+        let total = self.k * self.cin + self.cin * self.cin;
+        let args = FoldGramReduceArgs {
+            gram: gb.part.device_ptr(s).0,
+            seg: gb.seg.device_ptr_mut(s).0,
+            counters: gb.counters.device_ptr_mut(s).0,
+            gmat,
+            h,
+            blocks: dim(self.blocks, "blocks")?,
+            k: dim(self.k, "c_out")?,
+            cin: dim(self.cin, "c_in")?,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (dim(reduce_chunks(total), "chunks")?, GRAM_SEG as u32, 1),
+            block_dim: (GRAM_REDUCE_THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch("fold_gram_reduce", cfg, &args)
     }
 
     /// G = gᵀx and H = xᵀx (cublasGemmEx, f32 results). Through the cached cuBLASLt product
@@ -503,6 +629,41 @@ unsafe fn gram_f32(
 
 /// Threads of a `fold_sums` block (`FOLD_THREADS` of `kernels/bn_fold.cu`).
 const FOLD_THREADS: usize = 256;
+/// `fold_gram`'s threads, output channels per block and input channels (`GRAM_*`).
+const GRAM_THREADS: usize = 256;
+const GRAM_KS: usize = 128;
+const GRAM_CIN: usize = 64;
+/// Rows of one `fold_gram` tile.
+const GRAM_R: usize = 64;
+/// `fold_gram_reduce`'s segments over the blocks and threads per block.
+const GRAM_SEG: usize = 16;
+const GRAM_REDUCE_THREADS: usize = 256;
+
+/// Whether the sums pass makes G and H on tensor cores (`fold_gram`): f16 or bf16 (mma.sync
+/// has no f32 inputs at f32's accuracy), 64 input channels and output channels a multiple of
+/// 256 (slabs of 128 channels, at least two, so that each block's share of G and H fits its
+/// registers).
+pub(crate) fn gram_in_sums(dtype: DType, k: usize, cin: usize) -> bool {
+    dtype != DType::F32 && cin == GRAM_CIN && k % (2 * GRAM_KS) == 0 && k > 0 && k <= FOLD_MAX_K
+}
+
+/// Blocks over the rows and rows per block: about two blocks per SM in all (`gram`: the output
+/// channels, split in slabs of 128 that are blocks of their own; rows per block a multiple of a
+/// tile), each at least 64 rows.
+fn row_blocks(rows: usize, sms: usize, gram: Option<usize>) -> (usize, usize) {
+    let slabs = gram.map_or(1, |k| (k / GRAM_KS).max(1));
+    let want = (2 * sms / slabs).max(1).min(rows.div_ceil(64)).max(1);
+    let mut rpb = rows.div_ceil(want).max(1);
+    if gram.is_some() {
+        rpb = rpb.div_ceil(GRAM_R) * GRAM_R;
+    }
+    (rows.div_ceil(rpb).max(1), rpb)
+}
+
+/// `fold_gram_reduce`'s chunks: 4 outputs a thread.
+fn reduce_chunks(total: usize) -> usize {
+    total.div_ceil(4 * GRAM_REDUCE_THREADS).max(1)
+}
 /// Most input channels the kernels take (a thread per channel in one block).
 pub(crate) const FOLD_MAX_CIN: usize = 256;
 /// Most output channels the kernels take (`FOLD_MAX_K`: three f32 arrays in shared memory).
@@ -533,6 +694,12 @@ fn dim(n: usize, what: &str) -> Result<u32> {
 
 /// `<base>_<t>` of `kernels/bn_fold.cu`.
 fn kernel_name(base: &str, dtype: DType) -> &'static str {
+    match (base, dtype) {
+        ("fold_gram_reduce", _) => return "fold_gram_reduce",
+        ("fold_gram", DType::BF16) => return "fold_gram_bf16",
+        ("fold_gram", _) => return "fold_gram_f16", // f32 never makes G in the sums pass
+        _ => {}
+    }
     const NAMES: [[&str; 3]; 3] = [
         ["fold_sums_f32", "fold_sums_f16", "fold_sums_bf16"],
         [
@@ -545,7 +712,7 @@ fn kernel_name(base: &str, dtype: DType) -> &'static str {
     let row = match base {
         "fold_sums" => 0,
         "fold_finalize" => 1,
-        _ => 2,
+        _ => 2, // fold_dw
     };
     let col = match dtype {
         DType::F32 => 0,
@@ -558,6 +725,42 @@ fn kernel_name(base: &str, dtype: DType) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tensor_core_sums_where_their_tiles_fit() {
+        assert!(gram_in_sums(DType::F16, 256, 64));
+        assert!(gram_in_sums(DType::BF16, 2048, 64));
+        assert!(!gram_in_sums(DType::F32, 256, 64), "f32");
+        assert!(!gram_in_sums(DType::F16, 256, 32), "Cin 32");
+        assert!(
+            !gram_in_sums(DType::F16, 384, 64),
+            "K not a multiple of 256"
+        );
+        assert!(!gram_in_sums(DType::F16, 128, 64), "one slab");
+        assert!(
+            !gram_in_sums(DType::F16, 4096, 64),
+            "K past the fold's limit"
+        );
+    }
+
+    #[test]
+    fn row_blocks_cover_the_rows_in_whole_tiles() {
+        // The demo's last unit on an H100: 2 slabs, 131 blocks of 768 rows.
+        assert_eq!(row_blocks(100_352, 132, Some(256)), (131, 768));
+        assert_eq!(row_blocks(100_352, 132, None), (264, 381));
+        for (rows, sms, k) in [
+            (784, 132, Some(256)),
+            (1, 132, Some(256)),
+            (5000, 7, Some(2048)),
+        ] {
+            let (b, rpb) = row_blocks(rows, sms, k);
+            assert_eq!(rpb % GRAM_R, 0, "{rows}");
+            assert!(
+                b * rpb >= rows && (b - 1) * rpb < rows,
+                "{rows}: {b} x {rpb}"
+            );
+        }
+    }
 
     #[test]
     fn argument_structs_match_the_kernel() {
@@ -578,6 +781,16 @@ mod tests {
                 std::mem::size_of::<FoldFinalizeArgs>(),
                 13 * 8 + 4 * 4,
             ),
+            (
+                "FoldGramArgs",
+                std::mem::size_of::<FoldGramArgs>(),
+                8 * 8 + 8,
+            ),
+            (
+                "FoldGramReduceArgs",
+                std::mem::size_of::<FoldGramReduceArgs>(),
+                5 * 8 + 3 * 4 + 4,
+            ),
         ] {
             assert!(src.contains(&format!("struct {name} {{")), "{name}");
             assert_eq!(size, want, "{name}");
@@ -585,6 +798,19 @@ mod tests {
         assert!(src.contains(&format!("#define FOLD_THREADS {FOLD_THREADS}\n")));
         assert!(src.contains(&format!("#define FOLD_MAX_K {FOLD_MAX_K}\n")));
         assert!(src.contains(&format!("float wk[{FOLD_MAX_CIN}]")));
+        for (name, v) in [
+            ("GRAM_THREADS", GRAM_THREADS),
+            ("GRAM_KS", GRAM_KS),
+            ("GRAM_CIN", GRAM_CIN),
+            ("GRAM_R", GRAM_R),
+            ("GRAM_SEG", GRAM_SEG),
+            ("GRAM_REDUCE_THREADS", GRAM_REDUCE_THREADS),
+        ] {
+            assert!(src.contains(&format!("#define {name} {v}\n")), "{name}");
+        }
+        for n in ["fold_gram_f16", "fold_gram_bf16", "fold_gram_reduce"] {
+            assert!(src.contains(&format!(") {n}(")), "{n}");
+        }
         for t in [DType::F32, DType::F16, DType::BF16] {
             for base in ["fold_sums", "fold_finalize", "fold_dw"] {
                 let n = kernel_name(base, t);

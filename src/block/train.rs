@@ -258,10 +258,11 @@ impl<T: Element> std::fmt::Debug for ConvBnTrain<T> {
 
 impl<T: Element> ConvBnTrain<T> {
     /// Plans the unit for `shape` with the BatchNorm's activation `fuse` (no GPU work beyond
-    /// the parts' background kernel compiles and small allocations: the fused route's sums, and
-    /// for a unit the backward can fold its buffers, 0.5 MB for the demo's last unit and a few
-    /// MB at most). The fused route is refused, with the reason in the plan, where its parts
-    /// cannot be planned.
+    /// the parts' background kernel compiles and allocations: the fused route's sums, and for a
+    /// unit the backward can fold its buffers — 0.5 MB, plus where the sums pass makes G and H
+    /// on tensor cores its blocks' partials, 12 MB for the demo's last unit and about 20 MB at
+    /// most). The fused route is refused, with the reason in the plan, where its parts cannot
+    /// be planned.
     pub fn new(ctx: &Context, shape: &ConvShape, fuse: Fuse) -> Result<Self> {
         let cudnn = if cudnn_present() {
             Some(cudnn_version()?)

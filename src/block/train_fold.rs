@@ -66,9 +66,20 @@ impl<T: Element> ConvBnTrain<T> {
         lock(&self.fold_choice).as_ref().map(|c| c.folded)
     }
 
+    /// How the folded backward makes G = gᵀx and H = xᵀx: `"sums pass (tensor cores)"` (f16
+    /// and bf16, 64 input channels, output channels a multiple of 256) or `"cuBLAS"`; None
+    /// where the unit cannot fold.
+    pub fn fold_products(&self) -> Option<&'static str> {
+        self.fold.as_ref().map(|f| f.products_route())
+    }
+
     /// The backward's decision in one sentence, or why the fold does not apply.
     pub fn backward_decision(&self) -> String {
         match (&*lock(&self.fold_choice), &self.fold_why) {
+            (Some(c), _) if c.folded => match self.fold_products() {
+                Some(p) => format!("{}; G and H: {p}", c.describe()),
+                None => c.describe(),
+            },
             (Some(c), _) => c.describe(),
             (None, Some(why)) => format!("backward composed: no fold: {why}"),
             (None, None) => "backward not decided yet (the fold is eligible)".into(),
