@@ -12,7 +12,13 @@
 //! tuned is slower than the default, how often the heuristic's first cuBLASLt candidate is the
 //! fastest and by how much it is not), then JSON lines.
 //!
-//! `cargo bench --bench gemm` (on a GPU). `NNFUSE_BENCH_QUICK=1` runs two small shapes only.
+//! Floor per shape: the larger of its FLOPs over the measured peak and its bytes (A and B read
+//! once, C written once) over the copy bandwidth measured in the same run; the skinny shapes
+//! (few output tiles, a long K: a classifier at batch 32, a 1x1 convolution's filter gradient)
+//! are bandwidth-bound, and they are where the search's split-K variants matter.
+//!
+//! `cargo bench --bench gemm` (on a GPU). `NNFUSE_BENCH_QUICK=1` runs two small shapes only;
+//! `NNFUSE_BENCH_GEMM=skinny` the skinny shapes only.
 
 #[path = "support/exit.rs"]
 mod exit;
@@ -24,7 +30,7 @@ use std::time::Instant;
 use half::{bf16, f16};
 use nnfuse::gemm::{self, Algo, CublasAlgo, Outcome, Prepared, Problem};
 use nnfuse::internals::timing::{
-    time_interleaved, Interleaved, InterleavedOptions, Paired, Timing,
+    copy_bandwidth, time_interleaved, Interleaved, InterleavedOptions, Paired, Timing,
 };
 use nnfuse::{Config, Context, DType, Element};
 use serde_json::json;
@@ -334,6 +340,14 @@ fn main() -> ExitCode {
     exit::finish("gemm", run().map_err(Into::into))
 }
 
+/// The shape's floor (µs): FLOPs over `peak` (TFLOP/s) or A, B and C's bytes over `bw`
+/// (bytes/s), whichever is longer.
+fn floor_us(dtype: DType, (b, m, n, k): (usize, usize, usize, usize), peak: f64, bw: f64) -> f64 {
+    let flops = 2.0 * (b * m * n * k) as f64;
+    let bytes = (b * (m * k + k * n + m * n) * dtype.size()) as f64;
+    (flops / (peak * 1e12)).max(bytes / bw) * 1e6
+}
+
 fn fmt_paired(p: &Option<Paired>) -> String {
     p.map_or_else(
         || "–".into(),
@@ -361,7 +375,12 @@ fn run() -> nnfuse::Result<()> {
         first.setup_ms, first.wall_ms
     );
     let peak = peak(&ctx)?;
-    println!("measured peak: bf16 8192^3 GEMM = {peak:.1} TFLOP/s (the ceiling below)\n");
+    println!("measured peak: bf16 8192^3 GEMM = {peak:.1} TFLOP/s (the ceiling below)");
+    let bw = copy_bandwidth(&ctx, 1 << 30)?;
+    println!(
+        "measured copy bandwidth: {:.2} TB/s (bytes read + written)\n",
+        bw / 1e12
+    );
     println!(
         "Every variant of a shape is timed interleaved ({}–{} rounds, round-robin, samples of >= \
          {} ms of back-to-back calls). \"vs default\": median per-round time ratio to the cuBLAS \
@@ -370,8 +389,18 @@ fn run() -> nnfuse::Result<()> {
     );
 
     let quick = std::env::var("NNFUSE_BENCH_QUICK").is_ok_and(|v| v == "1");
+    let skinny_only = std::env::var("NNFUSE_BENCH_GEMM").is_ok_and(|v| v == "skinny");
+    // Few output tiles, long K: the demo's classifier forward and data gradient (batch 32), a
+    // 1x1 convolution's filter gradient at 56x56 batch 32 (64 x 256 over 100352 rows).
+    let skinny = [
+        (1, 1000, 32, 2048),
+        (1, 2048, 32, 1000),
+        (1, 64, 256, 100352),
+    ];
     let shapes: Vec<(usize, usize, usize, usize)> = if quick {
         vec![(16, 512, 512, 512), (64, 128, 128, 64)]
+    } else if skinny_only {
+        skinny.to_vec()
     } else {
         vec![
             (16, 512, 512, 512),
@@ -381,6 +410,9 @@ fn run() -> nnfuse::Result<()> {
             (64, 128, 128, 64),
             (64, 1024, 1024, 64),
         ]
+        .into_iter()
+        .chain(skinny)
+        .collect()
     };
     let mut rows = Vec::new();
     let mut summaries = Vec::new();
@@ -397,13 +429,14 @@ fn run() -> nnfuse::Result<()> {
         }
     }
 
-    println!("| dtype | batch x m x n x k | variant | median µs | p10–p90 µs | TFLOP/s | % of peak | vs default | calls/sample | note |");
-    println!("|---|---|---|---:|---:|---:|---:|---:|---:|---|");
+    println!("| dtype | batch x m x n x k | variant | median µs | floor µs | p10–p90 µs | TFLOP/s | % of peak | vs default | calls/sample | note |");
+    println!("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|");
     for r in &rows {
         let (b, m, n, k) = r.shape;
+        let floor = floor_us(r.dtype, r.shape, peak, bw);
         match r.timing {
             Some(t) => println!(
-                "| {} | {b} x {m} x {n} x {k} | {} | {:.2} | {:.2}–{:.2} | {:.1} | {:.1} | {} | {} | {} |",
+                "| {} | {b} x {m} x {n} x {k} | {} | {:.2} | {floor:.2} | {:.2}–{:.2} | {:.1} | {:.1} | {} | {} | {} |",
                 r.dtype,
                 r.variant,
                 t.median_ms * 1e3,
@@ -416,7 +449,7 @@ fn run() -> nnfuse::Result<()> {
                 r.note
             ),
             None => println!(
-                "| {} | {b} x {m} x {n} x {k} | {} | – | – | – | – | – | – | {} |",
+                "| {} | {b} x {m} x {n} x {k} | {} | – | {floor:.2} | – | – | – | – | – | {} |",
                 r.dtype, r.variant, r.note
             ),
         }
@@ -547,6 +580,7 @@ fn run() -> nnfuse::Result<()> {
                 "p90_us": r.timing.map(|t| t.p90_ms * 1e3),
                 "tflops": r.timing.map(|_| r.tflops),
                 "pct_peak": r.timing.map(|_| 100.0 * r.tflops / peak),
+                "floor_us": floor_us(r.dtype, r.shape, peak, bw),
                 "time_vs_default": pj(&r.vs_default),
                 "calls_per_sample": r.burst,
                 "note": r.note,
