@@ -13,7 +13,6 @@ use super::stats_plan::{stats_plan, StatsPlan, StatsRoute};
 use crate::context::{cudnn_present, cudnn_version, Context};
 use crate::conv::{Conv2d, ConvShape};
 use crate::cudnn_graph::graph_fused::{FusedKey, FusedPattern, GraphFused};
-use crate::cudnn_graph::notes::GraphPolicy;
 use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::layout::TensorFormat;
@@ -297,7 +296,10 @@ impl<T: Element> ConvStats<T> {
         }
     }
 
-    /// The graph route's plans, built on first use (a failure is kept, with its reason).
+    /// The graph route's plans, built on first use (a failure is kept, with its reason). The
+    /// engine policy is the convolutions' (`conv::graph_policy`): engines that
+    /// compile at run time (bf16's only ConvGenStats engine on cuDNN 9.19, ~0.5 s to finalize)
+    /// only for an exhaustive decision (`NNFUSE_CONV_TUNE_BUDGET_MS=0`).
     pub(super) fn graph(&self) -> Result<Arc<GraphFused>> {
         let mut slot = lock(&self.graph);
         if slot.is_none() {
@@ -305,10 +307,7 @@ impl<T: Element> ConvStats<T> {
                 pattern: FusedPattern::ConvGenStats,
                 shape: self.plan.shape,
                 dtype: T::DTYPE,
-                policy: GraphPolicy {
-                    deterministic: self.ctx.config().deterministic,
-                    ..GraphPolicy::default()
-                },
+                policy: crate::conv::graph_policy(self.ctx.config()),
                 limit: GRAPH_CANDIDATES,
             };
             *slot = Some(match GraphFused::cached(&self.ctx, key) {

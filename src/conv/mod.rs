@@ -75,6 +75,7 @@ pub use choice::{
     clear as clear_choices, cudnn_search, set_cudnn_search, AutoReport, CandidateReport,
     ChoiceOrigin, ConvChoice, CudnnSearch, Outcome, ENV_CONV_CUDNN_SEARCH,
 };
+pub(crate) use cudnn_graph_run::policy as graph_policy;
 pub use plan::{
     plan, ConvPath, ConvPlan, ConvPlanRequest, DirectionPlans, EngineDecision, PathInfo, Route,
     WinogradInfo,
