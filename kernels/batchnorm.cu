@@ -89,7 +89,7 @@ struct StatsArgs {
     float* running_var;
     Geom g;
     float eps;
-    float momentum;
+    double momentum;  // f64: 0.1 has no f32 (the running statistics' update is in f64)
 };
 
 // A channel's pivot: its first element (o = 0, i = 0 channels-first; row 0 channels-last).
@@ -304,6 +304,17 @@ struct ApplyFwdArgs {
     // tensor from its end: x just written by a convolution (BatchNorm from its sums) has its end
     // still in L2.
     u32 reverse;
+    // MODE_LAST from sums (sum non-null; the kernel name's `_last`, fwd_sums_stage): every block
+    // stages the coefficients of Σx and Σx² (f32, C each, over `count` values) in shared memory,
+    // through the statistics' own arithmetic, and block 0 writes the saved statistics (mean,
+    // mean_lo, inv, cast writable) and updates the running ones, as bn_finalize_from_sums
+    // would have: one launch instead of two.
+    const float* sum;
+    const float* sqsum;
+    float* running_mean;
+    float* running_var;
+    double count;
+    double momentum;
 };
 
 struct Coef3 {
@@ -346,6 +357,32 @@ __device__ __forceinline__ void fwd_fold(const ApplyFwdArgs& a, float* dst, u64 
         dst[C + c] = k.lo;
         dst[2 * C + c] = k.s;
         dst[3 * C + c] = k.b;
+    }
+}
+
+// From sums (a.sum non-null): the coefficients of channels c0, c0 + step, ... into dst ([4][C])
+// from the channels' sums, by finalize_from_sums' arithmetic (wf_from_sums, stats_mean_inv), so
+// that y has the bits the finalize-then-apply launches gave; `write` (one block of the grid):
+// also the saved and running statistics, as finish_stats writes them.
+__device__ __forceinline__ void fwd_sums_stage(const ApplyFwdArgs& a, float* dst, u64 c0, u64 step,
+                                               bool write) {
+    const u64 C = a.chans.d;
+    for (u64 c = c0; c < C; c += step) {
+        const Wf t = wf_from_sums((double)a.sum[c], (double)a.sqsum[c], a.count);
+        float hi, lo;
+        double inv;
+        if (write) {
+            inv = finish_stats(c, t, 0.0f, a.eps, a.momentum, const_cast<float*>(a.mean),
+                               const_cast<float*>(a.mean_lo), const_cast<float*>(a.inv),
+                               a.running_mean, a.running_var, hi, lo);
+        } else {
+            double mean;
+            inv = stats_mean_inv(t, 0.0f, a.eps, mean, hi, lo);
+        }
+        dst[c] = hi;
+        dst[C + c] = a.mean_lo != nullptr ? lo : 0.0f;
+        dst[2 * C + c] = a.gamma[c] * (float)inv;
+        dst[3 * C + c] = a.beta[c];
     }
 }
 
@@ -574,11 +611,12 @@ __device__ __forceinline__ void fwd_first(const ApplyFwdArgs& a, const float* sr
 // MODE_LAST (channels-last, any C): chunk c's lane l holds channels (c*CHUNK + l*N + j) % C,
 // which depend on c only through c % res (res = C / gcd(C, CHUNK)). Warp w takes the chunks of
 // residue class w % res (warps w / res, + wpr, ...), so each lane loads its N channels'
-// coefficients once into registers: no shared memory, no per-element channel arithmetic. In
+// coefficients once into registers (from the raw inputs, or from `src`: the block's staging of
+// them from sums): no per-element channel arithmetic. In
 // 16-bit types the mean's remainder is folded into the shift (b - lo*s; the output's rounding
 // is 2^-11 or coarser) to keep registers down.
 template <typename T, int ACT>
-__device__ __forceinline__ void fwd_last(const ApplyFwdArgs& a) {
+__device__ __forceinline__ void fwd_last(const ApplyFwdArgs& a, const float* src) {
     constexpr int N = 16 / sizeof(T);
     constexpr u64 CHUNK = 32 * N;
     const int lane = threadIdx.x & 31;
@@ -592,7 +630,7 @@ __device__ __forceinline__ void fwd_last(const ApplyFwdArgs& a) {
         Coef3 k[N];
 #pragma unroll
         for (int j = 0; j < N; ++j) {
-            k[j] = fwd_coef_make(a, ch);
+            k[j] = fwd_coef_any(a, src, ch);
             if constexpr (sizeof(T) == 2) {
                 k[j].b = fmaf(-k[j].lo, k[j].s, k[j].b);
                 k[j].lo = 0.0f;
@@ -620,7 +658,7 @@ __device__ __forceinline__ void fwd_last(const ApplyFwdArgs& a) {
     }
     const u64 done = nchunks * CHUNK;
     if (done < n && warp == (grid_threads() >> 5) - 1)
-        fwd_tile<T, ACT, SCALAR_WORDS>(a, nullptr, done, lane);
+        fwd_tile<T, ACT, SCALAR_WORDS>(a, src, done, lane);
 }
 
 template <typename T, int ACT> __device__ __forceinline__ void fwd_scalar(const ApplyFwdArgs& a, const float* src) {
@@ -653,10 +691,17 @@ template <typename T, int ACT> __device__ __forceinline__ void apply_fwd(const A
 // an unaligned pointer still gets the (slow, correct) element path.
 template <typename T, int ACT> __device__ __forceinline__ void apply_fwd_last(const ApplyFwdArgs& a) {
     const bool vec = aligned16(a.x) && aligned16(a.y) && (ACT != ACT_ADD_RELU || aligned16(a.z));
+    float* sm = reinterpret_cast<float*>(nnf_dyn_smem);
+    const float* src = nullptr;
+    if (a.sum != nullptr) {  // the same for the whole grid
+        fwd_sums_stage(a, sm, threadIdx.x, blockDim.x, blockIdx.x == 0);
+        __syncthreads();
+        src = sm;
+    }
     if (vec && a.mode == MODE_LAST)
-        fwd_last<T, ACT>(a);
+        fwd_last<T, ACT>(a, src);
     else
-        fwd_scalar<T, ACT>(a, nullptr);
+        fwd_scalar<T, ACT>(a, src);
 }
 
 // ===== backward apply ========================================================================

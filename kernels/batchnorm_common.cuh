@@ -419,32 +419,50 @@ __device__ __forceinline__ void cl_tree_sums(float (&s1)[V], float (&s2)[V], u32
 
 // --- finishing a channel ---------------------------------------------------------------------
 
-// The statistics of channel ch from its combined state `t` of values shifted by `shift`: the
+// The statistics of channel ch from its combined state `t` of values shifted by `shift`
+// (stats_mean_inv: the mean and the inverse std alone, the same arithmetic): the
 // mean as hi + lo (hi = the f32 mean, lo the rest, from an f64 sum), the saved mean (hi), its lo
 // part, the inverse std, the running statistics (PyTorch's momentum convention, the unbiased
 // variance in running_var). One thread per channel; returns the inverse std.
 // Everything in f64 from the exact count (M2 / (M - 1), not an f32 M / (M - 1) factor whose
 // rounding alone moved running_var by up to 6e-8): once per channel, and each f32 rounding here
 // would move every y of the channel (the accuracy test compares with cuDNN's).
-__device__ __forceinline__ double finish_stats(u64 ch, const Wf& t, float shift, float eps,
-                                              float momentum, float* saved_mean,
-                                              float* saved_mean_lo, float* saved_invstd,
-                                              float* running_mean, float* running_var, float& hi,
-                                              float& lo) {
-    const double mean = (double)shift + t.m;
+__device__ __forceinline__ double stats_mean_inv(const Wf& t, float shift, float eps, double& mean,
+                                                float& hi, float& lo) {
+    mean = (double)shift + t.m;
     hi = (float)mean;
     lo = (float)(mean - (double)hi);
     const double var = t.m2 / t.n;  // biased (shift-invariant)
+    return 1.0 / sqrt(var + (double)eps);
+}
+
+__device__ __forceinline__ double finish_stats(u64 ch, const Wf& t, float shift, float eps,
+                                              double momentum, float* saved_mean,
+                                              float* saved_mean_lo, float* saved_invstd,
+                                              float* running_mean, float* running_var, float& hi,
+                                              float& lo) {
+    double mean;
+    const double inv = stats_mean_inv(t, shift, eps, mean, hi, lo);
     // Training refuses M = 1 (src/batchnorm/ops.rs), so t.n > 1 here.
     const double unbiased = t.m2 / (t.n - 1.0);
-    const double inv = 1.0 / sqrt(var + (double)eps);
     saved_mean[ch] = hi;
     saved_mean_lo[ch] = lo;
     saved_invstd[ch] = (float)inv;
-    const double mo = (double)momentum;
+    const double mo = momentum;
     running_mean[ch] = (float)((1.0 - mo) * (double)running_mean[ch] + mo * mean);
     running_var[ch] = (float)((1.0 - mo) * (double)running_var[ch] + mo * unbiased);
     return inv;
+}
+
+// A channel's combined state from its sum s and sum of squares q over `count` values (from f32
+// sums computed elsewhere: ConvStats' epilogue or its reduction). E[y^2] - E[y]^2 from f32 sums
+// may round a little below zero: clamped.
+__device__ __forceinline__ Wf wf_from_sums(double s, double q, double count) {
+    Wf t;
+    t.n = count;
+    t.m = s / count;
+    t.m2 = fmax(q - s * t.m, 0.0);
+    return t;
 }
 
 // dbeta, dgamma and the coefficients of dx = A * (dy' - (B + ((x - hi) - lo) * D)):

@@ -64,7 +64,7 @@ struct PersistArgs {
     PGeom geom;
     u32 act;
     float eps;
-    float momentum;
+    double momentum;  // f64, as StatsArgs'
     float inv_count;
 };
 

@@ -237,7 +237,7 @@ struct FromSumsArgs {
     double count;  // values per channel, > 1
     u32 channels;
     float eps;
-    float momentum;
+    double momentum;  // f64, as StatsArgs'
 };
 
 // Channel ch's finalize from its sums, shared by both finalize kernels (A: FromSumsArgs or
@@ -245,12 +245,7 @@ struct FromSumsArgs {
 // `mean` to the f64 mean finish_stats saved (its shift is 0, so its mean is t.m).
 template <typename A>
 __device__ __forceinline__ double finalize_from_sums(u64 ch, const A& a, double& mean) {
-    const double s = (double)a.sum[ch], q = (double)a.sqsum[ch];
-    Wf t;
-    t.n = a.count;
-    t.m = s / a.count;
-    // E[y²] - E[y]² from f32 sums: rounding may leave it a little below zero.
-    t.m2 = fmax(q - s * t.m, 0.0);
+    const Wf t = wf_from_sums((double)a.sum[ch], (double)a.sqsum[ch], a.count);
     float hi, lo;
     mean = t.m;
     return finish_stats(ch, t, 0.0f, a.eps, a.momentum, a.saved_mean, a.saved_mean_lo,
@@ -281,7 +276,7 @@ struct FinalizeAffineArgs {
     double count;         // values per channel, > 1
     u32 channels;
     float eps;
-    float momentum;
+    double momentum;      // f64, as StatsArgs'
 };
 
 // d rounded to T once (nearest even). f64 -> f32 -> 16 bits would round twice; rounding to f32

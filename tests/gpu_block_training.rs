@@ -524,6 +524,93 @@ fn bn_from_sums_f32_matches_f64_and_the_plain_forward() {
     from_sums_all::<f32>();
 }
 
+/// The forward from sums in one launch (aligned channels-last data: the vector kernel stages the
+/// statistics itself) and in two (the same values one element off 16-byte alignment: the
+/// element path, after the finalize kernel) write the same saved and running statistics, bit
+/// for bit (the same f64 arithmetic), and y within the tolerance (the two paths round the
+/// affine map differently in 16-bit types).
+fn from_sums_one_launch_case<T: Element>(ctx: &Context, shape: &[usize], fuse: Fuse) {
+    let what = format!("{} {shape:?} {fuse:?} one launch vs two", T::DTYPE.name());
+    let c = shape[shape.len() - 1];
+    let n: usize = shape.iter().product();
+    let mut rng = Rng::fresh(&what);
+    let inp = Inputs::<T>::uniform(&mut rng, n, c);
+    let (sum, sq) = host_sums(&inp.x, c);
+    let s = ctx.stream();
+    let bn = BatchNorm::<T>::new(ctx, shape, shape.len() - 1, fuse).unwrap();
+    let add = fuse == Fuse::AddRelu;
+    let (sd, qd) = (upload(ctx, &sum), upload(ctx, &sq));
+    let (g, b) = (upload(ctx, &inp.gamma), upload(ctx, &inp.beta));
+    // offset 0: aligned (one launch); 1: one element in (the finalize, then the element path).
+    let run = |offset: usize| {
+        let pad = |v: &[T]| {
+            let mut p = vec![T::from_f64(0.0); offset];
+            p.extend_from_slice(v);
+            upload(ctx, &p)
+        };
+        let (x, z) = (pad(&inp.x), pad(&inp.z));
+        let mut y = poisoned::<T>(ctx, n + offset);
+        let (mut rm, mut rv) = (upload(ctx, &inp.rm), upload(ctx, &inp.rv));
+        let saved = bn
+            .forward_train_from_sums(
+                TrainArgs {
+                    x: x.slice(offset..),
+                    addend: add.then(|| z.slice(offset..)),
+                    gamma: g.as_view(),
+                    beta: b.as_view(),
+                    running_mean: rm.as_view_mut(),
+                    running_var: rv.as_view_mut(),
+                    y: y.slice_mut(offset..),
+                    momentum: 0.1,
+                    eps: EPS,
+                },
+                &sd.as_view(),
+                &qd.as_view(),
+            )
+            .unwrap();
+        let bits = |v: &nnfuse::cudarc::driver::CudaSlice<f32>| -> Vec<u32> {
+            s.clone_dtoh(v)
+                .unwrap()
+                .iter()
+                .map(|f| f.to_bits())
+                .collect()
+        };
+        let stats = [
+            bits(saved.saved_mean()),
+            bits(saved.saved_inv_std()),
+            bits(&rm),
+            bits(&rv),
+        ];
+        let y = f64s(&download(ctx, &y))[offset..].to_vec();
+        (stats, y)
+    };
+    let (one, y_one) = run(0);
+    let (two, y_two) = run(1);
+    for (name, a, b) in [
+        ("saved_mean", &one[0], &two[0]),
+        ("saved_inv_std", &one[1], &two[1]),
+        ("running_mean", &one[2], &two[2]),
+        ("running_var", &one[3], &two[3]),
+    ] {
+        assert_eq!(a, b, "{what}: {name} differs between one launch and two");
+    }
+    assert_close(&format!("{what}: y"), &y_one, &y_two, T::DTYPE.tolerance());
+    println!("{what}: same statistics bit for bit, y within tolerance");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bn_from_sums_in_one_launch_writes_the_finalize_s_statistics() {
+    let ctx = own();
+    for shape in [[2usize, 14, 14, 64], [2, 8, 8, 256], [2, 8, 8, 24]] {
+        for fuse in Fuse::ALL {
+            from_sums_one_launch_case::<f16>(&ctx, &shape, fuse);
+            from_sums_one_launch_case::<bf16>(&ctx, &shape, fuse);
+            from_sums_one_launch_case::<f32>(&ctx, &shape, fuse);
+        }
+    }
+}
+
 /// ConvStats' sums feed the BatchNorm: y of the whole (conv → BN+ReLU) against the plain
 /// composition (Conv2d, then the own training forward).
 #[test]

@@ -1,8 +1,12 @@
 //! [`BatchNorm::forward_train_from_sums`]: the training forward of the own path with the
 //! statistics pass replaced by per-channel sums computed elsewhere (ConvStats: in the
-//! convolution's epilogue) — a finalize of one thread per channel (`kernels/block_stats.cu`,
-//! the own statistics' f64 arithmetic), then the own path's elementwise pass. The state it
-//! returns is an own-path state, which the existing backward takes unchanged.
+//! convolution's epilogue). On the channels-last vector path (any alignment-suitable NHWC
+//! tensor of at most `STAGE_MAX_C` channels) that is one launch: each block of the elementwise
+//! pass stages the coefficients from the sums and block 0 writes the saved and running
+//! statistics (`own::apply_train_from_sums`). Elsewhere a finalize of one thread per channel
+//! (`kernels/block_stats.cu`) runs first, then the own path's elementwise pass. Both use the own
+//! statistics' f64 arithmetic (the same bits). The state it returns is an own-path state, which
+//! the existing backward takes unchanged.
 
 use cudarc::driver::{CudaView, DeviceRepr};
 
@@ -32,7 +36,7 @@ pub(crate) struct FromSumsArgs {
     pub(crate) count: f64,
     pub(crate) channels: u32,
     pub(crate) eps: f32,
-    pub(crate) momentum: f32,
+    pub(crate) momentum: f64,
 }
 
 // SAFETY: plain old data laid out as the kernel's struct (checked by the test below).
@@ -160,7 +164,7 @@ impl<T: Element> BatchNorm<T> {
             channels: u32::try_from(c)
                 .map_err(|_| Error::invalid("shape", format!("{c} channels exceed u32")))?,
             eps: a.eps as f32,
-            momentum: a.momentum as f32,
+            momentum: a.momentum,
         };
         let bufs = FwdBufs {
             x,
@@ -177,10 +181,21 @@ impl<T: Element> BatchNorm<T> {
         };
         {
             crate::profile::stage!(Launch);
-            // SAFETY: every address validated above (lengths, device, outputs disjoint) or the
-            // state's own C-float buffers; m > 1.
-            unsafe { finalize(ctx, &fin) }?;
-            own::apply_train(&core.own_op(ctx, T::DTYPE), &bufs, a.eps)?;
+            let op = core.own_op(ctx, T::DTYPE);
+            let sums = own::SumsIn {
+                sum: sum_p,
+                sqsum: sqsum_p,
+                count: m as f64,
+                momentum: a.momentum,
+            };
+            // One launch where the channels-last vector kernel can stage the statistics itself;
+            // else the finalize, then the apply.
+            if !own::apply_train_from_sums(&op, &bufs, a.eps, &sums)? {
+                // SAFETY: every address validated above (lengths, device, outputs disjoint) or
+                // the state's own C-float buffers; m > 1.
+                unsafe { finalize(ctx, &fin) }?;
+                own::apply_train(&op, &bufs, a.eps)?;
+            }
         }
         tracing::debug!(path = "own", fuse = ?core.fuse, "BatchNorm forward from sums");
         drop(ops);

@@ -46,7 +46,7 @@ struct StatsArgs {
     running_var: u64,
     g: Geom,
     eps: f32,
-    momentum: f32,
+    momentum: f64,
 }
 
 #[repr(C)]
@@ -97,6 +97,13 @@ struct ApplyFwdArgs {
     hint: u32,
     /// Channels-last vector path: sweep the tensor from its end (see the kernel's comment).
     reverse: u32,
+    /// Channels-last from sums (`apply_train_from_sums`; 0: the saved statistics are read).
+    sum: u64,
+    sqsum: u64,
+    running_mean: u64,
+    running_var: u64,
+    count: f64,
+    momentum: f64,
 }
 
 #[repr(C)]
@@ -141,7 +148,7 @@ struct PersistArgs {
     geom: PGeom,
     act: u32,
     eps: f32,
-    momentum: f32,
+    momentum: f64,
     inv_count: f32,
 }
 
@@ -433,7 +440,7 @@ fn forward_persistent(op: &Op<'_>, b: &FwdBufs, momentum: f64, eps: f64) -> Resu
             geom: p.geom,
             act: act(op.fuse),
             eps: eps as f32,
-            momentum: momentum as f32,
+            momentum,
             ..PersistArgs::default()
         };
         launch_persistent(op, &p, &args, 1)
@@ -478,7 +485,7 @@ fn forward_two_pass(op: &Op<'_>, b: &FwdBufs, momentum: f64, eps: f64) -> Result
             running_var: b.running_var,
             g,
             eps: eps as f32,
-            momentum: momentum as f32,
+            momentum,
         };
         launch(
             op.ctx,
@@ -546,6 +553,55 @@ pub(crate) fn apply_train(op: &Op<'_>, b: &FwdBufs, eps: f64) -> Result<()> {
     apply_forward(op, a, staged)
 }
 
+/// Per-channel sums for [`apply_train_from_sums`]: device addresses of `C` f32 each, the count
+/// of values they add up, the running statistics' momentum.
+pub(crate) struct SumsIn {
+    pub(crate) sum: u64,
+    pub(crate) sqsum: u64,
+    pub(crate) count: f64,
+    pub(crate) momentum: f64,
+}
+
+/// [`apply_train`] with the statistics made from per-channel sums in the same launch: each block
+/// of the channels-last vector kernel stages the coefficients from the sums, block 0 writes the
+/// saved statistics and moves the running ones (`fwd_sums_stage` in `kernels/batchnorm.cu`,
+/// `bn_finalize_from_sums`' arithmetic: the same bits), so that the finalize's launch and its
+/// gap are gone. `Ok(false)` when this launch cannot take them — not the channels-last vector
+/// path, or more channels than it stages — and nothing was queued: the caller finalizes first.
+pub(crate) fn apply_train_from_sums(
+    op: &Op<'_>,
+    b: &FwdBufs,
+    eps: f64,
+    sums: &SumsIn,
+) -> Result<bool> {
+    let smem = staged_bytes(op.c(), 4);
+    if smem == 0 || apply_mode(&op.shape, op.eb(), &data_ptrs(op, b.x, b.y, b.z)) != ApplyMode::Last
+    {
+        return Ok(false);
+    }
+    let a = ApplyFwdArgs {
+        reverse: 1,
+        sum: sums.sum,
+        sqsum: sums.sqsum,
+        running_mean: b.running_mean,
+        running_var: b.running_var,
+        count: sums.count,
+        momentum: sums.momentum,
+        ..train_apply_args(b, 0, eps)
+    };
+    apply_forward(op, a, smem)?;
+    Ok(true)
+}
+
+/// The data pointers whose alignment picks the apply's mode: x, y (and the addend).
+fn data_ptrs(op: &Op<'_>, x: u64, y: u64, z: u64) -> Vec<u64> {
+    if op.fuse == Fuse::AddRelu {
+        vec![x, y, z]
+    } else {
+        vec![x, y]
+    }
+}
+
 /// Inference forward: one elementwise pass with the running statistics.
 pub(crate) fn forward_inference(op: &Op<'_>, b: &InferBufs, eps: f64) -> Result<()> {
     let staged = staged_bytes(op.c(), 4);
@@ -577,15 +633,11 @@ fn apply_forward(op: &Op<'_>, mut a: ApplyFwdArgs, staged: u32) -> Result<()> {
     let eb = op.eb();
     let c = op.c();
     let n = op.shape.numel();
-    let ptrs: Vec<u64> = if op.fuse == Fuse::AddRelu {
-        vec![a.x, a.y, a.z]
-    } else {
-        vec![a.x, a.y]
-    };
-    let mode = apply_mode(&op.shape, eb, &ptrs);
-    // The channels-last vector path keeps coefficients in registers: no staging, no bn_fold.
+    let mode = apply_mode(&op.shape, eb, &data_ptrs(op, a.x, a.y, a.z));
+    // The channels-last vector path keeps coefficients in registers: no staging, no bn_fold —
+    // but from sums, where its blocks stage them first (`staged` bytes of shared memory).
     let last = mode == ApplyMode::Last;
-    let staged = if last { 0 } else { staged };
+    let staged = if last && a.sum == 0 { 0 } else { staged };
     a.n = n;
     a.inner = FastDiv::new(op.shape.inner());
     a.chans = FastDiv::new(c);
@@ -1045,9 +1097,33 @@ mod tests {
                 bn,
                 "ApplyFwdArgs",
                 &[
-                    "x", "z", "y", "mask", "mean", "mean_lo", "inv", "gamma", "beta", "coef", "n",
-                    "inner", "chans", "res", "wpr", "mode", "staged", "from_var", "eps", "hint",
+                    "x",
+                    "z",
+                    "y",
+                    "mask",
+                    "mean",
+                    "mean_lo",
+                    "inv",
+                    "gamma",
+                    "beta",
+                    "coef",
+                    "n",
+                    "inner",
+                    "chans",
+                    "res",
+                    "wpr",
+                    "mode",
+                    "staged",
+                    "from_var",
+                    "eps",
+                    "hint",
                     "reverse",
+                    "sum",
+                    "sqsum",
+                    "running_mean",
+                    "running_var",
+                    "count",
+                    "momentum",
                 ],
                 std::mem::size_of::<ApplyFwdArgs>(),
             ),
@@ -1134,18 +1210,19 @@ mod tests {
         ];
         for (src, name, fields, size) in cases {
             assert_eq!(cuda_fields(src, name), fields, "field order of {name}");
-            // Every field is 8 bytes (pointers, u64, nested 8-aligned structs) or 4 bytes in
-            // pairs, so the C size is the Rust size; pin the sizes.
+            // Fields are 8 bytes (pointers, u64, f64, nested 8-aligned structs) or 4 bytes, laid
+            // out by the same C rules on both sides (#[repr(C)]; an f64 after a lone 4-byte
+            // field is padded alike); pin the sizes.
             let want = match name {
                 "FastDiv" => 24,
                 "Geom" => 80,
-                "StatsArgs" => 152,
+                "StatsArgs" => 160,
                 "ReduceArgs" => 200,
-                "ApplyFwdArgs" => 176,
+                "ApplyFwdArgs" => 224,
                 "ApplyBwdArgs" => 128,
                 "ChannelBwdArgs" => 128,
                 "PGeom" => 96,
-                "PersistArgs" => 248,
+                "PersistArgs" => 256,
                 _ => unreachable!(),
             };
             assert_eq!(size, want, "size of {name}");

@@ -228,7 +228,7 @@ impl<T: Element> ConvBnChain<T> {
             channels: u32::try_from(c)
                 .map_err(|_| Error::invalid("shapes", format!("{c} channels exceed u32")))?,
             eps: a.eps as f32,
-            momentum: a.momentum as f32,
+            momentum: a.momentum,
         };
         // SAFETY: every address validated above (device, lengths, outputs distinct); count > 1
         // is checked by the launcher.

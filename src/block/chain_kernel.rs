@@ -54,7 +54,7 @@ pub(crate) struct FinalizeAffine {
     pub count: f64,
     pub channels: u32,
     pub eps: f32,
-    pub momentum: f32,
+    pub momentum: f64,
 }
 
 // SAFETY: plain old data laid out as the kernel's struct (checked by the tests below).
@@ -660,7 +660,7 @@ mod gpu_tests {
 
     fn finalize_case<T: Element>(ctx: &Context, rng: &mut Rng) {
         let s = ctx.stream();
-        let (c, m, eps, momentum) = (67usize, 392.0f64, 1e-5f32, 0.1f32);
+        let (c, m, eps, momentum) = (67usize, 392.0f64, 1e-5f32, 0.1f64);
         let mut sum = vec![0f32; c];
         let mut sqsum = vec![0f32; c];
         for ch in 0..c {
