@@ -499,7 +499,13 @@ fn own() -> Context {
 
 fn from_sums_all<T: Element>() {
     let ctx = own();
-    for shape in [[2usize, 14, 14, 64], [2, 8, 8, 256], [2, 8, 8, 13]] {
+    // 2056 channels: more than the one-launch path stages (2048), so the finalize runs first.
+    for shape in [
+        [2usize, 14, 14, 64],
+        [2, 8, 8, 256],
+        [2, 8, 8, 13],
+        [1, 2, 2, 2056],
+    ] {
         for fuse in Fuse::ALL {
             from_sums_case::<T>(&ctx, &shape, fuse);
         }
