@@ -179,6 +179,7 @@ impl<T: Element> BatchNorm<T> {
             saved_mean_lo: mean_lo,
             saved_invstd: st.inv_var.ptr,
         };
+        let one_launch;
         {
             crate::profile::stage!(Launch);
             let op = core.own_op(ctx, T::DTYPE);
@@ -190,14 +191,15 @@ impl<T: Element> BatchNorm<T> {
             };
             // One launch where the channels-last vector kernel can stage the statistics itself;
             // else the finalize, then the apply.
-            if !own::apply_train_from_sums(&op, &bufs, a.eps, &sums)? {
+            one_launch = own::apply_train_from_sums(&op, &bufs, a.eps, &sums)?;
+            if !one_launch {
                 // SAFETY: every address validated above (lengths, device, outputs disjoint) or
                 // the state's own C-float buffers; m > 1.
                 unsafe { finalize(ctx, &fin) }?;
                 own::apply_train(&op, &bufs, a.eps)?;
             }
         }
-        tracing::debug!(path = "own", fuse = ?core.fuse, "BatchNorm forward from sums");
+        tracing::debug!(path = "own", fuse = ?core.fuse, one_launch, "BatchNorm forward from sums");
         drop(ops);
         self.finish_train(&mut a, Ran::Own(OwnVariant::TwoPass), st, x)
     }
