@@ -500,11 +500,13 @@ fn own() -> Context {
 fn from_sums_all<T: Element>() {
     let ctx = own();
     // 2056 channels: more than the one-launch path stages (2048), so the finalize runs first.
+    // 64 values a channel: with 4, a channel's spread is small against its mean often enough
+    // for the f32 sums' E[x²] − E[x]² to miss the 1e-5 bound (seen once in f32).
     for shape in [
         [2usize, 14, 14, 64],
         [2, 8, 8, 256],
         [2, 8, 8, 13],
-        [1, 2, 2, 2056],
+        [4, 4, 4, 2056],
     ] {
         for fuse in Fuse::ALL {
             from_sums_case::<T>(&ctx, &shape, fuse);
