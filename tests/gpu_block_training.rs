@@ -399,13 +399,20 @@ fn host_sums<T: Element>(x: &[T], c: usize) -> (Vec<f32>, Vec<f32>) {
     )
 }
 
-fn from_sums_case<T: Element>(ctx: &Context, shape: &[usize], fuse: Fuse) {
-    let what = format!("{} {shape:?} {fuse:?}", T::DTYPE.name());
+/// Fresh random inputs of a channels-last `shape` (seed from `what`) and their f32 sums.
+fn inputs_and_sums<T: Element>(what: &str, shape: &[usize]) -> (Inputs<T>, Vec<f32>, Vec<f32>) {
     let c = shape[shape.len() - 1];
     let n: usize = shape.iter().product();
-    let mut rng = Rng::fresh(&what);
+    let mut rng = Rng::fresh(what);
     let inp = Inputs::<T>::uniform(&mut rng, n, c);
     let (sum, sq) = host_sums(&inp.x, c);
+    (inp, sum, sq)
+}
+
+fn from_sums_case<T: Element>(ctx: &Context, shape: &[usize], fuse: Fuse) {
+    let what = format!("{} {shape:?} {fuse:?}", T::DTYPE.name());
+    let n: usize = shape.iter().product();
+    let (inp, sum, sq) = inputs_and_sums::<T>(&what, shape);
     let got = bn_run(ctx, shape, fuse, &inp, Some((&sum, &sq)));
     let plain = bn_run(ctx, shape, fuse, &inp, None);
     assert_eq!(got.path, BnPath::Own, "{what}");
@@ -539,11 +546,8 @@ fn bn_from_sums_f32_matches_f64_and_the_plain_forward() {
 /// affine map differently in 16-bit types).
 fn from_sums_one_launch_case<T: Element>(ctx: &Context, shape: &[usize], fuse: Fuse) {
     let what = format!("{} {shape:?} {fuse:?} one launch vs two", T::DTYPE.name());
-    let c = shape[shape.len() - 1];
     let n: usize = shape.iter().product();
-    let mut rng = Rng::fresh(&what);
-    let inp = Inputs::<T>::uniform(&mut rng, n, c);
-    let (sum, sq) = host_sums(&inp.x, c);
+    let (inp, sum, sq) = inputs_and_sums::<T>(&what, shape);
     let s = ctx.stream();
     let bn = BatchNorm::<T>::new(ctx, shape, shape.len() - 1, fuse).unwrap();
     let add = fuse == Fuse::AddRelu;
