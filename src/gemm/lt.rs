@@ -455,6 +455,53 @@ pub(crate) fn check_alignment(algo: &LtAlgo, align: Alignment) -> Result<()> {
     alignment_suffices(min_alignment(algo), align)
 }
 
+/// `algo` with its K dimension split `splits` ways and the parts added in the compute type in
+/// the workspace (`CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE`): a variant for products with few
+/// output tiles and a long K, where one tile per block leaves most SMs idle. `Err` where the
+/// algorithm takes no split (its `CUBLASLT_ALGO_CAP_SPLITK_SUPPORT` is 0) or cuBLASLt refuses
+/// the attributes; [`LtDescriptors::check`] still decides whether it runs the problem.
+pub(crate) fn with_split_k(algo: &LtAlgo, splits: u32) -> Result<LtAlgo> {
+    let mut raw = sys::cublasLtMatmulAlgo_t { data: algo.0 };
+    use sys::cublasLtMatmulAlgoCapAttributes_t as C;
+    use sys::cublasLtMatmulAlgoConfigAttributes_t as A;
+    // SAFETY: as config_attr.
+    let support = read_int(|buf, size, w| unsafe {
+        sys::cublasLtMatmulAlgoCapGetAttribute(
+            &raw,
+            C::CUBLASLT_ALGO_CAP_SPLITK_SUPPORT,
+            buf,
+            size,
+            w,
+        )
+    });
+    if support != Some(1) {
+        return Err(Error::NotSupported(
+            "the cuBLASLt algorithm does not split K".into(),
+        ));
+    }
+    let splits = splits as i32;
+    let scheme = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32;
+    let set = |raw: &mut sys::cublasLtMatmulAlgo_t, attr, v: *const c_void, n| {
+        // SAFETY: live algo struct; `v` points at `n` bytes of the attribute's type.
+        unsafe { sys::cublasLtMatmulAlgoConfigSetAttribute(raw, attr, v, n) }
+            .result()
+            .call("cublasLtMatmulAlgoConfigSetAttribute")
+    };
+    set(
+        &mut raw,
+        A::CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+        &splits as *const i32 as *const c_void,
+        size_of::<i32>(),
+    )?;
+    set(
+        &mut raw,
+        A::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
+        &scheme as *const u32 as *const c_void,
+        size_of::<u32>(),
+    )?;
+    Ok(LtAlgo(raw.data))
+}
+
 /// The readable attributes of an algorithm (host-only calls into cuBLASLt).
 pub(crate) fn config_of(algo: &LtAlgo) -> Result<LtConfig> {
     let raw = sys::cublasLtMatmulAlgo_t { data: algo.0 };

@@ -115,7 +115,8 @@ pub mod internals {
     };
     pub use super::search::kernels::{fill_uniform, KERNELS};
     pub use super::search::{
-        search_timing, BUDGET_MS, MAX_LT_CANDIDATES, MAX_ROUNDS, MIN_ROUNDS, MIN_SAMPLE_MS,
+        cold_flush_bytes, search_timing, BUDGET_MS, MAX_LT_CANDIDATES, MAX_ROUNDS, MIN_ROUNDS,
+        MIN_SAMPLE_MS,
     };
     pub use crate::tune::internals::{
         beats_incumbent as beats_default, FILE_FORMAT, FILE_VERSION,

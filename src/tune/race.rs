@@ -1,5 +1,5 @@
 //! The timing step of a measurement: the candidates that passed their check take turns
-//! ([`crate::timing::time_interleaved`], the incumbent as variant 0), and the winner is decided
+//! ([`crate::timing::time_interleaved_gpu`], the incumbent as variant 0), and the winner is decided
 //! by the incumbent rule ([`super::rule::best_challenger`]).
 
 use super::rule::best_challenger;
@@ -8,10 +8,10 @@ use crate::error::Result;
 use std::time::Instant;
 
 use crate::timing::{
-    time_interleaved, time_interleaved_gpu_until, Interleaved, InterleavedOptions,
+    time_interleaved_gpu_cold, time_interleaved_gpu_until, Interleaved, InterleavedOptions,
 };
 
-/// What [`race`] measured and decided.
+/// What [`race_gpu`] measured and decided.
 pub(crate) struct Race {
     /// The interleaved timing (variant 0 is the incumbent).
     pub timing: Interleaved,
@@ -21,20 +21,10 @@ pub(crate) struct Race {
 }
 
 /// Times `n` variants (`launch(variant, i)` queues one launch on `ctx.stream()`, variant 0 being
-/// the incumbent) and decides whether a challenger replaces the incumbent.
-pub(crate) fn race(
-    ctx: &Context,
-    opts: InterleavedOptions,
-    n: usize,
-    launch: impl FnMut(usize, usize) -> Result<()>,
-) -> Result<Race> {
-    ctx.refuse_under_capture("a measurement", "time candidates (events, synchronisation)")?;
-    decided(time_interleaved(ctx, opts, n, launch)?)
-}
-
-/// [`race`] measuring GPU time only ([`crate::timing::time_interleaved_gpu`]: every sample queued behind a
-/// head start of GPU work that covers its host time), for candidates whose calls can queue
-/// slower than the GPU runs them (legacy cuDNN: 60-100 us of host time per call).
+/// the incumbent) measuring GPU time only ([`crate::timing::time_interleaved_gpu`]: every sample
+/// queued behind a head start of GPU work that covers its host time), so that a call that queues
+/// slower than the GPU runs it (legacy cuDNN: 60-100 us of host time; a small GEMM: 10-17 us) is
+/// judged by its GPU time, and decides whether a challenger replaces the incumbent.
 /// No round starts after `deadline` (the first call's decision budget) once `opts.min_rounds`
 /// were timed.
 pub(crate) fn race_gpu(
@@ -46,6 +36,25 @@ pub(crate) fn race_gpu(
 ) -> Result<Race> {
     ctx.refuse_under_capture("a measurement", "time candidates (events, synchronisation)")?;
     decided(time_interleaved_gpu_until(ctx, opts, n, deadline, launch)?)
+}
+
+/// [`race_gpu`] with cold samples ([`crate::timing::time_interleaved_gpu_cold`]: one launch per
+/// sample behind a write of `flush_bytes` of scratch), for candidates whose operands fit in L2.
+pub(crate) fn race_gpu_cold(
+    ctx: &Context,
+    opts: InterleavedOptions,
+    n: usize,
+    flush_bytes: usize,
+    launch: impl FnMut(usize, usize) -> Result<()>,
+) -> Result<Race> {
+    ctx.refuse_under_capture("a measurement", "time candidates (events, synchronisation)")?;
+    decided(time_interleaved_gpu_cold(
+        ctx,
+        opts,
+        n,
+        flush_bytes,
+        launch,
+    )?)
 }
 
 /// The incumbent rule on a timing. A variant pruned after its estimate (over twice the fastest

@@ -21,13 +21,25 @@
 //!    [`crate::gemm::tolerance`]; non-finite values only where the default has the same ones). All
 //!    comparisons are queued and read back with one synchronisation (on the caller's operands,
 //!    one more before them: see below). This run is also each candidate's warm-up.
-//! 4. **Time**: [`crate::timing::time_interleaved`] with [`search_timing`]: candidates take turns
-//!    round-robin, a sample being a burst of back-to-back launches worth at least
-//!    [`MIN_SAMPLE_MS`] of GPU time (one launch for long GEMMs); [`MIN_ROUNDS`] to [`MAX_ROUNDS`]
-//!    rounds, as many as fit [`BUDGET_MS`] of GPU time. A launch is what a call of
-//!    [`crate::gemm::strided_batched`] queues for that algorithm (cached descriptors, one
-//!    `cublasLtMatmul`), so that when the host is the bottleneck (tiny GEMMs) its cost is
-//!    measured too.
+//! 4. **Time**: [`crate::timing::time_interleaved_gpu`] with [`search_timing`]: candidates take
+//!    turns round-robin, a sample being a burst of back-to-back launches worth at least
+//!    [`MIN_SAMPLE_MS`] of GPU time (one launch for long GEMMs), queued behind a head start of
+//!    GPU work that covers its host time; [`MIN_ROUNDS`] to [`MAX_ROUNDS`] rounds, as many as fit
+//!    [`BUDGET_MS`] of GPU time. A launch is what a call of [`crate::gemm::strided_batched`]
+//!    queues for that algorithm (cached descriptors, one `cublasLtMatmul`). GPU time only: a
+//!    small GEMM's call costs the host 10–17 µs, more than its kernel runs, so back-to-back
+//!    samples timed the host and every candidate looked alike (H100: the classifier products
+//!    of `nnfuse demo` 16–19 µs per call for 7–10 µs of GPU work). A framework that keeps the
+//!    GPU busy pays the GPU time.
+//!
+//!    Products whose A, B and C fit in the L2 are timed **cold** ([`cold_flush_bytes`]: one
+//!    launch per sample, behind a write of twice the L2 in scratch): in a step their weights
+//!    come from DRAM, and warm back-to-back samples favoured kernels that were slower there
+//!    (H100, the f32 classifier forward of `nnfuse demo`: a split-K kernel chosen at 15.9 µs
+//!    warm against the default's 17.1 ran 26.7 µs in the step, the default 23.2).
+//!
+//!    Products whose output has fewer tiles than the GPU has SMs also get **split-K variants**
+//!    of the heuristic's first candidates ([`split_k_counts`]): checked and timed like the rest.
 //! 5. **Decide** (the incumbent rule of `crate::tune::rule`, the default being the incumbent): the
 //!    cuBLAS default is kept unless a candidate's per-round time ratio to the default has a
 //!    median of at most `1 - KEEP_INCUMBENT_MARGIN` (2 % faster)
@@ -106,7 +118,7 @@ use crate::context::{Context, Locked};
 use crate::dtype::{DType, Element};
 use crate::error::{CallExt, Error, Result};
 use crate::timing::InterleavedOptions;
-use crate::tune::race::{ms_since, race, Race};
+use crate::tune::race::{ms_since, race_gpu, race_gpu_cold, Race};
 use crate::tune::rule::judge;
 
 /// Most cuBLASLt heuristic candidates a search asks for.
@@ -278,7 +290,7 @@ fn setup<'a>(ctx: &'a Context, p: &Problem, dtype: DType) -> Result<Setup<'a>> {
 /// them, the descriptors, and whether the explicit cuBLAS algorithms were included; why
 /// cuBLASLt gave none goes to `lt_note`.
 fn candidates(
-    cc: (i32, i32),
+    (cc, sms): ((i32, i32), u32),
     lt_handle: Option<lt_sys::cublasLtHandle_t>,
     p: &Problem,
     dtype: DType,
@@ -335,7 +347,100 @@ fn candidates(
             rel_diff: 0.0,
         });
     }
+    let splits = split_k_counts(p, sms);
+    if !splits.is_empty() {
+        let variants = split_k_variants(h, &descriptors, align, &pending, &splits);
+        pending.extend(variants);
+    }
     (pending, Some(Arc::new(descriptors)), explicit_cublas)
+}
+
+/// Bytes written before each cold sample, in L2 sizes: enough to evict every operand.
+const COLD_FLUSH_L2S: usize = 2;
+
+/// Whether the search times cold samples, and the bytes of scratch to write before each: when
+/// A, B and C together fit in `l2` bytes of L2 (a product that large in a step finds its
+/// operands in DRAM: weights read once per step), `COLD_FLUSH_L2S` times `l2`; `None` for larger
+/// products, which stream from DRAM anyway (or when the L2's size is unknown). Pure.
+pub fn cold_flush_bytes(spans: &Spans, elem: usize, l2: usize) -> Option<usize> {
+    let bytes = (spans.a + spans.b + spans.c).saturating_mul(elem);
+    (l2 > 0 && bytes <= l2).then_some(COLD_FLUSH_L2S * l2)
+}
+
+/// Heuristic candidates (in the heuristic's order) from which split-K variants are made.
+const SPLIT_K_BASES: usize = 2;
+/// Output tile edge of the split-K rule's estimate (cuBLASLt's tiles for such products are
+/// 64 wide or narrower).
+const SPLIT_K_TILE: usize = 64;
+/// Fewest values of K each part of a split keeps.
+const SPLIT_K_MIN_PART: usize = 64;
+
+/// The K splits worth timing for `p` on `sms` SMs, none when its output already fills the GPU:
+/// products whose output has fewer 64 x 64 tiles than the GPU has SMs (a classifier's forward
+/// and data gradient at a small batch) leave most SMs idle with one block per tile, each walking
+/// the whole K. Splits of 2 to 32 parts, each part at least [`SPLIT_K_MIN_PART`] long, at most
+/// four blocks per SM in all. Pure.
+pub(crate) fn split_k_counts(p: &Problem, sms: u32) -> Vec<u32> {
+    let tiles = p.m.div_ceil(SPLIT_K_TILE) * p.n.div_ceil(SPLIT_K_TILE) * p.batch.max(1);
+    let sms = sms.max(1) as usize;
+    if tiles >= sms {
+        return Vec::new();
+    }
+    [2u32, 4, 8, 16, 32]
+        .into_iter()
+        .filter(|&s| p.k / s as usize >= SPLIT_K_MIN_PART && tiles * s as usize <= 4 * sms)
+        .collect()
+}
+
+/// Split-K variants of the first [`SPLIT_K_BASES`] heuristic candidates that passed their
+/// checks and do not split already; each variant checked as its base was. Variants cuBLASLt
+/// refuses are left out (an algorithm without split-K support has none).
+fn split_k_variants(
+    h: lt_sys::cublasLtHandle_t,
+    descriptors: &LtDescriptors,
+    align: Alignment,
+    pending: &[Pending],
+    splits: &[u32],
+) -> Vec<Pending> {
+    let bases = pending
+        .iter()
+        .filter(|q| q.rank.is_some() && q.outcome.is_none())
+        .filter(|q| q.config.is_some_and(|c| c.splitk <= 1))
+        .take(SPLIT_K_BASES);
+    let mut out = Vec::new();
+    for base in bases {
+        let Algo::Lt(algo) = base.algo else { continue };
+        for &s in splits {
+            let Ok(v) = lt::with_split_k(&algo, s) else {
+                break;
+            };
+            let workspace = match descriptors.check(h, &v) {
+                Ok(need) if need <= WORKSPACE_BYTES && lt::check_alignment(&v, align).is_ok() => {
+                    need
+                }
+                _ => continue,
+            };
+            if out.iter().any(|q: &Pending| q.algo == Algo::Lt(v)) {
+                continue;
+            }
+            out.push(Pending {
+                algo: Algo::Lt(v),
+                config: lt::config_of(&v).ok(),
+                workspace,
+                rank: base.rank,
+                outcome: None,
+                rel_diff: 0.0,
+            });
+        }
+    }
+    if !out.is_empty() {
+        tracing::debug!(
+            variants = out.len(),
+            ?splits,
+            "GEMM search: split-K variants added"
+        );
+    }
+    out
 }
 
 /// Queues the search's GEMMs with the Context's handles: what a call of
@@ -613,9 +718,12 @@ fn time(
         total: total_steps,
         label: &what,
     });
-    let r = race(env.ctx, search_timing(), timed.len(), |v, _| {
-        env.gemm.launch(&pending[timed[v]].algo, ops, ops.candidate)
-    })?;
+    let launch = |v: usize, _| env.gemm.launch(&pending[timed[v]].algo, ops, ops.candidate);
+    let l2 = env.ctx.info().l2_bytes.max(0) as usize;
+    let r = match cold_flush_bytes(&env.spans, env.elem, l2) {
+        Some(flush) => race_gpu_cold(env.ctx, search_timing(), timed.len(), flush, launch)?,
+        None => race_gpu(env.ctx, search_timing(), timed.len(), None, launch)?,
+    };
     let res = &r.timing;
     for (v, &i) in timed.iter().enumerate() {
         let c = &mut pending[i];
@@ -751,7 +859,7 @@ fn typed<T: Element>(
         c_has_gaps: spans.c != p.batch * p.m * p.n,
     };
     let (mut pending, descriptors, explicit_cublas) = candidates(
-        ctx.info().compute_capability,
+        (ctx.info().compute_capability, crate::launch::sm_count(ctx)),
         su.lt,
         p,
         dtype,
@@ -855,4 +963,59 @@ fn typed<T: Element>(
     };
     log_report(&report, best_ratio);
     Ok((report, winning))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Products whose operands fit in L2 are timed cold, behind twice the L2 of scratch writes.
+    #[test]
+    fn small_products_are_timed_cold() {
+        let l2 = 50 << 20;
+        // The classifier: 4 MB of weights, f16.
+        let fc = Spans {
+            a: 1000 * 2048,
+            b: 2048 * 32,
+            c: 1000 * 32,
+        };
+        assert_eq!(cold_flush_bytes(&fc, 2, l2), Some(100 << 20));
+        let big = Spans {
+            a: 4096 * 4096,
+            b: 4096 * 4096,
+            c: 4096 * 4096,
+        };
+        assert_eq!(cold_flush_bytes(&big, 2, l2), None);
+        assert_eq!(cold_flush_bytes(&fc, 2, 0), None);
+    }
+
+    /// The classifier's forward and data gradient at batch 32 get splits; its filter gradient
+    /// (K = 32) and a square GEMM that fills the GPU get none; parts stay at least 64 long and
+    /// the blocks at most four per SM.
+    #[test]
+    fn split_k_only_where_the_output_leaves_sms_idle() {
+        let sms = 132;
+        // fc.fwd 1000 x 32 x 2048: 16 tiles.
+        assert_eq!(
+            split_k_counts(&Problem::packed(1, 1000, 32, 2048), sms),
+            vec![2, 4, 8, 16, 32]
+        );
+        // fc.dgrad 2048 x 32 x 1000: 32 tiles; 1000 / 16 < 64.
+        assert_eq!(
+            split_k_counts(&Problem::packed(1, 2048, 32, 1000), sms),
+            vec![2, 4, 8]
+        );
+        // fc.wgrad 2048 x 1000 x 32: 512 tiles.
+        assert!(split_k_counts(&Problem::packed(1, 2048, 1000, 32), sms).is_empty());
+        assert!(split_k_counts(&Problem::packed(1, 4096, 4096, 4096), sms).is_empty());
+        // A batch of small products fills the GPU by itself.
+        assert!(split_k_counts(&Problem::packed(256, 64, 64, 4096), sms).is_empty());
+        // A short K gets no split whatever the output.
+        assert!(split_k_counts(&Problem::packed(1, 64, 64, 100), sms).is_empty());
+        // 64 tiles: splits up to 8 (64 * 8 = 512 <= 528 blocks).
+        assert_eq!(
+            split_k_counts(&Problem::packed(1, 512, 512, 8192), sms),
+            vec![2, 4, 8]
+        );
+    }
 }
