@@ -160,10 +160,13 @@ pub enum ConvAlgoPolicy {
     WinogradF4x3,
     /// nnfuse's direct convolution kernel (any shape; slow on large layers).
     Direct,
+    /// The forward as the data gradient of its dual problem through cuDNN's graph API (f32,
+    /// stride 1; `cudnn_dual`).
+    CudnnDual,
 }
 
 impl ConvAlgoPolicy {
-    const TABLE: [(&'static str, ConvAlgoPolicy); 7] = [
+    const TABLE: [(&'static str, ConvAlgoPolicy); 8] = [
         ("auto", ConvAlgoPolicy::Auto),
         ("cudnn", ConvAlgoPolicy::Cudnn),
         ("im2col", ConvAlgoPolicy::Im2col),
@@ -171,6 +174,7 @@ impl ConvAlgoPolicy {
         ("winograd_f2x3", ConvAlgoPolicy::WinogradF2x3),
         ("winograd_f4x3", ConvAlgoPolicy::WinogradF4x3),
         ("direct", ConvAlgoPolicy::Direct),
+        ("cudnn_dual", ConvAlgoPolicy::CudnnDual),
     ];
 
     /// The spelling used by the environment variable and the CLI.
@@ -183,6 +187,7 @@ impl ConvAlgoPolicy {
             ConvAlgoPolicy::WinogradF2x3 => "winograd_f2x3",
             ConvAlgoPolicy::WinogradF4x3 => "winograd_f4x3",
             ConvAlgoPolicy::Direct => "direct",
+            ConvAlgoPolicy::CudnnDual => "cudnn_dual",
         }
     }
 }

@@ -345,12 +345,17 @@ fn auto_runs_the_direct_kernel_when_nothing_else_can() {
     assert!(!p.runnable);
     assert!(p.to_string().contains("NOT RUNNABLE"));
     assert!(p.fallback.unwrap().contains("neither can the fallbacks"));
-    // Small problems measure the direct kernel too.
+    // Small problems measure the direct kernel too (and f32 the forward as a data gradient).
     let s = shape(1, 3, 7, 8, 3, NCHW);
     let p = plan_of(s, DType::F32, Direction::Forward, &Config::default(), true);
     assert_eq!(
         p.candidates.iter().map(|r| r.path).collect::<Vec<_>>(),
-        [ConvPath::Cudnn, ConvPath::Im2colGemm, ConvPath::Direct]
+        [
+            ConvPath::Cudnn,
+            ConvPath::CudnnDual,
+            ConvPath::Im2colGemm,
+            ConvPath::Direct
+        ]
     );
 }
 
@@ -593,7 +598,7 @@ fn check_invariants(p: &ConvPlan, present: bool) {
         "{:?} {} {} {}",
         p.shape, p.direction, p.policy, p.winograd_gemm
     );
-    assert_eq!(p.paths.len(), 5, "{ctx}");
+    assert_eq!(p.paths.len(), 6, "{ctx}");
     assert!(!p.candidates.is_empty(), "{ctx}");
     assert_eq!(p.candidates[0].path, p.path, "{ctx}");
     assert_eq!(p.candidates[0].engine, p.engine, "{ctx}");
@@ -683,6 +688,7 @@ fn check_invariants(p: &ConvPlan, present: bool) {
         ConvAlgoPolicy::WinogradF2x3 => &[ConvPath::WinogradF2x3],
         ConvAlgoPolicy::WinogradF4x3 => &[ConvPath::WinogradF4x3],
         ConvAlgoPolicy::Direct => &[ConvPath::Direct],
+        ConvAlgoPolicy::CudnnDual => &[ConvPath::CudnnDual],
     };
     if !own.is_empty() {
         if own.iter().any(|&q| p.eligible(q)) {
@@ -837,7 +843,7 @@ fn the_cudnn_candidate_goes_through_the_graph_api_where_it_can() {
         assert_eq!(p.candidates[0].path, ConvPath::Cudnn, "{d}");
         assert!(p.candidates.iter().all(|r| r.path != ConvPath::CudnnGraph));
         assert!(p.eligible(ConvPath::CudnnGraph), "{d}");
-        assert_eq!(p.paths.len(), 5);
+        assert_eq!(p.paths.len(), 6);
         assert_eq!(p.api_paths.len(), 1);
         assert_eq!(p.api_paths[0].path, ConvPath::CudnnGraph);
         assert!(has_reason(&p, "cuDNN API graph"), "{p}");
@@ -1109,4 +1115,65 @@ fn accumulating_gradients_refuse_winograd_with_a_reason() {
                 .is_some_and(|w| w.contains("forward only")));
         }
     }
+}
+
+/// The forward as a data gradient (`cudnn_dual`): a measured candidate of f32 stride-1 forwards
+/// on the graph API, with its scratch (the dual filter) and reason; refused, with the reason,
+/// for the gradients, stride 2, f16, a padding beyond the filter's reach, the legacy API and a
+/// cuDNN without the graph API; forced by `cudnn_dual`.
+#[test]
+fn the_dual_forward_is_an_f32_stride_one_graph_candidate() {
+    use nnfuse::config::CudnnApi;
+    let s = shape(32, 64, 56, 48, 3, NCHW);
+    let req = |s: ConvShape, dtype, direction, config: &Config, graph| {
+        plan(&ConvPlanRequest {
+            shape: s,
+            dtype,
+            direction,
+            config,
+            cudnn_present: true,
+            cudnn_graph: graph,
+        })
+        .unwrap()
+    };
+    let cfg = Config::default();
+    let p = req(s, DType::F32, Direction::Forward, &cfg, true);
+    assert!(
+        p.candidates.iter().any(|r| r.path == ConvPath::CudnnDual),
+        "{p}"
+    );
+    assert_eq!(p.info(ConvPath::CudnnDual).scratch_bytes, 48 * 64 * 9 * 4);
+    assert!(
+        has_reason(&p, "cudnn_dual: the forward as cuDNN's data gradient"),
+        "{p}"
+    );
+    for d in [Direction::BackwardData, Direction::BackwardFilter] {
+        let p = req(s, DType::F32, d, &cfg, true);
+        assert!(why(&p, ConvPath::CudnnDual).contains("forward only"), "{p}");
+    }
+    let strided = ConvShape {
+        stride: (2, 2),
+        ..s
+    };
+    let p = req(strided, DType::F32, Direction::Forward, &cfg, true);
+    assert!(why(&p, ConvPath::CudnnDual).contains("stride"), "{p}");
+    let p = req(s, DType::F16, Direction::Forward, &cfg, true);
+    assert!(why(&p, ConvPath::CudnnDual).contains("f32 only"), "{p}");
+    let wide = ConvShape { pad: (3, 1), ..s };
+    let p = req(wide, DType::F32, Direction::Forward, &cfg, true);
+    assert!(why(&p, ConvPath::CudnnDual).contains("padding"), "{p}");
+    let legacy = Config::default().with_cudnn_api(CudnnApi::Legacy);
+    let p = req(s, DType::F32, Direction::Forward, &legacy, true);
+    assert!(why(&p, ConvPath::CudnnDual).contains("legacy"), "{p}");
+    let p = req(s, DType::F32, Direction::Forward, &cfg, false);
+    assert!(why(&p, ConvPath::CudnnDual).contains("no graph API"), "{p}");
+    let forced = Config::default().with_conv_algo(ConvAlgoPolicy::CudnnDual);
+    let p = req(s, DType::F32, Direction::Forward, &forced, true);
+    assert_eq!(p.path, ConvPath::CudnnDual, "{p}");
+    assert_eq!(p.candidates.len(), 1, "{p}");
+    assert_eq!("dual".parse::<ConvPath>().unwrap(), ConvPath::CudnnDual);
+    assert_eq!(
+        "cudnn_dual".parse::<ConvAlgoPolicy>().unwrap(),
+        ConvAlgoPolicy::CudnnDual
+    );
 }

@@ -265,7 +265,10 @@ fn every_path_matches_the_f64_reference_on_the_grid() {
     }
     for p in ConvPath::ALL {
         for d in DType::ALL {
-            if p == ConvPath::CudnnGraph && d == DType::F32 {
+            // The dual path is f32 only (its plan refuses f16 and bf16, which gain nothing).
+            if (p == ConvPath::CudnnGraph && d == DType::F32)
+                || (p == ConvPath::CudnnDual && d != DType::F32)
+            {
                 continue;
             }
             assert!(
@@ -651,6 +654,97 @@ fn prepared_filters_match_the_plain_forward() {
         let e = other.forward_prepared(&ox, &pf, &mut oy).unwrap_err();
         assert_eq!(e.argument(), Some("w"), "{e}");
     }
+}
+
+/// The forward as the data gradient of its dual problem (`cudnn_dual`: the filter rotated,
+/// its channel axes swapped), forced, against f64 and against the direct kernel on the same
+/// inputs, in both formats: 3x3 with every padding it takes (0 to 2), dilation 2, a 3x5
+/// filter with per-axis padding, 1x1, odd channel counts; twice per problem (the second call
+/// after its check). Stride 2 is refused with its reason, and so is f16.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_dual_forward_matches_f64_and_the_direct_kernel() {
+    let ctx = gpu();
+    let mut rng = Rng::fresh("dual forward");
+    let mut cases = Vec::new();
+    for format in [TensorFormat::Nchw, TensorFormat::Nhwc] {
+        let base = square_conv(2, 64, 14, 48, 3, format);
+        cases.push(base);
+        cases.push(ConvShape {
+            pad: (0, 0),
+            ..base
+        });
+        cases.push(ConvShape {
+            pad: (2, 2),
+            ..base
+        });
+        cases.push(ConvShape {
+            dilation: (2, 2),
+            pad: (2, 1),
+            ..square_conv(3, 5, 11, 7, 3, format)
+        });
+        cases.push(ConvShape {
+            kw: 5,
+            pad: (1, 0),
+            w: 9,
+            ..square_conv(1, 17, 12, 9, 3, format)
+        });
+        cases.push(square_conv(2, 33, 7, 65, 1, format));
+    }
+    for s in &cases {
+        let xs: Vec<f32> = rng.vec(s.x_len().unwrap(), -1.0, 1.0);
+        let ws: Vec<f32> = rng.vec(s.w_len().unwrap(), -1.0, 1.0);
+        let want = conv2d(s, &f64s(&xs), &f64s(&ws)).expect("reference");
+        let (xd, wd) = (upload(&ctx, &xs), upload(&ctx, &ws));
+        let conv = Conv2d::<f32>::new(&ctx, s).expect("plan");
+        assert!(
+            conv.plan_for(Direction::Forward)
+                .eligible(ConvPath::CudnnDual),
+            "{s:?}"
+        );
+        let y_len = s.y_len().expect("valid");
+        let mut direct = poisoned::<f32>(&ctx, y_len);
+        conv.forward_with(Route::path(ConvPath::Direct), &xd, &wd, &mut direct)
+            .expect("direct");
+        let direct = f64s(&download(&ctx, &direct));
+        for call in 0..2 {
+            let mut y = poisoned::<f32>(&ctx, y_len);
+            conv.forward_with(Route::path(ConvPath::CudnnDual), &xd, &wd, &mut y)
+                .unwrap_or_else(|e| panic!("{}: cudnn_dual failed: {e}", describe(s)));
+            let got = f64s(&download(&ctx, &y));
+            let what = format!("{} f32 via cudnn_dual, call {call}", describe(s));
+            compare(&what, &got, &want, DType::F32.tolerance()).unwrap_or_else(|m| panic!("{m}"));
+            compare(
+                &format!("{what} against direct"),
+                &got,
+                &direct,
+                2.0 * DType::F32.tolerance(),
+            )
+            .unwrap_or_else(|m| panic!("{m}"));
+        }
+    }
+    // Refusals say why.
+    let strided = ConvShape {
+        stride: (2, 2),
+        ..square_conv(2, 8, 10, 8, 3, TensorFormat::Nchw)
+    };
+    let conv = Conv2d::<f32>::new(&ctx, &strided).expect("plan");
+    let x = upload(&ctx, &vec![1.0f32; strided.x_len().unwrap()]);
+    let w = upload(&ctx, &vec![1.0f32; strided.w_len().unwrap()]);
+    let mut y = poisoned::<f32>(&ctx, strided.y_len().unwrap());
+    let e = conv
+        .forward_with(Route::path(ConvPath::CudnnDual), &x, &w, &mut y)
+        .unwrap_err();
+    assert!(e.to_string().contains("stride"), "{e}");
+    let half = square_conv(2, 8, 10, 8, 3, TensorFormat::Nhwc);
+    let conv = Conv2d::<f16>::new(&ctx, &half).expect("plan");
+    let why = conv
+        .plan_for(Direction::Forward)
+        .info(ConvPath::CudnnDual)
+        .why_not
+        .clone()
+        .unwrap_or_default();
+    assert!(why.contains("f32 only"), "{why}");
 }
 
 #[test]

@@ -164,7 +164,10 @@ pub(crate) fn is_true_f32(r: &Route) -> bool {
     match r.path {
         ConvPath::Im2colGemm | ConvPath::Direct => true,
         ConvPath::Cudnn => r.cudnn_algo.is_some_and(|a| a.math == CudnnMath::Fma),
-        ConvPath::CudnnGraph | ConvPath::WinogradF2x3 | ConvPath::WinogradF4x3 => false,
+        ConvPath::CudnnGraph
+        | ConvPath::CudnnDual
+        | ConvPath::WinogradF2x3
+        | ConvPath::WinogradF4x3 => false,
     }
 }
 
@@ -180,10 +183,10 @@ pub(crate) fn reference_order(execs: &[Exec], dtype: DType) -> Vec<Exec> {
     exact.into_iter().chain(rest).collect()
 }
 
-/// Whether `e` is an f32 graph engine config, which runs only once checked against a true-f32
-/// route. Pure.
+/// Whether `e` is an f32 graph engine config (the dual path runs one too), which runs only once
+/// checked against a true-f32 route. Pure.
 pub(crate) fn needs_true_f32_check(e: &Exec, dtype: DType) -> bool {
-    dtype == DType::F32 && e.route.path == ConvPath::CudnnGraph
+    dtype == DType::F32 && matches!(e.route.path, ConvPath::CudnnGraph | ConvPath::CudnnDual)
 }
 
 /// Drops the f32 graph engine configs of `execs` when no true-f32 route is among them to hold

@@ -446,6 +446,7 @@ impl<T: Element> Conv2d<T> {
         let mut v: Vec<&'static KernelFile> = Vec::new();
         match e.route.path {
             ConvPath::Cudnn | ConvPath::CudnnGraph => {}
+            ConvPath::CudnnDual => v.push(&kernels::CONV_DUAL),
             ConvPath::Direct => v.push(&kernels::CONV_DIRECT),
             ConvPath::Im2colGemm => {
                 v.push(&kernels::IM2COL);
@@ -557,7 +558,10 @@ impl<T: Element> Conv2d<T> {
             if plan.candidates.len() < 2 {
                 continue;
             }
-            for r in plan.candidates.iter().filter(|r| !r.path.is_cudnn()) {
+            // cuDNN's own routes need no kernel of nnfuse's (the dual path's filter kernel is).
+            let own_kernels =
+                |r: &&Route| !matches!(r.path, ConvPath::Cudnn | ConvPath::CudnnGraph);
+            for r in plan.candidates.iter().filter(own_kernels) {
                 if let Ok(e) = self.core.exec_of(&self.ctx, d, *r) {
                     files.extend(self.route_kernels(d, &e, None));
                 }
@@ -566,6 +570,10 @@ impl<T: Element> Conv2d<T> {
         if files.is_empty() {
             return;
         }
+        // The dual path's filter kernel last: compiles run in this order, and the other
+        // paths' (im2col's, measured in every first call) must not wait for it (H100, f32 demo:
+        // im2col then missed conv1's forward decision, and cuDNN's 126 us won over its 93).
+        files.sort_by_key(|f| f.name == kernels::CONV_DUAL.name);
         choice::prepare_first_call_kernels(&self.ctx);
         self.ctx.prepare_kernels(&files);
     }
@@ -649,6 +657,7 @@ impl<T: Element> Conv2d<T> {
             ConvPath::CudnnGraph if r.graph_engine.is_none() && self.core.dtype == DType::F32 => {
                 r.graph_engine = Some(self.checked_graph_engine(d, p)?);
             }
+            ConvPath::CudnnDual => self.check_dual_once(d, p, plan)?,
             ConvPath::WinogradF2x3 | ConvPath::WinogradF4x3 if r.engine.is_none() => {
                 r.engine = info
                     .winograd
@@ -763,6 +772,39 @@ impl<T: Element> Conv2d<T> {
             }
         }
         Vec::new()
+    }
+
+    /// A forced `cudnn_dual` route's first call: the route checked against a true-f32 route
+    /// ([`Self::verified`]; its data gradient runs a graph engine config, whose notes do not
+    /// prove true f32), remembered once it passes. An error when it does not.
+    fn check_dual_once(&self, d: Direction, p: CudnnPtrs, plan: &ConvPlan) -> Result<()> {
+        if self
+            .core
+            .dual_checked
+            .load(std::sync::atomic::Ordering::Acquire)
+        {
+            return Ok(());
+        }
+        self.ctx.refuse_under_capture(
+            "a forced cudnn_dual route's first call",
+            "check it against a true-f32 route",
+        )?;
+        let exec = self
+            .core
+            .exec_of(&self.ctx, d, Route::path(ConvPath::CudnnDual))?;
+        match self.verified(d, p, plan, exec, false) {
+            Ok(_) => {
+                self.core
+                    .dual_checked
+                    .store(true, std::sync::atomic::Ordering::Release);
+                Ok(())
+            }
+            Err(line) => Err(Error::NotSupported(format!(
+                "cudnn_dual failed its check against a true-f32 route for this forward{}",
+                line.map(|l| format!(": relative L2 error {:?}, {:?}", l.rel_l2, l.outcome))
+                    .unwrap_or_default()
+            ))),
+        }
     }
 
     /// The engine config a forced f32 `cudnn_graph` route without one runs: the decided route's

@@ -6,6 +6,7 @@
 
 mod cudnn_values;
 mod direction;
+mod dual;
 mod graph_engine;
 mod operands;
 mod shape;
@@ -13,6 +14,7 @@ mod winograd;
 
 pub use cudnn_values::{CudnnAlgo, CudnnMath, CudnnPerf};
 pub use direction::Direction;
+pub(crate) use dual::{dual_refusal, dual_shape};
 pub use graph_engine::{GraphEngine, MAX_GRAPH_KNOBS};
 pub(crate) use operands::{BwdDataPtrs, BwdFilterPtrs, CudnnPtrs, FwdPtrs};
 pub use shape::ConvShape;
