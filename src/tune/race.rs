@@ -1,5 +1,5 @@
 //! The timing step of a measurement: the candidates that passed their check take turns
-//! ([`crate::timing::time_interleaved_gpu`], the incumbent as variant 0), and the winner is decided
+//! ([`crate::timing::time_interleaved`] or its GPU-time-only forms, the incumbent as variant 0), and the winner is decided
 //! by the incumbent rule ([`super::rule::best_challenger`]).
 
 use super::rule::best_challenger;
@@ -8,16 +8,31 @@ use crate::error::Result;
 use std::time::Instant;
 
 use crate::timing::{
-    time_interleaved_gpu_cold, time_interleaved_gpu_until, Interleaved, InterleavedOptions,
+    time_interleaved, time_interleaved_gpu_cold, time_interleaved_gpu_until, Interleaved,
+    InterleavedOptions,
 };
 
-/// What [`race_gpu`] measured and decided.
+/// What a race measured and decided.
 pub(crate) struct Race {
     /// The interleaved timing (variant 0 is the incumbent).
     pub timing: Interleaved,
     /// The variant that beats the incumbent by the rule, with its median ratio; `None` keeps the
     /// incumbent. A variant that failed while timed never wins.
     pub challenger: Option<(usize, f64)>,
+}
+
+/// Times `n` variants (`launch(variant, i)` queues one launch on `ctx.stream()`, variant 0 being
+/// the incumbent), each sample a burst of back-to-back launches
+/// ([`crate::timing::time_interleaved`]: the host's pace counts when it is slower than the
+/// GPU's), and decides whether a challenger replaces the incumbent.
+pub(crate) fn race(
+    ctx: &Context,
+    opts: InterleavedOptions,
+    n: usize,
+    launch: impl FnMut(usize, usize) -> Result<()>,
+) -> Result<Race> {
+    ctx.refuse_under_capture("a measurement", "time candidates (events, synchronisation)")?;
+    decided(time_interleaved(ctx, opts, n, launch)?)
 }
 
 /// Times `n` variants (`launch(variant, i)` queues one launch on `ctx.stream()`, variant 0 being

@@ -21,22 +21,23 @@
 //!    [`crate::gemm::tolerance`]; non-finite values only where the default has the same ones). All
 //!    comparisons are queued and read back with one synchronisation (on the caller's operands,
 //!    one more before them: see below). This run is also each candidate's warm-up.
-//! 4. **Time**: [`crate::timing::time_interleaved_gpu`] with [`search_timing`]: candidates take
-//!    turns round-robin, a sample being a burst of back-to-back launches worth at least
-//!    [`MIN_SAMPLE_MS`] of GPU time (one launch for long GEMMs), queued behind a head start of
-//!    GPU work that covers its host time; [`MIN_ROUNDS`] to [`MAX_ROUNDS`] rounds, as many as fit
-//!    [`BUDGET_MS`] of GPU time. A launch is what a call of [`crate::gemm::strided_batched`]
-//!    queues for that algorithm (cached descriptors, one `cublasLtMatmul`). GPU time only: a
-//!    small GEMM's call costs the host 10–17 µs, more than its kernel runs, so back-to-back
-//!    samples timed the host and every candidate looked alike (H100: the classifier products
-//!    of `nnfuse demo` 16–19 µs per call for 7–10 µs of GPU work). A framework that keeps the
-//!    GPU busy pays the GPU time.
-//!
-//!    Products whose A, B and C fit in the L2 are timed **cold** ([`cold_flush_bytes`]: one
-//!    launch per sample, behind a write of twice the L2 in scratch): in a step their weights
-//!    come from DRAM, and warm back-to-back samples favoured kernels that were slower there
-//!    (H100, the f32 classifier forward of `nnfuse demo`: a split-K kernel chosen at 15.9 µs
-//!    warm against the default's 17.1 ran 26.7 µs in the step, the default 23.2).
+//! 4. **Time**, two ways by size. Products whose A, B and C fit in the L2
+//!    ([`cold_flush_bytes`]) are timed **cold and on GPU time only**
+//!    ([`crate::timing::time_interleaved_gpu_cold`]): one launch per sample, queued behind a
+//!    write of twice the L2 in scratch and a head start of GPU work that covers its host time.
+//!    In a step their weights come from DRAM, and such a small GEMM's call costs the host
+//!    10–17 µs, more than its kernel runs: timed warm and back to back, every candidate of the
+//!    demo's classifier GEMMs read 16–19 µs (the host) for 5–10 µs of GPU work, and for the f32
+//!    classifier forward a split-K kernel chosen at 15.9 µs warm ran 26.7 µs in the step
+//!    against the default's 23.2 (H100); cold they time as in the step. Larger products are
+//!    timed with [`crate::timing::time_interleaved`]: a sample is a burst of back-to-back
+//!    launches worth at least [`MIN_SAMPLE_MS`] of GPU time (one launch for long GEMMs),
+//!    whose kernels outlast their calls' host time. Either way candidates take turns
+//!    round-robin, [`MIN_ROUNDS`] to [`MAX_ROUNDS`] rounds, as many as fit [`BUDGET_MS`] of GPU
+//!    time; a launch is what a call of [`crate::gemm::strided_batched`] queues for that
+//!    algorithm (cached descriptors, one `cublasLtMatmul`). (Head starts for every size were
+//!    tried: a search of 16 x 1024^3 f16 then took 2.3 s inside the GPU test suite, its head
+//!    starts sized by host hiccups of the tests running beside it.)
 //!
 //!    Products whose output has fewer tiles than the GPU has SMs also get **split-K variants**
 //!    of the heuristic's first candidates ([`split_k_counts`]): checked and timed like the rest.
@@ -118,7 +119,7 @@ use crate::context::{Context, Locked};
 use crate::dtype::{DType, Element};
 use crate::error::{CallExt, Error, Result};
 use crate::timing::InterleavedOptions;
-use crate::tune::race::{ms_since, race_gpu, race_gpu_cold, Race};
+use crate::tune::race::{ms_since, race, race_gpu_cold, Race};
 use crate::tune::rule::judge;
 
 /// Most cuBLASLt heuristic candidates a search asks for.
@@ -722,7 +723,7 @@ fn time(
     let l2 = env.ctx.info().l2_bytes.max(0) as usize;
     let r = match cold_flush_bytes(&env.spans, env.elem, l2) {
         Some(flush) => race_gpu_cold(env.ctx, search_timing(), timed.len(), flush, launch)?,
-        None => race_gpu(env.ctx, search_timing(), timed.len(), None, launch)?,
+        None => race(env.ctx, search_timing(), timed.len(), launch)?,
     };
     let res = &r.timing;
     for (v, &i) in timed.iter().enumerate() {
