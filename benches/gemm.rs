@@ -213,7 +213,9 @@ fn bench_shape<T: Element>(
         Kind::Prepared(pr) => pr.run(ctx, &a, &b, &mut c),
         Kind::Tuned => gemm::strided_batched(ctx, &p, &a, &b, &mut c),
     };
-    // Timed as the search times it: cold where the operands fit in L2.
+    // Cold where the operands fit in L2, as the search times them; larger shapes on GPU time
+    // behind head starts (the search times those back to back: their kernels outlast their
+    // calls' host time, so the two agree).
     let res: Interleaved = match cold {
         Some(flush) => time_interleaved_gpu_cold(ctx, OPTS, n_var, flush, launch)?,
         None => time_interleaved_gpu(ctx, OPTS, n_var, launch)?,
