@@ -917,6 +917,19 @@ impl PathRule for CudnnGraphRule {
     }
 }
 
+/// `path` (named `what` in the reason) refused for a gradient: it computes the forward only.
+fn forward_only(path: ConvPath, req: &ConvPlanRequest, what: &str) -> Option<PathInfo> {
+    (req.direction != Direction::Forward).then(|| {
+        info_ineligible(
+            path,
+            format!(
+                "{what} computes the forward only, not the {}",
+                req.direction.describe()
+            ),
+        )
+    })
+}
+
 /// The forward as the data gradient of its dual problem (`problem::dual`) through cuDNN's graph
 /// API: the forward only, f32, stride 1, a padding within the dilated filter's reach, and the
 /// graph API usable ([`graph_refusal`]). Its scratch is the dual filter.
@@ -933,14 +946,8 @@ impl PathRule for DualRule {
         req: &ConvPlanRequest,
         out_hw: (usize, usize),
     ) -> Result<PathInfo> {
-        if req.direction != Direction::Forward {
-            return Ok(info_ineligible(
-                path,
-                format!(
-                    "the dual path computes the forward only, not the {}",
-                    req.direction.describe()
-                ),
-            ));
+        if let Some(info) = forward_only(path, req, "the dual path") {
+            return Ok(info);
         }
         let why = dual_refusal(&req.shape, req.dtype).or_else(|| graph_refusal(req, out_hw));
         if let Some(why) = why {
@@ -983,14 +990,8 @@ impl PathRule for DirectRule {
         req: &ConvPlanRequest,
         out_hw: (usize, usize),
     ) -> Result<PathInfo> {
-        if req.direction != Direction::Forward {
-            return Ok(info_ineligible(
-                path,
-                format!(
-                    "nnfuse's direct kernel computes the forward only, not the {}",
-                    req.direction.describe()
-                ),
-            ));
+        if let Some(info) = forward_only(path, req, "nnfuse's direct kernel") {
+            return Ok(info);
         }
         if let Err(why) = direct_limits(&req.shape, out_hw) {
             return Ok(info_ineligible(path, why));
