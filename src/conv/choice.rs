@@ -171,6 +171,22 @@ pub(crate) fn is_true_f32(r: &Route) -> bool {
     }
 }
 
+/// Moves the dual path's route (`cudnn_dual`) right after the incumbent: it stands for another
+/// cuDNN kernel of a different direction, often far from the incumbent (H100, f32 3x3 64@56: 157
+/// against 249 µs), while the graph engine configs listed before it are variants of the
+/// incumbent's; under a first call's budget it must not be the route the budget leaves out
+/// (a demo on a fresh machine: cut behind ten configs). Pure.
+pub(crate) fn dual_after_incumbent(execs: &mut Vec<Exec>) {
+    if let Some(i) = execs
+        .iter()
+        .position(|e| e.route.path == ConvPath::CudnnDual)
+        .filter(|&i| i > 1)
+    {
+        let e = execs.remove(i);
+        execs.insert(1, e);
+    }
+}
+
 /// The order in which routes are tried for the check's reference (the first that runs gives
 /// it): `execs` as measured, except that for f32 the true-f32 routes ([`is_true_f32`]) come
 /// first, so that a graph engine config is never the reference of f32 routes while a true-f32
@@ -2091,6 +2107,45 @@ mod tests {
             .map(|e| e.route)
             .collect();
         assert_eq!(halves[0], graph_route(45));
+    }
+
+    /// The dual route is measured second, whatever the number of engine configs before it;
+    /// the incumbent and the others keep their order.
+    #[test]
+    fn the_dual_route_follows_the_incumbent() {
+        let dual = Route::path(ConvPath::CudnnDual);
+        let im2col = Route::path(ConvPath::Im2colGemm);
+        let mut execs = vec![
+            exec(graph_route(45)),
+            exec(graph_route(0)),
+            exec(graph_route(3)),
+            exec(legacy_route(CudnnMath::Fma)),
+            exec(dual),
+            exec(im2col),
+        ];
+        dual_after_incumbent(&mut execs);
+        let order: Vec<Route> = execs.iter().map(|e| e.route).collect();
+        assert_eq!(
+            order,
+            vec![
+                graph_route(45),
+                dual,
+                graph_route(0),
+                graph_route(3),
+                legacy_route(CudnnMath::Fma),
+                im2col
+            ]
+        );
+        // Already second, alone, or absent: unchanged.
+        let mut two = vec![exec(graph_route(45)), exec(dual)];
+        dual_after_incumbent(&mut two);
+        assert_eq!(two[1].route, dual);
+        let mut one = vec![exec(dual)];
+        dual_after_incumbent(&mut one);
+        assert_eq!(one.len(), 1);
+        let mut none = vec![exec(graph_route(45)), exec(im2col)];
+        dual_after_incumbent(&mut none);
+        assert_eq!(none[1].route, im2col);
     }
 
     /// The gate: an f32 graph engine config is refused beyond the true-f32 bound (TF32's

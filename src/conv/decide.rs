@@ -332,6 +332,7 @@ impl<T: Element> Conv2d<T> {
                 Err(e) => notes.push(format!("cuDNN: {e}")),
             }
         }
+        choice::dual_after_incumbent(&mut execs);
         Ok((execs, notes, origin))
     }
 
