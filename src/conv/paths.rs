@@ -917,6 +917,11 @@ impl PathRule for CudnnGraphRule {
     }
 }
 
+/// Why a forward-only path cannot add a gradient of `d` (every gradient: it computes none).
+fn forward_only_accumulate(d: Direction) -> Option<&'static str> {
+    (d != Direction::Forward).then_some("it computes the forward only")
+}
+
 /// `path` (named `what` in the reason) refused for a gradient: it computes the forward only.
 fn forward_only(path: ConvPath, req: &ConvPlanRequest, what: &str) -> Option<PathInfo> {
     (req.direction != Direction::Forward).then(|| {
@@ -937,7 +942,7 @@ pub(crate) struct DualRule;
 
 impl PathRule for DualRule {
     fn accumulate_refusal(&self, d: Direction) -> Option<&'static str> {
-        (d != Direction::Forward).then_some("it computes the forward only")
+        forward_only_accumulate(d)
     }
 
     fn info(
@@ -981,7 +986,7 @@ pub(crate) struct DirectRule;
 
 impl PathRule for DirectRule {
     fn accumulate_refusal(&self, d: Direction) -> Option<&'static str> {
-        (d != Direction::Forward).then_some("it computes the forward only")
+        forward_only_accumulate(d)
     }
 
     fn info(
