@@ -163,10 +163,16 @@ pub enum ConvAlgoPolicy {
     /// The forward as the data gradient of its dual problem through cuDNN's graph API (f32,
     /// stride 1; `cudnn_dual`).
     CudnnDual,
+    /// nnfuse's filter-gradient kernel (f32, 3x3, stride 1; `direct_filter`): the filter
+    /// gradient only; other directions fall back as the plan says.
+    DirectFilter,
+    /// The filter gradient over 2x2 spatial tiles stacked as the batch, through cuDNN's graph
+    /// API (f32, stride 1; `cudnn_tiled`).
+    CudnnTiled,
 }
 
 impl ConvAlgoPolicy {
-    const TABLE: [(&'static str, ConvAlgoPolicy); 8] = [
+    const TABLE: [(&'static str, ConvAlgoPolicy); 10] = [
         ("auto", ConvAlgoPolicy::Auto),
         ("cudnn", ConvAlgoPolicy::Cudnn),
         ("im2col", ConvAlgoPolicy::Im2col),
@@ -175,6 +181,8 @@ impl ConvAlgoPolicy {
         ("winograd_f4x3", ConvAlgoPolicy::WinogradF4x3),
         ("direct", ConvAlgoPolicy::Direct),
         ("cudnn_dual", ConvAlgoPolicy::CudnnDual),
+        ("direct_filter", ConvAlgoPolicy::DirectFilter),
+        ("cudnn_tiled", ConvAlgoPolicy::CudnnTiled),
     ];
 
     /// The spelling used by the environment variable and the CLI.
@@ -188,6 +196,8 @@ impl ConvAlgoPolicy {
             ConvAlgoPolicy::WinogradF4x3 => "winograd_f4x3",
             ConvAlgoPolicy::Direct => "direct",
             ConvAlgoPolicy::CudnnDual => "cudnn_dual",
+            ConvAlgoPolicy::DirectFilter => "direct_filter",
+            ConvAlgoPolicy::CudnnTiled => "cudnn_tiled",
         }
     }
 }

@@ -598,7 +598,7 @@ fn check_invariants(p: &ConvPlan, present: bool) {
         "{:?} {} {} {}",
         p.shape, p.direction, p.policy, p.winograd_gemm
     );
-    assert_eq!(p.paths.len(), 6, "{ctx}");
+    assert_eq!(p.paths.len(), 8, "{ctx}");
     assert!(!p.candidates.is_empty(), "{ctx}");
     assert_eq!(p.candidates[0].path, p.path, "{ctx}");
     assert_eq!(p.candidates[0].engine, p.engine, "{ctx}");
@@ -689,6 +689,8 @@ fn check_invariants(p: &ConvPlan, present: bool) {
         ConvAlgoPolicy::WinogradF4x3 => &[ConvPath::WinogradF4x3],
         ConvAlgoPolicy::Direct => &[ConvPath::Direct],
         ConvAlgoPolicy::CudnnDual => &[ConvPath::CudnnDual],
+        ConvAlgoPolicy::DirectFilter => &[ConvPath::DirectFilter],
+        ConvAlgoPolicy::CudnnTiled => &[ConvPath::CudnnTiled],
     };
     if !own.is_empty() {
         if own.iter().any(|&q| p.eligible(q)) {
@@ -843,7 +845,7 @@ fn the_cudnn_candidate_goes_through_the_graph_api_where_it_can() {
         assert_eq!(p.candidates[0].path, ConvPath::Cudnn, "{d}");
         assert!(p.candidates.iter().all(|r| r.path != ConvPath::CudnnGraph));
         assert!(p.eligible(ConvPath::CudnnGraph), "{d}");
-        assert_eq!(p.paths.len(), 6);
+        assert_eq!(p.paths.len(), 8);
         assert_eq!(p.api_paths.len(), 1);
         assert_eq!(p.api_paths[0].path, ConvPath::CudnnGraph);
         assert!(has_reason(&p, "cuDNN API graph"), "{p}");
@@ -1175,5 +1177,146 @@ fn the_dual_forward_is_an_f32_stride_one_graph_candidate() {
     assert_eq!(
         "cudnn_dual".parse::<ConvAlgoPolicy>().unwrap(),
         ConvAlgoPolicy::CudnnDual
+    );
+}
+
+/// nnfuse's filter-gradient kernel (`direct_filter`): a candidate of f32 3x3 stride-1 filter
+/// gradients, measured right after cuDNN's incumbent in decisions, with its scratch (one
+/// partial filter gradient per range of rows) and reason; refused, with the reason, for the
+/// forward and the data gradient, f16, a 5x5 filter, stride 2 and a cap below one partial sum;
+/// forced by `direct_filter`, with the other directions falling back.
+#[test]
+fn the_filter_gradient_kernel_is_an_f32_3x3_stride_one_candidate() {
+    let s = shape(32, 64, 56, 64, 3, NCHW);
+    let cfg = Config::default();
+    let p = plan_of(s, DType::F32, Direction::BackwardFilter, &cfg, true);
+    assert!(
+        p.candidates
+            .iter()
+            .any(|r| r.path == ConvPath::DirectFilter),
+        "{p}"
+    );
+    // 132 ranges of rows (264 blocks over 2 channel tiles), a 64x64x3x3 f32 filter each.
+    assert_eq!(
+        p.info(ConvPath::DirectFilter).scratch_bytes,
+        132 * 64 * 64 * 9 * 4
+    );
+    assert!(
+        has_reason(&p, "direct_filter: nnfuse's filter-gradient kernel"),
+        "{p}"
+    );
+    assert!(
+        p.accumulate_refusal(ConvPath::DirectFilter).is_none(),
+        "{p}"
+    );
+    for d in [Direction::Forward, Direction::BackwardData] {
+        let p = plan_of(s, DType::F32, d, &cfg, true);
+        assert!(
+            why(&p, ConvPath::DirectFilter).contains("filter gradient only"),
+            "{p}"
+        );
+    }
+    let p = plan_of(s, DType::F16, Direction::BackwardFilter, &cfg, true);
+    assert!(why(&p, ConvPath::DirectFilter).contains("f32 only"), "{p}");
+    let p = plan_of(
+        shape(8, 16, 20, 16, 5, NHWC),
+        DType::F32,
+        Direction::BackwardFilter,
+        &cfg,
+        true,
+    );
+    assert!(why(&p, ConvPath::DirectFilter).contains("5x5"), "{p}");
+    let strided = ConvShape {
+        stride: (2, 2),
+        ..s
+    };
+    let p = plan_of(strided, DType::F32, Direction::BackwardFilter, &cfg, true);
+    assert!(why(&p, ConvPath::DirectFilter).contains("stride"), "{p}");
+    let forced = Config::default().with_conv_algo(ConvAlgoPolicy::DirectFilter);
+    let p = plan_of(s, DType::F32, Direction::BackwardFilter, &forced, true);
+    assert_eq!(p.path, ConvPath::DirectFilter, "{p}");
+    assert_eq!(p.candidates.len(), 1, "{p}");
+    let p = plan_of(s, DType::F32, Direction::Forward, &forced, true);
+    assert_ne!(p.path, ConvPath::DirectFilter, "{p}");
+    assert!(p.fallback.is_some(), "{p}");
+    assert_eq!(
+        "direct_wgrad".parse::<ConvPath>().unwrap(),
+        ConvPath::DirectFilter
+    );
+    assert_eq!(
+        "direct_filter".parse::<ConvAlgoPolicy>().unwrap(),
+        ConvAlgoPolicy::DirectFilter
+    );
+}
+
+/// The filter gradient over 2x2 tiles (`cudnn_tiled`): a candidate of f32 stride-1 filter
+/// gradients with outputs of at least 32x32 on the graph API, with its scratch (the tiled x and
+/// dy) and reason; refused, with the reason, for the other directions, bf16, stride 2, a small
+/// output, the legacy API and a cap below its scratch; forced by `cudnn_tiled`.
+#[test]
+fn the_tiled_filter_gradient_is_an_f32_graph_candidate() {
+    use nnfuse::config::CudnnApi;
+    let s = shape(32, 64, 56, 64, 3, NCHW);
+    let cfg = Config::default();
+    let p = plan_of(s, DType::F32, Direction::BackwardFilter, &cfg, true);
+    assert!(
+        p.candidates.iter().any(|r| r.path == ConvPath::CudnnTiled),
+        "{p}"
+    );
+    // 128 windows of 64x30x30 and 128 quarters of 64x28x28, f32.
+    let x = (128 * 64 * 30 * 30 * 4usize).next_multiple_of(256);
+    assert_eq!(
+        p.info(ConvPath::CudnnTiled).scratch_bytes,
+        x + 128 * 64 * 28 * 28 * 4
+    );
+    assert!(
+        has_reason(&p, "cudnn_tiled: the filter gradient as cuDNN's"),
+        "{p}"
+    );
+    assert!(has_reason(&p, "128 images of 30x30"), "{p}");
+    assert!(p.accumulate_refusal(ConvPath::CudnnTiled).is_none(), "{p}");
+    for d in [Direction::Forward, Direction::BackwardData] {
+        let p = plan_of(s, DType::F32, d, &cfg, true);
+        assert!(
+            why(&p, ConvPath::CudnnTiled).contains("filter gradient only"),
+            "{p}"
+        );
+    }
+    let p = plan_of(s, DType::BF16, Direction::BackwardFilter, &cfg, true);
+    assert!(why(&p, ConvPath::CudnnTiled).contains("f32 only"), "{p}");
+    let strided = ConvShape {
+        stride: (2, 2),
+        ..s
+    };
+    let p = plan_of(strided, DType::F32, Direction::BackwardFilter, &cfg, true);
+    assert!(why(&p, ConvPath::CudnnTiled).contains("stride"), "{p}");
+    let p = plan_of(
+        shape(32, 64, 28, 64, 3, NCHW),
+        DType::F32,
+        Direction::BackwardFilter,
+        &cfg,
+        true,
+    );
+    assert!(
+        why(&p, ConvPath::CudnnTiled).contains("at least 32x32"),
+        "{p}"
+    );
+    let legacy = Config::default().with_cudnn_api(CudnnApi::Legacy);
+    let p = plan_of(s, DType::F32, Direction::BackwardFilter, &legacy, true);
+    assert!(why(&p, ConvPath::CudnnTiled).contains("legacy"), "{p}");
+    let small_cap = Config::default().with_conv_workspace_mb(16);
+    let p = plan_of(s, DType::F32, Direction::BackwardFilter, &small_cap, true);
+    assert!(
+        why(&p, ConvPath::CudnnTiled).contains("workspace cap"),
+        "{p}"
+    );
+    let forced = Config::default().with_conv_algo(ConvAlgoPolicy::CudnnTiled);
+    let p = plan_of(s, DType::F32, Direction::BackwardFilter, &forced, true);
+    assert_eq!(p.path, ConvPath::CudnnTiled, "{p}");
+    assert_eq!(p.candidates.len(), 1, "{p}");
+    assert_eq!("tiled".parse::<ConvPath>().unwrap(), ConvPath::CudnnTiled);
+    assert_eq!(
+        "cudnn_tiled".parse::<ConvAlgoPolicy>().unwrap(),
+        ConvAlgoPolicy::CudnnTiled
     );
 }

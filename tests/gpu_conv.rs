@@ -265,9 +265,13 @@ fn every_path_matches_the_f64_reference_on_the_grid() {
     }
     for p in ConvPath::ALL {
         for d in DType::ALL {
-            // The dual path is f32 only (its plan refuses f16 and bf16, which gain nothing).
+            // The dual path is f32 only (its plan refuses f16 and bf16, which gain nothing);
+            // the filter-gradient kernel and the tiled path compute no forward
+            // (tests/gpu_conv_backward.rs).
             if (p == ConvPath::CudnnGraph && d == DType::F32)
                 || (p == ConvPath::CudnnDual && d != DType::F32)
+                || p == ConvPath::DirectFilter
+                || p == ConvPath::CudnnTiled
             {
                 continue;
             }

@@ -487,3 +487,190 @@ fn auto_once<T: Element>(ctx: &Context, s: &ConvShape, rng: &mut Rng, determinis
         );
     }
 }
+
+/// A 3x3 stride-1 problem.
+fn conv3(
+    n: usize,
+    c_in: usize,
+    (h, w): (usize, usize),
+    c_out: usize,
+    pad: (usize, usize),
+    format: TensorFormat,
+) -> ConvShape {
+    ConvShape {
+        n,
+        c_in,
+        h,
+        w,
+        c_out,
+        kh: 3,
+        kw: 3,
+        stride: (1, 1),
+        pad,
+        dilation: (1, 1),
+        format,
+    }
+}
+
+/// Forces f32 filter-gradient `route` on each of `shapes` (where the plan must call it
+/// eligible) against f64, overwriting and adding into dw; bit-identical run to run when
+/// `deterministic`; within the sum of both tolerances of cuDNN's result. Returns the failures.
+fn check_filter_route(
+    ctx: &Context,
+    rng: &mut Rng,
+    route: Route,
+    shapes: &[ConvShape],
+    deterministic: bool,
+) -> Vec<String> {
+    let mut failures = Vec::new();
+    for s in shapes {
+        let xs: Vec<f32> = rng.vec(s.x_len().unwrap(), -1.0, 1.0);
+        let dys: Vec<f32> = rng.vec(s.y_len().unwrap(), -1.0, 1.0);
+        let dw0s: Vec<f32> = rng.vec(s.w_len().unwrap(), -1.0, 1.0);
+        let want = backward_filter(s, &f64s(&xs), &f64s(&dys));
+        let (xd, dyd) = (upload(ctx, &xs), upload(ctx, &dys));
+        let conv = Conv2d::<f32>::new(ctx, s).expect("plan");
+        let plan = conv.plan_for(Direction::BackwardFilter);
+        assert!(plan.eligible(route.path), "{plan}");
+        let tag = format!("{} f32 dw via {route}", describe(s));
+        let tol = tolerance(route.path, DType::F32);
+        let mut runs = Vec::new();
+        for _ in 0..2 {
+            let mut dw = poisoned::<f32>(ctx, s.w_len().unwrap());
+            conv.backward_filter_with(route, &xd, &dyd, &mut dw, false)
+                .unwrap_or_else(|e| panic!("{tag}: {e}"));
+            runs.push(download(ctx, &dw));
+        }
+        let got = f64s(&runs[0]);
+        if let Err(m) = compare(&tag, &got, &want, tol) {
+            failures.push(m);
+        }
+        let bits = |v: &[f32]| v.iter().map(|t| t.to_bits()).collect::<Vec<_>>();
+        if deterministic && bits(&runs[0]) != bits(&runs[1]) {
+            failures.push(format!("{tag}: differs run to run"));
+        }
+        let mut dw = upload(ctx, &dw0s);
+        conv.backward_filter_with(route, &xd, &dyd, &mut dw, true)
+            .unwrap_or_else(|e| panic!("{tag} (accumulate): {e}"));
+        let want_acc: Vec<f64> = f64s(&dw0s).iter().zip(&want).map(|(a, b)| a + b).collect();
+        if let Err(m) = compare(
+            &format!("{tag} +="),
+            &f64s(&download(ctx, &dw)),
+            &want_acc,
+            tol,
+        ) {
+            failures.push(m);
+        }
+        let mut dwc = poisoned::<f32>(ctx, s.w_len().unwrap());
+        conv.backward_filter_with(Route::path(ConvPath::Cudnn), &xd, &dyd, &mut dwc, false)
+            .unwrap_or_else(|e| panic!("{tag}: cuDNN: {e}"));
+        if let Err(m) = compare(
+            &format!("{tag} against cudnn"),
+            &got,
+            &f64s(&download(ctx, &dwc)),
+            tol + tolerance(ConvPath::Cudnn, DType::F32),
+        ) {
+            failures.push(m);
+        }
+        eprintln!("{tag}: checked");
+    }
+    failures
+}
+
+/// nnfuse's filter-gradient kernel (`direct_filter`: f32, 3x3, stride 1) against f64 on shapes
+/// that reach every edge of its tiling — rows wider than one 64-column segment (two and three
+/// segments), filters past one 64-filter tile (129), channels not a multiple of 32 (3, 17, 30,
+/// 33), zero and asymmetric padding, fewer work units than splits — in both formats,
+/// overwriting and adding into dw; bit-identical run to run (partial sums added in a fixed
+/// order), and within the sum of both tolerances of cuDNN's result. The plan refuses it for
+/// f16.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_filter_gradient_kernel_matches_f64_on_its_tile_edges() {
+    let ctx = gpu();
+    let mut rng = Rng::fresh("direct filter gradient");
+    let shapes = [
+        conv3(2, 30, (70, 70), 129, (1, 1), TensorFormat::Nchw),
+        conv3(3, 17, (9, 130), 5, (0, 2), TensorFormat::Nhwc),
+        conv3(1, 64, (56, 56), 64, (2, 1), TensorFormat::Nchw),
+        conv3(4, 3, (5, 6), 7, (1, 1), TensorFormat::Nhwc),
+        conv3(2, 33, (12, 65), 70, (1, 0), TensorFormat::Nhwc),
+    ];
+    let route = Route::path(ConvPath::DirectFilter);
+    let failures = check_filter_route(&ctx, &mut rng, route, &shapes, true);
+    let s = conv3(2, 16, (8, 8), 16, (1, 1), TensorFormat::Nhwc);
+    let conv = Conv2d::<f16>::new(&ctx, &s).expect("plan");
+    let plan = conv.plan_for(Direction::BackwardFilter);
+    assert!(!plan.eligible(ConvPath::DirectFilter), "{plan}");
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+/// The filter gradient over 2x2 tiles (`cudnn_tiled`) against f64 on odd and even outputs of
+/// at least 32x32 (the last quarter's rows and columns past the output, zero padding, padding
+/// 2 with a 5x5 filter, a 1x1 filter), both formats, overwriting and adding into dw, and
+/// against cuDNN's own filter gradient; a forced route is checked once against a true-f32
+/// route and then runs. The plan refuses it below 32x32.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_tiled_filter_gradient_matches_f64() {
+    let ctx = gpu();
+    let mut rng = Rng::fresh("tiled filter gradient");
+    let mut shapes = vec![
+        conv3(2, 30, (33, 35), 17, (1, 1), TensorFormat::Nchw),
+        conv3(3, 16, (34, 40), 24, (0, 0), TensorFormat::Nhwc),
+        conv3(1, 64, (56, 56), 64, (1, 1), TensorFormat::Nchw),
+    ];
+    shapes.push(ConvShape {
+        kh: 5,
+        kw: 5,
+        pad: (2, 2),
+        ..conv3(2, 8, (36, 33), 12, (0, 0), TensorFormat::Nhwc)
+    });
+    shapes.push(ConvShape {
+        kh: 1,
+        kw: 1,
+        ..conv3(2, 24, (32, 37), 20, (0, 0), TensorFormat::Nchw)
+    });
+    let route = Route::path(ConvPath::CudnnTiled);
+    let failures = check_filter_route(&ctx, &mut rng, route, &shapes, false);
+    // Forced: the check once, then the route.
+    let forced =
+        gpu_with(Config::default().with_conv_algo(nnfuse::config::ConvAlgoPolicy::CudnnTiled));
+    let s = shapes[2];
+    let xs: Vec<f32> = rng.vec(s.x_len().unwrap(), -1.0, 1.0);
+    let dys: Vec<f32> = rng.vec(s.y_len().unwrap(), -1.0, 1.0);
+    let want = backward_filter(&s, &f64s(&xs), &f64s(&dys));
+    let conv = Conv2d::<f32>::new(&forced, &s).expect("plan");
+    let mut dw = poisoned::<f32>(&forced, s.w_len().unwrap());
+    conv.backward_filter(
+        &upload(&forced, &xs),
+        &upload(&forced, &dys),
+        &mut dw,
+        false,
+    )
+    .expect("forced cudnn_tiled");
+    let c = conv.choice(Direction::BackwardFilter).expect("decided");
+    assert_eq!(c.route.path, ConvPath::CudnnTiled, "{c}\n{:?}", c.notes);
+    compare(
+        "forced cudnn_tiled",
+        &f64s(&download(&forced, &dw)),
+        &want,
+        1e-5,
+    )
+    .unwrap_or_else(|m| panic!("{m}"));
+    let small = conv3(2, 16, (28, 28), 16, (1, 1), TensorFormat::Nchw);
+    let conv = Conv2d::<f32>::new(&ctx, &small).expect("plan");
+    let plan = conv.plan_for(Direction::BackwardFilter);
+    assert!(!plan.eligible(ConvPath::CudnnTiled), "{plan}");
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}

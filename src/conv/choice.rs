@@ -162,29 +162,48 @@ pub const fn check_tolerance(dtype: DType) -> f64 {
 /// Winograd (its transforms round). Pure.
 pub(crate) fn is_true_f32(r: &Route) -> bool {
     match r.path {
-        ConvPath::Im2colGemm | ConvPath::Direct => true,
+        ConvPath::Im2colGemm | ConvPath::Direct | ConvPath::DirectFilter => true,
         ConvPath::Cudnn => r.cudnn_algo.is_some_and(|a| a.math == CudnnMath::Fma),
         ConvPath::CudnnGraph
         | ConvPath::CudnnDual
+        | ConvPath::CudnnTiled
         | ConvPath::WinogradF2x3
         | ConvPath::WinogradF4x3 => false,
     }
 }
 
-/// Moves the dual path's route (`cudnn_dual`) right after the incumbent: it stands for another
-/// cuDNN kernel of a different direction, often far from the incumbent (H100, f32 3x3 64@56: 157
-/// against 249 µs), while the graph engine configs listed before it are variants of the
-/// incumbent's; under a first call's budget it must not be the route the budget leaves out
+/// Whether a route of `path` may name a cuDNN graph engine config: the graph path's own, and
+/// the tiled path's (the config of its tiled problem). Pure.
+pub(crate) fn names_graph_engine(path: ConvPath) -> bool {
+    matches!(path, ConvPath::CudnnGraph | ConvPath::CudnnTiled)
+}
+
+/// Whether a route of `path` is measured right after the incumbent
+/// ([`distinct_after_incumbent`]): the dual and tiled paths and nnfuse's filter-gradient
+/// kernel, which run kernels unlike the incumbent's.
+fn measured_second(path: ConvPath) -> bool {
+    matches!(
+        path,
+        ConvPath::CudnnDual | ConvPath::DirectFilter | ConvPath::CudnnTiled
+    )
+}
+
+/// Moves the routes of paths measured second ([`measured_second`]: `cudnn_dual`,
+/// `direct_filter`, `cudnn_tiled`) right after the incumbent, in their order: each stands for
+/// a kernel unlike the incumbent's, often far from it (H100, f32 3x3 64@56: the dual forward
+/// 157 against 249 µs), while the graph engine configs listed before them are variants of the
+/// incumbent's; under a first call's budget they must not be the routes the budget leaves out
 /// (a demo on a fresh machine: cut behind ten configs). Pure.
-pub(crate) fn dual_after_incumbent(execs: &mut Vec<Exec>) {
-    if let Some(i) = execs
-        .iter()
-        .position(|e| e.route.path == ConvPath::CudnnDual)
-        .filter(|&i| i > 1)
-    {
-        let e = execs.remove(i);
-        execs.insert(1, e);
+pub(crate) fn distinct_after_incumbent(execs: &mut Vec<Exec>) {
+    if execs.len() < 3 {
+        return;
     }
+    let rest = execs.split_off(1);
+    let (second, others): (Vec<Exec>, Vec<Exec>) = rest
+        .into_iter()
+        .partition(|e| measured_second(e.route.path));
+    execs.extend(second);
+    execs.extend(others);
 }
 
 /// The order in which routes are tried for the check's reference (the first that runs gives
@@ -202,7 +221,11 @@ pub(crate) fn reference_order(execs: &[Exec], dtype: DType) -> Vec<Exec> {
 /// Whether `e` is an f32 graph engine config (the dual path runs one too), which runs only once
 /// checked against a true-f32 route. Pure.
 pub(crate) fn needs_true_f32_check(e: &Exec, dtype: DType) -> bool {
-    dtype == DType::F32 && matches!(e.route.path, ConvPath::CudnnGraph | ConvPath::CudnnDual)
+    dtype == DType::F32
+        && matches!(
+            e.route.path,
+            ConvPath::CudnnGraph | ConvPath::CudnnDual | ConvPath::CudnnTiled
+        )
 }
 
 /// Drops the f32 graph engine configs of `execs` when no true-f32 route is among them to hold
@@ -968,8 +991,13 @@ fn route_from_json(c: &Value, direction: Direction) -> std::result::Result<Route
                 .ok_or("graph_engine is not an engine config such as eng45{} or eng12{k2=1}")?,
         ),
     };
-    if graph_engine.is_some() != (path == ConvPath::CudnnGraph) {
-        return Err("a cudnn_graph choice, and only it, names its graph_engine".into());
+    // A cudnn_tiled choice may name the engine config of its tiled problem.
+    if (path == ConvPath::CudnnGraph && graph_engine.is_none())
+        || (graph_engine.is_some() && !names_graph_engine(path))
+    {
+        return Err(
+            "a cudnn_graph choice names its graph_engine, and only it and cudnn_tiled may".into(),
+        );
     }
     match path {
         ConvPath::Cudnn if cudnn_algo.is_none() || engine.is_some() => {
@@ -2123,7 +2151,7 @@ mod tests {
             exec(dual),
             exec(im2col),
         ];
-        dual_after_incumbent(&mut execs);
+        distinct_after_incumbent(&mut execs);
         let order: Vec<Route> = execs.iter().map(|e| e.route).collect();
         assert_eq!(
             order,
@@ -2138,14 +2166,40 @@ mod tests {
         );
         // Already second, alone, or absent: unchanged.
         let mut two = vec![exec(graph_route(45)), exec(dual)];
-        dual_after_incumbent(&mut two);
+        distinct_after_incumbent(&mut two);
         assert_eq!(two[1].route, dual);
         let mut one = vec![exec(dual)];
-        dual_after_incumbent(&mut one);
+        distinct_after_incumbent(&mut one);
         assert_eq!(one.len(), 1);
         let mut none = vec![exec(graph_route(45)), exec(im2col)];
-        dual_after_incumbent(&mut none);
+        distinct_after_incumbent(&mut none);
         assert_eq!(none[1].route, im2col);
+        // nnfuse's filter-gradient kernel likewise.
+        let filter = Route::path(ConvPath::DirectFilter);
+        let mut wgrad = vec![
+            exec(graph_route(17)),
+            exec(graph_route(0)),
+            exec(im2col),
+            exec(filter),
+        ];
+        distinct_after_incumbent(&mut wgrad);
+        assert_eq!(wgrad[1].route, filter);
+        assert_eq!(wgrad[3].route, im2col);
+        // Two of them keep their order, both before the configs.
+        let tiled = Route::path(ConvPath::CudnnTiled);
+        let mut both = vec![
+            exec(graph_route(17)),
+            exec(graph_route(0)),
+            exec(filter),
+            exec(im2col),
+            exec(tiled),
+        ];
+        distinct_after_incumbent(&mut both);
+        let order: Vec<Route> = both.iter().map(|e| e.route).collect();
+        assert_eq!(
+            order,
+            vec![graph_route(17), filter, tiled, graph_route(0), im2col]
+        );
     }
 
     /// The gate: an f32 graph engine config is refused beyond the true-f32 bound (TF32's

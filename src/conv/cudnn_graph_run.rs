@@ -240,12 +240,13 @@ pub(super) fn fits(t: &Target<'_>, plan: &ConvPlan, r: &Route, search: CudnnSear
     }
 }
 
-/// The error of a route that names a graph engine config on another path.
+/// The error of a route that names a graph engine config on a path that takes none (the graph
+/// and tiled paths take one: `choice::names_graph_engine`).
 pub(super) fn misplaced(r: &Route) -> Option<Error> {
-    (r.graph_engine.is_some() && r.path != ConvPath::CudnnGraph).then(|| {
+    (r.graph_engine.is_some() && !super::choice::names_graph_engine(r.path)).then(|| {
         Error::invalid(
             "route",
-            "only a cudnn_graph route names a cuDNN graph engine config",
+            "only a cudnn_graph or cudnn_tiled route names a cuDNN graph engine config",
         )
     })
 }

@@ -303,6 +303,19 @@ impl<T: Element> Conv2d<T> {
         let mut origin = ChoiceOrigin::Planned;
         let several = plan.candidates.len() > 1;
         for r in &plan.candidates {
+            // Measured among others, the tiled route is one route per engine config of its
+            // tiled problem; forced, it runs the first that passes the true-f32 check
+            // (`checked_graph_engine`).
+            if r.path == ConvPath::CudnnTiled && several {
+                let target = self.core.target(&self.ctx);
+                let v = super::conv_tiled::engine_execs(&target, budget, &mut notes);
+                if v.is_empty() {
+                    execs.push(self.core.exec_of(&self.ctx, d, *r)?);
+                } else {
+                    execs.extend(v);
+                }
+                continue;
+            }
             if r.path != ConvPath::Cudnn {
                 execs.push(self.core.exec_of(&self.ctx, d, *r)?);
                 continue;
@@ -332,7 +345,15 @@ impl<T: Element> Conv2d<T> {
                 Err(e) => notes.push(format!("cuDNN: {e}")),
             }
         }
-        choice::dual_after_incumbent(&mut execs);
+        // f32 graph engine configs without a true-f32 route to check them against (each
+        // would be dropped): one joins them.
+        let dtype = self.core.dtype;
+        if execs.iter().any(|e| choice::needs_true_f32_check(e, dtype))
+            && !execs.iter().any(|e| choice::is_true_f32(&e.route))
+        {
+            execs.extend(self.true_f32_companion(d, p, &mut notes));
+        }
+        choice::distinct_after_incumbent(&mut execs);
         Ok((execs, notes, origin))
     }
 
@@ -448,7 +469,9 @@ impl<T: Element> Conv2d<T> {
         match e.route.path {
             ConvPath::Cudnn | ConvPath::CudnnGraph => {}
             ConvPath::CudnnDual => v.push(&kernels::CONV_DUAL),
+            ConvPath::CudnnTiled => v.push(&kernels::CONV_TILED),
             ConvPath::Direct => v.push(&kernels::CONV_DIRECT),
+            ConvPath::DirectFilter => v.push(&kernels::CONV_WGRAD),
             ConvPath::Im2colGemm => {
                 v.push(&kernels::IM2COL);
                 if gemm {
@@ -571,10 +594,16 @@ impl<T: Element> Conv2d<T> {
         if files.is_empty() {
             return;
         }
-        // The dual path's filter kernel last: compiles run in this order, and the other
-        // paths' (im2col's, measured in every first call) must not wait for it (H100, f32 demo:
-        // im2col then missed conv1's forward decision, and cuDNN's 126 us won over its 93).
-        files.sort_by_key(|f| f.name == kernels::CONV_DUAL.name);
+        // The dual, tiled and filter-gradient paths' kernels last: compiles run in this order,
+        // and the other paths' (im2col's, measured in every first call) must not wait for them
+        // (H100, f32 demo on a fresh machine: im2col then missed the 1x1 layers' decisions, and
+        // cuDNN's 126 us won over its 93 at conv1's forward).
+        let late = [
+            &kernels::CONV_DUAL,
+            &kernels::CONV_TILED,
+            &kernels::CONV_WGRAD,
+        ];
+        files.sort_by_key(|f| late.iter().any(|l| l.name == f.name));
         choice::prepare_first_call_kernels(&self.ctx);
         self.ctx.prepare_kernels(&files);
     }
@@ -655,10 +684,12 @@ impl<T: Element> Conv2d<T> {
                     ));
                 }
             }
-            ConvPath::CudnnGraph if r.graph_engine.is_none() && self.core.dtype == DType::F32 => {
-                r.graph_engine = Some(self.checked_graph_engine(d, p)?);
+            ConvPath::CudnnGraph | ConvPath::CudnnTiled
+                if r.graph_engine.is_none() && self.core.dtype == DType::F32 =>
+            {
+                r.graph_engine = Some(self.checked_graph_engine(d, p, r.path)?);
             }
-            ConvPath::CudnnDual => self.check_dual_once(d, p, plan)?,
+            ConvPath::CudnnDual => self.check_derived_once(d, p, plan, r.path)?,
             ConvPath::WinogradF2x3 | ConvPath::WinogradF4x3 if r.engine.is_none() => {
                 r.engine = info
                     .winograd
@@ -775,56 +806,76 @@ impl<T: Element> Conv2d<T> {
         Vec::new()
     }
 
-    /// A forced `cudnn_dual` route's first call: the route checked against a true-f32 route
-    /// ([`Self::verified`]; its data gradient runs a graph engine config, whose notes do not
-    /// prove true f32), remembered once it passes. An error when it does not.
-    fn check_dual_once(&self, d: Direction, p: CudnnPtrs, plan: &ConvPlan) -> Result<()> {
-        if self
-            .core
-            .dual_checked
-            .load(std::sync::atomic::Ordering::Acquire)
-        {
+    /// A forced (or tuning-file) `cudnn_dual` route is checked once per problem and direction
+    /// against a true-f32 route before it runs (it runs the first graph engine config cuDNN
+    /// admits for its dual problem, whose notes do not prove true f32); an error when it fails.
+    fn check_derived_once(
+        &self,
+        d: Direction,
+        p: CudnnPtrs,
+        plan: &ConvPlan,
+        path: ConvPath,
+    ) -> Result<()> {
+        let checked = &self.core.derived_checked[d.index()];
+        if checked.load(std::sync::atomic::Ordering::Acquire) {
             return Ok(());
         }
         self.ctx.refuse_under_capture(
             "a forced cudnn_dual route's first call",
             "check it against a true-f32 route",
         )?;
-        let exec = self
-            .core
-            .exec_of(&self.ctx, d, Route::path(ConvPath::CudnnDual))?;
+        let exec = self.core.exec_of(&self.ctx, d, Route::path(path))?;
         match self.verified(d, p, plan, exec, false) {
             Ok(_) => {
-                self.core
-                    .dual_checked
-                    .store(true, std::sync::atomic::Ordering::Release);
+                checked.store(true, std::sync::atomic::Ordering::Release);
                 Ok(())
             }
             Err(line) => Err(Error::NotSupported(format!(
-                "cudnn_dual failed its check against a true-f32 route for this forward{}",
+                "{path} failed its check against a true-f32 route for this {}{}",
+                d.describe(),
                 line.map(|l| format!(": relative L2 error {:?}, {:?}", l.rel_l2, l.outcome))
                     .unwrap_or_default()
             ))),
         }
     }
 
-    /// The engine config a forced f32 `cudnn_graph` route without one runs: the decided route's
-    /// when it is a graph route (it passed the check), else the first admitted config that
-    /// passes the check against a true-f32 route ([`choice::verify`]; remembered per
-    /// direction). An error when none passes: a forced f32 graph route never runs unchecked.
-    fn checked_graph_engine(&self, d: Direction, p: CudnnPtrs) -> Result<GraphEngine> {
-        let decided = self.core.any_decided_route(d).and_then(|r| r.graph_engine);
-        if let Some(e) = decided.or(*lock(&self.core.graph_first[d.index()])) {
+    /// The engine config a forced f32 `cudnn_graph` (or `cudnn_tiled`: its tiled problem's)
+    /// route without one runs: the decided route's when it is a route of `path` (it passed the
+    /// check), else the first admitted config that passes the check against a true-f32 route
+    /// ([`choice::verify`]; remembered per direction, or for the tiled filter gradient). An
+    /// error when none passes: a forced f32 graph route never runs unchecked.
+    fn checked_graph_engine(
+        &self,
+        d: Direction,
+        p: CudnnPtrs,
+        path: ConvPath,
+    ) -> Result<GraphEngine> {
+        let tiled = path == ConvPath::CudnnTiled;
+        let slot = if tiled {
+            &self.core.tiled_first
+        } else {
+            &self.core.graph_first[d.index()]
+        };
+        let decided = self
+            .core
+            .any_decided_route(d)
+            .filter(|r| r.path == path)
+            .and_then(|r| r.graph_engine);
+        if let Some(e) = decided.or(*lock(slot)) {
             return Ok(e);
         }
         self.ctx.refuse_under_capture(
-            "a forced f32 cudnn_graph route's first call",
+            "a forced f32 cudnn_graph or cudnn_tiled route's first call",
             "check its engine configs against a true-f32 route",
         )?;
         let budget = Budget::new(self.ctx.config().conv_tune_budget_ms);
         let mut notes = Vec::new();
         let target = self.core.target(&self.ctx);
-        let mut execs = cudnn_graph_run::engine_execs(&target, d, &budget, &mut notes);
+        let mut execs = if tiled {
+            super::conv_tiled::engine_execs(&target, &budget, &mut notes)
+        } else {
+            cudnn_graph_run::engine_execs(&target, d, &budget, &mut notes)
+        };
         if execs.is_empty() {
             return Err(Error::NotSupported(format!(
                 "no cuDNN graph engine config finalizes for this f32 {}: {}",
@@ -847,9 +898,9 @@ impl<T: Element> Conv2d<T> {
                 d.describe()
             )));
         };
-        tracing::info!(problem = ?self.core.shape, direction = %d, engine = %engine,
-            "forced f32 cudnn_graph route: engine config checked against a true-f32 route:\n{report}");
-        *lock(&self.core.graph_first[d.index()]) = Some(engine);
+        tracing::info!(problem = ?self.core.shape, direction = %d, path = %path, engine = %engine,
+            "forced f32 graph route: engine config checked against a true-f32 route:\n{report}");
+        *lock(slot) = Some(engine);
         Ok(engine)
     }
 

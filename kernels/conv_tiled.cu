@@ -1,0 +1,62 @@
+// The tiled operands of the `cudnn_tiled` path (src/conv/conv_tiled.rs): the filter gradient at
+// stride 1 runs over 2x2 spatial tiles stacked as the batch (image 4n + 2ty + tx is quarter
+// (ty, tx) of image n). Run on x it writes x's windows: element (i, j) of quarter (ty, tx) holds
+// x[ty*qh + i - ph][tx*qw + j - pw], zero outside the image (the padding, materialized); run on
+// dy (no padding, tile = quarter) dy's quarters: element (i, j) holds dy[ty*qh + i][tx*qw + j],
+// zero past the output. One thread
+// per written element, in the written tensor's order (coalesced writes): blockIdx.y strides over
+// planes — an image's channel (NCHW: th x tw elements) or an image's tile row (NHWC: tw x ch
+// elements) — and blockIdx.x over a plane's elements, so that the per-element index math is
+// 32-bit (a plane holds fewer than 2^31 elements: checked by the launcher). The index rule is
+// `window_source` in src/conv/problem/tiled.rs, whose CPU test checks that the quarters hold
+// every product of the filter gradient once.
+
+struct TileArgs {
+    const float* src;  // x or dy
+    float* out;        // the tiled tensor
+    u64 planes;        // 4n * ch (NCHW) or 4n * th (NHWC)
+    u32 ch;            // channels (c_in or c_out)
+    u32 sh, sw;        // the source's spatial extent (h x w, or oh x ow)
+    u32 th, tw;        // a tile's extent (the window, or the quarter)
+    u32 qh, qw;        // a quarter's output extent (the tiles' stride in the source)
+    int ph, pw;        // the padding (0 for dy)
+    u32 nhwc;          // 1: NHWC, 0: NCHW
+    u32 plane;         // elements per plane: th * tw (NCHW) or tw * ch (NHWC)
+};
+
+extern "C" __global__ void conv_tile_f32(TileArgs a) {
+    for (u64 pl = blockIdx.y; pl < a.planes; pl += gridDim.y) {
+        u64 img;
+        u32 cc = 0, i = 0;
+        if (a.nhwc) {
+            img = pl / a.th;
+            i = (u32)(pl % a.th);
+        } else {
+            img = pl / a.ch;
+            cc = (u32)(pl % a.ch);
+        }
+        const u64 n = img / 4;
+        const u32 t = (u32)(img % 4);
+        float* out = a.out + pl * a.plane;
+        for (u32 e = blockIdx.x * blockDim.x + threadIdx.x; e < a.plane;
+             e += gridDim.x * blockDim.x) {
+            u32 j, c = cc, row = i;
+            if (a.nhwc) {
+                j = e / a.ch;
+                c = e - j * a.ch;
+            } else {
+                row = e / a.tw;
+                j = e - row * a.tw;
+            }
+            const int r = (int)((t / 2) * a.qh + row) - a.ph;
+            const int col = (int)((t % 2) * a.qw + j) - a.pw;
+            float v = 0.0f;
+            if (r >= 0 && col >= 0 && r < (int)a.sh && col < (int)a.sw) {
+                const u64 src = a.nhwc ? ((n * a.sh + r) * a.sw + col) * a.ch + c
+                                       : ((n * a.ch + c) * a.sh + r) * a.sw + col;
+                v = a.src[src];
+            }
+            out[e] = v;
+        }
+    }
+}
