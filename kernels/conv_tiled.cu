@@ -3,12 +3,12 @@
 // (ty, tx) of image n). Run on x it writes x's windows: element (i, j) of quarter (ty, tx) holds
 // x[ty*qh + i - ph][tx*qw + j - pw], zero outside the image (the padding, materialized); run on
 // dy (no padding, tile = quarter) dy's quarters: element (i, j) holds dy[ty*qh + i][tx*qw + j],
-// zero past the output. One thread
-// per written element, in the written tensor's order (coalesced writes): blockIdx.y strides over
-// planes — an image's channel (NCHW: th x tw elements) or an image's tile row (NHWC: tw x ch
-// elements) — and blockIdx.x over a plane's elements, so that the per-element index math is
-// 32-bit (a plane holds fewer than 2^31 elements: checked by the launcher). The index rule is
-// `window_source` in src/conv/problem/tiled.rs, whose CPU test checks that the quarters hold
+// zero past the output. Writes follow the written tensor's order (coalesced): blockIdx.y
+// strides over planes — an image's channel (NCHW: th x tw elements) or an image's tile row
+// (NHWC: tw x ch elements) — and blockIdx.x over a plane's elements, so that the per-element
+// index math is 32-bit (a plane holds fewer than 2^31 elements: checked by the launcher); each
+// thread moves PER elements a pass, loads first. The index rule is `window_source` in
+// src/conv/problem/tiled.rs, whose CPU test checks that the quarters hold
 // every product of the filter gradient once.
 
 struct TileArgs {
@@ -24,7 +24,13 @@ struct TileArgs {
     u32 plane;         // elements per plane: th * tw (NCHW) or tw * ch (NHWC)
 };
 
+// Elements per thread and pass: their loads are issued together (one load in flight per thread
+// left the H100 at 1.3 TB/s on these short rows; ncu, perf/2026-11-26-late3-h100-*).
+constexpr u32 PER = 4;
+
 extern "C" __global__ void conv_tile_f32(TileArgs a) {
+    const float* __restrict__ src = a.src;
+    float* __restrict__ dst = a.out;
     for (u64 pl = blockIdx.y; pl < a.planes; pl += gridDim.y) {
         u64 img;
         u32 cc = 0, i = 0;
@@ -37,26 +43,35 @@ extern "C" __global__ void conv_tile_f32(TileArgs a) {
         }
         const u64 n = img / 4;
         const u32 t = (u32)(img % 4);
-        float* out = a.out + pl * a.plane;
-        for (u32 e = blockIdx.x * blockDim.x + threadIdx.x; e < a.plane;
-             e += gridDim.x * blockDim.x) {
-            u32 j, c = cc, row = i;
-            if (a.nhwc) {
-                j = e / a.ch;
-                c = e - j * a.ch;
-            } else {
-                row = e / a.tw;
-                j = e - row * a.tw;
+        float* out = dst + pl * a.plane;
+        for (u32 base = blockIdx.x * blockDim.x * PER; base < a.plane;
+             base += gridDim.x * blockDim.x * PER) {
+            float v[PER];
+#pragma unroll
+            for (u32 k = 0; k < PER; ++k) {
+                const u32 e = base + k * blockDim.x + threadIdx.x;
+                u32 j, c = cc, row = i;
+                if (a.nhwc) {
+                    j = e / a.ch;
+                    c = e - j * a.ch;
+                } else {
+                    row = e / a.tw;
+                    j = e - row * a.tw;
+                }
+                const int r = (int)((t / 2) * a.qh + row) - a.ph;
+                const int col = (int)((t % 2) * a.qw + j) - a.pw;
+                v[k] = 0.0f;
+                if (e < a.plane && r >= 0 && col >= 0 && r < (int)a.sh && col < (int)a.sw) {
+                    const u64 s = a.nhwc ? ((n * a.sh + r) * a.sw + col) * a.ch + c
+                                         : ((n * a.ch + c) * a.sh + r) * a.sw + col;
+                    v[k] = src[s];
+                }
             }
-            const int r = (int)((t / 2) * a.qh + row) - a.ph;
-            const int col = (int)((t % 2) * a.qw + j) - a.pw;
-            float v = 0.0f;
-            if (r >= 0 && col >= 0 && r < (int)a.sh && col < (int)a.sw) {
-                const u64 src = a.nhwc ? ((n * a.sh + r) * a.sw + col) * a.ch + c
-                                       : ((n * a.ch + c) * a.sh + r) * a.sw + col;
-                v = a.src[src];
+#pragma unroll
+            for (u32 k = 0; k < PER; ++k) {
+                const u32 e = base + k * blockDim.x + threadIdx.x;
+                if (e < a.plane) out[e] = v[k];
             }
-            out[e] = v;
         }
     }
 }

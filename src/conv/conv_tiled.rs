@@ -46,6 +46,8 @@ unsafe impl DeviceRepr for TileArgs {}
 
 /// Threads per block of the tiling kernel.
 const THREADS: u32 = 256;
+/// Elements per thread and pass of the tiling kernel (`PER`).
+const PER: usize = 4;
 /// Most blocks along y (the kernel strides over more planes).
 const MAX_GRID_Y: usize = 65_535;
 
@@ -100,7 +102,7 @@ unsafe fn tile(
     let f = ctx.function(&kernels::CONV_TILED, "conv_tile_f32")?;
     let cfg = LaunchConfig {
         grid_dim: (
-            plane.div_ceil(THREADS as usize).clamp(1, 1 << 16) as u32,
+            plane.div_ceil(THREADS as usize * PER).clamp(1, 1 << 16) as u32,
             planes.clamp(1, MAX_GRID_Y) as u32,
             1,
         ),

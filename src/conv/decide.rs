@@ -594,18 +594,27 @@ impl<T: Element> Conv2d<T> {
         if files.is_empty() {
             return;
         }
-        // The dual, tiled and filter-gradient paths' kernels last: compiles run in this order,
-        // and the other paths' (im2col's, measured in every first call) must not wait for them
-        // (H100, f32 demo on a fresh machine: im2col then missed the 1x1 layers' decisions, and
-        // cuDNN's 126 us won over its 93 at conv1's forward).
+        // Compiles start in this order, a few at a time: the measurement's own kernels, then
+        // the candidates' (im2col's, measured in every first call), then the direct f32
+        // reference (a check can do without it), then the dual, tiled and filter-gradient paths'.
+        // On a fresh H100 the f32 demo's 1x1 layers otherwise decided before im2col compiled
+        // (cuDNN's 126 us won over its 93 at conv1's forward).
         let late = [
             &kernels::CONV_DUAL,
             &kernels::CONV_TILED,
             &kernels::CONV_WGRAD,
         ];
         files.sort_by_key(|f| late.iter().any(|l| l.name == f.name));
-        choice::prepare_first_call_kernels(&self.ctx);
-        self.ctx.prepare_kernels(&files);
+        let split = files.partition_point(|f| !late.iter().any(|l| l.name == f.name));
+        let (early, rest) = files.split_at(split);
+        let (reference, measuring): (Vec<_>, Vec<_>) = choice::FIRST_CALL_KERNELS
+            .iter()
+            .copied()
+            .partition(|f| f.name == kernels::CONV_DIRECT.name);
+        self.ctx.prepare_kernels(&measuring);
+        self.ctx.prepare_kernels(early);
+        self.ctx.prepare_kernels(&reference);
+        self.ctx.prepare_kernels(rest);
     }
 
     /// Keeps a costly decision in the process cache and, when configured, in the file.
