@@ -7,13 +7,11 @@
 
 use cudarc::driver::DeviceRepr;
 
-use super::call::{PathCall, Target};
-use super::cudnn_graph_run::key;
+use super::call::PathCall;
+use super::cudnn_graph_run::execute_derived;
 use super::plan::Direction;
 use super::problem::{dual_shape, ConvShape};
 use crate::context::Context;
-use crate::cudnn_graph::graph_conv::GraphConv;
-use crate::cudnn_graph::layout::alignment_of;
 use crate::error::{Error, Result};
 use crate::kernels;
 use crate::launch;
@@ -99,23 +97,19 @@ pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
     // SAFETY: the caller's contract for w; the scratch holds the dual filter's bytes.
     unsafe { dual_filter(t.ctx, t.shape, p.w, wd)? };
     // The dual problem's data gradient: dx = y, its filter the dual one, dy = x.
-    let ptrs = [p.y, wd, p.x];
-    let dual_target = Target {
-        ctx: t.ctx,
-        shape: &dual,
-        dtype: t.dtype,
-        cudnn: None,
-        graph_plans: None,
-    };
-    let alignment = alignment_of(&ptrs).max(t.dtype.size() as u8);
-    let plan = GraphConv::cached(
-        t.ctx,
-        key(&dual_target, Direction::BackwardData, None, alignment, false),
-    )?;
     // SAFETY: the dual problem's extents are the forward's (x is its dy, y its dx, the dual
-    // filter as many elements as w), checked by the caller; the plan's key has the pointers'
-    // alignment class. The scratch guard is held until the execution is queued.
-    let r = unsafe { plan.execute_raw(t.ctx, ptrs) };
+    // filter as many elements as w), checked by the caller. The scratch guard is held until the
+    // execution is queued.
+    let r = unsafe {
+        execute_derived(
+            t.ctx,
+            (&dual, t.dtype),
+            Direction::BackwardData,
+            None,
+            [p.y, wd, p.x],
+            false,
+        )
+    };
     drop(scratch);
     r
 }

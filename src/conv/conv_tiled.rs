@@ -7,14 +7,12 @@
 use cudarc::driver::{DeviceRepr, LaunchConfig};
 
 use super::call::{Exec, PathCall, Target};
-use super::cudnn_graph_run::{self, key};
+use super::cudnn_graph_run::{self, execute_derived};
 use super::plan::{Direction, Route};
 use super::problem::{
     quarter, tiled_bytes, tiled_refusal, tiled_shape, tiled_x_bytes, ConvShape,
 };
 use crate::context::Context;
-use crate::cudnn_graph::graph_conv::GraphConv;
-use crate::cudnn_graph::layout::alignment_of;
 use crate::error::{Error, Result};
 use crate::kernels;
 use crate::launch;
@@ -197,29 +195,18 @@ pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
         tile(t.ctx, s, (p.dy, dyt), s.c_out, out_hw, q, q, (0, 0))?;
     }
     // The tiled problem's filter gradient: x its windows, dy its quarters, dw the original's.
-    let ptrs = [xt, p.dw, dyt];
-    let tiled_target = Target {
-        ctx: t.ctx,
-        shape: &tiled,
-        dtype: t.dtype,
-        cudnn: None,
-        graph_plans: None,
-    };
-    let alignment = alignment_of(&ptrs).max(t.dtype.size() as u8);
-    let plan = GraphConv::cached(
-        t.ctx,
-        key(
-            &tiled_target,
+    // SAFETY: the tiled problem's dw is the original's (same extents), x and dy its tiled
+    // tensors in the scratch, which is held until the execution is queued.
+    let r = unsafe {
+        execute_derived(
+            t.ctx,
+            (&tiled, t.dtype),
             Direction::BackwardFilter,
             c.exec.route.graph_engine,
-            alignment,
+            [xt, p.dw, dyt],
             c.accumulate,
-        ),
-    )?;
-    // SAFETY: the tiled problem's dw is the original's (same extents), x and dy its tiled
-    // tensors in the scratch, which is held until the execution is queued; the plan's key has
-    // the pointers' alignment class and the accumulation.
-    let r = unsafe { plan.execute_raw(t.ctx, ptrs) };
+        )
+    };
     drop(scratch);
     r
 }

@@ -9,7 +9,7 @@
 use super::call::{GraphPlanTag, PathCall, Target};
 use super::choice::CudnnSearch;
 use super::plan::{ConvPath, ConvPlan, Direction, Route};
-use super::problem::GraphEngine;
+use super::problem::{ConvShape, GraphEngine};
 use super::route::Exec;
 use super::state::Core;
 use crate::config::Config;
@@ -18,6 +18,7 @@ use crate::cudnn_graph::graph_conv::{Admitted, GraphConv};
 use crate::cudnn_graph::key::GraphConvKey;
 use crate::cudnn_graph::layout::{alignment_of, MAX_ALIGNMENT};
 use crate::cudnn_graph::notes::{GraphLimits, GraphPolicy};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tune::budget::Budget;
 
@@ -107,6 +108,36 @@ pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
     // SAFETY: the caller's contract (operands checked, on the Context's device, output
     // disjoint); the plan's key has the pointers' own alignment class.
     unsafe { plan.execute_raw(t.ctx, ptrs) }
+}
+
+/// Runs direction `d` of a problem derived from the caller's (the dual path's dual problem,
+/// the tiled path's tiled one: `shape`, in `dtype`) on `ptrs` in cuDNN's roles (x or dx, w or
+/// dw, y or dy), through the Context's plan cache: engine config `engine` (`None`: the first
+/// the policy admits), adding into the output when `accumulate`. The key has the pointers'
+/// alignment class.
+///
+/// # Safety
+/// `ptrs` hold `shape`'s extents of `dtype` on the Context's device, the output disjoint from
+/// the inputs, all valid until the queued work completes.
+pub(super) unsafe fn execute_derived(
+    ctx: &Context,
+    (shape, dtype): (&ConvShape, DType),
+    d: Direction,
+    engine: Option<GraphEngine>,
+    ptrs: [u64; 3],
+    accumulate: bool,
+) -> Result<()> {
+    let target = Target {
+        ctx,
+        shape,
+        dtype,
+        cudnn: None,
+        graph_plans: None,
+    };
+    let alignment = alignment_of(&ptrs).max(dtype.size() as u8);
+    let plan = GraphConv::cached(ctx, key(&target, d, engine, alignment, accumulate))?;
+    // SAFETY: the caller's contract; the plan's key has the pointers' alignment class.
+    unsafe { plan.execute_raw(ctx, ptrs) }
 }
 
 /// The engine configs the plan's `cudnn` candidate of `core`'s problem stands for through the

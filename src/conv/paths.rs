@@ -943,6 +943,19 @@ fn forward_only(path: ConvPath, req: &ConvPlanRequest, what: &str) -> Option<Pat
     })
 }
 
+/// `path` (named `what` in the reason) refused for anything but the filter gradient.
+fn filter_gradient_only(path: ConvPath, req: &ConvPlanRequest, what: &str) -> Option<PathInfo> {
+    (req.direction != Direction::BackwardFilter).then(|| {
+        info_ineligible(
+            path,
+            format!(
+                "{what} computes the filter gradient only, not the {}",
+                req.direction.describe()
+            ),
+        )
+    })
+}
+
 /// The forward as the data gradient of its dual problem (`problem::dual`) through cuDNN's graph
 /// API: the forward only, f32, stride 1, a padding within the dilated filter's reach, and the
 /// graph API usable ([`graph_refusal`]). Its scratch is the dual filter.
@@ -1035,14 +1048,8 @@ impl PathRule for DirectFilterRule {
         req: &ConvPlanRequest,
         out_hw: (usize, usize),
     ) -> Result<PathInfo> {
-        if req.direction != Direction::BackwardFilter {
-            return Ok(info_ineligible(
-                path,
-                format!(
-                    "nnfuse's filter-gradient kernel computes the filter gradient only, not the {}",
-                    req.direction.describe()
-                ),
-            ));
+        if let Some(info) = filter_gradient_only(path, req, "nnfuse's filter-gradient kernel") {
+            return Ok(info);
         }
         let cap = req.config.conv_workspace_bytes();
         if let Some(why) = direct_filter_refusal(&req.shape, req.dtype, out_hw, cap) {
@@ -1084,14 +1091,8 @@ impl PathRule for TiledRule {
         req: &ConvPlanRequest,
         out_hw: (usize, usize),
     ) -> Result<PathInfo> {
-        if req.direction != Direction::BackwardFilter {
-            return Ok(info_ineligible(
-                path,
-                format!(
-                    "the tiled path computes the filter gradient only, not the {}",
-                    req.direction.describe()
-                ),
-            ));
+        if let Some(info) = filter_gradient_only(path, req, "the tiled path") {
+            return Ok(info);
         }
         if let Some(why) = tiled_refusal(&req.shape, req.dtype, out_hw) {
             return Ok(info_ineligible(path, why));
