@@ -117,6 +117,12 @@ pub(crate) fn grid_stride_config(ctx: &Context, n: usize, threads: u32) -> Launc
     }
 }
 
+/// `v` as a kernel's `u32` argument, or an error naming `what` when it does not fit.
+pub(crate) fn u32_arg(v: usize, what: &str) -> Result<u32> {
+    u32::try_from(v)
+        .map_err(|_| crate::error::Error::invalid(what, format!("{v} does not fit in u32")))
+}
+
 /// A kernel argument's address, as the parameter array of [`launch_kernel`] holds it (the
 /// value must outlive the launch call; the driver copies it when the launch is queued).
 #[inline(always)]

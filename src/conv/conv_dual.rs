@@ -48,9 +48,7 @@ pub(crate) fn dual_filter_bytes(s: &ConvShape) -> usize {
 /// # Safety
 /// `w` and `out` hold `c_out*c_in*kh*kw` f32 on the Context's device, disjoint.
 unsafe fn dual_filter(ctx: &Context, s: &ConvShape, w: u64, out: u64) -> Result<()> {
-    let dim = |v: usize, what: &str| {
-        u32::try_from(v).map_err(|_| Error::invalid(what, format!("{v} does not fit in u32")))
-    };
+    let dim = launch::u32_arg;
     let n = s.c_out * s.c_in * s.kh * s.kw;
     let args = DualFilterArgs {
         w,

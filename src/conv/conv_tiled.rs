@@ -49,10 +49,6 @@ const PER: usize = 4;
 /// Most blocks along y (the kernel strides over more planes).
 const MAX_GRID_Y: usize = 65_535;
 
-fn dim(v: usize, what: &str) -> Result<u32> {
-    u32::try_from(v).map_err(|_| Error::invalid(what, format!("{v} does not fit in u32")))
-}
-
 /// Queues one tiled tensor: `src` (`ch` channels of `sh x sw`) cut into 4n tiles of `th x tw`
 /// at a stride of the quarter `(qh, qw)`, shifted by the padding `pad`, into `out`.
 ///
@@ -85,13 +81,13 @@ unsafe fn tile(
         src,
         out,
         planes: planes as u64,
-        ch: dim(ch, "channels")?,
-        sh: dim(sh, "h")?,
-        sw: dim(sw, "w")?,
-        th: dim(th, "tile h")?,
-        tw: dim(tw, "tile w")?,
-        qh: dim(qh, "quarter h")?,
-        qw: dim(qw, "quarter w")?,
+        ch: launch::u32_arg(ch, "channels")?,
+        sh: launch::u32_arg(sh, "h")?,
+        sw: launch::u32_arg(sw, "w")?,
+        th: launch::u32_arg(th, "tile h")?,
+        tw: launch::u32_arg(tw, "tile w")?,
+        qh: launch::u32_arg(qh, "quarter h")?,
+        qw: launch::u32_arg(qw, "quarter w")?,
         ph: i32::try_from(pad.0).map_err(|_| Error::invalid("pad", "over i32::MAX"))?,
         pw: i32::try_from(pad.1).map_err(|_| Error::invalid("pad", "over i32::MAX"))?,
         nhwc: u32::from(nhwc),

@@ -698,7 +698,7 @@ impl<T: Element> Conv2d<T> {
             {
                 r.graph_engine = Some(self.checked_graph_engine(d, p, r.path)?);
             }
-            ConvPath::CudnnDual => self.check_derived_once(d, p, plan, r.path)?,
+            ConvPath::CudnnDual => self.check_dual_once(d, p, plan)?,
             ConvPath::WinogradF2x3 | ConvPath::WinogradF4x3 if r.engine.is_none() => {
                 r.engine = info
                     .winograd
@@ -815,33 +815,33 @@ impl<T: Element> Conv2d<T> {
         Vec::new()
     }
 
-    /// A forced (or tuning-file) `cudnn_dual` route is checked once per problem and direction
-    /// against a true-f32 route before it runs (it runs the first graph engine config cuDNN
-    /// admits for its dual problem, whose notes do not prove true f32); an error when it fails.
-    fn check_derived_once(
-        &self,
-        d: Direction,
-        p: CudnnPtrs,
-        plan: &ConvPlan,
-        path: ConvPath,
-    ) -> Result<()> {
-        let checked = &self.core.derived_checked[d.index()];
-        if checked.load(std::sync::atomic::Ordering::Acquire) {
+    /// A forced `cudnn_dual` route's first call: the route checked against a true-f32 route
+    /// ([`Self::verified`]; its data gradient runs a graph engine config, whose notes do not
+    /// prove true f32), remembered once it passes. An error when it does not.
+    fn check_dual_once(&self, d: Direction, p: CudnnPtrs, plan: &ConvPlan) -> Result<()> {
+        if self
+            .core
+            .dual_checked
+            .load(std::sync::atomic::Ordering::Acquire)
+        {
             return Ok(());
         }
         self.ctx.refuse_under_capture(
             "a forced cudnn_dual route's first call",
             "check it against a true-f32 route",
         )?;
-        let exec = self.core.exec_of(&self.ctx, d, Route::path(path))?;
+        let exec = self
+            .core
+            .exec_of(&self.ctx, d, Route::path(ConvPath::CudnnDual))?;
         match self.verified(d, p, plan, exec, false) {
             Ok(_) => {
-                checked.store(true, std::sync::atomic::Ordering::Release);
+                self.core
+                    .dual_checked
+                    .store(true, std::sync::atomic::Ordering::Release);
                 Ok(())
             }
             Err(line) => Err(Error::NotSupported(format!(
-                "{path} failed its check against a true-f32 route for this {}{}",
-                d.describe(),
+                "cudnn_dual failed its check against a true-f32 route for this forward{}",
                 line.map(|l| format!(": relative L2 error {:?}, {:?}", l.rel_l2, l.outcome))
                     .unwrap_or_default()
             ))),

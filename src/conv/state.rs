@@ -66,10 +66,9 @@ pub(super) struct Core {
     /// Per direction (f32 only): the engine config a forced `cudnn_graph` route without one
     /// runs, once it passed the check against a true-f32 route.
     pub(super) graph_first: [Mutex<Option<GraphEngine>>; 3],
-    /// Per direction, whether a forced `cudnn_dual` forward or `cudnn_tiled` filter gradient
-    /// passed its check against a true-f32 route (each runs a graph engine config of a derived
-    /// problem: never unchecked).
-    pub(super) derived_checked: [AtomicBool; 3],
+    /// Whether a forced `cudnn_dual` forward passed its check against a true-f32 route (its
+    /// data-gradient engine config is a graph one: never run unchecked).
+    pub(super) dual_checked: AtomicBool,
     /// The engine config of the tiled problem a forced f32 `cudnn_tiled` filter gradient runs,
     /// once it passed the check against a true-f32 route.
     pub(super) tiled_first: Mutex<Option<GraphEngine>>,
@@ -135,7 +134,7 @@ impl Core {
             ws_sizes: Mutex::new(HashMap::new()),
             cudnn_first: Default::default(),
             graph_first: Default::default(),
-            derived_checked: Default::default(),
+            dual_checked: AtomicBool::new(false),
             tiled_first: Mutex::new(None),
             graph_plans: Default::default(),
         })
