@@ -484,6 +484,7 @@ fn finish_compile(
             }
         }
     }
+    kernels::compile_finished();
     pending.finish();
 }
 

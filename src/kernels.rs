@@ -613,6 +613,20 @@ pub(crate) fn background_started() {
     *background_count() += 1;
 }
 
+/// Compiles finished in this process (foreground or background, either outcome): a waiter
+/// on kernel files looks at their states again only when this moved ([`compile_epoch`]).
+static COMPILE_EPOCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many compiles have finished in this process so far (one atomic load).
+pub(crate) fn compile_epoch() -> u64 {
+    COMPILE_EPOCH.load(std::sync::atomic::Ordering::Acquire)
+}
+
+/// Counts a finished compile (after its image slot changed).
+pub(crate) fn compile_finished() {
+    COMPILE_EPOCH.fetch_add(1, std::sync::atomic::Ordering::Release);
+}
+
 /// Counts a background compile out, waking [`wait_for_background_compiles`].
 pub(crate) fn background_finished() {
     let mut n = background_count();

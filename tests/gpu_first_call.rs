@@ -68,6 +68,16 @@ fn cold(dir: &Path) -> Config {
 /// Forward, data and filter gradient of `s` (f16) on `ctx`, each compared with the f64
 /// reference; returns the wall time of `Conv2d::new` through the three calls (synchronised).
 fn three_directions(ctx: &Context, s: &ConvShape, rng: &mut Rng) -> (Conv2d<f16>, f64) {
+    three_directions_of(ctx, None, s, rng)
+}
+
+/// [`three_directions`] on `conv` when given (its later calls), else on a new `Conv2d`.
+fn three_directions_of(
+    ctx: &Context,
+    conv: Option<Conv2d<f16>>,
+    s: &ConvShape,
+    rng: &mut Rng,
+) -> (Conv2d<f16>, f64) {
     let xs: Vec<f16> = rng.vec(s.x_len().unwrap(), -1.0, 1.0);
     let ws: Vec<f16> = rng.vec(s.w_len().unwrap(), -1.0, 1.0);
     let dys: Vec<f16> = rng.vec(s.y_len().unwrap(), -1.0, 1.0);
@@ -78,7 +88,10 @@ fn three_directions(ctx: &Context, s: &ConvShape, rng: &mut Rng) -> (Conv2d<f16>
     let mut dw = poisoned::<f16>(ctx, s.w_len().unwrap());
     ctx.synchronize().expect("sync");
     let t = Instant::now();
-    let conv = Conv2d::<f16>::new(ctx, s).expect("plan");
+    let conv = match conv {
+        Some(c) => c,
+        None => Conv2d::<f16>::new(ctx, s).expect("plan"),
+    };
     conv.forward(&x, &w, &mut y).expect("forward");
     conv.backward_data(&dy, &w, &mut dx).expect("backward data");
     conv.backward_filter(&x, &dy, &mut dw, false)
@@ -168,9 +181,50 @@ fn a_cold_first_call_skips_uncompiled_candidates() {
         );
     }
 
-    // After the background compiles: an exhaustive decision on a new Context (its own
-    // Conv2d) skips nothing.
+    // After the background compiles: the same Conv2d's next calls measure the left-out
+    // candidates against the first choice, once, and stay right.
     kernels::wait_for_background_compiles();
+    let firsts: Vec<_> = Direction::ALL
+        .into_iter()
+        .map(|d| conv.choice(d).expect("decided").route)
+        .collect();
+    let (conv, _) = three_directions_of(&ctx, Some(conv), &s, &mut rng);
+    for (d, first) in Direction::ALL.into_iter().zip(firsts) {
+        let c = conv.choice(d).expect("decided");
+        let settled = c
+            .notes
+            .iter()
+            .any(|n| n.contains("measured again at a later call"));
+        assert_eq!(settled, skipped.contains(&d), "{d}: {:?}", c.notes);
+        if !settled {
+            assert_eq!(c.route, first, "{d}: an unskipped decision changed");
+            continue;
+        }
+        let r = conv.report(d).expect("a settled decision has its report");
+        assert!(
+            r.candidates.len() >= 2
+                && r.candidates.iter().all(
+                    |k| !matches!(&k.outcome, Outcome::Skipped(w) if w.contains(NOT_COMPILED))
+                ),
+            "{d}: the settled measurement left candidates out\n{r}"
+        );
+        assert_eq!(
+            r.candidates[r.incumbent].route, first,
+            "{d}: incumbent\n{r}"
+        );
+        println!("FIRST_CALL {d} settled: {first} -> {}", c.route);
+    }
+    // A third round changes nothing (once per decision).
+    let routes: Vec<_> = Direction::ALL
+        .into_iter()
+        .map(|d| conv.choice(d).expect("decided").route)
+        .collect();
+    let (conv, _) = three_directions_of(&ctx, Some(conv), &s, &mut rng);
+    for (d, r) in Direction::ALL.into_iter().zip(routes) {
+        assert_eq!(conv.choice(d).expect("decided").route, r, "{d}");
+    }
+
+    // An exhaustive decision on a new Context (its own Conv2d) skips nothing.
     let compiled = kernels::stats().compiled;
     eprintln!(
         "background: {} files compiled in this process",

@@ -18,7 +18,7 @@ use super::cudnn_graph_run;
 use super::plan::{ConvPath, ConvPlan, Route};
 use super::problem::{CudnnPtrs, Direction, GraphEngine, WinogradEngine};
 use super::route::{self, Exec};
-use super::state::{lock, Decided};
+use super::state::{lock, Decided, Pending};
 use super::winograd::{fused, launch as wg};
 use crate::dtype::{DType, Element};
 use crate::error::{CallExt, Error, Result};
@@ -153,7 +153,7 @@ impl<T: Element> Conv2d<T> {
         if execs.is_empty() && !cannot_add.is_empty() {
             return self.adding_fallback(d, p, plan, &cannot_add, notes);
         }
-        let (mut execs, not_run) = self.runnable_now(d, p, execs, &budget, &mut notes);
+        let (mut execs, not_run, waiting) = self.runnable_now(d, p, execs, &budget, &mut notes);
         notes.extend(choice::drop_uncheckable_f32_graph(
             &mut execs,
             self.core.dtype,
@@ -174,17 +174,25 @@ impl<T: Element> Conv2d<T> {
                     exec: execs[0],
                     choice: c,
                     report: None,
+                    pending: None,
                 })
             }
             _ => {
                 let skipped: Vec<(Route, String)> = not_run
                     .iter()
-                    .map(|(r, why)| (*r, (*why).to_string()))
+                    .map(|e| (e.route, NOT_COMPILED.to_string()))
                     .chain(cannot_add)
                     .collect();
                 let mut dec = self.measured(d, p, &key, &execs, notes, budget, &skipped);
                 if let (Some(r), Some(rep)) = (refused, dec.report.as_mut()) {
                     with_refused(Arc::make_mut(rep), *r);
+                }
+                if !not_run.is_empty() && dec.choice.origin == ChoiceOrigin::Measured {
+                    dec.pending = Some(Pending {
+                        execs: not_run,
+                        files: waiting,
+                        epoch: u64::MAX, // looked at by the next call
+                    });
                 }
                 Ok(dec)
             }
@@ -234,6 +242,7 @@ impl<T: Element> Conv2d<T> {
                     exec,
                     choice: c,
                     report,
+                    pending: None,
                 })
             }
             Err(e) => {
@@ -374,6 +383,7 @@ impl<T: Element> Conv2d<T> {
             exec: self.core.exec_of(&self.ctx, d, fb)?,
             choice: c,
             report: None,
+            pending: None,
         })
     }
 
@@ -434,6 +444,7 @@ impl<T: Element> Conv2d<T> {
                     exec: execs[w],
                     choice: c,
                     report: Some(Arc::new(report)),
+                    pending: None,
                 }
             }
             Err(e) => {
@@ -449,6 +460,7 @@ impl<T: Element> Conv2d<T> {
                     exec: execs[i],
                     choice: c,
                     report: None,
+                    pending: None,
                 }
             }
         }
@@ -518,8 +530,8 @@ impl<T: Element> Conv2d<T> {
     }
 
     /// Under a budget, the candidates a first call runs now ([`not_now`]: those whose kernels
-    /// are compiled) and those it leaves out (with why); the left-out ones' kernels start
-    /// compiling in the background, and a note names them.
+    /// are compiled), those it leaves out ([`NOT_COMPILED`]) and their kernel files, which start
+    /// compiling in the background; a note names the routes.
     fn runnable_now(
         &self,
         d: Direction,
@@ -527,9 +539,9 @@ impl<T: Element> Conv2d<T> {
         execs: Vec<Exec>,
         budget: &Budget,
         notes: &mut Vec<String>,
-    ) -> (Vec<Exec>, Vec<(Route, &'static str)>) {
+    ) -> (Vec<Exec>, Vec<Exec>, Vec<&'static KernelFile>) {
         if budget.exhaustive() || execs.len() < 2 {
-            return (execs, Vec::new());
+            return (execs, Vec::new(), Vec::new());
         }
         let ctx = &self.ctx;
         choice::prepare_first_call_kernels(ctx);
@@ -552,20 +564,22 @@ impl<T: Element> Conv2d<T> {
         for ((e, skip), fs) in execs.into_iter().zip(skip).zip(&files) {
             if skip {
                 waiting.extend(fs.iter().copied());
-                left.push((e.route, NOT_COMPILED));
+                left.push(e);
             } else {
                 run.push(e);
             }
         }
         if !left.is_empty() {
             ctx.prepare_kernels(&waiting);
-            let labels: Vec<String> = left.iter().map(|(r, _)| r.label()).collect();
+            let labels: Vec<String> = left.iter().map(|e| e.route.label()).collect();
             let n = format!("{NOT_COMPILED}: {}", labels.join(", "));
             tracing::info!(problem = ?self.core.shape, dtype = %self.core.dtype,
                 direction = %d, "{n}");
             notes.push(n);
         }
-        (run, left)
+        waiting.sort_by_key(|f| f.name);
+        waiting.dedup_by_key(|f| f.name);
+        (run, left, waiting)
     }
 
     /// After a new problem is planned: starts compiling, in the background, what its first
@@ -640,7 +654,10 @@ impl<T: Element> Conv2d<T> {
         crate::profile::stage!(Lookup);
         let accumulate = accumulate && d != Direction::Forward;
         let mut st = lock(self.core.decision(d, accumulate));
-        if let Some(s) = st.as_ref() {
+        if let Some(s) = st.as_mut() {
+            if s.pending.is_some() {
+                self.settle(d, p, accumulate, s)?;
+            }
             return Ok(s.exec);
         }
         let first = if accumulate {
@@ -655,6 +672,66 @@ impl<T: Element> Conv2d<T> {
         let exec = dec.exec;
         *st = Some(dec);
         Ok(exec)
+    }
+
+    /// A provisional decision (`dec.pending`: candidates its first call left out because their
+    /// kernels were compiling) measured again once those kernels are ready: the decided route
+    /// as the incumbent against the routes left out, the winner remembered as any measured
+    /// choice. Until then (still compiling, or the stream capturing a graph) nothing changes;
+    /// a failed compile ends the wait. Once per decision: a cold process's first calls keep
+    /// their budget and its later calls still get the route the candidates' kernels would win.
+    fn settle(
+        &self,
+        d: Direction,
+        p: CudnnPtrs,
+        accumulate: bool,
+        dec: &mut Decided,
+    ) -> Result<()> {
+        let Some(pending) = dec.pending.as_mut() else {
+            return Ok(());
+        };
+        let epoch = kernels::compile_epoch();
+        if epoch == pending.epoch {
+            return Ok(()); // no compile finished since the last look
+        }
+        pending.epoch = epoch;
+        match settle_state(pending.files.iter().map(|f| self.ctx.kernel_state(f))) {
+            SettleState::Wait => return Ok(()),
+            SettleState::Abandon => {
+                dec.pending = None;
+                return Ok(());
+            }
+            SettleState::Ready => {}
+        }
+        if self.ctx.is_capturing()? {
+            return Ok(());
+        }
+        let mut execs = vec![dec.exec];
+        execs.extend(pending.execs.iter().copied());
+        dec.pending = None;
+        let labels: Vec<String> = execs[1..].iter().map(|e| e.route.label()).collect();
+        let mut notes = dec.choice.notes.clone();
+        notes.push(format!(
+            "measured again at a later call once the kernels of {} had compiled (first choice {})",
+            labels.join(", "),
+            dec.exec.route.label()
+        ));
+        let plan = self.plan_for(d);
+        let ordinal = self.ctx.info().ordinal as u32;
+        let key = ChoiceKey::of(ordinal, plan, self.core.search, accumulate);
+        let budget = Budget::new(self.ctx.config().conv_tune_budget_ms);
+        let settled = crate::cudnn_graph::replay::suspended(|| {
+            self.measured(d, p, &key, &execs, notes, budget, &[])
+        });
+        if settled.choice.origin != ChoiceOrigin::Measured {
+            // Nothing could be measured: the first choice stands (it was measured).
+            return Ok(());
+        }
+        tracing::info!(problem = ?self.core.shape, dtype = %self.core.dtype, direction = %d,
+            from = %dec.exec.route, to = %settled.exec.route,
+            "convolution decision settled once the left-out candidates compiled");
+        *dec = settled;
+        Ok(())
     }
 
     /// A route forced by the caller, completed (engine, cuDNN algorithm) and checked against
@@ -1038,6 +1115,7 @@ impl<T: Element> Conv2d<T> {
             exec,
             choice: c,
             report: None,
+            pending: None,
         })
     }
 
@@ -1098,6 +1176,7 @@ impl<T: Element> Conv2d<T> {
                 exec: fb_exec,
                 choice: c.clone(),
                 report: None,
+                pending: None,
             });
         }
         Ok(Some(fb_exec))
@@ -1106,6 +1185,30 @@ impl<T: Element> Conv2d<T> {
 
 /// For a decision of accumulating calls (`accumulate`), `execs` without the routes that cannot
 /// add to the output, and those (each with why, a note naming them); all of `execs` otherwise.
+/// Whether a provisional decision can be measured again ([`SettleState`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SettleState {
+    /// Every kernel file it waits for is ready.
+    Ready,
+    /// Some are still compiling (or queued to).
+    Wait,
+    /// A compile failed or was never started: the decision stays as it is.
+    Abandon,
+}
+
+/// The [`SettleState`] of a provisional decision from its kernel files' states. Pure.
+fn settle_state(states: impl IntoIterator<Item = KernelState>) -> SettleState {
+    let mut out = SettleState::Ready;
+    for s in states {
+        match s {
+            KernelState::Ready => {}
+            KernelState::Compiling => out = SettleState::Wait,
+            KernelState::Failed(_) | KernelState::Missing => return SettleState::Abandon,
+        }
+    }
+    out
+}
+
 fn can_add(
     plan: &ConvPlan,
     execs: Vec<Exec>,
@@ -1153,11 +1256,26 @@ fn injected_failure() -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::FAIL_NEXT_RUN;
+    use super::{settle_state, SettleState};
     use crate::conv::im2col::gpu_tests::{check, download, quantized, upload};
     use crate::conv::{ChoiceOrigin, Conv2d, ConvPath, Direction};
+    use crate::kernels::KernelState;
     use crate::layout::TensorFormat;
     use crate::testutil::{gpu_with, Rng};
     use crate::{Config, ConvAlgoPolicy, Error};
+
+    #[test]
+    fn a_provisional_decision_waits_for_every_file_and_gives_up_on_a_failed_one() {
+        use KernelState::{Compiling, Failed, Missing, Ready};
+        assert_eq!(settle_state([Ready, Ready]), SettleState::Ready);
+        assert_eq!(settle_state([]), SettleState::Ready);
+        assert_eq!(settle_state([Ready, Compiling]), SettleState::Wait);
+        assert_eq!(
+            settle_state([Compiling, Failed("nvrtc".into())]),
+            SettleState::Abandon
+        );
+        assert_eq!(settle_state([Missing, Ready]), SettleState::Abandon);
+    }
 
     /// A filter gradient that accumulates into dw on a chunked im2col route which fails at run
     /// time (after adding its chunks) is not re-run on the fallback: the call errors saying dw

@@ -18,6 +18,7 @@ use super::route::{self, Exec};
 use crate::context::{cudnn_present, Context};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::kernels::KernelFile;
 
 pub(super) static HIDE_CUDNN: AtomicBool = AtomicBool::new(false);
 
@@ -43,6 +44,20 @@ pub(super) struct Decided {
     pub(super) exec: Exec,
     pub(super) choice: ConvChoice,
     pub(super) report: Option<Arc<AutoReport>>,
+    /// Candidates a first call left out because their kernels were still compiling: measured
+    /// against the decided route at the first call after they compiled (`settle`).
+    pub(super) pending: Option<Pending>,
+}
+
+/// What a provisional decision waits for: the candidates it could not run and their kernel
+/// files.
+#[derive(Debug, Clone)]
+pub(super) struct Pending {
+    pub(super) execs: Vec<Exec>,
+    pub(super) files: Vec<&'static KernelFile>,
+    /// [`crate::kernels::compile_epoch`] when the files' states were last looked at: a call
+    /// looks again only after some compile finished (one atomic load per call meanwhile).
+    pub(super) epoch: u64,
 }
 
 #[derive(Debug)]
