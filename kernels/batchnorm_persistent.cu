@@ -114,6 +114,18 @@ __device__ __forceinline__ void pfwd_cf_apply(const PersistArgs& a, const T* ut,
 
 template <typename T> constexpr int pmax_vec() { return 16 / (int)sizeof(T); }
 
+// The [k][C] coefficients phase 2 wrote (before the last grid barrier) into the block's shared
+// memory `dst` (room for `cap` floats), once per block; false (nothing staged) when they do not
+// fit. Channels-last threads each need V channels' coefficients: read from L2 by every thread,
+// 132 SMs sent the same few lines ~80k requests and the 64-channel backward spent a third of its
+// time there (ncu stall sampling, H100).
+__device__ __forceinline__ bool stage_coef(const float* coef, u64 n, float* dst, u64 cap) {
+    if (n > cap) return false;
+    for (u64 i = threadIdx.x; i < n; i += PTHREADS) dst[i] = __ldcg(coef + i);
+    __syncthreads();
+    return true;
+}
+
 // The channels-first ranges with the persistent block size.
 template <typename T, int V>
 __device__ __forceinline__ void pstats_range(const T* x, u64 C, u64 hw, const FastDiv& iprd, u64 ch,
@@ -245,13 +257,16 @@ template <typename T> __device__ __forceinline__ void pfwd_cl(const PersistArgs&
     grid_sync(a.barrier, 2u * (u32)G);
     grid_exit(a.barrier);
     // 3. y and the mask: thread (ro, cv) keeps its V channels' coefficients in registers.
+    float* ks = reinterpret_cast<float*>(red);  // free: phase 2's last use is behind the barrier
+    const bool staged = stage_coef(a.coef, 3 * C, ks, 2 * (u64)cl_tree_doubles<V, PTHREADS>());
+    const float* kc = staged ? ks : a.coef;
     float m[V], lo[V], sc[V], bb[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
         const u64 ch = (u64)cv * V + j;
-        m[j] = __ldcg(a.coef + ch);
-        lo[j] = __ldcg(a.coef + C + ch);
-        sc[j] = __ldcg(a.coef + 2 * C + ch);
+        m[j] = staged ? kc[ch] : __ldcg(kc + ch);
+        lo[j] = staged ? kc[C + ch] : __ldcg(kc + C + ch);
+        sc[j] = staged ? kc[2 * C + ch] : __ldcg(kc + 2 * C + ch);
         bb[j] = a.beta[ch];
     }
     const int lane = threadIdx.x & 31;
@@ -426,15 +441,17 @@ template <typename T> __device__ __forceinline__ void pbwd_cl(const PersistArgs&
     grid_sync(a.barrier, 2u * (u32)G);
     grid_exit(a.barrier);
     // 3. dx
+    const bool staged = stage_coef(a.coef, 5 * C, red, (u64)PTHREADS * 2 * V);  // red is free
+    const float* kc = staged ? red : a.coef;
     float km[V], kl[V], ka[V], kb[V], kd[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
         const u64 ch = (u64)cv * V + j;
-        km[j] = __ldcg(a.coef + ch);
-        kl[j] = __ldcg(a.coef + C + ch);
-        ka[j] = __ldcg(a.coef + 2 * C + ch);
-        kb[j] = __ldcg(a.coef + 3 * C + ch);
-        kd[j] = __ldcg(a.coef + 4 * C + ch);
+        km[j] = staged ? kc[ch] : __ldcg(kc + ch);
+        kl[j] = staged ? kc[C + ch] : __ldcg(kc + C + ch);
+        ka[j] = staged ? kc[2 * C + ch] : __ldcg(kc + 2 * C + ch);
+        kb[j] = staged ? kc[3 * C + ch] : __ldcg(kc + 3 * C + ch);
+        kd[j] = staged ? kc[4 * C + ch] : __ldcg(kc + 4 * C + ch);
     }
     T* dx = (T*)a.out;
     for (u32 s = 0; s < g.upb; ++s) {

@@ -11,6 +11,7 @@ use nnfuse::internals::batchnorm::{
     OWN_FOR_CHANNELS_FIRST_SHORT_RUNS, OWN_FOR_CHANNELS_LAST_FUSED, OWN_FOR_CHANNELS_LAST_ON_CHIP,
     OWN_FOR_CHANNELS_LAST_PLAIN, OWN_FOR_CHANNELS_LAST_UNFUSED, OWN_FOR_INFERENCE, OWN_FOR_TWO_D,
     OWN_PERSISTENT_MAX_BYTES, OWN_PER_CHANNEL_MAX_M, PREFER_PERSISTENT,
+    PREFER_PERSISTENT_CHANNELS_FIRST,
 };
 use nnfuse::{BnImpl, BnModePolicy, Config, CudnnApi, DType, TensorFormat};
 use proptest::prelude::*;
@@ -183,12 +184,22 @@ fn expected_own(
     }
 }
 
+/// Whether the auto choice prefers the persistent variant for `l` (channels-first input with
+/// runs of more than one element has its own constant).
+fn prefer(l: &nnfuse::ChannelLayout) -> bool {
+    if l.format == nnfuse::TensorFormat::Nchw && l.h * l.w > 1 {
+        PREFER_PERSISTENT_CHANNELS_FIRST
+    } else {
+        PREFER_PERSISTENT
+    }
+}
+
 /// The own variant of one training direction under the auto choice: the backward of few values
 /// per channel per channel in f64; else persistent where preferred, structured and fitting.
 fn expected_variant(l: &nnfuse::ChannelLayout, dtype: DType, tiles: u64) -> OwnVariant {
     if tiles == 2 && l.per_channel() as u64 <= OWN_PER_CHANNEL_MAX_M {
         OwnVariant::PerChannel
-    } else if PREFER_PERSISTENT && persistent_structure(l, dtype) && fits(l, dtype, tiles) {
+    } else if prefer(l) && persistent_structure(l, dtype) && fits(l, dtype, tiles) {
         OwnVariant::Persistent
     } else {
         OwnVariant::TwoPass
@@ -276,7 +287,7 @@ fn the_whole_grid() {
     assert!(own > 0, "the grid must reach the own path");
     assert_eq!(
         persistent > 0,
-        PREFER_PERSISTENT,
+        PREFER_PERSISTENT || PREFER_PERSISTENT_CHANNELS_FIRST,
         "the grid reaches the persistent variant exactly when it is preferred"
     );
 }
@@ -991,7 +1002,7 @@ fn channels_first_default_follows_the_table() {
         && r.contains("9–17%")
         && r.contains("docs/PERFORMANCE.md")));
     if OWN_FOR_CHANNELS_FIRST {
-        let fwd = if PREFER_PERSISTENT {
+        let fwd = if PREFER_PERSISTENT_CHANNELS_FIRST {
             OwnVariant::Persistent
         } else {
             OwnVariant::TwoPass

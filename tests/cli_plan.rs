@@ -265,8 +265,9 @@ fn own_kernels_impl_variant_and_no_cudnn() {
     let v = json(&cf, &[]);
     if nnfuse::internals::batchnorm::OWN_FOR_CHANNELS_FIRST {
         assert_eq!((&v["path"], &v["impl"]), (&"own".into(), &"own".into()));
-        // x (25.7 MB) fits the persistent budget forward; the plan follows PREFER_PERSISTENT.
-        let fwd = if nnfuse::internals::batchnorm::PREFER_PERSISTENT {
+        // x (25.7 MB) fits the persistent budget forward; the plan follows
+        // PREFER_PERSISTENT_CHANNELS_FIRST.
+        let fwd = if nnfuse::internals::batchnorm::PREFER_PERSISTENT_CHANNELS_FIRST {
             "persistent"
         } else {
             "two_pass"

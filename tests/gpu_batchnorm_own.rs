@@ -17,7 +17,7 @@ use common::bn::{
 use common::*;
 use half::{bf16, f16};
 use nnfuse::batchnorm::{BatchNorm, BnOptions, BnPath, Fuse, OwnVariant, OwnVariantChoice};
-use nnfuse::internals::batchnorm::OWN_PER_CHANNEL_MAX_M;
+use nnfuse::internals::batchnorm::{OWN_PER_CHANNEL_MAX_M, PREFER_PERSISTENT};
 use nnfuse::reference::activation::relu_mask_fwd;
 use nnfuse::reference::batchnorm::{self as rb, BnShape};
 use nnfuse::{BnImpl, BnModePolicy, Config, Context, DType, Element};
@@ -502,8 +502,11 @@ fn few_values_per_channel_match_f64() {
                     };
                     let out = bn::run(own, shape, axis, r, &inp);
                     let what = format!("{:?} {shape:?} {data:?} {fuse:?}", T::DTYPE);
+                    // M = 65 is [65, 16]: (N, C) input, which takes the channels-last rule.
                     let want_bwd = if sh.per_channel() <= OWN_PER_CHANNEL_MAX_M as usize {
                         OwnVariant::PerChannel
+                    } else if PREFER_PERSISTENT {
+                        OwnVariant::Persistent
                     } else {
                         OwnVariant::TwoPass
                     };

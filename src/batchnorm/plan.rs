@@ -397,11 +397,24 @@ pub const OWN_FOR_CHANNELS_LAST_FUSED: bool = false;
 pub const OWN_FOR_CHANNELS_LAST_UNFUSED: bool = true;
 /// `auto` takes the own kernels for channels-last plain BatchNorm training.
 pub const OWN_FOR_CHANNELS_LAST_PLAIN: bool = false;
-/// Under [`OwnVariantChoice::Auto`], the persistent variant is taken wherever it applies;
-/// `false` keeps the two-pass kernels everywhere. Off: on the H100 the persistent kernels ran
-/// 0.73x–1.33x the two-pass kernels' speed (slower on channels-first f16;
-/// `docs/PERFORMANCE.md`).
-pub const PREFER_PERSISTENT: bool = false;
+/// Under [`OwnVariantChoice::Auto`], the persistent variant is taken on channels-last input
+/// wherever it applies; `false` keeps the two-pass kernels there. On: on the H100, with each
+/// block staging the coefficients once and the sums' tree in warp shuffles, the persistent
+/// backward at f16 32x56x56x64 BN+ReLU runs 24.0 µs against the two-pass kernels' 32.0 (ncu);
+/// before those two changes it ran 42.5 (`docs/PERFORMANCE.md`).
+pub const PREFER_PERSISTENT: bool = true;
+/// The same for channels-first input. Off: the persistent kernels ran 0.73x–1.11x the two-pass
+/// kernels' speed there (slower on channels-first f16; `docs/PERFORMANCE.md`).
+pub const PREFER_PERSISTENT_CHANNELS_FIRST: bool = false;
+
+/// Whether [`OwnVariantChoice::Auto`] prefers the persistent variant for `layout`.
+fn prefers_persistent(layout: &ChannelLayout) -> bool {
+    if layout.format == TensorFormat::Nchw && layout.h * layout.w > 1 {
+        PREFER_PERSISTENT_CHANNELS_FIRST
+    } else {
+        PREFER_PERSISTENT
+    }
+}
 /// Most values per channel (`M = N·H·W`) for which the own backward runs per channel in f64
 /// ([`OwnVariant::PerChannel`]) whatever variant was asked for. With few values per channel, dx
 /// is a small remainder of its terms (at M = 2 always a fraction eps/var of them), so f32
@@ -653,12 +666,17 @@ fn own_variant_for(
                 format!("own {dir}: two-pass, although persistent was asked for: {why}"),
             ),
         },
-        OwnVariantChoice::Auto if !PREFER_PERSISTENT => (
+        OwnVariantChoice::Auto if !prefers_persistent(layout) => (
             OwnVariant::TwoPass,
-            format!(
-                "own {dir}: two-pass — PREFER_PERSISTENT is off: the persistent kernels ran \
-                 0.73x–1.33x the two-pass kernels' speed on the H100 (docs/PERFORMANCE.md)"
-            ),
+            if layout.format == TensorFormat::Nchw && layout.h * layout.w > 1 {
+                format!(
+                    "own {dir}: two-pass — PREFER_PERSISTENT_CHANNELS_FIRST is off: on \
+                     channels-first input the persistent kernels ran 0.73x–1.11x the two-pass \
+                     kernels' speed on the H100 (docs/PERFORMANCE.md)"
+                )
+            } else {
+                format!("own {dir}: two-pass — PREFER_PERSISTENT is off")
+            },
         ),
         OwnVariantChoice::Auto => match persistent_applies(layout, dtype, tiles) {
             Ok(bytes) => (
@@ -1041,7 +1059,7 @@ mod tests {
         assert!(s.starts_with("BatchNorm plan: training f16 BN+Add+ReLU, policy auto, impl own"));
         assert!(s.contains("mode   : CUDNN_BATCHNORM_SPATIAL\n"), "{s}");
         assert!(s.contains("path   : own"), "{s}");
-        let v = if PREFER_PERSISTENT {
+        let v = if PREFER_PERSISTENT_CHANNELS_FIRST {
             "persistent"
         } else {
             "two_pass"
