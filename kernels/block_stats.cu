@@ -128,6 +128,13 @@ template <typename T> __device__ __forceinline__ void channel_sums_vec(const Sum
             }
         }
     }
+    // The block's sums of vector `vec` into thread ro == 0, in a fixed order.
+    double bs[V], bq[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        bs[j] = 0.0;
+        bq[j] = 0.0;
+    }
     if (cvs <= 32 && (cvs & (cvs - 1)) == 0) {
         // A warp holds whole rows: lanes of one vector add by shuffles (f64), then thread ro == 0
         // adds the 8 warps' sums in warp order. Adding rb rows one thread at a time made the
@@ -153,48 +160,29 @@ template <typename T> __device__ __forceinline__ void channel_sums_vec(const Sum
             }
         }
         __syncthreads();
-        if (active && ro == 0) {
-            double bs[V], bq[V];
-#pragma unroll
-            for (int j = 0; j < V; ++j) {
-                bs[j] = 0.0;
-                bq[j] = 0.0;
-            }
+        if (active && ro == 0)
             for (u32 w = 0; w < 8; ++w)
 #pragma unroll
                 for (int j = 0; j < V; ++j) {
                     bs[j] += s1[(w * cvs + t) * V + j];
                     bq[j] += s2[(w * cvs + t) * V + j];
                 }
-            const u64 cp = C * a.parts;
-#pragma unroll
-            for (int j = 0; j < V; ++j) {
-                const u64 ch = vec * V + j;
-                a.part[ch * a.parts + p] = bs[j];
-                a.part[cp + ch * a.parts + p] = bq[j];
-            }
-        }
-        return;
-    }
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-        s1[t * V + j] = (double)sum[j];
-        s2[t * V + j] = (double)sq[j];
-    }
-    __syncthreads();
-    if (active && ro == 0) {
-        double bs[V], bq[V];
+    } else {
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-            bs[j] = s1[t * V + j];
-            bq[j] = s2[t * V + j];
+            s1[t * V + j] = (double)sum[j];
+            s2[t * V + j] = (double)sq[j];
         }
-        for (u64 k = 1; k < rb; ++k)
+        __syncthreads();
+        if (active && ro == 0)
+            for (u64 k = 0; k < rb; ++k)
 #pragma unroll
-            for (int j = 0; j < V; ++j) {
-                bs[j] += s1[(t + k * cvs) * V + j];
-                bq[j] += s2[(t + k * cvs) * V + j];
-            }
+                for (int j = 0; j < V; ++j) {
+                    bs[j] += s1[(t + k * cvs) * V + j];
+                    bq[j] += s2[(t + k * cvs) * V + j];
+                }
+    }
+    if (active && ro == 0) {
         const u64 cp = C * a.parts;
 #pragma unroll
         for (int j = 0; j < V; ++j) {
