@@ -121,6 +121,12 @@ __device__ __forceinline__ void cursor_step(u64& o, u64& iv, u64 sq, u64 sr, u64
     }
 }
 
+// The type of a statistics pass's shifted values x - shift: f64 for f32 data (exact: x and the
+// shift are f32), f32 for 16-bit data (exact as well).
+template <typename T> struct StatValOf { using type = float; };
+template <> struct StatValOf<float> { using type = double; };
+template <typename T> using StatVal = typename StatValOf<T>::type;
+
 // Welford over vectors [k0, k1) of channel ch (thread-strided by NT). With `tile`, every vector
 // is also stored there at (k - k0)*V (the persistent kernels keep x on chip).
 template <typename T, int V, int NT>
@@ -145,21 +151,23 @@ __device__ __forceinline__ void cf_stats_range(const T* __restrict__ x, u64 C, u
             for (int u = 0; u < U; ++u)
                 store_raw<T, V>(tile + (k - k0 + (u64)u * NT) * V, w[u]);
         }
-        float v[U * V];
+        StatVal<T> v[U * V];
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
-            for (int j = 0; j < V; ++j) v[u * V + j] = bits_float<T>(elem_bits<T>(w[u], j)) - shift;
-        wfv_group<1, U * V>(acc, v);
+            for (int j = 0; j < V; ++j)
+                v[u * V + j] = (StatVal<T>)bits_float<T>(elem_bits<T>(w[u], j)) - (StatVal<T>)shift;
+        wfv_group<1, U * V, StatVal<T>>(acc, v);
     }
     for (; k < k1; k += NT) {
         u32 w[4];
         load_raw<T, V>(x + ((o * C + ch) * hw + iv * V), w);
         if (tile != nullptr) store_raw<T, V>(tile + (k - k0) * V, w);
-        float v[V];
+        StatVal<T> v[V];
 #pragma unroll
-        for (int j = 0; j < V; ++j) v[j] = bits_float<T>(elem_bits<T>(w, j)) - shift;
-        wfv_group<1, V>(acc, v);
+        for (int j = 0; j < V; ++j)
+            v[j] = (StatVal<T>)bits_float<T>(elem_bits<T>(w, j)) - (StatVal<T>)shift;
+        wfv_group<1, V, StatVal<T>>(acc, v);
         cursor_step(o, iv, sq, sr, ipr);
     }
 }
@@ -249,22 +257,24 @@ __device__ __forceinline__ void cl_stats_rows(const T* __restrict__ x, u64 C, u6
             for (int u = 0; u < U; ++u)
                 store_raw<T, V>(tile + (r + u * rb - tile_r0) * C + cv * V, w[u]);
         }
-        float v[U * V];
+        StatVal<T> v[U * V];
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
             for (int j = 0; j < V; ++j)
-                v[u * V + j] = bits_float<T>(elem_bits<T>(w[u], j)) - shift[j];
-        wfv_group<V, U>(acc, v);
+                v[u * V + j] =
+                    (StatVal<T>)bits_float<T>(elem_bits<T>(w[u], j)) - (StatVal<T>)shift[j];
+        wfv_group<V, U, StatVal<T>>(acc, v);
     }
     for (; r < r1; r += rb) {
         u32 w[4];
         load_raw<T, V>(x + r * C + cv * V, w);
         if (tile != nullptr) store_raw<T, V>(tile + (r - tile_r0) * C + cv * V, w);
-        float v[V];
+        StatVal<T> v[V];
 #pragma unroll
-        for (int j = 0; j < V; ++j) v[j] = bits_float<T>(elem_bits<T>(w, j)) - shift[j];
-        wfv_group<V, 1>(acc, v);
+        for (int j = 0; j < V; ++j)
+            v[j] = (StatVal<T>)bits_float<T>(elem_bits<T>(w, j)) - (StatVal<T>)shift[j];
+        wfv_group<V, 1, StatVal<T>>(acc, v);
     }
 }
 

@@ -302,22 +302,26 @@ template <int V> __device__ __forceinline__ WfV<V> wfv_zero() {
 }
 
 // Merges K new values of each channel, v[k*V + j] = value k of channel j: the group's own mean
-// and M2 in f32 (two passes over registers), then Chan's combination in f64. The weight K/n is
-// an f32 quotient (one per group, shared by the V channels): its rounding moves the mean by
-// ~6e-8 of one group's deviation, which averages out over the groups.
-template <int V, int K> __device__ __forceinline__ void wfv_group(WfV<V>& a, const float* v) {
-    float lm[V], q[V];
+// and M2 in A (two passes over registers), then Chan's combination in f64. With A = float
+// (16-bit data) the weight K/n is an f32 quotient (one per group, shared by the V channels): its
+// rounding moves the mean by ~6e-8 of one group's deviation, which averages out over the groups.
+// With A = double (f32 data: the values x - shift are exact in f64) the group and its weight are
+// f64 too: f32 arithmetic there left ~1e-8 absolute in a mean of a few dozen values, 3e-6 of one
+// near zero (H100, own_grid_f32).
+template <int V, int K, typename A = float>
+__device__ __forceinline__ void wfv_group(WfV<V>& a, const A* v) {
+    A lm[V], q[V];
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-        float s = 0.0f;
+        A s = (A)0;
 #pragma unroll
         for (int k = 0; k < K; ++k) s += v[k * V + j];
-        lm[j] = s * (1.0f / (float)K);  // K is a power of two: exact
-        float qq = 0.0f;
+        lm[j] = s * ((A)1 / (A)K);  // K is a power of two: exact
+        A qq = (A)0;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
-            const float d = v[k * V + j] - lm[j];
-            qq = fmaf(d, d, qq);
+            const A d = v[k * V + j] - lm[j];
+            qq = fma(d, d, qq);
         }
         q[j] = qq;
     }
@@ -331,7 +335,7 @@ template <int V, int K> __device__ __forceinline__ void wfv_group(WfV<V>& a, con
         return;
     }
     const double n = a.n + (double)K;
-    const double r = (double)((float)K / (float)n);
+    const double r = sizeof(A) == sizeof(double) ? (double)K / n : (double)((float)K / (float)n);
     const double na_r = a.n * r;  // a.n * K / n
 #pragma unroll
     for (int j = 0; j < V; ++j) {
