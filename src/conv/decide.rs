@@ -187,9 +187,11 @@ impl<T: Element> Conv2d<T> {
                 if let (Some(r), Some(rep)) = (refused, dec.report.as_mut()) {
                     with_refused(Arc::make_mut(rep), *r);
                 }
-                if !not_run.is_empty() && dec.choice.origin == ChoiceOrigin::Measured {
+                let mut left_out = not_run;
+                left_out.extend(budget_cut(&execs, dec.report.as_deref()));
+                if !left_out.is_empty() && dec.choice.origin == ChoiceOrigin::Measured {
                     dec.pending = Some(Pending {
-                        execs: not_run,
+                        execs: left_out,
                         files: waiting,
                         epoch: u64::MAX, // looked at by the next call
                     });
@@ -675,11 +677,12 @@ impl<T: Element> Conv2d<T> {
     }
 
     /// A provisional decision (`dec.pending`: candidates its first call left out because their
-    /// kernels were compiling) measured again once those kernels are ready: the decided route
-    /// as the incumbent against the routes left out, the winner remembered as any measured
-    /// choice. Until then (still compiling, or the stream capturing a graph) nothing changes;
-    /// a failed compile ends the wait. Once per decision: a cold process's first calls keep
-    /// their budget and its later calls still get the route the candidates' kernels would win.
+    /// kernels were compiling or the decision budget was spent) measured again once those
+    /// kernels are ready: the decided route as the incumbent against the routes left out, the
+    /// winner remembered as any measured choice. Until then (still compiling, or the stream
+    /// capturing a graph) nothing changes; a failed compile ends the wait. Once per decision: a
+    /// cold process's first calls keep their budget and its later calls still get the route the
+    /// left-out candidates would win.
     fn settle(
         &self,
         d: Direction,
@@ -712,7 +715,7 @@ impl<T: Element> Conv2d<T> {
         let labels: Vec<String> = execs[1..].iter().map(|e| e.route.label()).collect();
         let mut notes = dec.choice.notes.clone();
         notes.push(format!(
-            "measured again at a later call once the kernels of {} had compiled (first choice {})",
+            "measured again at a later call: {}, left out by the first call (first choice {})",
             labels.join(", "),
             dec.exec.route.label()
         ));
@@ -729,7 +732,7 @@ impl<T: Element> Conv2d<T> {
         }
         tracing::info!(problem = ?self.core.shape, dtype = %self.core.dtype, direction = %d,
             from = %dec.exec.route, to = %settled.exec.route,
-            "convolution decision settled once the left-out candidates compiled");
+            "convolution decision settled: the first call's left-out candidates measured");
         *dec = settled;
         Ok(())
     }
@@ -1185,6 +1188,19 @@ impl<T: Element> Conv2d<T> {
 
 /// For a decision of accumulating calls (`accumulate`), `execs` without the routes that cannot
 /// add to the output, and those (each with why, a note naming them); all of `execs` otherwise.
+/// The candidates of `execs` (those a measurement was given) that its report skipped: the
+/// decision budget was spent before they were checked.
+fn budget_cut(execs: &[Exec], report: Option<&AutoReport>) -> Vec<Exec> {
+    let Some(r) = report else {
+        return Vec::new();
+    };
+    r.candidates
+        .iter()
+        .filter(|c| matches!(c.outcome, Outcome::Skipped(_)))
+        .filter_map(|c| execs.iter().find(|e| e.route == c.route).copied())
+        .collect()
+}
+
 /// Whether a provisional decision can be measured again ([`SettleState`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum SettleState {

@@ -44,8 +44,9 @@ pub(super) struct Decided {
     pub(super) exec: Exec,
     pub(super) choice: ConvChoice,
     pub(super) report: Option<Arc<AutoReport>>,
-    /// Candidates a first call left out because their kernels were still compiling: measured
-    /// against the decided route at the first call after they compiled (`settle`).
+    /// Candidates a first call left out (their kernels still compiling, or the decision budget
+    /// spent before they were checked): measured against the decided route at the first call
+    /// after their kernels are ready (`settle`).
     pub(super) pending: Option<Pending>,
 }
 
