@@ -407,9 +407,15 @@ pub const PREFER_PERSISTENT: bool = true;
 /// kernels' speed there (slower on channels-first f16; `docs/PERFORMANCE.md`).
 pub const PREFER_PERSISTENT_CHANNELS_FIRST: bool = false;
 
+/// Whether `layout` takes the channels-first preference ([`PREFER_PERSISTENT_CHANNELS_FIRST`]):
+/// channels-first runs of more than one element; (N, C) input takes the channels-last one.
+fn channels_first_runs(layout: &ChannelLayout) -> bool {
+    layout.format == TensorFormat::Nchw && layout.h * layout.w > 1
+}
+
 /// Whether [`OwnVariantChoice::Auto`] prefers the persistent variant for `layout`.
 fn prefers_persistent(layout: &ChannelLayout) -> bool {
-    if layout.format == TensorFormat::Nchw && layout.h * layout.w > 1 {
+    if channels_first_runs(layout) {
         PREFER_PERSISTENT_CHANNELS_FIRST
     } else {
         PREFER_PERSISTENT
@@ -668,7 +674,7 @@ fn own_variant_for(
         },
         OwnVariantChoice::Auto if !prefers_persistent(layout) => (
             OwnVariant::TwoPass,
-            if layout.format == TensorFormat::Nchw && layout.h * layout.w > 1 {
+            if channels_first_runs(layout) {
                 format!(
                     "own {dir}: two-pass — PREFER_PERSISTENT_CHANNELS_FIRST is off: on \
                      channels-first input the persistent kernels ran 0.73x–1.11x the two-pass \

@@ -707,6 +707,8 @@ impl<T: Element> Conv2d<T> {
             SettleState::Ready => {}
         }
         if self.ctx.is_capturing()? {
+            // Ready, but not measurable now: look again at the next call, compile or not.
+            pending.epoch = u64::MAX;
             return Ok(());
         }
         let mut execs = vec![dec.exec];
