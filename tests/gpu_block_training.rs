@@ -125,8 +125,17 @@ fn conv_stats_case<T: Element>(ctx: &Context, s: ConvShape) {
     let unit = ConvStats::<T>::new(ctx, &s).unwrap();
     println!("{}", unit.plan());
     for r in StatsRoute::ALL {
+        let eligible = unit.plan().eligible(r);
         match run(ctx, &unit, Some(r), &x, &w) {
-            Ok(got) => check(&format!("{what} {r}"), &s, dt, &got, &y_ref),
+            Ok(got) => {
+                assert!(eligible, "{what} {r}: ran though the plan refuses it");
+                check(&format!("{what} {r}"), &s, dt, &got, &y_ref)
+            }
+            Err(Error::NotSupported(why)) if !eligible => {
+                // Refused by the plan: the error carries the plan's reason.
+                println!("  {what} {r}: refused: {why}");
+                assert!(why.contains(unit.plan().reason(r)), "{what} {r}: {why}");
+            }
             Err(Error::NotSupported(why)) if r == StatsRoute::GraphGenstats => {
                 // cuDNN offers no plan: the reason names the graph and why.
                 println!("  {what} {r}: NOT SUPPORTED: {why}");
@@ -175,6 +184,47 @@ fn conv_stats_bf16_every_route_matches_f64() {
 #[ignore = "needs a CUDA GPU"]
 fn conv_stats_f32_every_route_matches_f64() {
     conv_stats_all::<f32>();
+}
+
+/// The own pointwise kernel forced, against f64: many row tiles per block (its statistics
+/// accumulate across tiles, its k chunks pipeline across tile boundaries), c_in not a multiple
+/// of 64 (a zero-filled last chunk), rows not a multiple of 64, every c_out it has a kernel for.
+fn own_pointwise_case<T: Element>(ctx: &Context) {
+    for s in [
+        ConvShape::square(16, 256, 56, 64, 1, TensorFormat::Nhwc),
+        ConvShape::square(16, 64, 56, 256, 1, TensorFormat::Nhwc),
+        ConvShape::square(3, 72, 9, 128, 1, TensorFormat::Nhwc),
+        ConvShape::square(2, 24, 7, 32, 1, TensorFormat::Nhwc),
+    ] {
+        let what = format!("{} {}", T::DTYPE.name(), label(&s));
+        let mut rng = Rng::fresh(&what);
+        let x: Vec<T> = rng.vec(s.x_len().unwrap(), -1.0, 1.5);
+        let w: Vec<T> = rng.vec(s.w_len().unwrap(), -0.5, 0.5);
+        let y_ref = conv2d(&s, &f64s(&x), &f64s(&w)).unwrap();
+        let unit = ConvStats::<T>::new(ctx, &s).unwrap();
+        assert!(
+            unit.plan().eligible(StatsRoute::OwnPointwise),
+            "{}",
+            unit.plan()
+        );
+        let got = run(ctx, &unit, Some(StatsRoute::OwnPointwise), &x, &w).unwrap();
+        check(&format!("{what} own_pointwise"), &s, T::DTYPE, &got, &y_ref);
+        // Twice: the same bits (a fixed order, no atomics).
+        let again = run(ctx, &unit, Some(StatsRoute::OwnPointwise), &x, &w).unwrap();
+        assert_eq!(got.sum, again.sum, "{what}: sums differ between runs");
+        assert_eq!(
+            got.sqsum, again.sqsum,
+            "{what}: squares differ between runs"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv_stats_own_pointwise_matches_f64_on_many_tiles_and_partial_chunks() {
+    let ctx = gpu();
+    own_pointwise_case::<f16>(&ctx);
+    own_pointwise_case::<bf16>(&ctx);
 }
 
 /// Odd channel counts (not a multiple of 8): the graph route either runs and passes the same

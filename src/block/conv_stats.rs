@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaView, CudaViewMut};
 
 use super::api::lock;
+use super::pointwise;
 use super::stats_kernel::channel_sums;
 use super::stats_plan::{stats_plan, StatsPlan, StatsRoute};
 use crate::context::{cudnn_present, cudnn_version, Context};
@@ -45,16 +46,17 @@ pub(super) type GraphSlot = Option<std::result::Result<Arc<GraphFused>, String>>
 /// can normalise y in one pass.
 ///
 /// Routes ([`StatsRoute`], eligibility in [`ConvStats::plan`]): one cuDNN graph with
-/// `GEN_STATS` in the convolution's epilogue (NHWC), or nnfuse's `Conv2d` followed by nnfuse's
-/// own reduction. The first call runs the unfused route into the caller's buffers, finalizes
-/// the graph's first engine configs, runs each into NaN-poisoned buffers and checks y
-/// (relative L2: f32 1e-5, halves 1e-2) and the statistics
+/// `GEN_STATS` in the convolution's epilogue (NHWC); nnfuse's own tensor-core kernel for 1x1
+/// stride-1 convolutions (NHWC f16/bf16), the sums in its epilogue; or nnfuse's `Conv2d`
+/// followed by nnfuse's own reduction. The first call runs the unfused route into the caller's
+/// buffers, then the own kernel and the graph's first engine configs each into NaN-poisoned
+/// buffers, checks y (relative L2: f32 1e-5, halves 1e-2) and the statistics
 /// (8·u/sqrt(M) relative, at least 1e-5 for f32 and 1e-4 for halves) against it, times those that pass
 /// against the unfused route (GPU time, interleaved) and keeps the fastest by the incumbent
 /// rule (unfused is the incumbent). That call synchronises, allocates and copies to the host:
-/// make it outside CUDA graph capture. A decided graph route that fails at run time falls back
-/// to the unfused route for good, with a warning; operands not 16-byte aligned take the
-/// unfused route for that call.
+/// make it outside CUDA graph capture. A decided fused route that fails at run time falls back
+/// to the unfused route for good, with a warning; operands not aligned for it (the graph: 16
+/// bytes; the own kernel: x and w 16, y 4) take the unfused route for that call.
 ///
 /// ```no_run
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -104,12 +106,16 @@ impl<T: Element> ConvStats<T> {
     /// needs its reduction, and NVRTC compiled it on that call's critical path.
     pub fn new(ctx: &Context, shape: &ConvShape) -> Result<Self> {
         ctx.prepare_kernels(&[&crate::kernels::BLOCK_STATS]);
+        if T::DTYPE != crate::dtype::DType::F32 {
+            ctx.prepare_kernels(&[&crate::kernels::CONV_POINTWISE]);
+        }
         let cudnn = if cudnn_present() {
             Some(cudnn_version()?)
         } else {
             None
         };
-        let plan = stats_plan(shape, T::DTYPE, cudnn, ctx.config().deterministic)?;
+        let plan = stats_plan(shape, T::DTYPE, cudnn, ctx.config().deterministic)?
+            .for_device(ctx.info().compute_capability);
         let unit = ConvStats {
             ctx: ctx.clone(),
             conv: Conv2d::<T>::new(ctx, shape)?,
@@ -150,6 +156,9 @@ impl<T: Element> ConvStats<T> {
         {
             return Ok(());
         }
+        if decided == Some(StatsRoute::OwnPointwise) && self.run_decided_own(x, w, y, sum, sqsum)? {
+            return Ok(());
+        }
         // The unfused route writes y before it binds the sums: every operand is checked first.
         self.validate(x, w, y, sum, sqsum)?;
         match decided {
@@ -172,7 +181,7 @@ impl<T: Element> ConvStats<T> {
         let failed = |e: Error| match e {
             Error::InvalidArgument { .. } | Error::Capture { .. } => Err(e),
             e => {
-                self.fall_back(&e);
+                self.fall_back(StatsRoute::GraphGenstats, &e);
                 Ok(false)
             }
         };
@@ -189,6 +198,55 @@ impl<T: Element> ConvStats<T> {
             Ok(()) => Ok(true),
             Err(e) => failed(e),
         }
+    }
+
+    /// The decided own route: `Ok(true)` when it ran; `Ok(false)` when the operands are not
+    /// aligned for it, or when it failed here and fell back for good.
+    fn run_decided_own(
+        &self,
+        x: &CudaView<'_, T>,
+        w: &CudaView<'_, T>,
+        y: &CudaViewMut<'_, T>,
+        sum: &CudaViewMut<'_, f32>,
+        sqsum: &CudaViewMut<'_, f32>,
+    ) -> Result<bool> {
+        let (_bound, p) = self.bind(x, w, y, sum, sqsum)?;
+        if !pointwise::aligned(p[0], p[1], p[2]) {
+            return Ok(false);
+        }
+        // SAFETY: checked by `bind` (lengths, device, outputs disjoint), aligned above.
+        match unsafe { self.own_raw(&p) } {
+            Ok(()) => Ok(true),
+            Err(e @ (Error::InvalidArgument { .. } | Error::Capture { .. })) => Err(e),
+            Err(e) => {
+                self.fall_back(StatsRoute::OwnPointwise, &e);
+                Ok(false)
+            }
+        }
+    }
+
+    /// The own route on bound operands.
+    ///
+    /// # Safety
+    /// `p` came from [`ConvStats::bind`] of live operands.
+    pub(super) unsafe fn own_raw(&self, p: &Ptrs) -> Result<()> {
+        let s = &self.plan.shape;
+        // SAFETY: the caller's contract; the launcher checks the alignment itself.
+        unsafe { pointwise::run(&self.ctx, s, T::DTYPE, p[0], p[1], p[2], p[3], p[4]) }
+    }
+
+    /// The own route, its operands checked.
+    pub(super) fn run_own(
+        &self,
+        x: &CudaView<'_, T>,
+        w: &CudaView<'_, T>,
+        y: &mut CudaViewMut<'_, T>,
+        sum: &mut CudaViewMut<'_, f32>,
+        sqsum: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let (_bound, p) = self.bind(x, w, y, sum, sqsum)?;
+        // SAFETY: bound and checked just above.
+        unsafe { self.own_raw(&p) }
     }
 
     /// [`ConvStats::forward`] on a given route (tests, benchmarks): no measurement, no
@@ -219,6 +277,7 @@ impl<T: Element> ConvStats<T> {
                     .into(),
             )),
             StatsRoute::GraphGenstats => self.run_graph(None, x, w, y, sum, sqsum),
+            StatsRoute::OwnPointwise => self.run_own(x, w, y, sum, sqsum),
         }
     }
 
@@ -344,14 +403,14 @@ impl<T: Element> ConvStats<T> {
         unsafe { g.execute(&self.ctx, plan, &p) }
     }
 
-    /// Makes the unfused route the decision after the graph route failed with `e`.
-    fn fall_back(&self, e: &Error) {
-        tracing::warn!(error = %e,
-            "conv+stats graph route failed; the unfused route takes over");
+    /// Makes the unfused route the decision after `route` failed with `e`.
+    fn fall_back(&self, route: StatsRoute, e: &Error) {
+        tracing::warn!(error = %e, %route,
+            "conv+stats route failed; the unfused route takes over");
         let mut d = lock(&self.decision);
         let mut notes = d.as_ref().map(|c| c.notes.clone()).unwrap_or_default();
         notes.push(format!(
-            "graph_genstats failed at run time ({e}); fell back to unfused"
+            "{route} failed at run time ({e}); fell back to unfused"
         ));
         let times_us = d.as_ref().map(|c| c.times_us.clone()).unwrap_or_default();
         *d = Some(StatsChoice {

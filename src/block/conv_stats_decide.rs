@@ -1,7 +1,7 @@
 //! The first call of a [`ConvStats`]: the unfused route into the caller's buffers (the
-//! reference), the graph route's first engine configs each checked against it in NaN-poisoned
-//! buffers, those that pass timed against it (GPU time, interleaved rounds behind a head start),
-//! and the incumbent rule.
+//! reference), the own kernel and the graph route's first engine configs each checked against
+//! it in NaN-poisoned buffers, those that pass timed against it (GPU time, interleaved rounds
+//! behind a head start), and the incumbent rule.
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr};
 
@@ -35,7 +35,25 @@ struct Reference {
     sqsum: Vec<f64>,
 }
 
-/// One graph config's check: y's (relative L2, non-finite count) from the device, and its sum
+/// A fused candidate of the first call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Candidate {
+    /// The own kernel (`own_pointwise`).
+    Own,
+    /// The graph route's engine config `i`.
+    Graph(usize),
+}
+
+impl Candidate {
+    fn name(self) -> String {
+        match self {
+            Candidate::Own => StatsRoute::OwnPointwise.name().into(),
+            Candidate::Graph(i) => format!("graph_genstats [{i}]"),
+        }
+    }
+}
+
+/// One candidate's check: y's (relative L2, non-finite count) from the device, and its sum
 /// and sqsum on the host.
 type Checked = ((f64, f64), Vec<f64>, Vec<f64>);
 
@@ -73,26 +91,11 @@ impl<T: Element> ConvStats<T> {
         )?;
         self.run_unfused(x, w, y, sum, sqsum)?;
         let mut notes = Vec::new();
-        if !self.plan.eligible(StatsRoute::GraphGenstats) {
-            notes.push(format!(
-                "graph_genstats: refused by the plan: {}",
-                self.plan.reason(StatsRoute::GraphGenstats)
-            ));
-            {
-                self.record(StatsRoute::Unfused, None, Vec::new(), notes);
-                return Ok(());
-            }
+        let candidates = self.candidates(&mut notes);
+        if candidates.is_empty() {
+            self.record(StatsRoute::Unfused, None, Vec::new(), notes);
+            return Ok(());
         }
-        let graph = match self.graph() {
-            Ok(g) => g,
-            Err(e) => {
-                notes.push(format!("graph_genstats: no plan: {e}"));
-                {
-                    self.record(StatsRoute::Unfused, None, Vec::new(), notes);
-                    return Ok(());
-                }
-            }
-        };
         let s = self.ctx.stream();
         let y_len = y.len();
         let y_ptr = y.device_ptr(s).0;
@@ -106,7 +109,7 @@ impl<T: Element> ConvStats<T> {
         let reference_bad = reference.y.reference_nonfinite();
         if reference_bad != 0.0 {
             notes.push(format!(
-                "graph_genstats: not checked: the unfused result has {reference_bad} non-finite \
+                "fused routes not checked: the unfused result has {reference_bad} non-finite \
                  elements on this call's data"
             ));
             self.record(StatsRoute::Unfused, None, Vec::new(), notes);
@@ -119,38 +122,24 @@ impl<T: Element> ConvStats<T> {
             sqsum: unsafe { s.alloc::<f32>(reference.sum.len().max(1)) }.call("cuMemAllocAsync")?,
         };
         let mut passed = Vec::new();
-        notes.push(format!(
-            "graph_genstats: {} engine configs listed, {} finalized",
-            graph.listed(),
-            graph.plans().len()
-        ));
-        for (i, p) in graph.plans().iter().enumerate() {
-            let label = format!(
-                "{} (workspace {} B, finalize {:.1} ms)",
-                p.info.label(),
-                p.workspace(),
-                p.finalize_ms
-            );
-            match self.check_plan(i, x, w, &mut reference, &mut probe) {
+        for (c, label) in candidates {
+            match self.check_candidate(c, x, w, &mut reference, &mut probe) {
                 Ok(line) => {
-                    notes.push(format!("graph_genstats [{i}] {label}: {line}"));
-                    passed.push(i);
+                    notes.push(format!("{}{label}: {line}", c.name()));
+                    passed.push(c);
                 }
-                Err(why) => notes.push(format!("graph_genstats [{i}] {label}: dropped: {why}")),
+                Err(why) => notes.push(format!("{}{label}: dropped: {why}", c.name())),
             }
-        }
-        for s in graph.skipped() {
-            notes.push(format!("graph_genstats: not finalized: {s}"));
         }
         if passed.is_empty() {
-            {
-                self.record(StatsRoute::Unfused, None, Vec::new(), notes);
-                return Ok(());
-            }
+            self.record(StatsRoute::Unfused, None, Vec::new(), notes);
+            return Ok(());
         }
         let (best, times) = self.race(&passed, x, w, y, sum, sqsum, &mut probe, &mut notes)?;
         match best {
-            Some(i) => {
+            Some(Candidate::Own) => self.record(StatsRoute::OwnPointwise, None, times, notes),
+            Some(Candidate::Graph(i)) => {
+                let graph = self.graph()?;
                 graph.choose(i);
                 let label = graph.plans()[i].info.label();
                 self.record(StatsRoute::GraphGenstats, Some(label), times, notes);
@@ -158,6 +147,52 @@ impl<T: Element> ConvStats<T> {
             None => self.record(StatsRoute::Unfused, None, times, notes),
         }
         Ok(())
+    }
+
+    /// The fused candidates the plan admits, each with a label for its notes (the own kernel
+    /// first, then the graph's finalized engine configs), and notes on what is left out.
+    fn candidates(&self, notes: &mut Vec<String>) -> Vec<(Candidate, String)> {
+        let mut out = Vec::new();
+        if self.plan.eligible(StatsRoute::OwnPointwise) {
+            out.push((Candidate::Own, String::new()));
+        } else {
+            notes.push(format!(
+                "own_pointwise: refused by the plan: {}",
+                self.plan.reason(StatsRoute::OwnPointwise)
+            ));
+        }
+        if !self.plan.eligible(StatsRoute::GraphGenstats) {
+            notes.push(format!(
+                "graph_genstats: refused by the plan: {}",
+                self.plan.reason(StatsRoute::GraphGenstats)
+            ));
+            return out;
+        }
+        let graph = match self.graph() {
+            Ok(g) => g,
+            Err(e) => {
+                notes.push(format!("graph_genstats: no plan: {e}"));
+                return out;
+            }
+        };
+        notes.push(format!(
+            "graph_genstats: {} engine configs listed, {} finalized",
+            graph.listed(),
+            graph.plans().len()
+        ));
+        for s in graph.skipped() {
+            notes.push(format!("graph_genstats: not finalized: {s}"));
+        }
+        for (i, p) in graph.plans().iter().enumerate() {
+            let label = format!(
+                " {} (workspace {} B, finalize {:.1} ms)",
+                p.info.label(),
+                p.workspace(),
+                p.finalize_ms
+            );
+            out.push((Candidate::Graph(i), label));
+        }
+        out
     }
 
     /// Stores the decision.
@@ -177,11 +212,30 @@ impl<T: Element> ConvStats<T> {
         });
     }
 
-    /// Runs graph plan `i` into the poisoned probe and compares y, sum and sqsum with the
-    /// reference: a line saying what passed, or why not.
-    fn check_plan(
+    /// Runs candidate `c` into the probe's buffers.
+    fn run_candidate(
         &self,
-        i: usize,
+        c: Candidate,
+        x: &CudaView<'_, T>,
+        w: &CudaView<'_, T>,
+        probe: &mut Probe<T>,
+    ) -> Result<()> {
+        let (y, sum, sqsum) = (
+            &mut probe.y.as_view_mut(),
+            &mut probe.sum.as_view_mut(),
+            &mut probe.sqsum.as_view_mut(),
+        );
+        match c {
+            Candidate::Own => self.run_own(x, w, y, sum, sqsum),
+            Candidate::Graph(i) => self.run_graph(Some(i), x, w, y, sum, sqsum),
+        }
+    }
+
+    /// Runs candidate `c` into the poisoned probe and compares y, sum and sqsum with the
+    /// reference: a line saying what passed, or why not.
+    fn check_candidate(
+        &self,
+        c: Candidate,
         x: &CudaView<'_, T>,
         w: &CudaView<'_, T>,
         reference: &mut Reference,
@@ -191,14 +245,7 @@ impl<T: Element> ConvStats<T> {
             crate::util::fill(&self.ctx, &mut probe.y, T::from_f64(f64::NAN))?;
             crate::util::fill(&self.ctx, &mut probe.sum, f32::NAN)?;
             crate::util::fill(&self.ctx, &mut probe.sqsum, f32::NAN)?;
-            self.run_graph(
-                Some(i),
-                x,
-                w,
-                &mut probe.y.as_view_mut(),
-                &mut probe.sum.as_view_mut(),
-                &mut probe.sqsum.as_view_mut(),
-            )?;
+            self.run_candidate(c, x, w, probe)?;
             let y_ptr = probe.y.device_ptr(self.ctx.stream()).0;
             // SAFETY: the probe's y holds the reference's element count of T.
             let verdict = unsafe { reference.y.check(y_ptr) }?;
@@ -230,13 +277,13 @@ impl<T: Element> ConvStats<T> {
         }
     }
 
-    /// Times the unfused route (variant 0, into the caller's buffers) and the graph plans that
-    /// passed (into the probe) against each other: the winning plan by the incumbent rule
-    /// (None: unfused) and every median.
+    /// Times the unfused route (variant 0, into the caller's buffers) and the candidates that
+    /// passed (into the probe) against each other: the winner by the incumbent rule (None:
+    /// unfused) and every median.
     #[allow(clippy::too_many_arguments)]
     fn race(
         &self,
-        passed: &[usize],
+        passed: &[Candidate],
         x: &CudaView<'_, T>,
         w: &CudaView<'_, T>,
         y: &mut CudaViewMut<'_, T>,
@@ -244,27 +291,20 @@ impl<T: Element> ConvStats<T> {
         sqsum: &mut CudaViewMut<'_, f32>,
         probe: &mut Probe<T>,
         notes: &mut Vec<String>,
-    ) -> Result<(Option<usize>, Times)> {
+    ) -> Result<(Option<Candidate>, Times)> {
         let n = passed.len() + 1;
         let timed = time_interleaved_gpu(&self.ctx, RACE, n, |v, _| {
             if v == 0 {
                 self.run_unfused(x, w, y, sum, sqsum)
             } else {
-                self.run_graph(
-                    Some(passed[v - 1]),
-                    x,
-                    w,
-                    &mut probe.y.as_view_mut(),
-                    &mut probe.sum.as_view_mut(),
-                    &mut probe.sqsum.as_view_mut(),
-                )
+                self.run_candidate(passed[v - 1], x, w, probe)
             }
         })?;
         let name = |v: usize| {
             if v == 0 {
                 "unfused".to_string()
             } else {
-                format!("graph_genstats [{}]", passed[v - 1])
+                passed[v - 1].name()
             }
         };
         let times = (0..n)

@@ -59,6 +59,7 @@ mod fold_backward;
 mod lt_epilogue;
 mod lt_product;
 mod plan;
+mod pointwise;
 mod reference;
 mod routes;
 mod stats_kernel;

@@ -5,6 +5,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use super::pointwise;
 use crate::conv::ConvShape;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -23,17 +24,25 @@ pub enum StatsRoute {
     /// nnfuse's `Conv2d` forward, then nnfuse's own per-channel reduction of y (f64
     /// accumulation). Always eligible.
     Unfused,
+    /// nnfuse's own tensor-core kernel for a 1x1 stride-1 unpadded convolution (NHWC, f16 or
+    /// bf16, c_out 32, 64, 128 or 256), the sums of its rounded output in its epilogue.
+    OwnPointwise,
 }
 
 impl StatsRoute {
-    /// Every route, the fused one first.
-    pub const ALL: [StatsRoute; 2] = [StatsRoute::GraphGenstats, StatsRoute::Unfused];
+    /// Every route, the fused ones first.
+    pub const ALL: [StatsRoute; 3] = [
+        StatsRoute::GraphGenstats,
+        StatsRoute::Unfused,
+        StatsRoute::OwnPointwise,
+    ];
 
-    /// `graph_genstats` / `unfused`.
+    /// `graph_genstats` / `unfused` / `own_pointwise`.
     pub const fn name(self) -> &'static str {
         match self {
             StatsRoute::GraphGenstats => "graph_genstats",
             StatsRoute::Unfused => "unfused",
+            StatsRoute::OwnPointwise => "own_pointwise",
         }
     }
 
@@ -41,6 +50,7 @@ impl StatsRoute {
         match self {
             StatsRoute::GraphGenstats => 0,
             StatsRoute::Unfused => 1,
+            StatsRoute::OwnPointwise => 2,
         }
     }
 }
@@ -58,7 +68,10 @@ impl FromStr for StatsRoute {
             .into_iter()
             .find(|r| r.name() == s.trim().to_ascii_lowercase())
             .ok_or_else(|| {
-                Error::invalid("route", format!("{s:?} is not graph_genstats or unfused"))
+                Error::invalid(
+                    "route",
+                    format!("{s:?} is not graph_genstats, unfused or own_pointwise"),
+                )
             })
     }
 }
@@ -84,6 +97,18 @@ impl StatsPlan {
     /// Why `r` may (not) run this problem.
     pub fn reason(&self, r: StatsRoute) -> &str {
         &self.routes[r.index()].2
+    }
+
+    /// Refuses the own route on a GPU of compute capability `cc` that cannot run it (the plan
+    /// is made without a GPU; the constructor knows the device).
+    pub(crate) fn for_device(mut self, cc: (i32, i32)) -> StatsPlan {
+        let own = StatsRoute::OwnPointwise.index();
+        if self.routes[own].1 {
+            if let Some(why) = pointwise::refusal(&self.shape, self.dtype, Some(cc)) {
+                self.routes[own] = (StatsRoute::OwnPointwise, false, why);
+            }
+        }
+        self
     }
 }
 
@@ -159,10 +184,21 @@ pub fn stats_plan(
         "Conv2d forward, then nnfuse's per-channel sum / sum of squares of y (always available)"
             .into(),
     );
+    let own = match pointwise::refusal(shape, dtype, None) {
+        Some(why) => (StatsRoute::OwnPointwise, false, why),
+        None => (
+            StatsRoute::OwnPointwise,
+            true,
+            "nnfuse's tensor-core 1x1 convolution with the sums of its rounded output in its \
+             epilogue (fixed-order f64 partials; sm_80 or newer; checked against unfused and \
+             timed at the first call)"
+                .into(),
+        ),
+    };
     Ok(StatsPlan {
         shape: *shape,
         dtype,
-        routes: vec![graph, unfused],
+        routes: vec![graph, unfused, own],
     })
 }
 
@@ -236,11 +272,31 @@ mod tests {
         let p = stats_plan(&shape(TensorFormat::Nhwc), DType::BF16, Some(8907), false).unwrap();
         assert!(!p.eligible(StatsRoute::GraphGenstats));
         assert!(p.to_string().contains("refused"), "{p}");
+        assert!(!p.eligible(StatsRoute::OwnPointwise), "3x3: {p}");
         let mut bad = shape(TensorFormat::Nhwc);
         bad.stride = (0, 1);
         assert!(stats_plan(&bad, DType::F16, Some(91900), false).is_err());
         let det = stats_plan(&shape(TensorFormat::Nhwc), DType::F16, Some(91900), true).unwrap();
         assert!(det.to_string().contains("NNFUSE_DETERMINISTIC"), "{det}");
+    }
+
+    #[test]
+    fn the_own_route_takes_1x1_halves_on_sm80_or_newer() {
+        let s = ConvShape::square(32, 256, 56, 64, 1, TensorFormat::Nhwc);
+        let p = stats_plan(&s, DType::BF16, None, true).unwrap();
+        assert!(p.eligible(StatsRoute::OwnPointwise), "{p}");
+        assert!(p
+            .clone()
+            .for_device((9, 0))
+            .eligible(StatsRoute::OwnPointwise));
+        let old = p.for_device((7, 5));
+        assert!(!old.eligible(StatsRoute::OwnPointwise));
+        assert!(
+            old.reason(StatsRoute::OwnPointwise).contains("7.5"),
+            "{old}"
+        );
+        let p = stats_plan(&s, DType::F32, Some(91900), false).unwrap();
+        assert!(p.reason(StatsRoute::OwnPointwise).contains("f32"), "{p}");
     }
 
     #[test]

@@ -509,7 +509,7 @@ impl<T: Element> Layers<T> {
     }
 
     /// The route convolution `i` runs for `d`: the forced one, else the decided one. A fused
-    /// unit's forward runs inside ConvStats: on its graph route no Conv2d route (None), on its
+    /// unit's forward runs inside ConvStats: on its fused routes no Conv2d route (None), on its
     /// unfused route the decision ConvStats' own Conv2d made (the process-wide decision of this
     /// problem and configuration, which a forced route does not reach).
     pub fn route(&self, i: usize, d: Direction) -> Option<Route> {
@@ -519,7 +519,7 @@ impl<T: Element> Layers<T> {
                     .and_then(|g| g.1)
                     .or_else(|| u.stats_choice().map(|c| c.route))
                     .unwrap_or(StatsRoute::Unfused);
-                if route == StatsRoute::GraphGenstats {
+                if route != StatsRoute::Unfused {
                     return None;
                 }
                 let key = nnfuse::conv::internals::ChoiceKey::of(
