@@ -533,20 +533,36 @@ fn auto_once<T: Element>(
             assert!(nnfuse::internals::gemm::beats_default(&p), "{what}: {p}");
         }
     }
-    // A second call runs the decision (same route, no new report).
+    // A first call that left candidates out (their kernels compiling in a fresh process, or its
+    // budget spent) is provisional: its next call after the compiles measures them against its
+    // route once, and may change it (tests/gpu_first_call.rs checks that settling).
+    let left_out = conv.report(Direction::Forward).is_some_and(|r| {
+        r.candidates
+            .iter()
+            .any(|k| matches!(k.outcome, Outcome::Skipped(_)))
+    });
+    if left_out {
+        nnfuse::internals::kernels::wait_for_background_compiles();
+    }
     let mut y2 = poisoned::<T>(ctx, s.y_len().expect("valid"));
     conv.forward(&xd, &wd, &mut y2).expect("second forward");
+    let route = conv.choice(Direction::Forward).expect("decided").route;
+    if !left_out {
+        assert_eq!(route, c.route, "{what}: an unskipped decision changed");
+    }
+    // Later calls run the decision (same route); a second Conv2d::new of the same problem is
+    // the same object (its decision is there).
+    conv.forward(&xd, &wd, &mut y2).expect("third forward");
     assert_eq!(
         conv.choice(Direction::Forward).expect("decided").route,
-        c.route
+        route
     );
-    // A second Conv2d::new of the same problem is the same object (its decision is there).
     let again = Conv2d::<T>::new(ctx, s).expect("cached plan");
     assert_eq!(
         again.choice(Direction::Forward).map(|c| c.route),
-        Some(c.route)
+        Some(route)
     );
-    (*s, T::DTYPE, c.route, measured)
+    (*s, T::DTYPE, route, measured)
 }
 
 fn first_call_origin(

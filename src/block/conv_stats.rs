@@ -106,8 +106,8 @@ impl<T: Element> ConvStats<T> {
     /// needs its reduction, and NVRTC compiled it on that call's critical path.
     pub fn new(ctx: &Context, shape: &ConvShape) -> Result<Self> {
         ctx.prepare_kernels(&[&crate::kernels::BLOCK_STATS]);
-        if T::DTYPE != crate::dtype::DType::F32 {
-            ctx.prepare_kernels(&[&crate::kernels::CONV_POINTWISE]);
+        if let Some(own) = super::pointwise::unit(T::DTYPE) {
+            ctx.prepare_kernels(&[own]);
         }
         let cudnn = if cudnn_present() {
             Some(cudnn_version()?)

@@ -5,12 +5,14 @@
 
 use cudarc::driver::{sys::CUfunction_attribute, DeviceRepr, LaunchConfig};
 
-use super::stats_kernel::launch_1d;
+use once_cell::sync::Lazy;
+
+use super::stats_kernel::finish_sums;
 use crate::context::Context;
 use crate::conv::ConvShape;
 use crate::dtype::DType;
 use crate::error::{CallExt, Error, Result};
-use crate::kernels;
+use crate::kernels::{self, KernelFile};
 use crate::launch;
 use crate::layout::TensorFormat;
 
@@ -161,7 +163,8 @@ pub(crate) unsafe fn run(
         ));
     }
     let name = kernel(dtype, shape.c_out)?;
-    let f = ctx.function(&kernels::CONV_POINTWISE, name)?;
+    let file = unit(dtype).ok_or_else(|| Error::NotSupported("own_pointwise: f32".into()))?;
+    let f = ctx.function(file, name)?;
     let (stages, smem) = layout(shape.c_in, shape.c_out)
         .ok_or_else(|| Error::NotSupported("own_pointwise: shared memory".into()))?;
     f.set_attribute(
@@ -215,24 +218,24 @@ pub(crate) unsafe fn run(
             "cuLaunchKernel(conv_pointwise)",
         )
     }?;
-    let fin = ctx.function(&kernels::BLOCK_STATS, "channel_sums_finish")?;
-    let (part, c32, parts) = (scratch.ptr(), c_out as u32, blocks as u32);
-    // SAFETY: channel_sums_finish(const double*, u32, u32, float*, float*) matches; the
-    // partials were written above ([2][c_out][blocks]), sum and sqsum hold c_out floats.
-    unsafe {
-        launch::launch_kernel(
-            ctx,
-            &fin,
-            launch_1d(c_out * 32),
-            &mut [
-                launch::arg(&part),
-                launch::arg(&c32),
-                launch::arg(&parts),
-                launch::arg(&sum),
-                launch::arg(&sqsum),
-            ],
-            "cuLaunchKernel(channel_sums_finish)",
-        )
+    // SAFETY: the partials were written above ([2][c_out][blocks]), sum and sqsum hold c_out
+    // floats (the caller's contract); the scratch guard is held until the launch is queued.
+    unsafe { finish_sums(ctx, scratch.ptr(), c_out, blocks, sum, sqsum) }
+}
+
+/// The compilation unit of `dtype`'s kernels (`NNF_PW_DT`): a first call compiles four kernels,
+/// not eight. None for f32 (no kernel).
+pub(crate) fn unit(dtype: DType) -> Option<&'static KernelFile> {
+    static UNITS: Lazy<[KernelFile; 2]> = Lazy::new(|| {
+        let u = |dt: u32, label: &str| {
+            kernels::unit(&kernels::CONV_POINTWISE, label, &[("NNF_PW_DT", dt)])
+        };
+        [u(2, "f16"), u(3, "bf16")]
+    });
+    match dtype {
+        DType::F16 => Some(&UNITS[0]),
+        DType::BF16 => Some(&UNITS[1]),
+        DType::F32 => None,
     }
 }
 
@@ -282,6 +285,14 @@ mod tests {
         assert!(why(&s, DType::F16, h100).contains("1x1 stride-1"));
         let s = ConvShape::square(32, 64, 56, 64, 3, TensorFormat::Nhwc);
         assert!(why(&s, DType::F16, h100).contains("3x3"));
+    }
+
+    #[test]
+    fn each_unit_selects_its_dtype() {
+        assert!(unit(DType::F16).unwrap().source.starts_with("#define NNF_PW_DT 2"));
+        assert!(unit(DType::BF16).unwrap().source.starts_with("#define NNF_PW_DT 3"));
+        assert!(unit(DType::F32).is_none());
+        assert!(kernels::CONV_POINTWISE.source.contains("#if NNF_PW_DT == 0 || NNF_PW_DT == 3"));
     }
 
     #[test]

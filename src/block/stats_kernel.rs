@@ -175,7 +175,6 @@ pub(crate) unsafe fn channel_sums(
     } else {
         sums_geom(rows, channels, sms)
     };
-    let fin = ctx.function(&kernels::BLOCK_STATS, "channel_sums_finish")?;
     let scratch = ctx.scratch(2 * channels as usize * g.parts as usize * 8)?;
     let args = SumsArgs {
         y,
@@ -209,12 +208,29 @@ pub(crate) unsafe fn channel_sums(
             "cuLaunchKernel(channel_sums)",
         )
     }?;
-    let part = scratch.ptr();
-    let parts = g.parts;
-    let c32 = ch;
-    let (s, q) = (sum, sqsum);
-    // SAFETY: channel_sums_finish(const double*, u32, u32, float*, float*) matches; the
-    // partials were written above, sum and sqsum hold C floats (the caller's contract).
+    // SAFETY: the partials were written above ([2][C][parts]), sum and sqsum hold C floats
+    // (the caller's contract); the scratch guard is held until the launch is queued.
+    unsafe { finish_sums(ctx, scratch.ptr(), channels, u64::from(g.parts), sum, sqsum) }
+}
+
+/// `channel_sums_finish`: adds `[2][channels][parts]` f64 partial sums at `part` into `sum` and
+/// `sqsum` (f32, `channels` each), a warp per channel in a fixed order.
+///
+/// # Safety
+/// `part` holds the partials (written before, in stream order), `sum` and `sqsum` `channels`
+/// f32s, on the Context's device.
+pub(crate) unsafe fn finish_sums(
+    ctx: &Context,
+    part: u64,
+    channels: u64,
+    parts: u64,
+    sum: u64,
+    sqsum: u64,
+) -> Result<()> {
+    let fin = ctx.function(&kernels::BLOCK_STATS, "channel_sums_finish")?;
+    let (c32, p32) = (channels as u32, parts as u32);
+    // SAFETY: channel_sums_finish(const double*, u32, u32, float*, float*) matches; the rest is
+    // the caller's contract.
     unsafe {
         launch::launch_kernel(
             ctx,
@@ -223,9 +239,9 @@ pub(crate) unsafe fn channel_sums(
             &mut [
                 launch::arg(&part),
                 launch::arg(&c32),
-                launch::arg(&parts),
-                launch::arg(&s),
-                launch::arg(&q),
+                launch::arg(&p32),
+                launch::arg(&sum),
+                launch::arg(&sqsum),
             ],
             "cuLaunchKernel(channel_sums_finish)",
         )
