@@ -319,6 +319,69 @@ fn conv_stats_first_call_on_non_finite_data_keeps_unfused_and_says_why() {
     }
 }
 
+/// An output not 16-byte aligned (a view 2 bytes into its buffer): the own route refuses it when
+/// forced (the kernel writes y in 16-byte pieces), and a decided unit runs that call unfused —
+/// still matching f64.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv_stats_own_route_refuses_an_unaligned_output_and_the_call_runs_unfused() {
+    let ctx = gpu();
+    let s = ConvShape::square(2, 64, 8, 256, 1, TensorFormat::Nhwc);
+    let unit = ConvStats::<bf16>::new(&ctx, &s).unwrap();
+    assert!(
+        unit.plan().eligible(StatsRoute::OwnPointwise),
+        "{}",
+        unit.plan()
+    );
+    let mut rng = Rng::fresh("unaligned y");
+    let x: Vec<bf16> = rng.vec(s.x_len().unwrap(), -1.0, 1.5);
+    let w: Vec<bf16> = rng.vec(s.w_len().unwrap(), -0.5, 0.5);
+    let y_ref = conv2d(&s, &f64s(&x), &f64s(&w)).unwrap();
+    // The first call decides on aligned buffers.
+    run(&ctx, &unit, None, &x, &w).unwrap();
+    println!("decided {:?}", unit.choice().map(|c| c.route));
+    let (xd, wd) = (upload(&ctx, &x), upload(&ctx, &w));
+    let y_len = s.y_len().unwrap();
+    let mut y = poisoned::<bf16>(&ctx, y_len + 8);
+    let (mut sum, mut sq) = (
+        poisoned::<f32>(&ctx, s.c_out),
+        poisoned::<f32>(&ctx, s.c_out),
+    );
+    let forced = unit.forward_with(
+        StatsRoute::OwnPointwise,
+        &xd.as_view(),
+        &wd.as_view(),
+        &mut y.slice_mut(1..1 + y_len),
+        &mut sum.as_view_mut(),
+        &mut sq.as_view_mut(),
+    );
+    match forced {
+        Err(Error::NotSupported(why)) => assert!(why.contains("16-byte"), "{why}"),
+        other => panic!("the own route ran an unaligned y: {other:?}"),
+    }
+    unit.forward(
+        &xd.as_view(),
+        &wd.as_view(),
+        &mut y.slice_mut(1..1 + y_len),
+        &mut sum.as_view_mut(),
+        &mut sq.as_view_mut(),
+    )
+    .unwrap();
+    let all = f64s(&download(&ctx, &y));
+    let got = Got {
+        y: all[1..1 + y_len].to_vec(),
+        sum: f64s(&download(&ctx, &sum)),
+        sqsum: f64s(&download(&ctx, &sq)),
+    };
+    check(
+        "bf16 unaligned y, decided unit",
+        &s,
+        DType::BF16,
+        &got,
+        &y_ref,
+    );
+}
+
 /// Bad operands come back as errors naming the argument, before anything runs.
 #[test]
 #[ignore = "needs a CUDA GPU"]

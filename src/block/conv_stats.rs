@@ -55,8 +55,8 @@ pub(super) type GraphSlot = Option<std::result::Result<Arc<GraphFused>, String>>
 /// against the unfused route (GPU time, interleaved) and keeps the fastest by the incumbent
 /// rule (unfused is the incumbent). That call synchronises, allocates and copies to the host:
 /// make it outside CUDA graph capture. A decided fused route that fails at run time falls back
-/// to the unfused route for good, with a warning; operands not aligned for it (the graph: 16
-/// bytes; the own kernel: x and w 16, y 4) take the unfused route for that call.
+/// to the unfused route for good, with a warning; operands not 16-byte aligned take the unfused
+/// route for that call.
 ///
 /// ```no_run
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -131,10 +131,10 @@ struct PwArgs {
 // SAFETY: plain old data laid out as the kernel's `PwArgs` (checked by the test below).
 unsafe impl DeviceRepr for PwArgs {}
 
-/// Whether the addresses suit the kernel: x and w whole 16-byte pieces (cp.async), y 4-byte
-/// pairs.
+/// Whether the addresses suit the kernel: x and w are read in 16-byte pieces (cp.async), y is
+/// written in 16-byte pieces (each output tile's rows, staged in shared memory).
 pub(crate) fn aligned(x: u64, w: u64, y: u64) -> bool {
-    x % 16 == 0 && w % 16 == 0 && y % 4 == 0
+    x % 16 == 0 && w % 16 == 0 && y % 16 == 0
 }
 
 /// `y = conv(x, w)` and its per-channel `sum`, `sqsum` (f32) for `shape` (eligible by
@@ -159,7 +159,7 @@ pub(crate) unsafe fn run(
     }
     if !aligned(x, w, y) {
         return Err(Error::NotSupported(
-            "own_pointwise: x or w not 16-byte aligned, or y not 4-byte aligned".into(),
+            "own_pointwise: x, w or y is not 16-byte aligned".into(),
         ));
     }
     let name = kernel(dtype, shape.c_out)?;
@@ -289,16 +289,34 @@ mod tests {
 
     #[test]
     fn each_unit_selects_its_dtype() {
-        assert!(unit(DType::F16).unwrap().source.starts_with("#define NNF_PW_DT 2"));
-        assert!(unit(DType::BF16).unwrap().source.starts_with("#define NNF_PW_DT 3"));
+        assert!(unit(DType::F16)
+            .unwrap()
+            .source
+            .starts_with("#define NNF_PW_DT 2"));
+        assert!(unit(DType::BF16)
+            .unwrap()
+            .source
+            .starts_with("#define NNF_PW_DT 3"));
         assert!(unit(DType::F32).is_none());
-        assert!(kernels::CONV_POINTWISE.source.contains("#if NNF_PW_DT == 0 || NNF_PW_DT == 3"));
+        assert!(kernels::CONV_POINTWISE
+            .source
+            .contains("#if NNF_PW_DT == 0 || NNF_PW_DT == 3"));
     }
 
     #[test]
     fn the_stage_limit_is_the_kernels() {
         let src = kernels::CONV_POINTWISE.source;
         assert!(src.contains(&format!("#define PW_MAX_STAGES {MAX_STAGES}")));
+    }
+
+    #[test]
+    fn every_operand_must_be_16_byte_aligned() {
+        assert!(aligned(256, 512, 4096));
+        // y is written in 16-byte pieces: 4- or 8-byte alignment is not enough.
+        assert!(!aligned(256, 512, 4100));
+        assert!(!aligned(256, 512, 4104));
+        assert!(!aligned(8, 512, 4096));
+        assert!(!aligned(256, 2, 4096));
     }
 
     #[test]
