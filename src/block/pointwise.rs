@@ -79,6 +79,16 @@ pub(crate) fn refusal(shape: &ConvShape, dtype: DType, cc: Option<(i32, i32)>) -
     if !C_OUT.contains(&s.c_out) {
         return Some(format!("c_out {} is not one of {C_OUT:?}", s.c_out));
     }
+    // The kernel counts tiles and a block's items (tiles x k chunks) in 32 bits.
+    let tiles = (s.n as u64)
+        .saturating_mul(s.h as u64)
+        .saturating_mul(s.w as u64)
+        .div_ceil(BM);
+    if tiles.saturating_mul((s.c_in as u64).div_ceil(BK)) > u64::from(u32::MAX / 2) {
+        return Some(format!(
+            "{tiles} row tiles of {BM}: beyond the kernel's 32-bit tile and item counts"
+        ));
+    }
     if layout(s.c_in, s.c_out).is_none() {
         return Some(format!(
             "the filter ({} B) and two stages of the input do not fit in {MAX_SMEM} B of shared \
@@ -285,6 +295,9 @@ mod tests {
         assert!(why(&s, DType::F16, h100).contains("1x1 stride-1"));
         let s = ConvShape::square(32, 64, 56, 64, 3, TensorFormat::Nhwc);
         assert!(why(&s, DType::F16, h100).contains("3x3"));
+        // 2^36 rows of 256 channels (2^30 tiles, 4 k chunks each): past the 32-bit item count.
+        let s = ConvShape::square(1 << 20, 256, 256, 64, 1, TensorFormat::Nhwc);
+        assert!(why(&s, DType::F16, h100).contains("32-bit"), "{s:?}");
     }
 
     #[test]
