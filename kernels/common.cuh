@@ -1,6 +1,7 @@
 // Device helpers shared by nnfuse's own kernels, none of them specific to one operation:
 // src/kernels.rs embeds this header after the prelude and before the files that use it (today
-// kernels/batchnorm.cu and kernels/batchnorm_persistent.cu, through kernels/batchnorm_common.cuh).
+// kernels/batchnorm.cu and kernels/batchnorm_persistent.cu, through kernels/batchnorm_common.cuh,
+// and kernels/conv_pointwise.cu).
 //
 //  * FastDiv: 64-bit division by a runtime constant (magic and shift from the host);
 //  * element access: the bits of f32 / f16 / bf16 values, sign tests, rounding, raw vector loads

@@ -11,7 +11,8 @@
 // accumulators). Row strides of 72 halves (36 words) put the 8 rows a fragment load touches
 // in 8 different bank quads: no bank conflicts.
 //
-// Epilogue of a tile: each accumulator is rounded to T once into a shared output tile; the tile
+// Epilogue of a tile: each accumulator is rounded to T once (common.cuh's out_bits2) into a
+// shared output tile; the tile
 // (64 whole rows: contiguous in y) then goes out in 16-byte stores, each thread always the same
 // 8 channels, whose rounded values (what a BatchNorm reads back) it adds into its f32 sums and
 // sums of squares (at most 64 / GROUPS rows a tile). At the end the threads of one channel add
@@ -110,19 +111,6 @@ __device__ __forceinline__ void pw_ldsm4(u32 (&r)[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
-}
-
-// Two floats rounded to T (round to nearest even) in one 32-bit word, `lo` in the low half.
-template <typename T> __device__ __forceinline__ u32 pw_pack(float lo, float hi);
-template <> __device__ __forceinline__ u32 pw_pack<nnf_f16>(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-template <> __device__ __forceinline__ u32 pw_pack<nnf_bf16>(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
 }
 
 template <int NT> struct PwCfg {
@@ -232,7 +220,7 @@ __device__ __forceinline__ void pointwise(const PwArgs& a) {
                 for (int h = 0; h < 2; ++h) {
                     const u32 r = wm * 32 + mt * 16 + h * 8 + g;
                     *(u32*)(os + r * C::LDO + wn * NT * 8 + nt * 8 + 2 * t) =
-                        pw_pack<T>(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
+                        out_bits2<T>(acc[mt][nt][2 * h], acc[mt][nt][2 * h + 1]);
                 }
         __syncthreads();
         // ... then to y in whole 16-byte pieces (the tile is PW_BM full rows: contiguous in y),
