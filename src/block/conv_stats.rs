@@ -151,13 +151,10 @@ impl<T: Element> ConvStats<T> {
         sqsum: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         let decided = lock(&self.decision).as_ref().map(|c| c.route);
-        if decided == Some(StatsRoute::GraphGenstats)
-            && self.run_decided_graph(x, w, y, sum, sqsum)?
-        {
-            return Ok(());
-        }
-        if decided == Some(StatsRoute::OwnPointwise) && self.run_decided_own(x, w, y, sum, sqsum)? {
-            return Ok(());
+        if let Some(r @ (StatsRoute::GraphGenstats | StatsRoute::OwnPointwise)) = decided {
+            if self.run_decided_fused(r, x, w, y, sum, sqsum)? {
+                return Ok(());
+            }
         }
         // The unfused route writes y before it binds the sums: every operand is checked first.
         self.validate(x, w, y, sum, sqsum)?;
@@ -167,11 +164,13 @@ impl<T: Element> ConvStats<T> {
         }
     }
 
-    /// The decided graph route, its operands checked once (by its own binding, before the
-    /// launch): `Ok(true)` when it ran; `Ok(false)` when they are not 16-byte aligned, or when
-    /// the route failed here and fell back for good — the caller then runs the unfused route.
-    fn run_decided_graph(
+    /// The decided fused route (`graph_genstats` or `own_pointwise`), its operands checked once
+    /// (by its own binding, before the launch): `Ok(true)` when it ran; `Ok(false)` when they are
+    /// not aligned for it (16 bytes), or when the route failed here and fell back for good — the
+    /// caller then runs the unfused route.
+    fn run_decided_fused(
         &self,
+        route: StatsRoute,
         x: &CudaView<'_, T>,
         w: &CudaView<'_, T>,
         y: &CudaViewMut<'_, T>,
@@ -181,47 +180,35 @@ impl<T: Element> ConvStats<T> {
         let failed = |e: Error| match e {
             Error::InvalidArgument { .. } | Error::Capture { .. } => Err(e),
             e => {
-                self.fall_back(StatsRoute::GraphGenstats, &e);
+                self.fall_back(route, &e);
                 Ok(false)
             }
         };
-        let g = match self.graph() {
-            Ok(g) => g,
-            Err(e) => return failed(e),
+        let graph = match route {
+            StatsRoute::GraphGenstats => match self.graph() {
+                Ok(g) => Some(g),
+                Err(e) => return failed(e),
+            },
+            _ => None,
         };
         let (_bound, p) = self.bind(x, w, y, sum, sqsum)?;
-        if !aligned(&p) {
+        // The graph's tensors are all built 16-byte aligned; the own kernel moves x, w and y in
+        // 16-byte pieces.
+        let ok = match graph {
+            Some(_) => aligned(&p),
+            None => pointwise::aligned(p[0], p[1], p[2]),
+        };
+        if !ok {
             return Ok(false);
         }
         // SAFETY: checked by `bind` (lengths, device, outputs disjoint) and aligned above.
-        match unsafe { g.execute(&self.ctx, None, &p) } {
+        let ran = match &graph {
+            Some(g) => unsafe { g.execute(&self.ctx, None, &p) },
+            None => unsafe { self.own_raw(&p) },
+        };
+        match ran {
             Ok(()) => Ok(true),
             Err(e) => failed(e),
-        }
-    }
-
-    /// The decided own route: `Ok(true)` when it ran; `Ok(false)` when the operands are not
-    /// aligned for it, or when it failed here and fell back for good.
-    fn run_decided_own(
-        &self,
-        x: &CudaView<'_, T>,
-        w: &CudaView<'_, T>,
-        y: &CudaViewMut<'_, T>,
-        sum: &CudaViewMut<'_, f32>,
-        sqsum: &CudaViewMut<'_, f32>,
-    ) -> Result<bool> {
-        let (_bound, p) = self.bind(x, w, y, sum, sqsum)?;
-        if !pointwise::aligned(p[0], p[1], p[2]) {
-            return Ok(false);
-        }
-        // SAFETY: checked by `bind` (lengths, device, outputs disjoint), aligned above.
-        match unsafe { self.own_raw(&p) } {
-            Ok(()) => Ok(true),
-            Err(e @ (Error::InvalidArgument { .. } | Error::Capture { .. })) => Err(e),
-            Err(e) => {
-                self.fall_back(StatsRoute::OwnPointwise, &e);
-                Ok(false)
-            }
         }
     }
 
