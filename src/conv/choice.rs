@@ -252,6 +252,25 @@ pub(crate) fn unmeasured_incumbent(execs: &[Exec], dtype: DType) -> usize {
         .unwrap_or(0)
 }
 
+/// The measurement's winner `w` when its path is one of the plan's `paths`, else the fastest
+/// passing candidate of those paths (a route that joined only as a check's reference — the
+/// true-f32 companion of a plan listing a single graph path — does not win over the plan); `w`
+/// when no candidate of the plan's paths passed. Pure.
+pub(crate) fn winner_within(report: &AutoReport, w: usize, paths: &[ConvPath]) -> usize {
+    let allowed = |r: &CandidateReport| paths.contains(&r.route.path);
+    if report.candidates.get(w).is_none_or(allowed) {
+        return w;
+    }
+    report
+        .candidates
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| allowed(r) && passed(r))
+        .filter_map(|(i, r)| r.median_ms.map(|m| (i, m)))
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .map_or(w, |(i, _)| i)
+}
+
 /// Holds f32 graph engine configs to true f32: each that passed the check is refused when the
 /// reference was not true f32 (`reference_true_f32`: nothing to hold it to) or its error exceeds
 /// `bound` ([`true_f32_bound`]). No effect for f16/bf16 (their graph configs are meant to use
@@ -1966,6 +1985,65 @@ mod tests {
         let mut r = report(vec![ran.clone()]);
         with_refused(&mut r, failed());
         assert_eq!(r.candidates, vec![ran]);
+    }
+
+    /// A plan that lists one graph path measures its true-f32 companion only as the check's
+    /// reference: the fastest passing route of the plan's path wins over a faster companion;
+    /// the companion runs only when nothing of the plan's path passed.
+    #[test]
+    fn a_check_companion_does_not_win_over_the_plans_path() {
+        let line = |path: ConvPath, ms: f64, outcome| CandidateReport {
+            route: Route::path(path),
+            rel_l2: Some(1e-7),
+            outcome,
+            median_ms: Some(ms),
+            vs_incumbent: None,
+            host_ms: None,
+            check_ms: None,
+            pruned: false,
+            runoff_ms: None,
+        };
+        let report = |cands: Vec<CandidateReport>| AutoReport {
+            direction: Direction::BackwardFilter,
+            candidates: cands,
+            incumbent: 0,
+            winner: 0,
+            reference: "cudnn:ALGO_0".into(),
+            operands: "caller".into(),
+            baseline_error: None,
+            winograd_allowance: 4.9e-4,
+            rounds: 3,
+            runoff_rounds: 0,
+            one_time_ms: 0.0,
+            wall_ms: 1.0,
+            check_ms: 0.5,
+            timing_ms: 0.5,
+            head_start_ms: 0.0,
+            accumulate: false,
+        };
+        let tiled = [ConvPath::CudnnTiled];
+        let failed = || Outcome::Failed("not true f32".into());
+        // The measured tiled route 33.3 us, a slower one, the companion 29.2 us: tiled wins.
+        let r = report(vec![
+            line(ConvPath::CudnnTiled, 0.0333, Outcome::Passed),
+            line(ConvPath::CudnnTiled, 0.0400, Outcome::Passed),
+            line(ConvPath::Cudnn, 0.0292, Outcome::Passed),
+        ]);
+        assert_eq!(winner_within(&r, 2, &tiled), 0);
+        // Nothing of the plan's path passed: the companion stays the winner.
+        let r = report(vec![
+            line(ConvPath::CudnnTiled, 0.0333, failed()),
+            line(ConvPath::Cudnn, 0.0292, Outcome::Passed),
+        ]);
+        assert_eq!(winner_within(&r, 1, &tiled), 1);
+        // A winner of the plan's paths is kept, even where another is faster (measure's rule).
+        let both = [ConvPath::CudnnTiled, ConvPath::Cudnn];
+        let r = report(vec![
+            line(ConvPath::CudnnTiled, 0.0333, Outcome::Passed),
+            line(ConvPath::Cudnn, 0.0292, Outcome::Passed),
+        ]);
+        assert_eq!(winner_within(&r, 0, &both), 0);
+        assert_eq!(winner_within(&r, 1, &both), 1);
     }
 
     /// Candidates not run for want of compiled kernels follow the measured lines as Skipped,

@@ -422,6 +422,12 @@ impl<T: Element> Conv2d<T> {
         let inp = self.measure_input(d, execs, p, budget, direct_reference, key.accumulate);
         match choice::measure(&inp) {
             Ok((w, mut report)) => {
+                // A route joined only to check f32 graph configs (the true-f32 companion of a
+                // plan that lists one graph path) does not win over the plan's own paths.
+                let paths: Vec<ConvPath> =
+                    self.plan_for(d).candidates.iter().map(|r| r.path).collect();
+                let w = choice::winner_within(&report, w, &paths);
+                report.winner = w;
                 if let Some(n) = choice::budget_note(&report, &budget) {
                     tracing::info!(problem = ?self.core.shape, dtype = %self.core.dtype,
                         direction = %d, spent_ms = budget.spent_ms(), "{n}");
