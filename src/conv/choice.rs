@@ -252,6 +252,17 @@ pub(crate) fn unmeasured_incumbent(execs: &[Exec], dtype: DType) -> usize {
         .unwrap_or(0)
 }
 
+/// The paths a plan's candidate routes are measured as: each its own, and the cuDNN route also
+/// as its graph engine configs (`cudnn_graph`), which `candidate_execs` lists in its place.
+/// Pure.
+pub(crate) fn measured_paths(candidates: &[Route]) -> Vec<ConvPath> {
+    let mut paths: Vec<ConvPath> = candidates.iter().map(|r| r.path).collect();
+    if paths.contains(&ConvPath::Cudnn) && !paths.contains(&ConvPath::CudnnGraph) {
+        paths.push(ConvPath::CudnnGraph);
+    }
+    paths
+}
+
 /// The measurement's winner `w` when its path is one of the plan's `paths`, else the fastest
 /// passing candidate of those paths (a route that joined only as a check's reference — the
 /// true-f32 companion of a plan listing a single graph path — does not win over the plan); `w`
@@ -2044,6 +2055,21 @@ mod tests {
         ]);
         assert_eq!(winner_within(&r, 0, &both), 0);
         assert_eq!(winner_within(&r, 1, &both), 1);
+        // The cuDNN route is measured as its graph engine configs: a graph config may win an
+        // `auto` plan's measurement (the check's companion of a lone tiled plan may not).
+        let auto = measured_paths(&[
+            Route::path(ConvPath::Cudnn),
+            Route::path(ConvPath::Im2colGemm),
+        ]);
+        let r = report(vec![
+            line(ConvPath::Im2colGemm, 0.1030, Outcome::Passed),
+            line(ConvPath::CudnnGraph, 0.0280, Outcome::Passed),
+        ]);
+        assert_eq!(winner_within(&r, 1, &auto), 1);
+        assert_eq!(
+            measured_paths(&[Route::path(ConvPath::CudnnTiled)]),
+            vec![ConvPath::CudnnTiled]
+        );
     }
 
     /// Candidates not run for want of compiled kernels follow the measured lines as Skipped,

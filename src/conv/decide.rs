@@ -424,8 +424,7 @@ impl<T: Element> Conv2d<T> {
             Ok((w, mut report)) => {
                 // A route joined only to check f32 graph configs (the true-f32 companion of a
                 // plan that lists one graph path) does not win over the plan's own paths.
-                let paths: Vec<ConvPath> =
-                    self.plan_for(d).candidates.iter().map(|r| r.path).collect();
+                let paths = choice::measured_paths(&self.plan_for(d).candidates);
                 let w = choice::winner_within(&report, w, &paths);
                 report.winner = w;
                 if let Some(n) = choice::budget_note(&report, &budget) {
