@@ -1929,38 +1929,32 @@ mod tests {
     use crate::conv::problem::WinogradTile;
     use crate::conv::sizes::{TRUE_F32_BOUND_CAP, TRUE_F32_BOUND_FLOOR};
 
-    /// A tuning file's route that failed its check shows in the report of the measurement that
-    /// replaced it: in place of a line the budget skipped, appended when absent, and a line the
-    /// measurement ran itself is kept.
-    #[test]
-    fn a_refused_file_route_shows_in_the_new_report() {
-        let route = |path: ConvPath| Route {
-            path,
-            engine: path.winograd_tile().map(|_| WinogradEngine::TensorCore),
-            cudnn_algo: None,
-            graph_engine: None,
-        };
-        let line = |path, rel: Option<f64>, outcome| CandidateReport {
-            route: route(path),
-            rel_l2: rel,
+    /// One candidate's line of a report: `route`, its error, time (ms) and outcome.
+    fn line_of(
+        route: Route,
+        rel_l2: Option<f64>,
+        ms: Option<f64>,
+        outcome: Outcome,
+    ) -> CandidateReport {
+        CandidateReport {
+            route,
+            rel_l2,
             outcome,
-            median_ms: None,
+            median_ms: ms,
             vs_incumbent: None,
             host_ms: None,
             check_ms: None,
             pruned: false,
             runoff_ms: None,
-        };
-        let failed = || {
-            line(
-                ConvPath::WinogradF4x3,
-                Some(3e-3),
-                Outcome::Failed("over the allowance".into()),
-            )
-        };
-        let report = |cands: Vec<CandidateReport>| AutoReport {
-            direction: Direction::Forward,
-            candidates: cands,
+        }
+    }
+
+    /// A measurement's report of `candidates` (incumbent and winner the first) for the pure
+    /// report functions' tests.
+    fn report_of(direction: Direction, candidates: Vec<CandidateReport>) -> AutoReport {
+        AutoReport {
+            direction,
+            candidates,
             incumbent: 0,
             winner: 0,
             reference: "direct_f32".into(),
@@ -1975,7 +1969,29 @@ mod tests {
             timing_ms: 0.5,
             head_start_ms: 0.0,
             accumulate: false,
+        }
+    }
+
+    /// A tuning file's route that failed its check shows in the report of the measurement that
+    /// replaced it: in place of a line the budget skipped, appended when absent, and a line the
+    /// measurement ran itself is kept.
+    #[test]
+    fn a_refused_file_route_shows_in_the_new_report() {
+        let route = |path: ConvPath| Route {
+            path,
+            engine: path.winograd_tile().map(|_| WinogradEngine::TensorCore),
+            cudnn_algo: None,
+            graph_engine: None,
         };
+        let line = |path, rel: Option<f64>, outcome| line_of(route(path), rel, None, outcome);
+        let failed = || {
+            line(
+                ConvPath::WinogradF4x3,
+                Some(3e-3),
+                Outcome::Failed("over the allowance".into()),
+            )
+        };
+        let report = |cands| report_of(Direction::Forward, cands);
         let skipped = Outcome::Skipped("decision budget of 70 ms spent".into());
         let mut r = report(vec![
             line(ConvPath::Im2colGemm, Some(1e-4), Outcome::Passed),
@@ -2003,35 +2019,9 @@ mod tests {
     /// the companion runs only when nothing of the plan's path passed.
     #[test]
     fn a_check_companion_does_not_win_over_the_plans_path() {
-        let line = |path: ConvPath, ms: f64, outcome| CandidateReport {
-            route: Route::path(path),
-            rel_l2: Some(1e-7),
-            outcome,
-            median_ms: Some(ms),
-            vs_incumbent: None,
-            host_ms: None,
-            check_ms: None,
-            pruned: false,
-            runoff_ms: None,
-        };
-        let report = |cands: Vec<CandidateReport>| AutoReport {
-            direction: Direction::BackwardFilter,
-            candidates: cands,
-            incumbent: 0,
-            winner: 0,
-            reference: "cudnn:ALGO_0".into(),
-            operands: "caller".into(),
-            baseline_error: None,
-            winograd_allowance: 4.9e-4,
-            rounds: 3,
-            runoff_rounds: 0,
-            one_time_ms: 0.0,
-            wall_ms: 1.0,
-            check_ms: 0.5,
-            timing_ms: 0.5,
-            head_start_ms: 0.0,
-            accumulate: false,
-        };
+        let line =
+            |path, ms: f64, outcome| line_of(Route::path(path), Some(1e-7), Some(ms), outcome);
+        let report = |cands| report_of(Direction::BackwardFilter, cands);
         let tiled = [ConvPath::CudnnTiled];
         let failed = || Outcome::Failed("not true f32".into());
         // The measured tiled route 33.3 us, a slower one, the companion 29.2 us: tiled wins.
