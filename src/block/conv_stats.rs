@@ -103,12 +103,10 @@ pub(super) type Ptrs = [u64; 5];
 impl<T: Element> ConvStats<T> {
     /// Plans `shape` for `T` (no GPU work; the graph is built on the first call). Starts
     /// compiling `kernels/block_stats.cu` in the background: the first call's unfused route
-    /// needs its reduction, and NVRTC compiled it on that call's critical path.
+    /// needs its reduction, and NVRTC compiled it on that call's critical path — and, where the
+    /// plan lists the own route, that dtype's unit of `kernels/conv_pointwise.cu`.
     pub fn new(ctx: &Context, shape: &ConvShape) -> Result<Self> {
         ctx.prepare_kernels(&[&crate::kernels::BLOCK_STATS]);
-        if let Some(own) = super::pointwise::unit(T::DTYPE) {
-            ctx.prepare_kernels(&[own]);
-        }
         let cudnn = if cudnn_present() {
             Some(cudnn_version()?)
         } else {
@@ -116,6 +114,12 @@ impl<T: Element> ConvStats<T> {
         };
         let plan = stats_plan(shape, T::DTYPE, cudnn, ctx.config().deterministic)?
             .for_device(ctx.info().compute_capability);
+        // Compiled only where the plan can take it (not for the 3x3 or strided problems).
+        if plan.eligible(StatsRoute::OwnPointwise) {
+            if let Some(own) = pointwise::unit(T::DTYPE) {
+                ctx.prepare_kernels(&[own]);
+            }
+        }
         let unit = ConvStats {
             ctx: ctx.clone(),
             conv: Conv2d::<T>::new(ctx, shape)?,

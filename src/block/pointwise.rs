@@ -183,11 +183,8 @@ pub(crate) unsafe fn run(
     )
     .call("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")?;
     let rows = (shape.n * shape.h * shape.w) as u64;
-    let per_sm = launch::blocks_per_sm(ctx, &f, name, THREADS, smem as u32)?;
-    let blocks = grid(
-        rows,
-        u64::from(launch::sm_count(ctx)) * u64::from(per_sm.max(1)),
-    );
+    let wave = launch::one_wave(ctx, &f, name, THREADS, smem as u32)?;
+    let blocks = grid(rows, wave);
     let tiles = u32::try_from(rows.div_ceil(BM))
         .map_err(|_| Error::invalid("x", format!("{rows} rows exceed the kernel's tile count")))?;
     let kchunks = (shape.c_in as u64).div_ceil(BK);
@@ -208,7 +205,7 @@ pub(crate) unsafe fn run(
     tracing::debug!(
         kernel = name,
         blocks,
-        per_sm,
+        wave,
         smem,
         "own pointwise conv+stats"
     );
