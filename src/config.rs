@@ -169,10 +169,14 @@ pub enum ConvAlgoPolicy {
     /// The filter gradient over 2x2 spatial tiles stacked as the batch, through cuDNN's graph
     /// API (f32, stride 1; `cudnn_tiled`).
     CudnnTiled,
+    /// nnfuse's tensor-core filter gradient for layers with few input channels (f16 / bf16
+    /// channels-last, `kh*kw*c_in` ≤ 160, such as a 7x7 stem; `stem_filter`): the filter
+    /// gradient only; other directions fall back as the plan says.
+    StemFilter,
 }
 
 impl ConvAlgoPolicy {
-    const TABLE: [(&'static str, ConvAlgoPolicy); 10] = [
+    const TABLE: [(&'static str, ConvAlgoPolicy); 11] = [
         ("auto", ConvAlgoPolicy::Auto),
         ("cudnn", ConvAlgoPolicy::Cudnn),
         ("im2col", ConvAlgoPolicy::Im2col),
@@ -183,6 +187,7 @@ impl ConvAlgoPolicy {
         ("cudnn_dual", ConvAlgoPolicy::CudnnDual),
         ("direct_filter", ConvAlgoPolicy::DirectFilter),
         ("cudnn_tiled", ConvAlgoPolicy::CudnnTiled),
+        ("stem_filter", ConvAlgoPolicy::StemFilter),
     ];
 
     /// The spelling used by the environment variable and the CLI.
@@ -198,6 +203,7 @@ impl ConvAlgoPolicy {
             ConvAlgoPolicy::CudnnDual => "cudnn_dual",
             ConvAlgoPolicy::DirectFilter => "direct_filter",
             ConvAlgoPolicy::CudnnTiled => "cudnn_tiled",
+            ConvAlgoPolicy::StemFilter => "stem_filter",
         }
     }
 }

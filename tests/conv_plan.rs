@@ -598,7 +598,7 @@ fn check_invariants(p: &ConvPlan, present: bool) {
         "{:?} {} {} {}",
         p.shape, p.direction, p.policy, p.winograd_gemm
     );
-    assert_eq!(p.paths.len(), 8, "{ctx}");
+    assert_eq!(p.paths.len(), 9, "{ctx}");
     assert!(!p.candidates.is_empty(), "{ctx}");
     assert_eq!(p.candidates[0].path, p.path, "{ctx}");
     assert_eq!(p.candidates[0].engine, p.engine, "{ctx}");
@@ -691,6 +691,7 @@ fn check_invariants(p: &ConvPlan, present: bool) {
         ConvAlgoPolicy::CudnnDual => &[ConvPath::CudnnDual],
         ConvAlgoPolicy::DirectFilter => &[ConvPath::DirectFilter],
         ConvAlgoPolicy::CudnnTiled => &[ConvPath::CudnnTiled],
+        ConvAlgoPolicy::StemFilter => &[ConvPath::StemFilter],
     };
     if !own.is_empty() {
         if own.iter().any(|&q| p.eligible(q)) {
@@ -845,7 +846,7 @@ fn the_cudnn_candidate_goes_through_the_graph_api_where_it_can() {
         assert_eq!(p.candidates[0].path, ConvPath::Cudnn, "{d}");
         assert!(p.candidates.iter().all(|r| r.path != ConvPath::CudnnGraph));
         assert!(p.eligible(ConvPath::CudnnGraph), "{d}");
-        assert_eq!(p.paths.len(), 8);
+        assert_eq!(p.paths.len(), 9);
         assert_eq!(p.api_paths.len(), 1);
         assert_eq!(p.api_paths[0].path, ConvPath::CudnnGraph);
         assert!(has_reason(&p, "cuDNN API graph"), "{p}");
@@ -1246,6 +1247,85 @@ fn the_filter_gradient_kernel_is_an_f32_3x3_stride_one_candidate() {
     assert_eq!(
         "direct_filter".parse::<ConvAlgoPolicy>().unwrap(),
         ConvAlgoPolicy::DirectFilter
+    );
+}
+
+/// nnfuse's stem filter-gradient kernel (`stem_filter`): a candidate of f16 / bf16
+/// channels-last filter gradients with few input channels (ResNet's 7x7/2 stem), measured right
+/// after the incumbent, with its scratch (one partial filter gradient per range of row
+/// segments) and reason; refused, with the reason, for the other directions, f32, NCHW and a
+/// 7x7 filter over 4 channels (196 columns); forced by `stem_filter`, the other directions
+/// falling back.
+#[test]
+fn the_stem_filter_gradient_is_a_candidate_of_few_channel_half_layers() {
+    let stem = ConvShape {
+        n: 32,
+        c_in: 3,
+        h: 224,
+        w: 224,
+        c_out: 64,
+        kh: 7,
+        kw: 7,
+        stride: (2, 2),
+        pad: (3, 3),
+        dilation: (1, 1),
+        format: NHWC,
+    };
+    let cfg = Config::default();
+    for dt in [DType::F16, DType::BF16] {
+        let p = plan_of(stem, dt, Direction::BackwardFilter, &cfg, true);
+        let i = p
+            .candidates
+            .iter()
+            .position(|r| r.path == ConvPath::StemFilter)
+            .unwrap_or_else(|| panic!("{p}"));
+        assert!(i >= 1, "{p}");
+        // 264 ranges of rows, a 64 x 147 f32 filter gradient each.
+        assert_eq!(
+            p.info(ConvPath::StemFilter).scratch_bytes,
+            264 * 64 * 147 * 4
+        );
+        assert!(has_reason(&p, "stem_filter: nnfuse's tensor-core"), "{p}");
+        assert!(p.accumulate_refusal(ConvPath::StemFilter).is_none(), "{p}");
+    }
+    for d in [Direction::Forward, Direction::BackwardData] {
+        let p = plan_of(stem, DType::F16, d, &cfg, true);
+        assert!(
+            why(&p, ConvPath::StemFilter).contains("filter gradient only"),
+            "{p}"
+        );
+    }
+    let p = plan_of(stem, DType::F32, Direction::BackwardFilter, &cfg, true);
+    assert!(
+        why(&p, ConvPath::StemFilter).contains("f16 and bf16 only"),
+        "{p}"
+    );
+    let nchw = ConvShape {
+        format: NCHW,
+        ..stem
+    };
+    let p = plan_of(nchw, DType::F16, Direction::BackwardFilter, &cfg, true);
+    assert!(
+        why(&p, ConvPath::StemFilter).contains("channels-last"),
+        "{p}"
+    );
+    let wide = ConvShape { c_in: 4, ..stem };
+    let p = plan_of(wide, DType::F16, Direction::BackwardFilter, &cfg, true);
+    assert!(why(&p, ConvPath::StemFilter).contains("196 columns"), "{p}");
+    let forced = Config::default().with_conv_algo(ConvAlgoPolicy::StemFilter);
+    let p = plan_of(stem, DType::F16, Direction::BackwardFilter, &forced, true);
+    assert_eq!(p.path, ConvPath::StemFilter, "{p}");
+    assert_eq!(p.candidates.len(), 1, "{p}");
+    let p = plan_of(stem, DType::F16, Direction::Forward, &forced, true);
+    assert_ne!(p.path, ConvPath::StemFilter, "{p}");
+    assert!(p.fallback.is_some(), "{p}");
+    assert_eq!(
+        "stem_wgrad".parse::<ConvPath>().unwrap(),
+        ConvPath::StemFilter
+    );
+    assert_eq!(
+        "stem_filter".parse::<ConvAlgoPolicy>().unwrap(),
+        ConvAlgoPolicy::StemFilter
     );
 }
 

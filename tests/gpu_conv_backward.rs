@@ -674,3 +674,170 @@ fn the_tiled_filter_gradient_matches_f64() {
         failures.join("\n")
     );
 }
+
+/// `a` rounded to `T` and back.
+fn rounded<T: Element>(a: &[f64]) -> Vec<f64> {
+    a.iter().map(|&v| T::from_f64(v).to_f64()).collect()
+}
+
+/// Forces the stem filter-gradient route on `s` in `T` against f64: overwriting (twice:
+/// bit-identical, partial sums added in a fixed order) and adding into dw. Its error may not
+/// exceed 1.5x that of rounding the exact result to `T` (+1e-5): f32 accumulation throughout,
+/// which the dtype tolerance alone would not show. Returns the failures.
+fn check_stem_route<T: Element>(ctx: &Context, rng: &mut Rng, s: &ConvShape) -> Vec<String> {
+    let mut failures = Vec::new();
+    let route = Route::path(ConvPath::StemFilter);
+    let xs: Vec<T> = rng.vec(s.x_len().unwrap(), -1.0, 1.0);
+    let dys: Vec<T> = rng.vec(s.y_len().unwrap(), -1.0, 1.0);
+    let dw0s: Vec<T> = rng.vec(s.w_len().unwrap(), -1.0, 1.0);
+    let want = backward_filter(s, &f64s(&xs), &f64s(&dys));
+    let want_acc: Vec<f64> = f64s(&dw0s).iter().zip(&want).map(|(a, b)| a + b).collect();
+    let conv = Conv2d::<T>::new(ctx, s).expect("plan");
+    let plan = conv.plan_for(Direction::BackwardFilter);
+    assert!(plan.eligible(ConvPath::StemFilter), "{plan}");
+    let tag = format!("{} {} dw via {route}", describe(s), T::DTYPE);
+    let (xd, dyd) = (upload(ctx, &xs), upload(ctx, &dys));
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        let mut dw = poisoned::<T>(ctx, s.w_len().unwrap());
+        conv.backward_filter_with(route, &xd, &dyd, &mut dw, false)
+            .unwrap_or_else(|e| panic!("{tag}: {e}"));
+        runs.push(download(ctx, &dw));
+    }
+    let mut dw = upload(ctx, &dw0s);
+    conv.backward_filter_with(route, &xd, &dyd, &mut dw, true)
+        .unwrap_or_else(|e| panic!("{tag} (accumulate): {e}"));
+    let acc = download(ctx, &dw);
+    for (what, got, want) in [("", &runs[0], &want), (" +=", &acc, &want_acc)] {
+        let floor = compare("rounding", &rounded::<T>(want), want, 1.0).expect("finite");
+        let bound = (1.5 * floor + 1e-5).min(tolerance(ConvPath::StemFilter, T::DTYPE));
+        match compare(&format!("{tag}{what}"), &f64s(got), want, bound) {
+            Ok(e) => eprintln!("{tag}{what}: error {e:.2e} (rounding alone {floor:.2e})"),
+            Err(m) => failures.push(m),
+        }
+    }
+    let bits = |v: &[T]| v.iter().map(|t| t.to_f64().to_bits()).collect::<Vec<_>>();
+    if bits(&runs[0]) != bits(&runs[1]) {
+        failures.push(format!("{tag}: differs run to run"));
+    }
+    failures
+}
+
+/// nnfuse's stem filter-gradient kernel (`stem_filter`: f16 / bf16 channels-last, few input
+/// channels) against f64 on shapes that reach every edge of its tiling — ResNet-50's 7x7/2 stem
+/// (one 112-pixel segment per row), rows of three 128-pixel segments with a partial last one
+/// (not a multiple of 16), 160 columns exactly (five column tiles per warp) and 2 (one), filters
+/// past one 64-filter tile (136) and 8, asymmetric stride and padding, odd heights, fewer work
+/// units than splits — overwriting and adding into dw, run to run bit-identical; a forced
+/// policy takes it, and the plan refuses f32, NCHW and a wide layer with the reason.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_stem_filter_gradient_matches_f64_on_its_tile_edges() {
+    let ctx = gpu();
+    let mut rng = Rng::fresh("stem filter gradient");
+    let nhwc = TensorFormat::Nhwc;
+    let stem = ConvShape {
+        n: 2,
+        c_in: 3,
+        h: 224,
+        w: 224,
+        c_out: 64,
+        kh: 7,
+        kw: 7,
+        stride: (2, 2),
+        pad: (3, 3),
+        dilation: (1, 1),
+        format: nhwc,
+    };
+    let shapes = [
+        stem,
+        conv3(1, 3, (5, 300), 24, (1, 1), nhwc),
+        ConvShape {
+            kh: 4,
+            kw: 4,
+            pad: (1, 2),
+            ..conv3(2, 10, (19, 33), 136, (0, 0), nhwc)
+        },
+        ConvShape {
+            kh: 1,
+            kw: 1,
+            stride: (2, 1),
+            ..conv3(3, 2, (9, 17), 8, (0, 0), nhwc)
+        },
+        ConvShape {
+            kh: 5,
+            kw: 3,
+            stride: (1, 3),
+            pad: (2, 0),
+            ..conv3(2, 4, (11, 140), 72, (0, 0), nhwc)
+        },
+        ConvShape {
+            stride: (2, 2),
+            ..conv3(1, 16, (3, 4), 16, (1, 1), nhwc)
+        },
+    ];
+    let mut failures = Vec::new();
+    for s in &shapes {
+        failures.extend(check_stem_route::<f16>(&ctx, &mut rng, s));
+        failures.extend(check_stem_route::<bf16>(&ctx, &mut rng, s));
+    }
+    // Forced by the policy: the route runs without a measurement.
+    let forced =
+        gpu_with(Config::default().with_conv_algo(nnfuse::config::ConvAlgoPolicy::StemFilter));
+    let s = shapes[1];
+    let conv = Conv2d::<f16>::new(&forced, &s).expect("plan");
+    let xs: Vec<f16> = rng.vec(s.x_len().unwrap(), -1.0, 1.0);
+    let dys: Vec<f16> = rng.vec(s.y_len().unwrap(), -1.0, 1.0);
+    let mut dw = poisoned::<f16>(&forced, s.w_len().unwrap());
+    conv.backward_filter(
+        &upload(&forced, &xs),
+        &upload(&forced, &dys),
+        &mut dw,
+        false,
+    )
+    .expect("forced stem_filter");
+    let c = conv.choice(Direction::BackwardFilter).expect("decided");
+    assert_eq!(c.route.path, ConvPath::StemFilter, "{c}\n{:?}", c.notes);
+    compare(
+        "forced stem_filter",
+        &f64s(&download(&forced, &dw)),
+        &backward_filter(&s, &f64s(&xs), &f64s(&dys)),
+        1e-2,
+    )
+    .unwrap_or_else(|m| panic!("{m}"));
+    let why = |s: &ConvShape, dt: DType| {
+        let ineligible = |plan: &nnfuse::conv::ConvPlan| {
+            assert!(!plan.eligible(ConvPath::StemFilter), "{plan}");
+            plan.info(ConvPath::StemFilter)
+                .why_not
+                .clone()
+                .unwrap_or_default()
+        };
+        match dt {
+            DType::F32 => ineligible(
+                Conv2d::<f32>::new(&ctx, s)
+                    .expect("plan")
+                    .plan_for(Direction::BackwardFilter),
+            ),
+            _ => ineligible(
+                Conv2d::<f16>::new(&ctx, s)
+                    .expect("plan")
+                    .plan_for(Direction::BackwardFilter),
+            ),
+        }
+    };
+    assert!(why(&stem, DType::F32).contains("f16 and bf16 only"));
+    let nchw = ConvShape {
+        format: TensorFormat::Nchw,
+        ..stem
+    };
+    assert!(why(&nchw, DType::F16).contains("channels-last"));
+    let wide = ConvShape { c_in: 4, ..stem };
+    assert!(why(&wide, DType::F16).contains("196 columns"));
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}

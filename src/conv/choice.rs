@@ -167,6 +167,7 @@ pub(crate) fn is_true_f32(r: &Route) -> bool {
         ConvPath::CudnnGraph
         | ConvPath::CudnnDual
         | ConvPath::CudnnTiled
+        | ConvPath::StemFilter
         | ConvPath::WinogradF2x3
         | ConvPath::WinogradF4x3 => false,
     }
@@ -184,7 +185,7 @@ pub(crate) fn names_graph_engine(path: ConvPath) -> bool {
 fn measured_second(path: ConvPath) -> bool {
     matches!(
         path,
-        ConvPath::CudnnDual | ConvPath::DirectFilter | ConvPath::CudnnTiled
+        ConvPath::CudnnDual | ConvPath::DirectFilter | ConvPath::CudnnTiled | ConvPath::StemFilter
     )
 }
 

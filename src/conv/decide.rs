@@ -491,6 +491,7 @@ impl<T: Element> Conv2d<T> {
             ConvPath::CudnnTiled => v.push(&kernels::CONV_TILED),
             ConvPath::Direct => v.push(&kernels::CONV_DIRECT),
             ConvPath::DirectFilter => v.push(&kernels::CONV_WGRAD),
+            ConvPath::StemFilter => v.push(&kernels::CONV_STEM_WGRAD),
             ConvPath::Im2colGemm => {
                 v.push(&kernels::IM2COL);
                 if gemm {
