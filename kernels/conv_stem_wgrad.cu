@@ -17,6 +17,17 @@
 // (gridDim.x = splits) and writes its partial sums (f32, [split][k][r]); the reduce kernel adds
 // the splits in a fixed order (deterministic) and writes or adds into dw, rounding once.
 
+// Compilation units (src/conv/stem_filter.rs: `unit`): NNF_SW_DT 2 (f16) or 3 (bf16) and
+// NNF_SW_NT 1 to 5 select one main kernel and its type's reduce, so that a first call compiles
+// two kernels, not twelve; 0 (the default) compiles all.
+#ifndef NNF_SW_DT
+#define NNF_SW_DT 0
+#endif
+#ifndef NNF_SW_NT
+#define NNF_SW_NT 0
+#endif
+#define SW_WANT(DT, NT) ((NNF_SW_DT == 0 || NNF_SW_DT == DT) && (NNF_SW_NT == 0 || NNF_SW_NT == NT))
+
 #define SW_PX 128        // pixels per unit (src/conv/problem/stem_filter.rs: PX)
 #define SW_KT 64         // filters per block (KT)
 #define SW_LDD 72        // staged dy row stride in halves
@@ -212,16 +223,36 @@ __device__ __forceinline__ void stem_wgrad(const unsigned short* __restrict__ x,
         stem_wgrad<T, NT>(x, dy, part, g);                                                  \
     }
 
+#if SW_WANT(2, 1)
 NNF_SW_KERNEL(nnf_f16, f16, 1)
+#endif
+#if SW_WANT(2, 2)
 NNF_SW_KERNEL(nnf_f16, f16, 2)
+#endif
+#if SW_WANT(2, 3)
 NNF_SW_KERNEL(nnf_f16, f16, 3)
+#endif
+#if SW_WANT(2, 4)
 NNF_SW_KERNEL(nnf_f16, f16, 4)
+#endif
+#if SW_WANT(2, 5)
 NNF_SW_KERNEL(nnf_f16, f16, 5)
+#endif
+#if SW_WANT(3, 1)
 NNF_SW_KERNEL(nnf_bf16, bf16, 1)
+#endif
+#if SW_WANT(3, 2)
 NNF_SW_KERNEL(nnf_bf16, bf16, 2)
+#endif
+#if SW_WANT(3, 3)
 NNF_SW_KERNEL(nnf_bf16, bf16, 3)
+#endif
+#if SW_WANT(3, 4)
 NNF_SW_KERNEL(nnf_bf16, bf16, 4)
+#endif
+#if SW_WANT(3, 5)
 NNF_SW_KERNEL(nnf_bf16, bf16, 5)
+#endif
 
 // dw[i] = (accumulate ? dw[i] : 0) + sum over splits of part[s][i], rounded once. A block takes
 // 32 consecutive elements; its 8 warps sum splits w, w + 8, ... each in order, then one warp
@@ -244,13 +275,17 @@ __device__ __forceinline__ void stem_reduce(const float* __restrict__ part, T* _
     dw[i] = from_float<T>(accumulate ? to_float(dw[i]) + grad : grad);
 }
 
+#if NNF_SW_DT == 0 || NNF_SW_DT == 2
 extern "C" __global__ void __launch_bounds__(SW_THREADS)
     conv_stem_wgrad_reduce_f16(const float* __restrict__ part, nnf_f16* __restrict__ dw, u32 elems,
                                u32 splits, u32 accumulate) {
     stem_reduce<nnf_f16>(part, dw, elems, splits, accumulate);
 }
+#endif
+#if NNF_SW_DT == 0 || NNF_SW_DT == 3
 extern "C" __global__ void __launch_bounds__(SW_THREADS)
     conv_stem_wgrad_reduce_bf16(const float* __restrict__ part, nnf_bf16* __restrict__ dw,
                                 u32 elems, u32 splits, u32 accumulate) {
     stem_reduce<nnf_bf16>(part, dw, elems, splits, accumulate);
 }
+#endif

@@ -16,7 +16,7 @@ use super::choice::{
 use super::cudnn::usable;
 use super::cudnn_graph_run;
 use super::plan::{ConvPath, ConvPlan, Route};
-use super::problem::{CudnnPtrs, Direction, GraphEngine, WinogradEngine};
+use super::problem::{column_tiles, CudnnPtrs, Direction, GraphEngine, WinogradEngine};
 use super::route::{self, Exec};
 use super::state::{lock, Decided, Pending};
 use super::winograd::{fused, launch as wg};
@@ -491,7 +491,10 @@ impl<T: Element> Conv2d<T> {
             ConvPath::CudnnTiled => v.push(&kernels::CONV_TILED),
             ConvPath::Direct => v.push(&kernels::CONV_DIRECT),
             ConvPath::DirectFilter => v.push(&kernels::CONV_WGRAD),
-            ConvPath::StemFilter => v.push(&kernels::CONV_STEM_WGRAD),
+            ConvPath::StemFilter => {
+                let nt = column_tiles(&self.core.shape);
+                v.extend(super::stem_filter::unit(dtype, nt));
+            }
             ConvPath::Im2colGemm => {
                 v.push(&kernels::IM2COL);
                 if gemm {

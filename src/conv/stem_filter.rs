@@ -7,13 +7,14 @@
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DeviceRepr, LaunchConfig};
+use once_cell::sync::Lazy;
 
 use super::call::PathCall;
 use super::plan::Direction;
 use super::problem::{stem_filter_refusal, stem_grid, ConvShape, StemGrid};
 use crate::dtype::DType;
 use crate::error::{CallExt, Error, Result};
-use crate::kernels;
+use crate::kernels::{self, KernelFile};
 use crate::launch;
 
 /// Threads per block of both kernels.
@@ -110,6 +111,29 @@ fn kernel_names(dtype: DType, nt: usize) -> Result<(&'static str, &'static str)>
     Ok((main, reduce))
 }
 
+/// The compilation unit of `dtype`'s kernel with `nt` column tiles (`NNF_SW_DT`, `NNF_SW_NT`):
+/// a first call compiles that kernel and its type's reduce, not all twelve. None for f32 or an
+/// `nt` outside 1 to 5.
+pub(crate) fn unit(dtype: DType, nt: usize) -> Option<&'static KernelFile> {
+    static UNITS: Lazy<Vec<KernelFile>> = Lazy::new(|| {
+        let mut v = Vec::with_capacity(10);
+        for (dt, name) in [(2, "f16"), (3, "bf16")] {
+            for nt in 1..=5u32 {
+                let label = format!("{name}_n{nt}");
+                let defines = [("NNF_SW_DT", dt), ("NNF_SW_NT", nt)];
+                v.push(kernels::unit(&kernels::CONV_STEM_WGRAD, &label, &defines));
+            }
+        }
+        v
+    });
+    let row = match dtype {
+        DType::F16 => 0,
+        DType::BF16 => 1,
+        DType::F32 => return None,
+    };
+    (1..=5).contains(&nt).then(|| &UNITS[row * 5 + nt - 1])
+}
+
 /// Refuses an operand the kernel's copies cannot read: x in 4-byte pieces, dy in 16-byte ones.
 fn check_alignment(x: u64, dy: u64) -> Result<()> {
     for (name, ptr, bytes) in [("x", x, 4u64), ("dy", dy, 16)] {
@@ -143,6 +167,8 @@ pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
     let grid = stem_grid(s, out_hw, cap);
     let geom = geometry(s, out_hw, &grid);
     let (main, reduce) = kernel_names(t.dtype, grid.nt)?;
+    let file = unit(t.dtype, grid.nt)
+        .ok_or_else(|| Error::NotSupported("stem_filter: no kernel for this type".into()))?;
     let scratch = t.ctx.scratch(grid.scratch_bytes(s))?;
     let part = scratch.ptr();
     let cfg = LaunchConfig {
@@ -151,7 +177,7 @@ pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
         shared_mem_bytes: grid.smem_bytes as u32,
     };
     tracing::debug!(kernel = main, shape = ?s, grid = ?cfg.grid_dim, "stem filter-gradient kernel");
-    let f = t.ctx.function(&kernels::CONV_STEM_WGRAD, main)?;
+    let f = t.ctx.function(file, main)?;
     f.set_attribute(
         CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
         grid.smem_bytes as i32,
@@ -170,7 +196,7 @@ pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
         launch::launch_kernel(t.ctx, &f, cfg, &mut params, "cuLaunchKernel(conv_stem_wgrad)")?
     };
     let elems = s.c_out * grid.columns;
-    let f = t.ctx.function(&kernels::CONV_STEM_WGRAD, reduce)?;
+    let f = t.ctx.function(file, reduce)?;
     let (n_elems, splits, accumulate) = (elems as u32, geom.splits, u32::from(c.accumulate));
     let mut params = [
         launch::arg(&part),
@@ -231,5 +257,11 @@ mod tests {
         }
         assert!(kernel_names(DType::F32, 1).is_err());
         assert!(kernel_names(DType::F16, 0).is_err() && kernel_names(DType::F16, 6).is_err());
+        // Each unit holds its own kernel and its type's reduce, and no other main kernel.
+        let image = crate::kernels::compile(unit(DType::BF16, 3).unwrap(), "compute_90").unwrap();
+        let ptx = String::from_utf8_lossy(image.bytes()).into_owned();
+        assert_eq!(ptx.matches(".entry ").count(), 2, "{}", unit(DType::BF16, 3).unwrap().name);
+        assert!(ptx.contains(".entry conv_stem_wgrad_bf16_n3(") && ptx.contains(".entry conv_stem_wgrad_reduce_bf16("));
+        assert!(unit(DType::F32, 1).is_none() && unit(DType::F16, 6).is_none());
     }
 }

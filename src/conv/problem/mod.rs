@@ -24,7 +24,7 @@ pub(crate) use dual::{dual_refusal, dual_shape};
 pub use graph_engine::{GraphEngine, MAX_GRAPH_KNOBS};
 pub(crate) use operands::{BwdDataPtrs, BwdFilterPtrs, CudnnPtrs, FwdPtrs};
 pub use shape::ConvShape;
-pub(crate) use stem_filter::{stem_filter_refusal, stem_grid, StemGrid};
+pub(crate) use stem_filter::{column_tiles, stem_filter_refusal, stem_grid, StemGrid};
 pub(crate) use tiled::{quarter, tiled_bytes, tiled_refusal, tiled_shape, tiled_x_bytes};
 pub use winograd::{
     fused_eligible, winograd_backward_data_eligible, winograd_dims, winograd_equivalent,

@@ -71,6 +71,12 @@ fn smem_bytes(s: &ConvShape) -> usize {
     2 * (PX * LDD + s.kh * xsw) * 2
 }
 
+/// The kernel's column tiles of 8 per column warp for `s` (`NT`: 4 warps, `ceil(columns / 32)`):
+/// which compiled kernel runs it.
+pub(crate) fn column_tiles(s: &ConvShape) -> usize {
+    (s.kh * s.kw * s.c_in).div_ceil(32).max(1)
+}
+
 /// The grid of `s` with output extent `out_hw`: enough unit ranges that the blocks reach
 /// [`TARGET_BLOCKS`], none empty, and no more than the scratch cap `cap` holds.
 pub(crate) fn stem_grid(s: &ConvShape, out_hw: (usize, usize), cap: usize) -> StemGrid {
@@ -88,7 +94,7 @@ pub(crate) fn stem_grid(s: &ConvShape, out_hw: (usize, usize), cap: usize) -> St
         splits,
         k_tiles,
         columns,
-        nt: columns.div_ceil(32).max(1),
+        nt: column_tiles(s),
         xsw,
         pieces,
         smem_bytes: smem_bytes(s),
