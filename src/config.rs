@@ -170,8 +170,8 @@ pub enum ConvAlgoPolicy {
     /// API (f32, stride 1; `cudnn_tiled`).
     CudnnTiled,
     /// nnfuse's tensor-core filter gradient for layers with few input channels (f16 / bf16
-    /// channels-last, `kh*kw*c_in` ≤ 160, such as a 7x7 stem; `stem_filter`): the filter
-    /// gradient only; other directions fall back as the plan says.
+    /// channels-last, at most 16 input channels and `kh*kw*c_in` ≤ 160, such as a 7x7 stem;
+    /// `stem_filter`): the filter gradient only; other directions fall back as the plan says.
     StemFilter,
 }
 
