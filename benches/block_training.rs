@@ -5,6 +5,8 @@
 //! - (a) `Conv2d::forward` alone (nnfuse's decided route);
 //! - (b) `ConvStats` forced to `graph_genstats` (conv + GEN_STATS in one cuDNN graph);
 //! - (c) `ConvStats` forced to `unfused` (Conv2d + nnfuse's per-channel reduction);
+//! - (b') `ConvStats` forced to `own_pointwise` (nnfuse's 1x1 tensor-core kernel with the sums
+//!   in its epilogue), where the unit's plan calls it eligible;
 //! - (d) `BatchNorm::forward_train` as the demo runs it (default Config: the plan's path);
 //! - (e) `BatchNorm::forward_train_from_sums` (own path: finalize + one apply pass).
 //!
@@ -178,6 +180,15 @@ fn bench_unit<T: Element>(ctx: &Context, own: &Context, u: &Unit) -> nnfuse::Res
         conv_floor,
         stats(StatsRoute::Unfused),
     );
+    if unit.plan().eligible(StatsRoute::OwnPointwise) {
+        row(
+            dt,
+            u.name,
+            "(b') ConvStats own_pointwise",
+            conv_floor,
+            stats(StatsRoute::OwnPointwise),
+        );
+    }
     let bn_shape = [N, HW, HW, k];
     let bn = BatchNorm::<T>::new(ctx, &bn_shape, 3, u.fuse)?;
     let d = row(
