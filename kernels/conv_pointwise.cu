@@ -43,49 +43,15 @@ struct PwArgs {
     u32 stages;     // stages of x in flight, 2 .. PW_MAX_STAGES (as many as fit)
 };
 
-__device__ __forceinline__ u32 pw_smem(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
-// 16 bytes from global to shared; `bytes` 0 zero-fills (src is then not read).
-__device__ __forceinline__ void pw_cp16(void* dst, const void* src, u32 bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(pw_smem(dst)), "l"(src),
-                 "r"(bytes));
-}
-__device__ __forceinline__ void pw_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N> __device__ __forceinline__ void pw_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
 // Waits until at most n groups are pending (n < PW_MAX_STAGES - 1; uniform across the block).
 __device__ __forceinline__ void pw_wait_n(u32 n) {
     switch (n) {
-        case 0: pw_wait<0>(); break;
-        case 1: pw_wait<1>(); break;
-        case 2: pw_wait<2>(); break;
-        case 3: pw_wait<3>(); break;
-        default: pw_wait<4>(); break;
+        case 0: nnf_wait<0>(); break;
+        case 1: nnf_wait<1>(); break;
+        case 2: nnf_wait<2>(); break;
+        case 3: nnf_wait<3>(); break;
+        default: nnf_wait<4>(); break;
     }
-}
-
-template <typename T>
-__device__ __forceinline__ void pw_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
-template <>
-__device__ __forceinline__ void pw_mma<nnf_f16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <>
-__device__ __forceinline__ void pw_mma<nnf_bf16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // Stage k chunk `kc` (in elements) of row tile `tile` of x into `as`: this thread's two 16-byte
@@ -101,16 +67,8 @@ __device__ __forceinline__ void pw_load_x(const PwArgs& a, unsigned short* as, u
         const u32 col = kc + j * 8;
         const bool in = row < a.rows && col < a.k;
         const unsigned short* src = in ? x + row * a.k + col : x;
-        pw_cp16(as + r * PW_LDA + j * 8, src, in ? 16u : 0u);
+        nnf_cp16(as + r * PW_LDA + j * 8, src, in ? 16u : 0u);
     }
-}
-
-// Four 8x8 matrices of 16-bit values from shared memory (`addr`: this lane's row, see the
-// callers), in mma.sync's fragment layout.
-__device__ __forceinline__ void pw_ldsm4(u32 (&r)[4], u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
 }
 
 template <int NT> struct PwCfg {
@@ -141,9 +99,9 @@ __device__ __forceinline__ void pointwise(const PwArgs& a) {
         for (u32 e = tid; e < (u32)N * per_row; e += PW_THREADS) {
             const u32 n = e / per_row, j = e % per_row;
             const bool in = j * 8 < a.k;
-            pw_cp16(ws + n * a.ldw + j * 8, in ? w + (u64)n * a.k + j * 8 : w, in ? 16u : 0u);
+            nnf_cp16(ws + n * a.ldw + j * 8, in ? w + (u64)n * a.k + j * 8 : w, in ? 16u : 0u);
         }
-        pw_commit();
+        nnf_commit();
     }
     const u32 my_tiles = blockIdx.x < a.tiles ? (a.tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
     const u32 items = my_tiles * a.kchunks;
@@ -158,16 +116,16 @@ __device__ __forceinline__ void pointwise(const PwArgs& a) {
     };
     for (u32 s = 0; s + 1 < a.stages; ++s) {
         if (s < items) pw_load_x(a, xs + s * PW_BM * PW_LDA, ld_tile, ld_kc, tid);
-        pw_commit();
+        nnf_commit();
         advance(ld_tile, ld_kc);
     }
 
     // ldmatrix rows: A (x) lane l reads row l % 16 at k offset (l / 16) * 8 of its warp's 16-row
     // block; B (w) lane l reads filter row (l / 16) * 8 + l % 8 at k offset ((l / 8) % 2) * 8 of
     // a pair of 8-column tiles.
-    const u32 xs_addr = pw_smem(xs);
+    const u32 xs_addr = nnf_smem(xs);
     const u32 a_off = ((wm * 32 + (lane % 16)) * PW_LDA + (lane / 16) * 8) * 2;
-    const u32 b_addr = pw_smem(ws) + ((wn * NT * 8 + (lane / 16) * 8 + lane % 8) * a.ldw + ((lane / 8) % 2) * 8) * 2;
+    const u32 b_addr = nnf_smem(ws) + ((wn * NT * 8 + (lane / 16) * 8 + lane % 8) * a.ldw + ((lane / 8) % 2) * 8) * 2;
 
     float acc[2][NT][4];
     float ssum[8], ssq[8];
@@ -179,7 +137,7 @@ __device__ __forceinline__ void pointwise(const PwArgs& a) {
         pw_wait_n(a.stages - 2);
         __syncthreads();  // also: the last tile's output reads are done
         if (it + a.stages - 1 < items) pw_load_x(a, xs + ld_stage * PW_BM * PW_LDA, ld_tile, ld_kc, tid);
-        pw_commit();
+        nnf_commit();
         advance(ld_tile, ld_kc);
         ld_stage = ld_stage + 1 == a.stages ? 0 : ld_stage + 1;
         if (kc == 0) {
@@ -192,17 +150,17 @@ __device__ __forceinline__ void pointwise(const PwArgs& a) {
 #pragma unroll
         for (int ks = 0; ks < PW_BK / 16; ++ks) {
             u32 af[2][4];
-            pw_ldsm4(af[0], as_addr + ks * 32);
-            pw_ldsm4(af[1], as_addr + 16 * PW_LDA * 2 + ks * 32);
+            nnf_ldsm4(af[0], as_addr + ks * 32);
+            nnf_ldsm4(af[1], as_addr + 16 * PW_LDA * 2 + ks * 32);
 #pragma unroll
             for (int np = 0; np < NT / 2 + NT % 2; ++np) {
                 u32 bf[4];
-                pw_ldsm4(bf, b_addr + (np * 16 * a.ldw + kc + ks * 16) * 2);
-                pw_mma<T>(acc[0][2 * np], af[0], bf[0], bf[1]);
-                pw_mma<T>(acc[1][2 * np], af[1], bf[0], bf[1]);
+                nnf_ldsm4(bf, b_addr + (np * 16 * a.ldw + kc + ks * 16) * 2);
+                nnf_mma<T>(acc[0][2 * np], af[0], bf[0], bf[1]);
+                nnf_mma<T>(acc[1][2 * np], af[1], bf[0], bf[1]);
                 if (2 * np + 1 < NT) {
-                    pw_mma<T>(acc[0][2 * np + 1], af[0], bf[2], bf[3]);
-                    pw_mma<T>(acc[1][2 * np + 1], af[1], bf[2], bf[3]);
+                    nnf_mma<T>(acc[0][2 * np + 1], af[0], bf[2], bf[3]);
+                    nnf_mma<T>(acc[1][2 * np + 1], af[1], bf[2], bf[3]);
                 }
             }
         }
@@ -247,7 +205,7 @@ __device__ __forceinline__ void pointwise(const PwArgs& a) {
             }
         }
     }
-    pw_wait<0>();
+    nnf_wait<0>();
     if (a.part == nullptr) return;  // uniform: every thread returns
 
     // Channel pc * 8 + j's sums are spread over the GROUPS threads of piece pc: each writes

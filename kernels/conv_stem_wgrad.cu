@@ -50,47 +50,6 @@ struct StemGeom {
 };
 static_assert(sizeof(StemGeom) == 80, "StemGeom must match src/conv/stem_filter.rs");
 
-__device__ __forceinline__ u32 sw_smem(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-// Global -> shared, asynchronous; `ok` false zero-fills without reading (`src` stays valid).
-__device__ __forceinline__ void sw_cp16(void* dst, const void* src, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(sw_smem(dst)), "l"(src),
-                 "r"(ok ? 16u : 0u));
-}
-__device__ __forceinline__ void sw_cp4(void* dst, const void* src, bool ok) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(sw_smem(dst)), "l"(src),
-                 "r"(ok ? 4u : 0u));
-}
-
-template <typename T>
-__device__ __forceinline__ void sw_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
-template <>
-__device__ __forceinline__ void sw_mma<nnf_f16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <>
-__device__ __forceinline__ void sw_mma<nnf_bf16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Four transposed 8x8 matrices: stored [pixel][channel], received as A = dy^T fragments.
-__device__ __forceinline__ void sw_ldsm4t(u32 (&r)[4], u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
 struct SwUnit {
     u32 n, oh, ow0;
     int jstart;  // row-relative element of the segment's first input column (may be < 0)
@@ -121,7 +80,7 @@ __device__ __forceinline__ void sw_stage(const unsigned short* __restrict__ x,
         const u32 p = e / 8, j = e % 8;
         const u32 ow = t.ow0 + p, ch = k0 + j * 8;
         const bool ok = ow < g.ow && ch < g.k;
-        sw_cp16(dys + p * SW_LDD + j * 8, ok ? dy + (dy_row + ow) * g.k + ch : dy, ok);
+        nnf_cp16(dys + p * SW_LDD + j * 8, ok ? dy + (dy_row + ow) * g.k + ch : dy, ok ? 16u : 0u);
     }
     const int a = t.jstart - (t.jstart & 1);
     const int row_len = (int)(g.w * g.c);
@@ -131,9 +90,9 @@ __device__ __forceinline__ void sw_stage(const unsigned short* __restrict__ x,
         const int jj = a + 2 * (int)q;
         const bool ok = ih >= 0 && ih < (int)g.h && jj >= 0 && jj < row_len;
         const unsigned short* src = ok ? x + ((u64)t.n * g.h + ih) * (u64)row_len + jj : x;
-        sw_cp4(xs + rr * g.xsw + 2 * q, src, ok);
+        nnf_cp4(xs + rr * g.xsw + 2 * q, src, ok ? 4u : 0u);
     }
-    asm volatile("cp.async.commit_group;" ::: "memory");
+    nnf_commit();
 }
 
 template <typename T, int NT>
@@ -184,11 +143,11 @@ __device__ __forceinline__ void stem_wgrad(const unsigned short* __restrict__ x,
         const SwUnit t = sw_unit(u, g);
         const u32 cols = min((u32)SW_PX, g.ow - t.ow0);
         const u32 shift = (u32)(t.jstart & 1);
-        const u32 a_base = sw_smem(dys) + a_lane;
+        const u32 a_base = nnf_smem(dys) + a_lane;
         for (u32 s = 0; s * 16 < cols; ++s) {
             u32 af[2][4];
-            sw_ldsm4t(af[0], a_base + s * 16 * SW_LDD * 2);
-            sw_ldsm4t(af[1], a_base + s * 16 * SW_LDD * 2 + 16 * 2);
+            nnf_ldsm4_trans(af[0], a_base + s * 16 * SW_LDD * 2);
+            nnf_ldsm4_trans(af[1], a_base + s * 16 * SW_LDD * 2 + 16 * 2);
             // Pixels 16s + 2tq, +1, +8, +9 of the unit (zero dy rows past `cols`).
             const unsigned short* xp = xs + shift + (s * 16 + 2 * tq) * xstep;
 #pragma unroll
@@ -196,8 +155,8 @@ __device__ __forceinline__ void stem_wgrad(const unsigned short* __restrict__ x,
                 const unsigned short* v = xp + off[nt];
                 const u32 b0 = (u32)v[0] | ((u32)v[xstep] << 16);
                 const u32 b1 = (u32)v[8 * xstep] | ((u32)v[9 * xstep] << 16);
-                sw_mma<T>(acc[0][nt], af[0], b0, b1);
-                sw_mma<T>(acc[1][nt], af[1], b0, b1);
+                nnf_mma<T>(acc[0][nt], af[0], b0, b1);
+                nnf_mma<T>(acc[1][nt], af[1], b0, b1);
             }
         }
     }

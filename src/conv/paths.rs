@@ -947,6 +947,28 @@ fn forward_only(path: ConvPath, req: &ConvPlanRequest, what: &str) -> Option<Pat
     })
 }
 
+/// The record of one of nnfuse's filter-gradient kernels (`what` in the reasons): refused for
+/// the other directions and with the kernel's own `refusal`, else one whole-batch run whose
+/// scratch (partial sums) `scratch` gives for the workspace cap.
+fn filter_kernel_info(
+    path: ConvPath,
+    req: &ConvPlanRequest,
+    what: &str,
+    refusal: Option<String>,
+    scratch: impl FnOnce(usize) -> usize,
+) -> PathInfo {
+    if let Some(info) = filter_gradient_only(path, req, what) {
+        return info;
+    }
+    if let Some(why) = refusal {
+        return info_ineligible(path, why);
+    }
+    PathInfo {
+        scratch_bytes: scratch(req.config.conv_workspace_bytes()),
+        ..info_whole(path)
+    }
+}
+
 /// `path` (named `what` in the reason) refused for anything but the filter gradient.
 fn filter_gradient_only(path: ConvPath, req: &ConvPlanRequest, what: &str) -> Option<PathInfo> {
     (req.direction != Direction::BackwardFilter).then(|| {
@@ -1052,18 +1074,18 @@ impl PathRule for DirectFilterRule {
         req: &ConvPlanRequest,
         out_hw: (usize, usize),
     ) -> Result<PathInfo> {
-        if let Some(info) = filter_gradient_only(path, req, "nnfuse's filter-gradient kernel") {
-            return Ok(info);
-        }
-        let cap = req.config.conv_workspace_bytes();
-        if let Some(why) = direct_filter_refusal(&req.shape, req.dtype, out_hw, cap) {
-            return Ok(info_ineligible(path, why));
-        }
-        let grid = filter_grad_grid(&req.shape, out_hw, cap);
-        Ok(PathInfo {
-            scratch_bytes: grid.scratch_bytes(&req.shape),
-            ..info_whole(path)
-        })
+        Ok(filter_kernel_info(
+            path,
+            req,
+            "nnfuse's filter-gradient kernel",
+            direct_filter_refusal(
+                &req.shape,
+                req.dtype,
+                out_hw,
+                req.config.conv_workspace_bytes(),
+            ),
+            |cap| filter_grad_grid(&req.shape, out_hw, cap).scratch_bytes(&req.shape),
+        ))
     }
 
     fn reasons(&self, _req: &ConvPlanRequest, p: &PathInfo, reasons: &mut Vec<String>) {
@@ -1163,18 +1185,18 @@ impl PathRule for StemFilterRule {
         req: &ConvPlanRequest,
         out_hw: (usize, usize),
     ) -> Result<PathInfo> {
-        if let Some(info) = filter_gradient_only(path, req, "the stem filter-gradient kernel") {
-            return Ok(info);
-        }
-        let cap = req.config.conv_workspace_bytes();
-        if let Some(why) = stem_filter_refusal(&req.shape, req.dtype, out_hw, cap) {
-            return Ok(info_ineligible(path, why));
-        }
-        let grid = stem_grid(&req.shape, out_hw, cap);
-        Ok(PathInfo {
-            scratch_bytes: grid.scratch_bytes(&req.shape),
-            ..info_whole(path)
-        })
+        Ok(filter_kernel_info(
+            path,
+            req,
+            "the stem filter-gradient kernel",
+            stem_filter_refusal(
+                &req.shape,
+                req.dtype,
+                out_hw,
+                req.config.conv_workspace_bytes(),
+            ),
+            |cap| stem_grid(&req.shape, out_hw, cap).scratch_bytes(&req.shape),
+        ))
     }
 
     fn reasons(&self, req: &ConvPlanRequest, p: &PathInfo, reasons: &mut Vec<String>) {
