@@ -16,7 +16,7 @@ const SHARED_HEADERS: &[(&str, &[&str])] = &[
     ("batchnorm.cu", &["common.cuh", "batchnorm_common.cuh"]),
     ("block_stats.cu", &["common.cuh", "batchnorm_common.cuh"]),
     ("conv_pointwise.cu", &["common.cuh", "mma.cuh"]),
-    ("conv_stem_wgrad.cu", &["mma.cuh"]),
+    ("conv_stem.cu", &["mma.cuh"]),
     (
         "batchnorm_persistent.cu",
         &["common.cuh", "batchnorm_common.cuh"],

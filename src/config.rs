@@ -173,10 +173,14 @@ pub enum ConvAlgoPolicy {
     /// channels-last, at most 16 input channels and `kh*kw*c_in` ≤ 160, such as a 7x7 stem;
     /// `stem_filter`): the filter gradient only; other directions fall back as the plan says.
     StemFilter,
+    /// nnfuse's tensor-core forward for layers with few input channels (f16 / bf16
+    /// channels-last, at most 16 input channels and `kh*kw*c_in` ≤ 160; `stem_forward`): the
+    /// forward only; the gradients fall back as the plan says.
+    StemForward,
 }
 
 impl ConvAlgoPolicy {
-    const TABLE: [(&'static str, ConvAlgoPolicy); 11] = [
+    const TABLE: [(&'static str, ConvAlgoPolicy); 12] = [
         ("auto", ConvAlgoPolicy::Auto),
         ("cudnn", ConvAlgoPolicy::Cudnn),
         ("im2col", ConvAlgoPolicy::Im2col),
@@ -188,6 +192,7 @@ impl ConvAlgoPolicy {
         ("direct_filter", ConvAlgoPolicy::DirectFilter),
         ("cudnn_tiled", ConvAlgoPolicy::CudnnTiled),
         ("stem_filter", ConvAlgoPolicy::StemFilter),
+        ("stem_forward", ConvAlgoPolicy::StemForward),
     ];
 
     /// The spelling used by the environment variable and the CLI.
@@ -204,6 +209,7 @@ impl ConvAlgoPolicy {
             ConvAlgoPolicy::DirectFilter => "direct_filter",
             ConvAlgoPolicy::CudnnTiled => "cudnn_tiled",
             ConvAlgoPolicy::StemFilter => "stem_filter",
+            ConvAlgoPolicy::StemForward => "stem_forward",
         }
     }
 }

@@ -598,7 +598,7 @@ fn check_invariants(p: &ConvPlan, present: bool) {
         "{:?} {} {} {}",
         p.shape, p.direction, p.policy, p.winograd_gemm
     );
-    assert_eq!(p.paths.len(), 9, "{ctx}");
+    assert_eq!(p.paths.len(), 10, "{ctx}");
     assert!(!p.candidates.is_empty(), "{ctx}");
     assert_eq!(p.candidates[0].path, p.path, "{ctx}");
     assert_eq!(p.candidates[0].engine, p.engine, "{ctx}");
@@ -692,6 +692,7 @@ fn check_invariants(p: &ConvPlan, present: bool) {
         ConvAlgoPolicy::DirectFilter => &[ConvPath::DirectFilter],
         ConvAlgoPolicy::CudnnTiled => &[ConvPath::CudnnTiled],
         ConvAlgoPolicy::StemFilter => &[ConvPath::StemFilter],
+        ConvAlgoPolicy::StemForward => &[ConvPath::StemForward],
     };
     if !own.is_empty() {
         if own.iter().any(|&q| p.eligible(q)) {
@@ -846,7 +847,7 @@ fn the_cudnn_candidate_goes_through_the_graph_api_where_it_can() {
         assert_eq!(p.candidates[0].path, ConvPath::Cudnn, "{d}");
         assert!(p.candidates.iter().all(|r| r.path != ConvPath::CudnnGraph));
         assert!(p.eligible(ConvPath::CudnnGraph), "{d}");
-        assert_eq!(p.paths.len(), 9);
+        assert_eq!(p.paths.len(), 10);
         assert_eq!(p.api_paths.len(), 1);
         assert_eq!(p.api_paths[0].path, ConvPath::CudnnGraph);
         assert!(has_reason(&p, "cuDNN API graph"), "{p}");
@@ -1326,6 +1327,74 @@ fn the_stem_filter_gradient_is_a_candidate_of_few_channel_half_layers() {
     assert_eq!(
         "stem_filter".parse::<ConvAlgoPolicy>().unwrap(),
         ConvAlgoPolicy::StemFilter
+    );
+}
+
+/// nnfuse's stem forward kernel (`stem_forward`): a candidate of f16 / bf16 channels-last
+/// forwards with few input channels, measured right after the incumbent, with no scratch and
+/// its reason; refused, with the reason, for the gradients, f32 and NCHW; forced by
+/// `stem_forward`, the gradients falling back.
+#[test]
+fn the_stem_forward_is_a_candidate_of_few_channel_half_layers() {
+    let stem = ConvShape {
+        n: 32,
+        c_in: 3,
+        h: 224,
+        w: 224,
+        c_out: 64,
+        kh: 7,
+        kw: 7,
+        stride: (2, 2),
+        pad: (3, 3),
+        dilation: (1, 1),
+        format: NHWC,
+    };
+    let cfg = Config::default();
+    for dt in [DType::F16, DType::BF16] {
+        let p = plan_of(stem, dt, Direction::Forward, &cfg, true);
+        let i = p
+            .candidates
+            .iter()
+            .position(|r| r.path == ConvPath::StemForward)
+            .unwrap_or_else(|| panic!("{p}"));
+        assert!(i >= 1, "{p}");
+        assert_eq!(p.info(ConvPath::StemForward).scratch_bytes, 0);
+        assert!(
+            has_reason(&p, "stem_forward: nnfuse's tensor-core forward"),
+            "{p}"
+        );
+    }
+    for d in [Direction::BackwardData, Direction::BackwardFilter] {
+        let p = plan_of(stem, DType::F16, d, &cfg, true);
+        assert!(
+            why(&p, ConvPath::StemForward).contains("forward only"),
+            "{p}"
+        );
+    }
+    let p = plan_of(stem, DType::F32, Direction::Forward, &cfg, true);
+    assert!(
+        why(&p, ConvPath::StemForward).contains("f16 and bf16 only"),
+        "{p}"
+    );
+    let nchw = ConvShape {
+        format: NCHW,
+        ..stem
+    };
+    let p = plan_of(nchw, DType::BF16, Direction::Forward, &cfg, true);
+    assert!(
+        why(&p, ConvPath::StemForward).contains("channels-last"),
+        "{p}"
+    );
+    let forced = Config::default().with_conv_algo(ConvAlgoPolicy::StemForward);
+    let p = plan_of(stem, DType::F16, Direction::Forward, &forced, true);
+    assert_eq!(p.path, ConvPath::StemForward, "{p}");
+    assert_eq!(p.candidates.len(), 1, "{p}");
+    let p = plan_of(stem, DType::F16, Direction::BackwardFilter, &forced, true);
+    assert_ne!(p.path, ConvPath::StemForward, "{p}");
+    assert!(p.fallback.is_some(), "{p}");
+    assert_eq!(
+        "stem_fwd".parse::<ConvPath>().unwrap(),
+        ConvPath::StemForward
     );
 }
 

@@ -273,6 +273,7 @@ fn every_path_matches_the_f64_reference_on_the_grid() {
                 || p == ConvPath::DirectFilter
                 || p == ConvPath::CudnnTiled
                 || p == ConvPath::StemFilter
+                || p == ConvPath::StemForward
             {
                 continue;
             }
@@ -971,4 +972,121 @@ fn the_design_covers_the_grid() {
     for (s, dt) in d.iter().take(12) {
         eprintln!("{} {dt}", describe(s));
     }
+}
+
+/// The stem forward (`stem_forward`) on `s` in `T` against f64: its error may not exceed 1.5x
+/// that of rounding the exact result to `T` (+1e-5), i.e. f32 accumulation; the outputs are
+/// bit-identical run to run. Returns the failures.
+fn check_stem_forward<T: Element>(ctx: &Context, rng: &mut Rng, s: &ConvShape) -> Vec<String> {
+    let route = Route::path(ConvPath::StemForward);
+    let xs: Vec<T> = rng.vec(s.x_len().unwrap(), -1.0, 1.0);
+    let ws: Vec<T> = rng.vec(s.w_len().unwrap(), -1.0, 1.0);
+    let want = conv2d(s, &f64s(&xs), &f64s(&ws)).expect("reference");
+    let conv = Conv2d::<T>::new(ctx, s).expect("plan");
+    let plan = conv.plan_for(Direction::Forward);
+    assert!(plan.eligible(ConvPath::StemForward), "{plan}");
+    let tag = format!("{} {} y via {route}", describe(s), T::DTYPE);
+    let (xd, wd) = (upload(ctx, &xs), upload(ctx, &ws));
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        let mut y = poisoned::<T>(ctx, s.y_len().unwrap());
+        conv.forward_with(route, &xd, &wd, &mut y)
+            .unwrap_or_else(|e| panic!("{tag}: {e}"));
+        runs.push(download(ctx, &y));
+    }
+    let rounded: Vec<f64> = want.iter().map(|&v| T::from_f64(v).to_f64()).collect();
+    let floor = compare("rounding", &rounded, &want, 1.0).expect("finite");
+    let bound = (1.5 * floor + 1e-5).min(tolerance(ConvPath::StemForward, T::DTYPE));
+    let mut failures = Vec::new();
+    match compare(&tag, &f64s(&runs[0]), &want, bound) {
+        Ok(e) => eprintln!("{tag}: error {e:.2e} (rounding alone {floor:.2e})"),
+        Err(m) => failures.push(m),
+    }
+    let bits = |v: &[T]| v.iter().map(|t| t.to_f64().to_bits()).collect::<Vec<_>>();
+    if bits(&runs[0]) != bits(&runs[1]) {
+        failures.push(format!("{tag}: differs run to run"));
+    }
+    failures
+}
+
+/// nnfuse's stem forward kernel (`stem_forward`: f16 / bf16 channels-last, few input channels)
+/// against f64 on shapes that reach the edges of its tiling — ResNet-50's 7x7/2 stem (one
+/// 112-pixel segment per row), rows of three 128-pixel segments with a partial last one, 160
+/// columns exactly (ten k steps), filters past one 64-filter tile (136) and 8, asymmetric
+/// stride and padding, fewer units than blocks; a forced policy takes it, and the plan refuses
+/// the gradients, f32 and a wide layer with the reason.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_stem_forward_matches_f64_on_its_tile_edges() {
+    let ctx = gpu();
+    let mut rng = Rng::fresh("stem forward");
+    let nhwc = TensorFormat::Nhwc;
+    let base = |n, c_in, (h, w), c_out, (kh, kw), stride, pad| ConvShape {
+        n,
+        c_in,
+        h,
+        w,
+        c_out,
+        kh,
+        kw,
+        stride,
+        pad,
+        dilation: (1, 1),
+        format: nhwc,
+    };
+    let stem = base(2, 3, (224, 224), 64, (7, 7), (2, 2), (3, 3));
+    let shapes = [
+        stem,
+        base(1, 3, (5, 300), 24, (3, 3), (1, 1), (1, 1)),
+        base(2, 10, (19, 33), 136, (4, 4), (1, 1), (1, 2)),
+        base(3, 2, (9, 17), 8, (1, 1), (2, 1), (0, 0)),
+        base(2, 4, (11, 140), 72, (5, 3), (1, 3), (2, 0)),
+        base(1, 16, (3, 4), 16, (3, 3), (2, 2), (1, 1)),
+    ];
+    let mut failures = Vec::new();
+    for s in &shapes {
+        failures.extend(check_stem_forward::<f16>(&ctx, &mut rng, s));
+        failures.extend(check_stem_forward::<bf16>(&ctx, &mut rng, s));
+    }
+    let forced = gpu_with(Config::default().with_conv_algo(ConvAlgoPolicy::StemForward));
+    let s = shapes[1];
+    let conv = Conv2d::<f16>::new(&forced, &s).expect("plan");
+    let xs: Vec<f16> = rng.vec(s.x_len().unwrap(), -1.0, 1.0);
+    let ws: Vec<f16> = rng.vec(s.w_len().unwrap(), -1.0, 1.0);
+    let mut y = poisoned::<f16>(&forced, s.y_len().unwrap());
+    conv.forward(&upload(&forced, &xs), &upload(&forced, &ws), &mut y)
+        .expect("forced stem_forward");
+    let c = conv.choice(Direction::Forward).expect("decided");
+    assert_eq!(c.route.path, ConvPath::StemForward, "{c}\n{:?}", c.notes);
+    compare(
+        "forced stem_forward",
+        &f64s(&download(&forced, &y)),
+        &conv2d(&s, &f64s(&xs), &f64s(&ws)).expect("reference"),
+        1e-2,
+    )
+    .unwrap_or_else(|m| panic!("{m}"));
+    let why = |s: &ConvShape, d: Direction, f32: bool| {
+        let ineligible = |plan: &nnfuse::conv::ConvPlan| {
+            assert!(!plan.eligible(ConvPath::StemForward), "{plan}");
+            plan.info(ConvPath::StemForward)
+                .why_not
+                .clone()
+                .unwrap_or_default()
+        };
+        if f32 {
+            ineligible(Conv2d::<f32>::new(&ctx, s).expect("plan").plan_for(d))
+        } else {
+            ineligible(Conv2d::<f16>::new(&ctx, s).expect("plan").plan_for(d))
+        }
+    };
+    assert!(why(&stem, Direction::BackwardData, false).contains("forward only"));
+    assert!(why(&stem, Direction::Forward, true).contains("f16 and bf16 only"));
+    let wide = ConvShape { c_in: 4, ..stem };
+    assert!(why(&wide, Direction::Forward, false).contains("196 columns"));
+    assert!(
+        failures.is_empty(),
+        "{} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }

@@ -168,6 +168,7 @@ pub(crate) fn is_true_f32(r: &Route) -> bool {
         | ConvPath::CudnnDual
         | ConvPath::CudnnTiled
         | ConvPath::StemFilter
+        | ConvPath::StemForward
         | ConvPath::WinogradF2x3
         | ConvPath::WinogradF4x3 => false,
     }
@@ -185,7 +186,11 @@ pub(crate) fn names_graph_engine(path: ConvPath) -> bool {
 fn measured_second(path: ConvPath) -> bool {
     matches!(
         path,
-        ConvPath::CudnnDual | ConvPath::DirectFilter | ConvPath::CudnnTiled | ConvPath::StemFilter
+        ConvPath::CudnnDual
+            | ConvPath::DirectFilter
+            | ConvPath::CudnnTiled
+            | ConvPath::StemFilter
+            | ConvPath::StemForward
     )
 }
 

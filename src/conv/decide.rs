@@ -493,8 +493,9 @@ impl<T: Element> Conv2d<T> {
             ConvPath::DirectFilter => v.push(&kernels::CONV_WGRAD),
             ConvPath::StemFilter => {
                 let nt = column_tiles(&self.core.shape);
-                v.extend(super::stem_filter::unit(dtype, nt));
+                v.extend(super::stem::unit(dtype, nt));
             }
+            ConvPath::StemForward => v.extend(super::stem::unit(dtype, super::stem::FORWARD_UNIT)),
             ConvPath::Im2colGemm => {
                 v.push(&kernels::IM2COL);
                 if gemm {

@@ -52,6 +52,7 @@ mod decide;
 pub(crate) mod im2col;
 mod route;
 mod state;
+mod stem;
 mod winograd;
 mod winograd_gemm;
 

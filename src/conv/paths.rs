@@ -12,9 +12,9 @@ use std::str::FromStr;
 
 use super::problem::{
     direct_filter_refusal, dual_refusal, filter_grad_grid, fused_eligible, stem_filter_refusal,
-    stem_grid, tiled_bytes, tiled_refusal, tiled_shape, winograd_backward_data_eligible,
-    winograd_dims, winograd_equivalent, winograd_forward_eligible, ConvShape, Direction,
-    WinogradEngine, WinogradTile,
+    stem_forward_refusal, stem_grid, tiled_bytes, tiled_refusal, tiled_shape,
+    winograd_backward_data_eligible, winograd_dims, winograd_equivalent, winograd_forward_eligible,
+    ConvShape, Direction, WinogradEngine, WinogradTile,
 };
 use super::sizes::{
     im2col_chunk, im2col_dims, is_pointwise, reduction_len, tensor_core_rule, true_f32_bound,
@@ -70,8 +70,12 @@ macro_rules! conv_paths {
                 run conv_tiled::raw_run, rule TiledRule;
             /// nnfuse's tensor-core filter gradient for layers with few input channels (a 7x7
             /// stem over 3): f16 / bf16 channels-last, `c_in` ≤ 16, `kh*kw*c_in` ≤ 160.
-            StemFilter = "stem_filter" | "stem_wgrad", auto 18, mod stem_filter,
-                run stem_filter::raw_run, rule StemFilterRule;
+            StemFilter = "stem_filter" | "stem_wgrad", auto 18, run stem::raw_run,
+                rule StemFilterRule;
+            /// nnfuse's tensor-core forward for layers with few input channels: f16 / bf16
+            /// channels-last, `c_in` ≤ 16, `kh*kw*c_in` ≤ 160.
+            StemForward = "stem_forward" | "stem_fwd", auto 19, run stem::raw_run_forward,
+                rule StemForwardRule;
         }
     };
 }
@@ -96,7 +100,7 @@ macro_rules! declare_paths {
                 [$(ConvPath::$variant),*];
 
             /// `cudnn`, `im2col_gemm`, `winograd_f2x3`, `winograd_f4x3`, `direct`, `cudnn_graph`,
-            /// `cudnn_dual`, `direct_filter`, `cudnn_tiled`, `stem_filter`.
+            /// `cudnn_dual`, `direct_filter`, `cudnn_tiled`, `stem_filter`, `stem_forward`.
             pub const fn name(self) -> &'static str {
                 match self {
                     $(ConvPath::$variant => $name,)*
@@ -1213,5 +1217,41 @@ impl PathRule for StemFilterRule {
 
     fn forced_by(&self, policy: ConvAlgoPolicy) -> bool {
         policy == ConvAlgoPolicy::StemFilter
+    }
+}
+
+/// nnfuse's tensor-core forward for layers with few input channels (`problem::stem`): the
+/// forward only, f16 / bf16 channels-last, at most 16 input channels and 160 columns
+/// (`kh*kw*c_in`). No scratch.
+pub(crate) struct StemForwardRule;
+
+impl PathRule for StemForwardRule {
+    fn info(
+        &self,
+        path: ConvPath,
+        req: &ConvPlanRequest,
+        out_hw: (usize, usize),
+    ) -> Result<PathInfo> {
+        if let Some(info) = forward_only(path, req, "the stem forward kernel") {
+            return Ok(info);
+        }
+        Ok(match stem_forward_refusal(&req.shape, req.dtype, out_hw) {
+            Some(why) => info_ineligible(path, why),
+            None => info_whole(path),
+        })
+    }
+
+    fn reasons(&self, req: &ConvPlanRequest, _p: &PathInfo, reasons: &mut Vec<String>) {
+        reasons.push(format!(
+            "stem_forward: nnfuse's tensor-core forward for few input channels: the {} columns \
+             (kh*kw*c_in) of each output pixel read from staged input rows (no column matrix \
+             in memory), the filter tile in shared memory, f32 accumulation, each output \
+             rounded once",
+            req.shape.kh * req.shape.kw * req.shape.c_in
+        ));
+    }
+
+    fn forced_by(&self, policy: ConvAlgoPolicy) -> bool {
+        policy == ConvAlgoPolicy::StemForward
     }
 }

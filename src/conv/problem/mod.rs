@@ -11,7 +11,7 @@ mod dual;
 mod graph_engine;
 mod operands;
 mod shape;
-mod stem_filter;
+mod stem;
 mod tiled;
 mod winograd;
 
@@ -24,7 +24,9 @@ pub(crate) use dual::{dual_refusal, dual_shape};
 pub use graph_engine::{GraphEngine, MAX_GRAPH_KNOBS};
 pub(crate) use operands::{BwdDataPtrs, BwdFilterPtrs, CudnnPtrs, FwdPtrs};
 pub use shape::ConvShape;
-pub(crate) use stem_filter::{column_tiles, stem_filter_refusal, stem_grid, StemGrid};
+pub(crate) use stem::{
+    column_tiles, stem_filter_refusal, stem_forward_grid, stem_forward_refusal, stem_grid, StemGrid,
+};
 pub(crate) use tiled::{quarter, tiled_bytes, tiled_refusal, tiled_shape, tiled_x_bytes};
 pub use winograd::{
     fused_eligible, winograd_backward_data_eligible, winograd_dims, winograd_equivalent,

@@ -1,5 +1,6 @@
-// The filter gradient of a channels-last layer with few input channels (ResNet's 7x7/2 stem:
-// c_in = 3) in f16 / bf16 on tensor cores: the `stem_filter` path (src/conv/stem_filter.rs).
+// Channels-last layers with few input channels (ResNet's 7x7/2 stem: c_in = 3) in f16 / bf16 on
+// tensor cores: the filter gradient (the `stem_filter` path, src/conv/stem_filter.rs) and the
+// forward (`stem_forward`, src/conv/stem_forward.rs; below the filter gradient's kernels).
 // Why: cuDNN's f32-accumulating engines ran the stem's filter gradient (batch 32) in 162 us on
 // the H100 for a 20 us memory floor; a GEMM of dy with column matrices written to memory
 // (im2col_gemm) took 207.
@@ -18,8 +19,9 @@
 // the splits in a fixed order (deterministic) and writes or adds into dw, rounding once.
 
 // Compilation units (src/conv/stem_filter.rs: `unit`): NNF_SW_DT 2 (f16) or 3 (bf16) and
-// NNF_SW_NT 1 to 5 select one main kernel and its type's reduce, so that a first call compiles
-// two kernels, not twelve; 0 (the default) compiles all.
+// NNF_SW_NT 1 to 5 select one filter-gradient kernel and its type's reduce, 6 the type's forward
+// kernel, so that a first call compiles one or two kernels, not fourteen; 0 (the default)
+// compiles all.
 #ifndef NNF_SW_DT
 #define NNF_SW_DT 0
 #endif
@@ -46,7 +48,7 @@ struct StemGeom {
     u32 splits;      // gridDim.x
     u32 xsw;         // staged x row stride in halves (a multiple of 8)
     u32 pieces;      // 4-byte pieces per staged x row
-    u32 pad;
+    u32 ldw;         // forward: the staged filter's row stride in halves (16 * ksteps + 8)
 };
 static_assert(sizeof(StemGeom) == 80, "StemGeom must match src/conv/stem_filter.rs");
 
@@ -65,9 +67,26 @@ __device__ __forceinline__ SwUnit sw_unit(u32 u, const StemGeom& g) {
     return t;
 }
 
-// Queues unit u's copies: dy's SW_PX pixels x 64 filters from k0, and the kh input rows from
-// the even element at or before jstart (4-byte pieces; the image's rows hold an even number of
-// elements, so a piece is wholly inside or outside).
+// Queues the copies of unit u's kh input rows into `xs`, from the even element at or before
+// jstart (4-byte pieces; the image's rows hold an even number of elements, so a piece is wholly
+// inside or outside; outside: zeros).
+__device__ __forceinline__ void sw_stage_x(const unsigned short* __restrict__ x,
+                                           const StemGeom& g, const SwUnit& t,
+                                           unsigned short* xs) {
+    const int a = t.jstart - (t.jstart & 1);
+    const int row_len = (int)(g.w * g.c);
+    for (u32 e = threadIdx.x; e < g.kh * g.pieces; e += SW_THREADS) {
+        const u32 rr = e / g.pieces, q = e % g.pieces;
+        const int ih = (int)(t.oh * g.sh + rr) - g.ph;
+        const int jj = a + 2 * (int)q;
+        const bool ok = ih >= 0 && ih < (int)g.h && jj >= 0 && jj < row_len;
+        const unsigned short* src = ok ? x + ((u64)t.n * g.h + ih) * (u64)row_len + jj : x;
+        nnf_cp4(xs + rr * g.xsw + 2 * q, src, ok ? 4u : 0u);
+    }
+}
+
+// Queues unit u's copies: dy's SW_PX pixels x 64 filters from k0 (16-byte pieces), and its
+// input rows.
 __device__ __forceinline__ void sw_stage(const unsigned short* __restrict__ x,
                                          const unsigned short* __restrict__ dy,
                                          const StemGeom& g, u32 u, u32 k0,
@@ -82,16 +101,7 @@ __device__ __forceinline__ void sw_stage(const unsigned short* __restrict__ x,
         const bool ok = ow < g.ow && ch < g.k;
         nnf_cp16(dys + p * SW_LDD + j * 8, ok ? dy + (dy_row + ow) * g.k + ch : dy, ok ? 16u : 0u);
     }
-    const int a = t.jstart - (t.jstart & 1);
-    const int row_len = (int)(g.w * g.c);
-    for (u32 e = tid; e < g.kh * g.pieces; e += SW_THREADS) {
-        const u32 rr = e / g.pieces, q = e % g.pieces;
-        const int ih = (int)(t.oh * g.sh + rr) - g.ph;
-        const int jj = a + 2 * (int)q;
-        const bool ok = ih >= 0 && ih < (int)g.h && jj >= 0 && jj < row_len;
-        const unsigned short* src = ok ? x + ((u64)t.n * g.h + ih) * (u64)row_len + jj : x;
-        nnf_cp4(xs + rr * g.xsw + 2 * q, src, ok ? 4u : 0u);
-    }
+    sw_stage_x(x, g, t, xs);
     nnf_commit();
 }
 
@@ -211,6 +221,140 @@ NNF_SW_KERNEL(nnf_bf16, bf16, 4)
 #endif
 #if SW_WANT(3, 5)
 NNF_SW_KERNEL(nnf_bf16, bf16, 5)
+#endif
+
+// The forward: y[p][k] = sum over r of col[p][r] * w[k][r], a unit's SW_PX pixels x 64 filters
+// per step of a block's unit range (gridDim.x ranges, gridDim.y filter tiles). The block stages
+// its 64 filters once ([k][ldw] halves, zero past r and past c_out) with a table of where each
+// column r lies in a staged unit (`offs`), then per unit the kh input rows (two units deep) as
+// the filter gradient does. 8 warps as 4 (pixels: 32 each) x 2 (filters: 32 each), mma.sync with
+// f32 accumulators: A = columns, one 16-bit load per value (a pixel's columns lie kw*c apart per
+// kernel row); B = the filter by ldmatrix. Each output is rounded once into a shared tile and
+// stored in 16-byte pieces.
+template <typename T>
+__device__ __forceinline__ void stem_fwd(const unsigned short* __restrict__ x,
+                                         const unsigned short* __restrict__ w,
+                                         unsigned short* __restrict__ y, const StemGeom g) {
+    extern __shared__ __align__(16) unsigned short sw_sm[];
+    const u32 ksteps = (g.r + 15) / 16;
+    unsigned short* const ws = sw_sm;                                   // [64][ldw]
+    unsigned short* const os = ws + SW_KT * g.ldw;                      // [SW_PX][SW_LDD]
+    u32* const offs = (u32*)(os + SW_PX * SW_LDD);                      // [16 * ksteps]
+    unsigned short* const xs0 = (unsigned short*)(offs + 16 * ksteps);  // 2 x [kh][xsw]
+    const u32 xs_halves = g.kh * g.xsw;
+    const u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+    const u32 gq = lane >> 2, tq = lane & 3u;
+    const u32 wm = warp & 3u, wn = warp >> 2;
+    const u32 k0 = blockIdx.y * SW_KT, split = blockIdx.x;
+    const u32 u_begin = (u32)(((u64)split * g.units) / g.splits);
+    const u32 u_end = (u32)(((u64)(split + 1) * g.units) / g.splits);
+
+    // The filter tile (rows of r values: not 16-byte aligned in w, so element by element) and
+    // the column table; columns past r read column 0 (their filter values are zero).
+    for (u32 e = tid; e < SW_KT * 16 * ksteps; e += SW_THREADS) {
+        const u32 n = e / (16 * ksteps), r = e % (16 * ksteps);
+        const bool in = r < g.r && k0 + n < g.k;
+        ws[n * g.ldw + r] = in ? w[(u64)(k0 + n) * g.r + r] : (unsigned short)0;
+    }
+    const u32 kwc = g.kw * g.c;
+    for (u32 r = tid; r < 16 * ksteps; r += SW_THREADS)
+        offs[r] = r < g.r ? (r / kwc) * g.xsw + r % kwc : 0;
+    if (u_begin < u_end) {
+        sw_stage_x(x, g, sw_unit(u_begin, g), xs0);
+        nnf_commit();
+    }
+    const u32 xstep = g.sw * g.c;
+    // ldmatrix rows of B: lane l reads filter wn * 32 + np * 16 + (l / 16) * 8 + l % 8 at column
+    // ((l / 8) % 2) * 8 of a 16-column step.
+    const u32 b_addr =
+        nnf_smem(ws) + ((wn * 32 + (lane / 16) * 8 + lane % 8) * g.ldw + ((lane / 8) % 2) * 8) * 2;
+
+    for (u32 u = u_begin; u < u_end; ++u) {
+        const unsigned short* const xs = xs0 + ((u - u_begin) & 1u) * xs_halves;
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        // Unit u's rows (and, the first time, the filter and table) are in place for every
+        // thread; every thread is done with unit u - 1's rows and output tile.
+        __syncthreads();
+        if (u + 1 < u_end) {
+            sw_stage_x(x, g, sw_unit(u + 1, g), xs0 + ((u + 1 - u_begin) & 1u) * xs_halves);
+            nnf_commit();
+        }
+        const SwUnit t = sw_unit(u, g);
+        const u32 shift = (u32)(t.jstart & 1);
+        float acc[2][4][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+        // This thread's pixels: rows gq and gq + 8 of its warp's two 16-pixel tiles.
+        const unsigned short* xp[2][2];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) xp[mt][h] = xs + shift + (wm * 32 + mt * 16 + h * 8 + gq) * xstep;
+        for (u32 s = 0; s < ksteps; ++s) {
+            const u32 r0 = s * 16 + 2 * tq;
+            const u32 o0 = offs[r0], o1 = offs[r0 + 1], o8 = offs[r0 + 8], o9 = offs[r0 + 9];
+            u32 af[2][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                const unsigned short* pa = xp[mt][0];
+                const unsigned short* pb = xp[mt][1];
+                af[mt][0] = (u32)pa[o0] | ((u32)pa[o1] << 16);
+                af[mt][1] = (u32)pb[o0] | ((u32)pb[o1] << 16);
+                af[mt][2] = (u32)pa[o8] | ((u32)pa[o9] << 16);
+                af[mt][3] = (u32)pb[o8] | ((u32)pb[o9] << 16);
+            }
+#pragma unroll
+            for (int np = 0; np < 2; ++np) {
+                u32 bf[4];
+                nnf_ldsm4(bf, b_addr + (np * 16 * g.ldw + s * 16) * 2);
+#pragma unroll
+                for (int mt = 0; mt < 2; ++mt) {
+                    nnf_mma<T>(acc[mt][2 * np], af[mt], bf[0], bf[1]);
+                    nnf_mma<T>(acc[mt][2 * np + 1], af[mt], bf[2], bf[3]);
+                }
+            }
+        }
+        // The unit's outputs, rounded once, into the shared tile ([pixel][filter], stride
+        // SW_LDD: the 8 rows a warp writes at once fall in 8 bank quads) ...
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const u32 p = wm * 32 + mt * 16 + h * 8 + gq;
+                    const u32 lo = from_float<T>(acc[mt][nt][2 * h]).bits;
+                    const u32 hi = from_float<T>(acc[mt][nt][2 * h + 1]).bits;
+                    *(u32*)(os + p * SW_LDD + wn * 32 + nt * 8 + 2 * tq) = lo | (hi << 16);
+                }
+        __syncthreads();
+        // ... then to y in 16-byte pieces: pixel p's 64 filters from k0 (c_out is a multiple of
+        // 8, so a piece is wholly inside or outside).
+        const u32 cols = min((u32)SW_PX, g.ow - t.ow0);
+        const u64 y_row = ((u64)t.n * g.oh + t.oh) * g.ow + t.ow0;
+        for (u32 e = tid; e < SW_PX * 8; e += SW_THREADS) {
+            const u32 p = e / 8, j = e % 8;
+            if (p < cols && k0 + j * 8 < g.k)
+                *(uint4*)(y + (y_row + p) * g.k + k0 + j * 8) = *(const uint4*)(os + p * SW_LDD + j * 8);
+        }
+    }
+}
+
+#define NNF_SW_FWD_KERNEL(T, NAME)                                                          \
+    extern "C" __global__ void __launch_bounds__(SW_THREADS, 2)                             \
+        conv_stem_fwd_##NAME(const unsigned short* __restrict__ x,                          \
+                             const unsigned short* __restrict__ w,                          \
+                             unsigned short* __restrict__ y, StemGeom g) {                  \
+        stem_fwd<T>(x, w, y, g);                                                            \
+    }
+
+#if SW_WANT(2, 6)
+NNF_SW_FWD_KERNEL(nnf_f16, f16)
+#endif
+#if SW_WANT(3, 6)
+NNF_SW_FWD_KERNEL(nnf_bf16, bf16)
 #endif
 
 // dw[i] = (accumulate ? dw[i] : 0) + sum over splits of part[s][i], rounded once. A block takes

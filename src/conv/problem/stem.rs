@@ -1,8 +1,9 @@
-//! The sizes of nnfuse's tensor-core filter gradient for layers with few input channels (the
-//! `stem_filter` path, `kernels/conv_stem_wgrad.cu`): which problems it takes, how its work
-//! splits over blocks, its shared memory and the scratch of its partial sums. Shared by the
-//! plan's rule and the launcher, so that the plan never calls eligible what the launcher
-//! refuses. Pure: no GPU calls.
+//! The sizes of nnfuse's tensor-core kernels for layers with few input channels
+//! (`kernels/conv_stem.cu`): the filter gradient (the `stem_filter` path) and the forward
+//! (`stem_forward`) — which problems they take, how their work splits over blocks, their shared
+//! memory and the filter gradient's scratch of partial sums. Shared by the plans' rules and the
+//! launchers (`src/conv/stem.rs`), so that a plan never calls eligible what its launcher refuses.
+//! Pure: no GPU calls.
 
 use super::shape::ConvShape;
 use crate::dtype::DType;
@@ -44,8 +45,11 @@ pub(crate) struct StemGrid {
     pub xsw: usize,
     /// 4-byte pieces of a staged input row.
     pub pieces: usize,
-    /// Dynamic shared memory of a block: two stages.
+    /// Dynamic shared memory of a block.
     pub smem_bytes: usize,
+    /// The forward's staged filter row stride in halves (`16 * ceil(columns / 16) + 8`; 0 for
+    /// the filter gradient).
+    pub ldw: usize,
 }
 
 impl StemGrid {
@@ -98,6 +102,32 @@ pub(crate) fn stem_grid(s: &ConvShape, out_hw: (usize, usize), cap: usize) -> St
         xsw,
         pieces,
         smem_bytes: smem_bytes(s),
+        ldw: 0,
+    }
+}
+
+/// The forward's staged filter row stride in halves: the columns in steps of 16, + 8 (the 8 rows
+/// an ldmatrix reads fall in 8 bank quads).
+fn forward_ldw(s: &ConvShape) -> usize {
+    16 * (s.kh * s.kw * s.c_in).div_ceil(16) + 8
+}
+
+/// Dynamic shared memory of a forward block for `s`: the 64-filter tile, the output tile, the
+/// column table (one u32 per column in steps of 16) and two units' input rows.
+fn forward_smem_bytes(s: &ConvShape) -> usize {
+    let (_, xsw) = staged_row(s);
+    let ldw = forward_ldw(s);
+    KT * ldw * 2 + PX * LDD * 2 + (ldw - 8) * 4 + 2 * s.kh * xsw * 2
+}
+
+/// The forward's grid of `s` with output extent `out_hw`: enough unit ranges that the blocks
+/// reach [`TARGET_BLOCKS`], none empty (no scratch).
+pub(crate) fn stem_forward_grid(s: &ConvShape, out_hw: (usize, usize)) -> StemGrid {
+    let g = stem_grid(s, out_hw, usize::MAX);
+    StemGrid {
+        smem_bytes: forward_smem_bytes(s),
+        ldw: forward_ldw(s),
+        ..g
     }
 }
 
@@ -112,6 +142,37 @@ pub(crate) fn stem_filter_refusal(
     dtype: DType,
     out_hw: (usize, usize),
     cap: usize,
+) -> Option<String> {
+    if let Some(why) = shape_refusal(s, dtype, out_hw, smem_bytes(s)) {
+        return Some(why);
+    }
+    let one = s.c_out * s.kh * s.kw * s.c_in * std::mem::size_of::<f32>();
+    if one > cap {
+        return Some(format!(
+            "one split's partial sums ({one} bytes) exceed the workspace cap of {cap} bytes \
+             (NNFUSE_CONV_WORKSPACE_MB / Config::conv_workspace_mb)"
+        ));
+    }
+    None
+}
+
+/// Why the forward kernel cannot compute `s` (output extent `out_hw`) in `dtype`, or `None`
+/// when it can: as [`stem_filter_refusal`] without the scratch (y is written in pieces of 8
+/// filters, as the filter gradient reads dy).
+pub(crate) fn stem_forward_refusal(
+    s: &ConvShape,
+    dtype: DType,
+    out_hw: (usize, usize),
+) -> Option<String> {
+    shape_refusal(s, dtype, out_hw, forward_smem_bytes(s))
+}
+
+/// The refusals both kernels share, `smem` being the kernel's shared memory for `s`.
+fn shape_refusal(
+    s: &ConvShape,
+    dtype: DType,
+    out_hw: (usize, usize),
+    smem: usize,
 ) -> Option<String> {
     if dtype == DType::F32 {
         return Some(
@@ -144,7 +205,7 @@ pub(crate) fn stem_filter_refusal(
     }
     if s.c_out % 8 != 0 {
         return Some(format!(
-            "c_out = {}: the kernel copies dy 8 channels (16 bytes) at a time",
+            "c_out = {}: the kernels move dy and y 8 channels (16 bytes) at a time",
             s.c_out
         ));
     }
@@ -154,10 +215,9 @@ pub(crate) fn stem_filter_refusal(
             s.w * s.c_in
         ));
     }
-    let smem = smem_bytes(s);
     if smem > MAX_SMEM {
         return Some(format!(
-            "its two stages need {smem} bytes of shared memory (at most {MAX_SMEM}): stride \
+            "it needs {smem} bytes of shared memory (at most {MAX_SMEM}): stride \
              {} over {} channels is too wide a row",
             s.stride.1, s.c_in
         ));
@@ -188,13 +248,6 @@ pub(crate) fn stem_filter_refusal(
         return Some(format!(
             "the kernel indexes with 32-bit extents (at most {int}): {}",
             over.join(", ")
-        ));
-    }
-    let one = s.c_out * columns * std::mem::size_of::<f32>();
-    if one > cap {
-        return Some(format!(
-            "one split's partial sums ({one} bytes) exceed the workspace cap of {cap} bytes \
-             (NNFUSE_CONV_WORKSPACE_MB / Config::conv_workspace_mb)"
         ));
     }
     None
