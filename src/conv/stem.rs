@@ -54,8 +54,8 @@ struct StemGeom {
 // SAFETY: plain-old-data, laid out as the kernel's struct (`#[repr(C)]`, size checked below).
 unsafe impl DeviceRepr for StemGeom {}
 
-/// The kernel's geometry. Every extent was bounded by `stem_filter_refusal` (32-bit indices),
-/// so the narrowing casts are exact.
+/// The kernels' geometry. Every extent was bounded by the path's refusal (`problem::stem`:
+/// 32-bit indices), so the narrowing casts are exact.
 fn geometry(s: &ConvShape, (oh, ow): (usize, usize), g: &StemGrid) -> StemGeom {
     let u = |v: usize| v as u32;
     StemGeom {

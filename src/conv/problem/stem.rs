@@ -33,7 +33,7 @@ pub(crate) struct StemGrid {
     pub segs: usize,
     /// Work units: `n * oh * segs`.
     pub units: usize,
-    /// Unit ranges (`gridDim.x`), each with its own partial sums.
+    /// Unit ranges (`gridDim.x`); the filter gradient's each with its own partial sums.
     pub splits: usize,
     /// Filter tiles (`gridDim.y`).
     pub k_tiles: usize,
@@ -62,23 +62,34 @@ impl StemGrid {
 /// The staged input row of one unit: its 4-byte pieces and stride. A unit's `PX` pixels at
 /// stride `sw` read `((PX - 1) * sw + kw) * c_in` elements of a row, starting at an element
 /// that may be odd (one more element, loaded from the even one before it).
+/// Saturating: a refused problem's sizes may not fit `usize`.
 fn staged_row(s: &ConvShape) -> (usize, usize) {
-    let elems = ((PX - 1) * s.stride.1 + s.kw) * s.c_in;
-    let pieces = (elems + 2) / 2;
-    (pieces, (2 * pieces).next_multiple_of(8))
+    let elems = ((PX - 1).saturating_mul(s.stride.1).saturating_add(s.kw)).saturating_mul(s.c_in);
+    let pieces = elems.saturating_add(2) / 2;
+    (
+        pieces,
+        2usize.saturating_mul(pieces).saturating_add(7) / 8 * 8,
+    )
 }
 
 /// Dynamic shared memory of a block for `s`: two stages of dy's `PX` rows and the `kh` input
 /// rows.
 fn smem_bytes(s: &ConvShape) -> usize {
     let (_, xsw) = staged_row(s);
-    2 * (PX * LDD + s.kh * xsw) * 2
+    (PX * LDD)
+        .saturating_add(s.kh.saturating_mul(xsw))
+        .saturating_mul(4)
 }
 
 /// The kernel's column tiles of 8 per column warp for `s` (`NT`: 4 warps, `ceil(columns / 32)`):
 /// which compiled kernel runs it.
 pub(crate) fn column_tiles(s: &ConvShape) -> usize {
-    (s.kh * s.kw * s.c_in).div_ceil(32).max(1)
+    columns(s).div_ceil(32).max(1)
+}
+
+/// `kh * kw * c_in`, saturating.
+fn columns(s: &ConvShape) -> usize {
+    s.kh.saturating_mul(s.kw).saturating_mul(s.c_in)
 }
 
 /// The grid of `s` with output extent `out_hw`: enough unit ranges that the blocks reach
@@ -109,7 +120,7 @@ pub(crate) fn stem_grid(s: &ConvShape, out_hw: (usize, usize), cap: usize) -> St
 /// The forward's staged filter row stride in halves: the columns in steps of 16, + 8 (the 8 rows
 /// an ldmatrix reads fall in 8 bank quads).
 fn forward_ldw(s: &ConvShape) -> usize {
-    16 * (s.kh * s.kw * s.c_in).div_ceil(16) + 8
+    columns(s).div_ceil(16).saturating_mul(16).saturating_add(8)
 }
 
 /// Dynamic shared memory of a forward block for `s`: the 64-filter tile, the output tile, the
@@ -117,7 +128,14 @@ fn forward_ldw(s: &ConvShape) -> usize {
 fn forward_smem_bytes(s: &ConvShape) -> usize {
     let (_, xsw) = staged_row(s);
     let ldw = forward_ldw(s);
-    KT * ldw * 2 + PX * LDD * 2 + (ldw - 8) * 4 + 2 * s.kh * xsw * 2
+    [
+        KT.saturating_mul(ldw).saturating_mul(2),
+        PX * LDD * 2,
+        (ldw - 8).saturating_mul(4),
+        s.kh.saturating_mul(xsw).saturating_mul(4),
+    ]
+    .into_iter()
+    .fold(0usize, usize::saturating_add)
 }
 
 /// The forward's grid of `s` with output extent `out_hw`: enough unit ranges that the blocks
@@ -143,10 +161,10 @@ pub(crate) fn stem_filter_refusal(
     out_hw: (usize, usize),
     cap: usize,
 ) -> Option<String> {
-    if let Some(why) = shape_refusal(s, dtype, out_hw, smem_bytes(s)) {
+    if let Some(why) = shape_refusal(s, dtype, out_hw, smem_bytes) {
         return Some(why);
     }
-    let one = s.c_out * s.kh * s.kw * s.c_in * std::mem::size_of::<f32>();
+    let one = s.c_out.saturating_mul(columns(s)).saturating_mul(4);
     if one > cap {
         return Some(format!(
             "one split's partial sums ({one} bytes) exceed the workspace cap of {cap} bytes \
@@ -164,15 +182,16 @@ pub(crate) fn stem_forward_refusal(
     dtype: DType,
     out_hw: (usize, usize),
 ) -> Option<String> {
-    shape_refusal(s, dtype, out_hw, forward_smem_bytes(s))
+    shape_refusal(s, dtype, out_hw, forward_smem_bytes)
 }
 
-/// The refusals both kernels share, `smem` being the kernel's shared memory for `s`.
+/// The refusals both kernels share, `smem` giving the kernel's shared memory for `s` (asked
+/// once the channels and columns are known to be few).
 fn shape_refusal(
     s: &ConvShape,
     dtype: DType,
     out_hw: (usize, usize),
-    smem: usize,
+    smem: fn(&ConvShape) -> usize,
 ) -> Option<String> {
     if dtype == DType::F32 {
         return Some(
@@ -196,7 +215,7 @@ fn shape_refusal(
             s.c_in
         ));
     }
-    let columns = s.kh * s.kw * s.c_in;
+    let columns = columns(s);
     if columns > MAX_COLUMNS {
         return Some(format!(
             "kh*kw*c_in = {columns} columns: a block holds at most {MAX_COLUMNS} (layers with \
@@ -215,6 +234,7 @@ fn shape_refusal(
             s.w * s.c_in
         ));
     }
+    let smem = smem(s);
     if smem > MAX_SMEM {
         return Some(format!(
             "it needs {smem} bytes of shared memory (at most {MAX_SMEM}): stride \
@@ -228,6 +248,7 @@ fn shape_refusal(
             .and_then(|v| v.checked_mul(out_hw.1.div_ceil(PX)));
     let over = [
         ("n", s.n),
+        ("c_out", s.c_out),
         ("h", s.h),
         ("w*c_in", s.w * s.c_in),
         (
@@ -360,5 +381,31 @@ mod tests {
         let mut huge = s;
         huge.n = 1 << 31;
         assert!(ok(&huge, DType::F16).unwrap().contains("32-bit"));
+    }
+
+    #[test]
+    fn sizes_beyond_usize_are_refused_not_overflowed() {
+        let big = usize::MAX / 3;
+        for (stride, kh, c_in, c_out, w) in [
+            ((1, big), 7, 3, 64, 224),
+            ((2, 2), big, 3, 64, 224),
+            ((2, 2), 7, 3, big / 8 * 8, 224),
+            ((2, 2), 1, 2, 64, big),
+        ] {
+            let s = ConvShape {
+                stride,
+                kh,
+                c_in,
+                c_out,
+                w,
+                ..stem(2)
+            };
+            let hw = (112, 112);
+            assert!(
+                stem_filter_refusal(&s, DType::F16, hw, 1 << 30).is_some(),
+                "{s:?}"
+            );
+            assert!(stem_forward_refusal(&s, DType::F16, hw).is_some(), "{s:?}");
+        }
     }
 }
