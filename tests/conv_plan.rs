@@ -1251,15 +1251,10 @@ fn the_filter_gradient_kernel_is_an_f32_3x3_stride_one_candidate() {
     );
 }
 
-/// nnfuse's stem filter-gradient kernel (`stem_filter`): a candidate of f16 / bf16
-/// channels-last filter gradients with few input channels (ResNet's 7x7/2 stem), measured right
-/// after the incumbent, with its scratch (one partial filter gradient per range of row
-/// segments) and reason; refused, with the reason, for the other directions, f32, NCHW and a
-/// 7x7 filter over 4 channels (196 columns); forced by `stem_filter`, the other directions
-/// falling back.
-#[test]
-fn the_stem_filter_gradient_is_a_candidate_of_few_channel_half_layers() {
-    let stem = ConvShape {
+/// ResNet-50's stem at batch 32 (7x7/2, 3 → 64 channels at 224x224, channels-last): the
+/// few-channel kernels' reference problem.
+fn resnet_stem() -> ConvShape {
+    ConvShape {
         n: 32,
         c_in: 3,
         h: 224,
@@ -1271,7 +1266,18 @@ fn the_stem_filter_gradient_is_a_candidate_of_few_channel_half_layers() {
         pad: (3, 3),
         dilation: (1, 1),
         format: NHWC,
-    };
+    }
+}
+
+/// nnfuse's stem filter-gradient kernel (`stem_filter`): a candidate of f16 / bf16
+/// channels-last filter gradients with few input channels (ResNet's 7x7/2 stem), measured right
+/// after the incumbent, with its scratch (one partial filter gradient per range of row
+/// segments) and reason; refused, with the reason, for the other directions, f32, NCHW and a
+/// 7x7 filter over 4 channels (196 columns); forced by `stem_filter`, the other directions
+/// falling back.
+#[test]
+fn the_stem_filter_gradient_is_a_candidate_of_few_channel_half_layers() {
+    let stem = resnet_stem();
     let cfg = Config::default();
     for dt in [DType::F16, DType::BF16] {
         let p = plan_of(stem, dt, Direction::BackwardFilter, &cfg, true);
@@ -1336,19 +1342,7 @@ fn the_stem_filter_gradient_is_a_candidate_of_few_channel_half_layers() {
 /// `stem_forward`, the gradients falling back.
 #[test]
 fn the_stem_forward_is_a_candidate_of_few_channel_half_layers() {
-    let stem = ConvShape {
-        n: 32,
-        c_in: 3,
-        h: 224,
-        w: 224,
-        c_out: 64,
-        kh: 7,
-        kw: 7,
-        stride: (2, 2),
-        pad: (3, 3),
-        dilation: (1, 1),
-        format: NHWC,
-    };
+    let stem = resnet_stem();
     let cfg = Config::default();
     for dt in [DType::F16, DType::BF16] {
         let p = plan_of(stem, dt, Direction::Forward, &cfg, true);

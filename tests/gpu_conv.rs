@@ -25,7 +25,8 @@ use nnfuse::reference::conv::conv2d;
 use nnfuse::{Context, DType, Element, Error, TensorFormat};
 
 use common::{
-    conv_tolerance as tolerance, download, f64s, gpu, gpu_with, poisoned, square_conv, upload, Rng,
+    conv_tolerance as tolerance, download, f64s, gpu, gpu_with, poisoned, resnet_stem,
+    rounding_bound, same_bits, square_conv, upload, Rng,
 };
 use conv_ref::{compare, describe};
 
@@ -994,16 +995,13 @@ fn check_stem_forward<T: Element>(ctx: &Context, rng: &mut Rng, s: &ConvShape) -
             .unwrap_or_else(|e| panic!("{tag}: {e}"));
         runs.push(download(ctx, &y));
     }
-    let rounded: Vec<f64> = want.iter().map(|&v| T::from_f64(v).to_f64()).collect();
-    let floor = compare("rounding", &rounded, &want, 1.0).expect("finite");
-    let bound = (1.5 * floor + 1e-5).min(tolerance(ConvPath::StemForward, T::DTYPE));
+    let (floor, bound) = rounding_bound::<T>(&want, ConvPath::StemForward);
     let mut failures = Vec::new();
     match compare(&tag, &f64s(&runs[0]), &want, bound) {
         Ok(e) => eprintln!("{tag}: error {e:.2e} (rounding alone {floor:.2e})"),
         Err(m) => failures.push(m),
     }
-    let bits = |v: &[T]| v.iter().map(|t| t.to_f64().to_bits()).collect::<Vec<_>>();
-    if bits(&runs[0]) != bits(&runs[1]) {
+    if !same_bits(&runs[0], &runs[1]) {
         failures.push(format!("{tag}: differs run to run"));
     }
     failures
@@ -1034,7 +1032,7 @@ fn the_stem_forward_matches_f64_on_its_tile_edges() {
         dilation: (1, 1),
         format: nhwc,
     };
-    let stem = base(2, 3, (224, 224), 64, (7, 7), (2, 2), (3, 3));
+    let stem = resnet_stem(2);
     let shapes = [
         stem,
         base(1, 3, (5, 300), 24, (3, 3), (1, 1), (1, 1)),

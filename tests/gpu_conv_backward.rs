@@ -18,7 +18,8 @@ use nnfuse::reference::conv::conv2d;
 use nnfuse::{Context, DType, Element, TensorFormat};
 
 use common::{
-    conv_tolerance as tolerance, download, f64s, gpu, gpu_with, poisoned, square_conv, upload, Rng,
+    conv_tolerance as tolerance, download, f64s, gpu, gpu_with, poisoned, resnet_stem,
+    rounding_bound, same_bits, square_conv, upload, Rng,
 };
 use conv_ref::{backward_data, backward_filter, compare, describe, dot, par_map};
 
@@ -675,11 +676,6 @@ fn the_tiled_filter_gradient_matches_f64() {
     );
 }
 
-/// `a` rounded to `T` and back.
-fn rounded<T: Element>(a: &[f64]) -> Vec<f64> {
-    a.iter().map(|&v| T::from_f64(v).to_f64()).collect()
-}
-
 /// Forces the stem filter-gradient route on `s` in `T` against f64: overwriting (twice:
 /// bit-identical, partial sums added in a fixed order) and adding into dw. Its error may not
 /// exceed 1.5x that of rounding the exact result to `T` (+1e-5): f32 accumulation throughout,
@@ -709,15 +705,13 @@ fn check_stem_route<T: Element>(ctx: &Context, rng: &mut Rng, s: &ConvShape) -> 
         .unwrap_or_else(|e| panic!("{tag} (accumulate): {e}"));
     let acc = download(ctx, &dw);
     for (what, got, want) in [("", &runs[0], &want), (" +=", &acc, &want_acc)] {
-        let floor = compare("rounding", &rounded::<T>(want), want, 1.0).expect("finite");
-        let bound = (1.5 * floor + 1e-5).min(tolerance(ConvPath::StemFilter, T::DTYPE));
+        let (floor, bound) = rounding_bound::<T>(want, ConvPath::StemFilter);
         match compare(&format!("{tag}{what}"), &f64s(got), want, bound) {
             Ok(e) => eprintln!("{tag}{what}: error {e:.2e} (rounding alone {floor:.2e})"),
             Err(m) => failures.push(m),
         }
     }
-    let bits = |v: &[T]| v.iter().map(|t| t.to_f64().to_bits()).collect::<Vec<_>>();
-    if bits(&runs[0]) != bits(&runs[1]) {
+    if !same_bits(&runs[0], &runs[1]) {
         failures.push(format!("{tag}: differs run to run"));
     }
     failures
@@ -736,19 +730,7 @@ fn the_stem_filter_gradient_matches_f64_on_its_tile_edges() {
     let ctx = gpu();
     let mut rng = Rng::fresh("stem filter gradient");
     let nhwc = TensorFormat::Nhwc;
-    let stem = ConvShape {
-        n: 2,
-        c_in: 3,
-        h: 224,
-        w: 224,
-        c_out: 64,
-        kh: 7,
-        kw: 7,
-        stride: (2, 2),
-        pad: (3, 3),
-        dilation: (1, 1),
-        format: nhwc,
-    };
+    let stem = resnet_stem(2);
     let shapes = [
         stem,
         conv3(1, 3, (5, 300), 24, (1, 1), nhwc),

@@ -7,7 +7,7 @@
 //! plans' rules apply too.
 
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 use once_cell::sync::Lazy;
 
 use super::call::PathCall;
@@ -15,6 +15,7 @@ use super::plan::Direction;
 use super::problem::{
     stem_filter_refusal, stem_forward_grid, stem_forward_refusal, stem_grid, ConvShape, StemGrid,
 };
+use crate::context::Context;
 use crate::dtype::DType;
 use crate::error::{CallExt, Error, Result};
 use crate::kernels::{self, KernelFile};
@@ -157,6 +158,28 @@ fn check_alignment(path: &str, x: u64, rows: (&str, u64)) -> Result<()> {
     Ok(())
 }
 
+/// Kernel `name` of `file` with its dynamic shared memory allowed, and its launch: one block per
+/// unit range and filter tile of `grid`.
+fn main_kernel(
+    ctx: &Context,
+    file: &'static KernelFile,
+    name: &'static str,
+    grid: &StemGrid,
+) -> Result<(CudaFunction, LaunchConfig)> {
+    let f = ctx.function(file, name)?;
+    f.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        grid.smem_bytes as i32,
+    )
+    .call("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")?;
+    let cfg = LaunchConfig {
+        grid_dim: (grid.splits as u32, grid.k_tiles as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: grid.smem_bytes as u32,
+    };
+    Ok((f, cfg))
+}
+
 /// Runs a `stem_filter` route (registered in `paths.rs`).
 ///
 /// # Safety
@@ -181,18 +204,8 @@ pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
         .ok_or_else(|| Error::NotSupported("stem_filter: no kernel for this type".into()))?;
     let scratch = t.ctx.scratch(grid.scratch_bytes(s))?;
     let part = scratch.ptr();
-    let cfg = LaunchConfig {
-        grid_dim: (geom.splits, grid.k_tiles as u32, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: grid.smem_bytes as u32,
-    };
+    let (f, cfg) = main_kernel(t.ctx, file, main, &grid)?;
     tracing::debug!(kernel = main, shape = ?s, grid = ?cfg.grid_dim, "stem filter-gradient kernel");
-    let f = t.ctx.function(file, main)?;
-    f.set_attribute(
-        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        grid.smem_bytes as i32,
-    )
-    .call("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")?;
     let mut params = [
         launch::arg(&p.x),
         launch::arg(&p.dy),
@@ -271,18 +284,8 @@ pub(crate) unsafe fn raw_run_forward(c: &PathCall<'_>) -> Result<()> {
     };
     let file = unit(t.dtype, FORWARD_UNIT)
         .ok_or_else(|| Error::NotSupported("stem_forward: no kernel for this type".into()))?;
-    let cfg = LaunchConfig {
-        grid_dim: (geom.splits, grid.k_tiles as u32, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: grid.smem_bytes as u32,
-    };
+    let (f, cfg) = main_kernel(t.ctx, file, name, &grid)?;
     tracing::debug!(kernel = name, shape = ?s, grid = ?cfg.grid_dim, "stem forward kernel");
-    let f = t.ctx.function(file, name)?;
-    f.set_attribute(
-        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        grid.smem_bytes as i32,
-    )
-    .call("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")?;
     let mut params = [
         launch::arg(&p.x),
         launch::arg(&p.w),

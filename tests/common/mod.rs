@@ -59,6 +59,50 @@ pub fn square_conv(
     nnfuse::conv::ConvShape::square(n, c_in, h, c_out, r, format)
 }
 
+/// ResNet-50's stem at batch `n`: 7x7/2 over 3 channels, 224x224 → 64, padding 3, channels-last
+/// (the few-channel kernels' reference problem).
+pub fn resnet_stem(n: usize) -> nnfuse::conv::ConvShape {
+    nnfuse::conv::ConvShape {
+        n,
+        c_in: 3,
+        h: 224,
+        w: 224,
+        c_out: 64,
+        kh: 7,
+        kw: 7,
+        stride: (2, 2),
+        pad: (3, 3),
+        dilation: (1, 1),
+        format: nnfuse::TensorFormat::Nhwc,
+    }
+}
+
+/// For a result computed with f32 accumulation and rounded once to `T`: the relative L2 error of
+/// rounding the exact `want` to `T` itself, and the bound such a result is held to — 1.5x that
+/// (+1e-5), at most `path`'s tolerance. The dtype tolerance alone would not show f32
+/// accumulation.
+pub fn rounding_bound<T: Element>(want: &[f64], path: ConvPath) -> (f64, f64) {
+    let (mut num, mut den) = (0.0, 0.0);
+    for &w in want {
+        let d = T::from_f64(w).to_f64() - w;
+        num += d * d;
+        den += w * w;
+    }
+    let floor = (num / den.max(1e-30)).sqrt();
+    (
+        floor,
+        (1.5 * floor + 1e-5).min(conv_tolerance(path, T::DTYPE)),
+    )
+}
+
+/// Whether two runs' outputs are bit for bit the same.
+pub fn same_bits<T: Element>(a: &[T], b: &[T]) -> bool {
+    a.len() == b.len()
+        && a.iter()
+            .zip(b)
+            .all(|(x, y)| x.to_f64().to_bits() == y.to_f64().to_bits())
+}
+
 /// SplitMix64: small, deterministic per seed, good enough for test data.
 pub struct Rng(u64);
 
