@@ -1015,7 +1015,29 @@ pub fn timed_step<T: Element>(
         ops_ms,
         total_ms: events[0].elapsed_ms(last)? as f64,
         host_ms,
+        bare_ms: None,
     })
+}
+
+/// The same step queued again behind a head start with only two events, before and after it
+/// (`events[0]` and the last): its GPU time without the events between operations, ms.
+pub fn bare_step<T: Element>(
+    l: &Layers<T>,
+    b: &mut Buffers<T>,
+    head: &mut HeadStart,
+    events: &[CudaEvent],
+) -> Result<f64> {
+    let ctx = &l.ctx;
+    let (Some(first), Some(last)) = (events.first(), events.last()) else {
+        bail!("no events");
+    };
+    ctx.synchronize()?;
+    head.queue(ctx)?;
+    first.record(ctx.stream())?;
+    run_step(l, b, &mut |_| Ok(()))?;
+    last.record(ctx.stream())?;
+    last.synchronize()?;
+    Ok(first.elapsed_ms(last)? as f64)
 }
 
 /// The decisions of every operation of `l` (after a first step).
@@ -1497,7 +1519,13 @@ impl<T: Element> Session<T> {
             bar.set_message(format!("timed step {}/{steps}", s + 1));
             for k in 0..n {
                 let v = (s + k) % n;
-                let t = timed_step(&self.layers[v], &mut self.big, &mut head, &events)?;
+                let mut t = timed_step(&self.layers[v], &mut self.big, &mut head, &events)?;
+                t.bare_ms = Some(bare_step(
+                    &self.layers[v],
+                    &mut self.big,
+                    &mut head,
+                    &events,
+                )?);
                 if let Some(r) = runs
                     .iter_mut()
                     .find(|r| r.variant == self.layers[v].variant)

@@ -60,6 +60,9 @@ pub struct StepTimes {
     pub total_ms: f64,
     /// Host time to queue the step (ms).
     pub host_ms: f64,
+    /// GPU time of the same step queued again with only two events, around it (ms): what the
+    /// step takes without the events between its operations. `None` when not measured.
+    pub bare_ms: Option<f64>,
 }
 
 /// What ran for one operation, once the first step decided.
@@ -247,6 +250,18 @@ pub fn op_timing(times: &[StepTimes], k: usize) -> Option<Timing> {
 /// The same for the whole step.
 pub fn step_timing(times: &[StepTimes]) -> Option<Timing> {
     Timing::from_samples(times.iter().map(|t| t.total_ms).collect())
+}
+
+/// The same for the whole step without events between its operations (`None` without samples).
+pub fn bare_step_timing(times: &[StepTimes]) -> Option<Timing> {
+    Timing::from_samples(times.iter().filter_map(|t| t.bare_ms).collect())
+}
+
+/// `other`'s step time without events between operations over `nnfuse`'s, step by step.
+pub fn bare_speedup(nnfuse: &[StepTimes], other: &[StepTimes]) -> Option<Paired> {
+    let a: Vec<f64> = nnfuse.iter().filter_map(|t| t.bare_ms).collect();
+    let b: Vec<f64> = other.iter().filter_map(|t| t.bare_ms).collect();
+    Paired::of(&a, &b)
 }
 
 /// The same for the host's queueing time.
@@ -492,6 +507,13 @@ impl Report {
             headline_host_timing(nn).map_or("-".into(), |t| ms(t.median_ms)),
             step_timing(&nn.times).map_or("-".into(), |t| ms(t.median_ms))
         );
+        if let Some(t) = bare_step_timing(&nn.times) {
+            line.truncate(line.len() - 1);
+            line.push_str(&format!(
+                "; {} ms without per-operation events)",
+                ms(t.median_ms)
+            ));
+        }
         let others: Vec<String> = self
             .runs
             .iter()
@@ -740,6 +762,28 @@ impl Report {
             total.push(cell);
         }
         rows.push(total);
+        if self
+            .runs
+            .iter()
+            .any(|r| bare_step_timing(&r.times).is_some())
+        {
+            let mut bare = vec![
+                "step".to_string(),
+                "GPU, 2 events only".into(),
+                us(step_floor_us(&self.def) * 1e-3),
+            ];
+            for r in &self.runs {
+                let t = bare_step_timing(&r.times).map_or(f64::NAN, |t| t.median_ms);
+                let mut cell = us(t);
+                if r.variant != Variant::Nnfuse {
+                    if let Some(p) = bare_speedup(&nn.times, &r.times) {
+                        cell.push_str(&format!(" ({:.2}x)", p.median));
+                    }
+                }
+                bare.push(cell);
+            }
+            rows.push(bare);
+        }
         let mut right = vec![false, false, true];
         right.extend(self.runs.iter().map(|_| true));
         s.push_str(&table(&header, &rows, &right));
@@ -1004,6 +1048,7 @@ impl Report {
             "step_median_us": step.map(|t| t.median_ms * 1e3),
             "step_p10_us": step.map(|t| t.p10_ms * 1e3),
             "step_p90_us": step.map(|t| t.p90_ms * 1e3),
+            "step_two_events_median_us": bare_step_timing(&r.times).map(|t| t.median_ms * 1e3),
             "host_queue_median_us": host_timing(&r.times).map(|t| t.median_ms * 1e3),
             "host_step_median_us": host_step_timing(r).map(|t| t.median_ms * 1e3),
             "host_step_p10_us": host_step_timing(r).map(|t| t.p10_ms * 1e3),
@@ -1203,6 +1248,7 @@ mod tests {
             ops_ms: vec![total / STEP.len() as f64; STEP.len()],
             total_ms: total,
             host_ms: 0.3,
+            bare_ms: None,
         }
     }
 
