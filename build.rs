@@ -17,7 +17,6 @@ const SHARED_HEADERS: &[(&str, &[&str])] = &[
     ("block_stats.cu", &["common.cuh", "batchnorm_common.cuh"]),
     ("conv_pointwise.cu", &["common.cuh", "mma.cuh"]),
     ("conv_stem.cu", &["mma.cuh"]),
-    ("gemm_tiles.cu", &["mma.cuh"]),
     (
         "batchnorm_persistent.cu",
         &["common.cuh", "batchnorm_common.cuh"],

@@ -108,9 +108,6 @@ fn host_us(ctx: &Context, mut f: impl FnMut() -> nnfuse::Result<()>) -> nnfuse::
     Ok(us)
 }
 
-/// Batch, m, n, k, A transposed, B transposed.
-type Shape = (usize, usize, usize, usize, bool, bool);
-
 enum Kind {
     Prepared(Box<Prepared>),
     Tuned,
@@ -118,10 +115,10 @@ enum Kind {
 
 fn bench_shape<T: Element>(
     ctx: &Context,
-    (batch, m, n, k, ta, tb): Shape,
+    (batch, m, n, k): (usize, usize, usize, usize),
     rows: &mut Vec<Row>,
 ) -> nnfuse::Result<ShapeSummary> {
-    let p = Problem::packed_trans(batch, m, n, k, ta, tb);
+    let p = Problem::packed(batch, m, n, k);
     let s = ctx.stream();
     let mut a = s.alloc_zeros::<T>(batch * m * k).map_err(err)?;
     let mut b = s.alloc_zeros::<T>(batch * k * n).map_err(err)?;
@@ -161,7 +158,7 @@ fn bench_shape<T: Element>(
     }
     let mut not_run = Vec::new();
     for (i, cand) in report.candidates.iter().enumerate() {
-        if !matches!(cand.algo, Algo::Lt(_) | Algo::Own { .. }) {
+        if !matches!(cand.algo, Algo::Lt(_)) {
             continue;
         }
         let label = format!(
@@ -191,18 +188,6 @@ fn bench_shape<T: Element>(
             Outcome::Rejected(why) => {
                 not_run.push((label, format!("rejected by the search: {why}")))
             }
-        }
-    }
-    // nnfuse's own kernel in the configurations the search did not offer for this problem.
-    for config in 0..5u8 {
-        let algo = Algo::Own { config };
-        if report.candidates.iter().any(|c| c.algo == algo) {
-            continue;
-        }
-        let label = format!("nnfuse tiles c{config} (not offered)");
-        match prepare(algo) {
-            Ok(pr) => variants.push((label, String::new(), Kind::Prepared(Box::new(pr)), None)),
-            Err(e) => not_run.push((label, format!("not prepared: {e}"))),
         }
     }
     variants.push((
@@ -424,18 +409,15 @@ fn run() -> nnfuse::Result<()> {
 
     let quick = std::env::var("NNFUSE_BENCH_QUICK").is_ok_and(|v| v == "1");
     let skinny_only = std::env::var("NNFUSE_BENCH_GEMM").is_ok_and(|v| v == "skinny");
-    // Few output tiles, long K: the demo's classifier forward and data gradient (batch 32, with
-    // the demo's transposes), its weight gradient (K = the batch), a 1x1 convolution's filter
-    // gradient at 56x56 batch 32 (64 x 256 over 100352 rows).
+    // Few output tiles, long K: the demo's classifier forward and data gradient (batch 32), a
+    // 1x1 convolution's filter gradient at 56x56 batch 32 (64 x 256 over 100352 rows).
     let skinny = [
-        (1, 1000, 32, 2048, true, false),
-        (1, 2048, 32, 1000, false, false),
-        (1, 2048, 1000, 32, false, true),
-        (1, 64, 256, 100352, false, false),
+        (1, 1000, 32, 2048),
+        (1, 2048, 32, 1000),
+        (1, 64, 256, 100352),
     ];
-    let plain = |(b, m, n, k)| (b, m, n, k, false, false);
-    let shapes: Vec<Shape> = if quick {
-        vec![plain((16, 512, 512, 512)), plain((64, 128, 128, 64))]
+    let shapes: Vec<(usize, usize, usize, usize)> = if quick {
+        vec![(16, 512, 512, 512), (64, 128, 128, 64)]
     } else if skinny_only {
         skinny.to_vec()
     } else {
@@ -448,7 +430,6 @@ fn run() -> nnfuse::Result<()> {
             (64, 1024, 1024, 64),
         ]
         .into_iter()
-        .map(plain)
         .chain(skinny)
         .collect()
     };

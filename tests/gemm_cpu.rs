@@ -784,27 +784,3 @@ fn caller_data_rule() {
         assert!(text.contains("result"), "{text}");
     }
 }
-
-#[test]
-fn an_own_kernel_choice_round_trips_through_the_file() {
-    let d = TempDir::new("own");
-    let f = d.file();
-    let t = tag("NVIDIA H100 80GB HBM3", 130100);
-    let p = Problem::packed_trans(1, 2048, 1000, 32, false, true);
-    let key = Key::new(0, &p, DType::F16, Alignment::MAX).unwrap();
-    let choice = Choice {
-        algo: Algo::Own { config: 2 },
-        config: None,
-        workspace: 0,
-        median_us: 6.75,
-        default_us: 7.5,
-        candidates: 11,
-        origin: Origin::Searched,
-    };
-    save_file(&f, &t, &[(key, choice)]).unwrap();
-    let text = std::fs::read_to_string(&f).unwrap();
-    assert!(text.contains("\"backend\": \"nnfuse_tiles\""), "{text}");
-    let l = load_file(&f, &t, 0);
-    assert!(l.warnings.is_empty(), "{:?}", l.warnings);
-    assert_eq!(l.entries, as_file(vec![(key, choice)]));
-}

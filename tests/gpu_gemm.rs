@@ -67,17 +67,6 @@ fn inputs<T: Element>(p: &Problem, rng: &mut Rng, extra: usize) -> Inputs<T> {
 
 /// Runs `p` on the device (operands start `off` elements into their buffers) and returns C.
 fn run_on<T: Element>(ctx: &Context, p: &Problem, x: &Inputs<T>, off: usize) -> Vec<T> {
-    run_algo(ctx, p, x, off, None)
-}
-
-/// [`run_on`] with `algo` forced (`strided_batched_with`), or as the search decides (`None`).
-fn run_algo<T: Element>(
-    ctx: &Context,
-    p: &Problem,
-    x: &Inputs<T>,
-    off: usize,
-    algo: Option<&Algo>,
-) -> Vec<T> {
     let s = ctx.stream();
     let a = s.clone_htod(&x.a).unwrap();
     let b = s.clone_htod(&x.b).unwrap();
@@ -93,10 +82,7 @@ fn run_algo<T: Element>(
         let av = a.slice(off..);
         let bv = b.slice(off..);
         let mut cv = c.slice_mut(off..);
-        match algo {
-            Some(algo) => gemm::strided_batched_with(ctx, p, &av, &bv, &mut cv, algo).unwrap(),
-            None => gemm::strided_batched(ctx, p, &av, &bv, &mut cv).unwrap(),
-        }
+        gemm::strided_batched(ctx, p, &av, &bv, &mut cv).unwrap();
     }
     s.clone_dtoh(&c).unwrap()
 }
@@ -907,130 +893,4 @@ fn search_scratch_is_kept_between_searches() {
     assert_eq!(gemm::search_scratch_bytes(&ctx).unwrap(), 0);
     let r = gemm::search(&ctx, &small, DType::F16, Alignment::MAX).unwrap();
     assert!(r.allocated_bytes > 0);
-}
-
-/// The shapes nnfuse's own GEMM kernel (`Algo::Own`) must get right: each configuration's tile
-/// edges (m and n one piece past a tile and short of one), K past a stage and shorter than one,
-/// the demo's classifier, a batch with padded leading dimensions and strides.
-fn own_shapes() -> Vec<Problem> {
-    let mut v = Vec::new();
-    for (m, n, k) in [
-        (1000, 32, 2048),
-        (40, 24, 8),
-        (136, 72, 264),
-        (64, 256, 32),
-        (8, 8, 1000),
-    ] {
-        for (ta, tb) in TRANSPOSES {
-            v.push(Problem::packed_trans(1, m, n, k, ta, tb));
-        }
-    }
-    // Batched, padded (leading dimensions and strides multiples of 8), alpha and beta.
-    let mut p = Problem::packed_trans(3, 72, 40, 96, true, false).with_scalars(1.5, -0.75);
-    p.lda += 8;
-    p.ldb += 16;
-    p.ldc += 3;
-    p.stride_a = p.lda * p.m + 8;
-    p.stride_b = p.ldb * p.n + 24;
-    p.stride_c = p.ldc * p.n + 5;
-    v.push(p);
-    v.push(Problem::packed_trans(2, 2048, 1000, 32, false, true).with_scalars(0.5, 1.0));
-    // beta 0 with C's columns not 16-byte aligned (element stores), and batched with them
-    // aligned (16-byte stores through shared memory).
-    let mut p = Problem::packed_trans(2, 136, 40, 64, false, true);
-    p.ldc += 3;
-    p.stride_c = p.ldc * p.n + 1;
-    v.push(p);
-    let mut p = Problem::packed_trans(3, 264, 48, 512, true, true).with_scalars(2.0, 0.0);
-    p.ldc += 8;
-    p.stride_c = p.ldc * p.n + 16;
-    v.push(p);
-    v
-}
-
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn own_tiles_kernel_matches_f64_in_every_configuration_and_transpose() {
-    let ctx = gpu();
-    let mut rng = Rng::fresh("gemm own tiles");
-    for p in own_shapes() {
-        for config in 0..5u8 {
-            let algo = Algo::Own { config };
-            for dt in [DType::F16, DType::BF16] {
-                let what = format!(
-                    "own c{config} {dt} {}x{}x{} batch {} trans ({}, {}) beta {}",
-                    p.m, p.n, p.k, p.batch, p.trans_a, p.trans_b, p.beta
-                );
-                match dt {
-                    DType::F16 => {
-                        let x = inputs::<f16>(&p, &mut rng, 0);
-                        let got = run_algo(&ctx, &p, &x, 0, Some(&algo));
-                        check(&what, &p, &x, 0, &got);
-                        // Deterministic: a second run gives the same bits.
-                        let again = run_algo(&ctx, &p, &x, 0, Some(&algo));
-                        assert_eq!(bits(&got), bits(&again), "{what}: differs run to run");
-                    }
-                    _ => {
-                        let x = inputs::<bf16>(&p, &mut rng, 0);
-                        let got = run_algo(&ctx, &p, &x, 0, Some(&algo));
-                        check(&what, &p, &x, 0, &got);
-                    }
-                }
-            }
-        }
-    }
-}
-
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn own_tiles_kernel_refuses_what_it_cannot_run() {
-    let ctx = gpu();
-    let s = ctx.stream();
-    let a = s.alloc_zeros::<f16>(4096).unwrap();
-    let b = s.alloc_zeros::<f16>(4096).unwrap();
-    let mut c = s.alloc_zeros::<f16>(4096).unwrap();
-    let own = Algo::Own { config: 0 };
-    // k not a multiple of 8.
-    let p = Problem::packed(1, 16, 16, 12);
-    let e = gemm::strided_batched_with(&ctx, &p, &a, &b, &mut c, &own).unwrap_err();
-    assert!(e.to_string().contains("multiples of 8"), "{e}");
-    // A 2-byte aligned.
-    let p = Problem::packed(1, 16, 16, 16);
-    let e = gemm::strided_batched_with(&ctx, &p, &a.slice(1..), &b, &mut c, &own).unwrap_err();
-    assert!(e.to_string().contains("16-byte aligned"), "{e}");
-    // f32 data, an unknown configuration.
-    let (a32, b32) = (
-        s.alloc_zeros::<f32>(256).unwrap(),
-        s.alloc_zeros::<f32>(256).unwrap(),
-    );
-    let mut c32 = s.alloc_zeros::<f32>(256).unwrap();
-    let e = gemm::strided_batched_with(&ctx, &p, &a32, &b32, &mut c32, &own).unwrap_err();
-    assert!(e.to_string().contains("f16 and bf16"), "{e}");
-    let bad = Algo::Own { config: 9 };
-    assert!(gemm::strided_batched_with(&ctx, &p, &a, &b, &mut c, &bad).is_err());
-}
-
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn the_search_times_the_own_kernel_for_a_classifier() {
-    let _g = serial();
-    let ctx = gpu();
-    // The demo's classifier weight gradient (short K).
-    for p in [Problem::packed_trans(1, 2048, 1000, 32, false, true)] {
-        let r = gemm::search(&ctx, &p, DType::F16, Alignment::MAX).unwrap();
-        let own: Vec<_> = r
-            .candidates
-            .iter()
-            .filter(|c| matches!(c.algo, Algo::Own { .. }))
-            .collect();
-        assert!(!own.is_empty(), "{}x{}x{}: no own candidate", p.m, p.n, p.k);
-        for c in own {
-            assert!(
-                matches!(c.outcome, Outcome::Timed { .. }),
-                "{}: {:?}",
-                c.label(),
-                c.outcome
-            );
-        }
-    }
 }

@@ -79,14 +79,6 @@ pub enum Algo {
     Cublas(CublasAlgo),
     /// `cublasLtMatmul` with this algorithm.
     Lt(LtAlgo),
-    /// nnfuse's own tensor-core kernel (`kernels/gemm_tiles.cu`, f16 / bf16 data, f32
-    /// accumulation) in tile configuration `config` (0: 32 x 32 with K split over 8 warps,
-    /// 1: 64 x 64, 2: 128 x 128, 3: 16 x 32 and 4: 64 x 32 with K split); the search times
-    /// configuration 2 for products with a short K (at most 128).
-    Own {
-        /// The tile configuration, 0 to 4.
-        config: u8,
-    },
 }
 
 impl Algo {
@@ -202,7 +194,6 @@ impl Choice {
             (Algo::Cublas(a), _) => format!("cuBLAS {}", a.name()),
             (Algo::Lt(_), Some(c)) => format!("cuBLASLt {c}"),
             (Algo::Lt(_), None) => "cuBLASLt (attributes unknown)".into(),
-            (Algo::Own { config }, _) => format!("nnfuse tiles c{config}"),
         }
     }
 }

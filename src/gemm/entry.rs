@@ -135,8 +135,6 @@ enum ChoiceDoc {
         config: Option<ConfigDoc>,
         workspace_bytes: usize,
     },
-    #[serde(rename = "nnfuse_tiles")]
-    Own { config: u8 },
 }
 
 #[derive(Serialize, Deserialize)]
@@ -185,7 +183,6 @@ fn entry_doc(key: &Key, c: &Choice) -> EntryDoc {
             }),
             workspace_bytes: c.workspace,
         },
-        Algo::Own { config } => ChoiceDoc::Own { config },
     };
     let finite = |v: f64| v.is_finite().then_some(v);
     EntryDoc {
@@ -258,8 +255,6 @@ fn from_entry_doc(e: EntryDoc, ordinal: u32) -> std::result::Result<(Key, Choice
             let a = LtAlgo::from_hex(&algo_hex).ok_or("algo_hex is not 128 hex digits")?;
             (Algo::Lt(a), config.map(|c| c.config), workspace_bytes)
         }
-        // Checked against its problem (refusal) before its first use, as cuBLASLt's are.
-        ChoiceDoc::Own { config } => (Algo::Own { config }, None, 0),
     };
     let choice = Choice {
         algo,

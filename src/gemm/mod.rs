@@ -81,7 +81,6 @@ mod cublas;
 mod entry;
 pub(crate) mod lt;
 mod names;
-pub(crate) mod own;
 mod problem;
 mod scratch;
 mod search;
@@ -208,31 +207,6 @@ fn run_cublas(
     unsafe { cublas::gemm(h, p, dtype, algo, ptrs) }
 }
 
-/// Queues nnfuse's own kernel in `config` for a checked problem whose operands' alignment
-/// passed `own::refusal` (a searched or verified choice's key).
-fn run_own(ctx: &Context, p: &Problem, dtype: DType, config: u8, ptrs: Ptrs) -> Result<()> {
-    let f = own::function(ctx, p, dtype, config)?;
-    crate::profile::stage!(Launch);
-    // SAFETY: the problem was checked and the pointers hold its extents (the caller's
-    // validation); `own::refusal` passed for it, `config` and the key's alignment.
-    unsafe { own::launch(ctx, &f, p, config, ptrs) }
-}
-
-/// [`run_own`] after `own::refusal` for the operands' alignment `have`.
-fn own_checked(
-    ctx: &Context,
-    p: &Problem,
-    dtype: DType,
-    config: u8,
-    have: Alignment,
-    ptrs: Ptrs,
-) -> Result<()> {
-    if let Some(why) = own::refusal(p, dtype, have, config) {
-        return Err(Error::NotSupported(why));
-    }
-    run_own(ctx, p, dtype, config, ptrs)
-}
-
 /// The Context's lock and its cuBLAS handle (bound to the Context's stream), held together while
 /// a call is queued.
 fn cublas_handle(
@@ -329,10 +303,6 @@ fn verify(
             a.0
         ))),
         Algo::Lt(a) => descriptors_checked(ctx, p, dtype, a, key.align).map(Some),
-        Algo::Own { config } => match own::refusal(p, dtype, key.align, *config) {
-            None => Ok(None),
-            Some(why) => Err(Error::NotSupported(why)),
-        },
     }
 }
 
@@ -524,8 +494,6 @@ fn run_checked(ctx: &Context, p: &Problem, dtype: DType, spans: Spans, ptrs: Ptr
     drop(lookup);
     let result = match (&choice.algo, descriptors) {
         (Algo::Cublas(x), _) => run_cublas(ctx, p, dtype, *x, ptrs),
-        // The key's alignment passed `own::refusal` when this was searched or verified.
-        (Algo::Own { config }, _) => run_own(ctx, p, dtype, *config, ptrs),
         (Algo::Lt(x), Some(descriptors)) => run_lt(ctx, p, &descriptors, x, ptrs),
         (Algo::Lt(x), None) => {
             // A verified cuBLASLt choice without descriptors (not expected: the search and the
@@ -620,10 +588,6 @@ impl Prepared {
                 format!("{} is not a cublasGemmAlgo_t value nnfuse passes", a.0),
             )),
             Algo::Cublas(_) => Ok(prepared),
-            Algo::Own { config } => match own::refusal(p, dtype, align, *config) {
-                None => Ok(prepared),
-                Some(why) => Err(Error::NotSupported(why)),
-            },
             Algo::Lt(_) if validated == Validated::Empty => Ok(prepared), // run is a no-op
             Algo::Lt(a) => {
                 prepared.descriptors = Some(descriptors_checked(ctx, p, dtype, a, align)?);
@@ -678,10 +642,6 @@ impl Prepared {
         };
         match (&self.algo, &self.descriptors) {
             (Algo::Cublas(x), _) => run_cublas(ctx, p, self.dtype, *x, ptrs),
-            (Algo::Own { config }, _) => {
-                let have = Alignment::of(p, self.dtype.size(), ptrs.a, ptrs.b, ptrs.c);
-                own_checked(ctx, p, self.dtype, *config, have, ptrs)
-            }
             (Algo::Lt(x), Some(descriptors)) => {
                 let have = Alignment::of(p, self.dtype.size(), ptrs.a, ptrs.b, ptrs.c);
                 lt::alignment_suffices(self.need, have)?;
@@ -718,10 +678,6 @@ where
     };
     match algo {
         Algo::Cublas(x) => run_cublas(ctx, p, dtype, *x, ptrs),
-        Algo::Own { config } => {
-            let have = Alignment::of(p, dtype.size(), ptrs.a, ptrs.b, ptrs.c);
-            own_checked(ctx, p, dtype, *config, have, ptrs)
-        }
         Algo::Lt(x) => {
             let align = Alignment::of(p, dtype.size(), ptrs.a, ptrs.b, ptrs.c);
             let descriptors = descriptors_checked(ctx, p, dtype, x, align)?;

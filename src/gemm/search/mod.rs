@@ -113,7 +113,6 @@ use self::report::{
 use super::algo::{Algo, Choice, LtConfig, Origin};
 use super::cublas;
 use super::lt::{self, LtDescriptors, Ptrs, Scalars, WORKSPACE_BYTES};
-use super::own;
 use super::problem::{tolerance, Alignment, Compute, Key, Problem, Spans};
 use super::scratch::{self, Scratch};
 use crate::context::{Context, Locked};
@@ -234,8 +233,6 @@ struct Kernels {
 /// Context's lock with its handles and workspace, and its times.
 struct Setup<'a> {
     kernels: Kernels,
-    /// nnfuse's own kernel in each configuration offered for the problem.
-    own: Vec<(u8, CudaFunction)>,
     scratch: Arc<Mutex<Scratch>>,
     guard: Locked<'a>,
     blas: cublasHandle_t,
@@ -249,7 +246,7 @@ struct Setup<'a> {
 /// Step 1: the search's kernels, the scratch cell (taken before the Context's lock: the memo has
 /// a lock of its own), the handles and the workspace (cached by the Context after the first
 /// search), and cuBLASLt's first query for this kind of problem.
-fn setup<'a>(ctx: &'a Context, p: &Problem, dtype: DType, align: Alignment) -> Result<Setup<'a>> {
+fn setup<'a>(ctx: &'a Context, p: &Problem, dtype: DType) -> Result<Setup<'a>> {
     let t_setup = Instant::now();
     // Raw driver calls of the search (memset, memcpy) need the device current on this thread.
     ctx.cuda().bind_to_thread().call("cuCtxSetCurrent")?;
@@ -258,7 +255,6 @@ fn setup<'a>(ctx: &'a Context, p: &Problem, dtype: DType, align: Alignment) -> R
         diff: ctx.function(&KERNELS, diff_kernel(dtype))?,
         stats: ctx.function(&KERNELS, stats_kernel(dtype))?,
     };
-    let own = own_kernels(ctx, p, dtype, align);
     let scratch = scratch::of(ctx)?;
     let mut guard = ctx.lock()?;
     let blas = guard.cublas()?;
@@ -278,7 +274,6 @@ fn setup<'a>(ctx: &'a Context, p: &Problem, dtype: DType, align: Alignment) -> R
     let first_query_ms = lt.map_or(0.0, |h| first_query(h, p, dtype));
     Ok(Setup {
         kernels,
-        own,
         scratch,
         guard,
         blas,
@@ -288,26 +283,6 @@ fn setup<'a>(ctx: &'a Context, p: &Problem, dtype: DType, align: Alignment) -> R
         first_query_ms,
         ms: ms_since(t_setup),
     })
-}
-
-/// nnfuse's own kernel in each configuration `own::offered` for `p` (compiled at its first use;
-/// one that cannot be loaded is left out, with a warning: the search goes on without it).
-fn own_kernels(
-    ctx: &Context,
-    p: &Problem,
-    dtype: DType,
-    align: Alignment,
-) -> Vec<(u8, CudaFunction)> {
-    own::offered(p, dtype, align)
-        .into_iter()
-        .filter_map(|c| match own::function(ctx, p, dtype, c) {
-            Ok(f) => Some((c, f)),
-            Err(e) => {
-                tracing::warn!(config = c, error = %e, "GEMM search: nnfuse's tiles kernel unavailable");
-                None
-            }
-        })
-        .collect()
 }
 
 /// Step 2's candidates: the cuBLAS default, the explicit cuBLAS algorithms where they mean
@@ -472,8 +447,6 @@ fn split_k_variants(
 /// Queues the search's GEMMs with the Context's handles: what a call of
 /// [`crate::gemm::strided_batched`] queues for an algorithm.
 struct Launcher<'a> {
-    ctx: &'a Context,
-    own: &'a [(u8, CudaFunction)],
     p: &'a Problem,
     dtype: DType,
     blas: cublasHandle_t,
@@ -513,17 +486,6 @@ impl Launcher<'_> {
                 )
             },
             (Algo::Lt(_), _, _) => Err(Error::NotSupported("cuBLASLt is unavailable".into())),
-            (Algo::Own { config }, _, _) => {
-                let (_, f) = self
-                    .own
-                    .iter()
-                    .find(|(c, _)| c == config)
-                    .ok_or_else(|| Error::NotSupported(own::describe(*config)))?;
-                // SAFETY: as above; the configuration was offered for this problem, so
-                // `own::refusal` passed for it and the key's alignment (which scratch regions
-                // reproduce), and `f` was loaded for this problem's transposes.
-                unsafe { own::launch(self.ctx, f, self.p, *config, ptrs) }
-            }
         }
     }
 }
@@ -881,7 +843,7 @@ fn typed<T: Element>(
     let elem = std::mem::size_of::<T>();
 
     // 1. One-off setup (cached by the Context after the first search).
-    let mut su = setup(ctx, p, dtype, key.align)?;
+    let mut su = setup(ctx, p, dtype)?;
 
     // 2. Prepare: the candidates (heuristic query, descriptors, checks), then the operands.
     let start = Instant::now();
@@ -905,11 +867,6 @@ fn typed<T: Element>(
         align,
         &mut su.lt_note,
     );
-    pending.extend(
-        su.own
-            .iter()
-            .map(|(c, _)| Pending::of(Algo::Own { config: *c })),
-    );
     let candidates_ms = ms_since(start);
     let mut placed = match caller {
         Some(c) => caller_operands(ctx, &mut scratch, c, &shape)?,
@@ -931,8 +888,6 @@ fn typed<T: Element>(
         shape,
         kernels: &su.kernels,
         gemm: Launcher {
-            ctx,
-            own: &su.own,
             p,
             dtype,
             blas: su.blas,
@@ -981,7 +936,7 @@ fn typed<T: Element>(
     });
     let winning = match choice.algo {
         Algo::Lt(_) => descriptors,
-        Algo::Cublas(_) | Algo::Own { .. } => None,
+        Algo::Cublas(_) => None,
     };
     let report = SearchReport {
         key,

@@ -70,7 +70,6 @@ pub(crate) fn label(algo: &Algo, config: &Option<LtConfig>, rank: Option<usize>)
         (Algo::Cublas(a), _) => format!("cuBLAS {}", a.name()),
         (Algo::Lt(_), Some(c)) => format!("cuBLASLt #{} {c}", rank()),
         (Algo::Lt(_), None) => format!("cuBLASLt #{} (attributes unreadable)", rank()),
-        (Algo::Own { config }, _) => crate::gemm::own::describe(*config),
     }
 }
 

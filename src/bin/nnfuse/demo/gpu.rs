@@ -1242,7 +1242,6 @@ fn decide_text<T: Element>(l: &Layers<T>, b: &Buffers<T>, op: Op) -> (String, St
                 let short = match ch.algo {
                     Algo::Lt(_) => "cublaslt_tuned",
                     Algo::Cublas(_) => "cublas_default",
-                    Algo::Own { .. } => "nnfuse_tiles",
                 };
                 let mut detail = ch.label();
                 if ch.median_us.is_finite() {
