@@ -501,19 +501,20 @@ impl Report {
         let Some(lp) = loop_timing(nn) else {
             return lines;
         };
-        let mut line = format!(
-            "nnfuse step: loop {} ms (host {} ms, GPU {} ms)",
-            ms(lp.median_ms),
-            headline_host_timing(nn).map_or("-".into(), |t| ms(t.median_ms)),
-            step_timing(&nn.times).map_or("-".into(), |t| ms(t.median_ms))
-        );
+        let mut gpu = step_timing(&nn.times).map_or("-".into(), |t| ms(t.median_ms));
         if let Some(t) = bare_step_timing(&nn.times) {
-            line.truncate(line.len() - 1);
-            line.push_str(&format!(
-                "; {} ms without per-operation events)",
+            gpu.push_str(&format!(
+                " ms; {} ms without per-operation events",
                 ms(t.median_ms)
             ));
+        } else {
+            gpu.push_str(" ms");
         }
+        let mut line = format!(
+            "nnfuse step: loop {} ms (host {} ms, GPU {gpu})",
+            ms(lp.median_ms),
+            headline_host_timing(nn).map_or("-".into(), |t| ms(t.median_ms)),
+        );
         let others: Vec<String> = self
             .runs
             .iter()
@@ -1374,6 +1375,47 @@ mod tests {
             .iter()
             .map(|&(op, q, _)| BitRow::of((op, q, DType::F16), &eager, &eager, graph, 1e-2))
             .collect()
+    }
+
+    #[test]
+    fn the_two_event_step_time_gets_a_row_a_headline_mention_and_a_json_field() {
+        let mut r = timed_report();
+        for run in &mut r.runs {
+            let bare = if run.variant == Variant::Nnfuse {
+                0.9
+            } else {
+                3.6
+            };
+            for t in &mut run.times {
+                t.bare_ms = Some(bare);
+            }
+        }
+        let head = r.headline();
+        assert!(
+            head[0].starts_with(
+                "nnfuse step: loop 1.50 ms (host 0.25 ms, GPU 1.00 ms; 0.90 ms without \
+                 per-operation events) — "
+            ),
+            "{head:?}"
+        );
+        let text = r.to_text(false);
+        let row = text
+            .lines()
+            .find(|l| l.contains("GPU, 2 events only"))
+            .unwrap_or_else(|| panic!("no two-event row: {text}"));
+        assert!(
+            row.contains("900.0") && row.contains("3600.0 (4.00x)"),
+            "{row}"
+        );
+        let j = r.to_json();
+        let us = j["runs"]["nnfuse"]["step_two_events_median_us"]
+            .as_f64()
+            .unwrap();
+        assert!((us - 900.0).abs() < 1e-9, "{us}");
+        // Without samples: no row, the headline as before.
+        let plain = timed_report();
+        assert!(!plain.to_text(false).contains("2 events only"));
+        assert!(!plain.headline()[0].contains("without per-operation events"));
     }
 
     #[test]
