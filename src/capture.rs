@@ -72,6 +72,35 @@ impl CapturedGraph {
         }
     }
 
+    /// How many of the graph's nodes are kernel launches, and how many are anything else
+    /// (memsets, copies, event records): what one replay launches, and what the same work queues
+    /// eagerly.
+    pub fn node_counts(&self) -> Result<(usize, usize)> {
+        let Some(g) = &self.graph else {
+            return Err(Error::NotSupported("the captured graph is gone".into()));
+        };
+        let mut n = 0usize;
+        // SAFETY: a null node array asks for the count only; the graph is live.
+        unsafe { drv::cuGraphGetNodes(g.cu_graph(), std::ptr::null_mut(), &mut n) }
+            .result()
+            .call("cuGraphGetNodes")?;
+        let mut nodes = vec![std::ptr::null_mut(); n];
+        // SAFETY: `nodes` holds `n` slots; the driver writes at most `n`.
+        unsafe { drv::cuGraphGetNodes(g.cu_graph(), nodes.as_mut_ptr(), &mut n) }
+            .result()
+            .call("cuGraphGetNodes")?;
+        let mut kernels = 0;
+        for &node in nodes.iter().take(n) {
+            let mut t = drv::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+            // SAFETY: `node` is one of the live graph's nodes.
+            unsafe { drv::cuGraphNodeGetType(node, &mut t) }
+                .result()
+                .call("cuGraphNodeGetType")?;
+            kernels += usize::from(t == drv::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL);
+        }
+        Ok((kernels, n - kernels))
+    }
+
     /// The Context whose stream the graph was captured on and replays on.
     pub fn context(&self) -> &Context {
         &self.ctx

@@ -410,6 +410,9 @@ fn a_captured_step_replays_bit_identical_to_eager_calls() {
 
     let graph = ctx.capture(|_| step.run()).unwrap();
     graph.upload().unwrap();
+    // The step's convolution, BatchNorm and GEMM each launch at least one kernel.
+    let (kernels, other) = graph.node_counts().unwrap();
+    assert!(kernels >= 3, "{kernels} kernel nodes, {other} others");
     // After the capture: the arenas the graph uses must survive growth and release.
     let big = 512 << 20;
     ctx.reserve_workspace(big).unwrap();

@@ -94,6 +94,7 @@ pub fn run<T: Element>(
             return Ok(report);
         }
     };
+    report.nodes = g.graph.node_counts().ok();
     let replayed = outputs_after(ctx, b, &stats, &mut |_| g.replay())?;
     let again = outputs_after(ctx, b, &stats, &mut eager)?;
     for (k, &(op, quantity, is_f32)) in OUTPUTS.iter().enumerate() {

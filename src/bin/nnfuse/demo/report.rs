@@ -109,6 +109,8 @@ pub struct GraphReport {
     pub not_capturable: Option<String>,
     /// Wall time of the capture, instantiation and upload (ms).
     pub capture_ms: f64,
+    /// The captured step's kernel launches and other nodes (`None` when not read).
+    pub nodes: Option<(usize, usize)>,
     /// Every output of the replay against an eager step (empty when not captured).
     pub rows: Vec<BitRow>,
     /// Wall-clock time per replay (ms) of each loop of replays (one synchronize per loop).
@@ -557,9 +559,12 @@ impl Report {
                 g.capture_ms
             );
         }
+        let nodes = g.nodes.map_or(String::new(), |(k, o)| {
+            format!("; {k} kernel launches and {o} other nodes")
+        });
         let mut s = format!(
             "\ngraph (--graph): nnfuse's whole step captured into one CUDA graph ({:.1} ms to \
-             capture, instantiate and upload); a replay against eager steps on the same inputs \
+             capture, instantiate and upload{nodes}); a replay against eager steps on the same inputs \
              and running statistics, every output poisoned first, raw bits of {} outputs:\n",
             g.capture_ms,
             g.rows.len()
@@ -996,6 +1001,8 @@ impl Report {
             "captured": g.not_capturable.is_none(),
             "not_capturable": g.not_capturable,
             "capture_ms": g.capture_ms,
+            "kernel_nodes": g.nodes.map(|n| n.0),
+            "other_nodes": g.nodes.map(|n| n.1),
             "passed": g.passed(),
             "outputs": g.rows.iter().map(|r| json!({
                 "op": r.op.name(),
@@ -1519,6 +1526,7 @@ mod tests {
         r.graph = Some(GraphReport {
             not_capturable: None,
             capture_ms: 12.0,
+            nodes: Some((47, 2)),
             rows: bit_rows(&[0, 60, 0, 64]),
             loop_ms: vec![0.9, 0.95, 0.92],
             host_ms: vec![0.007, 0.008, 0.006],
@@ -1540,8 +1548,14 @@ mod tests {
             text.contains("graph replay: loop 0.92 ms per step"),
             "{text}"
         );
+        assert!(
+            text.contains("upload; 47 kernel launches and 2 other nodes)"),
+            "{text}"
+        );
         let j = r.to_json();
         let g = &j["graph"];
+        assert_eq!(g["kernel_nodes"], 47);
+        assert_eq!(g["other_nodes"], 2);
         assert_eq!(g["captured"], true);
         assert_eq!(g["passed"], true);
         assert_eq!(g["outputs"].as_array().unwrap().len(), 31);
