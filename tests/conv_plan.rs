@@ -1255,17 +1255,8 @@ fn the_filter_gradient_kernel_is_an_f32_3x3_stride_one_candidate() {
 /// few-channel kernels' reference problem.
 fn resnet_stem() -> ConvShape {
     ConvShape {
-        n: 32,
-        c_in: 3,
-        h: 224,
-        w: 224,
-        c_out: 64,
-        kh: 7,
-        kw: 7,
         stride: (2, 2),
-        pad: (3, 3),
-        dilation: (1, 1),
-        format: NHWC,
+        ..ConvShape::square(32, 3, 224, 64, 7, NHWC)
     }
 }
 

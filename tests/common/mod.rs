@@ -63,17 +63,8 @@ pub fn square_conv(
 /// (the few-channel kernels' reference problem).
 pub fn resnet_stem(n: usize) -> nnfuse::conv::ConvShape {
     nnfuse::conv::ConvShape {
-        n,
-        c_in: 3,
-        h: 224,
-        w: 224,
-        c_out: 64,
-        kh: 7,
-        kw: 7,
         stride: (2, 2),
-        pad: (3, 3),
-        dilation: (1, 1),
-        format: nnfuse::TensorFormat::Nhwc,
+        ..nnfuse::conv::ConvShape::square(n, 3, 224, 64, 7, nnfuse::TensorFormat::Nhwc)
     }
 }
 

@@ -3,7 +3,7 @@
 //! much scratch its partial sums need. Shared by the plan's rule and the launcher, so that the
 //! plan never calls eligible what the launcher refuses. Pure: no GPU calls.
 
-use super::shape::ConvShape;
+use super::shape::{extents_refusal, ConvShape};
 use crate::dtype::DType;
 #[cfg(test)]
 use crate::layout::TensorFormat;
@@ -89,31 +89,25 @@ pub(crate) fn direct_filter_refusal(
             s.stride, s.dilation
         ));
     }
-    let int = i32::MAX as usize;
     let units =
         s.n.checked_mul(out_hw.0)
             .and_then(|v| v.checked_mul(out_hw.1.div_ceil(SEG)));
-    let over = [
-        ("n", s.n),
-        ("c_in", s.c_in),
-        ("c_out", s.c_out),
-        ("h", s.h),
-        ("w", s.w),
-        ("pad.0", s.pad.0),
-        ("pad.1", s.pad.1),
-        ("oh + 2", out_hw.0.saturating_add(2)),
-        ("ow + SEG", out_hw.1.saturating_add(SEG)),
-        ("n*oh*segments", units.unwrap_or(usize::MAX)),
-    ]
-    .into_iter()
-    .filter(|(_, v)| *v > int)
-    .map(|(n, v)| format!("{n} = {v}"))
-    .collect::<Vec<_>>();
-    if !over.is_empty() {
-        return Some(format!(
-            "the filter-gradient kernel indexes with 32-bit extents (at most {int}): {}",
-            over.join(", ")
-        ));
+    if let Some(why) = extents_refusal(
+        "the filter-gradient kernel",
+        &[
+            ("n", s.n),
+            ("c_in", s.c_in),
+            ("c_out", s.c_out),
+            ("h", s.h),
+            ("w", s.w),
+            ("pad.0", s.pad.0),
+            ("pad.1", s.pad.1),
+            ("oh + 2", out_hw.0.saturating_add(2)),
+            ("ow + SEG", out_hw.1.saturating_add(SEG)),
+            ("n*oh*segments", units.unwrap_or(usize::MAX)),
+        ],
+    ) {
+        return Some(why);
     }
     let one = s.c_out * s.c_in * 9 * std::mem::size_of::<f32>();
     if one > cap {

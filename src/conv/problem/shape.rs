@@ -183,9 +183,47 @@ impl ConvShape {
     }
 }
 
+/// Largest extent nnfuse's own kernels index with 32-bit signed integers.
+pub(crate) const INT_EXTENT: usize = i32::MAX as usize;
+
+/// Why `kernel` cannot index these named extents with 32-bit integers (those above
+/// [`INT_EXTENT`], each named with its value); `None` when all fit. Pure.
+pub(crate) fn extents_refusal(kernel: &str, extents: &[(&str, usize)]) -> Option<String> {
+    let over: Vec<String> = extents
+        .iter()
+        .filter(|(_, v)| *v > INT_EXTENT)
+        .map(|(n, v)| format!("{n} = {v}"))
+        .collect();
+    (!over.is_empty()).then(|| {
+        format!(
+            "{kernel} indexes with 32-bit extents (at most {INT_EXTENT}): {}",
+            over.join(", ")
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn extents_over_32_bits_are_named_with_their_values() {
+        assert_eq!(extents_refusal("k", &[("n", 4), ("h", INT_EXTENT)]), None);
+        let why = extents_refusal(
+            "the kernel",
+            &[("n", 4), ("h", INT_EXTENT + 1), ("w", usize::MAX)],
+        )
+        .unwrap();
+        assert!(
+            why.starts_with("the kernel indexes with 32-bit extents"),
+            "{why}"
+        );
+        assert!(why.contains(&format!("h = {}", INT_EXTENT + 1)), "{why}");
+        assert!(
+            why.contains(&format!("w = {}", usize::MAX)) && !why.contains("n = 4"),
+            "{why}"
+        );
+    }
 
     fn shape() -> ConvShape {
         ConvShape {

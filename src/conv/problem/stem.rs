@@ -5,7 +5,7 @@
 //! launchers (`src/conv/stem.rs`), so that a plan never calls eligible what its launcher refuses.
 //! Pure: no GPU calls.
 
-use super::shape::ConvShape;
+use super::shape::{extents_refusal, ConvShape};
 use crate::dtype::DType;
 use crate::layout::TensorFormat;
 
@@ -242,55 +242,38 @@ fn shape_refusal(
             s.stride.1, s.c_in
         ));
     }
-    let int = i32::MAX as usize;
     let units =
         s.n.checked_mul(out_hw.0)
             .and_then(|v| v.checked_mul(out_hw.1.div_ceil(PX)));
-    let over = [
-        ("n", s.n),
-        ("c_out", s.c_out),
-        ("h", s.h),
-        ("w*c_in", s.w * s.c_in),
-        (
-            "oh*stride.0 + kh",
-            (out_hw.0 * s.stride.0).saturating_add(s.kh),
-        ),
-        (
-            "(ow + PX)*stride.1*c_in",
-            (out_hw.1 + PX).saturating_mul(s.stride.1 * s.c_in),
-        ),
-        ("n*oh*segments", units.unwrap_or(usize::MAX)),
-    ]
-    .into_iter()
-    .filter(|(_, v)| *v > int)
-    .map(|(n, v)| format!("{n} = {v}"))
-    .collect::<Vec<_>>();
-    if !over.is_empty() {
-        return Some(format!(
-            "the kernel indexes with 32-bit extents (at most {int}): {}",
-            over.join(", ")
-        ));
-    }
-    None
+    extents_refusal(
+        "the kernel",
+        &[
+            ("n", s.n),
+            ("c_out", s.c_out),
+            ("h", s.h),
+            ("w*c_in", s.w * s.c_in),
+            (
+                "oh*stride.0 + kh",
+                (out_hw.0 * s.stride.0).saturating_add(s.kh),
+            ),
+            (
+                "(ow + PX)*stride.1*c_in",
+                (out_hw.1 + PX).saturating_mul(s.stride.1 * s.c_in),
+            ),
+            ("n*oh*segments", units.unwrap_or(usize::MAX)),
+        ],
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// ResNet-50's stem: 7x7/2 over 3 channels, 224x224 → 64, padding 3.
     fn stem(n: usize) -> ConvShape {
         ConvShape {
-            n,
-            c_in: 3,
-            h: 224,
-            w: 224,
-            c_out: 64,
-            kh: 7,
-            kw: 7,
             stride: (2, 2),
-            pad: (3, 3),
-            dilation: (1, 1),
-            format: TensorFormat::Nhwc,
+            ..ConvShape::square(n, 3, 224, 64, 7, TensorFormat::Nhwc)
         }
     }
 

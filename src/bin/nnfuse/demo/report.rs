@@ -249,21 +249,31 @@ pub fn op_timing(times: &[StepTimes], k: usize) -> Option<Timing> {
     )
 }
 
+/// Which time of a step: [`whole_step`] or [`two_event_step`].
+type StepPick = fn(&StepTimes) -> Option<f64>;
+
+/// The whole step, first to last event.
+fn whole_step(t: &StepTimes) -> Option<f64> {
+    Some(t.total_ms)
+}
+
+/// The step queued again with only two events around it (`None` when not measured).
+fn two_event_step(t: &StepTimes) -> Option<f64> {
+    t.bare_ms
+}
+
 /// The same for the whole step.
 pub fn step_timing(times: &[StepTimes]) -> Option<Timing> {
-    Timing::from_samples(times.iter().map(|t| t.total_ms).collect())
+    picked_timing(times, whole_step)
 }
 
 /// The same for the whole step without events between its operations (`None` without samples).
 pub fn bare_step_timing(times: &[StepTimes]) -> Option<Timing> {
-    Timing::from_samples(times.iter().filter_map(|t| t.bare_ms).collect())
+    picked_timing(times, two_event_step)
 }
 
-/// `other`'s step time without events between operations over `nnfuse`'s, step by step.
-pub fn bare_speedup(nnfuse: &[StepTimes], other: &[StepTimes]) -> Option<Paired> {
-    let a: Vec<f64> = nnfuse.iter().filter_map(|t| t.bare_ms).collect();
-    let b: Vec<f64> = other.iter().filter_map(|t| t.bare_ms).collect();
-    Paired::of(&a, &b)
+fn picked_timing(times: &[StepTimes], pick: StepPick) -> Option<Timing> {
+    Timing::from_samples(times.iter().filter_map(pick).collect())
 }
 
 /// The same for the host's queueing time.
@@ -310,8 +320,13 @@ fn ms(v: f64) -> String {
 /// `other`'s step time over `nnfuse`'s, step by step (steps of one index ran back to back):
 /// above 1, nnfuse is faster.
 pub fn speedup(nnfuse: &[StepTimes], other: &[StepTimes]) -> Option<Paired> {
-    let a: Vec<f64> = nnfuse.iter().map(|t| t.total_ms).collect();
-    let b: Vec<f64> = other.iter().map(|t| t.total_ms).collect();
+    picked_speedup(nnfuse, other, whole_step)
+}
+
+/// [`speedup`] of the step time `pick` chooses.
+fn picked_speedup(nnfuse: &[StepTimes], other: &[StepTimes], pick: StepPick) -> Option<Paired> {
+    let a: Vec<f64> = nnfuse.iter().filter_map(pick).collect();
+    let b: Vec<f64> = other.iter().filter_map(pick).collect();
     Paired::of(&a, &b)
 }
 
@@ -551,6 +566,26 @@ impl Report {
         lines
     }
 
+    /// The table's `step` row of the step time `pick` chooses: each variant's median, with the
+    /// baselines' per-step ratio to nnfuse.
+    fn step_row(&self, nn: &VariantRun, what: &str, pick: StepPick) -> Vec<String> {
+        let mut row = vec![
+            "step".to_string(),
+            what.to_string(),
+            us(step_floor_us(&self.def) * 1e-3),
+        ];
+        for r in &self.runs {
+            let mut cell = us(picked_timing(&r.times, pick).map_or(f64::NAN, |t| t.median_ms));
+            if r.variant != Variant::Nnfuse {
+                if let Some(p) = picked_speedup(&nn.times, &r.times, pick) {
+                    cell.push_str(&format!(" ({:.2}x)", p.median));
+                }
+            }
+            row.push(cell);
+        }
+        row
+    }
+
     fn graph_text(&self, g: &GraphReport) -> String {
         if let Some(why) = &g.not_capturable {
             return format!(
@@ -752,43 +787,13 @@ impl Report {
             );
             rows.push(row);
         }
-        let mut total = vec![
-            "step".to_string(),
-            "GPU, whole step".into(),
-            us(step_floor_us(&self.def) * 1e-3),
-        ];
-        for r in &self.runs {
-            let t = step_timing(&r.times).map_or(f64::NAN, |t| t.median_ms);
-            let mut cell = us(t);
-            if r.variant != Variant::Nnfuse {
-                if let Some(p) = speedup(&nn.times, &r.times) {
-                    cell.push_str(&format!(" ({:.2}x)", p.median));
-                }
-            }
-            total.push(cell);
-        }
-        rows.push(total);
+        rows.push(self.step_row(nn, "GPU, whole step", whole_step));
         if self
             .runs
             .iter()
             .any(|r| bare_step_timing(&r.times).is_some())
         {
-            let mut bare = vec![
-                "step".to_string(),
-                "GPU, 2 events only".into(),
-                us(step_floor_us(&self.def) * 1e-3),
-            ];
-            for r in &self.runs {
-                let t = bare_step_timing(&r.times).map_or(f64::NAN, |t| t.median_ms);
-                let mut cell = us(t);
-                if r.variant != Variant::Nnfuse {
-                    if let Some(p) = bare_speedup(&nn.times, &r.times) {
-                        cell.push_str(&format!(" ({:.2}x)", p.median));
-                    }
-                }
-                bare.push(cell);
-            }
-            rows.push(bare);
+            rows.push(self.step_row(nn, "GPU, 2 events only", two_event_step));
         }
         let mut right = vec![false, false, true];
         right.extend(self.runs.iter().map(|_| true));
