@@ -89,21 +89,86 @@ impl CapturedGraph {
         unsafe { drv::cuGraphGetNodes(g.cu_graph(), nodes.as_mut_ptr(), &mut n) }
             .result()
             .call("cuGraphGetNodes")?;
-        let mut kernels = 0;
+        let mut by_type: Vec<(drv::CUgraphNodeType, usize)> = Vec::new();
         for &node in nodes.iter().take(n) {
             let mut t = drv::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
             // SAFETY: `node` is one of the live graph's nodes.
             unsafe { drv::cuGraphNodeGetType(node, &mut t) }
                 .result()
                 .call("cuGraphNodeGetType")?;
-            kernels += usize::from(t == drv::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL);
+            if tracing::enabled!(tracing::Level::TRACE) {
+                trace_node(node, t);
+            }
+            match by_type.iter_mut().find(|(k, _)| *k == t) {
+                Some((_, c)) => *c += 1,
+                None => by_type.push((t, 1)),
+            }
         }
+        tracing::debug!(nodes = n, by_type = ?by_type, "captured graph's nodes by type");
+        let kernels = by_type
+            .iter()
+            .find(|(t, _)| *t == drv::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL)
+            .map_or(0, |(_, c)| *c);
         Ok((kernels, n - kernels))
     }
 
     /// The Context whose stream the graph was captured on and replays on.
     pub fn context(&self) -> &Context {
         &self.ctx
+    }
+}
+
+/// One node of a captured graph as a trace event: a kernel's name and grid, a memset's bytes.
+fn trace_node(node: drv::CUgraphNode, t: drv::CUgraphNodeType) {
+    use drv::CUgraphNodeType as N;
+    match t {
+        N::CU_GRAPH_NODE_TYPE_KERNEL => {
+            // SAFETY: plain-old-data out-parameter, filled by the driver for a kernel node.
+            let mut p: drv::CUDA_KERNEL_NODE_PARAMS = unsafe { std::mem::zeroed() };
+            // SAFETY: `node` is a live kernel node.
+            if unsafe { drv::cuGraphKernelNodeGetParams_v2(node, &mut p) }
+                .result()
+                .is_err()
+            {
+                return;
+            }
+            let mut name: *const std::ffi::c_char = std::ptr::null();
+            let named = if !p.func.is_null() {
+                // SAFETY: a live function handle; the driver returns a static string.
+                unsafe { drv::cuFuncGetName(&mut name, p.func) }
+                    .result()
+                    .is_ok()
+            } else {
+                // SAFETY: a live library kernel handle; the driver returns a static string.
+                unsafe { drv::cuKernelGetName(&mut name, p.kern) }
+                    .result()
+                    .is_ok()
+            };
+            let name = if named && !name.is_null() {
+                // SAFETY: a NUL-terminated string owned by the driver.
+                unsafe { std::ffi::CStr::from_ptr(name) }
+                    .to_string_lossy()
+                    .into_owned()
+            } else {
+                "?".into()
+            };
+            let grid = (p.gridDimX, p.gridDimY, p.gridDimZ);
+            let block = (p.blockDimX, p.blockDimY, p.blockDimZ);
+            tracing::trace!(%name, ?grid, ?block, smem = p.sharedMemBytes, "graph node: kernel");
+        }
+        N::CU_GRAPH_NODE_TYPE_MEMSET => {
+            // SAFETY: plain-old-data out-parameter, filled by the driver for a memset node.
+            let mut p: drv::CUDA_MEMSET_NODE_PARAMS = unsafe { std::mem::zeroed() };
+            // SAFETY: `node` is a live memset node.
+            if unsafe { drv::cuGraphMemsetNodeGetParams(node, &mut p) }
+                .result()
+                .is_ok()
+            {
+                let bytes = p.width * p.height * p.elementSize as usize;
+                tracing::trace!(bytes, value = p.value, "graph node: memset");
+            }
+        }
+        other => tracing::trace!(node_type = ?other, "graph node"),
     }
 }
 
