@@ -207,8 +207,11 @@ fn a_cold_first_call_skips_uncompiled_candidates() {
             .notes
             .iter()
             .any(|n| n.contains("measured again at a later call"));
+        // A first call whose graph candidates filled its admission limit has the later call
+        // measure the graph API's further engine configs against its choice.
+        let more = c.notes.iter().any(|n| n.contains("past the first call's"));
         assert_eq!(settled, left_out.contains(&d), "{d}: {:?}", c.notes);
-        if !settled {
+        if !settled && !more {
             assert_eq!(c.route, first, "{d}: an unskipped decision changed");
             continue;
         }

@@ -29,6 +29,12 @@ use crate::tune::budget::Budget;
 /// cuDNN's reference engine.
 pub const MAX_GRAPH_CANDIDATES: usize = 16;
 
+/// Most engine configs a decision's later look ([`more_engine_execs`]) admits in all, those the
+/// first call measured included: the heuristics list up to 44 on the H100, and PyTorch's
+/// `cudnn.benchmark` times every one at its first call. cuDNN's reference engine stays out (10x
+/// to 100x the fastest).
+pub const LATER_GRAPH_CANDIDATES: usize = 32;
+
 /// Workspace above which a first call measures a graph engine config after the others
 /// (nnfuse's own scratch cap by default, 256 MiB).
 const LARGE_WORKSPACE: usize = 256 << 20;
@@ -225,6 +231,62 @@ pub(super) fn engine_execs(
     }
 }
 
+/// The engine configs of direction `d` that a budgeted first call passed over for its admission
+/// limit ([`GraphLimits::FIRST_CALL`]), as routes: the graph API's list admitted again up to
+/// [`LATER_GRAPH_CANDIDATES`] (cuDNN's reference engine out, plans from the Context's cache where
+/// the first call built them) less the configs in `known`. Measured by a later call against the
+/// decided route (`Conv2d::settle`), so that the first call keeps its budget and the decision
+/// still sees what `cudnn.benchmark` would. Empty when nothing more is admitted.
+pub(super) fn more_engine_execs(
+    t: &Target<'_>,
+    d: Direction,
+    known: &[Exec],
+    budget: &Budget,
+) -> Vec<Exec> {
+    let limits = GraphLimits {
+        total: LATER_GRAPH_CANDIDATES,
+        instant: LATER_GRAPH_CANDIDATES,
+        fallback: LATER_GRAPH_CANDIDATES,
+        skip_reference: true,
+    };
+    let admitted = GraphConv::admitted_within(
+        t.ctx,
+        key(t, d, None, MAX_ALIGNMENT, false),
+        limits,
+        budget.deadline(),
+    );
+    let plans = match admitted {
+        Ok(a) => a.plans,
+        Err(e) => {
+            tracing::debug!(direction = %d, error = %e,
+                "cudnn_graph: no more engine configs listed for a later look");
+            return Vec::new();
+        }
+    };
+    let mut plans: Vec<_> = plans.iter().collect();
+    plans.sort_by_key(|p| p.workspace_bytes() > LARGE_WORKSPACE);
+    plans
+        .iter()
+        .filter_map(|p| p.key().engine)
+        .filter(|e| !known.iter().any(|k| k.route.graph_engine == Some(*e)))
+        .map(|e| Exec {
+            route: Route::graph(e),
+            cudnn_ws: 0,
+            winograd: None,
+        })
+        .collect()
+}
+
+/// Whether a budgeted decision's graph candidates filled the first call's admission limit:
+/// the graph API may list more configs, for a later call to measure. Pure.
+pub(super) fn first_call_limit_reached(execs: &[Exec], exhaustive: bool) -> bool {
+    let graph = execs
+        .iter()
+        .filter(|e| e.route.path == ConvPath::CudnnGraph)
+        .count();
+    !exhaustive && graph >= GraphLimits::FIRST_CALL.total
+}
+
 /// Where a first call's host time before measuring went: the listing, then the finalizations
 /// (engines differ by 100x here, and a first call's budget pays for every one).
 fn finalize_note(a: &Admitted) -> String {
@@ -280,4 +342,28 @@ pub(super) fn misplaced(r: &Route) -> Option<Error> {
             "only a cudnn_graph or cudnn_tiled route names a cuDNN graph engine config",
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn exec(route: Route) -> Exec {
+        Exec {
+            route,
+            cudnn_ws: 0,
+            winograd: None,
+        }
+    }
+
+    #[test]
+    fn a_later_look_follows_a_full_first_call_admission_only() {
+        let graph = |i| exec(Route::graph(GraphEngine::new(i, &[]).unwrap()));
+        let mut execs: Vec<Exec> = (0..9).map(graph).collect();
+        execs.push(exec(Route::path(ConvPath::Im2colGemm)));
+        assert!(!first_call_limit_reached(&execs, false), "9 graph configs");
+        execs.push(graph(9));
+        assert!(first_call_limit_reached(&execs, false), "10 graph configs");
+        assert!(!first_call_limit_reached(&execs, true), "an exhaustive decision saw them all");
+    }
 }

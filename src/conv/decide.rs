@@ -189,10 +189,16 @@ impl<T: Element> Conv2d<T> {
                 }
                 let mut left_out = not_run;
                 left_out.extend(budget_cut(&execs, dec.report.as_deref()));
-                if !left_out.is_empty() && dec.choice.origin == ChoiceOrigin::Measured {
+                // 16-bit only: an f32 graph config needs its true-f32 check's companion.
+                let more_graph = self.core.dtype != DType::F32
+                    && cudnn_graph_run::first_call_limit_reached(&execs, budget.exhaustive());
+                if (!left_out.is_empty() || more_graph)
+                    && dec.choice.origin == ChoiceOrigin::Measured
+                {
                     dec.pending = Some(Pending {
                         execs: left_out,
                         files: waiting,
+                        more_graph,
                         epoch: u64::MAX, // looked at by the next call
                     });
                 }
@@ -723,18 +729,27 @@ impl<T: Element> Conv2d<T> {
         }
         let mut execs = vec![dec.exec];
         execs.extend(pending.execs.iter().copied());
+        let more_graph = pending.more_graph;
         dec.pending = None;
-        let labels: Vec<String> = execs[1..].iter().map(|e| e.route.label()).collect();
         let mut notes = dec.choice.notes.clone();
-        notes.push(format!(
-            "measured again at a later call: {}, left out by the first call (first choice {})",
-            labels.join(", "),
-            dec.exec.route.label()
-        ));
+        if execs.len() > 1 {
+            let labels: Vec<String> = execs[1..].iter().map(|e| e.route.label()).collect();
+            notes.push(format!(
+                "measured again at a later call: {}, left out by the first call (first choice {})",
+                labels.join(", "),
+                dec.exec.route.label()
+            ));
+        }
         let plan = self.plan_for(d);
         let ordinal = self.ctx.info().ordinal as u32;
         let key = ChoiceKey::of(ordinal, plan, self.core.search, accumulate);
         let budget = Budget::new(self.ctx.config().conv_tune_budget_ms);
+        if more_graph {
+            self.add_more_graph_configs(d, plan, accumulate, &budget, &mut execs, &mut notes);
+        }
+        if execs.len() < 2 {
+            return Ok(()); // nothing to measure against the first choice
+        }
         let settled = crate::cudnn_graph::replay::suspended(|| {
             self.measured(d, p, &key, &execs, notes, budget, &[])
         });
@@ -747,6 +762,41 @@ impl<T: Element> Conv2d<T> {
             "convolution decision settled: the first call's left-out candidates measured");
         *dec = settled;
         Ok(())
+    }
+
+    /// The graph API's engine configs beyond the first call's admission limit, added to `execs`
+    /// (which holds the decided route and any left-out candidates) where they can run this
+    /// call's mode; a note says how many and how long listing them took.
+    fn add_more_graph_configs(
+        &self,
+        d: Direction,
+        plan: &ConvPlan,
+        accumulate: bool,
+        budget: &Budget,
+        execs: &mut Vec<Exec>,
+        notes: &mut Vec<String>,
+    ) {
+        let started = std::time::Instant::now();
+        let target = self.core.target(&self.ctx);
+        let more = cudnn_graph_run::more_engine_execs(&target, d, execs, budget);
+        let (mut more, _) = can_add(plan, more, accumulate, notes);
+        notes.extend(choice::drop_uncheckable_f32_graph(
+            &mut more,
+            self.core.dtype,
+        ));
+        tracing::debug!(direction = %d, configs = more.len(),
+            ms = started.elapsed().as_secs_f64() * 1e3,
+            "cudnn_graph: engine configs past the first call's limit, for a later look");
+        if !more.is_empty() {
+            notes.push(format!(
+                "cudnn_graph: {} engine configs past the first call's {} measured at a later call \
+                 (listed and finalized in {:.1} ms)",
+                more.len(),
+                crate::cudnn_graph::notes::GraphLimits::FIRST_CALL.total,
+                started.elapsed().as_secs_f64() * 1e3
+            ));
+        }
+        execs.extend(more);
     }
 
     /// A route forced by the caller, completed (engine, cuDNN algorithm) and checked against

@@ -56,6 +56,10 @@ pub(super) struct Decided {
 pub(super) struct Pending {
     pub(super) execs: Vec<Exec>,
     pub(super) files: Vec<&'static KernelFile>,
+    /// The first call's graph candidates filled its admission limit: the settle also lists,
+    /// finalizes and measures the graph API's further engine configs
+    /// (`cudnn_graph_run::more_engine_execs`).
+    pub(super) more_graph: bool,
     /// [`crate::kernels::compile_epoch`] when the files' states were last looked at: a call
     /// looks again only after some compile finished (one atomic load per call meanwhile).
     pub(super) epoch: u64,
