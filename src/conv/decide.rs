@@ -758,8 +758,10 @@ impl<T: Element> Conv2d<T> {
             return Ok(());
         }
         tracing::info!(problem = ?self.core.shape, dtype = %self.core.dtype, direction = %d,
-            from = %dec.exec.route, to = %settled.exec.route,
-            "convolution decision settled: the first call's left-out candidates measured");
+            from = %dec.exec.route, to = %settled.exec.route, candidates = execs.len(),
+            more_graph_configs = more_graph,
+            "convolution decision settled: the first call's left-out candidates (and, where \
+             its graph configs filled the first call's limit, further ones) measured");
         *dec = settled;
         Ok(())
     }
