@@ -25,11 +25,11 @@ const OPS: [&str; 19] = [
     "conv3.dgrad",
     "conv3.wgrad",
     "bn2.bwd",
-    "conv2.dgrad",
     "conv2.wgrad",
+    "conv2.dgrad",
     "bn1.bwd",
-    "conv1.dgrad",
     "conv1.wgrad",
+    "conv1.dgrad",
     "dx.add",
 ];
 

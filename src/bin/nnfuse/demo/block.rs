@@ -181,11 +181,14 @@ pub const STEP: [Op; 19] = [
     Op::ConvDgrad(2),
     Op::ConvWgrad(2),
     Op::BnBwd(1),
-    Op::ConvDgrad(1),
+    // Filter gradients before data gradients: bnN.bwd's output (dz, 12.8 MB at batch 32) is
+    // still in L2 when the filter gradient reads it (H100: conv1.wgrad 37.8 -> 33.3 us, the
+    // step 520 -> 508 us; docs/PERFORMANCE.md, 2026-11-27 12:00).
     Op::ConvWgrad(1),
+    Op::ConvDgrad(1),
     Op::BnBwd(0),
-    Op::ConvDgrad(0),
     Op::ConvWgrad(0),
+    Op::ConvDgrad(0),
     Op::AddDx,
 ];
 
