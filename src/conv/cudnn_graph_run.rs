@@ -29,12 +29,6 @@ use crate::tune::budget::Budget;
 /// cuDNN's reference engine.
 pub const MAX_GRAPH_CANDIDATES: usize = 16;
 
-/// Most engine configs a decision's later look ([`more_engine_execs`]) admits in all, those the
-/// first call measured included: the heuristics list up to 44 on the H100, and PyTorch's
-/// `cudnn.benchmark` times every one at its first call. cuDNN's reference engine stays out (10x
-/// to 100x the fastest).
-pub const LATER_GRAPH_CANDIDATES: usize = 32;
-
 /// Workspace above which a first call measures a graph engine config after the others
 /// (nnfuse's own scratch cap by default, 256 MiB).
 const LARGE_WORKSPACE: usize = 256 << 20;
@@ -206,23 +200,7 @@ pub(super) fn engine_execs(
                         .join("; ")
                 ));
             }
-            let mut plans: Vec<_> = a.plans.iter().collect();
-            if !budget.exhaustive() {
-                // Stable: cuDNN's order otherwise. A config whose workspace is large (FFT
-                // engines, 0.4-2.3 GB) is checked last: its first run grows the Context's
-                // workspace, which cost a first call 16 ms on the H100 and left the fastest
-                // config (7th, from the fallback list) unmeasured.
-                plans.sort_by_key(|p| p.workspace_bytes() > LARGE_WORKSPACE);
-            }
-            plans
-                .iter()
-                .filter_map(|p| p.key().engine)
-                .map(|e| Exec {
-                    route: Route::graph(e),
-                    cudnn_ws: 0,
-                    winograd: None,
-                })
-                .collect()
+            routes_of(&a.plans, !budget.exhaustive())
         }
         Err(e) => {
             notes.push(format!("cudnn_graph: {e}"));
@@ -231,10 +209,31 @@ pub(super) fn engine_execs(
     }
 }
 
+/// The admitted plans as routes, in cuDNN's order; `large_last`: a config whose workspace is
+/// large (FFT engines, 0.4-2.3 GB) after the others (stable), since its first run grows the
+/// Context's workspace, which cost a first call 16 ms on the H100 and left the fastest config
+/// (7th, from the fallback list) unmeasured.
+fn routes_of(plans: &[std::sync::Arc<GraphConv>], large_last: bool) -> Vec<Exec> {
+    let mut plans: Vec<_> = plans.iter().collect();
+    if large_last {
+        plans.sort_by_key(|p| p.workspace_bytes() > LARGE_WORKSPACE);
+    }
+    plans
+        .iter()
+        .filter_map(|p| p.key().engine)
+        .map(|e| Exec {
+            route: Route::graph(e),
+            cudnn_ws: 0,
+            winograd: None,
+        })
+        .collect()
+}
+
 /// The engine configs of direction `d` that a budgeted first call passed over for its admission
 /// limit ([`GraphLimits::FIRST_CALL`]), as routes: the graph API's list admitted again up to
-/// [`LATER_GRAPH_CANDIDATES`] (cuDNN's reference engine out, plans from the Context's cache where
-/// the first call built them) less the configs in `known`. Measured by a later call against the
+/// [`GraphLimits::LATER_CALL`] (cuDNN's reference engine out; the first call's configs are
+/// finalized again, under 0.1 ms each, and their cached plans kept) less the configs in
+/// `known`. Measured by a later call against the
 /// decided route (`Conv2d::settle`), so that the first call keeps its budget and the decision
 /// still sees what `cudnn.benchmark` would. Empty when nothing more is admitted.
 pub(super) fn more_engine_execs(
@@ -243,38 +242,23 @@ pub(super) fn more_engine_execs(
     known: &[Exec],
     budget: &Budget,
 ) -> Vec<Exec> {
-    let limits = GraphLimits {
-        total: LATER_GRAPH_CANDIDATES,
-        instant: LATER_GRAPH_CANDIDATES,
-        fallback: LATER_GRAPH_CANDIDATES,
-        skip_reference: true,
-    };
     let admitted = GraphConv::admitted_within(
         t.ctx,
         key(t, d, None, MAX_ALIGNMENT, false),
-        limits,
+        GraphLimits::LATER_CALL,
         budget.deadline(),
     );
-    let plans = match admitted {
-        Ok(a) => a.plans,
+    match admitted {
+        Ok(a) => routes_of(&a.plans, true)
+            .into_iter()
+            .filter(|e| !known.iter().any(|k| k.route == e.route))
+            .collect(),
         Err(e) => {
             tracing::debug!(direction = %d, error = %e,
                 "cudnn_graph: no more engine configs listed for a later look");
-            return Vec::new();
+            Vec::new()
         }
-    };
-    let mut plans: Vec<_> = plans.iter().collect();
-    plans.sort_by_key(|p| p.workspace_bytes() > LARGE_WORKSPACE);
-    plans
-        .iter()
-        .filter_map(|p| p.key().engine)
-        .filter(|e| !known.iter().any(|k| k.route.graph_engine == Some(*e)))
-        .map(|e| Exec {
-            route: Route::graph(e),
-            cudnn_ws: 0,
-            winograd: None,
-        })
-        .collect()
+    }
 }
 
 /// Whether a budgeted decision's graph candidates filled the first call's admission limit:

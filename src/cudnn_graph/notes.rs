@@ -368,6 +368,16 @@ impl GraphLimits {
         skip_reference: true,
     };
 
+    /// A budgeted decision's later look (docs/CONV.md, "The first call"): up to 32 from both
+    /// lists, those of the first call included (the heuristics list up to 44 on the H100, and
+    /// PyTorch's `cudnn.benchmark` times every one); still never the reference engine.
+    pub const LATER_CALL: GraphLimits = GraphLimits {
+        total: 32,
+        instant: 32,
+        fallback: 32,
+        skip_reference: true,
+    };
+
     /// At most `n`, from either list, reference engines included.
     pub const fn at_most(n: usize) -> GraphLimits {
         GraphLimits {
@@ -613,6 +623,15 @@ mod tests {
             |e| e,
         );
         assert_eq!(out, vec![a, b, a_other_knob]);
+    }
+
+    #[test]
+    fn a_later_look_admits_more_than_the_first_call_but_no_reference_engine() {
+        let (first, later) = (GraphLimits::FIRST_CALL, GraphLimits::LATER_CALL);
+        assert!(later.total > first.total && later.skip_reference);
+        let i = engine(62, &[], &[]);
+        assert_eq!(pass_over(&i, (first.total, 0), later, false), None);
+        assert!(pass_over(&i, (later.total, 0), later, false).is_some());
     }
 
     #[test]
