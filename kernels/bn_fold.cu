@@ -20,9 +20,11 @@
 //    (m, lo, a, b, d, as finish_bwd writes them).
 //    It also writes a w and the right operand of MM and bias (cuBLAS makes
 //    [MM | bias] = w^T [C w | the constant of dz] from it): a kernel of one block per input
-//    channel summing over k took 13-33 us, bound by its loads' latency.
+//    channel summing over k took 13-33 us, bound by its loads' latency. With G and H made in
+//    the sums pass (fold_gram, below) fold_gram_finish does this work per chunk of the reduction.
 //  * fold_dw_<t>: block k (one per output channel) stages w's row k; thread c adds w[k,:] H[:,c]
-//    and writes dw[k,c] from G, H and s.
+//    and writes dw[k,c] from G, H and s. Blocks K .. K + Cin make column j = block - K of
+//    [MM | bias] = w^T wc (a cuBLASLt product of its own took a launch and 3.7-3.9 us).
 //
 // Limits (the host refuses the fold beyond them): Cin <= 256 and K <= FOLD_MAX_K, both
 // multiples of the 16-byte vector (8 halves, 4 floats); the data 16-byte aligned.
@@ -66,12 +68,15 @@ struct FoldDwArgs {
     const float* s;     // [Cin]
     const float* gmat;  // G, column-major K x Cin
     void* dw;           // T [K][Cin]
+    const void* wc;     // T, column-major K x (Cin + 1): [C w | the constant of dz]
+    void* mm;           // T, column-major Cin x (Cin + 1): [MM | bias] = w^T wc
     u32 k;
     u32 cin;
 };
 
 #define FOLD_THREADS 256
 #define FOLD_MAX_K 2048
+#define FOLD_MAX_CIN 256
 #define FOLD_ROWS 4
 
 // V elements of 16 bytes, aligned so that one access is one 16-byte load or store (the 2-byte
@@ -166,22 +171,29 @@ template <typename T> __device__ __forceinline__ void fold_sums(const FoldSumsAr
     }
 }
 
-// The sum of v over the warp, in every lane (a fixed tree).
-__device__ __forceinline__ double warp_sum(double v) {
+// The sum of v over aligned groups of W lanes, in every lane of the group (a fixed tree).
+// Only the group's lanes take part: groups of one warp may finish different kinds of channel.
+template <int W> __device__ __forceinline__ double group_sum(double v) {
+    static_assert(W >= 1 && W <= 32 && (W & (W - 1)) == 0, "a power of two within a warp");
+    const u32 mask = W == 32 ? 0xffffffffu : ((1u << (W % 32)) - 1u) << ((threadIdx.x & 31u) & ~(u32)(W - 1));
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    for (int o = W / 2; o > 0; o >>= 1) v += __shfl_xor_sync(mask, v, o);
     return v;
 }
 
-template <typename T> __device__ __forceinline__ void fold_finalize(const FoldFinalizeArgs& a) {
-    const u64 ch = global_thread() / 32;  // the warp's channel: K BatchNorm ones, then Cin of x
-    const u32 lane = threadIdx.x & 31u;
+// Channel ch's finish, by an aligned group of W lanes (lane: the lane's place in it; every lane
+// of the warp takes part): x's sum for ch >= K; for a BatchNorm channel dgamma, dbeta, the
+// coefficients and the rows of a w and of the product's right operand [C w | B] (column-major
+// K x (Cin + 1)). G's row k is grow[c * gstride] (global G is column-major; fold_gram_finish
+// passes its chunk's row in shared memory).
+template <typename T, int W>
+__device__ __forceinline__ void finalize_channel(const FoldFinalizeArgs& a, u64 ch, u32 lane, const float* grow,
+                                                 u64 gstride) {
     const u64 K = a.k, N = a.cin;
-    if (ch >= K + N) return;  // the whole warp
     double total = 0.0;
-#pragma unroll 4
-    for (u32 b = lane; b < a.blocks; b += 32) total += a.part[(u64)b * (K + N) + ch];
-    total = warp_sum(total);
+#pragma unroll 8
+    for (u32 b = lane; b < a.blocks; b += W) total += a.part[(u64)b * (K + N) + ch];
+    total = group_sum<W>(total);
     if (ch >= K) {
         if (lane == 0) a.s[ch - K] = (float)total;
         return;
@@ -189,11 +201,22 @@ template <typename T> __device__ __forceinline__ void fold_finalize(const FoldFi
     const u64 k = ch;
     const double mk = (double)a.mean[k] + (double)a.mean_lo[k];
     const T* w = (const T*)a.w;
+    // w's row k in registers: loaded once, all in flight (a load after each store of the rows
+    // below would wait for it: the pointers may alias).
+    constexpr u32 WN = FOLD_MAX_CIN / W;
+    float wv[WN];
+#pragma unroll
+    for (u32 u = 0; u < WN; ++u) {
+        const u64 c = lane + (u64)u * W;
+        wv[u] = c < N ? to_float(w[k * N + c]) : 0.0f;
+    }
     double wg = 0.0;
-    for (u64 c = lane; c < N; c += 32) wg += (double)to_float(w[k * N + c]) * (double)a.gmat[c * K + k];
-    wg = warp_sum(wg);
-    // Every lane holds the sums: the coefficients, then the rows of a w and of the product's
-    // right operand [C w | B] (column-major K x (Cin + 1)).
+#pragma unroll
+    for (u32 u = 0; u < WN; ++u) {
+        const u64 c = lane + (u64)u * W;
+        if (c < N) wg += (double)wv[u] * (double)grow[c * gstride];
+    }
+    wg = group_sum<W>(wg);
     const double s1 = total, s2 = wg - mk * s1;
     const float inv = a.inv_std[k];
     const float dg = (float)(s2 * inv);
@@ -210,11 +233,21 @@ template <typename T> __device__ __forceinline__ void fold_finalize(const FoldFi
         a.coef[4 * K + k] = dk;
         ((T*)a.wc)[N * K + k] = from_float<T>(constant);
     }
-    for (u64 c = lane; c < N; c += 32) {
-        const float wv = to_float(w[k * N + c]);
-        ((T*)a.wa)[k * N + c] = from_float<T>(ak * wv);
-        ((T*)a.wc)[c * K + k] = from_float<T>(ck * wv);
+#pragma unroll
+    for (u32 u = 0; u < WN; ++u) {
+        const u64 c = lane + (u64)u * W;
+        if (c < N) {
+            ((T*)a.wa)[k * N + c] = from_float<T>(ak * wv[u]);
+            ((T*)a.wc)[c * K + k] = from_float<T>(ck * wv[u]);
+        }
     }
+}
+
+// A warp per channel: K BatchNorm ones, then Cin of x.
+template <typename T> __device__ __forceinline__ void fold_finalize(const FoldFinalizeArgs& a) {
+    const u64 ch = global_thread() / 32;
+    if (ch >= (u64)a.k + a.cin) return;  // the whole warp
+    finalize_channel<T, 32>(a, ch, threadIdx.x & 31u, a.gmat + (ch < a.k ? ch : 0), a.k);
 }
 
 // The per-channel terms of dz = a g + C (z - M) - a b: a, C = -a d, M = m + lo, a b.
@@ -231,7 +264,67 @@ __device__ __forceinline__ Terms terms(const float* cf, u64 K, u64 k) {
     return t;
 }
 
+#define FOLD_MM_BYTES 16384
+
+// Column j of [MM | bias] = w^T wc (thread c: row c): w staged in chunks of whole rows (16-byte
+// copies), wc's column j in f32; the sum over k in order, in f32. Each stage's loads are all
+// issued before its stores to shared memory (a store between them would make the next load
+// wait: the pointers may alias; staged one after another this took 12 us with dw).
+template <typename T> __device__ __forceinline__ void fold_mm_column(const FoldDwArgs& a, u32 j) {
+    constexpr u32 U = 16;  // loads in flight a thread
+    __shared__ float wcol[FOLD_MAX_K];
+    __shared__ __align__(16) unsigned char raw[FOLD_MM_BYTES];
+    const u32 N = a.cin, K = a.k, c = threadIdx.x, nt = blockDim.x;
+    const T* w = (const T*)a.w;
+    const T* wc = (const T*)a.wc + (u64)j * K;
+    T* ws = (T*)raw;
+    for (u32 k0 = 0; k0 < K; k0 += U * nt) {
+        float v[U];
+#pragma unroll
+        for (u32 u = 0; u < U; ++u) {
+            const u32 k = k0 + u * nt + c;
+            v[u] = k < K ? to_float(wc[k]) : 0.0f;
+        }
+#pragma unroll
+        for (u32 u = 0; u < U; ++u) {
+            const u32 k = k0 + u * nt + c;
+            if (k < K) wcol[k] = v[u];
+        }
+    }
+    const u32 chunk = FOLD_MM_BYTES / (N * (u32)sizeof(T));  // rows; N sizeof(T) is a multiple of 16
+    float acc = 0.0f;
+    for (u32 k0 = 0; k0 < K; k0 += chunk) {
+        const u32 rows = min(chunk, K - k0);
+        const u32 vecs = rows * N * (u32)sizeof(T) / 16;
+        const uint4* src = (const uint4*)(w + (u64)k0 * N);
+        for (u32 v0 = 0; v0 < vecs; v0 += U * nt) {
+            uint4 r[U];
+#pragma unroll
+            for (u32 u = 0; u < U; ++u) {
+                const u32 v = v0 + u * nt + c;
+                if (v < vecs) r[u] = src[v];
+            }
+#pragma unroll
+            for (u32 u = 0; u < U; ++u) {
+                const u32 v = v0 + u * nt + c;
+                if (v < vecs) ((uint4*)raw)[v] = r[u];
+            }
+        }
+        __syncthreads();
+        if (c < N) {
+#pragma unroll 8
+            for (u32 r = 0; r < rows; ++r) acc = fmaf(to_float(ws[r * N + c]), wcol[k0 + r], acc);
+        }
+        __syncthreads();
+    }
+    if (c < N) ((T*)a.mm)[(u64)j * N + c] = from_float<T>(acc);
+}
+
 template <typename T> __device__ __forceinline__ void fold_dw(const FoldDwArgs& a) {
+    if (blockIdx.x >= a.k) {  // the block-uniform [MM | bias] part
+        fold_mm_column<T>(a, blockIdx.x - a.k);
+        return;
+    }
     __shared__ float wk[256];
     const u32 N = a.cin, k = blockIdx.x, c = threadIdx.x;
     const u64 K = a.k;
@@ -270,7 +363,7 @@ template <typename T> __device__ __forceinline__ void fold_dw(const FoldDwArgs& 
 // 16w .. 16w+15 of the slab against all 64 input channels, and the slabs share H's 32 tiles of
 // 16 x 8 (32 / slabs each, at most two a warp: K a multiple of 256); slab 0 makes x's sums. The
 // next tile's loads are issued before the current tile's products. Each block writes its partial G and H
-// ([K][Cin] row-major, then [Cin][Cin]); fold_gram_reduce adds them in a fixed order (no
+// ([K][Cin] row-major, then [Cin][Cin]); fold_gram_finish adds them in a fixed order (no
 // atomics on the data: the result does not depend on timing).
 
 #define GRAM_THREADS 256
@@ -301,6 +394,12 @@ struct FoldGramReduceArgs {
     u32 blocks;
     u32 k;
     u32 cin;
+};
+
+// fold_gram_finish's two parts: the reduction's, then fold_finalize's (its gmat unused).
+struct FoldGramFinishArgs {
+    FoldGramReduceArgs r;
+    FoldFinalizeArgs f;
 };
 
 __device__ __forceinline__ u32 gram_smem(const void* p) { return (u32)__cvta_generic_to_shared(p); }
@@ -346,31 +445,14 @@ __device__ __forceinline__ void gram_frag_b(u32 (&b)[4], const T* S, u32 p0, u32
     gram_ldsm_t(b, S + (p0 + r + ((mat & 1u) ? 8u : 0u)) * P + n0 + ((mat & 2u) ? 8u : 0u));
 }
 
-// Block sums of `acc` (lanes threads per row, step rows) into dst[0 .. lanes V).
-template <int V>
-__device__ __forceinline__ void gram_block_sums(const float (&acc)[V], float* red, u32 lanes, u32 step,
-                                                float* dst) {
-    const u32 t = threadIdx.x;
-#pragma unroll
-    for (int j = 0; j < V; ++j) red[t * V + j] = t < lanes * step ? acc[j] : 0.0f;
-    __syncthreads();
-    for (u32 c = t; c < lanes * V; c += GRAM_THREADS) {
-        const u32 l = c / V, j = c % V;
-        float sum = 0.0f;
-        for (u32 q = 0; q < step; ++q) sum += red[(q * lanes + l) * V + j];
-        dst[c] = sum;
-    }
-    __syncthreads();
-}
-
-// How fold_gram makes the channels' sums (measured on the H100, the demo's unit, ncu): f16 from
-// the staged tiles, one register a thread (59-60 us, against 69-72 with V registers a thread
-// summing as they load); bf16 as they load (69.6-70.7 us, against 89.5-90.3 from the tiles).
-template <typename T> struct GramTileSums { static constexpr bool value = false; };
-template <> struct GramTileSums<nnf_f16> { static constexpr bool value = true; };
+// 1.0 in both halves of a b16x2 register: the B fragment of a column of ones, so that an mma
+// adds a tile's rows (the channels' sums; products by 1 are exact, the sums f32).
+template <typename T> struct GramOnes;
+template <> struct GramOnes<nnf_f16> { static constexpr u32 value = 0x3c003c00u; };
+template <> struct GramOnes<nnf_bf16> { static constexpr u32 value = 0x3f803f80u; };
 
 template <typename T> __device__ __forceinline__ void fold_gram(const FoldGramArgs& a) {
-    constexpr bool TILE_SUMS = GramTileSums<T>::value;
+    constexpr u32 ONES = GramOnes<T>::value;
     constexpr int V = 16 / sizeof(T);
     constexpr int GP = GRAM_KS + 8, XP = GRAM_CIN + 8;  // +16 bytes: ldmatrix rows on distinct banks
     constexpr u32 GL = GRAM_KS / V, GSTEP = GRAM_THREADS / GL;    // g: lanes per row, rows per pass
@@ -378,12 +460,11 @@ template <typename T> __device__ __forceinline__ void fold_gram(const FoldGramAr
     constexpr int GU = GRAM_R / GSTEP, XU = GRAM_R / XSTEP;       // passes per tile
     __shared__ __align__(16) T gs[GRAM_R * GP];
     __shared__ __align__(16) T xs[GRAM_R * XP];
-    __shared__ float red[TILE_SUMS ? GRAM_THREADS : GRAM_THREADS * V];
     const u32 t = threadIdx.x, lane = t & 31u, warp = t >> 5;
     const u32 gq = lane >> 2, gt = lane & 3u;  // the mma fragments' group and thread
     const u64 K = a.k, N = GRAM_CIN;
     const u32 slab = blockIdx.y, slabs = gridDim.y;
-    static_assert(GRAM_THREADS == 2 * GRAM_KS && GRAM_THREADS == 4 * GRAM_CIN, "column sums");
+    static_assert(GRAM_THREADS / 32 * 16 == GRAM_KS && GRAM_CIN % 16 == 0, "a warp's 16 channels");
     const u64 k0 = (u64)slab * GRAM_KS;
     const bool first = slab == 0;  // x's sums
     // H's 32 tiles of 16 x 8 shared by the slabs: this slab's tiles hs .. hs + hn - 1, two per
@@ -392,12 +473,11 @@ template <typename T> __device__ __forceinline__ void fold_gram(const FoldGramAr
     const u64 r0 = (u64)blockIdx.x * a.rpb;
     const u64 r1 = min(r0 + a.rpb, a.rows);
     const u32 gl = t % GL, gro = t / GL, xl = t % XL, xro = t / XL;
-    // The channels' sums. TILE_SUMS: from the staged tiles, one register each (thread t adds
-    // channel t % 128 of g over half the tile's rows, channel t % 64 of x over a quarter);
-    // otherwise V a thread, added as the thread stores its vectors.
-    float gsum = 0.0f, xsum = 0.0f, gv[V], xw[V];
-#pragma unroll
-    for (int j = 0; j < V; ++j) gv[j] = xw[j] = 0.0f;
+    // The channels' sums as products with ones on the tensor cores: warp w's 16 channels of g,
+    // and in slab 0 warps 0 .. 3 also x's 16 w .. 16 w + 15 (every column of the result the
+    // same). Summed V values a thread as they loaded, or from the staged tiles, the kernel took
+    // 59-60 us (f16) and 69-71 (bf16) on the H100 for the demo's unit; with ones 56-58 / 59-62.
+    float accs[4] = {0.0f, 0.0f, 0.0f, 0.0f}, accx[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     float accg[8][4], acch[2][4];
 #pragma unroll
     for (int i = 0; i < 8; ++i)
@@ -439,35 +519,24 @@ template <typename T> __device__ __forceinline__ void fold_gram(const FoldGramAr
             for (int j = 0; j < V; ++j) {
                 const bool keep = (bits[u] >> j) & 1u;  // 0 past r1
                 o.v[j] = keep ? d[u].v[j] : from_float<T>(0.0f);
-                if (!TILE_SUMS) gv[j] += keep ? to_float(d[u].v[j]) : 0.0f;
             }
             if (rt + row < r1) *(Vec16<T>*)((T*)a.g + (rt + row) * K + k0 + (u64)gl * V) = o;
             *(Vec16<T>*)(gs + row * GP + gl * V) = o;
         }
 #pragma unroll
-        for (int u = 0; u < XU; ++u) {
-            *(Vec16<T>*)(xs + (xro + u * XSTEP) * XP + xl * V) = xv[u];
-            if (!TILE_SUMS && first) {
-#pragma unroll
-                for (int j = 0; j < V; ++j) xw[j] += to_float(xv[u].v[j]);
-            }
-        }
+        for (int u = 0; u < XU; ++u) *(Vec16<T>*)(xs + (xro + u * XSTEP) * XP + xl * V) = xv[u];
         __syncthreads();
         if (rt + GRAM_R < r1) load(rt + GRAM_R);
-        if (TILE_SUMS) {
-            const u32 gc = t % GRAM_KS, gr = (t / GRAM_KS) * (GRAM_R / 2);
-#pragma unroll 8
-            for (u32 r = gr; r < gr + GRAM_R / 2; ++r) gsum += to_float(gs[r * GP + gc]);
-            if (first) {
-                const u32 xc = t % GRAM_CIN, xr = (t / GRAM_CIN) * (GRAM_R / 4);
-#pragma unroll 8
-                for (u32 r = xr; r < xr + GRAM_R / 4; ++r) xsum += to_float(xs[r * XP + xc]);
-            }
-        }
 #pragma unroll
         for (u32 p0 = 0; p0 < GRAM_R; p0 += 16) {
             u32 fa[4];
             gram_frag_a<T, GP>(fa, gs, p0, warp * 16, lane);
+            gram_mma<T>(accs, fa, ONES, ONES);
+            if (first && warp < GRAM_CIN / 16) {  // warp-uniform
+                u32 xa[4];
+                gram_frag_a<T, XP>(xa, xs, p0, warp * 16, lane);
+                gram_mma<T>(accx, xa, ONES, ONES);
+            }
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 u32 fb[4];
@@ -510,28 +579,31 @@ template <typename T> __device__ __forceinline__ void fold_gram(const FoldGramAr
             *(float2*)(hp + (m + 8) * N + c) = make_float2(acch[i][2], acch[i][3]);
         }
     }
+    // The sums: rows gq and gq + 8 of the C fragment (column 2 gt; every column holds them).
     float* part = a.part + (u64)blockIdx.x * (K + N);
-    if (!TILE_SUMS) {
-        gram_block_sums<V>(gv, red, GL, GSTEP, part + k0);
-        if (first) gram_block_sums<V>(xw, red, XL, XSTEP, part + K);
-        return;
+    if (gt == 0) {
+        part[k0 + warp * 16 + gq] = accs[0];
+        part[k0 + warp * 16 + gq + 8] = accs[2];
+        if (first && warp < GRAM_CIN / 16) {
+            part[K + warp * 16 + gq] = accx[0];
+            part[K + warp * 16 + gq + 8] = accx[2];
+        }
     }
-    red[t] = gsum;
-    __syncthreads();
-    if (t < GRAM_KS) part[k0 + t] = red[t] + red[t + GRAM_KS];
-    __syncthreads();
-    red[t] = xsum;
-    __syncthreads();
-    if (first && t < GRAM_CIN)
-        part[K + t] = (red[t] + red[t + GRAM_CIN]) + (red[t + 2 * GRAM_CIN] + red[t + 3 * GRAM_CIN]);
 }
 
-// Adds the blocks' partial G and H in a fixed order: block (chunk, s) sums partials
-// [s blocks / SEG, (s+1) blocks / SEG) of 4 GRAM_REDUCE_THREADS outputs into seg[s]; the last of
-// a chunk's GRAM_SEG blocks to arrive adds the segments in order and writes G (column-major)
-// and H.
-extern "C" __global__ void __launch_bounds__(GRAM_REDUCE_THREADS) fold_gram_reduce(FoldGramReduceArgs a) {
-    const u64 K = a.k, N = a.cin, total = K * N + N * N;
+// Adds the blocks' partial G and H in a fixed order, then finishes the channels: block
+// (chunk, s) sums partials [s blocks / SEG, (s+1) blocks / SEG) of 4 GRAM_REDUCE_THREADS outputs
+// into seg[s]; the last of a chunk's GRAM_SEG blocks to arrive adds the segments in order,
+// writes G (column-major) and H, and, holding the chunk's 16 whole rows (of G: BatchNorm
+// channels; of H: x's channels), runs fold_finalize's work for those channels. One launch
+// fewer than a separate finalize, which also read G back.
+template <typename T> __device__ __forceinline__ void fold_gram_finish(const FoldGramFinishArgs& args) {
+    const FoldGramReduceArgs& a = args.r;
+    constexpr u32 CHUNK = 4 * GRAM_REDUCE_THREADS, ROWS = CHUNK / GRAM_CIN;
+    static_assert(CHUNK % GRAM_CIN == 0 && (2 * GRAM_KS * GRAM_CIN) % CHUNK == 0,
+                  "a chunk is whole rows of G or of H (K a multiple of 256, Cin = GRAM_CIN)");
+    __shared__ __align__(16) float rows[CHUNK];
+    const u64 K = a.k, N = GRAM_CIN, total = K * N + N * N;
     const u64 i = ((u64)blockIdx.x * GRAM_REDUCE_THREADS + threadIdx.x) * 4;
     const u32 s = blockIdx.y;
     const u32 b0 = (u32)((u64)a.blocks * s / GRAM_SEG), b1 = (u32)((u64)a.blocks * (s + 1) / GRAM_SEG);
@@ -556,27 +628,40 @@ extern "C" __global__ void __launch_bounds__(GRAM_REDUCE_THREADS) fold_gram_redu
         if (last) atomicExch(a.counters + blockIdx.x, 0u);  // every block has arrived
     }
     __syncthreads();
-    if (!last || i >= total) return;
+    if (!last) return;  // the whole block
     __threadfence();
-    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (i < total) {
+        float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-    for (u32 q = 0; q < GRAM_SEG; ++q) {
-        const float4 v = __ldcg((const float4*)(a.seg + (u64)q * total + i));
-        sum.x += v.x;
-        sum.y += v.y;
-        sum.z += v.z;
-        sum.w += v.w;
-    }
-    const float out[4] = {sum.x, sum.y, sum.z, sum.w};
+        for (u32 q = 0; q < GRAM_SEG; ++q) {
+            const float4 v = __ldcg((const float4*)(a.seg + (u64)q * total + i));
+            sum.x += v.x;
+            sum.y += v.y;
+            sum.z += v.z;
+            sum.w += v.w;
+        }
+        *(float4*)(rows + threadIdx.x * 4) = sum;
+        const float out[4] = {sum.x, sum.y, sum.z, sum.w};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        const u64 e = i + j;
-        if (e < K * N) {
-            a.gmat[(e % N) * K + e / N] = out[j];  // (k, c) = (e / N, e % N)
-        } else {
-            a.h[e - K * N] = out[j];
+        for (int j = 0; j < 4; ++j) {
+            const u64 e = i + j;
+            if (e < K * N) {
+                a.gmat[(e % N) * K + e / N] = out[j];  // (k, c) = (e / N, e % N)
+            } else {
+                a.h[e - K * N] = out[j];
+            }
         }
     }
+    __syncthreads();
+    // The chunk's channels: BatchNorm channel e0 / N .. of G's rows, or x's channel
+    // (e0 - K N) / N .. of H's (their finish needs only their sums).
+    const u64 e0 = (u64)blockIdx.x * CHUNK;
+    const u64 ch0 = e0 < K * N ? e0 / N : K + (e0 - K * N) / N;
+    // All at once, GROUP lanes a channel (a warp a channel, two after another, took 6-8 us).
+    constexpr u32 GROUP = GRAM_REDUCE_THREADS / ROWS;
+    static_assert(GROUP <= 32 && 32 % GROUP == 0, "a channel's lanes within one warp");
+    const u32 q = threadIdx.x / GROUP;
+    if (ch0 + q < K + N) finalize_channel<T, GROUP>(args.f, ch0 + q, threadIdx.x % GROUP, rows + q * N, 1);
 }
 
 extern "C" __global__ void __launch_bounds__(FOLD_THREADS) fold_sums_f32(FoldSumsArgs a) { fold_sums<float>(a); }
@@ -590,3 +675,9 @@ extern "C" __global__ void __launch_bounds__(256) fold_dw_f16(FoldDwArgs a) { fo
 extern "C" __global__ void __launch_bounds__(256) fold_dw_bf16(FoldDwArgs a) { fold_dw<nnf_bf16>(a); }
 extern "C" __global__ void __launch_bounds__(GRAM_THREADS, 2) fold_gram_f16(FoldGramArgs a) { fold_gram<nnf_f16>(a); }
 extern "C" __global__ void __launch_bounds__(GRAM_THREADS, 2) fold_gram_bf16(FoldGramArgs a) { fold_gram<nnf_bf16>(a); }
+extern "C" __global__ void __launch_bounds__(GRAM_REDUCE_THREADS) fold_gram_finish_f16(FoldGramFinishArgs a) {
+    fold_gram_finish<nnf_f16>(a);
+}
+extern "C" __global__ void __launch_bounds__(GRAM_REDUCE_THREADS) fold_gram_finish_bf16(FoldGramFinishArgs a) {
+    fold_gram_finish<nnf_bf16>(a);
+}

@@ -8,15 +8,15 @@
 //! 1. `fold_sums`: g written, per-channel sums of g and of x (one pass over dy, the mask, x);
 //! 2. G = gᵀx and H = xᵀx (f32): G is the filter gradient of g. For f16 and bf16 with 64 input
 //!    channels and output channels a multiple of 256 the sums pass makes them on tensor cores
-//!    (`fold_gram`, then `fold_gram_reduce` adds the blocks' partials): neither g nor x is read
+//!    (`fold_gram`, then `fold_gram_finish` adds the blocks' partials): neither g nor x is read
 //!    again; otherwise two cuBLAS products;
 //! 3. `fold_finalize`: dgamma and dbeta (Σ g (z − M) from G and w, no pass over z), the
-//!    BatchNorm's apply coefficients, a ⊙ w and [C ⊙ w | the constant of dz];
-//! 4. [MM | bias] = wᵀ [C ⊙ w | constant] (cuBLASLt, `lt_product.rs`): MM = wᵀ diag(C) w and
-//!    the bias;
+//!    BatchNorm's apply coefficients, a ⊙ w and [C ⊙ w | the constant of dz] (after
+//!    `fold_gram`, the last blocks of `fold_gram_finish` do this, one launch fewer);
+//! 4. `fold_dw`: dw = a ⊙ G + C ⊙ (w H − M sᵀ) − a b ⊗ s, and in blocks of its own
+//!    [MM | bias] = wᵀ [C ⊙ w | constant]: MM = wᵀ diag(C) w and the bias;
 //! 5. dx = g · (a ⊙ w) through the convolution's own data gradient, then x · MM + bias added
-//!    in place (cuBLASLt, bias epilogue);
-//! 6. `fold_dw`: dw = a ⊙ G + C ⊙ (w H − M sᵀ) − a b ⊗ s.
+//!    in place (cuBLASLt, bias epilogue).
 //!
 //! What the backward keeps from the forward: x, the saved statistics and the ReLU's bitmask (z
 //! only for the caller's other uses). Launchers on operands the caller ([`super::ConvBnTrain`])
@@ -29,7 +29,6 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, 
 
 use super::api::lock;
 use super::lt_epilogue::{EpilogueGemm, GemmPtrs, OPERAND_ALIGNMENT};
-use super::lt_product::{LtProduct, ProductShape};
 use super::plan::GemmGeometry;
 use crate::batchnorm::{BnSaved, OwnParts};
 use crate::context::Context;
@@ -51,6 +50,8 @@ struct FoldDwArgs {
     s: u64,
     gmat: u64,
     dw: u64,
+    wc: u64,
+    mm: u64,
     k: u32,
     cin: u32,
 }
@@ -122,13 +123,22 @@ struct FoldGramReduceArgs {
     cin: u32,
 }
 
+/// `struct FoldGramFinishArgs` of `kernels/bn_fold.cu`: the reduction's part, then the
+/// finalize's.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct FoldGramFinishArgs {
+    r: FoldGramReduceArgs,
+    f: FoldFinalizeArgs,
+}
+
 // SAFETY: plain `repr(C)` structs of integers (and one f32), passed by value as kernel
 // parameters.
 unsafe impl DeviceRepr for FoldDwArgs {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for FoldGramArgs {}
 // SAFETY: as above.
-unsafe impl DeviceRepr for FoldGramReduceArgs {}
+unsafe impl DeviceRepr for FoldGramFinishArgs {}
 // SAFETY: as above.
 unsafe impl DeviceRepr for FoldSumsArgs {}
 // SAFETY: as above.
@@ -159,7 +169,7 @@ struct Bufs<T> {
     tc: Option<GramBufs>,
 }
 
-/// The buffers of `fold_gram` and `fold_gram_reduce`.
+/// The buffers of `fold_gram` and `fold_gram_finish`.
 struct GramBufs {
     part: CudaSlice<f32>,
     seg: CudaSlice<f32>,
@@ -198,7 +208,6 @@ pub(crate) struct FoldBackward<T> {
     gram: bool,
     bufs: Mutex<Bufs<T>>,
     gemm: Mutex<Option<std::result::Result<Arc<EpilogueGemm>, String>>>,
-    products: Mutex<Option<std::result::Result<Arc<[LtProduct; 1]>, String>>>,
 }
 
 impl<T: Element> FoldBackward<T> {
@@ -243,7 +252,6 @@ impl<T: Element> FoldBackward<T> {
                 tc: gram_bufs,
             }),
             gemm: Mutex::new(None),
-            products: Mutex::new(None),
         })
     }
 
@@ -301,21 +309,23 @@ impl<T: Element> FoldBackward<T> {
         let mut dbeta = o.dbeta;
         let (dgp, _gdg) = dgamma.device_ptr_mut(&st);
         let (dbp, _gdb) = dbeta.device_ptr_mut(&st);
+        let fin = self.finalize_args(&mut b, wp, &parts, [gammap, dgp, dbp])?;
         if self.gram {
-            self.sums_gram(&mut b, dyp, parts.mask, gp, xp)?;
+            self.sums_gram(&mut b, dyp, parts.mask, gp, xp, fin)?;
         } else {
             self.sums(&mut b, dyp, parts.mask, gp, xp)?;
             self.gemms(&mut b, gp, xp)?;
+            let warps = (self.k + self.cin) as u64;
+            self.launch("fold_finalize", launch_warps(warps), &fin)?;
         }
-        self.finalize(&mut b, wp, &parts, gammap, dgp, dbp)?;
-        self.projection_matrix(&mut b, wp)?;
+        let mut dw = o.dw;
+        self.finish_dw(&mut b, wp, &mut dw)?;
         let g = o.d_addend.slice(..);
         if let Some(mut dx) = o.dx {
             conv.backward_data_into(&g, &b.wa.as_view(), &mut dx, o.accumulate_dx)?;
             self.add_projection(&b, &o.x, &mut dx)?;
         }
-        let mut dw = o.dw;
-        self.finish_dw(&b, wp, &mut dw)
+        Ok(())
     }
 
     /// `fold_sums`: g written, the blocks' partial sums of g and x.
@@ -335,8 +345,17 @@ impl<T: Element> FoldBackward<T> {
         self.launch("fold_sums", blocks(self.blocks, FOLD_THREADS), &args)
     }
 
-    /// `fold_gram` then `fold_gram_reduce`: g written, the sums of g and x, G and H.
-    fn sums_gram(&self, b: &mut Bufs<T>, dy: u64, mask: u64, g: u64, x: u64) -> Result<()> {
+    /// `fold_gram` then `fold_gram_finish`: g written, the sums of g and x, G and H, then
+    /// `fin`'s work (the finalize) by the reduction's last blocks.
+    fn sums_gram(
+        &self,
+        b: &mut Bufs<T>,
+        dy: u64,
+        mask: u64,
+        g: u64,
+        x: u64,
+        fin: FoldFinalizeArgs,
+    ) -> Result<()> {
         let s = self.ctx.stream();
         let (gmat, h) = (b.gmat.device_ptr_mut(s).0, b.gram.device_ptr_mut(s).0);
         let part = b.part.device_ptr_mut(s).0;
@@ -367,7 +386,7 @@ impl<T: Element> FoldBackward<T> {
         };
         self.launch("fold_gram", cfg, &args)?;
         let total = self.k * self.cin + self.cin * self.cin;
-        let args = FoldGramReduceArgs {
+        let r = FoldGramReduceArgs {
             gram: gb.part.device_ptr(s).0,
             seg: gb.seg.device_ptr_mut(s).0,
             counters: gb.counters.device_ptr_mut(s).0,
@@ -377,12 +396,13 @@ impl<T: Element> FoldBackward<T> {
             k: dim(self.k, "c_out")?,
             cin: dim(self.cin, "c_in")?,
         };
+        let args = FoldGramFinishArgs { r, f: fin };
         let cfg = LaunchConfig {
             grid_dim: (dim(reduce_chunks(total), "chunks")?, GRAM_SEG as u32, 1),
             block_dim: (GRAM_REDUCE_THREADS as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        self.launch("fold_gram_reduce", cfg, &args)
+        self.launch("fold_gram_finish", cfg, &args)
     }
 
     /// G = gᵀx and H = xᵀx (cublasGemmEx, f32 results). Through the cached cuBLASLt product
@@ -408,63 +428,17 @@ impl<T: Element> FoldBackward<T> {
         Ok(())
     }
 
-    /// Runs products `(index, [A, B, D])` of [`FoldBackward::products`] on the Context's
-    /// stream with its workspace.
-    fn products_run(&self, calls: &[(usize, [u64; 3])]) -> Result<()> {
-        let mut guard = self.ctx.lock()?;
-        let h = guard.cublaslt()?;
-        let products = self.products(h)?;
-        let ws = guard.workspace(WORKSPACE_BYTES)?;
-        let cu = self.ctx.stream().cu_stream() as lt_sys::cudaStream_t;
-        for &(i, ptrs) in calls {
-            // SAFETY: the operands hold the extents of product i's shape (x, g: rows·Cin and
-            // rows·K, validated by ConvBnTrain; w K·Cin; the rest this object's own buffers),
-            // 16-byte aligned (checked by `refusal`; own buffers are allocations), D disjoint
-            // from A and B; the workspace holds WORKSPACE_BYTES while the guard lives.
-            unsafe { products[i].run(h, ptrs, ws, cu) }?;
-        }
-        Ok(())
-    }
-
-    /// The product's descriptors, made on first use (a failure is kept): [MM | bias].
-    fn products(&self, h: lt_sys::cublasLtHandle_t) -> Result<Arc<[LtProduct; 1]>> {
-        let mut slot = lock(&self.products);
-        if slot.is_none() {
-            let (k, n) = (self.k, self.cin);
-            let shape = ProductShape {
-                mnk: [n, n + 1, k],
-                trans: [false, false],
-                ld: [n, k, n],
-            };
-            *slot = Some(
-                LtProduct::new(h, &shape, T::DTYPE, false)
-                    .map(|p| Arc::new([p]))
-                    .map_err(|e| e.to_string()),
-            );
-        }
-        match &*slot {
-            Some(Ok(p)) => Ok(p.clone()),
-            Some(Err(why)) => Err(Error::NotSupported(format!(
-                "the folded backward's products: {why}"
-            ))),
-            None => Err(Error::NotSupported(
-                "the folded backward's products are missing".into(),
-            )),
-        }
-    }
-
-    /// `fold_finalize`: dgamma, dbeta, the coefficients and x's sums.
-    fn finalize(
+    /// The finalize's arguments (dgamma, dbeta, the coefficients and x's sums; run by
+    /// `fold_finalize`, or by `fold_gram_finish` where the sums pass makes G).
+    fn finalize_args(
         &self,
         b: &mut Bufs<T>,
         w: u64,
         parts: &OwnParts,
-        gamma: u64,
-        dgamma: u64,
-        dbeta: u64,
-    ) -> Result<()> {
+        [gamma, dgamma, dbeta]: [u64; 3],
+    ) -> Result<FoldFinalizeArgs> {
         let s = self.ctx.stream();
-        let args = FoldFinalizeArgs {
+        Ok(FoldFinalizeArgs {
             part: b.part.device_ptr(s).0,
             gmat: b.gmat.device_ptr(s).0,
             w,
@@ -482,16 +456,7 @@ impl<T: Element> FoldBackward<T> {
             k: dim(self.k, "c_out")?,
             cin: dim(self.cin, "c_in")?,
             inv_count: (1.0 / self.rows as f64) as f32,
-        };
-        let warps = (self.k + self.cin) as u64;
-        self.launch("fold_finalize", launch_warps(warps), &args)
-    }
-
-    /// `[MM | bias] = wᵀ [C ⊙ w | constant]` (cuBLASLt, in T).
-    fn projection_matrix(&self, b: &mut Bufs<T>, w: u64) -> Result<()> {
-        let s = self.ctx.stream();
-        let (wc, mm) = (b.wc.device_ptr(s).0, b.mm.device_ptr_mut(s).0);
-        self.products_run(&[(0, [w, wc, mm])])
+        })
     }
 
     /// Queues `<base>_<t>` of `kernels/bn_fold.cu` with its one argument struct.
@@ -567,8 +532,9 @@ impl<T: Element> FoldBackward<T> {
         }
     }
 
-    /// `fold_dw`: dw from G, H and the sums.
-    fn finish_dw(&self, b: &Bufs<T>, w: u64, dw: &mut CudaViewMut<'_, T>) -> Result<()> {
+    /// `fold_dw`: dw from G, H and the sums, and in blocks of its own
+    /// `[MM | bias] = wᵀ [C ⊙ w | constant]` (for the data gradient's projection).
+    fn finish_dw(&self, b: &mut Bufs<T>, w: u64, dw: &mut CudaViewMut<'_, T>) -> Result<()> {
         let s = self.ctx.stream();
         let (dwp, _gd) = dw.device_ptr_mut(s);
         let args = FoldDwArgs {
@@ -578,10 +544,13 @@ impl<T: Element> FoldBackward<T> {
             s: b.sums.device_ptr(s).0,
             gmat: b.gmat.device_ptr(s).0,
             dw: dwp,
+            wc: b.wc.device_ptr(s).0,
+            mm: b.mm.device_ptr_mut(s).0,
             k: dim(self.k, "c_out")?,
             cin: dim(self.cin, "c_in")?,
         };
-        self.launch("fold_dw", blocks(self.k, self.cin.div_ceil(32) * 32), &args)
+        let grid = self.k + self.cin + 1; // dw's rows, then [MM | bias]'s columns
+        self.launch("fold_dw", blocks(grid, self.cin.div_ceil(32) * 32), &args)
     }
 }
 
@@ -635,7 +604,7 @@ const GRAM_KS: usize = 128;
 const GRAM_CIN: usize = 64;
 /// Rows of one `fold_gram` tile.
 const GRAM_R: usize = 64;
-/// `fold_gram_reduce`'s segments over the blocks and threads per block.
+/// `fold_gram_finish`'s segments over the blocks and threads per block.
 const GRAM_SEG: usize = 16;
 const GRAM_REDUCE_THREADS: usize = 256;
 
@@ -660,7 +629,7 @@ fn row_blocks(rows: usize, sms: usize, gram: Option<usize>) -> (usize, usize) {
     (rows.div_ceil(rpb).max(1), rpb)
 }
 
-/// `fold_gram_reduce`'s chunks: 4 outputs a thread.
+/// `fold_gram_finish`'s chunks: 4 outputs a thread.
 fn reduce_chunks(total: usize) -> usize {
     total.div_ceil(4 * GRAM_REDUCE_THREADS).max(1)
 }
@@ -695,7 +664,8 @@ fn dim(n: usize, what: &str) -> Result<u32> {
 /// `<base>_<t>` of `kernels/bn_fold.cu`.
 fn kernel_name(base: &str, dtype: DType) -> &'static str {
     match (base, dtype) {
-        ("fold_gram_reduce", _) => return "fold_gram_reduce",
+        ("fold_gram_finish", DType::BF16) => return "fold_gram_finish_bf16",
+        ("fold_gram_finish", _) => return "fold_gram_finish_f16",
         ("fold_gram", DType::BF16) => return "fold_gram_bf16",
         ("fold_gram", _) => return "fold_gram_f16", // f32 never makes G in the sums pass
         _ => {}
@@ -769,7 +739,7 @@ mod tests {
             (
                 "FoldDwArgs",
                 std::mem::size_of::<FoldDwArgs>(),
-                6 * 8 + 2 * 4,
+                8 * 8 + 2 * 4,
             ),
             (
                 "FoldSumsArgs",
@@ -791,6 +761,11 @@ mod tests {
                 std::mem::size_of::<FoldGramReduceArgs>(),
                 5 * 8 + 3 * 4 + 4,
             ),
+            (
+                "FoldGramFinishArgs",
+                std::mem::size_of::<FoldGramFinishArgs>(),
+                (5 * 8 + 3 * 4 + 4) + (13 * 8 + 4 * 4),
+            ),
         ] {
             assert!(src.contains(&format!("struct {name} {{")), "{name}");
             assert_eq!(size, want, "{name}");
@@ -798,6 +773,7 @@ mod tests {
         assert!(src.contains(&format!("#define FOLD_THREADS {FOLD_THREADS}\n")));
         assert!(src.contains(&format!("#define FOLD_MAX_K {FOLD_MAX_K}\n")));
         assert!(src.contains(&format!("float wk[{FOLD_MAX_CIN}]")));
+        assert!(src.contains(&format!("#define FOLD_MAX_CIN {FOLD_MAX_CIN}\n")));
         for (name, v) in [
             ("GRAM_THREADS", GRAM_THREADS),
             ("GRAM_KS", GRAM_KS),
@@ -808,7 +784,12 @@ mod tests {
         ] {
             assert!(src.contains(&format!("#define {name} {v}\n")), "{name}");
         }
-        for n in ["fold_gram_f16", "fold_gram_bf16", "fold_gram_reduce"] {
+        for n in [
+            "fold_gram_f16",
+            "fold_gram_bf16",
+            "fold_gram_finish_f16",
+            "fold_gram_finish_bf16",
+        ] {
             assert!(src.contains(&format!(") {n}(")), "{n}");
         }
         for t in [DType::F32, DType::F16, DType::BF16] {

@@ -27,7 +27,6 @@
 //! - `train_plan`: its routes' eligibility and reasons, pure;
 //! - `train`: [`ConvBnTrain`], its arguments, the routes, the stages and the backward;
 //! - `train_decide`: its first call's check and race (forward plus the BatchNorm's backward);
-//! - `lt_product`: a plain cuBLASLt product with its descriptors and algorithm made once;
 //! - `fold_backward`: the folded backward of a pointwise BN + add + ReLU unit (dz never
 //!   written), launchers on validated operands;
 //! - `train_fold`: the composed and folded backward routes and the first backward's decision.
@@ -57,7 +56,6 @@ mod decide;
 mod fold;
 mod fold_backward;
 mod lt_epilogue;
-mod lt_product;
 mod plan;
 mod pointwise;
 mod reference;
