@@ -17,6 +17,7 @@ const SHARED_HEADERS: &[(&str, &[&str])] = &[
     ("block_stats.cu", &["common.cuh", "batchnorm_common.cuh"]),
     ("conv_pointwise.cu", &["common.cuh", "mma.cuh"]),
     ("conv_stem.cu", &["mma.cuh"]),
+    ("bn_fold.cu", &["mma.cuh"]),
     (
         "batchnorm_persistent.cu",
         &["common.cuh", "batchnorm_common.cuh"],

@@ -361,8 +361,10 @@ template <typename T> __device__ __forceinline__ void fold_dw(const FoldDwArgs& 
 // [s GRAM_KS, (s+1) GRAM_KS). Per tile of GRAM_R rows: g (masked dy, written out) and x staged
 // in shared memory, then mma.sync m16n8k16 with f32 accumulators: warp w owns G's channels
 // 16w .. 16w+15 of the slab against all 64 input channels, and the slabs share H's 32 tiles of
-// 16 x 8 (32 / slabs each, at most two a warp: K a multiple of 256); slab 0 makes x's sums. The
-// next tile's loads are issued before the current tile's products. Each block writes its partial G and H
+// 16 x 8 (32 / slabs each, at most two a warp: K a multiple of 256); slab 0 makes x's sums.
+// dy, the mask words and x arrive by cp.async GRAM_STAGES - 1 tiles ahead of the products (with
+// the loads in registers one tile ahead, the pass ran at 1.7-2.0 TB/s: 2 blocks of 8 warps an
+// SM, 0.7 warps eligible a cycle, ncu on the H100). Each block writes its partial G and H
 // ([K][Cin] row-major, then [Cin][Cin]); fold_gram_finish adds them in a fixed order (no
 // atomics on the data: the result does not depend on timing).
 
@@ -372,6 +374,8 @@ template <typename T> __device__ __forceinline__ void fold_dw(const FoldDwArgs& 
 #define GRAM_CIN 64
 #define GRAM_SEG 16
 #define GRAM_REDUCE_THREADS 256
+#define GRAM_STAGES 3
+#define GRAM_SMEM_BYTES 106496
 
 struct FoldGramArgs {
     const void* dy;   // T [rows][K]
@@ -458,8 +462,13 @@ template <typename T> __device__ __forceinline__ void fold_gram(const FoldGramAr
     constexpr u32 GL = GRAM_KS / V, GSTEP = GRAM_THREADS / GL;    // g: lanes per row, rows per pass
     constexpr u32 XL = GRAM_CIN / V, XSTEP = GRAM_THREADS / XL;   // x: the same
     constexpr int GU = GRAM_R / GSTEP, XU = GRAM_R / XSTEP;       // passes per tile
-    __shared__ __align__(16) T gs[GRAM_R * GP];
-    __shared__ __align__(16) T xs[GRAM_R * XP];
+    // Dynamic shared memory (GRAM_SMEM_BYTES): GRAM_STAGES stages of [dy tile | x tile (padded,
+    // as the products read it) | this thread's mask words], then the masked g tile.
+    constexpr u32 DY_BYTES = GRAM_R * GRAM_KS * sizeof(T), X_BYTES = GRAM_R * XP * sizeof(T);
+    constexpr u32 MK_BYTES = GU * GRAM_THREADS * 4, STAGE = DY_BYTES + X_BYTES + MK_BYTES;
+    static_assert(GRAM_STAGES * STAGE + GRAM_R * GP * sizeof(T) == GRAM_SMEM_BYTES, "layout");
+    extern __shared__ __align__(16) unsigned char gram_dyn[];
+    T* gs = (T*)(gram_dyn + GRAM_STAGES * STAGE);
     const u32 t = threadIdx.x, lane = t & 31u, warp = t >> 5;
     const u32 gq = lane >> 2, gt = lane & 3u;  // the mma fragments' group and thread
     const u64 K = a.k, N = GRAM_CIN;
@@ -487,46 +496,57 @@ template <typename T> __device__ __forceinline__ void fold_gram(const FoldGramAr
     for (int i = 0; i < 2; ++i)
 #pragma unroll
         for (int j = 0; j < 4; ++j) acch[i][j] = 0.0f;
-    // The next tile's loads, issued before the current tile's products so that they overlap.
-    Vec16<T> d[GU], xv[XU];
-    u32 bits[GU];
-    auto load = [&](u64 rt) {
+    // Tile i's copies into stage i % GRAM_STAGES (cp.async, zeros past r1: the masked g and x
+    // are then 0 there), GRAM_STAGES - 1 tiles ahead of the products: no registers hold them.
+    // Each thread copies the dy vectors and mask words it masks itself, and its share of x.
+    const u64 tiles = r1 > r0 ? (r1 - r0 + GRAM_R - 1) / GRAM_R : 0;
+    auto issue = [&](u64 i) {
+        if (i < tiles) {
+            unsigned char* st = gram_dyn + (i % GRAM_STAGES) * STAGE;
+            const u64 rt = r0 + i * GRAM_R;
 #pragma unroll
-        for (int u = 0; u < GU; ++u) {
-            const u64 r = rt + gro + (u64)u * GSTEP;
-            const u64 e = r * K + k0 + (u64)gl * V;
-            bits[u] = 0u;
-            if (r < r1) {
-                d[u] = *(const Vec16<T>*)((const T*)a.dy + e);
-                bits[u] = a.mask[e / 32] >> (e % 32);
+            for (int u = 0; u < GU; ++u) {
+                const u32 row = gro + u * GSTEP;
+                const u64 r = rt + row, e = min(r, r1 - 1) * K + k0 + (u64)gl * V;
+                const u32 n = r < r1 ? 16u : 0u;
+                nnf_cp16(st + (row * GRAM_KS + gl * V) * sizeof(T), (const T*)a.dy + e, n);
+                nnf_cp4(st + DY_BYTES + X_BYTES + (u * GRAM_THREADS + t) * 4, a.mask + e / 32, n / 4);
+            }
+#pragma unroll
+            for (int u = 0; u < XU; ++u) {
+                const u32 row = xro + u * XSTEP;
+                const u64 r = rt + row;
+                nnf_cp16(st + DY_BYTES + (row * XP + xl * V) * sizeof(T),
+                         (const T*)a.x + min(r, r1 - 1) * N + (u64)xl * V, r < r1 ? 16u : 0u);
             }
         }
-#pragma unroll
-        for (int u = 0; u < XU; ++u) {
-            const u64 r = rt + xro + (u64)u * XSTEP;
-#pragma unroll
-            for (int j = 0; j < V; ++j) xv[u].v[j] = from_float<T>(0.0f);
-            if (r < r1) xv[u] = *(const Vec16<T>*)((const T*)a.x + r * N + (u64)xl * V);
-        }
+        nnf_commit();  // empty past the last tile: the groups stay counted alike
     };
-    if (r0 < r1) load(r0);
-    for (u64 rt = r0; rt < r1; rt += GRAM_R) {
+#pragma unroll
+    for (int i = 0; i < GRAM_STAGES - 1; ++i) issue(i);
+    for (u64 i = 0; i < tiles; ++i) {
+        const u64 rt = r0 + i * GRAM_R;
+        const unsigned char* st = gram_dyn + (i % GRAM_STAGES) * STAGE;
+        const T* xs = (const T*)(st + DY_BYTES);
+        nnf_wait<GRAM_STAGES - 2>();  // this thread's copies of tile i
+        __syncthreads();  // everyone's; and tile i - 1's products are done with gs and its stage
+        issue(i + GRAM_STAGES - 1);
 #pragma unroll
         for (int u = 0; u < GU; ++u) {
             const u32 row = gro + u * GSTEP;
+            const Vec16<T> d = *(const Vec16<T>*)(st + (row * GRAM_KS + gl * V) * sizeof(T));
+            const u64 e = (rt + row) * K + k0 + (u64)gl * V;
+            const u32 bits = ((const u32*)(st + DY_BYTES + X_BYTES))[u * GRAM_THREADS + t] >> (e % 32);
             Vec16<T> o;
 #pragma unroll
             for (int j = 0; j < V; ++j) {
-                const bool keep = (bits[u] >> j) & 1u;  // 0 past r1
-                o.v[j] = keep ? d[u].v[j] : from_float<T>(0.0f);
+                const bool keep = (bits >> j) & 1u;  // 0 past r1
+                o.v[j] = keep ? d.v[j] : from_float<T>(0.0f);
             }
-            if (rt + row < r1) *(Vec16<T>*)((T*)a.g + (rt + row) * K + k0 + (u64)gl * V) = o;
+            if (rt + row < r1) *(Vec16<T>*)((T*)a.g + e) = o;
             *(Vec16<T>*)(gs + row * GP + gl * V) = o;
         }
-#pragma unroll
-        for (int u = 0; u < XU; ++u) *(Vec16<T>*)(xs + (xro + u * XSTEP) * XP + xl * V) = xv[u];
-        __syncthreads();
-        if (rt + GRAM_R < r1) load(rt + GRAM_R);
+        __syncthreads();  // gs complete
 #pragma unroll
         for (u32 p0 = 0; p0 < GRAM_R; p0 += 16) {
             u32 fa[4];
@@ -557,8 +577,8 @@ template <typename T> __device__ __forceinline__ void fold_gram(const FoldGramAr
                 }
             }
         }
-        __syncthreads();
     }
+    nnf_wait<0>();  // nothing in flight at exit (the groups past the last tile are empty)
     // The block's partials: C fragment elements (row gq, columns 2 gt, 2 gt + 1) and (row gq + 8).
     const u64 total = K * N + N * N;
     float* gp = a.gram + (u64)blockIdx.x * total;

@@ -38,6 +38,7 @@ use crate::error::{CallExt, Error, Result};
 use crate::gemm::WORKSPACE_BYTES;
 use crate::kernels;
 use crate::launch;
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::LaunchConfig;
 
 /// `struct FoldDwArgs` of `kernels/bn_fold.cu`, field for field.
@@ -382,8 +383,16 @@ impl<T: Element> FoldBackward<T> {
                 1,
             ),
             block_dim: (GRAM_THREADS as u32, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: GRAM_SMEM_BYTES as u32,
         };
+        let f = self
+            .ctx
+            .function(&kernels::BN_FOLD, kernel_name("fold_gram", T::DTYPE))?;
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            GRAM_SMEM_BYTES as i32,
+        )
+        .call("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")?;
         self.launch("fold_gram", cfg, &args)?;
         let total = self.k * self.cin + self.cin * self.cin;
         let r = FoldGramReduceArgs {
@@ -604,6 +613,15 @@ const GRAM_KS: usize = 128;
 const GRAM_CIN: usize = 64;
 /// Rows of one `fold_gram` tile.
 const GRAM_R: usize = 64;
+/// `fold_gram`'s stages of copies in flight and its dynamic shared memory (two blocks fit an
+/// SM of 228 KiB).
+const GRAM_STAGES: usize = 3;
+const GRAM_SMEM_BYTES: usize = {
+    let (v, t) = (8, 2); // 16-bit elements: 8 to a 16-byte vector
+    let passes = GRAM_R / (GRAM_THREADS / (GRAM_KS / v)); // mask words a thread copies
+    let stage = GRAM_R * GRAM_KS * t + GRAM_R * (GRAM_CIN + 8) * t + passes * GRAM_THREADS * 4;
+    GRAM_STAGES * stage + GRAM_R * (GRAM_KS + 8) * t
+};
 /// `fold_gram_finish`'s segments over the blocks and threads per block.
 const GRAM_SEG: usize = 16;
 const GRAM_REDUCE_THREADS: usize = 256;
@@ -781,6 +799,8 @@ mod tests {
             ("GRAM_R", GRAM_R),
             ("GRAM_SEG", GRAM_SEG),
             ("GRAM_REDUCE_THREADS", GRAM_REDUCE_THREADS),
+            ("GRAM_STAGES", GRAM_STAGES),
+            ("GRAM_SMEM_BYTES", GRAM_SMEM_BYTES),
         ] {
             assert!(src.contains(&format!("#define {name} {v}\n")), "{name}");
         }
