@@ -18,7 +18,7 @@
 //  * fold_finalize_<t>: a warp per channel adds the blocks' partials in a fixed order; for the
 //    BatchNorm's channels also s2 from G, then dgamma, dbeta and the coefficients [5][K]
 //    (m, lo, a, b, d, as finish_bwd writes them).
-//    It also writes a w and the right operand of MM and bias (cuBLAS makes
+//    It also writes a w and the right operand of MM and bias (fold_dw makes
 //    [MM | bias] = w^T [C w | the constant of dz] from it): a kernel of one block per input
 //    channel summing over k took 13-33 us, bound by its loads' latency. With G and H made in
 //    the sums pass (fold_gram, below) fold_gram_finish does this work per chunk of the reduction.
@@ -182,7 +182,7 @@ template <int W> __device__ __forceinline__ double group_sum(double v) {
 }
 
 // Channel ch's finish, by an aligned group of W lanes (lane: the lane's place in it; every lane
-// of the warp takes part): x's sum for ch >= K; for a BatchNorm channel dgamma, dbeta, the
+// of the group calls it): x's sum for ch >= K; for a BatchNorm channel dgamma, dbeta, the
 // coefficients and the rows of a w and of the product's right operand [C w | B] (column-major
 // K x (Cin + 1)). G's row k is grow[c * gstride] (global G is column-major; fold_gram_finish
 // passes its chunk's row in shared memory).

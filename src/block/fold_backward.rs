@@ -22,6 +22,7 @@
 //! only for the caller's other uses). Launchers on operands the caller ([`super::ConvBnTrain`])
 //! validated; no decisions here.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublaslt::sys as lt_sys;
@@ -209,6 +210,8 @@ pub(crate) struct FoldBackward<T> {
     gram: bool,
     bufs: Mutex<Bufs<T>>,
     gemm: Mutex<Option<std::result::Result<Arc<EpilogueGemm>, String>>>,
+    /// Whether `fold_gram`'s dynamic shared memory limit is raised (`GRAM_SMEM_BYTES`).
+    gram_smem_set: AtomicBool,
 }
 
 impl<T: Element> FoldBackward<T> {
@@ -253,6 +256,7 @@ impl<T: Element> FoldBackward<T> {
                 tc: gram_bufs,
             }),
             gemm: Mutex::new(None),
+            gram_smem_set: AtomicBool::new(false),
         })
     }
 
@@ -385,14 +389,18 @@ impl<T: Element> FoldBackward<T> {
             block_dim: (GRAM_THREADS as u32, 1, 1),
             shared_mem_bytes: GRAM_SMEM_BYTES as u32,
         };
-        let f = self
-            .ctx
-            .function(&kernels::BN_FOLD, kernel_name("fold_gram", T::DTYPE))?;
-        f.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            GRAM_SMEM_BYTES as i32,
-        )
-        .call("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")?;
+        if !self.gram_smem_set.load(Ordering::Acquire) {
+            // Once per unit: the attribute stays with the function (a call each time cost host time).
+            let f = self
+                .ctx
+                .function(&kernels::BN_FOLD, kernel_name("fold_gram", T::DTYPE))?;
+            f.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                GRAM_SMEM_BYTES as i32,
+            )
+            .call("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")?;
+            self.gram_smem_set.store(true, Ordering::Release);
+        }
         self.launch("fold_gram", cfg, &args)?;
         let total = self.k * self.cin + self.cin * self.cin;
         let r = FoldGramReduceArgs {
