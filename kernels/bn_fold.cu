@@ -406,31 +406,9 @@ struct FoldGramFinishArgs {
     FoldFinalizeArgs f;
 };
 
-__device__ __forceinline__ u32 gram_smem(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-// Four 8x8 b16 matrices, transposed (PTX ISA, "ldmatrix"): lanes 8i .. 8i+7 give the row
-// addresses of matrix i; lane l receives of matrix i the elements (row 2 (l % 4) and
-// 2 (l % 4) + 1, column l / 4).
-__device__ __forceinline__ void gram_ldsm_t(u32 (&r)[4], const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(gram_smem(p))
-                 : "memory");
-}
-
-template <typename T> __device__ __forceinline__ void gram_mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
-template <> __device__ __forceinline__ void gram_mma<nnf_f16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <> __device__ __forceinline__ void gram_mma<nnf_bf16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+// ldmatrix .x4 .trans (mma.cuh's nnf_ldsm4_trans): lanes 8i .. 8i+7 give the row addresses of
+// matrix i; lane l receives of matrix i the elements (row 2 (l % 4) and 2 (l % 4) + 1, column
+// l / 4). The products are mma.cuh's nnf_mma.
 
 // The A fragment of S^T for the 16 columns m0 .. of S (a [row][column] tile of pitch P) and
 // rows p0 .. p0+15: A[m][kk] = S[p0 + kk][m0 + m]. Matrix 0: rows p0.., columns m0 (a0);
@@ -438,7 +416,7 @@ template <> __device__ __forceinline__ void gram_mma<nnf_bf16>(float (&d)[4], co
 template <typename T, int P>
 __device__ __forceinline__ void gram_frag_a(u32 (&a)[4], const T* S, u32 p0, u32 m0, u32 lane) {
     const u32 mat = lane >> 3, r = lane & 7;
-    gram_ldsm_t(a, S + (p0 + r + ((mat & 2u) ? 8u : 0u)) * P + m0 + ((mat & 1u) ? 8u : 0u));
+    nnf_ldsm4_trans(a, nnf_smem(S + (p0 + r + ((mat & 2u) ? 8u : 0u)) * P + m0 + ((mat & 1u) ? 8u : 0u)));
 }
 
 // The B fragments of two n-tiles (columns n0 .. n0+15 of S, rows p0 .. p0+15):
@@ -446,7 +424,7 @@ __device__ __forceinline__ void gram_frag_a(u32 (&a)[4], const T* S, u32 p0, u32
 template <typename T, int P>
 __device__ __forceinline__ void gram_frag_b(u32 (&b)[4], const T* S, u32 p0, u32 n0, u32 lane) {
     const u32 mat = lane >> 3, r = lane & 7;
-    gram_ldsm_t(b, S + (p0 + r + ((mat & 1u) ? 8u : 0u)) * P + n0 + ((mat & 2u) ? 8u : 0u));
+    nnf_ldsm4_trans(b, nnf_smem(S + (p0 + r + ((mat & 1u) ? 8u : 0u)) * P + n0 + ((mat & 2u) ? 8u : 0u)));
 }
 
 // 1.0 in both halves of a b16x2 register: the B fragment of a column of ones, so that an mma
@@ -551,18 +529,18 @@ template <typename T> __device__ __forceinline__ void fold_gram(const FoldGramAr
         for (u32 p0 = 0; p0 < GRAM_R; p0 += 16) {
             u32 fa[4];
             gram_frag_a<T, GP>(fa, gs, p0, warp * 16, lane);
-            gram_mma<T>(accs, fa, ONES, ONES);
+            nnf_mma<T>(accs, fa, ONES, ONES);
             if (first && warp < GRAM_CIN / 16) {  // warp-uniform
                 u32 xa[4];
                 gram_frag_a<T, XP>(xa, xs, p0, warp * 16, lane);
-                gram_mma<T>(accx, xa, ONES, ONES);
+                nnf_mma<T>(accx, xa, ONES, ONES);
             }
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 u32 fb[4];
                 gram_frag_b<T, XP>(fb, xs, p0, 16 * j, lane);
-                gram_mma<T>(accg[2 * j], fa, fb[0], fb[1]);
-                gram_mma<T>(accg[2 * j + 1], fa, fb[2], fb[3]);
+                nnf_mma<T>(accg[2 * j], fa, fb[0], fb[1]);
+                nnf_mma<T>(accg[2 * j + 1], fa, fb[2], fb[3]);
             }
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
@@ -573,7 +551,7 @@ template <typename T> __device__ __forceinline__ void fold_gram(const FoldGramAr
                     gram_frag_a<T, XP>(ha, xs, p0, mt * 16, lane);
                     gram_frag_b<T, XP>(fb, xs, p0, 16 * (nt / 2), lane);
                     const bool hi = nt & 1u;
-                    gram_mma<T>(acch[i], ha, hi ? fb[2] : fb[0], hi ? fb[3] : fb[1]);
+                    nnf_mma<T>(acch[i], ha, hi ? fb[2] : fb[0], hi ? fb[3] : fb[1]);
                 }
             }
         }
