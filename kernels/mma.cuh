@@ -1,6 +1,6 @@
 // Tensor-core and asynchronous-copy helpers shared by nnfuse's mma.sync kernels (sm_80+):
 // src/kernels.rs embeds this header after the prelude and before the files that use it (today
-// kernels/conv_pointwise.cu and kernels/conv_stem.cu; build.rs: SHARED_HEADERS).
+// kernels/conv_pointwise.cu, kernels/conv_stem.cu and kernels/bn_fold.cu; build.rs: SHARED_HEADERS).
 //
 //  * nnf_smem: a generic pointer's 32-bit shared-memory address;
 //  * nnf_cp16 / nnf_cp4: cp.async of 16 / 4 bytes global -> shared, zero-filling when `bytes` is
