@@ -117,6 +117,19 @@ pub(crate) fn grid_stride_config(ctx: &Context, n: usize, threads: u32) -> Launc
     }
 }
 
+/// Lets `f` launch with up to `bytes` of dynamic shared memory (`cuFuncSetAttribute`; beyond
+/// 48 KiB a kernel must opt in). The attribute stays with the function.
+pub(crate) fn allow_dynamic_smem(f: &CudaFunction, bytes: usize) -> Result<()> {
+    let bytes = i32::try_from(bytes).map_err(|_| {
+        crate::error::Error::invalid("shared memory", format!("{bytes} bytes do not fit in i32"))
+    })?;
+    f.set_attribute(
+        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        bytes,
+    )
+    .call("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
+}
+
 /// `v` as a kernel's `u32` argument, or an error naming `what` when it does not fit.
 pub(crate) fn u32_arg(v: usize, what: &str) -> Result<u32> {
     u32::try_from(v)

@@ -13,7 +13,7 @@
 use std::sync::{Mutex, MutexGuard};
 use std::time::Instant;
 
-use cudarc::driver::sys::{CUfunction_attribute, CUresult};
+use cudarc::driver::sys::CUresult;
 use cudarc::driver::{
     CudaFunction, CudaSlice, DevicePtrMut, DeviceRepr, DriverError, LaunchConfig,
 };
@@ -940,11 +940,7 @@ fn fit_persistent(op: &Op<'_>, tiles: u64, k: K) -> Result<Option<Fit>> {
     let (f, fname) = op.function(k)?;
     let static_smem = f.shared_size_bytes().call("cuFuncGetAttribute")?.max(0) as u32;
     let limit = facts.smem_optin.saturating_sub(static_smem);
-    f.set_attribute(
-        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        limit as i32,
-    )
-    .call("cuFuncSetAttribute")?;
+    launch::allow_dynamic_smem(&f, limit as usize)?;
     let sm = u64::from(launch::sm_count(op.ctx));
     for bps in [2u32, 1] {
         // Per block: the opt-in limit, or an even share of the SM (1 KiB reserved per block).

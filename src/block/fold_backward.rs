@@ -39,7 +39,6 @@ use crate::error::{CallExt, Error, Result};
 use crate::gemm::WORKSPACE_BYTES;
 use crate::kernels;
 use crate::launch;
-use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::LaunchConfig;
 
 /// `struct FoldDwArgs` of `kernels/bn_fold.cu`, field for field.
@@ -394,11 +393,7 @@ impl<T: Element> FoldBackward<T> {
             let f = self
                 .ctx
                 .function(&kernels::BN_FOLD, kernel_name("fold_gram", T::DTYPE))?;
-            f.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                GRAM_SMEM_BYTES as i32,
-            )
-            .call("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")?;
+            launch::allow_dynamic_smem(&f, GRAM_SMEM_BYTES)?;
             self.gram_smem_set.store(true, Ordering::Release);
         }
         self.launch("fold_gram", cfg, &args)?;

@@ -3,7 +3,7 @@
 //! channel and its squares (then `channel_sums_finish` adds the blocks' partials). What it can
 //! run and its grid are pure and CPU-tested; the launcher takes addresses its caller validated.
 
-use cudarc::driver::{sys::CUfunction_attribute, DeviceRepr, LaunchConfig};
+use cudarc::driver::{DeviceRepr, LaunchConfig};
 
 use once_cell::sync::Lazy;
 
@@ -11,7 +11,7 @@ use super::stats_kernel::finish_sums;
 use crate::context::Context;
 use crate::conv::ConvShape;
 use crate::dtype::DType;
-use crate::error::{CallExt, Error, Result};
+use crate::error::{Error, Result};
 use crate::kernels::{self, KernelFile};
 use crate::launch;
 use crate::layout::TensorFormat;
@@ -177,11 +177,7 @@ pub(crate) unsafe fn run(
     let f = ctx.function(file, name)?;
     let (stages, smem) = layout(shape.c_in, shape.c_out)
         .ok_or_else(|| Error::NotSupported("own_pointwise: shared memory".into()))?;
-    f.set_attribute(
-        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        smem as i32,
-    )
-    .call("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")?;
+    launch::allow_dynamic_smem(&f, smem as usize)?;
     let rows = (shape.n * shape.h * shape.w) as u64;
     let wave = launch::one_wave(ctx, &f, name, THREADS, smem as u32)?;
     let blocks = grid(rows, wave);

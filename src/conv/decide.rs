@@ -786,16 +786,15 @@ impl<T: Element> Conv2d<T> {
             &mut more,
             self.core.dtype,
         ));
-        tracing::debug!(direction = %d, configs = more.len(),
-            ms = started.elapsed().as_secs_f64() * 1e3,
+        let ms = started.elapsed().as_secs_f64() * 1e3;
+        tracing::debug!(direction = %d, configs = more.len(), ms,
             "cudnn_graph: engine configs past the first call's limit, for a later look");
         if !more.is_empty() {
             notes.push(format!(
                 "cudnn_graph: {} engine configs past the first call's {} measured at a later call \
-                 (listed and finalized in {:.1} ms)",
+                 (listed and finalized in {ms:.1} ms)",
                 more.len(),
                 crate::cudnn_graph::notes::GraphLimits::FIRST_CALL.total,
-                started.elapsed().as_secs_f64() * 1e3
             ));
         }
         execs.extend(more);

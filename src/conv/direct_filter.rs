@@ -4,7 +4,6 @@
 //! order into dw (overwriting it, or adding to it for an accumulating call). Sizes and refusals
 //! are `problem::direct_filter`'s, which the plan's rule applies too.
 
-use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DeviceRepr, LaunchConfig};
 
 use super::call::PathCall;
@@ -12,7 +11,7 @@ use super::plan::Direction;
 use super::problem::{
     direct_filter_refusal, filter_grad_grid, ConvShape, FilterGradGrid, CT, KT, SEG,
 };
-use crate::error::{CallExt, Error, Result};
+use crate::error::{Error, Result};
 use crate::kernels;
 use crate::launch;
 use crate::layout::TensorFormat;
@@ -98,11 +97,7 @@ pub(crate) unsafe fn raw_run(c: &PathCall<'_>) -> Result<()> {
     };
     tracing::debug!(kernel = name, shape = ?s, grid = ?cfg.grid_dim, "filter-gradient kernel");
     let f = t.ctx.function(&kernels::CONV_WGRAD, name)?;
-    f.set_attribute(
-        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        SMEM_BYTES as i32,
-    )
-    .call("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")?;
+    launch::allow_dynamic_smem(&f, SMEM_BYTES as usize)?;
     let mut params = [
         launch::arg(&p.x),
         launch::arg(&p.dy),

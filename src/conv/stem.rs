@@ -6,7 +6,6 @@
 //! once. The forward writes y directly. Sizes and refusals are `problem::stem`'s, which the
 //! plans' rules apply too.
 
-use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaFunction, DeviceRepr, LaunchConfig};
 use once_cell::sync::Lazy;
 
@@ -17,7 +16,7 @@ use super::problem::{
 };
 use crate::context::Context;
 use crate::dtype::DType;
-use crate::error::{CallExt, Error, Result};
+use crate::error::{Error, Result};
 use crate::kernels::{self, KernelFile};
 use crate::launch;
 
@@ -167,11 +166,7 @@ fn main_kernel(
     grid: &StemGrid,
 ) -> Result<(CudaFunction, LaunchConfig)> {
     let f = ctx.function(file, name)?;
-    f.set_attribute(
-        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        grid.smem_bytes as i32,
-    )
-    .call("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")?;
+    launch::allow_dynamic_smem(&f, grid.smem_bytes)?;
     let cfg = LaunchConfig {
         grid_dim: (grid.splits as u32, grid.k_tiles as u32, 1),
         block_dim: (THREADS, 1, 1),

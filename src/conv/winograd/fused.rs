@@ -9,13 +9,12 @@
 //! and its fragment layouts are documented at the top of the kernel file and in
 //! `docs/WINOGRAD.md` ("The fused engine").
 
-use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::LaunchConfig;
 
 use crate::context::Context;
 use crate::conv::problem::{fused_eligible, WinogradGeometry, WinogradTile};
 use crate::dtype::DType;
-use crate::error::{CallExt, Error, Result};
+use crate::error::{Error, Result};
 use crate::kernels::KernelFile;
 
 /// Threads per block (`WF_THREADS`): 8 warps.
@@ -296,11 +295,7 @@ pub(crate) unsafe fn forward(
     let file = unit(dtype, Some(tile))
         .ok_or_else(|| Error::NotSupported(format!("no compilation unit holds {name}")))?;
     let f = ctx.function(file, name)?;
-    f.set_attribute(
-        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        c.smem_bytes as i32,
-    )
-    .call("cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")?;
+    crate::launch::allow_dynamic_smem(&f, c.smem_bytes)?;
     let elem = dtype.size() as u64;
     let x_image = (s.h * s.w * s.c_in) as u64 * elem;
     let y_image = (oh * ow * s.c_out) as u64 * elem;
