@@ -311,6 +311,8 @@ struct ApplyFwdArgs {
     // would have: one launch instead of two.
     const float* sum;
     const float* sqsum;
+    const float* sum_lo;    // null, or the sums' low words (hi + lo)
+    const float* sqsum_lo;  // null with sum_lo
     float* running_mean;
     float* running_var;
     double count;
@@ -368,7 +370,7 @@ __device__ __forceinline__ void fwd_sums_stage(const ApplyFwdArgs& a, float* dst
                                                bool write) {
     const u64 C = a.chans.d;
     for (u64 c = c0; c < C; c += step) {
-        const Wf t = wf_from_sums((double)a.sum[c], (double)a.sqsum[c], a.count);
+        const Wf t = wf_from_sums(sum_hl(a.sum, a.sum_lo, c), sum_hl(a.sqsum, a.sqsum_lo, c), a.count);
         float hi, lo;
         double inv;
         if (write) {

@@ -506,9 +506,15 @@ __device__ __forceinline__ double finish_stats(u64 ch, const Wf& t, float shift,
     return inv;
 }
 
+// A per-channel f32 sum, plus its low word where `lo` is non-null (hi + lo: ~48 bits).
+__device__ __forceinline__ double sum_hl(const float* hi, const float* lo, u64 c) {
+    return lo != nullptr ? (double)hi[c] + (double)lo[c] : (double)hi[c];
+}
+
 // A channel's combined state from its sum s and sum of squares q over `count` values (from f32
 // sums computed elsewhere: ConvStats' epilogue or its reduction). E[y^2] - E[y]^2 from f32 sums
-// may round a little below zero: clamped.
+// may round a little below zero: clamped; it loses about E[y²]/var of f32's precision, which the
+// sums' low words (sum_hl) give back.
 __device__ __forceinline__ Wf wf_from_sums(double s, double q, double count) {
     Wf t;
     t.n = count;

@@ -15,8 +15,9 @@
 //    The scalar kernel read the
 //    demo's 51 MB output of a 1x1 64->256 convolution at about 1.1 TB/s (2-byte loads).
 //  * channel_sums_cf_<t>: the same of channels-first data (NCHW), block (channel, part).
-//  * channel_sums_finish: a warp per channel adds its partials in a fixed order, rounds to f32.
-//  * bn_finalize_from_sums: one thread per channel turns (sum, sqsum, count) into the saved mean
+//  * channel_sums_finish: a warp per channel adds its partials in a fixed order, rounds to f32
+//    (and, where asked, writes the low words the rounding dropped).
+//  * bn_finalize_from_sums: one thread per channel turns (sum, sqsum [+ low words], count) into the saved mean
 //    (hi + lo), the saved inverse std and the running statistics through batchnorm_common.cuh's
 //    finish_stats, the very arithmetic of the own BatchNorm's statistics pass (f64, the unbiased
 //    variance from the exact count).
@@ -241,8 +242,13 @@ extern "C" __global__ void __launch_bounds__(256) channel_sums_bf16(SumsArgs a) 
 
 // One warp per channel: lane l adds partials l, l + 32, ... in order, then a fixed butterfly;
 // lane 0 rounds to f32. The same order on every run (no atomics).
+// With sum_lo and sqsum_lo non-null, also the low words (the f64 sum minus its f32 rounding, in
+// f32): hi + lo keeps about 48 bits, enough for E[x²] − E[x]² of f32 data whose mean is large
+// against its spread (the fused unit's 1e-6 statistics).
 extern "C" __global__ void channel_sums_finish(const double* __restrict__ part, u32 channels, u32 parts,
-                                               float* __restrict__ sum, float* __restrict__ sqsum) {
+                                               float* __restrict__ sum, float* __restrict__ sqsum,
+                                               float* __restrict__ sum_lo,
+                                               float* __restrict__ sqsum_lo) {
     const u64 ch = global_thread() >> 5;
     const u32 lane = threadIdx.x & 31u;
     if (ch >= channels) return;  // the whole warp: its lanes share the channel
@@ -258,14 +264,21 @@ extern "C" __global__ void channel_sums_finish(const double* __restrict__ part, 
         q += __shfl_xor_sync(0xffffffffu, q, o);
     }
     if (lane == 0) {
-        sum[ch] = (float)s;
-        sqsum[ch] = (float)q;
+        const float sh = (float)s, qh = (float)q;
+        sum[ch] = sh;
+        sqsum[ch] = qh;
+        if (sum_lo != nullptr) {
+            sum_lo[ch] = (float)(s - (double)sh);
+            sqsum_lo[ch] = (float)(q - (double)qh);
+        }
     }
 }
 
 struct FromSumsArgs {
     const float* sum;
     const float* sqsum;
+    const float* sum_lo;    // null, or the sums' low words (channel_sums_finish)
+    const float* sqsum_lo;  // null with sum_lo
     float* saved_mean;
     float* saved_mean_lo;
     float* saved_invstd;
@@ -280,9 +293,11 @@ struct FromSumsArgs {
 // Channel ch's finalize from its sums, shared by both finalize kernels (A: FromSumsArgs or
 // FinalizeAffineArgs, whose common fields have the same names). Returns the inverse std and sets
 // `mean` to the f64 mean finish_stats saved (its shift is 0, so its mean is t.m).
+// `slo`, `qlo`: the sums' low words, or null.
 template <typename A>
-__device__ __forceinline__ double finalize_from_sums(u64 ch, const A& a, double& mean) {
-    const Wf t = wf_from_sums((double)a.sum[ch], (double)a.sqsum[ch], a.count);
+__device__ __forceinline__ double finalize_from_sums(u64 ch, const A& a, const float* slo,
+                                                     const float* qlo, double& mean) {
+    const Wf t = wf_from_sums(sum_hl(a.sum, slo, ch), sum_hl(a.sqsum, qlo, ch), a.count);
     float hi, lo;
     mean = t.m;
     return finish_stats(ch, t, 0.0f, a.eps, a.momentum, a.saved_mean, a.saved_mean_lo,
@@ -293,7 +308,7 @@ extern "C" __global__ void bn_finalize_from_sums(FromSumsArgs a) {
     const u64 ch = global_thread();
     if (ch >= a.channels) return;
     double mean;
-    finalize_from_sums(ch, a, mean);
+    finalize_from_sums(ch, a, a.sum_lo, a.sqsum_lo, mean);
 }
 
 // --- the conv chain (src/block/chain_kernel.rs) ----------------------------------------------
@@ -333,7 +348,7 @@ template <typename T> __device__ __forceinline__ void finalize_affine(const Fina
     const u64 ch = global_thread();
     if (ch >= a.channels) return;
     double mean;
-    const double inv = finalize_from_sums(ch, a, mean);
+    const double inv = finalize_from_sums(ch, a, nullptr, nullptr, mean);
     const double scale = (double)a.gamma[ch] * inv;
     ((T*)a.eq_scale)[ch] = round_once<T>(scale);
     ((T*)a.eq_bias)[ch] = round_once<T>((double)a.beta[ch] - mean * scale);

@@ -567,14 +567,6 @@ fn ten_million_elements_per_channel() {
     }
 }
 
-/// Per-channel maximum relative error.
-fn max_rel(got: &[f64], want: &[f64]) -> f64 {
-    got.iter()
-        .zip(want)
-        .map(|(g, w)| (g - w).abs() / w.abs().max(1e-300))
-        .fold(0.0, f64::max)
-}
-
 /// Inputs with a large common offset and inputs spanning 1e-3 to 1e3, f32, channels-first,
 /// channels-last and 2-D: the own kernels'
 /// statistics within 1e-6 relative of f64 (saved mean; variance read from running_var with

@@ -20,7 +20,8 @@ use nnfuse::{BnImpl, Config, Context, DType, Element, Error, TensorFormat};
 
 use common::bn::{activation, activation_backward, Inputs, EPS};
 use common::{
-    assert_close, assert_close_stored, download, f64s, gpu, gpu_with, poisoned, upload, Rng,
+    assert_close, assert_close_stored, download, f64s, gpu, gpu_with, max_rel, poisoned, upload,
+    Rng,
 };
 
 /// The demo's three convolutions scaled down (n 2, 14x14 and 8x8).
@@ -650,6 +651,90 @@ fn bn_from_sums_bf16_matches_f64_and_the_plain_forward() {
 #[ignore = "needs a CUDA GPU"]
 fn bn_from_sums_f32_matches_f64_and_the_plain_forward() {
     from_sums_all::<f32>();
+}
+
+/// f64 per-channel sums of channels-last `x` as high words then low words (2·C f32 each: `Σ =
+/// hi + lo`), the form `forward_train_from_sums` reads from sums of length 2·C.
+fn host_sums_low_words(x: &[f32], c: usize) -> (Vec<f32>, Vec<f32>) {
+    let (mut s, mut q) = (vec![0.0f64; c], vec![0.0f64; c]);
+    for (i, &v) in x.iter().enumerate() {
+        let v = f64::from(v);
+        s[i % c] += v;
+        q[i % c] += v * v;
+    }
+    let split = |v: &[f64]| -> Vec<f32> {
+        let hi: Vec<f32> = v.iter().map(|&a| a as f32).collect();
+        let lo = v.iter().zip(&hi).map(|(&a, &h)| (a - f64::from(h)) as f32);
+        hi.iter().copied().chain(lo).collect()
+    };
+    (split(&s), split(&q))
+}
+
+/// f32 data whose mean is large against its spread (x = 100 + c/8 + U[-2, 3), E[x²]/var about
+/// 5000): from sums with their low words (2·C each) the saved and running statistics are within
+/// 1e-6 of f64, as the own statistics pass holds, on the one-launch path (64 channels) and the
+/// finalize's (13 channels, element path; 2056, more than one launch stages); from the rounded
+/// sums alone (C each) they miss 1e-6 on the same data — what the low words are for.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bn_from_sums_f32_low_words_hold_1e6_where_the_mean_is_large() {
+    let ctx = own();
+    for shape in [[4usize, 16, 16, 64], [2, 8, 8, 13], [4, 4, 4, 2056]] {
+        let c = shape[3];
+        let n: usize = shape.iter().product();
+        let what = format!("f32 {shape:?} mean ~100");
+        let mut rng = Rng::fresh(&what);
+        let x: Vec<f32> = (0..n)
+            .map(|i| (100.0 + (i % c) as f64 / 8.0 + rng.uniform(-2.0, 3.0)) as f32)
+            .collect();
+        let inp = Inputs::<f32>::with_x(&mut rng, x, c);
+        let (sum, sq) = host_sums_low_words(&inp.x, c);
+        let got = bn_run(&ctx, &shape, Fuse::Relu, &inp, Some((&sum, &sq)));
+        let rounded = bn_run(&ctx, &shape, Fuse::Relu, &inp, Some((&sum[..c], &sq[..c])));
+        let sh = BnShape::new(&shape, 3).unwrap();
+        let f = rb::train_forward(
+            &sh,
+            &f64s(&inp.x),
+            &f64s(&inp.gamma),
+            &f64s(&inp.beta),
+            &f64s(&inp.rm),
+            &f64s(&inp.rv),
+            0.1,
+            EPS,
+            activation(Fuse::Relu, &f64s(&inp.z)),
+        )
+        .unwrap();
+        assert_close(&format!("{what}: y"), &got.y, &f.y, 1e-5);
+        let pairs = |o: &BnOut| {
+            [
+                ("saved_mean", max_rel(&o.saved_mean, &f.saved_mean)),
+                ("saved_inv_std", max_rel(&o.saved_inv_std, &f.saved_inv_std)),
+                ("running_mean", max_rel(&o.rm, &f.running_mean)),
+                ("running_var", max_rel(&o.rv, &f.running_var)),
+            ]
+        };
+        let (low, hi_only) = (pairs(&got), pairs(&rounded));
+        let show = |v: &[(&str, f64); 4]| {
+            v.iter()
+                .map(|(k, e)| format!("{k} {e:.1e}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        println!(
+            "{what}: with low words {}; rounded sums only {}",
+            show(&low),
+            show(&hi_only)
+        );
+        for (name, e) in low {
+            assert!(e <= 1e-6, "{what}: {name} {e:.2e} > 1e-6 with low words");
+        }
+        assert!(
+            hi_only[1].1 > 1e-6,
+            "{what}: the rounded sums alone held inv_std to {:.2e}: the data does not test \
+             the low words",
+            hi_only[1].1
+        );
+    }
 }
 
 /// The forward from sums in one launch (aligned channels-last data: the vector kernel stages the

@@ -21,7 +21,9 @@ use nnfuse::reference::conv::{conv2d, conv2d_backward_data, conv2d_backward_filt
 use nnfuse::{Context, Element, Error, TensorFormat};
 
 use common::bn::{activation, activation_backward, EPS};
-use common::{assert_close, assert_close_stored, download, f64s, gpu, poisoned, upload, Rng};
+use common::{
+    assert_close, assert_close_stored, download, f64s, gpu, max_rel, poisoned, upload, Rng,
+};
 
 /// The demo's three units scaled down (n 2, 8x8), NHWC.
 fn units() -> Vec<(ConvShape, Fuse)> {
@@ -453,6 +455,95 @@ fn conv_bn_train_f32_nchw_matches_f64() {
         ),
     ] {
         unit_case::<f32>(&ctx, s, fuse);
+    }
+}
+
+/// The fused route's statistics in f32 where the convolution's output has a mean large against
+/// its spread (x in [1, 2), w in [0, 0.1), 1x1: E[z²]/var above 100): saved mean,
+/// saved inverse std and the running statistics (momentum 1: the unbiased batch variance) within
+/// 1e-6 of f64 statistics of the stored z, the unit's sums carrying their low words.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn conv_bn_train_f32_fused_statistics_hold_1e6_where_the_mean_is_large() {
+    let ctx = gpu();
+    for s in [
+        // 1x1: a 3x3's zero padding spreads the border pixels' sums and shrinks E[z²]/var.
+        ConvShape::square(4, 64, 8, 64, 1, TensorFormat::Nhwc),
+        ConvShape::square(2, 64, 14, 256, 1, TensorFormat::Nhwc),
+    ] {
+        let what = format!("f32 {s:?} large mean");
+        let mut rng = Rng::fresh(&what);
+        let mut inp = Inputs::<f32>::new(&mut rng, &s);
+        inp.x = rng.vec(inp.x.len(), 1.0, 2.0);
+        inp.w = rng.vec(inp.w.len(), 0.0, 0.1);
+        let unit = ConvBnTrain::<f32>::new(&ctx, &s, Fuse::Relu).unwrap();
+        assert!(
+            unit.plan().eligible(TrainRoute::Fused),
+            "{what}: {}",
+            unit.plan()
+        );
+        let c = s.c_out;
+        let (x, w) = (upload(&ctx, &inp.x), upload(&ctx, &inp.w));
+        let (g, b) = (upload(&ctx, &inp.gamma), upload(&ctx, &inp.beta));
+        let (mut rm, mut rv) = (upload(&ctx, &inp.rm), upload(&ctx, &inp.rv));
+        let yn = s.y_len().unwrap();
+        let (mut z, mut y) = (poisoned::<f32>(&ctx, yn), poisoned::<f32>(&ctx, yn));
+        let saved = unit
+            .forward_train_with(
+                TrainRoute::Fused,
+                ConvBnArgs {
+                    x: x.as_view(),
+                    w: w.as_view(),
+                    z: z.as_view_mut(),
+                    addend: None,
+                    gamma: g.as_view(),
+                    beta: b.as_view(),
+                    running_mean: rm.as_view_mut(),
+                    running_var: rv.as_view_mut(),
+                    y: y.as_view_mut(),
+                    momentum: 1.0,
+                    eps: EPS,
+                },
+            )
+            .unwrap();
+        assert_eq!(saved.route(), TrainRoute::Fused, "{what}");
+        let zh = f64s(&download(&ctx, &z));
+        let m = (yn / c) as f64;
+        let (mut mean, mut var) = (vec![0.0f64; c], vec![0.0f64; c]);
+        for (i, v) in zh.iter().enumerate() {
+            mean[i % c] += v / m;
+        }
+        for (i, v) in zh.iter().enumerate() {
+            var[i % c] += (v - mean[i % c]).powi(2) / m;
+        }
+        let ratio = (0..c)
+            .map(|k| (mean[k] * mean[k] + var[k]) / var[k])
+            .fold(f64::INFINITY, f64::min);
+        let inv_std: Vec<f64> = var.iter().map(|v| 1.0 / (v + EPS).sqrt()).collect();
+        let unbiased: Vec<f64> = var.iter().map(|v| v * m / (m - 1.0)).collect();
+        let errs = [
+            (
+                "saved_mean",
+                max_rel(&f64s(&download(&ctx, saved.bn().saved_mean())), &mean),
+            ),
+            (
+                "saved_inv_std",
+                max_rel(&f64s(&download(&ctx, saved.bn().saved_inv_std())), &inv_std),
+            ),
+            ("running_mean", max_rel(&f64s(&download(&ctx, &rm)), &mean)),
+            (
+                "running_var",
+                max_rel(&f64s(&download(&ctx, &rv)), &unbiased),
+            ),
+        ];
+        println!("{what}: E[z²]/var at least {ratio:.0}; max relative errors {errs:?}");
+        assert!(
+            ratio > 100.0,
+            "{what}: the data's mean is not large ({ratio:.0})"
+        );
+        for (name, e) in errs {
+            assert!(e <= 1e-6, "{what}: {name} {e:.2e} > 1e-6 of f64");
+        }
     }
 }
 

@@ -28,6 +28,9 @@ use crate::validate::{Aliasing, Binder, Need};
 pub(crate) struct FromSumsArgs {
     pub(crate) sum: u64,
     pub(crate) sqsum: u64,
+    /// The sums' low words (0: none).
+    pub(crate) sum_lo: u64,
+    pub(crate) sqsum_lo: u64,
     pub(crate) saved_mean: u64,
     pub(crate) saved_mean_lo: u64,
     pub(crate) saved_invstd: u64,
@@ -70,8 +73,11 @@ impl<T: Element> BatchNorm<T> {
     /// Training forward from precomputed per-channel statistics of `a.x`: `sum[c] = Σ x` and
     /// `sqsum[c] = Σ x²` over the `M` values of channel `c` (f32, length C; e.g. written by
     /// [`ConvStats`](crate::block::ConvStats) in the convolution that produced x). The batch
-    /// mean is `sum / M`, the biased variance `sqsum / M − mean²` (clamped at 0; from f32
-    /// sums, so it loses precision where the mean is large against the spread), the running
+    /// mean is `sum / M`, the biased variance `sqsum / M − mean²` (clamped at 0; in f64, but
+    /// from f32 sums it loses about `E[x²] / var` of f32's precision where the mean is large
+    /// against the spread). Sums of length 2·C carry low words in their second half (`Σ x =
+    /// sum[c] + sum[C + c]`, about 48 bits), which keep the statistics within 1e-6 of f64 on
+    /// such data: nnfuse's fused training unit hands its sums over this way for f32. The running
     /// statistics move as [`BatchNorm::forward_train`]'s (momentum, unbiased variance `M / (M −
     /// 1)` times the biased one, in f64). Then y (and the ReLU / Add+ReLU bitmask) in one pass
     /// over x, exactly as the own path's second pass: no statistics pass over x.
@@ -141,8 +147,15 @@ impl<T: Element> BatchNorm<T> {
         let x = ops.input("x", &a.x, numel)?;
         let gamma = ops.input("gamma", &a.gamma, param)?;
         let beta = ops.input("beta", &a.beta, param)?;
-        let sum_p = ops.input("sum", sum, param)?;
-        let sqsum_p = ops.input("sqsum", sqsum, param)?;
+        // C f32s each, or 2·C: the second half holds the low words (`sum = hi + lo`).
+        let low = c > 0 && sum.len() == 2 * c;
+        let sums = match low {
+            true => Need::Exactly(2 * c, "twice the channel count (high and low words)"),
+            false => param,
+        };
+        let sum_p = ops.input("sum", sum, sums)?;
+        let sqsum_p = ops.input("sqsum", sqsum, sums)?;
+        let lo_words = |p: u64| if low { p + 4 * c as u64 } else { 0 };
         let z = match &a.addend {
             Some(v) => ops.input("addend", v, numel)?,
             None => 0,
@@ -155,6 +168,8 @@ impl<T: Element> BatchNorm<T> {
         let fin = FromSumsArgs {
             sum: sum_p,
             sqsum: sqsum_p,
+            sum_lo: lo_words(sum_p),
+            sqsum_lo: lo_words(sqsum_p),
             saved_mean: st.mean.ptr,
             saved_mean_lo: mean_lo,
             saved_invstd: st.inv_var.ptr,
@@ -186,6 +201,8 @@ impl<T: Element> BatchNorm<T> {
             let sums = own::SumsIn {
                 sum: sum_p,
                 sqsum: sqsum_p,
+                sum_lo: lo_words(sum_p),
+                sqsum_lo: lo_words(sqsum_p),
                 count: m as f64,
                 momentum: a.momentum,
             };
@@ -226,6 +243,8 @@ mod tests {
             [
                 "sum",
                 "sqsum",
+                "sum_lo",
+                "sqsum_lo",
                 "saved_mean",
                 "saved_mean_lo",
                 "saved_invstd",
@@ -237,6 +256,6 @@ mod tests {
                 "momentum"
             ]
         );
-        assert_eq!(std::mem::size_of::<FromSumsArgs>(), 80);
+        assert_eq!(std::mem::size_of::<FromSumsArgs>(), 96);
     }
 }

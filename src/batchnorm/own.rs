@@ -100,6 +100,9 @@ struct ApplyFwdArgs {
     /// Channels-last from sums (`apply_train_from_sums`; 0: the saved statistics are read).
     sum: u64,
     sqsum: u64,
+    /// The sums' low words (0: none).
+    sum_lo: u64,
+    sqsum_lo: u64,
     running_mean: u64,
     running_var: u64,
     count: f64,
@@ -553,11 +556,13 @@ pub(crate) fn apply_train(op: &Op<'_>, b: &FwdBufs, eps: f64) -> Result<()> {
     apply_forward(op, a, staged)
 }
 
-/// Per-channel sums for [`apply_train_from_sums`]: device addresses of `C` f32 each, the count
-/// of values they add up, the running statistics' momentum.
+/// Per-channel sums for [`apply_train_from_sums`]: device addresses of `C` f32 each (and their
+/// low words, or 0), the count of values they add up, the running statistics' momentum.
 pub(crate) struct SumsIn {
     pub(crate) sum: u64,
     pub(crate) sqsum: u64,
+    pub(crate) sum_lo: u64,
+    pub(crate) sqsum_lo: u64,
     pub(crate) count: f64,
     pub(crate) momentum: f64,
 }
@@ -583,6 +588,8 @@ pub(crate) fn apply_train_from_sums(
         reverse: 1,
         sum: sums.sum,
         sqsum: sums.sqsum,
+        sum_lo: sums.sum_lo,
+        sqsum_lo: sums.sqsum_lo,
         running_mean: b.running_mean,
         running_var: b.running_var,
         count: sums.count,
@@ -1116,6 +1123,8 @@ mod tests {
                     "reverse",
                     "sum",
                     "sqsum",
+                    "sum_lo",
+                    "sqsum_lo",
                     "running_mean",
                     "running_var",
                     "count",
@@ -1214,7 +1223,7 @@ mod tests {
                 "Geom" => 80,
                 "StatsArgs" => 160,
                 "ReduceArgs" => 200,
-                "ApplyFwdArgs" => 224,
+                "ApplyFwdArgs" => 240,
                 "ApplyBwdArgs" => 128,
                 "ChannelBwdArgs" => 128,
                 "PGeom" => 96,

@@ -10,6 +10,7 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use super::api::lock;
 use super::chain_graphs::{self, LinkGraphs};
 use super::chain_plan::{plan_chain, ChainPlan, ChainPlanRequest, ChainRoute};
+use super::stats_plan::unit_sums_len;
 use super::train::{ConvBnArgs, ConvBnBackwardArgs, ConvBnTrain, TrainSaved};
 use crate::batchnorm::{BnSaved, Fuse};
 use crate::context::{cudnn_present, cudnn_version, Context};
@@ -360,7 +361,10 @@ impl<T: Element> ConvBnChain<T> {
             sums: self
                 .shapes
                 .iter()
-                .map(|s| Ok((f32s(s.c_out)?, f32s(s.c_out)?)))
+                .map(|s| {
+                    let len = unit_sums_len(T::DTYPE, s.c_out);
+                    Ok((f32s(len)?, f32s(len)?))
+                })
                 .collect::<Result<_>>()?,
             mean: self.shapes[..n - 1]
                 .iter()

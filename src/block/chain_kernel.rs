@@ -686,6 +686,8 @@ mod gpu_tests {
         let old = crate::batchnorm::FromSumsArgs {
             sum: addr(s, &sum_d),
             sqsum: addr(s, &sq_d),
+            sum_lo: 0,
+            sqsum_lo: 0,
             saved_mean: o(0, 0),
             saved_mean_lo: o(0, 1),
             saved_invstd: o(0, 2),

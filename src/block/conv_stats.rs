@@ -9,7 +9,7 @@ use cudarc::driver::{CudaView, CudaViewMut};
 
 use super::api::lock;
 use super::pointwise;
-use super::stats_kernel::channel_sums;
+use super::stats_kernel::{channel_sums, SumsOut};
 use super::stats_plan::{stats_plan, StatsPlan, StatsRoute};
 use crate::context::{cudnn_present, cudnn_version, Context};
 use crate::conv::{Conv2d, ConvShape};
@@ -84,6 +84,9 @@ pub struct ConvStats<T: Element> {
     pub(super) conv: Conv2d<T>,
     pub(super) graph: Mutex<GraphSlot>,
     pub(super) decision: Mutex<Option<StatsChoice>>,
+    /// The sums take 2·c_out f32s each, the low words in the second half (the fused training
+    /// unit's f32 statistics; only the unfused route writes them).
+    pub(super) low_words: bool,
     pub(super) _t: PhantomData<fn() -> T>,
 }
 
@@ -106,14 +109,23 @@ impl<T: Element> ConvStats<T> {
     /// needs its reduction, and NVRTC compiled it on that call's critical path — and, where the
     /// plan lists the own route, that dtype's unit of `kernels/conv_pointwise.cu`.
     pub fn new(ctx: &Context, shape: &ConvShape) -> Result<Self> {
+        Self::build(ctx, shape, false)
+    }
+
+    /// [`ConvStats::new`] whose sums carry low words (`low_words`: buffers of 2·c_out, see
+    /// [`StatsPlan::with_low_words`]).
+    pub(crate) fn build(ctx: &Context, shape: &ConvShape, low_words: bool) -> Result<Self> {
         ctx.prepare_kernels(&[&crate::kernels::BLOCK_STATS]);
         let cudnn = if cudnn_present() {
             Some(cudnn_version()?)
         } else {
             None
         };
-        let plan = stats_plan(shape, T::DTYPE, cudnn, ctx.config().deterministic)?
+        let mut plan = stats_plan(shape, T::DTYPE, cudnn, ctx.config().deterministic)?
             .for_device(ctx.info().compute_capability);
+        if low_words {
+            plan = plan.with_low_words();
+        }
         // Compiled only where the plan can take it (not for the 3x3 or strided problems).
         if plan.eligible(StatsRoute::OwnPointwise) {
             if let Some(own) = pointwise::unit(T::DTYPE) {
@@ -125,6 +137,7 @@ impl<T: Element> ConvStats<T> {
             conv: Conv2d::<T>::new(ctx, shape)?,
             graph: Mutex::new(None),
             decision: Mutex::new(None),
+            low_words,
             plan,
             _t: PhantomData,
         };
@@ -289,8 +302,12 @@ impl<T: Element> ConvStats<T> {
         let xp = bind.input("x", x, Need::Exactly(x_len, "n*c_in*h*w"))?;
         let wp = bind.input("w", w, Need::Exactly(w_len, "c_out*c_in*kh*kw"))?;
         let yp = bind.output_ref("y", y, Need::Exactly(y_len, "n*c_out*oh*ow"))?;
-        let sp = bind.output_ref("sum", sum, Need::Exactly(s.c_out, "c_out"))?;
-        let qp = bind.output_ref("sqsum", sqsum, Need::Exactly(s.c_out, "c_out"))?;
+        let sums = match self.low_words {
+            true => Need::Exactly(2 * s.c_out, "2*c_out (high and low words)"),
+            false => Need::Exactly(s.c_out, "c_out"),
+        };
+        let sp = bind.output_ref("sum", sum, sums)?;
+        let qp = bind.output_ref("sqsum", sqsum, sums)?;
         bind.check(Aliasing::Distinct)?;
         Ok((bind, [xp, wp, yp, sp, qp]))
     }
@@ -330,20 +347,20 @@ impl<T: Element> ConvStats<T> {
             TensorFormat::Nhwc => 0,
             TensorFormat::Nchw => (rows / s.n.max(1) as u64).max(1),
         };
-        // SAFETY: y holds rows*c_out elements of T, sum and sqsum c_out f32s, on the Context's
-        // device, the outputs disjoint (checked by `bind`).
-        unsafe {
-            channel_sums(
-                &self.ctx,
-                T::DTYPE,
-                p[2],
-                rows,
-                hw,
-                s.c_out as u64,
-                p[3],
-                p[4],
-            )
-        }
+        let c = s.c_out as u64;
+        let out = match self.low_words {
+            // The low words follow the c_out high words.
+            true => SumsOut {
+                sum: p[3],
+                sqsum: p[4],
+                sum_lo: p[3] + 4 * c,
+                sqsum_lo: p[4] + 4 * c,
+            },
+            false => SumsOut::rounded(p[3], p[4]),
+        };
+        // SAFETY: y holds rows*c_out elements of T, sum and sqsum c_out (low words: 2·c_out)
+        // f32s, on the Context's device, the outputs disjoint (checked by `bind`).
+        unsafe { channel_sums(&self.ctx, T::DTYPE, p[2], rows, hw, c, out) }
     }
 
     /// The graph route's plans, built on first use (a failure is kept, with its reason). The

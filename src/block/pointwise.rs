@@ -7,7 +7,7 @@ use cudarc::driver::{DeviceRepr, LaunchConfig};
 
 use once_cell::sync::Lazy;
 
-use super::stats_kernel::finish_sums;
+use super::stats_kernel::{finish_sums, SumsOut};
 use crate::context::Context;
 use crate::conv::ConvShape;
 use crate::dtype::DType;
@@ -223,7 +223,15 @@ pub(crate) unsafe fn run(
     }?;
     // SAFETY: the partials were written above ([2][c_out][blocks]), sum and sqsum hold c_out
     // floats (the caller's contract); the scratch guard is held until the launch is queued.
-    unsafe { finish_sums(ctx, scratch.ptr(), c_out, blocks, sum, sqsum) }
+    unsafe {
+        finish_sums(
+            ctx,
+            scratch.ptr(),
+            c_out,
+            blocks,
+            SumsOut::rounded(sum, sqsum),
+        )
+    }
 }
 
 /// The compilation unit of `dtype`'s kernels (`NNF_PW_DT`): a first call compiles four kernels,

@@ -130,15 +130,36 @@ pub(crate) fn sums_geom_cf(count: u64, channels: u64, sms: u64) -> SumsGeom {
     }
 }
 
-/// `sum[c]`, `sqsum[c]` (f32) of `y` of `dtype`, in f64 per thread and per part, rounded once:
-/// channels-last (`hw = 0`: `rows` rows of `channels` elements) or channels-first (`rows / hw`
-/// runs of `hw` elements per channel).
+/// Where a reduction's per-channel results go: device addresses of `channels` f32s each; the
+/// low words (what the f32 rounding of the f64 sums dropped) only where non-zero.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SumsOut {
+    pub(crate) sum: u64,
+    pub(crate) sqsum: u64,
+    pub(crate) sum_lo: u64,
+    pub(crate) sqsum_lo: u64,
+}
+
+impl SumsOut {
+    /// The rounded sums only.
+    pub(crate) fn rounded(sum: u64, sqsum: u64) -> SumsOut {
+        SumsOut {
+            sum,
+            sqsum,
+            sum_lo: 0,
+            sqsum_lo: 0,
+        }
+    }
+}
+
+/// `sum[c]`, `sqsum[c]` (f32) of `y` of `dtype`, in f64 per thread and per part, rounded once
+/// (and the low words where `out` has them): channels-last (`hw = 0`: `rows` rows of `channels`
+/// elements) or channels-first (`rows / hw` runs of `hw` elements per channel).
 ///
 /// # Safety
-/// `y` holds `rows * channels` elements of `dtype` (`hw` divides `rows`), `sum` and `sqsum` `channels` f32s each, all
-/// on the Context's device, the outputs overlapping nothing else, valid until the queued work
-/// completes.
-#[allow(clippy::too_many_arguments)]
+/// `y` holds `rows * channels` elements of `dtype` (`hw` divides `rows`), every non-zero
+/// address of `out` `channels` f32s, all on the Context's device, the outputs overlapping
+/// nothing else, valid until the queued work completes.
 pub(crate) unsafe fn channel_sums(
     ctx: &Context,
     dtype: DType,
@@ -146,8 +167,7 @@ pub(crate) unsafe fn channel_sums(
     rows: u64,
     hw: u64,
     channels: u64,
-    sum: u64,
-    sqsum: u64,
+    out: SumsOut,
 ) -> Result<()> {
     let ch = u32::try_from(channels)
         .map_err(|_| Error::invalid("channels", format!("{channels} exceeds u32")))?;
@@ -208,29 +228,35 @@ pub(crate) unsafe fn channel_sums(
             "cuLaunchKernel(channel_sums)",
         )
     }?;
-    // SAFETY: the partials were written above ([2][C][parts]), sum and sqsum hold C floats
-    // (the caller's contract); the scratch guard is held until the launch is queued.
-    unsafe { finish_sums(ctx, scratch.ptr(), channels, u64::from(g.parts), sum, sqsum) }
+    // SAFETY: the partials were written above ([2][C][parts]), `out` as the caller's contract
+    // says; the scratch guard is held until the launch is queued.
+    unsafe { finish_sums(ctx, scratch.ptr(), channels, u64::from(g.parts), out) }
 }
 
-/// `channel_sums_finish`: adds `[2][channels][parts]` f64 partial sums at `part` into `sum` and
-/// `sqsum` (f32, `channels` each), a warp per channel in a fixed order.
+/// `channel_sums_finish`: adds `[2][channels][parts]` f64 partial sums at `part` into `out`'s
+/// sum and sqsum (f32, `channels` each; and their low words where `out` has them), a warp per
+/// channel in a fixed order.
 ///
 /// # Safety
-/// `part` holds the partials (written before, in stream order), `sum` and `sqsum` `channels`
-/// f32s, on the Context's device.
+/// `part` holds the partials (written before, in stream order), every non-zero address of
+/// `out` `channels` f32s, on the Context's device.
 pub(crate) unsafe fn finish_sums(
     ctx: &Context,
     part: u64,
     channels: u64,
     parts: u64,
-    sum: u64,
-    sqsum: u64,
+    out: SumsOut,
 ) -> Result<()> {
     let fin = ctx.function(&kernels::BLOCK_STATS, "channel_sums_finish")?;
     let (c32, p32) = (channels as u32, parts as u32);
-    // SAFETY: channel_sums_finish(const double*, u32, u32, float*, float*) matches; the rest is
-    // the caller's contract.
+    // The kernel writes the low words only where both addresses are given.
+    let lo = if out.sum_lo != 0 && out.sqsum_lo != 0 {
+        (out.sum_lo, out.sqsum_lo)
+    } else {
+        (0, 0)
+    };
+    // SAFETY: channel_sums_finish(const double*, u32, u32, float* x4) matches; the rest is the
+    // caller's contract.
     unsafe {
         launch::launch_kernel(
             ctx,
@@ -240,8 +266,10 @@ pub(crate) unsafe fn finish_sums(
                 launch::arg(&part),
                 launch::arg(&c32),
                 launch::arg(&p32),
-                launch::arg(&sum),
-                launch::arg(&sqsum),
+                launch::arg(&out.sum),
+                launch::arg(&out.sqsum),
+                launch::arg(&lo.0),
+                launch::arg(&lo.1),
             ],
             "cuLaunchKernel(channel_sums_finish)",
         )

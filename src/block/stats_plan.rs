@@ -99,6 +99,26 @@ impl StatsPlan {
         &self.routes[r.index()].2
     }
 
+    /// Refuses the routes that cannot write the sums' low words (the fused training unit's f32
+    /// statistics, held to 1e-6 of f64: E[x²] − E[x]² from f32 sums loses about E[x²]/var of
+    /// f32's precision where the mean is large against the spread). Pure.
+    pub(crate) fn with_low_words(mut self) -> StatsPlan {
+        for r in [StatsRoute::GraphGenstats, StatsRoute::OwnPointwise] {
+            let i = r.index();
+            if self.routes[i].1 {
+                self.routes[i] = (
+                    r,
+                    false,
+                    "the sums must carry low words (f32 statistics within 1e-6 of f64 where the \
+                     mean is large against the spread); only the unfused route's f64 reduction \
+                     writes them"
+                        .into(),
+                );
+            }
+        }
+        self
+    }
+
     /// Refuses the own route on a GPU of compute capability `cc` that cannot run it (the plan
     /// is made without a GPU; the constructor knows the device).
     pub(crate) fn for_device(mut self, cc: (i32, i32)) -> StatsPlan {
@@ -126,6 +146,21 @@ impl fmt::Display for StatsPlan {
             writeln!(f, "  {:<15} {mark}: {why}", r.name())?;
         }
         Ok(())
+    }
+}
+
+/// Whether a fused training unit's sums carry low words ([`StatsPlan::with_low_words`]): for
+/// f32, whose statistics are held within 1e-6 of f64 (the 16-bit types' tolerance is 1e-2).
+pub(crate) fn unit_low_words(dtype: DType) -> bool {
+    dtype == DType::F32
+}
+
+/// f32s in each of a fused training unit's two sum buffers (c_out, doubled by low words).
+pub(crate) fn unit_sums_len(dtype: DType, c_out: usize) -> usize {
+    if unit_low_words(dtype) {
+        2 * c_out
+    } else {
+        c_out
     }
 }
 
@@ -257,6 +292,24 @@ mod tests {
 
     fn shape(format: TensorFormat) -> ConvShape {
         ConvShape::square(2, 64, 8, 64, 3, format)
+    }
+
+    #[test]
+    fn low_words_leave_only_the_unfused_route_and_say_why() {
+        let pw = ConvShape::square(2, 64, 8, 64, 1, TensorFormat::Nhwc);
+        let p = stats_plan(&pw, DType::F16, Some(91900), false).unwrap();
+        assert!(p.eligible(StatsRoute::GraphGenstats) && p.eligible(StatsRoute::OwnPointwise));
+        let p = p.with_low_words();
+        assert!(p.eligible(StatsRoute::Unfused), "{p}");
+        for r in [StatsRoute::GraphGenstats, StatsRoute::OwnPointwise] {
+            assert!(!p.eligible(r), "{p}");
+            assert!(p.reason(r).contains("low words"), "{p}");
+        }
+        // A route refused for another reason keeps that reason.
+        let p = stats_plan(&shape(TensorFormat::Nchw), DType::F32, Some(91900), false)
+            .unwrap()
+            .with_low_words();
+        assert!(p.reason(StatsRoute::GraphGenstats).contains("NCHW"), "{p}");
     }
 
     #[test]

@@ -9,7 +9,7 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use super::api::lock;
 use super::conv_stats::{ConvStats, StatsChoice};
 use super::fold_backward::FoldBackward;
-use super::stats_plan::StatsRoute;
+use super::stats_plan::{unit_low_words, unit_sums_len, StatsRoute};
 use super::train_plan::{
     bn_shape, fold_refusal, plan_train, FoldChoice, TrainPlan, TrainPlanRequest, TrainRoute,
 };
@@ -325,7 +325,8 @@ impl<T: Element> ConvBnTrain<T> {
         axis: usize,
         fuse: Fuse,
     ) -> std::result::Result<Fused<T>, String> {
-        let stats = ConvStats::<T>::new(ctx, shape).map_err(|e| format!("ConvStats: {e}"))?;
+        let stats = ConvStats::<T>::build(ctx, shape, unit_low_words(T::DTYPE))
+            .map_err(|e| format!("ConvStats: {e}"))?;
         let own = ctx.with_config_override(ctx.config().clone().with_bn_impl(BnImpl::Own));
         let bn = BatchNorm::<T>::new(&own, bn_dims, axis, fuse)
             .map_err(|e| format!("BatchNorm on the own path: {e}"))?;
@@ -337,7 +338,7 @@ impl<T: Element> ConvBnTrain<T> {
             ));
         }
         let s = ctx.stream();
-        let c = shape.c_out.max(1);
+        let c = unit_sums_len(T::DTYPE, shape.c_out.max(1));
         let sums = (
             s.alloc_zeros::<f32>(c)
                 .call("cuMemAllocAsync")

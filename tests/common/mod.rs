@@ -178,6 +178,21 @@ pub fn assert_close_stored(what: &str, dt: nnfuse::DType, got: &[f64], want: &[f
     assert_close(what, got, want, tol + floor);
 }
 
+/// Per-channel maximum relative error (a non-finite value: infinite).
+pub fn max_rel(got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len(), "max_rel: lengths differ");
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| {
+            if g.is_finite() {
+                (g - w).abs() / w.abs().max(1e-300)
+            } else {
+                f64::INFINITY
+            }
+        })
+        .fold(0.0, f64::max)
+}
+
 /// Panics with context when `rel_l2(got, want) > tol` or the result has a NaN/inf.
 pub fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
     let e = rel_l2(got, want);
