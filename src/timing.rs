@@ -414,6 +414,9 @@ struct Runner<F> {
     launches: Vec<usize>,
     errors: Vec<Option<String>>,
     host_ms: Vec<f64>,
+    /// How many times over a head start covers the variant's host time beyond the usual
+    /// margin: doubled (up to [`MAX_COVER`]) after each sample the GPU drained.
+    cover: Vec<f64>,
     /// GPU time (ms) of the head starts queued so far.
     head_start_ms: f64,
 }
@@ -425,6 +428,7 @@ impl<F: FnMut(usize, usize) -> Result<()>> Runner<F> {
             launches: vec![0usize; n],
             errors: vec![None; n],
             host_ms: vec![0.0; n],
+            cover: vec![1.0; n],
             head_start_ms: 0.0,
         }
     }
@@ -717,82 +721,92 @@ pub fn head_start_probe(
     Ok((spin, sample))
 }
 
-/// Times a sample is queued again when the GPU had already passed its head start once the
-/// host finished queuing it (the GPU may have waited for the host inside the sample).
-const MAX_RETAKES: usize = 2;
+/// Most times over a head start covers a variant's host time (see [`Runner::cover`]).
+const MAX_COVER: f64 = 8.0;
 
-/// One burst of `v` behind a head start, between a pair of events: the events, or `None` when
-/// `v` failed. A sample whose head start the GPU finished before the host had queued the
-/// burst — its host time grew past the head start's cover, e.g. a host-heavy cuDNN engine's
-/// call that took twice its usual time — is queued again behind a head start for twice the
-/// host time (at most [`MAX_RETAKES`] times; the last one is kept): a GPU that waited would
-/// charge the host's time to the sample, and a first call's decision keeps a slower route
-/// over a host-heavy faster one on such a sample (seen: the f32 demo's 3x3 forward kept a
-/// 257-µs engine over `cudnn_dual`'s 160 µs, whose calls take ~475 µs of host time).
-fn head_start_sample<F: FnMut(usize, usize) -> Result<()>>(
-    ctx: &Context,
-    r: &mut Runner<F>,
-    head: &mut HeadStart,
-    v: usize,
-    burst: usize,
-) -> Result<Option<(CudaEvent, CudaEvent)>> {
-    let stream = ctx.stream();
-    let mut cover = 1.0;
-    for take in 0..=MAX_RETAKES {
-        // Events are made before the head start, so that making them is not queuing time.
-        let (a, b) = (new_event(ctx)?, new_event(ctx)?);
-        r.head_start_ms += head.queue(ctx, cover * r.host_ms[v] * burst as f64)?;
-        a.record(stream).call("cuEventRecord")?;
-        if !r.run(v, burst) {
-            return Ok(None);
-        }
-        // Asked before `b` is recorded: `a` done means the burst's start was already reached.
-        let drained = a.is_complete();
-        b.record(stream).call("cuEventRecord")?;
-        if !drained || take == MAX_RETAKES {
-            return Ok(Some((a, b)));
-        }
-        tracing::debug!(
-            variant = v,
-            burst,
-            host_ms = r.host_ms[v],
-            "timing: the GPU caught up with the host inside a sample; queued again behind a \
-             longer head start"
-        );
-        cover *= 2.0;
-    }
-    Ok(None)
+/// One sample of a head-start round: ms per launch, and whether the GPU had already finished
+/// the sample's head start when the host finished queuing the burst — it may then have waited
+/// for the host inside the sample, which carries host time.
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    ms: f64,
+    drained: bool,
 }
 
 /// One round in which every live variant runs one burst between its own pair of events,
 /// behind a head start covering the burst's host time; one synchronisation at the end. Returns
-/// each variant's time per launch (ms) in this round (empty for a variant that did not run).
+/// each variant's sample in this round (`None` for a variant that did not run). A drained
+/// sample doubles the variant's cover for the next rounds: its host time grew past what the
+/// head start covered (a host-heavy engine's slow call, or another thread's module load holding
+/// the context until the GPU drains).
 fn head_start_round<F: FnMut(usize, usize) -> Result<()>>(
     ctx: &Context,
     r: &mut Runner<F>,
     head: &mut HeadStart,
     bursts: &[usize],
-) -> Result<Vec<Option<f64>>> {
+) -> Result<Vec<Option<Sample>>> {
+    let stream = ctx.stream();
     let n = bursts.len();
     let mut spans = Vec::with_capacity(n);
     for (v, &burst) in bursts.iter().enumerate() {
         if !r.alive(v) || burst == 0 {
             continue;
         }
-        if let Some(span) = head_start_sample(ctx, r, head, v, burst)? {
-            spans.push((v, span.0, span.1));
+        // Events are made before the head start, so that making them is not queuing time.
+        let (a, b) = (new_event(ctx)?, new_event(ctx)?);
+        r.head_start_ms += head.queue(ctx, r.cover[v] * r.host_ms[v] * burst as f64)?;
+        a.record(stream).call("cuEventRecord")?;
+        if !r.run(v, burst) {
+            continue;
         }
+        // Asked before `b` is recorded: `a` done means the GPU reached the burst's start
+        // before the host had queued all of it.
+        let drained = a.is_complete();
+        b.record(stream).call("cuEventRecord")?;
+        if drained {
+            r.cover[v] = (2.0 * r.cover[v]).min(MAX_COVER);
+            tracing::debug!(
+                variant = v,
+                burst,
+                host_ms = r.host_ms[v],
+                cover = r.cover[v],
+                "timing: the GPU caught up with the host inside a sample"
+            );
+        }
+        spans.push((v, a, b, drained));
     }
-    if let Some((_, _, last)) = spans.last() {
+    if let Some((_, _, last, _)) = spans.last() {
         last.synchronize().call("cuEventSynchronize")?;
     }
     let mut out = vec![None; n];
-    for (v, a, b) in spans {
+    for (v, a, b, drained) in spans {
         let ms = a.elapsed_ms(&b).call("cuEventElapsedTime")? as f64;
-        out[v] = Some(ms / bursts[v] as f64);
+        out[v] = Some(Sample {
+            ms: ms / bursts[v] as f64,
+            drained,
+        });
     }
     Ok(out)
 }
+
+/// A variant's timed samples without the drained ones where at least [`MIN_CLEAN`] are not
+/// (a drained sample's time includes host time); all of them otherwise (a variant whose
+/// calls synchronise drains every sample, and its samples then are what it costs). Pure.
+fn clean_samples(samples: &[Sample]) -> Vec<f64> {
+    let clean: Vec<f64> = samples
+        .iter()
+        .filter(|s| !s.drained)
+        .map(|s| s.ms)
+        .collect();
+    if clean.len() >= MIN_CLEAN {
+        clean
+    } else {
+        samples.iter().map(|s| s.ms).collect()
+    }
+}
+
+/// Clean samples a variant needs before its drained ones are dropped.
+const MIN_CLEAN: usize = 2;
 
 /// [`time_interleaved`] measuring GPU time only: the same options, rounds and result, but every
 /// sample (the estimate's single launches too) is queued behind a head start (a GPU-side wait,
@@ -861,10 +875,8 @@ fn interleaved_gpu_until(
     // The host-time probe: one untimed launch of every variant.
     r.warm_up(1);
     let ones = vec![1usize; n];
-    let estimate: Vec<f64> = head_start_round(ctx, &mut r, &mut head, &ones)?
-        .into_iter()
-        .map(|t| t.unwrap_or(f64::NAN))
-        .collect();
+    let first = head_start_round(ctx, &mut r, &mut head, &ones)?;
+    let estimate: Vec<f64> = first.iter().map(|t| t.map_or(f64::NAN, |s| s.ms)).collect();
     let Sampling {
         mut bursts,
         rounds,
@@ -875,11 +887,24 @@ fn interleaved_gpu_until(
         bursts.iter_mut().for_each(|b| *b = (*b).min(1));
     }
     let keep_estimate = keep_estimate || head.flush.is_some();
-    let mut samples = r.first_samples(&estimate, rounds, keep_estimate);
+    let mut samples: Vec<Vec<Sample>> = vec![Vec::with_capacity(rounds); n];
+    if keep_estimate {
+        for v in (0..n).filter(|&v| r.alive(v)) {
+            samples[v].extend(first[v]);
+        }
+    }
     // Under a deadline (a first call's budget) a variant far slower than the fastest cannot
-    // win: its estimate is its only sample and it is not run again.
+    // win: its estimate is its only sample and it is not run again. A drained estimate carries
+    // host time: it prunes nothing (seen: a host-heavy 160-µs route pruned against 257 µs).
     let pruned = if deadline.is_some() {
-        hopeless(&estimate)
+        let usable: Vec<f64> = first
+            .iter()
+            .map(|t| match t {
+                Some(s) if !s.drained => s.ms,
+                _ => f64::NAN,
+            })
+            .collect();
+        hopeless(&usable)
     } else {
         vec![false; n]
     };
@@ -887,7 +912,7 @@ fn interleaved_gpu_until(
         .map(|v| if pruned[v] { 0 } else { bursts[v] })
         .collect();
     for v in (0..n).filter(|&v| pruned[v] && !keep_estimate && r.alive(v)) {
-        samples[v].push(estimate[v]);
+        samples[v].extend(first[v]);
     }
     let mut done = usize::from(keep_estimate);
     while done < rounds && !past(deadline, done, opts.min_rounds) {
@@ -895,15 +920,14 @@ fn interleaved_gpu_until(
             .into_iter()
             .enumerate()
         {
-            if let Some(t) = t {
-                samples[v].push(t);
-            }
+            samples[v].extend(t);
         }
         done += 1;
     }
     for v in (0..n).filter(|&v| pruned[v]) {
         bursts[v] = 1;
     }
+    let samples = samples.iter().map(|s| clean_samples(s)).collect();
     let mut out = r.into_interleaved(samples, bursts, done);
     out.pruned = pruned;
     Ok(out)
@@ -1048,6 +1072,20 @@ mod tests {
         assert_eq!(head_start_ns(f64::NAN), 50_000);
         assert_eq!(head_start_ns(-1.0), 50_000);
         assert_eq!(head_start_ns(1e9), 200_000_000);
+    }
+
+    #[test]
+    fn drained_samples_are_dropped_only_where_enough_clean_ones_remain() {
+        let s = |ms: f64, drained: bool| Sample { ms, drained };
+        assert_eq!(
+            clean_samples(&[s(9.0, true), s(1.0, false), s(1.1, false), s(7.0, true)]),
+            [1.0, 1.1]
+        );
+        // One clean sample is not enough to judge by: every sample stays.
+        assert_eq!(clean_samples(&[s(9.0, true), s(1.0, false)]), [9.0, 1.0]);
+        // A variant whose calls synchronise drains every sample: those are what it costs.
+        assert_eq!(clean_samples(&[s(3.0, true), s(3.1, true)]), [3.0, 3.1]);
+        assert!(clean_samples(&[]).is_empty());
     }
 
     #[test]

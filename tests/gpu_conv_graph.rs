@@ -848,7 +848,8 @@ fn head_start_timing_measures_gpu_time_only() {
     }
     // Variant 2: the same host time, but every 8th launch takes 3 ms (a host-heavy call that
     // sometimes takes much longer; or another thread's module load holding the context): a
-    // sample the GPU drains before the host has queued it is queued again, longer.
+    // sample the GPU drains before the host has queued it is dropped, and later head starts
+    // cover more.
     let spin = |us: u64| {
         let t = std::time::Instant::now();
         while t.elapsed() < std::time::Duration::from_micros(us) {
