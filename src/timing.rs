@@ -50,6 +50,8 @@ impl Timing {
 
     /// From per-iteration samples (ms). `None` for no samples.
     pub fn from_samples(mut s: Vec<f64>) -> Option<Timing> {
+        // A dropped sample is NaN (it keeps the rounds of a variant aligned with the others').
+        s.retain(|v| v.is_finite());
         if s.is_empty() {
             return None;
         }
@@ -789,20 +791,23 @@ fn head_start_round<F: FnMut(usize, usize) -> Result<()>>(
     Ok(out)
 }
 
-/// A variant's timed samples without the drained ones where at least [`MIN_CLEAN`] are not
-/// (a drained sample's time includes host time); all of them otherwise (a variant whose
-/// calls synchronise drains every sample, and its samples then are what it costs). Pure.
+/// A variant's timed samples, the drained ones NaN where at least [`MIN_CLEAN`] are not (a
+/// drained sample's time includes host time); all of them as measured otherwise (a variant
+/// whose calls synchronise drains every sample, and its samples then are what it costs). NaN,
+/// not removed: samples pair with the other variants' by round ([`Paired::of`] and
+/// [`Timing::from_samples`] skip non-finite ones). Pure.
 fn clean_samples(samples: &[Sample]) -> Vec<f64> {
-    let clean: Vec<f64> = samples
+    let clean = samples.iter().filter(|s| !s.drained).count();
+    samples
         .iter()
-        .filter(|s| !s.drained)
-        .map(|s| s.ms)
-        .collect();
-    if clean.len() >= MIN_CLEAN {
-        clean
-    } else {
-        samples.iter().map(|s| s.ms).collect()
-    }
+        .map(|s| {
+            if s.drained && clean >= MIN_CLEAN {
+                f64::NAN
+            } else {
+                s.ms
+            }
+        })
+        .collect()
 }
 
 /// Clean samples a variant needs before its drained ones are dropped.
@@ -895,7 +900,8 @@ fn interleaved_gpu_until(
     }
     // Under a deadline (a first call's budget) a variant far slower than the fastest cannot
     // win: its estimate is its only sample and it is not run again. A drained estimate carries
-    // host time: it prunes nothing (seen: a host-heavy 160-µs route pruned against 257 µs).
+    // host time: it prunes nothing (a host-heavy 160-µs route could otherwise be pruned against
+    // a 257-µs one, one way the f32 demo's 3x3 forward could lose `cudnn_dual`).
     let pruned = if deadline.is_some() {
         let usable: Vec<f64> = first
             .iter()
@@ -1077,10 +1083,17 @@ mod tests {
     #[test]
     fn drained_samples_are_dropped_only_where_enough_clean_ones_remain() {
         let s = |ms: f64, drained: bool| Sample { ms, drained };
-        assert_eq!(
-            clean_samples(&[s(9.0, true), s(1.0, false), s(1.1, false), s(7.0, true)]),
-            [1.0, 1.1]
-        );
+        let c = clean_samples(&[s(9.0, true), s(1.0, false), s(1.1, false), s(7.0, true)]);
+        // Dropped as NaN, so that round k still pairs with the other variants' round k.
+        assert_eq!(c.len(), 4);
+        assert!(c[0].is_nan() && c[3].is_nan());
+        assert_eq!(&c[1..3], &[1.0, 1.1]);
+        let t = Timing::from_samples(c.clone()).unwrap();
+        assert_eq!((t.iters, t.min_ms), (2, 1.0));
+        let p = Paired::of(&[1.0, 1.0, 2.0, 1.0], &c).unwrap();
+        // Rounds 1 and 2 only: 1.0 / 1.0 and 1.1 / 2.0.
+        assert_eq!((p.rounds, p.faster_rounds), (2, 1), "{p:?}");
+        assert!((p.p10 - 0.55).abs() < 1e-12, "{p:?}");
         // One clean sample is not enough to judge by: every sample stays.
         assert_eq!(clean_samples(&[s(9.0, true), s(1.0, false)]), [9.0, 1.0]);
         // A variant whose calls synchronise drains every sample: those are what it costs.
