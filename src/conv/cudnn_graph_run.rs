@@ -178,12 +178,13 @@ pub(super) fn engine_execs(
     budget: &Budget,
     notes: &mut Vec<String>,
 ) -> Vec<Exec> {
-    // Finalizing counts against the decision budget (it began with the decision).
+    // Finalizing counts against the decision budget (it began with the decision); loading
+    // cuDNN's engines at the process's first listing does not.
     let admitted = GraphConv::admitted_within(
         t.ctx,
         key(t, d, None, MAX_ALIGNMENT, false),
         limits(budget),
-        budget.deadline(),
+        &|listing| budget.past_library_start(listing).deadline(),
     );
     match admitted {
         Ok(a) => {
@@ -246,7 +247,7 @@ pub(super) fn more_engine_execs(
         t.ctx,
         key(t, d, None, MAX_ALIGNMENT, false),
         GraphLimits::LATER_CALL,
-        budget.deadline(),
+        &|listing| budget.past_library_start(listing).deadline(),
     );
     match admitted {
         Ok(a) => routes_of(&a.plans, true)

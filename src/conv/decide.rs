@@ -23,7 +23,7 @@ use super::winograd::{fused, launch as wg};
 use crate::dtype::{DType, Element};
 use crate::error::{CallExt, Error, Result};
 use crate::kernels::{self, KernelFile, KernelState};
-use crate::tune::budget::{not_now, Budget, NOT_COMPILED};
+use crate::tune::budget::{not_now, Budget, MAX_SETTLES, NOT_COMPILED};
 
 impl<T: Element> Conv2d<T> {
     /// cuDNN's usable algorithms for `d` as routes: the heuristic list's first
@@ -200,6 +200,7 @@ impl<T: Element> Conv2d<T> {
                         files: waiting,
                         more_graph,
                         epoch: u64::MAX, // looked at by the next call
+                        settles: 0,
                     });
                 }
                 Ok(dec)
@@ -696,9 +697,10 @@ impl<T: Element> Conv2d<T> {
     /// kernels were compiling or the decision budget was spent) measured again once those
     /// kernels are ready: the decided route as the incumbent against the routes left out, the
     /// winner remembered as any measured choice. Until then (still compiling, or the stream
-    /// capturing a graph) nothing changes; a failed compile ends the wait. Once per decision: a
-    /// cold process's first calls keep their budget and its later calls still get the route the
-    /// left-out candidates would win.
+    /// capturing a graph) nothing changes; a failed compile ends the wait. Once per decision,
+    /// unless that measurement's budget cut candidates again (then at the next call, at most
+    /// [`MAX_SETTLES`] in all): a cold process's first calls keep their budget and its later
+    /// calls still get the route the left-out candidates would win.
     fn settle(
         &self,
         d: Direction,
@@ -730,6 +732,7 @@ impl<T: Element> Conv2d<T> {
         let mut execs = vec![dec.exec];
         execs.extend(pending.execs.iter().copied());
         let more_graph = pending.more_graph;
+        let settles = pending.settles + 1;
         dec.pending = None;
         let mut notes = dec.choice.notes.clone();
         if execs.len() > 1 {
@@ -750,12 +753,30 @@ impl<T: Element> Conv2d<T> {
         if execs.len() < 2 {
             return Ok(()); // nothing to measure against the first choice
         }
-        let settled = crate::cudnn_graph::replay::suspended(|| {
+        let mut settled = crate::cudnn_graph::replay::suspended(|| {
             self.measured(d, p, &key, &execs, notes, budget, &[])
         });
         if settled.choice.origin != ChoiceOrigin::Measured {
             // Nothing could be measured: the first choice stands (it was measured).
             return Ok(());
+        }
+        // Candidates this measurement's budget cut (a one-time cost such as a first module load
+        // can spend it: 129 ms once for a Winograd check, which left a bf16 problem on a 1.4x
+        // slower engine config) wait for another later call, a bounded number of times.
+        let left = budget_cut(&execs, settled.report.as_deref());
+        if settle_again(left.len(), settles) {
+            settled.choice.notes.push(format!(
+                "{} candidate(s) cut by the decision budget at later measurement {settles}: \
+                 measured at the next call",
+                left.len()
+            ));
+            settled.pending = Some(Pending {
+                execs: left,
+                files: Vec::new(),
+                more_graph: false,
+                epoch: u64::MAX,
+                settles,
+            });
         }
         tracing::info!(problem = ?self.core.shape, dtype = %self.core.dtype, direction = %d,
             from = %dec.exec.route, to = %settled.exec.route, candidates = execs.len(),
@@ -1264,6 +1285,12 @@ fn budget_cut(execs: &[Exec], report: Option<&AutoReport>) -> Vec<Exec> {
         .collect()
 }
 
+/// Whether a later measurement that left `cut` candidates unmeasured for its budget, the
+/// `settles`-th for its decision, is followed by another one. Pure.
+fn settle_again(cut: usize, settles: u8) -> bool {
+    cut > 0 && settles < MAX_SETTLES
+}
+
 /// Whether a provisional decision can be measured again ([`SettleState`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum SettleState {
@@ -1335,13 +1362,21 @@ fn injected_failure() -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::FAIL_NEXT_RUN;
-    use super::{settle_state, SettleState};
+    use super::{settle_again, settle_state, SettleState, MAX_SETTLES};
     use crate::conv::im2col::gpu_tests::{check, download, quantized, upload};
     use crate::conv::{ChoiceOrigin, Conv2d, ConvPath, Direction};
     use crate::kernels::KernelState;
     use crate::layout::TensorFormat;
     use crate::testutil::{gpu_with, Rng};
     use crate::{Config, ConvAlgoPolicy, Error};
+
+    #[test]
+    fn a_later_measurement_cut_by_its_budget_is_followed_by_another_a_bounded_number_of_times() {
+        assert!(!settle_again(0, 1), "nothing cut: done");
+        assert!(settle_again(4, 1));
+        assert!(settle_again(1, MAX_SETTLES - 1));
+        assert!(!settle_again(4, MAX_SETTLES), "bounded");
+    }
 
     #[test]
     fn a_provisional_decision_waits_for_every_file_and_gives_up_on_a_failed_one() {

@@ -63,6 +63,8 @@ pub(super) struct Pending {
     /// [`crate::kernels::compile_epoch`] when the files' states were last looked at: a call
     /// looks again only after some compile finished (one atomic load per call meanwhile).
     pub(super) epoch: u64,
+    /// Later measurements already made for this decision ([`crate::tune::budget::MAX_SETTLES`]).
+    pub(super) settles: u8,
 }
 
 #[derive(Debug)]

@@ -9,7 +9,7 @@
 //! changed since the previous call.
 
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, DevicePtr, DevicePtrMut};
 
@@ -276,18 +276,24 @@ impl GraphConv {
     /// Errors: as [`GraphConv::new`]; none of the configs finalizing is not an error (empty
     /// `plans`, the reasons in `skipped`).
     pub fn admitted(ctx: &Context, key: GraphConvKey, limit: usize) -> Result<Admitted> {
-        GraphConv::admitted_within(ctx, key, GraphLimits::at_most(limit), None)
+        GraphConv::admitted_within(ctx, key, GraphLimits::at_most(limit), &|_| None)
     }
 
     /// [`GraphConv::admitted`] under a first call's limits: at most `limits` plans per list,
-    /// and no config finalized once `deadline` has passed (after the first plan); the configs
-    /// passed over say why (the limit, the budget).
+    /// and no config finalized once the deadline has passed (after the first plan); the configs
+    /// passed over say why (the limit, the budget). The deadline is `deadline(listing)`, asked
+    /// once the listing is done, so that the caller can leave out what the listing cost: a
+    /// process's first listing loads cuDNN's engines (~150 ms on the H100, twice a first
+    /// call's whole budget), which once left a first call one config to measure.
     pub fn admitted_within(
         ctx: &Context,
         key: GraphConvKey,
         limits: GraphLimits,
-        deadline: Option<Instant>,
+        deadline: &dyn Fn(Duration) -> Option<Instant>,
     ) -> Result<Admitted> {
+        // The listing's time counts from here: a process's first cuDNN call also creates the
+        // handle (loading cuDNN), which once took a first call's whole budget before the list.
+        let started = Instant::now();
         ctx.refuse_under_capture("building cuDNN graph plans", "finalize plans")?;
         build::available()?;
         let key = key.with_engine(None);
@@ -302,10 +308,11 @@ impl GraphConv {
             let mut g = ctx.lock()?;
             let owner = g.cudnn_owner()?;
             let handle = owner.raw();
-            let started = Instant::now();
             let parts = Arc::new(GraphParts::build(handle, &key)?);
             let configs = build::engine_configs(&parts.graph)?;
-            listing_ms = started.elapsed().as_secs_f64() * 1e3;
+            let listing = started.elapsed();
+            listing_ms = listing.as_secs_f64() * 1e3;
+            let deadline = deadline(listing);
             listed = configs.len();
             let all: Vec<EngineInfo> = configs.iter().map(|c| c.info.clone()).collect();
             let mut per_list = (0usize, 0usize);

@@ -31,6 +31,11 @@ pub(crate) const MIN_CHECKED: usize = 2;
 /// [`one_time_ms`] does not charge to the budget.
 pub(crate) const ONE_TIME_CHECK_MS: f64 = 5.0;
 
+/// Later measurements one decision may make (each under its own budget): the first, once the
+/// left-out candidates' kernels are ready, and more while a measurement's budget still cut
+/// some (a first module load or run-time compile inside it can spend the whole budget).
+pub(crate) const MAX_SETTLES: u8 = 3;
+
 /// Share of the budget that one decision's one-time costs may add to it ([`one_time_ms`]).
 pub(crate) const ONE_TIME_SHARE: f64 = 0.5;
 
