@@ -409,9 +409,9 @@ fn per_call_table(ctx: &Context, s: &Arc<CudaStream>) -> anyhow::Result<()> {
     // BatchNorm through cuDNN's graph API (NNFUSE_CUDNN_API=graph) against the legacy Ex pair,
     // plain BN and BN+ReLU (graph BN + nnfuse's bitmask kernels). Target: the graph's plain
     // fwd+bwd at least 1.5x cheaper on the host than the legacy Ex pair (issue 19).
-    // The calls repeat with the same buffers here: replayed from CUDA graphs captured at their
-    // second call (Config::cudnn_replay, the default), and executed every call (replay off: the
-    // legacy Ex pair so is the issue's baseline, cuDNN's own cost).
+    // The calls repeat with the same buffers here: executed every call (Config::cudnn_replay
+    // off, the default: the legacy Ex pair so is the baseline, cuDNN's own cost), and replayed
+    // from CUDA graphs captured at their second call (replay on, opt-in: docs/CUDNN-GRAPH.md).
     let mut plain = [None, None, None, None];
     for (i, (name, api, fuse, replay)) in [
         ("legacy Ex, replay off", CudnnApi::Legacy, Fuse::None, false),
