@@ -283,8 +283,8 @@ impl GraphConv {
     /// and no config finalized once the deadline has passed (after the first plan); the configs
     /// passed over say why (the limit, the budget). The deadline is `deadline(listing)`, asked
     /// once the listing is done, so that the caller can leave out what the listing cost: a
-    /// process's first listing loads cuDNN's engines (~150 ms on the H100, twice a first
-    /// call's whole budget), which once left a first call one config to measure.
+    /// process's first listing creates the handle and loads cuDNN's engines (150–960 ms on the
+    /// H100, more than a first call's whole budget), which once left it one config to measure.
     pub fn admitted_within(
         ctx: &Context,
         key: GraphConvKey,
