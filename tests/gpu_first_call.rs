@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
+use cudarc::driver::CudaSlice;
 use half::f16;
 use nnfuse::batchnorm::{BnPath, Fuse};
 use nnfuse::conv::{self, Conv2d, ConvPath, ConvShape, Direction, Outcome};
@@ -266,8 +267,32 @@ fn a_cold_first_call_skips_uncompiled_candidates() {
     );
 }
 
-/// A cold process's first convolution through cuDNN's graph API: its listing loads cuDNN's
-/// engines (~150 ms on the H100, twice the default decision budget of 70 ms), which once left
+/// One forward of `conv` (f16) on `x`, `w` into a poisoned output, compared with `want` (the
+/// f64 reference); returns the choice it ran. `what` names the call in a failure.
+fn forward_checked(
+    ctx: &Context,
+    conv: &Conv2d<f16>,
+    (x, w): (&CudaSlice<f16>, &CudaSlice<f16>),
+    want: &[f64],
+    what: &str,
+) -> conv::ConvChoice {
+    let s = conv.shape();
+    let mut y = poisoned::<f16>(ctx, s.y_len().unwrap());
+    conv.forward(x, w, &mut y).expect("forward");
+    let c = conv.choice(Direction::Forward).expect("decided");
+    compare(
+        &format!("{what}: {} f16 forward -> {c}", describe(s)),
+        &f64s(&download(ctx, &y)),
+        want,
+        conv_tolerance(c.route.path, nnfuse::DType::F16),
+    )
+    .unwrap_or_else(|m| panic!("{m}"));
+    c
+}
+
+/// A cold process's first convolution through cuDNN's graph API: its listing creates the handle
+/// and loads cuDNN's engines (150–960 ms on the H100, more than the default decision budget of
+/// 70 ms), which once left
 /// the first call's decision a single engine config to measure (the rest "decision budget
 /// spent") and, beside it, cuDNN's legacy algorithm, which won at 33 µs where the graph API's
 /// best config ran 27 µs (strided 3x3 128→256 f16). The listing's start-up is not charged to the
@@ -284,18 +309,9 @@ fn a_cold_processs_first_listing_leaves_its_engine_configs_measured() {
     let xs: Vec<f16> = rng.vec(s.x_len().unwrap(), -1.0, 1.0);
     let ws: Vec<f16> = rng.vec(s.w_len().unwrap(), -1.0, 1.0);
     let (x, w) = (upload(&ctx, &xs), upload(&ctx, &ws));
-    let mut y = poisoned::<f16>(&ctx, s.y_len().unwrap());
-    let conv = Conv2d::<f16>::new(&ctx, &s).expect("plan");
-    conv.forward(&x, &w, &mut y).expect("forward");
-    let c = conv.choice(Direction::Forward).expect("decided");
     let want = conv2d(&s, &f64s(&xs), &f64s(&ws)).expect("reference");
-    compare(
-        &format!("{} f16 forward -> {c}", describe(&s)),
-        &f64s(&download(&ctx, &y)),
-        &want,
-        conv_tolerance(c.route.path, nnfuse::DType::F16),
-    )
-    .unwrap_or_else(|m| panic!("{m}"));
+    let conv = Conv2d::<f16>::new(&ctx, &s).expect("plan");
+    let c = forward_checked(&ctx, &conv, (&x, &w), &want, "first call");
     let listing: Vec<&String> = c.notes.iter().filter(|n| n.contains("listing")).collect();
     println!("FIRST_CALL first listing: {listing:?}; chosen {c}");
     let r = conv
@@ -343,16 +359,7 @@ fn a_later_measurement_cut_by_its_budget_measures_the_rest_at_the_next_calls() {
     let mut measured = std::collections::HashSet::new();
     let mut routes = Vec::new();
     for call in 0..7 {
-        let mut y = poisoned::<f16>(&ctx, s.y_len().unwrap());
-        conv.forward(&x, &w, &mut y).expect("forward");
-        let c = conv.choice(Direction::Forward).expect("decided");
-        compare(
-            &format!("call {call}: {} f16 forward -> {c}", describe(&s)),
-            &f64s(&download(&ctx, &y)),
-            &want,
-            conv_tolerance(c.route.path, nnfuse::DType::F16),
-        )
-        .unwrap_or_else(|m| panic!("{m}"));
+        let c = forward_checked(&ctx, &conv, (&x, &w), &want, &format!("call {call}"));
         if let Some(r) = conv.report(Direction::Forward) {
             measured.extend(
                 r.candidates
